@@ -1,0 +1,1 @@
+"""The STAR training system: one package, one folder per service role."""

@@ -1,0 +1,1 @@
+"""Contracts and plumbing shared by every service: schemas, settings, logging, metrics, Redis."""

@@ -1,0 +1,169 @@
+"""What crosses service boundaries: queries, plans, tool calls, trajectories, scores.
+
+These JSON forms are the HTTP APIs and the Redis stream payloads. `SCHEMA_VERSION` changes
+whenever a field changes meaning, so a consumer can refuse payloads it does not understand.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+
+SCHEMA_VERSION = 1
+
+Level = Literal["easy", "medium", "hard"]
+HouseRule = Literal["parties", "smoking", "children under 10", "visitors", "pets"]
+RoomType = Literal["shared room", "not shared room", "private room", "entire room"]
+Transportation = Literal["no flight", "no self-driving"]
+Cuisine = Literal["Chinese", "American", "Italian", "Mexican", "Indian", "Mediterranean", "French"]
+FinishReason = Literal["answer", "format_error", "context_limit", "tool_budget", "engine_error"]
+
+
+def _literal(value: Any) -> Any:
+    """Official records store dicts and lists as Python reprs; accept both forms."""
+    if isinstance(value, str):
+        try:
+            return ast.literal_eval(value)
+        except (ValueError, SyntaxError) as exc:
+            raise ValueError(f"not a Python literal: {value[:80]!r}") from exc
+    return value
+
+
+class LocalConstraint(BaseModel):
+    """The four optional constraints of a query; None means unconstrained."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
+
+    house_rule: HouseRule | None = Field(None, validation_alias=AliasChoices("house_rule", "house rule"))
+    cuisine: list[Cuisine] | None = None
+    room_type: RoomType | None = Field(None, validation_alias=AliasChoices("room_type", "room type"))
+    transportation: Transportation | None = None
+
+    def count(self) -> int:
+        """Non-null constraints: the per-query part of the hard-micro denominator."""
+        return sum(v is not None for v in (self.house_rule, self.cuisine, self.room_type, self.transportation))
+
+    def to_official(self) -> dict[str, Any]:
+        return {"house rule": self.house_rule, "cuisine": self.cuisine, "room type": self.room_type,
+                "transportation": self.transportation}
+
+
+class TravelQuery(BaseModel):
+    """One TravelPlanner query (benchmark field layout, typed)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    org: str
+    dest: str
+    days: Literal[3, 5, 7]
+    visiting_city_number: Literal[1, 2, 3]
+    date: list[str]
+    people_number: int = Field(ge=1, le=16)
+    local_constraint: LocalConstraint = Field(default_factory=LocalConstraint)
+    budget: int = Field(ge=0)
+    query: str = ""
+    level: Level | None = None
+
+    @field_validator("date", mode="before")
+    @classmethod
+    def _parse_date(cls, v: Any) -> Any:
+        return _literal(v)
+
+    @field_validator("local_constraint", mode="before")
+    @classmethod
+    def _parse_constraint(cls, v: Any) -> Any:
+        return _literal(v) if v is not None else {}
+
+    @field_validator("date")
+    @classmethod
+    def _dates_match_days(cls, v: list[str], info) -> list[str]:
+        days = info.data.get("days")
+        if days is not None and len(v) != days:
+            raise ValueError(f"date has {len(v)} entries but days is {days}")
+        return v
+
+
+class PlanDay(BaseModel):
+    """One day of a plan, in the benchmark's string conventions ('-' means nothing)."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+
+    day: int = Field(validation_alias=AliasChoices("day", "days"))
+    current_city: str
+    transportation: str = "-"
+    breakfast: str = "-"
+    attraction: str = "-"
+    lunch: str = "-"
+    dinner: str = "-"
+    accommodation: str = "-"
+
+
+class Plan(BaseModel):
+    days: list[PlanDay]
+
+
+class ToolCall(BaseModel):
+    """A request to run one sandbox tool."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64)
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    dialect: Literal["star", "official"] | None = Field(None, description="Output dialect; default from settings.")
+    fault_rate: float | None = Field(None, ge=0.0, le=1.0, description="Override the per-call failure probability.")
+    fault_seed: int | None = Field(None, description="Seed for this call's failure draw (with fault_key).")
+    fault_key: str | None = Field(None, max_length=256, description="Stable id of the call, e.g. 'traj-7/3'.")
+
+
+class ToolResult(BaseModel):
+    name: str
+    text: str
+    ok: bool = Field(description="False when the tool reported an error, no result or an injected fault.")
+    fault_injected: bool = False
+    elapsed_ms: float = 0.0
+
+
+class Trajectory(BaseModel):
+    """One agent episode, token-in/token-out (the rollout fills it; the learner trains on it)."""
+
+    schema_version: int = SCHEMA_VERSION
+    run_id: str
+    task_id: str
+    prompt_id: str
+    group_id: str
+    sample_index: int
+    policy_version: int = 0
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    token_ids: list[int] = Field(default_factory=list)
+    loss_mask: list[int] = Field(default_factory=list)
+    logprobs: list[float | None] = Field(default_factory=list)
+    finish_reason: FinishReason
+    tool_calls: int = 0
+    answer: str | None = None
+    timings: dict[str, float] = Field(default_factory=dict)
+
+
+class CheckVerdict(BaseModel):
+    passed: bool | None = Field(description="None: the check does not apply to this plan.")
+    reason: str = ""
+
+
+class Score(BaseModel):
+    schema_version: int = SCHEMA_VERSION
+    mode: Literal["official", "strict"] = "official"
+    commonsense: dict[str, CheckVerdict] = Field(default_factory=dict)
+    hard: dict[str, CheckVerdict] = Field(default_factory=dict)
+    cs_micro: float = 0.0
+    cs_macro: float = 0.0
+    hard_micro: float = 0.0
+    hard_macro: float = 0.0
+    success: float = 0.0
+    formatter_status: str = "ok"
+
+
+class ScoredTrajectory(Trajectory):
+    score: Score
+    reward: float

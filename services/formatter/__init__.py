@@ -1,0 +1,1 @@
+"""The formatter service (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""The learner service (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""The reward service (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""The rollout service (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""The sandbox: the travel world in SQL and the six TravelPlanner tools over it."""

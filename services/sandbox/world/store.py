@@ -1,0 +1,214 @@
+"""Reading and writing the travel world in SQL.
+
+`World` is the read API the tools and the evaluator share; `WorldWriter` bulk-loads tables
+(used by the loaders and generators). Both work on SQLite files and PostgreSQL URLs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, bindparam as _bind, create_engine, event, func, select
+
+from services.sandbox.world import schema
+from services.sandbox.world.rows import Accommodation, Attraction, City, Distance, Flight, Restaurant
+
+
+def make_engine(url: str, *, for_write: bool = False) -> Engine:
+    """An engine tuned for the world's access pattern: many tiny indexed reads, rare bulk writes."""
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn, _record) -> None:  # noqa: ANN001
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA cache_size=-65536")  # 64 MiB page cache per connection
+            cur.execute("PRAGMA mmap_size=1073741824")
+            if for_write:
+                cur.execute("PRAGMA journal_mode=OFF")
+                cur.execute("PRAGMA synchronous=OFF")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8)
+
+
+class World:
+    """Read-only view of a built world. All lookups are exact, case-sensitive equality."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = make_engine(url)
+        c, f, a, r, t, d = (schema.cities, schema.flights, schema.accommodations, schema.restaurants,
+                            schema.attractions, schema.distances)
+        self._q_state = select(c.c.city).where(c.c.state == _bind("state")).order_by(c.c.id)
+        self._q_flights = (
+            select(f.c.flight_number, f.c.price, f.c.dep_time, f.c.arr_time, f.c.elapsed, f.c.flight_date,
+                   f.c.origin, f.c.dest, f.c.distance)
+            .where(f.c.origin == _bind("origin"), f.c.dest == _bind("dest"), f.c.flight_date == _bind("date"),
+                   f.c.visible.is_(True))
+            .order_by(f.c.id)
+        )
+        self._q_flight_number = (
+            select(f.c.flight_number, f.c.price, f.c.dep_time, f.c.arr_time, f.c.elapsed, f.c.flight_date,
+                   f.c.origin, f.c.dest, f.c.distance)
+            .where(f.c.flight_number == _bind("number"), f.c.visible.is_(True))
+            .order_by(f.c.id)
+        )
+        self._q_acc = (
+            select(a.c.name, a.c.price, a.c.room_type, a.c.house_rules, a.c.minimum_nights, a.c.maximum_occupancy,
+                   a.c.review_rate, a.c.city)
+            .where(a.c.city == _bind("city"), a.c.visible.is_(True))
+            .order_by(a.c.id)
+        )
+        self._q_rest = (
+            select(r.c.src_index, r.c.name, r.c.average_cost, r.c.cuisines, r.c.rating, r.c.city)
+            .where(r.c.city == _bind("city"), r.c.visible.is_(True))
+            .order_by(r.c.id)
+        )
+        self._q_attr = (
+            select(t.c.name, t.c.latitude, t.c.longitude, t.c.address, t.c.phone, t.c.website, t.c.city)
+            .where(t.c.city == _bind("city"), t.c.visible.is_(True))
+            .order_by(t.c.id)
+        )
+        self._q_dist = (
+            select(d.c.origin, d.c.destination, d.c.duration, d.c.distance)
+            .where(d.c.origin == _bind("origin"), d.c.destination == _bind("destination"))
+            .order_by(d.c.id)
+            .limit(1)
+        )
+
+    # --- background -------------------------------------------------------------------------
+    def cities(self) -> list[City]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(schema.cities.c.city, schema.cities.c.state, schema.cities.c.searchable)
+                                .order_by(schema.cities.c.id))
+            return [City(*row) for row in rows]
+
+    def cities_in_state(self, state: str) -> list[str]:
+        with self.engine.connect() as conn:
+            return [row[0] for row in conn.execute(self._q_state, {"state": state})]
+
+    # --- the tool lookups -------------------------------------------------------------------
+    def flights(self, origin: str, dest: str, date: str) -> list[Flight]:
+        with self.engine.connect() as conn:
+            return [Flight(*row) for row in conn.execute(self._q_flights, {"origin": origin, "dest": dest, "date": date})]
+
+    def flight_by_number(self, number: str) -> list[Flight]:
+        with self.engine.connect() as conn:
+            return [Flight(*row) for row in conn.execute(self._q_flight_number, {"number": number})]
+
+    def accommodations(self, city: str) -> list[Accommodation]:
+        with self.engine.connect() as conn:
+            return [Accommodation(*row) for row in conn.execute(self._q_acc, {"city": city})]
+
+    def restaurants(self, city: str) -> list[Restaurant]:
+        with self.engine.connect() as conn:
+            return [Restaurant(*row) for row in conn.execute(self._q_rest, {"city": city})]
+
+    def attractions(self, city: str) -> list[Attraction]:
+        with self.engine.connect() as conn:
+            return [Attraction(*row) for row in conn.execute(self._q_attr, {"city": city})]
+
+    def distance(self, origin: str, destination: str) -> Distance | None:
+        """The first row for the ordered pair, as the official tool reads it (duplicates ignored)."""
+        with self.engine.connect() as conn:
+            row = conn.execute(self._q_dist, {"origin": origin, "destination": destination}).first()
+            return Distance(*row) if row else None
+
+    # --- bookkeeping ------------------------------------------------------------------------
+    def meta(self) -> dict[str, Any]:
+        with self.engine.connect() as conn:
+            return {k: json.loads(v) for k, v in conn.execute(select(schema.world_meta.c.key, schema.world_meta.c.value))}
+
+    def counts(self) -> dict[str, int]:
+        """Visible rows per table (what the tools can see)."""
+        out: dict[str, int] = {}
+        with self.engine.connect() as conn:
+            for name, table in schema.TABLES.items():
+                stmt = select(func.count()).select_from(table)
+                if "visible" in table.c:
+                    stmt = stmt.where(table.c.visible.is_(True))
+                out[name] = conn.execute(stmt).scalar_one()
+        return out
+
+    def is_ready(self) -> bool:
+        try:
+            with self.engine.connect() as conn:
+                conn.execute(select(schema.world_meta.c.key).limit(1)).all()
+            return True
+        except Exception:  # noqa: BLE001 - any DB error means "not ready", reported by /readyz
+            return False
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+class WorldWriter:
+    """Bulk loader: drop and recreate tables, stream rows in, then index and stamp metadata."""
+
+    BATCH = 20_000
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = make_engine(url, for_write=True)
+        self._next_id: dict[str, int] = {}
+
+    def reset(self) -> None:
+        schema.metadata.drop_all(self.engine)
+        for ix in schema.INDEXES:
+            ix.drop(self.engine, checkfirst=True)
+        schema.metadata.create_all(self.engine)
+        self._next_id = {name: 0 for name in schema.TABLES}
+
+    def insert(self, table: str, rows: Iterable[Sequence[Any]]) -> int:
+        """Append rows (tuples in column order, without `id`); ids continue the table's order."""
+        tbl = schema.TABLES[table]
+        cols = [c.name for c in tbl.columns]
+        n = 0
+        start = self._next_id.get(table, 0)
+        raw = self.engine.raw_connection()
+        try:
+            cur = raw.cursor()
+            if self.engine.dialect.name == "postgresql":
+                with cur.copy(f"COPY {table} ({', '.join(cols)}) FROM STDIN") as copy:
+                    for i, row in enumerate(rows):
+                        copy.write_row((start + i, *row))
+                        n += 1
+            else:
+                ph = ", ".join("?" for _ in cols)
+                sql = f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({ph})"
+                for batch in _batched(((start + i, *row) for i, row in enumerate(rows)), self.BATCH):
+                    cur.executemany(sql, batch)
+                    n += len(batch)
+            raw.commit()
+        finally:
+            raw.close()
+        self._next_id[table] = start + n
+        return n
+
+    def finish(self, meta: dict[str, Any]) -> None:
+        for ix in schema.INDEXES:
+            ix.create(self.engine, checkfirst=True)
+        with self.engine.begin() as conn:
+            conn.execute(schema.world_meta.delete())
+            conn.execute(schema.world_meta.insert(), [{"key": k, "value": json.dumps(v)} for k, v in meta.items()])
+            conn.exec_driver_sql("ANALYZE")
+        self.engine.dispose()
+
+
+def _batched(it: Iterable[Any], n: int) -> Iterator[list[Any]]:
+    batch: list[Any] = []
+    for item in it:
+        batch.append(item)
+        if len(batch) >= n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

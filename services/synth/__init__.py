@@ -1,0 +1,1 @@
+"""The synth service (see DESIGN.md)."""

@@ -1,0 +1,78 @@
+"""Shared fixtures: real data location, real Redis, real PostgreSQL, built worlds."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import redis as redis_lib
+
+from services.common.redis import EmbeddedRedis
+from services.common.settings import DEFAULT_TRAVELPLANNER_DIR
+
+TRAVELPLANNER_DIR = Path(os.environ.get("STAR_TRAVELPLANNER_DIR", DEFAULT_TRAVELPLANNER_DIR))
+PG_URL = os.environ.get("STAR_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("STAR_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.fixture(scope="session")
+def travelplanner_dir() -> Path:
+    if not (TRAVELPLANNER_DIR / "database" / "background" / "citySet_with_states.txt").is_file():
+        pytest.skip(f"real TravelPlanner data not found at {TRAVELPLANNER_DIR} (set STAR_TRAVELPLANNER_DIR)")
+    return TRAVELPLANNER_DIR
+
+
+@pytest.fixture(scope="session")
+def official_world_url(travelplanner_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The real tables plus generated flights (with the train reference flights merged), in SQLite."""
+    from services.sandbox.world.build import build_official_world
+
+    url = f"sqlite:///{tmp_path_factory.mktemp('world') / 'official.sqlite'}"
+    build_official_world(url, travelplanner_dir / "database", seed=0,
+                         ref_info=[travelplanner_dir / "train" / "train_ref_info.jsonl"])
+    return url
+
+
+@pytest.fixture(scope="session")
+def official_world(official_world_url: str):
+    from services.sandbox.world import World
+
+    world = World(official_world_url)
+    yield world
+    world.close()
+
+
+@pytest.fixture(scope="session")
+def redis_server_url() -> str:
+    """CI's Redis at 127.0.0.1:6379 when it answers, otherwise an embedded real server."""
+    try:
+        redis_lib.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5).ping()
+        yield REDIS_URL
+    except redis_lib.ConnectionError:
+        with EmbeddedRedis() as server:
+            yield server.url
+
+
+@pytest.fixture
+def redis_client(redis_server_url: str):
+    client = redis_lib.Redis.from_url(redis_server_url)
+    prefix = f"test:{uuid.uuid4().hex[:8]}:"
+    yield client, prefix
+    for key in client.scan_iter(match=prefix + "*"):
+        client.delete(key)
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> str:
+    from sqlalchemy import create_engine, text
+
+    try:
+        engine = create_engine(PG_URL)
+        with engine.connect() as conn:
+            conn.execute(text("select 1"))
+        engine.dispose()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"PostgreSQL not reachable at {PG_URL}: {exc}")
+    return PG_URL
