@@ -74,5 +74,8 @@ def pg_url() -> str:
             conn.execute(text("select 1"))
         engine.dispose()
     except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"PostgreSQL not reachable at {PG_URL}: {exc}")
+        message = f"PostgreSQL not reachable at {PG_URL}: {exc}"
+        if os.environ.get("STAR_REQUIRE_SERVICES"):
+            pytest.fail(message + " (STAR_REQUIRE_SERVICES is set, as in CI)")
+        pytest.skip(message)
     return PG_URL

@@ -1,0 +1,149 @@
+"""HTTP face of the sandbox: the six tools over the travel world.
+
+Run with `star sandbox serve` (or `uvicorn --factory services.sandbox.app:create_app`).
+The text a tool returns is the same in-process and over HTTP.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import Body, Depends, FastAPI, HTTPException, Path, Query
+from fastapi.responses import Response
+from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
+
+from services.common.http import bearer_auth, create_app as create_service_app
+from services.common.logging import configure_logging
+from services.common.metrics import Metrics
+from services.common.schemas import ToolCall, ToolResult
+from services.common.settings import Settings, get_settings
+from services.sandbox.tools.registry import tool_schemas
+from services.sandbox.tools.toolbox import ToolBox, UnknownTool
+from services.sandbox.world import World
+
+VERSION = "0.1.0"
+
+
+class FaultConfig(BaseModel):
+    """The run-level failure injection: every call without its own override draws from this."""
+
+    rate: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int = 0
+    per_tool: dict[str, float] = Field(default_factory=dict, description="Rates by tool name, overriding `rate`.")
+
+
+class SandboxMetrics:
+    def __init__(self) -> None:
+        self.registry = Metrics("sandbox")
+        self.latency = self.registry.histogram("tool_seconds", "Tool call latency (in-process part)", ("tool",))
+        self.calls = self.registry.counter("tool_calls_total", "Tool calls by outcome", ("tool", "outcome"))
+        self.faults = self.registry.counter("tool_faults_injected_total", "Injected tool failures", ("tool",))
+
+    def observe(self, result: ToolResult) -> None:
+        self.latency.labels(result.name).observe(result.elapsed_ms / 1000.0)
+        outcome = "fault" if result.fault_injected else ("ok" if result.ok else "error")
+        self.calls.labels(result.name, outcome).inc()
+        if result.fault_injected:
+            self.faults.labels(result.name).inc()
+
+
+def create_app(settings: Settings | None = None, world: World | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    configure_logging("sandbox", settings.log_level, settings.log_json)
+    metrics = SandboxMetrics()
+    state: dict[str, Any] = {}
+
+    def toolbox() -> ToolBox:
+        box = state.get("toolbox")
+        if box is None:
+            raise HTTPException(503, "the travel world is not loaded; run `star world build` first")
+        return box
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        w = world or World(settings.world_url)
+        if w.is_ready():
+            state["world"] = w
+            state["toolbox"] = ToolBox(w, dialect=settings.tool_dialect, fault_rate=settings.fault_rate,
+                                       fault_seed=settings.fault_seed, cache_size=settings.tool_cache_size)
+            # Off-thread only where a query waits on the network; SQLite reads are pure CPU.
+            state["blocking"] = not w.url.startswith("sqlite")
+        yield
+        if world is None:
+            w.close()
+
+    app = create_service_app(
+        service="sandbox", title="STAR sandbox", version=VERSION, metrics=metrics.registry,
+        ready=lambda: "toolbox" in state, max_body_bytes=settings.max_body_bytes,
+        description="The TravelPlanner travel world and its six tools (dialects: star, official).",
+    )
+    app.router.lifespan_context = lifespan
+    admin = bearer_auth(settings.api_token)
+
+    async def run_call(call: ToolCall) -> Response:
+        box = toolbox()
+        kwargs = dict(dialect=call.dialect, fault_rate=call.fault_rate, fault_seed=call.fault_seed,
+                      fault_key=call.fault_key)
+        try:
+            if state["blocking"]:
+                result = await run_in_threadpool(box.call, call.name, call.arguments, **kwargs)
+            else:
+                result = box.call(call.name, call.arguments, **kwargs)
+        except UnknownTool:
+            raise HTTPException(404, f"unknown tool {call.name!r}; known tools: {', '.join(box.names())}") from None
+        metrics.observe(result)
+        return Response(orjson.dumps(result.model_dump()), media_type="application/json")
+
+    @app.get("/tools", tags=["tools"], summary="Tool schemas (OpenAI function format) for agent prompts")
+    async def list_tools() -> list[dict]:
+        return tool_schemas()
+
+    @app.post("/tools/call", tags=["tools"], response_model=ToolResult, summary="Run one tool")
+    async def call_tool(call: ToolCall) -> Response:
+        return await run_call(call)
+
+    @app.post("/tools/{name}", tags=["tools"], response_model=ToolResult, summary="Run one tool by path")
+    async def call_named_tool(
+        name: str = Path(max_length=64),
+        arguments: dict[str, Any] = Body(default_factory=dict),
+        dialect: str | None = Query(None, pattern="^(star|official)$"),
+        fault_rate: float | None = Query(None, ge=0.0, le=1.0),
+        fault_seed: int | None = Query(None),
+        fault_key: str | None = Query(None, max_length=256),
+    ) -> Response:
+        call = ToolCall(name=name, arguments=arguments, dialect=dialect, fault_rate=fault_rate,
+                        fault_seed=fault_seed, fault_key=fault_key)
+        return await run_call(call)
+
+    @app.get("/faults", tags=["faults"], response_model=FaultConfig, summary="Run-level failure injection")
+    async def get_faults() -> FaultConfig:
+        return FaultConfig(**toolbox().fault_config())
+
+    @app.put("/faults", tags=["faults"], response_model=FaultConfig, dependencies=[Depends(admin)],
+             summary="Set run-level failure injection (bearer token when configured)")
+    async def put_faults(config: FaultConfig) -> FaultConfig:
+        box = toolbox()
+        unknown = sorted(set(config.per_tool) - set(box.names()))
+        if unknown:
+            raise HTTPException(422, f"unknown tools in per_tool: {unknown}")
+        box.set_faults(rate=config.rate, seed=config.seed, per_tool=config.per_tool)
+        return FaultConfig(**box.fault_config())
+
+    @app.get("/world", tags=["world"], summary="What world is loaded: source, seed, row counts")
+    async def world_info() -> dict:
+        box = toolbox()
+        w: World = state["world"]
+        return {"url": _redact(w.url), "meta": w.meta(), "counts": w.counts(), "dialect": box.dialect,
+                "cache": box.cache_info(), "stats": box.stats_snapshot()}
+
+    return app
+
+
+def _redact(url: str) -> str:
+    """Hide a password in a database URL."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)

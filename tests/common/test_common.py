@@ -1,0 +1,126 @@
+"""services/common: settings, logging, metrics, the Redis helper, HTTP conventions."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import httpx
+import pytest
+import redis as redis_lib
+from fastapi import Depends
+
+from services.common.http import bearer_auth, create_app
+from services.common.logging import JsonFormatter
+from services.common.metrics import Metrics
+from services.common.redis import EmbeddedRedis, connect_redis
+from services.common.settings import Settings
+
+
+def test_settings_read_star_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("STAR_HOME", str(tmp_path))
+    monkeypatch.setenv("STAR_FAULT_RATE", "0.25")
+    s = Settings()
+    assert s.fault_rate == 0.25
+    assert s.world_url == f"sqlite:///{tmp_path / 'world.sqlite'}"
+    monkeypatch.setenv("STAR_DB_URL", "postgresql+psycopg://u@h/db")
+    assert Settings().world_url == "postgresql+psycopg://u@h/db"
+
+
+def test_settings_reject_bad_values(monkeypatch):
+    monkeypatch.setenv("STAR_FAULT_RATE", "1.5")
+    with pytest.raises(ValueError):
+        Settings()
+
+
+def test_json_logging_carries_extra_fields():
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    handler.setFormatter(JsonFormatter("sandbox"))
+    logger = logging.getLogger("test.json")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.info("tool called", extra={"tool": "SearchCity", "ms": 0.5})
+    record = json.loads(buf.getvalue())
+    assert record["service"] == "sandbox" and record["msg"] == "tool called"
+    assert record["tool"] == "SearchCity" and record["ms"] == 0.5 and record["level"] == "info"
+
+
+def test_metrics_registries_are_independent():
+    a, b = Metrics("x"), Metrics("x")
+    a.counter("calls_total", "calls").inc(3)
+    b.counter("calls_total", "calls")  # same name in another registry: no duplicate error
+    assert b"star_x_calls_total 3.0" in a.render()
+    assert b"star_x_calls_total 0.0" in b.render()
+
+
+def test_embedded_redis_is_a_real_server():
+    with EmbeddedRedis() as server:
+        client = redis_lib.Redis.from_url(server.url)
+        client.xadd("s", {"k": "v"})
+        assert client.xlen("s") == 1
+        assert client.info("server")["redis_version"].startswith(("6.", "7."))
+    with pytest.raises(redis_lib.ConnectionError):
+        redis_lib.Redis.from_url(server.url, socket_connect_timeout=0.5).ping()
+
+
+def test_embedded_redis_aof_survives_restart(tmp_path):
+    with EmbeddedRedis(data_dir=tmp_path, appendonly=True) as server:
+        port = server.port
+        redis_lib.Redis.from_url(server.url).set("k", "kept")
+    with EmbeddedRedis(data_dir=tmp_path, port=port, appendonly=True) as server:
+        assert redis_lib.Redis.from_url(server.url).get("k") == b"kept"
+
+
+def test_connect_redis_uses_given_url(redis_server_url):
+    client, server = connect_redis(redis_server_url)
+    assert server is None and client.ping()
+
+
+def test_connect_redis_without_url_starts_embedded():
+    client, server = connect_redis(None)
+    try:
+        assert server is not None and client.ping()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def app_client():
+    metrics = Metrics("t")
+    app = create_app(service="t", title="t", version="0", metrics=metrics, ready=lambda: False, max_body_bytes=1000)
+
+    @app.post("/echo", dependencies=[Depends(bearer_auth("sekret"))])
+    async def echo(body: dict) -> dict:
+        return body
+
+    @app.get("/boom")
+    async def boom() -> dict:
+        raise RuntimeError("secret internals")
+
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    return httpx.AsyncClient(transport=transport, base_url="http://t")
+
+
+@pytest.mark.anyio
+async def test_http_conventions(app_client):
+    async with app_client as c:
+        assert (await c.get("/healthz")).json()["status"] == "ok"
+        assert (await c.get("/readyz")).status_code == 503
+        assert (await c.get("/metrics")).status_code == 200
+        r = await c.post("/echo", json={"a": 1})
+        assert r.status_code == 401 and r.headers["content-type"] == "application/problem+json"
+        auth = {"Authorization": "Bearer sekret"}
+        assert (await c.post("/echo", json={"a": 1}, headers=auth)).json() == {"a": 1}
+        r = await c.post("/echo", content=b'{"a": "' + b"x" * 5000 + b'"}', headers=auth)
+        assert r.status_code == 413 and "1000 bytes" in r.json()["detail"]
+        r = await c.post("/echo", content=b"not json", headers={**auth, "content-type": "application/json"})
+        assert r.status_code == 422 and r.json()["title"] == "Invalid request"
+        r = await c.get("/boom")
+        assert r.status_code == 500 and "secret internals" not in r.text and "Traceback" not in r.text
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
