@@ -6,6 +6,7 @@ each `app.py` thin. Errors never carry stack traces: a client gets a status and 
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 from collections.abc import Callable
@@ -30,9 +31,15 @@ def problem(status: int, title: str, detail: str | list | None = None) -> JSONRe
 
 
 def _short(value: object, limit: int = 120) -> object:
-    """Validation errors echo input; keep a 1 MB string from coming back in the error."""
-    text = repr(value)
-    return value if len(text) <= limit else text[:limit] + "…"
+    """Validation errors echo input: keep a 1 MB string or a lone surrogate out of the reply."""
+    text = ascii(value)
+    if len(text) > limit:
+        return text[:limit] + "…"
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return value
+    except (TypeError, ValueError, UnicodeEncodeError):
+        return text
 
 
 class BodyLimit:

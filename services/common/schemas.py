@@ -118,6 +118,29 @@ class ToolCall(BaseModel):
     fault_key: str | None = Field(None, max_length=256, description="Stable id of the call, e.g. 'traj-7/3'.")
 
 
+    @field_validator("arguments")
+    @classmethod
+    def _valid_unicode(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # JSON allows "\ud800"; such text can be neither stored nor sent back, so refuse it here.
+        _check_unicode(v)
+        return v
+
+
+def _check_unicode(value: Any) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("strings must be valid Unicode (found a lone surrogate)") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k)
+            _check_unicode(v)
+    elif isinstance(value, list):
+        for v in value:
+            _check_unicode(v)
+
+
 class ToolResult(BaseModel):
     name: str
     text: str

@@ -11,8 +11,9 @@ from typing import Any
 
 import orjson
 from fastapi import Body, Depends, FastAPI, HTTPException, Path, Query
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from services.common.http import bearer_auth, create_app as create_service_app
@@ -114,8 +115,11 @@ def create_app(settings: Settings | None = None, world: World | None = None) -> 
         fault_seed: int | None = Query(None),
         fault_key: str | None = Query(None, max_length=256),
     ) -> Response:
-        call = ToolCall(name=name, arguments=arguments, dialect=dialect, fault_rate=fault_rate,
-                        fault_seed=fault_seed, fault_key=fault_key)
+        try:
+            call = ToolCall(name=name, arguments=arguments, dialect=dialect, fault_rate=fault_rate,
+                            fault_seed=fault_seed, fault_key=fault_key)
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
         return await run_call(call)
 
     @app.get("/faults", tags=["faults"], response_model=FaultConfig, summary="Run-level failure injection")
