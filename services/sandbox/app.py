@@ -22,7 +22,7 @@ from services.common.metrics import Metrics
 from services.common.schemas import ToolCall, ToolResult
 from services.common.settings import Settings, get_settings
 from services.sandbox.tools.registry import tool_schemas
-from services.sandbox.tools.toolbox import ToolBox, UnknownTool
+from services.sandbox.tools.toolbox import BackendError, ToolBox, UnknownTool
 from services.sandbox.world import World
 
 VERSION = "0.1.0"
@@ -95,6 +95,8 @@ def create_app(settings: Settings | None = None, world: World | None = None) -> 
                 result = box.call(call.name, call.arguments, **kwargs)
         except UnknownTool:
             raise HTTPException(404, f"unknown tool {call.name!r}; known tools: {', '.join(box.names())}") from None
+        except BackendError as exc:
+            raise HTTPException(503, f"the world database did not answer: {exc}") from None
         metrics.observe(result)
         return Response(orjson.dumps(result.model_dump()), media_type="application/json")
 
