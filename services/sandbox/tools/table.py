@@ -22,7 +22,7 @@ the installed pandas, city by city (tests/sandbox/test_tools_official.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,8 +47,9 @@ def render_table(columns: Sequence[Column], rows: Sequence[Sequence[Any]], *,
     blocks: list[list[str]] = []
     if index is not None:
         blocks.append(_index_block(index))
-    for j, col in enumerate(columns):
-        cells = format_cells(col.kind, [row[j] for row in rows], lead)
+    by_column = list(zip(*rows)) if rows else [()] * len(columns)
+    for col, values in zip(columns, by_column, strict=True):
+        cells = format_cells(col.kind, values, lead)
         header = col.header if col.kind == "str" else " " + col.header
         width = max(len(header), max(map(len, cells), default=0))
         blocks.append([header.rjust(width)] + [c.rjust(width) for c in cells])
@@ -58,7 +59,9 @@ def render_table(columns: Sequence[Column], rows: Sequence[Sequence[Any]], *,
 def format_cells(kind: ColumnKind, values: Sequence[Any], lead: bool = False) -> list[str]:
     """One column's cells before justification."""
     if kind == "str":
-        cells = [_escape(v) for v in values]
+        cells = [v if type(v) is str else str(v) for v in values]
+        if _needs_escape(cells):
+            cells = [_escape(c) for c in cells]
         return [" " + c for c in cells] if lead else cells
     if kind == "int":
         spec = " d" if lead else "d"
@@ -66,41 +69,44 @@ def format_cells(kind: ColumnKind, values: Sequence[Any], lead: bool = False) ->
     return _float_cells([float(v) for v in values], lead)
 
 
-def _escape(value: Any) -> str:
-    return str(value).replace("\t", "\\t").replace("\r", "\\r").replace("\n", "\\n")
+def _needs_escape(cells: list[str]) -> bool:
+    joined = "".join(cells)  # one pass in C instead of three per cell: escapes are rare
+    return "\n" in joined or "\t" in joined or "\r" in joined
+
+
+def _escape(value: str) -> str:
+    return value.replace("\t", "\\t").replace("\r", "\\r").replace("\n", "\\n")
 
 
 def _float_cells(values: list[float], lead: bool) -> list[str]:
-    fixed = _trim_zeros([format(v, " .6f" if lead else ".6f") for v in values],
-                        [math.isfinite(v) for v in values])
-    magnitudes = [abs(v) for v in values]
-    has_small = any(0 < m < _SMALL for m in magnitudes)
-    too_wide = max(map(len, fixed), default=0) > _WIDE
-    if has_small or (too_wide and any(m > _LARGE for m in magnitudes)):
+    fixed = _trim_zeros(values, [format(v, " .6f" if lead else ".6f") for v in values])
+    has_small = any(0.0 < abs(v) < _SMALL for v in values)
+    if has_small or (max(map(len, fixed), default=0) > _WIDE and any(abs(v) > _LARGE for v in values)):
         return [format(v, " .6e" if lead else ".6e") for v in values]
     return fixed
 
 
-def _trim_zeros(cells: list[str], numeric: Iterable[bool]) -> list[str]:
-    """Cut the trailing zeros all numeric cells share, leaving at least one decimal digit.
+def _trim_zeros(values: list[float], cells: list[str]) -> list[str]:
+    """Cut the trailing zeros all finite cells share, leaving at least one decimal digit.
 
     A finite value formatted with `.6f` is exactly what pandas' "number with decimal" regex
-    matches; `inf`/`nan` are left alone and do not block trimming, as in pandas.
+    matches; `inf`/`nan` cells are left alone and do not block trimming, as in pandas. Each
+    finite cell has exactly PRECISION decimals, so cutting at most PRECISION - 1 characters is
+    the same as pandas' "trim to the point, then put one 0 back".
     """
-    numeric = list(numeric)
-    nums = [c for c, n in zip(cells, numeric) if n]
-    if not nums:
+    cut = PRECISION - 1
+    finite = False
+    for v, c in zip(values, cells):
+        if math.isfinite(v):
+            finite = True
+            zeros = len(c) - len(c.rstrip("0"))
+            if zeros < cut:
+                cut = zeros
+                if not cut:
+                    return cells
+    if not finite:
         return cells
-    cut = min(len(c) - len(c.rstrip("0")) for c in nums)
-    out = []
-    for c, n in zip(cells, numeric):
-        if n:
-            if cut:
-                c = c[:-cut]
-            if c.endswith("."):
-                c += "0"
-        out.append(c)
-    return out
+    return [c[:-cut] if math.isfinite(v) else c for v, c in zip(values, cells)]
 
 
 def _index_block(index: Sequence[int]) -> list[str]:
