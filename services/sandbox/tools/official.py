@@ -122,6 +122,27 @@ def load_city_set(path: Path) -> list[str]:
     return Path(path).read_text(encoding="utf-8").strip().split("\n")
 
 
+class _Illegal(Exception):
+    """A required argument is missing (the two-stage grammar's 'fewer than N parts')."""
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING: Any = _Missing()
+
+
+def _get(args: Mapping[str, Any], param: Param) -> Any:
+    if param.name in args:
+        return args[param.name]
+    for alias in param.aliases:
+        if alias in args:
+            return args[alias]
+    return _MISSING
+
+
 class OfficialTools:
     """TravelPlanner's tools and two-stage argument checks over a `World`.
 
@@ -160,11 +181,13 @@ class OfficialTools:
             return ILLEGAL[tool], False
 
     # --- argument checks ------------------------------------------------------------------
-    def _args(self, tool: str, args: Mapping[str, Any]) -> list[Any]:
-        values = [_get(args, p) for p in TOOLS[tool].params]
-        required = TOOLS[tool].required
-        if any(v is _MISSING for v, p in zip(values, TOOLS[tool].params) if p.name in required):
-            raise _Illegal
+    @staticmethod
+    def _args(tool: str, args: Mapping[str, Any]) -> list[Any]:
+        """Parameter values in schema order (aliases accepted); a missing required one is illegal."""
+        spec = TOOLS[tool]
+        values = [_get(args, p) for p in spec.params]
+        if any(v is _MISSING and p.name in spec.required for v, p in zip(values, spec.params)):
+            raise _Illegal(tool)
         return values
 
     def _invalid_city(self, city: Any) -> str | None:
@@ -226,25 +249,3 @@ class OfficialTools:
             mode = "driving"  # GoogleDistanceMatrix.run's default
         origin, dest = extract_before_parenthesis(origin), extract_before_parenthesis(dest)
         return distance_text(origin, dest, mode, self.lookup.distance(origin, dest))
-
-
-class _Illegal(Exception):
-    """A required argument is missing (the two-stage grammar's 'fewer than N parts')."""
-
-
-class _Missing:
-    def __repr__(self) -> str:
-        return "<missing>"
-
-
-_MISSING: Any = _Missing()
-
-
-def _get(args: Mapping[str, Any], param: Param) -> Any:
-    if param.name in args:
-        return args[param.name]
-    for alias in param.aliases:
-        if alias in args:
-            return args[alias]
-    return _MISSING
-
