@@ -36,7 +36,7 @@ def _short(value: object, limit: int = 120) -> object:
     if len(text) > limit:
         return text[:limit] + "…"
     try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
         return value
     except (TypeError, ValueError, UnicodeEncodeError):
         return text
