@@ -1,0 +1,51 @@
+"""The `star` command: world build/info, tool calls, and clear errors instead of tracebacks."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from services.cli import app
+
+runner = CliRunner()
+
+
+def test_world_build_synthetic_then_tool(tmp_path):
+    db = f"sqlite:///{tmp_path / 'tiny.sqlite'}"
+    r = runner.invoke(app, ["world", "build", "--synthetic", "tiny", "--db", db, "--seed", "3"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["world", "info", "--db", db])
+    assert r.exit_code == 0 and '"kind": "synthetic"' in r.output
+    from services.sandbox.world import World
+
+    city = next(c for c in World(db).cities() if c.searchable)
+    r = runner.invoke(app, ["tool", "SearchRestaurant", "--db", db, "--city", city.city])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith(f"A SearchRestaurant for city {city.city} found the following ")
+    r = runner.invoke(app, ["tool", "SearchCity", "--db", db, f"--state={city.state}", "--dialect", "official"])
+    assert r.exit_code == 0 and r.output.startswith("[") and repr(city.city) in r.output
+
+
+def test_world_build_from_real_directory(travelplanner_dir, tmp_path):
+    db = f"sqlite:///{tmp_path / 'real.sqlite'}"
+    r = runner.invoke(app, ["world", "build", "--from", str(travelplanner_dir / "database"), "--db", db,
+                            "--flight-scale", "0.01"])
+    assert r.exit_code == 0, r.output
+    assert "4,285" in r.output  # visible accommodations
+    r = runner.invoke(app, ["tool", "GoogleDistanceMatrix", "--db", db, "--departure", "Detroit",
+                            "--destination", "Norfolk", "--mode", "taxi"])
+    assert r.output.strip().endswith("taxi, from Detroit to Norfolk, duration: 10 hours 55 mins, distance: 1,144 km, cost: $1144")
+
+
+def test_errors_are_messages_not_tracebacks(tmp_path):
+    db = f"sqlite:///{tmp_path / 'none.sqlite'}"
+    r = runner.invoke(app, ["world", "build", "--from", str(tmp_path), "--db", db])
+    assert r.exit_code == 2 and "not a TravelPlanner database" in r.output and "Traceback" not in r.output
+    r = runner.invoke(app, ["world", "build", "--synthetic", "gigantic", "--db", db])
+    assert r.exit_code == 2 and "unknown world size" in r.output
+    r = runner.invoke(app, ["tool", "SearchCity", "--db", db, "--state", "Ohio"])
+    assert r.exit_code == 2 and "star world build" in r.output
+    runner.invoke(app, ["world", "build", "--synthetic", "tiny", "--db", db])
+    r = runner.invoke(app, ["tool", "BookHotel", "--db", db, "--city", "X"])
+    assert r.exit_code == 2 and "unknown tool" in r.output
+    r = runner.invoke(app, ["tool", "SearchCity", "--db", db, "Ohio"])
+    assert r.exit_code == 2 and "expected --name value" in r.output
