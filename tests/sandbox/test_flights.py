@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from services.sandbox.world import loader
+from services.sandbox.world.build import DEFAULT_FLIGHT_SCALE
 from services.sandbox.world.flights import (
     KM_PER_MILE,
     MIN_ROAD_KM,
@@ -162,18 +163,19 @@ def test_same_route_same_distance_both_ways(sample, real):
     assert both and all(by_pair[p] == by_pair[(p[1], p[0])] for p in both)
 
 
-def test_elapsed_time_and_price_grow_with_distance(sample):
-    mi = np.array([f.distance for f in sample])
-    el = np.array([_elapsed(f.elapsed) for f in sample])
-    price = np.array([f.price for f in sample])
+def test_elapsed_time_and_price_grow_with_distance(sample, real):
+    generated = sample[len(real["fixed"]):]
+    mi = np.array([f.distance for f in generated])
+    el = np.array([_elapsed(f.elapsed) for f in generated])
+    price = np.array([f.price for f in generated])
     assert np.corrcoef(mi, el)[0, 1] > 0.95
     assert np.corrcoef(mi, price)[0, 1] > 0.7
     bins = [0, 300, 600, 1000, 1500, 2500, 6000]
     means = [el[(mi >= a) & (mi < b)].mean() for a, b in zip(bins, bins[1:]) if ((mi >= a) & (mi < b)).sum() > 20]
     assert len(means) >= 5 and all(x < y for x, y in zip(means, means[1:]))
-    # jet speeds plus overhead: 500 miles take between 1 and 2.5 hours
+    # jet speeds plus overhead: 500 miles take 50 minutes to 2.5 hours, ~1.6 hours on average
     mid = el[(mi > 450) & (mi < 550)]
-    assert 60 <= mid.min() and mid.max() <= 150
+    assert 50 <= mid.min() and mid.max() <= 150 and 80 <= mid.mean() <= 110
 
 
 def test_busy_routes_have_several_flights_a_day(sample):
@@ -195,11 +197,15 @@ def test_fixed_rows_are_emitted_as_is_and_first(sample, real):
 
 def test_covered_triples_hold_only_the_reference_rows(real):
     """Every covered (origin, dest, date) has exactly its reference rows, including the empty ones."""
+    # only the cities the reference legs touch: the same density lands on fewer routes (busier, faster)
+    names = {t[0] for t in real["covered"]} | {t[1] for t in real["covered"]}
+    cities = [c for c in real["cities"] if c.city in names]
+    distances = [r for r in real["distances"] if r[0] in names and r[1] in names]
     dates = sorted({t[2] for t in real["covered"]})
-    kw = dict(seed=11, dates=dates, scale=0.05, coords=real["coords"])
-    merged = list(synthesize_flights(real["cities"], real["distances"], fixed=real["fixed"],
-                                     covered=real["covered"], **kw))
-    plain = list(synthesize_flights(real["cities"], real["distances"], **kw))
+    plan = plan_routes(cities, distances, seed=11, fixed=real["fixed"], coords=real["coords"], scale=0.05)
+    kw = dict(seed=11, dates=dates, plan=plan)
+    merged = list(synthesize_flights(cities, distances, fixed=real["fixed"], covered=real["covered"], **kw))
+    plain = list(synthesize_flights(cities, distances, **kw))
     ref = defaultdict(set)
     for f in real["fixed"]:
         ref[(f.origin, f.dest, f.flight_date)].add(f.flight_number)
@@ -208,11 +214,14 @@ def test_covered_triples_hold_only_the_reference_rows(real):
         got[(f.origin, f.dest, f.flight_date)].add(f.flight_number)
     for triple in real["covered"]:
         assert got.get(triple, set()) == ref.get(triple, set()), triple
-    # the rule matters: without it, many covered triples (also "no flight" ones) would get flights
+    # the rule matters: without it, most covered triples (also "no flight" ones) would get flights
     plain_triples = Counter((f.origin, f.dest, f.flight_date) for f in plain)
     empty_refs = [t for t in real["covered"] if t not in ref]
-    assert sum(1 for t in empty_refs if plain_triples[t]) >= 5
-    assert sum(1 for t in ref if plain_triples[t]) >= 20
+    assert sum(1 for t in empty_refs if plain_triples[t]) >= 10
+    assert sum(1 for t in ref if plain_triples[t]) >= len(ref) / 2
+    # and outside the covered triples, both runs have the same number of flights everywhere
+    merged_triples = Counter((f.origin, f.dest, f.flight_date) for f in merged[len(real["fixed"]):])
+    assert {t: n for t, n in plain_triples.items() if t not in real["covered"]} == merged_triples
 
 
 def test_fixed_pairs_keep_the_reference_mileage(real):
@@ -292,9 +301,9 @@ def test_gold_plan_flights_exist_in_the_official_world(official_world, travelpla
 
 def test_official_world_flights_meta(official_world):
     meta = official_world.meta()
-    assert meta["flight_scale"] == 0.1
+    assert meta["flight_scale"] == DEFAULT_FLIGHT_SCALE
     assert "313 reference rows" in meta["flights"]
     n = official_world.counts()["flights"]
-    assert n == pytest.approx(313 + 0.1 * 3_800_000, rel=0.02)
+    assert n == pytest.approx(313 + DEFAULT_FLIGHT_SCALE * 3_800_000, rel=0.02)
     ref = official_world.flights("Dallas", "Houston", "2022-03-11")
     assert len(ref) == 33  # the reference information's complete answer, nothing added
