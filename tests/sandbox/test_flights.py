@@ -274,6 +274,8 @@ def test_works_without_coordinates_or_hubs():
     pairs = {(f.origin, f.dest) for f in out}
     assert ("Aville", "Bton") in pairs and ("Cford", "Aville") in pairs
     assert ("Cford", "Dport") not in pairs  # 60.5 km: too short to fly
+    assert list(synthesize_flights([], [], seed=0)) == []
+    assert list(synthesize_flights(cities[:1], [], seed=0)) == []
 
 
 # --- the built official world ------------------------------------------------------------------------------

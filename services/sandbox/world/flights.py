@@ -263,14 +263,14 @@ def plan_routes(
     # Real reference rows: their own mileage, both directions.
     for f in fixed:
         i, j = idx.get(f.origin), idx.get(f.dest)
-        if i is None or j is None or i == j:
+        if i is None or j is None or i == j or f.distance is None:
             continue
         for a, b in ((i, j), (j, i)):
             if source[a, b] != 1:
                 miles[a, b], source[a, b], road[a, b] = float(f.distance), 1, sym[a, b]
 
     # Isolated cities: link to the nearest hubs by great-circle distance.
-    pool = np.flatnonzero(has_xy & (weight >= min(3.0, np.quantile(weight, 0.9))))
+    pool = np.flatnonzero(has_xy & (weight >= min(3.0, np.quantile(weight, 0.9)))) if n else np.zeros(0, int)
     for c in np.flatnonzero(has_xy & ~(source > 0).any(axis=1) & ~(source > 0).any(axis=0)):
         cand = pool[pool != c]
         if len(cand) == 0:
@@ -332,7 +332,7 @@ def _coordinates(names, states, given, sym) -> tuple[np.ndarray, np.ndarray]:
     lon = np.array([given[c][1] if c in given else np.nan for c in names], dtype=float)
     # A US-state city whose coordinates lie outside the US area is distrusted (source-data mix-ups).
     us_box = (lat >= 15) & (lat <= 72) & (lon >= -180) & (lon <= -60)
-    bad = np.array([states.get(c) in US_STATES for c in names]) & ~np.isnan(lat) & ~us_box
+    bad = np.array([states.get(c) in US_STATES for c in names], dtype=bool) & ~np.isnan(lat) & ~us_box
     lat[bad] = lon[bad] = np.nan
     trusted = ~np.isnan(lat)
     # Cities with road distances to placed cities but no coordinates: the grid point whose great-circle
