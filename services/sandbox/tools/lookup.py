@@ -47,7 +47,7 @@ class WorldLookup:
         self._by_state: dict[str, list[str]] = {}
         for c in cities:
             self._by_state.setdefault(c.state, []).append(c.city)
-        self.searchable_cities: list[str] = [c.city for c in cities if c.searchable]
+        self.searchable_cities: list[str] = _guard(world.city_set)
 
     def cities_in_state(self, state: Any) -> list[str]:
         return self._by_state.get(state, []) if isinstance(state, str) else []

@@ -75,9 +75,10 @@ def _opt(value, cast):
 
 def read_cities(layout: OfficialLayout) -> list[City]:
     """Cities in file order; tolerant of a trailing newline the official evaluator would choke on."""
-    searchable: set[str] | None = None
+    order: dict[str, int] | None = None
     if layout.city_set is not None:
-        searchable = {ln for ln in layout.city_set.read_text(encoding="utf-8").strip().split("\n") if ln}
+        names = [ln for ln in layout.city_set.read_text(encoding="utf-8").strip().split("\n") if ln]
+        order = {name: i for i, name in enumerate(names)}
     out: list[City] = []
     for line in layout.city_states.read_text(encoding="utf-8").strip().split("\n"):
         if not line:
@@ -85,7 +86,8 @@ def read_cities(layout: OfficialLayout) -> list[City]:
         city, sep, state = line.partition("\t")
         if not sep:
             raise WorldSourceError(f"{layout.city_states}: line {line!r} is not 'City<TAB>State'")
-        out.append(City(city, state, searchable is None or city in searchable))
+        position = None if order is None else order.get(city)
+        out.append(City(city, state, order is None or position is not None, position))
     return out
 
 

@@ -13,6 +13,7 @@ class City(NamedTuple):
     city: str
     state: str
     searchable: bool  # listed in citySet.txt (the two-stage agent's validation set)
+    set_order: int | None = None  # line number in citySet.txt, whose order the official error text shows
 
 
 class Flight(NamedTuple):

@@ -86,10 +86,15 @@ class World:
 
     # --- background -------------------------------------------------------------------------
     def cities(self) -> list[City]:
+        c = schema.cities.c
         with self.engine.connect() as conn:
-            rows = conn.execute(select(schema.cities.c.city, schema.cities.c.state, schema.cities.c.searchable)
-                                .order_by(schema.cities.c.id))
+            rows = conn.execute(select(c.city, c.state, c.searchable, c.set_order).order_by(c.id))
             return [City(*row) for row in rows]
+
+    def city_set(self) -> list[str]:
+        """The cities an agent may search, in citySet.txt order (world order where it has none)."""
+        return [c.city for c in sorted((c for c in self.cities() if c.searchable),
+                                       key=lambda c: -1 if c.set_order is None else c.set_order)]
 
     def cities_in_state(self, state: str) -> list[str]:
         with self.engine.connect() as conn:
@@ -161,6 +166,10 @@ class WorldWriter:
         self._next_id: dict[str, int] = {}
 
     def reset(self) -> None:
+        if self.engine.dialect.name == "sqlite" and self.engine.url.database not in (None, "", ":memory:"):
+            # Unlinking a big world file is instant; DROP TABLE on it takes seconds.
+            self.engine.dispose()
+            Path(self.engine.url.database).unlink(missing_ok=True)
         schema.metadata.drop_all(self.engine)
         for ix in schema.INDEXES:
             ix.drop(self.engine, checkfirst=True)
