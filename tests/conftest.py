@@ -45,6 +45,29 @@ def official_world(official_world_url: str):
 
 
 @pytest.fixture(scope="session")
+def reference_world(travelplanner_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The real tables with exactly the train reference flights (loaded as a user's flights CSV):
+    no generated rows, so every flight answer is one the reference information shows."""
+    import csv
+
+    from services.sandbox.world import World, loader
+    from services.sandbox.world.build import build_official_world
+
+    tmp = tmp_path_factory.mktemp("reference-world")
+    flights_csv = tmp / "flights.csv"
+    rows, _ = loader.reference_flights(travelplanner_dir / "train" / "train_ref_info.jsonl")
+    with open(flights_csv, "w", newline="", encoding="utf-8") as fh:
+        out = csv.writer(fh)
+        out.writerow(loader.FLIGHT_COLUMNS)
+        out.writerows(rows)
+    url = f"sqlite:///{tmp / 'world.sqlite'}"
+    build_official_world(url, travelplanner_dir / "database", flights_csv=flights_csv)
+    world = World(url)
+    yield world
+    world.close()
+
+
+@pytest.fixture(scope="session")
 def redis_server_url() -> str:
     """CI's Redis at 127.0.0.1:6379 when it answers, otherwise an embedded real server."""
     try:

@@ -13,16 +13,13 @@ For each of the 45 train queries and each entry of its reference information:
 from __future__ import annotations
 
 import ast
-import csv
 import json
 
 import pytest
 
 from services.sandbox.tools import ToolBox
 from services.sandbox.tools import official
-from services.sandbox.world import World
 from services.sandbox.world import loader
-from services.sandbox.world.build import build_official_world
 
 N_TRAIN = 45
 
@@ -50,20 +47,8 @@ def train(travelplanner_dir):
 
 
 @pytest.fixture(scope="module")
-def ref_world(travelplanner_dir, tmp_path_factory):
-    """The real tables with exactly the train reference flights (loaded as a flights CSV)."""
-    tmp = tmp_path_factory.mktemp("conformance-world")
-    flights_csv = tmp / "flights.csv"
-    rows, _ = loader.reference_flights(travelplanner_dir / "train" / "train_ref_info.jsonl")
-    with open(flights_csv, "w", newline="", encoding="utf-8") as fh:
-        out = csv.writer(fh)
-        out.writerow(loader.FLIGHT_COLUMNS)
-        out.writerows(rows)
-    url = f"sqlite:///{tmp / 'world.sqlite'}"
-    build_official_world(url, travelplanner_dir / "database", flights_csv=flights_csv)
-    w = World(url)
-    yield w
-    w.close()
+def ref_world(reference_world):
+    return reference_world
 
 
 def as_records(rows, keys, skip=0):

@@ -6,7 +6,6 @@ information), the installed pandas on every city's rows, and hypothesis-generate
 
 from __future__ import annotations
 
-import csv
 import re
 
 import pandas as pd
@@ -16,26 +15,11 @@ from hypothesis import given, settings, strategies as st
 from services.sandbox.tools import ToolBox
 from services.sandbox.tools import official
 from services.sandbox.tools.table import Column, render_table
-from services.sandbox.world import World
-from services.sandbox.world import loader
-from services.sandbox.world.build import build_official_world
 
 
 @pytest.fixture(scope="module")
-def world(travelplanner_dir, tmp_path_factory):
-    """The real tables, with exactly the train reference flights (no generator involved)."""
-    tmp = tmp_path_factory.mktemp("official-world")
-    flights_csv = tmp / "flights.csv"
-    rows, _ = loader.reference_flights(travelplanner_dir / "train" / "train_ref_info.jsonl")
-    with open(flights_csv, "w", newline="", encoding="utf-8") as fh:
-        out = csv.writer(fh)
-        out.writerow(loader.FLIGHT_COLUMNS)
-        out.writerows(rows)
-    url = f"sqlite:///{tmp / 'world.sqlite'}"
-    build_official_world(url, travelplanner_dir / "database", flights_csv=flights_csv)
-    w = World(url)
-    yield w
-    w.close()
+def world(reference_world):
+    return reference_world
 
 
 @pytest.fixture(scope="module")

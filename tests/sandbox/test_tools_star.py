@@ -6,35 +6,19 @@ strings; a pandas re-implementation of those tools over the raw CSVs checks ever
 
 from __future__ import annotations
 
-import csv
 import random
 
 import pandas as pd
 import pytest
 
 from services.sandbox.tools import ToolBox
-from services.sandbox.world import World
-from services.sandbox.world import loader
-from services.sandbox.world.build import build_official_world
 
 RETHINK = "Please rethink your {} search and try again."
 
 
 @pytest.fixture(scope="module")
-def world(travelplanner_dir, tmp_path_factory):
-    """The real tables, with exactly the train reference flights (no generator involved)."""
-    tmp = tmp_path_factory.mktemp("star-world")
-    flights_csv = tmp / "flights.csv"
-    rows, _ = loader.reference_flights(travelplanner_dir / "train" / "train_ref_info.jsonl")
-    with open(flights_csv, "w", newline="", encoding="utf-8") as fh:
-        out = csv.writer(fh)
-        out.writerow(loader.FLIGHT_COLUMNS)
-        out.writerows(rows)
-    url = f"sqlite:///{tmp / 'world.sqlite'}"
-    build_official_world(url, travelplanner_dir / "database", flights_csv=flights_csv)
-    w = World(url)
-    yield w
-    w.close()
+def world(reference_world):
+    return reference_world
 
 
 @pytest.fixture(scope="module")
