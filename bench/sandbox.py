@@ -274,7 +274,7 @@ def main() -> None:
     calls = workload(world, n)
 
     result: dict = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                "platform": platform.platform()},
+                                "platform": platform.platform(), "loadavg_at_start": os.getloadavg()},
                     "world": {"url": world.url, "counts": counts, "meta": world.meta()},
                     "in_process": {}, "targets": {"in_process_p99_ms": 1.0, "flight_speedup": 100, "http_calls_per_s": 1500}}
     for dialect in ("star", "official"):
@@ -310,6 +310,7 @@ def main() -> None:
         "http_calls_per_s_best": best_http, "http_ok": best_http >= 1500,
         "baseline_outputs_equal": not mismatches,
     }
+    result["machine"]["loadavg_at_end"] = os.getloadavg()  # other work on the box skews every figure
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
     result["measured_at"] = stamp
@@ -320,7 +321,8 @@ def main() -> None:
 
 
 def report(r: dict) -> str:
-    lines = [f"# Sandbox benchmark ({r['measured_at']}, {r['machine']['cpus']} CPUs)", "",
+    load = r["machine"].get("loadavg_at_start", ["?"])[0]
+    lines = [f"# Sandbox benchmark ({r['measured_at']}, {r['machine']['cpus']} CPUs, load {load} at start)", "",
              f"World: {r['world']['counts']['flights']:,} flights, {r['world']['meta'].get('flights', '')}", "",
              "| tool | star p50 ms | star p99 ms | official p99 ms | pandas p50 ms | speed-up (p50) |",
              "|---|---:|---:|---:|---:|---:|"]
