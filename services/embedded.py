@@ -72,13 +72,14 @@ def ensure_world(url: str) -> None:
     """Build the default world once: the real tables when present, else a synthetic one."""
     from services.sandbox.world import World
 
-    if World(url).is_ready():
+    problem = World(url).problem()
+    if problem is None:
         return
     from services.sandbox.world import build
 
     settings = get_settings()
     database = settings.travelplanner_dir / "database"
-    console.print(f"building the travel world → {url}")
+    console.print(f"{problem}\nbuilding the travel world → {url}")
     if (database / "background").is_dir():
         ref = settings.travelplanner_dir / "train" / "train_ref_info.jsonl"
         meta = build.build_official_world(url, database, ref_info=[ref] if ref.is_file() else [])
@@ -120,6 +121,9 @@ def _plan_a_leg(base: str) -> None:
             ("SearchAccommodation", {"city": city}),
             ("SearchRestaurant", {"city": city}),
         ]
+        if city == "Rockford":  # the first leg of the first official train query's gold plan
+            calls.insert(0, ("SearchFlight", {"departure": "St. Petersburg", "destination": "Rockford",
+                                              "date": "2022-03-16"}))
         for name, args in calls:
             resp = client.post("/tools/call", json={"name": name, "arguments": args})
             resp.raise_for_status()

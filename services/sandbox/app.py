@@ -60,13 +60,14 @@ def create_app(settings: Settings | None = None, world: World | None = None) -> 
     def toolbox() -> ToolBox:
         box = state.get("toolbox")
         if box is None:
-            raise HTTPException(503, "the travel world is not loaded; run `star world build` first")
+            raise HTTPException(503, state.get("problem") or "the travel world is not loaded")
         return box
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         w = world or World(settings.world_url)
-        if w.is_ready():
+        state["problem"] = w.problem()
+        if state["problem"] is None:
             state["world"] = w
             state["toolbox"] = ToolBox(w, dialect=settings.tool_dialect, fault_rate=settings.fault_rate,
                                        fault_seed=settings.fault_seed, cache_size=settings.tool_cache_size)

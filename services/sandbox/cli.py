@@ -75,8 +75,8 @@ def _print_world(url: str) -> None:
     from services.sandbox.world import World
 
     world = World(url)
-    if not world.is_ready():
-        console.print(f"[red]error:[/red] no world at {url}; run `star world build`")
+    if problem := world.problem():
+        console.print(f"[red]error:[/red] {problem}")
         raise typer.Exit(2)
     table = Table(title=f"world at {url}")
     table.add_column("table")
@@ -139,8 +139,8 @@ def tool_command(
         from services.sandbox.world import World
 
         world = World(_db_url(db))
-        if not world.is_ready():
-            console.print(f"[red]error:[/red] no world at {world.url}; run `star world build`")
+        if problem := world.problem():
+            console.print(f"[red]error:[/red] {problem}")
             raise typer.Exit(2)
         box = ToolBox(world, dialect=dialect or get_settings().tool_dialect, cache_size=0)
         try:

@@ -213,3 +213,24 @@ def test_lone_surrogate_in_path_form_is_422(client):
     raw = b'{"city": "\\udfff"}'
     r = client.post("/tools/SearchCity", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 422 and "surrogate" in r.text
+
+
+def test_stale_or_half_built_world_is_refused_with_a_reason(tmp_path):
+    from fastapi.testclient import TestClient
+    from sqlalchemy import text
+
+    from services.sandbox.world import World
+    from services.sandbox.world.build import build_synthetic_world
+
+    url = f"sqlite:///{tmp_path / 'old.sqlite'}"
+    build_synthetic_world(url, size="tiny")
+    assert World(url).problem() is None
+    with World(url).engine.begin() as conn:
+        conn.execute(text("update world_meta set value = '1' where key = 'schema_version'"))
+    with TestClient(create_app(Settings(db_url=url))) as c:
+        assert c.get("/readyz").status_code == 503
+        r = c.post("/tools/call", json={"name": "SearchCity", "arguments": {"state": "X"}})
+        assert r.status_code == 503 and "schema version 1" in r.json()["detail"] and "rebuild" in r.json()["detail"]
+    with World(url).engine.begin() as conn:
+        conn.execute(text("delete from world_meta"))
+    assert "half-built" in World(url).problem()

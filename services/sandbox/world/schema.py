@@ -11,6 +11,9 @@ from sqlalchemy import Boolean, Column, Float, Index, Integer, MetaData, String,
 
 metadata = MetaData()
 
+# Bumped whenever a table changes; a world built under another version must be rebuilt.
+WORLD_SCHEMA_VERSION = 2
+
 cities = Table(
     "cities", metadata,
     Column("id", Integer, primary_key=True, autoincrement=False),

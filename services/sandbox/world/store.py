@@ -143,13 +143,25 @@ class World:
                 out[name] = conn.execute(stmt).scalar_one()
         return out
 
-    def is_ready(self) -> bool:
+    def problem(self) -> str | None:
+        """Why this world cannot be served (None when it can): absent, unreachable, or stale."""
         try:
-            with self.engine.connect() as conn:
-                conn.execute(select(schema.world_meta.c.key).limit(1)).all()
-            return True
-        except Exception:  # noqa: BLE001 - any DB error means "not ready", reported by /readyz
-            return False
+            meta = self.meta()
+        except Exception as exc:  # noqa: BLE001 - any DB error means "not ready"
+            return f"no world at {self._safe_url()} ({type(exc).__name__}); run `star world build`"
+        if not meta:
+            return f"the world at {self._safe_url()} is empty or half-built; run `star world build`"
+        version = meta.get("schema_version")
+        if version != schema.WORLD_SCHEMA_VERSION:
+            return (f"the world at {self._safe_url()} has schema version {version}, this code needs "
+                    f"{schema.WORLD_SCHEMA_VERSION}; rebuild it with `star world build`")
+        return None
+
+    def is_ready(self) -> bool:
+        return self.problem() is None
+
+    def _safe_url(self) -> str:
+        return self.engine.url.render_as_string(hide_password=True)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -203,6 +215,7 @@ class WorldWriter:
         return n
 
     def finish(self, meta: dict[str, Any]) -> None:
+        meta = {**meta, "schema_version": schema.WORLD_SCHEMA_VERSION}
         for ix in schema.INDEXES:
             ix.create(self.engine, checkfirst=True)
         with self.engine.begin() as conn:
