@@ -1,0 +1,115 @@
+"""Reward shaping from a plan's `Score` (paper-recipe.md, "Rewards").
+
+- sum     = cs_micro + cs_macro + hard_micro + hard_macro + success   (0..5)
+- macro   = cs_macro + hard_macro + success                           (0..3)
+- success = success                                                   (0 or 1)
+- curriculum: an epoch schedule over the three; the paper's default is sum for epochs 1–2,
+  macro for epochs 3–4, success from epoch 5 on.
+
+A trajectory that ended without an answer (format error, context or tool budget, engine error),
+whose answer could not be formatted into a plan, or that delivered no plan, gets 0.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from services.common.schemas import Score
+
+BaseKind = Literal["sum", "macro", "success"]
+RewardKind = Literal["sum", "macro", "success", "curriculum"]
+BASE_KINDS: tuple[BaseKind, ...] = ("sum", "macro", "success")
+
+
+@dataclass(frozen=True)
+class Curriculum:
+    """Stages as (first epoch, reward kind), epochs 1-based; the last stage lasts forever."""
+
+    stages: tuple[tuple[int, BaseKind], ...] = ((1, "sum"), (3, "macro"), (5, "success"))
+
+    def __post_init__(self) -> None:
+        if not self.stages or self.stages[0][0] != 1:
+            raise ValueError("a curriculum's first stage must start at epoch 1")
+        starts = [s for s, _ in self.stages]
+        if starts != sorted(set(starts)):
+            raise ValueError(f"curriculum stage starts must strictly increase, got {starts}")
+        for _, kind in self.stages:
+            if kind not in BASE_KINDS:
+                raise ValueError(f"unknown reward kind {kind!r} in curriculum (use {', '.join(BASE_KINDS)})")
+
+    def kind_at(self, epoch: int) -> BaseKind:
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
+            raise ValueError(f"epoch must be an integer >= 1, got {epoch!r}")
+        kind = self.stages[0][1]
+        for start, stage_kind in self.stages:
+            if epoch >= start:
+                kind = stage_kind
+        return kind
+
+    @classmethod
+    def parse(cls, text: str) -> Curriculum:
+        """From "sum:1-2,macro:3-4,success:5" (ranges must be contiguous from 1) or
+        "sum@1,macro@3,success@5" (first epoch of each stage)."""
+        stages: list[tuple[int, BaseKind]] = []
+        expected = 1
+        for part in (p.strip() for p in text.split(",") if p.strip()):
+            m = re.fullmatch(r"(\w+)\s*(?:@\s*(\d+)|:\s*(\d+)(?:\s*-\s*(\d+|))?)", part)
+            if not m:
+                raise ValueError(f"cannot read curriculum stage {part!r} (use kind:first-last or kind@first)")
+            kind, at, first, last = m.groups()
+            start = int(at if at is not None else first)
+            if at is None:
+                if start != expected:
+                    raise ValueError(f"curriculum stage {part!r} starts at {start}, expected epoch {expected}")
+                expected = int(last) + 1 if last else math.inf  # type: ignore[assignment]
+            stages.append((start, kind))  # type: ignore[arg-type]
+        return cls(tuple(stages))
+
+    def describe(self) -> str:
+        parts = []
+        for i, (start, kind) in enumerate(self.stages):
+            end = self.stages[i + 1][0] - 1 if i + 1 < len(self.stages) else None
+            parts.append(f"{kind}:{start}-{end}" if end is not None else f"{kind}:{start}-")
+        return ",".join(parts)
+
+
+DEFAULT_CURRICULUM = Curriculum()
+
+
+def base_reward(score: Score, kind: BaseKind) -> float:
+    if kind == "sum":
+        return score.cs_micro + score.cs_macro + score.hard_micro + score.hard_macro + score.success
+    if kind == "macro":
+        return score.cs_macro + score.hard_macro + score.success
+    if kind == "success":
+        return score.success
+    raise ValueError(f"unknown reward kind {kind!r} (use sum, macro, success or curriculum)")
+
+
+def reward(score: Score | None, kind: RewardKind = "sum", epoch: int | None = None, *,
+           curriculum: Curriculum = DEFAULT_CURRICULUM, finish_reason: str | None = None) -> float:
+    """The scalar reward of one trajectory. `epoch` (1-based) is required for "curriculum".
+    `finish_reason` other than "answer", a missing score, or a formatter failure give 0."""
+    if kind == "curriculum":
+        if epoch is None:
+            raise ValueError("the curriculum reward needs the epoch")
+        kind = curriculum.kind_at(epoch)
+    elif kind not in BASE_KINDS:
+        raise ValueError(f"unknown reward kind {kind!r} (use sum, macro, success or curriculum)")
+    if finish_reason is not None and finish_reason != "answer":
+        return 0.0
+    if score is None or score.formatter_status != "ok":
+        return 0.0
+    return float(base_reward(score, kind))
+
+
+def all_rewards(score: Score | None, epoch: int | None = None, *, curriculum: Curriculum = DEFAULT_CURRICULUM,
+                finish_reason: str | None = None) -> dict[str, float]:
+    """Every reward kind at once (curriculum only when the epoch is known)."""
+    out = {k: reward(score, k, finish_reason=finish_reason) for k in BASE_KINDS}
+    if epoch is not None:
+        out["curriculum"] = reward(score, "curriculum", epoch, curriculum=curriculum, finish_reason=finish_reason)
+    return out

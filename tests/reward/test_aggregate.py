@@ -1,0 +1,56 @@
+"""Split metrics: the official formulas of eval.py (spec §6.6) on a mixed submission."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.reward.evaluator import aggregate
+
+
+def mixed_submission(gold):
+    plans = [gold.plan(i) for i in range(45)]
+    plans[0] = None  # not delivered
+    plans[1][1]["lunch"] = "Nonexistent Diner, Pensacola"  # Within Sandbox fails: hard gated off
+    plans[2][2]["dinner"] = plans[2][1]["dinner"]  # Diverse Restaurants fails; hard still checked
+    queries = list(gold.queries)
+    queries[2] = gold.query(2, budget=10_000)  # (the repeated dinner costs more than the original)
+    queries[44] = gold.query(44, budget=5000)  # costs 5036: Budget fails
+    return queries, plans
+
+
+@pytest.mark.parametrize("mode", ["official", "strict"])
+def test_mixed_submission_counts(gold, evaluators, mode):
+    queries, plans = mixed_submission(gold)
+    m = evaluators[mode].evaluate_split(queries, plans, split="train")
+    c = m.counts
+    assert c.delivered == 44 and m.delivery_rate == pytest.approx(100 * 44 / 45)
+    assert c.cs_passed == 360 - 8 - 1 - 1 and m.cs_micro == pytest.approx(100 * 350 / 360)
+    assert c.cs_macro_passed == 42
+    # hard: query 1 (undelivered) and query 2 (gated) lose their budget check, query 45 its budget
+    assert c.hard_passed == 105 - 3 and m.hard_micro == pytest.approx(100 * 102 / 105)
+    assert c.hard_macro_passed == 42 and m.hard_macro == pytest.approx(100 * 42 / 45)
+    assert c.final_passed == 41 and m.final_pass_rate == pytest.approx(100 * 41 / 45)
+
+
+def test_per_plan_scores_match_the_split(gold, official):
+    queries, plans = mixed_submission(gold)
+    evaluations = official.evaluate_many(queries, plans)
+    scores = [e.to_score() for e in evaluations]
+    assert sum(s.success for s in scores) == 41
+    gated = scores[1]
+    assert gated.cs_micro == pytest.approx(7 / 8) and gated.hard_micro == 0 and gated.hard_macro == 0
+    assert gated.hard["valid_cost"].reason.startswith("not checked")
+    over = scores[44]
+    assert over.cs_macro == 1 and over.hard_macro == 0
+    assert over.hard_micro == pytest.approx(3 / 4)  # cuisine, room rule, transportation pass; budget fails
+
+
+def test_computed_denominators(gold, official):
+    queries, plans = mixed_submission(gold)
+    first = official.evaluate_many(queries[:10], plans[:10])
+    m = aggregate(queries[:10], first, mode="official", split=None)
+    assert m.split is None and m.counts.queries == 10 and m.counts.cs_total == 80
+    assert m.counts.hard_total == 10  # ten easy queries: one budget each
+    assert m.counts.hard_passed == 8 and m.hard_micro == pytest.approx(80.0)
+    with pytest.raises(ValueError, match="180"):
+        aggregate(queries, official.evaluate_many(queries, plans), mode="official", split="validation")
