@@ -63,6 +63,13 @@ def official_route(ctx: Context) -> Verdict:
     cities, verdict = _official_route_cities(ctx)
     if verdict:
         return verdict
+    return route_shape(ctx, cities, exact_destination=False)
+
+
+def route_shape(ctx: Context, cities: list[str], *, exact_destination: bool) -> Verdict:
+    """A closed loop through known cities, inside the destination state on 5/7-day trips;
+    with `exact_destination` (strict), a 3-day trip must visit the destination city itself."""
+    q = ctx.query
     if cities[0] != cities[-1]:
         return False, f"the route starts in {cities[0]!r} but ends in {cities[-1]!r}, not a closed loop"
     if not valid_city_sequence(cities):
@@ -72,8 +79,11 @@ def official_route(ctx: Context) -> Verdict:
     for idx, city in enumerate(cities):
         if city not in state_of:
             return False, f"{city!r} is not a city of the database"
-        if 0 < idx < last and ctx.query.days > 3 and state_of[city] != ctx.query.dest:
-            return False, f"{city!r} is in {state_of[city]}, not in {ctx.query.dest}"
+        if 0 < idx < last:
+            if q.days > 3 and state_of[city] != q.dest:
+                return False, f"{city!r} is in {state_of[city]}, not in {q.dest}"
+            if exact_destination and q.days == 3 and city != q.dest:
+                return False, f"the trip visits {city!r}, but the destination is {q.dest!r}"
     return OK
 
 
@@ -278,21 +288,7 @@ def strict_route(ctx: Context) -> Verdict:
             cities += day.travel
         else:
             cities.append(day.city or "")
-    if cities[0] != cities[-1]:
-        return False, f"the route starts in {cities[0]!r} but ends in {cities[-1]!r}, not a closed loop"
-    if not valid_city_sequence(cities):
-        return False, f"the city sequence {cities} revisits a city or stays in one for a single entry"
-    state_of = ctx.index.city_state
-    last = len(cities) - 1
-    for idx, city in enumerate(cities):
-        if city not in state_of:
-            return False, f"{city!r} is not a city of the database"
-        if 0 < idx < last:
-            if q.days > 3 and state_of[city] != q.dest:
-                return False, f"{city!r} is in {state_of[city]}, not in {q.dest}"
-            if q.days == 3 and city != q.dest:
-                return False, f"the trip visits {city!r}, but the destination is {q.dest!r}"
-    return OK
+    return route_shape(ctx, cities, exact_destination=True)
 
 
 def strict_restaurants(ctx: Context) -> Verdict:
