@@ -13,6 +13,7 @@ from services.reward.evaluator.parsing import (
     FILLER_CITY,
     before_paren,
     from_to,
+    leg_endpoints,
     name_city,
     official_transport_kind,
     present,
@@ -179,9 +180,7 @@ def official_sandbox(ctx: Context) -> Verdict:
         unit = ctx.day(i)
         value = unit["transportation"]
         if present(value):
-            o, d = from_to(value)
-            if o is None or d is None:
-                o, d = from_to(unit["current_city"])
+            o, d = leg_endpoints(value, unit["current_city"])
             low = value.lower()
             if "flight number" in low:
                 o, d = before_paren(o), before_paren(d)  # unparseable → TypeError (a crash)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from services.reward.evaluator.commonsense import strict_leg
 from services.reward.evaluator.context import Context
 from services.reward.evaluator.parsing import before_paren as _bp
-from services.reward.evaluator.parsing import from_to, name_city, present
+from services.reward.evaluator.parsing import leg_endpoints, name_city, present
 from services.reward.evaluator.plan import MEALS
 
 
@@ -39,9 +39,7 @@ def official_cost(ctx: Context) -> CostBreakdown:
         unit = ctx.day(i)
         value = unit["transportation"]
         if present(value):
-            o, d = from_to(value)
-            if o is None or d is None:
-                o, d = from_to(unit["current_city"])
+            o, d = leg_endpoints(value, unit["current_city"])
             if o is not None and d is not None:
                 low = value.lower()
                 if "flight number" in low:

@@ -38,6 +38,15 @@ def from_to(text: str) -> tuple[str | None, str | None]:
     return (m.group(1), m.group(2)) if m else (None, None)
 
 
+def leg_endpoints(transportation: str, current_city: str) -> tuple[str | None, str | None]:
+    """The leg's cities as the official checks read them: from the transportation text, else
+    from the day's "from A to B" city."""
+    o, d = from_to(transportation)
+    if o is None or d is None:
+        o, d = from_to(current_city)
+    return o, d
+
+
 @lru_cache(maxsize=8192)
 def name_city(text: str) -> tuple[str, str]:
     """("name", "city") split at the last comma, "(State)" removed; ("-", "-") without a comma."""
