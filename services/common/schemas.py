@@ -167,6 +167,12 @@ class Trajectory(BaseModel):
     tool_calls: int = 0
     answer: str | None = None
     timings: dict[str, float] = Field(default_factory=dict)
+    # What the scorer needs, carried from the task so a trajectory can be scored on its own.
+    query: TravelQuery | None = None
+    epoch: int = 1
+    reward_kind: str = "sum"
+    eval_mode: str = "strict"
+    error: str | None = Field(None, description="What went wrong when finish_reason is engine_error.")
 
 
 class CheckVerdict(BaseModel):
@@ -190,3 +196,68 @@ class Score(BaseModel):
 class ScoredTrajectory(Trajectory):
     score: Score
     reward: float
+    rewards: dict[str, float] = Field(default_factory=dict, description="Every reward kind, for logging.")
+    plan: Plan | None = None
+
+
+# ---- the RL loop's stream payloads (tasks → trajectories → scored) and weight updates ----
+
+RewardKind = Literal["sum", "macro", "success", "curriculum"]
+EvalMode = Literal["official", "strict"]
+
+
+class SamplingParams(BaseModel):
+    """How the policy samples; defaults are the paper's RL sampling (temperature 1.0)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(1.0, ge=0.0, le=5.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    max_tokens_per_turn: int = Field(8192, ge=1, description="Cap per model turn; also bounded by the room left in the context.")
+    max_context_tokens: int = Field(30_000, ge=64, description="Whole-trajectory token budget (real template tokens).")
+    max_tool_calls: int = Field(60, ge=1)
+    logprobs_top_k: int = Field(0, ge=0, le=20, description="Top-k alternatives recorded per sampled token (0: only the sampled one).")
+    seed: int | None = Field(None, description="Base seed; sample i of a group uses seed + i.")
+
+
+class ArpoParams(BaseModel):
+    """ARPO: entropy-guided branching of a group's rollouts after tool calls (agent-star.md §4.6);
+    defaults are the reference scripts' (initial rollouts = half the group)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    initial_rollouts: int | None = Field(None, ge=1, description="Episodes started from scratch; default G // 2.")
+    beam_size: int = Field(2, ge=1, le=16)
+    branch_probability: float = Field(0.5, ge=0.0, le=1.0)
+    entropy_weight: float = Field(0.2, ge=0.0)
+    top_logprobs: int = Field(10, ge=1, le=20, description="Alternatives per token for the entropy (first 20 tokens).")
+    seed: int | None = None
+
+
+class RolloutTask(BaseModel):
+    """One prompt to roll out G times: the payload of the tasks stream."""
+
+    schema_version: int = SCHEMA_VERSION
+    run_id: str = Field(min_length=1, max_length=128)
+    task_id: str = Field(min_length=1, max_length=256)
+    prompt_id: str = Field(min_length=1, max_length=256)
+    query: TravelQuery
+    group_size: int = Field(8, ge=1, le=256)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    epoch: int = Field(1, ge=1, description="1-based epoch, for the curriculum reward.")
+    reward_kind: RewardKind = "sum"
+    eval_mode: EvalMode = "strict"
+    min_policy_version: int = Field(0, ge=0, description="Do not sample with weights older than this.")
+    arpo: ArpoParams | None = Field(None, description="Branch the group ARPO-style instead of G independent samples.")
+
+
+class WeightsUpdate(BaseModel):
+    """A published policy version: a directory under the weights root holding an HF model
+    (safetensors, config, tokenizer) and `manifest.json`; `sha256` is the manifest's hash."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=0)
+    uri: str = Field(min_length=1, max_length=4096, description="Path (or file:// URI) of the version's directory.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")

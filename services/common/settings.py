@@ -36,6 +36,43 @@ class Settings(BaseSettings):
     fault_seed: int = 0
     tool_cache_size: int = Field(default=4096, ge=0, description="Rendered tool results kept in memory (0: off).")
 
+    # how the services find each other (embedded mode fills these in; Compose/Helm set them)
+    sandbox_url: str | None = Field(default=None, description="Base URL of the sandbox service.")
+    formatter_url: str | None = Field(default=None, description="Base URL of the formatter service.")
+    reward_url: str | None = Field(default=None, description="Base URL of the reward scoring API.")
+    rollout_urls: str | None = Field(default=None, description="Comma-separated base URLs of the rollout servers.")
+    learner_url: str | None = Field(default=None, description="Base URL of the learner service.")
+    stream_prefix: str = Field(default="star", description="Prefix of the Redis stream names (tasks, trajectories, scored).")
+
+    # models and weights
+    model: str | None = Field(default=None, description="Path of the policy model (an HF folder).")
+    weights_root: Path | None = Field(default=None, description="Where published weight versions live; default home/weights.")
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.weights_root or self.home / "weights"
+
+    @property
+    def rollout_url_list(self) -> list[str]:
+        return [u.strip().rstrip("/") for u in (self.rollout_urls or "").split(",") if u.strip()]
+
+    # OOD QA search service
+    qa_index: Path | None = Field(default=None, description="Passage index folder; default: home/qa/index.")
+    qa_top_k: int = Field(default=5, ge=1, le=100, description="Passages a Search call returns (the paper: top-5).")
+
+    # formatter (LLM backend: any OpenAI-compatible chat API) and reward scorer
+    formatter_llm_url: str | None = Field(default=None, description="Base URL of an OpenAI-compatible API, e.g. http://vllm:8000/v1.")
+    formatter_llm_model: str = Field(default="deepseek-chat", description="Model name sent to the formatter API.")
+    formatter_llm_api_key: str | None = Field(default=None, description="Bearer key of the formatter API.")
+    formatter_max_attempts: int = Field(default=3, ge=1, le=20, description="LLM calls per answer, repairs included.")
+    formatter_timeout_s: float = Field(default=60.0, gt=0, description="Per-request timeout of the formatter API.")
+    formatter_deadline_s: float = Field(default=180.0, gt=0, description="Wall-clock bound of one formatting.")
+    formatter_concurrency: int = Field(default=8, ge=1, description="Formatter API requests in flight per process.")
+    formatter_cache_size: int = Field(default=4096, ge=0, description="Formatted answers kept in memory (0: off).")
+    formatter_backend: str = Field(default="auto", description="Default formatter backend: structured | llm | auto.")
+    reward_max_body_bytes: int = Field(default=16 * 1024 * 1024, description="Largest body the reward API accepts "
+                                       "(POST /evaluate carries a whole split).")
+
     @property
     def world_url(self) -> str:
         return self.db_url or f"sqlite:///{self.home / 'world.sqlite'}"

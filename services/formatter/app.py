@@ -1,0 +1,90 @@
+"""HTTP face of the formatter: `POST /format` turns plan text into a plan.
+
+Run with `star formatter serve` (or `uvicorn --factory services.formatter.app:create_app`).
+A formatting failure is not an HTTP error: the reply is 200 with `status` and `error`; 4xx is
+for requests that are malformed, 503 for an LLM backend that is not configured.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import Literal
+
+from fastapi import FastAPI, HTTPException
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from services.common.http import create_app as create_service_app
+from services.common.logging import configure_logging
+from services.common.metrics import Metrics
+from services.common.schemas import Plan, TravelQuery
+from services.common.settings import Settings, get_settings
+from services.formatter.core import Formatter, FormatResult, LLMUnavailable
+from services.formatter.structured import MAX_TEXT_CHARS
+
+VERSION = "0.1.0"
+
+
+class FormatRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    query: TravelQuery | None = Field(None, description="The query the plan answers (gives the LLM context and "
+                                                        "the structured parser the day count).")
+    plan_text: str = Field(max_length=MAX_TEXT_CHARS, description="The agent's answer, as written.")
+    backend: Literal["structured", "llm", "auto"] | None = Field(None, description="Default: STAR_FORMATTER_BACKEND.")
+
+
+class FormatResponse(BaseModel):
+    status: str = Field(description="ok | empty_answer | no_plan | invalid_output | llm_error | timeout")
+    backend: str = Field(description="The backend that produced the result (rule: a skip rule decided).")
+    plan: Plan | None = None
+    error: str | None = None
+    attempts: int = 0
+    cached: bool = False
+
+
+def to_response(result: FormatResult) -> FormatResponse:
+    return FormatResponse(status=result.status, backend=result.backend, plan=result.plan, error=result.error,
+                          attempts=result.attempts, cached=result.cached)
+
+
+def create_app(settings: Settings | None = None, formatter: Formatter | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    configure_logging("formatter", settings.log_level, settings.log_json)
+    registry = Metrics("formatter")
+    outcomes = registry.counter("format_total", "Formatting outcomes", ("backend", "status"))
+    state: dict[str, Formatter] = {}
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        state["formatter"] = formatter or Formatter.from_settings(settings, remote=False)
+        yield
+        if formatter is None:
+            state["formatter"].close()
+
+    app = create_service_app(
+        service="formatter", title="STAR formatter", version=VERSION, metrics=registry,
+        ready=lambda: "formatter" in state, max_body_bytes=settings.max_body_bytes,
+        description="Plan text → TravelPlanner plan: an exact parser of the structured day-by-day form, "
+                    "and an LLM backend over any OpenAI-compatible chat API.",
+    )
+    app.router.lifespan_context = lifespan
+
+    @app.post("/format", tags=["format"], response_model=FormatResponse, response_model_exclude_none=True,
+              summary="Turn plan text into a plan")
+    async def format_plan(request: FormatRequest) -> FormatResponse:
+        fmt = state["formatter"]
+        backend = request.backend or settings.formatter_backend
+        try:
+            if backend == "structured" or fmt.llm is None and backend == "auto":
+                result = fmt.format(request.plan_text, request.query, backend)  # pure CPU, fast
+            else:
+                result = await run_in_threadpool(fmt.format, request.plan_text, request.query, backend)
+        except LLMUnavailable as exc:
+            raise HTTPException(503, str(exc)) from None
+        except ValueError as exc:
+            raise HTTPException(422, str(exc)) from None
+        outcomes.labels(result.backend, result.status).inc()
+        return to_response(result)
+
+    return app

@@ -1,0 +1,84 @@
+"""`star formatter ...`: serve the formatter, or format one plan text from the command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from services.common.settings import get_settings
+
+console = Console(stderr=True)
+formatter_app = typer.Typer(help="Plan text → TravelPlanner plan (structured parser, or an LLM).",
+                            no_args_is_help=True)
+
+
+def _fail(message: str) -> None:
+    console.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(2)
+
+
+@formatter_app.command("serve")
+def formatter_serve(
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8002),
+    workers: int = typer.Option(1, help="Worker processes."),
+    llm_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL (STAR_FORMATTER_LLM_URL)."),
+    llm_model: Optional[str] = typer.Option(None, help="Model name (STAR_FORMATTER_LLM_MODEL)."),
+) -> None:
+    """Serve POST /format over HTTP (OpenAPI docs at /docs)."""
+    import uvicorn
+
+    for key, value in (("STAR_FORMATTER_LLM_URL", llm_url), ("STAR_FORMATTER_LLM_MODEL", llm_model)):
+        if value is not None:
+            os.environ[key] = value
+    get_settings.cache_clear()
+    uvicorn.run("services.formatter.app:create_app", factory=True, host=host, port=port, workers=workers,
+                log_level="warning", access_log=False)
+
+
+@formatter_app.command("format")
+def formatter_format(
+    text_file: Path = typer.Argument(..., help="The plan text ('-' reads standard input)."),
+    query: Optional[Path] = typer.Option(None, help="The query as JSON (a TravelPlanner record)."),
+    backend: str = typer.Option("auto", help="structured | llm | auto"),
+) -> None:
+    """Print the plan read from a text as JSON (exit 1 when no plan could be read)."""
+    from pydantic import ValidationError
+
+    from services.common.schemas import TravelQuery
+    from services.formatter.core import Formatter, LLMUnavailable
+
+    text = sys.stdin.read() if str(text_file) == "-" else _read(text_file)
+    q = None
+    if query is not None:
+        try:
+            q = TravelQuery(**json.loads(_read(query)))
+        except (ValueError, TypeError, ValidationError) as exc:
+            _fail(f"{query}: not a TravelPlanner query: {str(exc).splitlines()[0]}")
+    fmt = Formatter.from_settings(get_settings())
+    try:
+        result = fmt.format(text, q, backend)  # type: ignore[arg-type]
+    except (LLMUnavailable, ValueError) as exc:
+        _fail(str(exc))
+    finally:
+        fmt.close()
+    print(json.dumps({"status": result.status, "backend": result.backend, "error": result.error,
+                      "plan": [d.model_dump() for d in result.plan.days] if result.plan else None},
+                     indent=2, ensure_ascii=False))
+    raise typer.Exit(0 if result.ok else 1)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        _fail(f"cannot read {path}: {exc.strerror or exc}")
+    except UnicodeDecodeError:
+        _fail(f"{path} is not UTF-8 text")
+    raise AssertionError  # unreachable

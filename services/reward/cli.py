@@ -1,0 +1,279 @@
+"""`star score`, `star evaluate`, `star reward serve|worker`: the evaluator for people and for the fleet."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from services.common.settings import get_settings
+
+console = Console(stderr=True)
+out = Console()
+reward_app = typer.Typer(help="Serve the scoring API or run the trajectory scoring worker.", no_args_is_help=True)
+
+OFFICIAL_SIZES = {45: "train", 180: "validation", 1000: "test"}
+
+
+def _fail(message: str) -> None:
+    console.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(2)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        _fail(f"cannot read {path}: {exc.strerror or exc}")
+    except UnicodeDecodeError:
+        _fail(f"{path} is not UTF-8 text")
+    raise AssertionError
+
+
+def _scorer(db: str | None, backend: str | None = None):
+    from services.formatter.core import Formatter
+    from services.reward.evaluator import Evaluator
+    from services.reward.scoring import Scorer
+    from services.sandbox.world import World
+
+    settings = get_settings()
+    url = db or settings.world_url
+    world = World(url)
+    problem = world.problem()
+    if problem is not None:
+        _fail(f"the travel world at {url} cannot be used: {problem} (build it with `star world build`)")
+    return Scorer(Evaluator(world), Formatter.from_settings(settings), default_backend=backend or settings.formatter_backend)
+
+
+def _mode(mode: str) -> str:
+    if mode not in ("official", "strict"):
+        _fail(f"--mode must be official or strict, not {mode!r}")
+    return mode
+
+
+def _mark(passed: bool | None) -> str:
+    return {True: "[green]pass[/green]", False: "[red]FAIL[/red]", None: "[dim]n/a[/dim]"}[passed]
+
+
+# --- star score ---------------------------------------------------------------------------------
+
+def score_command(
+    query: Path = typer.Option(..., "--query", help="The query as JSON (a TravelPlanner record)."),
+    plan: Path = typer.Option(..., "--plan", help="The plan: JSON (day list or {\"days\": [...]}) or plan text."),
+    mode: str = typer.Option("official", help="official (leaderboard parity) or strict."),
+    reward: str = typer.Option("sum", help="sum | macro | success | curriculum"),
+    epoch: Optional[int] = typer.Option(None, min=1, help="1-based epoch (for curriculum)."),
+    backend: Optional[str] = typer.Option(None, help="Formatter backend for plan text: structured | llm | auto."),
+    db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world (default: settings)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the full response as JSON."),
+) -> None:
+    """Score one plan: every check's verdict with its reason, the five scores and the rewards."""
+    from pydantic import ValidationError
+
+    from services.reward.scoring import ScoreError, ScoreRequest
+
+    try:
+        q = json.loads(_read(query))
+    except json.JSONDecodeError as exc:
+        _fail(f"{query}: not JSON: {exc.msg} (line {exc.lineno})")
+    raw = _read(plan)
+    body: dict[str, Any] = {"query": q, "mode": _mode(mode), "reward": reward, "epoch": epoch, "backend": backend}
+    try:
+        value = json.loads(raw)
+        body["plan_text" if isinstance(value, str) else "plan"] = value
+    except json.JSONDecodeError:
+        body["plan_text"] = raw
+    try:
+        request = ScoreRequest(**body)
+    except ValidationError as exc:
+        _fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5]))
+    scorer = _scorer(db, backend)
+    try:
+        result = scorer.score(request)
+    except ScoreError as exc:
+        _fail(str(exc))
+    finally:
+        scorer.close()
+    if as_json:
+        print(result.model_dump_json(indent=2))
+        return
+    from services.reward.evaluator import COMMONSENSE_CHECKS, HARD_CHECKS
+
+    table = Table(title=f"Verdicts ({mode} mode)")
+    table.add_column("kind")
+    table.add_column("check")
+    table.add_column("verdict")
+    table.add_column("reason", overflow="fold")
+    s = result.score
+    for kind, names, verdicts in (("commonsense", COMMONSENSE_CHECKS, s.commonsense), ("hard", HARD_CHECKS, s.hard)):
+        for key, label in names.items():
+            v = verdicts[key]
+            table.add_row(kind, label, _mark(v.passed), v.reason)
+    out.print(table)
+    if result.formatter is not None:
+        f = result.formatter
+        out.print(f"formatter: {f.status} ({f.backend})" + (f" — {f.error}" if f.error else ""))
+    out.print(f"cs_micro {s.cs_micro:.3f}  cs_macro {s.cs_macro:.0f}  hard_micro {s.hard_micro:.3f}  "
+              f"hard_macro {s.hard_macro:.0f}  success {s.success:.0f}" +
+              (f"  cost {result.cost:g}" if result.cost is not None else ""))
+    out.print("rewards: " + "  ".join(f"{k} {v:g}" for k, v in result.rewards.items()) +
+              f"   → {reward}: [bold]{result.reward:g}[/bold]")
+
+
+# --- star evaluate ------------------------------------------------------------------------------
+
+def evaluate_command(
+    submission: Path = typer.Argument(..., help="Official submission JSONL: {idx, query, plan} per line, "
+                                                "in dataset order (plan: day list, text or null)."),
+    queries: Optional[Path] = typer.Option(None, help="The split's query records (JSON list or JSONL with "
+                                                      "org, dest, days, date, ...). Default: the train split "
+                                                      "when the submission has 45 lines."),
+    mode: str = typer.Option("official", help="official (leaderboard parity) or strict."),
+    split: str = typer.Option("auto", help="train | validation | test | none | auto (by the number of queries). "
+                                           "Official mode then uses that split's fixed denominators."),
+    backend: Optional[str] = typer.Option(None, help="Formatter backend for plans given as text."),
+    db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world (default: settings)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
+) -> None:
+    """The leaderboard metrics of a submission file, paired line by line with the split's queries
+    (as the official evaluator pairs them)."""
+    from services.evaluation.submission import SubmissionError, load_split, read_predictions
+    from services.reward.scoring import EvaluateRequest, PlanInput, ScoreError
+
+    _mode(mode)
+    lines = [ln for ln in _read(submission).splitlines() if ln.strip()]
+    if queries is None:
+        default = get_settings().travelplanner_dir / "train" / "train.json"
+        if len(lines) != 45 or not default.is_file():
+            _fail(f"{submission} has {len(lines)} lines; give --queries, the split's records with their structured "
+                  "fields (a submission carries only the query text)")
+        queries = default
+    try:
+        split_queries = load_split(queries)
+        predictions = read_predictions(submission, split_queries)
+    except SubmissionError as exc:
+        _fail(str(exc))
+    mismatched = _text_mismatches(lines, split_queries)
+    if mismatched:
+        console.print(f"[yellow]warning:[/yellow] {len(mismatched)} line(s) carry a query text other than the "
+                      f"split's (first: line {mismatched[0]}); lines pair by order, as in the official evaluator")
+    chosen = None if split == "none" else OFFICIAL_SIZES.get(len(split_queries)) if split == "auto" else split
+    if chosen not in (None, "train", "validation", "test"):
+        _fail(f"--split must be train, validation, test, none or auto, not {split!r}")
+    items = []
+    for sq in split_queries:
+        p = predictions.get(sq.query_id)
+        items.append(PlanInput(query=sq.query, plan=p.plan if p else None, plan_text=p.plan_text if p else None))
+    scorer = _scorer(db, backend)
+    try:
+        metrics = scorer.evaluate_split(EvaluateRequest(items=items, split=chosen, mode=mode))
+    except ScoreError as exc:
+        _fail(str(exc))
+    finally:
+        scorer.close()
+    if as_json:
+        print(metrics.model_dump_json(indent=2))
+        return
+    c = metrics.counts
+    table = Table(title=f"{submission.name}: {c.queries} queries, {mode} mode"
+                        + (f", official {chosen} denominators" if chosen and mode == "official" else ""))
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("count", justify="right")
+    for label, value, num, den in (
+        ("Delivery Rate", metrics.delivery_rate, c.delivered, c.queries),
+        ("Commonsense Micro", metrics.cs_micro, c.cs_passed, c.cs_total),
+        ("Commonsense Macro", metrics.cs_macro, c.cs_macro_passed, c.queries),
+        ("Hard Micro", metrics.hard_micro, c.hard_passed, c.hard_total),
+        ("Hard Macro", metrics.hard_macro, c.hard_macro_passed, c.queries),
+        ("Final Pass Rate", metrics.final_pass_rate, c.final_passed, c.queries),
+    ):
+        table.add_row(label, f"{value:.2f}%", f"{num}/{den}")
+    out.print(table)
+
+
+def _text_mismatches(lines: list[str], split_queries) -> list[int]:
+    bad = []
+    for i, (line, sq) in enumerate(zip(lines, split_queries), 1):
+        try:
+            text = json.loads(line).get("query")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(text, str) and sq.query.query and " ".join(text.split()) != " ".join(sq.query.query.split()):
+            bad.append(i)
+    return bad
+
+
+# --- star reward serve | worker -----------------------------------------------------------------
+
+@reward_app.command("serve")
+def reward_serve(
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8003),
+    workers: int = typer.Option(1, help="Worker processes (scoring is CPU-bound: one per core)."),
+    db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world."),
+) -> None:
+    """Serve POST /score, /score/batch and /evaluate (OpenAPI docs at /docs)."""
+    import uvicorn
+
+    if db is not None:
+        os.environ["STAR_DB_URL"] = db
+    get_settings.cache_clear()
+    uvicorn.run("services.reward.app:create_app", factory=True, host=host, port=port, workers=workers,
+                log_level="warning", access_log=False)
+
+
+@reward_app.command("worker")
+def reward_worker(
+    db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world."),
+    consumer: Optional[str] = typer.Option(None, help="Consumer name (default: host and pid)."),
+    batch: int = typer.Option(8, min=1, help="Trajectories read per round."),
+    threads: int = typer.Option(1, min=1, max=64, help="Consumers in this process (more when an LLM formats: "
+                                                        "each waits on the API)."),
+) -> None:
+    """Score the trajectories stream into the scored stream until interrupted."""
+    import signal
+
+    from services.common.logging import configure_logging
+    from services.common.redis import connect_redis
+    from services.common.streams import StreamNames
+    from services.reward.worker import ScoreWorker
+
+    settings = get_settings()
+    if not settings.redis_url:
+        _fail("set STAR_REDIS_URL: the worker reads the trajectories stream of a shared Redis")
+    configure_logging("reward-worker", settings.log_level, settings.log_json)
+    try:
+        client, embedded = connect_redis(settings.redis_url)
+    except Exception as exc:  # noqa: BLE001 - any connection failure is reported the same way
+        _fail(f"cannot reach Redis at {settings.redis_url}: {exc}")
+    scorer = _scorer(db)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    names = StreamNames(settings.stream_prefix)
+    base = consumer or f"reward-{socket.gethostname()}-{os.getpid()}"
+    workers = [ScoreWorker(scorer, client, names, consumer=base if threads == 1 else f"{base}-{i}")
+               for i in range(threads)]
+    console.print(f"scoring {names.trajectories} → {names.scored} as {', '.join(w.consumer.consumer for w in workers)}")
+    pool = [threading.Thread(target=w.run, args=(stop,), kwargs={"batch": batch}, name=w.consumer.consumer)
+            for w in workers]
+    try:
+        for t in pool:
+            t.start()
+        while any(t.is_alive() for t in pool):
+            for t in pool:
+                t.join(0.5)
+    finally:
+        stop.set()
+        scorer.close()
+        if embedded is not None:
+            embedded.stop()
+    console.print(f"stopped: {sum(w.scored for w in workers)} scored, {sum(w.dead for w in workers)} dead-lettered")
