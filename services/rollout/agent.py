@@ -1,0 +1,333 @@
+"""The ReAct agent loop, token-in/token-out.
+
+A trajectory is one growing id sequence: the prompt (system + user + assistant header, rendered
+once by the chat template), then for every turn the ids the engine sampled (loss mask 1, their
+log-probs) and the ids of what the environment adds (mask 0): the end of the assistant message
+when the engine stopped without it, the user message carrying the tool response, and the next
+assistant header. Only that new segment is tokenized; the chat is never re-rendered, so the
+learner trains on exactly the tokens that were sampled (a re-tokenisation of the text can differ:
+see tests/rollout/test_agent.py).
+
+Budgets and how a trajectory ends (`finish_reason`):
+- `answer`: a turn carried `<answer>…</answer>` (or a lone `<answer>`).
+- `tool_budget`: the model tried to call a tool after `max_tool_calls` calls. Every attempted
+  call counts, malformed or unknown ones too (they cost a turn and context like any other).
+- `context_limit`: the next turn would have no room, a turn was cut by the room left, or a tool
+  response does not fit. Context is `len(token_ids)`, i.e. real template tokens. Each turn may
+  sample at most `min(max_tokens_per_turn, context left)` tokens.
+- `format_error`: format-error policy. As in the public agent, a turn with neither a tool call nor
+  an answer is burned: nothing is fed back, the assistant message is closed and a new assistant
+  turn begins. After `max_format_errors` such turns in a row the trajectory ends as
+  `format_error` (a policy that keeps rambling is not going to answer; the reward is 0 either way).
+- `engine_error`: the engine or the sandbox failed; `error` says how. The worker retries a task
+  whose every sample ended this way.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.schemas import SamplingParams, Trajectory, TravelQuery
+from services.rollout.engines.base import Engine, EngineError, Generation, TurnParams, normalized_entropy
+from services.rollout.protocol import parse_turn, system_prompt, tool_response, user_message
+from services.rollout.tools import ToolClient, ToolServiceError
+from services.sandbox.tools.registry import tool_names
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_tool_calls: int = 60
+    max_context_tokens: int = 30_000
+    max_tokens_per_turn: int = 8192
+    max_format_errors: int = 3
+
+    @classmethod
+    def from_sampling(cls, sampling: SamplingParams, max_format_errors: int = 3) -> Limits:
+        return cls(sampling.max_tool_calls, sampling.max_context_tokens, sampling.max_tokens_per_turn,
+                   max_format_errors)
+
+
+@dataclass
+class Episode:
+    """The live state of one trajectory; `fork` copies it for an ARPO branch."""
+
+    sample_index: int
+    seed: int | None
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float | None]
+    messages: list[dict[str, Any]]
+    prompt_len: int
+    tool_calls: int = 0
+    turns: int = 0
+    format_errors_in_row: int = 0
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    answer: str | None = None
+    error: str | None = None
+    timings: dict[str, float] = field(default_factory=lambda: {"generate_s": 0.0, "tool_s": 0.0})
+    initial_entropy: float | None = None
+    last_entropy: float | None = None
+    parent: int | None = None
+    branch_token: int | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def fork(self, sample_index: int, seed: int | None) -> Episode:
+        child = copy.deepcopy(self)
+        child.sample_index, child.seed = sample_index, seed
+        child.parent, child.branch_token = self.sample_index, len(self.token_ids)
+        return child
+
+
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """A distinct, reproducible seed per (sample, turn); sample i's base seed is `seed + i`."""
+    return None if seed is None else (seed * 1_000_003 + turn) % (2**31 - 1)
+
+
+class Agent:
+    """Runs episodes of one policy (engine) against one sandbox (tool client)."""
+
+    def __init__(self, engine: Engine, tools: ToolClient, *, tokenizer: Any = None,
+                 system: str | None = None, tool_names_: list[str] | None = None,
+                 fault_keys: bool = True) -> None:
+        self.engine = engine
+        self.tools = tools
+        self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
+        if engine.token_level and self.tokenizer is None:
+            raise ValueError("a token-level engine needs a tokenizer")
+        self.system = system if system is not None else system_prompt()
+        self.tool_names = list(tool_names_) if tool_names_ is not None else tool_names()
+        self.fault_keys = fault_keys
+        self._special: dict[str, int] = {}
+        if self.tokenizer is not None:
+            for t in ("<|im_start|>", "<|im_end|>"):
+                self._special[t] = self.tokenizer.convert_tokens_to_ids(t)
+
+    # -- building sequences ----------------------------------------------------------------
+
+    def start(self, query: TravelQuery | str, sample_index: int = 0, seed: int | None = None) -> Episode:
+        messages = [{"role": "system", "content": self.system}, {"role": "user", "content": user_message(query)}]
+        ids: list[int] = []
+        if self.engine.token_level:
+            ids = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=True)["input_ids"])
+        return Episode(sample_index=sample_index, seed=seed, token_ids=ids, loss_mask=[0] * len(ids),
+                       logprobs=[None] * len(ids), messages=messages, prompt_len=len(ids))
+
+    def _text(self, text: str) -> list[int]:
+        # split_special_tokens: text from a tool can never smuggle in a control token.
+        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+    def segment_ids(self, closed: bool, user_content: str | None) -> list[int]:
+        """What follows a sampled turn: `<|im_end|>` if the engine did not sample it, then (when
+        there is a user message) the ChatML user turn, then the next assistant header."""
+        start, end = self._special["<|im_start|>"], self._special["<|im_end|>"]
+        ids = [] if closed else [end]
+        ids += self._text("\n")
+        if user_content is not None:
+            ids += [start] + self._text("user\n" + user_content) + [end] + self._text("\n")
+        ids += [start] + self._text("assistant\n")
+        return ids
+
+    def context_limit(self, limits: Limits) -> int:
+        cap = limits.max_context_tokens
+        if self.engine.max_model_len:
+            cap = min(cap, self.engine.max_model_len)
+        return cap
+
+    # -- one turn ----------------------------------------------------------------------------
+
+    async def step(self, ep: Episode, sampling: SamplingParams, limits: Limits, request_id: str,
+                   top_logprobs: int | None = None) -> None:
+        """Sample one model turn, act on it, and append what the environment returns."""
+        if ep.done:
+            return
+        if not self.engine.token_level:
+            return await self._step_text(ep, sampling, limits, request_id)
+        room = self.context_limit(limits) - len(ep.token_ids)
+        if room <= 0:
+            ep.finish_reason = "context_limit"
+            return
+        max_tokens = min(limits.max_tokens_per_turn, room)
+        params = TurnParams(max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                            top_k=sampling.top_k, seed=turn_seed(ep.seed, ep.turns),
+                            top_logprobs=sampling.logprobs_top_k if top_logprobs is None else top_logprobs)
+        gen = await self._sample(ep, params, request_id)
+        if gen is None:
+            return
+        self._append_sampled(ep, gen)
+        stop_ids = self.engine.stop_ids
+        closed = bool(gen.token_ids) and gen.token_ids[-1] in stop_ids
+        text = self.tokenizer.decode([t for t in gen.token_ids if t not in stop_ids], skip_special_tokens=True)
+        ep.messages.append({"role": "assistant", "content": text, "tokens": len(gen.token_ids),
+                            "policy_version": gen.policy_version, "generate_s": gen.stats.get("generate_s", 0.0)})
+        turn = parse_turn(text, self.tool_names)
+        cut_by_context = gen.finish == "length" and max_tokens == room
+        if turn.kind == "answer":
+            ep.finish_reason, ep.answer = "answer", turn.answer
+            return
+        if cut_by_context:
+            ep.finish_reason = "context_limit"
+            return
+        if turn.kind == "format_error":
+            ep.format_errors_in_row += 1
+            if ep.format_errors_in_row >= limits.max_format_errors:
+                ep.finish_reason = "format_error"
+                return
+            self._append_env(ep, self.segment_ids(closed, None), limits)
+            return
+        ep.format_errors_in_row = 0
+        if ep.tool_calls >= limits.max_tool_calls:
+            ep.finish_reason = "tool_budget"
+            return
+        ep.tool_calls += 1
+        content = await self._run_tool(ep, turn)
+        if content is None:
+            return
+        self._append_env(ep, self.segment_ids(closed, content), limits, content)
+
+    async def _sample(self, ep: Episode, params: TurnParams, request_id: str) -> Generation | None:
+        t0 = time.perf_counter()
+        try:
+            gen = await self.engine.generate(ep.token_ids, params, request_id=request_id)
+        except (EngineError, Exception) as exc:  # noqa: BLE001 - any engine failure ends the episode
+            ep.finish_reason, ep.error = "engine_error", f"engine: {type(exc).__name__}: {exc}"
+            return None
+        elapsed = time.perf_counter() - t0
+        gen.stats.setdefault("generate_s", elapsed)
+        ep.timings["generate_s"] += elapsed
+        ep.turns += 1
+        ep.versions.append(gen.policy_version)
+        if gen.top_logprobs:
+            ep.last_entropy = normalized_entropy(gen.top_logprobs)
+            if ep.initial_entropy is None:
+                ep.initial_entropy = ep.last_entropy
+        return gen
+
+    def _append_sampled(self, ep: Episode, gen: Generation) -> None:
+        ep.token_ids += gen.token_ids
+        ep.loss_mask += [1] * len(gen.token_ids)
+        if gen.logprobs is not None and len(gen.logprobs) == len(gen.token_ids):
+            ep.logprobs += list(gen.logprobs)
+        else:
+            ep.logprobs += [None] * len(gen.token_ids)
+
+    def _append_env(self, ep: Episode, ids: list[int], limits: Limits, content: str | None = None) -> None:
+        if content is not None:
+            ep.messages.append({"role": "user", "content": content})
+        if len(ep.token_ids) + len(ids) >= self.context_limit(limits):
+            # The environment's answer does not fit (or leaves no room to reply to it).
+            ep.finish_reason = "context_limit"
+            return
+        ep.token_ids += ids
+        ep.loss_mask += [0] * len(ids)
+        ep.logprobs += [None] * len(ids)
+
+    async def _run_tool(self, ep: Episode, turn) -> str | None:
+        if not turn.runnable:
+            return tool_response(turn.error)
+        t0 = time.perf_counter()
+        key = f"{ep.sample_index}/{ep.tool_calls}" if self.fault_keys else None
+        try:
+            result = await self.tools.call(turn.name, turn.arguments, fault_key=key)
+        except ToolServiceError as exc:
+            ep.finish_reason, ep.error = "engine_error", f"sandbox: {exc}"
+            return None
+        ep.timings["tool_s"] += time.perf_counter() - t0
+        ep.timings["tool_faults"] = ep.timings.get("tool_faults", 0.0) + float(result.fault_injected)
+        return tool_response(result.text)
+
+    # -- text engines (no ids) ----------------------------------------------------------------
+
+    async def _step_text(self, ep: Episode, sampling: SamplingParams, limits: Limits, request_id: str) -> None:
+        """Chat-in/text-out: messages are the record; context is counted by rendering them
+        with the tokenizer's template when one is available."""
+        used = self._count_chat(ep.messages)
+        room = limits.max_context_tokens - used
+        if room <= 0:
+            ep.finish_reason = "context_limit"
+            return
+        params = TurnParams(max_tokens=min(limits.max_tokens_per_turn, room), temperature=sampling.temperature,
+                            top_p=sampling.top_p, top_k=sampling.top_k, seed=turn_seed(ep.seed, ep.turns))
+        t0 = time.perf_counter()
+        chat = [{"role": m["role"], "content": m["content"]} for m in ep.messages]
+        try:
+            gen = await self.engine.generate_chat(chat, params, request_id=request_id)
+        except Exception as exc:  # noqa: BLE001
+            ep.finish_reason, ep.error = "engine_error", f"engine: {type(exc).__name__}: {exc}"
+            return
+        ep.timings["generate_s"] += time.perf_counter() - t0
+        ep.turns += 1
+        text = gen.text or ""
+        ep.messages.append({"role": "assistant", "content": text, "policy_version": gen.policy_version})
+        turn = parse_turn(text, self.tool_names)
+        if turn.kind == "answer":
+            ep.finish_reason, ep.answer = "answer", turn.answer
+        elif turn.kind == "format_error":
+            ep.format_errors_in_row += 1
+            if ep.format_errors_in_row >= limits.max_format_errors:
+                ep.finish_reason = "format_error"
+        elif ep.tool_calls >= limits.max_tool_calls:
+            ep.finish_reason = "tool_budget"
+        else:
+            ep.format_errors_in_row = 0
+            ep.tool_calls += 1
+            content = await self._run_tool(ep, turn)
+            if content is not None:
+                ep.messages.append({"role": "user", "content": content})
+
+    def _count_chat(self, messages: list[dict[str, Any]]) -> int:
+        if self.tokenizer is None:
+            return sum(len(m["content"]) // 4 for m in messages)  # no tokenizer: a rough 4 chars/token
+        chat = [{"role": m["role"], "content": m["content"]} for m in messages]
+        return len(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=True)["input_ids"])
+
+    # -- whole episodes ----------------------------------------------------------------------
+
+    async def run_episode(self, ep: Episode, sampling: SamplingParams, limits: Limits,
+                          request_id: str | None = None) -> Episode:
+        request_id = request_id or uuid.uuid4().hex
+        while not ep.done:
+            await self.step(ep, sampling, limits, f"{request_id}-{ep.sample_index}")
+        return ep
+
+    async def run(self, query: TravelQuery | str, sampling: SamplingParams | None = None,
+                  limits: Limits | None = None, *, sample_index: int = 0, **meta: Any) -> Trajectory:
+        sampling = sampling or SamplingParams()
+        limits = limits or Limits.from_sampling(sampling)
+        seed = None if sampling.seed is None else sampling.seed + sample_index
+        ep = self.start(query, sample_index, seed)
+        await self.run_episode(ep, sampling, limits)
+        return to_trajectory(ep, query if isinstance(query, TravelQuery) else None, **meta)
+
+
+def to_trajectory(ep: Episode, query: TravelQuery | None = None, *, run_id: str = "adhoc", task_id: str = "adhoc",
+                  prompt_id: str = "adhoc", group_id: str | None = None, epoch: int = 1, reward_kind: str = "sum",
+                  eval_mode: str = "strict", policy_version: int | None = None) -> Trajectory:
+    timings = dict(ep.timings)
+    timings["total_s"] = time.perf_counter() - ep.started
+    timings["turns"] = float(ep.turns)
+    timings["prompt_tokens"] = float(ep.prompt_len)
+    timings["sampled_tokens"] = float(sum(ep.loss_mask))
+    if ep.versions:
+        timings["policy_version_last"] = float(max(ep.versions))
+    if ep.parent is not None:
+        timings["arpo_parent"] = float(ep.parent)
+        timings["arpo_branch_token"] = float(ep.branch_token or 0)
+    # The oldest weights that sampled any turn: what staleness is measured against.
+    version = min(ep.versions) if ep.versions else (policy_version or 0)
+    return Trajectory(run_id=run_id, task_id=task_id, prompt_id=prompt_id, group_id=group_id or prompt_id,
+                      sample_index=ep.sample_index, policy_version=version, messages=ep.messages,
+                      token_ids=ep.token_ids, loss_mask=ep.loss_mask, logprobs=ep.logprobs,
+                      finish_reason=ep.finish_reason or "engine_error", tool_calls=ep.tool_calls,
+                      answer=ep.answer, timings=timings, query=query, epoch=epoch, reward_kind=reward_kind,
+                      eval_mode=eval_mode, error=ep.error)

@@ -1,0 +1,76 @@
+"""HTTP face of the rollout service: run groups, load weight versions.
+
+Run with `star rollout serve` (or `uvicorn --factory services.rollout.app:create_app`); the
+engine comes from `STAR_ROLLOUT_*` (default vLLM on `STAR_MODEL`), the sandbox from
+`STAR_SANDBOX_URL`.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException
+
+from services.common.http import bearer_auth, create_app as create_service_app
+from services.common.logging import configure_logging
+from services.common.schemas import Trajectory, WeightsUpdate
+from services.common.settings import Settings, get_settings
+from services.rollout.service import RolloutConfig, RolloutMetrics, RolloutRequest, RolloutService, WeightsError
+
+VERSION = "0.1.0"
+
+
+def create_app(settings: Settings | None = None, service: RolloutService | None = None,
+               config: RolloutConfig | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    configure_logging("rollout", settings.log_level, settings.log_json)
+    metrics = service.metrics if service else RolloutMetrics()
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        svc = service
+        if svc is None:
+            from services.rollout.service import make_engine, make_tools
+
+            cfg = config or RolloutConfig()
+            svc = RolloutService(make_engine(settings, cfg), make_tools(settings, cfg), settings=settings,
+                                 config=cfg, metrics=metrics)
+        state["service"] = svc
+        yield
+        if service is None:
+            await svc.close()
+
+    app = create_service_app(
+        service="rollout", title="STAR rollout", version=VERSION, metrics=metrics.registry,
+        ready=lambda: "service" in state, max_body_bytes=settings.max_body_bytes,
+        description="ReAct agents on an inference engine: G trajectories per query, token-in/token-out.",
+    )
+    app.router.lifespan_context = lifespan
+    auth = bearer_auth(settings.api_token)
+
+    def svc() -> RolloutService:
+        s = state.get("service")
+        if s is None:
+            raise HTTPException(503, "the engine is not loaded yet")
+        return s
+
+    @app.post("/rollouts", tags=["rollout"], dependencies=[Depends(auth)],
+              summary="Run one query G times; returns the trajectories")
+    async def rollouts(request: RolloutRequest) -> dict[str, list[Trajectory]]:
+        return {"trajectories": await svc().rollout(request)}
+
+    @app.post("/weights", tags=["weights"], dependencies=[Depends(auth)],
+              summary="Load a published weight version (pause, load, reset prefix cache, resume)")
+    async def load_weights(update: WeightsUpdate) -> dict[str, Any]:
+        try:
+            return await svc().update_weights(update)
+        except WeightsError as exc:
+            raise HTTPException(exc.status, exc.message) from None
+
+    @app.get("/weights", tags=["weights"], summary="The loaded weight version")
+    async def weights() -> dict[str, Any]:
+        return svc().weights_info()
+
+    return app

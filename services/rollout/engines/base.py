@@ -1,0 +1,139 @@
+"""The engine contract: token ids in, token ids (with log-probs) out.
+
+Every engine the agent drives implements `Engine`. Token-level engines (vLLM, transformers,
+scripted) take the exact prompt ids and return the exact sampled ids, so a trajectory is built
+from what was sampled and never re-tokenised. Text engines (an OpenAI-compatible API) only take
+chat messages and return text; the agent then keeps messages and no ids.
+
+Weight updates go through `update_weights`, which closes a gate for new generations, waits for
+the ones in flight, loads, resets caches and reopens: no turn is ever sampled half on one
+version and half on another, and every `Generation` says which version sampled it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+EngineFinish = Literal["stop", "length", "abort"]
+
+
+class EngineError(RuntimeError):
+    """The engine could not produce a generation (bad request, crashed core, closed engine)."""
+
+
+@dataclass(frozen=True)
+class TurnParams:
+    """Sampling for one model turn."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    top_logprobs: int = 0  # alternatives recorded per sampled token (0: only the sampled one)
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float] | None  # raw model log-prob of each sampled token (None: not available)
+    finish: EngineFinish
+    top_logprobs: list[dict[int, float]] | None = None
+    text: str | None = None  # text engines only
+    policy_version: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class Engine:
+    """Base class: the weight gate and policy version; subclasses implement `_generate`."""
+
+    name = "engine"
+    token_level = True  # False: chat-in/text-out only (no ids, no log-probs)
+
+    def __init__(self, tokenizer: Any = None, *, policy_version: int = 0, max_model_len: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.policy_version = policy_version
+        self.max_model_len = max_model_len
+        self.weights_path: str | None = None
+        self._open = asyncio.Event()
+        self._open.set()
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._update_lock = asyncio.Lock()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def stop_ids(self) -> set[int]:
+        """Token ids that end a model turn (ChatML end of message and end of text)."""
+        tok = self.tokenizer
+        ids = {tok.eos_token_id} if tok is not None and tok.eos_token_id is not None else set()
+        for t in ("<|im_end|>", "<|endoftext|>"):
+            i = tok.convert_tokens_to_ids(t) if tok is not None else None
+            if isinstance(i, int) and i >= 0 and i != getattr(tok, "unk_token_id", None):
+                ids.add(i)
+        return ids
+
+    async def generate(self, prompt_ids: list[int], params: TurnParams, request_id: str = "") -> Generation:
+        """Sample one turn continuing `prompt_ids`."""
+        await self._open.wait()
+        self._in_flight += 1
+        self._idle.clear()
+        version = self.policy_version
+        try:
+            gen = await self._generate(list(prompt_ids), params, request_id)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+        gen.policy_version = version
+        return gen
+
+    async def generate_chat(self, messages: list[dict[str, str]], params: TurnParams,
+                            request_id: str = "") -> Generation:
+        """Text engines: one assistant reply to `messages`."""
+        raise EngineError(f"the {self.name} engine takes token ids, not chat messages")
+
+    async def _generate(self, prompt_ids: list[int], params: TurnParams, request_id: str) -> Generation:
+        raise NotImplementedError
+
+    async def update_weights(self, path: str | Path, version: int) -> dict[str, float]:
+        """Pause new generations, let in-flight ones finish, load `path`, reset caches, resume."""
+        async with self._update_lock:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            self._open.clear()
+            try:
+                await self._idle.wait()
+                drained = loop.time()
+                await self._load_weights(str(path))
+                self.policy_version = version
+                self.weights_path = str(path)
+            finally:
+                self._open.set()
+            return {"drain_s": drained - t0, "load_s": loop.time() - drained}
+
+    async def _load_weights(self, path: str) -> None:
+        raise EngineError(f"the {self.name} engine cannot load weights")
+
+    async def close(self) -> None:
+        return None
+
+
+def normalized_entropy(top_logprobs: list[dict[int, float]], first: int = 20, vocab_size: int = 151_936) -> float | None:
+    """ARPO's uncertainty of a segment (agent-star.md §4.6): the mean over its first `first`
+    tokens of -Σ p·log p over the recorded top-k alternatives, divided by log(|vocab|)."""
+    rows = [r for r in top_logprobs[:first] if r]
+    if not rows:
+        return None
+    total = 0.0
+    for row in rows:
+        total += -sum(math.exp(lp) * lp for lp in row.values() if lp > -math.inf)
+    return total / len(rows) / math.log(vocab_size)

@@ -1,0 +1,282 @@
+"""The rollout service's domain: one engine, one sandbox client, groups in, trajectories out.
+
+Shared by the HTTP app (`app.py`), the stream worker (`worker.py`) and the CLI. Also home of
+the weight-update checks: a new version must live under the weights root, carry a
+`manifest.json` whose sha256 is the one announced, and (when the manifest lists files with
+their sha256) files that match it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.common.metrics import Metrics
+from services.common.schemas import (EvalMode, RewardKind, RolloutTask, SamplingParams, ToolResult, Trajectory,
+                                     TravelQuery, WeightsUpdate)
+from services.common.settings import Settings, get_settings
+from services.rollout.agent import Agent
+from services.rollout.engines import Engine, build_engine
+from services.rollout.group import ArpoConfig, GroupMeta, sample_group
+from services.rollout.tools import HttpToolClient, LocalToolClient, ToolClient
+from services.common.files import sha256_file as file_sha256
+
+TOOL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class RolloutConfig(BaseSettings):
+    """`STAR_ROLLOUT_*` settings (the shared `STAR_*` ones come from services.common.settings)."""
+
+    model_config = SettingsConfigDict(env_prefix="STAR_ROLLOUT_", extra="ignore")
+
+    engine: Literal["vllm", "transformers", "openai"] = "vllm"
+    model: str | None = Field(None, description="HF folder (vllm/transformers) or served name (openai); default STAR_MODEL.")
+    max_model_len: int = Field(32768, ge=256)
+    dtype: str | None = Field(None, description="Model dtype; default bfloat16 for vllm, float32 for transformers.")
+    max_batch: int = Field(16, ge=1, description="transformers: requests decoded together.")
+    openai_base_url: str | None = None
+    openai_api_key: str | None = None
+    tools: Literal["http", "local"] = Field("http", description="Sandbox over HTTP (STAR_SANDBOX_URL) or in-process.")
+    tool_timeout_s: float = Field(30.0, gt=0)
+    tool_retries: int = Field(3, ge=0)
+    concurrency: int = Field(4, ge=1, description="Worker: tasks in flight at once.")
+    claim_idle_ms: int = Field(120_000, ge=100, description="Worker: reclaim a dead worker's task after this idle time.")
+    max_deliveries: int = Field(3, ge=1, description="Worker: attempts before a task is dead-lettered.")
+    max_format_errors: int = Field(3, ge=1)
+
+
+class RolloutRequest(BaseModel):
+    """`POST /rollouts`: one query, G samples."""
+
+    model_config = {"extra": "forbid"}
+
+    query: TravelQuery
+    group_size: int = Field(1, ge=1, le=64)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    arpo: ArpoConfig | None = None
+    run_id: str = Field("adhoc", min_length=1, max_length=128)
+    task_id: str | None = Field(None, max_length=256)
+    prompt_id: str | None = Field(None, max_length=256)
+    epoch: int = Field(1, ge=1)
+    reward_kind: RewardKind = "sum"
+    eval_mode: EvalMode = "strict"
+
+
+class WeightsError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class RolloutMetrics:
+    def __init__(self) -> None:
+        m = self.registry = Metrics("rollout")
+        self.trajectories = m.counter("trajectories_total", "Finished trajectories by finish reason", ("finish_reason",))
+        self.sampled_tokens = m.counter("sampled_tokens_total", "Tokens sampled by the engine")
+        self.tokens_per_second = m.gauge("tokens_per_second", "Sampled tokens per second over the last minute")
+        self.in_flight = m.gauge("in_flight_trajectories", "Trajectories being sampled now")
+        self.tool_seconds = m.histogram("tool_seconds", "Sandbox call latency seen by the agent", ("tool",),
+                                        buckets=TOOL_BUCKETS)
+        self.tool_calls = m.counter("tool_calls_total", "Tool calls by outcome", ("tool", "outcome"))
+        self.weight_version = m.gauge("weight_version", "Policy version of the loaded weights")
+        self.weight_updates = m.counter("weight_updates_total", "Weight updates by outcome", ("outcome",))
+        self._window: deque[tuple[float, int]] = deque()
+
+    def observe(self, trajectories: list[Trajectory]) -> None:
+        now = time.monotonic()
+        for t in trajectories:
+            self.trajectories.labels(t.finish_reason).inc()
+            n = sum(t.loss_mask)
+            self.sampled_tokens.inc(n)
+            self._window.append((now, n))
+        while self._window and now - self._window[0][0] > 60:
+            self._window.popleft()
+        if self._window:
+            span = max(1.0, now - self._window[0][0])
+            self.tokens_per_second.set(sum(n for _, n in self._window) / span)
+
+
+class TimedTools:
+    """A ToolClient that reports each call's latency and outcome to the metrics."""
+
+    def __init__(self, inner: ToolClient, metrics: RolloutMetrics) -> None:
+        self.inner = inner
+        self.metrics = metrics
+
+    async def call(self, name: str, arguments: dict[str, Any], *, fault_key: str | None = None) -> ToolResult:
+        t0 = time.perf_counter()
+        try:
+            result = await self.inner.call(name, arguments, fault_key=fault_key)
+        except Exception:
+            self.metrics.tool_calls.labels(name, "unavailable").inc()
+            raise
+        self.metrics.tool_seconds.labels(name).observe(time.perf_counter() - t0)
+        outcome = "fault" if result.fault_injected else ("ok" if result.ok else "error")
+        self.metrics.tool_calls.labels(name, outcome).inc()
+        return result
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class RolloutService:
+    def __init__(self, engine: Engine, tools: ToolClient, *, settings: Settings | None = None,
+                 config: RolloutConfig | None = None, metrics: RolloutMetrics | None = None) -> None:
+        self.settings = settings or get_settings()
+        self.config = config or RolloutConfig()
+        self.metrics = metrics or RolloutMetrics()
+        self.engine = engine
+        self.tools = TimedTools(tools, self.metrics)
+        self.agent = Agent(engine, self.tools)
+        self.loaded_at = time.time()
+        self.metrics.weight_version.set(engine.policy_version)
+        self._weights_sha: str | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings | None = None, config: RolloutConfig | None = None) -> RolloutService:
+        settings = settings or get_settings()
+        config = config or RolloutConfig()
+        return cls(make_engine(settings, config), make_tools(settings, config), settings=settings, config=config)
+
+    async def rollout(self, request: RolloutRequest | RolloutTask) -> list[Trajectory]:
+        if isinstance(request, RolloutTask):
+            group, arpo = request.group_size, request.arpo
+            task_id = request.task_id
+        else:
+            group, arpo = request.group_size, request.arpo
+            task_id = request.task_id or f"{request.run_id}-{int(time.time() * 1000)}"
+        prompt_id = getattr(request, "prompt_id", None) or request.query.id or task_id
+        meta = GroupMeta(run_id=request.run_id, task_id=task_id, prompt_id=prompt_id, epoch=request.epoch,
+                         reward_kind=request.reward_kind, eval_mode=request.eval_mode)
+        self.metrics.in_flight.inc(group)
+        try:
+            from services.rollout.agent import Limits
+
+            limits = Limits.from_sampling(request.sampling, self.config.max_format_errors)
+            trajectories = await sample_group(self.agent, request.query, group, request.sampling, limits,
+                                              arpo=arpo, meta=meta)
+        finally:
+            self.metrics.in_flight.dec(group)
+        self.metrics.observe(trajectories)
+        return trajectories
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def weights_info(self) -> dict[str, Any]:
+        return {"version": self.engine.policy_version, "path": self.engine.weights_path, "sha256": self._weights_sha,
+                "engine": self.engine.name, "loaded_at": self.loaded_at, "in_flight": self.engine.in_flight}
+
+    async def update_weights(self, update: WeightsUpdate) -> dict[str, Any]:
+        if not self.engine.token_level:
+            raise WeightsError(409, f"the {self.engine.name} engine serves a remote model; it has no weights to load")
+        try:
+            folder = check_weights(update, self.settings.weights_dir)
+        except WeightsError:
+            self.metrics.weight_updates.labels("rejected").inc()
+            raise
+        if update.version < self.engine.policy_version:
+            self.metrics.weight_updates.labels("rejected").inc()
+            raise WeightsError(409, f"version {update.version} is older than the loaded version "
+                                    f"{self.engine.policy_version}")
+        if update.version == self.engine.policy_version and update.sha256 == self._weights_sha:
+            return {**self.weights_info(), "reloaded": False}
+        try:
+            timing = await self.engine.update_weights(folder, update.version)
+        except Exception as exc:  # noqa: BLE001 - a failed load is reported, the old weights stay in use
+            self.metrics.weight_updates.labels("failed").inc()
+            raise WeightsError(422, f"could not load {folder}: {type(exc).__name__}: {exc}") from exc
+        self._weights_sha = update.sha256
+        self.loaded_at = time.time()
+        self.metrics.weight_version.set(update.version)
+        self.metrics.weight_updates.labels("loaded").inc()
+        return {**self.weights_info(), "reloaded": True, **timing}
+
+    async def close(self) -> None:
+        await self.tools.close()
+        await self.engine.close()
+
+
+def check_weights(update: WeightsUpdate, root: Path) -> Path:
+    """The folder of a published version, or a WeightsError saying why it cannot be loaded."""
+    uri = update.uri
+    if "://" in uri:
+        scheme, _, rest = uri.partition("://")
+        if scheme != "file":
+            raise WeightsError(422, f"unsupported uri scheme {scheme!r}: use a path or a file:// URI")
+        uri = rest
+    folder = Path(uri)
+    root = Path(root).resolve()
+    if not folder.is_absolute():
+        folder = root / folder
+    folder = folder.resolve()
+    if not folder.is_relative_to(root):
+        raise WeightsError(403, f"{update.uri} is outside the weights root {root}")
+    if not folder.is_dir():
+        raise WeightsError(404, f"no weights folder at {folder}")
+    manifest = folder / "manifest.json"
+    if not manifest.is_file():
+        raise WeightsError(422, f"{folder} has no manifest.json")
+    raw = manifest.read_bytes()
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != update.sha256:
+        raise WeightsError(422, f"manifest sha256 mismatch: announced {update.sha256}, found {digest}")
+    try:
+        listed = json.loads(raw).get("files") or {}
+    except (ValueError, AttributeError):
+        raise WeightsError(422, "manifest.json is not a JSON object") from None
+    if not isinstance(listed, dict):
+        raise WeightsError(422, "manifest.json: files must be an object")
+    for name, entry in listed.items():
+        # The learner's manifest form: {"file": {"sha256": …, "bytes": …}}; a bare digest is accepted too.
+        expected = entry.get("sha256") if isinstance(entry, dict) else entry
+        path = (folder / name).resolve()
+        if not path.is_relative_to(folder) or not path.is_file():
+            raise WeightsError(422, f"manifest lists {name!r}, which is not a file of the version")
+        if isinstance(expected, str) and file_sha256(path) != expected:
+            raise WeightsError(422, f"{name} does not match its sha256 in the manifest")
+    return folder
+
+
+def write_manifest(folder: Path, version: int) -> str:
+    """Write `manifest.json` in the learner's form (version; sha256 and size of every file) and
+    return its sha256: what the publisher does after saving a version (tests and benchmark use it)."""
+    files = {p.name: {"sha256": file_sha256(p), "bytes": p.stat().st_size} for p in sorted(folder.iterdir())
+             if p.is_file() and p.name != "manifest.json" and not p.name.startswith(".")}
+    raw = json.dumps({"version": version, "files": files}, indent=1, sort_keys=True).encode()
+    (folder / "manifest.json").write_bytes(raw)
+    return hashlib.sha256(raw).hexdigest()
+
+
+def make_engine(settings: Settings, config: RolloutConfig) -> Engine:
+    model = config.model or settings.model
+    if config.engine == "openai":
+        return build_engine("openai", model, base_url=config.openai_base_url, api_key=config.openai_api_key)
+    options: dict[str, Any] = {"max_model_len": config.max_model_len}
+    if config.dtype:
+        options["dtype"] = config.dtype
+    if config.engine == "transformers":
+        options["max_batch"] = config.max_batch
+    return build_engine(config.engine, model, **options)
+
+
+def make_tools(settings: Settings, config: RolloutConfig) -> ToolClient:
+    if config.tools == "local":
+        from services.sandbox.tools.toolbox import ToolBox
+        from services.sandbox.world import World
+
+        world = World(settings.world_url)
+        problem = world.problem()
+        if problem:
+            raise RuntimeError(f"travel world not usable: {problem}")
+        return LocalToolClient(ToolBox.from_settings(world, settings))
+    if not settings.sandbox_url:
+        raise RuntimeError("STAR_SANDBOX_URL is not set (or set STAR_ROLLOUT_TOOLS=local)")
+    return HttpToolClient(settings.sandbox_url, timeout_s=config.tool_timeout_s, retries=config.tool_retries)

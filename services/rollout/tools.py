@@ -1,0 +1,100 @@
+"""How the agent reaches the sandbox: over HTTP (production) or a ToolBox in-process (tests, demos).
+
+Both return a `ToolResult` whose text is exactly what the tool prints. The HTTP client retries
+transport errors and 5xx answers with backoff; when the sandbox stays unreachable it raises
+`ToolServiceError`, which the agent turns into an `engine_error` trajectory (an outage is not the
+policy's fault, so it must not be trained on as a failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+import httpx
+
+from services.common.schemas import ToolResult
+from services.rollout.protocol import call_error
+
+
+class ToolServiceError(RuntimeError):
+    """The sandbox could not be reached or kept failing."""
+
+
+class ToolClient(Protocol):
+    async def call(self, name: str, arguments: dict[str, Any], *, fault_key: str | None = None) -> ToolResult: ...
+
+    async def close(self) -> None: ...
+
+
+class HttpToolClient:
+    """`POST {base_url}/tools/call` with timeouts and retries."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.2,
+                 dialect: str | None = None, fault_rate: float | None = None, fault_seed: int | None = None,
+                 max_connections: int = 64) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.options = {k: v for k, v in {"dialect": dialect, "fault_rate": fault_rate,
+                                          "fault_seed": fault_seed}.items() if v is not None}
+        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout_s),
+                                         limits=httpx.Limits(max_connections=max_connections))
+
+    async def call(self, name: str, arguments: dict[str, Any], *, fault_key: str | None = None) -> ToolResult:
+        body = {"name": name, "arguments": arguments, **self.options}
+        if fault_key is not None and "fault_seed" in self.options:
+            body["fault_key"] = fault_key[:256]
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                reply = await self._client.post("/tools/call", json=body)
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                continue
+            if reply.status_code == 200:
+                return ToolResult.model_validate_json(reply.content)
+            if reply.status_code >= 500:
+                last = f"HTTP {reply.status_code}: {reply.text[:300]}"
+                continue
+            # 4xx: the call itself is bad (e.g. text that is not valid Unicode); the model is told.
+            return ToolResult(name=name, text=call_error(ValueError(_problem_detail(reply))), ok=False)
+        raise ToolServiceError(f"sandbox at {self.base_url} failed {self.retries + 1} times; last: {last}")
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def _problem_detail(reply: httpx.Response) -> str:
+    try:
+        detail = reply.json().get("detail")
+    except ValueError:
+        return reply.text[:300]
+    if isinstance(detail, list) and detail and isinstance(detail[0], dict):
+        return "; ".join(str(d.get("msg", "")) for d in detail)
+    return str(detail)
+
+
+class LocalToolClient:
+    """A ToolBox in this process (SQLite reads are fast enough to run on the event loop)."""
+
+    def __init__(self, toolbox: Any, *, dialect: str | None = None, fault_rate: float | None = None,
+                 fault_seed: int | None = None) -> None:
+        self.toolbox = toolbox
+        self.dialect = dialect
+        self.fault_rate = fault_rate
+        self.fault_seed = fault_seed
+
+    async def call(self, name: str, arguments: dict[str, Any], *, fault_key: str | None = None) -> ToolResult:
+        from services.sandbox.tools.toolbox import BackendError
+
+        try:
+            return self.toolbox.call(name, arguments, dialect=self.dialect, fault_rate=self.fault_rate,
+                                     fault_seed=self.fault_seed, fault_key=fault_key)
+        except BackendError as exc:
+            raise ToolServiceError(f"world database: {exc}") from exc
+
+    async def close(self) -> None:
+        return None

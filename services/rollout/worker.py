@@ -1,0 +1,192 @@
+"""The rollout worker: RolloutTask from the tasks stream → G trajectories on the trajectories stream.
+
+Delivery (services/common/streams.py): the trajectories are written and the task acknowledged
+in one Redis transaction, so a worker killed at any point leaves either both or neither; a dead
+worker's task stays pending and another worker claims it after `claim_idle_ms`. While a task
+runs, a heartbeat re-claims it for its own consumer every `claim_idle_ms / 3`, so a slow but
+live worker is never robbed of its task (which would duplicate its trajectories).
+
+Failures: a payload that is not a RolloutTask is dead-lettered at once (retrying cannot fix
+it); a task whose every sample ended in `engine_error`, or that needs newer weights than can
+be loaded, is failed and retried, and dead-lettered after `max_deliveries` attempts.
+
+Weights: before a task, the worker loads the version announced under `{prefix}:weights:latest`
+when it is newer than its own (the learner writes that key after every step).
+
+The engine lives on the asyncio loop of the main thread; `concurrency` consumer threads each
+take one task at a time and run it on that loop, so up to `concurrency` groups share the engine.
+Run: `star rollout worker` or `python -m services.rollout.worker`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import threading
+from typing import Any
+
+import redis
+from pydantic import ValidationError
+
+from services.common.schemas import RolloutTask, Trajectory, WeightsUpdate
+from services.common.settings import Settings, get_settings
+from services.common.streams import REDIS_DOWN, StreamConsumer, StreamMessage, StreamNames, run_worker, until_redis
+from services.rollout.service import RolloutConfig, RolloutService, WeightsError
+
+log = logging.getLogger(__name__)
+GROUP = "rollout"
+
+
+class TaskFailed(RuntimeError):
+    """The task could not be rolled out now; it is retried (and dead-lettered in the end)."""
+
+
+class RolloutWorker:
+    def __init__(self, service: RolloutService, client: redis.Redis, loop: asyncio.AbstractEventLoop, *,
+                 names: StreamNames | None = None, consumer: str | None = None, concurrency: int = 1,
+                 claim_idle_ms: int = 120_000, max_deliveries: int = 3, block_ms: int = 500) -> None:
+        self.service = service
+        self.client = client
+        self.loop = loop
+        self.names = names or StreamNames(get_settings().stream_prefix)
+        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
+        self.concurrency = concurrency
+        self.claim_idle_ms = claim_idle_ms
+        self.max_deliveries = max_deliveries
+        self.block_ms = block_ms
+        self.stop = threading.Event()
+        self._working: dict[str, StreamConsumer] = {}
+        self._lock = threading.Lock()
+        self.handled = 0
+        self.on_fatal: Any = None  # called when a consumer thread dies (main() stops the loop)
+
+    # -- one task ----------------------------------------------------------------------------
+
+    def _on_loop(self, coro) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def handle(self, consumer: StreamConsumer, msg: StreamMessage) -> list[Trajectory] | None:
+        try:
+            task = RolloutTask.model_validate(msg.data)
+        except ValidationError as exc:
+            # Permanent: no retry can make this a task. Straight to the dead letters.
+            msg.deliveries = max(msg.deliveries, consumer.max_deliveries)
+            consumer.fail(msg, f"not a RolloutTask: {exc.errors()[:3]}")
+            return None
+        self.sync_weights()
+        if self.service.engine.policy_version < task.min_policy_version:
+            raise TaskFailed(f"task needs policy version ≥ {task.min_policy_version}; "
+                             f"loaded {self.service.engine.policy_version}")
+        with self._lock:
+            self._working[msg.id] = consumer
+        try:
+            trajectories = self._on_loop(self.service.rollout(task))
+        finally:
+            with self._lock:
+                self._working.pop(msg.id, None)
+        if trajectories and all(t.finish_reason == "engine_error" for t in trajectories):
+            raise TaskFailed(f"every sample failed: {trajectories[0].error}")
+        self.handled += 1
+        return trajectories
+
+    def sync_weights(self) -> None:
+        try:
+            raw = self.client.get(self.names.weights_latest)
+        except REDIS_DOWN:
+            return  # Redis restarting: keep the loaded weights; the version check below the call still holds
+        if not raw:
+            return
+        try:
+            update = WeightsUpdate.model_validate_json(raw)
+        except ValidationError:
+            log.warning("ignoring an unreadable weights announcement", extra={"key": self.names.weights_latest})
+            return
+        if update.version <= self.service.engine.policy_version:
+            return
+        try:
+            self._on_loop(self.service.update_weights(update))
+        except WeightsError as exc:
+            log.error("announced weights not loadable", extra={"version": update.version, "error": exc.message})
+
+    # -- running -----------------------------------------------------------------------------
+
+    def _heartbeat(self) -> None:
+        """Keep our in-progress tasks' idle time low so no other worker claims them."""
+        interval = max(0.05, self.claim_idle_ms / 3000.0)
+        while not self.stop.wait(interval):
+            with self._lock:
+                working = list(self._working.items())
+            for entry, consumer in working:
+                try:
+                    self.client.xclaim(consumer.stream, consumer.group, consumer.consumer, min_idle_time=0,
+                                       message_ids=[entry], justid=True)
+                except redis.RedisError as exc:
+                    log.warning("heartbeat failed", extra={"id": entry, "error": str(exc)})
+
+    def _consume(self, index: int) -> None:
+        try:
+            consumer = until_redis(lambda: StreamConsumer(
+                self.client, self.names.tasks, GROUP, f"{self.consumer}-{index}", claim_idle_ms=self.claim_idle_ms,
+                max_deliveries=self.max_deliveries), self.stop, "joining the rollout group")
+            if consumer is not None:
+                run_worker(consumer, lambda msg: self.handle(consumer, msg), self.names.trajectories, self.stop,
+                           block_ms=self.block_ms)
+        except Exception:
+            # A consumer thread that died would leave a live process doing nothing: stop the
+            # process instead, so its supervisor restarts it (its pending task is re-read then).
+            log.exception("rollout consumer failed; stopping the worker", extra={"consumer": index})
+            self.stop.set()
+            if self.on_fatal:
+                self.on_fatal()
+
+    def start(self) -> list[threading.Thread]:
+        threads = [threading.Thread(target=self._heartbeat, name="rollout-heartbeat", daemon=True)]
+        threads += [threading.Thread(target=self._consume, args=(i,), name=f"rollout-consumer-{i}", daemon=True)
+                    for i in range(self.concurrency)]
+        for t in threads:
+            t.start()
+        return threads
+
+
+def main(settings: Settings | None = None, config: RolloutConfig | None = None) -> None:
+    """Run a worker until SIGTERM/SIGINT."""
+    from services.common.logging import configure_logging
+    from services.common.redis import connect_redis
+
+    settings = settings or get_settings()
+    config = config or RolloutConfig()
+    configure_logging("rollout-worker", settings.log_level, settings.log_json)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+
+    async def build() -> RolloutService:
+        return RolloutService.from_settings(settings, config)
+
+    service = loop.run_until_complete(build())
+    if not settings.redis_url:
+        raise SystemExit("STAR_REDIS_URL is not set: a worker joins the fleet's Redis")
+    client, _ = connect_redis(settings.redis_url)
+    worker = RolloutWorker(service, client, loop, names=StreamNames(settings.stream_prefix),
+                           consumer=os.environ.get("STAR_ROLLOUT_CONSUMER"), concurrency=config.concurrency,
+                           claim_idle_ms=config.claim_idle_ms, max_deliveries=config.max_deliveries)
+
+    def shutdown(*_: Any) -> None:
+        worker.stop.set()
+        loop.call_soon_threadsafe(loop.stop)
+
+    signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
+    worker.on_fatal = shutdown
+    threads = worker.start()
+    log.info("rollout worker running", extra={"consumer": worker.consumer, "concurrency": config.concurrency})
+    loop.run_forever()
+    for t in threads:
+        t.join(timeout=5)
+    loop.run_until_complete(service.close())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The rollout worker on real Redis streams: poison tasks, retries, and a worker killed mid-task."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from services.common.schemas import RolloutTask, SamplingParams, TravelQuery
+from services.common.streams import StreamNames, ensure_group, publish, read_all
+from services.rollout.engines.base import EngineError
+from services.rollout.engines.scripted import ScriptedEngine
+from services.rollout.protocol import format_answer, format_tool_call
+from services.rollout.service import RolloutService
+from services.rollout.worker import GROUP, RolloutWorker
+
+QUERY = TravelQuery(org="Sarasota", dest="Chicago", days=3, visiting_city_number=1,
+                    date=["2022-03-22", "2022-03-23", "2022-03-24"], people_number=1, budget=1900,
+                    query="A 3-day trip from Sarasota to Chicago.")
+
+
+def task(n: int, group: int = 2, **kw) -> RolloutTask:
+    return RolloutTask(run_id="run", task_id=f"task-{n}", prompt_id=f"p-{n}", query=QUERY, group_size=group,
+                       sampling=SamplingParams(seed=n, max_tokens_per_turn=kw.pop("max_tokens", 64),
+                                               max_context_tokens=kw.pop("context", 4096)), **kw)
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+
+
+def run_until(worker: RolloutWorker, done, timeout: float = 30.0) -> None:
+    threads = worker.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        worker.stop.set()
+        for t in threads:
+            t.join(5)
+    assert done(), "worker did not finish in time"
+
+
+def test_tasks_become_trajectories_with_task_fields_and_poison_goes_dead(redis_client, tokenizer, local_tools, loop):
+    client, prefix = redis_client
+    names = StreamNames(prefix.rstrip(":"))
+    script = [format_tool_call("SearchCity", {"state": "Illinois"}), format_answer("Day 1:\nCurrent City: Chicago")]
+    engine = ScriptedEngine(tokenizer, lambda ids, turn: script[min(turn, 1)])
+    service = RolloutService(engine, local_tools)
+    publish(client, names.tasks, task(1, epoch=3, reward_kind="macro", eval_mode="official"))
+    publish(client, names.tasks, {"run_id": "run", "task_id": "broken"})  # not a RolloutTask
+    publish(client, names.tasks, task(2))
+    worker = RolloutWorker(service, client, loop, names=names, consumer="w", claim_idle_ms=500)
+    run_until(worker, lambda: client.xlen(names.trajectories) >= 4 and client.xlen(StreamNames.dead(names.tasks)) >= 1)
+    trajs = [data for _, data in read_all(client, names.trajectories)]
+    assert sorted((t["task_id"], t["sample_index"]) for t in trajs) == [("task-1", 0), ("task-1", 1),
+                                                                          ("task-2", 0), ("task-2", 1)]
+    first = next(t for t in trajs if t["task_id"] == "task-1")
+    assert (first["epoch"], first["reward_kind"], first["eval_mode"]) == (3, "macro", "official")
+    assert first["query"]["org"] == "Sarasota" and first["finish_reason"] == "answer"
+    dead = [data for _, data in read_all(client, StreamNames.dead(names.tasks))]
+    assert len(dead) == 1 and dead[0]["payload"]["task_id"] == "broken" and "not a RolloutTask" in dead[0]["error"]
+    assert client.xpending(names.tasks, GROUP)["pending"] == 0
+
+
+def test_a_task_whose_samples_all_fail_is_retried_then_dead_lettered(redis_client, tokenizer, local_tools, loop):
+    client, prefix = redis_client
+    names = StreamNames(prefix.rstrip(":"))
+    engine = ScriptedEngine(tokenizer, lambda ids, turn: EngineError("engine core died"))
+    service = RolloutService(engine, local_tools)
+    publish(client, names.tasks, task(7))
+    worker = RolloutWorker(service, client, loop, names=names, consumer="w", claim_idle_ms=200, max_deliveries=2)
+    run_until(worker, lambda: client.xlen(StreamNames.dead(names.tasks)) >= 1)
+    dead = read_all(client, StreamNames.dead(names.tasks))[0][1]
+    assert dead["deliveries"] == 2 and "engine core died" in dead["error"]
+    assert client.xlen(names.trajectories) == 0 and len(engine.calls) == 4  # 2 attempts × 2 samples
+
+
+def test_the_worker_loads_newer_announced_weights_before_a_task(redis_client, tokenizer, local_tools, loop, tmp_path,
+                                                                 tiny_model):
+    import shutil
+
+    from services.common.schemas import WeightsUpdate
+    from services.common.settings import Settings
+    from services.rollout.service import write_manifest
+
+    client, prefix = redis_client
+    names = StreamNames(prefix.rstrip(":"))
+    version = tmp_path / "weights" / "v3"
+    shutil.copytree(tiny_model, version)
+    sha = write_manifest(version, 3)
+    client.set(names.weights_latest, WeightsUpdate(version=3, uri=str(version), sha256=sha).model_dump_json())
+    engine = ScriptedEngine(tokenizer, lambda ids, turn: format_answer("Day 1:"))
+    service = RolloutService(engine, local_tools, settings=Settings(weights_root=tmp_path / "weights"))
+    publish(client, names.tasks, task(3, min_policy_version=3))
+    worker = RolloutWorker(service, client, loop, names=names, consumer="w")
+    run_until(worker, lambda: client.xlen(names.trajectories) >= 2)
+    trajs = [d for _, d in read_all(client, names.trajectories)]
+    assert engine.policy_version == 3 and {t["policy_version"] for t in trajs} == {3}
+
+
+def _spawn_worker(env: dict[str, str], name: str, log_dir) -> subprocess.Popen:
+    log = open(log_dir / f"{name}.log", "wb")
+    return subprocess.Popen([sys.executable, "-m", "services.rollout.worker"], env={**env, "STAR_ROLLOUT_CONSUMER": name},
+                            stdout=log, stderr=log)
+
+
+@pytest.mark.slow
+def test_kill_9_mid_task_another_worker_finishes_it_nothing_lost_or_duplicated(
+        redis_server_url, redis_client, official_world_url, tiny_model, tmp_path):
+    client, prefix = redis_client
+    names = StreamNames(prefix.rstrip(":"))
+    env = {**os.environ, "STAR_REDIS_URL": redis_server_url, "STAR_STREAM_PREFIX": names.prefix,
+           "STAR_DB_URL": official_world_url, "STAR_MODEL": str(tiny_model), "STAR_ROLLOUT_ENGINE": "transformers",
+           "STAR_ROLLOUT_TOOLS": "local", "STAR_ROLLOUT_CLAIM_IDLE_MS": "1500", "STAR_ROLLOUT_CONCURRENCY": "1",
+           "STAR_ROLLOUT_MAX_MODEL_LEN": "4096", "STAR_LOG_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
+    tasks = [task(n, group=2, max_tokens=48) for n in range(3)]
+    ensure_group(client, names.tasks, GROUP)
+    entry_task = {publish(client, names.tasks, t): t.task_id for t in tasks}
+    victim = _spawn_worker(env, "victim", tmp_path)
+    try:
+        # Wait until the victim holds a task it has not finished, then kill it without warning.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            held = client.xpending_range(names.tasks, GROUP, min="-", max="+", count=10, consumername="victim-0")
+            if held:
+                break
+            assert victim.poll() is None, (tmp_path / "victim.log").read_text()[-2000:]
+            time.sleep(0.05)
+        assert held, "the victim never took a task"
+        time.sleep(0.3)
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+        done_before = client.xlen(names.trajectories)
+        assert done_before < 2 * len(tasks)
+        rescuer = _spawn_worker(env, "rescuer", tmp_path)
+        try:
+            deadline = time.monotonic() + 240
+            while client.xlen(names.trajectories) < 2 * len(tasks) and time.monotonic() < deadline:
+                assert rescuer.poll() is None, (tmp_path / "rescuer.log").read_text()[-2000:]
+                time.sleep(0.2)
+            time.sleep(2.0)  # anything duplicated would land now
+        finally:
+            rescuer.send_signal(signal.SIGTERM)
+            rescuer.wait(30)
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+    trajs = [d for _, d in read_all(client, names.trajectories)]
+    keys = sorted((t["task_id"], t["sample_index"]) for t in trajs)
+    assert keys == sorted((t.task_id, i) for t in tasks for i in range(2)), keys
+    assert client.xpending(names.tasks, GROUP)["pending"] == 0
+    assert client.xlen(StreamNames.dead(names.tasks)) == 0
+    # The task the victim held was finished (by the rescuer, as the victim is dead).
+    held_id = held[0]["message_id"]
+    held_task = entry_task[held_id.decode() if isinstance(held_id, bytes) else held_id]
+    assert sum(t["task_id"] == held_task for t in trajs) == 2
+    assert all(len(t["token_ids"]) == len(t["loss_mask"]) == len(t["logprobs"]) for t in trajs)
