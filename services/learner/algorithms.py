@@ -1,0 +1,195 @@
+"""The RL math, free of DeepSpeed: advantages, the clipped policy loss, filters and diagnostics.
+
+Conventions (spec/paper-recipe.md "RL defaults", agent-star.md §4.1, §4.4, §4.5):
+- GRPO advantage: (r - mean_g) / (std_g + eps) with the unbiased std over the G samples of a
+  prompt; a group of one sample gets mean 0 and std 1 (verl's convention).
+- Overlength / truncated samples keep their reward in the group statistics but carry no loss.
+- Format errors score 0 whatever the scorer said.
+- Token-level normalization: every loss token of the step weighs 1 / (all loss tokens of the
+  step), so long trajectories are not down-weighted the way a per-sequence mean would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+# ---- rewards and advantages ------------------------------------------------------------------
+
+def effective_reward(reward: float, finish_reason: str, zero_reasons: Iterable[str] = ("format_error",)) -> float:
+    """The reward the learner uses: a format error (no parsable answer) is worth nothing."""
+    if finish_reason in set(zero_reasons):
+        return 0.0
+    if not math.isfinite(reward):
+        raise ValueError(f"reward must be finite, got {reward}")
+    return float(reward)
+
+
+def group_advantages(rewards: Sequence[float], groups: Sequence[Hashable], *, std_normalize: bool = True,
+                     eps: float = 1e-6) -> list[float]:
+    """One advantage per sample, normalized inside its group (all samples count, masked or not)."""
+    if len(rewards) != len(groups):
+        raise ValueError(f"{len(rewards)} rewards but {len(groups)} group ids")
+    members: dict[Hashable, list[int]] = defaultdict(list)
+    for i, g in enumerate(groups):
+        members[g].append(i)
+    out = [0.0] * len(rewards)
+    for idx in members.values():
+        values = torch.tensor([rewards[i] for i in idx], dtype=torch.float64)
+        if len(idx) == 1:
+            mean, std = 0.0, 1.0
+        else:
+            mean, std = values.mean().item(), values.std(unbiased=True).item()
+        for i in idx:
+            centred = rewards[i] - mean
+            out[i] = centred / (std + eps) if std_normalize else centred
+    return out
+
+
+# ---- which groups and samples train ------------------------------------------------------------
+
+def reward_spread(rewards: Sequence[float]) -> float:
+    return max(rewards) - min(rewards) if rewards else 0.0
+
+
+@dataclass
+class GroupSelection:
+    kept: list[Hashable]
+    flat: list[Hashable] = field(default_factory=list)          # DAPO: zero-variance groups
+    low_spread: list[Hashable] = field(default_factory=list)    # StarPO-S: below the kept fraction
+
+    def counts(self) -> dict[str, int]:
+        return {"groups_kept": len(self.kept), "groups_dropped_flat": len(self.flat),
+                "groups_dropped_low_spread": len(self.low_spread)}
+
+
+def select_groups(group_rewards: dict[Hashable, Sequence[float]], *, dynamic_sampling: bool = False,
+                  keep_fraction: float = 1.0, eps: float = 1e-6) -> GroupSelection:
+    """DAPO dynamic sampling (drop groups with max - min <= eps: they carry no gradient) and
+    StarPO-S filtering (keep the top `keep_fraction` of groups by reward spread, at least one).
+
+    Spread, not std, decides flatness, so a continuous reward is judged as verl's std > 0 would
+    (rLLM's "all <= 0 or all >= 1" rule wrongly drops differing rewards above 1)."""
+    if not 0.0 < keep_fraction <= 1.0:
+        raise ValueError(f"keep_fraction must be in (0, 1], got {keep_fraction}")
+    order = list(group_rewards)
+    flat: list[Hashable] = []
+    if dynamic_sampling:
+        flat = [g for g in order if reward_spread(group_rewards[g]) <= eps]
+        order = [g for g in order if g not in set(flat)]
+    low: list[Hashable] = []
+    if keep_fraction < 1.0 and order:
+        n_keep = max(1, math.ceil(keep_fraction * len(order)))
+        # Stable: ties keep arrival order, so the choice is deterministic.
+        ranked = sorted(order, key=lambda g: -reward_spread(group_rewards[g]))
+        keep = set(ranked[:n_keep])
+        low = [g for g in order if g not in keep]
+        order = [g for g in order if g in keep]
+    return GroupSelection(kept=order, flat=flat, low_spread=low)
+
+
+def split_stale(versions: Sequence[int], learner_version: int, max_staleness: int) -> tuple[list[int], list[int]]:
+    """Indices of samples fresh enough to train on, and of those too old (learner - sampled > max)."""
+    fresh, stale = [], []
+    for i, v in enumerate(versions):
+        (stale if learner_version - v > max_staleness else fresh).append(i)
+    return fresh, stale
+
+
+# ---- the loss --------------------------------------------------------------------------------
+
+def token_weights(masks: Sequence[torch.Tensor], mode: str = "token-mean") -> list[torch.Tensor]:
+    """Per-token loss weights for the whole step (all groups, all ranks' data when given all).
+
+    token-mean: 1 / Σ|mask| for every loss token; seq-mean-token-mean: 1 / (n_seq · |mask_i|)."""
+    if mode == "token-mean":
+        total = sum(int(m.sum().item()) for m in masks)
+        return [m.float() / max(total, 1) for m in masks]
+    if mode == "seq-mean-token-mean":
+        live = [m for m in masks if m.sum() > 0]
+        n = max(len(live), 1)
+        return [m.float() / (n * max(int(m.sum().item()), 1)) for m in masks]
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+@dataclass
+class LossStats:
+    tokens: float
+    clipped_high: float   # tokens where the upper bound cut the gradient (A > 0, ratio > 1 + eps_high)
+    clipped_low: float    # tokens where the lower bound cut it (A < 0, ratio < 1 - eps_low)
+    dual_clipped: float
+    ratio_sum: float
+
+    def merge(self, other: "LossStats") -> "LossStats":
+        return LossStats(*(a + b for a, b in zip(self.astuple(), other.astuple())))
+
+    def astuple(self) -> tuple[float, ...]:
+        return (self.tokens, self.clipped_high, self.clipped_low, self.dual_clipped, self.ratio_sum)
+
+
+def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                        weights: torch.Tensor, *, eps_low: float, eps_high: float,
+                        dual_clip_c: float | None = None) -> tuple[torch.Tensor, LossStats]:
+    """PPO's clipped surrogate with asymmetric bounds, summed with per-token `weights`.
+
+    per token: max(-A·ρ, -A·clip(ρ, 1-eps_low, 1+eps_high)), and with dual clip for A < 0 at most
+    -A·c. `weights` is 0 off the loss mask, so padding and tool tokens contribute nothing."""
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(per_token, dtype=torch.bool)
+    if dual_clip_c is not None:
+        cap = -advantages * dual_clip_c
+        dual = (advantages < 0) & (per_token > cap)
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, cap), per_token)
+    loss = (per_token * weights).sum()
+    with torch.no_grad():
+        live = weights != 0
+        stats = LossStats(
+            tokens=float(live.sum()),
+            clipped_high=float((live & (advantages > 0) & (ratio > 1.0 + eps_high)).sum()),
+            clipped_low=float((live & (advantages < 0) & (ratio < 1.0 - eps_low)).sum()),
+            dual_clipped=float((live & dual).sum()),
+            ratio_sum=float(ratio[live].sum()) if live.any() else 0.0,
+        )
+    return loss, stats
+
+
+def kl_low_var(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(π || π_ref) on samples from π: e^(ref-logp) - (ref-logp) - 1 ≥ 0."""
+    d = (ref_logp - logp).clamp(-20.0, 20.0)
+    return torch.exp(d) - d - 1.0
+
+
+@dataclass
+class MismatchKL:
+    """Train/inference mismatch between the rollout's logprobs and the learner's recomputation."""
+
+    k1: float          # mean(log b - log π): plain estimate of KL(b || π)
+    k3: float          # mean of the non-negative k3 estimator
+    max_abs: float     # largest |log b - log π| over loss tokens
+    tokens: int
+
+
+def mismatch_kl(behaviour_logp: torch.Tensor, learner_logp: torch.Tensor, mask: torch.Tensor) -> MismatchKL:
+    live = mask.bool()
+    n = int(live.sum())
+    if n == 0:
+        return MismatchKL(0.0, 0.0, 0.0, 0)
+    b, p = behaviour_logp[live].double(), learner_logp[live].double()
+    diff = b - p
+    k3 = kl_low_var(b, p)  # samples come from b, so KL(b || π) with the roles swapped
+    return MismatchKL(float(diff.mean()), float(k3.mean()), float(diff.abs().max()), n)
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "std": 0.0, "min": 0.0, "max": 0.0}
+    t = torch.tensor(values, dtype=torch.float64)
+    return {"mean": float(t.mean()), "std": float(t.std(unbiased=False)), "min": float(t.min()), "max": float(t.max())}

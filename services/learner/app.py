@@ -1,0 +1,62 @@
+"""HTTP face of the learner: start training runs from a config, watch them, stop them.
+
+Run with `star learner serve`. Each run is its own process (see runs.py); this app stays thin.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, HTTPException
+
+from services.common.http import bearer_auth, create_app as create_service_app
+from services.common.logging import configure_logging
+from services.common.metrics import Metrics
+from services.common.settings import Settings, get_settings
+from services.learner.runs import RunConfigError, RunManager, RunNotFound, RunRequest
+
+VERSION = "0.1.0"
+
+
+def create_app(settings: Settings | None = None, runs_root: Path | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    configure_logging("learner", settings.log_level, settings.log_json)
+    manager = RunManager(runs_root or Path(settings.home) / "runs")
+    metrics = Metrics("learner")
+    started = metrics.counter("runs_started_total", "Training runs started", ("kind",))
+    app = create_service_app(service="learner", title="STAR learner", version=VERSION, metrics=metrics,
+                             ready=lambda: True, max_body_bytes=settings.max_body_bytes,
+                             description="SFT and GRPO/DAPO training runs on DeepSpeed, with weight publication.")
+    admin = bearer_auth(settings.api_token)
+
+    def describe(run_id: str) -> dict:
+        try:
+            return manager.describe(run_id)
+        except RunNotFound:
+            raise HTTPException(404, f"no run {run_id!r}") from None
+
+    @app.post("/runs", status_code=201, dependencies=[Depends(admin)], tags=["runs"],
+              summary="Start a run (sft | rl) from a config")
+    async def start_run(request: RunRequest) -> dict:
+        try:
+            run = manager.start(request)
+        except RunConfigError as exc:
+            raise HTTPException(422, str(exc)) from None
+        started.labels(request.kind).inc()
+        return manager.describe(run.id)
+
+    @app.get("/runs", tags=["runs"], summary="All runs")
+    async def list_runs() -> list[dict]:
+        return manager.list()
+
+    @app.get("/runs/{run_id}", tags=["runs"], summary="A run's state, step and latest metrics")
+    async def get_run(run_id: str) -> dict:
+        return describe(run_id)
+
+    @app.post("/runs/{run_id}/stop", dependencies=[Depends(admin)], tags=["runs"],
+              summary="Stop after the current step (it checkpoints and can resume)")
+    async def stop_run(run_id: str) -> dict:
+        describe(run_id)
+        return manager.stop(run_id)
+
+    return app

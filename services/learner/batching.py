@@ -1,0 +1,267 @@
+"""From data to tensors: scored trajectories and SFT chats → packed next-token rows.
+
+A row concatenates whole sequences up to a token capacity; `position_ids` restart at 0 for each
+sequence, which transformers turns into a block-diagonal causal mask, so packed sequences never
+attend to each other. Every per-token array is aligned to "predict the next token": position t
+carries the target token_ids[t+1] and that target's loss mask, behaviour logprob and advantage.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from services.common.schemas import ScoredTrajectory
+from services.learner import algorithms as alg
+from services.learner.config import FilterConfig, ScheduleConfig
+
+
+@dataclass
+class Sequence_:
+    """One training sequence before packing (full token ids, per-token arrays aligned to ids)."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float | None] | None = None
+    advantage: float = 1.0
+    index: int = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class PackedRow:
+    input_ids: torch.Tensor       # [T] long
+    position_ids: torch.Tensor    # [T] long, restarting at each sequence
+    targets: torch.Tensor         # [T] long: the next token (0 at a sequence's last position)
+    mask: torch.Tensor            # [T] float: 1 where the target carries loss
+    old_logp: torch.Tensor        # [T] float: behaviour logprob of the target (0 where unknown)
+    has_old: torch.Tensor         # [T] bool: the rollout gave a logprob for this target
+    advantages: torch.Tensor      # [T] float
+    seq_index: torch.Tensor       # [T] long: which sequence a position belongs to (-1: filler)
+    weights: torch.Tensor | None = None  # [T] float: loss weight per target, set for the whole step
+
+    @property
+    def tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def _aligned(seq: Sequence_) -> dict[str, list]:
+    ids = seq.token_ids
+    n = len(ids)
+    if len(seq.loss_mask) != n:
+        raise ValueError(f"sequence {seq.index}: {n} token ids but {len(seq.loss_mask)} loss-mask entries")
+    if seq.logprobs is not None and len(seq.logprobs) not in (0, n):
+        raise ValueError(f"sequence {seq.index}: {n} token ids but {len(seq.logprobs)} logprobs")
+    lps = seq.logprobs if seq.logprobs else [None] * n
+    targets = ids[1:] + [0]
+    mask = [float(m) for m in seq.loss_mask[1:]] + [0.0]
+    old = [lp if lp is not None else 0.0 for lp in lps[1:]] + [0.0]
+    has = [lp is not None for lp in lps[1:]] + [False]
+    return {"input_ids": ids, "position_ids": list(range(n)), "targets": targets, "mask": mask,
+            "old_logp": old, "has_old": has, "advantages": [seq.advantage] * n, "seq_index": [seq.index] * n}
+
+
+def pack_sequences(seqs: Sequence[Sequence_], capacity: int) -> list[PackedRow]:
+    """First-fit decreasing into rows of at most `capacity` tokens (a longer sequence gets a row
+    of its own). Deterministic: ties keep input order."""
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        n = len(seqs[i])
+        if n == 0:
+            continue
+        for b, load in enumerate(loads):
+            if load + n <= capacity:
+                bins[b].append(i)
+                loads[b] += n
+                break
+        else:
+            bins.append([i])
+            loads.append(n)
+    return [_row([seqs[i] for i in sorted(b)]) for b in bins]
+
+
+def _row(seqs: Sequence[Sequence_]) -> PackedRow:
+    parts = [_aligned(s) for s in seqs]
+    cat = {k: sum((p[k] for p in parts), []) for k in parts[0]}
+    return PackedRow(
+        input_ids=torch.tensor(cat["input_ids"], dtype=torch.long),
+        position_ids=torch.tensor(cat["position_ids"], dtype=torch.long),
+        targets=torch.tensor(cat["targets"], dtype=torch.long),
+        mask=torch.tensor(cat["mask"], dtype=torch.float32),
+        old_logp=torch.tensor(cat["old_logp"], dtype=torch.float32),
+        has_old=torch.tensor(cat["has_old"], dtype=torch.bool),
+        advantages=torch.tensor(cat["advantages"], dtype=torch.float32),
+        seq_index=torch.tensor(cat["seq_index"], dtype=torch.long),
+    )
+
+
+def filler_row() -> PackedRow:
+    """A one-token row with no loss: keeps ranks at the same micro-batch count (ZeRO reduces per backward)."""
+    return PackedRow(input_ids=torch.zeros(1, dtype=torch.long), position_ids=torch.zeros(1, dtype=torch.long),
+                     targets=torch.zeros(1, dtype=torch.long), mask=torch.zeros(1), old_logp=torch.zeros(1),
+                     has_old=torch.zeros(1, dtype=torch.bool), advantages=torch.zeros(1),
+                     seq_index=torch.full((1,), -1, dtype=torch.long), weights=torch.zeros(1))
+
+
+def assign_weights(rows: Sequence[PackedRow], mode: str = "token-mean") -> None:
+    """Loss weights over the whole step: every rank sees the same rows, so no all-reduce is needed."""
+    if mode == "token-mean":
+        for row, w in zip(rows, alg.token_weights([r.mask for r in rows], mode)):
+            row.weights = w
+        return
+    # per sequence: gather each sequence's mask across rows, then weight 1 / (n_seq · |mask_i|)
+    counts: dict[int, float] = {}
+    for r in rows:
+        for idx, m in zip(r.seq_index.tolist(), r.mask.tolist()):
+            counts[idx] = counts.get(idx, 0.0) + m
+    live = [i for i, c in counts.items() if c > 0 and i >= 0]
+    n = max(len(live), 1)
+    for r in rows:
+        denom = torch.tensor([n * max(counts.get(i, 0.0), 1.0) for i in r.seq_index.tolist()])
+        r.weights = r.mask / denom
+
+
+def shard_rows(rows: Sequence[PackedRow], world_size: int, rank: int) -> list[PackedRow]:
+    """This rank's rows, balanced by tokens (largest first to the least loaded rank), padded with
+    filler rows so every rank runs the same number of micro-batches."""
+    loads = [0] * world_size
+    mine: list[list[PackedRow]] = [[] for _ in range(world_size)]
+    for row in sorted(rows, key=lambda r: -r.tokens):
+        target = min(range(world_size), key=lambda k: (loads[k], k))
+        mine[target].append(row)
+        loads[target] += row.tokens
+    most = max(len(m) for m in mine) if mine else 0
+    out = mine[rank]
+    return out + [filler_row() for _ in range(most - len(out))]
+
+
+# ---- RL: scored trajectories → sequences with advantages -------------------------------------
+
+@dataclass
+class RLBatch:
+    sequences: list[Sequence_]
+    stats: dict[str, float] = field(default_factory=dict)
+    rewards: list[float] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    recompute_old: bool = False
+
+
+def rl_sequences(trajs: Sequence[ScoredTrajectory], filters: FilterConfig, *, learner_version: int,
+                 std_normalize: bool = True, use_rollout_logprobs: bool = True) -> RLBatch:
+    """Staleness → effective rewards → group selection (DAPO / StarPO-S) → advantages → loss masks."""
+    fresh, stale = alg.split_stale([t.policy_version for t in trajs], learner_version, filters.max_staleness)
+    trajs = [trajs[i] for i in fresh]
+    rewards = [alg.effective_reward(t.reward, t.finish_reason, filters.zero_reward_finish_reasons) for t in trajs]
+    by_group: dict[str, list[float]] = {}
+    for t, r in zip(trajs, rewards):
+        by_group.setdefault(t.group_id, []).append(r)
+    selection = alg.select_groups(by_group, dynamic_sampling=filters.dynamic_sampling,
+                                  keep_fraction=filters.variance_keep_fraction, eps=filters.zero_variance_eps)
+    kept = set(selection.kept)
+    chosen = [i for i, t in enumerate(trajs) if t.group_id in kept]
+    advantages = alg.group_advantages([rewards[i] for i in chosen], [trajs[i].group_id for i in chosen],
+                                      std_normalize=std_normalize)
+    masked_reasons = set(filters.mask_finish_reasons)
+    seqs: list[Sequence_] = []
+    n_masked = 0
+    missing_logprobs = 0
+    for k, (i, adv) in enumerate(zip(chosen, advantages)):
+        t = trajs[i]
+        masked = t.finish_reason in masked_reasons
+        n_masked += masked
+        mask = [0] * len(t.token_ids) if masked else list(t.loss_mask)
+        if len(t.loss_mask) != len(t.token_ids):
+            raise ValueError(f"trajectory {t.task_id}/{t.sample_index}: {len(t.token_ids)} token ids but "
+                             f"{len(t.loss_mask)} loss-mask entries")
+        lps = list(t.logprobs) if t.logprobs else None
+        if lps is not None and len(lps) != len(t.token_ids):
+            raise ValueError(f"trajectory {t.task_id}/{t.sample_index}: {len(t.token_ids)} token ids but "
+                             f"{len(lps)} logprobs")
+        if not masked and any(m and (lps is None or lps[j] is None) for j, m in enumerate(mask)):
+            missing_logprobs += 1
+        seqs.append(Sequence_(list(t.token_ids), mask, lps, adv, index=k))
+    n_groups = len(by_group)
+    stats = {"samples_in": float(len(fresh) + len(stale)), "samples_stale": float(len(stale)),
+             "samples_trained": float(len(seqs) - n_masked), "samples_masked_overlength": float(n_masked),
+             "samples_format_error": float(sum(t.finish_reason == "format_error" for t in trajs)),
+             "groups_in": float(n_groups), "samples_missing_logprobs": float(missing_logprobs),
+             **{k: float(v) for k, v in selection.counts().items()}}
+    stats["groups_flat_fraction"] = len(selection.flat) / n_groups if n_groups else 0.0
+    return RLBatch(seqs, stats, [rewards[i] for i in chosen], advantages,
+                   recompute_old=not use_rollout_logprobs or missing_logprobs > 0)
+
+
+# ---- SFT: chats → sequences with assistant-only loss -----------------------------------------
+
+def chat_to_sequence(tokenizer: Any, messages: list[dict[str, Any]], max_len: int | None = None,
+                     index: int = 0) -> Sequence_:
+    """Token ids and loss mask for a chat: 1 on each assistant turn's content and its <|im_end|>,
+    0 on system/user/tool text, role headers and the newline after <|im_end|> (LLaMA-Factory's
+    train_on_prompt=False semantics). Rendering is incremental, so the template must grow by
+    appending (ChatML does)."""
+    if not messages:
+        raise ValueError("a chat needs at least one message")
+    ids: list[int] = []
+    mask: list[int] = []
+    prev = ""
+
+    def add(text: str, bit: int) -> None:
+        if text:
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids.extend(piece)
+            mask.extend([bit] * len(piece))
+
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+            raise ValueError(f"message {i} needs 'role' and 'content'")
+        full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not full.startswith(prev):
+            raise ValueError("the chat template does not render by appending; cannot mask per turn")
+        delta = full[len(prev):]
+        if msg["role"] == "assistant":
+            header = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)[len(prev):] \
+                if i else ""
+            if not delta.startswith(header):
+                raise ValueError("the generation prompt is not a prefix of the assistant turn")
+            body = delta[len(header):]
+            tail = body[len(body.rstrip("\n")):]
+            add(header, 0)
+            add(body[: len(body) - len(tail)], 1)
+            add(tail, 0)
+        else:
+            add(delta, 0)
+        prev = full
+    if max_len is not None:
+        ids, mask = ids[:max_len], mask[:max_len]
+    return Sequence_(ids, mask, None, 1.0, index=index)
+
+
+# ---- learning-rate schedule --------------------------------------------------------------------
+
+def lr_lambda(cfg: ScheduleConfig, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of the base lr at optimizer step `step` (0-based): linear warmup to 1, then
+    cosine / linear decay to min_lr_ratio, or constant."""
+    total = max(int(total_steps), 1)
+    warmup = math.ceil(cfg.warmup_ratio * total)
+
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = min(max(step - warmup, 0) / max(total - warmup, 1), 1.0)
+        if cfg.schedule == "linear":
+            shape = 1.0 - progress
+        else:
+            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+    return f

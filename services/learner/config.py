@@ -1,0 +1,145 @@
+"""Typed recipes for the learner: SFT and RL (GRPO / DAPO), with the paper's defaults.
+
+Defaults follow spec/paper-recipe.md (SFT: lr 5e-6, 4 epochs, batch 32, warmup 0.1, cosine;
+RL: GRPO, G = 8, 32 prompts per step, lr 2e-6, clip-higher, token-level normalization, no KL).
+The clip bounds are DAPO's 0.2 / 0.28: the paper says "clip-higher" without numbers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Schedule = Literal["cosine", "linear", "constant"]
+FinishReasonName = Literal["answer", "format_error", "context_limit", "tool_budget", "engine_error"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EngineConfig(_Strict):
+    """How DeepSpeed runs the policy."""
+
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="auto: bf16 on GPU, fp32 on CPU (CPU bf16 matmuls are slow and lossy here).")
+    gradient_checkpointing: bool = False
+    micro_batch_tokens: int = Field(4096, ge=16, description="Token capacity of one packed micro-batch row.")
+    logprob_chunk_tokens: int = Field(2048, ge=16, description="Tokens per chunk when turning hidden states into logprobs.")
+    head_checkpoint: bool = Field(True, description="Recompute each chunk's logits in backward instead of keeping them.")
+    compile_layers: bool = Field(False, description="torch.compile each decoder layer (fuses norms, rotary, SiLU on GPU).")
+    attn_implementation: str | None = Field(None, description="e.g. sdpa, eager, flash_attention_2; None: transformers' choice.")
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0.0)
+    grad_clip: float = Field(1.0, ge=0.0, description="Global grad-norm clip (0: off).")
+    seed: int = 0
+
+
+class ScheduleConfig(_Strict):
+    lr: float = Field(gt=0.0)
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
+    schedule: Schedule = "cosine"
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Floor of the decay, as a fraction of lr.")
+
+
+class SFTConfig(_Strict):
+    """Supervised fine-tuning on chat trajectories (loss on assistant turns only)."""
+
+    model: str = Field(description="HF model folder of the starting policy.")
+    data: str = Field(description="JSONL file: one {'messages': [...]} chat per line.")
+    output_dir: str = Field(description="Run folder: checkpoints, metrics.jsonl, TensorBoard, exports.")
+    lr: float = Field(5e-6, gt=0.0)
+    epochs: float = Field(4, gt=0.0)
+    batch_size: int = Field(32, ge=1, description="Sequences per optimizer step (across all ranks).")
+    warmup_ratio: float = Field(0.1, ge=0.0, lt=1.0)
+    schedule: Schedule = "cosine"
+    max_seq_len: int = Field(20480, ge=16, description="Longer chats are truncated (LLaMA-Factory cutoff_len).")
+    save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    def schedule_config(self) -> ScheduleConfig:
+        return ScheduleConfig(lr=self.lr, warmup_ratio=self.warmup_ratio, schedule=self.schedule)
+
+
+class FilterConfig(_Strict):
+    """Which groups and samples reach the loss."""
+
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards all match.")
+    refill: bool = Field(False, description="DAPO: read more groups until the batch is full again.")
+    max_refill_rounds: int = Field(3, ge=0, description="Extra reads per step when refilling (0: unlimited).")
+    variance_keep_fraction: float = Field(
+        1.0, gt=0.0, le=1.0, description="StarPO-S: keep this fraction of groups with the largest reward spread (1: off).")
+    zero_variance_eps: float = Field(1e-6, ge=0.0, description="Groups with max - min reward at most this count as flat.")
+    mask_finish_reasons: list[FinishReasonName] = Field(
+        default_factory=lambda: ["context_limit", "tool_budget", "engine_error"],
+        description="Overlength / truncated samples: out of the loss, kept in their group's normalization.")
+    zero_reward_finish_reasons: list[FinishReasonName] = Field(
+        default_factory=lambda: ["format_error"], description="Samples whose reward is forced to 0.")
+    max_staleness: int = Field(0, ge=0, description="Drop samples more than this many versions behind the learner.")
+
+
+class RLConfig(_Strict):
+    """GRPO-family RL on scored trajectories from the stream."""
+
+    model: str = Field(description="HF model folder of the starting policy (usually the SFT export).")
+    output_dir: str
+    algorithm: Literal["grpo", "dapo"] = "grpo"
+    group_size: int = Field(8, ge=1)
+    batch_prompts: int = Field(32, ge=1, description="Groups (prompts) per optimizer step.")
+    lr: float = Field(2e-6, gt=0.0)
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
+    schedule: Schedule = "constant"
+    total_steps: int = Field(155, ge=1, description="For the schedule; the paper's 5 epochs over 1K prompts.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0)
+    eps_high: float = Field(0.28, ge=0.0)
+    dual_clip_c: float | None = Field(None, gt=1.0, description="Dual-clip bound for negative advantages (None: off).")
+    std_normalize: bool = Field(True, description="Divide by the group's std (GRPO); False: Dr.GRPO-style mean only.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    kl_coef: float = Field(0.0, ge=0.0, description="KL to the reference policy (0: KL-free, no reference model).")
+    use_rollout_logprobs: bool = Field(
+        True, description="Importance ratio against the rollout's logprobs; False: the learner's own recomputation.")
+    filters: FilterConfig = Field(default_factory=FilterConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    # the data stream and where weights go
+    redis_url: str | None = None
+    stream_prefix: str = "star"
+    consumer_group: str = "learner"
+    consumer_name: str = "learner-0"
+    read_block_ms: int = Field(1000, ge=1)
+    wait_timeout_s: float = Field(3600.0, gt=0.0, description="Give up a step when no data comes for this long.")
+    publish_weights: bool = True
+    weights_dir: str | None = Field(None, description="Weights store (default: STAR_HOME/weights).")
+    keep_versions: int = Field(3, ge=1)
+    rollout_servers: list[str] = Field(default_factory=list, description="Base URLs that get POST /weights.")
+    save_every: int = Field(1, ge=1, description="Checkpoint every N steps (1: every step, exact resume).")
+
+    @model_validator(mode="after")
+    def _dapo_filters(self) -> "RLConfig":
+        if self.eps_high < self.eps_low:
+            raise ValueError(f"clip-higher needs eps_high >= eps_low (got {self.eps_high} < {self.eps_low})")
+        if self.algorithm == "dapo" and not self.filters.dynamic_sampling:
+            self.filters.dynamic_sampling = True
+        return self
+
+    def schedule_config(self) -> ScheduleConfig:
+        return ScheduleConfig(lr=self.lr, warmup_ratio=self.warmup_ratio, schedule=self.schedule)
+
+
+def load_config(path: str | Path, kind: type[BaseModel]) -> BaseModel:
+    """Read a JSON or YAML recipe file into `kind`, with a clear error for a bad file."""
+    import json
+
+    text = Path(path).read_text()
+    if str(path).endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    return kind.model_validate(data)

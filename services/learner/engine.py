@@ -1,0 +1,329 @@
+"""The policy on DeepSpeed: distributed setup, forward to token logprobs, steps, checkpoints.
+
+On CPU the process group is gloo and the precision fp32; on GPU, NCCL and bf16. The variables
+torch.distributed needs (MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE) are set here
+when the launcher did not set them, so a plain `python` process is a world of one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from services.learner.batching import PackedRow, lr_lambda
+from services.learner.config import EngineConfig, ScheduleConfig
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_distributed_env(home: Path | None = None) -> dict[str, str]:
+    """Fill in what torch.distributed needs for a single local process; keep a launcher's values.
+
+    Without these DeepSpeed falls back to MPI discovery and fails for want of mpi4py. The JIT
+    build of DeepSpeed's shm op (~40 s on CPU) is cached under STAR_HOME when nothing else is set."""
+    defaults = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    # A launcher (torchrun, or our own multi-rank spawn) owns the port. Alone, take a fresh one:
+    # an inherited MASTER_PORT may belong to a parent that already listens on it (EADDRINUSE).
+    launched = "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("WORLD_SIZE", "1") != "1"
+    alone = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    if "MASTER_PORT" not in os.environ or (not launched and alone):
+        os.environ["MASTER_PORT"] = str(free_port())
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if home is not None:
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(home / "torch_extensions"))
+    return {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def rng_state() -> dict[str, Any]:
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class LogprobPolicy(nn.Module):
+    """A causal LM whose forward returns the logprob (and entropy) of each target token.
+
+    The vocabulary projection runs in chunks under activation checkpointing, so a 30K-token
+    row never materializes [T, 151936] logits at once (5+ GB in fp32)."""
+
+    def __init__(self, lm: nn.Module, chunk_tokens: int = 2048, head_checkpoint: bool = True) -> None:
+        super().__init__()
+        self.lm = lm
+        self.chunk_tokens = chunk_tokens
+        self.head_checkpoint = head_checkpoint
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
+                with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        # No attention mask: position_ids restarting at 0 mark packed sequences (block-diagonal causal).
+        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        hidden, targets = hidden.flatten(0, 1), targets.flatten()
+        logps, ents = [], []
+        for start in range(0, hidden.shape[0], self.chunk_tokens):
+            h = hidden[start: start + self.chunk_tokens]
+            t = targets[start: start + self.chunk_tokens]
+            if self.head_checkpoint and torch.is_grad_enabled() and h.requires_grad:
+                lp, ent = checkpoint(self._head, h, t, with_entropy, use_reentrant=False)
+            else:
+                lp, ent = self._head(h, t, with_entropy)
+            logps.append(lp)
+            ents.append(ent)
+        return torch.cat(logps), torch.cat(ents)
+
+    def _head(self, h: torch.Tensor, t: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.lm.lm_head(h).float()
+        logz = torch.logsumexp(logits, dim=-1)
+        lp = logits.gather(-1, t[:, None]).squeeze(-1) - logz
+        if with_entropy:
+            with torch.no_grad():
+                ent = logz - (F.softmax(logits, dim=-1) * logits).sum(-1)
+        else:
+            ent = torch.zeros_like(lp)
+        return lp, ent.detach()
+
+
+def deepspeed_config(cfg: EngineConfig, *, bf16: bool, world_size: int) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": cfg.zero_stage}
+    if cfg.zero_stage >= 2:
+        zero.update({"overlap_comm": False, "contiguous_gradients": True,
+                     "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7})
+    if cfg.zero_stage == 3:
+        zero.update({"stage3_gather_16bit_weights_on_model_save": False, "stage3_param_persistence_threshold": 1e4})
+    return {
+        # We own accumulation: each micro-batch's loss is already weighted for the whole step, and
+        # step() is the boundary, so the number of micro-batches may change from step to step.
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": cfg.grad_clip,
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": False},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    lr: float
+
+
+class PolicyEngine:
+    """One DeepSpeed engine around a HF causal LM, for SFT and RL alike."""
+
+    def __init__(self, model_dir: str | Path, cfg: EngineConfig, schedule: ScheduleConfig, total_steps: int,
+                 home: Path | None = None) -> None:
+        ensure_distributed_env(home)
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        self.model_dir = Path(model_dir)
+        self.on_gpu = torch.cuda.is_available()
+        self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.on_gpu)
+        if not torch.distributed.is_initialized():
+            deepspeed.init_distributed(dist_backend="nccl" if self.on_gpu else "gloo")
+        self.rank = torch.distributed.get_rank()
+        self.world_size = torch.distributed.get_world_size()
+        if self.on_gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        seed_everything(cfg.seed)
+        kwargs: dict[str, Any] = {"dtype": torch.float32}
+        if cfg.attn_implementation:
+            kwargs["attn_implementation"] = cfg.attn_implementation
+        lm = AutoModelForCausalLM.from_pretrained(self.model_dir, **kwargs)
+        lm.config.use_cache = False
+        if cfg.gradient_checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.policy = LogprobPolicy(lm, cfg.logprob_chunk_tokens, cfg.head_checkpoint)
+        if cfg.compile_layers:
+            # Regional compilation: one graph serves every layer (same code, parameters as inputs);
+            # the head's cast / logsumexp / gather / entropy become a few fused kernels.
+            for layer in lm.model.layers:
+                layer.compile()
+            self.policy._head = torch.compile(self.policy._head, dynamic=False)
+        self.lm_config = lm.config
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=schedule.lr, betas=cfg.betas, eps=cfg.adam_eps,
+                                      weight_decay=cfg.weight_decay, foreach=self.on_gpu)
+        factor = lr_lambda(schedule, total_steps)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=self.policy, optimizer=optimizer,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),
+            config=deepspeed_config(cfg, bf16=self.bf16, world_size=self.world_size),
+        )
+        self.device = self.engine.device
+        self.step_count = 0
+
+    # -- compute ---------------------------------------------------------------------------------
+
+    @property
+    def module(self) -> LogprobPolicy:
+        return self.engine.module
+
+    @property
+    def hf_model(self) -> nn.Module:
+        return self.engine.module.lm
+
+    def num_parameters(self) -> int:
+        params = {id(p): p for p in self.hf_model.parameters()}
+        return sum(getattr(p, "ds_numel", p.numel()) for p in params.values())
+
+    def logprobs(self, row: PackedRow, *, grad: bool, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx = nullcontext() if grad else torch.no_grad()
+        with ctx:
+            return self.engine(row.input_ids[None].to(self.device), row.position_ids[None].to(self.device),
+                               row.targets[None].to(self.device), with_entropy)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # Losses are pre-weighted for the whole step and DeepSpeed averages gradients over ranks;
+        # callers multiply by world_size so the sum over ranks comes out right.
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> StepResult:
+        self.engine.step()
+        self.step_count += 1
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm.item() if torch.is_tensor(norm) else (norm if norm is not None else float("nan")))
+        return StepResult(grad_norm=norm, lr=float(self.scheduler.get_last_lr()[0]))
+
+    def train(self) -> None:
+        self.engine.train()
+
+    def eval(self) -> None:
+        self.engine.eval()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self, folder: Path, client_state: dict[str, Any]) -> Path:
+        """Model, optimizer, scheduler (DeepSpeed's files) plus step, RNG and our client state.
+        DeepSpeed writes `latest` last, so a kill mid-save leaves the previous checkpoint in force."""
+        tag = f"step{self.step_count:07d}"
+        state = {"step": self.step_count, "rng": rng_state(), **client_state}
+        self.engine.save_checkpoint(str(folder), tag=tag, client_state=state)
+        return folder / tag
+
+    def load_checkpoint(self, folder: Path) -> dict[str, Any] | None:
+        if not (folder / "latest").is_file():
+            return None
+        path, state = self.engine.load_checkpoint(str(folder), load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+        if path is None:
+            return None
+        self.step_count = int(state["step"])
+        set_rng_state(state["rng"])
+        return state
+
+    # -- full weights, bucket by bucket ----------------------------------------------------------
+
+    def iter_weight_buckets(self, bucket_bytes: int = 256 * 2**20, dtype: torch.dtype | None = None,
+                            device: str = "cpu") -> Iterator["FlatBucket"]:
+        """Full (unsharded) HF-named weights, one flat byte buffer per bucket of about `bucket_bytes`.
+
+        Under ZeRO-3 each bucket is gathered with GatheredParameters and released before the
+        next, so peak memory is one bucket, not the model. Tied weights appear once. GPU → host
+        copies land in pinned buffers kept for the next publication (one copy per bucket)."""
+        if not hasattr(self, "_pinned"):
+            self._pinned: list[torch.Tensor] = []
+        pinned = self._pinned if (self.on_gpu and device == "cpu") else None
+        yield from iter_weight_buckets(self.hf_model, bucket_bytes=bucket_bytes, dtype=dtype,
+                                       zero3=self.cfg.zero_stage == 3, device=device, pinned=pinned)
+
+
+def _gathered(params: list[nn.Parameter], zero3: bool):
+    if not zero3:
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+
+def iter_weight_buckets(model: nn.Module, *, bucket_bytes: int = 256 * 2**20, dtype: torch.dtype | None = None,
+                        zero3: bool = False, device: str | torch.device = "cpu",
+                        pinned: list[torch.Tensor] | None = None) -> Iterator["FlatBucket"]:
+    from services.learner.weights import flatten
+
+    named = list(model.named_parameters(remove_duplicate=True))
+    groups: list[list[tuple[str, nn.Parameter]]] = [[]]
+    size = 0
+    for name, p in named:
+        if size >= bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, p))
+        size += getattr(p, "ds_numel", p.numel()) * (dtype.itemsize if dtype is not None else p.element_size())
+    for k, group in enumerate(g for g in groups if g):
+        with _gathered([p for _, p in group], zero3):
+            tensors = [(n, p.detach()) for n, p in group]
+            on_device = tensors[0][1].device
+            if torch.device(device) == on_device:
+                # Same device: flatten() allocates a fresh buffer, so the copy outlives a ZeRO-3 gather.
+                yield flatten(tensors, dtype=dtype)
+                continue
+            need = sum(t.numel() * (dtype or t.dtype).itemsize + 64 for _, t in tensors)
+            if pinned is not None:
+                while len(pinned) <= k:
+                    pinned.append(torch.empty(0, dtype=torch.uint8))
+                if pinned[k].numel() < need:
+                    pinned[k] = torch.empty(need, dtype=torch.uint8, pin_memory=True)
+                out = pinned[k]
+            else:
+                out = torch.empty(need, dtype=torch.uint8, device=device)
+            yield flatten(tensors, dtype=dtype, out=out)
+
+
+@contextmanager
+def no_grad_eval(engine: PolicyEngine):
+    engine.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        engine.train()

@@ -1,0 +1,136 @@
+"""Training runs as processes: start from a config, read their state from the run folder, stop them.
+
+DeepSpeed holds one process group per process, so every run is its own process
+(`python -m services.learner.worker KIND CONFIG`); the API process only starts, watches and
+signals it. A run's truth is its folder: config.json, status.json, metrics.jsonl, log.txt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from services.learner.config import RLConfig, SFTConfig
+from services.learner.runlog import read_metrics
+from services.learner.trainer import read_status
+
+RunKind = Literal["sft", "rl"]
+
+
+class RunRequest(BaseModel):
+    kind: RunKind
+    config: dict[str, Any] = Field(description="An SFTConfig or RLConfig; output_dir defaults to the run folder.")
+    max_steps: int | None = Field(None, ge=1)
+
+
+class RunNotFound(KeyError):
+    pass
+
+
+class RunConfigError(ValueError):
+    pass
+
+
+@dataclass
+class Run:
+    id: str
+    kind: str
+    folder: Path
+    process: subprocess.Popen | None = None
+
+
+class RunManager:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.runs: dict[str, Run] = {}
+
+    def start(self, request: RunRequest, env: dict[str, str] | None = None) -> Run:
+        run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        folder = self.root / run_id
+        config = dict(request.config)
+        config.setdefault("output_dir", str(folder))
+        try:
+            model = (SFTConfig if request.kind == "sft" else RLConfig).model_validate(config)
+        except ValidationError as exc:
+            raise RunConfigError(_errors(exc)) from None
+        if not Path(model.model).exists():
+            raise RunConfigError(f"model folder {model.model} does not exist")
+        if isinstance(model, SFTConfig) and not Path(model.data).is_file():
+            raise RunConfigError(f"data file {model.data} does not exist")
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(model.model_dump_json(indent=1))
+        cmd = [sys.executable, "-m", "services.learner.worker", request.kind, str(folder / "config.json")]
+        if request.max_steps:
+            cmd.append(str(request.max_steps))
+        log = open(folder / "log.txt", "ab")
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                   cwd=Path(__file__).resolve().parents[2], start_new_session=True)
+        log.close()
+        run = Run(run_id, request.kind, folder, process)
+        self.runs[run_id] = run
+        (folder / "run.json").write_text(json.dumps({"id": run_id, "kind": request.kind, "pid": process.pid}))
+        return run
+
+    def get(self, run_id: str) -> Run:
+        run = self.runs.get(run_id)
+        if run is None:
+            folder = self.root / run_id
+            if "/" in run_id or ".." in run_id or not (folder / "run.json").is_file():
+                raise RunNotFound(run_id)
+            meta = json.loads((folder / "run.json").read_text())
+            run = Run(run_id, meta["kind"], folder)
+        return run
+
+    def describe(self, run_id: str) -> dict[str, Any]:
+        run = self.get(run_id)
+        status = read_status(run.folder)
+        state = status.get("state", "starting")
+        exit_code = run.process.poll() if run.process else None
+        if run.process is not None and exit_code is not None and state in ("starting", "running"):
+            state = "failed"  # the process ended without recording an end state
+        metrics = read_metrics(run.folder)
+        out = {"id": run.id, "kind": run.kind, "state": state, "step": status.get("step", 0),
+               "version": status.get("version"), "folder": str(run.folder), "exit_code": exit_code,
+               "metrics": metrics[-1] if metrics else {}, "steps_logged": len(metrics)}
+        if state == "failed":
+            out["error"] = status.get("error") or _tail(run.folder / "log.txt")
+        if status.get("export"):
+            out["export"] = status["export"]
+        return out
+
+    def stop(self, run_id: str, timeout_s: float = 0.0) -> dict[str, Any]:
+        """SIGTERM: the run finishes its current step, checkpoints and ends as `stopped`."""
+        run = self.get(run_id)
+        if run.process is not None and run.process.poll() is None:
+            run.process.send_signal(signal.SIGTERM)
+            if timeout_s:
+                try:
+                    run.process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    pass
+        return self.describe(run_id)
+
+    def list(self) -> list[dict[str, Any]]:
+        ids = sorted(p.name for p in self.root.iterdir() if (p / "run.json").is_file())
+        return [self.describe(i) for i in ids]
+
+
+def _errors(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors())
+
+
+def _tail(path: Path, limit: int = 2000) -> str:
+    if not path.is_file():
+        return ""
+    return path.read_text(errors="replace")[-limit:]

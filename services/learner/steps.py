@@ -1,0 +1,146 @@
+"""One optimizer step of SFT or RL over packed rows, with its statistics summed over ranks.
+
+Every rank packs the whole step's data identically and then takes its share (`shard_rows`), so
+loss weights need no communication; DeepSpeed averages gradients over ranks, which is why each
+micro-batch loss is multiplied by the world size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from services.learner import algorithms as alg
+from services.learner.batching import PackedRow, assign_weights, pack_sequences, shard_rows
+from services.learner.batching import Sequence_
+from services.learner.engine import PolicyEngine
+from services.learner.flops import model_shape, peak_flops, train_flops
+
+
+@dataclass
+class StepOutput:
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+def prepare_rows(engine: PolicyEngine, seqs: Sequence[Sequence_], loss_agg: str = "token-mean") -> list[PackedRow]:
+    rows = pack_sequences(seqs, engine.cfg.micro_batch_tokens)
+    assign_weights(rows, loss_agg)
+    return shard_rows(rows, engine.world_size, engine.rank)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _mfu_metrics(engine: PolicyEngine, seq_lens: list[int], seconds: float) -> dict[str, float]:
+    layers, hidden = model_shape(engine.lm_config)
+    flops = train_flops(engine.num_parameters(), layers, hidden, seq_lens)
+    tokens = sum(seq_lens)
+    out = {"tokens": float(tokens), "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+           "tflops_per_s": flops / seconds / 1e12 if seconds > 0 else 0.0}
+    peak = peak_flops()
+    if peak:
+        out["mfu"] = flops / seconds / (peak * engine.world_size)
+    return out
+
+
+def sft_step(engine: PolicyEngine, seqs: Sequence[Sequence_]) -> StepOutput:
+    """Cross-entropy on loss tokens, token-mean over the whole step."""
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    rows = prepare_rows(engine, seqs)
+    nll_sum = tokens = 0.0
+    for row in rows:
+        logp, _ = engine.logprobs(row, grad=True, with_entropy=False)
+        w = row.weights.to(logp.device)
+        loss = -(logp * w).sum()
+        engine.backward(loss * engine.world_size)
+        m = row.mask.to(logp.device)
+        nll_sum += float(-(logp.detach() * m).sum())
+        tokens += float(m.sum())
+    result = engine.step()
+    _sync(engine.device)
+    seconds = time.perf_counter() - t0
+    nll_sum, tokens = _all_reduce_sum([nll_sum, tokens], engine.device)
+    metrics = {"loss": nll_sum / max(tokens, 1.0), "loss_tokens": tokens, "grad_norm": result.grad_norm,
+               "lr": result.lr, "time_compute_s": seconds}
+    metrics.update(_mfu_metrics(engine, [len(s) for s in seqs], seconds))
+    return StepOutput(metrics)
+
+
+def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, eps_high: float,
+            dual_clip_c: float | None = None, loss_agg: str = "token-mean", use_rollout_logprobs: bool = True,
+            kl_coef: float = 0.0, reference: torch.nn.Module | None = None) -> StepOutput:
+    """The clipped policy-gradient step (one PPO epoch, one mini-batch: the learner's recomputed
+    old logprobs are the current ones, so the ratio is against the rollout's logprobs when those
+    are used, and 1 otherwise)."""
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    rows = prepare_rows(engine, seqs, loss_agg)
+    pg_sum = 0.0
+    stats = alg.LossStats(0, 0, 0, 0, 0)
+    ent_sum = kl_ref_sum = 0.0
+    mm_k1 = mm_k3 = mm_tokens = 0.0
+    mm_max = 0.0
+    for row in rows:
+        logp, ent = engine.logprobs(row, grad=True)
+        dev = logp.device
+        mask, w, adv = row.mask.to(dev), row.weights.to(dev), row.advantages.to(dev)
+        has_old = row.has_old.to(dev)
+        learner_old = logp.detach()
+        if use_rollout_logprobs:
+            # A token the rollout gave no logprob for falls back to the learner's value (ratio 1).
+            old = torch.where(has_old, row.old_logp.to(dev), learner_old)
+        else:
+            old = learner_old
+        loss, s = alg.clipped_policy_loss(logp, old, adv, w, eps_low=eps_low, eps_high=eps_high,
+                                          dual_clip_c=dual_clip_c)
+        if kl_coef > 0.0 and reference is not None:
+            with torch.no_grad():
+                ref_logp, _ = reference(row.input_ids[None].to(dev), row.position_ids[None].to(dev),
+                                        row.targets[None].to(dev), False)
+            kl = alg.kl_low_var(logp, ref_logp)
+            loss = loss + kl_coef * (kl * w).sum()
+            kl_ref_sum += float((kl.detach() * mask).sum())
+        engine.backward(loss * engine.world_size)
+        pg_sum += float(loss.detach())
+        stats = stats.merge(s)
+        ent_sum += float((ent * mask).sum())
+        live = mask.bool() & has_old
+        mm = alg.mismatch_kl(row.old_logp.to(dev), learner_old, live)
+        mm_k1 += mm.k1 * mm.tokens
+        mm_k3 += mm.k3 * mm.tokens
+        mm_tokens += mm.tokens
+        mm_max = max(mm_max, mm.max_abs)
+    result = engine.step()
+    _sync(engine.device)
+    seconds = time.perf_counter() - t0
+    (pg_sum, tokens, hi, lo, dual, ratio_sum, ent_sum, kl_ref_sum, mm_k1, mm_k3, mm_tokens) = _all_reduce_sum(
+        [pg_sum, *stats.astuple(), ent_sum, kl_ref_sum, mm_k1, mm_k3, mm_tokens], engine.device)
+    mm_max_t = torch.tensor([mm_max], device=engine.device)
+    if torch.distributed.is_initialized() and engine.world_size > 1:
+        torch.distributed.all_reduce(mm_max_t, op=torch.distributed.ReduceOp.MAX)
+    n = max(tokens, 1.0)
+    metrics = {
+        "loss": pg_sum, "loss_tokens": tokens, "grad_norm": result.grad_norm, "lr": result.lr,
+        "clip_fraction": (hi + lo) / n, "clip_fraction_high": hi / n, "clip_fraction_low": lo / n,
+        "dual_clip_fraction": dual / n, "ratio_mean": ratio_sum / n, "entropy": ent_sum / n,
+        "mismatch_kl_k1": mm_k1 / mm_tokens if mm_tokens else 0.0,
+        "mismatch_kl_k3": mm_k3 / mm_tokens if mm_tokens else 0.0,
+        "mismatch_logp_max_abs": float(mm_max_t.item()), "time_compute_s": seconds,
+    }
+    if kl_coef > 0.0:
+        metrics["kl_ref"] = kl_ref_sum / n
+    metrics.update(_mfu_metrics(engine, [len(s) for s in seqs], seconds))
+    return StepOutput(metrics)

@@ -1,0 +1,409 @@
+"""The training loops: SFT over a chat file, and RL over the scored stream.
+
+RL step (DESIGN.md "Data flow"): wait for `batch_prompts` complete groups on the scored stream →
+advantages and filters → one optimizer step → checkpoint (with the ids of the consumed
+messages) → acknowledge them → publish weights v+1. A learner killed anywhere in between resumes
+from the checkpoint: messages it trained on but had not acknowledged are recognised by id and
+skipped, the rest come back in the same order, so the next step sees the same batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common.schemas import ScoredTrajectory
+from services.common.settings import get_settings
+from services.common.streams import REDIS_DOWN, until_redis
+from services.learner import algorithms as alg
+from services.learner.batching import Sequence_, chat_to_sequence, rl_sequences
+from services.learner.config import RLConfig, SFTConfig
+from services.learner.engine import LogprobPolicy, PolicyEngine
+from services.learner.runlog import RunLog
+from services.learner.steps import rl_step, sft_step
+from services.learner.weights import StorePublisher, write_version
+
+log = logging.getLogger(__name__)
+CONSUMED_STEPS_KEPT = 16  # steps whose message ids stay in the checkpoint for de-duplication
+
+
+class NoData(TimeoutError):
+    """No (complete) group arrived within the configured wait."""
+
+
+def write_status(folder: Path, **fields: Any) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / ".status.json.tmp"
+    tmp.write_text(json.dumps({"updated": time.time(), "pid": os.getpid(), **fields}))
+    os.replace(tmp, folder / "status.json")
+
+
+def read_status(folder: Path) -> dict[str, Any]:
+    path = Path(folder) / "status.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _broadcast(obj: Any, engine: PolicyEngine) -> Any:
+    if engine.world_size == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---- SFT ---------------------------------------------------------------------------------------
+
+def load_chats(path: Path) -> list[list[dict[str, Any]]]:
+    from services.common.files import iter_jsonl
+
+    chats = []
+    for n, record in iter_jsonl(path):
+        messages = record.get("messages") if isinstance(record, dict) else None
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f"{path}:{n}: expected an object with a non-empty 'messages' list")
+        chats.append(messages)
+    if not chats:
+        raise ValueError(f"{path}: no chats")
+    return chats
+
+
+class SFTTrainer:
+    def __init__(self, cfg: SFTConfig, stop: threading.Event | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.out = Path(cfg.output_dir)
+        self.stop = stop or threading.Event()
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        chats = load_chats(Path(cfg.data))
+        self.sequences = [chat_to_sequence(tokenizer, c, cfg.max_seq_len, index=i) for i, c in enumerate(chats)]
+        self.total_steps = cfg.max_steps or math.ceil(len(self.sequences) * cfg.epochs / cfg.batch_size)
+        self.engine = PolicyEngine(cfg.model, cfg.engine, cfg.schedule_config(), self.total_steps,
+                                   home=get_settings().home)
+        self.runlog = RunLog(self.out, enabled=self.engine.rank == 0)
+
+    def batch_indices(self, step: int) -> list[int]:
+        """The sequences of optimizer step `step`: epochs are seeded shuffles laid end to end, so
+        the data of any step is known from its number alone (exact resume needs no data state)."""
+        n, b = len(self.sequences), self.cfg.batch_size
+        out = []
+        for pos in range(step * b, (step + 1) * b):
+            epoch, i = divmod(pos, n)
+            perm = list(range(n))
+            random.Random(self.cfg.engine.seed * 1_000_003 + epoch).shuffle(perm)
+            out.append(perm[i])
+        return out
+
+    def run(self) -> dict[str, Any]:
+        ckpt = self.out / "checkpoints"
+        self.engine.load_checkpoint(ckpt)
+        write_status(self.out, state="running", step=self.engine.step_count, total_steps=self.total_steps)
+        from tqdm import tqdm
+
+        bar = tqdm(total=self.total_steps, initial=self.engine.step_count, desc="sft", disable=self.engine.rank != 0)
+        last: dict[str, Any] = {}
+        while self.engine.step_count < self.total_steps and not self.stop.is_set():
+            step = self.engine.step_count
+            seqs = [self.sequences[i] for i in self.batch_indices(step)]
+            last = sft_step(self.engine, seqs).metrics
+            self.runlog.write(self.engine.step_count, last)
+            bar.update(1)
+            bar.set_postfix(loss=f"{last['loss']:.4f}")
+            every = self.cfg.save_every
+            if (every and self.engine.step_count % every == 0) or self.engine.step_count == self.total_steps:
+                self.engine.save_checkpoint(ckpt, {"kind": "sft"})
+            if self.engine.rank == 0:
+                write_status(self.out, state="running", step=self.engine.step_count, total_steps=self.total_steps,
+                             metrics=last)
+        bar.close()
+        export = None
+        if self.engine.step_count >= self.total_steps:
+            export = export_model(self.engine, self.out / "export", self.engine.step_count)
+        state = "finished" if self.engine.step_count >= self.total_steps else "stopped"
+        if self.engine.rank == 0:
+            write_status(self.out, state=state, step=self.engine.step_count, total_steps=self.total_steps,
+                         metrics=last, export=str(export) if export else None)
+        self.runlog.close()
+        return {"state": state, "step": self.engine.step_count, "export": export, "metrics": last}
+
+
+def export_model(engine: PolicyEngine, root: Path, version: int) -> Path | None:
+    """The HF model folder of the current weights (rank 0 writes; every rank joins the gather)."""
+    buckets = engine.iter_weight_buckets(dtype=None)
+    if engine.rank != 0:
+        for _ in buckets:
+            pass
+        return None
+    folder, *_ = write_version(root, version, buckets, config=engine.lm_config, source_dir=engine.model_dir)
+    return folder
+
+
+# ---- RL ----------------------------------------------------------------------------------------
+
+def score_rates(trajs: list[ScoredTrajectory]) -> dict[str, float]:
+    """The benchmark's view of a batch: mean scores and each check's pass rate (where it applies),
+    so learning curves show success and constraints, not only the shaped reward."""
+    if not trajs:
+        return {}
+    n = len(trajs)
+    out = {f"{k}_rate": sum(getattr(t.score, k) for t in trajs) / n
+           for k in ("success", "cs_micro", "cs_macro", "hard_micro", "hard_macro")}
+    out["answered_rate"] = sum(t.finish_reason == "answer" for t in trajs) / n
+    for family in ("commonsense", "hard"):
+        names = sorted({c for t in trajs for c in getattr(t.score, family)})
+        for name in names:
+            verdicts = [getattr(t.score, family)[name].passed for t in trajs if name in getattr(t.score, family)]
+            applied = [v for v in verdicts if v is not None]
+            if applied:
+                out[f"check/{name}"] = sum(applied) / len(applied)
+    return out
+
+
+class RLTrainer:
+    def __init__(self, cfg: RLConfig, redis_client: Any = None, stop: threading.Event | None = None) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.output_dir)
+        self.stop = stop or threading.Event()
+        settings = get_settings()
+        self.engine = PolicyEngine(cfg.model, cfg.engine, cfg.schedule_config(), cfg.total_steps, home=settings.home)
+        self.rank0 = self.engine.rank == 0
+        self.runlog = RunLog(self.out, enabled=self.rank0)
+        self.version = 0
+        self.consumed: list[list[str]] = []
+        self.batches = 0  # step batches consumed, trained or skipped: the controller paces on it
+        self.groups: OrderedDict[str, list[tuple[Any, ScoredTrajectory]]] = OrderedDict()
+        self.reference = self._reference() if cfg.kl_coef > 0 else None
+        self.consumer = None
+        self.publisher = None
+        if self.rank0:
+            from services.common.streams import StreamConsumer, StreamNames
+
+            if redis_client is None:
+                import redis
+
+                redis_client = redis.Redis.from_url(cfg.redis_url or settings.redis_url or "redis://127.0.0.1:6379/0")
+            self.redis = redis_client
+            self.stream = StreamNames(cfg.stream_prefix).scored
+            self.consumer = StreamConsumer(redis_client, self.stream, cfg.consumer_group, cfg.consumer_name,
+                                           claim_idle_ms=600_000, max_deliveries=10)
+            if cfg.publish_weights:
+                root = Path(cfg.weights_dir) if cfg.weights_dir else settings.home / "weights"
+                self.publisher = StorePublisher(root, redis_client=redis_client, key_prefix=cfg.stream_prefix,
+                                                servers=cfg.rollout_servers, keep=cfg.keep_versions,
+                                                api_token=settings.api_token)
+
+    def _reference(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        lm = AutoModelForCausalLM.from_pretrained(self.cfg.model, dtype=torch.bfloat16 if self.engine.bf16 else torch.float32)
+        ref = LogprobPolicy(lm, self.cfg.engine.logprob_chunk_tokens).to(self.engine.device).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    # -- resume ----------------------------------------------------------------------------------
+
+    def resume(self) -> bool:
+        state = self.engine.load_checkpoint(self.out / "checkpoints")
+        if state is None:
+            return False
+        self.version = int(state.get("version", self.engine.step_count))
+        self.consumed = [list(ids) for ids in state.get("consumed", [])]
+        self.batches = int(state.get("batches", self.engine.step_count))
+        return True
+
+    def _already_trained(self) -> set[str]:
+        return {i for ids in self.consumed for i in ids}
+
+    # -- data --------------------------------------------------------------------------------------
+
+    def _useful(self, members: list[tuple[Any, ScoredTrajectory]]) -> bool:
+        """Would this group survive the staleness and DAPO filters? (Refill reads until enough do.)"""
+        f = self.cfg.filters
+        trajs = [t for _, t in members]
+        if not alg.split_stale([t.policy_version for t in trajs], self.version, f.max_staleness)[0]:
+            return False
+        if f.dynamic_sampling:
+            rewards = [alg.effective_reward(t.reward, t.finish_reason, f.zero_reward_finish_reasons) for t in trajs]
+            return alg.reward_spread(rewards) > f.zero_variance_eps
+        return True
+
+    def _complete(self) -> list[str]:
+        return [g for g, m in self.groups.items() if len(m) >= self.cfg.group_size]
+
+    def _enough(self, chosen: list[str], useful: int) -> bool:
+        """Without refill a step takes the next `batch_prompts` groups (filters may shrink it);
+        with refill it reads on until that many groups survive, at most max_refill_rounds batches more."""
+        n, f = self.cfg.batch_prompts, self.cfg.filters
+        if not f.refill:
+            return len(chosen) >= n
+        if useful >= n:
+            return True
+        return f.max_refill_rounds > 0 and len(chosen) >= n * (1 + f.max_refill_rounds)
+
+    def collect(self) -> tuple[list[Any], list[ScoredTrajectory], float]:
+        """Rank 0: messages and trajectories of the next step's groups (in arrival order)."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        trained = self._already_trained()
+        chosen: list[str] = []
+        useful = 0
+        deadline = time.monotonic() + cfg.wait_timeout_s
+        while True:
+            for g in self._complete():
+                if g in chosen or self._enough(chosen, useful):
+                    continue
+                chosen.append(g)
+                useful += self._useful(self.groups[g])
+            if self._enough(chosen, useful):
+                break
+            if self.stop.is_set():
+                raise NoData("stopped while waiting for data")
+            if time.monotonic() > deadline:
+                raise NoData(f"no complete group arrived within {cfg.wait_timeout_s:.0f} s")
+            try:
+                arrived = self.consumer.read(count=cfg.group_size * cfg.batch_prompts, block_ms=cfg.read_block_ms)
+            except REDIS_DOWN as exc:
+                # Redis restarting: what was read stays pending there, so wait and read on
+                log.warning("redis unavailable; waiting for data", extra={"error": str(exc)})
+                self.stop.wait(1.0)
+                continue
+            for msg in arrived:
+                if msg.id in trained:
+                    until_redis(lambda m=msg: self.consumer.ack(m), what="acknowledging")  # trained before a crash
+                    continue
+                try:
+                    traj = ScoredTrajectory.model_validate(msg.data)
+                except ValueError as exc:
+                    msg.deliveries = self.consumer.max_deliveries  # a bad payload never gets better
+                    self.consumer.fail(msg, f"not a ScoredTrajectory: {str(exc)[:500]}")
+                    continue
+                self.groups.setdefault(traj.group_id, []).append((msg, traj))
+        messages, trajs = [], []
+        for g in chosen:
+            for msg, traj in self.groups.pop(g):
+                messages.append(msg)
+                trajs.append(traj)
+        return messages, trajs, time.perf_counter() - t0
+
+    # -- one step ------------------------------------------------------------------------------------
+
+    def train_step(self) -> dict[str, Any]:
+        cfg = self.cfg
+        messages: list[Any] = []
+        trajs_payload = None
+        wait_s = 0.0
+        if self.rank0:
+            messages, trajs, wait_s = self.collect()
+            trajs_payload = [t.model_dump(mode="json") for t in trajs]
+        trajs = [ScoredTrajectory.model_validate(t) for t in _broadcast(trajs_payload, self.engine)]
+        batch = rl_sequences(trajs, cfg.filters, learner_version=self.version, std_normalize=cfg.std_normalize,
+                             use_rollout_logprobs=cfg.use_rollout_logprobs)
+        metrics: dict[str, Any] = {"time_wait_s": wait_s, **batch.stats}
+        rewards = [alg.effective_reward(t.reward, t.finish_reason, cfg.filters.zero_reward_finish_reasons)
+                   for t in trajs]
+        rs, ads = alg.summarize(rewards), alg.summarize(batch.advantages)
+        metrics.update(score_rates(trajs))
+        metrics.update({"reward_mean": rs["mean"], "reward_std": rs["std"], "reward_max": rs["max"],
+                        "advantage_mean": ads["mean"], "advantage_std": ads["std"], "advantage_min": ads["min"],
+                        "advantage_max": ads["max"]})
+        trainable = [s for s in batch.sequences if sum(s.loss_mask) > 0]
+        if trainable:
+            out = rl_step(self.engine, batch.sequences, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                          dual_clip_c=cfg.dual_clip_c, loss_agg=cfg.loss_agg,
+                          use_rollout_logprobs=cfg.use_rollout_logprobs and not batch.recompute_old,
+                          kl_coef=cfg.kl_coef, reference=self.reference)
+            metrics.update(out.metrics)
+            self.version += 1
+        else:
+            metrics["skipped"] = 1.0  # nothing carries gradient (rLLM skips such steps too)
+        # Checkpoint first (with what was consumed), then acknowledge: a crash in between re-reads
+        # the messages and skips them by id.
+        self.consumed = (self.consumed + [[m.id for m in messages]])[-CONSUMED_STEPS_KEPT:]
+        self.consumed = _broadcast(self.consumed, self.engine)
+        if trainable and self.engine.step_count % cfg.save_every == 0:
+            self.engine.save_checkpoint(self.out / "checkpoints", {
+                "kind": "rl", "version": self.version, "consumed": self.consumed, "batches": self.batches + 1,
+                "stream": {"name": getattr(self, "stream", None), "group": cfg.consumer_group,
+                           "last_id": messages[-1].id if messages else None}})
+        if os.environ.get("STAR_LEARNER_CRASH_AFTER_CHECKPOINT") == str(self.engine.step_count):
+            # Fault injection for the resume test: die between checkpoint and acknowledgement.
+            os.kill(os.getpid(), 9)
+        self.batches += 1
+        if self.rank0:
+            # (the checkpoint holds these ids: a learner that dies waiting for Redis skips them on resume)
+            until_redis(lambda: self.consumer.client.xack(self.consumer.stream, self.consumer.group,
+                                                          *[m.id for m in messages]) if messages else None,
+                        what="acknowledging the step's messages")
+            until_redis(self._count_batches, what="counting batches")
+        if trainable and cfg.publish_weights:
+            metrics.update(self.publish())
+        metrics["time_step_s"] = (metrics.get("time_wait_s", 0.0) + metrics.get("time_compute_s", 0.0)
+                                  + metrics.get("time_sync_s", 0.0))
+        metrics["version"] = self.version
+        self.runlog.write(self.engine.step_count, metrics)
+        return metrics
+
+    def _count_batches(self) -> None:
+        """Publish the consumed-batch count, never lowering it (a resumed learner may restart
+        from a checkpoint older than a skipped step it had already acknowledged)."""
+        key = f"{self.cfg.stream_prefix}:learner:batches"
+        raw = self.redis.get(key)
+        self.batches = max(self.batches, int(raw) if raw else 0)
+        self.redis.set(key, self.batches)
+
+    def publish(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        buckets = self.engine.iter_weight_buckets(dtype=torch.bfloat16 if self.engine.bf16 else None)
+        if not self.rank0:
+            for _ in buckets:
+                pass
+            return {}
+        result = self.publisher.publish(self.version, buckets, config=self.engine.lm_config,
+                                        source_dir=self.engine.model_dir)
+        return {**result.metrics(), "time_sync_s": time.perf_counter() - t0}
+
+    def run(self, max_steps: int | None = None) -> dict[str, Any]:
+        from tqdm import tqdm
+
+        self.resume()
+        limit = max_steps or self.cfg.max_steps or self.cfg.total_steps
+        if self.rank0:
+            write_status(self.out, state="running", step=self.engine.step_count, version=self.version)
+        bar = tqdm(total=limit, initial=min(self.engine.step_count, limit), desc="rl", disable=not self.rank0)
+        last: dict[str, Any] = {}
+        state = "finished"
+        try:
+            while self.engine.step_count < limit and not self.stop.is_set():
+                last = self.train_step()
+                bar.update(1 if "skipped" not in last else 0)
+                bar.set_postfix(loss=f"{last.get('loss', float('nan')):.4f}", reward=f"{last['reward_mean']:.3f}")
+                if self.rank0:
+                    write_status(self.out, state="running", step=self.engine.step_count, version=self.version,
+                                 metrics=last)
+            if self.engine.step_count < limit:
+                state = "stopped"
+        except NoData as exc:
+            state = "stopped" if self.stop.is_set() else "failed"
+            last = {**last, "error": str(exc)}
+        except BaseException as exc:
+            state = "failed"  # not "finished": the controller reads this to decide on a restart
+            last = {**last, "error": f"{type(exc).__name__}: {exc}"}
+            raise
+        finally:
+            bar.close()
+            if self.rank0:
+                write_status(self.out, state=state, step=self.engine.step_count, version=self.version, metrics=last)
+            self.runlog.close()
+        return {"state": state, "step": self.engine.step_count, "version": self.version, "metrics": last}
+

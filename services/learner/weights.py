@@ -1,0 +1,405 @@
+"""Weight publication: after each optimizer step the fleet gets the new policy.
+
+Portable path (`StorePublisher`): full weights, gathered bucket by bucket, become an HF model
+folder `STAR_HOME/weights/v{version}` (safetensors shards, config, tokenizer) plus
+`manifest.json` (version, sha256 and size per file). The folder is written under a temporary
+name and renamed, so a reader never sees half a version. Then the latest version goes to Redis
+(`{prefix}:weights:latest`, a WeightsUpdate) and to every rollout server (`POST /weights`), and
+versions older than the last K are deleted.
+
+Fast path (`BroadcastPublisher`): the same buckets go over a torch.distributed broadcast
+(NCCL between GPUs; gloo works too, which is how it is tested on CPU) to receivers that copy
+them into their live model (`BroadcastReceiver`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.common.schemas import WeightsUpdate
+from services.common.files import sha256_file
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+WEIGHT_FILES = (".safetensors", ".bin", ".pt")
+INDEX = "model.safetensors.index.json"
+
+
+class WeightsError(RuntimeError):
+    """A version folder is missing, incomplete or does not match its manifest."""
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return Path(root) / f"v{version}"
+
+
+@dataclass
+class PublishResult:
+    update: WeightsUpdate | None
+    gather_s: float = 0.0
+    write_s: float = 0.0
+    notify_s: float = 0.0
+    bytes: int = 0
+    servers: dict[str, str] = field(default_factory=dict)   # url → "ok" or the error
+
+    def metrics(self) -> dict[str, float]:
+        ok = sum(v == "ok" for v in self.servers.values())
+        return {"sync_gather_s": self.gather_s, "sync_write_s": self.write_s, "sync_fleet_load_s": self.notify_s,
+                "sync_bytes": float(self.bytes), "sync_servers_ok": float(ok),
+                "sync_servers_failed": float(len(self.servers) - ok)}
+
+
+# ---- writing a version --------------------------------------------------------------------------
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+_ALIGN = 64  # every tensor starts on a 64-byte boundary inside a shard's data
+
+
+@dataclass
+class FlatBucket:
+    """Several tensors laid out in one byte buffer: one device→host copy, one write, one broadcast."""
+
+    entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]]   # name, dtype, shape, start, end
+    data: torch.Tensor                                                  # uint8, 1-D
+
+    @property
+    def nbytes(self) -> int:
+        return self.entries[-1][4] if self.entries else 0
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: self.data[a:b].view(dtype).view(shape) for name, dtype, shape, a, b in self.entries}
+
+
+def layout(named: list[tuple[str, torch.dtype, tuple[int, ...], int]]) -> tuple[list, int]:
+    """Byte offsets for (name, dtype, shape, numel) entries, each aligned; returns (entries, total bytes)."""
+    entries, pos = [], 0
+    for name, dtype, shape, numel in named:
+        pos = (pos + _ALIGN - 1) // _ALIGN * _ALIGN
+        size = numel * dtype.itemsize
+        entries.append((name, dtype, tuple(shape), pos, pos + size))
+        pos += size
+    return entries, pos
+
+
+def flatten(named: list[tuple[str, torch.Tensor]], *, dtype: torch.dtype | None = None,
+            out: torch.Tensor | None = None) -> FlatBucket:
+    """Copy tensors (any device) into one uint8 buffer `out` (e.g. pinned host memory) or a new one
+    on the tensors' device."""
+    entries, total = layout([(n, dtype or t.dtype, tuple(t.shape), t.numel()) for n, t in named])
+    device = named[0][1].device if named else torch.device("cpu")
+    staging = torch.empty(total, dtype=torch.uint8, device=device)
+    for (_, t), (_, dt, _, a, b) in zip(named, entries):
+        staging[a:b].copy_(t.detach().to(dt).reshape(-1).view(torch.uint8))
+    if out is None:
+        return FlatBucket(entries, staging)
+    target = out[:total]
+    target.copy_(staging, non_blocking=staging.is_cuda and target.is_pinned())
+    if staging.is_cuda:
+        torch.cuda.current_stream(staging.device).synchronize()
+    return FlatBucket(entries, target)
+
+
+def write_safetensors(path: Path, bucket: FlatBucket) -> tuple[str, int]:
+    """Write one shard in the safetensors format straight from the bucket's buffer (no
+    serialization copy), hashing as it goes; hashing and file I/O release the GIL."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    for name, dtype, shape, a, b in bucket.entries:
+        if dtype not in _ST_DTYPES:
+            raise WeightsError(f"{name}: dtype {dtype} cannot be written to safetensors")
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [a, b]}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)  # data starts 8-byte aligned
+    head = len(raw).to_bytes(8, "little") + raw
+    body = memoryview(bucket.data[: bucket.nbytes].numpy())
+    digest = hashlib.sha256(head)
+    digest.update(body)
+    with open(path, "wb") as fh:
+        fh.write(head)
+        fh.write(body)
+    return digest.hexdigest(), len(head) + len(body)
+
+
+def copy_model_files(source: Path, target: Path) -> None:
+    """Tokenizer and generation files from the starting model (everything but weights and config)."""
+    for item in Path(source).iterdir():
+        if item.is_file() and not item.name.endswith(WEIGHT_FILES) and item.name not in (
+                "config.json", INDEX, MANIFEST) and not item.name.startswith("."):
+            shutil.copy2(item, target / item.name)
+
+
+def write_version(root: Path, version: int, buckets: Iterable["FlatBucket"], *, config: Any, source_dir: Path | None,
+                  threads: int = 4, fsync: bool = False) -> tuple[Path, str, float, float, int]:
+    """Write v{version}; returns (folder, manifest sha256, gather seconds, write seconds, bytes).
+
+    Each bucket becomes one shard, written by a thread while the next bucket is gathered."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = version_dir(root, version)
+    tmp = root / f".v{version}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    gather_s = 0.0
+    t_start = time.perf_counter()
+    futures = []
+    weight_map: dict[str, str] = {}
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        it: Iterator[FlatBucket] = iter(buckets)
+        k = 0
+        while True:
+            t0 = time.perf_counter()
+            bucket = next(it, None)
+            gather_s += time.perf_counter() - t0
+            if bucket is None:
+                break
+            name = f"model-{k:05d}.safetensors"
+            weight_map.update({e[0]: name for e in bucket.entries})
+            futures.append((name, pool.submit(write_safetensors, tmp / name, bucket)))
+            k += 1
+        files = {}
+        total = 0
+        for name, fut in futures:
+            digest, size = fut.result()
+            files[name] = {"sha256": digest, "bytes": size}
+            total += size
+    # Consistent names for loaders: one shard is model.safetensors, several get an index.
+    if len(files) == 1:
+        (only,) = files
+        os.replace(tmp / only, tmp / "model.safetensors")
+        files = {"model.safetensors": files[only]}
+    else:
+        count = len(files)
+        renames = {old: f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i, old in enumerate(files)}
+        for old, new in renames.items():
+            os.replace(tmp / old, tmp / new)
+        files = {renames[k]: v for k, v in files.items()}
+        index = {"metadata": {"total_size": total}, "weight_map": {n: renames[f] for n, f in weight_map.items()}}
+        (tmp / INDEX).write_text(json.dumps(index, indent=1))
+    config.save_pretrained(tmp)
+    if source_dir is not None:
+        copy_model_files(Path(source_dir), tmp)
+    for item in sorted(tmp.iterdir()):
+        if item.name not in files:
+            files[item.name] = {"sha256": sha256_file(item), "bytes": item.stat().st_size}
+    manifest = {"version": version, "created": time.time(), "files": dict(sorted(files.items()))}
+    manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    (tmp / MANIFEST).write_bytes(manifest_bytes)
+    if fsync:
+        for item in tmp.iterdir():
+            with open(item, "rb") as fh:
+                os.fsync(fh.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    write_s = time.perf_counter() - t_start - gather_s
+    return final, hashlib.sha256(manifest_bytes).hexdigest(), gather_s, write_s, total
+
+
+def verify_version(folder: Path, sha256: str | None = None, *, check_files: bool = True) -> dict[str, Any]:
+    """The manifest, after checking it (and, by default, every file) against the recorded hashes."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise WeightsError(f"{folder} has no {MANIFEST}: not a published version")
+    raw = path.read_bytes()
+    if sha256 is not None and hashlib.sha256(raw).hexdigest() != sha256:
+        raise WeightsError(f"{path} does not match the announced sha256")
+    manifest = json.loads(raw)
+    if check_files:
+        names = list(manifest["files"])
+        with ThreadPoolExecutor(max_workers=min(8, len(names) or 1)) as pool:
+            digests = list(pool.map(lambda n: sha256_file(folder / n) if (folder / n).is_file() else None, names))
+        for name, digest in zip(names, digests):
+            if digest is None:
+                raise WeightsError(f"{folder / name} listed in the manifest is missing")
+            if digest != manifest["files"][name]["sha256"]:
+                raise WeightsError(f"{folder / name} does not match its sha256 in the manifest")
+    return manifest
+
+
+def load_state_dict(folder: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(shard, device=str(device)))
+    return out
+
+
+def load_into(model: torch.nn.Module, folder: Path, *, sha256: str | None = None, verify: bool = True) -> int:
+    """What a rollout server does on POST /weights when it holds a live model: read the new
+    tensors while their hashes are checked (in parallel), then copy them into the existing
+    parameters in place. Nothing is copied unless the version verifies. Returns the tensor count."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        check = pool.submit(verify_version, folder, sha256, check_files=verify)
+        device = next(model.parameters()).device
+        state = load_state_dict(folder, device)
+        check.result()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    missing = [n for n in params if n not in state and not _tied(model, n)]
+    if missing:
+        raise WeightsError(f"{folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if name in params:
+                params[name].copy_(tensor)
+    return len(state)
+
+
+def _tied(model: torch.nn.Module, name: str) -> bool:
+    return name == "lm_head.weight" and bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+
+
+# ---- the store publisher --------------------------------------------------------------------------
+
+class StorePublisher:
+    """Shared-storage weights + Redis version key + POST /weights to each rollout server."""
+
+    def __init__(self, root: Path, *, redis_client: Any = None, key_prefix: str = "star", servers: Iterable[str] = (),
+                 keep: int = 3, api_token: str | None = None, timeout_s: float = 300.0, threads: int = 4) -> None:
+        if keep < 1:
+            raise ValueError("keep must be at least 1")
+        self.root = Path(root)
+        self.redis = redis_client
+        self.key = f"{key_prefix}:weights:latest"
+        self.servers = [s.rstrip("/") for s in servers]
+        self.keep = keep
+        self.api_token = api_token
+        self.timeout_s = timeout_s
+        self.threads = threads
+
+    def publish(self, version: int, buckets: Iterable[FlatBucket], *, config: Any, source_dir: Path | None = None
+                ) -> PublishResult:
+        folder, digest, gather_s, write_s, size = write_version(self.root, version, buckets, config=config,
+                                                                source_dir=source_dir, threads=self.threads)
+        update = WeightsUpdate(version=version, uri=str(folder.resolve()), sha256=digest)
+        t0 = time.perf_counter()
+        if self.redis is not None:
+            from services.common.streams import until_redis
+
+            until_redis(lambda: self.redis.set(self.key, update.model_dump_json()), what="announcing weights")
+        servers = self.notify(update)
+        notify_s = time.perf_counter() - t0
+        self.prune(version)
+        return PublishResult(update, gather_s, write_s, notify_s, size, servers)
+
+    def notify(self, update: WeightsUpdate) -> dict[str, str]:
+        """POST the update to every server at once; each answers when it has loaded the version."""
+        if not self.servers:
+            return {}
+        import httpx
+
+        headers = {"authorization": f"Bearer {self.api_token}"} if self.api_token else {}
+
+        def post(url: str) -> str:
+            try:
+                r = httpx.post(f"{url}/weights", json=update.model_dump(), headers=headers, timeout=self.timeout_s)
+            except httpx.HTTPError as exc:
+                return f"{type(exc).__name__}: {exc}"
+            return "ok" if r.status_code < 300 else f"HTTP {r.status_code}: {r.text[:300]}"
+
+        with ThreadPoolExecutor(max_workers=min(16, len(self.servers))) as pool:
+            results = dict(zip(self.servers, pool.map(post, self.servers)))
+        for url, outcome in results.items():
+            if outcome != "ok":
+                log.warning("rollout server did not load the weights", extra={"server": url, "error": outcome,
+                                                                              "version": update.version})
+        return results
+
+    def prune(self, latest: int) -> list[int]:
+        """Delete all but the newest `keep` versions (never `latest`)."""
+        versions = sorted(self.versions())
+        doomed = [v for v in versions[: max(len(versions) - self.keep, 0)] if v != latest]
+        for v in doomed:
+            shutil.rmtree(version_dir(self.root, v), ignore_errors=True)
+        return doomed
+
+    def versions(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        out = []
+        for item in self.root.iterdir():
+            if item.is_dir() and item.name.startswith("v") and item.name[1:].isdigit() and (item / MANIFEST).is_file():
+                out.append(int(item.name[1:]))
+        return sorted(out)
+
+    def latest(self) -> WeightsUpdate | None:
+        if self.redis is None:
+            return None
+        raw = self.redis.get(self.key)
+        return WeightsUpdate.model_validate_json(raw) if raw else None
+
+
+# ---- the NCCL broadcast path --------------------------------------------------------------------
+
+class BroadcastPublisher:
+    """Broadcast buckets from `src` over a process group shared with the rollout workers.
+
+    Per bucket: a small header (names, shapes, dtypes; one object broadcast) then one flat
+    tensor per dtype. Receivers allocate the same flat buffer and copy slices into their model.
+    On GPUs the group is NCCL and tensors move device to device."""
+
+    def __init__(self, group: Any = None, src: int = 0, device: str | torch.device | None = None) -> None:
+        self.group = group
+        self.src = src
+        self.device = torch.device(device) if device else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+
+    def publish(self, version: int, buckets: Iterable[FlatBucket]) -> dict[str, float]:
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        size = 0
+        for bucket in buckets:
+            entries = [(n, str(dt).removeprefix("torch."), list(sh), a, b) for n, dt, sh, a, b in bucket.entries]
+            dist.broadcast_object_list([{"entries": entries, "nbytes": bucket.nbytes, "version": version,
+                                         "done": False}], src=self.src, group=self.group)
+            data = bucket.data[: bucket.nbytes].to(self.device)
+            dist.broadcast(data, src=self.src, group=self.group)
+            size += bucket.nbytes
+        dist.broadcast_object_list([{"done": True, "version": version}], src=self.src, group=self.group)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return {"sync_broadcast_s": time.perf_counter() - t0, "sync_bytes": float(size)}
+
+
+class BroadcastReceiver:
+    def __init__(self, group: Any = None, src: int = 0, device: str | torch.device | None = None) -> None:
+        self.group = group
+        self.src = src
+        self.device = torch.device(device) if device else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+
+    def receive_into(self, model: torch.nn.Module) -> int:
+        """Copy one broadcast version into `model`; returns the version."""
+        import torch.distributed as dist
+
+        params = dict(model.named_parameters(remove_duplicate=False))
+        while True:
+            header = [None]
+            dist.broadcast_object_list(header, src=self.src, group=self.group)
+            meta = header[0]
+            if meta["done"]:
+                return int(meta["version"])
+            data = torch.empty(meta["nbytes"], dtype=torch.uint8, device=self.device)
+            dist.broadcast(data, src=self.src, group=self.group)
+            bucket = FlatBucket([(n, getattr(torch, dt), tuple(sh), a, b) for n, dt, sh, a, b in meta["entries"]], data)
+            with torch.no_grad():
+                for name, tensor in bucket.tensors().items():
+                    if name not in params:
+                        raise WeightsError(f"broadcast tensor {name} has no parameter in the receiving model")
+                    params[name].copy_(tensor)

@@ -1,0 +1,203 @@
+"""The RL math against hand-computed examples."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.common.schemas import Score, ScoredTrajectory
+from services.learner import algorithms as alg
+from services.learner.batching import rl_sequences
+from services.learner.config import FilterConfig, RLConfig
+
+
+# ---- advantages ---------------------------------------------------------------------------------
+
+def test_group_advantages_by_hand():
+    # group a: rewards 1,0,0,1 → mean 0.5, unbiased std sqrt(1/3) → ±0.5·sqrt(3) = ±0.8660
+    # group b: one sample → mean 0, std 1 → advantage = reward
+    adv = alg.group_advantages([1, 0, 0, 1, 0.7], ["a", "a", "a", "a", "b"], eps=0.0)
+    assert adv[:4] == pytest.approx([0.8660254, -0.8660254, -0.8660254, 0.8660254], abs=1e-6)
+    assert adv[4] == pytest.approx(0.7)
+
+
+def test_group_advantages_mean_only_and_flat_groups():
+    assert alg.group_advantages([3, 1], ["g", "g"], std_normalize=False) == pytest.approx([1.0, -1.0])
+    # a flat group has zero advantage (no gradient), not a division by zero
+    assert alg.group_advantages([2, 2, 2], ["g"] * 3) == pytest.approx([0.0, 0.0, 0.0])
+
+
+def test_group_advantages_length_mismatch_is_an_error():
+    with pytest.raises(ValueError, match="2 rewards but 1 group"):
+        alg.group_advantages([1, 2], ["g"])
+
+
+def test_format_error_is_worth_zero_and_nan_rejected():
+    assert alg.effective_reward(4.2, "format_error") == 0.0
+    assert alg.effective_reward(4.2, "answer") == 4.2
+    with pytest.raises(ValueError, match="finite"):
+        alg.effective_reward(float("nan"), "answer")
+
+
+# ---- clipping -------------------------------------------------------------------------------------
+
+def _loss(ratio: float, adv: float, **kw):
+    logp = torch.tensor([math.log(ratio)], requires_grad=True)
+    loss, stats = alg.clipped_policy_loss(logp, torch.zeros(1), torch.tensor([adv]), torch.ones(1),
+                                          eps_low=0.2, eps_high=0.28, **kw)
+    loss.backward()
+    return loss.item(), logp.grad.item(), stats
+
+
+def test_clip_high_side_for_positive_advantage():
+    # ratio 1.5 > 1.28: the loss is -A·1.28 and the gradient is cut
+    loss, grad, stats = _loss(1.5, 1.0)
+    assert loss == pytest.approx(-1.28)
+    assert grad == 0.0
+    assert stats.clipped_high == 1 and stats.clipped_low == 0
+
+
+def test_clip_low_side_for_negative_advantage():
+    # ratio 0.5 < 0.8 with A = -1: loss = max(0.5, 0.8) = 0.8, no gradient
+    loss, grad, stats = _loss(0.5, -1.0)
+    assert loss == pytest.approx(0.8)
+    assert grad == 0.0
+    assert stats.clipped_low == 1 and stats.clipped_high == 0
+
+
+def test_unclipped_side_keeps_the_gradient():
+    # A = -1, ratio 1.5: the unclipped term (1.5) is larger, so it is used: d/dlogp = -A·ratio = 1.5
+    loss, grad, stats = _loss(1.5, -1.0)
+    assert loss == pytest.approx(1.5)
+    assert grad == pytest.approx(1.5)
+    assert stats.clipped_low == 0 and stats.clipped_high == 0
+    # A = +1, ratio 0.5: -0.5 vs -0.8 → -0.5, gradient -0.5
+    loss, grad, _ = _loss(0.5, 1.0)
+    assert (loss, grad) == (pytest.approx(-0.5), pytest.approx(-0.5))
+
+
+def test_asymmetric_bounds_differ():
+    # 1.25 is inside the upper bound 1.28 but would be clipped by a symmetric 0.2
+    loss, grad, stats = _loss(1.25, 1.0)
+    assert loss == pytest.approx(-1.25) and grad == pytest.approx(-1.25) and stats.clipped_high == 0
+
+
+def test_dual_clip_caps_negative_advantages():
+    loss, grad, stats = _loss(4.0, -1.0, dual_clip_c=3.0)
+    assert loss == pytest.approx(3.0) and grad == 0.0 and stats.dual_clipped == 1
+
+
+# ---- token-level normalization -------------------------------------------------------------------
+
+def test_token_mean_weights_count_every_loss_token_of_the_step():
+    masks = [torch.tensor([0, 1, 1, 1.0]), torch.tensor([1, 0, 0.0])]
+    w = alg.token_weights(masks, "token-mean")
+    assert w[0].tolist() == pytest.approx([0, 0.25, 0.25, 0.25])
+    assert w[1].tolist() == pytest.approx([0.25, 0, 0])
+    # per-sequence mean instead: the short sequence's single token weighs 1/2, the long one's 1/6
+    w = alg.token_weights(masks, "seq-mean-token-mean")
+    assert w[0].tolist() == pytest.approx([0, 1 / 6, 1 / 6, 1 / 6])
+    assert w[1].tolist() == pytest.approx([0.5, 0, 0])
+
+
+def test_token_mean_loss_by_hand():
+    # two sequences at ratio 1: loss = -Σ A_i·w = -(3·0.25·1 + 1·0.25·(-1)) = -0.5
+    masks = [torch.tensor([1, 1, 1.0]), torch.tensor([1.0])]
+    weights = torch.cat(alg.token_weights(masks))
+    adv = torch.tensor([1, 1, 1, -1.0])
+    loss, stats = alg.clipped_policy_loss(torch.zeros(4), torch.zeros(4), adv, weights, eps_low=0.2, eps_high=0.28)
+    assert loss.item() == pytest.approx(-0.5)
+    assert stats.tokens == 4 and stats.ratio_sum == pytest.approx(4.0)
+
+
+# ---- filters -------------------------------------------------------------------------------------
+
+def test_dynamic_sampling_drops_flat_groups():
+    sel = alg.select_groups({"a": [1, 1, 1], "b": [0, 1, 0], "c": [0, 0, 0], "d": [2.5, 2.5, 2.5000001]},
+                            dynamic_sampling=True)
+    assert sel.kept == ["b"]
+    assert sel.flat == ["a", "c", "d"]
+
+
+def test_dynamic_sampling_keeps_continuous_rewards_above_one():
+    # rLLM's rule (all >= 1 → drop) would lose this group; spread > 0 keeps it
+    sel = alg.select_groups({"a": [1.5, 2.0, 3.2]}, dynamic_sampling=True)
+    assert sel.kept == ["a"]
+
+
+def test_starpo_keeps_the_groups_with_the_largest_spread():
+    rewards = {"a": [0, 0.1], "b": [0, 3], "c": [1, 2], "d": [0, 0]}
+    sel = alg.select_groups(rewards, keep_fraction=0.5)
+    assert sel.kept == ["b", "c"]
+    assert sel.low_spread == ["a", "d"]
+    assert sel.counts() == {"groups_kept": 2, "groups_dropped_flat": 0, "groups_dropped_low_spread": 2}
+    # both filters: flat d goes first, then the top ceil(0.5·3) = 2 of a, b, c
+    sel = alg.select_groups(rewards, dynamic_sampling=True, keep_fraction=0.5)
+    assert sel.flat == ["d"] and sel.kept == ["b", "c"] and sel.low_spread == ["a"]
+
+
+def test_staleness_split():
+    fresh, stale = alg.split_stale([5, 4, 3, 5], learner_version=5, max_staleness=1)
+    assert fresh == [0, 1, 3] and stale == [2]
+    assert alg.split_stale([5, 4], 5, 0) == ([0], [1])
+
+
+def test_mismatch_kl_by_hand():
+    b = torch.tensor([math.log(0.5), math.log(0.25), 0.0])
+    p = torch.tensor([math.log(0.25), math.log(0.25), -5.0])
+    m = alg.mismatch_kl(b, p, torch.tensor([1, 1, 0]))
+    # k1 = mean(log b - log p) over the two loss tokens = (log 2 + 0) / 2
+    assert m.k1 == pytest.approx(math.log(2) / 2)
+    # k3 on token 1: r = p/b = 0.5 → r - 1 - log r = -0.5 + log 2; token 2: 0
+    assert m.k3 == pytest.approx((-0.5 + math.log(2)) / 2)
+    assert m.max_abs == pytest.approx(math.log(2)) and m.tokens == 2
+
+
+# ---- trajectories → sequences --------------------------------------------------------------------
+
+def _traj(group: str, i: int, reward: float, finish: str = "answer", version: int = 0, n: int = 6) -> ScoredTrajectory:
+    mask = [0, 0] + [1] * (n - 2)
+    return ScoredTrajectory(run_id="r", task_id=f"t-{group}", prompt_id=group, group_id=group, sample_index=i,
+                            policy_version=version, token_ids=list(range(10, 10 + n)), loss_mask=mask,
+                            logprobs=[None if m == 0 else -1.0 for m in mask], finish_reason=finish,
+                            score=Score(), reward=reward)
+
+
+def test_rl_sequences_overlength_masked_but_kept_in_normalization():
+    trajs = [_traj("g", 0, 1.0), _traj("g", 1, 0.0), _traj("g", 2, 1.0, "context_limit"), _traj("g", 3, 0.0)]
+    batch = rl_sequences(trajs, FilterConfig(), learner_version=0)
+    # the context-limit sample's reward 1 is still in the group: mean 0.5, std sqrt(1/3)
+    assert batch.advantages == pytest.approx([0.8660, -0.8660, 0.8660, -0.8660], abs=1e-3)
+    assert sum(batch.sequences[2].loss_mask) == 0
+    assert sum(batch.sequences[0].loss_mask) == 4
+    assert batch.stats["samples_masked_overlength"] == 1 and batch.stats["samples_trained"] == 3
+
+
+def test_rl_sequences_format_error_zero_stale_and_dapo():
+    trajs = [_traj("a", 0, 3.0, "format_error"), _traj("a", 1, 0.0),          # flat after zeroing → dropped
+             _traj("b", 0, 2.0), _traj("b", 1, 1.0),
+             _traj("c", 0, 2.0, version=0), _traj("c", 1, 1.0, version=0)]
+    trajs[4].policy_version = trajs[5].policy_version = -3  # far behind: stale
+    batch = rl_sequences(trajs, FilterConfig(dynamic_sampling=True, max_staleness=1), learner_version=0)
+    assert batch.stats["samples_stale"] == 2
+    assert batch.stats["groups_dropped_flat"] == 1 and batch.stats["groups_kept"] == 1
+    assert batch.stats["samples_format_error"] == 1
+    assert [s.advantage for s in batch.sequences] == pytest.approx([0.7071, -0.7071], abs=1e-3)
+
+
+def test_rl_sequences_shape_errors_are_clear():
+    bad = _traj("g", 0, 1.0)
+    bad.loss_mask = bad.loss_mask[:-1]
+    with pytest.raises(ValueError, match="6 token ids but 5 loss-mask"):
+        rl_sequences([bad], FilterConfig(), learner_version=0)
+
+
+def test_rl_config_defaults_and_validation():
+    cfg = RLConfig(model="m", output_dir="o")
+    assert (cfg.group_size, cfg.batch_prompts, cfg.lr, cfg.kl_coef) == (8, 32, 2e-6, 0.0)
+    assert cfg.eps_high > cfg.eps_low
+    assert RLConfig(model="m", output_dir="o", algorithm="dapo").filters.dynamic_sampling
+    with pytest.raises(ValueError, match="eps_high >= eps_low"):
+        RLConfig(model="m", output_dir="o", eps_low=0.3, eps_high=0.2)

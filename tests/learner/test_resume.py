@@ -1,0 +1,85 @@
+"""Exact resume: a learner killed with SIGKILL between its checkpoint and its acknowledgement
+resumes, skips what it already trained on, and its next step's loss equals the uninterrupted run's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+from services.common.streams import StreamNames, publish
+from services.learner.config import EngineConfig, RLConfig
+from services.learner.runlog import read_metrics
+from services.learner.trainer import read_status
+
+from .conftest import scored_batch
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 3
+
+
+def _config(tmp: Path, name: str, model: Path, redis_url: str, prefix: str) -> Path:
+    cfg = RLConfig(model=str(model), output_dir=str(tmp / name), group_size=2, batch_prompts=2, lr=1e-3,
+                   total_steps=10, redis_url=redis_url, stream_prefix=prefix, wait_timeout_s=60,
+                   read_block_ms=200, weights_dir=str(tmp / name / "weights"), keep_versions=2,
+                   engine=EngineConfig(micro_batch_tokens=64))
+    path = tmp / f"{name}.json"
+    path.write_text(cfg.model_dump_json())
+    return path
+
+
+def _run(config: Path, steps: int, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.learner.worker", "rl", str(config), str(steps)],
+                          cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_sigkill_between_checkpoint_and_ack_resumes_exactly(tmp_path, tiny_model, redis_server_url):
+    client = redis.Redis.from_url(redis_server_url)
+    # each step's groups were sampled by the policy version the learner has reached by then (on-policy)
+    trajs = [t for step in range(STEPS) for t in scored_batch(tiny_model, 2, 2, seed=step, version=step)]
+    prefixes = {name: f"test:{uuid.uuid4().hex[:8]}" for name in ("straight", "killed")}
+    try:
+        for prefix in prefixes.values():
+            for t in trajs:
+                publish(client, StreamNames(prefix).scored, t)
+        straight = _config(tmp_path, "straight", tiny_model, redis_server_url, prefixes["straight"])
+        done = _run(straight, STEPS)
+        assert done.returncode == 0, done.stderr[-3000:]
+        reference = read_metrics(tmp_path / "straight")
+        assert [m["step"] for m in reference] == [1, 2, 3]
+
+        killed = _config(tmp_path, "killed", tiny_model, redis_server_url, prefixes["killed"])
+        crash = _run(killed, STEPS, {"STAR_LEARNER_CRASH_AFTER_CHECKPOINT": "2"})
+        assert crash.returncode == -9, crash.stderr[-3000:]
+        assert read_status(tmp_path / "killed")["step"] == 1  # step 2 was checkpointed, never reported
+        group = client.xpending(StreamNames(prefixes["killed"]).scored, "learner")
+        assert group["pending"] > 0  # step 2's messages were trained on but not acknowledged
+
+        resumed = _run(killed, STEPS)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        after = read_metrics(tmp_path / "killed")
+        last = after[-1]
+        assert last["step"] == 3
+        # same data (step 2's messages skipped by id, not trained twice) and the same loss
+        assert last["samples_in"] == 4
+        assert last["loss"] == pytest.approx(reference[2]["loss"], rel=1e-6, abs=1e-9)
+        assert last["grad_norm"] == pytest.approx(reference[2]["grad_norm"], rel=1e-5)
+        assert client.xpending(StreamNames(prefixes["killed"]).scored, "learner")["pending"] == 0
+
+        # the published weights: version 3 is the latest in Redis, only the last 2 are kept
+        latest = json.loads(client.get(f"{prefixes['straight']}:weights:latest"))
+        assert latest["version"] == 3
+        kept = sorted(p.name for p in (tmp_path / "straight" / "weights").iterdir() if p.name.startswith("v"))
+        assert kept == ["v2", "v3"]
+        assert (tmp_path / "straight" / "tensorboard").is_dir()
+    finally:
+        for prefix in prefixes.values():
+            for key in client.scan_iter(match=prefix + "*"):
+                client.delete(key)
