@@ -1,0 +1,86 @@
+"""Agents for `star eval --model`: the rollout service's ReAct loop behind a plain function
+`TravelQuery → Trajectory`, so the eval runner does not depend on how rollouts are made."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from services.common.schemas import SamplingParams, Trajectory, TravelQuery
+
+
+class AgentUnavailable(RuntimeError):
+    pass
+
+
+def rollout_agent(model: str, sampling: SamplingParams, *, engine: str = "vllm", sandbox_url: str | None = None,
+                  world_url: str | None = None, base_url: str | None = None, run_id: str = "eval",
+                  engine_options: dict[str, Any] | None = None) -> tuple[Callable[[TravelQuery], Trajectory], Callable[[], None]]:
+    """(agent, close). `model` is an HF folder, or `openai:NAME` for an OpenAI-compatible server
+    at `base_url`. Tools come from the sandbox at `sandbox_url`, else in-process from the world."""
+    try:
+        from services.rollout.agent import Agent
+        from services.rollout.engines import build_engine
+        from services.rollout.tools import HttpToolClient, LocalToolClient
+    except ImportError as exc:
+        raise AgentUnavailable(f"the rollout service's agent is not available ({exc}); "
+                               "score existing plans with --predictions FILE") from None
+    options = dict(engine_options or {})
+    if model.startswith("openai:"):
+        engine, model = "openai", model.split(":", 1)[1]
+        if base_url:
+            options["base_url"] = base_url
+    try:
+        policy = build_engine(engine, model, **options)
+    except (ValueError, OSError, ImportError) as exc:
+        raise AgentUnavailable(f"cannot start the {engine} engine: {exc}") from None
+    if sandbox_url:
+        tools = HttpToolClient(sandbox_url)
+    else:
+        from services.sandbox.tools.toolbox import ToolBox
+        from services.sandbox.world import World
+
+        from services.common.settings import get_settings
+
+        tools = LocalToolClient(ToolBox(World(world_url or get_settings().world_url)))
+    return agent_function(Agent(policy, tools), sampling, run_id=run_id, closers=[tools.close, getattr(policy, "close", None)])
+
+
+def agent_function(agent: Any, sampling: SamplingParams, *, run_id: str = "eval",
+                   closers: list[Any] | None = None) -> tuple[Callable[[TravelQuery], Trajectory], Callable[[], None]]:
+    """A rollout `Agent` (async) as the runner's plain function, on one private event loop;
+    `close` runs the async/sync closers on that loop and ends it."""
+    loop = asyncio.new_event_loop()
+
+    def run(query: TravelQuery) -> Trajectory:
+        qid = query.id or "query"
+        return loop.run_until_complete(agent.run(query, sampling, run_id=run_id, task_id=qid, prompt_id=qid,
+                                                 eval_mode="official"))
+
+    def close() -> None:
+        try:
+            for closer in closers or []:
+                if closer is None:
+                    continue
+                result = closer()
+                if asyncio.iscoroutine(result):
+                    loop.run_until_complete(result)
+        finally:
+            loop.close()
+
+    return run, close
+
+
+def load_agent(spec: str) -> Callable[[TravelQuery], Trajectory]:
+    """`package.module:function`: a function TravelQuery → Trajectory (or a factory of one when
+    it is named `make_*`)."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise AgentUnavailable(f"agent {spec!r} must look like package.module:function")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise AgentUnavailable(f"cannot load agent {spec!r}: {exc}") from None
+    return fn() if name.startswith("make_") else fn

@@ -1,0 +1,79 @@
+"""`star eval`: a whole run from a predictions file, resumption, re-analysis, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from services.cli import app
+
+runner = CliRunner()
+
+
+def test_eval_predictions_end_to_end(gold, official_world_url, mutated_submission, tmp_path):
+    out = tmp_path / "run"
+    args = ["eval", "--split", str(gold.split_path), "--predictions", str(mutated_submission), "--db", official_world_url,
+            "--out", str(out)]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "45 queries, official mode, official train denominators" in r.stdout
+    assert "Final Pass Rate       91.11%" in r.stdout and "Delivery Rate         97.78%" in r.stdout
+    for name in ("manifest.json", "scores.jsonl", "predictions.jsonl", "metrics.json", "report.md"):
+        assert (out / name).is_file(), name
+    report = (out / "report.md").read_text()
+    assert "| Final Pass Rate | 91.11 |" in report and "repeated restaurant" in report
+    # a rerun finds everything done and prints the same table
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0 and again.stdout == r.stdout
+    # strict mode into the same folder is refused: the scoring setup differs
+    strict = runner.invoke(app, args + ["--mode", "strict"])
+    assert strict.exit_code == 2 and "another scoring setup" in strict.output
+    # re-analysis from scores alone gives the same metrics
+    metrics = json.loads((out / "metrics.json").read_text())["metrics"]
+    (out / "metrics.json").unlink()
+    r = runner.invoke(app, ["eval", "report", str(out)])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "metrics.json").read_text())["metrics"]["final_pass_rate"] == metrics["final_pass_rate"]
+
+
+def test_limit_uses_computed_denominators(gold, official_world_url, mutated_submission, tmp_path):
+    r = runner.invoke(app, ["eval", "--split", str(gold.split_path), "--predictions", str(mutated_submission),
+                            "--db", official_world_url, "--out", str(tmp_path / "run"), "-n", "5", "--mode", "strict"])
+    assert r.exit_code == 0, r.output
+    assert "5 queries, strict mode, computed denominators" in r.stdout
+
+
+@pytest.mark.parametrize("extra,message", [
+    ([], "exactly one of --model, --agent or --predictions"),
+    (["--predictions", "/nonexistent.jsonl"], "no such file"),
+    (["--predictions", "P", "--mode", "lenient"], "--mode must be official or strict"),
+    (["--predictions", "P", "--official-split", "dev"], "--official-split must be"),
+    (["--agent", "no.such.module:fn"], "cannot load agent"),
+    (["--predictions", "P", "--formatter", "nowhere:thing"], "cannot load formatter"),
+    (["--predictions", "P", "--formatter", "llm"], "needs an LLM"),
+    (["--model", "/nonexistent-model", "--engine", "transformers"], "not an HF model folder"),
+    (["--model", "/nonexistent-model", "--engine", "tpu"], "unknown engine"),
+])
+def test_errors_are_messages(gold, official_world_url, mutated_submission, tmp_path, extra, message):
+    extra = [str(mutated_submission) if x == "P" else x for x in extra]
+    r = runner.invoke(app, ["eval", "--split", str(gold.split_path), "--db", official_world_url,
+                            "--out", str(tmp_path / "run"), *extra])
+    assert r.exit_code == 2, r.output
+    assert message in r.output and "Traceback" not in r.output
+
+
+def test_missing_split_and_bad_split(official_world_url, tmp_path, travelplanner_dir):
+    r = runner.invoke(app, ["eval", "--predictions", "x.jsonl", "--db", official_world_url])
+    assert r.exit_code == 2 and "--split FILE is required" in r.output
+    r = runner.invoke(app, ["eval", "--split", str(travelplanner_dir / "validation_queries_example_submission.jsonl"),
+                            "--predictions", str(travelplanner_dir / "validation_queries_example_submission.jsonl"),
+                            "--db", official_world_url, "--out", str(tmp_path / "r")])
+    assert r.exit_code == 2 and "not a TravelPlanner query" in r.output
+
+
+def test_unusable_world_is_an_error(gold, mutated_submission, tmp_path):
+    r = runner.invoke(app, ["eval", "--split", str(gold.split_path), "--predictions", str(mutated_submission),
+                            "--db", f"sqlite:///{tmp_path / 'empty.sqlite'}", "--out", str(tmp_path / "r")])
+    assert r.exit_code == 2 and "world is not usable" in r.output

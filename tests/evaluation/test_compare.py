@@ -1,0 +1,76 @@
+"""Paired bootstrap comparison of two runs, as a function and as `star eval compare`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from services.cli import app
+from services.evaluation.compare import CompareError, compare_records
+from services.evaluation.formatting import StructuredParser
+from services.evaluation.runfolder import RunFolder
+from services.evaluation.runner import EvalRun, run_eval
+from tests.evaluation.conftest import mutated_plans, write_submission
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def runs(gold, evaluator, tmp_path):
+    """Run A: the gold plans with 4 faults; run B: the gold plans; run C: a copy of A."""
+    gold_sub = write_submission(tmp_path / "gold.jsonl", gold, [gold.plan(i) for i in range(45)])
+    bad_sub = write_submission(tmp_path / "bad.jsonl", gold, mutated_plans(gold))
+    out = {}
+    for name, sub in (("a", bad_sub), ("b", gold_sub), ("c", bad_sub)):
+        run = EvalRun(split_path=gold.split_path, out=tmp_path / name, evaluator=evaluator,
+                      formatter=StructuredParser(), source={"kind": "predictions", "name": name})
+        run_eval(run, predictions_path=sub, progress=False)
+        out[name] = tmp_path / name
+    return out
+
+
+def test_identical_runs_have_zero_delta(runs):
+    deltas, info = compare_records(RunFolder(runs["a"]).records(), RunFolder(runs["c"]).records(), resamples=500)
+    assert info == {"paired_queries": 45, "only_a": 0, "only_b": 0}
+    for d in deltas:
+        assert d.delta == 0 and d.low == 0 and d.high == 0 and d.p_b_better == 0
+
+
+def test_better_run_has_positive_delta_and_ci(runs):
+    deltas, _ = compare_records(RunFolder(runs["a"]).records(), RunFolder(runs["b"]).records(), resamples=2000)
+    by = {d.metric: d for d in deltas}
+    final = by["final_pass_rate"]
+    assert final.a == pytest.approx(100 * 41 / 45) and final.b == pytest.approx(100.0)
+    assert final.delta == pytest.approx(100 * 4 / 45)
+    # B is never worse on any query, so no resample can favour A; the CI holds the point estimate
+    assert 0 <= final.low <= final.delta <= final.high
+    assert by["delivery_rate"].delta == pytest.approx(100 / 45)
+    assert final.p_b_better > 0.9
+
+
+def test_same_seed_same_interval(runs):
+    a, b = RunFolder(runs["a"]).records(), RunFolder(runs["b"]).records()
+    first, _ = compare_records(a, b, resamples=300, seed=7)
+    again, _ = compare_records(a, b, resamples=300, seed=7)
+    assert [(d.low, d.high) for d in first] == [(d.low, d.high) for d in again]
+
+
+def test_unrelated_runs_refused(runs):
+    a = RunFolder(runs["a"]).records()
+    other = [r.model_copy(update={"query_id": "x" + r.query_id}) for r in a]
+    with pytest.raises(CompareError, match="share no query ids"):
+        compare_records(a, other)
+
+
+def test_cli_compare(runs, tmp_path):
+    r = runner.invoke(app, ["eval", "compare", str(runs["a"]), str(runs["b"]), "--resamples", "500"])
+    assert r.exit_code == 0, r.output
+    assert "45 paired queries" in r.stdout
+    assert "| Final Pass Rate | 91.11 | 100.00 | +8.89 |" in r.stdout
+    r = runner.invoke(app, ["eval", "compare", str(runs["a"]), str(runs["c"]), "--json", "--resamples", "200"])
+    assert r.exit_code == 0, r.output
+    assert all(d["delta"] == 0 and d["low"] == 0 and d["high"] == 0 for d in json.loads(r.stdout)["deltas"])
+    r = runner.invoke(app, ["eval", "compare", str(runs["a"]), str(tmp_path / "nothing")])
+    assert r.exit_code == 2 and "not a run folder" in r.output
