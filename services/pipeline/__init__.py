@@ -1,0 +1,1 @@
+"""The STAR pipeline: recipes, the training controller and the embedded run mode."""

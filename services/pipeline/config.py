@@ -1,0 +1,172 @@
+"""The STAR pipeline recipe: one typed YAML file per run (configs/*.yaml).
+
+A recipe names the stages to run (synth → sft → rl → eval) and the settings of each; the
+sections become the learner's SFTConfig/RLConfig, the rollout tasks' SamplingParams and the
+reward schedule. Defaults are the paper's (spec/paper-recipe.md); `configs/tiny.yaml` shrinks
+everything to finish on a laptop CPU in minutes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from services.common.schemas import ArpoParams, EvalMode, RewardKind, SamplingParams
+
+Stage = Literal["synth", "sft", "rl", "eval"]
+STAGES: tuple[Stage, ...] = ("synth", "sft", "rl", "eval")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TinyModel(_Section):
+    """A random Qwen2 policy with the Qwen2.5 vocabulary, built offline (services.common.models)."""
+
+    hidden: int = 128
+    layers: int = 2
+    heads: int = 2
+    kv_heads: int = 1
+    seed: int = 0
+    tokenizer: Literal["travel", "qwen"] = Field(
+        "travel", description="travel: our 4K BPE (fast on CPU); qwen: the Qwen2.5 vocabulary (152K rows).")
+
+
+class ModelSpec(_Section):
+    path: str | None = Field(None, description="HF model folder (e.g. Qwen2.5-7B-Instruct); None: build `tiny`.")
+    tiny: TinyModel | None = Field(None, description="Build a tiny random policy instead of loading `path`.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSpec":
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError("model: give exactly one of `path` or `tiny`")
+        return self
+
+
+class WorldSpec(_Section):
+    source: Literal["official", "synthetic"] = "official"
+    synthetic_size: Literal["tiny", "small", "medium", "full"] = "small"
+    db_url: str | None = Field(None, description="World database; default STAR_DB_URL or STAR_HOME/world.sqlite.")
+
+
+class SynthSpec(_Section):
+    sft_queries: int = Field(1200, ge=0)
+    rl_queries: int = Field(1000, ge=0)
+    val_queries: int = Field(180, ge=0)
+    mix: tuple[int, int, int] = Field((4, 3, 3), description="easy:medium:hard")
+    teacher: Literal["oracle", "openai"] = "oracle"
+    seed: int = 0
+
+
+class SFTSpec(_Section):
+    epochs: float = Field(4, gt=0)
+    lr: float = Field(5e-6, gt=0)
+    batch_size: int = Field(32, ge=1)
+    warmup_ratio: float = Field(0.1, ge=0, lt=1)
+    max_seq_len: int = Field(20480, ge=64)
+    max_steps: int | None = Field(None, ge=1)
+
+
+class RLSpec(_Section):
+    algorithm: Literal["grpo", "dapo", "arpo"] = "grpo"
+    arpo: ArpoParams = Field(default_factory=ArpoParams, description="Branching settings when algorithm is arpo.")
+    epochs: int = Field(5, ge=1)
+    batch_prompts: int = Field(32, ge=1)
+    group_size: int = Field(8, ge=1)
+    lr: float = Field(2e-6, gt=0)
+    eps_low: float = Field(0.2, ge=0)
+    eps_high: float = Field(0.28, ge=0)
+    reward: RewardKind = "sum"
+    curriculum: str = Field("sum:1-2,macro:3-4,success:5", description="Epoch schedule when reward is curriculum.")
+    eval_mode: EvalMode = Field("strict", description="Evaluator mode of the training reward.")
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    fault_rate: float = Field(0.0, ge=0, le=1, description="Tool failure injection during RL (paper: 0, 1, 5, 10%).")
+    max_staleness: int = Field(0, ge=0, description="0: synchronous on-policy; k: rollouts may lag k versions.")
+    val_every: int = Field(0, ge=0, description="Validate every N steps and keep the best checkpoint (0: off).")
+    max_steps: int | None = Field(None, ge=1)
+
+
+class EvalSpec(_Section):
+    mode: EvalMode = "official"
+    split: str | None = Field(None, description="Query file; default: the synthesized validation set.")
+    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.6, top_p=0.95,
+                                                                            max_context_tokens=32768))
+    limit: int | None = Field(None, ge=1)
+
+
+class ServicesSpec(_Section):
+    engine: Literal["vllm", "transformers"] = "vllm"
+    rollout_workers: int = Field(1, ge=1)
+    reward_workers: int = Field(1, ge=1)
+    zero_stage: Literal[0, 1, 2, 3] = 2
+
+
+class PipelineConfig(_Section):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    seed: int = 0
+    stages: list[Stage] = Field(default_factory=lambda: list(STAGES))
+    model: ModelSpec
+    world: WorldSpec = Field(default_factory=WorldSpec)
+    synth: SynthSpec = Field(default_factory=SynthSpec)
+    sft: SFTSpec = Field(default_factory=SFTSpec)
+    rl: RLSpec = Field(default_factory=RLSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    services: ServicesSpec = Field(default_factory=ServicesSpec)
+
+    @model_validator(mode="after")
+    def _stages_in_order(self) -> "PipelineConfig":
+        order = [STAGES.index(s) for s in self.stages]
+        if order != sorted(set(order)):
+            raise ValueError(f"stages must be distinct and in the order {', '.join(STAGES)}; got {self.stages}")
+        if self.rl.eps_high < self.rl.eps_low:
+            raise ValueError("rl: clip-higher needs eps_high >= eps_low")
+        return self
+
+
+class ConfigError(ValueError):
+    """A recipe file that cannot be used, with a message fit for the command line."""
+
+
+def load_pipeline_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
+    """Read a recipe; `overrides` are `section.key=value` strings (YAML values), applied in order."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"no recipe file at {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections")
+    for item in overrides or []:
+        _apply_override(data, item)
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"  {'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors()]
+        raise ConfigError(f"{path} is not a valid recipe:\n" + "\n".join(lines)) from None
+
+
+def _apply_override(data: dict, item: str) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    node = data
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part} is not a section")
+    try:
+        node[parts[-1]] = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {item!r}: bad value: {exc}") from None
+
+
+def dump_config(config: PipelineConfig) -> str:
+    """The resolved recipe, as written into the run folder."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,304 @@
+"""The RL stage: the real services as separate processes, joined by Redis Streams.
+
+    controller ──tasks──▶ rollout workers ──trajectories──▶ reward workers ──scored──▶ learner
+        ▲                     │ (sandbox over HTTP)                                    │
+        └─────────── weights version (Redis key), batches consumed ◀───────────────────┘
+
+The controller publishes each step's tasks when the learner is close enough (`max_staleness`),
+watches every process, restarts a worker that died (its unfinished message is reclaimed by the
+others or by its successor), restarts a dead learner (it resumes from its checkpoint and skips
+what it had trained), and stops the fleet when every step has been trained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from services.common.streams import StreamNames
+from services.pipeline import fleet
+from services.pipeline.scheduler import Schedule, TaskPublisher
+from services.pipeline.train import Run, StageFailed, console
+from services.reward.rewards import Curriculum
+from services.synth.queries import load_queries
+
+MAX_RESTARTS = 5
+
+
+def batches_key(names: StreamNames) -> str:
+    """How many step batches the learner has consumed (trained or skipped): the pacing signal."""
+    return f"{names.prefix}:learner:batches"
+
+
+@dataclass
+class Managed:
+    """A child process the controller keeps alive."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+
+    def start(self) -> "Managed":
+        out = open(self.log, "ab")
+        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, stdout=out, stderr=out,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def exited(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
+        except ProcessLookupError:
+            pass
+
+
+@dataclass
+class Fleet:
+    redis_proc: fleet.Process
+    redis_url: str
+    sandbox: fleet.Process
+    workers: list[Managed] = field(default_factory=list)
+    learner: Managed | None = None
+
+    def stop(self) -> None:
+        if self.learner:
+            self.learner.stop(120)
+        for w in self.workers:
+            w.stop()
+        for p in (self.sandbox, self.redis_proc):
+            fleet._terminate(p.pid, 10)
+
+
+def rl_config(run: Run, model: str, names: StreamNames, redis_url: str, total_steps: int) -> Path:
+    from services.learner.config import EngineConfig, FilterConfig, RLConfig
+
+    r = run.config.rl
+    cfg = RLConfig(
+        model=model, output_dir=str(run.folder / "rl"), algorithm="dapo" if r.algorithm == "dapo" else "grpo",
+        group_size=r.group_size, batch_prompts=r.batch_prompts, lr=r.lr, total_steps=total_steps,
+        eps_low=r.eps_low, eps_high=r.eps_high, filters=FilterConfig(max_staleness=r.max_staleness),
+        engine=EngineConfig(zero_stage=run.config.services.zero_stage, seed=run.config.seed),
+        redis_url=redis_url, stream_prefix=names.prefix, weights_dir=str(run.folder / "weights"),
+        wait_timeout_s=24 * 3600)
+    path = run.folder / "rl.json"
+    path.write_text(cfg.model_dump_json(indent=2))
+    return path
+
+
+def start_fleet(run: Run, model: str, names: StreamNames) -> Fleet:
+    """Redis, the sandbox, rollout and reward workers (the learner is started by the caller)."""
+    logs = run.folder / "logs"
+    redis_proc = fleet.start_redis_at(run.folder / "redis", logs)
+    redis_url = f"redis://127.0.0.1:{redis_proc.port}/0"
+    env = {**run.env, "STAR_REDIS_URL": redis_url, "STAR_STREAM_PREFIX": names.prefix,
+           "STAR_WEIGHTS_ROOT": str(run.folder / "weights")}
+    sandbox_spec = next(s for s in fleet.SERVICES if s.name == "sandbox")
+    fault = {"STAR_FAULT_RATE": str(run.config.rl.fault_rate), "STAR_FAULT_SEED": str(run.config.seed)}
+    sandbox = fleet.start_service(sandbox_spec, {**env, **fault}, logs)
+    f = Fleet(redis_proc, redis_url, sandbox)
+    env["STAR_SANDBOX_URL"] = sandbox.url or ""
+    s = run.config.services
+    sampling = run.config.rl.sampling
+    rollout_env = {**env, "STAR_MODEL": model, "STAR_ROLLOUT_ENGINE": s.engine,
+                   "STAR_ROLLOUT_MAX_MODEL_LEN": str(sampling.max_context_tokens + 512),
+                   "STAR_ROLLOUT_CLAIM_IDLE_MS": "30000", "STAR_ROLLOUT_CONCURRENCY": "2"}
+    for i in range(s.rollout_workers):
+        f.workers.append(Managed(f"rollout-{i}", [sys.executable, "-m", "services.rollout.worker"],
+                                 {**rollout_env, "STAR_ROLLOUT_CONSUMER": f"rollout-{i}"},
+                                 logs / f"rollout-{i}.log").start())
+    for i in range(s.reward_workers):
+        f.workers.append(Managed(f"reward-{i}", [sys.executable, "-m", "services.cli", "reward", "worker",
+                                                 "--consumer", f"reward-{i}", "--db", run.world_url],
+                                 env, logs / f"reward-{i}.log").start())
+    return f
+
+
+def weights_version(client: redis.Redis, names: StreamNames) -> int:
+    raw = client.get(names.weights_latest)
+    return int(json.loads(raw)["version"]) if raw else 0
+
+
+def learner_progress(client: redis.Redis, names: StreamNames) -> int:
+    """Batches consumed; falls back to the weights version for a learner that does not count."""
+    raw = client.get(batches_key(names))
+    return max(int(raw) if raw else 0, weights_version(client, names))
+
+
+def keep_alive(f: Fleet) -> list[str]:
+    """Restart workers that died; returns what was restarted."""
+    restarted = []
+    for w in f.workers:
+        rc = w.exited()
+        if rc is None:
+            continue
+        if w.restarts >= MAX_RESTARTS:
+            raise StageFailed(f"{w.name} keeps dying (exit {rc}); see {w.log}")
+        w.restarts += 1
+        w.start()
+        restarted.append(w.name)
+    return restarted
+
+
+def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
+    r = run.config.rl
+    prompts_file = synth.get("rl_queries")
+    if not prompts_file or not Path(prompts_file).is_file():
+        raise StageFailed("rl needs the RL prompt set of the synth stage (data/rl.jsonl)")
+    prompts = tuple(load_queries(prompts_file))
+    schedule = Schedule(prompts, r.batch_prompts, r.group_size, r.epochs, seed=run.config.seed, max_steps=r.max_steps)
+    names = StreamNames(f"star:{run.config.name}")
+    curriculum = Curriculum.parse(r.curriculum) if r.reward == "curriculum" else None
+    sampling = r.sampling if r.sampling.seed is not None else r.sampling.model_copy(update={"seed": run.config.seed})
+    f = start_fleet(run, model, names)
+    try:
+        f.learner = Managed("learner", [sys.executable, "-m", "services.learner.worker", "rl",
+                                        str(rl_config(run, model, names, f.redis_url, schedule.total_steps))],
+                            {**run.env, "STAR_REDIS_URL": f.redis_url}, run.log("learner")).start()
+        client = redis.Redis.from_url(f.redis_url)
+        publisher = TaskPublisher(client, names, run.config.name, schedule, sampling, reward_kind=r.reward,
+                                  curriculum=curriculum, eval_mode=r.eval_mode, max_staleness=r.max_staleness,
+                                  arpo=r.arpo if r.algorithm == "arpo" else None)
+        validation = None
+        if r.val_every and synth.get("val_queries"):
+            validation = Validation(run, synth["val_queries"], r.val_every)
+        drive(run, f, client, names, publisher, schedule, validation=validation)
+        latest = client.get(names.weights_latest)
+    finally:
+        f.stop()
+    update = json.loads(latest) if latest else None
+    if validation and update and all(h["version"] != update["version"] for h in validation.history):
+        validation.validate(update["version"], update["uri"])  # the final policy is a candidate too
+    best = validation.best() if validation else None
+    if best:
+        return {"model": best["model"], "version": best["version"], "best_success": best["success"],
+                "last_version": update["version"] if update else 0, "steps": schedule.total_steps,
+                "metrics": str(run.folder / "rl" / "metrics.jsonl"), "validation": str(run.folder / "validation")}
+    return {"model": update["uri"] if update else model, "version": update["version"] if update else 0,
+            "steps": schedule.total_steps, "metrics": str(run.folder / "rl" / "metrics.jsonl"),
+            "learner_restarts": f.learner.restarts if f.learner else 0,
+            "worker_restarts": {w.name: w.restarts for w in f.workers if w.restarts}}
+
+
+@dataclass
+class Validation:
+    """Every `every` versions: evaluate that version on the validation queries, keep the best.
+
+    The version is hard-linked into the run folder first, so the learner pruning old versions
+    cannot pull it away mid-evaluation, and the best one survives the run."""
+
+    run: Run
+    split: str
+    every: int
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    def due(self, version: int) -> bool:
+        return self.every > 0 and version > 0 and version % self.every == 0 and \
+            all(h["version"] != version for h in self.history)
+
+    def validate(self, version: int, uri: str) -> dict[str, Any]:
+        import shutil
+
+        from services.pipeline.train import evaluate_model
+
+        folder = self.run.folder / "validation" / f"v{version}"
+        model = folder / "model"
+        if not model.exists():
+            shutil.copytree(uri, model, copy_function=os.link)
+        metrics = evaluate_model(self.run, str(model), self.split, folder / "eval", f"validate-v{version}",
+                                 self.run.config.eval.limit).get("metrics", {})
+        entry = {"version": version, "model": str(model), "success": metrics.get("final_pass_rate", 0.0),
+                 "metrics": metrics}
+        self.history.append(entry)
+        (self.run.folder / "validation" / "history.json").write_text(json.dumps(self.history, indent=2))
+        return entry
+
+    def best(self) -> dict[str, Any] | None:
+        # ties go to the later version: it has trained on more data
+        return max(self.history, key=lambda h: (h["success"], h["version"])) if self.history else None
+
+
+def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher: TaskPublisher,
+          schedule: Schedule, poll_s: float = 0.5, validation: Validation | None = None) -> None:
+    """Publish, watch, restart, until the learner has consumed every step."""
+    total = schedule.total_steps
+    columns = (TextColumn("[bold]rl"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("rl", total=total, info="")
+        redis_down_since: float | None = None
+        while True:
+            try:
+                progress = learner_progress(client, names)
+                publisher.publish_ready(progress, weights_version(client, names))
+                latest_raw = client.get(names.weights_latest)
+                if redis_down_since is not None:
+                    console.print(f"redis is back after {time.monotonic() - redis_down_since:.0f} s")
+                    redis_down_since = None
+            except (redis.ConnectionError, redis.TimeoutError):
+                # Redis restarting (its AOF brings the streams back): keep the processes alive and wait
+                if redis_down_since is None:
+                    redis_down_since = time.monotonic()
+                    console.print("[yellow]redis unavailable; waiting for it to come back[/]")
+                keep_alive(f)
+                time.sleep(poll_s)
+                continue
+            bar.update(task, completed=min(progress, total),
+                       info=f"published {publisher.next_step()}/{total} · weights v{weights_version(client, names)}")
+            if validation is not None:
+                latest = json.loads(latest_raw) if latest_raw else None
+                if latest and validation.due(latest["version"]):
+                    bar.update(task, info=f"validating v{latest['version']}")
+                    entry = validation.validate(latest["version"], latest["uri"])
+                    console.print(f"validation v{entry['version']}: success {entry['success']:.1%}")
+            if progress >= total:
+                break
+            for name in keep_alive(f):
+                console.print(f"[yellow]{name} died; restarted[/]")
+            rc = f.learner.exited()
+            if rc is not None:
+                status = _learner_status(run)
+                if status.get("state") == "finished" and _progress_or(client, names, progress) >= total:
+                    break
+                if f.learner.restarts >= MAX_RESTARTS:
+                    raise StageFailed(f"the learner keeps failing (exit {rc}); see {f.learner.log}")
+                console.print(f"[yellow]learner exited ({rc}, {status.get('state')}); resuming from its checkpoint[/]")
+                f.learner.restarts += 1
+                f.learner.start()
+            time.sleep(poll_s)
+
+
+def _progress_or(client: redis.Redis, names: StreamNames, fallback: int) -> int:
+    try:
+        return learner_progress(client, names)
+    except (redis.ConnectionError, redis.TimeoutError):
+        return fallback
+
+
+def _learner_status(run: Run) -> dict[str, Any]:
+    path = run.folder / "rl" / "status.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+

@@ -1,0 +1,252 @@
+"""`star train CONFIG`: the STAR pipeline (synthesis → SFT → RL → eval) as configured.
+
+Each stage runs as its own process through the same entry points people use (`star synth …`,
+the learner worker, `star rollout worker`, `star reward worker`, `star eval`), so a stage here
+behaves exactly like a stage run by hand, and the RL stage is the real distributed system: tasks,
+trajectories and scores flow through Redis Streams between separate processes. The run folder
+records which stages finished; running the same command again resumes after the last one.
+
+    runs/<name>/
+      config.yaml          the resolved recipe
+      stages.json          per stage: state, outputs, seconds
+      data/                queries (sft / rl / validation) and teacher trajectories
+      sft/  rl/            learner run folders (metrics.jsonl, TensorBoard, checkpoints, exports)
+      eval/                the evaluation run folder (metrics, report)
+      logs/                one log per process
+      report.md, plots/    learning curves
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from services.common.settings import get_settings
+from services.pipeline.config import PipelineConfig, dump_config
+
+console = Console(stderr=True)
+
+
+class StageFailed(RuntimeError):
+    """A stage's process failed; the message names the log to read."""
+
+
+@dataclass
+class Run:
+    config: PipelineConfig
+    folder: Path
+    world_url: str = ""
+    base_model: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def stages_file(self) -> Path:
+        return self.folder / "stages.json"
+
+    def stage_records(self) -> dict[str, Any]:
+        return json.loads(self.stages_file.read_text()) if self.stages_file.is_file() else {}
+
+    def record(self, stage: str, **fields: Any) -> None:
+        records = self.stage_records()
+        records[stage] = {**records.get(stage, {}), **fields}
+        self.stages_file.write_text(json.dumps(records, indent=2, default=str))
+
+    def done(self, stage: str) -> dict[str, Any] | None:
+        rec = self.stage_records().get(stage)
+        return rec if rec and rec.get("state") == "done" else None
+
+    def log(self, name: str) -> Path:
+        path = self.folder / "logs" / f"{name}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+def star_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+def run_process(run: Run, name: str, argv: list[str], *, env: dict[str, str] | None = None,
+                timeout: float | None = None) -> None:
+    """Run one stage process to completion, its output in logs/<name>.log."""
+    log = run.log(name)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, env={**os.environ, **run.env, **(env or {})}, stdout=out, stderr=out,
+                                stdin=subprocess.DEVNULL)
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise StageFailed(f"{name} did not finish within {timeout:.0f}s; see {log}") from None
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+            raise
+    if rc != 0:
+        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+        raise StageFailed(f"{name} exited with {rc}; see {log}\n  " + "\n  ".join(tail))
+
+
+# ---- preparation -------------------------------------------------------------------------------
+
+def prepare(config: PipelineConfig, folder: Path) -> Run:
+    folder.mkdir(parents=True, exist_ok=True)
+    resolved = folder / "config.yaml"
+    # Which stages run may change between invocations (--stage); the recipe itself may not.
+    identity = config.model_copy(update={"stages": []})
+    if resolved.is_file():
+        from services.pipeline.config import load_pipeline_config
+
+        earlier = load_pipeline_config(resolved).model_copy(update={"stages": []})
+        if earlier != identity:
+            raise StageFailed(f"{folder} holds a run of a different recipe; use another --run-dir or remove it")
+    resolved.write_text(dump_config(config))
+    run = Run(config, folder)
+    run.world_url = prepare_world(config, folder)
+    run.base_model = prepare_model(config)
+    settings = get_settings()
+    run.env = {"STAR_HOME": str(settings.home), "STAR_DB_URL": run.world_url, "STAR_LOG_JSON": "false",
+               "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    return run
+
+
+def prepare_world(config: PipelineConfig, folder: Path) -> str:
+    from services.embedded import ensure_world
+    from services.sandbox.world import World, build
+
+    if config.world.db_url:
+        return config.world.db_url
+    if config.world.source == "official":
+        url = get_settings().world_url
+        ensure_world(url)
+        return url
+    url = f"sqlite:///{folder / 'world.sqlite'}"
+    if World(url).problem() is not None:
+        console.print(f"building a {config.world.synthetic_size} synthetic world")
+        build.build_synthetic_world(url, size=config.world.synthetic_size, seed=config.seed)
+    return url
+
+
+def prepare_model(config: PipelineConfig) -> str:
+    if config.model.path:
+        if not (Path(config.model.path) / "config.json").is_file():
+            raise StageFailed(f"model.path {config.model.path} is not an HF model folder (no config.json)")
+        return config.model.path
+    from services.common.models import tiny_qwen2
+
+    t = config.model.tiny
+    return str(tiny_qwen2(hidden=t.hidden, layers=t.layers, heads=t.heads, kv_heads=t.kv_heads, seed=t.seed,
+                          tokenizer=t.tokenizer))
+
+
+# ---- stages ------------------------------------------------------------------------------------
+
+def stage_synth(run: Run) -> dict[str, Any]:
+    s = run.config.synth
+    data = run.folder / "data"
+    total = s.sft_queries + s.rl_queries + s.val_queries
+    run_process(run, "synth-queries", star_argv(
+        "synth", "queries", "--n", str(total), "--mix", ":".join(map(str, s.mix)),
+        "--splits", f"{s.sft_queries}:{s.rl_queries}:{s.val_queries}", "--out", str(data),
+        "--seed", str(s.seed), "--db", run.world_url))
+    outputs = {"queries": str(data), "sft_queries": str(data / "sft.jsonl"), "rl_queries": str(data / "rl.jsonl"),
+               "val_queries": str(data / "validation.jsonl")}
+    if s.sft_queries:
+        run_process(run, "synth-teacher", star_argv(
+            "synth", "teacher", "--queries", str(data / "sft.jsonl"), "--teacher", s.teacher,
+            "--out", str(data / "teacher"), "--seed", str(s.seed), "--db", run.world_url))
+        outputs["sft_data"] = str(data / "teacher" / "sft.jsonl")
+    return outputs
+
+
+def stage_sft(run: Run, synth: dict[str, Any]) -> dict[str, Any]:
+    from services.learner.config import EngineConfig, SFTConfig
+    from services.learner.trainer import read_status
+
+    s = run.config.sft
+    out = run.folder / "sft"
+    cfg = SFTConfig(model=run.base_model, data=synth["sft_data"], output_dir=str(out), lr=s.lr, epochs=s.epochs,
+                    batch_size=s.batch_size, warmup_ratio=s.warmup_ratio, max_seq_len=s.max_seq_len,
+                    max_steps=s.max_steps, engine=EngineConfig(zero_stage=run.config.services.zero_stage,
+                                                               seed=run.config.seed))
+    path = run.folder / "sft.json"
+    path.write_text(cfg.model_dump_json(indent=2))
+    run_process(run, "sft", [sys.executable, "-m", "services.learner.worker", "sft", str(path)])
+    status = read_status(out)
+    if not status.get("export"):
+        raise StageFailed(f"SFT finished without an exported model; see {out / 'status.json'}")
+    return {"model": status["export"], "steps": status.get("step"), "metrics": str(out / "metrics.jsonl")}
+
+
+def evaluate_model(run: Run, model: str, split: str | Path, out: Path, name: str, limit: int | None) -> dict[str, Any]:
+    """`star eval` of one model on one split into `out`; returns its metrics.json (or {})."""
+    e = run.config.eval
+    argv = star_argv("eval", "--model", model, "--split", str(split), "--mode", e.mode, "--out", str(out),
+                     "--engine", run.config.services.engine, "--db", run.world_url,
+                     "--temperature", str(e.sampling.temperature), "--top-p", str(e.sampling.top_p),
+                     "--max-context", str(e.sampling.max_context_tokens),
+                     "--max-tokens", str(e.sampling.max_tokens_per_turn),
+                     "--max-tool-calls", str(e.sampling.max_tool_calls))
+    if limit:
+        argv += ["-n", str(limit)]
+    run_process(run, name, argv)
+    metrics = out / "metrics.json"
+    return json.loads(metrics.read_text()) if metrics.is_file() else {}
+
+
+def stage_eval(run: Run, model: str, synth: dict[str, Any] | None) -> dict[str, Any]:
+    e = run.config.eval
+    split = e.split or (synth or {}).get("val_queries")
+    if not split:
+        raise StageFailed("eval needs eval.split or a synth stage that wrote validation queries")
+    out = run.folder / "eval"
+    result = evaluate_model(run, model, split, out, "eval", e.limit)
+    return {"folder": str(out), "model": model, "metrics": result or None}
+
+
+def train(config: PipelineConfig, folder: Path) -> Run:
+    """Run (or resume) every configured stage in order."""
+    from services.pipeline.rl import stage_rl
+    from services.pipeline.report import write_report
+
+    run = prepare(config, folder)
+    outputs: dict[str, Any] = {name: rec.get("outputs") for name, rec in run.stage_records().items()
+                               if rec.get("state") == "done"}
+    model = run.base_model
+    for stage in config.stages:
+        done = run.done(stage)
+        if done:
+            console.print(f"[dim]{stage}: done earlier, skipped[/]")
+            model = (done.get("outputs") or {}).get("model", model)
+            continue
+        console.rule(f"[bold]{stage}")
+        t0 = time.monotonic()
+        run.record(stage, state="running", started=time.time())
+        try:
+            if stage == "synth":
+                result = stage_synth(run)
+            elif stage == "sft":
+                result = stage_sft(run, outputs.get("synth") or {})
+                model = result["model"]
+            elif stage == "rl":
+                result = stage_rl(run, model, outputs.get("synth") or {})
+                model = result.get("model", model)
+            else:
+                result = stage_eval(run, model, outputs.get("synth"))
+        except BaseException as exc:
+            run.record(stage, state="failed", error=f"{type(exc).__name__}: {exc}")
+            raise
+        outputs[stage] = result
+        run.record(stage, state="done", outputs=result, seconds=round(time.monotonic() - t0, 1))
+        console.print(f"{stage}: done in {time.monotonic() - t0:.0f} s")
+    write_report(run)
+    return run
+

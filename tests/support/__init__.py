@@ -1,0 +1,1 @@
+"""Test helpers shared across services (real servers for hosted third-party APIs)."""
