@@ -139,6 +139,17 @@ def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
 
     per token: max(-A·ρ, -A·clip(ρ, 1-eps_low, 1+eps_high)), and with dual clip for A < 0 at most
     -A·c. `weights` is 0 off the loss mask, so padding and tool tokens contribute nothing."""
+    loss, sums = clipped_policy_terms(logp, old_logp, advantages, weights, eps_low=eps_low, eps_high=eps_high,
+                                      dual_clip_c=dual_clip_c)
+    return loss, LossStats(*sums.tolist())
+
+
+def clipped_policy_terms(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                         weights: torch.Tensor, *, eps_low: float, eps_high: float,
+                         dual_clip_c: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`clipped_policy_loss` with its statistics left on the device, in `LossStats` field order
+    (float64): the training step sums them over micro-batches and reads them once, so the GPU
+    never waits for the host between micro-batches."""
     ratio = torch.exp(logp - old_logp)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
@@ -151,14 +162,14 @@ def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
     loss = (per_token * weights).sum()
     with torch.no_grad():
         live = weights != 0
-        stats = LossStats(
-            tokens=float(live.sum()),
-            clipped_high=float((live & (advantages > 0) & (ratio > 1.0 + eps_high)).sum()),
-            clipped_low=float((live & (advantages < 0) & (ratio < 1.0 - eps_low)).sum()),
-            dual_clipped=float((live & dual).sum()),
-            ratio_sum=float(ratio[live].sum()) if live.any() else 0.0,
-        )
-    return loss, stats
+        sums = torch.stack([
+            live.sum(),
+            (live & (advantages > 0) & (ratio > 1.0 + eps_high)).sum(),
+            (live & (advantages < 0) & (ratio < 1.0 - eps_low)).sum(),
+            (live & dual).sum(),
+            torch.where(live, ratio, torch.zeros_like(ratio)).sum(),
+        ]).double()
+    return loss, sums
 
 
 def kl_low_var(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -178,14 +189,21 @@ class MismatchKL:
 
 
 def mismatch_kl(behaviour_logp: torch.Tensor, learner_logp: torch.Tensor, mask: torch.Tensor) -> MismatchKL:
-    live = mask.bool()
-    n = int(live.sum())
+    k1_sum, k3_sum, n, max_abs = mismatch_terms(behaviour_logp, learner_logp, mask).tolist()
     if n == 0:
         return MismatchKL(0.0, 0.0, 0.0, 0)
-    b, p = behaviour_logp[live].double(), learner_logp[live].double()
-    diff = b - p
-    k3 = kl_low_var(b, p)  # samples come from b, so KL(b || π) with the roles swapped
-    return MismatchKL(float(diff.mean()), float(k3.mean()), float(diff.abs().max()), n)
+    return MismatchKL(k1_sum / n, k3_sum / n, max_abs, int(n))
+
+
+def mismatch_terms(behaviour_logp: torch.Tensor, learner_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[sum of log b - log π, sum of k3, tokens, max |log b - log π|] over `mask`, on the device
+    (float64), so micro-batches add up without a host sync."""
+    live = mask.bool()
+    b, p = behaviour_logp.double(), learner_logp.double()
+    zero = torch.zeros_like(b)
+    diff = torch.where(live, b - p, zero)
+    k3 = torch.where(live, kl_low_var(b, p), zero)  # samples come from b, so KL(b || π) with the roles swapped
+    return torch.stack([diff.sum(), k3.sum(), live.sum().double(), diff.abs().max() if diff.numel() else zero.sum()])
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:

@@ -32,6 +32,8 @@ class EngineConfig(_Strict):
     head_checkpoint: bool = Field(True, description="Recompute each chunk's logits in backward instead of keeping them.")
     compile_layers: bool = Field(False, description="torch.compile each decoder layer (fuses norms, rotary, SiLU on GPU).")
     attn_implementation: str | None = Field(None, description="e.g. sdpa, eager, flash_attention_2; None: transformers' choice.")
+    sdpa_backends: list[Literal["cudnn", "flash", "efficient", "math"]] | None = Field(
+        None, description="SDPA kernels in priority order on GPU (e.g. [cudnn, flash]); None: PyTorch's order.")
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = Field(1e-8, gt=0.0)

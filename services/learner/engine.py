@@ -126,6 +126,21 @@ class LogprobPolicy(nn.Module):
         return lp, ent.detach()
 
 
+@contextmanager
+def sdpa_priority(backends: list[str] | None) -> Iterator[None]:
+    """Prefer these SDPA kernels, in order, where a call is eligible for them (PyTorch falls back
+    down the list, e.g. cuDNN → flash for shapes cuDNN does not take)."""
+    if not backends:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    with sdpa_kernel([names[b] for b in backends], set_priority=True):
+        yield
+
+
 def deepspeed_config(cfg: EngineConfig, *, bf16: bool, world_size: int) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": cfg.zero_stage}
     if cfg.zero_stage >= 2:
@@ -218,7 +233,8 @@ class PolicyEngine:
 
     def logprobs(self, row: PackedRow, *, grad: bool, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         ctx = nullcontext() if grad else torch.no_grad()
-        with ctx:
+        # The attention kernel is chosen in the forward; its backward follows that choice.
+        with ctx, sdpa_priority(self.cfg.sdpa_backends if self.on_gpu else None):
             return self.engine(row.input_ids[None].to(self.device), row.position_ids[None].to(self.device),
                                row.targets[None].to(self.device), with_entropy)
 

@@ -38,6 +38,13 @@ def prepare_rows(engine: PolicyEngine, seqs: Sequence[Sequence_], loss_agg: str 
     return shard_rows(rows, engine.world_size, engine.rank)
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host → GPU copies that do not block the host (pinned staging); a plain move elsewhere."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -60,19 +67,18 @@ def sft_step(engine: PolicyEngine, seqs: Sequence[Sequence_]) -> StepOutput:
     _sync(engine.device)
     t0 = time.perf_counter()
     rows = prepare_rows(engine, seqs)
-    nll_sum = tokens = 0.0
+    acc = torch.zeros(2, dtype=torch.float64, device=engine.device)  # nll sum, tokens (read once, see rl_step)
     for row in rows:
         logp, _ = engine.logprobs(row, grad=True, with_entropy=False)
-        w = row.weights.to(logp.device)
+        w = _to(row.weights, logp.device)
         loss = -(logp * w).sum()
         engine.backward(loss * engine.world_size)
-        m = row.mask.to(logp.device)
-        nll_sum += float(-(logp.detach() * m).sum())
-        tokens += float(m.sum())
+        m = _to(row.mask, logp.device)
+        acc += torch.stack([-(logp.detach() * m).sum(), m.sum()]).double()
     result = engine.step()
     _sync(engine.device)
     seconds = time.perf_counter() - t0
-    nll_sum, tokens = _all_reduce_sum([nll_sum, tokens], engine.device)
+    nll_sum, tokens = _all_reduce_sum(acc.tolist(), engine.device)
     metrics = {"loss": nll_sum / max(tokens, 1.0), "loss_tokens": tokens, "grad_norm": result.grad_norm,
                "lr": result.lr, "time_compute_s": seconds}
     metrics.update(_mfu_metrics(engine, [len(s) for s in seqs], seconds))
@@ -88,47 +94,42 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
     _sync(engine.device)
     t0 = time.perf_counter()
     rows = prepare_rows(engine, seqs, loss_agg)
-    pg_sum = 0.0
-    stats = alg.LossStats(0, 0, 0, 0, 0)
-    ent_sum = kl_ref_sum = 0.0
-    mm_k1 = mm_k3 = mm_tokens = 0.0
-    mm_max = 0.0
+    # Statistics stay on the device and are read once after the optimizer step: a host read per
+    # micro-batch would make the GPU idle while Python launches the next forward.
+    acc = torch.zeros(11, dtype=torch.float64, device=engine.device)  # pg, LossStats(5), ent, kl_ref, mismatch(3)
+    mm_max = torch.zeros((), dtype=torch.float64, device=engine.device)
     for row in rows:
         logp, ent = engine.logprobs(row, grad=True)
         dev = logp.device
-        mask, w, adv = row.mask.to(dev), row.weights.to(dev), row.advantages.to(dev)
-        has_old = row.has_old.to(dev)
+        mask, w, adv = _to(row.mask, dev), _to(row.weights, dev), _to(row.advantages, dev)
+        has_old, row_old = _to(row.has_old, dev), _to(row.old_logp, dev)
         learner_old = logp.detach()
         if use_rollout_logprobs:
             # A token the rollout gave no logprob for falls back to the learner's value (ratio 1).
-            old = torch.where(has_old, row.old_logp.to(dev), learner_old)
+            old = torch.where(has_old, row_old, learner_old)
         else:
             old = learner_old
-        loss, s = alg.clipped_policy_loss(logp, old, adv, w, eps_low=eps_low, eps_high=eps_high,
-                                          dual_clip_c=dual_clip_c)
+        loss, loss_sums = alg.clipped_policy_terms(logp, old, adv, w, eps_low=eps_low, eps_high=eps_high,
+                                                   dual_clip_c=dual_clip_c)
+        kl_ref = torch.zeros((), dtype=torch.float64, device=dev)
         if kl_coef > 0.0 and reference is not None:
             with torch.no_grad():
-                ref_logp, _ = reference(row.input_ids[None].to(dev), row.position_ids[None].to(dev),
-                                        row.targets[None].to(dev), False)
+                ref_logp, _ = reference(_to(row.input_ids[None], dev), _to(row.position_ids[None], dev),
+                                        _to(row.targets[None], dev), False)
             kl = alg.kl_low_var(logp, ref_logp)
             loss = loss + kl_coef * (kl * w).sum()
-            kl_ref_sum += float((kl.detach() * mask).sum())
+            kl_ref = (kl.detach() * mask).sum().double()
         engine.backward(loss * engine.world_size)
-        pg_sum += float(loss.detach())
-        stats = stats.merge(s)
-        ent_sum += float((ent * mask).sum())
-        live = mask.bool() & has_old
-        mm = alg.mismatch_kl(row.old_logp.to(dev), learner_old, live)
-        mm_k1 += mm.k1 * mm.tokens
-        mm_k3 += mm.k3 * mm.tokens
-        mm_tokens += mm.tokens
-        mm_max = max(mm_max, mm.max_abs)
+        mm = alg.mismatch_terms(row_old, learner_old, mask.bool() & has_old)
+        acc += torch.cat([loss.detach().double()[None], loss_sums, (ent * mask).sum().double()[None],
+                          kl_ref[None], mm[:3]])
+        mm_max = torch.maximum(mm_max, mm[3])
     result = engine.step()
     _sync(engine.device)
     seconds = time.perf_counter() - t0
     (pg_sum, tokens, hi, lo, dual, ratio_sum, ent_sum, kl_ref_sum, mm_k1, mm_k3, mm_tokens) = _all_reduce_sum(
-        [pg_sum, *stats.astuple(), ent_sum, kl_ref_sum, mm_k1, mm_k3, mm_tokens], engine.device)
-    mm_max_t = torch.tensor([mm_max], device=engine.device)
+        acc.tolist(), engine.device)
+    mm_max_t = mm_max.reshape(1)
     if torch.distributed.is_initialized() and engine.world_size > 1:
         torch.distributed.all_reduce(mm_max_t, op=torch.distributed.ReduceOp.MAX)
     n = max(tokens, 1.0)
