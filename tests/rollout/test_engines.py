@@ -71,3 +71,55 @@ def test_weight_reload_changes_the_policy_and_version(engine, tiny_model, tmp_pa
     asyncio.run(engine.update_weights(tiny_model, 2))
     (back,) = gen(engine, greedy)
     assert back.token_ids == before.token_ids
+
+
+async def _staggered(engine, first: TurnParams, second: TurnParams, second_prompt: list[int]):
+    """Start `first`, wait until it is decoding, then send `second`; returns both and the order
+    in which they finished."""
+    order: list[str] = []
+
+    async def run(name, prompt, params):
+        g = await engine.generate(prompt, params)
+        order.append(name)
+        return g
+
+    before = len(engine.batches)
+    a = asyncio.ensure_future(run("first", PROMPT, first))
+    while len(engine.batches) == before:
+        await asyncio.sleep(0.001)
+    b = asyncio.ensure_future(run("second", second_prompt, second))
+    return await a, await b, order
+
+
+def test_a_request_joins_a_running_batch_finishes_first_and_matches_its_solo_run(engine):
+    short = PROMPT[-3:]
+    solo = gen(engine, TurnParams(max_tokens=5, seed=11), prompt=short)[0]
+    long_params, short_params = TurnParams(max_tokens=60, seed=4), TurnParams(max_tokens=5, seed=11)
+    long_gen, joined, order = asyncio.run(_staggered(engine, long_params, short_params, short))
+    assert order == ["second", "first"]  # the 5-token turn did not wait for the 60-token one
+    assert joined.token_ids == solo.token_ids and joined.logprobs == pytest.approx(solo.logprobs, abs=1e-4)
+    alone = gen(engine, long_params)[0]  # and the running row was not disturbed by the join
+    assert long_gen.token_ids == alone.token_ids and long_gen.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+
+
+def test_static_batching_makes_a_late_request_wait_for_the_batch(tiny_model):
+    static = TransformersEngine(tiny_model, max_model_len=2048, continuous=False)
+    _, _, order = asyncio.run(_staggered(static, TurnParams(max_tokens=60, seed=4), TurnParams(max_tokens=5, seed=11),
+                                         PROMPT[-3:]))
+    assert order == ["first", "second"]
+
+
+@pytest.mark.parametrize("sharpness", [0.1, 3.0, 12.0])
+def test_nucleus_from_the_top_candidates_equals_the_full_sort(sharpness):
+    from services.rollout.engines.hf import NUCLEUS_CANDIDATES, _nucleus
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(sharpness * torch.randn(4, 151_936, generator=g), dim=-1)
+    # 0.1: flat (full sort); 3.0: the candidates hold ~0.7 (fast path at 0.5, sort at 0.95); 12: peaked
+    mass = probs.topk(NUCLEUS_CANDIDATES).values.sum(-1)
+    assert bool((mass >= 0.5).all()) == (sharpness > 1)
+    for top_p in (0.5, 0.95):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p
+        full = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep)
+        assert torch.equal(_nucleus(torch, probs, top_p), full)

@@ -1,0 +1,207 @@
+"""Decode benchmark: the transformers engine with continuous batching against static batching,
+under an agent-shaped load, in the same run on the same model.
+
+    python bench/decode.py                                   # GPU: SmolLM2-135M shape, bf16, 16 agents
+    python bench/decode.py --size tiny --agents 4 --turns 2 --prompt 64 --short 8 --long 32 --name decode_cpu_smoke
+
+Workload (closed loop, like rollout workers): `--agents` agents run at once; each starts from a
+`--prompt`-token context and takes `--turns` model turns. A turn is a short tool call (`--short`
+tokens) or, with probability `--long-share`, a long plan (`--long` tokens); between turns the agent
+appends `--tool-tokens` of tool response, so the context grows as a real trajectory's does. The
+policy is random (weights from a seed, the Qwen2.5 vocabulary), so turns run to their `max_tokens`
+and both modes decode the same number of tokens; both use the same seeds.
+
+Modes: `static` admits new requests only when the running batch is empty (a batch runs until its
+last row ends: the engine's behaviour before continuous batching); `continuous` admits them between
+decode steps. Reported: sampled tokens/s, wall time, and turn latency (p50/p99) for short and long
+turns. Results: bench/results/<name>.json, .md and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "bench" / "results"
+
+SIZES = {  # head_dim 64 throughout
+    "smollm": dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536),  # SmolLM2-135M's shape
+    "tiny": dict(hidden=128, layers=2, heads=2, kv_heads=1, intermediate=256),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def workload(args) -> list[list[tuple[int, int]]]:
+    """Per agent, per turn: (max_tokens, seed). Same for both modes."""
+    rng = random.Random(args.seed)
+    return [[(args.long if rng.random() < args.long_share else args.short, rng.randrange(2**31))
+             for _ in range(args.turns)] for _ in range(args.agents)]
+
+
+async def run_agents(engine: Any, plan: list[list[tuple[int, int]]], args) -> dict[str, Any]:
+    from services.rollout.engines.base import TurnParams
+
+    turns: list[dict[str, float]] = []
+
+    async def agent(i: int, steps: list[tuple[int, int]]) -> int:
+        rng = random.Random(1000 + i)
+        context = [rng.randrange(1000, 150000) for _ in range(args.prompt)]
+        sampled = 0
+        for max_tokens, seed in steps:
+            t0 = time.perf_counter()
+            gen = await engine.generate(context, TurnParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95,
+                                                            seed=seed))
+            turns.append({"kind": "long" if max_tokens == args.long else "short", "s": time.perf_counter() - t0,
+                          "tokens": len(gen.token_ids)})
+            sampled += len(gen.token_ids)
+            context = context + gen.token_ids + [rng.randrange(1000, 150000) for _ in range(args.tool_tokens)]
+        return sampled
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(agent(i, steps) for i, steps in enumerate(plan)))
+    wall = time.perf_counter() - t0
+
+    def pct(kind: str, q: float) -> float | None:
+        xs = sorted(t["s"] for t in turns if t["kind"] == kind)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+    return {"wall_s": wall, "tokens": sum(counts), "tokens_per_s": sum(counts) / wall,
+            "short_p50_s": pct("short", 0.5), "short_p99_s": pct("short", 0.99),
+            "long_p50_s": pct("long", 0.5), "long_p99_s": pct("long", 0.99),
+            "turns": len(turns), "admitted_groups": None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=sorted(SIZES), default="smollm")
+    p.add_argument("--agents", type=int, default=16)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--prompt", type=int, default=1500)
+    p.add_argument("--tool-tokens", type=int, default=150)
+    p.add_argument("--short", type=int, default=60)
+    p.add_argument("--long", type=int, default=450)
+    p.add_argument("--long-share", type=float, default=0.25)
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=2, help="runs per mode, alternating static/continuous")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default="decode")
+    args = p.parse_args()
+
+    import torch
+
+    from services.common.models import tiny_qwen2
+    from services.rollout.engines.hf import TransformersEngine
+
+    on_gpu = torch.cuda.is_available()
+    device = torch.cuda.get_device_name() if on_gpu else f"CPU ({platform.machine()})"
+    dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+    folder = tiny_qwen2(Path(tempfile.mkdtemp(prefix="decode-bench-")) / "model", **SIZES[args.size],
+                        max_positions=32768)
+    engine = TransformersEngine(folder, max_model_len=32768, max_batch=args.max_batch, dtype=dtype)
+    params_m = sum(p.numel() for p in engine.model.parameters()) / 1e6
+    log(f"device {device}; model {args.size} ({params_m:.0f} M params, {dtype})")
+    plan = workload(args)
+
+    async def run_all() -> dict[str, list[dict[str, Any]]]:
+        # warm-up: kernels, allocator
+        engine.continuous = True
+        await run_agents(engine, [steps[:1] for steps in plan[:2]], args)
+        runs: dict[str, list[dict[str, Any]]] = {"static": [], "continuous": []}
+        for r in range(args.repeats):
+            for mode in (("static", "continuous") if r % 2 == 0 else ("continuous", "static")):
+                engine.continuous = mode == "continuous"
+                before = len(engine.batches)
+                res = await run_agents(engine, plan, args)
+                res["admitted_groups"] = len(engine.batches) - before
+                runs[mode].append(res)
+                log(f"{mode}: {res['tokens_per_s']:.0f} tokens/s, wall {res['wall_s']:.1f} s, short turn p50 "
+                    f"{res['short_p50_s']:.2f} s, long turn p50 {res['long_p50_s'] or float('nan'):.2f} s")
+        return runs
+
+    runs = asyncio.run(run_all())
+
+    def med(mode: str, key: str) -> float | None:
+        xs = [r[key] for r in runs[mode] if r[key] is not None]
+        return statistics.median(xs) if xs else None
+
+    summary = {mode: {k: med(mode, k) for k in runs[mode][0] if k != "turns"} for mode in runs}
+    speedup = summary["continuous"]["tokens_per_s"] / summary["static"]["tokens_per_s"]
+    record = {"device": device, "torch": torch.__version__, "args": vars(args), "params_m": params_m,
+              "dtype": dtype, "runs": runs, "median": summary, "speedup_tokens_per_s": speedup}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(record, indent=1))
+    write_markdown(record, args)
+    plot(record, RESULTS / f"{args.name}.png")
+    log(f"continuous / static tokens/s: {speedup:.2f}×")
+
+
+def write_markdown(record: dict[str, Any], args) -> None:
+    m = record["median"]
+
+    def f(x: float | None, fmt: str = "{:.2f}") -> str:
+        return fmt.format(x) if x is not None else "–"
+
+    lines = [
+        f"# Decode benchmark ({args.name})", "",
+        f"Device: {record['device']}; torch {record['torch']}. Model: random Qwen2, `{args.size}` shape "
+        f"({record['params_m']:.0f} M parameters, Qwen2.5 vocabulary), {record['dtype']}; the transformers engine, "
+        f"at most {args.max_batch} rows decoding at once.",
+        f"Load: {args.agents} agents at once, {args.turns} turns each, {args.prompt}-token start context, "
+        f"{args.tool_tokens} tool tokens appended per turn; turns of {args.short} tokens, or {args.long} with "
+        f"probability {args.long_share}; temperature 1.0, top-p 0.95, same seeds in both modes. "
+        f"Median of {args.repeats} runs per mode, alternating.", "",
+        "| mode | tokens/s | wall s | short turn p50 s | short p99 s | long turn p50 s | long p99 s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mode in ("static", "continuous"):
+        r = m[mode]
+        lines.append(f"| {mode} | {r['tokens_per_s']:,.0f} | {f(r['wall_s'], '{:.1f}')} | {f(r['short_p50_s'])} | "
+                     f"{f(r['short_p99_s'])} | {f(r['long_p50_s'])} | {f(r['long_p99_s'])} |")
+    lines += ["", f"Continuous batching: **{record['speedup_tokens_per_s']:.2f}×** the static batch's tokens/s.", ""]
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines))
+
+
+def plot(record: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = record["median"]
+    modes = ["static", "continuous"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.bar(modes, [m[x]["tokens_per_s"] for x in modes], color=["#999999", "#2b7bba"])
+    a.set_ylabel("sampled tokens/s")
+    a.set_title(f"throughput ({record['speedup_tokens_per_s']:.2f}×)")
+    width = 0.35
+    xs = range(2)
+    for k, (mode, color) in enumerate(zip(modes, ["#999999", "#2b7bba"])):
+        vals = [m[mode]["short_p50_s"] or 0, m[mode]["long_p50_s"] or 0]
+        b.bar([x + k * width for x in xs], vals, width, label=mode, color=color)
+    b.set_xticks([x + width / 2 for x in xs], ["short turn p50", "long turn p50"])
+    b.set_ylabel("seconds")
+    b.set_title("turn latency")
+    b.legend()
+    fig.suptitle(f"transformers engine decode, {record['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
