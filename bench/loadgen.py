@@ -7,9 +7,16 @@ measure the client. This client only formats bytes and reads Content-Length bodi
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -22,6 +29,32 @@ class LoadResult:
     @property
     def rps(self) -> float:
         return self.requests / self.seconds if self.seconds else 0.0
+
+
+@contextmanager
+def serve_app(factory: str, port: int, env: dict[str, str], *, workers: int = 1, timeout: float = 120.0) -> Iterator[None]:
+    """Run `factory` (e.g. services.reward.app:create_app) under uvicorn on 127.0.0.1:`port` until
+    the block ends; returns once /readyz answers 200."""
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", factory, "--host", "127.0.0.1",
+                             "--port", str(port), "--workers", str(workers), "--log-level", "warning",
+                             "--no-access-log"], env={**os.environ, **env}, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"{factory} did not start on port {port}")
+            time.sleep(0.2)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(20)
 
 
 def post_request(host: str, port: int, path: str, body: bytes) -> bytes:

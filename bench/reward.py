@@ -34,7 +34,6 @@ import os
 import platform
 import random
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,7 +48,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.loadgen import post_request, run_load  # noqa: E402
+from bench.loadgen import post_request, run_load, serve_app  # noqa: E402
 from bench.sandbox import full_world  # noqa: E402
 from services.common.redis import free_port  # noqa: E402
 from services.common.schemas import TravelQuery  # noqa: E402
@@ -232,23 +231,8 @@ def baseline(world: World, queries, plans, sample: int) -> dict[str, Any]:
 # --- over HTTP ----------------------------------------------------------------------------------
 def http(db_url: str, records: list[dict], queries, plans, *, seconds: float, batch: int) -> dict[str, Any]:
     port = free_port()
-    env = {**os.environ, "STAR_DB_URL": db_url, "STAR_LOG_LEVEL": "WARNING", "STAR_FORMATTER_LLM_URL": ""}
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "services.reward.app:create_app",
-                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                             "--log-level", "warning", "--no-access-log"], env=env, cwd=ROOT)
-    try:
-        import httpx
-
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("reward service did not start")
-            time.sleep(0.2)
+    env = {"STAR_DB_URL": db_url, "STAR_LOG_LEVEL": "WARNING", "STAR_FORMATTER_LLM_URL": ""}
+    with serve_app("services.reward.app:create_app", port, env):
         out: dict[str, Any] = {"workers": 1}
         items = [{"query": q.model_dump(mode="json"), "plan": p} for q, p in zip(queries, plans)]
         for mode in ("official", "strict"):
@@ -268,9 +252,6 @@ def http(db_url: str, records: list[dict], queries, plans, *, seconds: float, ba
                                 "p50_ms": round(float(np.percentile(many.latencies_ms, 50)), 2)},
             }
         return out
-    finally:
-        proc.terminate()
-        proc.wait(20)
 
 
 # --- report -------------------------------------------------------------------------------------

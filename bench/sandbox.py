@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.loadgen import post_request, run_load  # noqa: E402
+from bench.loadgen import post_request, run_load, serve_app  # noqa: E402
 from services.common.redis import free_port  # noqa: E402
 from services.common.settings import get_settings  # noqa: E402
 from services.sandbox.tools.toolbox import ToolBox  # noqa: E402
@@ -197,23 +196,8 @@ def summary(ms: list[float]) -> dict[str, float]:
 def http_throughput(db_url: str, calls: list[tuple[str, dict]], *, workers: int, cache: int, seconds: float,
                     connections: int) -> dict:
     port = free_port()
-    env = {**os.environ, "STAR_DB_URL": db_url, "STAR_TOOL_CACHE_SIZE": str(cache), "STAR_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "services.sandbox.app:create_app",
-                             "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers),
-                             "--log-level", "warning", "--no-access-log"], env=env, cwd=ROOT)
-    try:
-        import httpx
-
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("sandbox did not start")
-            time.sleep(0.2)
+    env = {"STAR_DB_URL": db_url, "STAR_TOOL_CACHE_SIZE": str(cache), "STAR_LOG_LEVEL": "WARNING"}
+    with serve_app("services.sandbox.app:create_app", port, env, workers=workers):
         requests = [post_request("127.0.0.1", port, "/tools/call", orjson.dumps({"name": n, "arguments": a}))
                     for n, a in calls]
         asyncio.run(run_load("127.0.0.1", port, requests, connections=connections, seconds=2.0))  # warm-up
@@ -223,9 +207,6 @@ def http_throughput(db_url: str, calls: list[tuple[str, dict]], *, workers: int,
                 "requests": res.requests, "errors": res.errors, "calls_per_s": round(res.rps, 1),
                 "latency_p50_ms": round(float(np.percentile(lat, 50)), 3),
                 "latency_p99_ms": round(float(np.percentile(lat, 99)), 3)}
-    finally:
-        proc.terminate()
-        proc.wait(20)
 
 
 def plot(result: dict, path: Path) -> None:

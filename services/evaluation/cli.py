@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from services.common.cli import fail as _fail
 from services.common.settings import get_settings
 
 console = Console(stderr=True, soft_wrap=True)
@@ -16,11 +17,6 @@ eval_app = typer.Typer(
     help="TravelPlanner evaluation: Table-1 metrics, failure analysis, run folders, run comparison.\n\n"
          "star eval --split FILE (--model DIR|openai:NAME | --predictions FILE) [--mode official|strict] [-n N]",
     invoke_without_command=True, no_args_is_help=True)
-
-
-def _fail(message: str) -> None:
-    console.print(f"[red]error:[/red] {message}")
-    raise typer.Exit(2)
 
 
 def _default_out(split: Path, source: str, mode: str) -> Path:
@@ -59,7 +55,8 @@ def eval_run(
     from services.evaluation.formatting import FormatterUnavailable, load_formatter
     from services.evaluation.runfolder import RunMismatch
     from services.evaluation.runner import EvalError, EvalRun, run_eval
-    from services.evaluation.submission import SubmissionError, file_sha256
+    from services.common.files import sha256_file as file_sha256
+    from services.evaluation.submission import SubmissionError
     from services.reward.evaluator import Evaluator
     from services.sandbox.world import World
 

@@ -17,12 +17,12 @@ from typing import Any
 from services.common.schemas import SamplingParams, Trajectory, TravelQuery
 from services.evaluation import analysis, trajectories as traj_diag
 from services.evaluation.formatting import PlanFormatter
+from services.common.files import sha256_file as file_sha256
 from services.evaluation.records import QueryRecord, TrajectorySummary, append_jsonl, split_metrics
 from services.evaluation.runfolder import RunFolder, evaluator_code_sha256
 from services.evaluation.submission import (
     Prediction,
     SplitQuery,
-    file_sha256,
     load_split,
     read_predictions,
     write_submission,

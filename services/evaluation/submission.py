@@ -21,7 +21,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from services.common.schemas import TravelQuery
-from services.common.files import sha256_file as file_sha256
 
 
 class SubmissionError(ValueError):

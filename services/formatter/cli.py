@@ -9,18 +9,12 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 
+from services.common.cli import fail as _fail, read_text as _read
 from services.common.settings import get_settings
 
-console = Console(stderr=True)
 formatter_app = typer.Typer(help="Plan text → TravelPlanner plan (structured parser, or an LLM).",
                             no_args_is_help=True)
-
-
-def _fail(message: str) -> None:
-    console.print(f"[red]error:[/red] {message}")
-    raise typer.Exit(2)
 
 
 @formatter_app.command("serve")
@@ -72,13 +66,3 @@ def formatter_format(
                       "plan": [d.model_dump() for d in result.plan.days] if result.plan else None},
                      indent=2, ensure_ascii=False))
     raise typer.Exit(0 if result.ok else 1)
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as exc:
-        _fail(f"cannot read {path}: {exc.strerror or exc}")
-    except UnicodeDecodeError:
-        _fail(f"{path} is not UTF-8 text")
-    raise AssertionError  # unreachable

@@ -6,15 +6,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from services.common.cli import fail as _fail
 from rich.console import Console
 
 console = Console(stderr=True)
 learner_app = typer.Typer(help="Train the policy: RL runs and the learner service.", no_args_is_help=True)
-
-
-def _fail(message: str) -> None:
-    console.print(f"[red]error:[/red] {message}")
-    raise typer.Exit(2)
 
 
 @learner_app.command("serve")

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,9 @@ from torch.utils.checkpoint import checkpoint
 
 from services.learner.batching import PackedRow, lr_lambda
 from services.learner.config import EngineConfig, ScheduleConfig
+
+if TYPE_CHECKING:  # annotations only
+    from services.learner.weights import FlatBucket
 
 log = logging.getLogger(__name__)
 

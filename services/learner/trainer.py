@@ -26,7 +26,7 @@ from services.common.schemas import ScoredTrajectory
 from services.common.settings import get_settings
 from services.common.streams import REDIS_DOWN, until_redis
 from services.learner import algorithms as alg
-from services.learner.batching import Sequence_, chat_to_sequence, rl_sequences
+from services.learner.batching import chat_to_sequence, rl_sequences
 from services.learner.config import RLConfig, SFTConfig
 from services.learner.engine import LogprobPolicy, PolicyEngine
 from services.learner.runlog import RunLog

@@ -8,15 +8,11 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from services.common.cli import fail as _fail
 from services.common.settings import get_settings
 
 console = Console(stderr=True, soft_wrap=True)
 qa_app = typer.Typer(help="OOD QA: dense passage search and the seven QA sets (paper Table 2).", no_args_is_help=True)
-
-
-def _fail(message: str) -> None:
-    console.print(f"[red]error:[/red] {message}")
-    raise typer.Exit(2)
 
 
 def _index_dir(index: Path | None) -> Path:

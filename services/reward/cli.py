@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from services.common.cli import fail as _fail, read_text as _read
 from services.common.settings import get_settings
 
 console = Console(stderr=True)
@@ -20,21 +21,6 @@ out = Console()
 reward_app = typer.Typer(help="Serve the scoring API or run the trajectory scoring worker.", no_args_is_help=True)
 
 OFFICIAL_SIZES = {45: "train", 180: "validation", 1000: "test"}
-
-
-def _fail(message: str) -> None:
-    console.print(f"[red]error:[/red] {message}")
-    raise typer.Exit(2)
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as exc:
-        _fail(f"cannot read {path}: {exc.strerror or exc}")
-    except UnicodeDecodeError:
-        _fail(f"{path} is not UTF-8 text")
-    raise AssertionError
 
 
 def _scorer(db: str | None, backend: str | None = None):

@@ -15,16 +15,12 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.panel import Panel
+from services.common.cli import fail as _fail
 from rich.table import Table
 
 console = Console()
 rollout_app = typer.Typer(help="ReAct agents on an inference engine (token-in/token-out).",
                           invoke_without_command=True, no_args_is_help=False)
-
-
-def _fail(message: str) -> None:
-    console.print(f"[red]error:[/red] {message}")
-    raise typer.Exit(2)
 
 
 def load_query(path: Path):

@@ -14,7 +14,7 @@ from services.evaluation.runner import EvalRun, run_eval
 from services.evaluation.submission import SubmissionError, load_split, read_predictions
 from services.formatter.structured import render_plan
 from services.reward.evaluator import COMMONSENSE_CHECKS, HARD_CHECKS
-from tests.evaluation.conftest import lowercase_index, mutated_plans, write_submission
+from tests.evaluation.conftest import lowercase_index, mutated_plans
 
 
 def make_run(gold, evaluator, out, **kw) -> EvalRun:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from services.common.schemas import SamplingParams
 from services.rollout.agent import Agent, Limits
 from services.rollout.engines.base import EngineError

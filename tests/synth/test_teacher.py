@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
 from services.formatter.structured import parse_plan
-from services.reward import Evaluator
 from services.rollout.protocol import TOOL_RESPONSE_CLOSE, TOOL_RESPONSE_OPEN, parse_turn, system_prompt
 from services.sandbox.tools import ToolBox
 from services.synth.queries import QuerySynthesizer
