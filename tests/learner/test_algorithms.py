@@ -201,3 +201,34 @@ def test_rl_config_defaults_and_validation():
     assert RLConfig(model="m", output_dir="o", algorithm="dapo").filters.dynamic_sampling
     with pytest.raises(ValueError, match="eps_high >= eps_low"):
         RLConfig(model="m", output_dir="o", eps_low=0.3, eps_high=0.2)
+
+
+def test_mismatch_kl_of_no_loss_tokens_is_zero_not_nan():
+    m = alg.mismatch_kl(torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, float("nan")]), torch.tensor([0, 0]))
+    assert (m.k1, m.k3, m.max_abs, m.tokens) == (0.0, 0.0, 0.0, 0)
+
+
+def test_step_statistics_summed_on_the_device_equal_the_per_micro_batch_floats():
+    g = torch.Generator().manual_seed(0)
+    rows = [(torch.randn(7, generator=g), torch.randn(7, generator=g), torch.randn(7, generator=g),
+             (torch.rand(7, generator=g) > 0.3).float()) for _ in range(3)]
+    summed = sum(alg.clipped_policy_terms(lp, old, adv, w, eps_low=0.2, eps_high=0.28)[1] for lp, old, adv, w in rows)
+    floats = [alg.clipped_policy_loss(lp, old, adv, w, eps_low=0.2, eps_high=0.28)[1] for lp, old, adv, w in rows]
+    merged = floats[0].merge(floats[1]).merge(floats[2])
+    assert summed.tolist() == pytest.approx(list(merged.astuple()))
+    assert merged.tokens == sum(float((w != 0).sum()) for *_, w in rows)
+
+
+def test_sdpa_backend_names_are_checked():
+    from pydantic import ValidationError
+
+    from services.learner.config import EngineConfig
+    from services.learner.engine import sdpa_priority
+
+    assert EngineConfig(sdpa_backends=["cudnn", "flash"]).sdpa_backends == ["cudnn", "flash"]
+    with pytest.raises(ValidationError):
+        EngineConfig(sdpa_backends=["fastest"])
+    q = torch.randn(1, 2, 4, 8)
+    with sdpa_priority(["math"]):  # a real priority list, honoured on CPU too
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True), atol=1e-6)
