@@ -20,13 +20,13 @@ header's leading spaces; callers that want that can strip.)
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from services.sandbox.tools import lookup
 from services.sandbox.tools.registry import TOOLS, Param
-from services.sandbox.tools.star import mode_contains, parse_km
+from services.sandbox.tools.star import ToolDialect, mode_contains, parse_km
 from services.sandbox.tools.table import Column, render_table
 from services.sandbox.world import World
 from services.sandbox.world.rows import Accommodation, Attraction, Distance, Flight, Restaurant
@@ -143,7 +143,7 @@ def _get(args: Mapping[str, Any], param: Param) -> Any:
     return _MISSING
 
 
-class OfficialTools:
+class OfficialTools(ToolDialect):
     """TravelPlanner's tools and two-stage argument checks over a `World`.
 
     `city_set` overrides the validation list (default: the world's searchable cities in world
@@ -154,31 +154,17 @@ class OfficialTools:
 
     def __init__(self, world: World, *, city_set: Sequence[str] | None = None,
                  restaurant_index: bool = False, reader: lookup.WorldLookup | None = None) -> None:
-        self.world = world
-        self.lookup = reader or lookup.WorldLookup(world)
+        super().__init__(world, reader=reader)
         cities = list(city_set) if city_set is not None else self.lookup.searchable_cities
         self._city_set = frozenset(cities)
         self._city_set_repr = str(cities)
         self.restaurant_index = restaurant_index
-        self._tools: dict[str, Callable[[Mapping[str, Any]], Outcome]] = {
-            "SearchFlight": self.search_flight,
-            "GoogleDistanceMatrix": self.distance,
-            "SearchAccommodation": self.search_accommodation,
-            "SearchRestaurant": self.search_restaurant,
-            "SearchAttraction": self.search_attraction,
-            "SearchCity": self.search_city,
-        }
 
-    def run(self, tool: str, args: Any) -> Outcome:
-        """Run one tool (by its star name); never raises for any argument value."""
-        if not isinstance(args, Mapping):
-            return ILLEGAL[tool], False
-        try:
-            return self._tools[tool](args)
-        except lookup.BackendError:
-            raise
-        except Exception:  # noqa: BLE001 - the two-stage agent turns any other exception into this
-            return ILLEGAL[tool], False
+    def not_an_object(self, tool: str, args: Any) -> str:
+        return ILLEGAL[tool]
+
+    def failed(self, tool: str, exc: Exception) -> str:
+        return ILLEGAL[tool]  # the two-stage agent turns any other exception into this
 
     # --- argument checks ------------------------------------------------------------------
     @staticmethod

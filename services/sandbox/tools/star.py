@@ -39,8 +39,9 @@ def _json_type(value: Any) -> str:
     return type(value).__name__
 
 
-class StarTools:
-    """Agent-STAR's tools over a `World`."""
+class ToolDialect:
+    """The six tools over a `World` in one output dialect: subclasses write the tools and say
+    what a non-object argument or a failing call reads as."""
 
     def __init__(self, world: World, *, reader: lookup.WorldLookup | None = None) -> None:
         self.world = world
@@ -55,15 +56,32 @@ class StarTools:
         }
 
     def run(self, tool: str, args: Any) -> Outcome:
-        """Run one tool (by its star name); never raises for any argument value."""
+        """Run one tool (by its star name); never raises for any argument value, only for a
+        database outage (`lookup.BackendError`, a 503 upstream)."""
         if not isinstance(args, Mapping):
-            return f"Tool calling error: arguments must be a JSON object, not {_json_type(args)}", False
+            return self.not_an_object(tool, args), False
         try:
             return self._tools[tool](args)
         except lookup.BackendError:
             raise
-        except Exception as exc:  # noqa: BLE001 - the public tools report every exception as text
-            return f"Tool calling error: {exc}", False
+        except Exception as exc:  # noqa: BLE001 - each dialect reports any other failure as text
+            return self.failed(tool, exc), False
+
+    def not_an_object(self, tool: str, args: Any) -> str:
+        raise NotImplementedError
+
+    def failed(self, tool: str, exc: Exception) -> str:
+        raise NotImplementedError
+
+
+class StarTools(ToolDialect):
+    """Agent-STAR's tools over a `World`."""
+
+    def not_an_object(self, tool: str, args: Any) -> str:
+        return f"Tool calling error: arguments must be a JSON object, not {_json_type(args)}"
+
+    def failed(self, tool: str, exc: Exception) -> str:
+        return f"Tool calling error: {exc}"
 
     # --- the tools ---------------------------------------------------------------------------
     def search_flight(self, args: Mapping[str, Any]) -> Outcome:
