@@ -8,13 +8,13 @@ policy's fault, so it must not be trained on as a failure).
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Protocol
 
 import httpx
 
 from services.common.schemas import ToolResult
 from services.rollout.protocol import call_error
+from services.rollout.retry import post_retrying
 
 
 class ToolServiceError(RuntimeError):
@@ -45,23 +45,14 @@ class HttpToolClient:
         body = {"name": name, "arguments": arguments, **self.options}
         if fault_key is not None and "fault_seed" in self.options:
             body["fault_key"] = fault_key[:256]
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                reply = await self._client.post("/tools/call", json=body)
-            except httpx.HTTPError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-                continue
-            if reply.status_code == 200:
-                return ToolResult.model_validate_json(reply.content)
-            if reply.status_code >= 500:
-                last = f"HTTP {reply.status_code}: {reply.text[:300]}"
-                continue
-            # 4xx: the call itself is bad (e.g. text that is not valid Unicode); the model is told.
-            return ToolResult(name=name, text=call_error(ValueError(_problem_detail(reply))), ok=False)
-        raise ToolServiceError(f"sandbox at {self.base_url} failed {self.retries + 1} times; last: {last}")
+        reply, last = await post_retrying(self._client, "/tools/call", body, retries=self.retries,
+                                          backoff_s=self.backoff_s)
+        if reply is None:
+            raise ToolServiceError(f"sandbox at {self.base_url} failed {self.retries + 1} times; last: {last}")
+        if reply.status_code == 200:
+            return ToolResult.model_validate_json(reply.content)
+        # 4xx: the call itself is bad (e.g. text that is not valid Unicode); the model is told.
+        return ToolResult(name=name, text=call_error(ValueError(_problem_detail(reply))), ok=False)
 
     async def close(self) -> None:
         await self._client.aclose()

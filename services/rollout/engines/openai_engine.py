@@ -7,12 +7,12 @@ Transient failures (transport errors, 429, 5xx) are retried with backoff.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import httpx
 
 from services.rollout.engines.base import Engine, EngineError, Generation, TurnParams
+from services.rollout.retry import post_retrying, server_fault
 
 
 class OpenAIEngine(Engine):
@@ -38,29 +38,24 @@ class OpenAIEngine(Engine):
                                 "temperature": params.temperature, "top_p": params.top_p, **self.extra_body}
         if params.seed is not None:
             body["seed"] = params.seed
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                reply = await self._client.post("/chat/completions", json=body)
-            except httpx.HTTPError as exc:
-                last = f"{type(exc).__name__}: {exc}"
-                continue
-            if reply.status_code == 429 or reply.status_code >= 500:
-                last = f"HTTP {reply.status_code}: {reply.text[:300]}"
-                continue
-            if reply.status_code != 200:
-                raise EngineError(f"chat API refused the request: HTTP {reply.status_code}: {reply.text[:300]}")
-            try:
-                choice = reply.json()["choices"][0]
-                text = choice["message"].get("content") or ""
-            except (ValueError, KeyError, IndexError, TypeError) as exc:
-                raise EngineError(f"chat API answered an unexpected body: {exc}") from exc
-            finish = "length" if choice.get("finish_reason") == "length" else "stop"
-            return Generation(token_ids=[], logprobs=None, finish=finish, text=text,
-                              policy_version=self.policy_version)
-        raise EngineError(f"chat API failed {self.retries + 1} times; last: {last}")
+        reply, last = await post_retrying(self._client, "/chat/completions", body, retries=self.retries,
+                                          backoff_s=self.backoff_s, transient=_busy_or_failing)
+        if reply is None:
+            raise EngineError(f"chat API failed {self.retries + 1} times; last: {last}")
+        if reply.status_code != 200:
+            raise EngineError(f"chat API refused the request: HTTP {reply.status_code}: {reply.text[:300]}")
+        try:
+            choice = reply.json()["choices"][0]
+            text = choice["message"].get("content") or ""
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise EngineError(f"chat API answered an unexpected body: {exc}") from exc
+        finish = "length" if choice.get("finish_reason") == "length" else "stop"
+        return Generation(token_ids=[], logprobs=None, finish=finish, text=text, policy_version=self.policy_version)
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+def _busy_or_failing(reply: httpx.Response) -> bool:
+    """Rate limits and server faults pass; any other refusal will not."""
+    return reply.status_code == 429 or server_fault(reply)
