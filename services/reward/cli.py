@@ -6,6 +6,8 @@ import json
 import os
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,6 +23,20 @@ out = Console()
 reward_app = typer.Typer(help="Serve the scoring API or run the trajectory scoring worker.", no_args_is_help=True)
 
 OFFICIAL_SIZES = {45: "train", 180: "validation", 1000: "test"}
+
+
+@contextmanager
+def _scoring(db: str | None, backend: str | None = None) -> Iterator[Any]:
+    """A scorer over the world at `db`, closed afterwards; a ScoreError becomes a CLI error."""
+    from services.reward.scoring import ScoreError
+
+    scorer = _scorer(db, backend)
+    try:
+        yield scorer
+    except ScoreError as exc:
+        _fail(str(exc))
+    finally:
+        scorer.close()
 
 
 def _scorer(db: str | None, backend: str | None = None):
@@ -63,7 +79,7 @@ def score_command(
     """Score one plan: every check's verdict with its reason, the five scores and the rewards."""
     from pydantic import ValidationError
 
-    from services.reward.scoring import ScoreError, ScoreRequest
+    from services.reward.scoring import ScoreRequest
 
     try:
         q = json.loads(_read(query))
@@ -80,13 +96,8 @@ def score_command(
         request = ScoreRequest(**body)
     except ValidationError as exc:
         _fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5]))
-    scorer = _scorer(db, backend)
-    try:
+    with _scoring(db, backend) as scorer:
         result = scorer.score(request)
-    except ScoreError as exc:
-        _fail(str(exc))
-    finally:
-        scorer.close()
     if as_json:
         print(result.model_dump_json(indent=2))
         return
@@ -131,7 +142,7 @@ def evaluate_command(
     """The leaderboard metrics of a submission file, paired line by line with the split's queries
     (as the official evaluator pairs them)."""
     from services.evaluation.submission import SubmissionError, load_split, read_predictions
-    from services.reward.scoring import EvaluateRequest, PlanInput, ScoreError
+    from services.reward.scoring import EvaluateRequest, PlanInput
 
     _mode(mode)
     lines = [ln for ln in _read(submission).splitlines() if ln.strip()]
@@ -157,13 +168,8 @@ def evaluate_command(
     for sq in split_queries:
         p = predictions.get(sq.query_id)
         items.append(PlanInput(query=sq.query, plan=p.plan if p else None, plan_text=p.plan_text if p else None))
-    scorer = _scorer(db, backend)
-    try:
+    with _scoring(db, backend) as scorer:
         metrics = scorer.evaluate_split(EvaluateRequest(items=items, split=chosen, mode=mode))
-    except ScoreError as exc:
-        _fail(str(exc))
-    finally:
-        scorer.close()
     if as_json:
         print(metrics.model_dump_json(indent=2))
         return
