@@ -52,7 +52,7 @@ class _Batch:
     def __init__(self) -> None:
         self.rows: list[_Row] = []
         self.cache: Any = None
-        self.attention: Any = None   # [rows, cache length + 0], 1 on real tokens
+        self.attention: Any = None   # [rows, cache length], 1 on real tokens, 0 on left padding
         self.positions: Any = None   # [rows] position of the pending token
         self.pending: Any = None     # [rows] last sampled token, not yet in the cache
 
