@@ -42,6 +42,11 @@ def test_logprobs_are_the_models_raw_logprobs_of_the_sampled_ids(engine, tiny_mo
     expected = torch.log_softmax(logits, -1)[len(PROMPT) - 1:-1].gather(1, torch.tensor(g.token_ids)[:, None])[:, 0]
     assert torch.allclose(torch.tensor(g.logprobs), expected, atol=1e-4)
     assert all(len(row) == 5 for row in g.top_logprobs)
+    # the alternatives are the model's five most probable ids with their raw log-probs
+    raw = torch.log_softmax(logits, -1)[len(PROMPT) - 1]
+    values, ids = raw.topk(5)
+    assert sorted(g.top_logprobs[0]) == sorted(ids.tolist())
+    assert [g.top_logprobs[0][i] for i in ids.tolist()] == pytest.approx(values.tolist(), abs=1e-4)
     assert max(g.top_logprobs[0].values()) >= g.logprobs[0]
 
 

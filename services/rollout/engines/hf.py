@@ -192,14 +192,18 @@ class TransformersEngine(Engine):
         tokens = _draw(torch, logits, [row.request.params for row in rows], [row.generator for row in rows])
         chosen = raw.gather(1, tokens[:, None])[:, 0].tolist()
         top_k = max(row.request.params.top_logprobs for row in rows)
-        top = raw.topk(top_k, dim=-1) if top_k else None
+        top_ids: list[list[int]] = []
+        top_lps: list[list[float]] = []
+        if top_k:  # one host read for all rows' alternatives, not one per row
+            values, indices = raw.topk(top_k, dim=-1)
+            top_ids, top_lps = indices.tolist(), values.tolist()
         stop = self.stop_ids
         for i, (row, tid) in enumerate(zip(rows, tokens.tolist())):
             row.ids.append(tid)
             row.logprobs.append(chosen[i])
             k = row.request.params.top_logprobs
             if k:
-                row.top.append({int(t): float(v) for t, v in zip(top.indices[i, :k].tolist(), top.values[i, :k].tolist())})
+                row.top.append(dict(zip(top_ids[i][:k], top_lps[i][:k])))
             row.done = tid in stop or len(row.ids) >= row.limit
         return tokens
 
