@@ -11,6 +11,11 @@ appends `--tool-tokens` of tool response, so the context grows as a real traject
 policy is random (weights from a seed, the Qwen2.5 vocabulary), so turns run to their `max_tokens`
 and both modes decode the same number of tokens; both use the same seeds.
 
+`--step-probe` instead times single decode steps (no agents): for each batch size in
+`--probe-batches`, prefill that many `--prompt`-token rows, then time `--probe-steps` decode steps
+(ms/step, tokens/s), and profile the largest batch's steps (host vs device time per op). This is
+the number that bounds an episode's speed: a turn of n tokens costs about n steps.
+
 Modes: `static` admits new requests only when the running batch is empty (a batch runs until its
 last row ends: the engine's behaviour before continuous batching); `continuous` admits them between
 decode steps. Reported: sampled tokens/s, wall time, and turn latency (p50/p99) for short and long
@@ -100,6 +105,9 @@ def main() -> None:
     p.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="decode")
+    p.add_argument("--step-probe", action="store_true", help="time single decode steps per batch size instead")
+    p.add_argument("--probe-batches", default="1,8,32,64")
+    p.add_argument("--probe-steps", type=int, default=32)
     args = p.parse_args()
 
     import torch
@@ -115,6 +123,9 @@ def main() -> None:
     engine = TransformersEngine(folder, max_model_len=32768, max_batch=args.max_batch, dtype=dtype)
     params_m = sum(p.numel() for p in engine.model.parameters()) / 1e6
     log(f"device {device}; model {args.size} ({params_m:.0f} M params, {dtype})")
+    if args.step_probe:
+        step_probe(engine, args, device, dtype, params_m)
+        return
     plan = workload(args)
 
     async def run_all() -> dict[str, list[dict[str, Any]]]:
@@ -148,6 +159,63 @@ def main() -> None:
     write_markdown(record, args)
     plot(record, RESULTS / f"{args.name}.png")
     log(f"continuous / static tokens/s: {speedup:.2f}×")
+
+
+def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> None:
+    """ms per decode step at each batch size, and where the largest batch's step time goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from services.rollout.engines.base import TurnParams
+    from services.rollout.engines.hf import _Batch, _Request
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    rng = random.Random(args.seed)
+    rows: list[dict[str, Any]] = []
+    table = ""
+    sizes = [int(b) for b in args.probe_batches.split(",")]
+    for n in sizes:
+        batch = _Batch()
+        joining = [_Request([rng.randrange(1000, 150000) for _ in range(args.prompt)],
+                            TurnParams(max_tokens=10**6, temperature=1.0, top_p=0.95, seed=i), None)
+                   for i in range(n)]
+        with torch.inference_mode():
+            sync()
+            t0 = time.perf_counter()
+            engine._admit(batch, joining)
+            sync()
+            prefill = time.perf_counter() - t0
+            for _ in range(4):  # warm-up
+                engine._decode_step(batch)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.probe_steps):
+                engine._decode_step(batch)
+            sync()
+            step = (time.perf_counter() - t0) / args.probe_steps
+            if n == sizes[-1]:
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+                with profile(activities=acts) as prof:
+                    for _ in range(8):
+                        engine._decode_step(batch)
+                    sync()
+                sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+                table = prof.key_averages().table(sort_by=sort, row_limit=25)
+        rows.append({"batch": n, "prefill_s": prefill, "step_ms": 1000 * step, "tokens_per_s": n / step})
+        log(f"batch {n}: prefill {prefill:.3f} s, {1000 * step:.1f} ms/step, {n / step:,.0f} tokens/s")
+        del batch
+    print(table, flush=True)
+    record = {"device": device, "dtype": dtype, "params_m": params_m, "args": vars(args), "steps": rows,
+              "profile": table}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(record, indent=1))
+    lines = [f"# Decode step probe ({args.name})", "",
+             f"Device: {device}. Model: random Qwen2, `{args.size}` shape ({params_m:.0f} M parameters), {dtype}; "
+             f"{args.prompt}-token context per row; mean of {args.probe_steps} steps after 4 warm-up.", "",
+             "| rows | prefill s | ms / decode step | tokens/s |", "|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['prefill_s']:.3f} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} |" for r in rows]
+    lines += ["", f"Profile of 8 steps at {sizes[-1]} rows:", "", "```", table, "```", ""]
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines))
 
 
 def write_markdown(record: dict[str, Any], args) -> None:

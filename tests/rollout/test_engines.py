@@ -127,3 +127,20 @@ def test_nucleus_from_the_top_candidates_equals_the_full_sort(sharpness):
         keep = sorted_p.cumsum(-1) - sorted_p < top_p
         full = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep)
         assert torch.equal(_nucleus(torch, probs, top_p), full)
+
+
+def test_decoding_runs_outside_cudnn_attention(tiny_model):
+    """cuDNN's SDPA re-plans for every new key length, i.e. every decode step; the engine must
+    decode (and prefill) with it switched off, and switch it back on for the rest of the process."""
+    engine = TransformersEngine(tiny_model, max_model_len=2048)
+    seen: list[bool] = []
+    forward = engine.model.forward
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return forward(*args, **kwargs)
+
+    engine.model.forward = spy
+    gen(engine, TurnParams(max_tokens=4, seed=1))
+    assert len(seen) >= 4 and not any(seen)  # the prefill and every decode step
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -25,6 +25,15 @@ from services.rollout.engines.base import Engine, EngineError, Generation, TurnP
 STEPS_PER_TICK = 4  # decode steps between admissions: joiners wait at most this long
 
 
+def attention_backends():
+    """SDPA kernels for decoding: any but cuDNN's. cuDNN builds an execution plan per new shape,
+    and a decode step's key length is new every step: on an H100 that plan cost 2 ms of host time
+    per layer per step (65 of a 94 ms step for a 30-layer model; bench/results/decode_probe.md)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 @dataclass
 class _Request:
     prompt_ids: list[int]
@@ -127,7 +136,7 @@ class TransformersEngine(Engine):
     def _tick(self, batch: _Batch, joining: list[_Request]) -> list[_Row]:
         """Admit `joining`, then decode a few steps; returns the rows that finished."""
         torch = self.torch
-        with self._model_lock, torch.inference_mode():
+        with self._model_lock, torch.inference_mode(), attention_backends():
             finished: list[_Row] = []
             if joining:
                 finished += self._admit(batch, joining)
