@@ -275,7 +275,8 @@ def _metric(result: dict[str, Any] | None, mode: str, key: str) -> float | None:
 
 
 def _pct(v: float | None) -> str:
-    return "—" if v is None else f"{100 * v:.1f}"
+    """`star eval` reports the five metrics and success already in percent."""
+    return "—" if v is None else f"{v:.1f}"
 
 
 def report(state: dict[str, Any], out: Path, name: str, command: str) -> dict[str, Any]:
@@ -288,7 +289,7 @@ def report(state: dict[str, Any], out: Path, name: str, command: str) -> dict[st
         summary[f"metrics_{mode}"] = {"sft": {k: _metric(sft, mode, k) for k in FIVE},
                                       "rl": {k: _metric(rl, mode, k) for k in FIVE}}
     s_sft, s_rl = _metric(sft, "official", "final_pass_rate"), _metric(rl, "official", "final_pass_rate")
-    summary["success_gain_points"] = None if s_sft is None or s_rl is None else 100 * (s_rl - s_sft)
+    summary["success_gain_points"] = None if s_sft is None or s_rl is None else s_rl - s_sft  # percent points
     summary["eval"] = {"sft": _eval_brief(sft), "rl": _eval_brief(rl)}
     curves = {}
     for label, run in (("async", rl_async), ("sync", rl_sync)):

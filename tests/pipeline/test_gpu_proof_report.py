@@ -1,0 +1,25 @@
+"""The learning-proof report (bench/gpu_proof.py) reads `star eval`'s metrics as percentages."""
+
+from __future__ import annotations
+
+import json
+
+from bench import gpu_proof
+
+
+def _eval(success: float, delivery: float) -> dict:
+    metrics = {"delivery_rate": delivery, "cs_micro": 40.0, "cs_macro": 10.0, "hard_micro": 20.0,
+               "hard_macro": 5.0, "final_pass_rate": success}
+    return {"model": "m", "queries": 48, "decode_s": 10.0, "finish_reasons": {"answer": 48},
+            "tool_calls_mean": 9.0, "sampled_tokens_mean": 900.0, "generate_s_per_turn": 1.0,
+            "official": metrics, "strict": metrics}
+
+
+def test_success_gain_is_in_points_and_tables_show_percentages(tmp_path):
+    state = {"eval_sft": _eval(success=6.25, delivery=12.5), "eval_rl": _eval(success=18.75, delivery=75.0)}
+    summary = gpu_proof.report(state, tmp_path, "proof", "python bench/gpu_proof.py")
+    assert summary["success_gain_points"] == 12.5
+    md = (tmp_path / "proof.md").read_text()
+    assert "| SFT | 12.5 | 40.0 | 10.0 | 20.0 | 5.0 | 6.2 |" in md
+    assert "| RL | 75.0 |" in md and "+12.5 points" in md
+    assert json.loads((tmp_path / "proof.json").read_text())["success_gain_points"] == 12.5
