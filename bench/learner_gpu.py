@@ -1,15 +1,19 @@
 """Learner GPU benchmark: RL training throughput (tokens/s, MFU) and weight publish + reload time.
 
     python bench/learner_gpu.py                       # ~0.5B Qwen2 (Qwen2.5-0.5B shape), 8K-token sequences
+    python bench/learner_gpu.py --compile --micro-rows 1,2,4 --profile     # rows per forward/backward
     python bench/learner_gpu.py --size tiny --seq 128 --steps 2 --name learner_gpu_cpu_smoke   # CPU check
 
 What runs: our DeepSpeed engine (ZeRO-2, bf16 on GPU) doing the real RL step (clipped policy
-loss with rollout logprobs, token-mean) on random-init weights and random tokens; against a
-baseline measured in the same run: a plain PyTorch step (HF model, bf16 autocast, its own
+loss with rollout logprobs, token-mean) on random-init weights and random tokens, once per
+variant (SDPA kernel order × rows per micro-batch × ZeRO bucket size; a variant that runs out of
+memory is recorded as OOM and the run goes on); against a baseline measured in the same run at
+the best variant's rows per micro-batch: a plain PyTorch step (HF model, bf16 autocast, its own
 cross-entropy, fused AdamW). Then weight sync on the store path: gather full weights bucket by
 bucket, write sharded safetensors + manifest, and reload into a live bf16 model the way a
 rollout server does (verify hashes, copy in place). With 2+ GPUs the NCCL broadcast path is
-timed too. Targets (issue 5): MFU ≥ 40 %, publish + reload ≤ 1 s.
+timed too. Targets (issue 5): MFU ≥ 40 %, publish + reload ≤ 1 s. MFU is reported in both
+conventions of services/learner/flops.py (PaLM: attention in full; and causal attention at half).
 
 Results: bench/results/<name>.json and .md (default name learner_gpu).
 """
@@ -17,6 +21,8 @@ Results: bench/results/<name>.json and .md (default name learner_gpu).
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import json
 import os
 import platform
@@ -25,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,42 +85,91 @@ def parse_sdpa(spec: str) -> list[str] | None:
     return None if spec == "default" else spec.split("+")
 
 
-def bench_engine(args, model_dir: Path, sdpa: str = "default", profile: bool = False) -> tuple[dict, object]:
+@dataclass(frozen=True)
+class Variant:
+    sdpa: str            # SDPA kernel order ('default' or e.g. 'cudnn+flash')
+    micro_rows: int      # packed rows per forward/backward
+    bucket_m: float      # ZeRO reduce / all-gather bucket, millions of elements
+
+    @property
+    def label(self) -> str:
+        return f"SDPA `{self.sdpa}`, {self.micro_rows} row(s)/micro-batch, buckets {self.bucket_m:g}M"
+
+
+def variants(args) -> list[Variant]:
+    return [Variant(sdpa, int(rows), float(bucket)) for sdpa, rows, bucket in itertools.product(
+        args.sdpa_variants.split(","), args.micro_rows.split(","), args.reduce_bucket_m.split(","))]
+
+
+def is_oom(e: BaseException) -> bool:
+    # cuDNN / cuBLAS report a failed allocation as a plain RuntimeError
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def free_memory() -> None:
+    """Between variants: drop what the last one left, and dynamo's compiled graphs, so that the next
+    variant compiles for its own shapes instead of recompiling the shared layer code with dynamic
+    (slower) shapes after a batch-size change."""
+    gc.collect()
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def median(steps: list[dict], key: str) -> float | None:
+    return statistics.median(s[key] for s in steps) if key in steps[0] else None
+
+
+def bench_engine(args, model_dir: Path, variant: Variant, profile: bool = False) -> tuple[dict, object]:
     from services.learner.config import EngineConfig, ScheduleConfig
     from services.learner.engine import PolicyEngine
-    from services.learner.steps import rl_step
 
+    bucket = int(variant.bucket_m * 1e6)
     cfg = EngineConfig(zero_stage=args.zero, precision="auto", gradient_checkpointing=args.grad_ckpt,
-                       micro_batch_tokens=args.seq, logprob_chunk_tokens=args.chunk,
-                       head_checkpoint=args.head_ckpt, attn_implementation="sdpa", compile_layers=args.compile,
-                       sdpa_backends=parse_sdpa(sdpa))
-    engine = PolicyEngine(model_dir, cfg, ScheduleConfig(lr=2e-6), total_steps=100)
-    log(f"engine up ({sdpa}): {engine.num_parameters() / 1e6:.1f} M params, bf16={engine.bf16}, zero={args.zero}")
+                       micro_batch_tokens=args.seq, micro_batch_rows=variant.micro_rows,
+                       logprob_chunk_tokens=args.chunk, head_checkpoint=args.head_ckpt, attn_implementation="sdpa",
+                       compile_layers=args.compile, sdpa_backends=parse_sdpa(variant.sdpa),
+                       reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    engine = PolicyEngine(model_dir, cfg, ScheduleConfig(lr=2e-6), total_steps=100)
+    log(f"engine up ({variant.label}): {engine.num_parameters() / 1e6:.1f} M params, bf16={engine.bf16}, "
+        f"zero={args.zero}")
+    try:
+        result = measure_engine(args, engine, variant, profile)
+    except BaseException:
+        engine.close()  # its hooks and buffers would otherwise keep the memory the next variant needs
+        raise
+    return result, engine
+
+
+def measure_engine(args, engine, variant: Variant, profile: bool) -> dict:
+    from services.learner.steps import rl_step
+
     steps = []
     for k in range(args.warmup + args.steps):
         m = rl_step(engine, sequences(args.rows, args.seq, seed=k), eps_low=0.2, eps_high=0.28).metrics
-        log(f"rl step {k} ({sdpa}): {m['time_compute_s']:.3f} s, {m['tokens_per_s']:.0f} tok/s, "
-            f"mfu {m.get('mfu', float('nan')):.3f}, loss {m['loss']:.4f}, clip {m['clip_fraction']:.3f}")
+        log(f"rl step {k} ({variant.label}): {m['time_compute_s']:.3f} s, {m['tokens_per_s']:.0f} tok/s, "
+            f"mfu {m.get('mfu', float('nan')):.3f} (causal half {m.get('mfu_causal_half', float('nan')):.3f}), "
+            f"loss {m['loss']:.4f}, clip {m['clip_fraction']:.3f}")
         if k >= args.warmup:
             steps.append(m)
     peak_mem = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     kernels = profile_step(engine, args) if profile else None
-    result = {
-        "sdpa": sdpa,
+    return {
+        **asdict(variant), "label": variant.label,
         "kernels": kernels,
         "params_m": engine.num_parameters() / 1e6,
         "tokens_per_step": args.rows * args.seq,
-        "step_s_median": statistics.median(s["time_compute_s"] for s in steps),
-        "tokens_per_s": statistics.median(s["tokens_per_s"] for s in steps),
-        "tflops_per_s": statistics.median(s["tflops_per_s"] for s in steps),
-        "mfu": statistics.median(s["mfu"] for s in steps) if "mfu" in steps[0] else None,
+        "step_s_median": median(steps, "time_compute_s"),
+        "tokens_per_s": median(steps, "tokens_per_s"),
+        "tflops_per_s": median(steps, "tflops_per_s"),
+        "mfu": median(steps, "mfu"),
+        "mfu_causal_half": median(steps, "mfu_causal_half"),
         "peak_memory_gib": peak_mem,
         "steps": [{k: s[k] for k in ("time_compute_s", "tokens_per_s", "loss", "clip_fraction", "grad_norm")}
                   for s in steps],
     }
-    return result, engine
 
 
 KERNEL_KINDS = (  # first match wins; names as CUDA kernels are called on Hopper with torch 2.11
@@ -154,14 +210,17 @@ def profile_step(engine, args) -> dict:
             "top": [{"kernel": n[:120], "s": t, "calls": c} for n, t, c in top]}
 
 
-def bench_baseline(args, model_dir: Path) -> dict:
-    """Plain PyTorch: HF forward with labels (its own loss), bf16 autocast, fused AdamW."""
+def bench_baseline(args, model_dir: Path, micro_rows: int) -> dict:
+    """Plain PyTorch: HF forward with labels (its own loss), bf16 autocast, fused AdamW; `micro_rows`
+    sequences stacked per forward/backward."""
     from transformers import AutoModelForCausalLM
 
     from services.learner.flops import model_shape, peak_flops, train_flops
 
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").to(device)
     model.config.use_cache = False
     if args.grad_ckpt:
@@ -171,18 +230,20 @@ def bench_baseline(args, model_dir: Path) -> dict:
             layer.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=2e-6, fused=on_gpu)
     n_params = sum(p.numel() for p in model.parameters())
-    layers, hidden = model_shape(model.config)
+    layers, attn_width = model_shape(model.config)
     times = []
     for k in range(args.warmup + args.steps):
         batch = sequences(args.rows, args.seq, seed=100 + k)
         if on_gpu:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for s in batch:
-            ids = torch.tensor([s.token_ids], device=device)
-            labels = torch.tensor([[t if m else -100 for t, m in zip(s.token_ids, s.loss_mask)]], device=device)
+        groups = [batch[i: i + micro_rows] for i in range(0, len(batch), micro_rows)]
+        for group in groups:  # every sequence is args.seq long: no padding
+            ids = torch.tensor([s.token_ids for s in group], device=device)
+            labels = torch.tensor([[t if m else -100 for t, m in zip(s.token_ids, s.loss_mask)] for s in group],
+                                  device=device)
             with torch.autocast(device, dtype=torch.bfloat16, enabled=on_gpu):
-                loss = model(input_ids=ids, labels=labels).loss / len(batch)
+                loss = model(input_ids=ids, labels=labels).loss / len(groups)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -194,13 +255,14 @@ def bench_baseline(args, model_dir: Path) -> dict:
         if k >= args.warmup:
             times.append(dt)
     step_s = statistics.median(times)
-    flops = train_flops(n_params, layers, hidden, [args.seq] * args.rows)
+    seq_lens = [args.seq] * args.rows
+    flops = train_flops(n_params, layers, attn_width, seq_lens)
+    half = train_flops(n_params, layers, attn_width, seq_lens, causal_half=True)
     peak = peak_flops()
-    del model, opt
-    if on_gpu:
-        torch.cuda.empty_cache()
-    return {"step_s_median": step_s, "tokens_per_s": args.rows * args.seq / step_s,
-            "tflops_per_s": flops / step_s / 1e12, "mfu": flops / step_s / peak if peak else None}
+    return {"micro_rows": micro_rows, "step_s_median": step_s, "tokens_per_s": args.rows * args.seq / step_s,
+            "tflops_per_s": flops / step_s / 1e12, "mfu": flops / step_s / peak if peak else None,
+            "mfu_causal_half": half / step_s / peak if peak else None,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None}
 
 
 def bench_weights(args, engine, model_dir: Path) -> dict:
@@ -254,9 +316,14 @@ def write_results(args, record: dict) -> None:
     def pct(x):
         return f"{100 * x:.1f} %" if x is not None else "n/a (CPU)"
 
+    def gib(x):
+        return f"{x:.1f}" if x is not None else "n/a"
+
     def row(label: str, r: dict) -> str:
+        if "error" in r:
+            return f"| {label} | {r['error'][:160]} | | | | | |"
         return (f"| {label} | {r['tokens_per_s']:,.0f} | {r['tflops_per_s']:.1f} | {pct(r['mfu'])} | "
-                f"{r['step_s_median']:.3f} |")
+                f"{pct(r['mfu_causal_half'])} | {r['step_s_median']:.3f} | {gib(r['peak_memory_gib'])} |")
 
     lines = [
         f"# Learner benchmark ({args.name})", "",
@@ -264,28 +331,35 @@ def write_results(args, record: dict) -> None:
         f"deepspeed {record['deepspeed']}.",
         f"Model: Qwen2 architecture, {t['params_m']:.0f} M parameters (random init, size `{args.size}`); "
         f"{args.rows} sequences × {args.seq} tokens per step; ZeRO-{args.zero}, bf16 on GPU; "
-        f"gradient checkpointing {'on' if args.grad_ckpt else 'off'}; decoder layers "
-        f"{'compiled (torch.compile, both columns)' if args.compile else 'eager'}; median of {args.steps} steps after "
-        f"{args.warmup} warm-up. Same run, same GPU for every row.", "",
-        "| | tokens/s | TFLOP/s | MFU | step s |", "|---|---|---|---|---|",
+        f"gradient checkpointing {'on' if args.grad_ckpt else 'off'}; logprob head in chunks of {args.chunk} tokens, "
+        f"{'recomputed' if args.head_ckpt else 'kept'} for backward; decoder layers "
+        f"{'compiled (torch.compile, ours and the baseline)' if args.compile else 'eager'}; median of {args.steps} "
+        f"steps after {args.warmup} warm-up. Same run, same GPU for every row.", "",
+        "| | tokens/s | TFLOP/s | MFU (PaLM) | MFU (causal ½) | step s | peak GiB |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for v in record.get("variants", [t]):
-        if "error" in v:
-            lines.append(f"| our RL step, SDPA `{v['sdpa']}` | failed: {v['error'][:160]} | | | |")
-        else:
-            lines.append(row(f"our RL step (DeepSpeed, clipped PG, token-mean), SDPA `{v['sdpa']}`", v))
-    if b.get("step_s_median"):
-        lines.append(row("baseline: plain PyTorch (HF loss, autocast, fused AdamW)", b))
-    lines += ["", f"Best: SDPA `{t['sdpa']}`, {pct(t['mfu'])} MFU." if t.get("sdpa") else "", ""]
-    if t.get("peak_memory_gib"):
-        lines += [f"Peak GPU memory (ours): {t['peak_memory_gib']:.1f} GiB.", ""]
+    for v in record["variants"]:
+        lines.append(row(f"our RL step (DeepSpeed, clipped PG, token-mean), {v['label']}", v))
+    if b:
+        label = f"baseline: plain PyTorch (HF loss, autocast, fused AdamW), {b['micro_rows']} row(s)/micro-batch"
+        if b["oom_at"]:
+            label += f" (OOM at {', '.join(map(str, b['oom_at']))})"
+        lines.append(row(label, b))
+    lines += ["", f"Best: {t['label']}: {pct(t['mfu'])} MFU (PaLM), {pct(t['mfu_causal_half'])} (causal ½).", ""]
+    profiled = [v for v in record["variants"] if v.get("kernels")]
+    if profiled:
+        kinds = list(dict.fromkeys(k for v in profiled for k in v["kernels"]["by_kind_s"]))
+        lines += ["Where the GPU time of one profiled step goes, per variant (GPU seconds by kernel kind; the profiler "
+                  "slows the step, so read busy against wall only roughly):", "",
+                  "| variant | wall s | GPU busy s | " + " | ".join(kinds) + " |", "|---" * (3 + len(kinds)) + "|"]
+        for v in profiled:
+            prof = v["kernels"]
+            lines.append(f"| {v['label']} | {prof['wall_s']:.3f} | {prof['gpu_busy_s']:.3f} | "
+                         + " | ".join(f"{prof['by_kind_s'].get(k, 0.0):.3f}" for k in kinds) + " |")
+        lines.append("")
     prof = t.get("kernels") or {}
     if prof:
-        busy, wall = prof["gpu_busy_s"], prof["wall_s"]
-        lines += [f"Where the GPU time of one profiled step goes (SDPA `{t['sdpa']}`; the profiler slows the step: "
-                  f"wall {wall:.3f} s, GPU busy {busy:.3f} s):", "", "| kernel kind | GPU s | share |", "|---|---|---|"]
-        lines += [f"| {k} | {v:.3f} | {100 * v / busy:.1f} % |" for k, v in prof["by_kind_s"].items()]
-        lines += ["", "| top kernels | GPU s | calls |", "|---|---|---|"]
+        lines += [f"Top kernels of the best variant ({t['label']}):", "", "| kernel | GPU s | calls |", "|---|---|---|"]
         lines += [f"| `{k['kernel'][:90]}` | {k['s']:.3f} | {k['calls']} |" for k in prof["top"][:10]]
         lines.append("")
     w = record["weights"]
@@ -299,10 +373,10 @@ def write_results(args, record: dict) -> None:
             f"| {m['gather_s']:.3f} s | {m['write_s']:.3f} s | {m['publish_s']:.3f} s | {m['reload_verified_s']:.3f} s "
             f"| {m['reload_manifest_only_s']:.3f} s | {m['publish_plus_reload_s']:.3f} s |", ""]
     lines += [
-        "Targets (issue 5): MFU ≥ 40 %, publish + reload ≤ 1 s. MFU counts model FLOPs only "
-        "(6·N·s + 6·L·d·s² per sequence: causal attention counted at half, no recomputation) against the dense "
-        "bf16 peak. Under the PaLM/Megatron convention (attention not halved, 12·L·d·s²) the same run reads "
-        f"{pct(palm_mfu(t, args))}.",
+        "Targets (issue 5): MFU ≥ 40 %, publish + reload ≤ 1 s. MFU counts model FLOPs only (no recomputation) "
+        "against the dense bf16 peak. MFU (PaLM) is the PaLM paper's definition (appendix B; also Megatron's and "
+        "torchtitan's), 6·N·s + 12·L·d·s² per sequence of s tokens, attention counted in full; MFU (causal ½) counts "
+        "causal attention at half (6·L·d·s²), the stricter figure. TFLOP/s is in the PaLM count.",
     ]
     if record.get("nccl"):
         lines += ["", f"NCCL broadcast path: {record['nccl']}"]
@@ -311,14 +385,41 @@ def write_results(args, record: dict) -> None:
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
 
 
-def palm_mfu(t: dict, args) -> float | None:
-    """The same step's MFU with attention counted in full (12·L·d·s²), as most published MFU figures are."""
-    if not t.get("mfu"):
-        return None
-    layers, hidden = SIZES[args.size]["num_hidden_layers"], SIZES[args.size]["hidden_size"]
-    n = t["params_m"] * 1e6
-    ours = 6 * n * args.seq + 6 * layers * hidden * args.seq ** 2
-    return t["mfu"] * (ours + 6 * layers * hidden * args.seq ** 2) / ours
+def run_variants(args, model_dir: Path) -> tuple[list[dict], dict | None]:
+    """Every variant in turn (OOM or a kernel this GPU does not take is recorded, and the run goes
+    on); the weight-sync timing uses the first engine that ran."""
+    results, weights = [], None
+    for variant in variants(args):
+        try:
+            result, engine = bench_engine(args, model_dir, variant, profile=args.profile)
+        except Exception as e:
+            log(f"variant {variant.label} failed: {e!r}")
+            results.append({**asdict(variant), "label": variant.label, "error": "OOM" if is_oom(e) else repr(e)[:500]})
+        else:
+            results.append(result)
+            if weights is None and not args.skip_weights:
+                weights = bench_weights(args, engine, model_dir)
+            engine.close()
+            del engine
+        free_memory()
+    return results, weights
+
+
+def run_baseline(args, model_dir: Path, micro_rows: int) -> dict:
+    """The baseline at `micro_rows`, halved while it runs out of memory: its HF loss keeps fp32 logits
+    of every row for backward, about twice our memory per row."""
+    oom_at: list[int] = []
+    while True:
+        try:
+            return {**bench_baseline(args, model_dir, micro_rows), "oom_at": oom_at}
+        except Exception as e:
+            log(f"baseline at {micro_rows} row(s)/micro-batch failed: {e!r}")
+            if not is_oom(e) or micro_rows == 1:
+                return {"micro_rows": micro_rows, "error": "OOM" if is_oom(e) else repr(e)[:500], "oom_at": oom_at}
+            oom_at.append(micro_rows)
+            micro_rows //= 2
+        finally:
+            free_memory()
 
 
 def main() -> None:
@@ -334,13 +435,18 @@ def main() -> None:
     p.add_argument("--grad-ckpt", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (ours and the baseline)")
     p.add_argument("--publish-rounds", type=int, default=3)
-    p.add_argument("--bucket-mb", type=int, default=256)
+    p.add_argument("--bucket-mb", type=int, default=256, help="weight-publication bucket, MiB")
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--weights-dir", default=tempfile.gettempdir())
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--skip-weights", action="store_true")
     p.add_argument("--sdpa-variants", default="default",
                    help="comma-separated SDPA priority lists to measure, e.g. default,cudnn+flash (best one is reported)")
+    p.add_argument("--micro-rows", default="1",
+                   help="comma-separated packed rows per forward/backward to measure, e.g. 1,2,4")
+    p.add_argument("--reduce-bucket-m", default="50",
+                   help="comma-separated ZeRO reduce / all-gather bucket sizes in millions of elements "
+                        "(DeepSpeed counts elements, not bytes; 50 is the engine's default)")
     p.add_argument("--profile", action="store_true", help="profile one extra step per variant (GPU time per kernel kind)")
     p.add_argument("--name", default="learner_gpu")
     args = p.parse_args()
@@ -353,34 +459,23 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="learner-bench-"))
     model_dir = build_model(args.size, work / "model", args.seq)
     log("model saved")
-    baseline = {"tokens_per_s": 0, "tflops_per_s": 0, "mfu": None, "step_s_median": 0}
-    if not args.skip_baseline:
-        baseline = bench_baseline(args, model_dir)
-    variants, weights, engine = [], None, None
-    for sdpa in args.sdpa_variants.split(","):
-        try:
-            result, engine = bench_engine(args, model_dir, sdpa, profile=args.profile)
-        except Exception as e:  # a kernel choice this GPU/torch does not take: record it, go on
-            log(f"variant {sdpa} failed: {e!r}")
-            variants.append({"sdpa": sdpa, "error": repr(e)[:500]})
-            continue
-        variants.append(result)
-        if weights is None and not args.skip_weights:
-            weights = bench_weights(args, engine, model_dir)
-        del engine
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    ok = [v for v in variants if "error" not in v]
+    results, weights = run_variants(args, model_dir)
+    ok = [v for v in results if "error" not in v]
+    if not ok:
+        raise SystemExit(f"every variant failed: {[v['error'] for v in results]}")
     train = max(ok, key=lambda v: v["tokens_per_s"])
+    # The baseline stacks as many sequences per pass as our best variant, so the two compare like for like.
+    baseline = {} if args.skip_baseline else run_baseline(args, model_dir, train["micro_rows"])
     weights = weights or {"median": {"publish_plus_reload_s": float("nan")}, "rounds": [], "bytes": 0}
     record = {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
-              "deepspeed": deepspeed.__version__, "args": vars(args), "train": train, "variants": variants,
+              "deepspeed": deepspeed.__version__, "args": vars(args), "train": train, "variants": results,
               "baseline": baseline, "weights": weights, "nccl": None,
               "targets": {"mfu": 0.40, "publish_plus_reload_s": 1.0},
               "met": {"mfu": (train["mfu"] or 0) >= 0.40,
                       "publish_plus_reload_s": weights["median"]["publish_plus_reload_s"] <= 1.0}}
     write_results(args, record)
-    log(json.dumps({"train": {k: train[k] for k in ("tokens_per_s", "mfu", "step_s_median")},
+    log(json.dumps({"train": {k: train[k] for k in ("label", "tokens_per_s", "mfu", "mfu_causal_half", "step_s_median",
+                                                    "peak_memory_gib")},
                     "baseline": baseline, "weights": weights["median"]}, default=str))
     shutil.rmtree(work, ignore_errors=True)
 

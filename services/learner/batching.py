@@ -4,6 +4,8 @@ A row concatenates whole sequences up to a token capacity; `position_ids` restar
 sequence, which transformers turns into a block-diagonal causal mask, so packed sequences never
 attend to each other. Every per-token array is aligned to "predict the next token": position t
 carries the target token_ids[t+1] and that target's loss mask, behaviour logprob and advantage.
+A micro-batch stacks rows of similar length into [B, T] tensors (`micro_batches`), one forward
+and backward for all of them.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class Sequence_:
 
 @dataclass
 class PackedRow:
+    """One packed row ([T] tensors), or a micro-batch of rows ([B, T], from `micro_batches`)."""
+
     input_ids: torch.Tensor       # [T] long
     position_ids: torch.Tensor    # [T] long, restarting at each sequence
     targets: torch.Tensor         # [T] long: the next token (0 at a sequence's last position)
@@ -141,6 +145,46 @@ def shard_rows(rows: Sequence[PackedRow], world_size: int, rank: int) -> list[Pa
     most = max(len(m) for m in mine) if mine else 0
     out = mine[rank]
     return out + [filler_row() for _ in range(most - len(out))]
+
+
+def stack_rows(rows: Sequence[PackedRow]) -> PackedRow:
+    """Rows right-padded to the longest and stacked into one [B, T] micro-batch.
+
+    Padding carries no loss (mask and weight 0, no rollout logprob, advantage 0, seq_index -1) and
+    sits after every real token, so under the causal mask no real token attends to it. Its
+    positions continue the row's last one: a restart at 0 would read as one more packed sequence,
+    and transformers would then build an explicit block mask for the whole micro-batch instead of
+    taking SDPA's plain causal path (flash / cuDNN)."""
+    if any(r.weights is None for r in rows):
+        raise ValueError("assign loss weights before stacking rows into a micro-batch")
+    width = max(r.tokens for r in rows)
+
+    def pad(t: torch.Tensor, value: float | bool) -> torch.Tensor:
+        return torch.cat([t, t.new_full((width - t.numel(),), value)])
+
+    def positions(r: PackedRow) -> torch.Tensor:
+        last = int(r.position_ids[-1])
+        return torch.cat([r.position_ids, torch.arange(last + 1, last + 1 + width - r.tokens, dtype=torch.long)])
+
+    return PackedRow(
+        input_ids=torch.stack([pad(r.input_ids, 0) for r in rows]),
+        position_ids=torch.stack([positions(r) for r in rows]),
+        targets=torch.stack([pad(r.targets, 0) for r in rows]),
+        mask=torch.stack([pad(r.mask, 0.0) for r in rows]),
+        old_logp=torch.stack([pad(r.old_logp, 0.0) for r in rows]),
+        has_old=torch.stack([pad(r.has_old, False) for r in rows]),
+        advantages=torch.stack([pad(r.advantages, 0.0) for r in rows]),
+        seq_index=torch.stack([pad(r.seq_index, -1) for r in rows]),
+        weights=torch.stack([pad(r.weights, 0.0) for r in rows]),
+    )
+
+
+def micro_batches(rows: Sequence[PackedRow], rows_per_batch: int) -> list[PackedRow]:
+    """Rows grouped, longest first, into [B, T] micro-batches of at most `rows_per_batch` rows:
+    neighbours in length share a batch, so little of it is padding. Every rank holds the same
+    number of rows (`shard_rows`), so every rank runs the same number of micro-batches."""
+    ordered = sorted(rows, key=lambda r: -r.tokens)
+    return [stack_rows(ordered[i: i + rows_per_batch]) for i in range(0, len(ordered), rows_per_batch)]
 
 
 # ---- RL: scored trajectories → sequences with advantages -------------------------------------

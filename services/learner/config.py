@@ -28,6 +28,9 @@ class EngineConfig(_Strict):
         "auto", description="auto: bf16 on GPU, fp32 on CPU (CPU bf16 matmuls are slow and lossy here).")
     gradient_checkpointing: bool = False
     micro_batch_tokens: int = Field(4096, ge=16, description="Token capacity of one packed micro-batch row.")
+    micro_batch_rows: int = Field(
+        1, ge=1, description="Packed rows stacked along the batch dimension in one forward/backward (right-padded to "
+                             "the longest); fewer, larger micro-batches cut per-pass launch and gradient-hook overhead.")
     logprob_chunk_tokens: int = Field(2048, ge=16, description="Tokens per chunk when turning hidden states into logprobs.")
     head_checkpoint: bool = Field(True, description="Recompute each chunk's logits in backward instead of keeping them.")
     compile_layers: bool = Field(False, description="torch.compile each decoder layer (fuses norms, rotary, SiLU on GPU).")
@@ -38,6 +41,10 @@ class EngineConfig(_Strict):
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = Field(1e-8, gt=0.0)
     grad_clip: float = Field(1.0, ge=0.0, description="Global grad-norm clip (0: off).")
+    reduce_bucket_size: int = Field(
+        50_000_000, ge=1, description="ZeRO-2/3 gradient reduce bucket in elements (DeepSpeed counts elements).")
+    allgather_bucket_size: int = Field(
+        50_000_000, ge=1, description="ZeRO-2 all-gather bucket for the updated parameters, in elements.")
     seed: int = 0
 
 

@@ -103,7 +103,10 @@ class LogprobPolicy(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
                 with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         # No attention mask: position_ids restarting at 0 mark packed sequences (block-diagonal causal).
+        # Where no row of the [B, T] batch restarts (micro-batch padding continues the positions),
+        # transformers builds no mask at all and SDPA runs its plain causal kernel.
         hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        # The head's chunks run over all B·T tokens, whatever row they come from.
         hidden, targets = hidden.flatten(0, 1), targets.flatten()
         logps, ents = [], []
         for start in range(0, hidden.shape[0], self.chunk_tokens):
@@ -148,7 +151,8 @@ def deepspeed_config(cfg: EngineConfig, *, bf16: bool, world_size: int) -> dict[
     zero: dict[str, Any] = {"stage": cfg.zero_stage}
     if cfg.zero_stage >= 2:
         zero.update({"overlap_comm": False, "contiguous_gradients": True,
-                     "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7})
+                     "reduce_bucket_size": cfg.reduce_bucket_size,
+                     "allgather_bucket_size": cfg.allgather_bucket_size})
     if cfg.zero_stage == 3:
         zero.update({"stage3_gather_16bit_weights_on_model_save": False, "stage3_param_persistence_threshold": 1e4})
     return {
@@ -235,11 +239,12 @@ class PolicyEngine:
         return sum(getattr(p, "ds_numel", p.numel()) for p in params.values())
 
     def logprobs(self, row: PackedRow, *, grad: bool, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprob and entropy of every target of a row ([T]) or micro-batch ([B, T]), flattened to [B·T]."""
         ctx = nullcontext() if grad else torch.no_grad()
+        inputs = [t if t.dim() == 2 else t[None] for t in (row.input_ids, row.position_ids, row.targets)]
         # The attention kernel is chosen in the forward; its backward follows that choice.
         with ctx, sdpa_priority(self.cfg.sdpa_backends if self.on_gpu else None):
-            return self.engine(row.input_ids[None].to(self.device), row.position_ids[None].to(self.device),
-                               row.targets[None].to(self.device), with_entropy)
+            return self.engine(*(t.to(self.device) for t in inputs), with_entropy)
 
     def backward(self, loss: torch.Tensor) -> None:
         # Losses are pre-weighted for the whole step and DeepSpeed averages gradients over ranks;
@@ -252,6 +257,11 @@ class PolicyEngine:
         norm = self.engine.get_global_grad_norm()
         norm = float(norm.item() if torch.is_tensor(norm) else (norm if norm is not None else float("nan")))
         return StepResult(grad_norm=norm, lr=float(self.scheduler.get_last_lr()[0]))
+
+    def close(self) -> None:
+        """Remove DeepSpeed's gradient hooks and buffers, so that dropping this engine frees its
+        memory (a later engine in the same process, e.g. the next benchmark variant)."""
+        self.engine.destroy()
 
     def train(self) -> None:
         self.engine.train()

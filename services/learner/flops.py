@@ -1,9 +1,16 @@
-"""Model FLOPs for tokens/s → MFU.
+"""Model FLOPs for tokens/s → MFU, in two conventions.
 
-Per sequence of length s: 6·N·s for the dense layers (forward + backward, N counting the tied
-embedding once, as the output projection) plus 6·L·d·s² for causal attention scores and values
-(4·L·d·s² forward without the causal half, ×3 for backward). Activation recomputation is not
-model FLOPs and is not counted.
+Per sequence of length s, with N parameters (the tied embedding counted once, as the output
+projection), L layers and attention width d = heads × head_dim:
+
+- `mfu` (default, `causal_half=False`): 6·N·s + 12·L·d·s², the PaLM definition (Chowdhery et al.
+  2022, appendix B: 6N + 12·L·H·Q·T per token), also Megatron's and torchtitan's. The attention
+  scores and values count in full (4·L·d·s² forward, ×3 for forward + backward), although a
+  causal kernel skips the masked half. Compare with published MFU figures in this convention.
+- `mfu_causal_half` (`causal_half=True`): 6·N·s + 6·L·d·s², causal attention at half (only the
+  unmasked triangle is needed), so the stricter number.
+
+Activation recomputation is not model FLOPs and is not counted in either.
 """
 
 from __future__ import annotations
@@ -16,12 +23,18 @@ _PEAKS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800"
           "A10G": 125e12, "L4": 121e12, "B200": 2250e12}
 
 
-def train_flops(n_params: int, layers: int, hidden: int, seq_lens: Iterable[int]) -> float:
-    return float(sum(6.0 * n_params * s + 6.0 * layers * hidden * s * s for s in seq_lens))
+def train_flops(n_params: int, layers: int, attn_width: int, seq_lens: Iterable[int], *,
+                causal_half: bool = False) -> float:
+    """Forward + backward model FLOPs of one step over sequences of these lengths."""
+    attn = 6.0 if causal_half else 12.0
+    return float(sum(6.0 * n_params * s + attn * layers * attn_width * s * s for s in seq_lens))
 
 
 def model_shape(config: Any) -> tuple[int, int]:
-    return int(config.num_hidden_layers), int(config.hidden_size)
+    """(layers, attention width = query heads × head_dim): the query width, which GQA keeps."""
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    return int(config.num_hidden_layers), heads * int(head_dim)
 
 
 def peak_flops(device_name: str | None = None) -> float | None:

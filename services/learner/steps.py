@@ -2,7 +2,11 @@
 
 Every rank packs the whole step's data identically and then takes its share (`shard_rows`), so
 loss weights need no communication; DeepSpeed averages gradients over ranks, which is why each
-micro-batch loss is multiplied by the world size.
+micro-batch loss is multiplied by the world size. A micro-batch is `micro_batch_rows` packed rows
+stacked to [B, T]; its per-token arrays are flattened to match the [B·T] logprobs.
+
+Throughput metrics: `tokens_per_s`, `tflops_per_s` and `mfu` count model FLOPs the PaLM way
+(attention in full); `mfu_causal_half` counts causal attention at half (see flops.py).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.learner import algorithms as alg
-from services.learner.batching import PackedRow, assign_weights, pack_sequences, shard_rows
+from services.learner.batching import PackedRow, assign_weights, micro_batches, pack_sequences, shard_rows
 from services.learner.batching import Sequence_
 from services.learner.engine import PolicyEngine
 from services.learner.flops import model_shape, peak_flops, train_flops
@@ -33,9 +37,10 @@ def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 
 
 def prepare_rows(engine: PolicyEngine, seqs: Sequence[Sequence_], loss_agg: str = "token-mean") -> list[PackedRow]:
+    """This rank's micro-batches ([B, T] each) of the step's packed, weighted rows."""
     rows = pack_sequences(seqs, engine.cfg.micro_batch_tokens)
     assign_weights(rows, loss_agg)
-    return shard_rows(rows, engine.world_size, engine.rank)
+    return micro_batches(shard_rows(rows, engine.world_size, engine.rank), engine.cfg.micro_batch_rows)
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -45,20 +50,28 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def _flat(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A micro-batch's per-token array, flattened like the logprobs, on `device`."""
+    return _to(t.flatten(), device)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _mfu_metrics(engine: PolicyEngine, seq_lens: list[int], seconds: float) -> dict[str, float]:
-    layers, hidden = model_shape(engine.lm_config)
-    flops = train_flops(engine.num_parameters(), layers, hidden, seq_lens)
+    layers, attn_width = model_shape(engine.lm_config)
+    n_params = engine.num_parameters()
+    flops = train_flops(n_params, layers, attn_width, seq_lens)
     tokens = sum(seq_lens)
     out = {"tokens": float(tokens), "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
            "tflops_per_s": flops / seconds / 1e12 if seconds > 0 else 0.0}
     peak = peak_flops()
-    if peak:
+    if peak and seconds > 0:
         out["mfu"] = flops / seconds / (peak * engine.world_size)
+        half = train_flops(n_params, layers, attn_width, seq_lens, causal_half=True)
+        out["mfu_causal_half"] = half / seconds / (peak * engine.world_size)
     return out
 
 
@@ -66,14 +79,14 @@ def sft_step(engine: PolicyEngine, seqs: Sequence[Sequence_]) -> StepOutput:
     """Cross-entropy on loss tokens, token-mean over the whole step."""
     _sync(engine.device)
     t0 = time.perf_counter()
-    rows = prepare_rows(engine, seqs)
+    batches = prepare_rows(engine, seqs)
     acc = torch.zeros(2, dtype=torch.float64, device=engine.device)  # nll sum, tokens (read once, see rl_step)
-    for row in rows:
-        logp, _ = engine.logprobs(row, grad=True, with_entropy=False)
-        w = _to(row.weights, logp.device)
+    for batch in batches:
+        logp, _ = engine.logprobs(batch, grad=True, with_entropy=False)
+        w = _flat(batch.weights, logp.device)
         loss = -(logp * w).sum()
         engine.backward(loss * engine.world_size)
-        m = _to(row.mask, logp.device)
+        m = _flat(batch.mask, logp.device)
         acc += torch.stack([-(logp.detach() * m).sum(), m.sum()]).double()
     result = engine.step()
     _sync(engine.device)
@@ -93,20 +106,20 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
     are used, and 1 otherwise)."""
     _sync(engine.device)
     t0 = time.perf_counter()
-    rows = prepare_rows(engine, seqs, loss_agg)
+    batches = prepare_rows(engine, seqs, loss_agg)
     # Statistics stay on the device and are read once after the optimizer step: a host read per
     # micro-batch would make the GPU idle while Python launches the next forward.
     acc = torch.zeros(11, dtype=torch.float64, device=engine.device)  # pg, LossStats(5), ent, kl_ref, mismatch(3)
     mm_max = torch.zeros((), dtype=torch.float64, device=engine.device)
-    for row in rows:
-        logp, ent = engine.logprobs(row, grad=True)
+    for batch in batches:
+        logp, ent = engine.logprobs(batch, grad=True)
         dev = logp.device
-        mask, w, adv = _to(row.mask, dev), _to(row.weights, dev), _to(row.advantages, dev)
-        has_old, row_old = _to(row.has_old, dev), _to(row.old_logp, dev)
+        mask, w, adv = _flat(batch.mask, dev), _flat(batch.weights, dev), _flat(batch.advantages, dev)
+        has_old, behaviour = _flat(batch.has_old, dev), _flat(batch.old_logp, dev)
         learner_old = logp.detach()
         if use_rollout_logprobs:
             # A token the rollout gave no logprob for falls back to the learner's value (ratio 1).
-            old = torch.where(has_old, row_old, learner_old)
+            old = torch.where(has_old, behaviour, learner_old)
         else:
             old = learner_old
         loss, loss_sums = alg.clipped_policy_terms(logp, old, adv, w, eps_low=eps_low, eps_high=eps_high,
@@ -114,13 +127,13 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
         kl_ref = torch.zeros((), dtype=torch.float64, device=dev)
         if kl_coef > 0.0 and reference is not None:
             with torch.no_grad():
-                ref_logp, _ = reference(_to(row.input_ids[None], dev), _to(row.position_ids[None], dev),
-                                        _to(row.targets[None], dev), False)
+                ref_logp, _ = reference(_to(batch.input_ids, dev), _to(batch.position_ids, dev),
+                                        _to(batch.targets, dev), False)
             kl = alg.kl_low_var(logp, ref_logp)
             loss = loss + kl_coef * (kl * w).sum()
             kl_ref = (kl.detach() * mask).sum().double()
         engine.backward(loss * engine.world_size)
-        mm = alg.mismatch_terms(row_old, learner_old, mask.bool() & has_old)
+        mm = alg.mismatch_terms(behaviour, learner_old, mask.bool() & has_old)
         acc += torch.cat([loss.detach().double()[None], loss_sums, (ent * mask).sum().double()[None],
                           kl_ref[None], mm[:3]])
         mm_max = torch.maximum(mm_max, mm[3])

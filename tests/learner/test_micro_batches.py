@@ -1,0 +1,165 @@
+"""Several packed rows per forward/backward (`micro_batch_rows`): padding carries no loss, batches
+of single-sequence rows keep SDPA's plain causal path, and a step comes out as with one row per pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.learner.batching import Sequence_, assign_weights, micro_batches, pack_sequences, shard_rows
+from services.learner.config import EngineConfig, ScheduleConfig
+from services.learner.steps import rl_step, sft_step
+
+from .conftest import behaviour_logprobs
+
+# Capacity 64 packs these into rows [60], [50 + 12], [33 + 30], [20]: rows of different lengths,
+# two of them holding two sequences each.
+CAPACITY = 64
+LENGTHS = [60, 50, 33, 30, 20, 12]
+
+
+def _seqs(lengths: list[int], seed: int = 0, logprobs: list[list[float]] | None = None) -> list[Sequence_]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(100, 5000, (n,), generator=g).tolist()
+        lps = None
+        if logprobs is not None:
+            lps = [None, None] + logprobs[i][2:]  # the prompt has no rollout logprob
+        out.append(Sequence_(ids, [0, 0] + [1] * (n - 2), lps, advantage=1.5 if i % 2 else -0.7, index=i))
+    return out
+
+
+def _rl_seqs(model_dir) -> list[Sequence_]:
+    """Rollout logprobs off the learner's by noise, so ratios vary and some clip."""
+    plain = _seqs(LENGTHS)
+    g = torch.Generator().manual_seed(1)
+    lps = [[lp + 0.3 * float(torch.randn((), generator=g)) for lp in row]
+           for row in behaviour_logprobs(model_dir, [s.token_ids for s in plain])]
+    return _seqs(LENGTHS, logprobs=lps)
+
+
+def _weighted_rows(seqs: list[Sequence_]):
+    rows = pack_sequences(seqs, CAPACITY)
+    assign_weights(rows)
+    return rows
+
+
+def test_padding_carries_no_loss_and_continues_positions():
+    rows = _weighted_rows(_seqs(LENGTHS))
+    assert sorted(r.tokens for r in rows) == [20, 60, 62, 63]
+    first, second = micro_batches(rows, 2)
+    assert first.input_ids.shape == (2, 63) and second.input_ids.shape == (2, 60)
+    short = second.position_ids[1]  # the 20-token row, padded by 40
+    assert short.tolist() == list(range(60))  # no restart: still one sequence to transformers
+    pad = slice(20, 60)
+    assert not second.mask[1, pad].any() and not second.weights[1, pad].any()
+    assert not second.has_old[1, pad].any() and not second.advantages[1, pad].any()
+    assert (second.seq_index[1, pad] == -1).all() and not second.old_logp[1, pad].any()
+    # a packed row keeps its restart and continues its last sequence's positions into the padding
+    packed = first.position_ids[1]  # 50 + 12 tokens, padded by 1
+    assert packed[50:].tolist() == list(range(13))
+    with pytest.raises(ValueError, match="loss weights"):
+        micro_batches(pack_sequences(_seqs([10, 8]), CAPACITY), 2)
+
+
+def test_every_rank_runs_the_same_number_of_micro_batches():
+    lengths = [60, 55, 50, 45, 40]  # no two share a row: 5 rows over 2 ranks, so one filler
+    rows = _weighted_rows(_seqs(lengths))
+    counts = [len(micro_batches(shard_rows(rows, 2, rank), 2)) for rank in (0, 1)]
+    assert counts == [2, 2]
+    tokens = sum(float(b.mask.sum()) for rank in (0, 1) for b in micro_batches(shard_rows(rows, 2, rank), 2))
+    assert tokens == sum(n - 2 for n in lengths)
+
+
+@pytest.fixture(scope="module")
+def make_engine(tiny_model):
+    from services.learner.engine import PolicyEngine
+
+    def make(rows: int):
+        # adam_eps 1: Adam's first update is lr·g/(|g| + 1) ≈ lr·g, so the weights show the gradient
+        # itself (with the default eps it would be ≈ lr·sign(g), blind to a wrong magnitude); a large
+        # lr lifts that update far above the fp32 rounding of the weights it is added to.
+        cfg = EngineConfig(micro_batch_tokens=CAPACITY, micro_batch_rows=rows, attn_implementation="sdpa",
+                           adam_eps=1.0)
+        return PolicyEngine(tiny_model, cfg, ScheduleConfig(lr=0.1), total_steps=10)
+
+    return make
+
+
+def test_single_sequence_rows_take_the_unmasked_causal_path(make_engine, monkeypatch):
+    from transformers.models.qwen2 import modeling_qwen2
+
+    masks = []
+    real = modeling_qwen2.create_causal_mask
+
+    def spy(*args, **kwargs):
+        masks.append(real(*args, **kwargs))
+        return masks[-1]
+
+    monkeypatch.setattr(modeling_qwen2, "create_causal_mask", spy)
+    engine = make_engine(2)
+    seqs = _seqs([40, 25, 30, 20])
+    single = _weighted_rows(seqs[:2])  # 40 and 25: one sequence per row (capacity 64)
+    (batch,) = micro_batches(single, 2)
+    together, _ = engine.logprobs(batch, grad=False)
+    assert masks == [None]  # SDPA gets is_causal and no mask: the flash / cuDNN kernels stay eligible
+    # padding changed no real token's logprob
+    for k, row in enumerate(single):
+        alone, _ = engine.logprobs(row, grad=False)
+        assert torch.allclose(together[k * 40: k * 40 + row.tokens], alone, atol=1e-5)
+    # a row holding two sequences makes transformers build a block mask, and keeps them apart
+    (packed,) = _weighted_rows(seqs[2:])  # 30 + 20 tokens in one row
+    (batch,) = micro_batches([packed, single[0]], 2)  # [50 | 40 + 10 padding]
+    masks.clear()
+    out, _ = engine.logprobs(batch, grad=False)
+    assert len(masks) == 1 and masks[0] is not None
+    for s, start in ((seqs[2], 0), (seqs[3], 30), (seqs[0], 50)):
+        alone, _ = engine.logprobs(pack_sequences([s], CAPACITY)[0], grad=False)
+        assert torch.allclose(out[start: start + len(s)], alone, atol=1e-5)
+
+
+def _step(make_engine, rows: int, step, seqs, **kw) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    engine = make_engine(rows)
+    before = {n: p.detach().clone() for n, p in engine.hf_model.named_parameters()}
+    metrics = step(engine, seqs, **kw).metrics
+    delta = {n: p.detach() - before[n] for n, p in engine.hf_model.named_parameters()}
+    return metrics, delta
+
+
+def _assert_same(a: tuple[dict, dict], b: tuple[dict, dict], keys: list[str]) -> None:
+    (m1, d1), (m2, d2) = a, b
+    for key in keys:
+        assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-9), key
+    moved = 0
+    for name, ref in d1.items():
+        scale = ref.norm().item()
+        moved += scale > 0
+        # 1e-4, not 1e-5: a norm weight near 1 rounds its small update to fp32 steps of 1.2e-7, so a
+        # last-bit difference in the gradient sum can flip a rounding (seen: 9e-6 of the update).
+        assert (d2[name] - ref).norm().item() <= 1e-4 * scale + 1e-12, name
+    assert moved >= 10  # the step moved the weights, so the comparison means something
+
+
+RL_KEYS = ["loss", "loss_tokens", "grad_norm", "clip_fraction", "clip_fraction_high", "clip_fraction_low",
+           "ratio_mean", "entropy", "mismatch_kl_k1", "mismatch_kl_k3", "mismatch_logp_max_abs"]
+
+
+@pytest.fixture(scope="module")
+def rl_reference(make_engine, tiny_model):
+    seqs = _rl_seqs(tiny_model)
+    return seqs, _step(make_engine, 1, rl_step, seqs, eps_low=0.2, eps_high=0.28)
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+def test_rl_step_is_the_same_with_several_rows_per_pass(make_engine, rl_reference, rows):
+    seqs, reference = rl_reference
+    assert 0.0 < reference[0]["clip_fraction"] < 1.0  # ratios vary: the comparison covers clipping
+    _assert_same(reference, _step(make_engine, rows, rl_step, seqs, eps_low=0.2, eps_high=0.28), RL_KEYS)
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+def test_sft_step_is_the_same_with_several_rows_per_pass(make_engine, rows):
+    seqs = _seqs(LENGTHS, seed=2)
+    keys = ["loss", "loss_tokens", "grad_norm"]
+    _assert_same(_step(make_engine, 1, sft_step, seqs), _step(make_engine, rows, sft_step, seqs), keys)
