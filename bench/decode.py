@@ -162,47 +162,49 @@ def main() -> None:
 
 
 def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> None:
-    """ms per decode step at each batch size, and where the largest batch's step time goes."""
+    """ms per decode step at each batch size, and where the largest batch's step time goes.
+
+    Steps run through the engine's own tick (what the scheduler calls), so the probe measures the
+    serving path with its attention-kernel choice, not a bare model call."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from services.rollout.engines.base import TurnParams
-    from services.rollout.engines.hf import _Batch, _Request
+    from services.rollout.engines.hf import STEPS_PER_TICK, _Batch, _Request
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     rng = random.Random(args.seed)
     rows: list[dict[str, Any]] = []
     table = ""
     sizes = [int(b) for b in args.probe_batches.split(",")]
+    ticks = max(1, args.probe_steps // STEPS_PER_TICK)
     for n in sizes:
         batch = _Batch()
         joining = [_Request([rng.randrange(1000, 150000) for _ in range(args.prompt)],
                             TurnParams(max_tokens=10**6, temperature=1.0, top_p=0.95, seed=i), None)
                    for i in range(n)]
-        with torch.inference_mode():
-            sync()
-            t0 = time.perf_counter()
-            engine._admit(batch, joining)
-            sync()
-            prefill = time.perf_counter() - t0
-            for _ in range(4):  # warm-up
-                engine._decode_step(batch)
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(args.probe_steps):
-                engine._decode_step(batch)
-            sync()
-            step = (time.perf_counter() - t0) / args.probe_steps
-            if n == sizes[-1]:
-                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-                with profile(activities=acts) as prof:
-                    for _ in range(8):
-                        engine._decode_step(batch)
-                    sync()
-                sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-                table = prof.key_averages().table(sort_by=sort, row_limit=25)
+        sync()
+        t0 = time.perf_counter()
+        engine._tick(batch, joining)  # prefill, then the tick's decode steps
+        sync()
+        prefill = time.perf_counter() - t0
+        engine._tick(batch, [])  # warm-up
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(ticks):
+            engine._tick(batch, [])
+        sync()
+        step = (time.perf_counter() - t0) / (ticks * STEPS_PER_TICK)
+        if n == sizes[-1]:
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            with profile(activities=acts) as prof:
+                for _ in range(2):
+                    engine._tick(batch, [])
+                sync()
+            sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            table = prof.key_averages().table(sort_by=sort, row_limit=25)
         rows.append({"batch": n, "prefill_s": prefill, "step_ms": 1000 * step, "tokens_per_s": n / step})
-        log(f"batch {n}: prefill {prefill:.3f} s, {1000 * step:.1f} ms/step, {n / step:,.0f} tokens/s")
+        log(f"batch {n}: admission tick {prefill:.3f} s, {1000 * step:.1f} ms/step, {n / step:,.0f} tokens/s")
         del batch
     print(table, flush=True)
     record = {"device": device, "dtype": dtype, "params_m": params_m, "args": vars(args), "steps": rows,
@@ -211,10 +213,11 @@ def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> N
     (RESULTS / f"{args.name}.json").write_text(json.dumps(record, indent=1))
     lines = [f"# Decode step probe ({args.name})", "",
              f"Device: {device}. Model: random Qwen2, `{args.size}` shape ({params_m:.0f} M parameters), {dtype}; "
-             f"{args.prompt}-token context per row; mean of {args.probe_steps} steps after 4 warm-up.", "",
-             "| rows | prefill s | ms / decode step | tokens/s |", "|---|---|---|---|"]
+             f"{args.prompt}-token context per row; mean of {ticks * STEPS_PER_TICK} steps after one warm-up "
+             f"tick; the admission tick is the prefill plus {STEPS_PER_TICK} decode steps.", "",
+             "| rows | admission tick s | ms / decode step | tokens/s |", "|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['prefill_s']:.3f} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} |" for r in rows]
-    lines += ["", f"Profile of 8 steps at {sizes[-1]} rows:", "", "```", table, "```", ""]
+    lines += ["", f"Profile of {2 * STEPS_PER_TICK} steps at {sizes[-1]} rows:", "", "```", table, "```", ""]
     (RESULTS / f"{args.name}.md").write_text("\n".join(lines))
 
 
