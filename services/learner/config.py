@@ -31,6 +31,9 @@ class EngineConfig(_Strict):
     micro_batch_rows: int = Field(
         1, ge=1, description="Packed rows stacked along the batch dimension in one forward/backward (right-padded to "
                              "the longest); fewer, larger micro-batches cut per-pass launch and gradient-hook overhead.")
+    pad_to_multiple: int = Field(
+        1, ge=1, description="Right-pad each micro-batch's length up to a multiple of this (e.g. 256 on GPU): few "
+                             "distinct shapes let cuDNN attention reuse its plans and compiled layers their graphs.")
     logprob_chunk_tokens: int = Field(2048, ge=16, description="Tokens per chunk when turning hidden states into logprobs.")
     head_checkpoint: bool = Field(True, description="Recompute each chunk's logits in backward instead of keeping them.")
     compile_layers: bool = Field(False, description="torch.compile each decoder layer (fuses norms, rotary, SiLU on GPU).")

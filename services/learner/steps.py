@@ -40,7 +40,8 @@ def prepare_rows(engine: PolicyEngine, seqs: Sequence[Sequence_], loss_agg: str 
     """This rank's micro-batches ([B, T] each) of the step's packed, weighted rows."""
     rows = pack_sequences(seqs, engine.cfg.micro_batch_tokens)
     assign_weights(rows, loss_agg)
-    return micro_batches(shard_rows(rows, engine.world_size, engine.rank), engine.cfg.micro_batch_rows)
+    return micro_batches(shard_rows(rows, engine.world_size, engine.rank), engine.cfg.micro_batch_rows,
+                         engine.cfg.pad_to_multiple)
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

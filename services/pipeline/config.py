@@ -9,12 +9,15 @@ everything to finish on a laptop CPU in minutes.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from services.common.schemas import ArpoParams, EvalMode, RewardKind, SamplingParams
+
+if TYPE_CHECKING:  # annotations only: the learner's config is imported when a stage needs it
+    from services.learner.config import EngineConfig
 
 Stage = Literal["synth", "sft", "rl", "eval"]
 STAGES: tuple[Stage, ...] = ("synth", "sft", "rl", "eval")
@@ -98,6 +101,24 @@ class EvalSpec(_Section):
     limit: int | None = Field(None, ge=1)
 
 
+class LearnerSpec(_Section):
+    """How the learner runs its forward/backward passes, for SFT and RL alike (the DeepSpeed ZeRO
+    stage is `services.zero_stage`). On a GPU, several rows per pass padded to a multiple of 256
+    are what reach the benchmark's MFU (bench/results/learner_gpu.md); the defaults suit a CPU."""
+
+    micro_batch_tokens: int = Field(4096, ge=16, description="Token capacity of one packed row.")
+    micro_batch_rows: int = Field(1, ge=1, description="Rows stacked into one forward/backward.")
+    pad_to_multiple: int = Field(1, ge=1, description="Pad each pass's length up to a multiple of this.")
+    compile_layers: bool = Field(False, description="torch.compile each decoder layer.")
+    gradient_checkpointing: bool = False
+
+    def engine(self, zero_stage: int, seed: int) -> "EngineConfig":
+        """The learner's EngineConfig for this recipe."""
+        from services.learner.config import EngineConfig
+
+        return EngineConfig(zero_stage=zero_stage, seed=seed, **self.model_dump())
+
+
 class ServicesSpec(_Section):
     engine: Literal["vllm", "transformers"] = "vllm"
     rollout_workers: int = Field(1, ge=1)
@@ -116,6 +137,7 @@ class PipelineConfig(_Section):
     rl: RLSpec = Field(default_factory=RLSpec)
     eval: EvalSpec = Field(default_factory=EvalSpec)
     services: ServicesSpec = Field(default_factory=ServicesSpec)
+    learner: LearnerSpec = Field(default_factory=LearnerSpec)
 
     @model_validator(mode="after")
     def _stages_in_order(self) -> "PipelineConfig":

@@ -91,14 +91,14 @@ class Fleet:
 
 
 def rl_config(run: Run, model: str, names: StreamNames, redis_url: str, total_steps: int) -> Path:
-    from services.learner.config import EngineConfig, FilterConfig, RLConfig
+    from services.learner.config import FilterConfig, RLConfig
 
     r = run.config.rl
     cfg = RLConfig(
         model=model, output_dir=str(run.folder / "rl"), algorithm="dapo" if r.algorithm == "dapo" else "grpo",
         group_size=r.group_size, batch_prompts=r.batch_prompts, lr=r.lr, total_steps=total_steps,
         eps_low=r.eps_low, eps_high=r.eps_high, filters=FilterConfig(max_staleness=r.max_staleness),
-        engine=EngineConfig(zero_stage=run.config.services.zero_stage, seed=run.config.seed),
+        engine=run.config.learner.engine(run.config.services.zero_stage, run.config.seed),
         redis_url=redis_url, stream_prefix=names.prefix, weights_dir=str(run.folder / "weights"),
         wait_timeout_s=24 * 3600)
     path = run.folder / "rl.json"

@@ -168,15 +168,15 @@ def stage_synth(run: Run) -> dict[str, Any]:
 
 
 def stage_sft(run: Run, synth: dict[str, Any]) -> dict[str, Any]:
-    from services.learner.config import EngineConfig, SFTConfig
+    from services.learner.config import SFTConfig
     from services.learner.trainer import read_status
 
     s = run.config.sft
     out = run.folder / "sft"
     cfg = SFTConfig(model=run.base_model, data=synth["sft_data"], output_dir=str(out), lr=s.lr, epochs=s.epochs,
                     batch_size=s.batch_size, warmup_ratio=s.warmup_ratio, max_seq_len=s.max_seq_len,
-                    max_steps=s.max_steps, engine=EngineConfig(zero_stage=run.config.services.zero_stage,
-                                                               seed=run.config.seed))
+                    max_steps=s.max_steps, engine=run.config.learner.engine(run.config.services.zero_stage,
+                                                                    run.config.seed))
     path = run.folder / "sft.json"
     path.write_text(cfg.model_dump_json(indent=2))
     run_process(run, "sft", [sys.executable, "-m", "services.learner.worker", "sft", str(path)])

@@ -63,6 +63,17 @@ def test_padding_carries_no_loss_and_continues_positions():
         micro_batches(pack_sequences(_seqs([10, 8]), CAPACITY), 2)
 
 
+def test_lengths_round_up_to_the_pad_multiple_with_no_loss_on_the_padding():
+    rows = _weighted_rows(_seqs(LENGTHS))
+    batches = micro_batches(rows, 2, pad_to_multiple=16)
+    assert [b.input_ids.shape for b in batches] == [(2, 64), (2, 64)]  # 63 → 64, 60 → 64
+    assert sum(float(b.mask.sum()) for b in batches) == sum(float(r.mask.sum()) for r in rows)
+    assert sum(float(b.weights.sum()) for b in batches) == pytest.approx(sum(float(r.weights.sum()) for r in rows))
+    single = micro_batches(rows, 1, pad_to_multiple=16)
+    assert sorted(b.input_ids.shape[1] for b in single) == [32, 64, 64, 64]  # 20, 60, 62, 63
+    assert single[-1].position_ids[0].tolist() == list(range(32))  # padding continues the positions
+
+
 def test_every_rank_runs_the_same_number_of_micro_batches():
     lengths = [60, 55, 50, 45, 40]  # no two share a row: 5 rows over 2 ranks, so one filler
     rows = _weighted_rows(_seqs(lengths))
@@ -76,12 +87,12 @@ def test_every_rank_runs_the_same_number_of_micro_batches():
 def make_engine(tiny_model):
     from services.learner.engine import PolicyEngine
 
-    def make(rows: int):
+    def make(rows: int, pad: int = 1):
         # adam_eps 1: Adam's first update is lr·g/(|g| + 1) ≈ lr·g, so the weights show the gradient
         # itself (with the default eps it would be ≈ lr·sign(g), blind to a wrong magnitude); a large
         # lr lifts that update far above the fp32 rounding of the weights it is added to.
-        cfg = EngineConfig(micro_batch_tokens=CAPACITY, micro_batch_rows=rows, attn_implementation="sdpa",
-                           adam_eps=1.0)
+        cfg = EngineConfig(micro_batch_tokens=CAPACITY, micro_batch_rows=rows, pad_to_multiple=pad,
+                           attn_implementation="sdpa", adam_eps=1.0)
         return PolicyEngine(tiny_model, cfg, ScheduleConfig(lr=0.1), total_steps=10)
 
     return make
@@ -119,8 +130,9 @@ def test_single_sequence_rows_take_the_unmasked_causal_path(make_engine, monkeyp
         assert torch.allclose(out[start: start + len(s)], alone, atol=1e-5)
 
 
-def _step(make_engine, rows: int, step, seqs, **kw) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-    engine = make_engine(rows)
+def _step(make_engine, rows: int, step, seqs, pad: int = 1,
+          **kw) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    engine = make_engine(rows, pad)
     before = {n: p.detach().clone() for n, p in engine.hf_model.named_parameters()}
     metrics = step(engine, seqs, **kw).metrics
     delta = {n: p.detach() - before[n] for n, p in engine.hf_model.named_parameters()}
@@ -151,15 +163,19 @@ def rl_reference(make_engine, tiny_model):
     return seqs, _step(make_engine, 1, rl_step, seqs, eps_low=0.2, eps_high=0.28)
 
 
-@pytest.mark.parametrize("rows", [2, 3])
-def test_rl_step_is_the_same_with_several_rows_per_pass(make_engine, rl_reference, rows):
+# (rows per pass, pad-to-multiple): several rows, and lengths rounded up to a multiple of 16
+SHAPES = [(2, 1), (3, 1), (1, 16), (2, 16)]
+
+
+@pytest.mark.parametrize(("rows", "pad"), SHAPES)
+def test_rl_step_is_the_same_with_several_rows_per_pass(make_engine, rl_reference, rows, pad):
     seqs, reference = rl_reference
     assert 0.0 < reference[0]["clip_fraction"] < 1.0  # ratios vary: the comparison covers clipping
-    _assert_same(reference, _step(make_engine, rows, rl_step, seqs, eps_low=0.2, eps_high=0.28), RL_KEYS)
+    _assert_same(reference, _step(make_engine, rows, rl_step, seqs, pad, eps_low=0.2, eps_high=0.28), RL_KEYS)
 
 
-@pytest.mark.parametrize("rows", [2, 3])
-def test_sft_step_is_the_same_with_several_rows_per_pass(make_engine, rows):
+@pytest.mark.parametrize(("rows", "pad"), SHAPES)
+def test_sft_step_is_the_same_with_several_rows_per_pass(make_engine, rows, pad):
     seqs = _seqs(LENGTHS, seed=2)
     keys = ["loss", "loss_tokens", "grad_norm"]
-    _assert_same(_step(make_engine, 1, sft_step, seqs), _step(make_engine, rows, sft_step, seqs), keys)
+    _assert_same(_step(make_engine, 1, sft_step, seqs), _step(make_engine, rows, sft_step, seqs, pad), keys)

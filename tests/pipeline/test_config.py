@@ -56,3 +56,10 @@ def test_bad_recipes_fail_with_a_message(tmp_path, text, message):
         load_pipeline_config(f)
     with pytest.raises(ConfigError, match="no recipe"):
         load_pipeline_config(tmp_path / "missing.yaml")
+
+
+def test_the_learner_section_reaches_the_learner_engine_config():
+    config = load_pipeline_config(CONFIGS / "smollm2-proof.yaml")
+    engine = config.learner.engine(config.services.zero_stage, config.seed)
+    assert (engine.micro_batch_rows, engine.pad_to_multiple, engine.micro_batch_tokens) == (4, 256, 8192)
+    assert engine.zero_stage == config.services.zero_stage == 2
