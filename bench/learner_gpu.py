@@ -24,6 +24,7 @@ import argparse
 import gc
 import itertools
 import json
+import math
 import os
 import platform
 import shutil
@@ -43,6 +44,9 @@ SIZES = {
     # Qwen2.5-0.5B's shape: 494 M parameters with the tied 151,936-token embedding.
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2),
+    # SmolLM2-135M's shape (its own 49,152-token vocabulary): the policy of the GPU learning proof.
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, vocab_size=49152),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1),
 }
@@ -55,8 +59,9 @@ def log(msg: str) -> None:
 def build_model(size: str, folder: Path, seq: int) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=151936, max_position_embeddings=max(32768, seq), tie_word_embeddings=True,
-                         rope_theta=1_000_000.0, bos_token_id=151643, eos_token_id=151645, **SIZES[size])
+    shape = {"vocab_size": 151936, **SIZES[size]}
+    config = Qwen2Config(max_position_embeddings=max(32768, seq), tie_word_embeddings=True,
+                         rope_theta=1_000_000.0, bos_token_id=0, eos_token_id=1, **shape)
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
@@ -65,19 +70,26 @@ def build_model(size: str, folder: Path, seq: int) -> Path:
     return folder
 
 
-def sequences(n: int, seq: int, seed: int):
-    from services.learner.batching import Sequence_
-
+def sequences(n: int, seq: int, seed: int, seq_min: int | None = None, vocab: int = 151936):
+    """`n` random trajectories of `seq` tokens, or of lengths drawn from [seq_min, seq] (as RL and
+    SFT batches are: every step brings new lengths)."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    prompt = min(512, seq // 8)
     for i in range(n):
-        ids = torch.randint(0, 151000, (seq,), generator=g).tolist()
-        mask = [0] * prompt + [1] * (seq - prompt)
-        # behaviour logprobs near a random policy's (-log V ≈ -11.9): ratios near 1, some clipped
-        lps = [None] * prompt + (torch.full((seq - prompt,), -11.93) + 0.05 * torch.randn(seq - prompt, generator=g)).tolist()
-        out.append(Sequence_(ids, mask, lps, advantage=1.0 if i % 2 == 0 else -1.0, index=i))
+        length = seq if not seq_min else int(torch.randint(seq_min, seq + 1, (), generator=g))
+        out.append(_trajectory(i, length, g, vocab))
     return out
+
+
+def _trajectory(i: int, seq: int, g: torch.Generator, vocab: int):
+    from services.learner.batching import Sequence_
+
+    prompt = min(512, seq // 8)
+    ids = torch.randint(0, vocab - 900, (seq,), generator=g).tolist()
+    mask = [0] * prompt + [1] * (seq - prompt)
+    # behaviour logprobs near a random policy's (-log V, ≈ -11.9 for Qwen's vocabulary): ratios near 1, some clipped
+    near = torch.full((seq - prompt,), -math.log(vocab)) + 0.05 * torch.randn(seq - prompt, generator=g)
+    return Sequence_(ids, mask, [None] * prompt + near.tolist(), advantage=1.0 if i % 2 == 0 else -1.0, index=i)
 
 
 def parse_sdpa(spec: str) -> list[str] | None:
@@ -90,15 +102,18 @@ class Variant:
     sdpa: str            # SDPA kernel order ('default' or e.g. 'cudnn+flash')
     micro_rows: int      # packed rows per forward/backward
     bucket_m: float      # ZeRO reduce / all-gather bucket, millions of elements
+    pad: int = 1         # each pass's length rounded up to a multiple of this
 
     @property
     def label(self) -> str:
-        return f"SDPA `{self.sdpa}`, {self.micro_rows} row(s)/micro-batch, buckets {self.bucket_m:g}M"
+        padding = f", lengths padded to ×{self.pad}" if self.pad > 1 else ""
+        return f"SDPA `{self.sdpa}`, {self.micro_rows} row(s)/micro-batch, buckets {self.bucket_m:g}M{padding}"
 
 
 def variants(args) -> list[Variant]:
-    return [Variant(sdpa, int(rows), float(bucket)) for sdpa, rows, bucket in itertools.product(
-        args.sdpa_variants.split(","), args.micro_rows.split(","), args.reduce_bucket_m.split(","))]
+    return [Variant(sdpa, int(rows), float(bucket), int(pad)) for sdpa, rows, bucket, pad in itertools.product(
+        args.sdpa_variants.split(","), args.micro_rows.split(","), args.reduce_bucket_m.split(","),
+        args.pad_multiple.split(","))]
 
 
 def is_oom(e: BaseException) -> bool:
@@ -126,7 +141,7 @@ def bench_engine(args, model_dir: Path, variant: Variant, profile: bool = False)
 
     bucket = int(variant.bucket_m * 1e6)
     cfg = EngineConfig(zero_stage=args.zero, precision="auto", gradient_checkpointing=args.grad_ckpt,
-                       micro_batch_tokens=args.seq, micro_batch_rows=variant.micro_rows,
+                       micro_batch_tokens=args.seq, micro_batch_rows=variant.micro_rows, pad_to_multiple=variant.pad,
                        logprob_chunk_tokens=args.chunk, head_checkpoint=args.head_ckpt, attn_implementation="sdpa",
                        compile_layers=args.compile, sdpa_backends=parse_sdpa(variant.sdpa),
                        reduce_bucket_size=bucket, allgather_bucket_size=bucket)
@@ -148,7 +163,8 @@ def measure_engine(args, engine, variant: Variant, profile: bool) -> dict:
 
     steps = []
     for k in range(args.warmup + args.steps):
-        m = rl_step(engine, sequences(args.rows, args.seq, seed=k), eps_low=0.2, eps_high=0.28).metrics
+        seqs = sequences(args.rows, args.seq, seed=k, seq_min=args.seq_min, vocab=engine.lm_config.vocab_size)
+        m = rl_step(engine, seqs, eps_low=0.2, eps_high=0.28).metrics
         log(f"rl step {k} ({variant.label}): {m['time_compute_s']:.3f} s, {m['tokens_per_s']:.0f} tok/s, "
             f"mfu {m.get('mfu', float('nan')):.3f} (causal half {m.get('mfu_causal_half', float('nan')):.3f}), "
             f"loss {m['loss']:.4f}, clip {m['clip_fraction']:.3f}")
@@ -160,7 +176,7 @@ def measure_engine(args, engine, variant: Variant, profile: bool) -> dict:
         **asdict(variant), "label": variant.label,
         "kernels": kernels,
         "params_m": engine.num_parameters() / 1e6,
-        "tokens_per_step": args.rows * args.seq,
+        "tokens_per_step": median(steps, "tokens"),
         "step_s_median": median(steps, "time_compute_s"),
         "tokens_per_s": median(steps, "tokens_per_s"),
         "tflops_per_s": median(steps, "tflops_per_s"),
@@ -190,7 +206,7 @@ def profile_step(engine, args) -> dict:
 
     if not torch.cuda.is_available():
         return {}
-    batch = sequences(args.rows, args.seq, seed=999)
+    batch = sequences(args.rows, args.seq, seed=999, seq_min=args.seq_min, vocab=engine.lm_config.vocab_size)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -312,6 +328,7 @@ def write_results(args, record: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(record, indent=1))
     t, b = record["train"], record["baseline"]
+    lengths = f"{args.seq_min}–{args.seq} (drawn anew each step)" if args.seq_min else str(args.seq)
 
     def pct(x):
         return f"{100 * x:.1f} %" if x is not None else "n/a (CPU)"
@@ -330,7 +347,7 @@ def write_results(args, record: dict) -> None:
         f"Device: {record['device']}; torch {record['torch']}, transformers {record['transformers']}, "
         f"deepspeed {record['deepspeed']}.",
         f"Model: Qwen2 architecture, {t['params_m']:.0f} M parameters (random init, size `{args.size}`); "
-        f"{args.rows} sequences × {args.seq} tokens per step; ZeRO-{args.zero}, bf16 on GPU; "
+        f"{args.rows} sequences × {lengths} tokens per step; ZeRO-{args.zero}, bf16 on GPU; "
         f"gradient checkpointing {'on' if args.grad_ckpt else 'off'}; logprob head in chunks of {args.chunk} tokens, "
         f"{'recomputed' if args.head_ckpt else 'kept'} for backward; decoder layers "
         f"{'compiled (torch.compile, ours and the baseline)' if args.compile else 'eager'}; median of {args.steps} "
@@ -426,6 +443,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="0.5b")
     p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--seq-min", type=int, default=None,
+                   help="draw each sequence's length from [seq-min, seq], new every step (default: all of --seq)")
     p.add_argument("--rows", type=int, default=8, help="sequences per optimizer step")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
@@ -447,9 +466,12 @@ def main() -> None:
     p.add_argument("--reduce-bucket-m", default="50",
                    help="comma-separated ZeRO reduce / all-gather bucket sizes in millions of elements "
                         "(DeepSpeed counts elements, not bytes; 50 is the engine's default)")
+    p.add_argument("--pad-multiple", default="1", help="comma list: round each pass's length up to a multiple")
     p.add_argument("--profile", action="store_true", help="profile one extra step per variant (GPU time per kernel kind)")
     p.add_argument("--name", default="learner_gpu")
     args = p.parse_args()
+    if args.seq_min and not args.skip_baseline:
+        p.error("--seq-min needs --skip-baseline: the plain-PyTorch baseline stacks sequences of one length")
 
     import deepspeed
     import transformers
