@@ -240,7 +240,8 @@ class Validation:
 
 def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher: TaskPublisher,
           schedule: Schedule, poll_s: float = 0.5, validation: Validation | None = None) -> None:
-    """Publish, watch, restart, until the learner has consumed every step."""
+    """Publish, watch, restart, until the learner has trained every step, published its weights
+    and exited."""
     total = schedule.total_steps
     columns = (TextColumn("[bold]rl"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn())
@@ -271,8 +272,8 @@ def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher
                     bar.update(task, info=f"validating v{latest['version']}")
                     entry = validation.validate(latest["version"], latest["uri"])
                     console.print(f"validation v{entry['version']}: success {entry['success']:.1%}")
-            if progress >= total:
-                break
+            # Not done when the last batch is counted: the learner counts a batch before it publishes
+            # that step's weights, so the run ends when the learner has exited, finished.
             for name in keep_alive(f):
                 console.print(f"[yellow]{name} died; restarted[/]")
             rc = f.learner.exited()
