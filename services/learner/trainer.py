@@ -362,6 +362,20 @@ class RLTrainer:
         self.batches = max(self.batches, int(raw) if raw else 0)
         self.redis.set(key, self.batches)
 
+    def _publish_unannounced(self) -> None:
+        """A learner killed after checkpointing a step but before publishing its weights resumes
+        with that version unannounced (the controller may already count the step as done): publish
+        it from the checkpoint, which holds exactly those weights. Every rank joins the gather."""
+        behind = False
+        if self.rank0 and self.publisher is not None:
+            from services.common.streams import until_redis
+
+            latest = until_redis(self.publisher.latest, what="reading the published weights version")
+            behind = (latest.version if latest else 0) < self.version
+        if _broadcast(behind, self.engine):
+            log.info("publishing the resumed version", extra={"version": self.version})
+            self.publish()
+
     def publish(self) -> dict[str, float]:
         t0 = time.perf_counter()
         buckets = self.engine.iter_weight_buckets(dtype=torch.bfloat16 if self.engine.bf16 else None)
@@ -376,7 +390,8 @@ class RLTrainer:
     def run(self, max_steps: int | None = None) -> dict[str, Any]:
         from tqdm import tqdm
 
-        self.resume()
+        if self.resume():
+            self._publish_unannounced()
         limit = max_steps or self.cfg.max_steps or self.cfg.total_steps
         if self.rank0:
             write_status(self.out, state="running", step=self.engine.step_count, version=self.version)

@@ -72,6 +72,11 @@ def test_sigkill_between_checkpoint_and_ack_resumes_exactly(tmp_path, tiny_model
         assert last["loss"] == pytest.approx(reference[2]["loss"], rel=1e-6, abs=1e-9)
         assert last["grad_norm"] == pytest.approx(reference[2]["grad_norm"], rel=1e-5)
         assert client.xpending(StreamNames(prefixes["killed"]).scored, "learner")["pending"] == 0
+        # step 2's weights, checkpointed but never published before the kill, were published on resume
+        # (else the killed run would keep v1 and v3)
+        kept = sorted(p.name for p in (tmp_path / "killed" / "weights").iterdir() if p.name.startswith("v"))
+        assert kept == ["v2", "v3"]
+        assert json.loads(client.get(f"{prefixes['killed']}:weights:latest"))["version"] == 3
 
         # the published weights: version 3 is the latest in Redis, only the last 2 are kept
         latest = json.loads(client.get(f"{prefixes['straight']}:weights:latest"))
