@@ -368,8 +368,6 @@ class RLTrainer:
         it from the checkpoint, which holds exactly those weights. Every rank joins the gather."""
         behind = False
         if self.rank0 and self.publisher is not None:
-            from services.common.streams import until_redis
-
             latest = until_redis(self.publisher.latest, what="reading the published weights version")
             behind = (latest.version if latest else 0) < self.version
         if _broadcast(behind, self.engine):

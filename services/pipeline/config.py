@@ -9,15 +9,13 @@ everything to finish on a laptop CPU in minutes.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from services.common.schemas import ArpoParams, EvalMode, RewardKind, SamplingParams
-
-if TYPE_CHECKING:  # annotations only: the learner's config is imported when a stage needs it
-    from services.learner.config import EngineConfig
+from services.learner.config import EngineConfig
 
 Stage = Literal["synth", "sft", "rl", "eval"]
 STAGES: tuple[Stage, ...] = ("synth", "sft", "rl", "eval")
@@ -106,16 +104,15 @@ class LearnerSpec(_Section):
     stage is `services.zero_stage`). On a GPU, several rows per pass padded to a multiple of 256
     are what reach the benchmark's MFU (bench/results/learner_gpu.md); the defaults suit a CPU."""
 
-    micro_batch_tokens: int = Field(4096, ge=16, description="Token capacity of one packed row.")
-    micro_batch_rows: int = Field(1, ge=1, description="Rows stacked into one forward/backward.")
-    pad_to_multiple: int = Field(1, ge=1, description="Pad each pass's length up to a multiple of this.")
-    compile_layers: bool = Field(False, description="torch.compile each decoder layer.")
-    gradient_checkpointing: bool = False
+    # The learner's own fields (defaults, bounds, descriptions): one definition, in EngineConfig.
+    micro_batch_tokens: int = EngineConfig.model_fields["micro_batch_tokens"]
+    micro_batch_rows: int = EngineConfig.model_fields["micro_batch_rows"]
+    pad_to_multiple: int = EngineConfig.model_fields["pad_to_multiple"]
+    compile_layers: bool = EngineConfig.model_fields["compile_layers"]
+    gradient_checkpointing: bool = EngineConfig.model_fields["gradient_checkpointing"]
 
-    def engine(self, zero_stage: int, seed: int) -> "EngineConfig":
+    def engine(self, zero_stage: int, seed: int) -> EngineConfig:
         """The learner's EngineConfig for this recipe."""
-        from services.learner.config import EngineConfig
-
         return EngineConfig(zero_stage=zero_stage, seed=seed, **self.model_dump())
 
 
