@@ -240,8 +240,8 @@ class Validation:
 
 def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher: TaskPublisher,
           schedule: Schedule, poll_s: float = 0.5, validation: Validation | None = None) -> None:
-    """Publish, watch, restart, until the learner has trained every step, published its weights
-    and exited."""
+    """Publish, watch, restart, until the learner has trained every step and published its
+    weights."""
     total = schedule.total_steps
     columns = (TextColumn("[bold]rl"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn())
@@ -273,7 +273,10 @@ def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher
                     entry = validation.validate(latest["version"], latest["uri"])
                     console.print(f"validation v{entry['version']}: success {entry['success']:.1%}")
             # Not done when the last batch is counted: the learner counts a batch before it publishes
-            # that step's weights, so the run ends when the learner has exited, finished.
+            # that step's weights. Its status turns "finished" after the last publication; waiting
+            # for the process to exit as well would hang on a slow or stuck teardown.
+            if progress >= total and _learner_status(run).get("state") == "finished":
+                break
             for name in keep_alive(f):
                 console.print(f"[yellow]{name} died; restarted[/]")
             rc = f.learner.exited()
