@@ -240,8 +240,8 @@ class Validation:
 
 def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher: TaskPublisher,
           schedule: Schedule, poll_s: float = 0.5, validation: Validation | None = None) -> None:
-    """Publish, watch, restart, until the learner has trained every step and published its
-    weights."""
+    """Publish, watch, restart, until the learner has consumed every step (and, within a bound,
+    published the last one's weights)."""
     total = schedule.total_steps
     columns = (TextColumn("[bold]rl"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn())
@@ -272,10 +272,8 @@ def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher
                     bar.update(task, info=f"validating v{latest['version']}")
                     entry = validation.validate(latest["version"], latest["uri"])
                     console.print(f"validation v{entry['version']}: success {entry['success']:.1%}")
-            # Not done when the last batch is counted: the learner counts a batch before it publishes
-            # that step's weights. Its status turns "finished" after the last publication; waiting
-            # for the process to exit as well would hang on a slow or stuck teardown.
-            if progress >= total and _learner_status(run).get("state") == "finished":
+            if progress >= total:
+                _await_last_publication(run, f)
                 break
             for name in keep_alive(f):
                 console.print(f"[yellow]{name} died; restarted[/]")
@@ -290,6 +288,17 @@ def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher
                 f.learner.restarts += 1
                 f.learner.start()
             time.sleep(poll_s)
+
+
+def _await_last_publication(run: Run, f: Fleet, timeout_s: float = 120.0) -> None:
+    """The learner counts a batch before it publishes that step's weights: give it a bounded
+    while to finish (status "finished", written after the last publication) or exit. Bounded,
+    because a batch counted without a trained step (all samples stale) leaves it waiting for data."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and f.learner.exited() is None:
+        if _learner_status(run).get("state") == "finished":
+            return
+        time.sleep(0.5)
 
 
 def _progress_or(client: redis.Redis, names: StreamNames, fallback: int) -> int:
