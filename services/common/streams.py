@@ -51,6 +51,11 @@ class StreamNames:
         """A plain key (not a stream) holding the latest published WeightsUpdate as JSON."""
         return f"{self.prefix}:weights:latest"
 
+    @property
+    def learner_batches(self) -> str:
+        """A plain key: step batches the learner has consumed, trained or skipped (the controller paces on it)."""
+        return f"{self.prefix}:learner:batches"
+
     @staticmethod
     def dead(stream: str) -> str:
         return f"{stream}:dead"

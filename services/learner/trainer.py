@@ -24,7 +24,7 @@ import torch
 
 from services.common.schemas import ScoredTrajectory
 from services.common.settings import get_settings
-from services.common.streams import REDIS_DOWN, until_redis
+from services.common.streams import REDIS_DOWN, StreamNames, until_redis
 from services.learner import algorithms as alg
 from services.learner.batching import chat_to_sequence, rl_sequences
 from services.learner.config import RLConfig, SFTConfig
@@ -357,10 +357,20 @@ class RLTrainer:
     def _count_batches(self) -> None:
         """Publish the consumed-batch count, never lowering it (a resumed learner may restart
         from a checkpoint older than a skipped step it had already acknowledged)."""
-        key = f"{self.cfg.stream_prefix}:learner:batches"
+        key = StreamNames(self.cfg.stream_prefix).learner_batches
         raw = self.redis.get(key)
         self.batches = max(self.batches, int(raw) if raw else 0)
         self.redis.set(key, self.batches)
+
+    def _recount_batches(self) -> None:
+        """Batches skipped after the last checkpoint were acknowledged and counted in Redis, never
+        to be delivered again: resume counting from Redis's figure when it is ahead."""
+        counted = 0
+        if self.rank0:
+            raw = until_redis(lambda: self.redis.get(StreamNames(self.cfg.stream_prefix).learner_batches),
+                              what="reading the batch count")
+            counted = int(raw) if raw else 0
+        self.batches = max(self.batches, int(_broadcast(counted, self.engine)))
 
     def _publish_unannounced(self) -> None:
         """A learner killed after checkpointing a step but before publishing its weights resumes
@@ -390,21 +400,25 @@ class RLTrainer:
 
         if self.resume():
             self._publish_unannounced()
+            self._recount_batches()
+        # A step is one batch of the controller's schedule, trained or skipped (all samples stale
+        # or without gradient): the controller publishes exactly `limit` batches, so a learner that
+        # counted only trained steps would wait forever for a batch that never comes.
         limit = max_steps or self.cfg.max_steps or self.cfg.total_steps
         if self.rank0:
             write_status(self.out, state="running", step=self.engine.step_count, version=self.version)
-        bar = tqdm(total=limit, initial=min(self.engine.step_count, limit), desc="rl", disable=not self.rank0)
+        bar = tqdm(total=limit, initial=min(self.batches, limit), desc="rl", disable=not self.rank0)
         last: dict[str, Any] = {}
         state = "finished"
         try:
-            while self.engine.step_count < limit and not self.stop.is_set():
+            while self.batches < limit and not self.stop.is_set():
                 last = self.train_step()
-                bar.update(1 if "skipped" not in last else 0)
+                bar.update(1)
                 bar.set_postfix(loss=f"{last.get('loss', float('nan')):.4f}", reward=f"{last['reward_mean']:.3f}")
                 if self.rank0:
                     write_status(self.out, state="running", step=self.engine.step_count, version=self.version,
                                  metrics=last)
-            if self.engine.step_count < limit:
+            if self.batches < limit:
                 state = "stopped"
         except NoData as exc:
             state = "stopped" if self.stop.is_set() else "failed"

@@ -59,6 +59,7 @@ class SynthSpec(_Section):
     rl_queries: int = Field(1000, ge=0)
     val_queries: int = Field(180, ge=0)
     mix: tuple[int, int, int] = Field((4, 3, 3), description="easy:medium:hard")
+    days: list[Literal[3, 5, 7]] = Field([3, 5, 7], min_length=1, description="Trip lengths drawn (the benchmark's 3, 5, 7).")
     teacher: Literal["oracle", "openai"] = "oracle"
     seed: int = 0
 
@@ -119,6 +120,8 @@ class LearnerSpec(_Section):
 class ServicesSpec(_Section):
     engine: Literal["vllm", "transformers"] = "vllm"
     rollout_workers: int = Field(1, ge=1)
+    rollout_concurrency: int = Field(2, ge=1, description="Groups each rollout worker samples at once; they share "
+                                     "its engine, whose batch is sized to hold all their samples.")
     reward_workers: int = Field(1, ge=1)
     zero_stage: Literal[0, 1, 2, 3] = 2
 

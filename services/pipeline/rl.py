@@ -35,11 +35,6 @@ from services.synth.queries import load_queries
 MAX_RESTARTS = 5
 
 
-def batches_key(names: StreamNames) -> str:
-    """How many step batches the learner has consumed (trained or skipped): the pacing signal."""
-    return f"{names.prefix}:learner:batches"
-
-
 @dataclass
 class Managed:
     """A child process the controller keeps alive."""
@@ -122,7 +117,9 @@ def start_fleet(run: Run, model: str, names: StreamNames) -> Fleet:
     sampling = run.config.rl.sampling
     rollout_env = {**env, "STAR_MODEL": model, "STAR_ROLLOUT_ENGINE": s.engine,
                    "STAR_ROLLOUT_MAX_MODEL_LEN": str(sampling.max_context_tokens + 512),
-                   "STAR_ROLLOUT_CLAIM_IDLE_MS": "30000", "STAR_ROLLOUT_CONCURRENCY": "2"}
+                   "STAR_ROLLOUT_CLAIM_IDLE_MS": "30000", "STAR_ROLLOUT_CONCURRENCY": str(s.rollout_concurrency),
+                   # the transformers engine decodes every sample of its groups in one batch
+                   "STAR_ROLLOUT_MAX_BATCH": str(s.rollout_concurrency * run.config.rl.group_size)}
     for i in range(s.rollout_workers):
         f.workers.append(Managed(f"rollout-{i}", [sys.executable, "-m", "services.rollout.worker"],
                                  {**rollout_env, "STAR_ROLLOUT_CONSUMER": f"rollout-{i}"},
@@ -141,7 +138,7 @@ def weights_version(client: redis.Redis, names: StreamNames) -> int:
 
 def learner_progress(client: redis.Redis, names: StreamNames) -> int:
     """Batches consumed; falls back to the weights version for a learner that does not count."""
-    raw = client.get(batches_key(names))
+    raw = client.get(names.learner_batches)
     return max(int(raw) if raw else 0, weights_version(client, names))
 
 
@@ -291,9 +288,9 @@ def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher
 
 
 def _await_last_publication(run: Run, f: Fleet, timeout_s: float = 120.0) -> None:
-    """The learner counts a batch before it publishes that step's weights: give it a bounded
-    while to finish (status "finished", written after the last publication) or exit. Bounded,
-    because a batch counted without a trained step (all samples stale) leaves it waiting for data."""
+    """The learner counts a batch before it publishes that step's weights: wait for it to finish
+    (status "finished", written after the last publication) or exit. Bounded, so that a learner
+    stuck in its teardown cannot hang the run."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and f.learner.exited() is None:
         if _learner_status(run).get("state") == "finished":

@@ -65,15 +65,18 @@ def queries_command(
     llm_model: str = typer.Option("gpt-4o-mini", help="Model name for --language openai."),
     llm_key_env: str = typer.Option("OPENAI_API_KEY", help="Environment variable holding the API key."),
     flight_share: float = typer.Option(0.9, min=0.0, max=1.0, help="Share of flight-based trips (the rest by road)."),
+    days: str = typer.Option("3,5,7", help="Trip lengths to draw from, a subset of 3,5,7 (e.g. 3 for one-city trips)."),
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world."),
 ) -> None:
     """Synthesize feasible queries: sample, check with the oracle, set budgets, phrase, split."""
-    from services.synth.queries import LEVELS, SPLITS, QuerySynthesizer, allocate, parse_ratio, split_queries, write_jsonl
+    from services.synth.queries import (LEVELS, SPLITS, QuerySynthesizer, allocate, check_trip_days, parse_ratio,
+                                        split_queries, write_jsonl)
 
     try:
         mix_w = parse_ratio(mix, 3, "--mix")
         split_w = parse_ratio(splits, 3, "--splits")
         factors = dict(zip(LEVELS, parse_ratio(budget_factors, 3, "--budget-factors")))
+        trip_days = check_trip_days(_int_list(days, "--days"))
     except ValueError as exc:
         fail(str(exc))
     if any(f < 1.0 for f in factors.values()):
@@ -89,7 +92,7 @@ def queries_command(
     _, oracle = _build_oracle(db)
     kwargs = {"describe": describe} if describe else {}
     synth = QuerySynthesizer(oracle, seed=seed, budget_factors=factors, workers=workers, flight_share=flight_share,
-                             **kwargs)
+                             trip_days=trip_days, **kwargs)
     t0 = time.perf_counter()
     with _bar() as bar:
         task = bar.add_task("queries", total=n)
@@ -105,11 +108,19 @@ def queries_command(
         write_jsonl(out / f"{split}.jsonl", parts[split])
         report.splits[split] = {lv: sum(q.level == lv for q in parts[split]) for lv in LEVELS}
     summary = report.to_dict() | {"seconds": round(elapsed, 2), "seed": seed, "mix": mix, "splits_ratio": splits,
+                                  "trip_days": trip_days,
                                   "budget_factors": factors, "language": language, "files": sorted(
                                       p.name for p in out.glob("*.jsonl"))}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     _print_summary(report, elapsed)
     console.print(f"wrote {len(queries)} queries to {out} (queries.jsonl, sft/rl/validation.jsonl, summary.json)")
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated whole numbers, not {text!r}") from None
 
 
 def _llm_describer(url: str, model: str, key: str | None):

@@ -3,7 +3,8 @@
 1. Element sampling per level. Trips come from the real city graph: 90% are flight-based (a
    pair with flights out on the first day and back on the last), 10% driving-based (a pair with
    a road both ways). 3-day trips visit a city, 5/7-day trips 2/3 cities of a state (at least
-   3 cities in it) other than the origin's.
+   3 cities in it) other than the origin's. Lengths are drawn uniformly from 3, 5 and 7 days, or
+   from a chosen subset of them.
    - easy: one person, no local constraint;
    - medium: 2 people half of the time, else 3-8; exactly one of house rule / cuisine (2 of
      them) / room type (shared or not-shared only for at most 2 people);
@@ -44,6 +45,17 @@ SPLITS = ("sft", "rl", "validation")
 CUISINES = ("Chinese", "American", "Italian", "Mexican", "Indian", "Mediterranean", "French")
 HOUSE_RULES = ("smoking", "parties", "children under 10", "pets", "visitors")
 DEFAULT_BUDGET_FACTORS = {"easy": 1.5, "medium": 1.3, "hard": 1.15}
+TRIP_DAYS = (3, 5, 7)  # the benchmark's trip lengths, drawn uniformly whatever the level
+
+
+def check_trip_days(days: Iterable[int]) -> list[int]:
+    """The trip lengths to draw from: a non-empty subset of the benchmark's 3, 5 and 7 days (a
+    shorter trip set is how a small model's curriculum or a quick proof run narrows the task)."""
+    chosen = sorted(set(days))
+    bad = [d for d in chosen if d not in TRIP_DAYS]
+    if not chosen or bad:
+        raise ValueError(f"trip lengths must be a non-empty subset of {TRIP_DAYS} days, not {list(days)}")
+    return chosen
 
 
 def parse_ratio(text: str, parts: int, what: str) -> tuple[float, ...]:
@@ -85,10 +97,12 @@ class Trip:
 class ElementSampler:
     """Draws trips and constraints over the index's city graph."""
 
-    def __init__(self, index: SynthIndex, rng: random.Random, *, flight_share: float = 0.9) -> None:
+    def __init__(self, index: SynthIndex, rng: random.Random, *, flight_share: float = 0.9,
+                 trip_days: Sequence[int] = TRIP_DAYS) -> None:
         self.index = index
         self.rng = rng
         self.flight_share = flight_share
+        self.trip_days = tuple(check_trip_days(trip_days))
         self.dates = index.flight_dates
         # flights out of each city per date: date → origin → destinations
         self.out: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
@@ -158,7 +172,7 @@ class ElementSampler:
         return self.rng.sample(CUISINES, n)
 
     def query(self, level: str) -> TravelQuery:
-        days = self.rng.choice((3, 5, 7))
+        days = self.rng.choice(self.trip_days)
         trip = self.trip(days)
         lc: dict[str, Any] = {"house rule": None, "cuisine": None, "room type": None, "transportation": None}
         people = 1
@@ -247,8 +261,9 @@ def _solve_cheapest(q: TravelQuery) -> tuple[bool, float | None, str | None, flo
 class QuerySynthesizer:
     def __init__(self, oracle: Oracle, *, seed: int = 0, budget_factors: dict[str, float] | None = None,
                  describe: Callable[[TravelQuery, random.Random], str] = template_text, workers: int = 1,
-                 flight_share: float = 0.9, batch: int = 64) -> None:
+                 flight_share: float = 0.9, batch: int = 64, trip_days: Sequence[int] = TRIP_DAYS) -> None:
         self.oracle = oracle
+        self.trip_days = tuple(check_trip_days(trip_days))
         self.seed = seed
         self.factors = {**DEFAULT_BUDGET_FACTORS, **(budget_factors or {})}
         self.describe = describe
@@ -266,7 +281,8 @@ class QuerySynthesizer:
         out: list[TravelQuery] = []
         seen: set[tuple] = set()
         rng = random.Random(self.seed)
-        sampler = ElementSampler(self.oracle.index, random.Random(rng.random()), flight_share=self.flight_share)
+        sampler = ElementSampler(self.oracle.index, random.Random(rng.random()), flight_share=self.flight_share,
+                                 trip_days=self.trip_days)
         text_rng = random.Random(rng.random())
         pool = self._pool()
         try:

@@ -88,3 +88,30 @@ def test_sigkill_between_checkpoint_and_ack_resumes_exactly(tmp_path, tiny_model
         for prefix in prefixes.values():
             for key in client.scan_iter(match=prefix + "*"):
                 client.delete(key)
+
+
+@pytest.mark.slow
+def test_a_stale_batch_counts_as_a_step_and_the_learner_finishes(tmp_path, tiny_model, redis_server_url):
+    """The controller publishes exactly the schedule's batches: one whose samples are all too stale
+    to train is still one of them, so the learner counts it and finishes, instead of waiting for a
+    batch that never comes."""
+    client = redis.Redis.from_url(redis_server_url)
+    prefix = f"test:{uuid.uuid4().hex[:8]}"
+    # step 2's groups were sampled by version 0, but the learner is at version 1 by then (max_staleness 0)
+    versions = [0, 0, 1]
+    trajs = [t for step, v in enumerate(versions) for t in scored_batch(tiny_model, 2, 2, seed=step, version=v)]
+    try:
+        for t in trajs:
+            publish(client, StreamNames(prefix).scored, t)
+        config = _config(tmp_path, "stale", tiny_model, redis_server_url, prefix)
+        done = _run(config, STEPS)
+        assert done.returncode == 0, done.stderr[-3000:]
+        status = read_status(tmp_path / "stale")
+        assert status["state"] == "finished"
+        assert int(client.get(StreamNames(prefix).learner_batches)) == 3
+        metrics = read_metrics(tmp_path / "stale")
+        assert [m.get("skipped", 0.0) for m in metrics] == [0.0, 1.0, 0.0]
+        assert json.loads(client.get(StreamNames(prefix).weights_latest))["version"] == 2
+    finally:
+        for key in client.scan_iter(match=prefix + "*"):
+            client.delete(key)

@@ -144,3 +144,63 @@ def test_decoding_runs_outside_cudnn_attention(tiny_model):
     gen(engine, TurnParams(max_tokens=4, seed=1))
     assert len(seen) >= 4 and not any(seen)  # the prefill and every decode step
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+TOOL_REPLY = [151644, 872, 198, 9707, 11, 1879, 151645, 198, 151644, 77091, 198]  # user turn, then assistant
+
+
+async def _two_turns(engine, first: TurnParams, second: TurnParams, reply: list[int]):
+    """An agent's two turns, token-in/token-out: the second prompt extends the first turn."""
+    one = await engine.generate(PROMPT, first)
+    prompt = PROMPT + one.token_ids + reply
+    before = engine.prefill_tokens
+    two = await engine.generate(prompt, second)
+    return one, two, prompt, engine.prefill_tokens - before
+
+
+def test_a_next_turn_prefills_only_its_new_tokens_and_matches_a_full_prefill(tiny_model):
+    kept = TransformersEngine(tiny_model, max_model_len=2048)
+    full = TransformersEngine(tiny_model, max_model_len=2048, prefix_cache=0)
+    first, second = TurnParams(max_tokens=10, seed=5), TurnParams(max_tokens=10, seed=6, temperature=0.8)
+    a1, a2, prompt, ran_kept = asyncio.run(_two_turns(kept, first, second, TOOL_REPLY))
+    b1, b2, _, ran_full = asyncio.run(_two_turns(full, first, second, TOOL_REPLY))
+    assert a1.token_ids == b1.token_ids and a2.token_ids == b2.token_ids
+    assert a2.logprobs == pytest.approx(b2.logprobs, abs=1e-4)
+    assert ran_full == len(prompt)
+    # the kept cache holds the first prompt and every sampled token but the last
+    assert ran_kept == len(prompt) - (len(PROMPT) + len(a1.token_ids) - 1)
+
+
+def test_agents_extending_caches_of_different_lengths_together_match_full_prefills(tiny_model):
+    """Two agents' next turns admitted together: kept caches and new tokens of different lengths
+    (the batch's mask has holes), one of them joining a batch that is already decoding."""
+    kept = TransformersEngine(tiny_model, max_model_len=2048)
+    full = TransformersEngine(tiny_model, max_model_len=2048, prefix_cache=0)
+
+    async def agents(engine):
+        a = await engine.generate(PROMPT, TurnParams(max_tokens=4, seed=1))
+        b = await engine.generate(PROMPT[2:], TurnParams(max_tokens=11, seed=2))
+        runner = asyncio.ensure_future(engine.generate(PROMPT[-4:], TurnParams(max_tokens=40, seed=3)))
+        await asyncio.sleep(0.05)
+        nxt = await asyncio.gather(engine.generate(PROMPT + a.token_ids + TOOL_REPLY, TurnParams(max_tokens=8, seed=4)),
+                                   engine.generate(PROMPT[2:] + b.token_ids + TOOL_REPLY[:5],
+                                                   TurnParams(max_tokens=8, seed=5)))
+        return [*nxt, await runner]
+
+    with_kept, with_full = asyncio.run(agents(kept)), asyncio.run(agents(full))
+    assert kept.reused_tokens > 0 and full.reused_tokens == 0
+    for x, y in zip(with_kept, with_full):
+        assert x.token_ids == y.token_ids
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+
+
+def test_new_weights_drop_the_kept_caches(tiny_model, tmp_path):
+    from services.common.models import tiny_qwen2
+
+    engine = TransformersEngine(tiny_model, max_model_len=2048)
+    one = gen(engine, TurnParams(max_tokens=6, seed=7))[0]
+    asyncio.run(engine.update_weights(tiny_qwen2(tmp_path / "v1", seed=1), 1))
+    before = engine.prefill_tokens
+    prompt = PROMPT + one.token_ids + TOOL_REPLY
+    gen(engine, TurnParams(max_tokens=3, seed=8), prompt=prompt)
+    assert engine.prefill_tokens - before == len(prompt)  # the old policy's cache was not reused

@@ -60,6 +60,13 @@ def test_synthetic_world_without_real_data(tmp_path):
                             "--out", str(tmp_path / "t"), "--db", db])
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "t" / "teacher_summary.json").read_text())["kept"] == 10
+    # one-city (3-day) trips only, e.g. for a small model's first curriculum stage
+    r = runner.invoke(app, ["synth", "queries", "--n", "8", "--days", "3", "--out", str(tmp_path / "q3"), "--db", db,
+                            "--workers", "1"])
+    assert r.exit_code == 0, r.output
+    days = [json.loads(line)["days"] for line in (tmp_path / "q3" / "queries.jsonl").read_text().splitlines()]
+    assert days == [3] * 8
+    assert json.loads((tmp_path / "q3" / "summary.json").read_text())["trip_days"] == [3]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -67,6 +74,8 @@ def test_synthetic_world_without_real_data(tmp_path):
     (["synth", "queries", "--n", "5", "--budget-factors", "0.5:1:1", "--out", "X"], "at least 1"),
     (["synth", "queries", "--n", "5", "--language", "klingon", "--out", "X"], "template' or 'openai"),
     (["synth", "queries", "--n", "5", "--language", "openai", "--out", "X"], "needs --llm-url"),
+    (["synth", "queries", "--n", "5", "--days", "4", "--out", "X"], "subset of (3, 5, 7)"),
+    (["synth", "queries", "--n", "5", "--days", "three", "--out", "X"], "--days must be comma-separated"),
     (["synth", "teacher", "--queries", "absent.jsonl", "--out", "X"], "no query file"),
     (["synth", "teacher", "--queries", "absent.jsonl", "--teacher", "gpt", "--out", "X"], "'oracle' or 'openai'"),
 ])

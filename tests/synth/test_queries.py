@@ -44,6 +44,14 @@ def test_bad_ratios_are_refused_with_a_message(text):
         parse_ratio(text, 3, "--mix")
 
 
+def test_trip_lengths_can_be_narrowed_and_the_default_draws_all_three(oracle, synthesized):
+    queries, _ = QuerySynthesizer(oracle, seed=7, trip_days=(5, 7)).generate({"easy": 6, "medium": 0, "hard": 0})
+    assert {q.days for q in queries} <= {5, 7} and len(queries) == 6
+    assert {q.days for q in synthesized[0]} == {3, 5, 7}
+    with pytest.raises(ValueError, match="subset of"):
+        QuerySynthesizer(oracle, trip_days=())
+
+
 @pytest.fixture(scope="module")
 def synthesized(oracle):
     synth = QuerySynthesizer(oracle, seed=7)

@@ -7,6 +7,12 @@ row that samples a stop token or reaches its `max_tokens` is answered at once an
 cache. So an agent's 60-token tool call never waits behind another agent's 500-token plan, which is
 what a static batch (run until its longest row ends) made every turn do.
 
+An agent's next turn repeats its last turn's context and adds the sampled tokens and the tool's
+reply (token-in/token-out). A retired row's KV cache is kept (a few, least recently used first)
+and a request that extends one prefills only its new tokens: without it every turn prefilled the
+whole context again, and each such admission stalled every running row (bench/results/gpu_proof.md).
+New weights drop the kept caches, which the old policy computed.
+
 The sampling loop is ours rather than `model.generate` because each row needs its own seed, its
 own `max_tokens`, and the raw log-prob (and top-k) of the token it sampled. Sampling runs on the
 model's device; decoding runs in a worker thread, so the event loop keeps serving tool calls.
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +61,14 @@ class _Row:
     done: bool = False
 
 
+@dataclass
+class _Prefix:
+    """A retired row's KV cache: the tokens it covers and per layer (keys, values), [1, H, T, D]."""
+
+    ids: tuple[int, ...]
+    layers: list[tuple[Any, Any]]
+
+
 class _Batch:
     """The running batch: rows, their shared left-padded KV cache and 2-D attention mask, each
     row's next position, and the token each row sampled last (fed at the next step)."""
@@ -70,8 +85,8 @@ class TransformersEngine(Engine):
     name = "transformers"
 
     def __init__(self, model: str | Path, *, max_model_len: int = 32768, max_batch: int = 16,
-                 dtype: str = "float32", device: str | None = None, policy_version: int = 0, tokenizer: Any = None,
-                 continuous: bool = True) -> None:
+                 dtype: str | None = None, device: str | None = None, policy_version: int = 0, tokenizer: Any = None,
+                 continuous: bool = True, prefix_cache: int | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -81,7 +96,8 @@ class TransformersEngine(Engine):
         # On a GPU machine decode there: the CPU is the fallback, not the default.
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = device
-        self.dtype = getattr(torch, dtype)
+        # bf16 where it is fast (as vLLM serves and the learner trains); CPU bf16 matmuls are slow
+        self.dtype = getattr(torch, dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
         self.model = AutoModelForCausalLM.from_pretrained(str(model), dtype=self.dtype).to(device).eval()
         self.weights_path = str(model)
         self.max_batch = max_batch
@@ -93,6 +109,11 @@ class TransformersEngine(Engine):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._model_lock = threading.Lock()
         self.batches: list[int] = []  # sizes of the groups admitted (prefilled) together, for tests and metrics
+        # retired rows' KV caches kept for their agents' next turns (0: off); default one per batch row
+        self.prefix_cache = max_batch if prefix_cache is None else prefix_cache
+        self._prefixes: OrderedDict[tuple[int, ...], _Prefix] = OrderedDict()
+        self.prefill_tokens = 0  # prompt tokens actually run through the model (for tests and metrics)
+        self.reused_tokens = 0   # prompt tokens taken from a kept cache instead
 
     async def _generate(self, prompt_ids: list[int], params: TurnParams, request_id: str) -> Generation:
         if self.max_model_len and len(prompt_ids) + 1 > self.max_model_len:
@@ -151,7 +172,8 @@ class TransformersEngine(Engine):
     # -- admission -------------------------------------------------------------------------------
 
     def _admit(self, batch: _Batch, joining: list[_Request]) -> list[_Row]:
-        """Prefill the joiners together, sample their first token, stack them onto the batch."""
+        """Prefill the joiners (those extending a kept cache on it, the rest from scratch), sample
+        their first token, stack them onto the batch."""
         torch = self.torch
         rows = []
         for r in joining:
@@ -164,6 +186,18 @@ class TransformersEngine(Engine):
             row.done = True
         if not live:
             return empty
+        reuse = [(row, self._take_prefix(row.request.prompt_ids)) for row in live]
+        extending = [(row, p) for row, p in reuse if p is not None]
+        fresh = [row for row, p in reuse if p is None]
+        if extending:
+            self._prefill_on_prefixes(batch, extending)
+        if fresh:
+            self._prefill(batch, fresh)
+        return empty + self._retire(batch)
+
+    def _prefill(self, batch: _Batch, live: list[_Row]) -> None:
+        """Prefill whole prompts, left-padded to the longest."""
+        torch = self.torch
         width = max(len(row.request.prompt_ids) for row in live)
         input_ids = torch.full((len(live), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(live), width), dtype=torch.long)
@@ -175,9 +209,66 @@ class TransformersEngine(Engine):
         attention, position = attention.to(self.device), position.to(self.device)
         out = self.model(input_ids=input_ids.to(self.device), attention_mask=attention, position_ids=position,
                          use_cache=True, logits_to_keep=1)  # the prompt's own logits are never needed
+        self.prefill_tokens += int(attention.sum())
         tokens = self._sample(live, out.logits[:, -1, :])
         _stack(batch, live, out.past_key_values, attention, position[:, -1] + 1, tokens, torch)
-        return empty + self._retire(batch)
+
+    def _prefill_on_prefixes(self, batch: _Batch, extending: list[tuple[_Row, _Prefix]]) -> None:
+        """Prefill only what each prompt adds to its kept cache. The kept caches are left-padded
+        to one length P and the new tokens to one length S; the mask has a hole between a row's
+        cache and its new tokens, which attention skips like any padding."""
+        from transformers import DynamicCache
+
+        torch = self.torch
+        P = max(len(p.ids) for _, p in extending)
+        S = max(len(row.request.prompt_ids) - len(p.ids) for row, p in extending)
+        n = len(extending)
+        input_ids = torch.full((n, S), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((n, P + S), dtype=torch.long)
+        position = torch.zeros((n, S), dtype=torch.long)
+        for i, (row, p) in enumerate(extending):
+            k, new = len(p.ids), row.request.prompt_ids[len(p.ids):]
+            attention[i, P - k:P] = 1
+            attention[i, P + S - len(new):] = 1
+            input_ids[i, S - len(new):] = torch.tensor(new)
+            position[i, S - len(new):] = torch.arange(k, k + len(new))
+            position[i, :S - len(new)] = k  # padding: any valid position, it is masked
+        cache = DynamicCache()
+        for layer in range(len(extending[0][1].layers)):
+            keys = torch.cat([_left_pad(p.layers[layer][0], P, torch) for _, p in extending], 0)
+            values = torch.cat([_left_pad(p.layers[layer][1], P, torch) for _, p in extending], 0)
+            cache.update(keys, values, layer)
+        attention, position = attention.to(self.device), position.to(self.device)
+        out = self.model(input_ids=input_ids.to(self.device), attention_mask=attention, position_ids=position,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self.prefill_tokens += int(attention[:, P:].sum())
+        self.reused_tokens += sum(len(p.ids) for _, p in extending)
+        rows = [row for row, _ in extending]
+        tokens = self._sample(rows, out.logits[:, -1, :])
+        _stack(batch, rows, out.past_key_values, attention, position[:, -1] + 1, tokens, torch)
+
+    # -- kept caches -----------------------------------------------------------------------------
+
+    def _take_prefix(self, prompt: list[int]) -> _Prefix | None:
+        """The longest kept cache whose tokens start `prompt` and leave at least one token to run;
+        it leaves the store (the row that extends it will be kept in its place)."""
+        best = None
+        for key in self._prefixes:
+            if len(key) < len(prompt) and (best is None or len(key) > len(best)) and tuple(prompt[:len(key)]) == key:
+                best = key
+        return self._prefixes.pop(best) if best is not None else None
+
+    def _keep_prefix(self, batch: _Batch, i: int, row: _Row) -> None:
+        """Keep row i's cache: its prompt and every sampled token but the last (never fed back)."""
+        ids = tuple(row.request.prompt_ids) + tuple(row.ids[:-1])
+        real = batch.attention[i].bool()
+        if int(real.sum()) != len(ids):
+            return  # should not happen; never keep a cache that does not match its tokens
+        layers = [(layer.keys[i][:, real].unsqueeze(0), layer.values[i][:, real].unsqueeze(0))
+                  for layer in batch.cache.layers]
+        self._prefixes[ids] = _Prefix(ids, layers)
+        while len(self._prefixes) > self.prefix_cache:
+            self._prefixes.popitem(last=False)
 
     # -- decoding --------------------------------------------------------------------------------
 
@@ -221,6 +312,10 @@ class TransformersEngine(Engine):
         done = [row for row in batch.rows if row.done]
         if not done:
             return []
+        if self.prefix_cache:
+            for i, row in enumerate(batch.rows):
+                if row.done and row.ids:
+                    self._keep_prefix(batch, i, row)
         keep = [i for i, row in enumerate(batch.rows) if not row.done]
         batch.rows = [batch.rows[i] for i in keep]
         if not keep:
@@ -245,6 +340,7 @@ class TransformersEngine(Engine):
             if not state:
                 raise EngineError(f"no safetensors files in {path}")
             with self._model_lock:
+                self._prefixes.clear()  # computed by the old weights
                 missing, unexpected = self.model.load_state_dict(
                     {k: v.to(self.dtype) for k, v in state.items()}, strict=False)
                 # Tied embeddings make lm_head.weight legitimately absent from the file.
