@@ -173,7 +173,9 @@ async def _decode_all(model: str, queries: list, sampling, world_url: str, batch
             return traj
 
     try:
-        return await asyncio.gather(*(one(sq) for sq in queries))
+        trajectories = await asyncio.gather(*(one(sq) for sq in queries))
+        # how much prompt the kept KV caches spared: the prefill the engine ran vs took from them
+        return trajectories, {"prefill_tokens": engine.prefill_tokens, "reused_tokens": engine.reused_tokens}
     finally:
         bar.close()
         await engine.close()
@@ -187,7 +189,7 @@ def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit:
     queries = load_split(split, limit)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    trajectories = asyncio.run(_decode_all(model, queries, sampling, world_url, batch))
+    trajectories, prefill = asyncio.run(_decode_all(model, queries, sampling, world_url, batch))
     decode_s = time.perf_counter() - t0
     predictions = out / "predictions.jsonl"
     with open(predictions, "w") as f:
@@ -201,7 +203,7 @@ def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit:
     for traj in trajectories:
         finishes[traj.finish_reason] = finishes.get(traj.finish_reason, 0) + 1
     result: dict[str, Any] = {"model": model, "queries": len(queries), "decode_s": decode_s,
-                              "finish_reasons": finishes,
+                              "finish_reasons": finishes, **prefill,
                               "tool_calls_mean": statistics.mean(_tool_calls(t) for t in trajectories),
                               "sampled_tokens_mean": statistics.mean(t.timings.get("sampled_tokens", 0.0)
                                                                      for t in trajectories),
@@ -321,7 +323,8 @@ def _eval_brief(result: dict[str, Any] | None) -> dict[str, Any] | None:
     if not result:
         return None
     return {k: result.get(k) for k in ("model", "queries", "decode_s", "finish_reasons", "tool_calls_mean",
-                                       "sampled_tokens_mean", "generate_s_per_turn", "official_failures")}
+                                       "sampled_tokens_mean", "generate_s_per_turn", "prefill_tokens",
+                                       "reused_tokens", "official_failures")}
 
 
 def _markdown(s: dict[str, Any]) -> str:
@@ -347,7 +350,9 @@ def _markdown(s: dict[str, Any]) -> str:
         e = (s.get("eval") or {}).get(label)
         if e:
             lines.append(f"- {label.upper()} decode: {e['queries']} queries in {e['decode_s']:.0f} s; finishes "
-                         f"{e['finish_reasons']}; {e['tool_calls_mean']:.1f} tool calls per trajectory.")
+                         f"{e['finish_reasons']}; {e['tool_calls_mean']:.1f} tool calls per trajectory"
+                         + (f"; prompt tokens prefilled {e['prefill_tokens']:,}, taken from kept KV caches "
+                            f"{e['reused_tokens']:,}." if e.get("prefill_tokens") is not None else "."))
     lines.append("")
     rl = s.get("rl") or {}
     if rl:
