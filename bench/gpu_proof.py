@@ -191,6 +191,7 @@ def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit:
     t0 = time.perf_counter()
     trajectories, prefill = asyncio.run(_decode_all(model, queries, sampling, world_url, batch))
     decode_s = time.perf_counter() - t0
+    _release_gpu()
     predictions = out / "predictions.jsonl"
     with open(predictions, "w") as f:
         for sq, traj in zip(queries, trajectories):
@@ -226,6 +227,20 @@ def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit:
     log(f"eval {Path(model).name}: decode {decode_s:.0f} s, finishes {finishes}, "
         f"success official {result['official'].get('final_pass_rate')}, strict {result['strict'].get('final_pass_rate')}")
     return result
+
+
+def _release_gpu() -> None:
+    """Give the evaluation engine's memory (weights, KV caches, the allocator's reserve) back to the
+    GPU: the RL stage's learner and rollout workers, in other processes, need it (the 2026-11-23
+    run's learner ran out of memory next to 18 GiB this process still held)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        log(f"after evaluation this process holds {torch.cuda.memory_reserved() / 2**30:.2f} GiB of GPU memory")
 
 
 def _tool_calls(traj) -> int:
