@@ -345,13 +345,18 @@ class RLTrainer:
             until_redis(lambda: self.consumer.client.xack(self.consumer.stream, self.consumer.group,
                                                           *[m.id for m in messages]) if messages else None,
                         what="acknowledging the step's messages")
-            until_redis(self._count_batches, what="counting batches")
         if trainable and cfg.publish_weights:
             metrics.update(self.publish())
         metrics["time_step_s"] = (metrics.get("time_wait_s", 0.0) + metrics.get("time_compute_s", 0.0)
                                   + metrics.get("time_sync_s", 0.0))
         metrics["version"] = self.version
         self.runlog.write(self.engine.step_count, metrics)
+        if self.rank0:
+            # Counted last: the controller publishes the next steps' tasks on this count, with the
+            # weights version it reads then as their oldest allowed sampler. Counted before the
+            # publication, the next step went out asking for the previous weights and its samples
+            # arrived one version stale, to be dropped (bench/results/gpu_proof.md).
+            until_redis(self._count_batches, what="counting batches")
         return metrics
 
     def _count_batches(self) -> None:
@@ -363,14 +368,12 @@ class RLTrainer:
         self.redis.set(key, self.batches)
 
     def _recount_batches(self) -> None:
-        """Batches skipped after the last checkpoint were acknowledged and counted in Redis, never
-        to be delivered again: resume counting from Redis's figure when it is ahead."""
-        counted = 0
+        """After a resume, agree with Redis on the batch count: batches skipped after the last
+        checkpoint were counted there and will never be delivered again, and a learner killed
+        between publishing a step and counting it must still count it."""
         if self.rank0:
-            raw = until_redis(lambda: self.redis.get(StreamNames(self.cfg.stream_prefix).learner_batches),
-                              what="reading the batch count")
-            counted = int(raw) if raw else 0
-        self.batches = max(self.batches, int(_broadcast(counted, self.engine)))
+            until_redis(self._count_batches, what="counting batches")
+        self.batches = int(_broadcast(self.batches, self.engine))
 
     def _publish_unannounced(self) -> None:
         """A learner killed after checkpointing a step but before publishing its weights resumes

@@ -288,9 +288,9 @@ def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher
 
 
 def _await_last_publication(run: Run, f: Fleet, timeout_s: float = 120.0) -> None:
-    """The learner counts a batch before it publishes that step's weights: wait for it to finish
-    (status "finished", written after the last publication) or exit. Bounded, so that a learner
-    stuck in its teardown cannot hang the run."""
+    """The learner counts the last batch once its weights are out; give it a while to write its
+    final status and exit before the fleet stops. Bounded, so that a learner stuck in its
+    teardown cannot hang the run."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and f.learner.exited() is None:
         if _learner_status(run).get("state") == "finished":

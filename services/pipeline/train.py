@@ -31,7 +31,7 @@ from typing import Any
 from rich.console import Console
 
 from services.common.settings import get_settings
-from services.pipeline.config import PipelineConfig, dump_config
+from services.pipeline.config import STAGES, PipelineConfig, dump_config
 
 console = Console(stderr=True)
 
@@ -212,6 +212,18 @@ def stage_eval(run: Run, model: str, synth: dict[str, Any] | None) -> dict[str, 
     return {"folder": str(out), "model": model, "metrics": result or None}
 
 
+def starting_model(base: str, outputs: dict[str, Any], stages: list[str]) -> str:
+    """The model the first configured stage starts from: the last one the stages before it made
+    in this run folder. (RL run on its own after SFT had started from the base model: the H100
+    run of 2026-11-23 sampled the untrained policy and every trajectory broke the protocol.)"""
+    model = base
+    for stage in STAGES:
+        if stage in stages:
+            break
+        model = (outputs.get(stage) or {}).get("model", model)
+    return model
+
+
 def train(config: PipelineConfig, folder: Path) -> Run:
     """Run (or resume) every configured stage in order."""
     from services.pipeline.rl import stage_rl
@@ -220,7 +232,7 @@ def train(config: PipelineConfig, folder: Path) -> Run:
     run = prepare(config, folder)
     outputs: dict[str, Any] = {name: rec.get("outputs") for name, rec in run.stage_records().items()
                                if rec.get("state") == "done"}
-    model = run.base_model
+    model = starting_model(run.base_model, outputs, config.stages)
     for stage in config.stages:
         done = run.done(stage)
         if done:

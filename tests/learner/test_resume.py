@@ -115,3 +115,34 @@ def test_a_stale_batch_counts_as_a_step_and_the_learner_finishes(tmp_path, tiny_
     finally:
         for key in client.scan_iter(match=prefix + "*"):
             client.delete(key)
+
+
+@pytest.mark.slow
+def test_a_batch_is_counted_only_once_its_weights_are_published(tmp_path, tiny_model, redis_server_url):
+    """The controller sends the next step out when it sees the count, asking for the weights it
+    reads then: a count seen before its step's weights would let those samples be a version stale."""
+    client = redis.Redis.from_url(redis_server_url)
+    prefix = f"test:{uuid.uuid4().hex[:8]}"
+    names = StreamNames(prefix)
+    trajs = [t for step in range(2) for t in scored_batch(tiny_model, 2, 2, seed=step, version=step)]
+    try:
+        for t in trajs:
+            publish(client, names.scored, t)
+        config = _config(tmp_path, "order", tiny_model, redis_server_url, prefix)
+        learner = subprocess.Popen([sys.executable, "-m", "services.learner.worker", "rl", str(config), "2"],
+                                   cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        seen: dict[int, int] = {}  # batch count → the weights version read right after it
+        while True:
+            exited = learner.poll() is not None  # one more read after the exit catches the last count
+            counted = client.get(names.learner_batches)
+            if counted and int(counted) not in seen:
+                latest = client.get(names.weights_latest)
+                seen[int(counted)] = json.loads(latest)["version"] if latest else 0
+            if exited:
+                break
+        assert learner.wait(timeout=60) == 0, learner.stderr.read()[-3000:]
+        assert seen and all(version >= count for count, version in seen.items()), seen
+        assert max(seen) == 2
+    finally:
+        for key in client.scan_iter(match=prefix + "*"):
+            client.delete(key)

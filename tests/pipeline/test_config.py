@@ -63,3 +63,18 @@ def test_the_learner_section_reaches_the_learner_engine_config():
     engine = config.learner.engine(config.services.zero_stage, config.seed)
     assert (engine.micro_batch_rows, engine.pad_to_multiple, engine.micro_batch_tokens) == (4, 256, 8192)
     assert engine.zero_stage == config.services.zero_stage == 2
+
+
+@pytest.mark.parametrize("stages,expected", [
+    (["synth", "sft", "rl", "eval"], "base"),   # a whole run starts from the base model
+    (["rl"], "sft-model"),                      # RL alone, after SFT in the same folder
+    (["rl", "eval"], "sft-model"),
+    (["eval"], "rl-model"),                     # evaluation alone: the newest model
+    (["sft"], "base"),                          # SFT again starts from the base model
+])
+def test_a_stage_run_on_its_own_starts_from_the_model_the_stages_before_it_made(stages, expected):
+    from services.pipeline.train import starting_model
+
+    outputs = {"synth": {"sft_data": "x"}, "sft": {"model": "sft-model"}, "rl": {"model": "rl-model"}}
+    assert starting_model("base", outputs, stages) == expected
+    assert starting_model("base", {"synth": {}}, ["rl"]) == "base"  # no SFT made: the base model
