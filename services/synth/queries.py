@@ -335,16 +335,39 @@ class QuerySynthesizer:
         return ctx.Pool(self.workers)
 
 
+def split_table(level_sizes: dict[str, int], ratios: Sequence[float]) -> dict[str, list[int]]:
+    """Queries per level and split: each level divided by the ratios, then single queries moved
+    between splits until every split has its exact share of the total (asked for 640:256:100,
+    a recipe gets 100 validation queries, not the 99 that rounding each level on its own gave).
+    Each move takes the level whose rounding left the most room for it, so a split's mixture
+    stays within one query per level of exact."""
+    ideal = {lv: [n * w / sum(ratios) for w in ratios] for lv, n in level_sizes.items()}
+    table = {lv: allocate(n, ratios) for lv, n in level_sizes.items()}
+    targets = allocate(sum(level_sizes.values()), ratios)
+    while True:
+        totals = [sum(table[lv][j] for lv in table) for j in range(len(ratios))]
+        short = [j for j in range(len(ratios)) if totals[j] < targets[j]]
+        over = [j for j in range(len(ratios)) if totals[j] > targets[j]]
+        if not short:
+            return table
+        to, frm = short[0], over[0]
+        level = max((lv for lv in table if table[lv][frm] > 0),
+                    key=lambda lv: (ideal[lv][to] - table[lv][to]) - (ideal[lv][frm] - table[lv][frm]))
+        table[level][to] += 1
+        table[level][frm] -= 1
+
+
 def split_queries(queries: Sequence[TravelQuery], ratios: Sequence[float], seed: int) -> dict[str, list[TravelQuery]]:
     """Disjoint SFT / RL / validation sets; each level is divided by the ratios on its own, so
-    every split keeps the mixture (up to rounding)."""
+    every split keeps the mixture (up to rounding), and each split's size is exact."""
     rng = random.Random(seed + 1)
     out: dict[str, list[TravelQuery]] = {s: [] for s in SPLITS}
-    for level in LEVELS:
-        items = [q for q in queries if q.level == level]
+    by_level = {level: [q for q in queries if q.level == level] for level in LEVELS}
+    table = split_table({level: len(items) for level, items in by_level.items()}, ratios)
+    for level, items in by_level.items():
         rng.shuffle(items)
         start = 0
-        for split, n in zip(SPLITS, allocate(len(items), ratios)):
+        for split, n in zip(SPLITS, table[level]):
             out[split].extend(items[start:start + n])
             start += n
     for split in SPLITS:

@@ -19,6 +19,7 @@ from services.synth.queries import (
     load_queries,
     parse_ratio,
     split_queries,
+    split_table,
     write_jsonl,
 )
 from tests.support.fake_openai import FakeOpenAI, Reply
@@ -119,8 +120,24 @@ def test_splits_are_disjoint_and_keep_the_mix(synthesized):
     parts = split_queries(queries, (4, 5, 1), seed=7)
     ids = [q.id for part in parts.values() for q in part]
     assert sorted(ids) == sorted(q.id for q in queries) and len(set(ids)) == len(ids)
-    assert [sum(q.level == "easy" for q in parts[s]) for s in ("sft", "rl", "validation")] == allocate(12, (4, 5, 1))
-    assert [sum(q.level == "hard" for q in parts[s]) for s in ("sft", "rl", "validation")] == allocate(9, (4, 5, 1))
+    assert [len(parts[s]) for s in ("sft", "rl", "validation")] == allocate(30, (4, 5, 1))  # exact sizes
+    for level, n in (("easy", 12), ("medium", 9), ("hard", 9)):  # the mixture, within one query
+        got = [sum(q.level == level for q in parts[s]) for s in ("sft", "rl", "validation")]
+        assert sum(got) == n and all(abs(g - e) <= 1 for g, e in zip(got, allocate(n, (4, 5, 1))))
+
+
+@pytest.mark.parametrize("sizes,ratios", [
+    ({"easy": 332, "medium": 332, "hard": 332}, (640, 256, 100)),  # rounding each level gave 99 validation
+    ({"easy": 12, "medium": 9, "hard": 9}, (4, 5, 1)),
+    ({"easy": 5, "medium": 0, "hard": 1}, (1, 1, 1)),
+    ({"easy": 7, "medium": 7, "hard": 7}, (1, 0, 0)),
+])
+def test_split_sizes_are_exact_and_each_level_stays_within_one_of_its_share(sizes, ratios):
+    table = split_table(sizes, ratios)
+    assert [sum(row[j] for row in table.values()) for j in range(3)] == allocate(sum(sizes.values()), ratios)
+    for level, n in sizes.items():
+        assert sum(table[level]) == n and min(table[level]) >= 0
+        assert all(abs(got - n * w / sum(ratios)) < 1 + 1e-9 for got, w in zip(table[level], ratios))
 
 
 def test_jsonl_has_the_benchmark_layout_and_loads_in_hf_datasets(synthesized, tmp_path):
