@@ -186,14 +186,15 @@ class RLTrainer:
         self.consumer = None
         self.publisher = None
         if self.rank0:
-            from services.common.streams import StreamConsumer, StreamNames
+            from services.common.streams import StreamConsumer
 
             if redis_client is None:
                 import redis
 
                 redis_client = redis.Redis.from_url(cfg.redis_url or settings.redis_url or "redis://127.0.0.1:6379/0")
             self.redis = redis_client
-            self.stream = StreamNames(cfg.stream_prefix).scored
+            self.names = StreamNames(cfg.stream_prefix)
+            self.stream = self.names.scored
             self.consumer = StreamConsumer(redis_client, self.stream, cfg.consumer_group, cfg.consumer_name,
                                            claim_idle_ms=600_000, max_deliveries=10)
             if cfg.publish_weights:
@@ -360,18 +361,16 @@ class RLTrainer:
         return metrics
 
     def _count_batches(self) -> None:
-        """Publish the consumed-batch count, never lowering it (a resumed learner may restart
-        from a checkpoint older than a skipped step it had already acknowledged)."""
-        key = StreamNames(self.cfg.stream_prefix).learner_batches
-        raw = self.redis.get(key)
-        self.batches = max(self.batches, int(raw) if raw else 0)
-        self.redis.set(key, self.batches)
+        """Publish the consumed-batch count (rank 0)."""
+        self.redis.set(self.names.learner_batches, self.batches)
 
     def _recount_batches(self) -> None:
-        """After a resume, agree with Redis on the batch count: batches skipped after the last
-        checkpoint were counted there and will never be delivered again, and a learner killed
-        between publishing a step and counting it must still count it."""
+        """At start, agree with Redis on the batch count, never lowering it: batches skipped after
+        the last checkpoint (or before the first) were counted there and will never be delivered
+        again, and a learner killed between publishing a step and counting it must still count it."""
         if self.rank0:
+            raw = until_redis(lambda: self.redis.get(self.names.learner_batches), what="reading the batch count")
+            self.batches = max(self.batches, int(raw) if raw else 0)
             until_redis(self._count_batches, what="counting batches")
         self.batches = int(_broadcast(self.batches, self.engine))
 
@@ -403,7 +402,7 @@ class RLTrainer:
 
         if self.resume():
             self._publish_unannounced()
-            self._recount_batches()
+        self._recount_batches()
         # A step is one batch of the controller's schedule, trained or skipped (all samples stale
         # or without gradient): the controller publishes exactly `limit` batches, so a learner that
         # counted only trained steps would wait forever for a batch that never comes.

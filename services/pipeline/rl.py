@@ -237,8 +237,8 @@ class Validation:
 
 def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher: TaskPublisher,
           schedule: Schedule, poll_s: float = 0.5, validation: Validation | None = None) -> None:
-    """Publish, watch, restart, until the learner has consumed every step (and, within a bound,
-    published the last one's weights)."""
+    """Publish, watch, restart, until the learner has consumed every step (it counts a step once
+    that step's weights are out)."""
     total = schedule.total_steps
     columns = (TextColumn("[bold]rl"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn())
