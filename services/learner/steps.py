@@ -1,4 +1,4 @@
-"""One optimizer step of SFT or RL over packed rows, with its statistics summed over ranks.
+"""The optimizer steps of an SFT step or an RL batch over packed rows, with its statistics summed over ranks.
 
 Every rank packs the whole step's data identically and then takes its share (`shard_rows`), so
 loss weights need no communication; DeepSpeed averages gradients over ranks, which is why each
@@ -99,46 +99,59 @@ def sft_step(engine: PolicyEngine, seqs: Sequence[Sequence_]) -> StepOutput:
     return StepOutput(metrics)
 
 
+def split_mini_batches(seqs: Sequence[Sequence_], count: int) -> list[list[Sequence_]]:
+    """`count` contiguous shares of a batch's sequences, as even as whole sequences allow (a
+    group's samples stay together where the sizes line up); never an empty share."""
+    count = max(1, min(count, len(seqs)))
+    bounds = [i * len(seqs) // count for i in range(count + 1)]
+    return [list(seqs[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
 def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, eps_high: float,
             dual_clip_c: float | None = None, loss_agg: str = "token-mean", use_rollout_logprobs: bool = True,
-            kl_coef: float = 0.0, reference: torch.nn.Module | None = None) -> StepOutput:
-    """The clipped policy-gradient step (one PPO epoch, one mini-batch: the learner's recomputed
-    old logprobs are the current ones, so the ratio is against the rollout's logprobs when those
-    are used, and 1 otherwise)."""
+            kl_coef: float = 0.0, reference: torch.nn.Module | None = None, mini_batches: int = 1) -> StepOutput:
+    """The clipped policy-gradient update of one batch: one PPO epoch in `mini_batches` optimizer
+    steps. The ratio is against the rollout's logprobs when those are used (so from the second
+    mini-batch on it also measures how far this batch's own updates moved the policy); otherwise
+    against the learner's logprobs at the forward, which makes it 1."""
     _sync(engine.device)
     t0 = time.perf_counter()
-    batches = prepare_rows(engine, seqs, loss_agg)
-    # Statistics stay on the device and are read once after the optimizer step: a host read per
-    # micro-batch would make the GPU idle while Python launches the next forward.
+    # Statistics stay on the device and are read once after the last optimizer step: a host read
+    # per micro-batch would make the GPU idle while Python launches the next forward.
     acc = torch.zeros(11, dtype=torch.float64, device=engine.device)  # pg, LossStats(5), ent, kl_ref, mismatch(3)
     mm_max = torch.zeros((), dtype=torch.float64, device=engine.device)
-    for batch in batches:
-        logp, ent = engine.logprobs(batch, grad=True)
-        dev = logp.device
-        mask, w, adv = _flat(batch.mask, dev), _flat(batch.weights, dev), _flat(batch.advantages, dev)
-        has_old, behaviour = _flat(batch.has_old, dev), _flat(batch.old_logp, dev)
-        learner_old = logp.detach()
-        if use_rollout_logprobs:
-            # A token the rollout gave no logprob for falls back to the learner's value (ratio 1).
-            old = torch.where(has_old, behaviour, learner_old)
-        else:
-            old = learner_old
-        loss, loss_sums = alg.clipped_policy_terms(logp, old, adv, w, eps_low=eps_low, eps_high=eps_high,
-                                                   dual_clip_c=dual_clip_c)
-        kl_ref = torch.zeros((), dtype=torch.float64, device=dev)
-        if kl_coef > 0.0 and reference is not None:
-            with torch.no_grad():
-                ref_logp, _ = reference(_to(batch.input_ids, dev), _to(batch.position_ids, dev),
-                                        _to(batch.targets, dev), False)
-            kl = alg.kl_low_var(logp, ref_logp)
-            loss = loss + kl_coef * (kl * w).sum()
-            kl_ref = (kl.detach() * mask).sum().double()
-        engine.backward(loss * engine.world_size)
-        mm = alg.mismatch_terms(behaviour, learner_old, mask.bool() & has_old)
-        acc += torch.cat([loss.detach().double()[None], loss_sums, (ent * mask).sum().double()[None],
-                          kl_ref[None], mm[:3]])
-        mm_max = torch.maximum(mm_max, mm[3])
-    result = engine.step()
+    shares = split_mini_batches(seqs, mini_batches)
+    norms: list[float] = []
+    for share in shares:
+        # each share is normalised on its own tokens, as a batch of that size would be
+        for batch in prepare_rows(engine, share, loss_agg):
+            logp, ent = engine.logprobs(batch, grad=True)
+            dev = logp.device
+            mask, w, adv = _flat(batch.mask, dev), _flat(batch.weights, dev), _flat(batch.advantages, dev)
+            has_old, behaviour = _flat(batch.has_old, dev), _flat(batch.old_logp, dev)
+            learner_old = logp.detach()
+            if use_rollout_logprobs:
+                # A token the rollout gave no logprob for falls back to the learner's value (ratio 1).
+                old = torch.where(has_old, behaviour, learner_old)
+            else:
+                old = learner_old
+            loss, loss_sums = alg.clipped_policy_terms(logp, old, adv, w, eps_low=eps_low, eps_high=eps_high,
+                                                       dual_clip_c=dual_clip_c)
+            kl_ref = torch.zeros((), dtype=torch.float64, device=dev)
+            if kl_coef > 0.0 and reference is not None:
+                with torch.no_grad():
+                    ref_logp, _ = reference(_to(batch.input_ids, dev), _to(batch.position_ids, dev),
+                                            _to(batch.targets, dev), False)
+                kl = alg.kl_low_var(logp, ref_logp)
+                loss = loss + kl_coef * (kl * w).sum()
+                kl_ref = (kl.detach() * mask).sum().double()
+            engine.backward(loss * engine.world_size)
+            mm = alg.mismatch_terms(behaviour, learner_old, mask.bool() & has_old)
+            acc += torch.cat([loss.detach().double()[None], loss_sums, (ent * mask).sum().double()[None],
+                              kl_ref[None], mm[:3]])
+            mm_max = torch.maximum(mm_max, mm[3])
+        result = engine.step()
+        norms.append(result.grad_norm)
     _sync(engine.device)
     seconds = time.perf_counter() - t0
     (pg_sum, tokens, hi, lo, dual, ratio_sum, ent_sum, kl_ref_sum, mm_k1, mm_k3, mm_tokens) = _all_reduce_sum(
@@ -148,7 +161,9 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
         torch.distributed.all_reduce(mm_max_t, op=torch.distributed.ReduceOp.MAX)
     n = max(tokens, 1.0)
     metrics = {
-        "loss": pg_sum, "loss_tokens": tokens, "grad_norm": result.grad_norm, "lr": result.lr,
+        # per mini-batch means: the loss of each share is already normalised on its tokens
+        "loss": pg_sum / len(shares), "loss_tokens": tokens, "grad_norm": sum(norms) / len(norms),
+        "lr": result.lr, "optimizer_steps": float(len(shares)),
         "clip_fraction": (hi + lo) / n, "clip_fraction_high": hi / n, "clip_fraction_low": lo / n,
         "dual_clip_fraction": dual / n, "ratio_mean": ratio_sum / n, "entropy": ent_sum / n,
         "mismatch_kl_k1": mm_k1 / mm_tokens if mm_tokens else 0.0,

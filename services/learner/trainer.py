@@ -175,7 +175,9 @@ class RLTrainer:
         self.out = Path(cfg.output_dir)
         self.stop = stop or threading.Event()
         settings = get_settings()
-        self.engine = PolicyEngine(cfg.model, cfg.engine, cfg.schedule_config(), cfg.total_steps, home=settings.home)
+        # the schedule counts optimizer steps: mini_batches of them per batch
+        self.engine = PolicyEngine(cfg.model, cfg.engine, cfg.schedule_config(), cfg.total_steps * cfg.mini_batches,
+                                   home=settings.home)
         self.rank0 = self.engine.rank == 0
         self.runlog = RunLog(self.out, enabled=self.rank0)
         self.version = 0
@@ -323,7 +325,7 @@ class RLTrainer:
             out = rl_step(self.engine, batch.sequences, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                           dual_clip_c=cfg.dual_clip_c, loss_agg=cfg.loss_agg,
                           use_rollout_logprobs=cfg.use_rollout_logprobs and not batch.recompute_old,
-                          kl_coef=cfg.kl_coef, reference=self.reference)
+                          kl_coef=cfg.kl_coef, reference=self.reference, mini_batches=cfg.mini_batches)
             metrics.update(out.metrics)
             self.version += 1
         else:
@@ -332,12 +334,12 @@ class RLTrainer:
         # the messages and skips them by id.
         self.consumed = (self.consumed + [[m.id for m in messages]])[-CONSUMED_STEPS_KEPT:]
         self.consumed = _broadcast(self.consumed, self.engine)
-        if trainable and self.engine.step_count % cfg.save_every == 0:
+        if trainable and self.version % cfg.save_every == 0:
             self.engine.save_checkpoint(self.out / "checkpoints", {
                 "kind": "rl", "version": self.version, "consumed": self.consumed, "batches": self.batches + 1,
                 "stream": {"name": getattr(self, "stream", None), "group": cfg.consumer_group,
                            "last_id": messages[-1].id if messages else None}})
-        if os.environ.get("STAR_LEARNER_CRASH_AFTER_CHECKPOINT") == str(self.engine.step_count):
+        if os.environ.get("STAR_LEARNER_CRASH_AFTER_CHECKPOINT") == str(self.version):
             # Fault injection for the resume test: die between checkpoint and acknowledgement.
             os.kill(os.getpid(), 9)
         self.batches += 1
@@ -351,7 +353,7 @@ class RLTrainer:
         metrics["time_step_s"] = (metrics.get("time_wait_s", 0.0) + metrics.get("time_compute_s", 0.0)
                                   + metrics.get("time_sync_s", 0.0))
         metrics["version"] = self.version
-        self.runlog.write(self.engine.step_count, metrics)
+        self.runlog.write(self.version, metrics)  # a step is a trained batch, whatever its optimizer steps
         if self.rank0:
             # Counted last: the controller publishes the next steps' tasks on this count, with the
             # weights version it reads then as their oldest allowed sampler. Counted before the
@@ -408,7 +410,7 @@ class RLTrainer:
         # counted only trained steps would wait forever for a batch that never comes.
         limit = max_steps or self.cfg.max_steps or self.cfg.total_steps
         if self.rank0:
-            write_status(self.out, state="running", step=self.engine.step_count, version=self.version)
+            write_status(self.out, state="running", step=self.version, version=self.version)
         bar = tqdm(total=limit, initial=min(self.batches, limit), desc="rl", disable=not self.rank0)
         last: dict[str, Any] = {}
         state = "finished"
@@ -418,7 +420,7 @@ class RLTrainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{last.get('loss', float('nan')):.4f}", reward=f"{last['reward_mean']:.3f}")
                 if self.rank0:
-                    write_status(self.out, state="running", step=self.engine.step_count, version=self.version,
+                    write_status(self.out, state="running", step=self.version, version=self.version,
                                  metrics=last)
             if self.batches < limit:
                 state = "stopped"
@@ -432,7 +434,7 @@ class RLTrainer:
         finally:
             bar.close()
             if self.rank0:
-                write_status(self.out, state=state, step=self.engine.step_count, version=self.version, metrics=last)
+                write_status(self.out, state=state, step=self.version, version=self.version, metrics=last)
             self.runlog.close()
-        return {"state": state, "step": self.engine.step_count, "version": self.version, "metrics": last}
+        return {"state": state, "step": self.version, "version": self.version, "metrics": last}
 

@@ -8,7 +8,7 @@ import torch
 
 from services.learner.batching import Sequence_, assign_weights, micro_batches, pack_sequences, shard_rows
 from services.learner.config import EngineConfig, ScheduleConfig
-from services.learner.steps import rl_step, sft_step
+from services.learner.steps import rl_step, sft_step, split_mini_batches
 
 from .conftest import behaviour_logprobs
 
@@ -179,3 +179,39 @@ def test_sft_step_is_the_same_with_several_rows_per_pass(make_engine, rows, pad)
     seqs = _seqs(LENGTHS, seed=2)
     keys = ["loss", "loss_tokens", "grad_norm"]
     _assert_same(_step(make_engine, 1, sft_step, seqs), _step(make_engine, rows, sft_step, seqs, pad), keys)
+
+
+def test_a_batch_splits_into_even_contiguous_shares_and_never_an_empty_one():
+    seqs = _seqs(LENGTHS)
+    assert [[s.index for s in share] for share in split_mini_batches(seqs, 3)] == [[0, 1], [2, 3], [4, 5]]
+    assert [len(share) for share in split_mini_batches(seqs, 4)] == [1, 2, 1, 2]
+    assert [len(share) for share in split_mini_batches(seqs, 10)] == [1] * 6
+    assert split_mini_batches(seqs, 1) == [seqs]
+
+
+def test_mini_batches_are_optimizer_steps_in_a_row_on_their_shares(make_engine, rl_reference):
+    """Two mini-batches equal two one-update steps on the halves, one after the other: the second
+    half's ratios are taken under the weights the first half moved."""
+    seqs, single = rl_reference
+    first, second = split_mini_batches(seqs, 2)
+    engine = make_engine(1)
+    before = {n: p.detach().clone() for n, p in engine.hf_model.named_parameters()}
+    m1 = rl_step(engine, first, eps_low=0.2, eps_high=0.28).metrics
+    m2 = rl_step(engine, second, eps_low=0.2, eps_high=0.28).metrics
+    in_a_row = {n: p.detach() - before[n] for n, p in engine.hf_model.named_parameters()}
+    assert engine.step_count == 2
+
+    engine = make_engine(1)
+    before = {n: p.detach().clone() for n, p in engine.hf_model.named_parameters()}
+    m = rl_step(engine, seqs, eps_low=0.2, eps_high=0.28, mini_batches=2).metrics
+    assert engine.step_count == 2 and m["optimizer_steps"] == 2.0
+    tokens = m1["loss_tokens"] + m2["loss_tokens"]
+    expected = {"loss": (m1["loss"] + m2["loss"]) / 2, "loss_tokens": tokens,
+                "grad_norm": (m1["grad_norm"] + m2["grad_norm"]) / 2,
+                "clip_fraction": (m1["clip_fraction"] * m1["loss_tokens"]
+                                  + m2["clip_fraction"] * m2["loss_tokens"]) / tokens}
+    metrics = {k: m[k] for k in expected}
+    _assert_same((expected, in_a_row), (metrics, {n: p.detach() - before[n]
+                                                  for n, p in engine.hf_model.named_parameters()}), list(expected))
+    # and not the single update on the whole batch
+    assert any((in_a_row[n] - d).norm().item() > 1e-3 * d.norm().item() for n, d in single[1].items())

@@ -24,11 +24,11 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 
-def _config(tmp: Path, name: str, model: Path, redis_url: str, prefix: str) -> Path:
+def _config(tmp: Path, name: str, model: Path, redis_url: str, prefix: str, **kw) -> Path:
     cfg = RLConfig(model=str(model), output_dir=str(tmp / name), group_size=2, batch_prompts=2, lr=1e-3,
                    total_steps=10, redis_url=redis_url, stream_prefix=prefix, wait_timeout_s=60,
                    read_block_ms=200, weights_dir=str(tmp / name / "weights"), keep_versions=2,
-                   engine=EngineConfig(micro_batch_tokens=64))
+                   engine=EngineConfig(micro_batch_tokens=64), **kw)
     path = tmp / f"{name}.json"
     path.write_text(cfg.model_dump_json())
     return path
@@ -143,6 +143,33 @@ def test_a_batch_is_counted_only_once_its_weights_are_published(tmp_path, tiny_m
         assert learner.wait(timeout=60) == 0, learner.stderr.read()[-3000:]
         assert seen and all(version >= count for count, version in seen.items()), seen
         assert max(seen) == 2
+    finally:
+        for key in client.scan_iter(match=prefix + "*"):
+            client.delete(key)
+
+
+@pytest.mark.slow
+def test_mini_batches_update_several_times_per_batch_and_count_one_step(tmp_path, tiny_model, redis_server_url):
+    """With mini_batches 2 each batch takes two optimizer steps (checkpoint tags count them), while
+    the step, the weights version and the controller's batch count still advance once per batch."""
+    client = redis.Redis.from_url(redis_server_url)
+    prefix = f"test:{uuid.uuid4().hex[:8]}"
+    trajs = [t for step in range(2) for t in scored_batch(tiny_model, 2, 2, seed=step, version=step)]
+    try:
+        for t in trajs:
+            publish(client, StreamNames(prefix).scored, t)
+        config = _config(tmp_path, "mini", tiny_model, redis_server_url, prefix, mini_batches=2)
+        done = _run(config, 2)
+        assert done.returncode == 0, done.stderr[-3000:]
+        metrics = read_metrics(tmp_path / "mini")
+        assert [m["step"] for m in metrics] == [1, 2]
+        assert [m["optimizer_steps"] for m in metrics] == [2.0, 2.0]
+        assert [m["samples_in"] for m in metrics] == [4, 4]
+        assert read_status(tmp_path / "mini")["step"] == 2
+        assert int(client.get(StreamNames(prefix).learner_batches)) == 2
+        assert json.loads(client.get(StreamNames(prefix).weights_latest))["version"] == 2
+        tags = sorted(p.name for p in (tmp_path / "mini" / "checkpoints").iterdir() if p.name.startswith("step"))
+        assert tags[-1] == "step0000004"
     finally:
         for key in client.scan_iter(match=prefix + "*"):
             client.delete(key)

@@ -83,3 +83,17 @@ def test_a_stage_run_on_its_own_starts_from_the_model_the_stages_before_it_made(
     outputs = {"synth": {"sft_data": "x"}, "sft": {"model": "sft-model"}, "rl": {"model": "rl-model"}}
     assert starting_model("base", outputs, stages) == expected
     assert starting_model("base", {"synth": {}}, ["rl"]) == "base"  # no SFT made: the base model
+
+
+def test_the_rl_section_reaches_the_learner_config(tmp_path):
+    from services.common.streams import StreamNames
+    from services.learner.config import RLConfig
+    from services.pipeline.rl import rl_config
+    from services.pipeline.train import Run
+
+    config = load_pipeline_config(CONFIGS / "smollm2-proof.yaml")
+    assert config.rl.mini_batches > 1  # the recipe sets its own
+    path = rl_config(Run(config, tmp_path), "model", StreamNames("t"), "redis://x", total_steps=16)
+    learner = RLConfig.model_validate_json(path.read_text())
+    assert (learner.mini_batches, learner.lr, learner.total_steps) == (config.rl.mini_batches, config.rl.lr, 16)
+    assert learner.filters.max_staleness == config.rl.max_staleness
