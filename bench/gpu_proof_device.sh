@@ -75,6 +75,12 @@ poll() {
     tr '\r' '\n' < "$LOG" | grep -v 'it/s\]$\|s/it\]$\|query/s\]$\|s/query\]$\|^$' > "$OUT/gpu_proof.log" || true
     cp "$WORK/run/rl/metrics.jsonl" "$OUT/gpu_proof_rl_async.jsonl" 2>/dev/null || true
     cp "$WORK/run-sync/rl/metrics.jsonl" "$OUT/gpu_proof_rl_sync.jsonl" 2>/dev/null || true
+    # the services' logs (the rollout engine logs where its time goes every 30 s), last 200 KB each
+    for run in run run-sync; do
+      for f in "$WORK/$run"/logs/{rollout-0,learner,sandbox,reward-0}.log; do
+        [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/gpu_proof_${run}_$(basename "$f")"
+      done
+    done
   fi
   kill -0 "$(cat "$PID")" 2>/dev/null && echo "still running: poll again now" || echo "the run has ended"
 }

@@ -169,6 +169,21 @@ def score_rates(trajs: list[ScoredTrajectory]) -> dict[str, float]:
     return out
 
 
+ROLLOUT_TIMINGS = ("total_s", "generate_s", "tool_s", "turns", "sampled_tokens")
+
+
+def rollout_timings(trajs: list[ScoredTrajectory]) -> dict[str, float]:
+    """Where a batch's episodes spent their time (mean per episode, and the slowest one, which
+    a synchronous step waits for): tells a slow engine from slow tools."""
+    out: dict[str, float] = {}
+    for key in ROLLOUT_TIMINGS:
+        values = [t.timings[key] for t in trajs if key in t.timings]
+        if values:
+            out[f"rollout/{key}_mean"] = sum(values) / len(values)
+            out[f"rollout/{key}_max"] = max(values)
+    return out
+
+
 class RLTrainer:
     def __init__(self, cfg: RLConfig, redis_client: Any = None, stop: threading.Event | None = None) -> None:
         self.cfg = cfg
@@ -317,6 +332,7 @@ class RLTrainer:
                    for t in trajs]
         rs, ads = alg.summarize(rewards), alg.summarize(batch.advantages)
         metrics.update(score_rates(trajs))
+        metrics.update(rollout_timings(trajs))
         metrics.update({"reward_mean": rs["mean"], "reward_std": rs["std"], "reward_max": rs["max"],
                         "advantage_mean": ads["mean"], "advantage_std": ads["std"], "advantage_min": ads["min"],
                         "advantage_max": ads["max"]})

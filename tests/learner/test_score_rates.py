@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.common.schemas import CheckVerdict, Score, ScoredTrajectory
-from services.learner.trainer import score_rates
+from services.learner.trainer import rollout_timings, score_rates
 
 
 def _traj(success: float, cs_micro: float, finish: str = "answer", room: bool | None = None) -> ScoredTrajectory:
@@ -22,3 +22,15 @@ def test_rates_are_batch_means_and_skip_checks_that_do_not_apply():
     assert rates["check/Within Sandbox"] == 1 / 3
     assert rates["check/Room Type"] == 0.5  # the None verdict does not count
     assert score_rates([]) == {}
+
+
+def test_rollout_timings_are_episode_means_and_the_slowest_episode():
+    a, b, c = (_traj(1.0, 1.0) for _ in range(3))
+    a.timings = {"total_s": 10.0, "generate_s": 8.0, "tool_s": 1.0}
+    b.timings = {"total_s": 30.0, "generate_s": 20.0, "tool_s": 3.0}
+    # c has no timings (an older worker): it is left out, not counted as zero
+    out = rollout_timings([a, b, c])
+    assert out["rollout/total_s_mean"] == 20.0 and out["rollout/total_s_max"] == 30.0
+    assert out["rollout/tool_s_mean"] == 2.0
+    assert "rollout/turns_mean" not in out
+    assert rollout_timings([c]) == {}

@@ -21,7 +21,9 @@ model's device; decoding runs in a worker thread, so the event loop keeps servin
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +32,29 @@ from typing import Any
 from services.rollout.engines.base import Engine, EngineError, Generation, TurnParams
 
 STEPS_PER_TICK = 4  # decode steps between admissions: joiners wait at most this long
+STATS_EVERY_S = 30.0  # how often the engine logs where its time went
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Window:
+    """Where the decoding thread's time went since the last log line."""
+
+    started: float = field(default_factory=time.perf_counter)
+    decode_steps: int = 0
+    row_steps: int = 0       # rows decoded, summed over steps: tokens sampled by decode steps
+    decode_s: float = 0.0
+    admit_s: float = 0.0     # prefill, stacking onto the batch, and retiring rows
+    admitted: int = 0
+
+    def line(self) -> dict[str, float]:
+        wall = max(time.perf_counter() - self.started, 1e-9)
+        steps = max(self.decode_steps, 1)
+        return {"window_s": round(wall, 1), "rows_mean": round(self.row_steps / steps, 1),
+                "decode_ms_per_step": round(1000 * self.decode_s / steps, 1),
+                "tokens_per_s": round(self.row_steps / wall, 1), "admitted": self.admitted,
+                "decode_share": round(self.decode_s / wall, 3), "admit_share": round(self.admit_s / wall, 3)}
 
 
 def attention_backends():
@@ -114,6 +139,7 @@ class TransformersEngine(Engine):
         self._prefixes: OrderedDict[tuple[int, ...], _Prefix] = OrderedDict()
         self.prefill_tokens = 0  # prompt tokens actually run through the model (for tests and metrics)
         self.reused_tokens = 0   # prompt tokens taken from a kept cache instead
+        self._window = _Window()
 
     async def _generate(self, prompt_ids: list[int], params: TurnParams, request_id: str) -> Generation:
         if self.max_model_len and len(prompt_ids) + 1 > self.max_model_len:
@@ -157,17 +183,29 @@ class TransformersEngine(Engine):
     def _tick(self, batch: _Batch, joining: list[_Request]) -> list[_Row]:
         """Admit `joining`, then decode a few steps; returns the rows that finished."""
         torch = self.torch
+        w = self._window
         with self._model_lock, torch.inference_mode(), attention_backends():
             finished: list[_Row] = []
             if joining:
+                t0 = time.perf_counter()
                 finished += self._admit(batch, joining)
+                w.admit_s += time.perf_counter() - t0
+                w.admitted += len(joining)
             for _ in range(STEPS_PER_TICK):
                 if not batch.rows:
                     break
-                finished += self._decode_step(batch)
+                t0, rows = time.perf_counter(), len(batch.rows)
+                finished += self._decode_step(batch)  # ends in a host read: the time is the GPU's too
+                w.decode_s += time.perf_counter() - t0
+                w.decode_steps += 1
+                w.row_steps += rows
                 if finished:
                     break  # answer them now rather than after the remaining steps
-            return finished
+        if time.perf_counter() - w.started >= STATS_EVERY_S:
+            log.info("transformers engine", extra={**w.line(), "rows": len(batch.rows),
+                                                   "kept_caches": len(self._prefixes)})
+            self._window = _Window()
+        return finished
 
     # -- admission -------------------------------------------------------------------------------
 
