@@ -204,3 +204,20 @@ def test_new_weights_drop_the_kept_caches(tiny_model, tmp_path):
     prompt = PROMPT + one.token_ids + TOOL_REPLY
     gen(engine, TurnParams(max_tokens=3, seed=8), prompt=prompt)
     assert engine.prefill_tokens - before == len(prompt)  # the old policy's cache was not reused
+
+
+def test_the_engine_logs_where_its_time_goes(tiny_model, monkeypatch, caplog):
+    import logging
+
+    from services.rollout.engines import hf
+
+    monkeypatch.setattr(hf, "STATS_EVERY_S", 0.0)  # a line after every tick
+    engine = TransformersEngine(tiny_model, max_model_len=2048)
+    with caplog.at_level(logging.INFO, logger=hf.__name__):
+        gen(engine, TurnParams(max_tokens=6, seed=1), TurnParams(max_tokens=6, seed=2))
+    lines = [r for r in caplog.records if r.getMessage().startswith("transformers engine: ")]
+    assert lines
+    first = lines[0]
+    assert first.admitted == 2 and first.rows_mean == 2.0  # both rows admitted together, then decoded
+    assert "decode_ms_per_step=" in first.getMessage() and first.decode_ms_per_step > 0
+    assert sum(r.admitted for r in lines) == 2

@@ -202,8 +202,9 @@ class TransformersEngine(Engine):
                 if finished:
                     break  # answer them now rather than after the remaining steps
         if time.perf_counter() - w.started >= STATS_EVERY_S:
-            log.info("transformers engine", extra={**w.line(), "rows": len(batch.rows),
-                                                   "kept_caches": len(self._prefixes)})
+            fields = {**w.line(), "rows": len(batch.rows), "kept_caches": len(self._prefixes)}
+            # in the message, not only in `extra`: the services' plain-text logs print no extras
+            log.info("transformers engine: " + " ".join(f"{k}={v}" for k, v in fields.items()), extra=fields)
             self._window = _Window()
         return finished
 
