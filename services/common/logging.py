@@ -40,3 +40,6 @@ def configure_logging(service: str, level: str = "INFO", json: bool = True) -> N
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # one INFO line per HTTP request (every tool call of every agent) drowns what the service says
+    if logging.getLevelName(level.upper()) == logging.INFO:
+        logging.getLogger("httpx").setLevel(logging.WARNING)

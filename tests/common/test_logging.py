@@ -1,0 +1,28 @@
+"""Service logging: what the root logger prints at each level."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from services.common.logging import configure_logging
+
+
+@pytest.fixture
+def restore_logging():
+    root, httpx = logging.getLogger(), logging.getLogger("httpx")
+    saved = (root.handlers[:], root.level, httpx.level)
+    yield
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    httpx.setLevel(saved[2])
+
+
+def test_info_leaves_out_a_line_per_http_request_and_debug_keeps_it(restore_logging):
+    configure_logging("t", "INFO", json=False)
+    assert not logging.getLogger("httpx").isEnabledFor(logging.INFO)
+    assert logging.getLogger("services.rollout").isEnabledFor(logging.INFO)
+    logging.getLogger("httpx").setLevel(logging.NOTSET)
+    configure_logging("t", "DEBUG", json=False)
+    assert logging.getLogger("httpx").isEnabledFor(logging.INFO)
