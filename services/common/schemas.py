@@ -170,6 +170,7 @@ class Trajectory(BaseModel):
     # What the scorer needs, carried from the task so a trajectory can be scored on its own.
     query: TravelQuery | None = None
     epoch: int = 1
+    step: int | None = Field(None, description="The training step whose batch this belongs to (None: outside a schedule).")
     reward_kind: str = "sum"
     eval_mode: str = "strict"
     error: str | None = Field(None, description="What went wrong when finish_reason is engine_error.")
@@ -246,6 +247,7 @@ class RolloutTask(BaseModel):
     group_size: int = Field(8, ge=1, le=256)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     epoch: int = Field(1, ge=1, description="1-based epoch, for the curriculum reward.")
+    step: int | None = Field(None, ge=0, description="0-based training step (None: evaluation or ad hoc).")
     reward_kind: RewardKind = "sum"
     eval_mode: EvalMode = "strict"
     min_policy_version: int = Field(0, ge=0, description="Do not sample with weights older than this.")

@@ -127,6 +127,8 @@ class RLConfig(_Strict):
     consumer_name: str = "learner-0"
     read_block_ms: int = Field(1000, ge=1)
     wait_timeout_s: float = Field(3600.0, gt=0.0, description="Give up a step when no data comes for this long.")
+    straggler_wait_s: float = Field(
+        600.0, gt=0.0, description="How long a batch waits for its own step's groups before taking later steps' ones.")
     publish_weights: bool = True
     weights_dir: str | None = Field(None, description="Weights store (default: STAR_HOME/weights).")
     keep_versions: int = Field(3, ge=1)

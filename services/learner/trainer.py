@@ -259,6 +259,22 @@ class RLTrainer:
     def _complete(self) -> list[str]:
         return [g for g, m in self.groups.items() if len(m) >= self.cfg.group_size]
 
+    def _step_of(self, group: str) -> int:
+        step = self.groups[group][0][1].step
+        return -1 if step is None else step
+
+    def _candidates(self, waited_s: float) -> list[str]:
+        """Complete groups this batch may take, oldest step first. A later step's groups wait
+        while this step's are still coming: with several steps in flight the later step's fast
+        groups finish first, and taken now they would leave this step's slow groups to the next
+        batch, one version staler and, at the staleness bound, dropped (half of the samples of
+        a 2026-11-24 run). After `straggler_wait_s`, or when refilling (DAPO reads beyond the
+        step), any complete group goes, so a lost group cannot stall the run."""
+        complete = sorted(self._complete(), key=self._step_of)  # stable: arrival order within a step
+        if self.cfg.filters.refill or waited_s >= self.cfg.straggler_wait_s:
+            return complete
+        return [g for g in complete if self._step_of(g) <= self.batches]
+
     def _enough(self, chosen: list[str], useful: int) -> bool:
         """Without refill a step takes the next `batch_prompts` groups (filters may shrink it);
         with refill it reads on until that many groups survive, at most max_refill_rounds batches more."""
@@ -270,15 +286,16 @@ class RLTrainer:
         return f.max_refill_rounds > 0 and len(chosen) >= n * (1 + f.max_refill_rounds)
 
     def collect(self) -> tuple[list[Any], list[ScoredTrajectory], float]:
-        """Rank 0: messages and trajectories of the next step's groups (in arrival order)."""
+        """Rank 0: messages and trajectories of the next step's groups (oldest step first)."""
         cfg = self.cfg
         t0 = time.perf_counter()
         trained = self._already_trained()
         chosen: list[str] = []
         useful = 0
         deadline = time.monotonic() + cfg.wait_timeout_s
+        started = time.monotonic()
         while True:
-            for g in self._complete():
+            for g in self._candidates(time.monotonic() - started):
                 if g in chosen or self._enough(chosen, useful):
                     continue
                 chosen.append(g)

@@ -104,7 +104,7 @@ class TaskPublisher:
             sampling = self.sampling.model_copy(update={"seed": base_seed + (step * 1000 + slot) * 1000})
             out.append(RolloutTask(
                 run_id=self.run_id, task_id=task_id, prompt_id=query.id or f"prompt-{index}", query=query,
-                group_size=self.schedule.group_size, sampling=sampling, epoch=epoch, reward_kind=kind,
+                group_size=self.schedule.group_size, sampling=sampling, epoch=epoch, step=step, reward_kind=kind,
                 eval_mode=self.eval_mode, arpo=self.arpo,
                 min_policy_version=max(0, step - self.max_staleness) if min_version is None else min_version))
         return out

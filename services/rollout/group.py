@@ -38,6 +38,7 @@ class GroupMeta:
     task_id: str = "adhoc"
     prompt_id: str = "adhoc"
     epoch: int = 1
+    step: int | None = None
     reward_kind: str = "sum"
     eval_mode: str = "strict"
 
@@ -45,7 +46,7 @@ class GroupMeta:
         return {"run_id": self.run_id, "task_id": self.task_id, "prompt_id": self.prompt_id,
                 # One group per task: the same prompt rolled out at two steps (or twice in one
                 # wrapped-around batch) must never merge into one group at the learner.
-                "group_id": self.task_id, "epoch": self.epoch, "reward_kind": self.reward_kind,
+                "group_id": self.task_id, "epoch": self.epoch, "step": self.step, "reward_kind": self.reward_kind,
                 "eval_mode": self.eval_mode}
 
 

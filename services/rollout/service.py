@@ -155,7 +155,8 @@ class RolloutService:
             task_id = request.task_id or f"{request.run_id}-{int(time.time() * 1000)}"
         prompt_id = getattr(request, "prompt_id", None) or request.query.id or task_id
         meta = GroupMeta(run_id=request.run_id, task_id=task_id, prompt_id=prompt_id, epoch=request.epoch,
-                         reward_kind=request.reward_kind, eval_mode=request.eval_mode)
+                         step=getattr(request, "step", None), reward_kind=request.reward_kind,
+                         eval_mode=request.eval_mode)
         self.metrics.in_flight.inc(group)
         try:
             from services.rollout.agent import Limits

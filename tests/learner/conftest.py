@@ -32,7 +32,8 @@ def behaviour_logprobs(model_dir: Path, token_ids: list[list[int]]) -> list[list
 
 
 def scored_batch(model_dir: Path, groups: int, group_size: int, *, length: int = 24, prompt: int = 6,
-                 seed: int = 0, version: int = 0, run_id: str = "test") -> list[ScoredTrajectory]:
+                 seed: int = 0, version: int = 0, run_id: str = "test",
+                 step: int | None = None) -> list[ScoredTrajectory]:
     g = torch.Generator().manual_seed(seed)
     ids = [torch.randint(100, 5000, (length,), generator=g).tolist() for _ in range(groups * group_size)]
     lps = behaviour_logprobs(model_dir, ids)
@@ -45,5 +46,5 @@ def scored_batch(model_dir: Path, groups: int, group_size: int, *, length: int =
             run_id=run_id, task_id=f"task-{seed}-{grp}", prompt_id=f"p-{seed}-{grp}", group_id=f"g-{seed}-{grp}",
             sample_index=i, policy_version=version, token_ids=tok, loss_mask=mask,
             logprobs=[None if m == 0 else v for m, v in zip(mask, lp)], finish_reason="answer",
-            score=Score(), reward=r))
+            score=Score(), reward=r, step=step))
     return out

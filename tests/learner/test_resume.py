@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from services.common.streams import StreamNames, publish
-from services.learner.config import EngineConfig, RLConfig
+from services.learner.config import EngineConfig, FilterConfig, RLConfig
 from services.learner.runlog import read_metrics
 from services.learner.trainer import read_status
 
@@ -170,6 +170,31 @@ def test_mini_batches_update_several_times_per_batch_and_count_one_step(tmp_path
         assert json.loads(client.get(StreamNames(prefix).weights_latest))["version"] == 2
         tags = sorted(p.name for p in (tmp_path / "mini" / "checkpoints").iterdir() if p.name.startswith("step"))
         assert tags[-1] == "step0000004"
+    finally:
+        for key in client.scan_iter(match=prefix + "*"):
+            client.delete(key)
+
+
+@pytest.mark.slow
+def test_a_batch_waits_for_its_own_steps_slow_groups_instead_of_taking_a_later_steps(
+        tmp_path, tiny_model, redis_server_url):
+    """Asynchronous RL (max_staleness 1): step 2's groups, sampled by version 1, arrive before
+    step 1's slow ones, sampled by version 0. Batch 1 waits for step 1's; taking step 2's would
+    leave step 1's to batch 2, two versions old by then, and drop them."""
+    client = redis.Redis.from_url(redis_server_url)
+    prefix = f"test:{uuid.uuid4().hex[:8]}"
+    arrival = [(0, 0), (2, 1), (1, 0)]  # (step, version that sampled it), in stream order
+    try:
+        for step, version in arrival:
+            for t in scored_batch(tiny_model, 2, 2, seed=step, version=version, step=step):
+                publish(client, StreamNames(prefix).scored, t)
+        config = _config(tmp_path, "order", tiny_model, redis_server_url, prefix,
+                         filters=FilterConfig(max_staleness=1))
+        done = _run(config, 3)
+        assert done.returncode == 0, done.stderr[-3000:]
+        metrics = read_metrics(tmp_path / "order")
+        assert [m["samples_stale"] for m in metrics] == [0.0, 0.0, 0.0]
+        assert [m["samples_trained"] for m in metrics] == [4.0, 4.0, 4.0]
     finally:
         for key in client.scan_iter(match=prefix + "*"):
             client.delete(key)

@@ -66,6 +66,7 @@ def test_publisher_paces_by_version_and_never_repeats(redis_client):
     assert len({t.sampling.seed for t in tasks}) == 16
     assert tasks[4].min_policy_version == 1  # the version the controller saw
     assert tasks[8].min_policy_version == 3  # default: step 4 - staleness 1
+    assert [t.step for t in tasks] == [s for s in range(8) for _ in range(2)]  # the learner batches by it
 
 
 def test_arpo_settings_travel_with_the_tasks(redis_client):

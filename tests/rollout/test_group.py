@@ -26,11 +26,11 @@ def by_progress(tokenizer):
 def test_group_runs_g_samples_concurrently_with_distinct_seeds(tokenizer, local_tools):
     engine = ScriptedEngine(tokenizer, by_progress(tokenizer))
     agent = Agent(engine, local_tools)
-    meta = GroupMeta(run_id="r", task_id="t", prompt_id="p", epoch=2, reward_kind="macro", eval_mode="official")
+    meta = GroupMeta(run_id="r", task_id="t", prompt_id="p", epoch=2, step=5, reward_kind="macro", eval_mode="official")
     trajs = asyncio.run(sample_group(agent, "a trip", 4, SamplingParams(seed=100), meta=meta))
     assert [t.sample_index for t in trajs] == [0, 1, 2, 3]
     assert all(t.finish_reason == "answer" and t.tool_calls == 2 for t in trajs)
-    assert {t.group_id for t in trajs} == {"t"} and {t.prompt_id for t in trajs} == {"p"} and trajs[0].epoch == 2 and trajs[0].reward_kind == "macro"
+    assert {t.group_id for t in trajs} == {"t"} and {t.prompt_id for t in trajs} == {"p"} and trajs[0].epoch == 2 and trajs[0].step == 5 and trajs[0].reward_kind == "macro"
     first_turn_seeds = [c["params"].seed for c in engine.calls[:4]]
     assert len(set(first_turn_seeds)) == 4
     # Concurrency: all four first turns were issued before any second turn.
