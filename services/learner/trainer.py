@@ -323,7 +323,16 @@ class RLTrainer:
                     msg.deliveries = self.consumer.max_deliveries  # a bad payload never gets better
                     self.consumer.fail(msg, f"not a ScoredTrajectory: {str(exc)[:500]}")
                     continue
-                self.groups.setdefault(traj.group_id, []).append((msg, traj))
+                members = self.groups.setdefault(traj.group_id, [])
+                held = next((m for m, t in members if t.sample_index == traj.sample_index), None)
+                if held is not None:
+                    # The same sample again: our own pending message re-delivered after idling
+                    # while we waited (the copy we hold stands), or a task that ran twice (this
+                    # copy is acknowledged now, never trained).
+                    if held.id != msg.id:
+                        until_redis(lambda m=msg: self.consumer.ack(m), what="acknowledging a duplicate")
+                    continue
+                members.append((msg, traj))
         messages, trajs = [], []
         for g in chosen:
             for msg, traj in self.groups.pop(g):

@@ -198,3 +198,23 @@ def test_a_batch_waits_for_its_own_steps_slow_groups_instead_of_taking_a_later_s
     finally:
         for key in client.scan_iter(match=prefix + "*"):
             client.delete(key)
+
+
+@pytest.mark.slow
+def test_a_sample_delivered_twice_is_trained_once(tmp_path, tiny_model, redis_server_url):
+    """A task that ran twice publishes its samples twice: a group must not grow past its size
+    with copies (a 2026-11-24 run trained batches of 72-96 samples for 64)."""
+    client = redis.Redis.from_url(redis_server_url)
+    prefix = f"test:{uuid.uuid4().hex[:8]}"
+    trajs = scored_batch(tiny_model, 2, 2, seed=0)
+    try:
+        for t in trajs[:2] + trajs[:2] + trajs[2:]:  # the first group's samples twice, then the second group
+            publish(client, StreamNames(prefix).scored, t)
+        done = _run(_config(tmp_path, "dup", tiny_model, redis_server_url, prefix), 1)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (metrics,) = read_metrics(tmp_path / "dup")
+        assert metrics["samples_in"] == 4
+        assert client.xpending(StreamNames(prefix).scored, "learner")["pending"] == 0  # the copies acknowledged
+    finally:
+        for key in client.scan_iter(match=prefix + "*"):
+            client.delete(key)
