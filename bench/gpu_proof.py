@@ -39,7 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PHASES = ("convert", "sft", "eval_sft", "rl_async", "eval_rl", "rl_sync", "report")
+PHASES = ("convert", "sft", "eval_sft", "rl_sync", "rl_async", "eval_rl", "report")  # baseline first: short, and a cut-off run keeps the speed-up
 
 
 def log(msg: str) -> None:
