@@ -36,11 +36,11 @@ def test_zero2_two_ranks_match_one(tmp_path, tiny_model):
     moved = 0
     for name, d1 in one["delta"].items():
         d2 = two["delta"][name]
-        scale = d1.abs().max().item()
+        scale = d1.norm().item()
         moved += scale > 0
-        # Adam's first step is lr·g/(|g|+eps): summation order (1 rank vs a reduce over 2) moves the
-        # tiniest gradients, so updates agree to 1e-3 of the step size, not bit for bit.
-        assert (d1 - d2).abs().max().item() <= 1e-3 * max(scale, 1e-12) + 1e-9, name
+        # the update is ≈ lr·g (zero_update.py), so the two agree as their gradient sums do: to the
+        # rounding of a different summation order, not bit for bit
+        assert (d1 - d2).norm().item() <= 1e-4 * scale + 1e-12, name
     assert moved >= 10  # the step changed the weights, so the comparison means something
 
 

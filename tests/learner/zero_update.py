@@ -20,8 +20,11 @@ from services.learner.steps import rl_step  # noqa: E402
 
 
 def main(out: Path) -> None:
-    engine = PolicyEngine(tiny_qwen2(), EngineConfig(zero_stage=2, micro_batch_tokens=48), ScheduleConfig(lr=1e-3),
-                          total_steps=10)
+    # adam_eps 1: Adam's first update is lr·g/(|g| + 1) ≈ lr·g, so the weight change is the gradient
+    # itself. With the default eps it is ≈ lr·sign(g), where a gradient near eps flips with the
+    # summation order (1 rank against a reduce over 2) and the comparison becomes a coin toss.
+    engine = PolicyEngine(tiny_qwen2(), EngineConfig(zero_stage=2, micro_batch_tokens=48, adam_eps=1.0),
+                          ScheduleConfig(lr=0.1), total_steps=10)
     before = {n: p.detach().clone() for n, p in engine.hf_model.named_parameters()}
     g = torch.Generator().manual_seed(7)
     seqs = [Sequence_(torch.randint(100, 5000, (n,), generator=g).tolist(), [0, 0, 0] + [1] * (n - 3), None,
