@@ -179,8 +179,8 @@ def rollout_timings(trajs: list[ScoredTrajectory]) -> dict[str, float]:
     for key in ROLLOUT_TIMINGS:
         values = [t.timings[key] for t in trajs if key in t.timings]
         if values:
-            out[f"rollout/{key}_mean"] = sum(values) / len(values)
-            out[f"rollout/{key}_max"] = max(values)
+            s = alg.summarize(values)
+            out[f"rollout/{key}_mean"], out[f"rollout/{key}_max"] = s["mean"], s["max"]
     return out
 
 
@@ -292,8 +292,8 @@ class RLTrainer:
         trained = self._already_trained()
         chosen: list[str] = []
         useful = 0
-        deadline = time.monotonic() + cfg.wait_timeout_s
         started = time.monotonic()
+        deadline = started + cfg.wait_timeout_s
         while True:
             for g in self._candidates(time.monotonic() - started):
                 if g in chosen or self._enough(chosen, useful):
