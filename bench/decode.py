@@ -14,7 +14,10 @@ and both modes decode the same number of tokens; both use the same seeds.
 `--step-probe` instead times single decode steps (no agents): for each batch size in
 `--probe-batches`, prefill that many `--prompt`-token rows, then time `--probe-steps` decode steps
 (ms/step, tokens/s), and profile the largest batch's steps (host vs device time per op). This is
-the number that bounds an episode's speed: a turn of n tokens costs about n steps.
+the number that bounds an episode's speed: a turn of n tokens costs about n steps. The baseline,
+timed in the same run at the same rows and context: the model's own forward over HF's
+DynamicCache (what the engine decoded with before its slot pool; the cache grows by
+concatenation, so every step copies it).
 
 Modes: `static` admits new requests only when the running batch is empty (a batch runs until its
 last row ends: the engine's behaviour before continuous batching); `continuous` admits them between
@@ -64,7 +67,8 @@ async def run_agents(engine: Any, plan: list[list[tuple[int, int]]], args) -> di
 
     async def agent(i: int, steps: list[tuple[int, int]]) -> int:
         rng = random.Random(1000 + i)
-        context = [rng.randrange(1000, 150000) for _ in range(args.prompt)]
+        vocab = engine.model.config.vocab_size
+        context = [rng.randrange(1000, vocab) for _ in range(args.prompt)]
         sampled = 0
         for max_tokens, seed in steps:
             t0 = time.perf_counter()
@@ -73,7 +77,7 @@ async def run_agents(engine: Any, plan: list[list[tuple[int, int]]], args) -> di
             turns.append({"kind": "long" if max_tokens == args.long else "short", "s": time.perf_counter() - t0,
                           "tokens": len(gen.token_ids)})
             sampled += len(gen.token_ids)
-            context = context + gen.token_ids + [rng.randrange(1000, 150000) for _ in range(args.tool_tokens)]
+            context = context + gen.token_ids + [rng.randrange(1000, vocab) for _ in range(args.tool_tokens)]
         return sampled
 
     t0 = time.perf_counter()
@@ -93,6 +97,7 @@ async def run_agents(engine: Any, plan: list[list[tuple[int, int]]], args) -> di
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="smollm")
+    p.add_argument("--model", default=None, help="an HF model folder to decode with instead of a random --size model")
     p.add_argument("--agents", type=int, default=16)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--prompt", type=int, default=1500)
@@ -118,10 +123,13 @@ def main() -> None:
     on_gpu = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if on_gpu else f"CPU ({platform.machine()})"
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
-    folder = tiny_qwen2(Path(tempfile.mkdtemp(prefix="decode-bench-")) / "model", **SIZES[args.size],
-                        max_positions=32768)
-    engine = TransformersEngine(folder, max_model_len=32768, max_batch=args.max_batch, dtype=dtype)
+    folder = Path(args.model) if args.model else tiny_qwen2(
+        Path(tempfile.mkdtemp(prefix="decode-bench-")) / "model", **SIZES[args.size], max_positions=32768)
+    # the step probe holds its largest batch at once: one slot per row
+    max_batch = max([args.max_batch] + ([int(b) for b in args.probe_batches.split(",")] if args.step_probe else []))
+    engine = TransformersEngine(folder, max_model_len=32768, max_batch=max_batch, dtype=dtype)
     params_m = sum(p.numel() for p in engine.model.parameters()) / 1e6
+    args.size = folder.name if args.model else args.size  # what the reports name
     log(f"device {device}; model {args.size} ({params_m:.0f} M params, {dtype})")
     if args.step_probe:
         step_probe(engine, args, device, dtype, params_m)
@@ -180,7 +188,7 @@ def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> N
     ticks = max(1, args.probe_steps // STEPS_PER_TICK)
     for n in sizes:
         batch = _Batch()
-        joining = [_Request([rng.randrange(1000, 150000) for _ in range(args.prompt)],
+        joining = [_Request([rng.randrange(1000, engine.model.config.vocab_size) for _ in range(args.prompt)],
                             TurnParams(max_tokens=10**6, temperature=1.0, top_p=0.95, seed=i), None)
                    for i in range(n)]
         sync()
@@ -203,22 +211,63 @@ def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> N
                 sync()
             sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
             table = prof.key_averages().table(sort_by=sort, row_limit=25)
-        rows.append({"batch": n, "prefill_s": prefill, "step_ms": 1000 * step, "tokens_per_s": n / step})
-        log(f"batch {n}: admission tick {prefill:.3f} s, {1000 * step:.1f} ms/step, {n / step:,.0f} tokens/s")
+        engine._reset()
         del batch
+        base = dynamic_cache_step_s(engine, n, args.prompt, args.probe_steps, sync)
+        rows.append({"batch": n, "prefill_s": prefill, "step_ms": 1000 * step, "tokens_per_s": n / step,
+                     "dynamic_cache_step_ms": 1000 * base, "speedup": base / step})
+        log(f"batch {n}: admission tick {prefill:.3f} s, {1000 * step:.1f} ms/step, {n / step:,.0f} tokens/s; "
+            f"DynamicCache forward {1000 * base:.1f} ms/step ({base / step:.2f}×)")
     print(table, flush=True)
     record = {"device": device, "dtype": dtype, "params_m": params_m, "args": vars(args), "steps": rows,
               "profile": table}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(record, indent=1))
     lines = [f"# Decode step probe ({args.name})", "",
-             f"Device: {device}. Model: random Qwen2, `{args.size}` shape ({params_m:.0f} M parameters), {dtype}; "
+             f"Device: {device}. Model: {'`' + args.model + '`' if args.model else 'random Qwen2'}, `{args.size}` shape ({params_m:.0f} M parameters), {dtype}; "
              f"{args.prompt}-token context per row; mean of {ticks * STEPS_PER_TICK} steps after one warm-up "
              f"tick; the admission tick is the prefill plus {STEPS_PER_TICK} decode steps.", "",
-             "| rows | admission tick s | ms / decode step | tokens/s |", "|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['prefill_s']:.3f} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} |" for r in rows]
+             "| rows | admission tick s | ms / decode step | tokens/s | DynamicCache forward ms / step | speed-up |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['prefill_s']:.3f} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['dynamic_cache_step_ms']:.1f} | {r['speedup']:.2f}× |" for r in rows]
     lines += ["", f"Profile of {2 * STEPS_PER_TICK} steps at {sizes[-1]} rows:", "", "```", table, "```", ""]
     (RESULTS / f"{args.name}.md").write_text("\n".join(lines))
+
+
+def dynamic_cache_step_s(engine: Any, rows: int, context: int, steps: int, sync: Any) -> float:
+    """Seconds per greedy decode step of the model's own forward over a DynamicCache, `rows` rows
+    of `context` tokens: the baseline the slot pool replaced."""
+    import torch
+
+    from services.rollout.engines.hf import attention_backends
+
+    model, device = engine.model, engine.device
+    with torch.inference_mode(), attention_backends():
+        ids = torch.randint(1000, model.config.vocab_size, (rows, context), device=device)
+        mask = torch.ones_like(ids)
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1)
+
+        def step() -> None:
+            nonlocal mask, cache, token
+            mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=device)], 1)
+            out = model(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
+                        logits_to_keep=1)
+            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1)
+            token.tolist()  # the engine reads its tokens back every step too
+
+        step()  # warm-up
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        elapsed = (time.perf_counter() - t0) / steps
+    del cache, out
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return elapsed
 
 
 def write_markdown(record: dict[str, Any], args) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -129,20 +130,21 @@ def test_nucleus_from_the_top_candidates_equals_the_full_sort(sharpness):
         assert torch.equal(_nucleus(torch, probs, top_p), full)
 
 
-def test_decoding_runs_outside_cudnn_attention(tiny_model):
+def test_decoding_runs_outside_cudnn_attention(tiny_model, monkeypatch):
     """cuDNN's SDPA re-plans for every new key length, i.e. every decode step; the engine must
     decode (and prefill) with it switched off, and switch it back on for the rest of the process."""
     engine = TransformersEngine(tiny_model, max_model_len=2048)
     seen: list[bool] = []
-    forward = engine.model.forward
+    sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def spy(*args, **kwargs):
         seen.append(torch.backends.cuda.cudnn_sdp_enabled())
-        return forward(*args, **kwargs)
+        return sdpa(*args, **kwargs)
 
-    engine.model.forward = spy
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     gen(engine, TurnParams(max_tokens=4, seed=1))
-    assert len(seen) >= 4 and not any(seen)  # the prefill and every decode step
+    layers = engine.model.config.num_hidden_layers
+    assert len(seen) >= 4 * layers and not any(seen)  # the prefill and every decode step, every layer
     assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
@@ -221,3 +223,97 @@ def test_the_engine_logs_where_its_time_goes(tiny_model, monkeypatch, caplog):
     assert first.admitted == 2 and first.rows_mean == 2.0  # both rows admitted together, then decoded
     assert "decode_ms_per_step=" in first.getMessage() and first.decode_ms_per_step > 0
     assert sum(r.admitted for r in lines) == 2
+
+
+# -- the slot pool: chunked prefill, growth, eviction, architectures ----------------------------
+
+
+def _logprobs_by_forward(engine, prompt: list[int], sampled: list[int]) -> torch.Tensor:
+    """The model's own (HF forward) raw log-probs of `sampled` after `prompt`."""
+    ids = torch.tensor([prompt + sampled])
+    with torch.inference_mode():
+        logits = engine.model(ids).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(sampled)[:, None])[:, 0]
+
+
+def test_a_prompt_longer_than_a_prefill_chunk_matches_the_models_forward(tiny_model):
+    from services.rollout.engines import hf
+
+    engine = TransformersEngine(tiny_model, max_model_len=2048)
+    long = (PROMPT * 200)[:hf.PREFILL_CHUNK * 2 + 37]  # three chunks, the last one partial
+    short = PROMPT[:5]
+    both = asyncio.run(_gather(engine, (long, TurnParams(max_tokens=6, seed=1)), (short, TurnParams(max_tokens=6, seed=2))))
+    for prompt, g in zip((long, short), both):
+        assert torch.allclose(torch.tensor(g.logprobs), _logprobs_by_forward(engine, prompt, g.token_ids), atol=1e-4)
+
+
+async def _gather(engine, *requests):
+    return await asyncio.gather(*(engine.generate(p, params) for p, params in requests))
+
+
+def test_a_long_joiner_grows_the_pool_without_disturbing_running_rows(tiny_model):
+    engine = TransformersEngine(tiny_model, max_model_len=2048)
+    solo = gen(engine, TurnParams(max_tokens=30, seed=11))[0]
+    fresh = TransformersEngine(tiny_model, max_model_len=2048)
+
+    async def run():
+        runner = asyncio.ensure_future(fresh.generate(PROMPT, TurnParams(max_tokens=30, seed=11)))
+        await asyncio.sleep(0.05)
+        capacity = fresh._pool.capacity
+        joiner = await fresh.generate((PROMPT * 60)[:500], TurnParams(max_tokens=4, seed=12))
+        return await runner, joiner, capacity
+
+    ran, joiner, before = asyncio.run(run())
+    assert fresh._pool.capacity > before  # the joiner needed more columns than the pool had
+    assert ran.token_ids == solo.token_ids and ran.logprobs == pytest.approx(solo.logprobs, abs=1e-4)
+    assert len(joiner.token_ids) == 4
+
+
+def test_more_agents_than_slots_evict_kept_caches_and_still_match_full_prefills(tiny_model):
+    """Two slots, four agents of two turns each: kept caches are evicted (least recent first) and
+    the agents whose cache survived prefill only their new tokens; every answer matches an engine
+    that keeps nothing."""
+    kept = TransformersEngine(tiny_model, max_model_len=2048, max_batch=2)
+    full = TransformersEngine(tiny_model, max_model_len=2048, max_batch=2, prefix_cache=0)
+
+    async def agents(engine):
+        firsts = [await engine.generate(PROMPT[i:], TurnParams(max_tokens=5, seed=i)) for i in range(4)]
+        # agent 3's cache is the most recent: its next turn comes first and finds it
+        return firsts + [await engine.generate(PROMPT[i:] + firsts[i].token_ids + TOOL_REPLY,
+                                               TurnParams(max_tokens=5, seed=10 + i)) for i in (3, 0, 2, 1)]
+
+    with_kept, with_full = asyncio.run(agents(kept)), asyncio.run(agents(full))
+    assert kept.reused_tokens > 0 and full.reused_tokens == 0
+    for x, y in zip(with_kept, with_full):
+        assert x.token_ids == y.token_ids
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+    assert len(kept._kept) + len(kept._free) == 2  # every slot accounted for once the batch is empty
+
+
+def test_a_llama_model_decodes_with_the_models_own_logprobs(tiny_model, tmp_path):
+    """SmolLM2 is Llama-shaped (no q/k/v bias, its own rotary settings): the engine's layer loop
+    must give the model's own log-probs there too."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from services.rollout.engines.base import EngineError
+
+    qwen = TransformersEngine(tiny_model, max_model_len=2048)
+    folder = tmp_path / "llama"
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=qwen.model.config.vocab_size, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, rope_theta=100000.0,
+                         tie_word_embeddings=True, max_position_embeddings=4096)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    for f in tiny_model.iterdir():
+        if "token" in f.name or f.name == "vocab.json" or f.name == "merges.txt":
+            shutil.copy(f, folder / f.name)
+    llama = TransformersEngine(folder, max_model_len=2048)
+    g = gen(llama, TurnParams(max_tokens=8, seed=3, temperature=0.9))[0]
+    assert torch.allclose(torch.tensor(g.logprobs), _logprobs_by_forward(llama, PROMPT, g.token_ids), atol=1e-4)
+
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(EngineError, match="runs llama, qwen2 models, not .gpt2"):
+        TransformersEngine(folder, max_model_len=2048)

@@ -1,17 +1,24 @@
 """transformers in-process with continuous batching: the CPU demo/test engine and a GPU fallback.
 
 Rows join and leave the running batch between decode steps. A request that arrives while others
-decode is prefilled on its own (with whatever else arrived with it), its KV cache is left-padded to
-the running batch's length and stacked onto it, and from the next step it decodes with the rest; a
-row that samples a stop token or reaches its `max_tokens` is answered at once and dropped from the
-cache. So an agent's 60-token tool call never waits behind another agent's 500-token plan, which is
-what a static batch (run until its longest row ends) made every turn do.
+decode is prefilled on its own (with whatever else arrived with it) and from the next step decodes
+with the rest; a row that samples a stop token or reaches its `max_tokens` is answered at once. So
+an agent's 60-token tool call never waits behind another agent's 500-token plan, which is what a
+static batch (run until its longest row ends) made every turn do.
+
+The KV cache is a pool of slots, one per batch row, preallocated per layer as
+[slots, kv_heads, capacity, head_dim]: a row's token at position p lives at column p of its slot.
+A decode step writes one column per row and attends over the pool in place; rows joining or leaving
+move no cache at all. (HF's DynamicCache grows by concatenation, i.e. copied the whole cache on every
+step and on every join: an engine's cost grew with rows × context, and on the H100 it took 85 ms a
+step at 128 rows and 65 GiB; bench/results/gpu_proof.md.) So the engine runs the model's layers
+itself, reusing the model's own modules (norms, projections, rotary embedding, MLP); Llama- and
+Qwen2-shaped models are supported, which covers SmolLM2 and Qwen2.5.
 
 An agent's next turn repeats its last turn's context and adds the sampled tokens and the tool's
-reply (token-in/token-out). A retired row's KV cache is kept (a few, least recently used first)
-and a request that extends one prefills only its new tokens: without it every turn prefilled the
-whole context again, and each such admission stalled every running row (bench/results/gpu_proof.md).
-New weights drop the kept caches, which the old policy computed.
+reply (token-in/token-out). A retired row's slot keeps its cache (least recently used evicted first)
+and a request that extends it prefills only its new tokens, in the same slot. New weights drop the
+kept caches, which the old policy computed.
 
 The sampling loop is ours rather than `model.generate` because each row needs its own seed, its
 own `max_tokens`, and the raw log-prob (and top-k) of the token it sampled. Sampling runs on the
@@ -21,6 +28,7 @@ model's device; decoding runs in a worker thread, so the event loop keeps servin
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import threading
 import time
@@ -33,6 +41,8 @@ from services.rollout.engines.base import Engine, EngineError, Generation, TurnP
 
 STEPS_PER_TICK = 4  # decode steps between admissions: joiners wait at most this long
 STATS_EVERY_S = 30.0  # how often the engine logs where its time went
+PREFILL_CHUNK = 512  # prompt tokens per row per prefill pass: bounds the attention mask's size
+SUPPORTED = ("llama", "qwen2")  # decoder layers the engine can run itself (see _forward)
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +55,7 @@ class _Window:
     decode_steps: int = 0
     row_steps: int = 0       # rows decoded, summed over steps: tokens sampled by decode steps
     decode_s: float = 0.0
-    admit_s: float = 0.0     # prefill, stacking onto the batch, and retiring rows
+    admit_s: float = 0.0     # prefill, and retiring rows
     admitted: int = 0
 
     def line(self) -> dict[str, float]:
@@ -75,35 +85,67 @@ class _Request:
 
 @dataclass
 class _Row:
-    """One request being decoded: what it sampled so far and the generator that draws for it."""
+    """One request being decoded: its slot, what it sampled so far and the generator that draws
+    for it. `length` is how many of its tokens the slot holds (= the pending token's position)."""
 
     request: _Request
     generator: Any
     limit: int
+    slot: int = -1
+    length: int = 0
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[dict[int, float]] = field(default_factory=list)
     done: bool = False
 
 
-@dataclass
-class _Prefix:
-    """A retired row's KV cache: the tokens it covers and per layer (keys, values), [1, H, T, D]."""
-
-    ids: tuple[int, ...]
-    layers: list[tuple[Any, Any]]
-
-
 class _Batch:
-    """The running batch: rows, their shared left-padded KV cache and 2-D attention mask, each
-    row's next position, and the token each row sampled last (fed at the next step)."""
+    """The running batch: rows, and per row (device tensors) its slot, the pending token's position
+    and the token it sampled last (fed at the next step)."""
 
     def __init__(self) -> None:
         self.rows: list[_Row] = []
-        self.cache: Any = None
-        self.attention: Any = None   # [rows, cache length], 1 on real tokens, 0 on left padding
-        self.positions: Any = None   # [rows] position of the pending token
-        self.pending: Any = None     # [rows] last sampled token, not yet in the cache
+        self.slots: Any = None
+        self.positions: Any = None
+        self.pending: Any = None
+
+
+class _KVPool:
+    """Keys and values per layer, [slots, kv_heads, capacity, head_dim]. The last column is scratch:
+    padded prefill queries write there, and no row ever holds that many tokens."""
+
+    GROW = 256  # capacity grows in these steps (at least doubling), so reallocation is rare
+
+    def __init__(self, torch, layers: int, slots: int, kv_heads: int, head_dim: int, dtype, device: str,
+                 limit: int) -> None:
+        self.torch, self.layers, self.slots = torch, layers, slots
+        self.shape, self.dtype, self.device, self.limit = (kv_heads, head_dim), dtype, device, limit
+        self.capacity = 0
+        self.keys: list[Any] = []
+        self.values: list[Any] = []
+
+    def ensure(self, tokens: int) -> None:
+        """Room for `tokens` tokens in any slot (plus the scratch column)."""
+        need = tokens + 1
+        if need <= self.capacity:
+            return
+        grow = max(need, 2 * self.capacity)
+        capacity = min(-(-grow // self.GROW) * self.GROW, max(need, self.limit + 1))
+        torch, (h, d) = self.torch, self.shape
+
+        def bigger(old: Any) -> Any:
+            new = torch.zeros((self.slots, h, capacity, d), dtype=self.dtype, device=self.device)
+            if old is not None:
+                new[:, :, :old.shape[2]] = old
+            return new
+
+        self.keys = [bigger(self.keys[i] if self.keys else None) for i in range(self.layers)]
+        self.values = [bigger(self.values[i] if self.values else None) for i in range(self.layers)]
+        self.capacity = capacity
+
+    @property
+    def scratch(self) -> int:
+        return self.capacity - 1
 
 
 class TransformersEngine(Engine):
@@ -124,6 +166,11 @@ class TransformersEngine(Engine):
         # bf16 where it is fast (as vLLM serves and the learner trains); CPU bf16 matmuls are slow
         self.dtype = getattr(torch, dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
         self.model = AutoModelForCausalLM.from_pretrained(str(model), dtype=self.dtype).to(device).eval()
+        config = self.model.config
+        if config.model_type not in SUPPORTED:
+            raise EngineError(f"the transformers engine runs {', '.join(SUPPORTED)} models, not {config.model_type!r}"
+                              " (serve it with vLLM: services.engine=vllm)")
+        self._rope = importlib.import_module(type(self.model).__module__).apply_rotary_pos_emb
         self.weights_path = str(model)
         self.max_batch = max_batch
         # False: admit only into an empty batch (static batching; kept as the benchmark's baseline)
@@ -134,9 +181,13 @@ class TransformersEngine(Engine):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._model_lock = threading.Lock()
         self.batches: list[int] = []  # sizes of the groups admitted (prefilled) together, for tests and metrics
-        # retired rows' KV caches kept for their agents' next turns (0: off); default one per batch row
+        attn = self.model.model.layers[0].self_attn
+        self._pool = _KVPool(torch, config.num_hidden_layers, max_batch, config.num_key_value_heads,
+                             attn.head_dim, self.dtype, device, max_model_len or 32768)
+        self._free = list(range(max_batch))  # slots holding nothing
+        # retired rows' caches kept for their agents' next turns: tokens → slot, least recent first
         self.prefix_cache = max_batch if prefix_cache is None else prefix_cache
-        self._prefixes: OrderedDict[tuple[int, ...], _Prefix] = OrderedDict()
+        self._kept: OrderedDict[tuple[int, ...], int] = OrderedDict()
         self.prefill_tokens = 0  # prompt tokens actually run through the model (for tests and metrics)
         self.reused_tokens = 0   # prompt tokens taken from a kept cache instead
         self._window = _Window()
@@ -174,11 +225,17 @@ class TransformersEngine(Engine):
                 for r in [row.request for row in batch.rows] + joining:
                     if not r.future.done():
                         r.future.set_exception(error)
-                batch = _Batch()
+                batch = self._reset()
                 continue
             for row in finished:
                 if not row.request.future.done():
                     row.request.future.set_result(_generation(row, self.stop_ids))
+
+    def _reset(self) -> _Batch:
+        """After a failed tick: every slot free, nothing kept (a half-written slot is not trusted)."""
+        self._kept.clear()
+        self._free = list(range(self.max_batch))
+        return _Batch()
 
     def _tick(self, batch: _Batch, joining: list[_Request]) -> list[_Row]:
         """Admit `joining`, then decode a few steps; returns the rows that finished."""
@@ -202,17 +259,51 @@ class TransformersEngine(Engine):
                 if finished:
                     break  # answer them now rather than after the remaining steps
         if time.perf_counter() - w.started >= STATS_EVERY_S:
-            fields = {**w.line(), "rows": len(batch.rows), "kept_caches": len(self._prefixes)}
+            fields = {**w.line(), "rows": len(batch.rows), "kept_caches": len(self._kept),
+                      "cache_capacity": self._pool.capacity}
             # in the message, not only in `extra`: the services' plain-text logs print no extras
             log.info("transformers engine: " + " ".join(f"{k}={v}" for k, v in fields.items()), extra=fields)
             self._window = _Window()
         return finished
 
+    # -- slots -----------------------------------------------------------------------------------
+
+    def _take_kept(self, prompt: list[int]) -> tuple[int, int] | None:
+        """The slot whose kept tokens are the longest start of `prompt` that leaves at least one token
+        to run, and how many tokens it holds; it leaves the kept set (its row now owns it)."""
+        best = None
+        for key in self._kept:
+            if len(key) < len(prompt) and (best is None or len(key) > len(best)) and tuple(prompt[:len(key)]) == key:
+                best = key
+        return (self._kept.pop(best), len(best)) if best is not None else None
+
+    def _take_slot(self) -> int:
+        """A free slot (the lowest: decode attends over slots up to the highest in use), else the
+        least recently kept one."""
+        if not self._free:
+            _, slot = self._kept.popitem(last=False)
+            return slot
+        self._free.sort()
+        return self._free.pop(0)
+
+    def _release(self, row: _Row) -> None:
+        """A retired row's slot: kept for its agent's next turn (the prompt and every sampled token
+        but the last, which was never fed back), or freed."""
+        if not self.prefix_cache or not row.ids:
+            self._free.append(row.slot)
+            return
+        ids = tuple(row.request.prompt_ids) + tuple(row.ids[:-1])
+        if ids in self._kept:  # an identical row kept earlier: keep one of them
+            self._free.append(self._kept.pop(ids))
+        self._kept[ids] = row.slot
+        while len(self._kept) > self.prefix_cache:
+            self._free.append(self._kept.popitem(last=False)[1])
+
     # -- admission -------------------------------------------------------------------------------
 
     def _admit(self, batch: _Batch, joining: list[_Request]) -> list[_Row]:
-        """Prefill the joiners (those extending a kept cache on it, the rest from scratch), sample
-        their first token, stack them onto the batch."""
+        """Give each joiner a slot (one holding a start of its prompt, if kept), prefill the rest of
+        its prompt, sample its first token, add it to the batch."""
         torch = self.torch
         rows = []
         for r in joining:
@@ -225,102 +316,140 @@ class TransformersEngine(Engine):
             row.done = True
         if not live:
             return empty
-        reuse = [(row, self._take_prefix(row.request.prompt_ids)) for row in live]
-        extending = [(row, p) for row, p in reuse if p is not None]
-        fresh = [row for row, p in reuse if p is None]
-        if extending:
-            self._prefill_on_prefixes(batch, extending)
-        if fresh:
-            self._prefill(batch, fresh)
+        fresh = []
+        for row in live:  # kept caches first, so a fresh row cannot evict one a joiner extends
+            kept = self._take_kept(row.request.prompt_ids) if self.prefix_cache else None
+            if kept is None:
+                fresh.append(row)
+            else:
+                row.slot, row.length = kept
+                self.reused_tokens += row.length
+        for row in fresh:
+            row.slot, row.length = self._take_slot(), 0
+        self._pool.ensure(max(len(row.request.prompt_ids) + row.limit - 1 for row in live))
+        tokens = self._sample(live, self._prefill(live))
+        for row in live:
+            row.length = len(row.request.prompt_ids)
+        self._join(batch, live, tokens)
         return empty + self._retire(batch)
 
-    def _prefill(self, batch: _Batch, live: list[_Row]) -> None:
-        """Prefill whole prompts, left-padded to the longest."""
+    def _prefill(self, rows: list[_Row]) -> Any:
+        """Run each row's prompt from its slot's length on, in chunks; the last prompt token's logits."""
         torch = self.torch
-        width = max(len(row.request.prompt_ids) for row in live)
-        input_ids = torch.full((len(live), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(live), width), dtype=torch.long)
-        for i, row in enumerate(live):
-            p = row.request.prompt_ids
-            input_ids[i, width - len(p):] = torch.tensor(p)
-            attention[i, width - len(p):] = 1
-        position = (attention.cumsum(-1) - 1).clamp(min=0)
-        attention, position = attention.to(self.device), position.to(self.device)
-        out = self.model(input_ids=input_ids.to(self.device), attention_mask=attention, position_ids=position,
-                         use_cache=True, logits_to_keep=1)  # the prompt's own logits are never needed
-        self.prefill_tokens += int(attention.sum())
-        tokens = self._sample(live, out.logits[:, -1, :])
-        _stack(batch, live, out.past_key_values, attention, position[:, -1] + 1, tokens, torch)
+        new = [row.request.prompt_ids[row.length:] for row in rows]
+        width = max(len(ids) for ids in new)
+        start = torch.tensor([row.length for row in rows], device=self.device)
+        sizes = torch.tensor([len(ids) for ids in new], device=self.device)
+        slots = torch.tensor([row.slot for row in rows], device=self.device)
+        last: list[Any] = [None] * len(rows)
+        for c0 in range(0, width, PREFILL_CHUNK):
+            c1 = min(c0 + PREFILL_CHUNK, width)
+            ids = torch.full((len(rows), c1 - c0), self.pad_id, dtype=torch.long)
+            for i, seq in enumerate(new):
+                part = seq[c0:c1]
+                ids[i, :len(part)] = torch.tensor(part, dtype=torch.long)
+            offsets = torch.arange(c0, c1, device=self.device)[None, :]
+            valid = offsets < sizes[:, None]
+            keys = max(row.length + min(len(seq), c1) for row, seq in zip(rows, new))  # host ints: no sync
+            attend = self._prefill_attention(slots, start[:, None] + offsets, valid, keys)
+            hidden = self._forward(ids.to(self.device), start[:, None] + offsets, slots, attend, valid)
+            for i, seq in enumerate(new):
+                if c0 <= len(seq) - 1 < c1:
+                    last[i] = hidden[i, len(seq) - 1 - c0]
+            self.prefill_tokens += sum(max(0, min(len(seq), c1) - c0) for seq in new)
+        return self._logits(torch.stack(last))
 
-    def _prefill_on_prefixes(self, batch: _Batch, extending: list[tuple[_Row, _Prefix]]) -> None:
-        """Prefill only what each prompt adds to its kept cache. The kept caches are left-padded
-        to one length P and the new tokens to one length S; the mask has a hole between a row's
-        cache and its new tokens, which attention skips like any padding."""
-        from transformers import DynamicCache
-
+    def _join(self, batch: _Batch, rows: list[_Row], tokens: Any) -> None:
         torch = self.torch
-        P = max(len(p.ids) for _, p in extending)
-        S = max(len(row.request.prompt_ids) - len(p.ids) for row, p in extending)
-        n = len(extending)
-        input_ids = torch.full((n, S), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((n, P + S), dtype=torch.long)
-        position = torch.zeros((n, S), dtype=torch.long)
-        for i, (row, p) in enumerate(extending):
-            k, new = len(p.ids), row.request.prompt_ids[len(p.ids):]
-            attention[i, P - k:P] = 1
-            attention[i, P + S - len(new):] = 1
-            input_ids[i, S - len(new):] = torch.tensor(new)
-            position[i, S - len(new):] = torch.arange(k, k + len(new))
-            position[i, :S - len(new)] = k  # padding: any valid position, it is masked
-        cache = DynamicCache()
-        for layer in range(len(extending[0][1].layers)):
-            keys = torch.cat([_left_pad(p.layers[layer][0], P, torch) for _, p in extending], 0)
-            values = torch.cat([_left_pad(p.layers[layer][1], P, torch) for _, p in extending], 0)
-            cache.update(keys, values, layer)
-        attention, position = attention.to(self.device), position.to(self.device)
-        out = self.model(input_ids=input_ids.to(self.device), attention_mask=attention, position_ids=position,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        self.prefill_tokens += int(attention[:, P:].sum())
-        self.reused_tokens += sum(len(p.ids) for _, p in extending)
-        rows = [row for row, _ in extending]
-        tokens = self._sample(rows, out.logits[:, -1, :])
-        _stack(batch, rows, out.past_key_values, attention, position[:, -1] + 1, tokens, torch)
+        slots = torch.tensor([row.slot for row in rows], device=self.device)
+        positions = torch.tensor([row.length for row in rows], device=self.device)
+        if not batch.rows:
+            batch.rows, batch.slots, batch.positions, batch.pending = rows, slots, positions, tokens
+            return
+        batch.rows = batch.rows + rows
+        batch.slots = torch.cat([batch.slots, slots])
+        batch.positions = torch.cat([batch.positions, positions])
+        batch.pending = torch.cat([batch.pending, tokens])
 
-    # -- kept caches -----------------------------------------------------------------------------
+    # -- the model's layers over the slot pool ---------------------------------------------------
 
-    def _take_prefix(self, prompt: list[int]) -> _Prefix | None:
-        """The longest kept cache whose tokens start `prompt` and leave at least one token to run;
-        it leaves the store (the row that extends it will be kept in its place)."""
-        best = None
-        for key in self._prefixes:
-            if len(key) < len(prompt) and (best is None or len(key) > len(best)) and tuple(prompt[:len(key)]) == key:
-                best = key
-        return self._prefixes.pop(best) if best is not None else None
+    def _forward(self, ids: Any, positions: Any, slots: Any, attend: Any, valid: Any | None = None) -> Any:
+        """Hidden states (before the final norm) for `ids` [rows, S] at `positions` [rows, S] in
+        `slots` [rows]; their keys and values are written into the slots first. `valid` [rows, S]
+        marks the real tokens of right-padded prefill rows (padding writes to the scratch column)."""
+        inner = self.model.model
+        n, s = ids.shape
+        h = inner.embed_tokens(ids)
+        cos, sin = inner.rotary_emb(h, positions)
+        pool = self._pool
+        columns = positions if valid is None else self.torch.where(valid, positions, pool.scratch)
+        for layer_index, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(n, s, -1, attn.head_dim).transpose(1, 2)
+            k = attn.k_proj(x).view(n, s, -1, attn.head_dim).transpose(1, 2)
+            v = attn.v_proj(x).view(n, s, -1, attn.head_dim).transpose(1, 2)
+            q, k = self._rope(q, k, cos, sin)
+            keys, values = pool.keys[layer_index], pool.values[layer_index]
+            keys[slots[:, None], :, columns] = k.transpose(1, 2)
+            values[slots[:, None], :, columns] = v.transpose(1, 2)
+            out = attend(q, keys, values, attn.scaling)  # [n, heads, s, head_dim]
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(n, s, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
 
-    def _keep_prefix(self, batch: _Batch, i: int, row: _Row) -> None:
-        """Keep row i's cache: its prompt and every sampled token but the last (never fed back)."""
-        ids = tuple(row.request.prompt_ids) + tuple(row.ids[:-1])
-        real = batch.attention[i].bool()
-        if int(real.sum()) != len(ids):
-            return  # should not happen; never keep a cache that does not match its tokens
-        layers = [(layer.keys[i][:, real].unsqueeze(0), layer.values[i][:, real].unsqueeze(0))
-                  for layer in batch.cache.layers]
-        self._prefixes[ids] = _Prefix(ids, layers)
-        while len(self._prefixes) > self.prefix_cache:
-            self._prefixes.popitem(last=False)
+    def _decode_attention(self, slots: Any, positions: Any, used: int, keys_len: int):
+        """One query per row against the pool in place, over slots [0, used) and columns
+        [0, keys_len). A row's query goes to its slot; idle slots get a zero query that sees column 0
+        (dropped). Each kv head's query heads are stacked as that head's queries: no key is repeated."""
+        torch = self.torch
+        length = _round_up(keys_len, 64, self._pool.capacity)
+        at = torch.zeros(used, dtype=torch.long, device=self.device)
+        at[slots] = positions
+        mask = (torch.arange(length, device=self.device)[None, :] <= at[:, None])[:, None, None, :]
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def attend(q: Any, keys: Any, values: Any, scale: float) -> Any:
+            n, heads, _, d = q.shape
+            kv_heads = keys.shape[1]
+            stacked = q.new_zeros((used, kv_heads, heads // kv_heads, d))
+            stacked[slots] = q.reshape(n, kv_heads, heads // kv_heads, d)
+            out = sdpa(stacked, keys[:used, :, :length], values[:used, :, :length], attn_mask=mask, scale=scale)
+            return out[slots].reshape(n, heads, 1, d)
+
+        return attend
+
+    def _prefill_attention(self, slots: Any, positions: Any, valid: Any, keys_len: int):
+        """Each row's queries against its own slot (gathered), causal by position, over columns
+        [0, keys_len); a padding query sees column 0 only (its output is dropped)."""
+        torch = self.torch
+        length = _round_up(keys_len, 64, self._pool.capacity)
+        mask = torch.arange(length, device=self.device)[None, None, :] <= torch.where(valid, positions, 0)[:, :, None]
+        mask = mask[:, None]  # [rows, 1, S, length]
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def attend(q: Any, keys: Any, values: Any, scale: float) -> Any:
+            groups = q.shape[1] // keys.shape[1]
+            k = keys[slots, :, :length].repeat_interleave(groups, dim=1)
+            v = values[slots, :, :length].repeat_interleave(groups, dim=1)
+            return sdpa(q, k, v, attn_mask=mask, scale=scale)
+
+        return attend
+
+    def _logits(self, hidden: Any) -> Any:
+        return self.model.lm_head(self.model.model.norm(hidden))
 
     # -- decoding --------------------------------------------------------------------------------
 
     def _decode_step(self, batch: _Batch) -> list[_Row]:
-        torch = self.torch
-        n = len(batch.rows)
-        batch.attention = torch.cat([batch.attention, torch.ones((n, 1), dtype=torch.long, device=self.device)], 1)
-        out = self.model(input_ids=batch.pending[:, None], attention_mask=batch.attention,
-                         position_ids=batch.positions[:, None], past_key_values=batch.cache, use_cache=True,
-                         logits_to_keep=1)
-        batch.cache = out.past_key_values
+        used = max(row.slot for row in batch.rows) + 1
+        keys_len = max(row.length for row in batch.rows) + 1
+        attend = self._decode_attention(batch.slots, batch.positions, used, keys_len)
+        hidden = self._forward(batch.pending[:, None], batch.positions[:, None], batch.slots, attend)
+        for row in batch.rows:
+            row.length += 1
         batch.positions = batch.positions + 1
-        batch.pending = self._sample(batch.rows, out.logits[:, -1, :])
+        batch.pending = self._sample(batch.rows, self._logits(hidden[:, -1]))
         return self._retire(batch)
 
     def _sample(self, rows: list[_Row], logits: Any) -> Any:
@@ -347,26 +476,19 @@ class TransformersEngine(Engine):
         return tokens
 
     def _retire(self, batch: _Batch) -> list[_Row]:
-        """Drop finished rows from the batch and the columns no remaining row attends to."""
+        """Drop finished rows from the batch; their slots are kept or freed, nothing is copied."""
         done = [row for row in batch.rows if row.done]
         if not done:
             return []
-        if self.prefix_cache:
-            for i, row in enumerate(batch.rows):
-                if row.done and row.ids:
-                    self._keep_prefix(batch, i, row)
+        for row in done:
+            self._release(row)
         keep = [i for i, row in enumerate(batch.rows) if not row.done]
         batch.rows = [batch.rows[i] for i in keep]
         if not keep:
-            batch.cache = batch.attention = batch.positions = batch.pending = None
+            batch.slots = batch.positions = batch.pending = None
             return done
         idx = self.torch.tensor(keep, device=self.device)
-        batch.attention, batch.positions, batch.pending = batch.attention[idx], batch.positions[idx], batch.pending[idx]
-        # Left padding every remaining row has: cut it so attention stays as short as the longest row.
-        start = int((batch.attention.sum(0) > 0).long().argmax())
-        batch.attention = batch.attention[:, start:]
-        for layer in batch.cache.layers:
-            layer.keys, layer.values = layer.keys[idx, :, start:], layer.values[idx, :, start:]
+        batch.slots, batch.positions, batch.pending = batch.slots[idx], batch.positions[idx], batch.pending[idx]
         return done
 
     async def _load_weights(self, path: str) -> None:
@@ -379,7 +501,8 @@ class TransformersEngine(Engine):
             if not state:
                 raise EngineError(f"no safetensors files in {path}")
             with self._model_lock:
-                self._prefixes.clear()  # computed by the old weights
+                self._free += list(self._kept.values())  # computed by the old weights
+                self._kept.clear()
                 missing, unexpected = self.model.load_state_dict(
                     {k: v.to(self.dtype) for k, v in state.items()}, strict=False)
                 # Tied embeddings make lm_head.weight legitimately absent from the file.
@@ -394,31 +517,9 @@ class TransformersEngine(Engine):
             self._worker.cancel()
 
 
-def _stack(batch: _Batch, rows: list[_Row], cache: Any, attention: Any, positions: Any, pending: Any, torch) -> None:
-    """Put newly prefilled rows under the running ones: both caches left-padded to one length."""
-    if not batch.rows:
-        batch.rows, batch.cache, batch.attention, batch.positions, batch.pending = rows, cache, attention, positions, pending
-        return
-    old_len, new_len = batch.attention.shape[1], attention.shape[1]
-    length = max(old_len, new_len)
-    batch.attention = torch.cat([_left_pad(batch.attention, length, torch), _left_pad(attention, length, torch)], 0)
-    for mine, theirs in zip(batch.cache.layers, cache.layers):
-        mine.keys = torch.cat([_left_pad(mine.keys, length, torch), _left_pad(theirs.keys, length, torch)], 0)
-        mine.values = torch.cat([_left_pad(mine.values, length, torch), _left_pad(theirs.values, length, torch)], 0)
-    batch.rows = batch.rows + rows
-    batch.positions = torch.cat([batch.positions, positions])
-    batch.pending = torch.cat([batch.pending, pending])
-
-
-def _left_pad(t: Any, length: int, torch) -> Any:
-    """Zeros on the left of the sequence axis (-1 for a mask [rows, T], -2 for KV [rows, H, T, D])."""
-    axis = 1 if t.dim() == 2 else 2
-    missing = length - t.shape[axis]
-    if missing <= 0:
-        return t
-    shape = list(t.shape)
-    shape[axis] = missing
-    return torch.cat([torch.zeros(shape, dtype=t.dtype, device=t.device), t], axis)
+def _round_up(n: int, step: int, limit: int) -> int:
+    """n rounded up to a multiple of `step` (fewer distinct kernel shapes), at most `limit`."""
+    return min(-(-n // step) * step, limit)
 
 
 def _generation(row: _Row, stop: set[int]) -> Generation:
