@@ -8,6 +8,7 @@
 #   bench/gpu_proof_device.sh setup   # device call 1, carry [".whl", ".gguf/part_aa"]
 #   bench/gpu_proof_device.sh start   # device call 2, carry [".gguf/part_ab", ".gguf/part_ac"]; polls 9 min
 #   bench/gpu_proof_device.sh poll    # device calls 3…: polls up to 9 min, copies the results to $OUT
+#   bench/gpu_proof_device.sh probe   # after the run: the decode step probe on the converted model
 #
 # Extra arguments to `start` go to bench/gpu_proof.py (e.g. --set rl.max_steps=8).
 set -euo pipefail
@@ -85,8 +86,18 @@ poll() {
   kill -0 "$(cat "$PID")" 2>/dev/null && echo "still running: poll again now" || echo "the run has ended"
 }
 
+probe() {
+  # the transformers engine's ms per decode step against HF's DynamicCache forward, same run
+  cd "$SRC"
+  PYTHONPATH=$SITE:$SRC PYTHONUNBUFFERED=1 "$PY" bench/decode.py --model "$WORK/smollm2-135m-instruct" \
+    --step-probe --probe-batches 16,64,128 --prompt 3000 --probe-steps 32 --name decode_probe_slots 2>&1 \
+    | grep -v 'it/s\]$' | tail -60
+  cd - > /dev/null
+  [ -n "${OUT:-}" ] && cp "$SRC"/bench/results/decode_probe_slots.* "$OUT/" || true
+}
+
 case "${1:-}" in
-  pack|setup|poll) "$1" ;;
+  pack|setup|poll|probe) "$1" ;;
   start) shift; start "$@" ;;
-  *) echo "usage: $0 pack|setup|start [gpu_proof.py options]|poll" >&2; exit 2 ;;
+  *) echo "usage: $0 pack|setup|start [gpu_proof.py options]|poll|probe" >&2; exit 2 ;;
 esac
