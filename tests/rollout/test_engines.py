@@ -73,6 +73,10 @@ def test_weight_reload_changes_the_policy_and_version(engine, tiny_model, tmp_pa
     (after,) = gen(engine, greedy)
     assert engine.policy_version == 1 and after.policy_version == 1 and "load_s" in timing
     assert after.token_ids != before.token_ids
+    # the engine's fused projections took the new weights too: its log-probs are the new model's
+    sampled = gen(engine, TurnParams(max_tokens=6, seed=4))[0]
+    assert torch.allclose(torch.tensor(sampled.logprobs), _logprobs_by_forward(engine, PROMPT, sampled.token_ids),
+                          atol=1e-4)
     asyncio.run(engine.update_weights(tiny_model, 2))
     (back,) = gen(engine, greedy)
     assert back.token_ids == before.token_ids

@@ -28,7 +28,6 @@ model's device; decoding runs in a worker thread, so the event loop keeps servin
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import threading
 import time
@@ -170,7 +169,7 @@ class TransformersEngine(Engine):
         if config.model_type not in SUPPORTED:
             raise EngineError(f"the transformers engine runs {', '.join(SUPPORTED)} models, not {config.model_type!r}"
                               " (serve it with vLLM: services.engine=vllm)")
-        self._rope = importlib.import_module(type(self.model).__module__).apply_rotary_pos_emb
+        self._fuse_projections()
         self.weights_path = str(model)
         self.max_batch = max_batch
         # False: admit only into an empty batch (static batching; kept as the benchmark's baseline)
@@ -373,29 +372,57 @@ class TransformersEngine(Engine):
 
     # -- the model's layers over the slot pool ---------------------------------------------------
 
+    def _fuse_projections(self) -> None:
+        """Each layer's q/k/v and gate/up weights laid end to end in one tensor, the modules'
+        parameters becoming views of it: one matmul where there were three (two), and a weight load
+        (`load_state_dict` copies into parameters in place) updates the fused tensor too. A decode
+        step is bound by the host's per-op cost (~20 µs a torch call), not by the GPU."""
+        torch = self.torch
+        if self.model.config.hidden_act != "silu" or self.model.model.layers[0].mlp.gate_proj.bias is not None:
+            raise EngineError("the transformers engine runs SiLU MLPs without bias (serve this model with vLLM)")
+        self._fused: list[tuple[Any, Any, Any]] = []
+        for layer in self.model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = _fuse(torch, [attn.q_proj, attn.k_proj, attn.v_proj], "weight")
+            bias = _fuse(torch, [attn.q_proj, attn.k_proj, attn.v_proj], "bias") if attn.q_proj.bias is not None else None
+            self._fused.append((qkv, bias, _fuse(torch, [mlp.gate_proj, mlp.up_proj], "weight")))
+
     def _forward(self, ids: Any, positions: Any, slots: Any, attend: Any, valid: Any | None = None) -> Any:
         """Hidden states (before the final norm) for `ids` [rows, S] at `positions` [rows, S] in
         `slots` [rows]; their keys and values are written into the slots first. `valid` [rows, S]
-        marks the real tokens of right-padded prefill rows (padding writes to the scratch column)."""
+        marks the real tokens of right-padded prefill rows (padding writes to the scratch column).
+        The model's own layers, computed with fewer torch calls: fused projections, one RMSNorm
+        kernel, rotary embedding on queries and keys at once."""
+        torch = self.torch
+        linear, rms_norm, silu = torch.nn.functional.linear, torch.nn.functional.rms_norm, torch.nn.functional.silu
         inner = self.model.model
         n, s = ids.shape
         h = inner.embed_tokens(ids)
-        cos, sin = inner.rotary_emb(h, positions)
+        cos, sin = inner.rotary_emb(h, positions)  # [n, S, D]: the model's own (scaled) rotary tables
+        half = cos.shape[-1] // 2
+        # rotate_half(x) · sin = roll(x, D/2) · (sin with its first half negated)
+        cos, sin = cos[:, :, None, :], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, :, None, :]
         pool = self._pool
-        columns = positions if valid is None else self.torch.where(valid, positions, pool.scratch)
+        columns = positions if valid is None else torch.where(valid, positions, pool.scratch)
+        first = inner.layers[0].self_attn
+        heads, d = self.model.config.num_attention_heads, first.head_dim
+        kv_heads = self.model.config.num_key_value_heads
         for layer_index, layer in enumerate(inner.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(n, s, -1, attn.head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(n, s, -1, attn.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(n, s, -1, attn.head_dim).transpose(1, 2)
-            q, k = self._rope(q, k, cos, sin)
+            qkv_w, qkv_b, gate_up_w = self._fused[layer_index]
+            norm = layer.input_layernorm
+            x = rms_norm(h, (h.shape[-1],), norm.weight, norm.variance_epsilon)
+            qkv = linear(x, qkv_w, qkv_b).view(n, s, heads + 2 * kv_heads, d)
+            qk = qkv[:, :, :heads + kv_heads]
+            qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
             keys, values = pool.keys[layer_index], pool.values[layer_index]
-            keys[slots[:, None], :, columns] = k.transpose(1, 2)
-            values[slots[:, None], :, columns] = v.transpose(1, 2)
-            out = attend(q, keys, values, attn.scaling)  # [n, heads, s, head_dim]
+            keys[slots[:, None], :, columns] = qk[:, :, heads:]
+            values[slots[:, None], :, columns] = qkv[:, :, heads + kv_heads:]
+            out = attend(qk[:, :, :heads].transpose(1, 2), keys, values, attn.scaling)  # [n, heads, S, d]
             h = h + attn.o_proj(out.transpose(1, 2).reshape(n, s, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            norm = layer.post_attention_layernorm
+            gate, up = linear(rms_norm(h, (h.shape[-1],), norm.weight, norm.variance_epsilon), gate_up_w).chunk(2, -1)
+            h = h + layer.mlp.down_proj(silu(gate) * up)
         return h
 
     def _decode_attention(self, slots: Any, positions: Any, used: int, keys_len: int):
@@ -515,6 +542,17 @@ class TransformersEngine(Engine):
     async def close(self) -> None:
         if self._worker is not None:
             self._worker.cancel()
+
+
+def _fuse(torch, modules: list[Any], name: str) -> Any:
+    """The modules' `name` tensors concatenated along dim 0; each module's becomes a view of it."""
+    fused = torch.cat([getattr(m, name).data for m in modules], 0)
+    start = 0
+    for m in modules:
+        size = getattr(m, name).shape[0]
+        setattr(m, name, torch.nn.Parameter(fused[start:start + size], requires_grad=False))
+        start += size
+    return fused
 
 
 def _round_up(n: int, step: int, limit: int) -> int:
