@@ -15,8 +15,8 @@ and both modes decode the same number of tokens; both use the same seeds.
 `--probe-batches`, prefill that many `--prompt`-token rows, then time `--probe-steps` decode steps
 (ms/step, tokens/s), and profile the largest batch's steps (host vs device time per op). This is
 the number that bounds an episode's speed: a turn of n tokens costs about n steps. The baseline,
-timed in the same run at the same rows and context: the model's own forward over HF's
-DynamicCache (what the engine decoded with before its slot pool; the cache grows by
+timed in the same run at the same rows and context with the engine's sampler: the model's own
+forward over HF's DynamicCache (what the engine decoded with before its slot pool; the cache grows by
 concatenation, so every step copies it).
 
 Modes: `static` admits new requests only when the running batch is empty (a batch runs until its
@@ -113,6 +113,8 @@ def main() -> None:
     p.add_argument("--step-probe", action="store_true", help="time single decode steps per batch size instead")
     p.add_argument("--probe-batches", default="1,8,32,64")
     p.add_argument("--probe-steps", type=int, default=32)
+    p.add_argument("--probe-modes", default="graphs",
+                   help="decode modes timed on the same rows after the default (dynamic) one; '' for none")
     args = p.parse_args()
 
     import torch
@@ -203,6 +205,18 @@ def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> N
             engine._tick(batch, [])
         sync()
         step = (time.perf_counter() - t0) / (ticks * STEPS_PER_TICK)
+        modes = {}
+        for mode in [m for m in args.probe_modes.split(",") if m]:  # the same rows, other decode modes
+            engine.decode = "static" if mode == "graphs" and not torch.cuda.is_available() else mode
+            engine._tick(batch, [])  # warm-up (captures the CUDA graph for this bucket)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(ticks):
+                engine._tick(batch, [])
+            sync()
+            modes[mode] = 1000 * (time.perf_counter() - t0) / (ticks * STEPS_PER_TICK)
+            log(f"batch {n}, decode {mode}: {modes[mode]:.1f} ms/step")
+        engine.decode = "dynamic"
         if n == sizes[-1]:
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             with profile(activities=acts) as prof:
@@ -215,7 +229,8 @@ def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> N
         del batch
         base = dynamic_cache_step_s(engine, n, args.prompt, args.probe_steps, sync)
         rows.append({"batch": n, "prefill_s": prefill, "step_ms": 1000 * step, "tokens_per_s": n / step,
-                     "dynamic_cache_step_ms": 1000 * base, "speedup": base / step})
+                     "dynamic_cache_step_ms": 1000 * base, "speedup": base / step,
+                     **{f"{mode}_step_ms": ms for mode, ms in modes.items()}})
         log(f"batch {n}: admission tick {prefill:.3f} s, {1000 * step:.1f} ms/step, {n / step:,.0f} tokens/s; "
             f"DynamicCache forward {1000 * base:.1f} ms/step ({base / step:.2f}×)")
     print(table, flush=True)
@@ -231,31 +246,37 @@ def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> N
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['prefill_s']:.3f} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
               f"{r['dynamic_cache_step_ms']:.1f} | {r['speedup']:.2f}× |" for r in rows]
+    for mode in [m for m in args.probe_modes.split(",") if m]:
+        lines += ["", f"Decode mode `{mode}` on the same rows: "
+                  + ", ".join(f"{r['batch']} rows {r[mode + '_step_ms']:.1f} ms/step" for r in rows) + "."]
     lines += ["", f"Profile of {2 * STEPS_PER_TICK} steps at {sizes[-1]} rows:", "", "```", table, "```", ""]
     (RESULTS / f"{args.name}.md").write_text("\n".join(lines))
 
 
 def dynamic_cache_step_s(engine: Any, rows: int, context: int, steps: int, sync: Any) -> float:
-    """Seconds per greedy decode step of the model's own forward over a DynamicCache, `rows` rows
-    of `context` tokens: the baseline the slot pool replaced."""
+    """Seconds per decode step of the model's own forward over a DynamicCache, `rows` rows of
+    `context` tokens, sampling as the engine does (its own sampler, temperature 1.0, top-p 0.95):
+    the baseline the slot pool replaced."""
     import torch
 
-    from services.rollout.engines.hf import attention_backends
+    from services.rollout.engines.base import TurnParams
+    from services.rollout.engines.hf import _Request, _Row, attention_backends
 
     model, device = engine.model, engine.device
+    samplers = [_Row(_Request([], TurnParams(max_tokens=10**6, temperature=1.0, top_p=0.95, seed=i), None),
+                     torch.Generator(device=device).manual_seed(i), 10**6) for i in range(rows)]
     with torch.inference_mode(), attention_backends():
         ids = torch.randint(1000, model.config.vocab_size, (rows, context), device=device)
         mask = torch.ones_like(ids)
         out = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
-        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1)
+        cache, token = out.past_key_values, engine._sample(samplers, out.logits[:, -1])
 
         def step() -> None:
             nonlocal mask, cache, token
             mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=device)], 1)
             out = model(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
                         logits_to_keep=1)
-            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1)
-            token.tolist()  # the engine reads its tokens back every step too
+            cache, token = out.past_key_values, engine._sample(samplers, out.logits[:, -1])
 
         step()  # warm-up
         sync()

@@ -41,6 +41,9 @@ class RolloutConfig(BaseSettings):
     max_model_len: int = Field(32768, ge=256)
     dtype: str | None = Field(None, description="Model dtype; default bfloat16 for vllm, float32 for transformers.")
     max_batch: int = Field(16, ge=1, description="transformers: requests decoded together.")
+    decode: Literal["dynamic", "static", "graphs"] = Field(
+        "dynamic", description="transformers: dynamic shapes per step, or every slot each step (static), "
+        "replayed as CUDA graphs on a GPU (graphs).")
     openai_base_url: str | None = None
     openai_api_key: str | None = None
     tools: Literal["http", "local"] = Field("http", description="Sandbox over HTTP (STAR_SANDBOX_URL) or in-process.")
@@ -265,6 +268,7 @@ def make_engine(settings: Settings, config: RolloutConfig) -> Engine:
         options["dtype"] = config.dtype
     if config.engine == "transformers":
         options["max_batch"] = config.max_batch
+        options["decode"] = config.decode
     return build_engine(config.engine, model, **options)
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from services.rollout.engines.base import TurnParams
+from services.rollout.engines.base import EngineError, TurnParams
 from services.rollout.engines.hf import TransformersEngine
 
 
@@ -177,10 +177,12 @@ def test_a_next_turn_prefills_only_its_new_tokens_and_matches_a_full_prefill(tin
     assert ran_kept == len(prompt) - (len(PROMPT) + len(a1.token_ids) - 1)
 
 
-def test_agents_extending_caches_of_different_lengths_together_match_full_prefills(tiny_model):
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_agents_extending_caches_of_different_lengths_together_match_full_prefills(tiny_model, decode):
     """Two agents' next turns admitted together: kept caches and new tokens of different lengths
-    (the batch's mask has holes), one of them joining a batch that is already decoding."""
-    kept = TransformersEngine(tiny_model, max_model_len=2048)
+    (the batch's mask has holes), one of them joining a batch that is already decoding. The static
+    step decodes every slot: its idle slots must leave the kept caches intact."""
+    kept = TransformersEngine(tiny_model, max_model_len=2048, decode=decode)
     full = TransformersEngine(tiny_model, max_model_len=2048, prefix_cache=0)
 
     async def agents(engine):
@@ -273,11 +275,12 @@ def test_a_long_joiner_grows_the_pool_without_disturbing_running_rows(tiny_model
     assert len(joiner.token_ids) == 4
 
 
-def test_more_agents_than_slots_evict_kept_caches_and_still_match_full_prefills(tiny_model):
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_more_agents_than_slots_evict_kept_caches_and_still_match_full_prefills(tiny_model, decode):
     """Two slots, four agents of two turns each: kept caches are evicted (least recent first) and
     the agents whose cache survived prefill only their new tokens; every answer matches an engine
     that keeps nothing."""
-    kept = TransformersEngine(tiny_model, max_model_len=2048, max_batch=2)
+    kept = TransformersEngine(tiny_model, max_model_len=2048, max_batch=2, decode=decode)
     full = TransformersEngine(tiny_model, max_model_len=2048, max_batch=2, prefix_cache=0)
 
     async def agents(engine):
@@ -301,8 +304,6 @@ def test_a_llama_model_decodes_with_the_models_own_logprobs(tiny_model, tmp_path
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from services.rollout.engines.base import EngineError
-
     qwen = TransformersEngine(tiny_model, max_model_len=2048)
     folder = tmp_path / "llama"
     torch.manual_seed(0)
@@ -321,3 +322,38 @@ def test_a_llama_model_decodes_with_the_models_own_logprobs(tiny_model, tmp_path
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(EngineError, match="runs llama, qwen2 models, not .gpt2"):
         TransformersEngine(folder, max_model_len=2048)
+
+
+def test_the_static_step_samples_what_the_dynamic_one_does(tiny_model):
+    """Every slot each step, keys in buckets of columns (what a CUDA graph replays): same tokens,
+    same log-probs as the dynamic step, for rows of different lengths joining at different times."""
+    results = {}
+    for decode in ("dynamic", "graphs"):  # no GPU here: "graphs" runs the static step eagerly
+        engine = TransformersEngine(tiny_model, max_model_len=2048, decode=decode)
+
+        async def staggered(engine=engine):
+            first = asyncio.ensure_future(engine.generate(PROMPT, TurnParams(max_tokens=20, seed=1)))
+            await asyncio.sleep(0.05)
+            return [*await asyncio.gather(engine.generate(PROMPT[3:], TurnParams(max_tokens=9, seed=2)),
+                                          engine.generate((PROMPT * 40)[:300], TurnParams(max_tokens=5, seed=3))),
+                    await first]
+
+        results[decode] = asyncio.run(staggered())
+        assert engine.decode == ("dynamic" if decode == "dynamic" else "static")
+    for x, y in zip(results["dynamic"], results["graphs"]):
+        assert x.token_ids == y.token_ids
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+    with pytest.raises(EngineError, match="decode must be one of"):
+        TransformersEngine(tiny_model, max_model_len=2048, decode="eager")
+
+
+def test_the_rollout_service_builds_its_engine_in_the_configured_decode_mode(tiny_model, monkeypatch):
+    from services.common.settings import Settings
+    from services.rollout.service import RolloutConfig, make_engine
+
+    monkeypatch.setenv("STAR_ROLLOUT_DECODE", "static")  # as the pipeline sets it from services.decode
+    config = RolloutConfig(engine="transformers", model=str(tiny_model), max_model_len=2048)
+    assert make_engine(Settings(), config).decode == "static"
+    monkeypatch.setenv("STAR_ROLLOUT_DECODE", "eager")
+    with pytest.raises(ValueError, match="decode"):
+        RolloutConfig(engine="transformers", model=str(tiny_model))

@@ -42,6 +42,11 @@ STEPS_PER_TICK = 4  # decode steps between admissions: joiners wait at most this
 STATS_EVERY_S = 30.0  # how often the engine logs where its time went
 PREFILL_CHUNK = 512  # prompt tokens per row per prefill pass: bounds the attention mask's size
 SUPPORTED = ("llama", "qwen2")  # decoder layers the engine can run itself (see _forward)
+# dynamic: each step runs the batch's rows over the slots they use; static: every slot, every step,
+# with fixed shapes per bucket of key columns; graphs: the static step captured once per bucket as
+# a CUDA graph and replayed, so a step costs the host a few torch calls instead of ~700
+DECODE_MODES = ("dynamic", "static", "graphs")
+GRAPH_BUCKET = 256  # key columns per static-step bucket (one CUDA graph each)
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +157,7 @@ class TransformersEngine(Engine):
 
     def __init__(self, model: str | Path, *, max_model_len: int = 32768, max_batch: int = 16,
                  dtype: str | None = None, device: str | None = None, policy_version: int = 0, tokenizer: Any = None,
-                 continuous: bool = True, prefix_cache: int | None = None) -> None:
+                 continuous: bool = True, prefix_cache: int | None = None, decode: str = "dynamic") -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -170,6 +175,13 @@ class TransformersEngine(Engine):
             raise EngineError(f"the transformers engine runs {', '.join(SUPPORTED)} models, not {config.model_type!r}"
                               " (serve it with vLLM: services.engine=vllm)")
         self._fuse_projections()
+        if decode not in DECODE_MODES:
+            raise EngineError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
+        # "graphs" replays the static step as a CUDA graph; without CUDA it runs the static step eagerly
+        self.decode = "static" if decode == "graphs" and not device.startswith("cuda") else decode
+        self._graphs: dict[int, tuple[Any, Any]] = {}  # key columns → (graph, its logits buffer)
+        self._graph_pool: Any = None
+        self._static: Any = None
         self.weights_path = str(model)
         self.max_batch = max_batch
         # False: admit only into an empty batch (static batching; kept as the benchmark's baseline)
@@ -325,7 +337,10 @@ class TransformersEngine(Engine):
                 self.reused_tokens += row.length
         for row in fresh:
             row.slot, row.length = self._take_slot(), 0
+        capacity = self._pool.capacity
         self._pool.ensure(max(len(row.request.prompt_ids) + row.limit - 1 for row in live))
+        if self._pool.capacity != capacity:
+            self._graphs.clear()  # captured over the old pool's tensors
         tokens = self._sample(live, self._prefill(live))
         for row in live:
             row.length = len(row.request.prompt_ids)
@@ -469,15 +484,70 @@ class TransformersEngine(Engine):
     # -- decoding --------------------------------------------------------------------------------
 
     def _decode_step(self, batch: _Batch) -> list[_Row]:
-        used = max(row.slot for row in batch.rows) + 1
-        keys_len = max(row.length for row in batch.rows) + 1
-        attend = self._decode_attention(batch.slots, batch.positions, used, keys_len)
-        hidden = self._forward(batch.pending[:, None], batch.positions[:, None], batch.slots, attend)
+        if self.decode == "dynamic":
+            used = max(row.slot for row in batch.rows) + 1
+            keys_len = max(row.length for row in batch.rows) + 1
+            attend = self._decode_attention(batch.slots, batch.positions, used, keys_len)
+            hidden = self._forward(batch.pending[:, None], batch.positions[:, None], batch.slots, attend)
+            logits = self._logits(hidden[:, -1])
+        else:
+            logits = self._static_step(batch)
         for row in batch.rows:
             row.length += 1
         batch.positions = batch.positions + 1
-        batch.pending = self._sample(batch.rows, self._logits(hidden[:, -1]))
+        batch.pending = self._sample(batch.rows, logits)
         return self._retire(batch)
+
+    # -- the static step: every slot, fixed shapes, replayable as a CUDA graph --------------------
+
+    def _static_step(self, batch: _Batch) -> Any:
+        """The batch's logits from one step over every slot. Idle slots decode a pad token at
+        position 0 and write to the scratch column, so a kept cache is never touched."""
+        torch = self.torch
+        if self._static is None:
+            n = self.max_batch
+            self._static = {"tokens": torch.full((n, 1), self.pad_id, dtype=torch.long, device=self.device),
+                            "positions": torch.zeros((n, 1), dtype=torch.long, device=self.device),
+                            "active": torch.zeros((n, 1), dtype=torch.bool, device=self.device),
+                            "slots": torch.arange(n, device=self.device)}
+        st = self._static
+        st["tokens"].fill_(self.pad_id)
+        st["positions"].zero_()
+        st["active"].zero_()
+        st["tokens"][batch.slots, 0] = batch.pending
+        st["positions"][batch.slots, 0] = batch.positions
+        st["active"][batch.slots, 0] = True
+        columns = _round_up(max(row.length for row in batch.rows) + 1, GRAPH_BUCKET, self._pool.capacity)
+        if self.decode == "static":
+            return self._static_logits(columns)[batch.slots]
+        if columns not in self._graphs:
+            self._graphs[columns] = self._capture(columns)
+        graph, logits = self._graphs[columns]
+        graph.replay()
+        return logits[batch.slots]
+
+    def _static_logits(self, columns: int) -> Any:
+        st = self._static
+        seen = self.torch.where(st["active"][:, 0], st["positions"][:, 0], 0)  # idle slots see column 0
+        attend = self._decode_attention(st["slots"], seen, self.max_batch, columns)
+        hidden = self._forward(st["tokens"], st["positions"], st["slots"], attend, valid=st["active"])
+        return self._logits(hidden[:, -1])
+
+    def _capture(self, columns: int) -> tuple[Any, Any]:
+        """Record the static step for `columns` key columns. One eager run on a side stream first
+        (CUDA graphs need warmed-up kernels); it writes the same keys and values the replay will."""
+        torch = self.torch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._static_logits(columns)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = self._static_logits(columns)
+        return graph, logits
 
     def _sample(self, rows: list[_Row], logits: Any) -> Any:
         """Draw one token per row (each with its own generator) and record its raw log-prob."""
