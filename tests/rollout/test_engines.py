@@ -357,3 +357,15 @@ def test_the_rollout_service_builds_its_engine_in_the_configured_decode_mode(tin
     monkeypatch.setenv("STAR_ROLLOUT_DECODE", "eager")
     with pytest.raises(ValueError, match="decode"):
         RolloutConfig(engine="transformers", model=str(tiny_model))
+
+
+def test_a_failed_graph_capture_falls_back_to_the_eager_static_step(tiny_model, caplog):
+    import logging
+
+    reference = gen(TransformersEngine(tiny_model, max_model_len=2048), TurnParams(max_tokens=6, seed=5))[0]
+    engine = TransformersEngine(tiny_model, max_model_len=2048)
+    engine.decode = "graphs"  # on this CPU-only machine the capture itself fails
+    with caplog.at_level(logging.WARNING):
+        (g,) = gen(engine, TurnParams(max_tokens=6, seed=5))
+    assert engine.decode == "static" and "CUDA graph capture failed" in caplog.text
+    assert g.token_ids == reference.token_ids and g.logprobs == pytest.approx(reference.logprobs, abs=1e-4)

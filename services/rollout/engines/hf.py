@@ -521,7 +521,13 @@ class TransformersEngine(Engine):
         if self.decode == "static":
             return self._static_logits(columns)[batch.slots]
         if columns not in self._graphs:
-            self._graphs[columns] = self._capture(columns)
+            try:
+                self._graphs[columns] = self._capture(columns)
+            except Exception as exc:  # noqa: BLE001 - decoding goes on without graphs rather than fail rows
+                log.warning("transformers engine: CUDA graph capture failed (%s: %s); decoding the static step "
+                            "eagerly from now on", type(exc).__name__, exc)
+                self.decode, self._graphs = "static", {}
+                return self._static_logits(columns)[batch.slots]
         graph, logits = self._graphs[columns]
         graph.replay()
         return logits[batch.slots]
