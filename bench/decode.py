@@ -215,7 +215,9 @@ def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> N
                 engine._tick(batch, [])
             sync()
             modes[mode] = 1000 * (time.perf_counter() - t0) / (ticks * STEPS_PER_TICK)
-            log(f"batch {n}, decode {mode}: {modes[mode]:.1f} ms/step")
+            modes[f"{mode}_logprob_diff"] = step_logprob_diff(engine, batch)
+            log(f"batch {n}, decode {mode}: {modes[mode]:.1f} ms/step; log-probs differ from the dynamic "
+                f"step's by at most {modes[mode + '_logprob_diff']:.2e}")
         engine.decode = "dynamic"
         if n == sizes[-1]:
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -230,7 +232,7 @@ def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> N
         base = dynamic_cache_step_s(engine, n, args.prompt, args.probe_steps, sync)
         rows.append({"batch": n, "prefill_s": prefill, "step_ms": 1000 * step, "tokens_per_s": n / step,
                      "dynamic_cache_step_ms": 1000 * base, "speedup": base / step,
-                     **{f"{mode}_step_ms": ms for mode, ms in modes.items()}})
+                     **{(k if k.endswith("_diff") else f"{k}_step_ms"): v for k, v in modes.items()}})
         log(f"batch {n}: admission tick {prefill:.3f} s, {1000 * step:.1f} ms/step, {n / step:,.0f} tokens/s; "
             f"DynamicCache forward {1000 * base:.1f} ms/step ({base / step:.2f}×)")
     print(table, flush=True)
@@ -248,9 +250,26 @@ def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> N
               f"{r['dynamic_cache_step_ms']:.1f} | {r['speedup']:.2f}× |" for r in rows]
     for mode in [m for m in args.probe_modes.split(",") if m]:
         lines += ["", f"Decode mode `{mode}` on the same rows: "
-                  + ", ".join(f"{r['batch']} rows {r[mode + '_step_ms']:.1f} ms/step" for r in rows) + "."]
+                  + ", ".join(f"{r['batch']} rows {r[mode + '_step_ms']:.1f} ms/step (log-probs within "
+                              f"{r[mode + '_logprob_diff']:.1e} of the dynamic step's)" for r in rows) + "."]
     lines += ["", f"Profile of {2 * STEPS_PER_TICK} steps at {sizes[-1]} rows:", "", "```", table, "```", ""]
     (RESULTS / f"{args.name}.md").write_text("\n".join(lines))
+
+
+def step_logprob_diff(engine: Any, batch: Any) -> float:
+    """Largest difference between the engine's current decode mode's next-token log-probs and the
+    dynamic step's, on the batch as it stands (neither advances it)."""
+    import torch
+
+    from services.rollout.engines.hf import attention_backends
+
+    mode = engine.decode
+    with torch.inference_mode(), attention_backends():
+        mine = torch.log_softmax(engine._step_logits(batch).float(), -1)
+        engine.decode = "dynamic"
+        reference = torch.log_softmax(engine._step_logits(batch).float(), -1)
+    engine.decode = mode
+    return float((mine - reference).abs().max())
 
 
 def dynamic_cache_step_s(engine: Any, rows: int, context: int, steps: int, sync: Any) -> float:

@@ -484,19 +484,23 @@ class TransformersEngine(Engine):
     # -- decoding --------------------------------------------------------------------------------
 
     def _decode_step(self, batch: _Batch) -> list[_Row]:
-        if self.decode == "dynamic":
-            used = max(row.slot for row in batch.rows) + 1
-            keys_len = max(row.length for row in batch.rows) + 1
-            attend = self._decode_attention(batch.slots, batch.positions, used, keys_len)
-            hidden = self._forward(batch.pending[:, None], batch.positions[:, None], batch.slots, attend)
-            logits = self._logits(hidden[:, -1])
-        else:
-            logits = self._static_step(batch)
+        logits = self._step_logits(batch)
         for row in batch.rows:
             row.length += 1
         batch.positions = batch.positions + 1
         batch.pending = self._sample(batch.rows, logits)
         return self._retire(batch)
+
+    def _step_logits(self, batch: _Batch) -> Any:
+        """The batch's next-token logits; writes the pending tokens' keys and values (running it
+        again before the batch advances writes the same ones)."""
+        if self.decode != "dynamic":
+            return self._static_step(batch)
+        used = max(row.slot for row in batch.rows) + 1
+        keys_len = max(row.length for row in batch.rows) + 1
+        attend = self._decode_attention(batch.slots, batch.positions, used, keys_len)
+        hidden = self._forward(batch.pending[:, None], batch.positions[:, None], batch.slots, attend)
+        return self._logits(hidden[:, -1])
 
     # -- the static step: every slot, fixed shapes, replayable as a CUDA graph --------------------
 
