@@ -8,7 +8,7 @@
 #   bench/gpu_proof_device.sh setup   # device call 1, carry [".whl", ".gguf/part_aa"]
 #   bench/gpu_proof_device.sh start   # device call 2, carry [".gguf/part_ab", ".gguf/part_ac"]; polls 9 min
 #   bench/gpu_proof_device.sh poll    # device calls 3…: polls up to 9 min, copies the results to $OUT
-#   bench/gpu_proof_device.sh probe   # after the run: the decode step probe on the converted model
+#   bench/gpu_proof_device.sh probe   # once `start` has converted the model: the decode step probe
 #
 # Extra arguments to `start` go to bench/gpu_proof.py (e.g. --set rl.max_steps=8).
 set -euo pipefail
@@ -76,12 +76,16 @@ poll() {
     tr '\r' '\n' < "$LOG" | grep -v 'it/s\]$\|s/it\]$\|query/s\]$\|s/query\]$\|^$' > "$OUT/gpu_proof.log" || true
     cp "$WORK/run/rl/metrics.jsonl" "$OUT/gpu_proof_rl_async.jsonl" 2>/dev/null || true
     cp "$WORK/run-sync/rl/metrics.jsonl" "$OUT/gpu_proof_rl_sync.jsonl" 2>/dev/null || true
-    # the services' logs (the rollout engine logs where its time goes every 30 s), last 200 KB each
+    # the services' logs (the rollout engine logs where its time goes every 30 s), last 200 KB each,
+    # in one archive: a call brings back only a handful of files
+    local logs=/tmp/star-proof-logs
+    rm -rf "$logs" && mkdir -p "$logs"
     for run in run run-sync; do
-      for f in "$WORK/$run"/logs/{rollout-0,learner,sandbox,reward-0}.log; do
-        [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/gpu_proof_${run}_$(basename "$f")"
+      for f in "$WORK/$run"/logs/{rollout-0,rollout-1,learner,sandbox,reward-0}.log; do
+        [ -f "$f" ] && tail -c 200000 "$f" > "$logs/${run}_$(basename "$f")"
       done
     done
+    tar -czf "$OUT/gpu_proof_logs.tar.gz" -C "$logs" . 2>/dev/null || true
   fi
   kill -0 "$(cat "$PID")" 2>/dev/null && echo "still running: poll again now" || echo "the run has ended"
 }
