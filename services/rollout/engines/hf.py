@@ -42,8 +42,8 @@ STEPS_PER_TICK = 4  # decode steps between admissions: joiners wait at most this
 STATS_EVERY_S = 30.0  # how often the engine logs where its time went
 PREFILL_CHUNK = 512  # prompt tokens per row per prefill pass: bounds the attention mask's size
 SUPPORTED = ("llama", "qwen2")  # decoder layers the engine can run itself (see _forward)
-# dynamic: each step runs the batch's rows over the slots they use; static: every slot, every step,
-# with fixed shapes per bucket of key columns; graphs: the static step captured once per bucket as
+# dynamic: each step runs the batch's rows over the slots they use; static: every slot in use (a power
+# of two), fixed shapes per bucket of key columns; graphs: the static step captured once per bucket as
 # a CUDA graph and replayed, so a step costs the host a few torch calls instead of ~700
 DECODE_MODES = ("dynamic", "static", "graphs")
 GRAPH_BUCKET = 256  # key columns per static-step bucket (one CUDA graph each)
@@ -179,7 +179,7 @@ class TransformersEngine(Engine):
             raise EngineError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
         # "graphs" replays the static step as a CUDA graph; without CUDA it runs the static step eagerly
         self.decode = "static" if decode == "graphs" and not device.startswith("cuda") else decode
-        self._graphs: dict[int, tuple[Any, Any]] = {}  # key columns → (graph, its logits buffer)
+        self._graphs: dict[tuple[int, int], tuple[Any, Any]] = {}  # (slots, key columns) → (graph, logits)
         self._graph_pool: Any = None
         self._static: Any = None
         self.weights_path = str(model)
@@ -505,7 +505,8 @@ class TransformersEngine(Engine):
     # -- the static step: every slot, fixed shapes, replayable as a CUDA graph --------------------
 
     def _static_step(self, batch: _Batch) -> Any:
-        """The batch's logits from one step over every slot. Idle slots decode a pad token at
+        """The batch's logits from one step over slots [0, S), S the slots in use rounded up to a
+        power of two (slots are handed out lowest first). Idle slots decode a pad token at
         position 0 and write to the scratch column, so a kept cache is never touched."""
         torch = self.torch
         if self._static is None:
@@ -521,42 +522,44 @@ class TransformersEngine(Engine):
         st["tokens"][batch.slots, 0] = batch.pending
         st["positions"][batch.slots, 0] = batch.positions
         st["active"][batch.slots, 0] = True
-        columns = _round_up(max(row.length for row in batch.rows) + 1, GRAPH_BUCKET, self._pool.capacity)
+        used = min(1 << max(row.slot for row in batch.rows).bit_length(), self.max_batch)
+        shape = (used, _round_up(max(row.length for row in batch.rows) + 1, GRAPH_BUCKET, self._pool.capacity))
         if self.decode == "static":
-            return self._static_logits(columns)[batch.slots]
-        if columns not in self._graphs:
+            return self._static_logits(*shape)[batch.slots]
+        if shape not in self._graphs:
             try:
-                self._graphs[columns] = self._capture(columns)
+                self._graphs[shape] = self._capture(*shape)
             except Exception as exc:  # noqa: BLE001 - decoding goes on without graphs rather than fail rows
                 log.warning("transformers engine: CUDA graph capture failed (%s: %s); decoding the static step "
                             "eagerly from now on", type(exc).__name__, exc)
                 self.decode, self._graphs = "static", {}
-                return self._static_logits(columns)[batch.slots]
-        graph, logits = self._graphs[columns]
+                return self._static_logits(*shape)[batch.slots]
+        graph, logits = self._graphs[shape]
         graph.replay()
         return logits[batch.slots]
 
-    def _static_logits(self, columns: int) -> Any:
-        st = self._static
+    def _static_logits(self, used: int, columns: int) -> Any:
+        st = {name: t[:used] for name, t in self._static.items()}  # views: a replay reads the live buffers
         seen = self.torch.where(st["active"][:, 0], st["positions"][:, 0], 0)  # idle slots see column 0
-        attend = self._decode_attention(st["slots"], seen, self.max_batch, columns)
+        attend = self._decode_attention(st["slots"], seen, used, columns)
         hidden = self._forward(st["tokens"], st["positions"], st["slots"], attend, valid=st["active"])
         return self._logits(hidden[:, -1])
 
-    def _capture(self, columns: int) -> tuple[Any, Any]:
-        """Record the static step for `columns` key columns. One eager run on a side stream first
-        (CUDA graphs need warmed-up kernels); it writes the same keys and values the replay will."""
+    def _capture(self, used: int, columns: int) -> tuple[Any, Any]:
+        """Record the static step over `used` slots and `columns` key columns. One eager run on a
+        side stream first (CUDA graphs need warmed-up kernels); it writes the same keys and values
+        the replay will."""
         torch = self.torch
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._static_logits(columns)
+            self._static_logits(used, columns)
         torch.cuda.current_stream().wait_stream(side)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = self._static_logits(columns)
+            logits = self._static_logits(used, columns)
         return graph, logits
 
     def _sample(self, rows: list[_Row], logits: Any) -> Any:
