@@ -198,23 +198,11 @@ def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> N
         engine._tick(batch, joining)  # prefill, then the tick's decode steps
         sync()
         prefill = time.perf_counter() - t0
-        engine._tick(batch, [])  # warm-up
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(ticks):
-            engine._tick(batch, [])
-        sync()
-        step = (time.perf_counter() - t0) / (ticks * STEPS_PER_TICK)
+        step = tick_step_s(engine, batch, ticks, sync)
         modes = {}
         for mode in [m for m in args.probe_modes.split(",") if m]:  # the same rows, other decode modes
             engine.decode = "static" if mode == "graphs" and not torch.cuda.is_available() else mode
-            engine._tick(batch, [])  # warm-up (captures the CUDA graph for this bucket)
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(ticks):
-                engine._tick(batch, [])
-            sync()
-            modes[mode] = 1000 * (time.perf_counter() - t0) / (ticks * STEPS_PER_TICK)
+            modes[mode] = 1000 * tick_step_s(engine, batch, ticks, sync)  # its warm-up captures the graph
             modes[f"{mode}_logprob_diff"] = step_logprob_diff(engine, batch)
             log(f"batch {n}, decode {mode}: {modes[mode]:.1f} ms/step; log-probs differ from the dynamic "
                 f"step's by at most {modes[mode + '_logprob_diff']:.2e}")
@@ -254,6 +242,19 @@ def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> N
                               f"{r[mode + '_logprob_diff']:.1e} of the dynamic step's)" for r in rows) + "."]
     lines += ["", f"Profile of {2 * STEPS_PER_TICK} steps at {sizes[-1]} rows:", "", "```", table, "```", ""]
     (RESULTS / f"{args.name}.md").write_text("\n".join(lines))
+
+
+def tick_step_s(engine: Any, batch: Any, ticks: int, sync: Any) -> float:
+    """Seconds per decode step over `ticks` ticks of the engine, after one warm-up tick."""
+    from services.rollout.engines.hf import STEPS_PER_TICK
+
+    engine._tick(batch, [])
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(ticks):
+        engine._tick(batch, [])
+    sync()
+    return (time.perf_counter() - t0) / (ticks * STEPS_PER_TICK)
 
 
 def step_logprob_diff(engine: Any, batch: Any) -> float:

@@ -494,17 +494,17 @@ class TransformersEngine(Engine):
     def _step_logits(self, batch: _Batch) -> Any:
         """The batch's next-token logits; writes the pending tokens' keys and values (running it
         again before the batch advances writes the same ones)."""
-        if self.decode != "dynamic":
-            return self._static_step(batch)
         used = max(row.slot for row in batch.rows) + 1
         keys_len = max(row.length for row in batch.rows) + 1
+        if self.decode != "dynamic":
+            return self._static_step(batch, used, keys_len)
         attend = self._decode_attention(batch.slots, batch.positions, used, keys_len)
         hidden = self._forward(batch.pending[:, None], batch.positions[:, None], batch.slots, attend)
         return self._logits(hidden[:, -1])
 
-    # -- the static step: every slot, fixed shapes, replayable as a CUDA graph --------------------
+    # -- the static step: the slots in use, fixed shapes, replayable as a CUDA graph -------------
 
-    def _static_step(self, batch: _Batch) -> Any:
+    def _static_step(self, batch: _Batch, used: int, keys_len: int) -> Any:
         """The batch's logits from one step over slots [0, S), S the slots in use rounded up to a
         power of two (slots are handed out lowest first). Idle slots decode a pad token at
         position 0 and write to the scratch column, so a kept cache is never touched."""
@@ -522,18 +522,17 @@ class TransformersEngine(Engine):
         st["tokens"][batch.slots, 0] = batch.pending
         st["positions"][batch.slots, 0] = batch.positions
         st["active"][batch.slots, 0] = True
-        used = min(1 << max(row.slot for row in batch.rows).bit_length(), self.max_batch)
-        shape = (used, _round_up(max(row.length for row in batch.rows) + 1, GRAPH_BUCKET, self._pool.capacity))
-        if self.decode == "static":
-            return self._static_logits(*shape)[batch.slots]
-        if shape not in self._graphs:
+        shape = (min(1 << (used - 1).bit_length(), self.max_batch),
+                 _round_up(keys_len, GRAPH_BUCKET, self._pool.capacity))
+        if self.decode == "graphs" and shape not in self._graphs:
             try:
                 self._graphs[shape] = self._capture(*shape)
             except Exception as exc:  # noqa: BLE001 - decoding goes on without graphs rather than fail rows
                 log.warning("transformers engine: CUDA graph capture failed (%s: %s); decoding the static step "
                             "eagerly from now on", type(exc).__name__, exc)
                 self.decode, self._graphs = "static", {}
-                return self._static_logits(*shape)[batch.slots]
+        if self.decode == "static":
+            return self._static_logits(*shape)[batch.slots]
         graph, logits = self._graphs[shape]
         graph.replay()
         return logits[batch.slots]
