@@ -197,6 +197,10 @@ class RLTrainer:
         self.runlog = RunLog(self.out, enabled=self.rank0)
         self.version = 0
         self.consumed: list[list[str]] = []
+        # group ids trained per step (the last CONSUMED_STEPS_KEPT): a task rolled out a second time
+        # publishes its group again under new message ids, and that copy must not be trained too
+        self.trained_groups: list[list[str]] = []
+        self.duplicates = 0  # samples of already trained groups dropped since the last step
         self.batches = 0  # step batches consumed, trained or skipped: the controller paces on it
         self.groups: OrderedDict[str, list[tuple[Any, ScoredTrajectory]]] = OrderedDict()
         self.reference = self._reference() if cfg.kl_coef > 0 else None
@@ -237,6 +241,7 @@ class RLTrainer:
             return False
         self.version = int(state.get("version", self.engine.step_count))
         self.consumed = [list(ids) for ids in state.get("consumed", [])]
+        self.trained_groups = [list(ids) for ids in state.get("groups", [])]
         self.batches = int(state.get("batches", self.engine.step_count))
         return True
 
@@ -290,6 +295,7 @@ class RLTrainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         trained = self._already_trained()
+        trained_groups = {g for ids in self.trained_groups for g in ids}
         chosen: list[str] = []
         useful = 0
         started = time.monotonic()
@@ -323,6 +329,11 @@ class RLTrainer:
                     msg.deliveries = self.consumer.max_deliveries  # a bad payload never gets better
                     self.consumer.fail(msg, f"not a ScoredTrajectory: {str(exc)[:500]}")
                     continue
+                if traj.group_id in trained_groups:
+                    # the whole group was trained from another run of its task: acknowledged, dropped
+                    until_redis(lambda m=msg: self.consumer.ack(m), what="acknowledging a re-run group")
+                    self.duplicates += 1
+                    continue
                 members = self.groups.setdefault(traj.group_id, [])
                 held = next((m for m, t in members if t.sample_index == traj.sample_index), None)
                 if held is not None:
@@ -353,7 +364,9 @@ class RLTrainer:
         trajs = [ScoredTrajectory.model_validate(t) for t in _broadcast(trajs_payload, self.engine)]
         batch = rl_sequences(trajs, cfg.filters, learner_version=self.version, std_normalize=cfg.std_normalize,
                              use_rollout_logprobs=cfg.use_rollout_logprobs)
-        metrics: dict[str, Any] = {"time_wait_s": wait_s, **batch.stats}
+        metrics: dict[str, Any] = {"time_wait_s": wait_s, **batch.stats,
+                                   "samples_duplicate": float(_broadcast(self.duplicates, self.engine))}
+        self.duplicates = 0
         rewards = [alg.effective_reward(t.reward, t.finish_reason, cfg.filters.zero_reward_finish_reasons)
                    for t in trajs]
         rs, ads = alg.summarize(rewards), alg.summarize(batch.advantages)
@@ -376,9 +389,11 @@ class RLTrainer:
         # the messages and skips them by id.
         self.consumed = (self.consumed + [[m.id for m in messages]])[-CONSUMED_STEPS_KEPT:]
         self.consumed = _broadcast(self.consumed, self.engine)
+        # from the broadcast trajectories, so every rank holds the same list
+        self.trained_groups = (self.trained_groups + [sorted({t.group_id for t in trajs})])[-CONSUMED_STEPS_KEPT:]
         if trainable and self.version % cfg.save_every == 0:
             self.engine.save_checkpoint(self.out / "checkpoints", {
-                "kind": "rl", "version": self.version, "consumed": self.consumed, "batches": self.batches + 1,
+                "kind": "rl", "version": self.version, "consumed": self.consumed, "groups": self.trained_groups, "batches": self.batches + 1,
                 "stream": {"name": getattr(self, "stream", None), "group": cfg.consumer_group,
                            "last_id": messages[-1].id if messages else None}})
         if os.environ.get("STAR_LEARNER_CRASH_AFTER_CHECKPOINT") == str(self.version):

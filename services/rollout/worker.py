@@ -76,13 +76,17 @@ class RolloutWorker:
             msg.deliveries = max(msg.deliveries, consumer.max_deliveries)
             consumer.fail(msg, f"not a RolloutTask: {exc.errors()[:3]}")
             return None
-        self.sync_weights()
-        if self.service.engine.policy_version < task.min_policy_version:
-            raise TaskFailed(f"task needs policy version ≥ {task.min_policy_version}; "
-                             f"loaded {self.service.engine.policy_version}")
+        # Heartbeat from here on: loading new weights can take as long as the claim timeout (an
+        # engine that drains waits for its longest turn), and a task left unclaimed that long was
+        # taken by a second worker and rolled out twice (the duplicate group went stale in the
+        # learner and pushed a fresh group out of every later batch; bench/results/gpu_proof.md).
         with self._lock:
             self._working[msg.id] = consumer
         try:
+            self.sync_weights()
+            if self.service.engine.policy_version < task.min_policy_version:
+                raise TaskFailed(f"task needs policy version ≥ {task.min_policy_version}; "
+                                 f"loaded {self.service.engine.policy_version}")
             trajectories = self._on_loop(self.service.rollout(task))
         finally:
             with self._lock:

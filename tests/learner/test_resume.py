@@ -218,3 +218,32 @@ def test_a_sample_delivered_twice_is_trained_once(tmp_path, tiny_model, redis_se
     finally:
         for key in client.scan_iter(match=prefix + "*"):
             client.delete(key)
+
+
+@pytest.mark.slow
+def test_a_group_rolled_out_again_after_it_was_trained_is_dropped_even_after_a_restart(
+        tmp_path, tiny_model, redis_server_url):
+    """A task that ran twice can publish its second copy after the first was trained (new message
+    ids): it must not be trained again, nor take a fresh group's place in a batch. The trained
+    group ids live in the checkpoint, so a restarted learner still knows them."""
+    client = redis.Redis.from_url(redis_server_url)
+    prefix = f"test:{uuid.uuid4().hex[:8]}"
+    scored = StreamNames(prefix).scored
+    first, later = scored_batch(tiny_model, 2, 2, seed=0), scored_batch(tiny_model, 2, 2, seed=1, version=1)
+    try:
+        for t in first:
+            publish(client, scored, t)
+        config = _config(tmp_path, "rerun", tiny_model, redis_server_url, prefix, save_every=1)
+        done = _run(config, 1)
+        assert done.returncode == 0, done.stderr[-3000:]
+        for t in first[:2] + later:  # the first group again, then two fresh groups
+            publish(client, scored, t)
+        done = _run(config, 2)
+        assert done.returncode == 0, done.stderr[-3000:]
+        metrics = read_metrics(tmp_path / "rerun")
+        assert [m["samples_trained"] for m in metrics] == [4.0, 4.0]
+        assert metrics[1]["samples_duplicate"] == 2.0
+        assert client.xpending(scored, "learner")["pending"] == 0  # both fresh groups trained, the copy acked
+    finally:
+        for key in client.scan_iter(match=prefix + "*"):
+            client.delete(key)

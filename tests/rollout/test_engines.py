@@ -214,6 +214,36 @@ def test_new_weights_drop_the_kept_caches(tiny_model, tmp_path):
     assert engine.prefill_tokens - before == len(prompt)  # the old policy's cache was not reused
 
 
+def test_new_weights_load_between_steps_without_waiting_for_turns_in_flight(tiny_model, tmp_path):
+    """An asynchronous run's engine is never idle: an update must not wait for the longest turn.
+    The turn in flight keeps its start version (the oldest that sampled it) and goes on under the
+    new weights; the next turn carries the new version."""
+    from services.common.models import tiny_qwen2
+
+    engine = TransformersEngine(tiny_model, max_model_len=2048)
+    greedy = TurnParams(max_tokens=400, temperature=0.0)
+    (old_only,) = gen(engine, greedy)
+    other = tiny_qwen2(tmp_path / "v1", seed=1)
+
+    async def swap_mid_turn():
+        before = len(engine.batches)
+        turn = asyncio.ensure_future(engine.generate(PROMPT, greedy))
+        while len(engine.batches) == before:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)  # some tokens decoded under the old weights
+        timing = await engine.update_weights(other, 1)
+        in_flight = not turn.done()
+        return await turn, timing, in_flight
+
+    mixed, timing, in_flight = asyncio.run(swap_mid_turn())
+    assert in_flight, f"the update waited for the turn ({timing})"
+    assert mixed.policy_version == 0 and len(mixed.token_ids) == 400
+    agree = next(i for i, (a, b) in enumerate(zip(mixed.token_ids, old_only.token_ids)) if a != b)
+    assert agree > 0  # the old weights sampled the start, the new ones the rest
+    (after,) = gen(engine, TurnParams(max_tokens=4, temperature=0.0))
+    assert after.policy_version == 1
+
+
 def test_the_engine_logs_where_its_time_goes(tiny_model, monkeypatch, caplog):
     import logging
 

@@ -112,6 +112,52 @@ def test_the_worker_loads_newer_announced_weights_before_a_task(redis_client, to
     assert engine.policy_version == 3 and {t["policy_version"] for t in trajs} == {3}
 
 
+def test_a_task_waiting_on_a_slow_weights_load_is_not_taken_by_a_second_worker(
+        redis_client, tokenizer, local_tools, loop, tmp_path, tiny_model):
+    """Loading weights can outlast the claim timeout (a draining engine waits for its longest turn):
+    the task must be heartbeated meanwhile, or another worker claims it and rolls it out again."""
+    import shutil
+
+    from services.common.schemas import WeightsUpdate
+    from services.common.settings import Settings
+    from services.rollout.service import write_manifest
+
+    client, prefix = redis_client
+    names = StreamNames(prefix.rstrip(":"))
+    version = tmp_path / "weights" / "v1"
+    shutil.copytree(tiny_model, version)
+    client.set(names.weights_latest,
+               WeightsUpdate(version=1, uri=str(version), sha256=write_manifest(version, 1)).model_dump_json())
+
+    class SlowLoad(ScriptedEngine):
+        async def _load_weights(self, path: str) -> None:
+            await asyncio.sleep(1.5)  # three claim timeouts
+
+    workers = []
+    for name in ("slow", "idle"):
+        engine = SlowLoad(tokenizer, lambda ids, turn: format_answer("Day 1:"))
+        if name == "idle":
+            engine.policy_version = 1  # up to date: free to claim what looks abandoned
+        service = RolloutService(engine, local_tools, settings=Settings(weights_root=tmp_path / "weights"))
+        workers.append(RolloutWorker(service, client, loop, names=names, consumer=name, claim_idle_ms=500))
+    publish(client, names.tasks, task(5, min_policy_version=1))
+    threads = workers[0].start()  # the slow worker reads the task first ...
+    try:
+        deadline = time.monotonic() + 10
+        while not client.xpending(names.tasks, GROUP)["pending"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        run_until(workers[1], lambda: client.xlen(names.trajectories) >= 2 and
+                  client.xpending(names.tasks, GROUP)["pending"] == 0, timeout=15)  # ... the other looks on
+        time.sleep(0.5)
+    finally:
+        workers[0].stop.set()
+        for t in threads:
+            t.join(5)
+    trajs = [d for _, d in read_all(client, names.trajectories)]
+    assert sorted(t["sample_index"] for t in trajs) == [0, 1]  # one rollout, not two
+    assert {t["policy_version"] for t in trajs} == {1}
+
+
 def _spawn_worker(env: dict[str, str], name: str, log_dir) -> subprocess.Popen:
     log = open(log_dir / f"{name}.log", "wb")
     return subprocess.Popen([sys.executable, "-m", "services.rollout.worker"], env={**env, "STAR_ROLLOUT_CONSUMER": name},

@@ -53,6 +53,10 @@ class Engine:
 
     name = "engine"
     token_level = True  # False: chat-in/text-out only (no ids, no log-probs)
+    # False: new weights load between decode steps while turns are in flight (their later tokens
+    # are sampled by the new weights, with the log-probs they were sampled at); a turn still counts
+    # as the version it started under, the oldest that sampled it. True: wait for every turn.
+    drains_on_update = True
 
     def __init__(self, tokenizer: Any = None, *, policy_version: int = 0, max_model_len: int | None = None) -> None:
         self.tokenizer = tokenizer
@@ -105,13 +109,17 @@ class Engine:
         raise NotImplementedError
 
     async def update_weights(self, path: str | Path, version: int) -> dict[str, float]:
-        """Pause new generations, let in-flight ones finish, load `path`, reset caches, resume."""
+        """Load `path` as `version`. A draining engine pauses new generations and lets in-flight ones
+        finish first; one that does not loads between steps (an asynchronous run's engine is never
+        idle, and a drain stalled every row behind its longest turn at every step)."""
         async with self._update_lock:
             loop = asyncio.get_running_loop()
             t0 = loop.time()
-            self._open.clear()
+            if self.drains_on_update:
+                self._open.clear()
             try:
-                await self._idle.wait()
+                if self.drains_on_update:
+                    await self._idle.wait()
                 drained = loop.time()
                 await self._load_weights(str(path))
                 self.policy_version = version

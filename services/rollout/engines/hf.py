@@ -17,8 +17,9 @@ Qwen2-shaped models are supported, which covers SmolLM2 and Qwen2.5.
 
 An agent's next turn repeats its last turn's context and adds the sampled tokens and the tool's
 reply (token-in/token-out). A retired row's slot keeps its cache (least recently used evicted first)
-and a request that extends it prefills only its new tokens, in the same slot. New weights drop the
-kept caches, which the old policy computed.
+and a request that extends it prefills only its new tokens, in the same slot. New weights load
+between two ticks without draining the batch: rows in flight decode on under the new weights (over
+the cache the old ones wrote), and the kept caches, which the old policy computed, are dropped.
 
 The sampling loop is ours rather than `model.generate` because each row needs its own seed, its
 own `max_tokens`, and the raw log-prob (and top-k) of the token it sampled. Sampling runs on the
@@ -154,6 +155,7 @@ class _KVPool:
 
 class TransformersEngine(Engine):
     name = "transformers"
+    drains_on_update = False  # weights are swapped under the model lock, between ticks
 
     def __init__(self, model: str | Path, *, max_model_len: int = 32768, max_batch: int = 16,
                  dtype: str | None = None, device: str | None = None, policy_version: int = 0, tokenizer: Any = None,
