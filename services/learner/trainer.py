@@ -24,7 +24,7 @@ import torch
 
 from services.common.schemas import ScoredTrajectory
 from services.common.settings import get_settings
-from services.common.streams import REDIS_DOWN, StreamNames, until_redis
+from services.common.streams import REDIS_DOWN, StreamNames, decode, until_redis
 from services.learner import algorithms as alg
 from services.learner.batching import chat_to_sequence, rl_sequences
 from services.learner.config import RLConfig, SFTConfig
@@ -201,6 +201,13 @@ class RLTrainer:
         # publishes its group again under new message ids, and that copy must not be trained too
         self.trained_groups: list[list[str]] = []
         self.duplicates = 0  # samples of already trained groups dropped since the last step
+        # groups whose rollout task was dead-lettered (it failed on every attempt): group id → step.
+        # A batch does not wait for them; without this it waited `straggler_wait_s` for a group
+        # that could never come, and the whole fleet with it (a rollout engine broken by a CUDA
+        # error on the H100, 2026-11-24).
+        self.lost: dict[str, int] = {}
+        self.lost_now: list[str] = []
+        self._dead_cursor = "0-0"
         self.batches = 0  # step batches consumed, trained or skipped: the controller paces on it
         self.groups: OrderedDict[str, list[tuple[Any, ScoredTrajectory]]] = OrderedDict()
         self.reference = self._reference() if cfg.kl_coef > 0 else None
@@ -281,14 +288,37 @@ class RLTrainer:
         return [g for g in complete if self._step_of(g) <= self.batches]
 
     def _enough(self, chosen: list[str], useful: int) -> bool:
-        """Without refill a step takes the next `batch_prompts` groups (filters may shrink it);
-        with refill it reads on until that many groups survive, at most max_refill_rounds batches more."""
+        """Without refill a step takes the next `batch_prompts` groups (filters may shrink it), less
+        those of its own that were lost; with refill it reads on until that many groups survive, at
+        most max_refill_rounds batches more."""
         n, f = self.cfg.batch_prompts, self.cfg.filters
         if not f.refill:
-            return len(chosen) >= n
+            return len(chosen) + self._lost_at(self.batches) >= n
         if useful >= n:
             return True
         return f.max_refill_rounds > 0 and len(chosen) >= n * (1 + f.max_refill_rounds)
+
+    def _lost_at(self, step: int) -> int:
+        return sum(1 for s in self.lost.values() if s == step)
+
+    def _read_lost(self) -> None:
+        """Note the training tasks dead-lettered since the last look (rank 0)."""
+        dead = StreamNames.dead(self.names.tasks)
+        try:
+            entries = self.redis.xrange(dead, min=f"({self._dead_cursor}", count=1000)
+        except REDIS_DOWN:
+            return
+        for entry, fields in entries:
+            self._dead_cursor = entry.decode() if isinstance(entry, bytes) else entry
+            try:
+                task = decode(fields)["payload"]
+                group, step = task["task_id"], task.get("step")
+            except (KeyError, TypeError, ValueError):
+                continue  # not a task we could have trained
+            if isinstance(step, int) and step >= self.batches and group not in self.groups:
+                self.lost[group] = step
+                log.warning("a rollout task was dead-lettered; its step goes without it",
+                            extra={"group": group, "step": step})
 
     def collect(self) -> tuple[list[Any], list[ScoredTrajectory], float]:
         """Rank 0: messages and trajectories of the next step's groups (oldest step first)."""
@@ -301,6 +331,7 @@ class RLTrainer:
         started = time.monotonic()
         deadline = started + cfg.wait_timeout_s
         while True:
+            self._read_lost()
             for g in self._candidates(time.monotonic() - started):
                 if g in chosen or self._enough(chosen, useful):
                     continue
@@ -344,6 +375,10 @@ class RLTrainer:
                         until_redis(lambda m=msg: self.consumer.ack(m), what="acknowledging a duplicate")
                     continue
                 members.append((msg, traj))
+        # this step's lost groups are settled now (a late copy of one is dropped like a re-run)
+        self.lost_now = [g for g, s in self.lost.items() if s <= self.batches]
+        for g in self.lost_now:
+            del self.lost[g]
         messages, trajs = [], []
         for g in chosen:
             for msg, traj in self.groups.pop(g):
@@ -361,11 +396,13 @@ class RLTrainer:
         if self.rank0:
             messages, trajs, wait_s = self.collect()
             trajs_payload = [t.model_dump(mode="json") for t in trajs]
-        trajs = [ScoredTrajectory.model_validate(t) for t in _broadcast(trajs_payload, self.engine)]
+        trajs_payload, lost = _broadcast((trajs_payload, self.lost_now), self.engine)
+        trajs = [ScoredTrajectory.model_validate(t) for t in trajs_payload]
         batch = rl_sequences(trajs, cfg.filters, learner_version=self.version, std_normalize=cfg.std_normalize,
                              use_rollout_logprobs=cfg.use_rollout_logprobs)
         metrics: dict[str, Any] = {"time_wait_s": wait_s, **batch.stats,
-                                   "samples_duplicate": float(_broadcast(self.duplicates, self.engine))}
+                                   "samples_duplicate": float(_broadcast(self.duplicates, self.engine)),
+                                   "groups_lost": float(len(lost))}
         self.duplicates = 0
         rewards = [alg.effective_reward(t.reward, t.finish_reason, cfg.filters.zero_reward_finish_reasons)
                    for t in trajs]
@@ -390,7 +427,8 @@ class RLTrainer:
         self.consumed = (self.consumed + [[m.id for m in messages]])[-CONSUMED_STEPS_KEPT:]
         self.consumed = _broadcast(self.consumed, self.engine)
         # from the broadcast trajectories, so every rank holds the same list
-        self.trained_groups = (self.trained_groups + [sorted({t.group_id for t in trajs})])[-CONSUMED_STEPS_KEPT:]
+        settled = sorted({t.group_id for t in trajs} | set(lost))
+        self.trained_groups = (self.trained_groups + [settled])[-CONSUMED_STEPS_KEPT:]
         if trainable and self.version % cfg.save_every == 0:
             self.engine.save_checkpoint(self.out / "checkpoints", {
                 "kind": "rl", "version": self.version, "consumed": self.consumed, "groups": self.trained_groups, "batches": self.batches + 1,

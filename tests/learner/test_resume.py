@@ -247,3 +247,39 @@ def test_a_group_rolled_out_again_after_it_was_trained_is_dropped_even_after_a_r
     finally:
         for key in client.scan_iter(match=prefix + "*"):
             client.delete(key)
+
+
+@pytest.mark.slow
+def test_a_step_goes_without_a_group_whose_rollout_task_was_dead_lettered(tmp_path, tiny_model, redis_server_url):
+    """A task that failed on every attempt never yields its group: the step must not wait for it
+    (it waited `straggler_wait_s`, 10 minutes, and the fleet with it), and the next step is whole."""
+    from services.common.schemas import RolloutTask, SamplingParams, TravelQuery
+    from services.common.streams import StreamConsumer
+
+    client = redis.Redis.from_url(redis_server_url)
+    prefix = f"test:{uuid.uuid4().hex[:8]}"
+    names = StreamNames(prefix)
+    step0, step1 = (scored_batch(tiny_model, 2, 2, seed=s, version=s, step=s) for s in (0, 1))
+    query = TravelQuery(org="Sarasota", dest="Chicago", days=3, visiting_city_number=1,
+                        date=["2022-03-22", "2022-03-23", "2022-03-24"], people_number=1, budget=1900,
+                        query="A 3-day trip.")
+    lost = RolloutTask(run_id="test", task_id=step0[2].group_id, prompt_id="p", query=query, group_size=2,
+                       sampling=SamplingParams(), step=0)
+    try:
+        publish(client, names.tasks, lost)
+        tasks = StreamConsumer(client, names.tasks, "rollout", "w", max_deliveries=1)
+        (msg,) = tasks.read(count=1, block_ms=100)
+        assert tasks.fail(msg, "every sample failed: CUDA error")  # dead-lettered
+        for t in step0[:2] + step1:  # step 0's other group, then step 1 whole
+            publish(client, names.scored, t)
+        config = _config(tmp_path, "lost", tiny_model, redis_server_url, prefix,
+                         filters=FilterConfig(max_staleness=1), straggler_wait_s=600.0)
+        done = _run(config, 2)
+        assert done.returncode == 0, done.stderr[-3000:]
+        metrics = read_metrics(tmp_path / "lost")
+        assert [m["samples_trained"] for m in metrics] == [2.0, 4.0]
+        assert [m["groups_lost"] for m in metrics] == [1.0, 0.0]
+        assert all(m["time_wait_s"] < 60 for m in metrics)
+    finally:
+        for key in client.scan_iter(match=prefix + "*"):
+            client.delete(key)
