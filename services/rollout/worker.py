@@ -8,7 +8,9 @@ live worker is never robbed of its task (which would duplicate its trajectories)
 
 Failures: a payload that is not a RolloutTask is dead-lettered at once (retrying cannot fix
 it); a task whose every sample ended in `engine_error`, or that needs newer weights than can
-be loaded, is failed and retried, and dead-lettered after `max_deliveries` attempts.
+be loaded, is failed and retried, and dead-lettered after `max_deliveries` attempts. An engine
+that reports itself broken (`Engine.healthy`, e.g. ticks failing on a CUDA error) stops the worker
+with exit status 1 instead: its supervisor starts a fresh process, other workers take its tasks.
 
 Weights: before a task, the worker loads the version announced under `{prefix}:weights:latest`
 when it is newer than its own (the learner writes that key after every step).
@@ -62,6 +64,7 @@ class RolloutWorker:
         self._lock = threading.Lock()
         self.handled = 0
         self.on_fatal: Any = None  # called when a consumer thread dies (main() stops the loop)
+        self.fatal = False  # stopped because something broke: main() exits non-zero
 
     # -- one task ----------------------------------------------------------------------------
 
@@ -92,9 +95,20 @@ class RolloutWorker:
             with self._lock:
                 self._working.pop(msg.id, None)
         if trajectories and all(t.finish_reason == "engine_error" for t in trajectories):
+            if not self.service.engine.healthy:
+                self._give_up(trajectories[0].error)
             raise TaskFailed(f"every sample failed: {trajectories[0].error}")
         self.handled += 1
         return trajectories
+
+    def _give_up(self, error: str | None) -> None:
+        """Stop the process: its engine is broken. The supervisor (the RL controller, Kubernetes)
+        starts a fresh one, and the other workers claim this one's pending tasks meanwhile."""
+        log.error("the engine is broken; stopping the worker for a restart", extra={"error": (error or "")[:500]})
+        self.fatal = True
+        self.stop.set()
+        if self.on_fatal:
+            self.on_fatal()
 
     def sync_weights(self) -> None:
         try:
@@ -142,6 +156,7 @@ class RolloutWorker:
             # A consumer thread that died would leave a live process doing nothing: stop the
             # process instead, so its supervisor restarts it (its pending task is re-read then).
             log.exception("rollout consumer failed; stopping the worker", extra={"consumer": index})
+            self.fatal = True
             self.stop.set()
             if self.on_fatal:
                 self.on_fatal()
@@ -190,6 +205,8 @@ def main(settings: Settings | None = None, config: RolloutConfig | None = None) 
     for t in threads:
         t.join(timeout=5)
     loop.run_until_complete(service.close())
+    if worker.fatal:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -220,10 +220,24 @@ def test_new_weights_load_between_steps_without_waiting_for_turns_in_flight(tiny
     new weights; the next turn carries the new version."""
     from services.common.models import tiny_qwen2
 
+    import threading
+
     engine = TransformersEngine(tiny_model, max_model_len=2048)
     greedy = TurnParams(max_tokens=400, temperature=0.0)
     (old_only,) = gen(engine, greedy)
     other = tiny_qwen2(tmp_path / "v1", seed=1)
+    # every tick and the weight copy run on the engine's one thread (a new thread means a new
+    # cuBLAS handle and workspace, which a full GPU could not give)
+    threads: set[int] = set()
+    tick, load_state = engine._tick, engine.model.load_state_dict
+
+    def on_thread(fn):
+        def run(*a, **kw):
+            threads.add(threading.get_ident())
+            return fn(*a, **kw)
+        return run
+
+    engine._tick, engine.model.load_state_dict = on_thread(tick), on_thread(load_state)
 
     async def swap_mid_turn():
         before = len(engine.batches)
@@ -242,6 +256,7 @@ def test_new_weights_load_between_steps_without_waiting_for_turns_in_flight(tiny
     assert agree > 0  # the old weights sampled the start, the new ones the rest
     (after,) = gen(engine, TurnParams(max_tokens=4, temperature=0.0))
     assert after.policy_version == 1
+    assert len(threads) == 1 and threading.get_ident() not in threads
 
 
 def test_the_engine_logs_where_its_time_goes(tiny_model, monkeypatch, caplog):

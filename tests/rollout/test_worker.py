@@ -158,6 +158,31 @@ def test_a_task_waiting_on_a_slow_weights_load_is_not_taken_by_a_second_worker(
     assert {t["policy_version"] for t in trajs} == {1}
 
 
+def test_a_broken_engine_stops_its_worker_for_a_restart_instead_of_burying_tasks(
+        redis_client, tokenizer, local_tools, loop, tiny_model):
+    """Ticks failing on every try (a CUDA error that repeats) must not fail task after task until
+    each is dead-lettered: the worker stops, and its task stays pending for another worker."""
+    from services.rollout.engines.hf import BROKEN_AFTER, TransformersEngine
+
+    client, prefix = redis_client
+    names = StreamNames(prefix.rstrip(":"))
+    engine = TransformersEngine(tiny_model, max_model_len=4096)
+
+    def broken(batch):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+
+    engine._decode_step = broken
+    service = RolloutService(engine, local_tools)
+    publish(client, names.tasks, task(8))
+    worker = RolloutWorker(service, client, loop, names=names, consumer="w", claim_idle_ms=200, max_deliveries=20)
+    run_until(worker, lambda: worker.stop.is_set())
+    asyncio.run_coroutine_threadsafe(engine.close(), loop).result(5)
+    assert worker.fatal and not engine.healthy and engine.failed_ticks >= BROKEN_AFTER
+    assert client.xlen(StreamNames.dead(names.tasks)) == 0  # not buried:
+    assert client.xpending(names.tasks, GROUP)["pending"] == 1  # left for a healthy worker
+    assert client.xlen(names.trajectories) == 0
+
+
 def _spawn_worker(env: dict[str, str], name: str, log_dir) -> subprocess.Popen:
     log = open(log_dir / f"{name}.log", "wb")
     return subprocess.Popen([sys.executable, "-m", "services.rollout.worker"], env={**env, "STAR_ROLLOUT_CONSUMER": name},

@@ -75,6 +75,12 @@ class Engine:
         return self._in_flight
 
     @property
+    def healthy(self) -> bool:
+        """False once the engine has failed in a way that retrying in this process will not fix (its
+        worker then exits, and its supervisor starts a fresh one)."""
+        return True
+
+    @property
     def stop_ids(self) -> set[int]:
         """Token ids that end a model turn (ChatML end of message and end of text)."""
         tok = self.tokenizer

@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from services.rollout.engines.base import Engine, EngineError, Generation, TurnP
 
 STEPS_PER_TICK = 4  # decode steps between admissions: joiners wait at most this long
 STATS_EVERY_S = 30.0  # how often the engine logs where its time went
+BROKEN_AFTER = 3  # ticks failed in a row after which the engine reports itself unhealthy
 PREFILL_CHUNK = 512  # prompt tokens per row per prefill pass: bounds the attention mask's size
 SUPPORTED = ("llama", "qwen2")  # decoder layers the engine can run itself (see _forward)
 # dynamic: each step runs the batch's rows over the slots they use; static: every slot in use (a power
@@ -193,6 +195,11 @@ class TransformersEngine(Engine):
         self._worker: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._model_lock = threading.Lock()
+        # One thread runs every tick and every weight load. asyncio.to_thread spread them over the
+        # default pool's threads, and each new thread that touches cuBLAS creates its own handle and
+        # workspace: on a full GPU that creation failed (CUBLAS_STATUS_ALLOC_FAILED) and kept failing,
+        # which broke one engine for good in an H100 run (bench/results/gpu_proof.md, run 9).
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-decode")
         self.batches: list[int] = []  # sizes of the groups admitted (prefilled) together, for tests and metrics
         attn = self.model.model.layers[0].self_attn
         self._pool = _KVPool(torch, config.num_hidden_layers, max_batch, config.num_key_value_heads,
@@ -204,6 +211,13 @@ class TransformersEngine(Engine):
         self.prefill_tokens = 0  # prompt tokens actually run through the model (for tests and metrics)
         self.reused_tokens = 0   # prompt tokens taken from a kept cache instead
         self._window = _Window()
+        self.failed_ticks = 0  # in a row
+
+    @property
+    def healthy(self) -> bool:
+        # A CUDA error (a failed allocation, a device-side assert) tends to repeat on every tick: the
+        # run is better served by a fresh process than by failing each task until it is dead-lettered.
+        return self.failed_ticks < BROKEN_AFTER
 
     async def _generate(self, prompt_ids: list[int], params: TurnParams, request_id: str) -> Generation:
         if self.max_model_len and len(prompt_ids) + 1 > self.max_model_len:
@@ -232,14 +246,19 @@ class TransformersEngine(Engine):
             if joining:
                 self.batches.append(len(joining))
             try:
-                finished = await asyncio.to_thread(self._tick, batch, joining)
+                finished = await asyncio.get_running_loop().run_in_executor(
+                    self._thread, self._tick, batch, joining)
             except Exception as exc:  # noqa: BLE001 - every waiting request learns why
+                self.failed_ticks += 1
+                log.error("transformers engine: a tick failed", extra={"error": str(exc)[:500],
+                                                                       "failed_in_a_row": self.failed_ticks})
                 error = EngineError(f"transformers: {type(exc).__name__}: {exc}")
                 for r in [row.request for row in batch.rows] + joining:
                     if not r.future.done():
                         r.future.set_exception(error)
                 batch = self._reset()
                 continue
+            self.failed_ticks = 0
             for row in finished:
                 if not row.request.future.done():
                     row.request.future.set_result(_generation(row, self.stop_ids))
@@ -274,6 +293,8 @@ class TransformersEngine(Engine):
         if time.perf_counter() - w.started >= STATS_EVERY_S:
             fields = {**w.line(), "rows": len(batch.rows), "kept_caches": len(self._kept),
                       "cache_capacity": self._pool.capacity}
+            if self.device.startswith("cuda"):  # what this process holds of a GPU other processes share
+                fields["gpu_reserved_gib"] = round(torch.cuda.memory_reserved(self.device) / 2**30, 2)
             # in the message, not only in `extra`: the services' plain-text logs print no extras
             log.info("transformers engine: " + " ".join(f"{k}={v}" for k, v in fields.items()), extra=fields)
             self._window = _Window()
@@ -605,27 +626,31 @@ class TransformersEngine(Engine):
     async def _load_weights(self, path: str) -> None:
         from safetensors.torch import load_file
 
-        def load() -> None:
+        def read() -> dict:
             state: dict = {}
             for f in sorted(Path(path).glob("*.safetensors")):
                 state.update(load_file(str(f)))
             if not state:
                 raise EngineError(f"no safetensors files in {path}")
+            return {k: v.to(self.dtype) for k, v in state.items()}
+
+        def load(state: dict) -> None:
             with self._model_lock:
                 self._free += list(self._kept.values())  # computed by the old weights
                 self._kept.clear()
-                missing, unexpected = self.model.load_state_dict(
-                    {k: v.to(self.dtype) for k, v in state.items()}, strict=False)
+                missing, unexpected = self.model.load_state_dict(state, strict=False)
                 # Tied embeddings make lm_head.weight legitimately absent from the file.
                 missing = [k for k in missing if k != "lm_head.weight"]
                 if missing or unexpected:
                     raise EngineError(f"weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
-        await asyncio.to_thread(load)
+        state = await asyncio.to_thread(read)  # the disk read overlaps decoding: host tensors only
+        await asyncio.get_running_loop().run_in_executor(self._thread, load, state)
 
     async def close(self) -> None:
         if self._worker is not None:
             self._worker.cancel()
+        self._thread.shutdown(wait=False)
 
 
 def _fuse(torch, modules: list[Any], name: str) -> Any:
