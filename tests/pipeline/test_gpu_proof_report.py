@@ -23,3 +23,14 @@ def test_success_gain_is_in_points_and_tables_show_percentages(tmp_path):
     assert "| SFT | 12.5 | 40.0 | 10.0 | 20.0 | 5.0 | 6.2 |" in md
     assert "| RL | 75.0 |" in md and "+12.5 points" in md
     assert json.loads((tmp_path / "proof.json").read_text())["success_gain_points"] == 12.5
+
+
+def test_recorded_runs_compare_per_step_wall_time_without_the_fleet_start():
+    from bench import gpu_proof_runs
+
+    steps = [{"time": t} for t in (100.0, 150.0, 160.0, 210.0)]  # the first step includes the fleet start
+    assert gpu_proof_runs.step_walls(steps) == [50.0, 10.0, 50.0]
+    assert gpu_proof_runs.seconds_per_step(steps) == 110.0 / 3
+    assert gpu_proof_runs.seconds_per_step(steps[:1]) is None
+    run8 = gpu_proof_runs.summarize("8")  # the recorded H100 run: sync 50.8 s, async 35.1 s a step
+    assert round(run8["sync_s"], 1) == 50.8 and round(run8["speedup"], 2) == 1.45
