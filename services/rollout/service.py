@@ -8,6 +8,7 @@ their sha256) files that match it.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
@@ -182,7 +183,8 @@ class RolloutService:
         if not self.engine.token_level:
             raise WeightsError(409, f"the {self.engine.name} engine serves a remote model; it has no weights to load")
         try:
-            folder = check_weights(update, self.settings.weights_dir)
+            # off the event loop: hashing a version's files takes long enough to stall every agent
+            folder = await asyncio.to_thread(check_weights, update, self.settings.weights_dir)
         except WeightsError:
             self.metrics.weight_updates.labels("rejected").inc()
             raise

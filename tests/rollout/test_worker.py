@@ -112,6 +112,37 @@ def test_the_worker_loads_newer_announced_weights_before_a_task(redis_client, to
     assert engine.policy_version == 3 and {t["policy_version"] for t in trajs} == {3}
 
 
+def test_checking_new_weights_does_not_hold_the_event_loop(tokenizer, local_tools, tmp_path, tiny_model, monkeypatch):
+    """The check hashes every file of the version (hundreds of MB): on the loop it stalled every
+    agent of the worker."""
+    import shutil
+
+    from services.common.schemas import WeightsUpdate
+    from services.common.settings import Settings
+    from services.rollout import service as service_module
+    from services.rollout.service import write_manifest
+
+    version = tmp_path / "weights" / "v1"
+    shutil.copytree(tiny_model, version)
+    checked_on: list[int] = []
+    check = service_module.check_weights
+
+    def recording(*args):
+        checked_on.append(threading.get_ident())
+        return check(*args)
+
+    monkeypatch.setattr(service_module, "check_weights", recording)
+    service = RolloutService(ScriptedEngine(tokenizer, ["x"]), local_tools,
+                             settings=Settings(weights_root=tmp_path / "weights"))
+
+    async def update() -> int:
+        await service.update_weights(WeightsUpdate(version=1, uri=str(version), sha256=write_manifest(version, 1)))
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(update())
+    assert service.engine.policy_version == 1 and checked_on and loop_thread not in checked_on
+
+
 def test_a_task_waiting_on_a_slow_weights_load_is_not_taken_by_a_second_worker(
         redis_client, tokenizer, local_tools, loop, tmp_path, tiny_model):
     """Loading weights can outlast the claim timeout (a draining engine waits for its longest turn):
