@@ -104,3 +104,30 @@ def test_weights_are_checked_then_loaded(client, weights_root, tiny_model, tmp_p
     assert client.post("/rollouts", json=body, headers=AUTH).json()["trajectories"][0]["policy_version"] == 1
     stale = client.post("/weights", json={"version": 0, "uri": str(v1), "sha256": sha}, headers=AUTH)
     assert stale.status_code == 409
+
+
+def test_an_engine_that_reports_itself_broken_makes_the_service_not_ready(tokenizer, local_tools, tmp_path):
+    """Readiness follows the engine: a broken one (ticks failing on a CUDA error) takes the replica out
+    of its Service's endpoints instead of failing every request sent to it."""
+    from fastapi.testclient import TestClient
+
+    from services.common.settings import Settings
+    from services.rollout.app import create_app
+    from services.rollout.engines.scripted import ScriptedEngine
+    from services.rollout.service import RolloutService
+
+    class Breakable(ScriptedEngine):
+        broken = False
+
+        @property
+        def healthy(self) -> bool:
+            return not self.broken
+
+    engine = Breakable(tokenizer, ["x"])
+    settings = Settings(home=tmp_path, weights_root=tmp_path / "weights", log_json=False, log_level="WARNING")
+    with TestClient(create_app(settings, service=RolloutService(engine, local_tools, settings=settings))) as client:
+        assert client.get("/readyz").status_code == 200
+        engine.broken = True
+        answer = client.get("/readyz")
+        assert answer.status_code == 503 and answer.json()["status"] == "not ready"
+        assert client.get("/healthz").status_code == 200  # the process itself still answers
