@@ -431,7 +431,8 @@ class RLTrainer:
         self.trained_groups = (self.trained_groups + [settled])[-CONSUMED_STEPS_KEPT:]
         if trainable and self.version % cfg.save_every == 0:
             self.engine.save_checkpoint(self.out / "checkpoints", {
-                "kind": "rl", "version": self.version, "consumed": self.consumed, "groups": self.trained_groups, "batches": self.batches + 1,
+                "kind": "rl", "version": self.version, "consumed": self.consumed, "groups": self.trained_groups,
+                "batches": self.batches + 1,
                 "stream": {"name": getattr(self, "stream", None), "group": cfg.consumer_group,
                            "last_id": messages[-1].id if messages else None}})
         if os.environ.get("STAR_LEARNER_CRASH_AFTER_CHECKPOINT") == str(self.version):
