@@ -206,7 +206,6 @@ class RLTrainer:
         # that could never come, and the whole fleet with it (a rollout engine broken by a CUDA
         # error on the H100, 2026-11-24).
         self.lost: dict[str, int] = {}
-        self.lost_now: list[str] = []
         self._dead_cursor = "0-0"
         self.batches = 0  # step batches consumed, trained or skipped: the controller paces on it
         self.groups: OrderedDict[str, list[tuple[Any, ScoredTrajectory]]] = OrderedDict()
@@ -320,8 +319,9 @@ class RLTrainer:
                 log.warning("a rollout task was dead-lettered; its step goes without it",
                             extra={"group": group, "step": step})
 
-    def collect(self) -> tuple[list[Any], list[ScoredTrajectory], float]:
-        """Rank 0: messages and trajectories of the next step's groups (oldest step first)."""
+    def collect(self) -> tuple[list[Any], list[ScoredTrajectory], list[str], float]:
+        """Rank 0: messages and trajectories of the next step's groups (oldest step first), and
+        the ids of the groups it went without because they were lost."""
         cfg = self.cfg
         t0 = time.perf_counter()
         trained = self._already_trained()
@@ -376,15 +376,15 @@ class RLTrainer:
                     continue
                 members.append((msg, traj))
         # this step's lost groups are settled now (a late copy of one is dropped like a re-run)
-        self.lost_now = [g for g, s in self.lost.items() if s <= self.batches]
-        for g in self.lost_now:
+        lost = [g for g, s in self.lost.items() if s <= self.batches]
+        for g in lost:
             del self.lost[g]
         messages, trajs = [], []
         for g in chosen:
             for msg, traj in self.groups.pop(g):
                 messages.append(msg)
                 trajs.append(traj)
-        return messages, trajs, time.perf_counter() - t0
+        return messages, trajs, lost, time.perf_counter() - t0
 
     # -- one step ------------------------------------------------------------------------------------
 
@@ -392,11 +392,12 @@ class RLTrainer:
         cfg = self.cfg
         messages: list[Any] = []
         trajs_payload = None
+        lost: list[str] = []
         wait_s = 0.0
         if self.rank0:
-            messages, trajs, wait_s = self.collect()
+            messages, trajs, lost, wait_s = self.collect()
             trajs_payload = [t.model_dump(mode="json") for t in trajs]
-        trajs_payload, lost = _broadcast((trajs_payload, self.lost_now), self.engine)
+        trajs_payload, lost = _broadcast((trajs_payload, lost), self.engine)
         trajs = [ScoredTrajectory.model_validate(t) for t in trajs_payload]
         batch = rl_sequences(trajs, cfg.filters, learner_version=self.version, std_normalize=cfg.std_normalize,
                              use_rollout_logprobs=cfg.use_rollout_logprobs)

@@ -45,7 +45,8 @@ def create_app(settings: Settings | None = None, service: RolloutService | None 
     app = create_service_app(
         service="rollout", title="STAR rollout", version=VERSION, metrics=metrics.registry,
         # not ready once the engine reports itself broken (it will not recover in this process)
-        ready=lambda: "service" in state and state["service"].engine.healthy, max_body_bytes=settings.max_body_bytes,
+        ready=lambda: "service" in state and state["service"].engine.healthy,
+        max_body_bytes=settings.max_body_bytes,
         description="ReAct agents on an inference engine: G trajectories per query, token-in/token-out.",
     )
     app.router.lifespan_context = lifespan

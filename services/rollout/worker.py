@@ -96,15 +96,16 @@ class RolloutWorker:
                 self._working.pop(msg.id, None)
         if trajectories and all(t.finish_reason == "engine_error" for t in trajectories):
             if not self.service.engine.healthy:
-                self._give_up(trajectories[0].error)
+                log.error("the engine is broken; stopping the worker for a restart",
+                          extra={"error": (trajectories[0].error or "")[:500]})
+                self._stop_for_restart()
             raise TaskFailed(f"every sample failed: {trajectories[0].error}")
         self.handled += 1
         return trajectories
 
-    def _give_up(self, error: str | None) -> None:
-        """Stop the process: its engine is broken. The supervisor (the RL controller, Kubernetes)
-        starts a fresh one, and the other workers claim this one's pending tasks meanwhile."""
-        log.error("the engine is broken; stopping the worker for a restart", extra={"error": (error or "")[:500]})
+    def _stop_for_restart(self) -> None:
+        """Stop the process, which main() then ends with status 1: the supervisor (the RL controller,
+        Kubernetes) starts a fresh one, and the other workers claim this one's pending tasks meanwhile."""
         self.fatal = True
         self.stop.set()
         if self.on_fatal:
@@ -156,10 +157,7 @@ class RolloutWorker:
             # A consumer thread that died would leave a live process doing nothing: stop the
             # process instead, so its supervisor restarts it (its pending task is re-read then).
             log.exception("rollout consumer failed; stopping the worker", extra={"consumer": index})
-            self.fatal = True
-            self.stop.set()
-            if self.on_fatal:
-                self.on_fatal()
+            self._stop_for_restart()
 
     def start(self) -> list[threading.Thread]:
         threads = [threading.Thread(target=self._heartbeat, name="rollout-heartbeat", daemon=True)]

@@ -121,10 +121,9 @@ class Engine:
         async with self._update_lock:
             loop = asyncio.get_running_loop()
             t0 = loop.time()
-            if self.drains_on_update:
-                self._open.clear()
             try:
                 if self.drains_on_update:
+                    self._open.clear()
                     await self._idle.wait()
                 drained = loop.time()
                 await self._load_weights(str(path))
