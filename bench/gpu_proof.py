@@ -263,8 +263,24 @@ def rl_run(config, folder: Path, main: Path | None = None) -> dict[str, Any]:
     steps = [json.loads(line) for line in Path(out["metrics"]).read_text().splitlines() if line.strip()]
     steps = [s for s in steps if s.get("phase", "rl") == "rl" and "reward_mean" in s]
     return {"folder": str(folder), "model": out.get("model"), "version": out.get("version"),
+            "ended": out.get("ended"), "steps_trained": out.get("steps_trained"),
             "max_staleness": config.rl.max_staleness, "stage_s": out.get("seconds"), "wall_s": wall,
             "steps": steps}
+
+
+EVAL_RL_RESERVE_S = 180  # stopping the fleet (the learner gets up to 120 s), the RL evaluation (~45 s), the report
+
+
+def with_time_budget(config, finish_by: float | None):
+    """The recipe with rl.max_minutes cut to what is left before `finish_by` (time.monotonic()),
+    keeping EVAL_RL_RESERVE_S for what follows the RL run."""
+    if finish_by is None:
+        return config
+    left_min = max(finish_by - time.monotonic() - EVAL_RL_RESERVE_S, 60.0) / 60
+    if config.rl.max_minutes is not None and config.rl.max_minutes <= left_min:
+        return config
+    log(f"rl.max_minutes = {left_min:.1f}: what is left before the proof's deadline")
+    return config.model_copy(update={"rl": config.rl.model_copy(update={"max_minutes": left_min})})
 
 
 def step_summary(run: dict[str, Any]) -> dict[str, Any]:
@@ -458,6 +474,9 @@ def main() -> int:
                     help="steps of the max_staleness=0 baseline: enough to time a step, not to train")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="override a recipe field, e.g. --set rl.max_steps=4")
+    ap.add_argument("--finish-within-min", type=float, default=None,
+                    help="end the whole proof within this many minutes of starting: the asynchronous RL run gets "
+                         "rl.max_minutes of what is left after the phases before it, less the RL evaluation's share")
     ap.add_argument("--tiny-smoke", action="store_true", help="CPU check: keep the recipe's tiny model, skip convert")
     args = ap.parse_args()
 
@@ -479,6 +498,7 @@ def main() -> int:
     unknown = [p for p in phases if p not in PHASES]
     if unknown:
         ap.error(f"unknown phases {unknown}; choose from {', '.join(PHASES)}")
+    finish_by = time.monotonic() + args.finish_within_min * 60 if args.finish_within_min else None
     log(f"device: {_gpu_name()}; phases {phases}; work {args.work}")
     try:
         for phase in phases:
@@ -506,7 +526,7 @@ def main() -> int:
                 result = evaluate(source["model"], synth["val_queries"], world, sampling,
                                   args.work / phase, config.eval.limit, args.eval_batch)
             elif phase == "rl_async":
-                result = rl_run(config, main_run)
+                result = rl_run(with_time_budget(config, finish_by), main_run)
             elif phase == "rl_sync":
                 sync = load_config(args.config, {**overrides, "rl.max_staleness": 0, "rl.val_every": 0,
                                                  "rl.max_steps": args.sync_steps,

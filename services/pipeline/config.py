@@ -91,6 +91,9 @@ class RLSpec(_Section):
     max_staleness: int = Field(0, ge=0, description="0: synchronous on-policy; k: rollouts may lag k versions.")
     val_every: int = Field(0, ge=0, description="Validate every N steps and keep the best checkpoint (0: off).")
     max_steps: int | None = Field(None, ge=1)
+    max_minutes: float | None = Field(
+        None, gt=0, description="Wall-clock budget of the RL stage: once spent, the stage ends with the latest "
+        "published weights and the steps not yet trained are left out (default: no budget).")
 
 
 class EvalSpec(_Section):

@@ -165,6 +165,7 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
         raise StageFailed("rl needs the RL prompt set of the synth stage (data/rl.jsonl)")
     prompts = tuple(load_queries(prompts_file))
     schedule = Schedule(prompts, r.batch_prompts, r.group_size, r.epochs, seed=run.config.seed, max_steps=r.max_steps)
+    deadline = time.monotonic() + r.max_minutes * 60 if r.max_minutes else None  # the fleet's start counts
     names = StreamNames(f"star:{run.config.name}")
     curriculum = Curriculum.parse(r.curriculum) if r.reward == "curriculum" else None
     sampling = r.sampling if r.sampling.seed is not None else r.sampling.model_copy(update={"seed": run.config.seed})
@@ -180,7 +181,7 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
         validation = None
         if r.val_every and synth.get("val_queries"):
             validation = Validation(run, synth["val_queries"], r.val_every)
-        drive(run, f, client, names, publisher, schedule, validation=validation)
+        ended = drive(run, f, client, names, publisher, schedule, validation=validation, deadline=deadline)
         latest = client.get(names.weights_latest)
     finally:
         f.stop()
@@ -188,12 +189,13 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
     if validation and update and all(h["version"] != update["version"] for h in validation.history):
         validation.validate(update["version"], update["uri"])  # the final policy is a candidate too
     best = validation.best() if validation else None
+    ending = {"ended": ended.reason, "steps_trained": ended.steps}
     if best:
         return {"model": best["model"], "version": best["version"], "best_success": best["success"],
-                "last_version": update["version"] if update else 0, "steps": schedule.total_steps,
+                "last_version": update["version"] if update else 0, "steps": schedule.total_steps, **ending,
                 "metrics": str(run.folder / "rl" / "metrics.jsonl"), "validation": str(run.folder / "validation")}
     return {"model": update["uri"] if update else model, "version": update["version"] if update else 0,
-            "steps": schedule.total_steps, "metrics": str(run.folder / "rl" / "metrics.jsonl"),
+            "steps": schedule.total_steps, **ending, "metrics": str(run.folder / "rl" / "metrics.jsonl"),
             "learner_restarts": f.learner.restarts if f.learner else 0,
             "worker_restarts": {w.name: w.restarts for w in f.workers if w.restarts}}
 
@@ -236,10 +238,21 @@ class Validation:
         return max(self.history, key=lambda h: (h["success"], h["version"])) if self.history else None
 
 
+@dataclass(frozen=True)
+class Ending:
+    """Why the RL stage stopped: "done" (every step trained) or "budget" (`rl.max_minutes` spent),
+    and how many steps the learner had trained by then."""
+
+    reason: str
+    steps: int
+
+
 def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher: TaskPublisher,
-          schedule: Schedule, poll_s: float = 0.5, validation: Validation | None = None) -> None:
+          schedule: Schedule, poll_s: float = 0.5, validation: Validation | None = None,
+          deadline: float | None = None) -> Ending:
     """Publish, watch, restart, until the learner has consumed every step (it counts a step once
-    that step's weights are out)."""
+    that step's weights are out) or, past `deadline` (time.monotonic()), at once: the steps under
+    way are dropped and the latest published weights are the stage's result."""
     total = schedule.total_steps
     columns = (TextColumn("[bold]rl"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn())
@@ -272,14 +285,17 @@ def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher
                     console.print(f"validation v{entry['version']}: success {entry['success']:.1%}")
             if progress >= total:
                 _await_last_publication(run, f)
-                break
+                return Ending("done", progress)
+            if deadline is not None and time.monotonic() >= deadline:
+                console.print(f"[yellow]rl.max_minutes spent: stopping after {progress} of {total} steps[/]")
+                return Ending("budget", progress)
             for name in keep_alive(f):
                 console.print(f"[yellow]{name} died; restarted[/]")
             rc = f.learner.exited()
             if rc is not None:
                 status = _learner_status(run)
                 if status.get("state") == "finished" and _progress_or(client, names, progress) >= total:
-                    break
+                    return Ending("done", _progress_or(client, names, progress))
                 if f.learner.restarts >= MAX_RESTARTS:
                     raise StageFailed(f"the learner keeps failing (exit {rc}); see {f.learner.log}")
                 console.print(f"[yellow]learner exited ({rc}, {status.get('state')}); resuming from its checkpoint[/]")

@@ -97,16 +97,19 @@ def run_process(run: Run, name: str, argv: list[str], *, env: dict[str, str] | N
 
 # ---- preparation -------------------------------------------------------------------------------
 
+def recipe_identity(config: PipelineConfig) -> PipelineConfig:
+    """What must match for a run folder to be resumed: the recipe without which stages run
+    (--stage) and the RL stage's time budget, both of which may change between invocations."""
+    return config.model_copy(update={"stages": [], "rl": config.rl.model_copy(update={"max_minutes": None})})
+
+
 def prepare(config: PipelineConfig, folder: Path) -> Run:
     folder.mkdir(parents=True, exist_ok=True)
     resolved = folder / "config.yaml"
-    # Which stages run may change between invocations (--stage); the recipe itself may not.
-    identity = config.model_copy(update={"stages": []})
     if resolved.is_file():
         from services.pipeline.config import load_pipeline_config
 
-        earlier = load_pipeline_config(resolved).model_copy(update={"stages": []})
-        if earlier != identity:
+        if recipe_identity(load_pipeline_config(resolved)) != recipe_identity(config):
             raise StageFailed(f"{folder} holds a run of a different recipe; use another --run-dir or remove it")
     resolved.write_text(dump_config(config))
     run = Run(config, folder)

@@ -144,7 +144,7 @@ class ChaosRun:
             thread = threading.Thread(target=act, name="chaos", daemon=True)
             thread.start()
             try:
-                original(run, f, client, names, publisher, schedule, **kwargs)
+                return original(run, f, client, names, publisher, schedule, **kwargs)
             finally:
                 ctx.stop.set()
                 thread.join(30)

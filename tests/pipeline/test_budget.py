@@ -1,0 +1,97 @@
+"""`rl.max_minutes`: the controller ends the RL stage once its wall-clock budget is spent, with the
+latest published weights, and otherwise runs every step. Real Redis, a real TaskPublisher and a
+learner process; the learner's progress is what the real learner writes to Redis."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from services.common.schemas import SamplingParams, TravelQuery
+from services.common.streams import StreamNames
+from services.pipeline.config import PipelineConfig
+from services.pipeline.rl import Managed, drive
+from services.pipeline.scheduler import Schedule, TaskPublisher
+
+
+def _queries(n: int) -> tuple[TravelQuery, ...]:
+    return tuple(TravelQuery(id=f"q{i}", org="A", dest="B", days=3, visiting_city_number=1,
+                             date=["2022-03-01", "2022-03-02", "2022-03-03"], people_number=1, budget=1000)
+                 for i in range(n))
+
+
+class _Fleet:
+    """The part of the controller's Fleet that `drive` watches: no workers, one learner process."""
+
+    def __init__(self, learner: Managed) -> None:
+        self.workers: list[Managed] = []
+        self.learner = learner
+
+
+@pytest.fixture
+def setup(redis_client, tmp_path: Path):
+    client, prefix = redis_client
+    names = StreamNames(prefix.rstrip(":"))
+    schedule = Schedule(_queries(8), batch_prompts=2, group_size=2, epochs=1)  # 4 steps
+    publisher = TaskPublisher(client, names, "budget-test", schedule, SamplingParams(), max_staleness=1)
+    learner = Managed("learner", [sys.executable, "-c", "import time; time.sleep(60)"], {},
+                      tmp_path / "learner.log").start()
+    run = type("RunStub", (), {"folder": tmp_path, "config": PipelineConfig.model_validate(
+        {"name": "budget-test", "model": {"path": "/nowhere"}})})()
+    yield client, names, schedule, publisher, _Fleet(learner), run
+    learner.stop(5)
+
+
+def _learner_trains(client, names: StreamNames, steps: int, every_s: float) -> threading.Thread:
+    def work() -> None:
+        for step in range(1, steps + 1):
+            time.sleep(every_s)
+            client.set(names.weights_latest, json.dumps({"version": step, "uri": f"/w/v{step}"}))
+            client.set(names.learner_batches, step)
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(30)
+def test_budget_spent_stops_at_the_latest_weights(setup):
+    client, names, schedule, publisher, fleet, run = setup
+    _learner_trains(client, names, 1, 0.2)  # one step, then the learner stalls
+    t0 = time.monotonic()
+    ended = drive(run, fleet, client, names, publisher, schedule, poll_s=0.05, deadline=t0 + 1.5)
+    assert ended.reason == "budget" and ended.steps == 1
+    assert 1.5 <= time.monotonic() - t0 < 5
+    assert publisher.next_step() == 3  # steps 0-2 published (staleness 1 after one trained), step 3 never
+    assert fleet.learner.exited() is None  # stopping the fleet is the stage's job, not drive's
+
+
+@pytest.mark.timeout(30)
+def test_without_budget_every_step_runs(setup):
+    client, names, schedule, publisher, fleet, run = setup
+    _learner_trains(client, names, schedule.total_steps, 0.1)
+    (run.folder / "rl").mkdir()
+    (run.folder / "rl" / "status.json").write_text(json.dumps({"state": "finished"}))
+    ended = drive(run, fleet, client, names, publisher, schedule, poll_s=0.05,
+                  deadline=time.monotonic() + 60)
+    assert ended.reason == "done" and ended.steps == schedule.total_steps == 4
+    assert publisher.next_step() == 4
+
+
+def test_max_minutes_must_be_positive():
+    with pytest.raises(ValueError, match="max_minutes"):
+        PipelineConfig.model_validate({"name": "x", "model": {"path": "/m"}, "rl": {"max_minutes": 0}})
+
+
+def test_a_run_folder_resumes_under_another_budget_but_not_another_recipe():
+    from services.pipeline.train import recipe_identity
+
+    base = PipelineConfig.model_validate({"name": "x", "model": {"path": "/m"}, "rl": {"max_minutes": 20}})
+    other_budget = base.model_copy(update={"rl": base.rl.model_copy(update={"max_minutes": 5})})
+    other_lr = base.model_copy(update={"rl": base.rl.model_copy(update={"lr": 1e-4})})
+    assert recipe_identity(base) == recipe_identity(other_budget)
+    assert recipe_identity(base) != recipe_identity(other_lr)
