@@ -483,6 +483,9 @@ def main() -> int:
     import torch
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Five processes share one GPU here: segments that grow and shrink return what they free, where
+    # fixed blocks would stay reserved by the process that freed them.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
     os.environ.setdefault("STAR_HOME", str(args.work / "home"))
     overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}

@@ -242,7 +242,10 @@ def rl_sequences(trajs: Sequence[ScoredTrajectory], filters: FilterConfig, *, le
              "samples_format_error": float(sum(t.finish_reason == "format_error" for t in trajs)),
              "groups_in": float(n_groups), "samples_missing_logprobs": float(missing_logprobs),
              **{k: float(v) for k, v in selection.counts().items()}}
-    stats["groups_flat_fraction"] = len(selection.flat) / n_groups if n_groups else 0.0
+    # measured whether or not flat groups are dropped: under GRPO they stay in the batch with zero
+    # advantage, and a batch of flat groups trains nothing (2026-11-24 H100 run, step 19)
+    flat = sum(alg.reward_spread(rs) <= 1e-6 for rs in by_group.values())
+    stats["groups_flat_fraction"] = flat / n_groups if n_groups else 0.0
     return RLBatch(seqs, stats, [rewards[i] for i in chosen], advantages,
                    recompute_old=not use_rollout_logprobs or missing_logprobs > 0)
 

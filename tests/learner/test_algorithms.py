@@ -187,6 +187,16 @@ def test_rl_sequences_format_error_zero_stale_and_dapo():
     assert [s.advantage for s in batch.sequences] == pytest.approx([0.7071, -0.7071], abs=1e-3)
 
 
+def test_flat_fraction_is_measured_when_flat_groups_are_kept():
+    # GRPO keeps flat groups (zero advantage); the metric must still say how many there were
+    trajs = [_traj("a", 0, 5.0), _traj("a", 1, 5.0), _traj("b", 0, 2.0), _traj("b", 1, 2.0),
+             _traj("c", 0, 2.0), _traj("c", 1, 4.0)]
+    batch = rl_sequences(trajs, FilterConfig(), learner_version=0)
+    assert batch.stats["groups_flat_fraction"] == pytest.approx(2 / 3)
+    assert batch.stats["groups_dropped_flat"] == 0 and len(batch.sequences) == 6
+    assert [s.advantage for s in batch.sequences[:4]] == [0.0] * 4
+
+
 def test_rl_sequences_shape_errors_are_clear():
     bad = _traj("g", 0, 1.0)
     bad.loss_mask = bad.loss_mask[:-1]
