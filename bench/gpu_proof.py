@@ -397,7 +397,8 @@ def _markdown(s: dict[str, Any]) -> str:
                          f"{'—' if per is None else f'{per:.1f}'} | {c.get('stage_s')} |")
         lines.append("")
         sp = s.get("async_speedup")
-        lines += [f"Async speed-up (max_staleness=1 over 0, mean time between finished steps): "
+        staleness = (rl.get("async") or {}).get("max_staleness", "—")
+        lines += [f"Async speed-up (max_staleness={staleness} over 0, mean time between finished steps): "
                   f"{'—' if sp is None else f'{sp:.2f}×'} (target ≥ 1.8×).", ""]
         for label, c in rl.items():
             lines.append(f"- {label} reward per step: " + ", ".join("—" if r is None else f"{r:.3f}"
