@@ -96,7 +96,10 @@ def create_app(
     ready: Callable[[], bool],
     max_body_bytes: int,
     description: str = "",
+    alive: Callable[[], bool] | None = None,
 ) -> FastAPI:
+    """`ready` gates /readyz; `alive`, where given, gates /healthz too: a process that answers but
+    cannot recover (a broken GPU engine) should be restarted, not merely taken out of service."""
     app = FastAPI(title=title, version=version, description=description)
 
     @app.exception_handler(RequestValidationError)
@@ -116,9 +119,10 @@ def create_app(
         log.exception("unhandled error", extra={"path": req.url.path})
         return problem(500, "Internal error", f"{type(exc).__name__}; see the {service} logs")
 
-    @app.get("/healthz", tags=["ops"], summary="Liveness: the process answers")
-    async def healthz() -> dict:
-        return {"status": "ok", "service": service}
+    @app.get("/healthz", tags=["ops"], summary="Liveness: the process answers and can recover")
+    async def healthz() -> JSONResponse:
+        ok = alive is None or alive()
+        return JSONResponse({"status": "ok" if ok else "broken", "service": service}, status_code=200 if ok else 503)
 
     @app.get("/readyz", tags=["ops"], summary="Readiness: dependencies are usable")
     async def readyz() -> JSONResponse:

@@ -44,8 +44,10 @@ def create_app(settings: Settings | None = None, service: RolloutService | None 
 
     app = create_service_app(
         service="rollout", title="STAR rollout", version=VERSION, metrics=metrics.registry,
-        # not ready once the engine reports itself broken (it will not recover in this process)
+        # not ready, and not alive, once the engine reports itself broken: it will not recover in
+        # this process, so Kubernetes' liveness probe restarts the pod
         ready=lambda: "service" in state and state["service"].engine.healthy,
+        alive=lambda: "service" not in state or state["service"].engine.healthy,
         max_body_bytes=settings.max_body_bytes,
         description="ReAct agents on an inference engine: G trajectories per query, token-in/token-out.",
     )

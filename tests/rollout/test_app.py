@@ -106,9 +106,9 @@ def test_weights_are_checked_then_loaded(client, weights_root, tiny_model, tmp_p
     assert stale.status_code == 409
 
 
-def test_an_engine_that_reports_itself_broken_makes_the_service_not_ready(tokenizer, local_tools, tmp_path):
-    """Readiness follows the engine: a broken one (ticks failing on a CUDA error) takes the replica out
-    of its Service's endpoints instead of failing every request sent to it."""
+def test_an_engine_that_reports_itself_broken_makes_the_service_not_ready_nor_alive(tokenizer, local_tools, tmp_path):
+    """Readiness and liveness follow the engine: a broken one (ticks failing on a CUDA error) takes the
+    replica out of its Service's endpoints, and its liveness probe gets the pod restarted."""
     from fastapi.testclient import TestClient
 
     from services.common.settings import Settings
@@ -130,4 +130,8 @@ def test_an_engine_that_reports_itself_broken_makes_the_service_not_ready(tokeni
         engine.broken = True
         answer = client.get("/readyz")
         assert answer.status_code == 503 and answer.json()["status"] == "not ready"
-        assert client.get("/healthz").status_code == 200  # the process itself still answers
+        # liveness fails too, so Kubernetes restarts the pod instead of keeping a dead replica
+        alive = client.get("/healthz")
+        assert alive.status_code == 503 and alive.json()["status"] == "broken"
+        engine.broken = False
+        assert client.get("/healthz").status_code == 200 and client.get("/readyz").status_code == 200
