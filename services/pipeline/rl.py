@@ -182,6 +182,10 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
         if r.val_every and synth.get("val_queries"):
             validation = Validation(run, synth["val_queries"], r.val_every)
         ended = drive(run, f, client, names, publisher, schedule, validation=validation, deadline=deadline)
+        if ended.reason == "budget" and f.learner is not None:
+            # the learner may publish once more while it stops: read the weights after it has
+            f.learner.stop(120)
+            ended = Ending("budget", learner_progress(client, names))
         latest = client.get(names.weights_latest)
     finally:
         f.stop()
