@@ -86,6 +86,10 @@ poll() {
       done
     done
     tar -czf "$OUT/gpu_proof_logs.tar.gz" -C "$logs" . 2>/dev/null || true
+    # the held-out answers, their scores and trajectories, to read what RL changed (a few MB compressed)
+    local evals=()
+    for phase in eval_sft eval_rl; do [ -d "$WORK/$phase" ] && evals+=("$phase"); done
+    [ ${#evals[@]} -gt 0 ] && tar -czf "$OUT/gpu_proof_evals.tar.gz" -C "$WORK" "${evals[@]}" 2>/dev/null || true
   fi
   kill -0 "$(cat "$PID")" 2>/dev/null && echo "still running: poll again now" || echo "the run has ended"
 }
