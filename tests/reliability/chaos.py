@@ -144,13 +144,14 @@ class ChaosRun:
             thread = threading.Thread(target=act, name="chaos", daemon=True)
             thread.start()
             try:
-                return original(run, f, client, names, publisher, schedule, **kwargs)
+                ended = original(run, f, client, names, publisher, schedule, **kwargs)
             finally:
                 ctx.stop.set()
                 thread.join(30)
             self.ledger = read_ledger(client, names)
             self.restarts = {w.name: w.restarts for w in f.workers}
             self.restarts["learner"] = f.learner.restarts if f.learner else 0
+            return ended
 
         monkeypatch.setattr(rl, "drive", drive)
 
