@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.gpu_proof import step_summary  # noqa: E402 - after the path, as a script needs it
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -25,8 +29,8 @@ def read_steps(path: Path) -> list[dict[str, Any]]:
 
 
 def seconds_per_step(steps: list[dict[str, Any]]) -> float | None:
-    stamps = [s["time"] for s in steps]
-    return (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) >= 2 else None
+    """The proof report's own figure (gpu_proof.step_summary), so both print the same speed-up."""
+    return step_summary({"steps": steps})["per_step_s"]
 
 
 def step_walls(steps: list[dict[str, Any]]) -> list[float]:

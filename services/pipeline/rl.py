@@ -298,8 +298,10 @@ def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher
             rc = f.learner.exited()
             if rc is not None:
                 status = _learner_status(run)
-                if status.get("state") == "finished" and _progress_or(client, names, progress) >= total:
-                    return Ending("done", _progress_or(client, names, progress))
+                if status.get("state") == "finished":
+                    final = _progress_or(client, names, progress)
+                    if final >= total:
+                        return Ending("done", final)
                 if f.learner.restarts >= MAX_RESTARTS:
                     raise StageFailed(f"the learner keeps failing (exit {rc}); see {f.learner.log}")
                 console.print(f"[yellow]learner exited ({rc}, {status.get('state')}); resuming from its checkpoint[/]")
