@@ -172,6 +172,7 @@ class Trajectory(BaseModel):
     epoch: int = 1
     step: int | None = Field(None, description="The training step whose batch this belongs to (None: outside a schedule).")
     reward_kind: str = "sum"
+    preference_penalty: float = Field(0.0, ge=0, description="Reward points off per broken stated preference.")
     eval_mode: str = "strict"
     error: str | None = Field(None, description="What went wrong when finish_reason is engine_error.")
 
@@ -249,6 +250,8 @@ class RolloutTask(BaseModel):
     epoch: int = Field(1, ge=1, description="1-based epoch, for the curriculum reward.")
     step: int | None = Field(None, ge=0, description="0-based training step (None: evaluation or ad hoc).")
     reward_kind: RewardKind = "sum"
+    preference_penalty: float = Field(0.0, ge=0, le=5, description="Reward points off per broken stated preference "
+                                      "(house rule, room type, cuisine, transportation); 0: the paper's rewards.")
     eval_mode: EvalMode = "strict"
     min_policy_version: int = Field(0, ge=0, description="Do not sample with weights older than this.")
     arpo: ArpoParams | None = Field(None, description="Branch the group ARPO-style instead of G independent samples.")

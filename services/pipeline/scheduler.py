@@ -76,6 +76,7 @@ class TaskPublisher:
     schedule: Schedule
     sampling: SamplingParams
     reward_kind: str = "sum"
+    preference_penalty: float = 0.0
     curriculum: Curriculum | None = None
     eval_mode: str = "strict"
     max_staleness: int = 0
@@ -105,7 +106,7 @@ class TaskPublisher:
             out.append(RolloutTask(
                 run_id=self.run_id, task_id=task_id, prompt_id=query.id or f"prompt-{index}", query=query,
                 group_size=self.schedule.group_size, sampling=sampling, epoch=epoch, step=step, reward_kind=kind,
-                eval_mode=self.eval_mode, arpo=self.arpo,
+                preference_penalty=self.preference_penalty, eval_mode=self.eval_mode, arpo=self.arpo,
                 min_policy_version=max(0, step - self.max_staleness) if min_version is None else min_version))
         return out
 

@@ -8,6 +8,13 @@
 
 A trajectory that ended without an answer (format error, context or tool budget, engine error),
 whose answer could not be formatted into a plan, or that delivered no plan, gets 0.
+
+Our own addition, off by default: `preference_penalty` p takes p points off for each stated
+preference the plan breaks (house rule, room type, cuisine, transportation: every hard
+constraint but the budget), floored at 0 so that no plan scores below a format error. Under the
+paper's rewards a plan that ignores "no self-driving" to stay within budget scores exactly like
+one that keeps the preference and overspends, so nothing stops a policy from trading the one for
+the other (bench/results/gpu_proof.md, runs 10 and 11).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from services.common.schemas import Score
 BaseKind = Literal["sum", "macro", "success"]
 RewardKind = Literal["sum", "macro", "success", "curriculum"]
 BASE_KINDS: tuple[BaseKind, ...] = ("sum", "macro", "success")
+# The hard constraints a user states as preferences; the budget is the one hard check left out.
+PREFERENCE_CHECKS: tuple[str, ...] = ("valid_room_rule", "valid_room_type", "valid_cuisine", "valid_transportation")
 
 
 @dataclass(frozen=True)
@@ -89,10 +98,17 @@ def base_reward(score: Score, kind: BaseKind) -> float:
     raise ValueError(f"unknown reward kind {kind!r} (use sum, macro, success or curriculum)")
 
 
+def broken_preferences(score: Score) -> int:
+    """How many stated preferences (PREFERENCE_CHECKS that apply to the query) the plan breaks."""
+    return sum(1 for name in PREFERENCE_CHECKS if name in score.hard and score.hard[name].passed is False)
+
+
 def reward(score: Score | None, kind: RewardKind = "sum", epoch: int | None = None, *,
-           curriculum: Curriculum = DEFAULT_CURRICULUM, finish_reason: str | None = None) -> float:
+           curriculum: Curriculum = DEFAULT_CURRICULUM, finish_reason: str | None = None,
+           preference_penalty: float = 0.0) -> float:
     """The scalar reward of one trajectory. `epoch` (1-based) is required for "curriculum".
-    `finish_reason` other than "answer", a missing score, or a formatter failure give 0."""
+    `finish_reason` other than "answer", a missing score, or a formatter failure give 0.
+    `preference_penalty` (default 0: the paper's rewards) is taken off per broken preference."""
     if kind == "curriculum":
         if epoch is None:
             raise ValueError("the curriculum reward needs the epoch")
@@ -101,9 +117,14 @@ def reward(score: Score | None, kind: RewardKind = "sum", epoch: int | None = No
         raise ValueError(f"unknown reward kind {kind!r} (use sum, macro, success or curriculum)")
     if finish_reason is not None and finish_reason != "answer":
         return 0.0
+    if not math.isfinite(preference_penalty) or preference_penalty < 0:
+        raise ValueError(f"preference_penalty must be a finite number >= 0, got {preference_penalty!r}")
     if score is None or score.formatter_status != "ok":
         return 0.0
-    return float(base_reward(score, kind))
+    value = base_reward(score, kind)
+    if preference_penalty:
+        value = max(0.0, value - preference_penalty * broken_preferences(score))
+    return float(value)
 
 
 def all_rewards(score: Score | None, epoch: int | None = None, *, curriculum: Curriculum = DEFAULT_CURRICULUM,

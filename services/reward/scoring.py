@@ -60,6 +60,8 @@ class ScoreRequest(PlanInput):
     mode: EvalMode = Field("official", description="official: leaderboard parity; strict: quirks fixed.")
     reward: RewardKind = Field("sum", description="The reward to report as `reward`.")
     epoch: int | None = Field(None, ge=1, le=10_000, description="1-based epoch (needed for curriculum).")
+    preference_penalty: float = Field(0.0, ge=0, le=5, description="Points off `reward` per broken stated preference "
+                                      "(house rule, room type, cuisine, transportation); 0: the paper's rewards.")
     backend: FormatterBackend | None = Field(None, description="Formatter backend for plan_text (default: settings).")
 
     @model_validator(mode="after")
@@ -144,7 +146,7 @@ class Scorer:
         scored = self.evaluate(request, request.mode, request.backend)
         score = scored.evaluation.to_score()
         try:
-            chosen = reward(score, request.reward, request.epoch)
+            chosen = reward(score, request.reward, request.epoch, preference_penalty=request.preference_penalty)
         except ValueError as exc:
             raise ScoreError(str(exc)) from None
         outcome = None
@@ -201,7 +203,7 @@ class Scorer:
         score = scored.evaluation.to_score()
         try:
             chosen = reward(score, trajectory.reward_kind, trajectory.epoch,  # type: ignore[arg-type]
-                            finish_reason=trajectory.finish_reason)
+                            finish_reason=trajectory.finish_reason, preference_penalty=trajectory.preference_penalty)
         except ValueError as exc:
             raise ScoreError(str(exc)) from None
         rewards = all_rewards(score, trajectory.epoch, finish_reason=trajectory.finish_reason)

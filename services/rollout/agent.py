@@ -312,7 +312,8 @@ class Agent:
 
 def to_trajectory(ep: Episode, query: TravelQuery | None = None, *, run_id: str = "adhoc", task_id: str = "adhoc",
                   prompt_id: str = "adhoc", group_id: str | None = None, epoch: int = 1, step: int | None = None,
-                  reward_kind: str = "sum", eval_mode: str = "strict", policy_version: int | None = None) -> Trajectory:
+                  reward_kind: str = "sum", preference_penalty: float = 0.0, eval_mode: str = "strict",
+                  policy_version: int | None = None) -> Trajectory:
     timings = dict(ep.timings)
     timings["total_s"] = time.perf_counter() - ep.started
     timings["turns"] = float(ep.turns)
@@ -330,4 +331,4 @@ def to_trajectory(ep: Episode, query: TravelQuery | None = None, *, run_id: str 
                       token_ids=ep.token_ids, loss_mask=ep.loss_mask, logprobs=ep.logprobs,
                       finish_reason=ep.finish_reason or "engine_error", tool_calls=ep.tool_calls,
                       answer=ep.answer, timings=timings, query=query, epoch=epoch, step=step, reward_kind=reward_kind,
-                      eval_mode=eval_mode, error=ep.error)
+                      preference_penalty=preference_penalty, eval_mode=eval_mode, error=ep.error)

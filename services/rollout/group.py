@@ -40,6 +40,7 @@ class GroupMeta:
     epoch: int = 1
     step: int | None = None
     reward_kind: str = "sum"
+    preference_penalty: float = 0.0
     eval_mode: str = "strict"
 
     def fields(self) -> dict[str, Any]:
@@ -47,7 +48,7 @@ class GroupMeta:
                 # One group per task: the same prompt rolled out at two steps (or twice in one
                 # wrapped-around batch) must never merge into one group at the learner.
                 "group_id": self.task_id, "epoch": self.epoch, "step": self.step, "reward_kind": self.reward_kind,
-                "eval_mode": self.eval_mode}
+                "preference_penalty": self.preference_penalty, "eval_mode": self.eval_mode}
 
 
 def sample_seed(sampling: SamplingParams, index: int) -> int | None:

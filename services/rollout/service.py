@@ -70,6 +70,7 @@ class RolloutRequest(BaseModel):
     prompt_id: str | None = Field(None, max_length=256)
     epoch: int = Field(1, ge=1)
     reward_kind: RewardKind = "sum"
+    preference_penalty: float = Field(0.0, ge=0, le=5)
     eval_mode: EvalMode = "strict"
 
 
@@ -160,7 +161,7 @@ class RolloutService:
         prompt_id = getattr(request, "prompt_id", None) or request.query.id or task_id
         meta = GroupMeta(run_id=request.run_id, task_id=task_id, prompt_id=prompt_id, epoch=request.epoch,
                          step=getattr(request, "step", None), reward_kind=request.reward_kind,
-                         eval_mode=request.eval_mode)
+                         preference_penalty=request.preference_penalty, eval_mode=request.eval_mode)
         self.metrics.in_flight.inc(group)
         try:
             from services.rollout.agent import Limits

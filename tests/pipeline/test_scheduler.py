@@ -79,3 +79,12 @@ def test_arpo_settings_travel_with_the_tasks(redis_client):
     pub.publish_ready(0)
     tasks = [RolloutTask.model_validate(d) for _, d in read_all(client, names.tasks)]
     assert [t.arpo.beam_size for t in tasks] == [3, 3]
+
+
+def test_preference_penalty_travels_with_the_tasks(redis_client):
+    client, prefix = redis_client
+    names = StreamNames(prefix.rstrip(":"))
+    pub = TaskPublisher(client, names, "r", Schedule(_queries(2), 2, 4, 1), SamplingParams(), preference_penalty=1.0)
+    pub.publish_ready(0)
+    tasks = [RolloutTask.model_validate(d) for _, d in read_all(client, names.tasks)]
+    assert [t.preference_penalty for t in tasks] == [1.0, 1.0]

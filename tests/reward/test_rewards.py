@@ -100,3 +100,32 @@ def test_rewards_of_real_scores(gold, official):
     s = official.score(gold.queries[0], plan)
     assert reward(s, "sum") == pytest.approx(7 / 8)
     assert reward(s, "macro") == 0.0
+
+
+def _with_hard(**verdicts) -> Score:
+    """A plan that passes commonsense and breaks the hard checks given as False."""
+    from services.common.schemas import CheckVerdict
+    hard = {name: CheckVerdict(passed=ok) for name, ok in verdicts.items()}
+    applicable = [ok for ok in verdicts.values() if ok is not None]
+    share = sum(applicable) / len(applicable)
+    return Score(cs_micro=1, cs_macro=1, hard=hard, hard_micro=share, hard_macro=float(share == 1),
+                 success=float(share == 1))
+
+
+def test_preference_penalty_ranks_a_broken_preference_below_a_broken_budget():
+    over_budget = _with_hard(valid_cost=False, valid_transportation=True, valid_cuisine=True)
+    forbidden_mode = _with_hard(valid_cost=True, valid_transportation=False, valid_cuisine=True)
+    # the paper's sum cannot tell the two apart
+    assert reward(over_budget, "sum") == reward(forbidden_mode, "sum") == pytest.approx(2 + 2 / 3)
+    assert reward(over_budget, "sum", preference_penalty=1.0) == pytest.approx(2 + 2 / 3)
+    assert reward(forbidden_mode, "sum", preference_penalty=1.0) == pytest.approx(1 + 2 / 3)
+    assert reward(PERFECT, "sum", preference_penalty=1.0) == 5.0
+
+
+def test_preference_penalty_counts_each_broken_preference_and_never_goes_below_zero():
+    both = _with_hard(valid_cost=True, valid_transportation=False, valid_room_type=False, valid_room_rule=None)
+    assert reward(both, "sum", preference_penalty=0.5) == pytest.approx(2 + 1 / 3 - 1.0)
+    assert reward(both, "macro", preference_penalty=1.0) == 0.0  # 1 - 2, floored: no worse than a format error
+    assert reward(both, "sum", preference_penalty=1.0, finish_reason="format_error") == 0.0
+    with pytest.raises(ValueError, match="preference_penalty"):
+        reward(both, "sum", preference_penalty=-1.0)

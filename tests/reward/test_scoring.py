@@ -112,3 +112,16 @@ def test_trajectory_scoring(gold, scorer):
         assert out.score.formatter_status != "ok"
     with pytest.raises(ScoreError, match="carries no query"):
         scorer.score_trajectory(_trajectory(gold, 3, query=None))
+
+
+def test_trajectory_preference_penalty_reaches_the_reward(gold, scorer):
+    # a gold plan scored against its query with a transport rule the plan breaks
+    i = next(i for i in range(45) if gold.queries[i].local_constraint.transportation is None
+             and any("Self-driving" in str(d.get("transportation")) for d in gold.plan(i)))
+    query = gold.queries[i].model_copy(deep=True)
+    query.local_constraint.transportation = "no self-driving"
+    plain = scorer.score_trajectory(_trajectory(gold, i, query=query, reward_kind="sum"))
+    shaped = scorer.score_trajectory(_trajectory(gold, i, query=query, reward_kind="sum", preference_penalty=1.5))
+    assert plain.score.hard["valid_transportation"].passed is False
+    assert shaped.reward == pytest.approx(plain.reward - 1.5)
+    assert shaped.rewards == plain.rewards  # the paper's kinds are logged unshaped

@@ -60,7 +60,7 @@ def test_tasks_become_trajectories_with_task_fields_and_poison_goes_dead(redis_c
     script = [format_tool_call("SearchCity", {"state": "Illinois"}), format_answer("Day 1:\nCurrent City: Chicago")]
     engine = ScriptedEngine(tokenizer, lambda ids, turn: script[min(turn, 1)])
     service = RolloutService(engine, local_tools)
-    publish(client, names.tasks, task(1, epoch=3, step=4, reward_kind="macro", eval_mode="official"))
+    publish(client, names.tasks, task(1, epoch=3, step=4, reward_kind="macro", eval_mode="official", preference_penalty=0.5))
     publish(client, names.tasks, {"run_id": "run", "task_id": "broken"})  # not a RolloutTask
     publish(client, names.tasks, task(2))
     worker = RolloutWorker(service, client, loop, names=names, consumer="w", claim_idle_ms=500)
@@ -70,6 +70,8 @@ def test_tasks_become_trajectories_with_task_fields_and_poison_goes_dead(redis_c
                                                                           ("task-2", 0), ("task-2", 1)]
     first = next(t for t in trajs if t["task_id"] == "task-1")
     assert (first["epoch"], first["step"], first["reward_kind"], first["eval_mode"]) == (3, 4, "macro", "official")
+    assert first["preference_penalty"] == 0.5  # the reward worker applies it
+    assert next(t for t in trajs if t["task_id"] == "task-2")["preference_penalty"] == 0.0
     assert first["query"]["org"] == "Sarasota" and first["finish_reason"] == "answer"
     dead = [data for _, data in read_all(client, StreamNames.dead(names.tasks))]
     assert len(dead) == 1 and dead[0]["payload"]["task_id"] == "broken" and "not a RolloutTask" in dead[0]["error"]
