@@ -224,9 +224,28 @@ def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit:
         scored = json.loads((out / mode / "metrics.json").read_text())
         result[mode] = scored["metrics"]
         result[f"{mode}_failures"] = scored.get("failures")
+    result["transport_modes"] = transport_modes(out / "official" / "scores.jsonl")
     log(f"eval {Path(model).name}: decode {decode_s:.0f} s, finishes {finishes}, "
         f"success official {result['official'].get('final_pass_rate')}, strict {result['strict'].get('final_pass_rate')}")
     return result
+
+
+MODES = ("flight", "self-driving", "taxi")
+
+
+def transport_modes(scores: Path) -> dict[str, dict[str, int]]:
+    """Plans by the query's transport preference ("none" when it states none) and the modes the
+    plan travels by ("flight+taxi", "-" for no transport): whether the policy reads the preference
+    or travels one way whatever the query says (runs 10-13, bench/results/gpu_proof.md)."""
+    table: dict[str, dict[str, int]] = {}
+    for line in scores.read_text().splitlines():
+        row = json.loads(line)
+        preference = (row["query"].get("local_constraint") or {}).get("transportation") or "none"
+        legs = " ".join(str(day.get("transportation", "")) for day in row.get("plan") or []).lower()
+        used = "+".join(m for m in MODES if m in legs) or "-"
+        by_mode = table.setdefault(preference, {})
+        by_mode[used] = by_mode.get(used, 0) + 1
+    return table
 
 
 def _release_gpu() -> None:
@@ -355,7 +374,7 @@ def _eval_brief(result: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     return {k: result.get(k) for k in ("model", "queries", "decode_s", "finish_reasons", "tool_calls_mean",
                                        "sampled_tokens_mean", "generate_s_per_turn", "prefill_tokens",
-                                       "reused_tokens", "official_failures")}
+                                       "reused_tokens", "official_failures", "transport_modes")}
 
 
 def _markdown(s: dict[str, Any]) -> str:
@@ -385,6 +404,7 @@ def _markdown(s: dict[str, Any]) -> str:
                          + (f"; prompt tokens prefilled {e['prefill_tokens']:,}, taken from kept KV caches "
                             f"{e['reused_tokens']:,}." if e.get("prefill_tokens") is not None else "."))
     lines.append("")
+    lines += _transport_table(s.get("eval") or {})
     rl = s.get("rl") or {}
     if rl:
         lines += ["## RL runs", "", "| run | max_staleness | steps | wait s | compute s | weight sync s | "
@@ -407,6 +427,20 @@ def _markdown(s: dict[str, Any]) -> str:
                                                                   for r in c["success"]))
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _transport_table(evals: dict[str, Any]) -> list[str]:
+    """Plans per transport preference and the modes they travel by, SFT against RL."""
+    tables = {label: (evals.get(label) or {}).get("transport_modes") for label in ("sft", "rl")}
+    if not any(tables.values()):
+        return []
+    lines = ["## Held-out plans by transport preference and the modes they use", "",
+             "| preference | SFT | RL |", "|---|---|---|"]
+    for preference in sorted({p for t in tables.values() if t for p in t}):
+        cells = [", ".join(f"{mode} {n}" for mode, n in sorted((t or {}).get(preference, {}).items())) or "—"
+                 for t in tables.values()]
+        lines.append(f"| {preference} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def _plot(curves: dict[str, Any], path: Path) -> None:

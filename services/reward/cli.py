@@ -72,6 +72,8 @@ def score_command(
     mode: str = typer.Option("official", help="official (leaderboard parity) or strict."),
     reward: str = typer.Option("sum", help="sum | macro | success | curriculum"),
     epoch: Optional[int] = typer.Option(None, min=1, help="1-based epoch (for curriculum)."),
+    preference_penalty: float = typer.Option(0.0, min=0.0, max=5.0, help="Points off the reward per broken stated "
+                                             "preference (our own shaping; 0: the paper's rewards)."),
     backend: Optional[str] = typer.Option(None, help="Formatter backend for plan text: structured | llm | auto."),
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world (default: settings)."),
     as_json: bool = typer.Option(False, "--json", help="Print the full response as JSON."),
@@ -86,7 +88,8 @@ def score_command(
     except json.JSONDecodeError as exc:
         _fail(f"{query}: not JSON: {exc.msg} (line {exc.lineno})")
     raw = _read(plan)
-    body: dict[str, Any] = {"query": q, "mode": _mode(mode), "reward": reward, "epoch": epoch, "backend": backend}
+    body: dict[str, Any] = {"query": q, "mode": _mode(mode), "reward": reward, "epoch": epoch, "backend": backend,
+                            "preference_penalty": preference_penalty}
     try:
         value = json.loads(raw)
         body["plan_text" if isinstance(value, str) else "plan"] = value

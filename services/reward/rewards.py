@@ -14,7 +14,9 @@ preference the plan breaks (house rule, room type, cuisine, transportation: ever
 constraint but the budget), floored at 0 so that no plan scores below a format error. Under the
 paper's rewards a plan that ignores "no self-driving" to stay within budget scores exactly like
 one that keeps the preference and overspends, so nothing stops a policy from trading the one for
-the other (bench/results/gpu_proof.md, runs 10 and 11).
+the other (bench/results/gpu_proof.md, runs 10 and 11). Measured once, at 1.0 on the H100 proof
+(run 13), it made things worse: the policy learned to fly on every query and held-out success
+fell from 57 % to 24 %.
 """
 
 from __future__ import annotations

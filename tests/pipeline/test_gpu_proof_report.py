@@ -34,3 +34,26 @@ def test_recorded_runs_compare_per_step_wall_time_without_the_fleet_start():
     assert gpu_proof_runs.seconds_per_step(steps[:1]) is None
     run8 = gpu_proof_runs.summarize("8")  # the recorded H100 run: sync 50.8 s, async 35.1 s a step
     assert round(run8["sync_s"], 1) == 50.8 and round(run8["speedup"], 2) == 1.45
+
+
+def test_transport_modes_count_plans_by_preference_and_report_them(tmp_path):
+    def row(preference, *legs):
+        plan = [{"day": i + 1, "transportation": leg} for i, leg in enumerate(legs)]
+        return json.dumps({"query": {"local_constraint": {"transportation": preference}}, "plan": plan})
+
+    scores = tmp_path / "scores.jsonl"
+    scores.write_text("\n".join([
+        row(None, "Self-driving, from A to B, cost: 56", "-", "Self-driving, from B to A, cost: 56"),
+        row("no flight", "Flight Number: F1, from A to B", "-", "Taxi, from B to A, cost: 90"),
+        row("no flight", "Flight Number: F2, from A to B", "-", "Flight Number: F3, from B to A"),
+        json.dumps({"query": {"local_constraint": {"transportation": "no self-driving"}}, "plan": None}),
+    ]) + "\n")
+    modes = gpu_proof.transport_modes(scores)
+    assert modes == {"none": {"self-driving": 1}, "no flight": {"flight+taxi": 1, "flight": 1},
+                     "no self-driving": {"-": 1}}
+    state = {"eval_sft": {**_eval(50.0, 100.0), "transport_modes": modes},
+             "eval_rl": {**_eval(50.0, 100.0), "transport_modes": {"none": {"flight": 1}}}}
+    gpu_proof.report(state, tmp_path, "proof", "cmd")
+    md = (tmp_path / "proof.md").read_text()
+    assert "| no flight | flight 1, flight+taxi 1 | — |" in md
+    assert "| none | self-driving 1 | flight 1 |" in md

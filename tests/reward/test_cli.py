@@ -39,6 +39,24 @@ def test_score_json_plan_and_text_plan(official_world_url, gold, tmp_path):
     assert body["reward"] == 1.0 and body["score"]["mode"] == "strict" and body["formatter"]["status"] == "ok"
 
 
+def test_score_preference_penalty(official_world_url, gold, tmp_path):
+    i = next(i for i in range(45) if gold.queries[i].local_constraint.transportation is None
+             and any("Self-driving" in str(d.get("transportation")) for d in gold.plan(i)))
+    record = _record(gold, i)
+    record["local_constraint"] = str({**gold.queries[i].local_constraint.model_dump(by_alias=True),
+                                      "transportation": "no self-driving"})
+    q, p = tmp_path / "q.json", tmp_path / "p.json"
+    q.write_text(json.dumps(record))
+    p.write_text(json.dumps(gold.plan(i)))
+    rewards = []
+    for penalty in ("0", "2"):
+        r = runner.invoke(app, ["score", "--query", str(q), "--plan", str(p), "--db", official_world_url,
+                                "--preference-penalty", penalty, "--json"])
+        assert r.exit_code == 0, r.output
+        rewards.append(json.loads(r.output)["reward"])
+    assert rewards[0] - rewards[1] == 2.0
+
+
 def test_score_errors_are_messages(official_world_url, gold, tmp_path):
     q = tmp_path / "q.json"
     q.write_text(json.dumps(_record(gold, 0)))
