@@ -172,7 +172,7 @@ class Trajectory(BaseModel):
     epoch: int = 1
     step: int | None = Field(None, description="The training step whose batch this belongs to (None: outside a schedule).")
     reward_kind: str = "sum"
-    preference_penalty: float = Field(0.0, ge=0, description="Reward points off per broken stated preference.")
+    preference_penalty: float = Field(0.0, ge=0, le=5, description="Reward points off per broken stated preference.")
     eval_mode: str = "strict"
     error: str | None = Field(None, description="What went wrong when finish_reason is engine_error.")
 

@@ -176,7 +176,8 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
                             {**run.env, "STAR_REDIS_URL": f.redis_url}, run.log("learner")).start()
         client = redis.Redis.from_url(f.redis_url)
         publisher = TaskPublisher(client, names, run.config.name, schedule, sampling, reward_kind=r.reward,
-                                  preference_penalty=r.preference_penalty, curriculum=curriculum, eval_mode=r.eval_mode, max_staleness=r.max_staleness,
+                                  preference_penalty=r.preference_penalty, curriculum=curriculum,
+                                  eval_mode=r.eval_mode, max_staleness=r.max_staleness,
                                   arpo=r.arpo if r.algorithm == "arpo" else None)
         validation = None
         if r.val_every and synth.get("val_queries"):
