@@ -60,6 +60,8 @@ class SynthSpec(_Section):
     val_queries: int = Field(180, ge=0)
     mix: tuple[int, int, int] = Field((4, 3, 3), description="easy:medium:hard")
     days: list[Literal[3, 5, 7]] = Field([3, 5, 7], min_length=1, description="Trip lengths drawn (the benchmark's 3, 5, 7).")
+    flight_share: float = Field(0.9, ge=0, le=1, description="Share of flight trips; a hard query forbids self-driving "
+                                "on a flight trip and flights on a road trip.")
     teacher: Literal["oracle", "openai"] = "oracle"
     seed: int = 0
 

@@ -159,7 +159,8 @@ def stage_synth(run: Run) -> dict[str, Any]:
     run_process(run, "synth-queries", star_argv(
         "synth", "queries", "--n", str(total), "--mix", ":".join(map(str, s.mix)),
         "--splits", f"{s.sft_queries}:{s.rl_queries}:{s.val_queries}", "--out", str(data),
-        "--seed", str(s.seed), "--days", ",".join(map(str, s.days)), "--db", run.world_url))
+        "--seed", str(s.seed), "--days", ",".join(map(str, s.days)), "--flight-share", str(s.flight_share),
+        "--db", run.world_url))
     outputs = {"queries": str(data), "sft_queries": str(data / "sft.jsonl"), "rl_queries": str(data / "rl.jsonl"),
                "val_queries": str(data / "validation.jsonl")}
     if s.sft_queries:

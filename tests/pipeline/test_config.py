@@ -97,3 +97,16 @@ def test_the_rl_section_reaches_the_learner_config(tmp_path):
     learner = RLConfig.model_validate_json(path.read_text())
     assert (learner.mini_batches, learner.lr, learner.total_steps) == (config.rl.mini_batches, config.rl.lr, 16)
     assert learner.filters.max_staleness == config.rl.max_staleness
+
+
+def test_the_synth_section_reaches_the_synthesizer(tmp_path, monkeypatch):
+    from services.pipeline import train
+
+    calls = []
+    monkeypatch.setattr(train, "run_process", lambda run, name, argv, **kw: calls.append((name, argv)))
+    config = load_pipeline_config(CONFIGS / "tiny.yaml", ["synth.flight_share=0.5", "synth.days=[3]"])
+    train.stage_synth(train.Run(config, tmp_path, world_url="sqlite:///w.db"))
+    argv = dict(calls)["synth-queries"]
+    assert argv[argv.index("--flight-share") + 1] == "0.5" and argv[argv.index("--days") + 1] == "3"
+    with pytest.raises(ConfigError, match="flight_share"):
+        load_pipeline_config(CONFIGS / "tiny.yaml", ["synth.flight_share=1.5"])
