@@ -235,14 +235,17 @@ MODES = ("flight", "self-driving", "taxi")
 
 def transport_modes(scores: Path) -> dict[str, dict[str, int]]:
     """Plans by the query's transport preference ("none" when it states none) and the modes the
-    plan travels by ("flight+taxi", "-" for no transport): whether the policy reads the preference
-    or travels one way whatever the query says (runs 10-13, bench/results/gpu_proof.md)."""
+    plan travels by ("flight+taxi", "-" for no transport), read as the strict evaluator reads them:
+    whether the policy reads the preference or travels one way whatever the query says (runs
+    10-13, bench/results/gpu_proof.md)."""
+    from services.reward.evaluator.parsing import strict_transport_kinds
+
     table: dict[str, dict[str, int]] = {}
     for line in scores.read_text().splitlines():
         row = json.loads(line)
         preference = (row["query"].get("local_constraint") or {}).get("transportation") or "none"
-        legs = " ".join(str(day.get("transportation", "")) for day in row.get("plan") or []).lower()
-        used = "+".join(m for m in MODES if m in legs) or "-"
+        kinds = strict_transport_kinds(" ; ".join(str(day.get("transportation", "")) for day in row.get("plan") or []))
+        used = "+".join(m for m in MODES if m in kinds) or "-"
         by_mode = table.setdefault(preference, {})
         by_mode[used] = by_mode.get(used, 0) + 1
     return table
