@@ -57,6 +57,11 @@ def reward_spread(rewards: Sequence[float]) -> float:
     return max(rewards) - min(rewards) if rewards else 0.0
 
 
+def is_flat(rewards: Sequence[float], eps: float = 1e-6) -> bool:
+    """A group whose rewards agree (max - min <= eps): its advantages are zero, it carries no gradient."""
+    return reward_spread(rewards) <= eps
+
+
 @dataclass
 class GroupSelection:
     kept: list[Hashable]
@@ -80,7 +85,7 @@ def select_groups(group_rewards: dict[Hashable, Sequence[float]], *, dynamic_sam
     order = list(group_rewards)
     flat: list[Hashable] = []
     if dynamic_sampling:
-        flat = [g for g in order if reward_spread(group_rewards[g]) <= eps]
+        flat = [g for g in order if is_flat(group_rewards[g], eps)]
         order = [g for g in order if g not in set(flat)]
     low: list[Hashable] = []
     if keep_fraction < 1.0 and order:

@@ -244,7 +244,7 @@ def rl_sequences(trajs: Sequence[ScoredTrajectory], filters: FilterConfig, *, le
              **{k: float(v) for k, v in selection.counts().items()}}
     # measured whether or not flat groups are dropped: under GRPO they stay in the batch with zero
     # advantage, and a batch of flat groups trains nothing (2026-11-24 H100 run, step 19)
-    flat = sum(alg.reward_spread(rs) <= filters.zero_variance_eps for rs in by_group.values())
+    flat = sum(alg.is_flat(rs, filters.zero_variance_eps) for rs in by_group.values())
     stats["groups_flat_fraction"] = flat / n_groups if n_groups else 0.0
     return RLBatch(seqs, stats, [rewards[i] for i in chosen], advantages,
                    recompute_old=not use_rollout_logprobs or missing_logprobs > 0)

@@ -264,7 +264,7 @@ class RLTrainer:
             return False
         if f.dynamic_sampling:
             rewards = [alg.effective_reward(t.reward, t.finish_reason, f.zero_reward_finish_reasons) for t in trajs]
-            return alg.reward_spread(rewards) > f.zero_variance_eps
+            return not alg.is_flat(rewards, f.zero_variance_eps)
         return True
 
     def _complete(self) -> list[str]:
