@@ -7,7 +7,7 @@ whenever a field changes meaning, so a consumer can refuse payloads it does not 
 from __future__ import annotations
 
 import ast
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
@@ -149,6 +149,13 @@ class ToolResult(BaseModel):
     elapsed_ms: float = 0.0
 
 
+# Our own reward shaping, not the paper's (services/reward/rewards.py): one definition for every
+# payload that carries it.
+PreferencePenalty = Annotated[float, Field(
+    ge=0, le=5, description="Reward points off per stated preference the plan breaks (house rule, room type, "
+    "cuisine, transportation), floored at 0; 0: the paper's rewards.")]
+
+
 class Trajectory(BaseModel):
     """One agent episode, token-in/token-out (the rollout fills it; the learner trains on it)."""
 
@@ -172,7 +179,7 @@ class Trajectory(BaseModel):
     epoch: int = 1
     step: int | None = Field(None, description="The training step whose batch this belongs to (None: outside a schedule).")
     reward_kind: str = "sum"
-    preference_penalty: float = Field(0.0, ge=0, le=5, description="Reward points off per broken stated preference.")
+    preference_penalty: PreferencePenalty = 0.0
     eval_mode: str = "strict"
     error: str | None = Field(None, description="What went wrong when finish_reason is engine_error.")
 
@@ -250,8 +257,7 @@ class RolloutTask(BaseModel):
     epoch: int = Field(1, ge=1, description="1-based epoch, for the curriculum reward.")
     step: int | None = Field(None, ge=0, description="0-based training step (None: evaluation or ad hoc).")
     reward_kind: RewardKind = "sum"
-    preference_penalty: float = Field(0.0, ge=0, le=5, description="Reward points off per broken stated preference "
-                                      "(house rule, room type, cuisine, transportation); 0: the paper's rewards.")
+    preference_penalty: PreferencePenalty = 0.0
     eval_mode: EvalMode = "strict"
     min_policy_version: int = Field(0, ge=0, description="Do not sample with weights older than this.")
     arpo: ArpoParams | None = Field(None, description="Branch the group ARPO-style instead of G independent samples.")

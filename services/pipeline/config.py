@@ -14,7 +14,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from services.common.schemas import ArpoParams, EvalMode, RewardKind, SamplingParams
+from services.common.schemas import ArpoParams, EvalMode, PreferencePenalty, RewardKind, SamplingParams
 from services.learner.config import EngineConfig
 
 Stage = Literal["synth", "sft", "rl", "eval"]
@@ -87,9 +87,7 @@ class RLSpec(_Section):
     eps_high: float = Field(0.28, ge=0)
     reward: RewardKind = "sum"
     curriculum: str = Field("sum:1-2,macro:3-4,success:5", description="Epoch schedule when reward is curriculum.")
-    preference_penalty: float = Field(
-        0.0, ge=0, le=5, description="Our own reward shaping, not the paper's: points off per stated preference "
-        "the plan breaks (house rule, room type, cuisine, transportation), floored at 0. 0: the paper's rewards.")
+    preference_penalty: PreferencePenalty = 0.0
     eval_mode: EvalMode = Field("strict", description="Evaluator mode of the training reward.")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     fault_rate: float = Field(0.0, ge=0, le=1, description="Tool failure injection during RL (paper: 0, 1, 5, 10%).")

@@ -117,10 +117,10 @@ def reward(score: Score | None, kind: RewardKind = "sum", epoch: int | None = No
         kind = curriculum.kind_at(epoch)
     elif kind not in BASE_KINDS:
         raise ValueError(f"unknown reward kind {kind!r} (use sum, macro, success or curriculum)")
-    if finish_reason is not None and finish_reason != "answer":
-        return 0.0
     if not math.isfinite(preference_penalty) or preference_penalty < 0:
         raise ValueError(f"preference_penalty must be a finite number >= 0, got {preference_penalty!r}")
+    if finish_reason is not None and finish_reason != "answer":
+        return 0.0
     if score is None or score.formatter_status != "ok":
         return 0.0
     value = base_reward(score, kind)

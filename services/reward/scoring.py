@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from services.common.schemas import (
     EvalMode,
     Plan,
+    PreferencePenalty,
     RewardKind,
     Score,
     ScoredTrajectory,
@@ -60,8 +61,7 @@ class ScoreRequest(PlanInput):
     mode: EvalMode = Field("official", description="official: leaderboard parity; strict: quirks fixed.")
     reward: RewardKind = Field("sum", description="The reward to report as `reward`.")
     epoch: int | None = Field(None, ge=1, le=10_000, description="1-based epoch (needed for curriculum).")
-    preference_penalty: float = Field(0.0, ge=0, le=5, description="Points off `reward` per broken stated preference "
-                                      "(house rule, room type, cuisine, transportation); 0: the paper's rewards.")
+    preference_penalty: PreferencePenalty = 0.0
     backend: FormatterBackend | None = Field(None, description="Formatter backend for plan_text (default: settings).")
 
     @model_validator(mode="after")

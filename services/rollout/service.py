@@ -20,8 +20,8 @@ from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.metrics import Metrics
-from services.common.schemas import (EvalMode, RewardKind, RolloutTask, SamplingParams, ToolResult, Trajectory,
-                                     TravelQuery, WeightsUpdate)
+from services.common.schemas import (EvalMode, PreferencePenalty, RewardKind, RolloutTask, SamplingParams, ToolResult,
+                                     Trajectory, TravelQuery, WeightsUpdate)
 from services.common.settings import Settings, get_settings
 from services.rollout.agent import Agent
 from services.rollout.engines import Engine, build_engine
@@ -70,7 +70,7 @@ class RolloutRequest(BaseModel):
     prompt_id: str | None = Field(None, max_length=256)
     epoch: int = Field(1, ge=1)
     reward_kind: RewardKind = "sum"
-    preference_penalty: float = Field(0.0, ge=0, le=5)
+    preference_penalty: PreferencePenalty = 0.0
     eval_mode: EvalMode = "strict"
 
 
