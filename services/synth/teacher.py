@@ -5,7 +5,8 @@ destination state's cities (5/7-day trips), then for every leg searches the flig
 road it takes, and in every city it stays in searches accommodations, restaurants and
 attractions; each call runs against the real sandbox (the `ToolBox` in-process, or the sandbox
 service over HTTP) and its real text is the tool response. A short thought in our own words
-precedes each call, and the last turn carries the plan in the structured form
+precedes each call; it restates the request's transport, room and cuisine preferences where the
+agent acts on them ("by road since flights are ruled out", "(Private room)", "For Thai: …"). The last turn carries the plan in the structured form
 (`services/formatter/structured.py`) inside `<answer>`. Every trajectory is checked before it is
 kept: its answer is parsed back with `parse_plan` and must score success under the strict
 evaluator.
@@ -37,6 +38,7 @@ from services.reward import Evaluator
 from services.rollout.protocol import (format_answer, format_tool_call, parse_turn, system_prompt, tool_response,
                                        user_message)
 from services.synth.language import money, record_of
+from services.synth.index import Eatery, Stay
 from services.synth.oracle import Leg, Oracle, Solution
 
 
@@ -114,19 +116,26 @@ _T_START = [
 ]
 _T_STATE = ["First I need the cities of {state} to choose {k} of them.",
             "Let me see which cities {state} offers before picking {k}."]
-_T_FIRST_CITY = ["First I check how to get from {o} to {d} on {date}.",
-                 "I start with the way from {o} to {d} on {date}."]
+_T_FIRST_CITY = ["First I check how to get from {o} to {d} on {date}{how}.",
+                 "I start with the way from {o} to {d} on {date}{how}."]
 _T_CITIES = ["{state} has {n} cities. I will try {route}, which keeps the legs short and the stays cheap; "
-             "now the way from {o} to {d} on {date}.",
-             "Candidates in {state}: {n} cities. My route: {route}. Next, travel from {o} to {d} on {date}."]
+             "now the way from {o} to {d} on {date}{how}.",
+             "Candidates in {state}: {n} cities. My route: {route}. Next, travel from {o} to {d} on {date}{how}."]
 _T_FLIGHT_TAXI = ["{flight_note} A taxi may be cheaper for {people}; let me check the road from {o} to {d}.",
                   "{flight_note} I compare with a taxi from {o} to {d}."]
 _T_AFTER_LEG = ["{leg_note} Now places to stay in {city} for {nights} night(s){room}.",
                 "{leg_note} Next I look for accommodation in {city} ({nights} night(s){room})."]
 _T_REST = ["{stay_note} Now restaurants in {city}{cuisine}.", "{stay_note} Next, where to eat in {city}{cuisine}."]
 _T_SIGHTS = ["{meal_note} Now the attractions of {city}.", "{meal_note} Let me find things to see in {city}."]
-_T_NEXT_LEG = ["{sight_note} Then I move on: from {o} to {d} on {date}.",
-               "{sight_note} Next leg: {o} to {d} on {date}."]
+_T_NEXT_LEG = ["{sight_note} Then I move on: from {o} to {d} on {date}{how}.",
+               "{sight_note} Next leg: {o} to {d} on {date}{how}."]
+# The transport preference, restated where the agent decides how to travel: a small model copies
+# "flights are ruled out" into the thought before a call far more reliably than it recalls a
+# two-word constraint from the request (run 14 in bench/results/gpu_proof.md).
+_TRANSPORT_RULE = {"no flight": "No flights are allowed, so every leg goes by road.",
+                   "no self-driving": "Self-driving is not allowed, so I fly or take a taxi."}
+_TRAVEL_BY = {"no flight": ", by road since flights are ruled out",
+              "no self-driving": ", by air or taxi since I may not drive"}
 _T_ANSWER = ["All parts are found. Transport {transport}, stays {stays}, meals {meals}: total {total}, within {budget}.",
              "Everything is booked: transport {transport} + accommodation {stays} + meals {meals} = {total} "
              "(budget {budget})."]
@@ -197,16 +206,18 @@ class OracleTeacher:
         facts = dict(org=q.org, where=where, start=q.date[0], end=q.date[-1], budget=money(q.budget), days=q.days,
                      who=who, who_short="1 person" if P == 1 else f"{P} people", extras=extra_text)
         route = " → ".join([q.org, *sol.route, q.org])
+        rule = _TRANSPORT_RULE.get(lc.transportation or "", "")
+        how = _TRAVEL_BY.get(lc.transportation or "", "")
+        first = (_think(rng, _T_FIRST_CITY, o=first_leg.origin, d=first_leg.dest, date=first_leg.date, how=how)
+                 if q.days == 3 else _think(rng, _T_STATE, state=q.dest, k=q.visiting_city_number))
+        facts["first"] = f"{rule} {first}" if rule else first
         if q.days == 3:
-            facts["first"] = _think(rng, _T_FIRST_CITY, o=first_leg.origin, d=first_leg.dest, date=first_leg.date)
-            opening = _think(rng, _T_START, **facts)
-            pending = opening
+            pending = _think(rng, _T_START, **facts)
         else:
-            facts["first"] = _think(rng, _T_STATE, state=q.dest, k=q.visiting_city_number)
             yield "SearchCity", {"state": q.dest}, _think(rng, _T_START, **facts)
             n_cities = len(self.oracle.index.state_cities.get(q.dest, []))
             pending = _think(rng, _T_CITIES, state=q.dest, n=n_cities, route=route, o=first_leg.origin,
-                             d=first_leg.dest, date=first_leg.date)
+                             d=first_leg.dest, date=first_leg.date, how=how)
         for i, leg in enumerate(sol.legs):
             for name, arguments, note in self._leg_calls(q, leg, rng):
                 yield name, arguments, pending
@@ -219,7 +230,7 @@ class OracleTeacher:
                 room += f", allowing {lc.house_rule}"
             yield "SearchAccommodation", {"city": stop.city}, _think(
                 rng, _T_AFTER_LEG, leg_note=pending, city=stop.city, nights=stop.nights, room=room)
-            stay_note = (f"{stop.stay.name} costs {money_f(stop.stay.price)} a night"
+            stay_note = (f"{stop.stay.name}{_stay_fit(stop.stay, lc)} costs {money_f(stop.stay.price)} a night"
                          + (f" ({stop.stay.units(P)} units for {P})" if stop.stay.units(P) > 1 else "")
                          + f" and allows {stop.nights} night(s).")
             cuisine = f", looking for {', '.join(lc.cuisine)}" if lc.cuisine else ""
@@ -227,7 +238,7 @@ class OracleTeacher:
                                                                   cuisine=cuisine)
             meals = [*stop.meals, *stop.extras]
             meal_note = (f"I pick {len(meals)} different places, e.g. {meals[0].name} ({money_f(meals[0].cost)})."
-                         if meals else "No meal is needed here besides travel days.")
+                         if meals else "No meal is needed here besides travel days.") + _cuisine_fit(meals, lc)
             if stop.stay_days or any(c == stop.city for day in sol.travel_sights.values() for _, c in day):
                 yield "SearchAttraction", {"city": stop.city}, _think(rng, _T_SIGHTS, meal_note=meal_note, city=stop.city)
                 sights = [n for day in stop.sights for n in day]
@@ -235,7 +246,8 @@ class OracleTeacher:
             else:
                 sight_note = meal_note
             nxt = sol.legs[i + 1]
-            pending = _think(rng, _T_NEXT_LEG, sight_note=sight_note, o=nxt.origin, d=nxt.dest, date=nxt.date)
+            pending = _think(rng, _T_NEXT_LEG, sight_note=sight_note, o=nxt.origin, d=nxt.dest, date=nxt.date,
+                             how=how)
 
     def _leg_calls(self, q: TravelQuery, leg: Leg, rng: random.Random):
         """(tool, arguments, what was learnt) for one leg."""
@@ -261,6 +273,19 @@ class OracleTeacher:
         note = (f"A taxi {leg.origin} → {leg.dest} costs {money_f(leg.road.taxi)}"
                 + (f" each, {-(-P // 4)} taxis" if P > 4 else "") + "; I take it.")
         yield "GoogleDistanceMatrix", {"departure": leg.origin, "destination": leg.dest, "mode": "taxi"}, note
+
+
+def _stay_fit(stay: Stay, lc) -> str:
+    """" (Entire home/apt, pets allowed)": the facts of the chosen stay that the request asks about."""
+    facts = ([stay.room_type] if lc.room_type else []) + ([f"{lc.house_rule} allowed"] if lc.house_rule else [])
+    return f" ({', '.join(facts)})" if facts else ""
+
+
+def _cuisine_fit(meals: Sequence[Eatery], lc) -> str:
+    """" For Chinese: Golden Wok.": which chosen restaurant here serves each requested cuisine."""
+    named = [(c, next(m.name for m in meals if c in m.cuisines)) for c in (lc.cuisine or [])
+             if any(c in m.cuisines for m in meals)]
+    return "".join(f" For {c}: {name}." for c, name in named)
 
 
 class _Episode:

@@ -5,6 +5,8 @@ HTTP with identical tool responses; the LLM teacher keeps strict successes only.
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 
 import pytest
 
@@ -59,6 +61,45 @@ def test_trajectories_follow_the_agent_protocol(samples):
         assert ("SearchCity" in names) == (s.query.days > 3)
         calls.append(len(s.calls))
     assert 5 <= sum(calls) / len(calls) <= 20
+
+
+def _thoughts(s) -> list[tuple[str, str | None]]:
+    """(thought, tool called after it) for each assistant turn."""
+    out = []
+    for m in s.messages[2::2]:
+        turn = parse_turn(m["content"])
+        out.append((m["content"].split("</think>")[0], turn.name if turn.kind == "tool_call" else None))
+    return out
+
+
+def test_thoughts_restate_each_preference_where_the_agent_acts_on_it(samples):
+    seen = Counter()
+    for s in samples:
+        lc = s.query.local_constraint
+        thoughts = _thoughts(s)
+        text = " ".join(t for t, _ in thoughts)
+        first_leg = next(t for t, name in thoughts if name in ("SearchFlight", "GoogleDistanceMatrix"))
+        if lc.transportation == "no flight":
+            seen["no flight"] += 1
+            assert "flights are ruled out" in first_leg and "SearchFlight" not in [n for _, n in thoughts], s.id
+        elif lc.transportation == "no self-driving":
+            seen["no self-driving"] += 1
+            assert "may not drive" in first_leg, s.id
+        else:
+            assert "ruled out" not in text and "may not drive" not in text, s.id
+        before_restaurants = [t for t, name in thoughts if name == "SearchRestaurant"]
+        if lc.room_type:
+            seen["room"] += 1
+            assert all(re.search(r"\((Entire home/apt|Private room|Shared room)", t) for t in before_restaurants), s.id
+        if lc.house_rule:
+            seen["rule"] += 1
+            assert all(f"{lc.house_rule} allowed" in t for t in before_restaurants), s.id
+        if not lc.room_type and not lc.house_rule:
+            assert not any(re.search(r"\((Entire home/apt|Private room|Shared room)", t) for t in before_restaurants)
+        for cuisine in lc.cuisine or []:
+            seen["cuisine"] += 1
+            assert f"For {cuisine}:" in text, (s.id, cuisine)
+    assert all(seen[k] > 0 for k in ("no flight", "no self-driving", "room", "rule", "cuisine")), seen
 
 
 def test_trajectories_replay_over_http_with_identical_responses(samples, official_world_url, tmp_path_factory):
