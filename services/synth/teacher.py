@@ -6,8 +6,9 @@ road it takes, and in every city it stays in searches accommodations, restaurant
 attractions; each call runs against the real sandbox (the `ToolBox` in-process, or the sandbox
 service over HTTP) and its real text is the tool response. A short thought in our own words
 precedes each call; it restates the request's transport, room and cuisine preferences where the
-agent acts on them ("by road since flights are ruled out", "(Private room)", "For Thai: …"). The last turn carries the plan in the structured form
-(`services/formatter/structured.py`) inside `<answer>`. Every trajectory is checked before it is
+agent acts on them ("by road since flights are ruled out", "(Private room)", "For Thai: …").
+The last turn carries the plan in the structured form (`services/formatter/structured.py`)
+inside `<answer>`. Every trajectory is checked before it is
 kept: its answer is parsed back with `parse_plan` and must score success under the strict
 evaluator.
 
