@@ -115,20 +115,11 @@ def convert_gguf(gguf: Path, out: Path) -> dict[str, Any]:
 
 # ---- pipeline stages ---------------------------------------------------------------------------
 
-def load_config(path: Path, overrides: dict[str, Any] | None = None):
-    from services.pipeline.config import PipelineConfig, load_pipeline_config
+def load_config(path: Path, overrides: list[str] | None = None):
+    """The recipe with `section.key=value` overrides, read as `star train --set` reads them."""
+    from services.pipeline.config import load_pipeline_config
 
-    config = load_pipeline_config(path)
-    if overrides:
-        data = config.model_dump(mode="json")
-        for dotted, value in overrides.items():
-            node = data
-            *parents, leaf = dotted.split(".")
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[leaf] = value
-        config = PipelineConfig.model_validate(data)
-    return config
+    return load_pipeline_config(path, overrides)
 
 
 def train_stages(config, folder: Path, stages: list[str]):
@@ -225,6 +216,8 @@ def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit:
         result[mode] = scored["metrics"]
         result[f"{mode}_failures"] = scored.get("failures")
     result["transport_modes"] = transport_modes(out / "official" / "scores.jsonl")
+    result["restated_preferences"] = restated_preferences(out / "official" / "scores.jsonl",
+                                                          out / "trajectories.jsonl")
     log(f"eval {Path(model).name}: decode {decode_s:.0f} s, finishes {finishes}, "
         f"success official {result['official'].get('final_pass_rate')}, strict {result['strict'].get('final_pass_rate')}")
     return result
@@ -248,6 +241,34 @@ def transport_modes(scores: Path) -> dict[str, dict[str, int]]:
         used = "+".join(m for m in MODES if m in kinds) or "-"
         by_mode = table.setdefault(preference, {})
         by_mode[used] = by_mode.get(used, 0) + 1
+    return table
+
+
+PREFERENCES = ("transportation", "house_rule", "room_type", "cuisine")
+
+
+def restated_preferences(scores: Path, trajectories: Path) -> dict[str, list[int]]:
+    """Per kind of stated preference: [how many the episode's first thought repeats, how many the
+    queries state]. The oracle teacher repeats every one; run 15's RL model had dropped the
+    transport preference from all 33 first thoughts that should name it, and then ignored it
+    (bench/results/gpu_proof.md): a policy that stops restating a preference has stopped reading it."""
+    queries = {}
+    for line in scores.read_text().splitlines():
+        row = json.loads(line)
+        queries[row["query_id"]] = row["query"].get("local_constraint") or {}
+    table = {kind: [0, 0] for kind in PREFERENCES}
+    for line in trajectories.read_text().splitlines():
+        row = json.loads(line)
+        wanted = queries.get(row["query_id"])
+        if wanted is None:
+            continue
+        first = next((m["content"] for m in row["trajectory"].get("messages") or [] if m["role"] == "assistant"), "")
+        thought = first.split("</think>")[0].lower()
+        for kind in PREFERENCES:
+            values = wanted.get(kind) or []
+            for value in values if isinstance(values, list) else [values]:
+                table[kind][1] += 1
+                table[kind][0] += str(value).lower() in thought
     return table
 
 
@@ -377,7 +398,8 @@ def _eval_brief(result: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     return {k: result.get(k) for k in ("model", "queries", "decode_s", "finish_reasons", "tool_calls_mean",
                                        "sampled_tokens_mean", "generate_s_per_turn", "prefill_tokens",
-                                       "reused_tokens", "official_failures", "transport_modes")}
+                                       "reused_tokens", "official_failures", "transport_modes",
+                                       "restated_preferences")}
 
 
 def _markdown(s: dict[str, Any]) -> str:
@@ -408,6 +430,7 @@ def _markdown(s: dict[str, Any]) -> str:
                             f"{e['reused_tokens']:,}." if e.get("prefill_tokens") is not None else "."))
     lines.append("")
     lines += _transport_table(s.get("eval") or {})
+    lines += _restated_table(s.get("eval") or {})
     rl = s.get("rl") or {}
     if rl:
         lines += ["## RL runs", "", "| run | max_staleness | steps | wait s | compute s | weight sync s | "
@@ -443,6 +466,18 @@ def _transport_table(evals: dict[str, Any]) -> list[str]:
         cells = [", ".join(f"{mode} {n}" for mode, n in sorted((t or {}).get(preference, {}).items())) or "—"
                  for t in tables.values()]
         lines.append(f"| {preference} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _restated_table(evals: dict[str, Any]) -> list[str]:
+    """Stated preferences that the first thought repeats, SFT against RL."""
+    tables = {label: (evals.get(label) or {}).get("restated_preferences") for label in ("sft", "rl")}
+    if not any(tables.values()):
+        return []
+    lines = ["## Stated preferences the first thought repeats", "", "| preference | SFT | RL |", "|---|---|---|"]
+    for kind in PREFERENCES:
+        cells = [f"{t[kind][0]} of {t[kind][1]}" if t and kind in t else "—" for t in tables.values()]
+        lines.append(f"| {kind.replace('_', ' ')} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
@@ -510,8 +545,8 @@ def main() -> int:
     ap.add_argument("--eval-batch", type=int, default=48, help="held-out queries decoded at once")
     ap.add_argument("--sync-steps", type=int, default=3,
                     help="steps of the max_staleness=0 baseline: enough to time a step, not to train")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                    help="override a recipe field, e.g. --set rl.max_steps=4")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a recipe field, e.g. --set rl.max_steps=4 or --set rl.reward=success")
     ap.add_argument("--finish-within-min", type=float, default=None,
                     help="end the whole proof within this many minutes of starting: the asynchronous RL run gets "
                          "rl.max_minutes of what is left after the phases before it, less the RL evaluation's share")
@@ -526,10 +561,14 @@ def main() -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
     os.environ.setdefault("STAR_HOME", str(args.work / "home"))
-    overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
-    if "rl.max_staleness" not in overrides and load_config(args.config).rl.max_staleness == 0:
-        overrides["rl.max_staleness"] = 1  # the main RL run is the asynchronous one; rl_sync is the baseline
-    config = load_config(args.config, overrides)
+    overrides = list(args.set)
+    try:
+        if (not any(o.partition("=")[0].strip() == "rl.max_staleness" for o in overrides)
+                and load_config(args.config).rl.max_staleness == 0):
+            overrides.append("rl.max_staleness=1")  # the main RL run is the asynchronous one; rl_sync is the baseline
+        config = load_config(args.config, overrides)
+    except ValueError as exc:  # ConfigError: a bad file, override or value, named in the message
+        ap.error(str(exc))
     args.work.mkdir(parents=True, exist_ok=True)
     args.out = args.out or args.work / "results"
     state = State(args.work)
@@ -569,9 +608,9 @@ def main() -> int:
             elif phase == "rl_async":
                 result = rl_run(with_time_budget(config, finish_by), main_run)
             elif phase == "rl_sync":
-                sync = load_config(args.config, {**overrides, "rl.max_staleness": 0, "rl.val_every": 0,
-                                                 "rl.max_steps": args.sync_steps,
-                                                 "world.db_url": f"sqlite:///{main_run / 'world.sqlite'}"})
+                sync = load_config(args.config, [*overrides, "rl.max_staleness=0", "rl.val_every=0",
+                                                 f"rl.max_steps={args.sync_steps}",
+                                                 f"world.db_url=sqlite:///{main_run / 'world.sqlite'}"])
                 result = rl_run(sync, sync_run, main=main_run)
             else:
                 result = report(state.data, args.out, args.name, command)

@@ -57,3 +57,42 @@ def test_transport_modes_count_plans_by_preference_and_report_them(tmp_path):
     md = (tmp_path / "proof.md").read_text()
     assert "| no flight | flight 1, flight+taxi 1 | — |" in md
     assert "| none | self-driving 1 | flight 1 |" in md
+
+
+def test_restated_preferences_count_what_the_first_thought_repeats_and_report_it(tmp_path):
+    wants = {"q1": {"transportation": "no flight", "house_rule": None, "room_type": "private room",
+                    "cuisine": ["Thai", "Indian"]},
+             "q2": {"transportation": "no self-driving", "house_rule": "pets", "room_type": None, "cuisine": None},
+             "q3": {"transportation": None, "house_rule": None, "room_type": None, "cuisine": None}}
+    thoughts = {"q1": "wants a private room, Thai food, no flight. No flights are allowed",
+                "q2": "budget $900. First I check the way",  # dropped both of its preferences
+                "q3": "budget $600. First I check the way"}
+    scores, trajectories = tmp_path / "scores.jsonl", tmp_path / "trajectories.jsonl"
+    scores.write_text("".join(json.dumps({"query_id": q, "query": {"local_constraint": lc}}) + "\n"
+                              for q, lc in wants.items()))
+    trajectories.write_text("".join(json.dumps({"query_id": q, "trajectory": {"messages": [
+        {"role": "system", "content": "no flight allowed, Indian food"},  # not the policy's words
+        {"role": "user", "content": "the request"},
+        {"role": "assistant", "content": f"<think>{t}</think><tool_call>{{}}</tool_call>"},
+        {"role": "assistant", "content": "<think>Indian, pets</think>"}]}}) + "\n" for q, t in thoughts.items()))
+    table = gpu_proof.restated_preferences(scores, trajectories)
+    assert table == {"transportation": [1, 2], "house_rule": [0, 1], "room_type": [1, 1], "cuisine": [1, 2]}
+    state = {"eval_sft": {**_eval(50.0, 100.0), "restated_preferences": table},
+             "eval_rl": {**_eval(50.0, 100.0), "restated_preferences": {**table, "cuisine": [0, 2]}}}
+    gpu_proof.report(state, tmp_path, "proof", "cmd")
+    md = (tmp_path / "proof.md").read_text()
+    assert "| transportation | 1 of 2 | 1 of 2 |" in md and "| cuisine | 1 of 2 | 0 of 2 |" in md
+
+
+def test_a_bad_recipe_override_is_a_command_line_error(tmp_path):
+    import subprocess
+    import sys
+
+    base = [sys.executable, "bench/gpu_proof.py", "--work", str(tmp_path / "w"), "--phases", "report"]
+    for bad, says in (("rl.reward=nope", "rl.reward"), ("no-equals-sign", "section.key=value")):
+        proc = subprocess.run([*base, "--set", bad], capture_output=True, text=True, cwd=gpu_proof.ROOT)
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "w").exists()  # nothing was started
+    ok = subprocess.run([*base, "--set", "rl.reward=success", "--out", str(tmp_path / "out")],
+                        capture_output=True, text=True, cwd=gpu_proof.ROOT)
+    assert ok.returncode == 0, ok.stderr[-2000:]
