@@ -246,6 +246,16 @@ class PolicyEngine:
         with ctx, sdpa_priority(self.cfg.sdpa_backends if self.on_gpu else None):
             return self.engine(*(t.to(self.device) for t in inputs), with_entropy)
 
+    def reference_policy(self) -> LogprobPolicy:
+        """A frozen copy of the starting weights (read again from `model_dir`), for the KL term."""
+        from transformers import AutoModelForCausalLM
+
+        lm = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.bfloat16 if self.bf16 else torch.float32)
+        ref = LogprobPolicy(lm, self.cfg.logprob_chunk_tokens).to(self.device).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
     def backward(self, loss: torch.Tensor) -> None:
         # Losses are pre-weighted for the whole step and DeepSpeed averages gradients over ranks;
         # callers multiply by world_size so the sum over ranks comes out right.

@@ -28,7 +28,7 @@ from services.common.streams import REDIS_DOWN, StreamNames, decode, until_redis
 from services.learner import algorithms as alg
 from services.learner.batching import chat_to_sequence, rl_sequences
 from services.learner.config import RLConfig, SFTConfig
-from services.learner.engine import LogprobPolicy, PolicyEngine
+from services.learner.engine import PolicyEngine
 from services.learner.runlog import RunLog
 from services.learner.steps import rl_step, sft_step
 from services.learner.weights import StorePublisher, write_version
@@ -209,7 +209,7 @@ class RLTrainer:
         self._dead_cursor = "0-0"
         self.batches = 0  # step batches consumed, trained or skipped: the controller paces on it
         self.groups: OrderedDict[str, list[tuple[Any, ScoredTrajectory]]] = OrderedDict()
-        self.reference = self._reference() if cfg.kl_coef > 0 else None
+        self.reference = self.engine.reference_policy() if cfg.kl_coef > 0 else None
         self.consumer = None
         self.publisher = None
         if self.rank0:
@@ -229,15 +229,6 @@ class RLTrainer:
                 self.publisher = StorePublisher(root, redis_client=redis_client, key_prefix=cfg.stream_prefix,
                                                 servers=cfg.rollout_servers, keep=cfg.keep_versions,
                                                 api_token=settings.api_token)
-
-    def _reference(self) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
-
-        lm = AutoModelForCausalLM.from_pretrained(self.cfg.model, dtype=torch.bfloat16 if self.engine.bf16 else torch.float32)
-        ref = LogprobPolicy(lm, self.cfg.engine.logprob_chunk_tokens).to(self.engine.device).eval()
-        for p in ref.parameters():
-            p.requires_grad_(False)
-        return ref
 
     # -- resume ----------------------------------------------------------------------------------
 

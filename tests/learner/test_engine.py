@@ -87,6 +87,27 @@ def test_rl_step_moves_probability_towards_positive_advantages(engine_factory, t
     assert later["clip_fraction"] > 0.0
 
 
+def test_kl_to_the_reference_holds_the_policy_near_its_start(engine_factory, tiny_model):
+    trajs = scored_batch(tiny_model, groups=2, group_size=4)
+    batch = rl_sequences(trajs, FilterConfig(), learner_version=0)
+    drift = {}
+    for kl_coef in (0.0, 2.0):
+        engine = engine_factory(lr=1e-3)
+        reference = engine.reference_policy()
+        assert not any(p.requires_grad for p in reference.parameters())
+        kl = [rl_step(engine, batch.sequences, eps_low=0.2, eps_high=0.28, kl_coef=kl_coef,
+                      reference=reference).metrics.get("kl_ref") for _ in range(4)]
+        if kl_coef:
+            assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > kl[0]  # it starts at the reference
+        else:
+            assert kl == [None] * 4  # KL-free: not computed
+        (row,) = pack_sequences([batch.sequences[0]], 64)
+        now, _ = engine.logprobs(row, grad=False)
+        then, _ = reference(row.input_ids[None], row.position_ids[None], row.targets[None], False)
+        drift[kl_coef] = float(((now - then).abs() * row.mask).sum())
+    assert 0.0 < drift[2.0] < drift[0.0], drift
+
+
 def test_hf_export_loads_in_transformers(engine_factory, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
