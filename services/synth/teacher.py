@@ -8,9 +8,8 @@ service over HTTP) and its real text is the tool response. A short thought in ou
 precedes each call; it restates the request's transport, room and cuisine preferences where the
 agent acts on them ("by road since flights are ruled out", "(Private room)", "For Thai: …").
 The last turn carries the plan in the structured form (`services/formatter/structured.py`)
-inside `<answer>`. Every trajectory is checked before it is
-kept: its answer is parsed back with `parse_plan` and must score success under the strict
-evaluator.
+inside `<answer>`. Every trajectory is checked before it is kept: its answer is parsed back with
+`parse_plan` and must score success under the strict evaluator.
 
 LLM teacher: any OpenAI-compatible model runs through the rollout agent loop
 (`services.rollout.agent.Agent` with the `OpenAIEngine`); only trajectories whose answer parses
@@ -33,13 +32,13 @@ from typing import Any, Protocol
 
 import httpx
 
-from services.common.schemas import Score, TravelQuery
+from services.common.schemas import LocalConstraint, Score, TravelQuery
 from services.formatter.structured import PlanTextError, parse_plan, render_plan
 from services.reward import Evaluator
 from services.rollout.protocol import (format_answer, format_tool_call, parse_turn, system_prompt, tool_response,
                                        user_message)
-from services.synth.language import money, record_of
 from services.synth.index import Eatery, Stay
+from services.synth.language import money, record_of
 from services.synth.oracle import Leg, Oracle, Solution
 
 
@@ -130,9 +129,9 @@ _T_REST = ["{stay_note} Now restaurants in {city}{cuisine}.", "{stay_note} Next,
 _T_SIGHTS = ["{meal_note} Now the attractions of {city}.", "{meal_note} Let me find things to see in {city}."]
 _T_NEXT_LEG = ["{sight_note} Then I move on: from {o} to {d} on {date}{how}.",
                "{sight_note} Next leg: {o} to {d} on {date}{how}."]
-# The transport preference, restated where the agent decides how to travel: a small model copies
-# "flights are ruled out" into the thought before a call far more reliably than it recalls a
-# two-word constraint from the request (run 14 in bench/results/gpu_proof.md).
+# The transport preference, restated where the agent decides how to travel. With the bare
+# two-word constraint in the request, the 135 M SFT model flew on "no flight" trips (runs 13-14 in
+# bench/results/gpu_proof.md); with these, it drove on half of them (runs 15-16).
 _TRANSPORT_RULE = {"no flight": "No flights are allowed, so every leg goes by road.",
                    "no self-driving": "Self-driving is not allowed, so I fly or take a taxi."}
 _TRAVEL_BY = {"no flight": ", by road since flights are ruled out",
@@ -276,14 +275,14 @@ class OracleTeacher:
         yield "GoogleDistanceMatrix", {"departure": leg.origin, "destination": leg.dest, "mode": "taxi"}, note
 
 
-def _stay_fit(stay: Stay, lc) -> str:
-    """" (Entire home/apt, pets allowed)": the facts of the chosen stay that the request asks about."""
+def _stay_fit(stay: Stay, lc: LocalConstraint) -> str:
+    """The chosen stay's facts that the request asks about, e.g. ' (Entire home/apt, pets allowed)'."""
     facts = ([stay.room_type] if lc.room_type else []) + ([f"{lc.house_rule} allowed"] if lc.house_rule else [])
     return f" ({', '.join(facts)})" if facts else ""
 
 
-def _cuisine_fit(meals: Sequence[Eatery], lc) -> str:
-    """" For Chinese: Golden Wok.": which chosen restaurant here serves each requested cuisine."""
+def _cuisine_fit(meals: Sequence[Eatery], lc: LocalConstraint) -> str:
+    """Which chosen restaurant here serves each requested cuisine, e.g. ' For Chinese: Golden Wok.'."""
     named = [(c, next(m.name for m in meals if c in m.cuisines)) for c in (lc.cuisine or [])
              if any(c in m.cuisines for m in meals)]
     return "".join(f" For {c}: {name}." for c, name in named)
