@@ -76,6 +76,8 @@ poll() {
     tr '\r' '\n' < "$LOG" | grep -v 'it/s\]$\|s/it\]$\|query/s\]$\|s/query\]$\|^$' > "$OUT/gpu_proof.log" || true
     cp "$WORK/run/rl/metrics.jsonl" "$OUT/gpu_proof_rl_async.jsonl" 2>/dev/null || true
     cp "$WORK/run-sync/rl/metrics.jsonl" "$OUT/gpu_proof_rl_sync.jsonl" 2>/dev/null || true
+    # what the policy wrote during RL, a few whole trajectories per step (rl.samples_per_step)
+    [ -f "$WORK/run/rl/samples.jsonl" ] && gzip -c "$WORK/run/rl/samples.jsonl" > "$OUT/gpu_proof_rl_samples.jsonl.gz" || true
     # the services' logs (the rollout engine logs where its time goes every 30 s), last 200 KB each,
     # in one archive: a call brings back only a handful of files
     local logs=/tmp/star-proof-logs

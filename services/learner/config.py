@@ -134,6 +134,9 @@ class RLConfig(_Strict):
     keep_versions: int = Field(3, ge=1)
     rollout_servers: list[str] = Field(default_factory=list, description="Base URLs that get POST /weights.")
     save_every: int = Field(1, ge=1, description="Checkpoint every N steps (1: every step, exact resume).")
+    samples_per_step: int = Field(4, ge=0, description=(
+        "Trajectories of each trained step written whole to samples.jsonl, one per group (the group's first "
+        "sample, so not picked by reward); 0: none. What the policy says, step by step."))
 
     @model_validator(mode="after")
     def _dapo_filters(self) -> "RLConfig":

@@ -38,6 +38,14 @@ class RunLog:
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
 
+    def write_samples(self, step: int, records: list[dict[str, Any]]) -> None:
+        """Whole trajectories of a step, one JSON line each, in samples.jsonl."""
+        if not self.enabled or not records:
+            return
+        with open(self.folder / "samples.jsonl", "a") as fh:
+            for record in records:
+                fh.write(json.dumps({"step": step, **record}, default=_jsonable) + "\n")
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

@@ -184,6 +184,19 @@ def rollout_timings(trajs: list[ScoredTrajectory]) -> dict[str, float]:
     return out
 
 
+def step_samples(trajs: list[ScoredTrajectory], limit: int) -> list[dict[str, Any]]:
+    """Up to `limit` of a step's trajectories for samples.jsonl: each group's lowest sample index, in the
+    order the groups came, so the choice does not depend on the reward."""
+    firsts: dict[str, ScoredTrajectory] = {}
+    for t in trajs:
+        if t.group_id not in firsts or t.sample_index < firsts[t.group_id].sample_index:
+            firsts[t.group_id] = t
+    return [{"group_id": t.group_id, "prompt_id": t.prompt_id, "sample_index": t.sample_index,
+             "policy_version": t.policy_version, "reward": t.reward, "rewards": t.rewards,
+             "finish_reason": t.finish_reason, "query": t.query.model_dump(mode="json") if t.query else None,
+             "messages": t.messages} for t in list(firsts.values())[:limit]]
+
+
 class RLTrainer:
     def __init__(self, cfg: RLConfig, redis_client: Any = None, stop: threading.Event | None = None) -> None:
         self.cfg = cfg
@@ -442,6 +455,7 @@ class RLTrainer:
                                   + metrics.get("time_sync_s", 0.0))
         metrics["version"] = self.version
         self.runlog.write(self.version, metrics)  # a step is a trained batch, whatever its optimizer steps
+        self.runlog.write_samples(self.version, step_samples(trajs, cfg.samples_per_step))
         if self.rank0:
             # Counted last: the controller publishes the next steps' tasks on this count, with the
             # weights version it reads then as their oldest allowed sampler. Counted before the

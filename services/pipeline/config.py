@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from services.common.schemas import ArpoParams, EvalMode, PreferencePenalty, RewardKind, SamplingParams
-from services.learner.config import EngineConfig
+from services.learner.config import EngineConfig, RLConfig
 
 Stage = Literal["synth", "sft", "rl", "eval"]
 STAGES: tuple[Stage, ...] = ("synth", "sft", "rl", "eval")
@@ -100,6 +100,7 @@ class RLSpec(_Section):
     max_minutes: float | None = Field(
         None, gt=0, description="Wall-clock budget of the RL stage: once spent, the stage ends with the latest "
         "published weights and the steps not yet trained are left out (default: no budget).")
+    samples_per_step: int = RLConfig.model_fields["samples_per_step"]
 
 
 class EvalSpec(_Section):

@@ -170,6 +170,11 @@ def test_mini_batches_update_several_times_per_batch_and_count_one_step(tmp_path
         assert json.loads(client.get(StreamNames(prefix).weights_latest))["version"] == 2
         tags = sorted(p.name for p in (tmp_path / "mini" / "checkpoints").iterdir() if p.name.startswith("step"))
         assert tags[-1] == "step0000004"
+        # samples.jsonl: each step's groups, one whole trajectory each (the default keeps up to 4)
+        samples = [json.loads(line) for line in (tmp_path / "mini" / "samples.jsonl").read_text().splitlines()]
+        assert [(s["step"], s["sample_index"]) for s in samples] == [(1, 0), (1, 0), (2, 0), (2, 0)]
+        sent = {(t.group_id, t.sample_index): t.reward for t in trajs}
+        assert all(s["reward"] == sent[(s["group_id"], 0)] for s in samples)
     finally:
         for key in client.scan_iter(match=prefix + "*"):
             client.delete(key)

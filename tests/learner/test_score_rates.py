@@ -64,3 +64,19 @@ def test_a_batch_takes_its_own_step_first_and_later_steps_only_after_the_straggl
     assert picker._candidates(0.0) == ["adhoc", "s0", "s1a"]  # oldest first; step 2 waits its turn
     assert picker._candidates(61.0) == ["adhoc", "s0", "s1a", "s2"]  # a lost group cannot stall the run
     assert _Picker([("s2", 2, 2), ("s1", 1, 2)], batches=1, refill=True)._candidates(0.0) == ["s1", "s2"]
+
+
+def test_step_samples_take_each_groups_first_sample_whatever_its_reward():
+    from services.learner.trainer import step_samples
+
+    trajs = []
+    for group, rewards in (("g1", [5.0, 0.0, 2.0]), ("g2", [0.0, 4.0, 1.0]), ("g3", [3.0, 3.0, 3.0])):
+        for i in (2, 0, 1):  # arrival order is not sample order
+            t = _traj(0.0, 1.0)
+            t.group_id, t.sample_index, t.reward = group, i, rewards[i]
+            t.messages = [{"role": "assistant", "content": f"{group}/{i}"}]
+            trajs.append(t)
+    picked = step_samples(trajs, 2)
+    assert [(s["group_id"], s["sample_index"], s["reward"]) for s in picked] == [("g1", 0, 5.0), ("g2", 0, 0.0)]
+    assert picked[1]["messages"] == [{"role": "assistant", "content": "g2/0"}]
+    assert step_samples(trajs, 0) == [] and len(step_samples(trajs, 10)) == 3
