@@ -247,11 +247,31 @@ def transport_modes(scores: Path) -> dict[str, dict[str, int]]:
 PREFERENCES = ("transportation", "house_rule", "room_type", "cuisine")
 
 
-def restated_preferences(scores: Path, trajectories: Path) -> dict[str, list[int]]:
-    """Per kind of stated preference: [how many the episode's first thought repeats, how many the
-    queries state]. The oracle teacher repeats every one; run 15's RL model had dropped the
+def restated_in(wanted: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """Per kind of preference the query states: [how many the episode's first thought repeats, how
+    many the query states]. The oracle teacher repeats every one; run 15's RL model had dropped the
     transport preference from all 33 first thoughts that should name it, and then ignored it
     (bench/results/gpu_proof.md): a policy that stops restating a preference has stopped reading it."""
+    first = next((m.get("content") or "" for m in messages if m.get("role") == "assistant"), "")
+    thought = first.split("</think>")[0].lower()
+    table = {kind: [0, 0] for kind in PREFERENCES}
+    for kind in PREFERENCES:
+        values = wanted.get(kind) or []
+        for value in values if isinstance(values, list) else [values]:
+            table[kind][1] += 1
+            table[kind][0] += str(value).lower() in thought
+    return table
+
+
+def _add(total: dict[str, list[int]], part: dict[str, list[int]]) -> dict[str, list[int]]:
+    for kind, (restated, stated) in part.items():
+        total[kind][0] += restated
+        total[kind][1] += stated
+    return total
+
+
+def restated_preferences(scores: Path, trajectories: Path) -> dict[str, list[int]]:
+    """`restated_in` summed over an evaluation's queries (its scores.jsonl and trajectories.jsonl)."""
     queries = {}
     for line in scores.read_text().splitlines():
         row = json.loads(line)
@@ -259,17 +279,27 @@ def restated_preferences(scores: Path, trajectories: Path) -> dict[str, list[int
     table = {kind: [0, 0] for kind in PREFERENCES}
     for line in trajectories.read_text().splitlines():
         row = json.loads(line)
-        wanted = queries.get(row["query_id"])
-        if wanted is None:
-            continue
-        first = next((m["content"] for m in row["trajectory"].get("messages") or [] if m["role"] == "assistant"), "")
-        thought = first.split("</think>")[0].lower()
-        for kind in PREFERENCES:
-            values = wanted.get(kind) or []
-            for value in values if isinstance(values, list) else [values]:
-                table[kind][1] += 1
-                table[kind][0] += str(value).lower() in thought
+        if row["query_id"] in queries:
+            _add(table, restated_in(queries[row["query_id"]], row["trajectory"].get("messages") or []))
     return table
+
+
+def restated_by_step(samples: Path) -> list[float | None]:
+    """Share of stated preferences (all kinds) restated in the RL samples of each step
+    (rl/samples.jsonl, `rl.samples_per_step`); None for a step whose samples state none."""
+    steps: dict[int, dict[str, list[int]]] = {}
+    if not samples.is_file():
+        return []
+    for line in samples.read_text().splitlines():
+        row = json.loads(line)
+        wanted = ((row.get("query") or {}).get("local_constraint")) or {}
+        _add(steps.setdefault(int(row["step"]), {k: [0, 0] for k in PREFERENCES}),
+             restated_in(wanted, row.get("messages") or []))
+    shares = []
+    for step in range(1, max(steps, default=0) + 1):
+        restated, stated = (sum(v[i] for v in steps.get(step, {}).values()) for i in (0, 1))
+        shares.append(restated / stated if stated else None)
+    return shares
 
 
 def _release_gpu() -> None:
@@ -308,7 +338,7 @@ def rl_run(config, folder: Path, main: Path | None = None) -> dict[str, Any]:
     return {"folder": str(folder), "model": out.get("model"), "version": out.get("version"),
             "ended": out.get("ended"), "steps_trained": out.get("steps_trained"),
             "max_staleness": config.rl.max_staleness, "stage_s": out.get("seconds"), "wall_s": wall,
-            "steps": steps}
+            "steps": steps, "restated": restated_by_step(folder / "rl" / "samples.jsonl")}
 
 
 EVAL_RL_RESERVE_S = 180  # stopping the fleet (the learner gets up to 120 s), the RL evaluation (~45 s), the report
@@ -377,6 +407,7 @@ def report(state: dict[str, Any], out: Path, name: str, command: str) -> dict[st
                              "time_wait_s": [s.get("time_wait_s") for s in run["steps"]],
                              "time_compute_s": [s.get("time_compute_s") for s in run["steps"]],
                              "time_sync_s": [s.get("time_sync_s") for s in run["steps"]],
+                             "restated": run.get("restated") or [],
                              "stage_s": run.get("stage_s")}
     summary["rl"] = curves
     speedup = None
@@ -451,6 +482,9 @@ def _markdown(s: dict[str, Any]) -> str:
                                                                  for r in c["reward_mean"]))
             lines.append(f"- {label} success per step: " + ", ".join("—" if r is None else f"{r:.2f}"
                                                                   for r in c["success"]))
+            if c.get("restated"):
+                lines.append(f"- {label} share of stated preferences the samples' first thoughts repeat, per step: "
+                             + ", ".join("—" if r is None else f"{r:.2f}" for r in c["restated"]))
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -489,15 +523,19 @@ def _plot(curves: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     for label, c in curves.items():
         xs = range(1, len(c["reward_mean"]) + 1)
         axes[0].plot(xs, [r if r is not None else float("nan") for r in c["reward_mean"]], marker="o",
                      label=f"{label} (staleness {c['max_staleness']})")
         axes[1].plot(xs, [r if r is not None else float("nan") for r in c["success"]], marker="o", label=label)
+        restated = c.get("restated") or []
+        axes[3].plot(range(1, len(restated) + 1), [r if r is not None else float("nan") for r in restated],
+                     marker="o", label=label)
     axes[0].set(title="mean reward per step", xlabel="step")
     axes[1].set(title="success per step (training groups)", xlabel="step")
-    for ax in axes[:2]:
+    axes[3].set(title="stated preferences restated (RL samples)", xlabel="step", ylim=(0, 1.05))
+    for ax in (axes[0], axes[1], axes[3]):
         ax.legend()
     labels = list(curves)
     bottoms = [0.0] * len(labels)

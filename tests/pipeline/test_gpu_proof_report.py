@@ -96,3 +96,31 @@ def test_a_bad_recipe_override_is_a_command_line_error(tmp_path):
     ok = subprocess.run([*base, "--set", "rl.reward=success", "--out", str(tmp_path / "out")],
                         capture_output=True, text=True, cwd=gpu_proof.ROOT)
     assert ok.returncode == 0, ok.stderr[-2000:]
+
+
+def test_restated_share_per_rl_step_is_read_from_the_samples_and_reported(tmp_path):
+    def sample(step, lc, thought):
+        return json.dumps({"step": step, "query": {"local_constraint": lc},
+                           "messages": [{"role": "user", "content": "no flight"},
+                                        {"role": "assistant", "content": f"<think>{thought}</think>"}]})
+
+    hard = {"transportation": "no flight", "cuisine": ["Thai"]}
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("\n".join([
+        sample(1, hard, "wants Thai food, no flight."), sample(1, {}, "budget $900."),
+        sample(2, hard, "wants Thai food."),  # the transport preference is gone
+        sample(3, {}, "budget $900."),  # states nothing: no share
+        sample(4, hard, "budget $900."),
+    ]) + "\n")
+    assert gpu_proof.restated_by_step(samples) == [1.0, 0.5, None, 0.0]
+    assert gpu_proof.restated_by_step(tmp_path / "absent.jsonl") == []
+    steps = [{"time": 100.0 + 10 * i, "reward_mean": 1.0, "success_rate": 0.5, "time_wait_s": 1.0,
+              "time_compute_s": 2.0, "time_sync_s": 0.5} for i in range(4)]
+    state = {"rl_async": {"max_staleness": 3, "steps": steps, "stage_s": 40.0,
+                          "restated": gpu_proof.restated_by_step(samples)},
+             "rl_sync": {"max_staleness": 0, "steps": steps[:2], "stage_s": 20.0}}
+    gpu_proof.report(state, tmp_path, "proof", "cmd")
+    md = (tmp_path / "proof.md").read_text()
+    assert "- async share of stated preferences the samples' first thoughts repeat, per step: 1.00, 0.50, —, 0.00" in md
+    assert "sync share" not in md.replace("async share", "")
+    assert (tmp_path / "proof.png").stat().st_size > 10_000
