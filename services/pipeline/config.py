@@ -88,9 +88,9 @@ class RLSpec(_Section):
     reward: RewardKind = "sum"
     curriculum: str = Field("sum:1-2,macro:3-4,success:5", description="Epoch schedule when reward is curriculum.")
     preference_penalty: PreferencePenalty = 0.0
-    kl_coef: float = Field(0.0, ge=0, le=10, description=(
-        "KL (k3) to the starting policy, usually the SFT model, added to the loss; 0: KL-free, as the paper "
-        "trains. Ours: a brake on RL unlearning what SFT taught (run 15 in bench/results/gpu_proof.md)."))
+    # Not the paper's (it trains KL-free): a brake on RL unlearning what SFT taught (run 15 in
+    # bench/results/gpu_proof.md). The reference is the stage's starting model, usually the SFT export.
+    kl_coef: float = RLConfig.model_fields["kl_coef"]
     eval_mode: EvalMode = Field("strict", description="Evaluator mode of the training reward.")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     fault_rate: float = Field(0.0, ge=0, le=1, description="Tool failure injection during RL (paper: 0, 1, 5, 10%).")
