@@ -489,30 +489,31 @@ def _markdown(s: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _sft_against_rl(title: str, rows: list[tuple[str, list[str]]]) -> list[str]:
+    """A markdown table of one row per preference, with the SFT and the RL evaluation's cells."""
+    return [f"## {title}", "", "| preference | SFT | RL |", "|---|---|---|",
+            *(f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows), ""]
+
+
 def _transport_table(evals: dict[str, Any]) -> list[str]:
     """Plans per transport preference and the modes they travel by, SFT against RL."""
-    tables = {label: (evals.get(label) or {}).get("transport_modes") for label in ("sft", "rl")}
-    if not any(tables.values()):
+    tables = [(evals.get(label) or {}).get("transport_modes") for label in ("sft", "rl")]
+    if not any(tables):
         return []
-    lines = ["## Held-out plans by transport preference and the modes they use", "",
-             "| preference | SFT | RL |", "|---|---|---|"]
-    for preference in sorted({p for t in tables.values() if t for p in t}):
-        cells = [", ".join(f"{mode} {n}" for mode, n in sorted((t or {}).get(preference, {}).items())) or "—"
-                 for t in tables.values()]
-        lines.append(f"| {preference} | " + " | ".join(cells) + " |")
-    return lines + [""]
+    return _sft_against_rl("Held-out plans by transport preference and the modes they use", [
+        (preference, [", ".join(f"{mode} {n}" for mode, n in sorted((t or {}).get(preference, {}).items())) or "—"
+                      for t in tables])
+        for preference in sorted({p for t in tables if t for p in t})])
 
 
 def _restated_table(evals: dict[str, Any]) -> list[str]:
     """Stated preferences that the first thought repeats, SFT against RL."""
-    tables = {label: (evals.get(label) or {}).get("restated_preferences") for label in ("sft", "rl")}
-    if not any(tables.values()):
+    tables = [(evals.get(label) or {}).get("restated_preferences") for label in ("sft", "rl")]
+    if not any(tables):
         return []
-    lines = ["## Stated preferences the first thought repeats", "", "| preference | SFT | RL |", "|---|---|---|"]
-    for kind in PREFERENCES:
-        cells = [f"{t[kind][0]} of {t[kind][1]}" if t and kind in t else "—" for t in tables.values()]
-        lines.append(f"| {kind.replace('_', ' ')} | " + " | ".join(cells) + " |")
-    return lines + [""]
+    return _sft_against_rl("Stated preferences the first thought repeats", [
+        (kind.replace("_", " "), [f"{t[kind][0]} of {t[kind][1]}" if t and kind in t else "—" for t in tables])
+        for kind in PREFERENCES])
 
 
 def _plot(curves: dict[str, Any], path: Path) -> None:
