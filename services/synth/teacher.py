@@ -283,9 +283,8 @@ def _stay_fit(stay: Stay, lc: LocalConstraint) -> str:
 
 def _cuisine_fit(meals: Sequence[Eatery], lc: LocalConstraint) -> str:
     """Which chosen restaurant here serves each requested cuisine, e.g. ' For Chinese: Golden Wok.'."""
-    named = [(c, next(m.name for m in meals if c in m.cuisines)) for c in (lc.cuisine or [])
-             if any(c in m.cuisines for m in meals)]
-    return "".join(f" For {c}: {name}." for c, name in named)
+    named = ((c, next((m.name for m in meals if c in m.cuisines), None)) for c in lc.cuisine or [])
+    return "".join(f" For {c}: {name}." for c, name in named if name is not None)
 
 
 class _Episode:
