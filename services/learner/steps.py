@@ -142,7 +142,7 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
                 with torch.no_grad():
                     ref_logp, _ = reference(_to(batch.input_ids, dev), _to(batch.position_ids, dev),
                                             _to(batch.targets, dev), False)
-                kl = alg.kl_low_var(logp, ref_logp)
+                kl = alg.kl_penalty(logp, ref_logp)
                 loss = loss + kl_coef * (kl * w).sum()
                 kl_ref = (kl.detach() * mask).sum().double()
             engine.backward(loss * engine.world_size)

@@ -155,6 +155,19 @@ def test_mismatch_kl_by_hand():
     assert m.max_abs == pytest.approx(math.log(2)) and m.tokens == 2
 
 
+def test_kl_penalty_caps_a_token_far_below_the_reference():
+    # one token the policy pushed 16 nats under the reference, one 0.5 nats under it
+    logp = torch.tensor([-17.0, -1.5], requires_grad=True)
+    ref = torch.tensor([-1.0, -1.0])
+    penalty = alg.kl_penalty(logp, ref)
+    assert float(penalty[0]) == pytest.approx(alg.KL_PENALTY_CAP)
+    assert float(penalty[1]) == pytest.approx(math.exp(0.5) - 0.5 - 1.0)  # below the cap: plain k3
+    penalty.sum().backward()
+    # the capped token adds no gradient; the other keeps k3's own: 1 - e^(ref - logp)
+    assert logp.grad[0] == 0.0
+    assert float(logp.grad[1]) == pytest.approx(1.0 - math.exp(0.5))
+
+
 # ---- trajectories → sequences --------------------------------------------------------------------
 
 def _traj(group: str, i: int, reward: float, finish: str = "answer", version: int = 0, n: int = 6) -> ScoredTrajectory:
