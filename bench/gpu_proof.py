@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import os
 import platform
@@ -286,11 +287,13 @@ def restated_preferences(scores: Path, trajectories: Path) -> dict[str, list[int
 
 def restated_by_step(samples: Path) -> list[float | None]:
     """Share of stated preferences (all kinds) restated in the RL samples of each step
-    (rl/samples.jsonl, `rl.samples_per_step`); None for a step whose samples state none."""
+    (rl/samples.jsonl, `rl.samples_per_step`, or the gzipped copy `poll` brings back); None for a
+    step whose samples state none."""
     steps: dict[int, dict[str, list[int]]] = {}
     if not samples.is_file():
         return []
-    for line in samples.read_text().splitlines():
+    text = gzip.decompress(samples.read_bytes()).decode() if samples.suffix == ".gz" else samples.read_text()
+    for line in text.splitlines():
         row = json.loads(line)
         wanted = ((row.get("query") or {}).get("local_constraint")) or {}
         _add(steps.setdefault(int(row["step"]), {k: [0, 0] for k in PREFERENCES}),

@@ -2,7 +2,10 @@
 # bench/gpu_proof.py on a lent GPU machine (the `device` tool), over several calls. A call carries
 # at most 64 MiB and runs at most 10 minutes, so the wheels and the 98 MB GGUF travel in two calls
 # and the proof runs in the background (setsid) while later calls poll it. The machine goes back
-# after 30 s idle, taking every file with it: make the calls back to back.
+# after 30 s idle, taking every file with it: make the calls back to back. Calls sent in one tool
+# block run one after the other, about 3 s apart (measured 2026-11-24); calls sent one reply at a
+# time left the machine idle for 60-70 s between them, and it went back with runs 16-19. So send
+# setup, start, poll and poll together in one block; a poll returns as soon as the run ends.
 #
 #   bench/gpu_proof_device.sh pack    # here, once: wheels into .whl/, the GGUF in parts into .gguf/
 #   bench/gpu_proof_device.sh setup   # device call 1, carry [".whl", ".gguf/part_aa"]

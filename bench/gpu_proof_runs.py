@@ -1,11 +1,16 @@
-"""Compare recorded H100 proof runs: wall time per RL step, synchronous baseline against asynchronous.
+"""Compare recorded H100 proof runs: wall time per RL step, synchronous baseline against
+asynchronous, and how each run learned.
 
     python bench/gpu_proof_runs.py 8 9 --out bench/results/gpu_proof_runs89.png
+    python bench/gpu_proof_runs.py 15 17 18 --learning bench/results/gpu_proof_learning1518.png
 
 Reads bench/results/gpu_proof_run{N}_rl_{sync,async}.jsonl (the learner's per-step metrics that
-`bench/gpu_proof_device.sh poll` brings back), prints each run's seconds per step and speed-up, and
-plots the wall time of every step. Seconds per step are taken between the first and the last
-step's end, so the fleet's start (model loads), which both modes pay alike, is left out.
+`bench/gpu_proof_device.sh poll` brings back; a run without a synchronous baseline has no sync
+file), prints each run's seconds per step and speed-up, and plots the wall time of every step.
+Seconds per step are taken between the first and the last step's end, so the fleet's start (model
+loads), which both modes pay alike, is left out. `--learning` plots the asynchronous run's
+training success, grad norm, entropy and, where gpu_proof_run{N}_rl_samples.jsonl.gz was kept, the
+share of stated preferences the policy's first thoughts restate, step by step.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.gpu_proof import step_summary  # noqa: E402 - after the path, as a script needs it
+from bench.gpu_proof import restated_by_step, step_summary  # noqa: E402 - after the path, as a script needs it
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -39,11 +44,21 @@ def step_walls(steps: list[dict[str, Any]]) -> list[float]:
 
 
 def summarize(run: str) -> dict[str, Any]:
-    sync = read_steps(RESULTS / f"gpu_proof_run{run}_rl_sync.jsonl")
+    sync_file = RESULTS / f"gpu_proof_run{run}_rl_sync.jsonl"
+    sync = read_steps(sync_file) if sync_file.is_file() else []  # runs that skipped the baseline
     asyn = read_steps(RESULTS / f"gpu_proof_run{run}_rl_async.jsonl")
     s, a = seconds_per_step(sync), seconds_per_step(asyn)
     return {"run": run, "sync_steps": len(sync), "async_steps": len(asyn), "sync_s": s, "async_s": a,
-            "speedup": s / a if s and a else None, "sync": sync, "async": asyn}
+            "speedup": s / a if s and a else None, "sync": sync, "async": asyn,
+            "restated": restated_by_step(RESULTS / f"gpu_proof_run{run}_rl_samples.jsonl.gz")}
+
+
+def describe(r: dict[str, Any]) -> str:
+    def per_step(mode: str) -> str:
+        sec = r[f"{mode}_s"]
+        return f"{mode} {sec:.1f} s/step ({r[f'{mode}_steps']} steps)" if sec else f"{mode}: none"
+    speedup = f"speed-up {r['speedup']:.2f}×" if r["speedup"] else "no speed-up (one mode only)"
+    return f"run {r['run']}: {per_step('sync')}, {per_step('async')}, {speedup}"
 
 
 def plot(runs: list[dict[str, Any]], out: Path) -> None:
@@ -55,6 +70,8 @@ def plot(runs: list[dict[str, Any]], out: Path) -> None:
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
     for ax, r in zip(axes[0], runs):
         for mode, style in (("sync", "o-"), ("async", "s-")):
+            if not r[f"{mode}_s"]:
+                continue
             walls = step_walls(r[mode])
             ax.plot(range(2, len(walls) + 2), walls, style, label=f"{mode}: {r[f'{mode}_s']:.1f} s/step")
         ax.set_title(f"run {r['run']}: speed-up {r['speedup']:.2f}×" if r["speedup"] else f"run {r['run']}")
@@ -68,18 +85,55 @@ def plot(runs: list[dict[str, Any]], out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+LEARNING_PANELS = (  # (title, per-step metric or "restated", log scale)
+    ("training success (batch)", "success_rate", False),
+    ("grad norm before clipping", "grad_norm", True),
+    ("entropy of sampled tokens", "entropy", False),
+    ("stated preferences restated in the first thought", "restated", False),
+)
+
+
+def plot_learning(runs: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for ax, (title, key, log_scale) in zip(axes.flat, LEARNING_PANELS):
+        for colour, r in enumerate(runs):  # one colour per run in every panel, though some lack samples
+            values = r["restated"] if key == "restated" else [s.get(key) for s in r["async"]]
+            points = [(i, v) for i, v in enumerate(values, start=1) if v is not None]
+            if points:
+                ax.plot(*zip(*points), "o-", ms=3, color=f"C{colour}", label=f"run {r['run']}")
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        if log_scale:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="run numbers, as in gpu_proof_run{N}_rl_sync.jsonl")
     ap.add_argument("--out", type=Path, default=None, help="PNG of the per-step wall times")
+    ap.add_argument("--learning", type=Path, default=None,
+                    help="PNG of the per-step training success, grad norm, entropy and restated preferences")
     args = ap.parse_args()
     runs = [summarize(r) for r in args.runs]
     for r in runs:
-        print(f"run {r['run']}: sync {r['sync_s']:.1f} s/step ({r['sync_steps']} steps), "
-              f"async {r['async_s']:.1f} s/step ({r['async_steps']} steps), speed-up {r['speedup']:.2f}×")
+        print(describe(r))
     if args.out:
         plot(runs, args.out)
         print(f"plot: {args.out}")
+    if args.learning:
+        plot_learning(runs, args.learning)
+        print(f"plot: {args.learning}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 from bench import gpu_proof
@@ -34,6 +35,20 @@ def test_recorded_runs_compare_per_step_wall_time_without_the_fleet_start():
     assert gpu_proof_runs.seconds_per_step(steps[:1]) is None
     run8 = gpu_proof_runs.summarize("8")  # the recorded H100 run: sync 50.8 s, async 35.1 s a step
     assert round(run8["sync_s"], 1) == 50.8 and round(run8["speedup"], 2) == 1.45
+
+
+def test_recorded_runs_without_a_baseline_compare_how_they_learned(tmp_path):
+    from bench import gpu_proof_runs
+
+    run17, run18 = gpu_proof_runs.summarize("17"), gpu_proof_runs.summarize("18")  # H100, no sync baseline
+    assert run17["sync_s"] is None and run17["speedup"] is None
+    assert "sync: none" in gpu_proof_runs.describe(run17) and "async 29.0 s/step" in gpu_proof_runs.describe(run17)
+    # the uncapped KL term's spike (step 18) and the capped run's steady norms, read from the records
+    assert max(s["grad_norm"] for s in run17["async"]) > 1000 > 1 > max(s["grad_norm"] for s in run18["async"])
+    assert len(run18["restated"]) == 24 and min(run17["restated"]) == 0.0 < min(run18["restated"])
+    out = tmp_path / "learning.png"
+    gpu_proof_runs.plot_learning([run17, run18], out)
+    assert out.stat().st_size > 10_000
 
 
 def test_transport_modes_count_plans_by_preference_and_report_them(tmp_path):
@@ -114,6 +129,9 @@ def test_restated_share_per_rl_step_is_read_from_the_samples_and_reported(tmp_pa
     ]) + "\n")
     assert gpu_proof.restated_by_step(samples) == [1.0, 0.5, None, 0.0]
     assert gpu_proof.restated_by_step(tmp_path / "absent.jsonl") == []
+    gzipped = tmp_path / "samples.jsonl.gz"  # the copy `poll` brings back
+    gzipped.write_bytes(gzip.compress(samples.read_bytes()))
+    assert gpu_proof.restated_by_step(gzipped) == [1.0, 0.5, None, 0.0]
     steps = [{"time": 100.0 + 10 * i, "reward_mean": 1.0, "success_rate": 0.5, "time_wait_s": 1.0,
               "time_compute_s": 2.0, "time_sync_s": 0.5} for i in range(4)]
     state = {"rl_async": {"max_staleness": 3, "steps": steps, "stage_s": 40.0,
