@@ -65,12 +65,12 @@ def is_flat(rewards: Sequence[float], eps: float = 1e-6) -> bool:
 @dataclass
 class GroupSelection:
     kept: list[Hashable]
-    flat: list[Hashable] = field(default_factory=list)          # DAPO: zero-variance groups
-    low_spread: list[Hashable] = field(default_factory=list)    # StarPO-S: below the kept fraction
+    dropped_flat: list[Hashable] = field(default_factory=list)        # DAPO: zero-variance groups
+    dropped_low_spread: list[Hashable] = field(default_factory=list)  # StarPO-S: below the kept fraction
 
     def counts(self) -> dict[str, int]:
-        return {"groups_kept": len(self.kept), "groups_dropped_flat": len(self.flat),
-                "groups_dropped_low_spread": len(self.low_spread)}
+        return {"groups_kept": len(self.kept), "groups_dropped_flat": len(self.dropped_flat),
+                "groups_dropped_low_spread": len(self.dropped_low_spread)}
 
 
 def select_groups(group_rewards: dict[Hashable, Sequence[float]], *, dynamic_sampling: bool = False,
@@ -95,7 +95,7 @@ def select_groups(group_rewards: dict[Hashable, Sequence[float]], *, dynamic_sam
         keep = set(ranked[:n_keep])
         low = [g for g in order if g not in keep]
         order = [g for g in order if g in keep]
-    return GroupSelection(kept=order, flat=flat, low_spread=low)
+    return GroupSelection(kept=order, dropped_flat=flat, dropped_low_spread=low)
 
 
 def split_stale(versions: Sequence[int], learner_version: int, max_staleness: int) -> tuple[list[int], list[int]]:

@@ -118,7 +118,7 @@ def test_dynamic_sampling_drops_flat_groups():
     sel = alg.select_groups({"a": [1, 1, 1], "b": [0, 1, 0], "c": [0, 0, 0], "d": [2.5, 2.5, 2.5000001]},
                             dynamic_sampling=True)
     assert sel.kept == ["b"]
-    assert sel.flat == ["a", "c", "d"]
+    assert sel.dropped_flat == ["a", "c", "d"]
 
 
 def test_dynamic_sampling_keeps_continuous_rewards_above_one():
@@ -131,11 +131,11 @@ def test_starpo_keeps_the_groups_with_the_largest_spread():
     rewards = {"a": [0, 0.1], "b": [0, 3], "c": [1, 2], "d": [0, 0]}
     sel = alg.select_groups(rewards, keep_fraction=0.5)
     assert sel.kept == ["b", "c"]
-    assert sel.low_spread == ["a", "d"]
+    assert sel.dropped_low_spread == ["a", "d"]
     assert sel.counts() == {"groups_kept": 2, "groups_dropped_flat": 0, "groups_dropped_low_spread": 2}
     # both filters: flat d goes first, then the top ceil(0.5·3) = 2 of a, b, c
     sel = alg.select_groups(rewards, dynamic_sampling=True, keep_fraction=0.5)
-    assert sel.flat == ["d"] and sel.kept == ["b", "c"] and sel.low_spread == ["a"]
+    assert sel.dropped_flat == ["d"] and sel.kept == ["b", "c"] and sel.dropped_low_spread == ["a"]
 
 
 def test_staleness_split():
