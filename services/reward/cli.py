@@ -72,8 +72,9 @@ def score_command(
     mode: str = typer.Option("official", help="official (leaderboard parity) or strict."),
     reward: str = typer.Option("sum", help="sum | macro | success | curriculum"),
     epoch: Optional[int] = typer.Option(None, min=1, help="1-based epoch (for curriculum)."),
-    preference_penalty: float = typer.Option(0.0, min=0.0, max=5.0, help="Points off the reward per broken stated "
-                                             "preference (our own shaping; 0: the paper's rewards)."),
+    # bounds come from the request schema (PreferencePenalty), checked below like every other field
+    preference_penalty: float = typer.Option(0.0, help="Points off the reward per broken stated preference, "
+                                             "0-5 (our own shaping; 0: the paper's rewards)."),
     backend: Optional[str] = typer.Option(None, help="Formatter backend for plan text: structured | llm | auto."),
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world (default: settings)."),
     as_json: bool = typer.Option(False, "--json", help="Print the full response as JSON."),

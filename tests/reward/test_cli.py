@@ -68,6 +68,8 @@ def test_score_errors_are_messages(official_world_url, gold, tmp_path):
         (["--query", str(q), "--plan", str(p)], "plan: a plan must be"),
         (["--query", str(q), "--plan", str(q), "--mode", "loose"], "--mode must be official or strict"),
         (["--query", str(q), "--plan", str(q), "--reward", "curriculum"], "needs the epoch"),
+        (["--query", str(q), "--plan", str(q), "--preference-penalty", "6"], "preference_penalty: Input should be less"),
+        (["--query", str(q), "--plan", str(q), "--preference-penalty", "-1"], "preference_penalty: Input should be greater"),
     ]
     for args, needle in cases:
         r = runner.invoke(app, ["score", *args, "--db", official_world_url])
