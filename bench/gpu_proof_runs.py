@@ -2,7 +2,7 @@
 asynchronous, and how each run learned.
 
     python bench/gpu_proof_runs.py 8 9 --out bench/results/gpu_proof_runs89.png
-    python bench/gpu_proof_runs.py 15 17 18 --learning bench/results/gpu_proof_learning1518.png
+    python bench/gpu_proof_runs.py 15 17 18 19 --learning bench/results/gpu_proof_learning1519.png
 
 Reads bench/results/gpu_proof_run{N}_rl_{sync,async}.jsonl (the learner's per-step metrics that
 `bench/gpu_proof_device.sh poll` brings back; a run without a synchronous baseline has no sync
