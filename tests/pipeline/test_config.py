@@ -97,10 +97,10 @@ def test_the_rl_section_reaches_the_learner_config(tmp_path):
     learner = RLConfig.model_validate_json(path.read_text())
     assert (learner.mini_batches, learner.lr, learner.total_steps) == (config.rl.mini_batches, config.rl.lr, 16)
     assert learner.filters.max_staleness == config.rl.max_staleness
-    assert learner.kl_coef == 0.0  # KL-free unless the recipe asks
-    anchored = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.kl_coef=0.05"])
-    path = rl_config(Run(anchored, tmp_path), "model", StreamNames("t"), "redis://x", total_steps=16)
-    assert RLConfig.model_validate_json(path.read_text()).kl_coef == 0.05
+    assert learner.kl_coef == config.rl.kl_coef == 0.05  # the proof recipe anchors to the SFT model
+    kl_free = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.kl_coef=0"])
+    path = rl_config(Run(kl_free, tmp_path), "model", StreamNames("t"), "redis://x", total_steps=16)
+    assert RLConfig.model_validate_json(path.read_text()).kl_coef == 0.0
     with pytest.raises(ConfigError, match="kl_coef"):
         load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.kl_coef=-1"])
 
