@@ -92,7 +92,12 @@ class RLSpec(_Section):
     # bench/results/gpu_proof.md). The reference is the stage's starting model, usually the SFT export.
     kl_coef: float = RLConfig.model_fields["kl_coef"]
     eval_mode: EvalMode = Field("strict", description="Evaluator mode of the training reward.")
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    # The learner's logprobs, like the rollouts' recorded ones, are of the model's own (temperature-1)
+    # distribution, so only at temperature 1.0 (the paper's) are the samples on-policy. At 0.7 the
+    # proof's policy dropped the query's stated preferences from its plans' first thoughts; at 1.0 it
+    # kept them (runs 20 and 21 in bench/results/gpu_proof.md).
+    sampling: SamplingParams = Field(default_factory=SamplingParams, description=(
+        "Rollout sampling. Temperature 1.0 keeps the samples on-policy: the learner trains the untempered model."))
     fault_rate: float = Field(0.0, ge=0, le=1, description="Tool failure injection during RL (paper: 0, 1, 5, 10%).")
     max_staleness: int = Field(0, ge=0, description="0: synchronous on-policy; k: rollouts may lag k versions.")
     val_every: int = Field(0, ge=0, description="Validate every N steps and keep the best checkpoint (0: off).")
