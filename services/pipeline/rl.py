@@ -25,6 +25,7 @@ from typing import Any
 import redis
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from services.common.schemas import SamplingParams
 from services.common.streams import StreamNames
 from services.pipeline import fleet
 from services.pipeline.scheduler import Schedule, TaskPublisher
@@ -158,8 +159,22 @@ def keep_alive(f: Fleet) -> list[str]:
     return restarted
 
 
+def off_policy_note(sampling: SamplingParams) -> str | None:
+    """What a rollout temperature other than 1 means for training, or None at 1. The learner's
+    logprobs (and the rollouts' recorded ones) are the untempered model's, so samples drawn at T != 1
+    come from another policy than the one trained. At 0.7 the proof's policy dropped the query's stated
+    preferences from its first thoughts; at 1.0 it kept them (runs 20 and 21, bench/results/gpu_proof.md)."""
+    if sampling.temperature == 1.0:
+        return None
+    return (f"rl.sampling.temperature is {sampling.temperature:g}: the learner trains the untempered model, "
+            "so these samples are off-policy for it (1.0, the paper's, keeps them on-policy)")
+
+
 def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
     r = run.config.rl
+    note = off_policy_note(r.sampling)
+    if note:
+        console.print(f"[yellow]{note}[/]")
     prompts_file = synth.get("rl_queries")
     if not prompts_file or not Path(prompts_file).is_file():
         raise StageFailed("rl needs the RL prompt set of the synth stage (data/rl.jsonl)")

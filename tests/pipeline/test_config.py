@@ -116,3 +116,13 @@ def test_the_synth_section_reaches_the_synthesizer(tmp_path, monkeypatch):
     assert argv[argv.index("--flight-share") + 1] == "0.5" and argv[argv.index("--days") + 1] == "3"
     with pytest.raises(ConfigError, match="flight_share"):
         load_pipeline_config(CONFIGS / "tiny.yaml", ["synth.flight_share=1.5"])
+
+
+def test_a_rollout_temperature_other_than_one_is_called_off_policy():
+    from services.pipeline.rl import off_policy_note
+
+    proof = load_pipeline_config(CONFIGS / "smollm2-proof.yaml")
+    assert off_policy_note(proof.rl.sampling) is None  # the recipe samples at the paper's 1.0
+    sharper = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.sampling.temperature=0.7"])
+    note = off_policy_note(sharper.rl.sampling)
+    assert note is not None and "0.7" in note and "off-policy" in note
