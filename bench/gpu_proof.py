@@ -641,11 +641,13 @@ def main() -> int:
                 train_stages(config, main_run, ["synth", "sft"])
                 result = {"synth": stage_outputs(main_run, "synth"), "sft": stage_outputs(main_run, "sft")}
             elif phase in ("eval_sft", "eval_rl"):
+                from services.pipeline.train import eval_split
+
                 synth = stage_outputs(main_run, "synth")
                 source = state.data["sft"]["sft"] if phase == "eval_sft" else state.data["rl_async"]
                 world = f"sqlite:///{main_run / 'world.sqlite'}"
                 sampling = config.eval.sampling.model_copy(update={"seed": config.seed})
-                result = evaluate(source["model"], synth["val_queries"], world, sampling,
+                result = evaluate(source["model"], eval_split(config.eval, synth), world, sampling,
                                   args.work / phase, config.eval.limit, args.eval_batch)
             elif phase == "rl_async":
                 result = rl_run(with_time_budget(config, finish_by), main_run)

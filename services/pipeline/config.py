@@ -57,7 +57,10 @@ class WorldSpec(_Section):
 class SynthSpec(_Section):
     sft_queries: int = Field(1200, ge=0)
     rl_queries: int = Field(1000, ge=0)
-    val_queries: int = Field(180, ge=0)
+    val_queries: int = Field(180, ge=0, description="Validation queries: RL's best-checkpoint selection (rl.val_every), "
+                             "and the eval stage's default where no held-out queries are made.")
+    heldout_queries: int = Field(0, ge=0, description="Queries for the eval stage alone, apart from the validation "
+                                 "set that picks the RL checkpoint (the benchmark's test split plays this part).")
     mix: tuple[int, int, int] = Field((4, 3, 3), description="easy:medium:hard")
     days: list[Literal[3, 5, 7]] = Field([3, 5, 7], min_length=1, description="Trip lengths drawn (the benchmark's 3, 5, 7).")
     flight_share: float = Field(0.9, ge=0, le=1, description="Share of flight trips; a hard query forbids self-driving "
@@ -165,7 +168,18 @@ class PipelineConfig(_Section):
             raise ValueError(f"stages must be distinct and in the order {', '.join(STAGES)}; got {self.stages}")
         if self.rl.eps_high < self.rl.eps_low:
             raise ValueError("rl: clip-higher needs eps_high >= eps_low")
+        if self._selects_on_its_eval_set():
+            raise ValueError("rl.val_every picks the best checkpoint on the synthesized validation queries, and the "
+                             "eval stage would report its success on those same queries: set synth.heldout_queries "
+                             "(queries for the eval stage alone) or eval.split")
         return self
+
+    def _selects_on_its_eval_set(self) -> bool:
+        """RL would choose its checkpoint by validation success, and eval would score that checkpoint on
+        the validation file itself: a success figure chosen on its own test set."""
+        selects = "rl" in self.stages and self.rl.val_every > 0
+        scores_validation = "eval" in self.stages and self.eval.split is None and self.synth.heldout_queries == 0
+        return selects and scores_validation
 
 
 class ConfigError(ValueError):

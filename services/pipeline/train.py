@@ -31,7 +31,7 @@ from typing import Any
 from rich.console import Console
 
 from services.common.settings import get_settings
-from services.pipeline.config import STAGES, PipelineConfig, dump_config
+from services.pipeline.config import STAGES, EvalSpec, PipelineConfig, dump_config
 
 console = Console(stderr=True)
 
@@ -155,14 +155,16 @@ def prepare_model(config: PipelineConfig) -> str:
 def stage_synth(run: Run) -> dict[str, Any]:
     s = run.config.synth
     data = run.folder / "data"
-    total = s.sft_queries + s.rl_queries + s.val_queries
+    total = s.sft_queries + s.rl_queries + s.val_queries + s.heldout_queries
     run_process(run, "synth-queries", star_argv(
         "synth", "queries", "--n", str(total), "--mix", ":".join(map(str, s.mix)),
-        "--splits", f"{s.sft_queries}:{s.rl_queries}:{s.val_queries}", "--out", str(data),
+        "--splits", f"{s.sft_queries}:{s.rl_queries}:{s.val_queries}:{s.heldout_queries}", "--out", str(data),
         "--seed", str(s.seed), "--days", ",".join(map(str, s.days)), "--flight-share", str(s.flight_share),
         "--db", run.world_url))
     outputs = {"queries": str(data), "sft_queries": str(data / "sft.jsonl"), "rl_queries": str(data / "rl.jsonl"),
                "val_queries": str(data / "validation.jsonl")}
+    if s.heldout_queries:
+        outputs["heldout_queries"] = str(data / "heldout.jsonl")
     if s.sft_queries:
         run_process(run, "synth-teacher", star_argv(
             "synth", "teacher", "--queries", str(data / "sft.jsonl"), "--teacher", s.teacher,
@@ -206,11 +208,17 @@ def evaluate_model(run: Run, model: str, split: str | Path, out: Path, name: str
     return json.loads(metrics.read_text()) if metrics.is_file() else {}
 
 
+def eval_split(e: EvalSpec, synth: dict[str, Any] | None) -> str | None:
+    """The queries the eval stage scores: eval.split, else the synthesized held-out queries (validation
+    may have picked the RL checkpoint), else the validation queries."""
+    return e.split or (synth or {}).get("heldout_queries") or (synth or {}).get("val_queries")
+
+
 def stage_eval(run: Run, model: str, synth: dict[str, Any] | None) -> dict[str, Any]:
     e = run.config.eval
-    split = e.split or (synth or {}).get("val_queries")
+    split = eval_split(e, synth)
     if not split:
-        raise StageFailed("eval needs eval.split or a synth stage that wrote validation queries")
+        raise StageFailed("eval needs eval.split or a synth stage that wrote held-out or validation queries")
     out = run.folder / "eval"
     result = evaluate_model(run, model, split, out, "eval", e.limit)
     return {"folder": str(out), "model": model, "metrics": result or None}

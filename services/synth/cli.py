@@ -55,7 +55,8 @@ def _bar() -> Progress:
 def queries_command(
     n: int = typer.Option(1000, "--n", min=1, help="How many queries in all."),
     mix: str = typer.Option("4:3:3", help="easy:medium:hard ratio."),
-    splits: str = typer.Option("4:5:1", help="sft:rl:validation ratio of the disjoint sets."),
+    splits: str = typer.Option("4:5:1", help="sft:rl:validation[:heldout] ratio of the disjoint sets (heldout: "
+                                             "for the final evaluation alone; none when left out)."),
     out: Path = typer.Option(..., help="Output directory."),
     seed: int = typer.Option(0),
     budget_factors: str = typer.Option("1.5:1.3:1.15", help="Budget = oracle cheapest cost × factor (easy:medium:hard)."),
@@ -74,7 +75,7 @@ def queries_command(
 
     try:
         mix_w = parse_ratio(mix, 3, "--mix")
-        split_w = parse_ratio(splits, 3, "--splits")
+        split_w = parse_ratio(splits, len(SPLITS), "--splits", optional=1)
         factors = dict(zip(LEVELS, parse_ratio(budget_factors, 3, "--budget-factors")))
         trip_days = check_trip_days(_int_list(days, "--days"))
     except ValueError as exc:
@@ -104,8 +105,9 @@ def queries_command(
     parts = split_queries(queries, split_w, seed)
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "queries.jsonl", queries)
-    for split in SPLITS:
-        write_jsonl(out / f"{split}.jsonl", parts[split])
+    for split, weight in zip(SPLITS, split_w):
+        if weight or split != "heldout":  # no empty held-out file where none was asked for
+            write_jsonl(out / f"{split}.jsonl", parts[split])
         report.splits[split] = {lv: sum(q.level == lv for q in parts[split]) for lv in LEVELS}
     summary = report.to_dict() | {"seconds": round(elapsed, 2), "seed": seed, "mix": mix, "splits_ratio": splits,
                                   "trip_days": trip_days,
@@ -113,7 +115,7 @@ def queries_command(
                                       p.name for p in out.glob("*.jsonl"))}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     _print_summary(report, elapsed)
-    console.print(f"wrote {len(queries)} queries to {out} (queries.jsonl, sft/rl/validation.jsonl, summary.json)")
+    console.print(f"wrote {len(queries)} queries to {out} (queries.jsonl, one file per split, summary.json)")
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -142,7 +144,7 @@ def _print_summary(report, elapsed: float) -> None:
     from services.synth.queries import LEVELS, SPLITS
 
     table = Table(title=f"synthesized queries ({elapsed:.1f} s)")
-    for col in ("level", "kept", "tried", "feasible", "sft", "rl", "val", "$ min", "$ median", "$ max"):
+    for col in ("level", "kept", "tried", "feasible", "sft", "rl", "val", "held out", "$ min", "$ median", "$ max"):
         table.add_column(col, justify="right")
     for lv in LEVELS:
         b = report.budget_stats(lv)

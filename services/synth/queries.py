@@ -41,7 +41,9 @@ from services.synth.language import record_of, template_text
 from services.synth.oracle import Oracle
 
 LEVELS = ("easy", "medium", "hard")
-SPLITS = ("sft", "rl", "validation")
+# heldout: queries for the final evaluation alone, apart from the validation set that picks the
+# best RL checkpoint (the benchmark keeps validation for selection and test for reporting)
+SPLITS = ("sft", "rl", "validation", "heldout")
 CUISINES = ("Chinese", "American", "Italian", "Mexican", "Indian", "Mediterranean", "French")
 HOUSE_RULES = ("smoking", "parties", "children under 10", "pets", "visitors")
 DEFAULT_BUDGET_FACTORS = {"easy": 1.5, "medium": 1.3, "hard": 1.15}
@@ -58,15 +60,19 @@ def check_trip_days(days: Iterable[int]) -> list[int]:
     return chosen
 
 
-def parse_ratio(text: str, parts: int, what: str) -> tuple[float, ...]:
-    """'4:3:3' → (4.0, 3.0, 3.0); a clear error for anything else."""
+def parse_ratio(text: str, parts: int, what: str, optional: int = 0) -> tuple[float, ...]:
+    """'4:3:3' → (4.0, 3.0, 3.0); a clear error for anything else. The last `optional` parts may be
+    left out, and count 0."""
+    count = f"{parts - optional} to {parts}" if optional else str(parts)
     try:
         values = tuple(float(x) for x in text.split(":"))
     except ValueError:
-        raise ValueError(f"{what} must be {parts} numbers separated by ':', e.g. 4:3:3; got {text!r}") from None
-    if len(values) != parts or any(v < 0 or not math.isfinite(v) for v in values) or sum(values) <= 0:
-        raise ValueError(f"{what} must be {parts} non-negative numbers separated by ':' with a positive sum; got {text!r}")
-    return values
+        raise ValueError(f"{what} must be {count} numbers separated by ':', e.g. 4:3:3; got {text!r}") from None
+    if not parts - optional <= len(values) <= parts or any(v < 0 or not math.isfinite(v) for v in values) \
+            or sum(values) <= 0:
+        raise ValueError(f"{what} must be {count} non-negative numbers separated by ':' with a positive sum; "
+                         f"got {text!r}")
+    return values + (0.0,) * (parts - len(values))
 
 
 def allocate(total: int, weights: Sequence[float]) -> list[int]:
@@ -358,7 +364,7 @@ def split_table(level_sizes: dict[str, int], ratios: Sequence[float]) -> dict[st
 
 
 def split_queries(queries: Sequence[TravelQuery], ratios: Sequence[float], seed: int) -> dict[str, list[TravelQuery]]:
-    """Disjoint SFT / RL / validation sets; each level is divided by the ratios on its own, so
+    """Disjoint SFT / RL / validation / held-out sets; each level is divided by the ratios on its own, so
     every split keeps the mixture (up to rounding), and each split's size is exact."""
     rng = random.Random(seed + 1)
     out: dict[str, list[TravelQuery]] = {s: [] for s in SPLITS}

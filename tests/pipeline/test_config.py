@@ -126,3 +126,27 @@ def test_a_rollout_temperature_other_than_one_is_called_off_policy():
     sharper = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.sampling.temperature=0.7"])
     note = off_policy_note(sharper.rl.sampling)
     assert note is not None and "0.7" in note and "off-policy" in note
+
+
+def test_the_checkpoint_is_not_picked_on_the_queries_that_report_its_success(tmp_path, monkeypatch):
+    from services.pipeline import train
+
+    paper = load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml")
+    assert paper.rl.val_every > 0 and paper.synth.heldout_queries == 1000
+    with pytest.raises(ConfigError, match="heldout_queries"):
+        load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml", ["synth.heldout_queries=0"])
+    # an eval split of one's own, or no selection, is fine
+    load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml", ["synth.heldout_queries=0", "eval.split=test.jsonl"])
+    load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml", ["synth.heldout_queries=0", "rl.val_every=0"])
+
+    calls = []
+    monkeypatch.setattr(train, "run_process", lambda run, name, argv, **kw: calls.append((name, argv)))
+    config = load_pipeline_config(CONFIGS / "tiny.yaml", ["synth.heldout_queries=3"])
+    outputs = train.stage_synth(train.Run(config, tmp_path, world_url="sqlite:///w.db"))
+    argv = dict(calls)["synth-queries"]
+    s = config.synth
+    assert argv[argv.index("--splits") + 1] == f"{s.sft_queries}:{s.rl_queries}:{s.val_queries}:3"
+    assert argv[argv.index("--n") + 1] == str(s.sft_queries + s.rl_queries + s.val_queries + 3)
+    assert train.eval_split(config.eval, outputs) == outputs["heldout_queries"] != outputs["val_queries"]
+    without = load_pipeline_config(CONFIGS / "tiny.yaml")
+    assert train.eval_split(without.eval, {"val_queries": "v.jsonl"}) == "v.jsonl"

@@ -34,6 +34,19 @@ def test_queries_command_writes_splits_and_a_summary(made):
     assert not (ids[0] & ids[1] or ids[0] & ids[2] or ids[1] & ids[2]) and sum(map(len, ids)) == 20
 
 
+def test_a_fourth_share_writes_held_out_queries_apart_from_the_rest(official_world_url, tmp_path):
+    r = runner.invoke(app, ["synth", "queries", "--n", "20", "--mix", "4:3:3", "--splits", "2:2:1:1", "--out",
+                            str(tmp_path), "--db", official_world_url, "--workers", "1", "--seed", "5"])
+    assert r.exit_code == 0, r.output
+    ids = {s: {json.loads(line)["id"] for line in (tmp_path / f"{s}.jsonl").read_text().splitlines()}
+           for s in ("sft", "rl", "validation", "heldout")}
+    assert [len(ids[s]) for s in ("sft", "rl", "validation", "heldout")] == [7, 7, 3, 3]
+    assert len(set().union(*ids.values())) == 20  # disjoint
+    r = runner.invoke(app, ["synth", "queries", "--n", "5", "--splits", "1:1", "--out", str(tmp_path / "bad"),
+                            "--db", official_world_url, "--workers", "1"])
+    assert r.exit_code == 2 and "--splits must be 3 to 4" in r.output
+
+
 def test_plan_and_teacher_commands(made, official_world_url):
     out, _ = made
     r = runner.invoke(app, ["synth", "plan", "--queries", str(out / "rl.jsonl"), "--db", official_world_url,

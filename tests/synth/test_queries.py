@@ -45,6 +45,14 @@ def test_bad_ratios_are_refused_with_a_message(text):
         parse_ratio(text, 3, "--mix")
 
 
+def test_the_held_out_share_may_be_left_out_and_counts_zero():
+    assert parse_ratio("4:5:1", 4, "--splits", optional=1) == (4.0, 5.0, 1.0, 0.0)
+    assert parse_ratio("4:5:1:2", 4, "--splits", optional=1) == (4.0, 5.0, 1.0, 2.0)
+    for text in ("4:5", "1:1:1:1:1"):
+        with pytest.raises(ValueError, match="3 to 4 non-negative numbers"):
+            parse_ratio(text, 4, "--splits", optional=1)
+
+
 def test_trip_lengths_can_be_narrowed_and_the_default_draws_all_three(oracle, synthesized):
     queries, _ = QuerySynthesizer(oracle, seed=7, trip_days=(5, 7)).generate({"easy": 6, "medium": 0, "hard": 0})
     assert {q.days for q in queries} <= {5, 7} and len(queries) == 6
@@ -124,6 +132,19 @@ def test_splits_are_disjoint_and_keep_the_mix(synthesized):
     for level, n in (("easy", 12), ("medium", 9), ("hard", 9)):  # the mixture, within one query
         got = [sum(q.level == level for q in parts[s]) for s in ("sft", "rl", "validation")]
         assert sum(got) == n and all(abs(g - e) <= 1 for g, e in zip(got, allocate(n, (4, 5, 1))))
+
+
+def test_a_held_out_split_leaves_the_other_splits_as_they_were_without_one(synthesized):
+    queries, _ = synthesized
+    three = split_queries(queries, (4, 5, 1, 0), seed=7)
+    assert three["heldout"] == []
+    four = split_queries(queries, (4, 5, 1, 2), seed=7)
+    assert [len(four[s]) for s in ("sft", "rl", "validation", "heldout")] == allocate(30, (4, 5, 1, 2))
+    ids = [q.id for part in four.values() for q in part]
+    assert sorted(ids) == sorted(q.id for q in queries) and len(set(ids)) == len(ids)
+    # the same seed without a held-out share gives what it gave before the held-out split existed
+    assert {s: [q.id for q in three[s]] for s in ("sft", "rl", "validation")} == \
+        {s: [q.id for q in split_queries(queries, (4, 5, 1), seed=7)[s]] for s in ("sft", "rl", "validation")}
 
 
 @pytest.mark.parametrize("sizes,ratios", [
