@@ -106,20 +106,19 @@ poll() {
     cp "$WORK/run-sync/rl/metrics.jsonl" "$OUT/gpu_proof_rl_sync.jsonl" 2>/dev/null || true
     # what the policy wrote during RL, a few whole trajectories per step (rl.samples_per_step)
     [ -f "$WORK/run/rl/samples.jsonl" ] && gzip -c "$WORK/run/rl/samples.jsonl" > "$OUT/gpu_proof_rl_samples.jsonl.gz" || true
-    # the services' logs (the rollout engine logs where its time goes every 30 s), last 200 KB each,
-    # in one archive: a call brings back only a handful of files
-    local logs=/tmp/star-proof-logs
-    rm -rf "$logs" && mkdir -p "$logs"
+    # one archive (a call brings back at most 8 files, and a run with its sync baseline fills 7 others):
+    # the services' logs, last 200 KB each (the rollout engine logs where its time goes every 30 s),
+    # under logs/, and the held-out answers with their scores and trajectories (a few MB compressed),
+    # under eval_sft/ and eval_rl/, to read what RL changed
+    local pack=/tmp/star-proof-pack
+    rm -rf "$pack" && mkdir -p "$pack/logs"
     for run in run run-sync; do
       for f in "$WORK/$run"/logs/{rollout-0,rollout-1,learner,sandbox,reward-0}.log; do
-        [ -f "$f" ] && tail -c 200000 "$f" > "$logs/${run}_$(basename "$f")"
+        [ -f "$f" ] && tail -c 200000 "$f" > "$pack/logs/${run}_$(basename "$f")"
       done
     done
-    tar -czf "$OUT/gpu_proof_logs.tar.gz" -C "$logs" . 2>/dev/null || true
-    # the held-out answers, their scores and trajectories, to read what RL changed (a few MB compressed)
-    local evals=()
-    for phase in eval_sft eval_rl; do [ -d "$WORK/$phase" ] && evals+=("$phase"); done
-    [ ${#evals[@]} -gt 0 ] && tar -czf "$OUT/gpu_proof_evals.tar.gz" -C "$WORK" "${evals[@]}" 2>/dev/null || true
+    for phase in eval_sft eval_rl; do [ -d "$WORK/$phase" ] && ln -s "$WORK/$phase" "$pack/$phase"; done
+    tar -czhf "$OUT/gpu_proof_logs.tar.gz" -C "$pack" . 2>/dev/null || true
   fi
   kill -0 "$(cat "$PID")" 2>/dev/null && echo "still running: poll again now" || echo "the run has ended"
 }

@@ -214,11 +214,15 @@ def eval_split(e: EvalSpec, synth: dict[str, Any] | None) -> str | None:
     return e.split or (synth or {}).get("heldout_queries") or (synth or {}).get("val_queries")
 
 
-def stage_eval(run: Run, model: str, synth: dict[str, Any] | None) -> dict[str, Any]:
+def stage_eval(run: Run, model: str, synth: dict[str, Any] | None, rl: dict[str, Any] | None = None) -> dict[str, Any]:
     e = run.config.eval
     split = eval_split(e, synth)
     if not split:
         raise StageFailed("eval needs eval.split or a synth stage that wrote held-out or validation queries")
+    if (rl or {}).get("best_success") is not None and split == (synth or {}).get("val_queries"):
+        # the load-time check reads the recipe; a folder synthesized without held-out queries gets here
+        raise StageFailed(f"the RL checkpoint was picked on {split}, and eval would report on the same queries: "
+                          "set synth.heldout_queries and run the synth stage again, or set eval.split")
     out = run.folder / "eval"
     result = evaluate_model(run, model, split, out, "eval", e.limit)
     return {"folder": str(out), "model": model, "metrics": result or None}
@@ -264,7 +268,7 @@ def train(config: PipelineConfig, folder: Path) -> Run:
                 result = stage_rl(run, model, outputs.get("synth") or {})
                 model = result.get("model", model)
             else:
-                result = stage_eval(run, model, outputs.get("synth"))
+                result = stage_eval(run, model, outputs.get("synth"), outputs.get("rl"))
         except BaseException as exc:
             run.record(stage, state="failed", error=f"{type(exc).__name__}: {exc}")
             raise

@@ -150,3 +150,9 @@ def test_the_checkpoint_is_not_picked_on_the_queries_that_report_its_success(tmp
     assert train.eval_split(config.eval, outputs) == outputs["heldout_queries"] != outputs["val_queries"]
     without = load_pipeline_config(CONFIGS / "tiny.yaml")
     assert train.eval_split(without.eval, {"val_queries": "v.jsonl"}) == "v.jsonl"
+    # a folder synthesized before held-out queries existed: its picked checkpoint is not scored on validation
+    picked = {"model": "m", "best_success": 0.4}
+    with pytest.raises(train.StageFailed, match="picked on v.jsonl"):
+        train.stage_eval(train.Run(without, tmp_path, world_url="sqlite:///w.db"), "m", {"val_queries": "v.jsonl"},
+                         picked)
+    assert not any(name == "eval" for name, _ in calls)  # refused before any evaluation ran
