@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
 import json
 import os
 import platform
@@ -289,12 +288,12 @@ def restated_by_step(samples: Path) -> list[float | None]:
     """Share of stated preferences (all kinds) restated in the RL samples of each step
     (rl/samples.jsonl, `rl.samples_per_step`, or the gzipped copy `poll` brings back); None for a
     step whose samples state none."""
+    from services.common.files import iter_jsonl
+
     steps: dict[int, dict[str, list[int]]] = {}
     if not samples.is_file():
         return []
-    text = gzip.decompress(samples.read_bytes()).decode() if samples.suffix == ".gz" else samples.read_text()
-    for line in text.splitlines():
-        row = json.loads(line)
+    for _, row in iter_jsonl(samples):
         wanted = ((row.get("query") or {}).get("local_constraint")) or {}
         _add(steps.setdefault(int(row["step"]), {k: [0, 0] for k in PREFERENCES}),
              restated_in(wanted, row.get("messages") or []))

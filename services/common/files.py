@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 from collections.abc import Iterator
@@ -21,9 +22,11 @@ def sha256_file(path: str | Path, chunk: int = 8 * 2**20) -> str:
 def iter_jsonl(path: str | Path, error: type[Exception] = ValueError, *,
                skip_bad: bool = False) -> Iterator[tuple[int, Any]]:
     """(1-based line number, value) of each non-blank line. A line that is not JSON raises
-    `error` naming the file and line, or is skipped with `skip_bad` (a line cut by a crash)."""
+    `error` naming the file and line, or is skipped with `skip_bad` (a line cut by a crash).
+    A `.gz` file is read through gzip (the proof's samples come back from the GPU compressed)."""
     path = Path(path)
-    with open(path, encoding="utf-8") as fh:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
