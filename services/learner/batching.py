@@ -31,6 +31,7 @@ class Sequence_:
     logprobs: list[float | None] | None = None
     advantage: float = 1.0
     index: int = 0
+    group: str = ""  # the GRPO group it was sampled in ("": a group of its own)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -235,7 +236,7 @@ def rl_sequences(trajs: Sequence[ScoredTrajectory], filters: FilterConfig, *, le
                              f"{len(lps)} logprobs")
         if not masked and any(m and (lps is None or lps[j] is None) for j, m in enumerate(mask)):
             missing_logprobs += 1
-        seqs.append(Sequence_(list(t.token_ids), mask, lps, adv, index=k))
+        seqs.append(Sequence_(list(t.token_ids), mask, lps, adv, index=k, group=t.group_id))
     n_groups = len(by_group)
     stats = {"samples_in": float(len(fresh) + len(stale)), "samples_stale": float(len(stale)),
              "samples_trained": float(len(seqs) - n_masked), "samples_masked_overlength": float(n_masked),

@@ -108,8 +108,9 @@ class RLConfig(_Strict):
     schedule: Schedule = "constant"
     total_steps: int = Field(155, ge=1, description="For the schedule; the paper's 5 epochs over 1K prompts.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many batches (steps).")
-    mini_batches: int = Field(1, ge=1, description="Optimizer steps per batch, each on its own share of the "
-                              "groups (verl's ppo_mini_batch_size as a count; 1: one update per batch).")
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per full batch, each on whole groups "
+                              "(verl's ppo_mini_batch_size as a count; 1: one update per batch). A batch the "
+                              "filters shrank makes fewer steps of the same number of groups.")
     eps_low: float = Field(0.2, ge=0.0, lt=1.0)
     eps_high: float = Field(0.28, ge=0.0)
     dual_clip_c: float | None = Field(None, gt=1.0, description="Dual-clip bound for negative advantages (None: off).")

@@ -99,17 +99,33 @@ def sft_step(engine: PolicyEngine, seqs: Sequence[Sequence_]) -> StepOutput:
     return StepOutput(metrics)
 
 
-def split_mini_batches(seqs: Sequence[Sequence_], count: int) -> list[list[Sequence_]]:
-    """`count` contiguous shares of a batch's sequences, as even as whole sequences allow (a
-    group's samples stay together where the sizes line up); never an empty share."""
-    count = max(1, min(count, len(seqs)))
-    bounds = [i * len(seqs) // count for i in range(count + 1)]
-    return [list(seqs[a:b]) for a, b in zip(bounds, bounds[1:])]
+def split_mini_batches(seqs: Sequence[Sequence_], count: int, batch_groups: int | None = None) -> list[list[Sequence_]]:
+    """Contiguous shares of whole groups, one optimizer step each; never an empty share.
+
+    A group never straddles two shares: a share holding part of a group has advantages that do not
+    balance (say, only the seven failures of a one-in-eight group), and Adam, whose step is about lr
+    whatever the gradient's size, pushes those samples down at full size. That is how DAPO's shrunken
+    batches (one or two groups left, cut in quarters) collapsed the policy on the H100 (run 22).
+    With `batch_groups`, `count` is the number of shares of a full batch of that many groups, and a
+    share's size in groups stays fixed (verl's ppo_mini_batch_size): a batch the filters shrank makes
+    fewer updates of the same size. Without it, `count` shares as even as whole groups allow.
+    """
+    groups: dict[object, list[Sequence_]] = {}
+    for s in seqs:
+        groups.setdefault(s.group or id(s), []).append(s)  # an ungrouped sequence is its own group
+    members = list(groups.values())
+    if batch_groups:
+        per_share = -(-batch_groups // max(count, 1))
+        count = -(-len(members) // per_share)
+    count = max(1, min(count, len(members)))
+    bounds = [i * len(members) // count for i in range(count + 1)]
+    return [[s for group in members[a:b] for s in group] for a, b in zip(bounds, bounds[1:])]
 
 
 def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, eps_high: float,
             dual_clip_c: float | None = None, loss_agg: str = "token-mean", use_rollout_logprobs: bool = True,
-            kl_coef: float = 0.0, reference: torch.nn.Module | None = None, mini_batches: int = 1) -> StepOutput:
+            kl_coef: float = 0.0, reference: torch.nn.Module | None = None, mini_batches: int = 1,
+            batch_groups: int | None = None) -> StepOutput:
     """The clipped policy-gradient update of one batch: one PPO epoch in `mini_batches` optimizer
     steps. The ratio is against the rollout's logprobs when those are used (so from the second
     mini-batch on it also measures how far this batch's own updates moved the policy); otherwise
@@ -120,7 +136,7 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
     # per micro-batch would make the GPU idle while Python launches the next forward.
     acc = torch.zeros(11, dtype=torch.float64, device=engine.device)  # pg, LossStats(5), ent, kl_ref, mismatch(3)
     mm_max = torch.zeros((), dtype=torch.float64, device=engine.device)
-    shares = split_mini_batches(seqs, mini_batches)
+    shares = split_mini_batches(seqs, mini_batches, batch_groups)
     norms: list[float] = []
     for share in shares:
         # each share is normalised on its own tokens, as a batch of that size would be

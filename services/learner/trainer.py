@@ -422,7 +422,8 @@ class RLTrainer:
             out = rl_step(self.engine, batch.sequences, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                           dual_clip_c=cfg.dual_clip_c, loss_agg=cfg.loss_agg,
                           use_rollout_logprobs=cfg.use_rollout_logprobs and not batch.recompute_old,
-                          kl_coef=cfg.kl_coef, reference=self.reference, mini_batches=cfg.mini_batches)
+                          kl_coef=cfg.kl_coef, reference=self.reference, mini_batches=cfg.mini_batches,
+                          batch_groups=cfg.batch_prompts)
             metrics.update(out.metrics)
             self.version += 1
         else:

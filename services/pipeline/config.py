@@ -85,7 +85,8 @@ class RLSpec(_Section):
     batch_prompts: int = Field(32, ge=1)
     group_size: int = Field(8, ge=1)
     lr: float = Field(2e-6, gt=0)
-    mini_batches: int = Field(1, ge=1, description="Optimizer steps per batch of batch_prompts × group_size.")
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per full batch of batch_prompts × group_size, each "
+                              "on whole groups; a batch that DAPO or staleness shrank makes fewer.")
     eps_low: float = Field(0.2, ge=0)
     eps_high: float = Field(0.28, ge=0)
     reward: RewardKind = "sum"

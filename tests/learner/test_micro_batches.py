@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.learner.batching import Sequence_, assign_weights, micro_batches, pack_sequences, shard_rows
-from services.learner.config import EngineConfig, ScheduleConfig
+from services.learner.batching import (Sequence_, assign_weights, micro_batches, pack_sequences, rl_sequences,
+                                       shard_rows)
+from services.learner.config import EngineConfig, FilterConfig, ScheduleConfig
 from services.learner.steps import rl_step, sft_step, split_mini_batches
 
-from .conftest import behaviour_logprobs
+from .conftest import behaviour_logprobs, scored_batch
 
 # Capacity 64 packs these into rows [60], [50 + 12], [33 + 30], [20]: rows of different lengths,
 # two of them holding two sequences each.
@@ -187,6 +188,42 @@ def test_a_batch_splits_into_even_contiguous_shares_and_never_an_empty_one():
     assert [len(share) for share in split_mini_batches(seqs, 4)] == [1, 2, 1, 2]
     assert [len(share) for share in split_mini_batches(seqs, 10)] == [1] * 6
     assert split_mini_batches(seqs, 1) == [seqs]
+
+
+def _grouped(sizes: list[int]) -> list[Sequence_]:
+    """Sequences of consecutive groups, `sizes[k]` samples in group k."""
+    seqs = _seqs([8] * sum(sizes))
+    groups = [f"g{k}" for k, n in enumerate(sizes) for _ in range(n)]
+    return [Sequence_(s.token_ids, s.loss_mask, s.logprobs, s.advantage, s.index, group=g)
+            for s, g in zip(seqs, groups)]
+
+
+def _share_groups(shares: list[list[Sequence_]]) -> list[list[str]]:
+    return [sorted({s.group for s in share}) for share in shares]
+
+
+def test_a_group_never_straddles_two_mini_batches():
+    # three groups of eight left by DAPO out of a batch of eight: cut in quarters by sample count,
+    # two of the shares would hold parts of a group whose advantages do not balance
+    seqs = _grouped([8, 8, 8])
+    assert _share_groups(split_mini_batches(seqs, 4)) == [["g0"], ["g1"], ["g2"]]
+    # a full batch of 8 groups in 4 updates is 2 groups an update; a shrunken one keeps that size
+    assert _share_groups(split_mini_batches(seqs, 4, batch_groups=8)) == [["g0"], ["g1", "g2"]]
+    assert _share_groups(split_mini_batches(_grouped([8] * 8), 4, batch_groups=8)) == [
+        ["g0", "g1"], ["g2", "g3"], ["g4", "g5"], ["g6", "g7"]]
+    one = split_mini_batches(_grouped([8]), 4, batch_groups=8)
+    assert len(one) == 1 and len(one[0]) == 8
+    # a group's samples stay together even when they arrive apart, and uneven groups stay whole
+    mixed = _grouped([3, 5])
+    mixed = [mixed[0], mixed[3], mixed[1], mixed[4], mixed[2], *mixed[5:]]
+    shares = split_mini_batches(mixed, 2)
+    assert [len(s) for s in shares] == [3, 5] and _share_groups(shares) == [["g0"], ["g1"]]
+
+
+def test_rl_sequences_carry_their_group(tiny_model):
+    trajs = scored_batch(tiny_model, groups=2, group_size=4)
+    batch = rl_sequences(trajs, FilterConfig(), learner_version=0)
+    assert [s.group for s in batch.sequences] == [t.group_id for t in trajs]
 
 
 def test_mini_batches_are_optimizer_steps_in_a_row_on_their_shares(make_engine, rl_reference):

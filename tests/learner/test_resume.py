@@ -181,6 +181,30 @@ def test_mini_batches_update_several_times_per_batch_and_count_one_step(tmp_path
 
 
 @pytest.mark.slow
+def test_a_batch_dapo_shrank_makes_fewer_updates_of_whole_groups(tmp_path, tiny_model, redis_server_url):
+    """DAPO drops a flat group out of a batch of two: the one group left is one update, not two
+    halves of a group whose advantages do not balance (the H100 run 22 collapse)."""
+    client = redis.Redis.from_url(redis_server_url)
+    prefix = f"test:{uuid.uuid4().hex[:8]}"
+    # two batches of two groups, each sampled by the version that trains it
+    trajs = [t for step in range(2) for t in scored_batch(tiny_model, 2, 2, seed=step, version=step)]
+    flat = trajs[0].group_id
+    trajs = [t.model_copy(update={"reward": 1.0}) if t.group_id == flat else t for t in trajs]
+    try:
+        for t in trajs:
+            publish(client, StreamNames(prefix).scored, t)
+        config = _config(tmp_path, "dapo", tiny_model, redis_server_url, prefix, algorithm="dapo", mini_batches=2)
+        done = _run(config, 2)
+        assert done.returncode == 0, done.stderr[-3000:]
+        metrics = read_metrics(tmp_path / "dapo")
+        assert [m["groups_dropped_flat"] for m in metrics] == [1.0, 0.0]
+        assert [m["optimizer_steps"] for m in metrics] == [1.0, 2.0]
+    finally:
+        for key in client.scan_iter(match=prefix + "*"):
+            client.delete(key)
+
+
+@pytest.mark.slow
 def test_a_batch_waits_for_its_own_steps_slow_groups_instead_of_taking_a_later_steps(
         tmp_path, tiny_model, redis_server_url):
     """Asynchronous RL (max_staleness 1): step 2's groups, sampled by version 1, arrive before
