@@ -16,13 +16,13 @@ share of stated preferences the policy's first thoughts restate, step by step.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.gpu_proof import restated_by_step, step_summary  # noqa: E402 - after the path, as a script needs it
+from services.common.files import iter_jsonl  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -30,7 +30,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def read_steps(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise SystemExit(f"no such file: {path}")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [step for _, step in iter_jsonl(path, SystemExit)]
 
 
 def seconds_per_step(steps: list[dict[str, Any]]) -> float | None:
