@@ -39,6 +39,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from services.common.files import iter_jsonl  # noqa: E402 - after the path, as a script needs it
+
 PHASES = ("convert", "sft", "eval_sft", "rl_sync", "rl_async", "eval_rl", "report")  # baseline first: short, and a cut-off run keeps the speed-up
 
 
@@ -215,9 +217,10 @@ def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit:
         scored = json.loads((out / mode / "metrics.json").read_text())
         result[mode] = scored["metrics"]
         result[f"{mode}_failures"] = scored.get("failures")
-    result["transport_modes"] = transport_modes(out / "official" / "scores.jsonl")
-    result["restated_preferences"] = restated_preferences(out / "official" / "scores.jsonl",
-                                                          out / "trajectories.jsonl")
+    answers = held_out_answers(out / "official" / "scores.jsonl")
+    result["answers"] = answers
+    result["transport_modes"] = transport_modes(answers)
+    result["restated_preferences"] = restated_preferences(answers, out / "trajectories.jsonl")
     log(f"eval {Path(model).name}: decode {decode_s:.0f} s, finishes {finishes}, "
         f"success official {result['official'].get('final_pass_rate')}, strict {result['strict'].get('final_pass_rate')}")
     return result
@@ -226,22 +229,61 @@ def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit:
 MODES = ("flight", "self-driving", "taxi")
 
 
-def transport_modes(scores: Path) -> dict[str, dict[str, int]]:
-    """Plans by the query's transport preference ("none" when it states none) and the modes the
-    plan travels by ("flight+taxi", "-" for no transport), read as the strict evaluator reads them:
-    whether the policy reads the preference or travels one way whatever the query says (runs
-    10-13, bench/results/gpu_proof.md)."""
+def held_out_answers(scores: Path) -> dict[str, dict[str, Any]]:
+    """Per held-out query (an evaluation's scores.jsonl, read once): its level, budget and stated
+    preferences, and what the plan did: the transport modes it travels by, the checks it broke,
+    success and cost. The report sets SFT's answers against RL's query by query."""
     from services.reward.evaluator.parsing import strict_transport_kinds
 
-    table: dict[str, dict[str, int]] = {}
-    for line in scores.read_text().splitlines():
-        row = json.loads(line)
-        preference = (row["query"].get("local_constraint") or {}).get("transportation") or "none"
+    answers: dict[str, dict[str, Any]] = {}
+    for lineno, row in iter_jsonl(scores):
+        query, score = row.get("query") or {}, row.get("score") or {}
+        wanted = {k: v for k, v in (query.get("local_constraint") or {}).items() if v}
+        # read as the strict evaluator reads them: whether the policy reads the preference or travels
+        # one way whatever the query says (runs 10-13, bench/results/gpu_proof.md)
         kinds = strict_transport_kinds(" ; ".join(str(day.get("transportation", "")) for day in row.get("plan") or []))
-        used = "+".join(m for m in MODES if m in kinds) or "-"
-        by_mode = table.setdefault(preference, {})
-        by_mode[used] = by_mode.get(used, 0) + 1
+        answers[str(row.get("query_id", lineno))] = {
+            "level": query.get("level"), "people": query.get("people_number"), "budget": query.get("budget"),
+            "constraints": wanted, "transport": wanted.get("transportation") or "none",
+            "modes": "+".join(m for m in MODES if m in kinds) or "-",
+            "broken": [name for part in ("commonsense", "hard") for name, check in (score.get(part) or {}).items()
+                       if check.get("passed") is False],
+            "success": score.get("success"), "cost": row.get("cost")}
+    return answers
+
+
+def transport_modes(answers: dict[str, dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Plans by the query's transport preference ("none" when it states none) and the modes the
+    plan travels by ("flight+taxi", "-" for no transport)."""
+    table: dict[str, dict[str, int]] = {}
+    for answer in answers.values():
+        by_mode = table.setdefault(answer["transport"], {})
+        by_mode[answer["modes"]] = by_mode.get(answer["modes"], 0) + 1
     return table
+
+
+def held_out_change(sft: dict[str, dict[str, Any]], rl: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """SFT's held-out answers against RL's, query by query: which queries each model passed, per
+    level, and the checks each broke. Two evaluations of 100 queries differ by a few points by chance;
+    gained and lost say whether RL moved the same queries or others."""
+    both = [q for q in sft if q in rl]
+    passed = {label: {q for q in both if answers[q]["success"]} for label, answers in (("sft", sft), ("rl", rl))}
+    levels: dict[str, dict[str, int]] = {}
+    broken: dict[str, dict[str, int]] = {}
+    for q in both:
+        level = levels.setdefault(str(sft[q]["level"]), {"queries": 0, "sft": 0, "rl": 0})
+        level["queries"] += 1
+        for label, answers in (("sft", sft), ("rl", rl)):
+            level[label] += q in passed[label]
+            for check in answers[q]["broken"]:
+                broken.setdefault(check, {"sft": 0, "rl": 0})[label] += 1
+    return {"queries": len(both), "both": len(passed["sft"] & passed["rl"]),
+            "gained": len(passed["rl"] - passed["sft"]), "lost": len(passed["sft"] - passed["rl"]),
+            "levels": levels, "broken": broken,
+            "answers": [{"query_id": q, "level": sft[q]["level"], "people": sft[q]["people"],
+                         "budget": sft[q]["budget"], "constraints": sft[q]["constraints"],
+                         **{label: {k: answers[q][k] for k in ("modes", "broken", "success", "cost")}
+                            for label, answers in (("sft", sft), ("rl", rl))}} for q in both]}
 
 
 PREFERENCES = ("transportation", "house_rule", "room_type", "cuisine")
@@ -270,17 +312,13 @@ def _add(total: dict[str, list[int]], part: dict[str, list[int]]) -> dict[str, l
     return total
 
 
-def restated_preferences(scores: Path, trajectories: Path) -> dict[str, list[int]]:
-    """`restated_in` summed over an evaluation's queries (its scores.jsonl and trajectories.jsonl)."""
-    queries = {}
-    for line in scores.read_text().splitlines():
-        row = json.loads(line)
-        queries[row["query_id"]] = row["query"].get("local_constraint") or {}
+def restated_preferences(answers: dict[str, dict[str, Any]], trajectories: Path) -> dict[str, list[int]]:
+    """`restated_in` summed over an evaluation's queries (`held_out_answers`, and its trajectories.jsonl)."""
     table = {kind: [0, 0] for kind in PREFERENCES}
-    for line in trajectories.read_text().splitlines():
-        row = json.loads(line)
-        if row["query_id"] in queries:
-            _add(table, restated_in(queries[row["query_id"]], row["trajectory"].get("messages") or []))
+    for _, row in iter_jsonl(trajectories):
+        answer = answers.get(row["query_id"])
+        if answer is not None:
+            _add(table, restated_in(answer["constraints"], row["trajectory"].get("messages") or []))
     return table
 
 
@@ -288,8 +326,6 @@ def restated_by_step(samples: Path) -> list[float | None]:
     """Share of stated preferences (all kinds) restated in the RL samples of each step
     (rl/samples.jsonl, `rl.samples_per_step`, or the gzipped copy `poll` brings back); None for a
     step whose samples state none."""
-    from services.common.files import iter_jsonl
-
     steps: dict[int, dict[str, list[int]]] = {}
     if not samples.is_file():
         return []
@@ -399,6 +435,8 @@ def report(state: dict[str, Any], out: Path, name: str, command: str) -> dict[st
     s_sft, s_rl = _metric(sft, "official", "final_pass_rate"), _metric(rl, "official", "final_pass_rate")
     summary["success_gain_points"] = None if s_sft is None or s_rl is None else s_rl - s_sft  # percent points
     summary["eval"] = {"sft": _eval_brief(sft), "rl": _eval_brief(rl)}
+    if (sft or {}).get("answers") and (rl or {}).get("answers"):
+        summary["held_out"] = held_out_change(sft["answers"], rl["answers"])
     curves = {}
     for label, run in (("async", rl_async), ("sync", rl_sync)):
         if run:
@@ -462,6 +500,7 @@ def _markdown(s: dict[str, Any]) -> str:
                          + (f"; prompt tokens prefilled {e['prefill_tokens']:,}, taken from kept KV caches "
                             f"{e['reused_tokens']:,}." if e.get("prefill_tokens") is not None else "."))
     lines.append("")
+    lines += _held_out_tables(s.get("held_out"))
     lines += _transport_table(s.get("eval") or {})
     lines += _restated_table(s.get("eval") or {})
     rl = s.get("rl") or {}
@@ -495,6 +534,21 @@ def _sft_against_rl(title: str, rows: list[tuple[str, list[str]]]) -> list[str]:
     """A markdown table of one row per preference, with the SFT and the RL evaluation's cells."""
     return [f"## {title}", "", "| preference | SFT | RL |", "|---|---|---|",
             *(f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows), ""]
+
+
+def _held_out_tables(change: dict[str, Any] | None) -> list[str]:
+    """Queries each model passed, per level, and the checks each broke (most broken after RL first)."""
+    if not change:
+        return []
+    lines = ["## Held-out queries, SFT against RL", "",
+             f"Of {change['queries']}: both succeed on {change['both']}, RL gained {change['gained']}, "
+             f"RL lost {change['lost']}. Per query: `held_out.answers` in the JSON.", "",
+             "| level | queries | SFT | RL |", "|---|---|---|---|"]
+    lines += [f"| {level} | {n['queries']} | {n['sft']} | {n['rl']} |" for level, n in change["levels"].items()]
+    lines += ["", "| check broken | SFT | RL |", "|---|---|---|"]
+    lines += [f"| {check} | {n['sft']} | {n['rl']} |"
+              for check, n in sorted(change["broken"].items(), key=lambda kv: (-kv[1]["rl"], -kv[1]["sft"], kv[0]))]
+    return lines + [""]
 
 
 def _transport_table(evals: dict[str, Any]) -> list[str]:

@@ -63,7 +63,7 @@ def test_transport_modes_count_plans_by_preference_and_report_them(tmp_path):
         row("no flight", "Flight Number: F2, from A to B", "-", "Flight Number: F3, from B to A"),
         json.dumps({"query": {"local_constraint": {"transportation": "no self-driving"}}, "plan": None}),
     ]) + "\n")
-    modes = gpu_proof.transport_modes(scores)
+    modes = gpu_proof.transport_modes(gpu_proof.held_out_answers(scores))
     assert modes == {"none": {"self-driving": 1}, "no flight": {"flight+taxi": 1, "flight": 1},
                      "no self-driving": {"-": 1}}
     state = {"eval_sft": {**_eval(50.0, 100.0), "transport_modes": modes},
@@ -90,13 +90,52 @@ def test_restated_preferences_count_what_the_first_thought_repeats_and_report_it
         {"role": "user", "content": "the request"},
         {"role": "assistant", "content": f"<think>{t}</think><tool_call>{{}}</tool_call>"},
         {"role": "assistant", "content": "<think>Indian, pets</think>"}]}}) + "\n" for q, t in thoughts.items()))
-    table = gpu_proof.restated_preferences(scores, trajectories)
+    table = gpu_proof.restated_preferences(gpu_proof.held_out_answers(scores), trajectories)
     assert table == {"transportation": [1, 2], "house_rule": [0, 1], "room_type": [1, 1], "cuisine": [1, 2]}
     state = {"eval_sft": {**_eval(50.0, 100.0), "restated_preferences": table},
              "eval_rl": {**_eval(50.0, 100.0), "restated_preferences": {**table, "cuisine": [0, 2]}}}
     gpu_proof.report(state, tmp_path, "proof", "cmd")
     md = (tmp_path / "proof.md").read_text()
     assert "| transportation | 1 of 2 | 1 of 2 |" in md and "| cuisine | 1 of 2 | 0 of 2 |" in md
+
+
+def _scored(query_id: str, level: str, success: bool, broken: tuple[str, ...] = (), transport=None) -> dict:
+    checks = {name: {"passed": name not in broken, "reason": ""} for name in ("valid_cost", "valid_cuisine")}
+    return {"query_id": query_id, "cost": 500.0,
+            "query": {"level": level, "budget": 900, "people_number": 2,
+                      "local_constraint": {"transportation": transport, "cuisine": None}},
+            "plan": [{"day": 1, "transportation": "Self-driving, from A to B, cost: 56"}],
+            "score": {"commonsense": {"is_not_absent": {"passed": True, "reason": ""}}, "hard": checks,
+                      "success": 1.0 if success else 0.0}}
+
+
+def test_held_out_answers_set_sft_against_rl_query_by_query(tmp_path):
+    runs = {"sft": [_scored("q1", "easy", True), _scored("q2", "easy", True),
+                    _scored("q3", "hard", False, ("valid_cost",), transport="no flight")],
+            "rl": [_scored("q1", "easy", True), _scored("q2", "easy", False, ("valid_cost", "valid_cuisine")),
+                   _scored("q3", "hard", True, transport="no flight")]}
+    answers = {}
+    for label, rows in runs.items():
+        path = tmp_path / f"{label}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        answers[label] = gpu_proof.held_out_answers(path)
+    assert answers["sft"]["q3"] == {"level": "hard", "people": 2, "budget": 900,
+                                    "constraints": {"transportation": "no flight"}, "transport": "no flight",
+                                    "modes": "self-driving", "broken": ["valid_cost"], "success": 0.0, "cost": 500.0}
+    change = gpu_proof.held_out_change(answers["sft"], answers["rl"])
+    assert (change["queries"], change["both"], change["gained"], change["lost"]) == (3, 1, 1, 1)
+    assert change["levels"] == {"easy": {"queries": 2, "sft": 2, "rl": 1}, "hard": {"queries": 1, "sft": 0, "rl": 1}}
+    assert change["broken"] == {"valid_cost": {"sft": 1, "rl": 1}, "valid_cuisine": {"sft": 0, "rl": 1}}
+    assert change["answers"][1]["rl"] == {"modes": "self-driving", "broken": ["valid_cost", "valid_cuisine"],
+                                          "success": 0.0, "cost": 500.0}
+    state = {"eval_sft": {**_eval(66.7, 100.0), "answers": answers["sft"]},
+             "eval_rl": {**_eval(66.7, 100.0), "answers": answers["rl"]}}
+    summary = gpu_proof.report(state, tmp_path, "proof", "cmd")
+    md = (tmp_path / "proof.md").read_text()
+    assert "both succeed on 1, RL gained 1, RL lost 1" in md
+    assert "| easy | 2 | 2 | 1 |" in md and "| valid_cuisine | 0 | 1 |" in md
+    assert json.loads((tmp_path / "proof.json").read_text())["held_out"]["lost"] == summary["held_out"]["lost"] == 1
+    assert "answers" not in summary["eval"]["sft"]  # the brief stays brief; per query lives in held_out
 
 
 def test_a_bad_recipe_override_is_a_command_line_error(tmp_path):
