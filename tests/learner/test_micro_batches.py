@@ -3,6 +3,8 @@ of single-sequence rows keep SDPA's plain causal path, and a step comes out as w
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -194,8 +196,7 @@ def _grouped(sizes: list[int]) -> list[Sequence_]:
     """Sequences of consecutive groups, `sizes[k]` samples in group k."""
     seqs = _seqs([8] * sum(sizes))
     groups = [f"g{k}" for k, n in enumerate(sizes) for _ in range(n)]
-    return [Sequence_(s.token_ids, s.loss_mask, s.logprobs, s.advantage, s.index, group=g)
-            for s, g in zip(seqs, groups)]
+    return [dataclasses.replace(s, group=g) for s, g in zip(seqs, groups)]
 
 
 def _share_groups(shares: list[list[Sequence_]]) -> list[list[str]]:
