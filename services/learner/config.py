@@ -48,6 +48,10 @@ class EngineConfig(_Strict):
         50_000_000, ge=1, description="ZeRO-2/3 gradient reduce bucket in elements (DeepSpeed counts elements).")
     allgather_bucket_size: int = Field(
         50_000_000, ge=1, description="ZeRO-2 all-gather bucket for the updated parameters, in elements.")
+    keep_checkpoints: int = Field(
+        2, ge=1, description="Training checkpoints kept on disk, newest first; older tags are deleted after each "
+                             "save. A tag holds the optimizer state too (about 14 bytes per parameter), and RL "
+                             "saves every step: unpruned, 34 steps of a 135 M model filled a 64 GiB disk.")
     seed: int = 0
 
 

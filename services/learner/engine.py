@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -287,6 +288,8 @@ class PolicyEngine:
         tag = f"step{self.step_count:07d}"
         state = {"step": self.step_count, "rng": rng_state(), **client_state}
         self.engine.save_checkpoint(str(folder), tag=tag, client_state=state)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one pruner per node's disk
+            prune_checkpoints(folder, self.cfg.keep_checkpoints)
         return folder / tag
 
     def load_checkpoint(self, folder: Path) -> dict[str, Any] | None:
@@ -314,6 +317,18 @@ class PolicyEngine:
         pinned = self._pinned if (self.on_gpu and device == "cpu") else None
         yield from iter_weight_buckets(self.hf_model, bucket_bytes=bucket_bytes, dtype=dtype,
                                        zero3=self.cfg.zero_stage == 3, device=device, pinned=pinned)
+
+
+def prune_checkpoints(folder: Path, keep: int) -> list[str]:
+    """Delete all but the newest `keep` checkpoint tags (never the one `latest` names); returns
+    the deleted tags. Tags are `step` plus a zero-padded count, so their names sort by age."""
+    latest = folder / "latest"
+    current = latest.read_text().strip() if latest.is_file() else None
+    tags = sorted(p.name for p in folder.iterdir() if p.is_dir() and p.name.startswith("step"))
+    doomed = [t for t in tags[: max(len(tags) - keep, 0)] if t != current]
+    for tag in doomed:
+        shutil.rmtree(folder / tag, ignore_errors=True)
+    return doomed
 
 
 def _gathered(params: list[nn.Parameter], zero3: bool):

@@ -131,6 +131,7 @@ class LearnerSpec(_Section):
     pad_to_multiple: int = EngineConfig.model_fields["pad_to_multiple"]
     compile_layers: bool = EngineConfig.model_fields["compile_layers"]
     gradient_checkpointing: bool = EngineConfig.model_fields["gradient_checkpointing"]
+    keep_checkpoints: int = EngineConfig.model_fields["keep_checkpoints"]
 
     def engine(self, zero_stage: int, seed: int) -> EngineConfig:
         """The learner's EngineConfig for this recipe."""

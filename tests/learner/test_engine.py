@@ -108,6 +108,33 @@ def test_kl_to_the_reference_holds_the_policy_near_its_start(engine_factory, tin
     assert 0.0 < drift[2.0] < drift[0.0], drift
 
 
+def test_checkpoints_keep_the_newest_tags_and_resume_from_the_last(engine_factory, tmp_path):
+    """RL checkpoints every step; without pruning the tags (optimizer state included) fill the disk."""
+    engine = engine_factory(keep_checkpoints=2)
+    seqs = _seqs([24, 40], seed=3)
+    for _ in range(4):
+        sft_step(engine, seqs)
+        engine.save_checkpoint(tmp_path, {"kind": "sft"})
+    tags = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert tags == ["step0000003", "step0000004"]
+    assert (tmp_path / "latest").read_text().strip() == "step0000004"
+    fresh = engine_factory(keep_checkpoints=2)
+    assert fresh.load_checkpoint(tmp_path)["step"] == 4
+    assert fresh.step_count == 4
+
+
+def test_pruning_spares_the_tag_latest_names(tmp_path):
+    """A tag newer than `latest` (a save cut short) does not push out the one resume would read."""
+    from services.learner.engine import prune_checkpoints
+
+    for n in (1, 2, 3, 4):
+        (tmp_path / f"step{n:07d}").mkdir()
+    (tmp_path / "latest").write_text("step0000002")
+    assert prune_checkpoints(tmp_path, keep=1) == ["step0000001", "step0000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step0000002", "step0000004"]
+    assert prune_checkpoints(tmp_path, keep=2) == []
+
+
 def test_hf_export_loads_in_transformers(engine_factory, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
