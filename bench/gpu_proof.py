@@ -618,6 +618,12 @@ def _gpu_name() -> str:
     return f"CPU ({platform.processor() or platform.machine()})"
 
 
+def _disk_left(work: Path) -> str:
+    """Free space where the run writes: run 25 filled a 64 GiB disk with RL checkpoints."""
+    usage = shutil.disk_usage(work if work.exists() else work.parent)
+    return f"disk {usage.free / 2**30:.1f} of {usage.total / 2**30:.1f} GiB free"
+
+
 def pack_logs(work: Path, out: Path) -> None:
     """The runs' logs (for a failed phase) as one archive next to the results."""
     out.mkdir(parents=True, exist_ok=True)
@@ -718,7 +724,7 @@ def main() -> int:
                     report(state.data, args.out, args.name, command)
                 except Exception as exc:  # noqa: BLE001 - the report is a by-product here
                     log(f"partial report failed: {exc}")
-            log(f"{phase}: {time.perf_counter() - t0:.0f} s")
+            log(f"{phase}: {time.perf_counter() - t0:.0f} s; {_disk_left(args.work)}")
     except BaseException:
         pack_logs(args.work, args.out)
         shutil.copy(state.path, args.out / f"{args.name}_state.json") if state.path.is_file() else None

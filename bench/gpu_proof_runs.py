@@ -107,7 +107,7 @@ def plot_learning(runs: list[dict[str, Any]], out: Path) -> None:
             if points:
                 ax.plot(*zip(*points), "o-", ms=3, color=f"C{colour}", label=f"run {r['run']}")
         ax.set_title(title)
-        ax.set_xlabel("RL step")
+        ax.set_xlabel("RL batch (skipped ones count)")
         if log_scale:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)

@@ -455,6 +455,9 @@ class RLTrainer:
         metrics["time_step_s"] = (metrics.get("time_wait_s", 0.0) + metrics.get("time_compute_s", 0.0)
                                   + metrics.get("time_sync_s", 0.0))
         metrics["version"] = self.version
+        # `step` is the version (a skipped batch repeats it); `batch` counts every batch, so curves
+        # of rollout figures have one point per batch
+        metrics["batch"] = self.batches
         self.runlog.write(self.version, metrics)  # a step is a trained batch, whatever its optimizer steps
         self.runlog.write_samples(self.version, step_samples(trajs, cfg.samples_per_step))
         if self.rank0:

@@ -31,7 +31,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def plot_curves(rows: list[dict[str, Any]], title: str, out: Path) -> list[Path]:
-    """One PNG per curve group with data; x is the logged step."""
+    """One PNG per curve group with data; x is the RL batch where logged (a skipped batch keeps
+    the step of the last trained one), else the step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,16 +41,17 @@ def plot_curves(rows: list[dict[str, Any]], title: str, out: Path) -> list[Path]
     out.mkdir(parents=True, exist_ok=True)
     written = []
     checks = tuple(sorted({k for r in rows for k in r if k.startswith("check/")}))
+    x_key = "batch" if any("batch" in r for r in rows) else "step"
     for keys, name in CURVES + (((checks, "per-constraint pass rates"),) if checks else ()):
         present = [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in rows)]
         if not present:
             continue
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for k in present:
-            pts = [(r.get("step", i), r[k]) for i, r in enumerate(rows) if isinstance(r.get(k), (int, float))]
+            pts = [(r.get(x_key, i), r[k]) for i, r in enumerate(rows) if isinstance(r.get(k), (int, float))]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=k.removeprefix("check/"))
         ax.set_title(f"{title}: {name}")
-        ax.set_xlabel("step")
+        ax.set_xlabel(x_key)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()

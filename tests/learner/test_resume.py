@@ -111,6 +111,8 @@ def test_a_stale_batch_counts_as_a_step_and_the_learner_finishes(tmp_path, tiny_
         assert int(client.get(StreamNames(prefix).learner_batches)) == 3
         metrics = read_metrics(tmp_path / "stale")
         assert [m.get("skipped", 0.0) for m in metrics] == [0.0, 1.0, 0.0]
+        # the skipped batch repeats the step (the version it left unchanged) but has its own batch
+        assert [(m["step"], m["batch"]) for m in metrics] == [(1, 1), (1, 2), (2, 3)]
         assert json.loads(client.get(StreamNames(prefix).weights_latest))["version"] == 2
     finally:
         for key in client.scan_iter(match=prefix + "*"):
