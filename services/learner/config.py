@@ -51,7 +51,8 @@ class EngineConfig(_Strict):
     keep_checkpoints: int = Field(
         2, ge=1, description="Training checkpoints kept on disk, newest first; older tags are deleted after each "
                              "save. A tag holds the optimizer state too (about 14 bytes per parameter), and RL "
-                             "saves every step: unpruned, 34 steps of a 135 M model filled a 64 GiB disk.")
+                             "saves every step: unpruned, a 135 M model's tags (about 1.9 GB each) filled a 64 GiB "
+                             "disk within one 20-minute RL run (H100 run 25).")
     seed: int = 0
 
 
