@@ -134,7 +134,7 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
     t0 = time.perf_counter()
     # Statistics stay on the device and are read once after the last optimizer step: a host read
     # per micro-batch would make the GPU idle while Python launches the next forward.
-    acc = torch.zeros(11, dtype=torch.float64, device=engine.device)  # pg, LossStats(5), ent, kl_ref, mismatch(3)
+    acc = torch.zeros(12, dtype=torch.float64, device=engine.device)  # pg, LossStats(5), ent, kl_ref(2), mismatch(3)
     mm_max = torch.zeros((), dtype=torch.float64, device=engine.device)
     shares = split_mini_batches(seqs, mini_batches, batch_groups)
     norms: list[float] = []
@@ -153,24 +153,25 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
                 old = learner_old
             loss, loss_sums = alg.clipped_policy_terms(logp, old, adv, w, eps_low=eps_low, eps_high=eps_high,
                                                        dual_clip_c=dual_clip_c)
-            kl_ref = torch.zeros((), dtype=torch.float64, device=dev)
+            kl_ref = torch.zeros(2, dtype=torch.float64, device=dev)  # the loss term (capped), k3 uncapped
             if kl_coef > 0.0 and reference is not None:
                 with torch.no_grad():
                     ref_logp, _ = reference(_to(batch.input_ids, dev), _to(batch.position_ids, dev),
                                             _to(batch.targets, dev), False)
                 kl = alg.kl_penalty(logp, ref_logp)
                 loss = loss + kl_coef * (kl * w).sum()
-                kl_ref = (kl.detach() * mask).sum().double()
+                uncapped = alg.kl_low_var(logp.detach(), ref_logp)
+                kl_ref = torch.stack([(kl.detach() * mask).sum(), (uncapped * mask).sum()]).double()
             engine.backward(loss * engine.world_size)
             mm = alg.mismatch_terms(behaviour, learner_old, mask.bool() & has_old)
             acc += torch.cat([loss.detach().double()[None], loss_sums, (ent * mask).sum().double()[None],
-                              kl_ref[None], mm[:3]])
+                              kl_ref, mm[:3]])
             mm_max = torch.maximum(mm_max, mm[3])
         result = engine.step()
         norms.append(result.grad_norm)
     _sync(engine.device)
     seconds = time.perf_counter() - t0
-    (pg_sum, tokens, hi, lo, dual, ratio_sum, ent_sum, kl_ref_sum, mm_k1, mm_k3, mm_tokens) = _all_reduce_sum(
+    (pg_sum, tokens, hi, lo, dual, ratio_sum, ent_sum, kl_ref_sum, kl_k3_sum, mm_k1, mm_k3, mm_tokens) = _all_reduce_sum(
         acc.tolist(), engine.device)
     mm_max_t = mm_max.reshape(1)
     if torch.distributed.is_initialized() and engine.world_size > 1:
@@ -187,6 +188,9 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
         "mismatch_logp_max_abs": float(mm_max_t.item()), "time_compute_s": seconds,
     }
     if kl_coef > 0.0:
+        # kl_ref is what the loss saw (capped per token); kl_ref_k3 is the estimate itself, so a
+        # policy far from its reference shows here even where the cap hides it from the loss
         metrics["kl_ref"] = kl_ref_sum / n
+        metrics["kl_ref_k3"] = kl_k3_sum / n
     metrics.update(_mfu_metrics(engine, [len(s) for s in seqs], seconds))
     return StepOutput(metrics)

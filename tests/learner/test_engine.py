@@ -108,6 +108,32 @@ def test_kl_to_the_reference_holds_the_policy_near_its_start(engine_factory, tin
     assert 0.0 < drift[2.0] < drift[0.0], drift
 
 
+def test_kl_metrics_show_what_the_cap_hides_from_the_loss(engine_factory, tiny_model):
+    """kl_ref is the capped loss term; kl_ref_k3 the estimate itself. Against a reference that puts
+    every sampled token 15 nats lower, k3 is e^-15 + 14 per token: the loss sees the cap of 10."""
+    from services.learner.algorithms import KL_PENALTY_CAP
+
+    class Lowered(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args):
+            logp, rest = self.inner(*args)
+            return logp - 15.0, rest
+
+    trajs = scored_batch(tiny_model, groups=2, group_size=4)
+    batch = rl_sequences(trajs, FilterConfig(), learner_version=0)
+    engine = engine_factory(lr=1e-6)
+    same = rl_step(engine, batch.sequences, eps_low=0.2, eps_high=0.28, kl_coef=0.1,
+                   reference=engine.reference_policy()).metrics
+    assert same["kl_ref_k3"] == pytest.approx(same["kl_ref"], abs=1e-9)  # under the cap they agree
+    far = rl_step(engine, batch.sequences, eps_low=0.2, eps_high=0.28, kl_coef=0.1,
+                  reference=Lowered(engine.reference_policy())).metrics
+    assert far["kl_ref"] == pytest.approx(KL_PENALTY_CAP, rel=1e-6)
+    assert far["kl_ref_k3"] == pytest.approx(14.0, abs=0.01)
+
+
 def test_checkpoints_keep_the_newest_tags_and_resume_from_the_last(engine_factory, tmp_path):
     """RL checkpoints every step; without pruning the tags (optimizer state included) fill the disk."""
     engine = engine_factory(keep_checkpoints=2)
