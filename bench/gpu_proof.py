@@ -323,15 +323,16 @@ def restated_preferences(answers: dict[str, dict[str, Any]], trajectories: Path)
 
 
 def restated_by_step(samples: Path) -> list[float | None]:
-    """Share of stated preferences (all kinds) restated in the RL samples of each step
+    """Share of stated preferences (all kinds) restated in the RL samples of each batch
     (rl/samples.jsonl, `rl.samples_per_step`, or the gzipped copy `poll` brings back); None for a
-    step whose samples state none."""
+    batch whose samples state none. Records before `batch` was logged fall back to their step,
+    which a skipped batch repeats."""
     steps: dict[int, dict[str, list[int]]] = {}
     if not samples.is_file():
         return []
     for _, row in iter_jsonl(samples):
         wanted = ((row.get("query") or {}).get("local_constraint")) or {}
-        _add(steps.setdefault(int(row["step"]), {k: [0, 0] for k in PREFERENCES}),
+        _add(steps.setdefault(int(row.get("batch", row["step"])), {k: [0, 0] for k in PREFERENCES}),
              restated_in(wanted, row.get("messages") or []))
     shares = []
     for step in range(1, max(steps, default=0) + 1):

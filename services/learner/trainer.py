@@ -459,7 +459,8 @@ class RLTrainer:
         # of rollout figures have one point per batch
         metrics["batch"] = self.batches
         self.runlog.write(self.version, metrics)  # a step is a trained batch, whatever its optimizer steps
-        self.runlog.write_samples(self.version, step_samples(trajs, cfg.samples_per_step))
+        self.runlog.write_samples(self.version, [{"batch": self.batches, **r}
+                                                 for r in step_samples(trajs, cfg.samples_per_step)])
         if self.rank0:
             # Counted last: the controller publishes the next steps' tasks on this count, with the
             # weights version it reads then as their oldest allowed sampler. Counted before the

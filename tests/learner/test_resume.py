@@ -174,7 +174,8 @@ def test_mini_batches_update_several_times_per_batch_and_count_one_step(tmp_path
         assert tags[-1] == "step0000004"
         # samples.jsonl: each step's groups, one whole trajectory each (the default keeps up to 4)
         samples = [json.loads(line) for line in (tmp_path / "mini" / "samples.jsonl").read_text().splitlines()]
-        assert [(s["step"], s["sample_index"]) for s in samples] == [(1, 0), (1, 0), (2, 0), (2, 0)]
+        assert [(s["step"], s["batch"], s["sample_index"]) for s in samples] == [
+            (1, 1, 0), (1, 1, 0), (2, 2, 0), (2, 2, 0)]
         sent = {(t.group_id, t.sample_index): t.reward for t in trajs}
         assert all(s["reward"] == sent[(s["group_id"], 0)] for s in samples)
     finally:

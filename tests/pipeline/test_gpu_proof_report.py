@@ -171,6 +171,11 @@ def test_restated_share_per_rl_step_is_read_from_the_samples_and_reported(tmp_pa
     gzipped = tmp_path / "samples.jsonl.gz"  # the copy `poll` brings back
     gzipped.write_bytes(gzip.compress(samples.read_bytes()))
     assert gpu_proof.restated_by_step(gzipped) == [1.0, 0.5, None, 0.0]
+    # a skipped batch repeats the step of the last trained one; its own batch keeps it apart
+    batched = tmp_path / "batched.jsonl"
+    batched.write_text("\n".join(json.dumps({**json.loads(line), "batch": b}) for line, b in zip(
+        [sample(1, hard, "wants Thai food, no flight."), sample(1, hard, "budget $900.")], (1, 2))) + "\n")
+    assert gpu_proof.restated_by_step(batched) == [1.0, 0.0]
     steps = [{"time": 100.0 + 10 * i, "reward_mean": 1.0, "success_rate": 0.5, "time_wait_s": 1.0,
               "time_compute_s": 2.0, "time_sync_s": 0.5} for i in range(4)]
     state = {"rl_async": {"max_staleness": 3, "steps": steps, "stage_s": 40.0,
