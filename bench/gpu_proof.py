@@ -143,14 +143,16 @@ def stage_outputs(folder: Path, stage: str) -> dict[str, Any]:
 
 # ---- evaluation ------------------------------------------------------------------------------------
 
-async def _decode_all(model: str, queries: list, sampling, world_url: str, batch: int) -> list:
+async def _decode_all(model: str, queries: list, sampling, world_url: str, batch: int, decode: str) -> list:
     from services.rollout.agent import Agent
     from services.rollout.engines import build_engine
     from services.rollout.tools import LocalToolClient
     from services.sandbox.tools.toolbox import ToolBox
     from services.sandbox.world import World
 
-    engine = build_engine("transformers", model, max_model_len=sampling.max_context_tokens + 512, max_batch=batch)
+    # the recipe's decode mode, as its rollout engines use it: log-probs match across modes, time does not
+    engine = build_engine("transformers", model, max_model_len=sampling.max_context_tokens + 512, max_batch=batch,
+                          decode=decode)
     tools = LocalToolClient(ToolBox(World(world_url)))
     agent = Agent(engine, tools)
     gate = asyncio.Semaphore(batch)
@@ -167,22 +169,24 @@ async def _decode_all(model: str, queries: list, sampling, world_url: str, batch
 
     try:
         trajectories = await asyncio.gather(*(one(sq) for sq in queries))
-        # how much prompt the kept KV caches spared: the prefill the engine ran vs took from them
-        return trajectories, {"prefill_tokens": engine.prefill_tokens, "reused_tokens": engine.reused_tokens}
+        # how much prompt the kept KV caches spared: the prefill the engine ran vs took from them; and the
+        # decode step it ended on (graphs run as static steps without CUDA, or after a failed capture)
+        return trajectories, {"prefill_tokens": engine.prefill_tokens, "reused_tokens": engine.reused_tokens,
+                              "decode_mode": engine.decode}
     finally:
         bar.close()
         await engine.close()
 
 
 def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit: int | None,
-             batch: int) -> dict[str, Any]:
+             batch: int, decode: str = "dynamic") -> dict[str, Any]:
     """Decode every held-out query (batched), then score the answers in both evaluator modes."""
     from services.evaluation.submission import load_split
 
     queries = load_split(split, limit)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    trajectories, prefill = asyncio.run(_decode_all(model, queries, sampling, world_url, batch))
+    trajectories, prefill = asyncio.run(_decode_all(model, queries, sampling, world_url, batch, decode))
     decode_s = time.perf_counter() - t0
     _release_gpu()
     predictions = out / "predictions.jsonl"
@@ -221,7 +225,7 @@ def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit:
     result["answers"] = answers
     result["transport_modes"] = transport_modes(answers)
     result["restated_preferences"] = restated_preferences(answers, out / "trajectories.jsonl")
-    log(f"eval {Path(model).name}: decode {decode_s:.0f} s, finishes {finishes}, "
+    log(f"eval {Path(model).name}: decode {decode_s:.0f} s ({prefill['decode_mode']} steps), finishes {finishes}, "
         f"success official {result['official'].get('final_pass_rate')}, strict {result['strict'].get('final_pass_rate')}")
     return result
 
@@ -468,9 +472,9 @@ def report(state: dict[str, Any], out: Path, name: str, command: str) -> dict[st
 def _eval_brief(result: dict[str, Any] | None) -> dict[str, Any] | None:
     if not result:
         return None
-    return {k: result.get(k) for k in ("model", "queries", "decode_s", "finish_reasons", "tool_calls_mean",
-                                       "sampled_tokens_mean", "generate_s_per_turn", "prefill_tokens",
-                                       "reused_tokens", "official_failures", "transport_modes",
+    return {k: result.get(k) for k in ("model", "queries", "decode_s", "decode_mode", "finish_reasons",
+                                       "tool_calls_mean", "sampled_tokens_mean", "generate_s_per_turn",
+                                       "prefill_tokens", "reused_tokens", "official_failures", "transport_modes",
                                        "restated_preferences")}
 
 
@@ -496,7 +500,8 @@ def _markdown(s: dict[str, Any]) -> str:
     for label in ("sft", "rl"):
         e = (s.get("eval") or {}).get(label)
         if e:
-            lines.append(f"- {label.upper()} decode: {e['queries']} queries in {e['decode_s']:.0f} s; finishes "
+            mode = f" ({e['decode_mode']} steps)" if e.get("decode_mode") else ""  # older runs: dynamic
+            lines.append(f"- {label.upper()} decode{mode}: {e['queries']} queries in {e['decode_s']:.0f} s; finishes "
                          f"{e['finish_reasons']}; {e['tool_calls_mean']:.1f} tool calls per trajectory"
                          + (f"; prompt tokens prefilled {e['prefill_tokens']:,}, taken from kept KV caches "
                             f"{e['reused_tokens']:,}." if e.get("prefill_tokens") is not None else "."))
@@ -708,7 +713,7 @@ def main() -> int:
                 world = f"sqlite:///{main_run / 'world.sqlite'}"
                 sampling = config.eval.sampling.model_copy(update={"seed": config.seed})
                 result = evaluate(source["model"], eval_split(config.eval, synth), world, sampling,
-                                  args.work / phase, config.eval.limit, args.eval_batch)
+                                  args.work / phase, config.eval.limit, args.eval_batch, config.services.decode)
             elif phase == "rl_async":
                 result = rl_run(with_time_budget(config, finish_by), main_run)
             elif phase == "rl_sync":
