@@ -129,7 +129,8 @@ def main() -> None:
         Path(tempfile.mkdtemp(prefix="decode-bench-")) / "model", **SIZES[args.size], max_positions=32768)
     # the step probe holds its largest batch at once: one slot per row
     max_batch = max([args.max_batch] + ([int(b) for b in args.probe_batches.split(",")] if args.step_probe else []))
-    engine = TransformersEngine(folder, max_model_len=32768, max_batch=max_batch, dtype=dtype)
+    max_model_len = probe_context(args) if args.step_probe else 32768
+    engine = TransformersEngine(folder, max_model_len=max_model_len, max_batch=max_batch, dtype=dtype)
     params_m = sum(p.numel() for p in engine.model.parameters()) / 1e6
     args.size = folder.name if args.model else args.size  # what the reports name
     log(f"device {device}; model {args.size} ({params_m:.0f} M params, {dtype})")
@@ -169,6 +170,19 @@ def main() -> None:
     write_markdown(record, args)
     plot(record, RESULTS / f"{args.name}.png")
     log(f"continuous / static tokens/s: {speedup:.2f}×")
+
+
+def probe_context(args) -> int:
+    """Context the step probe's rows reach: the prompt plus every decode step it runs on them (the
+    admission tick, a warm-up and the timed ticks per decode mode, the profile), with a margin. The
+    probe's rows ask for unlimited tokens, so the engine sizes its slot pool to this; at the
+    default 32,768 a 128-row probe wanted ~96 GiB of KV cache on an 80 GiB H100 (2026-11-25)."""
+    from services.rollout.engines.hf import STEPS_PER_TICK
+
+    ticks = max(1, args.probe_steps // STEPS_PER_TICK)
+    modes = 1 + len([m for m in args.probe_modes.split(",") if m])
+    steps = STEPS_PER_TICK * (1 + modes * (1 + ticks) + 2)
+    return args.prompt + steps + 256
 
 
 def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> None:
