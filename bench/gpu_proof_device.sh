@@ -18,9 +18,11 @@
 # Two parts of 42 MiB left setup 0.5 MiB under the limit once the tree grew by a run's results
 # (2026-11-24: "the working tree is larger than 64 MiB"); `pack` now prints each call's load.
 # Extra arguments to `start` go to bench/gpu_proof.py (e.g. --set rl.max_steps=8).
-# --finish-within-min must also fit the session's device budget as if the machine counted its held
-# time in full (`status`: budget_left_s / 60, less 3 for setup): one machine counted half, the next in
-# full, and run 23 ran out of budget during RL (2026-11-25).
+# --finish-within-min must also fit the session's device budget as the machine counts it: one machine
+# counted half, the next in full, and run 23 ran out of budget during RL (2026-11-25). When the budget is
+# short, send `setup` and `stage` in one block, read the lease's "counts" from their replies, then send
+# `start` and the polls at once (run 27: 17 budget minutes at half count held a 25-minute run). At a full
+# count keep it under budget_left_s / 60 less 3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=/tmp/site SRC=/tmp/star-src GGUF_DIR=/tmp/star-gguf WORK=/tmp/star-proof RESULTS=/tmp/star-proof-out
