@@ -265,7 +265,7 @@ def test_the_engine_logs_where_its_time_goes(tiny_model, monkeypatch, caplog):
     from services.rollout.engines import hf
 
     monkeypatch.setattr(hf, "STATS_EVERY_S", 0.0)  # a line after every tick
-    engine = TransformersEngine(tiny_model, max_model_len=2048)
+    engine = TransformersEngine(tiny_model, max_model_len=2048, decode="graphs")  # no GPU: static steps
     with caplog.at_level(logging.INFO, logger=hf.__name__):
         gen(engine, TurnParams(max_tokens=6, seed=1), TurnParams(max_tokens=6, seed=2))
     lines = [r for r in caplog.records if r.getMessage().startswith("transformers engine: ")]
@@ -274,6 +274,8 @@ def test_the_engine_logs_where_its_time_goes(tiny_model, monkeypatch, caplog):
     assert first.admitted == 2 and first.rows_mean == 2.0  # both rows admitted together, then decoded
     assert "decode_ms_per_step=" in first.getMessage() and first.decode_ms_per_step > 0
     assert sum(r.admitted for r in lines) == 2
+    # the step actually in force, so a run's logs show whether its engines replayed graphs
+    assert "decode=static graphs=0" in first.getMessage()
 
 
 # -- the slot pool: chunked prefill, growth, eviction, architectures ----------------------------

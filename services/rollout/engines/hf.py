@@ -296,8 +296,10 @@ class TransformersEngine(Engine):
                 if finished:
                     break  # answer them now rather than after the remaining steps
         if time.perf_counter() - w.started >= STATS_EVERY_S:
+            # the decode step in force (graphs fall back to static after a failed capture) and the
+            # graphs captured so far: one per power-of-two slot count and key bucket in use
             fields = {**w.line(), "rows": len(batch.rows), "kept_caches": len(self._kept),
-                      "cache_capacity": self._pool.capacity}
+                      "cache_capacity": self._pool.capacity, "decode": self.decode, "graphs": len(self._graphs)}
             if self.device.startswith("cuda"):  # what this process holds of a GPU other processes share
                 fields["gpu_reserved_gib"] = round(torch.cuda.memory_reserved(self.device) / 2**30, 2)
             # in the message, not only in `extra`: the services' plain-text logs print no extras
