@@ -179,7 +179,7 @@ async def _decode_all(model: str, queries: list, sampling, world_url: str, batch
 
 
 def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit: int | None,
-             batch: int, decode: str = "dynamic") -> dict[str, Any]:
+             batch: int, decode: str) -> dict[str, Any]:
     """Decode every held-out query (batched), then score the answers in both evaluator modes."""
     from services.evaluation.submission import load_split
 

@@ -194,9 +194,10 @@ class PolicyEngine:
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend="nccl" if self.on_gpu else "gloo")
         self.rank = torch.distributed.get_rank()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # this node's GPU and disk
         self.world_size = torch.distributed.get_world_size()
         if self.on_gpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.local_rank)
         seed_everything(cfg.seed)
         kwargs: dict[str, Any] = {"dtype": torch.float32}
         if cfg.attn_implementation:
@@ -288,7 +289,7 @@ class PolicyEngine:
         tag = f"step{self.step_count:07d}"
         state = {"step": self.step_count, "rng": rng_state(), **client_state}
         self.engine.save_checkpoint(str(folder), tag=tag, client_state=state)
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one pruner per node's disk
+        if self.local_rank == 0:  # one pruner per node's disk
             prune_checkpoints(folder, self.cfg.keep_checkpoints)
         return folder / tag
 
