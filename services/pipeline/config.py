@@ -62,11 +62,23 @@ class SynthSpec(_Section):
     heldout_queries: int = Field(0, ge=0, description="Queries for the eval stage alone, apart from the validation "
                                  "set that picks the RL checkpoint (the benchmark's test split plays this part).")
     mix: tuple[int, int, int] = Field((4, 3, 3), description="easy:medium:hard")
+    rl_mix: tuple[int, int, int] | None = Field(None, description="easy:medium:hard of the RL prompts alone (the "
+                                                "paper's RL set is 4:3:3); default: mix. A level the SFT model never "
+                                                "solves only makes flat groups under the success reward.")
     days: list[Literal[3, 5, 7]] = Field([3, 5, 7], min_length=1, description="Trip lengths drawn (the benchmark's 3, 5, 7).")
     flight_share: float = Field(0.9, ge=0, le=1, description="Share of flight trips; a hard query forbids self-driving "
                                 "on a flight trip and flights on a road trip.")
     teacher: Literal["oracle", "openai"] = "oracle"
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _mixes_are_ratios(self) -> "SynthSpec":
+        for name in ("mix", "rl_mix"):
+            ratio = getattr(self, name)
+            if ratio is not None and (min(ratio) < 0 or sum(ratio) == 0):
+                raise ValueError(f"synth.{name} must be three non-negative numbers (easy, medium, hard) with a "
+                                 f"positive sum, not {list(ratio)}")
+        return self
 
 
 class SFTSpec(_Section):

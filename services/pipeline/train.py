@@ -160,7 +160,7 @@ def stage_synth(run: Run) -> dict[str, Any]:
         "synth", "queries", "--n", str(total), "--mix", ":".join(map(str, s.mix)),
         "--splits", f"{s.sft_queries}:{s.rl_queries}:{s.val_queries}:{s.heldout_queries}", "--out", str(data),
         "--seed", str(s.seed), "--days", ",".join(map(str, s.days)), "--flight-share", str(s.flight_share),
-        "--db", run.world_url))
+        "--db", run.world_url, *(["--rl-mix", ":".join(map(str, s.rl_mix))] if s.rl_mix else [])))
     outputs = {"queries": str(data), "sft_queries": str(data / "sft.jsonl"), "rl_queries": str(data / "rl.jsonl"),
                "val_queries": str(data / "validation.jsonl")}
     if s.heldout_queries:

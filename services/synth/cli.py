@@ -55,6 +55,8 @@ def _bar() -> Progress:
 def queries_command(
     n: int = typer.Option(1000, "--n", min=1, help="How many queries in all."),
     mix: str = typer.Option("4:3:3", help="easy:medium:hard ratio."),
+    rl_mix: Optional[str] = typer.Option(None, help="easy:medium:hard ratio of the RL split alone (default: --mix), "
+                                                   "e.g. 1:1:0 for RL prompts a small SFT model can sometimes solve."),
     splits: str = typer.Option("4:5:1", help="sft:rl:validation[:heldout] ratio of the disjoint sets (heldout: "
                                              "for the final evaluation alone; none when left out)."),
     out: Path = typer.Option(..., help="Output directory."),
@@ -70,11 +72,12 @@ def queries_command(
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world."),
 ) -> None:
     """Synthesize feasible queries: sample, check with the oracle, set budgets, phrase, split."""
-    from services.synth.queries import (LEVELS, SPLITS, QuerySynthesizer, allocate, check_trip_days, parse_ratio,
-                                        split_queries, write_jsonl)
+    from services.synth.queries import (LEVELS, SPLITS, QuerySynthesizer, allocate, check_trip_days,
+                                        mixed_split_table, parse_ratio, split_queries, write_jsonl)
 
     try:
         mix_w = parse_ratio(mix, 3, "--mix")
+        rl_mix_w = parse_ratio(rl_mix, 3, "--rl-mix") if rl_mix else None
         split_w = parse_ratio(splits, len(SPLITS), "--splits", optional=1)
         factors = dict(zip(LEVELS, parse_ratio(budget_factors, 3, "--budget-factors")))
         trip_days = check_trip_days(_int_list(days, "--days"))
@@ -89,7 +92,10 @@ def queries_command(
         describe = _llm_describer(llm_url, llm_model, os.environ.get(llm_key_env))
     elif language != "template":
         fail(f"--language must be 'template' or 'openai', not {language!r}")
-    counts = dict(zip(LEVELS, allocate(n, mix_w)))
+    # with --rl-mix each split is sized per level first, and the levels' totals are what gets synthesized
+    table = (mixed_split_table(n, split_w, [rl_mix_w if split == "rl" else mix_w for split in SPLITS])
+             if rl_mix_w else None)
+    counts = {lv: sum(table[lv]) for lv in LEVELS} if table else dict(zip(LEVELS, allocate(n, mix_w)))
     _, oracle = _build_oracle(db)
     kwargs = {"describe": describe} if describe else {}
     synth = QuerySynthesizer(oracle, seed=seed, budget_factors=factors, workers=workers, flight_share=flight_share,
@@ -102,14 +108,14 @@ def queries_command(
         except RuntimeError as exc:
             fail(str(exc))
     elapsed = time.perf_counter() - t0
-    parts = split_queries(queries, split_w, seed)
+    parts = split_queries(queries, split_w, seed, table)
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "queries.jsonl", queries)
     for split, weight in zip(SPLITS, split_w):
         if weight or split != "heldout":  # no empty held-out file where none was asked for
             write_jsonl(out / f"{split}.jsonl", parts[split])
         report.splits[split] = {lv: sum(q.level == lv for q in parts[split]) for lv in LEVELS}
-    summary = report.to_dict() | {"seconds": round(elapsed, 2), "seed": seed, "mix": mix, "splits_ratio": splits,
+    summary = report.to_dict() | {"seconds": round(elapsed, 2), "seed": seed, "mix": mix, "rl_mix": rl_mix or mix, "splits_ratio": splits,
                                   "trip_days": trip_days,
                                   "budget_factors": factors, "language": language, "files": sorted(
                                       p.name for p in out.glob("*.jsonl"))}

@@ -363,13 +363,26 @@ def split_table(level_sizes: dict[str, int], ratios: Sequence[float]) -> dict[st
         table[level][frm] -= 1
 
 
-def split_queries(queries: Sequence[TravelQuery], ratios: Sequence[float], seed: int) -> dict[str, list[TravelQuery]]:
+def mixed_split_table(total: int, ratios: Sequence[float], mixes: Sequence[Sequence[float]]) -> dict[str, list[int]]:
+    """Queries per level and split where splits have mixtures of their own (an RL prompt set without
+    the hard queries a small SFT model never solves, beside SFT and evaluation sets of all three
+    levels): the total divided by the ratios, then each split's share by its own easy:medium:hard."""
+    per_split = [allocate(size, mix) for size, mix in zip(allocate(total, ratios), mixes)]
+    return {level: [counts[i] for counts in per_split] for i, level in enumerate(LEVELS)}
+
+
+def split_queries(queries: Sequence[TravelQuery], ratios: Sequence[float], seed: int,
+                  table: dict[str, list[int]] | None = None) -> dict[str, list[TravelQuery]]:
     """Disjoint SFT / RL / validation / held-out sets; each level is divided by the ratios on its own, so
-    every split keeps the mixture (up to rounding), and each split's size is exact."""
+    every split keeps the mixture (up to rounding), and each split's size is exact. A `table`
+    (`mixed_split_table`) fixes each split's count per level instead; it must add up to the queries."""
     rng = random.Random(seed + 1)
     out: dict[str, list[TravelQuery]] = {s: [] for s in SPLITS}
     by_level = {level: [q for q in queries if q.level == level] for level in LEVELS}
-    table = split_table({level: len(items) for level, items in by_level.items()}, ratios)
+    if table is None:
+        table = split_table({level: len(items) for level, items in by_level.items()}, ratios)
+    elif any(sum(table[level]) != len(items) for level, items in by_level.items()):
+        raise ValueError(f"the split table {table} does not add up to the queries per level")
     for level, items in by_level.items():
         rng.shuffle(items)
         start = 0

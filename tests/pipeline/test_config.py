@@ -116,6 +116,15 @@ def test_the_synth_section_reaches_the_synthesizer(tmp_path, monkeypatch):
     assert argv[argv.index("--flight-share") + 1] == "0.5" and argv[argv.index("--days") + 1] == "3"
     with pytest.raises(ConfigError, match="flight_share"):
         load_pipeline_config(CONFIGS / "tiny.yaml", ["synth.flight_share=1.5"])
+    assert "--rl-mix" not in argv  # the RL prompts keep `mix` unless told otherwise
+    calls.clear()
+    config = load_pipeline_config(CONFIGS / "tiny.yaml", ["synth.rl_mix=[1,1,0]"])
+    train.stage_synth(train.Run(config, tmp_path, world_url="sqlite:///w.db"))
+    argv = dict(calls)["synth-queries"]
+    assert argv[argv.index("--rl-mix") + 1] == "1:1:0"
+    for bad in ("[0,0,0]", "[1,-1,1]"):
+        with pytest.raises(ConfigError, match="rl_mix"):
+            load_pipeline_config(CONFIGS / "tiny.yaml", [f"synth.rl_mix={bad}"])
 
 
 def test_a_rollout_temperature_other_than_one_is_called_off_policy():

@@ -47,6 +47,22 @@ def test_a_fourth_share_writes_held_out_queries_apart_from_the_rest(official_wor
     assert r.exit_code == 2 and "--splits must be 3 to 4" in r.output
 
 
+def test_the_rl_split_may_have_a_mix_of_its_own(official_world_url, tmp_path):
+    r = runner.invoke(app, ["synth", "queries", "--n", "20", "--mix", "1:1:1", "--rl-mix", "1:1:0", "--splits",
+                            "2:2:1", "--out", str(tmp_path), "--db", official_world_url, "--workers", "1", "--seed", "5"])
+    assert r.exit_code == 0, r.output
+    levels = {s: [json.loads(line)["level"] for line in (tmp_path / f"{s}.jsonl").read_text().splitlines()]
+              for s in ("sft", "rl", "validation")}
+    assert [len(levels[s]) for s in levels] == [8, 8, 4]
+    assert "hard" not in levels["rl"] and levels["rl"].count("easy") == levels["rl"].count("medium") == 4
+    assert levels["sft"].count("hard") >= 2 and levels["validation"].count("hard") >= 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["rl_mix"] == "1:1:0" and summary["splits"]["rl"] == {"easy": 4, "medium": 4, "hard": 0}
+    r = runner.invoke(app, ["synth", "queries", "--n", "5", "--rl-mix", "0:0:0", "--out", str(tmp_path / "bad"),
+                            "--db", official_world_url, "--workers", "1"])
+    assert r.exit_code == 2 and "--rl-mix must be 3" in r.output
+
+
 def test_plan_and_teacher_commands(made, official_world_url):
     out, _ = made
     r = runner.invoke(app, ["synth", "plan", "--queries", str(out / "rl.jsonl"), "--db", official_world_url,

@@ -17,6 +17,7 @@ from services.synth.queries import (
     allocate,
     dedupe_key,
     load_queries,
+    mixed_split_table,
     parse_ratio,
     split_queries,
     split_table,
@@ -159,6 +160,16 @@ def test_split_sizes_are_exact_and_each_level_stays_within_one_of_its_share(size
     for level, n in sizes.items():
         assert sum(table[level]) == n and min(table[level]) >= 0
         assert all(abs(got - n * w / sum(ratios)) < 1 + 1e-9 for got, w in zip(table[level], ratios))
+
+
+def test_a_split_of_its_own_mix_keeps_every_split_size_exact(synthesized):
+    table = mixed_split_table(996, (640, 256, 100, 0), [(1, 1, 1), (1, 1, 0), (1, 1, 1), (1, 1, 1)])
+    assert [sum(table[lv][j] for lv in table) for j in range(4)] == [640, 256, 100, 0]
+    assert [table[lv][1] for lv in ("easy", "medium", "hard")] == [128, 128, 0]
+    assert [table[lv][0] for lv in ("easy", "medium", "hard")] == [214, 213, 213]
+    queries, _ = synthesized
+    with pytest.raises(ValueError, match="does not add up"):  # the queries must be the table's
+        split_queries(queries, (640, 256, 100, 0), seed=0, table=table)
 
 
 def test_jsonl_has_the_benchmark_layout_and_loads_in_hf_datasets(synthesized, tmp_path):
