@@ -416,3 +416,38 @@ def test_a_failed_graph_capture_falls_back_to_the_eager_static_step(tiny_model, 
         (g,) = gen(engine, TurnParams(max_tokens=6, seed=5))
     assert engine.decode == "static" and "CUDA graph capture failed" in caplog.text
     assert g.token_ids == reference.token_ids and g.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
+
+
+def test_a_grown_kv_pool_drops_its_graphs_and_their_memory_pool(tiny_model, monkeypatch):
+    """CPU stand-in for CUDA graphs (capture computes the step, replay recomputes it into the same
+    output): replayed steps match the dynamic step, and when the KV pool grows the engine captures
+    anew into a new memory pool, never into the handle of a pool whose graphs are all gone."""
+    reference = gen(TransformersEngine(tiny_model, max_model_len=2048), TurnParams(max_tokens=6, seed=5),
+                    TurnParams(max_tokens=300, seed=6))
+    engine = TransformersEngine(tiny_model, max_model_len=2048)
+    engine.decode = "graphs"
+    pools: list[object] = []
+
+    class Replay:
+        def __init__(self, used: int, columns: int):
+            self.shape, self.logits = (used, columns), engine._static_logits(used, columns).clone()
+
+        def replay(self) -> None:
+            self.logits.copy_(engine._static_logits(*self.shape))
+
+    def capture(used: int, columns: int):
+        if engine._graph_pool is None:
+            engine._graph_pool = object()
+            pools.append(engine._graph_pool)
+        graph = Replay(used, columns)
+        return graph, graph.logits
+
+    monkeypatch.setattr(engine, "_capture", capture)
+    short = gen(engine, TurnParams(max_tokens=6, seed=5))[0]
+    capacity = engine._pool.capacity
+    assert engine._graphs and len(pools) == 1
+    _, long = gen(engine, TurnParams(max_tokens=6, seed=5), TurnParams(max_tokens=300, seed=6))
+    assert engine._pool.capacity > capacity and len(pools) == 2  # the pool grew: new graphs, new memory pool
+    assert engine.decode == "graphs" and engine._graphs
+    assert short.token_ids == reference[0].token_ids and long.token_ids == reference[1].token_ids
+    assert long.logprobs == pytest.approx(reference[1].logprobs, abs=1e-4)

@@ -370,7 +370,7 @@ class TransformersEngine(Engine):
         capacity = self._pool.capacity
         self._pool.ensure(max(len(row.request.prompt_ids) + row.limit - 1 for row in live))
         if self._pool.capacity != capacity:
-            self._graphs.clear()  # captured over the old pool's tensors
+            self._drop_graphs()  # captured over the old pool's tensors
         tokens = self._sample(live, self._prefill(live))
         for row in live:
             row.length = len(row.request.prompt_ids)
@@ -560,7 +560,8 @@ class TransformersEngine(Engine):
             except Exception as exc:  # noqa: BLE001 - decoding goes on without graphs rather than fail rows
                 log.warning("transformers engine: CUDA graph capture failed (%s: %s); decoding the static step "
                             "eagerly from now on", type(exc).__name__, exc)
-                self.decode, self._graphs = "static", {}
+                self.decode = "static"
+                self._drop_graphs()
         if self.decode == "static":
             return self._static_logits(*shape)[batch.slots]
         graph, logits = self._graphs[shape]
@@ -573,6 +574,14 @@ class TransformersEngine(Engine):
         attend = self._decode_attention(st["slots"], seen, used, columns)
         hidden = self._forward(st["tokens"], st["positions"], st["slots"], attend, valid=st["active"])
         return self._logits(hidden[:, -1])
+
+    def _drop_graphs(self) -> None:
+        """Forget every captured graph and their memory pool. Once its last graph is gone the
+        allocator frees the pool, and a capture into the same handle then trips its internal assert
+        (`use_count > 0`): H100 run 28 hit that at the first growth of the KV pool, and every engine
+        fell back to the eager static step."""
+        self._graphs.clear()
+        self._graph_pool = None
 
     def _capture(self, used: int, columns: int) -> tuple[Any, Any]:
         """Record the static step over `used` slots and `columns` key columns. One eager run on a
