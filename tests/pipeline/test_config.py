@@ -127,6 +127,12 @@ def test_the_synth_section_reaches_the_synthesizer(tmp_path, monkeypatch):
             load_pipeline_config(CONFIGS / "tiny.yaml", [f"synth.rl_mix={bad}"])
 
 
+def test_the_proof_recipe_plans_one_city_trips_from_oracle_teachers():
+    # a recipe that drew 5- and 7-day trips left the SFT model at 0 % (bench/results/gpu_proof.md)
+    synth = load_pipeline_config(CONFIGS / "smollm2-proof.yaml").synth
+    assert (synth.days, synth.teacher, synth.rl_mix) == ([3], "oracle", None)
+
+
 def test_a_rollout_temperature_other_than_one_is_called_off_policy():
     from services.pipeline.rl import off_policy_note
 
