@@ -73,11 +73,12 @@ class SynthSpec(_Section):
 
     @model_validator(mode="after")
     def _mixes_are_ratios(self) -> "SynthSpec":
+        from services.synth.queries import parse_ratio  # the rule `star synth queries` applies to --mix
+
         for name in ("mix", "rl_mix"):
             ratio = getattr(self, name)
-            if ratio is not None and (min(ratio) < 0 or sum(ratio) == 0):
-                raise ValueError(f"synth.{name} must be three non-negative numbers (easy, medium, hard) with a "
-                                 f"positive sum, not {list(ratio)}")
+            if ratio is not None:
+                parse_ratio(":".join(map(str, ratio)), 3, f"synth.{name}")
         return self
 
 

@@ -115,8 +115,8 @@ def queries_command(
         if weight or split != "heldout":  # no empty held-out file where none was asked for
             write_jsonl(out / f"{split}.jsonl", parts[split])
         report.splits[split] = {lv: sum(q.level == lv for q in parts[split]) for lv in LEVELS}
-    summary = report.to_dict() | {"seconds": round(elapsed, 2), "seed": seed, "mix": mix, "rl_mix": rl_mix or mix, "splits_ratio": splits,
-                                  "trip_days": trip_days,
+    summary = report.to_dict() | {"seconds": round(elapsed, 2), "seed": seed, "mix": mix, "rl_mix": rl_mix or mix,
+                                  "splits_ratio": splits, "trip_days": trip_days,
                                   "budget_factors": factors, "language": language, "files": sorted(
                                       p.name for p in out.glob("*.jsonl"))}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
