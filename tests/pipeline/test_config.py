@@ -171,3 +171,12 @@ def test_the_checkpoint_is_not_picked_on_the_queries_that_report_its_success(tmp
         train.stage_eval(train.Run(without, tmp_path, world_url="sqlite:///w.db"), "m", {"val_queries": "v.jsonl"},
                          picked)
     assert not any(name == "eval" for name, _ in calls)  # refused before any evaluation ran
+
+
+def test_the_proof_fleet_samples_as_many_batches_as_the_staleness_allows_in_one_epoch():
+    # runs 12-30: three batches in flight at max_staleness 3 keep the engines' rows busy; run 30's second
+    # epoch lost what the first had gained, and two engines stepped faster than four (gpu_proof.md)
+    proof = load_pipeline_config(CONFIGS / "smollm2-proof.yaml")
+    s, r = proof.services, proof.rl
+    assert s.rollout_workers * s.rollout_concurrency == r.max_staleness * r.batch_prompts
+    assert (s.rollout_workers, r.epochs, r.max_steps) == (2, 1, 32)
