@@ -378,13 +378,17 @@ def rl_run(config, folder: Path, main: Path | None = None) -> dict[str, Any]:
     out = stage_outputs(folder, "rl")
     steps = [json.loads(line) for line in Path(out["metrics"]).read_text().splitlines() if line.strip()]
     steps = [s for s in steps if s.get("phase", "rl") == "rl" and "reward_mean" in s]
+    history = Path(out["validation"]) / "history.json" if out.get("validation") else None
+    validation = [{"version": h["version"], "success": h["success"]}
+                  for h in (json.loads(history.read_text()) if history and history.is_file() else [])]
     return {"folder": str(folder), "model": out.get("model"), "version": out.get("version"),
-            "ended": out.get("ended"), "steps_trained": out.get("steps_trained"),
+            "validation": validation, "ended": out.get("ended"), "steps_trained": out.get("steps_trained"),
             "max_staleness": config.rl.max_staleness, "stage_s": out.get("seconds"), "wall_s": wall,
             "steps": steps, "restated": restated_by_step(folder / "rl" / "samples.jsonl")}
 
 
 EVAL_RL_RESERVE_S = 180  # stopping the fleet (the learner gets up to 120 s), the RL evaluation (~45 s), the report
+VALIDATION_RESERVE_S = 90  # with rl.val_every, the final policy is validated after the fleet stops (`star eval`)
 
 
 def with_time_budget(config, finish_by: float | None):
@@ -392,7 +396,8 @@ def with_time_budget(config, finish_by: float | None):
     keeping EVAL_RL_RESERVE_S for what follows the RL run."""
     if finish_by is None:
         return config
-    left_min = max(finish_by - time.monotonic() - EVAL_RL_RESERVE_S, 60.0) / 60
+    reserve = EVAL_RL_RESERVE_S + (VALIDATION_RESERVE_S if config.rl.val_every else 0)
+    left_min = max(finish_by - time.monotonic() - reserve, 60.0) / 60
     if config.rl.max_minutes is not None and config.rl.max_minutes <= left_min:
         return config
     log(f"rl.max_minutes = {left_min:.1f}: what is left before the proof's deadline")
@@ -453,6 +458,7 @@ def report(state: dict[str, Any], out: Path, name: str, command: str) -> dict[st
                              "time_compute_s": [s.get("time_compute_s") for s in run["steps"]],
                              "time_sync_s": [s.get("time_sync_s") for s in run["steps"]],
                              "restated": run.get("restated") or [],
+                             "validation": run.get("validation") or [], "version": run.get("version"),
                              "stage_s": run.get("stage_s")}
     summary["rl"] = curves
     speedup = None
@@ -529,6 +535,10 @@ def _markdown(s: dict[str, Any]) -> str:
                                                                  for r in c["reward_mean"]))
             lines.append(f"- {label} success per step: " + ", ".join("—" if r is None else f"{r:.2f}"
                                                                   for r in c["success"]))
+            if c.get("validation"):  # rl.val_every: the checkpoint the RL evaluation scores is the best of these
+                lines.append(f"- {label} validation success (%, on the validation queries; RL evaluation scores v"
+                             f"{c.get('version')}): " + ", ".join(f"v{h['version']} {h['success']:.1f}"
+                                                                   for h in c["validation"]))
             if c.get("restated"):
                 lines.append(f"- {label} share of stated preferences the samples' first thoughts repeat, per step: "
                              + ", ".join("—" if r is None else f"{r:.2f}" for r in c["restated"]))

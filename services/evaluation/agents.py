@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -50,14 +51,19 @@ def rollout_agent(model: str, sampling: SamplingParams, *, engine: str = "vllm",
 
 def agent_function(agent: Any, sampling: SamplingParams, *, run_id: str = "eval",
                    closers: list[Any] | None = None) -> tuple[Callable[[TravelQuery], Trajectory], Callable[[], None]]:
-    """A rollout `Agent` (async) as the runner's plain function, on one private event loop;
-    `close` runs the async/sync closers on that loop and ends it."""
+    """A rollout `Agent` (async) as the runner's plain function, and its `close`. Every call runs
+    on one event loop in a thread of its own, so the function may be called from several threads
+    at once: N callers keep N episodes in flight on one engine, which batches their turns."""
     loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name=f"{run_id}-agents", daemon=True)
+    thread.start()
+
+    def on_loop(coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, loop).result()
 
     def run(query: TravelQuery) -> Trajectory:
         qid = query.id or "query"
-        return loop.run_until_complete(agent.run(query, sampling, run_id=run_id, task_id=qid, prompt_id=qid,
-                                                 eval_mode="official"))
+        return on_loop(agent.run(query, sampling, run_id=run_id, task_id=qid, prompt_id=qid, eval_mode="official"))
 
     def close() -> None:
         try:
@@ -66,8 +72,10 @@ def agent_function(agent: Any, sampling: SamplingParams, *, run_id: str = "eval"
                     continue
                 result = closer()
                 if asyncio.iscoroutine(result):
-                    loop.run_until_complete(result)
+                    on_loop(result)
         finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join()
             loop.close()
 
     return run, close

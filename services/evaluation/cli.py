@@ -19,6 +19,11 @@ eval_app = typer.Typer(
     invoke_without_command=True, no_args_is_help=True)
 
 
+# Episodes in flight for `star eval --model`: vLLM and the transformers engine batch their turns, so one
+# at a time left the engine decoding a single row (bench/gpu_proof.py decodes 48-128 at once).
+DEFAULT_MODEL_CONCURRENCY = 16
+
+
 def _default_out(split: Path, source: str, mode: str) -> Path:
     stem = Path(source.split(":")[-1]).name or "run"
     return get_settings().home / "runs" / f"eval-{split.stem}-{stem}-{mode}"
@@ -40,6 +45,11 @@ def eval_run(
                                                     "denominators to use in official mode."),
     agent: Optional[str] = typer.Option(None, help="module:function TravelQuery → Trajectory, instead of --model."),
     engine: str = typer.Option("vllm", help="Engine for --model: vllm | transformers."),
+    concurrency: Optional[int] = typer.Option(
+        None, min=1, help="Episodes in flight at once; one engine batches their turns. Default: 16 with --model, "
+                          "1 with --agent (a function of yours is then called from this many threads)."),
+    decode: str = typer.Option("dynamic", help="The transformers engine's decode step: dynamic | static | graphs "
+                                               "(CUDA graphs; static without a GPU)."),
     base_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL for openai:NAME."),
     sandbox_url: Optional[str] = typer.Option(None, help="Sandbox service URL (default: tools in-process)."),
     temperature: float = typer.Option(0.6), top_p: float = typer.Option(0.95),
@@ -69,6 +79,10 @@ def eval_run(
         _fail(f"--mode must be official or strict, not {mode!r}")
     if official_split not in ("auto", "none", "train", "validation", "test"):
         _fail("--official-split must be auto, none, train, validation or test")
+    if decode not in ("dynamic", "static", "graphs"):
+        _fail(f"--decode must be dynamic, static or graphs, not {decode!r}")
+    if concurrency is None:
+        concurrency = DEFAULT_MODEL_CONCURRENCY if model is not None else 1
     world_url = db or get_settings().world_url
     world = World(world_url)
     if problem := world.problem():
@@ -86,12 +100,15 @@ def eval_run(
             run_agent = load_agent(agent)
         else:
             source = {"kind": "model", "model": model, "engine": engine, "sampling": sampling.model_dump()}
+            # the transformers engine decodes as many rows as there are episodes in flight
+            options = {"max_batch": concurrency, "decode": decode} if engine == "transformers" else {}
             run_agent, close = rollout_agent(model, sampling, engine=engine, sandbox_url=sandbox_url,
-                                             world_url=world_url, base_url=base_url)
+                                             world_url=world_url, base_url=base_url, engine_options=options)
         label = str(predictions or agent or model)
         run = EvalRun(split_path=split, out=out or _default_out(split, label, mode),
                       evaluator=Evaluator(world, mode), formatter=load_formatter(formatter), source=source, limit=n,
-                      official_split=None if official_split == "none" else official_split, sampling=sampling)
+                      official_split=None if official_split == "none" else official_split, sampling=sampling,
+                      concurrency=concurrency)
         result = run_eval(run, agent=run_agent, predictions_path=predictions)
     except (SubmissionError, EvalError, RunMismatch, FormatterUnavailable, AgentUnavailable, ValueError) as exc:
         _fail(str(exc))

@@ -9,7 +9,8 @@ it is done, so an interrupted run resumes where it stopped.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,7 @@ class EvalRun:
     limit: int | None = None
     official_split: Split | None | str = "auto"
     sampling: SamplingParams = field(default_factory=lambda: EVAL_SAMPLING)
+    concurrency: int = 1                    # episodes in flight at once (an agent's calls from that many threads)
 
     def scoring(self, queries: list[SplitQuery]) -> dict[str, Any]:
         world = self.evaluator.index.world
@@ -138,22 +140,45 @@ def run_eval(run: EvalRun, *, agent: Agent | None = None, predictions_path: Path
     done = {r.query_id for r in finished}
     predictions = read_predictions(predictions_path, queries) if predictions_path is not None else {}
     todo = [q for q in queries if q.query_id not in done]
-    for count, sq in enumerate(tqdm(todo, desc="eval", unit="query", disable=not progress), 1):
-        trajectory = None
-        if agent is not None:
-            trajectory = agent(sq.query)
-            text = trajectory.answer if trajectory.finish_reason == "answer" else None
-            plan, status = run.formatter.format(sq.query, text) if text else (None, "no_answer")
-            plan_text = text
-            append_jsonl(folder.trajectories_path, [{"query_id": sq.query_id,
-                                                     "trajectory": trajectory.model_dump(mode="json")}])
-        else:
-            plan, status, plan_text = plan_of(run.formatter, sq.query, predictions.get(sq.query_id))
-        append_jsonl(folder.scores_path, [score_query(run.evaluator, sq, plan, status, plan_text, trajectory)])
-        if stop_after is not None and count >= stop_after:
-            return {}
+    pairs = episodes(agent, todo, run.concurrency) if agent is not None else ((sq, None) for sq in todo)
+    bar = tqdm(pairs, total=len(todo), desc="eval", unit="query", disable=not progress)
+    try:
+        for count, (sq, trajectory) in enumerate(bar, 1):
+            if agent is not None:
+                text = trajectory.answer if trajectory.finish_reason == "answer" else None
+                plan, status = run.formatter.format(sq.query, text) if text else (None, "no_answer")
+                plan_text = text
+                append_jsonl(folder.trajectories_path, [{"query_id": sq.query_id,
+                                                         "trajectory": trajectory.model_dump(mode="json")}])
+            else:
+                plan, status, plan_text = plan_of(run.formatter, sq.query, predictions.get(sq.query_id))
+            append_jsonl(folder.scores_path, [score_query(run.evaluator, sq, plan, status, plan_text, trajectory)])
+            if stop_after is not None and count >= stop_after:
+                return {}
+    finally:
+        bar.close()
+        pairs.close()  # a stopped or failed run leaves no episode threads behind
     return finalize(folder, run.evaluator.mode, run.split_name(queries), expected=len(queries),
                     city_state=run.evaluator.index.city_state)
+
+
+def episodes(agent: Agent, queries: list[SplitQuery], concurrency: int = 1
+             ) -> Iterator[tuple[SplitQuery, Trajectory]]:
+    """Each query with its trajectory, as episodes finish (in order when `concurrency` is 1). The
+    run folder sorts records by index, and each one is written as it comes, so an interrupted run
+    resumes with whatever finished. A failed episode ends the run, as it does one at a time."""
+    if concurrency <= 1:
+        for sq in queries:
+            yield sq, agent(sq.query)
+        return
+    pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eval-episode")
+    try:
+        futures = {pool.submit(agent, sq.query): sq for sq in queries}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
+    finally:
+        # episodes not yet started are dropped; those under way finish (an agent can't be interrupted)
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def analyse(folder: RunFolder, mode: Mode, split: Split | None, city_state: dict[str, str] | None = None

@@ -131,6 +131,8 @@ class EvalSpec(_Section):
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.6, top_p=0.95,
                                                                             max_context_tokens=32768))
     limit: int | None = Field(None, ge=1)
+    concurrency: int = Field(16, ge=1, description="Episodes in flight at once in an evaluation (the eval stage "
+                                                   "and rl.val_every's validations); one engine batches their turns.")
 
 
 class LearnerSpec(_Section):

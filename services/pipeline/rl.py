@@ -302,7 +302,7 @@ def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher
                 if latest and validation.due(latest["version"]):
                     bar.update(task, info=f"validating v{latest['version']}")
                     entry = validation.validate(latest["version"], latest["uri"])
-                    console.print(f"validation v{entry['version']}: success {entry['success']:.1%}")
+                    console.print(f"validation v{entry['version']}: success {entry['success']:.1f} %")  # star eval's percent
             if progress >= total:
                 _await_last_publication(run, f)
                 return Ending("done", progress)

@@ -200,7 +200,9 @@ def evaluate_model(run: Run, model: str, split: str | Path, out: Path, name: str
                      "--temperature", str(e.sampling.temperature), "--top-p", str(e.sampling.top_p),
                      "--max-context", str(e.sampling.max_context_tokens),
                      "--max-tokens", str(e.sampling.max_tokens_per_turn),
-                     "--max-tool-calls", str(e.sampling.max_tool_calls))
+                     "--max-tool-calls", str(e.sampling.max_tool_calls), "--concurrency", str(e.concurrency))
+    if run.config.services.engine == "transformers":
+        argv += ["--decode", run.config.services.decode]
     if limit:
         argv += ["-n", str(limit)]
     run_process(run, name, argv)

@@ -47,7 +47,8 @@ def scripted_policy(gold, tokenizer):
     return ScriptedEngine(tokenizer, script)
 
 
-def test_eval_through_the_agent_loop_and_sandbox_http(gold, evaluator, sandbox, tmp_path):
+@pytest.mark.parametrize("concurrency", [1, N])  # N: every episode on the agent's one loop at once
+def test_eval_through_the_agent_loop_and_sandbox_http(gold, evaluator, sandbox, tmp_path, concurrency):
     from services.common.models import qwen_tokenizer
     from services.rollout.agent import Agent
     from services.rollout.tools import HttpToolClient
@@ -58,7 +59,8 @@ def test_eval_through_the_agent_loop_and_sandbox_http(gold, evaluator, sandbox, 
     run_fn, close = agent_function(Agent(scripted_policy(gold, tokenizer), tools), sampling, closers=[tools.close])
     try:
         run = EvalRun(split_path=gold.split_path, out=tmp_path / "run", evaluator=evaluator,
-                      formatter=StructuredParser(), source={"kind": "test-scripted"}, limit=N)
+                      formatter=StructuredParser(), source={"kind": "test-scripted"}, limit=N,
+                      concurrency=concurrency)
         result = run_eval(run, agent=run_fn, progress=False)
     finally:
         close()

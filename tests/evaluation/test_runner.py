@@ -128,10 +128,13 @@ def test_plan_texts_through_the_parser(gold, evaluator, tmp_path):
     assert any(f["category"] == "format error (formatter)" for f in result["failures"])
 
 
-def test_agent_trajectories_feed_the_analyses(gold, evaluator, tmp_path):
-    """A scripted agent: two tool calls, then the gold plan as its answer (or no answer)."""
+def gold_agent(gold, before=None):
+    """A scripted agent: one tool call, then the gold plan as its answer (query 3: the tool budget
+    runs out instead). `before(query)` runs first, in the calling thread."""
 
     def agent(query):
+        if before is not None:
+            before(query)
         i = int(query.id) - 1
         days = [PlanDay(**d) for d in gold.plan(i) if d]
         messages = [
@@ -146,6 +149,11 @@ def test_agent_trajectories_feed_the_analyses(gold, evaluator, tmp_path):
                           finish_reason=finish, messages=messages, tool_calls=1, token_ids=list(range(100 + i)),
                           answer=render_plan(Plan(days=days)) if finish == "answer" else None)
 
+    return agent
+
+
+def test_agent_trajectories_feed_the_analyses(gold, evaluator, tmp_path):
+    agent = gold_agent(gold)
     result = run_eval(make_run(gold, evaluator, tmp_path / "run", limit=4), agent=agent, progress=False)
     t = result["trajectory"]
     assert t["trajectories"] == 4 and t["finish_reasons"] == {"answer": 3, "tool_budget": 1}
@@ -161,6 +169,55 @@ def test_agent_trajectories_feed_the_analyses(gold, evaluator, tmp_path):
     assert "steps per task p50 / p99: 2.0 / 2.0" in report and "tool budget exhausted" in report
     for name in ("metrics.png", "constraints.png", "failures.png", "cohorts.png", "steps.png"):
         assert (tmp_path / "run" / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_agent_runs_that_many_episodes_at_once(gold, evaluator, tmp_path):
+    import threading
+
+    # four callers must be inside the agent together to pass; one at a time, the barrier times out
+    together = threading.Barrier(4, timeout=20)
+    agent = gold_agent(gold, before=lambda query: together.wait())
+    result = run_eval(make_run(gold, evaluator, tmp_path / "run", limit=8, concurrency=4), agent=agent, progress=False)
+    one_by_one = run_eval(make_run(gold, evaluator, tmp_path / "one", limit=8), agent=gold_agent(gold), progress=False)
+    records = RunFolder(tmp_path / "run").records()
+    assert [r.query_id for r in records] == [str(i) for i in range(1, 9)]  # finished in any order, kept by index
+    assert [r.success for r in records] == [r.success for r in RunFolder(tmp_path / "one").records()]
+    assert result["metrics"] == one_by_one["metrics"] and result["trajectory"]["trajectories"] == 8
+    assert len(RunFolder(tmp_path / "run").trajectories()) == 8
+
+
+def test_an_interrupted_concurrent_run_resumes_to_the_same_result(gold, evaluator, tmp_path):
+    import threading
+
+    started: list[str] = []
+    lock = threading.Lock()
+
+    def count(query):
+        with lock:
+            started.append(query.id)
+
+    run = make_run(gold, evaluator, tmp_path / "run", limit=8, concurrency=3)
+    assert run_eval(run, agent=gold_agent(gold, before=count), progress=False, stop_after=2) == {}
+    kept = RunFolder(tmp_path / "run").records()
+    assert len(kept) == 2
+    # no episode goes on in the background once the run has returned
+    assert not [t for t in threading.enumerate() if t.name.startswith("eval-episode")]
+    result = run_eval(run, agent=gold_agent(gold, before=count), progress=False)
+    one_go = run_eval(make_run(gold, evaluator, tmp_path / "one", limit=8), agent=gold_agent(gold), progress=False)
+    assert result["metrics"] == one_go["metrics"]
+    assert sorted(set(started)) == sorted(str(i) for i in range(1, 9))  # the resumed run skipped the 2 kept
+
+
+def test_a_failed_episode_ends_a_concurrent_run_with_its_error(gold, evaluator, tmp_path):
+    def fail_on_five(query):
+        if query.id == "5":
+            raise RuntimeError("engine lost")
+
+    with pytest.raises(RuntimeError, match="engine lost"):
+        run_eval(make_run(gold, evaluator, tmp_path / "run", limit=8, concurrency=4),
+                 agent=gold_agent(gold, before=fail_on_five), progress=False)
+    # what finished before the failure is kept for a resumed run
+    assert all(r.query_id != "5" for r in RunFolder(tmp_path / "run").records())
 
 
 def test_predictions_pair_by_id_or_order(gold, tmp_path):
