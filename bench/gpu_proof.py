@@ -225,7 +225,8 @@ def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit:
     result["answers"] = answers
     result["transport_modes"] = transport_modes(answers)
     result["restated_preferences"] = restated_preferences(answers, out / "trajectories.jsonl")
-    log(f"eval {Path(model).name}: decode {decode_s:.0f} s ({prefill['decode_mode']} steps), finishes {finishes}, "
+    label = Path(model).parent.name if Path(model).name == "model" else Path(model).name  # validation/vN/model
+    log(f"eval {label}: decode {decode_s:.0f} s ({prefill['decode_mode']} steps), finishes {finishes}, "
         f"success official {result['official'].get('final_pass_rate')}, strict {result['strict'].get('final_pass_rate')}")
     return result
 

@@ -189,3 +189,21 @@ def test_restated_share_per_rl_step_is_read_from_the_samples_and_reported(tmp_pa
     assert "- async share of stated preferences the samples' first thoughts repeat, per step: 1.00, 0.50, —, 0.00" in md
     assert "sync share" not in md.replace("async share", "")
     assert (tmp_path / "proof.png").stat().st_size > 10_000
+
+
+def test_validated_checkpoints_are_reported_and_their_final_validation_has_time_kept(tmp_path):
+    import time
+
+    steps = [{"time": 100.0 + 20 * i, "reward_mean": 0.3, "success_rate": 0.3} for i in range(4)]
+    run = {"max_staleness": 3, "steps": steps, "stage_s": 80.0, "version": 2,
+           "validation": [{"version": 2, "success": 47.0}, {"version": 4, "success": 44.0}]}
+    gpu_proof.report({"rl_async": run}, tmp_path, "proof", "python bench/gpu_proof.py")
+    md = (tmp_path / "proof.md").read_text()
+    assert "- async validation success (%, on the validation queries; RL evaluation scores v2): v2 47.0, v4 44.0" in md
+    # a recipe that validates keeps VALIDATION_RESERVE_S more of the deadline for its last validation
+    plain = gpu_proof.load_config(gpu_proof.ROOT / "configs" / "smollm2-proof.yaml")
+    validated = gpu_proof.load_config(gpu_proof.ROOT / "configs" / "smollm2-proof.yaml",
+                                      ["rl.val_every=8", "synth.heldout_queries=100"])
+    finish_by = time.monotonic() + 20 * 60
+    left = {c.rl.val_every: gpu_proof.with_time_budget(c, finish_by).rl.max_minutes for c in (plain, validated)}
+    assert round((left[0] - left[8]) * 60) == gpu_proof.VALIDATION_RESERVE_S
