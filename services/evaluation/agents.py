@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib
 import threading
 from collections.abc import Callable
@@ -58,14 +59,24 @@ def agent_function(agent: Any, sampling: SamplingParams, *, run_id: str = "eval"
     thread = threading.Thread(target=loop.run_forever, name=f"{run_id}-agents", daemon=True)
     thread.start()
 
+    in_flight: set[concurrent.futures.Future] = set()
+
     def on_loop(coroutine: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, loop).result()
+        future = asyncio.run_coroutine_threadsafe(coroutine, loop)
+        in_flight.add(future)
+        try:
+            return future.result()
+        finally:
+            in_flight.discard(future)
 
     def run(query: TravelQuery) -> Trajectory:
         qid = query.id or "query"
         return on_loop(agent.run(query, sampling, run_id=run_id, task_id=qid, prompt_id=qid, eval_mode="official"))
 
     def close() -> None:
+        # episodes still under way (an interrupted or failed eval) are cancelled, so their callers return
+        for future in list(in_flight):
+            future.cancel()
         try:
             for closer in closers or []:
                 if closer is None:

@@ -166,19 +166,25 @@ def episodes(agent: Agent, queries: list[SplitQuery], concurrency: int = 1
              ) -> Iterator[tuple[SplitQuery, Trajectory]]:
     """Each query with its trajectory, as episodes finish (in order when `concurrency` is 1). The
     run folder sorts records by index, and each one is written as it comes, so an interrupted run
-    resumes with whatever finished. A failed episode ends the run, as it does one at a time."""
+    resumes with whatever finished. A failed episode ends the run at once, as it does one at a time."""
     if concurrency <= 1:
         for sq in queries:
             yield sq, agent(sq.query)
         return
     pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eval-episode")
+    failed = False
     try:
         futures = {pool.submit(agent, sq.query): sq for sq in queries}
         for future in as_completed(futures):
             yield futures[future], future.result()
+    except GeneratorExit:
+        raise  # the caller stopped early: let the episodes under way finish below
+    except BaseException:
+        failed = True  # an episode's error or Ctrl-C: report it now, not after the episodes under way
+        raise
     finally:
-        # episodes not yet started are dropped; those under way finish (an agent can't be interrupted)
-        pool.shutdown(wait=True, cancel_futures=True)
+        # episodes not yet started are dropped; the agent's `close` cancels those under way when it can
+        pool.shutdown(wait=not failed, cancel_futures=True)
 
 
 def analyse(folder: RunFolder, mode: Mode, split: Split | None, city_state: dict[str, str] | None = None

@@ -76,3 +76,32 @@ def test_eval_through_the_agent_loop_and_sandbox_http(gold, evaluator, sandbox, 
     assert first[3]["role"] == "user" and first[3]["content"].startswith("<tool_response>\nA SearchAccommodation for")
     assert result["tool_selection"]["calls"] == 3 and result["tool_selection"]["accuracy"] is not None
     assert result["trajectory"]["tokens_mean"] > 1000  # real template tokens, system prompt included
+
+
+def test_closing_the_agent_cancels_the_episodes_still_under_way(gold):
+    import asyncio
+    import concurrent.futures
+    import threading
+    import time
+
+    class SlowAgent:  # an episode that would outlive an interrupted eval
+        async def run(self, query, sampling, **ids):
+            await asyncio.sleep(60)
+
+    run_fn, close = agent_function(SlowAgent(), SamplingParams())
+    outcome: list[BaseException] = []
+
+    def caller():
+        try:
+            run_fn(gold.queries[0])
+        except BaseException as exc:  # noqa: BLE001 - what the caller saw is the point
+            outcome.append(exc)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    close()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and time.monotonic() - t0 < 10
+    assert len(outcome) == 1 and isinstance(outcome[0], concurrent.futures.CancelledError)

@@ -208,16 +208,26 @@ def test_an_interrupted_concurrent_run_resumes_to_the_same_result(gold, evaluato
     assert sorted(set(started)) == sorted(str(i) for i in range(1, 9))  # the resumed run skipped the 2 kept
 
 
-def test_a_failed_episode_ends_a_concurrent_run_with_its_error(gold, evaluator, tmp_path):
-    def fail_on_five(query):
-        if query.id == "5":
-            raise RuntimeError("engine lost")
+def test_a_failed_episode_ends_a_concurrent_run_at_once_with_its_error(gold, evaluator, tmp_path):
+    import threading
+    import time
 
-    with pytest.raises(RuntimeError, match="engine lost"):
-        run_eval(make_run(gold, evaluator, tmp_path / "run", limit=8, concurrency=4),
-                 agent=gold_agent(gold, before=fail_on_five), progress=False)
-    # what finished before the failure is kept for a resumed run
-    assert all(r.query_id != "5" for r in RunFolder(tmp_path / "run").records())
+    release = threading.Event()
+
+    def fail_first_hold_the_rest(query):
+        if query.id == "1":
+            raise RuntimeError("engine lost")
+        release.wait(timeout=60)  # episodes still under way when the first one fails
+
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="engine lost"):
+            run_eval(make_run(gold, evaluator, tmp_path / "run", limit=8, concurrency=4),
+                     agent=gold_agent(gold, before=fail_first_hold_the_rest), progress=False)
+        assert time.monotonic() - t0 < 20  # reported now, not after the held episodes
+    finally:
+        release.set()
+    assert all(r.query_id != "1" for r in RunFolder(tmp_path / "run").records())
 
 
 def test_predictions_pair_by_id_or_order(gold, tmp_path):
