@@ -79,8 +79,10 @@ def eval_run(
         _fail(f"--mode must be official or strict, not {mode!r}")
     if official_split not in ("auto", "none", "train", "validation", "test"):
         _fail("--official-split must be auto, none, train, validation or test")
-    if decode not in ("dynamic", "static", "graphs"):
-        _fail(f"--decode must be dynamic, static or graphs, not {decode!r}")
+    from services.rollout.engines.hf import DECODE_MODES  # the engine's own list (the module loads no torch)
+
+    if decode not in DECODE_MODES:
+        _fail(f"--decode must be {', '.join(DECODE_MODES[:-1])} or {DECODE_MODES[-1]}, not {decode!r}")
     if concurrency is None:
         concurrency = DEFAULT_MODEL_CONCURRENCY if model is not None else 1
     world_url = db or get_settings().world_url
