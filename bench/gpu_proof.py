@@ -377,7 +377,8 @@ def rl_run(config, folder: Path, main: Path | None = None) -> dict[str, Any]:
     train_stages(config, folder, ["rl"])
     wall = time.time() - t0
     out = stage_outputs(folder, "rl")
-    steps = [json.loads(line) for line in Path(out["metrics"]).read_text().splitlines() if line.strip()]
+    metrics = Path(out["metrics"])  # absent when the stage ended before the learner trained a step
+    steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
     steps = [s for s in steps if s.get("phase", "rl") == "rl" and "reward_mean" in s]
     history = Path(out["validation"]) / "history.json" if out.get("validation") else None
     validation = [{"version": h["version"], "success": h["success"]}
@@ -390,15 +391,47 @@ def rl_run(config, folder: Path, main: Path | None = None) -> dict[str, Any]:
 
 EVAL_RL_RESERVE_S = 180  # stopping the fleet (the learner gets up to 120 s), the RL evaluation (~45 s), the report
 VALIDATION_RESERVE_S = 90  # with rl.val_every, the final policy is validated after the fleet stops (`star eval`)
+# Less RL time trains nothing: the fleet's start (engines load, graphs captured) and the first step took
+# about 2 minutes on the H100 (runs 29-31), and a 1-minute budget stopped after 0 of 32 steps (2026-11-25).
+MIN_RL_MINUTES = 5.0
+# What the phases before the RL run took on an H100 80GB HBM3 (runs 29-31, rounded up): the up-front check
+# of --finish-within-min.
+PHASE_S_BEFORE_RL = {"convert": 45, "sft": 110, "eval_sft": 50}
+
+
+class ProofBudgetError(ValueError):
+    """--finish-within-min leaves the RL run too little time to train."""
+
+
+def rl_budget_reserve_s(config) -> float:
+    return EVAL_RL_RESERVE_S + (VALIDATION_RESERVE_S if config.rl.val_every else 0)
+
+
+def check_deadline(config, phases: list[str], done: set[str], minutes: float | None) -> None:
+    """Refuse, before any phase runs, a --finish-within-min that cannot hold MIN_RL_MINUTES of RL after the
+    phases still to run before it (their H100 durations) and the RL evaluation's reserve."""
+    if minutes is None or "rl_async" not in phases or "rl_async" in done:
+        return
+    before = sum(s for p, s in PHASE_S_BEFORE_RL.items() if p in phases and p not in done)
+    need = (before + rl_budget_reserve_s(config)) / 60 + MIN_RL_MINUTES
+    if minutes < need:
+        raise ProofBudgetError(
+            f"--finish-within-min {minutes:g} leaves RL under {MIN_RL_MINUTES:g} minutes: the phases before it take "
+            f"about {before / 60:.1f} and the RL evaluation keeps {rl_budget_reserve_s(config) / 60:.1f}; give at "
+            f"least {need:.1f}, or run fewer phases")
 
 
 def with_time_budget(config, finish_by: float | None):
     """The recipe with rl.max_minutes cut to what is left before `finish_by` (time.monotonic()),
-    keeping EVAL_RL_RESERVE_S for what follows the RL run."""
+    keeping EVAL_RL_RESERVE_S for what follows the RL run. Less than MIN_RL_MINUTES is an error:
+    such a run would start the fleet and stop it before the learner trained a step."""
     if finish_by is None:
         return config
-    reserve = EVAL_RL_RESERVE_S + (VALIDATION_RESERVE_S if config.rl.val_every else 0)
-    left_min = max(finish_by - time.monotonic() - reserve, 60.0) / 60
+    left_min = (finish_by - time.monotonic() - rl_budget_reserve_s(config)) / 60
+    if left_min < MIN_RL_MINUTES:
+        raise ProofBudgetError(f"{max(left_min, 0):.1f} minutes are left for RL before the proof's deadline, under "
+                               f"{MIN_RL_MINUTES:g}: the phases before it ran long; resume with a later deadline "
+                               "(finished phases are kept)")
     if config.rl.max_minutes is not None and config.rl.max_minutes <= left_min:
         return config
     log(f"rl.max_minutes = {left_min:.1f}: what is left before the proof's deadline")
@@ -538,8 +571,9 @@ def _markdown(s: dict[str, Any]) -> str:
                                                                   for r in c["success"]))
             if c.get("validation"):  # rl.val_every: the checkpoint the RL evaluation scores is the best of these
                 lines.append(f"- {label} validation success (%, on the validation queries; RL evaluation scores v"
-                             f"{c.get('version')}): " + ", ".join(f"v{h['version']} {h['success']:.1f}"
-                                                                   for h in c["validation"]))
+                             f"{c.get('version')}; v0 is the starting model): "
+                             + ", ".join(f"v{h['version']} {h['success']:.1f}"
+                                         for h in sorted(c["validation"], key=lambda h: h["version"])))
             if c.get("restated"):
                 lines.append(f"- {label} share of stated preferences the samples' first thoughts repeat, per step: "
                              + ", ".join("—" if r is None else f"{r:.2f}" for r in c["restated"]))
@@ -696,6 +730,10 @@ def main() -> int:
     unknown = [p for p in phases if p not in PHASES]
     if unknown:
         ap.error(f"unknown phases {unknown}; choose from {', '.join(PHASES)}")
+    try:
+        check_deadline(config, phases, {p for p in phases if state.done(p)}, args.finish_within_min)
+    except ProofBudgetError as exc:
+        ap.error(str(exc))
     finish_by = time.monotonic() + args.finish_within_min * 60 if args.finish_within_min else None
     log(f"device: {_gpu_name()}; phases {phases}; work {args.work}")
     try:
@@ -742,9 +780,12 @@ def main() -> int:
                 except Exception as exc:  # noqa: BLE001 - the report is a by-product here
                     log(f"partial report failed: {exc}")
             log(f"{phase}: {time.perf_counter() - t0:.0f} s; {_disk_left(args.work)}")
-    except BaseException:
+    except BaseException as exc:
         pack_logs(args.work, args.out)
         shutil.copy(state.path, args.out / f"{args.name}_state.json") if state.path.is_file() else None
+        if isinstance(exc, ProofBudgetError):
+            log(f"stopped: {exc}")
+            return 2
         raise
     if state.path.is_file():
         shutil.copy(state.path, args.out / f"{args.name}_state.json")

@@ -184,8 +184,11 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
     names = StreamNames(f"star:{run.config.name}")
     curriculum = Curriculum.parse(r.curriculum) if r.reward == "curriculum" else None
     sampling = r.sampling if r.sampling.seed is not None else r.sampling.model_copy(update={"seed": run.config.seed})
+    validation = Validation(run, synth["val_queries"], r.val_every) if r.val_every and synth.get("val_queries") else None
     f = start_fleet(run, model, names)
     try:
+        if validation and not validation.seen(0):
+            validation.submit(0, model, keep=False)  # the starting model: the curve's baseline, same queries
         f.learner = Managed("learner", [sys.executable, "-m", "services.learner.worker", "rl",
                                         str(rl_config(run, model, names, f.redis_url, schedule.total_steps))],
                             {**run.env, "STAR_REDIS_URL": f.redis_url}, run.log("learner")).start()
@@ -194,20 +197,28 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
                                   preference_penalty=r.preference_penalty, curriculum=curriculum,
                                   eval_mode=r.eval_mode, max_staleness=r.max_staleness,
                                   arpo=r.arpo if r.algorithm == "arpo" else None)
-        validation = None
-        if r.val_every and synth.get("val_queries"):
-            validation = Validation(run, synth["val_queries"], r.val_every)
         ended = drive(run, f, client, names, publisher, schedule, validation=validation, deadline=deadline)
         if ended.reason == "budget" and f.learner is not None:
             # the learner may publish once more while it stops: read the weights after it has
             f.learner.stop(120)
             ended = Ending("budget", learner_progress(client, names))
         latest = client.get(names.weights_latest)
+    except BaseException:
+        if validation:
+            validation.stop()
+        raise
     finally:
         f.stop()
     update = json.loads(latest) if latest else None
-    if validation and update and all(h["version"] != update["version"] for h in validation.history):
-        validation.validate(update["version"], update["uri"])  # the final policy is a candidate too
+    if validation:
+        try:
+            if update and not validation.seen(update["version"]):
+                validation.submit(update["version"], update["uri"])  # the final policy is a candidate too
+            for entry in validation.wait():
+                console.print(f"validation v{entry['version']}: success {entry['success']:.1f} %")
+        except BaseException:
+            validation.stop()
+            raise
     best = validation.best() if validation else None
     ending = {"ended": ended.reason, "steps_trained": ended.steps}
     if best:
@@ -222,40 +233,115 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class Validation:
-    """Every `every` versions: evaluate that version on the validation queries, keep the best.
+    """Every `every` versions: evaluate that version on the validation queries, keep the best. The
+    starting model is validated too (version 0), as the baseline of the curve.
 
-    The version is hard-linked into the run folder first, so the learner pruning old versions
-    cannot pull it away mid-evaluation, and the best one survives the run."""
+    A due version is hard-linked into the run folder at once, so the learner pruning old versions
+    cannot pull it away, and the best one survives the run. Its `star eval` runs beside the fleet,
+    one at a time (later due versions wait their turn): the controller keeps publishing meanwhile.
+    Run 31 (bench/results/gpu_proof.md) validated in the controller's loop, and the fleet idled for
+    about a minute each time."""
 
     run: Run
     split: str
     every: int
     history: list[dict[str, Any]] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
+    running: tuple[int, subprocess.Popen] | None = None
+    models: dict[int, str] = field(default_factory=dict)
+
+    def seen(self, version: int) -> bool:
+        """Validated, under way or queued."""
+        return (any(h["version"] == version for h in self.history) or version in self.waiting
+                or (self.running is not None and self.running[0] == version))
 
     def due(self, version: int) -> bool:
-        return self.every > 0 and version > 0 and version % self.every == 0 and \
-            all(h["version"] != version for h in self.history)
+        return self.every > 0 and version > 0 and version % self.every == 0 and not self.seen(version)
 
-    def validate(self, version: int, uri: str) -> dict[str, Any]:
+    def folder(self, version: int) -> Path:
+        return self.run.folder / "validation" / f"v{version}"
+
+    def submit(self, version: int, uri: str, keep: bool = True) -> None:
+        """Queue version's evaluation (started at once if none is running). With `keep`, its weights
+        are hard-linked (copied across filesystems) into the run folder first; without, they are
+        evaluated where they are (the starting model, which nothing prunes)."""
         import shutil
 
-        from services.pipeline.train import evaluate_model
+        model = self.folder(version) / "model"
+        if keep and not model.exists():
+            shutil.copytree(uri, model, copy_function=_link_or_copy)
+        self.models[version] = str(model) if keep else uri
+        self.waiting.append(version)
+        self._start_next()
 
-        folder = self.run.folder / "validation" / f"v{version}"
-        model = folder / "model"
-        if not model.exists():
-            shutil.copytree(uri, model, copy_function=os.link)
-        metrics = evaluate_model(self.run, str(model), self.split, folder / "eval", f"validate-v{version}",
-                                 self.run.config.eval.limit).get("metrics", {})
-        entry = {"version": version, "model": str(model), "success": metrics.get("final_pass_rate", 0.0),
+    def poll(self) -> list[dict[str, Any]]:
+        """The validations that finished since the last call (a failed one raises StageFailed)."""
+        done: list[dict[str, Any]] = []
+        if self.running is not None and self.running[1].poll() is not None:
+            done.append(self._finish())
+            self._start_next()
+        return done
+
+    def wait(self) -> list[dict[str, Any]]:
+        """Every queued validation, run to its end."""
+        done: list[dict[str, Any]] = []
+        while self.running is not None:
+            self.running[1].wait()
+            done += self.poll()
+        return done
+
+    def stop(self) -> None:
+        """Abandon the validation under way (the stage is failing or interrupted)."""
+        if self.running is not None:
+            self.running[1].terminate()
+            try:
+                self.running[1].wait(30)
+            except subprocess.TimeoutExpired:
+                self.running[1].kill()
+            self.running = None
+        self.waiting.clear()
+
+    def best(self) -> dict[str, Any] | None:
+        """The best RL version (v0, the starting model, is the baseline, not a candidate); ties go to the
+        later version: it has trained on more data."""
+        trained = [h for h in self.history if h["version"] > 0]
+        return max(trained, key=lambda h: (h["success"], h["version"])) if trained else None
+
+    def _name(self, version: int) -> str:
+        return f"validate-v{version}"
+
+    def _start_next(self) -> None:
+        from services.pipeline.train import eval_argv, start_process
+
+        if self.running is not None or not self.waiting:
+            return
+        version = self.waiting.pop(0)
+        folder = self.folder(version)
+        argv = eval_argv(self.run, self.models[version], self.split, folder / "eval", self.run.config.eval.limit)
+        self.running = (version, start_process(self.run, self._name(version), argv))
+
+    def _finish(self) -> dict[str, Any]:
+        from services.pipeline.train import check_exit, eval_metrics
+
+        version, proc = self.running  # type: ignore[misc]
+        self.running = None
+        check_exit(self.run, self._name(version), proc.returncode)
+        folder = self.folder(version)
+        metrics = eval_metrics(folder / "eval")
+        entry = {"version": version, "model": self.models[version], "success": metrics.get("final_pass_rate", 0.0),
                  "metrics": metrics}
         self.history.append(entry)
         (self.run.folder / "validation" / "history.json").write_text(json.dumps(self.history, indent=2))
         return entry
 
-    def best(self) -> dict[str, Any] | None:
-        # ties go to the later version: it has trained on more data
-        return max(self.history, key=lambda h: (h["success"], h["version"])) if self.history else None
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem
+        import shutil
+
+        shutil.copy2(src, dst)
 
 
 @dataclass(frozen=True)
@@ -295,13 +381,15 @@ def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher
                 keep_alive(f)
                 time.sleep(poll_s)
                 continue
+            validating = f" · validating v{validation.running[0]}" if validation and validation.running else ""
             bar.update(task, completed=min(progress, total),
-                       info=f"published {publisher.next_step()}/{total} · weights v{weights_version(client, names)}")
+                       info=f"published {publisher.next_step()}/{total} · weights v{weights_version(client, names)}"
+                            f"{validating}")
             if validation is not None:
                 latest = json.loads(latest_raw) if latest_raw else None
                 if latest and validation.due(latest["version"]):
-                    bar.update(task, info=f"validating v{latest['version']}")
-                    entry = validation.validate(latest["version"], latest["uri"])
+                    validation.submit(latest["version"], latest["uri"])
+                for entry in validation.poll():
                     console.print(f"validation v{entry['version']}: success {entry['success']:.1f} %")  # star eval's percent
             if progress >= total:
                 _await_last_publication(run, f)

@@ -74,25 +74,35 @@ def star_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
 
+def start_process(run: Run, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start one stage process, its output appended to logs/<name>.log."""
+    with open(run.log(name), "ab") as out:
+        return subprocess.Popen(argv, env={**os.environ, **run.env, **(env or {})}, stdout=out, stderr=out,
+                                stdin=subprocess.DEVNULL)
+
+
+def check_exit(run: Run, name: str, rc: int) -> None:
+    """A stage process that failed, as a StageFailed naming its log and last lines."""
+    if rc != 0:
+        log = run.log(name)
+        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+        raise StageFailed(f"{name} exited with {rc}; see {log}\n  " + "\n  ".join(tail))
+
+
 def run_process(run: Run, name: str, argv: list[str], *, env: dict[str, str] | None = None,
                 timeout: float | None = None) -> None:
     """Run one stage process to completion, its output in logs/<name>.log."""
-    log = run.log(name)
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, env={**os.environ, **run.env, **(env or {})}, stdout=out, stderr=out,
-                                stdin=subprocess.DEVNULL)
-        try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise StageFailed(f"{name} did not finish within {timeout:.0f}s; see {log}") from None
-        except KeyboardInterrupt:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
-            raise
-    if rc != 0:
-        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
-        raise StageFailed(f"{name} exited with {rc}; see {log}\n  " + "\n  ".join(tail))
+    proc = start_process(run, name, argv, env=env)
+    try:
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise StageFailed(f"{name} did not finish within {timeout:.0f}s; see {run.log(name)}") from None
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        raise
+    check_exit(run, name, rc)
 
 
 # ---- preparation -------------------------------------------------------------------------------
@@ -192,8 +202,8 @@ def stage_sft(run: Run, synth: dict[str, Any]) -> dict[str, Any]:
     return {"model": status["export"], "steps": status.get("step"), "metrics": str(out / "metrics.jsonl")}
 
 
-def evaluate_model(run: Run, model: str, split: str | Path, out: Path, name: str, limit: int | None) -> dict[str, Any]:
-    """`star eval` of one model on one split into `out`; returns its metrics.json (or {})."""
+def eval_argv(run: Run, model: str, split: str | Path, out: Path, limit: int | None) -> list[str]:
+    """`star eval` of one model on one split into `out`, with the recipe's evaluation settings."""
     e = run.config.eval
     argv = star_argv("eval", "--model", model, "--split", str(split), "--mode", e.mode, "--out", str(out),
                      "--engine", run.config.services.engine, "--db", run.world_url,
@@ -205,9 +215,19 @@ def evaluate_model(run: Run, model: str, split: str | Path, out: Path, name: str
         argv += ["--decode", run.config.services.decode]
     if limit:
         argv += ["-n", str(limit)]
-    run_process(run, name, argv)
+    return argv
+
+
+def eval_metrics(out: Path) -> dict[str, Any]:
+    """The metrics.json `star eval` wrote into `out` ({} if none)."""
     metrics = out / "metrics.json"
     return json.loads(metrics.read_text()) if metrics.is_file() else {}
+
+
+def evaluate_model(run: Run, model: str, split: str | Path, out: Path, name: str, limit: int | None) -> dict[str, Any]:
+    """`star eval` of one model on one split into `out`; returns its metrics.json (or {})."""
+    run_process(run, name, eval_argv(run, model, split, out, limit))
+    return eval_metrics(out)
 
 
 def eval_split(e: EvalSpec, synth: dict[str, Any] | None) -> str | None:

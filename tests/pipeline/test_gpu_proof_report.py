@@ -5,6 +5,8 @@ from __future__ import annotations
 import gzip
 import json
 
+import pytest
+
 from bench import gpu_proof
 
 
@@ -196,10 +198,12 @@ def test_validated_checkpoints_are_reported_and_their_final_validation_has_time_
 
     steps = [{"time": 100.0 + 20 * i, "reward_mean": 0.3, "success_rate": 0.3} for i in range(4)]
     run = {"max_staleness": 3, "steps": steps, "stage_s": 80.0, "version": 2,
-           "validation": [{"version": 2, "success": 47.0}, {"version": 4, "success": 44.0}]}
+           "validation": [{"version": 2, "success": 47.0}, {"version": 0, "success": 41.0},
+                          {"version": 4, "success": 44.0}]}  # in the order they finished
     gpu_proof.report({"rl_async": run}, tmp_path, "proof", "python bench/gpu_proof.py")
     md = (tmp_path / "proof.md").read_text()
-    assert "- async validation success (%, on the validation queries; RL evaluation scores v2): v2 47.0, v4 44.0" in md
+    assert ("- async validation success (%, on the validation queries; RL evaluation scores v2; v0 is the starting "
+            "model): v0 41.0, v2 47.0, v4 44.0") in md
     # a recipe that validates keeps VALIDATION_RESERVE_S more of the deadline for its last validation
     plain = gpu_proof.load_config(gpu_proof.ROOT / "configs" / "smollm2-proof.yaml")
     validated = gpu_proof.load_config(gpu_proof.ROOT / "configs" / "smollm2-proof.yaml",
@@ -207,3 +211,41 @@ def test_validated_checkpoints_are_reported_and_their_final_validation_has_time_
     finish_by = time.monotonic() + 20 * 60
     left = {c.rl.val_every: gpu_proof.with_time_budget(c, finish_by).rl.max_minutes for c in (plain, validated)}
     assert round((left[0] - left[8]) * 60) == gpu_proof.VALIDATION_RESERVE_S
+
+
+def test_a_deadline_that_leaves_rl_no_time_is_refused_before_any_phase_runs(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    config = gpu_proof.load_config(gpu_proof.ROOT / "configs" / "smollm2-proof.yaml")
+    phases = ["convert", "sft", "eval_sft", "rl_async", "eval_rl", "report"]
+    # 2026-11-25: --finish-within-min 6 left RL one minute, and it trained 0 of 32 steps
+    with pytest.raises(gpu_proof.ProofBudgetError, match="leaves RL under 5 minutes"):
+        gpu_proof.check_deadline(config, phases, set(), 6)
+    gpu_proof.check_deadline(config, phases, set(), 25)
+    gpu_proof.check_deadline(config, phases, {"convert", "sft", "eval_sft"}, 9)  # finished phases cost nothing
+    gpu_proof.check_deadline(config, ["convert", "sft", "eval_sft"], set(), 1)  # no RL run: no RL budget
+    # at the RL phase itself: what is left after the reserve must hold MIN_RL_MINUTES
+    with pytest.raises(gpu_proof.ProofBudgetError, match="minutes are left for RL"):
+        gpu_proof.with_time_budget(config, time.monotonic() + gpu_proof.EVAL_RL_RESERVE_S + 60)
+    cut = gpu_proof.with_time_budget(config, time.monotonic() + gpu_proof.EVAL_RL_RESERVE_S + 6 * 60)
+    assert 5.9 < cut.rl.max_minutes <= 6.0
+    proc = subprocess.run([sys.executable, "bench/gpu_proof.py", "--work", str(tmp_path / "w"),
+                           "--finish-within-min", "6"], capture_output=True, text=True, cwd=gpu_proof.ROOT)
+    assert proc.returncode == 2 and "--finish-within-min 6" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "w" / "state.json").exists()  # no phase ran
+
+
+def test_an_rl_run_that_trained_no_step_is_reported_not_a_crash(tmp_path, monkeypatch):
+    folder = tmp_path / "run"
+    (folder / "rl").mkdir(parents=True)
+    monkeypatch.setattr(gpu_proof, "train_stages", lambda config, folder, stages: None)
+    monkeypatch.setattr(gpu_proof, "stage_outputs", lambda folder, stage: {
+        "model": "/m", "version": 0, "ended": "budget", "steps_trained": 0,
+        "metrics": str(folder / "rl" / "metrics.jsonl")})
+    config = gpu_proof.load_config(gpu_proof.ROOT / "configs" / "smollm2-proof.yaml")
+    run = gpu_proof.rl_run(config, folder)
+    assert run["steps"] == [] and run["ended"] == "budget" and run["steps_trained"] == 0
+    gpu_proof.report({"rl_async": run}, tmp_path, "proof", "cmd")  # the report copes too
+    assert "| async | 3 | 0 |" in (tmp_path / "proof.md").read_text()

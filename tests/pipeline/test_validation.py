@@ -1,9 +1,19 @@
-"""Validation during RL: which versions are due, and which one is best."""
+"""Validation during RL: which versions are due, which one is best, and that it runs beside the fleet."""
 
 from __future__ import annotations
 
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
+
+from services.pipeline import train
 from services.pipeline.rl import Validation
+from services.pipeline.train import StageFailed
 
 
 def test_due_every_n_versions_once_and_best_prefers_success_then_recency():
@@ -16,3 +26,101 @@ def test_due_every_n_versions_once_and_best_prefers_success_then_recency():
     assert v.best()["version"] == 6
     assert Validation(run=None, split="x", every=0).due(3) is False  # type: ignore[arg-type]
     assert Validation(run=None, split="x", every=1).best() is None  # type: ignore[arg-type]
+
+
+@dataclass
+class _Run:
+    """What Validation uses of a run: its folder, its processes' environment and logs."""
+
+    folder: Path
+    env: dict[str, str] = field(default_factory=dict)
+    config: object = field(default_factory=lambda: SimpleNamespace(eval=SimpleNamespace(limit=None)))
+
+    def log(self, name: str) -> Path:
+        (self.folder / "logs").mkdir(parents=True, exist_ok=True)
+        return self.folder / "logs" / f"{name}.log"
+
+
+def _fake_eval(gate: Path):
+    """A `star eval` stand-in: waits for `gate`, then writes the success it finds in the model folder."""
+    script = ("import json, pathlib, sys, time\n"
+              "model, out, gate = map(pathlib.Path, sys.argv[1:4])\n"
+              "while not gate.exists(): time.sleep(0.05)\n"
+              "score = json.loads((model / 'score.json').read_text())\n"
+              "if score < 0: sys.exit('the model could not be evaluated')\n"
+              "out.mkdir(parents=True, exist_ok=True)\n"
+              "(out / 'metrics.json').write_text(json.dumps({'final_pass_rate': score}))\n")
+    return lambda run, model, split, out, limit: [sys.executable, "-c", script, model, str(out), str(gate)]
+
+
+def _version(tmp_path: Path, version: int, score: float) -> str:
+    uri = tmp_path / "weights" / f"v{version}"
+    uri.mkdir(parents=True)
+    (uri / "score.json").write_text(json.dumps(score))
+    return str(uri)
+
+
+def _until(cond, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = cond()
+        if out:
+            return out
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def test_validations_run_beside_the_controller_one_at_a_time_and_keep_their_weights(tmp_path, monkeypatch):
+    gate = tmp_path / "gate"
+    monkeypatch.setattr(train, "eval_argv", _fake_eval(gate))
+    v = Validation(run=_Run(tmp_path / "run"), split="val.jsonl", every=2)  # type: ignore[arg-type]
+    started = time.monotonic()
+    v.submit(2, _version(tmp_path, 2, 40.0))
+    v.submit(4, _version(tmp_path, 4, 47.0))
+    assert time.monotonic() - started < 5  # submitting does not wait for the evaluation
+    assert v.running[0] == 2 and v.waiting == [4]  # one at a time, the next queued
+    assert not v.due(2) and not v.due(4) and v.due(6)  # under way and queued count as seen
+    assert v.poll() == []  # nothing finished while the gate is shut
+    # the learner prunes old versions: the validation's copy stays (hard links)
+    for n in (2, 4):
+        (tmp_path / "weights" / f"v{n}" / "score.json").unlink()
+    assert (tmp_path / "run" / "validation" / "v4" / "model" / "score.json").is_file()
+    gate.touch()
+    first = _until(v.poll)
+    assert [e["version"] for e in first] == [2] and v.running[0] == 4  # the queued one starts as one ends
+    assert [e["version"] for e in v.wait()] == [4]
+    assert v.best()["version"] == 4 and v.best()["success"] == 47.0
+    history = json.loads((tmp_path / "run" / "validation" / "history.json").read_text())
+    assert [h["version"] for h in history] == [2, 4]
+
+
+def test_a_failed_validation_fails_the_stage_and_stop_ends_the_one_under_way(tmp_path, monkeypatch):
+    gate = tmp_path / "gate"
+    monkeypatch.setattr(train, "eval_argv", _fake_eval(gate))
+    v = Validation(run=_Run(tmp_path / "run"), split="val.jsonl", every=1)  # type: ignore[arg-type]
+    v.submit(1, _version(tmp_path, 1, -1.0))
+    gate.touch()
+    with pytest.raises(StageFailed, match="(?s)validate-v1 exited with 1.*could not be evaluated"):
+        v.wait()
+    gate.unlink()
+    v.submit(2, _version(tmp_path, 2, 50.0))
+    v.submit(3, _version(tmp_path, 3, 50.0))
+    proc = v.running[1]
+    v.stop()
+    assert proc.returncode is not None and v.running is None and v.waiting == []
+    assert v.history == []
+
+
+def test_the_starting_model_is_the_baseline_evaluated_in_place_never_the_pick(tmp_path, monkeypatch):
+    gate = tmp_path / "gate"
+    gate.touch()
+    monkeypatch.setattr(train, "eval_argv", _fake_eval(gate))
+    v = Validation(run=_Run(tmp_path / "run"), split="val.jsonl", every=4)  # type: ignore[arg-type]
+    start = _version(tmp_path, 0, 52.0)
+    v.submit(0, start, keep=False)
+    v.submit(4, _version(tmp_path, 4, 45.0))
+    v.wait()
+    assert [h["version"] for h in v.history] == [0, 4] and v.history[0]["model"] == start
+    assert not (tmp_path / "run" / "validation" / "v0" / "model").exists()  # no copy of the starting model
+    assert v.best()["version"] == 4  # RL's pick, though the starting model scored higher
+    assert Validation(run=None, split="x", every=1, history=[v.history[0]]).best() is None  # type: ignore[arg-type]
