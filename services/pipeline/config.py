@@ -14,7 +14,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from services.common.schemas import ArpoParams, EvalMode, PreferencePenalty, RewardKind, SamplingParams
+from services.common.schemas import ArpoParams, DecodeMode, EvalMode, PreferencePenalty, RewardKind, SamplingParams
 from services.learner.config import EngineConfig, RLConfig
 
 Stage = Literal["synth", "sft", "rl", "eval"]
@@ -155,7 +155,7 @@ class LearnerSpec(_Section):
 
 class ServicesSpec(_Section):
     engine: Literal["vllm", "transformers"] = "vllm"
-    decode: Literal["dynamic", "static", "graphs"] = Field(
+    decode: DecodeMode = Field(
         "dynamic", description="transformers engine: per-step shapes, or every slot each step, replayed as "
         "CUDA graphs on a GPU (graphs: 2.3× faster per step than dynamic on an H100, same log-probs; "
         "bench/results/decode_probe_graphs.md).")

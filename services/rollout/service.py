@@ -20,8 +20,8 @@ from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.metrics import Metrics
-from services.common.schemas import (EvalMode, PreferencePenalty, RewardKind, RolloutTask, SamplingParams, ToolResult,
-                                     Trajectory, TravelQuery, WeightsUpdate)
+from services.common.schemas import (DecodeMode, EvalMode, PreferencePenalty, RewardKind, RolloutTask, SamplingParams,
+                                     ToolResult, Trajectory, TravelQuery, WeightsUpdate)
 from services.common.settings import Settings, get_settings
 from services.rollout.agent import Agent
 from services.rollout.engines import Engine, build_engine
@@ -42,7 +42,7 @@ class RolloutConfig(BaseSettings):
     max_model_len: int = Field(32768, ge=256)
     dtype: str | None = Field(None, description="Model dtype; default bfloat16 for vllm, float32 for transformers.")
     max_batch: int = Field(16, ge=1, description="transformers: requests decoded together.")
-    decode: Literal["dynamic", "static", "graphs"] = Field(
+    decode: DecodeMode = Field(
         "dynamic", description="transformers: dynamic shapes per step, or every slot each step (static), "
         "replayed as CUDA graphs on a GPU (graphs).")
     openai_base_url: str | None = None

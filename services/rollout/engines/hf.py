@@ -36,8 +36,9 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
+from services.common.schemas import DecodeMode
 from services.rollout.engines.base import Engine, EngineError, Generation, TurnParams
 
 STEPS_PER_TICK = 4  # decode steps between admissions: joiners wait at most this long
@@ -48,7 +49,7 @@ SUPPORTED = ("llama", "qwen2")  # decoder layers the engine can run itself (see 
 # dynamic: each step runs the batch's rows over the slots they use; static: every slot in use (a power
 # of two), fixed shapes per bucket of key columns; graphs: the static step captured once per bucket as
 # a CUDA graph and replayed, so a step costs the host a few torch calls instead of ~700
-DECODE_MODES = ("dynamic", "static", "graphs")
+DECODE_MODES: tuple[str, ...] = get_args(DecodeMode)
 GRAPH_BUCKET = 256  # key columns per static-step bucket (one CUDA graph each)
 
 log = logging.getLogger(__name__)
