@@ -390,7 +390,9 @@ def rl_run(config, folder: Path, main: Path | None = None) -> dict[str, Any]:
 
 
 EVAL_RL_RESERVE_S = 180  # stopping the fleet (the learner gets up to 120 s), the RL evaluation (~45 s), the report
-VALIDATION_RESERVE_S = 90  # with rl.val_every, the final policy is validated after the fleet stops (`star eval`)
+# With rl.val_every, the final policy is validated after the fleet stops, and a validation still under way is
+# waited for first (each took about 65 s on the H100 in run 31: `star eval`, 100 queries at concurrency 50).
+VALIDATION_RESERVE_S = 150
 # Less RL time trains nothing: the fleet's start (engines load, graphs captured) and the first step took
 # about 2 minutes on the H100 (runs 29-31), and a 1-minute budget stopped after 0 of 32 steps (2026-11-25).
 MIN_RL_MINUTES = 5.0

@@ -27,7 +27,7 @@ def _train(home: Path, run: Path, *extra: str) -> subprocess.CompletedProcess:
 def test_tiny_recipe_runs_every_stage_and_resumes(tmp_path):
     run = tmp_path / "run"
     small = ["--set", "sft.max_steps=1", "--set", "rl.max_steps=2", "--set", "eval.limit=2",
-             "--set", "eval.sampling.max_tool_calls=2"]
+             "--set", "eval.sampling.max_tool_calls=2", "--set", "rl.val_every=1", "--set", "synth.heldout_queries=2"]
     first = _train(tmp_path / "home", run, *small)
     assert first.returncode == 0, first.stderr[-3000:]
     stages = json.loads((run / "stages.json").read_text())
@@ -45,11 +45,21 @@ def test_tiny_recipe_runs_every_stage_and_resumes(tmp_path):
     assert (Path(stages["sft"]["outputs"]["model"]) / "config.json").is_file()
     rl = stages["rl"]["outputs"]
     metrics = [json.loads(line) for line in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2 and rl["version"] == metrics[-1]["version"] >= 1
-    assert (Path(rl["model"]) / "manifest.json").is_file()
+    assert len(metrics) == 2 and rl["last_version"] == metrics[-1]["version"] >= 1
     # each step trained exactly batch_prompts × G fresh samples, sampled by the current policy version
     assert [m["samples_in"] for m in metrics] == [4.0, 4.0]
     assert all(m["samples_stale"] == 0 for m in metrics)
+
+    # validation: the starting model (in place) and every version (kept in the run folder), beside the fleet;
+    # the RL stage's model is the best version, and the eval stage scores it on queries of their own
+    history = json.loads((run / "validation" / "history.json").read_text())
+    assert sorted(h["version"] for h in history) == [0, 1, 2]
+    assert next(h for h in history if h["version"] == 0)["model"] == stages["sft"]["outputs"]["model"]
+    assert not (run / "validation" / "v0" / "model").exists()
+    assert rl["model"] == str(run / "validation" / f"v{rl['version']}" / "model") and rl["version"] in (1, 2)
+    assert (Path(rl["model"]) / "manifest.json").is_file()
+    assert set(sets["validation"]).isdisjoint(json.loads(line)["query"] for line in
+                                              (data / "heldout.jsonl").read_text().splitlines())
 
     # eval scored the held-out queries with the RL model and wrote the report
     ev = json.loads((run / "eval" / "metrics.json").read_text())
