@@ -205,7 +205,7 @@ def test_validated_checkpoints_are_reported_and_their_final_validation_has_time_
     assert ("- async validation success (%, on the validation queries; RL evaluation scores v2; v0 is the starting "
             "model): v0 41.0, v2 47.0, v4 44.0") in md
     # a recipe that validates keeps VALIDATION_RESERVE_S more of the deadline for its last validation
-    plain = gpu_proof.load_config(gpu_proof.ROOT / "configs" / "smollm2-proof.yaml")
+    plain = gpu_proof.load_config(gpu_proof.ROOT / "configs" / "smollm2-proof.yaml", ["rl.val_every=0"])
     validated = gpu_proof.load_config(gpu_proof.ROOT / "configs" / "smollm2-proof.yaml",
                                       ["rl.val_every=8", "synth.heldout_queries=100"])
     finish_by = time.monotonic() + 20 * 60
@@ -218,7 +218,7 @@ def test_a_deadline_that_leaves_rl_no_time_is_refused_before_any_phase_runs(tmp_
     import sys
     import time
 
-    config = gpu_proof.load_config(gpu_proof.ROOT / "configs" / "smollm2-proof.yaml")
+    config = gpu_proof.load_config(gpu_proof.ROOT / "configs" / "smollm2-proof.yaml", ["rl.val_every=0"])
     phases = ["convert", "sft", "eval_sft", "rl_async", "eval_rl", "report"]
     # 2026-11-25: --finish-within-min 6 left RL one minute, and it trained 0 of 32 steps
     with pytest.raises(gpu_proof.ProofBudgetError, match="leaves RL under 5 minutes"):
@@ -226,6 +226,9 @@ def test_a_deadline_that_leaves_rl_no_time_is_refused_before_any_phase_runs(tmp_
     gpu_proof.check_deadline(config, phases, set(), 25)
     gpu_proof.check_deadline(config, phases, {"convert", "sft", "eval_sft"}, 9)  # finished phases cost nothing
     gpu_proof.check_deadline(config, ["convert", "sft", "eval_sft"], set(), 1)  # no RL run: no RL budget
+    validated = gpu_proof.load_config(gpu_proof.ROOT / "configs" / "smollm2-proof.yaml")  # the recipe validates
+    with pytest.raises(gpu_proof.ProofBudgetError):  # its final validation needs time of its own
+        gpu_proof.check_deadline(validated, phases, {"convert", "sft", "eval_sft"}, 9)
     # at the RL phase itself: what is left after the reserve must hold MIN_RL_MINUTES
     with pytest.raises(gpu_proof.ProofBudgetError, match="minutes are left for RL"):
         gpu_proof.with_time_budget(config, time.monotonic() + gpu_proof.EVAL_RL_RESERVE_S + 60)
