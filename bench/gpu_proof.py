@@ -200,7 +200,7 @@ def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit:
     finishes: dict[str, int] = {}
     for traj in trajectories:
         finishes[traj.finish_reason] = finishes.get(traj.finish_reason, 0) + 1
-    result: dict[str, Any] = {"model": model, "queries": len(queries), "decode_s": decode_s,
+    result: dict[str, Any] = {"model": model, "folder": str(out), "queries": len(queries), "decode_s": decode_s,
                               "finish_reasons": finishes, **prefill,
                               "tool_calls_mean": statistics.mean(_tool_calls(t) for t in trajectories),
                               "sampled_tokens_mean": statistics.mean(t.timings.get("sampled_tokens", 0.0)
@@ -265,6 +265,27 @@ def transport_modes(answers: dict[str, dict[str, Any]]) -> dict[str, dict[str, i
         by_mode = table.setdefault(answer["transport"], {})
         by_mode[answer["modes"]] = by_mode.get(answer["modes"], 0) + 1
     return table
+
+
+def success_gain_interval(sft: dict[str, Any] | None, rl: dict[str, Any] | None,
+                          confidence: float = 0.95) -> dict[str, Any] | None:
+    """How sure the success gain is: `star eval compare`'s paired bootstrap of the two official scorings
+    (the same held-out queries), or None where either run folder is not on this disk. With 100 queries
+    a point is one query, and a gain of a few points is within chance (run 31: -2, CI [-9, +5])."""
+    from services.evaluation.compare import CompareError, compare_records
+    from services.evaluation.runfolder import RunFolder
+
+    folders = [Path(e["folder"]) / "official" for e in (sft, rl) if e and e.get("folder")]
+    if len(folders) != 2 or not all((f / "manifest.json").is_file() for f in folders):
+        return None
+    try:
+        deltas, info = compare_records(RunFolder(folders[0]).records(), RunFolder(folders[1]).records(),
+                                       confidence=confidence)
+    except CompareError:
+        return None
+    d = next(d for d in deltas if d.metric == "final_pass_rate")
+    return {"points": d.delta, "low": d.low, "high": d.high, "p_rl_better": d.p_b_better,
+            "confidence": confidence, "queries": info["paired_queries"]}
 
 
 def held_out_change(sft: dict[str, dict[str, Any]], rl: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -483,6 +504,7 @@ def report(state: dict[str, Any], out: Path, name: str, command: str) -> dict[st
     summary["eval"] = {"sft": _eval_brief(sft), "rl": _eval_brief(rl)}
     if (sft or {}).get("answers") and (rl or {}).get("answers"):
         summary["held_out"] = held_out_change(sft["answers"], rl["answers"])
+    summary["success_gain_ci"] = success_gain_interval(sft, rl)
     curves = {}
     for label, run in (("async", rl_async), ("sync", rl_sync)):
         if run:
@@ -536,8 +558,10 @@ def _markdown(s: dict[str, Any]) -> str:
             row = m[label]
             lines.append(f"| {label.upper()} | " + " | ".join(_pct(row[k]) for k in FIVE) + " |")
         lines.append("")
-    gain = s.get("success_gain_points")
-    lines += [f"Success gain of RL over SFT (official): {'—' if gain is None else f'{gain:+.1f} points'} "
+    gain, ci = s.get("success_gain_points"), s.get("success_gain_ci")
+    spread = (f", {ci['confidence']:.0%} CI [{ci['low']:+.1f}, {ci['high']:+.1f}], P(RL > SFT) {ci['p_rl_better']:.2f} "
+              f"(paired bootstrap over the {ci['queries']} held-out queries, as `star eval compare`)") if ci else ""
+    lines += [f"Success gain of RL over SFT (official): {'—' if gain is None else f'{gain:+.1f} points'}{spread} "
               f"(target ≥ +10).", ""]
     for label in ("sft", "rl"):
         e = (s.get("eval") or {}).get(label)

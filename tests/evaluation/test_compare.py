@@ -74,3 +74,30 @@ def test_cli_compare(runs, tmp_path):
     assert all(d["delta"] == 0 and d["low"] == 0 and d["high"] == 0 for d in json.loads(r.stdout)["deltas"])
     r = runner.invoke(app, ["eval", "compare", str(runs["a"]), str(tmp_path / "nothing")])
     assert r.exit_code == 2 and "not a run folder" in r.output
+
+
+def test_the_learning_proof_reports_its_success_gain_with_this_interval(runs, tmp_path):
+    import shutil
+
+    from bench import gpu_proof
+
+    evals = {}
+    for label, run in (("sft", "a"), ("rl", "b")):  # the proof scores each model into <folder>/official
+        shutil.copytree(runs[run], tmp_path / label / "official")
+        evals[label] = {"folder": str(tmp_path / label)}
+    ci = gpu_proof.success_gain_interval(evals["sft"], evals["rl"])
+    expected = next(d for d in compare_records(RunFolder(runs["a"]).records(), RunFolder(runs["b"]).records())[0]
+                    if d.metric == "final_pass_rate")
+    assert ci == {"points": expected.delta, "low": expected.low, "high": expected.high,
+                  "p_rl_better": expected.p_b_better, "confidence": 0.95, "queries": 45}
+    assert ci["points"] == pytest.approx(100 * 4 / 45)
+    # an older state, or folders left on the device: no interval, no error
+    assert gpu_proof.success_gain_interval({"model": "m"}, evals["rl"]) is None
+    assert gpu_proof.success_gain_interval({"folder": str(tmp_path / "gone")}, evals["rl"]) is None
+    decoded = {"queries": 45, "decode_s": 1.0, "finish_reasons": {"answer": 45}, "tool_calls_mean": 5.0}
+    state = {label: {**e, **decoded, "official": {"final_pass_rate": p}, "strict": {}}
+             for label, e, p in (("eval_sft", evals["sft"], 91.11), ("eval_rl", evals["rl"], 100.0))}
+    gpu_proof.report(state, tmp_path / "out", "proof", "cmd")
+    md = (tmp_path / "out" / "proof.md").read_text()
+    assert (f"Success gain of RL over SFT (official): +8.9 points, 95% CI [{ci['low']:+.1f}, {ci['high']:+.1f}], "
+            f"P(RL > SFT) {ci['p_rl_better']:.2f} (paired bootstrap over the 45 held-out queries") in md
