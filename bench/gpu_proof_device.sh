@@ -14,6 +14,7 @@
 #   bench/gpu_proof_device.sh start   # device call 3, carry [".gguf/part_ac", ".gguf/sha256"]; polls 9 min
 #   bench/gpu_proof_device.sh poll    # device calls 4…: polls up to 9 min, copies the results to $OUT
 #   bench/gpu_proof_device.sh probe   # once `start` has converted the model: the decode step probe
+#   MPS=1 bench/gpu_proof_device.sh start …   # the same under CUDA MPS (untried; see mps_start)
 #
 # Two parts of 42 MiB left setup 0.5 MiB under the limit once the tree grew by a run's results
 # (2026-11-24: "the working tree is larger than 64 MiB"); `pack` now prints each call's load.
@@ -88,6 +89,7 @@ start() {
   if [ -f .gguf/sha256 ] && [ "$(sha256sum "$GGUF_DIR/$GGUF_NAME" | cut -d' ' -f1)" != "$(cat .gguf/sha256)" ]; then
     echo "the joined GGUF does not match its sha256" >&2; exit 1
   fi
+  [ "${MPS:-0}" = 1 ] && mps_start
   cd "$SRC"
   PYTHONPATH=$SITE:$SRC PYTHONUNBUFFERED=1 setsid nohup "$PY" bench/gpu_proof.py \
     --gguf "$GGUF_DIR/$GGUF_NAME" --work "$WORK" --out "$RESULTS" --eval-batch 128 "$@" \
@@ -97,10 +99,25 @@ start() {
   poll
 }
 
+mps_start() {
+  # MPS=1 start …: CUDA MPS, so that the kernels of the proof's processes (learner, rollout engines,
+  # validation) run on the GPU side by side instead of taking turns (runs 29-31: a decode step took 10 ms
+  # alone and 33-49 ms beside the others). Untried on these machines (2026-11-25); it changes no setting of
+  # the card (compute mode stays as it is), and the run goes on without it if the daemon does not start.
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if command -v nvidia-cuda-mps-control > /dev/null && nvidia-cuda-mps-control -d; then
+    echo "MPS: control daemon started"
+  else
+    echo "MPS: no control daemon; running without" >&2
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
+}
+
 poll() {
-  # until the run ends or 9 minutes pass, whichever is first; then what there is comes back
+  # until the run ends or 54 checks pass (9 minutes at POLL_S=10 s), whichever is first; then what there is comes back
   for _ in $(seq 1 54); do
-    sleep 10
+    sleep ${POLL_S:-10}
     kill -0 "$(cat "$PID")" 2>/dev/null || break
   done
   tr '\r' '\n' < "$LOG" | grep -v 'it/s\]$\|s/it\]$\|query/s\]$\|s/query\]$\|pkg_resources\|^$' | tail -40 || true
@@ -123,6 +140,13 @@ poll() {
       done
     done
     for phase in eval_sft eval_rl; do [ -d "$WORK/$phase" ] && ln -s "$WORK/$phase" "$pack/$phase"; done
+    # rl.val_every: which versions were validated and how each scored, with each validation's log
+    if [ -d "$WORK/run/validation" ]; then
+      mkdir -p "$pack/validation"
+      cp "$WORK/run/validation/history.json" "$pack/validation/" 2>/dev/null || true
+      for f in "$WORK"/run/logs/validate-v*.log; do [ -f "$f" ] && tail -c 20000 "$f" > "$pack/validation/$(basename "$f")"; done
+    fi
+    [ -f /tmp/mps-log/control.log ] && tail -c 20000 /tmp/mps-log/control.log > "$pack/logs/mps_control.log"
     tar -czhf "$OUT/gpu_proof_logs.tar.gz" -C "$pack" . 2>/dev/null || true
   fi
   kill -0 "$(cat "$PID")" 2>/dev/null && echo "still running: poll again now" || echo "the run has ended"
