@@ -663,11 +663,15 @@ def _plot(curves: dict[str, Any], path: Path) -> None:
         axes[0].plot(xs, [r if r is not None else float("nan") for r in c["reward_mean"]], marker="o",
                      label=f"{label} (staleness {c['max_staleness']})")
         axes[1].plot(xs, [r if r is not None else float("nan") for r in c["success"]], marker="o", label=label)
+        validated = sorted(c.get("validation") or [], key=lambda h: h["version"])
+        if validated:  # version n is the policy after step n; v0 the starting model (its score at step 0)
+            axes[1].plot([h["version"] for h in validated], [h["success"] / 100 for h in validated], marker="s",
+                         linestyle="--", label=f"{label} validation (temperature of the evaluation)")
         restated = c.get("restated") or []
         axes[3].plot(range(1, len(restated) + 1), [r if r is not None else float("nan") for r in restated],
                      marker="o", label=label)
     axes[0].set(title="mean reward per step", xlabel="step")
-    axes[1].set(title="success per step (training groups)", xlabel="step")
+    axes[1].set(title="success: training groups per step, validated versions", xlabel="step")
     axes[3].set(title="stated preferences restated (RL samples)", xlabel="step", ylim=(0, 1.05))
     for ax in (axes[0], axes[1], axes[3]):
         ax.legend()
