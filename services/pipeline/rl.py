@@ -185,40 +185,36 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
     curriculum = Curriculum.parse(r.curriculum) if r.reward == "curriculum" else None
     sampling = r.sampling if r.sampling.seed is not None else r.sampling.model_copy(update={"seed": run.config.seed})
     validation = Validation(run, synth["val_queries"], r.val_every) if r.val_every and synth.get("val_queries") else None
-    f = start_fleet(run, model, names)
     try:
-        if validation and not validation.seen(0):
-            validation.submit(0, model, keep=False)  # the starting model: the curve's baseline, same queries
-        f.learner = Managed("learner", [sys.executable, "-m", "services.learner.worker", "rl",
-                                        str(rl_config(run, model, names, f.redis_url, schedule.total_steps))],
-                            {**run.env, "STAR_REDIS_URL": f.redis_url}, run.log("learner")).start()
-        client = redis.Redis.from_url(f.redis_url)
-        publisher = TaskPublisher(client, names, run.config.name, schedule, sampling, reward_kind=r.reward,
-                                  preference_penalty=r.preference_penalty, curriculum=curriculum,
-                                  eval_mode=r.eval_mode, max_staleness=r.max_staleness,
-                                  arpo=r.arpo if r.algorithm == "arpo" else None)
-        ended = drive(run, f, client, names, publisher, schedule, validation=validation, deadline=deadline)
-        if ended.reason == "budget" and f.learner is not None:
-            # the learner may publish once more while it stops: read the weights after it has
-            f.learner.stop(120)
-            ended = Ending("budget", learner_progress(client, names))
-        latest = client.get(names.weights_latest)
-    except BaseException:
+        f = start_fleet(run, model, names)
+        try:
+            if validation and not validation.seen(0):
+                validation.submit(0, model, keep=False)  # the starting model: the curve's baseline, same queries
+            f.learner = Managed("learner", [sys.executable, "-m", "services.learner.worker", "rl",
+                                            str(rl_config(run, model, names, f.redis_url, schedule.total_steps))],
+                                {**run.env, "STAR_REDIS_URL": f.redis_url}, run.log("learner")).start()
+            client = redis.Redis.from_url(f.redis_url)
+            publisher = TaskPublisher(client, names, run.config.name, schedule, sampling, reward_kind=r.reward,
+                                      preference_penalty=r.preference_penalty, curriculum=curriculum,
+                                      eval_mode=r.eval_mode, max_staleness=r.max_staleness,
+                                      arpo=r.arpo if r.algorithm == "arpo" else None)
+            ended = drive(run, f, client, names, publisher, schedule, validation=validation, deadline=deadline)
+            if ended.reason == "budget" and f.learner is not None:
+                # the learner may publish once more while it stops: read the weights after it has
+                f.learner.stop(120)
+                ended = Ending("budget", learner_progress(client, names))
+            latest = client.get(names.weights_latest)
+        finally:
+            f.stop()
+        update = json.loads(latest) if latest else None
+        if validation:  # after the fleet, whose engines have given the GPU back
+            if update and not validation.seen(update["version"]):
+                validation.submit(update["version"], update["uri"])  # the final policy is a candidate too
+            print_validations(validation.wait())
+    except BaseException:  # a failing or interrupted stage leaves no validation running
         if validation:
             validation.stop()
         raise
-    finally:
-        f.stop()
-    update = json.loads(latest) if latest else None
-    if validation:
-        try:
-            if update and not validation.seen(update["version"]):
-                validation.submit(update["version"], update["uri"])  # the final policy is a candidate too
-            for entry in validation.wait():
-                console.print(f"validation v{entry['version']}: success {entry['success']:.1f} %")
-        except BaseException:
-            validation.stop()
-            raise
     best = validation.best() if validation else None
     ending = {"ended": ended.reason, "steps_trained": ended.steps}
     if best:
@@ -237,22 +233,21 @@ class Validation:
     starting model is validated too (version 0), as the baseline of the curve.
 
     A due version is hard-linked into the run folder at once, so the learner pruning old versions
-    cannot pull it away, and the best one survives the run. Its `star eval` runs beside the fleet,
-    one at a time (later due versions wait their turn): the controller keeps publishing meanwhile.
-    Run 31 (bench/results/gpu_proof.md) validated in the controller's loop, and the fleet idled for
-    about a minute each time."""
+    cannot pull it away, and the best one survives the run. Its `star eval` runs beside the fleet as
+    a managed process, one at a time (later due versions wait their turn): the controller keeps
+    publishing meanwhile. Run 31 (bench/results/gpu_proof.md) validated in the controller's loop,
+    and the fleet idled for about a minute each time."""
 
     run: Run
     split: str
     every: int
     history: list[dict[str, Any]] = field(default_factory=list)
-    waiting: list[int] = field(default_factory=list)
-    running: tuple[int, subprocess.Popen] | None = None
-    models: dict[int, str] = field(default_factory=dict)
+    waiting: list[tuple[int, str]] = field(default_factory=list)   # (version, model folder)
+    running: tuple[int, str, Managed] | None = None
 
     def seen(self, version: int) -> bool:
         """Validated, under way or queued."""
-        return (any(h["version"] == version for h in self.history) or version in self.waiting
+        return (any(h["version"] == version for h in self.history) or any(v == version for v, _ in self.waiting)
                 or (self.running is not None and self.running[0] == version))
 
     def due(self, version: int) -> bool:
@@ -270,14 +265,13 @@ class Validation:
         model = self.folder(version) / "model"
         if keep and not model.exists():
             shutil.copytree(uri, model, copy_function=_link_or_copy)
-        self.models[version] = str(model) if keep else uri
-        self.waiting.append(version)
+        self.waiting.append((version, str(model) if keep else uri))
         self._start_next()
 
     def poll(self) -> list[dict[str, Any]]:
         """The validations that finished since the last call (a failed one raises StageFailed)."""
         done: list[dict[str, Any]] = []
-        if self.running is not None and self.running[1].poll() is not None:
+        if self.running is not None and self.running[2].exited() is not None:
             done.append(self._finish())
             self._start_next()
         return done
@@ -286,18 +280,14 @@ class Validation:
         """Every queued validation, run to its end."""
         done: list[dict[str, Any]] = []
         while self.running is not None:
-            self.running[1].wait()
+            self.running[2].proc.wait()
             done += self.poll()
         return done
 
     def stop(self) -> None:
-        """Abandon the validation under way (the stage is failing or interrupted)."""
+        """Abandon the validation under way and the queued ones (the stage is failing or interrupted)."""
         if self.running is not None:
-            self.running[1].terminate()
-            try:
-                self.running[1].wait(30)
-            except subprocess.TimeoutExpired:
-                self.running[1].kill()
+            self.running[2].stop()
             self.running = None
         self.waiting.clear()
 
@@ -311,28 +301,32 @@ class Validation:
         return f"validate-v{version}"
 
     def _start_next(self) -> None:
-        from services.pipeline.train import eval_argv, start_process
+        from services.pipeline.train import eval_argv
 
         if self.running is not None or not self.waiting:
             return
-        version = self.waiting.pop(0)
-        folder = self.folder(version)
-        argv = eval_argv(self.run, self.models[version], self.split, folder / "eval", self.run.config.eval.limit)
-        self.running = (version, start_process(self.run, self._name(version), argv))
+        version, model = self.waiting.pop(0)
+        argv = eval_argv(self.run, model, self.split, self.folder(version) / "eval", self.run.config.eval.limit)
+        name = self._name(version)
+        self.running = (version, model, Managed(name, argv, self.run.env, self.run.log(name)).start())
 
     def _finish(self) -> dict[str, Any]:
         from services.pipeline.train import check_exit, eval_metrics
 
-        version, proc = self.running  # type: ignore[misc]
+        version, model, process = self.running  # type: ignore[misc]
         self.running = None
-        check_exit(self.run, self._name(version), proc.returncode)
-        folder = self.folder(version)
-        metrics = eval_metrics(folder / "eval")
-        entry = {"version": version, "model": self.models[version], "success": metrics.get("final_pass_rate", 0.0),
+        check_exit(self.run, self._name(version), process.exited())
+        metrics = eval_metrics(self.folder(version) / "eval")
+        entry = {"version": version, "model": model, "success": metrics.get("final_pass_rate", 0.0),
                  "metrics": metrics}
         self.history.append(entry)
         (self.run.folder / "validation" / "history.json").write_text(json.dumps(self.history, indent=2))
         return entry
+
+
+def print_validations(entries: list[dict[str, Any]]) -> None:
+    for entry in entries:
+        console.print(f"validation v{entry['version']}: success {entry['success']:.1f} %")  # star eval's percent
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -389,8 +383,7 @@ def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher
                 latest = json.loads(latest_raw) if latest_raw else None
                 if latest and validation.due(latest["version"]):
                     validation.submit(latest["version"], latest["uri"])
-                for entry in validation.poll():
-                    console.print(f"validation v{entry['version']}: success {entry['success']:.1f} %")  # star eval's percent
+                print_validations(validation.poll())
             if progress >= total:
                 _await_last_publication(run, f)
                 return Ending("done", progress)

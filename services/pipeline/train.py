@@ -74,13 +74,6 @@ def star_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
 
-def start_process(run: Run, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start one stage process, its output appended to logs/<name>.log."""
-    with open(run.log(name), "ab") as out:
-        return subprocess.Popen(argv, env={**os.environ, **run.env, **(env or {})}, stdout=out, stderr=out,
-                                stdin=subprocess.DEVNULL)
-
-
 def check_exit(run: Run, name: str, rc: int) -> None:
     """A stage process that failed, as a StageFailed naming its log and last lines."""
     if rc != 0:
@@ -92,16 +85,19 @@ def check_exit(run: Run, name: str, rc: int) -> None:
 def run_process(run: Run, name: str, argv: list[str], *, env: dict[str, str] | None = None,
                 timeout: float | None = None) -> None:
     """Run one stage process to completion, its output in logs/<name>.log."""
-    proc = start_process(run, name, argv, env=env)
-    try:
-        rc = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise StageFailed(f"{name} did not finish within {timeout:.0f}s; see {run.log(name)}") from None
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-        raise
+    log = run.log(name)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, env={**os.environ, **run.env, **(env or {})}, stdout=out, stderr=out,
+                                stdin=subprocess.DEVNULL)
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise StageFailed(f"{name} did not finish within {timeout:.0f}s; see {log}") from None
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+            raise
     check_exit(run, name, rc)
 
 

@@ -78,7 +78,7 @@ def test_validations_run_beside_the_controller_one_at_a_time_and_keep_their_weig
     v.submit(2, _version(tmp_path, 2, 40.0))
     v.submit(4, _version(tmp_path, 4, 47.0))
     assert time.monotonic() - started < 5  # submitting does not wait for the evaluation
-    assert v.running[0] == 2 and v.waiting == [4]  # one at a time, the next queued
+    assert v.running[0] == 2 and [version for version, _ in v.waiting] == [4]  # one at a time, the next queued
     assert not v.due(2) and not v.due(4) and v.due(6)  # under way and queued count as seen
     assert v.poll() == []  # nothing finished while the gate is shut
     # the learner prunes old versions: the validation's copy stays (hard links)
@@ -105,7 +105,7 @@ def test_a_failed_validation_fails_the_stage_and_stop_ends_the_one_under_way(tmp
     gate.unlink()
     v.submit(2, _version(tmp_path, 2, 50.0))
     v.submit(3, _version(tmp_path, 3, 50.0))
-    proc = v.running[1]
+    proc = v.running[2].proc
     v.stop()
     assert proc.returncode is not None and v.running is None and v.waiting == []
     assert v.history == []
