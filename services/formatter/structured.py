@@ -19,13 +19,14 @@ conventions (spec travelplanner.md §5), `-` for nothing. RL scoring reads answe
 What the parser forgives (what an agent plausibly writes around the plan): prose before the
 first day and after the last complete day, an `<answer>` wrapper, CRLF line ends, blank lines,
 markdown headings, bullets, bold/italic markers around labels and day headers, code fences,
-horizontal rules, label case, "Attractions"/"Accommodations" plurals, a date after "Day N".
+horizontal rules, label case, "Attractions"/"Accommodations" plurals, a date after "Day N", and a
+trailing ";" on a meal or accommodation (one entry each; ";" separates the attraction line's entries).
 What it does not forgive, because a guess would change the plan: a missing, repeated or unknown
 field inside a day, a value on a line of its own, days out of sequence, and (when `days` is
 given) a different number of days than the query asks for.
 
-Round trip: for single-line values without surrounding whitespace, `parse_plan(render_plan(p))
-== p`. An empty value is written and read as `-`.
+Round trip: for single-line values without surrounding whitespace (and no trailing ";" on a meal or
+accommodation), `parse_plan(render_plan(p)) == p`. An empty value is written and read as `-`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ _LABEL_TO_FIELD = {label.lower(): name for label, name in FIELDS}
 _LABEL_TO_FIELD.update({"attractions": "attraction", "accommodations": "accommodation",
                         "current_city": "current_city", "currentcity": "current_city"})
 _FIELD_TO_LABEL = {name: label for label, name in FIELDS}
+# Fields that hold one entry. A ";" after it is the attraction line's separator carried over, not part
+# of the city: run 31's policy drifted to "Breakfast: Castell's Kitchen, Ostmore;", which the evaluator
+# read as a restaurant in the city "Ostmore;" (bench/results/gpu_proof.md).
+ONE_ENTRY_FIELDS = frozenset({"breakfast", "lunch", "dinner", "accommodation"})
 
 MAX_TEXT_CHARS = 200_000  # a plan of 7 days is a few KB; bounds the work on hostile input
 MAX_DAYS = 64
@@ -180,6 +185,8 @@ def _field(line: str) -> tuple[str | None, str] | None:
         value = value[: -len(emph)].rstrip()
     elif emph and len(value) > 2 * len(emph) and value.startswith(emph) and value.endswith(emph):
         value = value[len(emph):-len(emph)].strip()  # "**Dinner**: **Coco Bambu, Chicago**"
+    if name in ONE_ENTRY_FIELDS:
+        value = value.rstrip(";").rstrip()
     return name, value or "-"
 
 

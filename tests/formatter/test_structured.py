@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from services.common.schemas import Plan, PlanDay
-from services.formatter.structured import FIELDS, PlanTextError, parse_plan, render_plan
+from services.formatter.structured import FIELDS, ONE_ENTRY_FIELDS, PlanTextError, parse_plan, render_plan
 
 DAY1 = PlanDay(
     day=1, current_city="from Sarasota to Chicago",
@@ -98,6 +98,18 @@ def test_non_text_and_huge_text_are_refused():
         parse_plan("x" * 300_000)
 
 
+def test_a_stray_separator_after_one_entry_is_dropped():
+    # Run 31's drift: the attraction line's ";" after a meal made the evaluator read the city "Chicago;".
+    text = render_plan(PLAN).replace("Coco Bambu, Chicago", "Coco Bambu, Chicago ;").replace(
+        "Dial A Cake, Chicago", "Dial A Cake, Chicago;").replace("Cozy Room in Wicker Park, Chicago",
+                                                                 "Cozy Room in Wicker Park, Chicago;")
+    assert parse_plan(text) == PLAN
+    # The attraction line keeps its separators: they are the benchmark's own form there.
+    assert parse_plan(text).days[1].attraction.endswith("Chicago;")
+    # A meal of nothing but separators is no meal.
+    assert parse_plan(text.replace("Breakfast: -", "Breakfast: ;", 1)).days[0].breakfast == "-"
+
+
 def test_render_keeps_values_on_one_line():
     day = DAY2.model_copy(update={"lunch": "Flying\nMango, Chicago", "breakfast": ""})  # day=2: renumbered
     plan = parse_plan(render_plan(Plan(days=[day])))
@@ -111,7 +123,16 @@ _value = st.text(
     alphabet=st.characters(blacklist_categories=("Cc", "Cs", "Zl", "Zp"), blacklist_characters="\x85\x1c\x1d\x1e"),
     min_size=1, max_size=60,
 ).map(str.strip).filter(lambda v: v != "")
-_day_fields = st.fixed_dictionaries({name: _value for _, name in FIELDS})
+
+
+def _day_fields_of(value: st.SearchStrategy[str]) -> st.SearchStrategy[dict[str, str]]:
+    """A day's fields; a meal or accommodation holds one entry, so a trailing ";" there is read as a
+    stray separator and cannot round-trip."""
+    entry = value.filter(lambda v: not v.endswith(";"))
+    return st.fixed_dictionaries({name: entry if name in ONE_ENTRY_FIELDS else value for _, name in FIELDS})
+
+
+_day_fields = _day_fields_of(_value)
 
 
 @settings(max_examples=300, deadline=None)
@@ -142,7 +163,7 @@ _plain_value = st.text(alphabet=st.sampled_from("abcdefgh XYZ,;.()'&-0123456789:
 
 
 @settings(max_examples=200, deadline=None)
-@given(days=st.lists(st.fixed_dictionaries({name: _plain_value for _, name in FIELDS}), min_size=1, max_size=5),
+@given(days=st.lists(_day_fields_of(_plain_value), min_size=1, max_size=5),
        styles=st.data(), newline=st.sampled_from(["\n", "\r\n"]), prose=st.sampled_from(["", "Here is the plan.\n\n"]))
 def test_decorated_plans_read_the_same(days, styles, newline, prose):
     plan = Plan(days=[PlanDay(day=i + 1, **fields) for i, fields in enumerate(days)])
