@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from services.cli import app
+from services.evaluation.runfolder import RunFolder
 
 runner = CliRunner()
 
@@ -20,6 +21,9 @@ def test_eval_predictions_end_to_end(gold, official_world_url, mutated_submissio
     assert r.exit_code == 0, r.output
     assert "45 queries, official mode, official train denominators" in r.stdout
     assert "Final Pass Rate       91.11%" in r.stdout and "Delivery Rate         97.78%" in r.stdout
+    # the reader the RL stage's validation picks its checkpoint by
+    assert RunFolder(out).final_pass_rate() == pytest.approx(91.11, abs=0.005)
+    assert RunFolder(tmp_path / "nothing").final_pass_rate() is None
     for name in ("manifest.json", "scores.jsonl", "predictions.jsonl", "metrics.json", "report.md"):
         assert (out / name).is_file(), name
     report = (out / "report.md").read_text()

@@ -42,18 +42,21 @@ class _Run:
 
 
 def _fake_eval(gate: Path):
-    """A `star eval` stand-in: waits for `gate`, then writes the success it finds in the model folder."""
+    """A `star eval` stand-in: waits for `gate`, then writes the success it finds in the model folder, in
+    metrics.json's shape (tests/evaluation/test_cli.py reads the real one with the same reader); a
+    negative score fails, None writes nothing."""
     script = ("import json, pathlib, sys, time\n"
               "model, out, gate = map(pathlib.Path, sys.argv[1:4])\n"
               "while not gate.exists(): time.sleep(0.05)\n"
               "score = json.loads((model / 'score.json').read_text())\n"
-              "if score < 0: sys.exit('the model could not be evaluated')\n"
+              "if score is not None and score < 0: sys.exit('the model could not be evaluated')\n"
               "out.mkdir(parents=True, exist_ok=True)\n"
-              "(out / 'metrics.json').write_text(json.dumps({'final_pass_rate': score}))\n")
+              "if score is not None:\n"
+              "    (out / 'metrics.json').write_text(json.dumps({'metrics': {'final_pass_rate': score}}))\n")
     return lambda run, model, split, out, limit: [sys.executable, "-c", script, model, str(out), str(gate)]
 
 
-def _version(tmp_path: Path, version: int, score: float) -> str:
+def _version(tmp_path: Path, version: int, score: float | None) -> str:
     uri = tmp_path / "weights" / f"v{version}"
     uri.mkdir(parents=True)
     (uri / "score.json").write_text(json.dumps(score))
@@ -101,6 +104,10 @@ def test_a_failed_validation_fails_the_stage_and_stop_ends_the_one_under_way(tmp
     v.submit(1, _version(tmp_path, 1, -1.0))
     gate.touch()
     with pytest.raises(StageFailed, match="(?s)validate-v1 exited with 1.*could not be evaluated"):
+        v.wait()
+    # an evaluation that exits cleanly without a figure is an error, not 0 % (run 33 read every version as 0)
+    v.submit(9, _version(tmp_path, 9, None))
+    with pytest.raises(StageFailed, match="validate-v9 exited cleanly but left no success"):
         v.wait()
     gate.unlink()
     v.submit(2, _version(tmp_path, 2, 50.0))
