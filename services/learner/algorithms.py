@@ -51,6 +51,15 @@ def group_advantages(rewards: Sequence[float], groups: Sequence[Hashable], *, st
     return out
 
 
+def scale_negative_advantages(advantages: Sequence[float], scale: float) -> list[float]:
+    """Negative advantages times `scale` (1: GRPO as is; 0: only the group's better samples push).
+    On the H100 proof (run 33, lr 1e-4) the failed samples' push-down spread probability off the
+    copied names: the sandbox check fell from 0.67 to 0 in four steps while entropy rose 0.10 → 0.25."""
+    if not 0.0 <= scale <= 1.0:
+        raise ValueError(f"negative advantage scale must be in [0, 1], got {scale}")
+    return [a * scale if a < 0 else a for a in advantages]
+
+
 # ---- which groups and samples train ------------------------------------------------------------
 
 def reward_spread(rewards: Sequence[float]) -> float:

@@ -204,8 +204,9 @@ class RLBatch:
 
 
 def rl_sequences(trajs: Sequence[ScoredTrajectory], filters: FilterConfig, *, learner_version: int,
-                 std_normalize: bool = True, use_rollout_logprobs: bool = True) -> RLBatch:
-    """Staleness → effective rewards → group selection (DAPO / StarPO-S) → advantages → loss masks."""
+                 std_normalize: bool = True, use_rollout_logprobs: bool = True, negative_scale: float = 1.0) -> RLBatch:
+    """Staleness → effective rewards → group selection (DAPO / StarPO-S) → advantages (negative ones
+    times `negative_scale`) → loss masks."""
     fresh, stale = alg.split_stale([t.policy_version for t in trajs], learner_version, filters.max_staleness)
     trajs = [trajs[i] for i in fresh]
     rewards = [alg.effective_reward(t.reward, t.finish_reason, filters.zero_reward_finish_reasons) for t in trajs]
@@ -218,6 +219,7 @@ def rl_sequences(trajs: Sequence[ScoredTrajectory], filters: FilterConfig, *, le
     chosen = [i for i, t in enumerate(trajs) if t.group_id in kept]
     advantages = alg.group_advantages([rewards[i] for i in chosen], [trajs[i].group_id for i in chosen],
                                       std_normalize=std_normalize)
+    advantages = alg.scale_negative_advantages(advantages, negative_scale)
     masked_reasons = set(filters.mask_finish_reasons)
     seqs: list[Sequence_] = []
     n_masked = 0

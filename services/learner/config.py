@@ -120,6 +120,9 @@ class RLConfig(_Strict):
     eps_high: float = Field(0.28, ge=0.0)
     dual_clip_c: float | None = Field(None, gt=1.0, description="Dual-clip bound for negative advantages (None: off).")
     std_normalize: bool = Field(True, description="Divide by the group's std (GRPO); False: Dr.GRPO-style mean only.")
+    negative_scale: float = Field(1.0, ge=0.0, le=1.0, description=(
+        "Weight of negative advantages (1: GRPO as the paper; 0: only samples above their group's mean train, "
+        "as in RAFT++)."))
     loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
     kl_coef: float = Field(0.0, ge=0.0, description="KL to the reference policy (0: KL-free, no reference model).")
     use_rollout_logprobs: bool = Field(

@@ -404,7 +404,7 @@ class RLTrainer:
         trajs_payload, lost = _broadcast((trajs_payload, lost), self.engine)
         trajs = [ScoredTrajectory.model_validate(t) for t in trajs_payload]
         batch = rl_sequences(trajs, cfg.filters, learner_version=self.version, std_normalize=cfg.std_normalize,
-                             use_rollout_logprobs=cfg.use_rollout_logprobs)
+                             use_rollout_logprobs=cfg.use_rollout_logprobs, negative_scale=cfg.negative_scale)
         metrics: dict[str, Any] = {"time_wait_s": wait_s, **batch.stats,
                                    "samples_duplicate": float(_broadcast(self.duplicates, self.engine)),
                                    "groups_lost": float(len(lost))}

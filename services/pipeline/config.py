@@ -108,6 +108,7 @@ class RLSpec(_Section):
     # Not the paper's (it trains KL-free): a brake on RL unlearning what SFT taught (run 15 in
     # bench/results/gpu_proof.md). The reference is the stage's starting model, usually the SFT export.
     kl_coef: float = RLConfig.model_fields["kl_coef"]
+    negative_scale: float = RLConfig.model_fields["negative_scale"]
     eval_mode: EvalMode = Field("strict", description="Evaluator mode of the training reward.")
     # The learner's logprobs, like the rollouts' recorded ones, are of the model's own (temperature-1)
     # distribution, so only at temperature 1.0 (the paper's) are the samples on-policy. At 0.7 the

@@ -188,6 +188,24 @@ def test_rl_sequences_overlength_masked_but_kept_in_normalization():
     assert batch.stats["samples_masked_overlength"] == 1 and batch.stats["samples_trained"] == 3
 
 
+@pytest.mark.parametrize("scale", [0.0, 0.25, 1.0])
+def test_negative_advantages_are_scaled_and_positive_ones_kept(scale):
+    trajs = [_traj("g", 0, 1.0), _traj("g", 1, 0.0), _traj("g", 2, 0.0), _traj("g", 3, 0.0)]
+    full = rl_sequences(trajs, FilterConfig(), learner_version=0).advantages
+    batch = rl_sequences(trajs, FilterConfig(), learner_version=0, negative_scale=scale)
+    # mean 0.25, std 0.5: the better sample +1.5, the others -0.5 times the scale
+    assert full == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-4)
+    assert batch.advantages == pytest.approx([1.5] + [-0.5 * scale] * 3, abs=1e-4)
+    assert [s.advantage for s in batch.sequences] == batch.advantages
+
+
+def test_negative_scale_outside_zero_to_one_is_refused():
+    with pytest.raises(ValueError, match=r"in \[0, 1\], got 1.5"):
+        alg.scale_negative_advantages([1.0, -1.0], 1.5)
+    with pytest.raises(ValueError, match="negative_scale"):
+        RLConfig(model="m", output_dir="o", negative_scale=-0.1)
+
+
 def test_rl_sequences_format_error_zero_stale_and_dapo():
     trajs = [_traj("a", 0, 3.0, "format_error"), _traj("a", 1, 0.0),          # flat after zeroing → dropped
              _traj("b", 0, 2.0), _traj("b", 1, 1.0),

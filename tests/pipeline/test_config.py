@@ -103,6 +103,12 @@ def test_the_rl_section_reaches_the_learner_config(tmp_path):
     assert RLConfig.model_validate_json(path.read_text()).kl_coef == 0.0
     with pytest.raises(ConfigError, match="kl_coef"):
         load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.kl_coef=-1"])
+    assert learner.negative_scale == 1.0  # GRPO as the paper unless the recipe says otherwise
+    positive = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.negative_scale=0"])
+    path = rl_config(Run(positive, tmp_path), "model", StreamNames("t"), "redis://x", total_steps=16)
+    assert RLConfig.model_validate_json(path.read_text()).negative_scale == 0.0
+    with pytest.raises(ConfigError, match="negative_scale"):
+        load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.negative_scale=2"])
 
 
 def test_the_synth_section_reaches_the_synthesizer(tmp_path, monkeypatch):
