@@ -412,7 +412,9 @@ def rl_run(config, folder: Path, main: Path | None = None) -> dict[str, Any]:
 
 EVAL_RL_RESERVE_S = 180  # stopping the fleet (the learner gets up to 120 s), the RL evaluation (~45 s), the report
 # With rl.val_every, the final policy is validated after the fleet stops, and a validation still under way is
-# waited for first (each took about 65 s on the H100 in run 31: `star eval`, 100 queries at concurrency 50).
+# waited for first. Beside the fleet one took 91-130 s on the H100, the final one alone 39-40 s (runs 33 and 34:
+# `star eval`, 100 queries at concurrency 50). Run 34's RL stage ended 140 s past rl.max_minutes, and the whole
+# proof 2.4 minutes before its deadline.
 VALIDATION_RESERVE_S = 150
 # Less RL time trains nothing: the fleet's start (engines load, graphs captured) and the first step took
 # about 2 minutes on the H100 (runs 29-31), and a 1-minute budget stopped after 0 of 32 steps (2026-11-25).
