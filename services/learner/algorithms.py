@@ -2,7 +2,8 @@
 
 Conventions (spec/paper-recipe.md "RL defaults", agent-star.md §4.1, §4.4, §4.5):
 - GRPO advantage: (r - mean_g) / (std_g + eps) with the unbiased std over the G samples of a
-  prompt; a group of one sample gets mean 0 and std 1 (verl's convention).
+  prompt; a group of one sample gets mean 0 and std 1 (verl's convention). Negative advantages may
+  be scaled down (`negative_scale`, our own; 1 keeps GRPO as the paper).
 - Overlength / truncated samples keep their reward in the group statistics but carry no loss.
 - Format errors score 0 whatever the scorer said.
 - Token-level normalization: every loss token of the step weighs 1 / (all loss tokens of the
@@ -53,8 +54,9 @@ def group_advantages(rewards: Sequence[float], groups: Sequence[Hashable], *, st
 
 def scale_negative_advantages(advantages: Sequence[float], scale: float) -> list[float]:
     """Negative advantages times `scale` (1: GRPO as is; 0: only the group's better samples push).
-    On the H100 proof (run 33, lr 1e-4) the failed samples' push-down spread probability off the
-    copied names: the sandbox check fell from 0.67 to 0 in four steps while entropy rose 0.10 → 0.25."""
+    On the H100 proof at lr 1e-4, full GRPO collapsed (run 33: the sandbox check in training fell from
+    0.67 to 0 in four steps, entropy rose from 0.10 to 0.28); at scale 0 the format held but success did
+    not rise (run 34, bench/results/gpu_proof.md)."""
     if not 0.0 <= scale <= 1.0:
         raise ValueError(f"negative advantage scale must be in [0, 1], got {scale}")
     return [a * scale if a < 0 else a for a in advantages]
