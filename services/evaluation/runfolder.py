@@ -88,11 +88,12 @@ class RunFolder:
         if len(lines) != kept or (raw and not raw.endswith(b"\n")):
             self.scores_path.write_text("".join(line + "\n" for line in lines[:kept]), encoding="utf-8")
 
-    def final_pass_rate(self) -> float | None:
-        """The run's success in percent, as `finalize` wrote it into metrics.json (None before that)."""
+    def metrics(self) -> dict[str, Any] | None:
+        """The Table-1 figures (percent) `finalize` wrote into metrics.json, under "metrics" beside the
+        analyses; None before that."""
         if not self.metrics_path.is_file():
             return None
-        return json.loads(self.metrics_path.read_text(encoding="utf-8")).get("metrics", {}).get("final_pass_rate")
+        return json.loads(self.metrics_path.read_text(encoding="utf-8")).get("metrics")
 
     def records(self) -> list[QueryRecord]:
         return sorted(read_records(self.scores_path), key=lambda r: r.index)

@@ -313,19 +313,18 @@ class Validation:
 
     def _finish(self) -> dict[str, Any]:
         from services.evaluation.runfolder import RunFolder
-        from services.pipeline.train import check_exit, eval_metrics
+        from services.pipeline.train import check_exit
 
         version, model, process = self.running  # type: ignore[misc]
         self.running = None
         name = self._name(version)
         check_exit(self.run, name, process.exited())
         out = RunFolder(self.folder(version) / "eval")
-        success = out.final_pass_rate()
-        if success is None:
+        metrics = out.metrics() or {}
+        if metrics.get("final_pass_rate") is None:
             # Not 0: run 33 read every validation as 0 % from the wrong key and "picked" the last version.
             raise StageFailed(f"{name} exited cleanly but left no success in {out.metrics_path}")
-        entry = {"version": version, "model": model, "success": success,
-                 "metrics": eval_metrics(out.path).get("metrics", {})}
+        entry = {"version": version, "model": model, "success": metrics["final_pass_rate"], "metrics": metrics}
         self.history.append(entry)
         (self.run.folder / "validation" / "history.json").write_text(json.dumps(self.history, indent=2))
         return entry

@@ -22,8 +22,8 @@ def test_eval_predictions_end_to_end(gold, official_world_url, mutated_submissio
     assert "45 queries, official mode, official train denominators" in r.stdout
     assert "Final Pass Rate       91.11%" in r.stdout and "Delivery Rate         97.78%" in r.stdout
     # the reader the RL stage's validation picks its checkpoint by
-    assert RunFolder(out).final_pass_rate() == pytest.approx(91.11, abs=0.005)
-    assert RunFolder(tmp_path / "nothing").final_pass_rate() is None
+    assert RunFolder(out).metrics()["final_pass_rate"] == pytest.approx(91.11, abs=0.005)
+    assert RunFolder(tmp_path / "nothing").metrics() is None
     for name in ("manifest.json", "scores.jsonl", "predictions.jsonl", "metrics.json", "report.md"):
         assert (out / name).is_file(), name
     report = (out / "report.md").read_text()
