@@ -181,6 +181,7 @@ async def _decode_all(model: str, queries: list, sampling, world_url: str, batch
 def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit: int | None,
              batch: int, decode: str) -> dict[str, Any]:
     """Decode every held-out query (batched), then score the answers in both evaluator modes."""
+    from services.evaluation.runfolder import RunFolder
     from services.evaluation.submission import load_split
 
     queries = load_split(split, limit)
@@ -218,7 +219,9 @@ def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit:
         if proc.returncode != 0:
             raise RuntimeError(f"star eval ({mode}) failed: {proc.stderr[-2000:]}")
         # metrics.json holds the analyses too; the headline figures are under "metrics"
-        scored = json.loads((out / mode / "metrics.json").read_text())
+        scored = RunFolder(out / mode).analysis()
+        if scored is None:
+            raise RuntimeError(f"star eval ({mode}) wrote no metrics.json in {out / mode}")
         result[mode] = scored["metrics"]
         result[f"{mode}_failures"] = scored.get("failures")
     answers = held_out_answers(out / "official" / "scores.jsonl")
@@ -518,7 +521,9 @@ def report(state: dict[str, Any], out: Path, name: str, command: str) -> dict[st
                              "time_compute_s": [s.get("time_compute_s") for s in run["steps"]],
                              "time_sync_s": [s.get("time_sync_s") for s in run["steps"]],
                              "restated": run.get("restated") or [],
-                             "validation": run.get("validation") or [], "version": run.get("version"),
+                             # by version, v0 (the starting model) first
+                             "validation": sorted(run.get("validation") or [], key=lambda h: h["version"]),
+                             "version": run.get("version"),
                              "stage_s": run.get("stage_s")}
     summary["rl"] = curves
     speedup = None
@@ -601,7 +606,7 @@ def _markdown(s: dict[str, Any]) -> str:
                 lines.append(f"- {label} validation success (%, on the validation queries; RL evaluation scores v"
                              f"{c.get('version')}; v0 is the starting model): "
                              + ", ".join(f"v{h['version']} {h['success']:.1f}"
-                                         for h in sorted(c["validation"], key=lambda h: h["version"])))
+                                         for h in c["validation"]))
             if c.get("restated"):
                 lines.append(f"- {label} share of stated preferences the samples' first thoughts repeat, per step: "
                              + ", ".join("—" if r is None else f"{r:.2f}" for r in c["restated"]))
@@ -665,7 +670,7 @@ def _plot(curves: dict[str, Any], path: Path) -> None:
         axes[0].plot(xs, [r if r is not None else float("nan") for r in c["reward_mean"]], marker="o",
                      label=f"{label} (staleness {c['max_staleness']})")
         axes[1].plot(xs, [r if r is not None else float("nan") for r in c["success"]], marker="o", label=label)
-        validated = sorted(c.get("validation") or [], key=lambda h: h["version"])
+        validated = c.get("validation") or []
         if validated:  # version n is the policy after step n; v0 the starting model (its score at step 0)
             axes[1].plot([h["version"] for h in validated], [h["success"] / 100 for h in validated], marker="s",
                          linestyle="--", label=f"{label} validation (temperature of the evaluation)")

@@ -174,7 +174,7 @@ def eval_report(run: Path = typer.Argument(..., help="Run folder to re-analyse."
     manifest = folder.manifest()
     if manifest is None:
         _fail(f"{run} is not a run folder (no manifest.json)")
-    old = json.loads(folder.metrics_path.read_text()) if folder.metrics_path.is_file() else {}
+    old = folder.analysis() or {}
     split = old.get("metrics", {}).get("split")
     try:
         result = finalize(folder, manifest["scoring"]["evaluator"]["mode"], split)

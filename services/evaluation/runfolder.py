@@ -88,12 +88,16 @@ class RunFolder:
         if len(lines) != kept or (raw and not raw.endswith(b"\n")):
             self.scores_path.write_text("".join(line + "\n" for line in lines[:kept]), encoding="utf-8")
 
-    def metrics(self) -> dict[str, Any] | None:
-        """The Table-1 figures (percent) `finalize` wrote into metrics.json, under "metrics" beside the
-        analyses; None before that."""
+    def analysis(self) -> dict[str, Any] | None:
+        """metrics.json as `finalize` wrote it (the Table-1 figures under "metrics", then every analysis);
+        None before that."""
         if not self.metrics_path.is_file():
             return None
-        return json.loads(self.metrics_path.read_text(encoding="utf-8")).get("metrics")
+        return json.loads(self.metrics_path.read_text(encoding="utf-8"))
+
+    def metrics(self) -> dict[str, Any] | None:
+        """The Table-1 figures (percent), None before `finalize`."""
+        return (self.analysis() or {}).get("metrics")
 
     def records(self) -> list[QueryRecord]:
         return sorted(read_records(self.scores_path), key=lambda r: r.index)

@@ -189,7 +189,7 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
     try:
         f = start_fleet(run, model, names)
         try:
-            if validation and not validation.seen(0):
+            if validation:
                 validation.submit(0, model, keep=False)  # the starting model: the curve's baseline, same queries
             f.learner = Managed("learner", [sys.executable, "-m", "services.learner.worker", "rl",
                                             str(rl_config(run, model, names, f.redis_url, schedule.total_steps))],

@@ -214,16 +214,12 @@ def eval_argv(run: Run, model: str, split: str | Path, out: Path, limit: int | N
     return argv
 
 
-def eval_metrics(out: Path) -> dict[str, Any]:
-    """The metrics.json `star eval` wrote into `out` ({} if none)."""
-    metrics = out / "metrics.json"
-    return json.loads(metrics.read_text()) if metrics.is_file() else {}
-
-
 def evaluate_model(run: Run, model: str, split: str | Path, out: Path, name: str, limit: int | None) -> dict[str, Any]:
     """`star eval` of one model on one split into `out`; returns its metrics.json (or {})."""
+    from services.evaluation.runfolder import RunFolder
+
     run_process(run, name, eval_argv(run, model, split, out, limit))
-    return eval_metrics(out)
+    return RunFolder(out).analysis() or {}
 
 
 def eval_split(e: EvalSpec, synth: dict[str, Any] | None) -> str | None:
