@@ -19,11 +19,6 @@ eval_app = typer.Typer(
     invoke_without_command=True, no_args_is_help=True)
 
 
-# Episodes in flight for `star eval --model`: vLLM and the transformers engine batch their turns, so one
-# at a time left the engine decoding a single row (bench/gpu_proof.py decodes 48-128 at once).
-DEFAULT_MODEL_CONCURRENCY = 16
-
-
 def _default_out(split: Path, source: str, mode: str) -> Path:
     stem = Path(source.split(":")[-1]).name or "run"
     return get_settings().home / "runs" / f"eval-{split.stem}-{stem}-{mode}"
@@ -64,7 +59,7 @@ def eval_run(
     from services.evaluation.agents import AgentUnavailable, load_agent, rollout_agent
     from services.evaluation.formatting import FormatterUnavailable, load_formatter
     from services.evaluation.runfolder import RunMismatch
-    from services.evaluation.runner import EvalError, EvalRun, run_eval
+    from services.evaluation.runner import MODEL_CONCURRENCY, EvalError, EvalRun, run_eval
     from services.common.files import sha256_file as file_sha256
     from services.evaluation.submission import SubmissionError
     from services.reward.evaluator import Evaluator
@@ -84,7 +79,7 @@ def eval_run(
     if decode not in DECODE_MODES:
         _fail(f"--decode must be {', '.join(DECODE_MODES[:-1])} or {DECODE_MODES[-1]}, not {decode!r}")
     if concurrency is None:
-        concurrency = DEFAULT_MODEL_CONCURRENCY if model is not None else 1
+        concurrency = MODEL_CONCURRENCY if model is not None else 1
     world_url = db or get_settings().world_url
     world = World(world_url)
     if problem := world.problem():

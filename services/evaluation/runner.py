@@ -37,6 +37,9 @@ Agent = Callable[[TravelQuery], Trajectory]
 # The paper's inference sampling for evaluation (agent-star.md; issue 7): T 0.6, top-p 0.95,
 # 32K context, 60 tool calls.
 EVAL_SAMPLING = SamplingParams(temperature=0.6, top_p=0.95, max_context_tokens=32_768, max_tool_calls=60)
+# Episodes in flight when a model is evaluated: vLLM and the transformers engine batch their turns, so one
+# at a time left the engine decoding a single row (bench/gpu_proof.py decodes 48-128 at once).
+MODEL_CONCURRENCY = 16
 
 
 class EvalError(ValueError):

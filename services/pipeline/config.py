@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from services.common.schemas import ArpoParams, DecodeMode, EvalMode, PreferencePenalty, RewardKind, SamplingParams
+from services.evaluation.runner import MODEL_CONCURRENCY
 from services.learner.config import EngineConfig, RLConfig
 
 Stage = Literal["synth", "sft", "rl", "eval"]
@@ -132,7 +133,7 @@ class EvalSpec(_Section):
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.6, top_p=0.95,
                                                                             max_context_tokens=32768))
     limit: int | None = Field(None, ge=1)
-    concurrency: int = Field(16, ge=1, description="Episodes in flight at once in an evaluation (the eval stage "
+    concurrency: int = Field(MODEL_CONCURRENCY, ge=1, description="Episodes in flight at once in an evaluation (the eval stage "
                                                    "and rl.val_every's validations); one engine batches their turns.")
 
 
