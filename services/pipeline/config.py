@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.common.schemas import ArpoParams, DecodeMode, EvalMode, PreferencePenalty, RewardKind, SamplingParams
 from services.evaluation.runner import MODEL_CONCURRENCY
 from services.learner.config import EngineConfig, RLConfig
+from services.reward.rewards import Curriculum
 
 Stage = Literal["synth", "sft", "rl", "eval"]
 STAGES: tuple[Stage, ...] = ("synth", "sft", "rl", "eval")
@@ -125,6 +126,13 @@ class RLSpec(_Section):
         None, gt=0, description="Wall-clock budget of the RL stage: once spent, the stage ends with the latest "
         "published weights and the steps not yet trained are left out (default: no budget).")
     samples_per_step: int = RLConfig.model_fields["samples_per_step"]
+
+    @field_validator("curriculum")
+    @classmethod
+    def _curriculum_reads(cls, text: str) -> str:
+        # Read when the recipe loads: the RL stage parses it only after synthesis and SFT have run.
+        Curriculum.parse(text)
+        return text
 
 
 class EvalSpec(_Section):

@@ -65,7 +65,8 @@ class Curriculum:
         """From "sum:1-2,macro:3-4,success:5" (ranges must be contiguous from 1) or
         "sum@1,macro@3,success@5" (first epoch of each stage)."""
         stages: list[tuple[int, BaseKind]] = []
-        expected = 1
+        expected: float = 1
+        previous = ""
         for part in (p.strip() for p in text.split(",") if p.strip()):
             m = re.fullmatch(r"(\w+)\s*(?:@\s*(\d+)|:\s*(\d+)(?:\s*-\s*(\d+|))?)", part)
             if not m:
@@ -73,10 +74,14 @@ class Curriculum:
             kind, at, first, last = m.groups()
             start = int(at if at is not None else first)
             if at is None:
+                if expected == math.inf:
+                    raise ValueError(f"curriculum stage {part!r} follows {previous!r}, which has no last epoch "
+                                     f"(write {previous}-N, or kind@first for every stage)")
                 if start != expected:
-                    raise ValueError(f"curriculum stage {part!r} starts at {start}, expected epoch {expected}")
-                expected = int(last) + 1 if last else math.inf  # type: ignore[assignment]
+                    raise ValueError(f"curriculum stage {part!r} starts at {start}, expected epoch {expected:g}")
+                expected = int(last) + 1 if last else math.inf
             stages.append((start, kind))  # type: ignore[arg-type]
+            previous = part
         return cls(tuple(stages))
 
     def describe(self) -> str:

@@ -111,6 +111,16 @@ def test_the_rl_section_reaches_the_learner_config(tmp_path):
         load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.negative_scale=2"])
 
 
+def test_a_bad_curriculum_fails_when_the_recipe_loads():
+    # Not at the RL stage, after synthesis and SFT have spent their time.
+    with pytest.raises(ConfigError, match=r"rl.curriculum: .*'success:2' follows 'sum:1'"):
+        load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.reward=curriculum", "rl.curriculum=sum:1,success:2"])
+    with pytest.raises(ConfigError, match="rl.curriculum: .*unknown reward kind 'bogus'"):
+        load_pipeline_config(CONFIGS / "tiny.yaml", ["rl.curriculum=bogus@1"])
+    short = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.reward=curriculum", "rl.curriculum=sum@1,success@2"])
+    assert short.rl.curriculum == "sum@1,success@2"
+
+
 def test_the_synth_section_reaches_the_synthesizer(tmp_path, monkeypatch):
     from services.pipeline import train
 

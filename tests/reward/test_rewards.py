@@ -65,6 +65,13 @@ def test_bad_curricula_are_refused(text):
         Curriculum.parse(text)
 
 
+def test_a_stage_after_an_open_ended_one_is_refused_by_name():
+    # "sum:1" runs forever, so nothing can follow it; the message says how to close it.
+    with pytest.raises(ValueError, match=r"'success:2' follows 'sum:1', which has no last epoch \(write sum:1-N"):
+        Curriculum.parse("sum:1,success:2")
+    assert Curriculum.parse("sum:1-1,success:2").kind_at(2) == "success"
+
+
 @pytest.mark.parametrize("epoch", [None, 0, -1, 1.5, True])
 def test_curriculum_needs_a_valid_epoch(epoch):
     with pytest.raises(ValueError):
