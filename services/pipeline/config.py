@@ -134,6 +134,16 @@ class RLSpec(_Section):
         Curriculum.parse(text)
         return text
 
+    @model_validator(mode="after")
+    def _penalty_can_bite(self) -> "RLSpec":
+        # A plan that breaks a stated preference fails, so its success reward is already 0, and
+        # rewards are floored at 0: under success alone the penalty changes no reward at all.
+        kinds = {k for _, k in Curriculum.parse(self.curriculum).stages} if self.reward == "curriculum" else {self.reward}
+        if self.preference_penalty and kinds == {"success"}:
+            raise ValueError(f"preference_penalty {self.preference_penalty:g} has no effect under the success reward "
+                             "(a plan that breaks a preference already scores 0); use sum, macro or a curriculum")
+        return self
+
 
 class EvalSpec(_Section):
     mode: EvalMode = "official"

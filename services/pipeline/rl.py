@@ -171,11 +171,26 @@ def off_policy_note(sampling: SamplingParams) -> str | None:
             "so these samples are off-policy for it (1.0, the paper's, keeps them on-policy)")
 
 
+def unreached_stages_note(curriculum: Curriculum | None, epochs: int) -> str | None:
+    """Which curriculum stages start after the run's last epoch, or None when it reaches them all. The
+    curriculum switches by epoch, so a short run (the proof's one epoch, tiny.yaml's) trains on its first
+    stages only."""
+    if curriculum is None:
+        return None
+    late = [f"{kind}@{start}" for start, kind in curriculum.stages if start > epochs]
+    if not late:
+        return None
+    reached = [kind for start, kind in curriculum.stages if start <= epochs]
+    return (f"rl.curriculum stages {', '.join(late)} start after rl.epochs {epochs}: this run's reward is "
+            f"{' then '.join(reached)} (shorter epochs, e.g. fewer synth.rl_queries, reach them sooner)")
+
+
 def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
     r = run.config.rl
-    note = off_policy_note(r.sampling)
-    if note:
-        console.print(f"[yellow]{note}[/]")
+    curriculum = Curriculum.parse(r.curriculum) if r.reward == "curriculum" else None
+    for note in (off_policy_note(r.sampling), unreached_stages_note(curriculum, r.epochs)):
+        if note:
+            console.print(f"[yellow]{note}[/]")
     prompts_file = synth.get("rl_queries")
     if not prompts_file or not Path(prompts_file).is_file():
         raise StageFailed("rl needs the RL prompt set of the synth stage (data/rl.jsonl)")
@@ -183,7 +198,6 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
     schedule = Schedule(prompts, r.batch_prompts, r.group_size, r.epochs, seed=run.config.seed, max_steps=r.max_steps)
     deadline = time.monotonic() + r.max_minutes * 60 if r.max_minutes else None  # the fleet's start counts
     names = StreamNames(f"star:{run.config.name}")
-    curriculum = Curriculum.parse(r.curriculum) if r.reward == "curriculum" else None
     sampling = r.sampling if r.sampling.seed is not None else r.sampling.model_copy(update={"seed": run.config.seed})
     validation = Validation(run, synth["val_queries"], r.val_every) if r.val_every and synth.get("val_queries") else None
     try:

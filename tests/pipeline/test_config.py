@@ -159,6 +159,32 @@ def test_a_rollout_temperature_other_than_one_is_called_off_policy():
     assert note is not None and "0.7" in note and "off-policy" in note
 
 
+def test_a_preference_penalty_that_cannot_change_a_reward_is_refused():
+    # The proof recipe's reward is success: a broken preference already scores 0, and rewards floor at 0.
+    with pytest.raises(ConfigError, match="rl: .*preference_penalty 0.25 has no effect under the success reward"):
+        load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.preference_penalty=0.25"])
+    with pytest.raises(ConfigError, match="no effect"):
+        load_pipeline_config(CONFIGS / "tiny.yaml", ["rl.preference_penalty=1", "rl.curriculum=success@1"])
+    summed = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.preference_penalty=0.25", "rl.reward=sum"])
+    assert summed.rl.preference_penalty == 0.25
+    staged = load_pipeline_config(CONFIGS / "tiny.yaml", ["rl.preference_penalty=0.25"])  # sum, macro, success
+    assert staged.rl.preference_penalty == 0.25
+
+
+def test_curriculum_stages_a_run_never_reaches_are_named():
+    from services.pipeline.rl import unreached_stages_note
+    from services.reward.rewards import Curriculum
+
+    tiny = load_pipeline_config(CONFIGS / "tiny.yaml")  # curriculum over one epoch: sum only
+    note = unreached_stages_note(Curriculum.parse(tiny.rl.curriculum), tiny.rl.epochs)
+    assert note is not None and "macro@3, success@5" in note and "reward is sum (" in note
+    three = unreached_stages_note(Curriculum.parse("sum:1-2,macro:3-4,success:5"), 3)
+    assert three is not None and "success@5" in three and "macro@3" not in three and "sum then macro" in three
+    paper = load_pipeline_config(CONFIGS / "qwen2.5-3b-grpo-curriculum.yaml")
+    assert unreached_stages_note(Curriculum.parse(paper.rl.curriculum), paper.rl.epochs) is None  # 5 epochs
+    assert unreached_stages_note(None, 1) is None  # not a curriculum reward
+
+
 def test_the_checkpoint_is_not_picked_on_the_queries_that_report_its_success(tmp_path, monkeypatch):
     from services.pipeline import train
 
