@@ -31,6 +31,20 @@ def test_success_gain_is_in_points_and_tables_show_percentages(tmp_path):
     assert json.loads((tmp_path / "proof.json").read_text())["success_gain_points"] == 12.5
 
 
+def test_the_sft_loss_curve_is_read_and_reported(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": i + 1, "time": 0.0, "loss": loss}) + "\n"
+                               for i, loss in enumerate((2.5, 1.25, 0.75, 0.8))))
+    losses = gpu_proof.sft_losses(metrics)
+    assert losses == [2.5, 1.25, 0.75, 0.8]
+    state = {"sft": {"sft": {"seconds": 72.0}, "loss": losses}, "eval_sft": _eval(success=0.0, delivery=41.0),
+             "eval_rl": _eval(success=1.0, delivery=37.0)}
+    gpu_proof.report(state, tmp_path, "proof", "python bench/gpu_proof.py")
+    md = (tmp_path / "proof.md").read_text()
+    assert "SFT: 4 steps in 72 s; loss 2.500 at step 1, 0.750 at least, 0.800 at the last step" in md
+    assert json.loads((tmp_path / "proof.json").read_text())["sft_stage"]["loss"] == losses
+
+
 def test_recorded_runs_compare_per_step_wall_time_without_the_fleet_start():
     from bench import gpu_proof_runs
 
