@@ -138,7 +138,8 @@ class RLSpec(_Section):
     def _penalty_can_bite(self) -> "RLSpec":
         # A plan that breaks a stated preference fails, so its success reward is already 0, and
         # rewards are floored at 0: under success alone the penalty changes no reward at all.
-        kinds = {k for _, k in Curriculum.parse(self.curriculum).stages} if self.reward == "curriculum" else {self.reward}
+        staged = self.reward == "curriculum"
+        kinds = {k for _, k in Curriculum.parse(self.curriculum).stages} if staged else {self.reward}
         if self.preference_penalty and kinds == {"success"}:
             raise ValueError(f"preference_penalty {self.preference_penalty:g} has no effect under the success reward "
                              "(a plan that breaks a preference already scores 0); use sum, macro or a curriculum")
@@ -151,8 +152,9 @@ class EvalSpec(_Section):
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.6, top_p=0.95,
                                                                             max_context_tokens=32768))
     limit: int | None = Field(None, ge=1)
-    concurrency: int = Field(MODEL_CONCURRENCY, ge=1, description="Episodes in flight at once in an evaluation (the eval stage "
-                                                   "and rl.val_every's validations); one engine batches their turns.")
+    concurrency: int = Field(MODEL_CONCURRENCY, ge=1, description=(
+        "Episodes in flight at once in an evaluation (the eval stage and rl.val_every's validations); one engine "
+        "batches their turns."))
 
 
 class LearnerSpec(_Section):
