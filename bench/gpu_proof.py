@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.common.files import iter_jsonl  # noqa: E402 - after the path, as a script needs it
+from services.learner.runlog import read_metrics  # noqa: E402
 
 PHASES = ("convert", "sft", "eval_sft", "rl_sync", "rl_async", "eval_rl", "report")  # baseline first: short, and a cut-off run keeps the speed-up
 
@@ -388,7 +389,7 @@ def sft_losses(metrics: Path) -> list[float]:
     """The SFT loss of every optimizer step, in order (the learner's metrics.jsonl). Run 35 stopped SFT
     after 20 steps and its model planned nothing (0 %); one epoch, 40 steps, gives 42-43 %: the curve
     says where between them the model learns to answer."""
-    return [float(row["loss"]) for _, row in iter_jsonl(metrics) if isinstance(row.get("loss"), (int, float))]
+    return [float(row["loss"]) for row in read_metrics(metrics.parent) if isinstance(row.get("loss"), (int, float))]
 
 
 def _tool_calls(traj) -> int:
@@ -408,9 +409,9 @@ def rl_run(config, folder: Path, main: Path | None = None) -> dict[str, Any]:
     train_stages(config, folder, ["rl"])
     wall = time.time() - t0
     out = stage_outputs(folder, "rl")
-    metrics = Path(out["metrics"])  # absent when the stage ended before the learner trained a step
-    steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
-    steps = [s for s in steps if s.get("phase", "rl") == "rl" and "reward_mean" in s]
+    # metrics.jsonl is absent when the stage ended before the learner trained a step
+    steps = [s for s in read_metrics(Path(out["metrics"]).parent)
+             if s.get("phase", "rl") == "rl" and "reward_mean" in s]
     history = Path(out["validation"]) / "history.json" if out.get("validation") else None
     validation = [{"version": h["version"], "success": h["success"]}
                   for h in (json.loads(history.read_text()) if history and history.is_file() else [])]

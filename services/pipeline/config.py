@@ -138,12 +138,16 @@ class RLSpec(_Section):
     def _penalty_can_bite(self) -> "RLSpec":
         # A plan that breaks a stated preference fails, so its success reward is already 0, and
         # rewards are floored at 0: under success alone the penalty changes no reward at all.
-        staged = self.reward == "curriculum"
-        kinds = {k for _, k in Curriculum.parse(self.curriculum).stages} if staged else {self.reward}
+        schedule = self.schedule()
+        kinds = {k for _, k in schedule.stages} if schedule else {self.reward}
         if self.preference_penalty and kinds == {"success"}:
             raise ValueError(f"preference_penalty {self.preference_penalty:g} has no effect under the success reward "
                              "(a plan that breaks a preference already scores 0); use sum, macro or a curriculum")
         return self
+
+    def schedule(self) -> Curriculum | None:
+        """The reward curriculum this run follows, or None when `reward` is one kind throughout."""
+        return Curriculum.parse(self.curriculum) if self.reward == "curriculum" else None
 
 
 class EvalSpec(_Section):

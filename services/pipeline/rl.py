@@ -187,7 +187,7 @@ def unreached_stages_note(curriculum: Curriculum | None, epochs: int) -> str | N
 
 def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
     r = run.config.rl
-    curriculum = Curriculum.parse(r.curriculum) if r.reward == "curriculum" else None
+    curriculum = r.schedule()
     for note in (off_policy_note(r.sampling), unreached_stages_note(curriculum, r.epochs)):
         if note:
             console.print(f"[yellow]{note}[/]")
