@@ -12,8 +12,24 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from services.common.schemas import FinishReason
+
 Schedule = Literal["cosine", "linear", "constant"]
-FinishReasonName = Literal["answer", "format_error", "context_limit", "tool_budget", "engine_error"]
+# What happens to an episode that ran out of context or tool calls before it answered. "mask": out of
+# the loss, as rLLM's overlong filter (the STAR code's setting); "fail": trained as a reward-0 failure,
+# as the paper counts it. The paper does not say which it trained with (spec/agent-star.md §4.4).
+TruncationPolicy = Literal["mask", "fail"]
+TRUNCATED_FINISHES: tuple[FinishReason, ...] = ("context_limit", "tool_budget")
+
+
+def masked_finishes(policy: TruncationPolicy) -> list[FinishReason]:
+    """Finish reasons whose samples leave the loss: an engine error is never the policy's doing."""
+    return [*TRUNCATED_FINISHES, "engine_error"] if policy == "mask" else ["engine_error"]
+
+
+def zero_reward_finishes(policy: TruncationPolicy) -> list[FinishReason]:
+    """Finish reasons whose reward is forced to 0: a missing answer, and under "fail" a truncation."""
+    return ["format_error"] if policy == "mask" else ["format_error", *TRUNCATED_FINISHES]
 
 
 class _Strict(BaseModel):
@@ -92,11 +108,11 @@ class FilterConfig(_Strict):
     variance_keep_fraction: float = Field(
         1.0, gt=0.0, le=1.0, description="StarPO-S: keep this fraction of groups with the largest reward spread (1: off).")
     zero_variance_eps: float = Field(1e-6, ge=0.0, description="Groups with max - min reward at most this count as flat.")
-    mask_finish_reasons: list[FinishReasonName] = Field(
-        default_factory=lambda: ["context_limit", "tool_budget", "engine_error"],
+    mask_finish_reasons: list[FinishReason] = Field(
+        default_factory=lambda: masked_finishes("mask"),
         description="Overlength / truncated samples: out of the loss, kept in their group's normalization.")
-    zero_reward_finish_reasons: list[FinishReasonName] = Field(
-        default_factory=lambda: ["format_error"], description="Samples whose reward is forced to 0.")
+    zero_reward_finish_reasons: list[FinishReason] = Field(
+        default_factory=lambda: zero_reward_finishes("mask"), description="Samples whose reward is forced to 0.")
     max_staleness: int = Field(0, ge=0, description="Drop samples more than this many versions behind the learner.")
 
 

@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from services.common.schemas import ArpoParams, DecodeMode, EvalMode, PreferencePenalty, RewardKind, SamplingParams
 from services.evaluation.runner import MODEL_CONCURRENCY
-from services.learner.config import EngineConfig, RLConfig
+from services.learner.config import EngineConfig, FilterConfig, RLConfig, TruncationPolicy, masked_finishes, \
+    zero_reward_finishes
 from services.reward.rewards import Curriculum
 
 Stage = Literal["synth", "sft", "rl", "eval"]
@@ -111,6 +112,9 @@ class RLSpec(_Section):
     # bench/results/gpu_proof.md). The reference is the stage's starting model, usually the SFT export.
     kl_coef: float = RLConfig.model_fields["kl_coef"]
     negative_scale: float = RLConfig.model_fields["negative_scale"]
+    truncated: TruncationPolicy = Field("mask", description=(
+        "Episodes that ran out of context or tool calls: mask leaves them out of the loss (the STAR code's "
+        "overlong filter), fail trains them as reward-0 failures (the paper calls them failures)."))
     eval_mode: EvalMode = Field("strict", description="Evaluator mode of the training reward.")
     # The learner's logprobs, like the rollouts' recorded ones, are of the model's own (temperature-1)
     # distribution, so only at temperature 1.0 (the paper's) are the samples on-policy. At 0.7 the
@@ -148,6 +152,11 @@ class RLSpec(_Section):
     def schedule(self) -> Curriculum | None:
         """The reward curriculum this run follows, or None when `reward` is one kind throughout."""
         return Curriculum.parse(self.curriculum) if self.reward == "curriculum" else None
+
+    def filters(self) -> FilterConfig:
+        """Which samples reach the learner's loss, and with what reward."""
+        return FilterConfig(max_staleness=self.max_staleness, mask_finish_reasons=masked_finishes(self.truncated),
+                            zero_reward_finish_reasons=zero_reward_finishes(self.truncated))
 
 
 class EvalSpec(_Section):

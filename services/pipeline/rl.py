@@ -87,7 +87,7 @@ class Fleet:
 
 
 def rl_config(run: Run, model: str, names: StreamNames, redis_url: str, total_steps: int) -> Path:
-    from services.learner.config import FilterConfig, RLConfig
+    from services.learner.config import RLConfig
 
     r = run.config.rl
     cfg = RLConfig(
@@ -95,7 +95,7 @@ def rl_config(run: Run, model: str, names: StreamNames, redis_url: str, total_st
         group_size=r.group_size, batch_prompts=r.batch_prompts, lr=r.lr, total_steps=total_steps,
         mini_batches=r.mini_batches, kl_coef=r.kl_coef, negative_scale=r.negative_scale,
         samples_per_step=r.samples_per_step,
-        eps_low=r.eps_low, eps_high=r.eps_high, filters=FilterConfig(max_staleness=r.max_staleness),
+        eps_low=r.eps_low, eps_high=r.eps_high, filters=r.filters(),
         engine=run.config.learner.engine(run.config.services.zero_stage, run.config.seed),
         redis_url=redis_url, stream_prefix=names.prefix, weights_dir=str(run.folder / "weights"),
         wait_timeout_s=24 * 3600)

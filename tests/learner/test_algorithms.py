@@ -10,7 +10,7 @@ import torch
 from services.common.schemas import Score, ScoredTrajectory
 from services.learner import algorithms as alg
 from services.learner.batching import rl_sequences
-from services.learner.config import FilterConfig, RLConfig
+from services.learner.config import FilterConfig, RLConfig, masked_finishes, zero_reward_finishes
 
 
 # ---- advantages ---------------------------------------------------------------------------------
@@ -186,6 +186,20 @@ def test_rl_sequences_overlength_masked_but_kept_in_normalization():
     assert sum(batch.sequences[2].loss_mask) == 0
     assert sum(batch.sequences[0].loss_mask) == 4
     assert batch.stats["samples_masked_overlength"] == 1 and batch.stats["samples_trained"] == 3
+
+
+def test_truncated_samples_train_as_failures_under_the_fail_policy():
+    # A context-limit sample the reward worker scored 1 (it never does: the guard here is the learner's own)
+    trajs = [_traj("g", 0, 1.0), _traj("g", 1, 0.0), _traj("g", 2, 1.0, "context_limit"), _traj("g", 3, 0.0, "tool_budget")]
+    filters = FilterConfig(mask_finish_reasons=masked_finishes("fail"), zero_reward_finish_reasons=zero_reward_finishes("fail"))
+    batch = rl_sequences(trajs, filters, learner_version=0)
+    # rewards 1, 0, 0, 0: mean 0.25, std 0.5; both truncated samples are pushed down and trained
+    assert batch.rewards == [1.0, 0.0, 0.0, 0.0]
+    assert batch.advantages == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-4)
+    assert [sum(s.loss_mask) for s in batch.sequences] == [4, 4, 4, 4]
+    assert batch.stats["samples_masked_overlength"] == 0 and batch.stats["samples_trained"] == 4
+    engine = rl_sequences([_traj("h", 0, 1.0), _traj("h", 1, 0.0, "engine_error")], filters, learner_version=0)
+    assert sum(engine.sequences[1].loss_mask) == 0  # an engine failure is still left out
 
 
 @pytest.mark.parametrize("scale", [0.0, 0.25, 1.0])

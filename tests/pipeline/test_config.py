@@ -111,6 +111,28 @@ def test_the_rl_section_reaches_the_learner_config(tmp_path):
         load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.negative_scale=2"])
 
 
+def test_the_truncation_policy_reaches_the_learner_filters(tmp_path):
+    from services.common.streams import StreamNames
+    from services.learner.config import RLConfig
+    from services.pipeline.rl import rl_config
+    from services.pipeline.train import Run
+
+    def filters(overrides: list[str]):
+        config = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", overrides)
+        path = rl_config(Run(config, tmp_path), "model", StreamNames("t"), "redis://x", total_steps=16)
+        return RLConfig.model_validate_json(path.read_text()).filters
+
+    masked = filters([])  # the STAR code's overlong filter, as every run so far
+    assert set(masked.mask_finish_reasons) == {"context_limit", "tool_budget", "engine_error"}
+    assert masked.zero_reward_finish_reasons == ["format_error"]
+    failed = filters(["rl.truncated=fail"])
+    assert failed.mask_finish_reasons == ["engine_error"]  # never the policy's doing
+    assert set(failed.zero_reward_finish_reasons) == {"format_error", "context_limit", "tool_budget"}
+    assert failed.max_staleness == masked.max_staleness == 3
+    with pytest.raises(ConfigError, match="rl.truncated: .*'mask' or 'fail'"):
+        load_pipeline_config(CONFIGS / "tiny.yaml", ["rl.truncated=drop"])
+
+
 def test_a_bad_curriculum_fails_when_the_recipe_loads():
     # Not at the RL stage, after synthesis and SFT have spent their time.
     with pytest.raises(ConfigError, match=r"rl.curriculum: .*'success:2' follows 'sum:1'"):
