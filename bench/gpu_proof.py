@@ -525,6 +525,7 @@ def report(state: dict[str, Any], out: Path, name: str, command: str) -> dict[st
                              "reward_mean": [s.get("reward_mean") for s in run["steps"]],
                              "success": [s.get("success_rate") for s in run["steps"]],
                              "answered": [s.get("answered_rate") for s in run["steps"]],
+                             "truncated": [s.get("samples_truncated") for s in run["steps"]],
                              "time_wait_s": [s.get("time_wait_s") for s in run["steps"]],
                              "time_compute_s": [s.get("time_compute_s") for s in run["steps"]],
                              "time_sync_s": [s.get("time_sync_s") for s in run["steps"]],
@@ -615,6 +616,9 @@ def _markdown(s: dict[str, Any]) -> str:
                                                                  for r in c["reward_mean"]))
             lines.append(f"- {label} success per step: " + ", ".join("—" if r is None else f"{r:.2f}"
                                                                   for r in c["success"]))
+            if any(t is not None for t in c.get("truncated") or []):  # rl.truncated says what they taught
+                lines.append(f"- {label} samples out of context or tool calls, per step: "
+                             + ", ".join("—" if t is None else f"{t:.0f}" for t in c["truncated"]))
             if c.get("validation"):  # rl.val_every: the checkpoint the RL evaluation scores is the best of these
                 lines.append(f"- {label} validation success (%, on the validation queries; RL evaluation scores v"
                              f"{c.get('version')}; v0 is the starting model): "

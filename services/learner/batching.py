@@ -19,7 +19,7 @@ import torch
 
 from services.common.schemas import ScoredTrajectory
 from services.learner import algorithms as alg
-from services.learner.config import FilterConfig, ScheduleConfig
+from services.learner.config import TRUNCATED_FINISHES, FilterConfig, ScheduleConfig
 
 
 @dataclass
@@ -243,6 +243,8 @@ def rl_sequences(trajs: Sequence[ScoredTrajectory], filters: FilterConfig, *, le
     stats = {"samples_in": float(len(fresh) + len(stale)), "samples_stale": float(len(stale)),
              "samples_trained": float(len(seqs) - n_masked), "samples_masked_overlength": float(n_masked),
              "samples_format_error": float(sum(t.finish_reason == "format_error" for t in trajs)),
+             # out of context or tool calls, whether masked or trained as failures (rl.truncated)
+             "samples_truncated": float(sum(t.finish_reason in TRUNCATED_FINISHES for t in trajs)),
              "groups_in": float(n_groups), "samples_missing_logprobs": float(missing_logprobs),
              **{k: float(v) for k, v in selection.counts().items()}}
     # measured whether or not flat groups are dropped: under GRPO they stay in the batch with zero

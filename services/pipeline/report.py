@@ -17,8 +17,8 @@ CURVES: tuple[tuple[tuple[str, ...], str], ...] = (
     (("entropy",), "entropy"),
     (("clip_fraction", "clip_fraction_low", "clip_fraction_high"), "clipped tokens"),
     (("mismatch_kl",), "train/inference mismatch KL"),
-    (("samples_stale", "samples_duplicate", "samples_masked_overlength", "samples_format_error"),
-     "samples dropped or masked"),
+    (("samples_stale", "samples_duplicate", "samples_masked_overlength", "samples_format_error", "samples_truncated"),
+     "samples dropped, masked or truncated"),
     (("time_wait_s", "time_compute_s", "time_sync_s"), "step time split (s)"),
     (("grad_norm",), "gradient norm"),
 )

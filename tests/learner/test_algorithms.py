@@ -198,6 +198,8 @@ def test_truncated_samples_train_as_failures_under_the_fail_policy():
     assert batch.advantages == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-4)
     assert [sum(s.loss_mask) for s in batch.sequences] == [4, 4, 4, 4]
     assert batch.stats["samples_masked_overlength"] == 0 and batch.stats["samples_trained"] == 4
+    assert batch.stats["samples_truncated"] == 2  # counted under either policy
+    assert rl_sequences(trajs, FilterConfig(), learner_version=0).stats["samples_truncated"] == 2
     engine = rl_sequences([_traj("h", 0, 1.0), _traj("h", 1, 0.0, "engine_error")], filters, learner_version=0)
     assert sum(engine.sequences[1].loss_mask) == 0  # an engine failure is still left out
 

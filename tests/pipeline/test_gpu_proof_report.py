@@ -197,6 +197,8 @@ def test_restated_share_per_rl_step_is_read_from_the_samples_and_reported(tmp_pa
     assert gpu_proof.restated_by_step(batched) == [1.0, 0.0]
     steps = [{"time": 100.0 + 10 * i, "reward_mean": 1.0, "success_rate": 0.5, "time_wait_s": 1.0,
               "time_compute_s": 2.0, "time_sync_s": 0.5} for i in range(4)]
+    for step, truncated in zip(steps, (3.0, 0.0, 5.0)):  # the last step predates the figure
+        step["samples_truncated"] = truncated
     state = {"rl_async": {"max_staleness": 3, "steps": steps, "stage_s": 40.0,
                           "restated": gpu_proof.restated_by_step(samples)},
              "rl_sync": {"max_staleness": 0, "steps": steps[:2], "stage_s": 20.0}}
@@ -204,6 +206,7 @@ def test_restated_share_per_rl_step_is_read_from_the_samples_and_reported(tmp_pa
     md = (tmp_path / "proof.md").read_text()
     assert "- async share of stated preferences the samples' first thoughts repeat, per step: 1.00, 0.50, —, 0.00" in md
     assert "sync share" not in md.replace("async share", "")
+    assert "- async samples out of context or tool calls, per step: 3, 0, 5, —" in md
     assert (tmp_path / "proof.png").stat().st_size > 10_000
 
 
