@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from services.common.schemas import ArpoParams, DecodeMode, EvalMode, PreferencePenalty, RewardKind, SamplingParams
 from services.evaluation.runner import MODEL_CONCURRENCY
 from services.learner.config import EngineConfig, FilterConfig, RLConfig, TruncationPolicy, masked_finishes, \
     zero_reward_finishes
-from services.reward.rewards import Curriculum
+from services.reward.rewards import Curriculum, CurriculumUnit
 
 Stage = Literal["synth", "sft", "rl", "eval"]
 STAGES: tuple[Stage, ...] = ("synth", "sft", "rl", "eval")
@@ -106,7 +106,10 @@ class RLSpec(_Section):
     eps_low: float = Field(0.2, ge=0)
     eps_high: float = Field(0.28, ge=0)
     reward: RewardKind = "sum"
-    curriculum: str = Field("sum:1-2,macro:3-4,success:5", description="Epoch schedule when reward is curriculum.")
+    # before `curriculum`, whose validator reads it
+    curriculum_unit: CurriculumUnit = Field("epoch", description=(
+        "What the curriculum's stage numbers count: epochs (the paper's) or RL steps, for runs of an epoch or two."))
+    curriculum: str = Field("sum:1-2,macro:3-4,success:5", description="Reward schedule when reward is curriculum.")
     preference_penalty: PreferencePenalty = 0.0
     # Not the paper's (it trains KL-free): a brake on RL unlearning what SFT taught (run 15 in
     # bench/results/gpu_proof.md). The reference is the stage's starting model, usually the SFT export.
@@ -133,9 +136,9 @@ class RLSpec(_Section):
 
     @field_validator("curriculum")
     @classmethod
-    def _curriculum_reads(cls, text: str) -> str:
+    def _curriculum_reads(cls, text: str, info: ValidationInfo) -> str:
         # Read when the recipe loads: the RL stage parses it only after synthesis and SFT have run.
-        Curriculum.parse(text)
+        Curriculum.parse(text, info.data.get("curriculum_unit", "epoch"))
         return text
 
     @model_validator(mode="after")
@@ -151,7 +154,7 @@ class RLSpec(_Section):
 
     def schedule(self) -> Curriculum | None:
         """The reward curriculum this run follows, or None when `reward` is one kind throughout."""
-        return Curriculum.parse(self.curriculum) if self.reward == "curriculum" else None
+        return Curriculum.parse(self.curriculum, self.curriculum_unit) if self.reward == "curriculum" else None
 
     def filters(self) -> FilterConfig:
         """Which samples reach the learner's loss, and with what reward."""

@@ -171,31 +171,34 @@ def off_policy_note(sampling: SamplingParams) -> str | None:
             "so these samples are off-policy for it (1.0, the paper's, keeps them on-policy)")
 
 
-def unreached_stages_note(curriculum: Curriculum | None, epochs: int) -> str | None:
-    """Which curriculum stages start after the run's last epoch, or None when it reaches them all. The
-    curriculum switches by epoch, so a short run (the proof's one epoch, tiny.yaml's) trains on its first
-    stages only."""
+def unreached_stages_note(curriculum: Curriculum | None, epochs: int, steps: int) -> str | None:
+    """Which curriculum stages start after the run's last epoch (or step, when the curriculum counts
+    steps), or None when it reaches them all. A curriculum by epoch trains a short run (the proof's one
+    epoch, tiny.yaml's) on its first stages only."""
     if curriculum is None:
         return None
-    late = [f"{kind}@{start}" for start, kind in curriculum.stages if start > epochs]
+    last = epochs if curriculum.unit == "epoch" else steps
+    late = [f"{kind}@{start}" for start, kind in curriculum.stages if start > last]
     if not late:
         return None
-    reached = [kind for start, kind in curriculum.stages if start <= epochs]
-    return (f"rl.curriculum stages {', '.join(late)} start after rl.epochs {epochs}: this run's reward is "
-            f"{' then '.join(reached)} (shorter epochs, e.g. fewer synth.rl_queries, reach them sooner)")
+    reached = [kind for start, kind in curriculum.stages if start <= last]
+    hint = ("rl.curriculum_unit step counts RL steps instead" if curriculum.unit == "epoch"
+            else "more rl.max_steps or rl.epochs reach them")
+    length = f"rl.epochs {epochs}" if curriculum.unit == "epoch" else f"the run's {steps} steps"
+    return f"rl.curriculum stages {', '.join(late)} start after {length}: this run's reward is {' then '.join(reached)} ({hint})"
 
 
 def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
     r = run.config.rl
     curriculum = r.schedule()
-    for note in (off_policy_note(r.sampling), unreached_stages_note(curriculum, r.epochs)):
-        if note:
-            console.print(f"[yellow]{note}[/]")
     prompts_file = synth.get("rl_queries")
     if not prompts_file or not Path(prompts_file).is_file():
         raise StageFailed("rl needs the RL prompt set of the synth stage (data/rl.jsonl)")
     prompts = tuple(load_queries(prompts_file))
     schedule = Schedule(prompts, r.batch_prompts, r.group_size, r.epochs, seed=run.config.seed, max_steps=r.max_steps)
+    for note in (off_policy_note(r.sampling), unreached_stages_note(curriculum, r.epochs, schedule.total_steps)):
+        if note:
+            console.print(f"[yellow]{note}[/]")
     deadline = time.monotonic() + r.max_minutes * 60 if r.max_minutes else None  # the fleet's start counts
     names = StreamNames(f"star:{run.config.name}")
     sampling = r.sampling if r.sampling.seed is not None else r.sampling.model_copy(update={"seed": run.config.seed})

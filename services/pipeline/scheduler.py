@@ -97,7 +97,7 @@ class TaskPublisher:
         epoch = self.schedule.epoch_of(step)
         kind = self.reward_kind
         if kind == "curriculum" and self.curriculum is not None:
-            kind = self.curriculum.kind_at(epoch)  # resolved here, so the scorer needs no schedule
+            kind = self.curriculum.kind_for(epoch, step)  # resolved here, so the scorer needs no schedule
         base_seed = self.sampling.seed if self.sampling.seed is not None else 0
         out = []
         for slot, (index, query) in enumerate(self.schedule.batch(step)):

@@ -4,7 +4,8 @@
 - macro   = cs_macro + hard_macro + success                           (0..3)
 - success = success                                                   (0 or 1)
 - curriculum: an epoch schedule over the three; the paper's default is sum for epochs 1–2,
-  macro for epochs 3–4, success from epoch 5 on.
+  macro for epochs 3–4, success from epoch 5 on. Its stages may count RL steps instead of epochs
+  (`unit`), so that a run of an epoch or less still moves from a dense reward to success.
 
 A trajectory that ended without an answer (format error, context or tool budget, engine error),
 whose answer could not be formatted into a plan, or that delivered no plan, gets 0.
@@ -31,19 +32,24 @@ from services.common.schemas import Score
 BaseKind = Literal["sum", "macro", "success"]
 RewardKind = Literal["sum", "macro", "success", "curriculum"]
 BASE_KINDS: tuple[BaseKind, ...] = ("sum", "macro", "success")
+CurriculumUnit = Literal["epoch", "step"]
 # The hard constraints a user states as preferences; the budget is the one hard check left out.
 PREFERENCE_CHECKS: tuple[str, ...] = ("valid_room_rule", "valid_room_type", "valid_cuisine", "valid_transportation")
 
 
 @dataclass(frozen=True)
 class Curriculum:
-    """Stages as (first epoch, reward kind), epochs 1-based; the last stage lasts forever."""
+    """Stages as (first epoch or step, reward kind), 1-based; the last stage lasts forever. `unit`
+    says what the stage numbers count: epochs (the paper's) or RL steps (batches)."""
 
     stages: tuple[tuple[int, BaseKind], ...] = ((1, "sum"), (3, "macro"), (5, "success"))
+    unit: CurriculumUnit = "epoch"
 
     def __post_init__(self) -> None:
+        if self.unit not in ("epoch", "step"):
+            raise ValueError(f"a curriculum counts epochs or steps, not {self.unit!r}")
         if not self.stages or self.stages[0][0] != 1:
-            raise ValueError("a curriculum's first stage must start at epoch 1")
+            raise ValueError(f"a curriculum's first stage must start at {self.unit} 1")
         starts = [s for s, _ in self.stages]
         if starts != sorted(set(starts)):
             raise ValueError(f"curriculum stage starts must strictly increase, got {starts}")
@@ -51,19 +57,24 @@ class Curriculum:
             if kind not in BASE_KINDS:
                 raise ValueError(f"unknown reward kind {kind!r} in curriculum (use {', '.join(BASE_KINDS)})")
 
-    def kind_at(self, epoch: int) -> BaseKind:
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
-            raise ValueError(f"epoch must be an integer >= 1, got {epoch!r}")
+    def kind_at(self, position: int) -> BaseKind:
+        """The reward kind at a 1-based epoch (or step, when the curriculum counts steps)."""
+        if isinstance(position, bool) or not isinstance(position, int) or position < 1:
+            raise ValueError(f"{self.unit} must be an integer >= 1, got {position!r}")
         kind = self.stages[0][1]
         for start, stage_kind in self.stages:
-            if epoch >= start:
+            if position >= start:
                 kind = stage_kind
         return kind
 
+    def kind_for(self, epoch: int, step: int) -> BaseKind:
+        """The reward kind of a 1-based epoch's 0-based step, whichever the curriculum counts."""
+        return self.kind_at(epoch if self.unit == "epoch" else step + 1)
+
     @classmethod
-    def parse(cls, text: str) -> Curriculum:
+    def parse(cls, text: str, unit: CurriculumUnit = "epoch") -> Curriculum:
         """From "sum:1-2,macro:3-4,success:5" (ranges must be contiguous from 1) or
-        "sum@1,macro@3,success@5" (first epoch of each stage)."""
+        "sum@1,macro@3,success@5" (first epoch, or step, of each stage)."""
         stages: list[tuple[int, BaseKind]] = []
         expected: float = 1
         previous = ""
@@ -75,14 +86,14 @@ class Curriculum:
             start = int(at if at is not None else first)
             if at is None:
                 if expected == math.inf:
-                    raise ValueError(f"curriculum stage {part!r} follows {previous!r}, which has no last epoch "
+                    raise ValueError(f"curriculum stage {part!r} follows {previous!r}, which has no last {unit} "
                                      f"(write {previous}-N, or kind@first for every stage)")
                 if start != expected:
-                    raise ValueError(f"curriculum stage {part!r} starts at {start}, expected epoch {expected:g}")
+                    raise ValueError(f"curriculum stage {part!r} starts at {start}, expected {unit} {expected:g}")
                 expected = int(last) + 1 if last else math.inf
             stages.append((start, kind))  # type: ignore[arg-type]
             previous = part
-        return cls(tuple(stages))
+        return cls(tuple(stages), unit)
 
     def describe(self) -> str:
         parts = []

@@ -198,13 +198,24 @@ def test_curriculum_stages_a_run_never_reaches_are_named():
     from services.reward.rewards import Curriculum
 
     tiny = load_pipeline_config(CONFIGS / "tiny.yaml")  # curriculum over one epoch: sum only
-    note = unreached_stages_note(Curriculum.parse(tiny.rl.curriculum), tiny.rl.epochs)
+    note = unreached_stages_note(tiny.rl.schedule(), tiny.rl.epochs, steps=2)
     assert note is not None and "macro@3, success@5" in note and "reward is sum (" in note
-    three = unreached_stages_note(Curriculum.parse("sum:1-2,macro:3-4,success:5"), 3)
+    assert "rl.curriculum_unit step" in note  # how to reach them within the run
+    three = unreached_stages_note(Curriculum.parse("sum:1-2,macro:3-4,success:5"), 3, steps=30)
     assert three is not None and "success@5" in three and "macro@3" not in three and "sum then macro" in three
     paper = load_pipeline_config(CONFIGS / "qwen2.5-3b-grpo-curriculum.yaml")
-    assert unreached_stages_note(Curriculum.parse(paper.rl.curriculum), paper.rl.epochs) is None  # 5 epochs
-    assert unreached_stages_note(None, 1) is None  # not a curriculum reward
+    assert unreached_stages_note(paper.rl.schedule(), paper.rl.epochs, steps=100) is None  # 5 epochs
+    assert unreached_stages_note(None, 1, steps=1) is None  # not a curriculum reward
+    # by step, the run's steps decide: one epoch of 32 steps reaches success@9, not success@40
+    stepped = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", [
+        "rl.reward=curriculum", "rl.curriculum=sum@1,success@9", "rl.curriculum_unit=step"])
+    assert unreached_stages_note(stepped.rl.schedule(), stepped.rl.epochs, steps=32) is None
+    late = unreached_stages_note(Curriculum.parse("sum@1,success@40", unit="step"), 1, steps=32)
+    assert late is not None and "success@40 start after the run's 32 steps" in late
+    with pytest.raises(ConfigError, match="rl.curriculum: .*expected step 2"):  # the message counts steps too
+        load_pipeline_config(CONFIGS / "tiny.yaml", ["rl.curriculum_unit=step", "rl.curriculum=sum:1-1,success:3"])
+    with pytest.raises(ConfigError, match="rl.curriculum_unit: .*'epoch' or 'step'"):
+        load_pipeline_config(CONFIGS / "tiny.yaml", ["rl.curriculum_unit=batch"])
 
 
 def test_the_checkpoint_is_not_picked_on_the_queries_that_report_its_success(tmp_path, monkeypatch):

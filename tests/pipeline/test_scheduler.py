@@ -69,6 +69,19 @@ def test_publisher_paces_by_version_and_never_repeats(redis_client):
     assert [t.step for t in tasks] == [s for s in range(8) for _ in range(2)]  # the learner batches by it
 
 
+def test_a_curriculum_by_step_switches_within_an_epoch(redis_client):
+    client, prefix = redis_client
+    names = StreamNames(prefix.rstrip(":"))
+    sched = Schedule(_queries(8), batch_prompts=2, group_size=2, epochs=1)  # 4 steps, one epoch
+    pub = TaskPublisher(client, names, "run-steps", sched, SamplingParams(seed=7), reward_kind="curriculum",
+                        curriculum=Curriculum.parse("sum@1,macro@2,success@4", unit="step"), max_staleness=3)
+    assert pub.publish_ready(0) == [0, 1, 2, 3]
+    tasks = [RolloutTask.model_validate(d) for _, d in read_all(client, names.tasks)]
+    assert {t.epoch for t in tasks} == {1}
+    kinds = {t.step: t.reward_kind for t in tasks}
+    assert kinds == {0: "sum", 1: "macro", 2: "macro", 3: "success"}  # stage numbers count steps from 1
+
+
 def test_arpo_settings_travel_with_the_tasks(redis_client):
     from services.common.schemas import ArpoParams
 

@@ -59,6 +59,18 @@ def test_curriculum_is_configurable():
     assert reward(PERFECT, "curriculum", 4, curriculum=c) == 1.0
 
 
+def test_a_curriculum_may_count_steps():
+    by_step = Curriculum.parse("sum:1-8,success:9", unit="step")
+    assert by_step.unit == "step" and by_step.stages == Curriculum.parse("sum:1-8,success:9").stages
+    # a 0-based step of epoch 1: step 7 is the 8th, the last on sum
+    assert [by_step.kind_for(epoch=1, step=s) for s in (0, 7, 8, 31)] == ["sum", "sum", "success", "success"]
+    assert DEFAULT_CURRICULUM.kind_for(epoch=2, step=40) == "sum"  # by epoch, the step does not matter
+    with pytest.raises(ValueError, match="starts at 3, expected step 2"):
+        Curriculum.parse("sum:1-1,success:3", unit="step")
+    with pytest.raises(ValueError, match="counts epochs or steps, not 'batch'"):
+        Curriculum(unit="batch")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("text", ["sum:2-3", "sum:1-2,macro:4-5", "bogus:1", "sum@1,sum@1", "sum", "sum@0"])
 def test_bad_curricula_are_refused(text):
     with pytest.raises(ValueError):
