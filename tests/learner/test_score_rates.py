@@ -73,10 +73,11 @@ def test_step_samples_take_each_groups_first_sample_whatever_its_reward():
     for group, rewards in (("g1", [5.0, 0.0, 2.0]), ("g2", [0.0, 4.0, 1.0]), ("g3", [3.0, 3.0, 3.0])):
         for i in (2, 0, 1):  # arrival order is not sample order
             t = _traj(0.0, 1.0)
-            t.group_id, t.sample_index, t.reward = group, i, rewards[i]
+            t.group_id, t.sample_index, t.reward, t.reward_kind = group, i, rewards[i], "macro"
             t.messages = [{"role": "assistant", "content": f"{group}/{i}"}]
             trajs.append(t)
     picked = step_samples(trajs, 2)
     assert [(s["group_id"], s["sample_index"], s["reward"]) for s in picked] == [("g1", 0, 5.0), ("g2", 0, 0.0)]
     assert picked[1]["messages"] == [{"role": "assistant", "content": "g2/0"}]
+    assert (picked[0]["reward_kind"], picked[0]["epoch"]) == ("macro", 1)  # which reward `reward` is
     assert step_samples(trajs, 0) == [] and len(step_samples(trajs, 10)) == 3
