@@ -194,7 +194,8 @@ def step_samples(trajs: list[ScoredTrajectory], limit: int) -> list[dict[str, An
     return [{"group_id": t.group_id, "prompt_id": t.prompt_id, "sample_index": t.sample_index,
              "policy_version": t.policy_version, "reward": t.reward, "rewards": t.rewards,
              # which of `rewards` is `reward`: a curriculum changes it by epoch or step
-             "reward_kind": t.reward_kind, "epoch": t.epoch, "finish_reason": t.finish_reason, "query": t.query.model_dump(mode="json") if t.query else None,
+             "reward_kind": t.reward_kind, "epoch": t.epoch, "finish_reason": t.finish_reason,
+             "query": t.query.model_dump(mode="json") if t.query else None,
              "messages": t.messages} for t in list(firsts.values())[:limit]]
 
 

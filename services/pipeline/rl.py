@@ -185,7 +185,8 @@ def unreached_stages_note(curriculum: Curriculum | None, epochs: int, steps: int
     hint = ("rl.curriculum_unit step counts RL steps instead" if curriculum.unit == "epoch"
             else "more rl.max_steps or rl.epochs reach them")
     length = f"rl.epochs {epochs}" if curriculum.unit == "epoch" else f"the run's {steps} steps"
-    return f"rl.curriculum stages {', '.join(late)} start after {length}: this run's reward is {' then '.join(reached)} ({hint})"
+    return (f"rl.curriculum stages {', '.join(late)} start after {length}: this run's reward is "
+            f"{' then '.join(reached)} ({hint})")
 
 
 def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:

@@ -190,8 +190,10 @@ def test_rl_sequences_overlength_masked_but_kept_in_normalization():
 
 def test_truncated_samples_train_as_failures_under_the_fail_policy():
     # A context-limit sample the reward worker scored 1 (it never does: the guard here is the learner's own)
-    trajs = [_traj("g", 0, 1.0), _traj("g", 1, 0.0), _traj("g", 2, 1.0, "context_limit"), _traj("g", 3, 0.0, "tool_budget")]
-    filters = FilterConfig(mask_finish_reasons=masked_finishes("fail"), zero_reward_finish_reasons=zero_reward_finishes("fail"))
+    trajs = [_traj("g", 0, 1.0), _traj("g", 1, 0.0), _traj("g", 2, 1.0, "context_limit"),
+             _traj("g", 3, 0.0, "tool_budget")]
+    filters = FilterConfig(mask_finish_reasons=masked_finishes("fail"),
+                           zero_reward_finish_reasons=zero_reward_finishes("fail"))
     batch = rl_sequences(trajs, filters, learner_version=0)
     # rewards 1, 0, 0, 0: mean 0.25, std 0.5; both truncated samples are pushed down and trained
     assert batch.rewards == [1.0, 0.0, 0.0, 0.0]
