@@ -177,14 +177,14 @@ def unreached_stages_note(curriculum: Curriculum | None, epochs: int, steps: int
     epoch, tiny.yaml's) on its first stages only."""
     if curriculum is None:
         return None
-    last = epochs if curriculum.unit == "epoch" else steps
+    if curriculum.unit == "epoch":
+        last, length, hint = epochs, f"rl.epochs {epochs}", "rl.curriculum_unit step counts RL steps instead"
+    else:
+        last, length, hint = steps, f"the run's {steps} steps", "more rl.max_steps or rl.epochs reach them"
     late = [f"{kind}@{start}" for start, kind in curriculum.stages if start > last]
     if not late:
         return None
     reached = [kind for start, kind in curriculum.stages if start <= last]
-    hint = ("rl.curriculum_unit step counts RL steps instead" if curriculum.unit == "epoch"
-            else "more rl.max_steps or rl.epochs reach them")
-    length = f"rl.epochs {epochs}" if curriculum.unit == "epoch" else f"the run's {steps} steps"
     return (f"rl.curriculum stages {', '.join(late)} start after {length}: this run's reward is "
             f"{' then '.join(reached)} ({hint})")
 
