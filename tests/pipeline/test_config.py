@@ -122,10 +122,10 @@ def test_the_truncation_policy_reaches_the_learner_filters(tmp_path):
         path = rl_config(Run(config, tmp_path), "model", StreamNames("t"), "redis://x", total_steps=16)
         return RLConfig.model_validate_json(path.read_text()).filters
 
-    masked = filters([])  # the STAR code's overlong filter, as every run so far
+    masked = filters(["rl.truncated=mask"])  # the STAR code's overlong filter, runs 1-37
     assert set(masked.mask_finish_reasons) == {"context_limit", "tool_budget", "engine_error"}
     assert masked.zero_reward_finish_reasons == ["format_error"]
-    failed = filters(["rl.truncated=fail"])
+    failed = filters([])  # the proof recipe's since run 38
     assert failed.mask_finish_reasons == ["engine_error"]  # never the policy's doing
     assert set(failed.zero_reward_finish_reasons) == {"format_error", "context_limit", "tool_budget"}
     assert failed.max_staleness == masked.max_staleness == 3
@@ -254,4 +254,5 @@ def test_the_proof_fleet_samples_as_many_batches_as_the_staleness_allows_in_one_
     proof = load_pipeline_config(CONFIGS / "smollm2-proof.yaml")
     s, r = proof.services, proof.rl
     assert s.rollout_workers * s.rollout_concurrency == r.max_staleness * r.batch_prompts
-    assert (s.rollout_workers, r.epochs, r.max_steps) == (2, 1, 32)
+    assert (s.rollout_workers, r.epochs, r.max_steps) == (2, 1, 40)
+    assert proof.synth.rl_queries == r.max_steps * r.batch_prompts  # one epoch: each prompt seen once
