@@ -197,6 +197,8 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
         raise StageFailed("rl needs the RL prompt set of the synth stage (data/rl.jsonl)")
     prompts = tuple(load_queries(prompts_file))
     schedule = Schedule(prompts, r.batch_prompts, r.group_size, r.epochs, seed=run.config.seed, max_steps=r.max_steps)
+    if curriculum is not None:
+        console.print(f"reward: curriculum {curriculum.describe()} (by {curriculum.unit})")
     for note in (off_policy_note(r.sampling), unreached_stages_note(curriculum, r.epochs, schedule.total_steps)):
         if note:
             console.print(f"[yellow]{note}[/]")

@@ -206,6 +206,9 @@ class Scorer:
                             finish_reason=trajectory.finish_reason, preference_penalty=trajectory.preference_penalty)
         except ValueError as exc:
             raise ScoreError(str(exc)) from None
-        rewards = all_rewards(score, trajectory.epoch, finish_reason=trajectory.finish_reason)
+        # The paper's curriculum only when the trajectory asked for it: a recipe's own schedule arrives
+        # resolved to its stage's kind (services/pipeline/scheduler.py), and the default would misname it.
+        curriculum_epoch = trajectory.epoch if trajectory.reward_kind == "curriculum" else None
+        rewards = all_rewards(score, curriculum_epoch, finish_reason=trajectory.finish_reason)
         return ScoredTrajectory(**trajectory.model_dump(), score=score, reward=chosen, rewards=rewards,
                                 plan=scored.plan)

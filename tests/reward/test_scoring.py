@@ -104,6 +104,9 @@ def test_trajectory_scoring(gold, scorer):
     assert scored.reward == 1.0 and scored.rewards == {"sum": 5, "macro": 3, "success": 1, "curriculum": 1}
     assert scored.score.mode == "strict" and scored.plan is not None and len(scored.plan.days) == gold.queries[3].days
     assert scored.task_id == "t" and scored.query == gold.queries[3]
+    # a kind the RL scheduler resolved from a recipe's curriculum: the paper's schedule is not reported beside it
+    resolved = scorer.score_trajectory(_trajectory(gold, 3, reward_kind="macro"))
+    assert resolved.reward == 3 and resolved.rewards == {"sum": 5, "macro": 3, "success": 1}
 
     for kw in ({"finish_reason": "tool_budget", "answer": None}, {"finish_reason": "format_error"},
                {"answer": "I could not finish. answer not found"}, {"answer": None}):
