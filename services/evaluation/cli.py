@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -45,6 +45,8 @@ def eval_run(
                           "1 with --agent (a function of yours is then called from this many threads)."),
     decode: str = typer.Option("dynamic", help="The transformers engine's decode step: dynamic | static | graphs "
                                                "(CUDA graphs; static without a GPU)."),
+    vllm_args: Optional[str] = typer.Option(None, "--vllm-args", help="The vLLM engine's arguments as JSON (a "
+                                            "recipe's services.vllm), e.g. '{\"gpu_memory_utilization\": 0.5}'."),
     base_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL for openai:NAME."),
     sandbox_url: Optional[str] = typer.Option(None, help="Sandbox service URL (default: tools in-process)."),
     temperature: float = typer.Option(0.6), top_p: float = typer.Option(0.95),
@@ -99,6 +101,8 @@ def eval_run(
             source = {"kind": "model", "model": model, "engine": engine, "sampling": sampling.model_dump()}
             # the transformers engine decodes as many rows as there are episodes in flight
             options = {"max_batch": concurrency, "decode": decode} if engine == "transformers" else {}
+            if engine == "vllm" and vllm_args:
+                options["args"] = _vllm_args(vllm_args)
             run_agent, close = rollout_agent(model, sampling, engine=engine, sandbox_url=sandbox_url,
                                              world_url=world_url, base_url=base_url, engine_options=options)
         label = str(predictions or agent or model)
@@ -198,3 +202,14 @@ def eval_scored(
     if g.get("groups"):
         typer.echo(f"reward variance per group: mean {g['mean_variance']:.4f} over {g['groups']} groups, "
                    f"zero-variance groups {g['zero_variance_share']:.1f}%")
+
+
+def _vllm_args(raw: str) -> Any:
+    from pydantic import ValidationError
+
+    from services.common.schemas import VllmArgs
+
+    try:
+        return VllmArgs.model_validate_json(raw)
+    except ValidationError as exc:
+        _fail("--vllm-args: " + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()))

@@ -7,9 +7,13 @@ name and renamed, so a reader never sees half a version. Then the latest version
 (`{prefix}:weights:latest`, a WeightsUpdate) and to every rollout server (`POST /weights`), and
 versions older than the last K are deleted.
 
-Fast path (`BroadcastPublisher`): the same buckets go over a torch.distributed broadcast
-(NCCL between GPUs; gloo works too, which is how it is tested on CPU) to receivers that copy
-them into their live model (`BroadcastReceiver`).
+Fast path into vLLM (`NcclPublisher`): the learner's rank 0 forms one NCCL group with every
+engine of the fleet (through each rollout server's `POST /weights/group`), and after each step
+sends the full weights, gathered layer group by layer group under ZeRO-3, through vLLM's own
+weight-transfer engine while every server receives them in place (`POST /weights/broadcast`).
+
+`BroadcastPublisher` / `BroadcastReceiver`: the same buckets over a plain torch.distributed
+broadcast into a live torch model (NCCL between GPUs; gloo on CPU, which is how it is tested).
 """
 
 from __future__ import annotations
@@ -344,7 +348,126 @@ class StorePublisher:
         return WeightsUpdate.model_validate_json(raw) if raw else None
 
 
-# ---- the NCCL broadcast path --------------------------------------------------------------------
+# ---- weights over NCCL into live vLLM engines ---------------------------------------------------
+
+def iter_full_parameters(model: torch.nn.Module, *, zero3: bool = False, group_bytes: int = 512 * 2**20,
+                         skip_tied: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for every parameter, in a fixed order. Under ZeRO-3 the parameters are
+    gathered a group of about `group_bytes` at a time: every rank must iterate (the gather is a
+    collective). Tied output heads are
+    skipped (`skip_tied`): the engine ties them itself."""
+    named = [(n, p) for n, p in model.named_parameters(remove_duplicate=True) if not (skip_tied and _tied(model, n))]
+    groups: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
+    size = 0
+    for name, p in named:
+        if size >= group_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, p))
+        size += getattr(p, "ds_numel", p.numel()) * p.element_size()
+    for group in groups:
+        if zero3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None):
+                # copies: a consumer may hold tensors past the gather (vLLM's packer batches ~1 GiB)
+                copies = [(name, p.detach().clone()) for name, p in group]
+            yield from copies
+        else:
+            for name, p in group:
+                yield name, p.detach()
+
+
+def parameter_layout(model: torch.nn.Module, *, skip_tied: bool = True) -> dict[str, list]:
+    """Names, dtype names and full shapes of what `iter_full_parameters` yields (no gather needed)."""
+    named = [(n, p) for n, p in model.named_parameters(remove_duplicate=True) if not (skip_tied and _tied(model, n))]
+    return {"names": [n for n, _ in named],
+            "dtype_names": [str(p.dtype).removeprefix("torch.") for _, p in named],
+            "shapes": [list(getattr(p, "ds_shape", p.shape)) for _, p in named]}
+
+
+class NcclPublisher:
+    """The learner's side of weight sync into live vLLM engines, over vLLM's NCCL weight transfer.
+
+    `connect()` forms the group: rank 0 is this process, each server's engine takes as many ranks as
+    its tensor-parallel size. `publish()` asks every server to receive a version and sends the tensors
+    meanwhile; it returns once every server has loaded it, and raises `WeightsError` naming the
+    servers that did not (they then refuse to sample until a version loads, and the caller falls
+    back to the file path for them)."""
+
+    def __init__(self, servers: Iterable[str], *, master_address: str = "127.0.0.1", master_port: int = 29731,
+                 api_token: str | None = None, timeout_s: float = 120.0) -> None:
+        self.servers = [s.rstrip("/") for s in servers]
+        if not self.servers:
+            raise ValueError("NCCL weight sync needs at least one rollout server")
+        self.master_address = master_address
+        self.master_port = master_port
+        self.headers = {"authorization": f"Bearer {api_token}"} if api_token else {}
+        self.timeout_s = timeout_s
+        self.group: Any = None
+        self.pool = ThreadPoolExecutor(max_workers=min(32, 2 * len(self.servers)))
+
+    def _post(self, url: str, path: str, body: Any) -> Any:
+        import httpx
+
+        r = httpx.post(f"{url}{path}", json=body, headers=self.headers, timeout=self.timeout_s)
+        if r.status_code >= 300:
+            raise WeightsError(f"{url}{path}: HTTP {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    def connect(self) -> dict[str, float]:
+        import httpx
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        t0 = time.perf_counter()
+        ranks = []
+        for url in self.servers:
+            info = httpx.get(f"{url}/weights", headers=self.headers, timeout=self.timeout_s).json()
+            if not info.get("weight_ranks"):
+                raise WeightsError(f"{url} cannot join an NCCL weight group (its engine needs weight_transfer: nccl)")
+            ranks.append(int(info["weight_ranks"]))
+        world = 1 + sum(ranks)
+        offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
+        joins = [self.pool.submit(self._post, url, "/weights/group", {
+            "master_address": self.master_address, "master_port": self.master_port, "rank_offset": off,
+            "world_size": world}) for url, off in zip(self.servers, offsets)]
+        self.group = NCCLWeightTransferEngine.trainer_init(dict(master_address=self.master_address,
+                                                                master_port=self.master_port, world_size=world))
+        for f in joins:
+            f.result(timeout=self.timeout_s)
+        return {"sync_connect_s": time.perf_counter() - t0, "sync_world_size": float(world)}
+
+    def publish(self, version: int, layout: dict[str, list], tensors: Iterable[tuple[str, torch.Tensor]]
+                ) -> dict[str, float]:
+        """Send `tensors` (in `layout`'s order) as `version` to every engine."""
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        if self.group is None:
+            self.connect()
+        t0 = time.perf_counter()
+        body = {"version": version, **layout}
+        receives = {url: self.pool.submit(self._post, url, "/weights/broadcast", body) for url in self.servers}
+        NCCLWeightTransferEngine.trainer_send_weights(iter(tensors), {"group": self.group, "packed": True})
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        sent = time.perf_counter() - t0
+        failed = {}
+        for url, f in receives.items():
+            try:
+                reply = f.result(timeout=self.timeout_s)
+                if int(reply.get("version", -1)) != version:
+                    failed[url] = f"reports version {reply.get('version')}"
+            except Exception as exc:  # noqa: BLE001 - collected, then raised together
+                failed[url] = f"{type(exc).__name__}: {exc}"
+        if failed:
+            raise WeightsError(f"version {version} did not load on {len(failed)} server(s): {failed}")
+        return {"sync_send_s": sent, "sync_s": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+
+
+# ---- the torch.distributed broadcast path ------------------------------------------------------
 
 class BroadcastPublisher:
     """Broadcast buckets from `src` over a process group shared with the rollout workers.

@@ -119,6 +119,7 @@ def start_fleet(run: Run, model: str, names: StreamNames) -> Fleet:
     s = run.config.services
     sampling = run.config.rl.sampling
     rollout_env = {**env, "STAR_MODEL": model, "STAR_ROLLOUT_ENGINE": s.engine, "STAR_ROLLOUT_DECODE": s.decode,
+                   "STAR_ROLLOUT_VLLM": s.vllm.model_dump_json(),
                    "STAR_ROLLOUT_MAX_MODEL_LEN": str(sampling.max_context_tokens + 512),
                    "STAR_ROLLOUT_CLAIM_IDLE_MS": "30000", "STAR_ROLLOUT_CONCURRENCY": str(s.rollout_concurrency),
                    # the transformers engine decodes every sample of its groups in one batch

@@ -14,7 +14,8 @@ from fastapi import Depends, FastAPI, HTTPException
 
 from services.common.http import bearer_auth, create_app as create_service_app
 from services.common.logging import configure_logging
-from services.common.schemas import Trajectory, WeightsUpdate
+from services.common.schemas import (GenerateRequest, GenerateResult, Trajectory, WeightsBroadcast, WeightsGroup,
+                                     WeightsUpdate)
 from services.common.settings import Settings, get_settings
 from services.rollout.service import RolloutConfig, RolloutMetrics, RolloutRequest, RolloutService, WeightsError
 
@@ -70,6 +71,38 @@ def create_app(settings: Settings | None = None, service: RolloutService | None 
     async def load_weights(update: WeightsUpdate) -> dict[str, Any]:
         try:
             return await svc().update_weights(update)
+        except WeightsError as exc:
+            raise HTTPException(exc.status, exc.message) from None
+
+    @app.post("/weights/group", tags=["weights"], dependencies=[Depends(auth)],
+              summary="Join the learner's NCCL group for weight broadcasts (vLLM with weight_transfer: nccl)")
+    async def join_weight_group(group: WeightsGroup) -> dict[str, Any]:
+        try:
+            return await svc().join_weight_group(group)
+        except WeightsError as exc:
+            raise HTTPException(exc.status, exc.message) from None
+
+    @app.post("/weights/broadcast", tags=["weights"], dependencies=[Depends(auth)],
+              summary="Receive a version from the learner's NCCL broadcast (pause in place, load, resume)")
+    async def receive_weights(broadcast: WeightsBroadcast) -> dict[str, Any]:
+        try:
+            return await svc().receive_weights(broadcast)
+        except WeightsError as exc:
+            raise HTTPException(exc.status, exc.message) from None
+
+    @app.post("/weights/checksums", tags=["weights"], dependencies=[Depends(auth)],
+              summary="fp32 sums of the named parameters as the engine holds them")
+    async def checksums(names: list[str]) -> dict[str, float]:
+        try:
+            return await svc().parameter_checksums(names)
+        except WeightsError as exc:
+            raise HTTPException(exc.status, exc.message) from None
+
+    @app.post("/generate", tags=["rollout"], dependencies=[Depends(auth)],
+              summary="One model turn: token ids in, sampled ids and their log-probs out")
+    async def generate(request: GenerateRequest) -> GenerateResult:
+        try:
+            return await svc().generate(request)
         except WeightsError as exc:
             raise HTTPException(exc.status, exc.message) from None
 

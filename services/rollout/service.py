@@ -21,10 +21,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.metrics import Metrics
 from services.common.schemas import (DecodeMode, EvalMode, PreferencePenalty, RewardKind, RolloutTask, SamplingParams,
-                                     ToolResult, Trajectory, TravelQuery, WeightsUpdate)
+                                     GenerateRequest, GenerateResult, ToolResult, Trajectory, TravelQuery, VllmArgs,
+                                     WeightsBroadcast, WeightsGroup, WeightsUpdate)
 from services.common.settings import Settings, get_settings
 from services.rollout.agent import Agent
-from services.rollout.engines import Engine, build_engine
+from services.rollout.engines import Engine, TurnParams, build_engine
 from services.rollout.group import ArpoConfig, GroupMeta, sample_group
 from services.rollout.tools import HttpToolClient, LocalToolClient, ToolClient
 from services.common.files import sha256_file as file_sha256
@@ -45,6 +46,9 @@ class RolloutConfig(BaseSettings):
     decode: DecodeMode = Field(
         "dynamic", description="transformers: dynamic shapes per step, or every slot each step (static), "
         "replayed as CUDA graphs on a GPU (graphs).")
+    vllm: VllmArgs = Field(default_factory=VllmArgs, description="vllm: engine arguments (JSON), as a recipe's services.vllm.")
+    rehash_weights: bool = Field(False, description="Re-hash every file of a published version before loading it "
+                                 "(the manifest's own hash and the file sizes are always checked).")
     openai_base_url: str | None = None
     openai_api_key: str | None = None
     tools: Literal["http", "local"] = Field("http", description="Sandbox over HTTP (STAR_SANDBOX_URL) or in-process.")
@@ -54,6 +58,7 @@ class RolloutConfig(BaseSettings):
     claim_idle_ms: int = Field(120_000, ge=100, description="Worker: reclaim a dead worker's task after this idle time.")
     max_deliveries: int = Field(3, ge=1, description="Worker: attempts before a task is dead-lettered.")
     max_format_errors: int = Field(3, ge=1)
+    weights_timeout_s: float = Field(120.0, gt=0, description="A weight group join or broadcast that takes longer fails.")
 
 
 class RolloutRequest(BaseModel):
@@ -144,6 +149,7 @@ class RolloutService:
         self.loaded_at = time.time()
         self.metrics.weight_version.set(engine.policy_version)
         self._weights_sha: str | None = None
+        self._broken: str | None = None  # set while a failed broadcast may have left mixed weights
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None, config: RolloutConfig | None = None) -> RolloutService:
@@ -152,6 +158,8 @@ class RolloutService:
         return cls(make_engine(settings, config), make_tools(settings, config), settings=settings, config=config)
 
     async def rollout(self, request: RolloutRequest | RolloutTask) -> list[Trajectory]:
+        if self._broken:
+            raise WeightsError(503, self._broken)
         if isinstance(request, RolloutTask):
             group, arpo = request.group_size, request.arpo
             task_id = request.task_id
@@ -178,14 +186,16 @@ class RolloutService:
 
     def weights_info(self) -> dict[str, Any]:
         return {"version": self.engine.policy_version, "path": self.engine.weights_path, "sha256": self._weights_sha,
-                "engine": self.engine.name, "loaded_at": self.loaded_at, "in_flight": self.engine.in_flight}
+                "engine": self.engine.name, "loaded_at": self.loaded_at, "in_flight": self.engine.in_flight,
+                # NCCL ranks this engine takes in the learner's weight group (0: it cannot join one)
+                "weight_ranks": weight_ranks(self.engine), "broken": self._broken}
 
     async def update_weights(self, update: WeightsUpdate) -> dict[str, Any]:
         if not self.engine.token_level:
             raise WeightsError(409, f"the {self.engine.name} engine serves a remote model; it has no weights to load")
         try:
             # off the event loop: hashing a version's files takes long enough to stall every agent
-            folder = await asyncio.to_thread(check_weights, update, self.settings.weights_dir)
+            folder = await asyncio.to_thread(check_weights, update, self.settings.weights_dir, self.config.rehash_weights)
         except WeightsError:
             self.metrics.weight_updates.labels("rejected").inc()
             raise
@@ -201,18 +211,84 @@ class RolloutService:
             self.metrics.weight_updates.labels("failed").inc()
             raise WeightsError(422, f"could not load {folder}: {type(exc).__name__}: {exc}") from exc
         self._weights_sha = update.sha256
+        self._broken = None
         self.loaded_at = time.time()
         self.metrics.weight_version.set(update.version)
         self.metrics.weight_updates.labels("loaded").inc()
         return {**self.weights_info(), "reloaded": True, **timing}
+
+    async def join_weight_group(self, group: WeightsGroup) -> dict[str, Any]:
+        """Join the learner's NCCL group (engines started with `weight_transfer: nccl`)."""
+        join = getattr(self.engine, "join_weight_group", None)
+        if join is None:
+            raise WeightsError(409, f"the {self.engine.name} engine cannot receive weights over NCCL")
+        try:
+            await asyncio.wait_for(join(group.master_address, group.master_port, group.rank_offset, group.world_size),
+                                   timeout=self.config.weights_timeout_s)
+        except TimeoutError:
+            raise WeightsError(504, f"the learner's group at {group.master_address}:{group.master_port} did not "
+                                    f"form within {self.config.weights_timeout_s:g} s") from None
+        except Exception as exc:  # noqa: BLE001 - reported to the learner, which falls back to files
+            raise WeightsError(422, f"could not join the weight group: {type(exc).__name__}: {exc}") from exc
+        return {"joined": True, "rank_offset": group.rank_offset, "world_size": group.world_size}
+
+    async def receive_weights(self, broadcast: WeightsBroadcast) -> dict[str, Any]:
+        """Receive `broadcast.version` from the learner's NCCL broadcast and load it in place."""
+        receive = getattr(self.engine, "receive_weights", None)
+        if receive is None:
+            raise WeightsError(409, f"the {self.engine.name} engine cannot receive weights over NCCL")
+        if broadcast.version < self.engine.policy_version:
+            self.metrics.weight_updates.labels("rejected").inc()
+            raise WeightsError(409, f"version {broadcast.version} is older than the loaded version "
+                                    f"{self.engine.policy_version}")
+        try:
+            timing = await asyncio.wait_for(
+                receive(broadcast.names, broadcast.dtype_names, broadcast.shapes, broadcast.version),
+                timeout=self.config.weights_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the engine may hold part of a version: it must not sample
+            self.metrics.weight_updates.labels("failed").inc()
+            self._broken = f"a broadcast of version {broadcast.version} failed: {type(exc).__name__}: {exc}"
+            raise WeightsError(503, f"{self._broken}; this server will not sample until a full version loads") from exc
+        self._broken = None
+        self._weights_sha = None
+        self.loaded_at = time.time()
+        self.metrics.weight_version.set(broadcast.version)
+        self.metrics.weight_updates.labels("loaded").inc()
+        return {**self.weights_info(), "reloaded": True, **timing}
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """One model turn on the token ids given (token-in/token-out clients and sync checks)."""
+        if not self.engine.token_level:
+            raise WeightsError(409, f"the {self.engine.name} engine takes chat messages, not token ids")
+        if self._broken:
+            raise WeightsError(503, self._broken)
+        gen = await self.engine.generate(request.prompt_ids, TurnParams(
+            max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed))
+        return GenerateResult(token_ids=gen.token_ids, logprobs=gen.logprobs, finish=gen.finish,
+                              policy_version=gen.policy_version)
+
+    async def parameter_checksums(self, names: list[str]) -> dict[str, float]:
+        sums = getattr(self.engine, "parameter_checksums", None)
+        if sums is None:
+            raise WeightsError(409, f"the {self.engine.name} engine cannot report parameter checksums")
+        return await sums(names)
 
     async def close(self) -> None:
         await self.tools.close()
         await self.engine.close()
 
 
-def check_weights(update: WeightsUpdate, root: Path) -> Path:
-    """The folder of a published version, or a WeightsError saying why it cannot be loaded."""
+def weight_ranks(engine: Engine) -> int:
+    args = getattr(engine, "args", None)
+    if args is None or getattr(args, "weight_transfer", "files") != "nccl":
+        return 0
+    return args.tensor_parallel_size
+
+
+def check_weights(update: WeightsUpdate, root: Path, rehash: bool = False) -> Path:
+    """The folder of a published version, or a WeightsError saying why it cannot be loaded. The
+    learner hashed every file into the manifest, whose own hash the update announces: here the
+    manifest is checked by that hash and each file by its size (`rehash`: by its sha256 too)."""
     uri = update.uri
     if "://" in uri:
         scheme, _, rest = uri.partition("://")
@@ -244,10 +320,13 @@ def check_weights(update: WeightsUpdate, root: Path) -> Path:
     for name, entry in listed.items():
         # The learner's manifest form: {"file": {"sha256": …, "bytes": …}}; a bare digest is accepted too.
         expected = entry.get("sha256") if isinstance(entry, dict) else entry
+        size = entry.get("bytes") if isinstance(entry, dict) else None
         path = (folder / name).resolve()
         if not path.is_relative_to(folder) or not path.is_file():
             raise WeightsError(422, f"manifest lists {name!r}, which is not a file of the version")
-        if isinstance(expected, str) and file_sha256(path) != expected:
+        if isinstance(size, int) and path.stat().st_size != size:
+            raise WeightsError(422, f"{name} has {path.stat().st_size} bytes; the manifest says {size}")
+        if rehash and isinstance(expected, str) and file_sha256(path) != expected:
             raise WeightsError(422, f"{name} does not match its sha256 in the manifest")
     return folder
 
@@ -272,6 +351,8 @@ def make_engine(settings: Settings, config: RolloutConfig) -> Engine:
     if config.engine == "transformers":
         options["max_batch"] = config.max_batch
         options["decode"] = config.decode
+    if config.engine == "vllm":
+        options["args"] = config.vllm
     return build_engine(config.engine, model, **options)
 
 

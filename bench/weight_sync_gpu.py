@@ -1,0 +1,249 @@
+"""Weight sync from the learner into a live vLLM engine: NCCL against files, same run, same GPUs.
+
+    python bench/weight_sync_gpu.py --shapes 0.5b,1.5b,7b     # a 2-GPU machine, vLLM and DeepSpeed installed
+
+The learner side runs here on GPU 0: the model under DeepSpeed ZeRO-3 (one rank: the gather path
+is the one a multi-rank learner takes), a "step" changing some parameters, then the new version
+published. The fleet side is a real rollout server (`services.rollout.app`, uvicorn) whose vLLM
+engine runs on GPU 1 with `weight_transfer: nccl`.
+
+- nccl: `NcclPublisher` — every server receives in place (pause, load, reset the prefix cache,
+  resume) while rank 0 sends the gathered tensors through vLLM's NCCL weight transfer.
+- files: `StorePublisher` — safetensors + manifest written under the weights root (hashed once,
+  by the learner), then `POST /weights` (the server checks the manifest and reloads): the path for
+  hosts with no NCCL between them.
+
+Seconds are from "step done" to "the engine samples with the new version": the publish, then a
+one-token `POST /generate` that must come back stamped with the new version. After each sync the
+engine's parameter checksums are compared with the learner's, and its greedy log-probs on a fixed
+prompt with the learner's bf16 forward. Results: bench/results/weight_sync_gpu.json (merged by
+shape) and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "bench" / "results"
+
+from bench.gpu_shapes import model_folder  # noqa: E402
+from bench.loadgen import serve_app  # noqa: E402
+
+CHECKED = ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "model.norm.weight")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def learner_model(folder: Path, zero3: bool):
+    """The model as the learner holds it: a ZeRO-3 DeepSpeed engine on GPU 0 (or plain bf16)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    if not zero3:
+        return model.cuda().eval(), None
+    import deepspeed
+
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29655", "RANK": "0", "LOCAL_RANK": "0",
+                 "WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(k, v)
+    deepspeed.init_distributed(dist_backend="nccl")
+    engine, *_ = deepspeed.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    return engine.module.eval(), engine
+
+
+def take_step(model, zero3: bool, k: int) -> None:
+    """Stand-in for an optimizer step: scale the final norm and one MLP matrix."""
+    import torch
+
+    params = dict(model.named_parameters())
+    touched = [params["model.norm.weight"], params["model.layers.0.mlp.down_proj.weight"]]
+    ctx = _gather(touched, zero3, modifier=True)
+    with ctx, torch.no_grad():
+        for p in touched:
+            p.mul_(1.0 + 0.01 * k)
+
+
+def _gather(params, zero3: bool, modifier: bool = False):
+    from contextlib import nullcontext
+
+    if not zero3:
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modifier else None)
+
+
+def learner_checksums(model, zero3: bool) -> dict[str, float]:
+    params = dict(model.named_parameters())
+    out = {}
+    for name in CHECKED:
+        with _gather([params[name]], zero3):
+            out[name] = float(params[name].float().sum())
+    return out
+
+
+def learner_logprobs(model, prompt: list[int], ids: list[int]) -> list[float]:
+    import torch
+
+    x = torch.tensor([prompt + ids], device="cuda")
+    with torch.no_grad():
+        logits = model(x).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids, device="cuda")[:, None])[:, 0].tolist()
+
+
+def sampled_with(url: str, version: int, prompt: list[int], tokens: int = 1, timeout: float = 120.0) -> dict[str, Any]:
+    import httpx
+
+    r = httpx.post(f"{url}/generate", json={"prompt_ids": prompt, "max_tokens": tokens, "temperature": 0.0},
+                   timeout=timeout)
+    r.raise_for_status()
+    out = r.json()
+    if out["policy_version"] != version:
+        raise RuntimeError(f"the engine sampled with version {out['policy_version']}, expected {version}")
+    return out
+
+
+def check(url: str, model, zero3: bool, version: int) -> dict[str, Any]:
+    import httpx
+
+    ours = learner_checksums(model, zero3)
+    theirs = httpx.post(f"{url}/weights/checksums", json=list(CHECKED), timeout=60).json()
+    equal = all(abs(ours[n] - theirs.get(n, float("nan"))) <= 1e-3 * max(1.0, abs(ours[n])) for n in CHECKED)
+    prompt = [(13 * j) % 30000 + 100 for j in range(64)]
+    out = sampled_with(url, version, prompt, tokens=16)
+    lps = learner_logprobs(model, prompt, out["token_ids"])
+    diff = max(abs(a - b) for a, b in zip(lps, out["logprobs"]))
+    return {"checksums_equal": equal, "logprob_max_abs_diff": diff,
+            "checksums": {n: [round(ours[n], 3), round(theirs.get(n, float("nan")), 3)] for n in CHECKED}}
+
+
+def measure_shape(shape: str, args) -> list[dict[str, Any]]:
+    import torch
+
+    from services.learner.engine import iter_weight_buckets
+    from services.learner.weights import NcclPublisher, StorePublisher, iter_full_parameters, parameter_layout
+
+    work = Path(args.work)
+    t = time.perf_counter()
+    folder = model_folder(work / "models" / shape, shape, max_positions=4096)
+    log(f"{shape}: model folder ready ({time.perf_counter() - t:.0f} s)")
+    weights_root = work / "weights"
+    weights_root.mkdir(parents=True, exist_ok=True)
+    port = args.port
+    vargs = {"weight_transfer": "nccl", "compile": False, "gpu_memory_utilization": args.gpu_memory}
+    env = {"CUDA_VISIBLE_DEVICES": args.engine_gpu, "STAR_MODEL": str(folder), "STAR_ROLLOUT_ENGINE": "vllm",
+           "STAR_ROLLOUT_VLLM": json.dumps(vargs), "STAR_ROLLOUT_MAX_MODEL_LEN": "4096",
+           "STAR_SANDBOX_URL": "http://127.0.0.1:9", "STAR_WEIGHTS_ROOT": str(weights_root),
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "STAR_LOG_LEVEL": "WARNING"}
+    rows: list[dict[str, Any]] = []
+    t = time.perf_counter()
+    with serve_app("services.rollout.app:create_app", port, env, timeout=600):
+        url = f"http://127.0.0.1:{port}"
+        log(f"{shape}: rollout server up ({time.perf_counter() - t:.0f} s)")
+        model, ds_engine = learner_model(folder, args.zero3)
+        params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+        layout = parameter_layout(model)
+        nbytes = sum(torch.Size(s).numel() * 2 for s in layout["shapes"])
+        pub = NcclPublisher([url], master_port=args.nccl_port, timeout_s=300)
+        connect = pub.connect()
+        log(f"{shape}: NCCL group formed in {connect['sync_connect_s']:.2f} s")
+        version = 0
+        for method, rounds in (("nccl", args.rounds), ("files", args.file_rounds)):
+            times = []
+            for _ in range(rounds):
+                version += 1
+                take_step(model, args.zero3, version)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()  # step done
+                if method == "nccl":
+                    timing = pub.publish(version, layout, iter_full_parameters(model, zero3=args.zero3))
+                else:
+                    store = StorePublisher(weights_root, servers=[url], keep=1, timeout_s=600)
+                    result = store.publish(version, iter_weight_buckets(model, zero3=args.zero3,
+                                                                        dtype=torch.bfloat16, device="cuda"),
+                                           config=model.config, source_dir=folder)
+                    if any(v != "ok" for v in result.servers.values()):
+                        raise RuntimeError(f"file publish failed: {result.servers}")
+                    timing = result.metrics()
+                sampled_with(f"http://127.0.0.1:{port}", version, [5, 6, 7])
+                seconds = time.perf_counter() - t0
+                times.append(seconds)
+                log(f"{shape}: {method} v{version}: {seconds:.3f} s ({ {k: round(v, 3) for k, v in timing.items()} })")
+            verdict = check(url, model, args.zero3, version)
+            log(f"{shape}: {method}: checksums equal {verdict['checksums_equal']}, log-prob max diff "
+                f"{verdict['logprob_max_abs_diff']:.3f}")
+            rows.append({"shape": shape, "params": params, "gib": round(nbytes / 2**30, 2), "method": method,
+                         "into": "vllm", "seconds": statistics.median(times), "rounds_s": times,
+                         "learner": "deepspeed zero-3" if args.zero3 else "torch", **verdict})
+        pub.close()
+        del model, ds_engine
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="0.5b,1.5b,7b")
+    p.add_argument("--rounds", type=int, default=3, help="NCCL syncs per shape")
+    p.add_argument("--file-rounds", type=int, default=1, help="file syncs per shape")
+    p.add_argument("--no-zero3", dest="zero3", action="store_false", help="a plain bf16 model instead of ZeRO-3")
+    p.add_argument("--engine-gpu", default="1")
+    p.add_argument("--gpu-memory", type=float, default=0.5)
+    p.add_argument("--port", type=int, default=8791)
+    p.add_argument("--nccl-port", type=int, default=29741)
+    p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "weight-sync"))
+    p.add_argument("--name", default="weight_sync_gpu")
+    args = p.parse_args()
+    import torch
+
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0," + args.engine_gpu)
+    device = f"{torch.cuda.device_count()}× {torch.cuda.get_device_name()}" if torch.cuda.is_available() \
+        else f"CPU ({platform.machine()})"
+    import vllm
+
+    path = RESULTS / f"{args.name}.json"
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    if record.get("device") != device:
+        record = {"device": device, "rows": []}
+    record.update({"vllm_version": vllm.__version__, "torch": torch.__version__,
+                   "target_s": {"1.5b": 0.3, "7b": 0.5}})
+    for shape in args.shapes.split(","):
+        rows = measure_shape(shape, args)
+        record["rows"] = [r for r in record["rows"] if r["shape"] != shape] + rows
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1))
+    write_markdown(record, RESULTS / f"{args.name}.md")
+    log(f"wrote {path}")
+
+
+def write_markdown(record: dict[str, Any], path: Path) -> None:
+    lines = [f"# Weight sync into a live vLLM engine ({record['device']}, vLLM {record['vllm_version']})", "",
+             "Seconds from \"step done\" to \"the engine samples with the new version\" (`bench/weight_sync_gpu.py`; "
+             "learner on GPU 0, rollout server on GPU 1). Target on one host: ≤ 0.3 s at 1.5B, ≤ 0.5 s at 7B.", "",
+             "| shape | params | GiB | method | seconds (median) | rounds | checksums equal | log-prob max abs diff |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in record["rows"]:
+        lines.append(f"| {r['shape']} | {r['params'] / 1e9:.2f} B | {r['gib']} | {r['method']} | {r['seconds']:.3f} | "
+                     f"{', '.join(f'{x:.3f}' for x in r['rounds_s'])} | {r['checksums_equal']} | "
+                     f"{r['logprob_max_abs_diff']:.3f} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
