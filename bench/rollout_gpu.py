@@ -164,12 +164,15 @@ def child(args) -> None:
                 times.append(time.perf_counter() - t)
             return times
 
-        busy = await run_agents(engine, plan, args, vocab, updates=updates)
-        busy.pop("samples")
-        out["under_updates"] = busy
-        log(f"vllm under updates: {busy['tokens_per_s']:.0f} tokens/s, {len(busy['reloads_s'])} reloads "
-            f"(median {statistics.median(busy['reloads_s']) if busy['reloads_s'] else float('nan'):.2f} s), "
-            f"{busy['turns_updated_mid_turn']} turns updated mid-turn")
+        for mode in args.inflight_modes.split(","):
+            engine.args = engine.args.model_copy(update={"inflight_update": mode})
+            busy = await run_agents(engine, plan, args, vocab, updates=updates)
+            busy.pop("samples")
+            out.setdefault("under_updates_by_mode", {})[mode] = busy
+            log(f"vllm under updates ({mode}): {busy['tokens_per_s']:.0f} tokens/s, {len(busy['reloads_s'])} reloads "
+                f"(median {statistics.median(busy['reloads_s']) if busy['reloads_s'] else float('nan'):.2f} s), "
+                f"{busy['turns_updated_mid_turn']} turns updated mid-turn")
+        out["under_updates"] = out["under_updates_by_mode"][args.inflight_modes.split(",")[0]]
 
     try:
         asyncio.run(measure())
@@ -261,7 +264,8 @@ def main() -> None:
     p.add_argument("--tool-max", type=int, default=300)
     p.add_argument("--vllm-compile", action="store_true", help="torch.compile vLLM's model (minutes of start-up)")
     p.add_argument("--gpu-memory", type=float, default=0.6, help="vLLM's gpu_memory_utilization")
-    p.add_argument("--update-every", type=float, default=3.0, help="seconds between weight loads under load")
+    p.add_argument("--update-every", type=float, default=10.0, help="seconds between weight loads under load")
+    p.add_argument("--inflight-modes", default="recompute,keep", help="vLLM inflight_update modes measured under load")
     p.add_argument("--keep-samples", type=int, default=8, help="first turns kept for the log-prob check")
     p.add_argument("--child-timeout", type=float, default=420)
     p.add_argument("--seed", type=int, default=0)
@@ -292,7 +296,7 @@ def main() -> None:
     record.update({"device": device, "vllm_version": vllm_version, "torch": torch.__version__,
                    "load": {k: getattr(args, k) for k in ("agents", "turns", "ctx_min", "ctx_max", "short", "long",
                                                           "long_share", "tool_min", "tool_max", "vllm_compile",
-                                                          "gpu_memory", "update_every")}})
+                                                          "gpu_memory", "update_every", "inflight_modes")}})
     record.setdefault("shapes", {})
     for shape in args.shapes.split(","):
         record["shapes"][shape] = measure_shape(shape, args)
@@ -313,12 +317,14 @@ def write_markdown(record: dict[str, Any], path: Path) -> None:
              "tokens/s under updates | reloads under load, median s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for shape, entry in record["shapes"].items():
         for name, e in entry["engines"].items():
-            busy = e.get("under_updates") or {}
-            reloads = busy.get("reloads_s") or []
-            lines.append(f"| {shape} | {entry['params'] / 1e6:.0f} M | {name}{' (' + e['decode'] + ')' if e.get('decode') else ''} "
-                         f"| {f(e.get('start_s'), '{:.1f}')} | {f(e.get('tokens_per_s'), '{:,.0f}')} | {f(e.get('turn_p50_s'))} "
-                         f"| {f(e.get('turn_p99_s'))} | {f(e.get('reload_s'))} | {f(busy.get('tokens_per_s'), '{:,.0f}')} "
-                         f"| {f(statistics.median(reloads) if reloads else None)} |")
+            modes = e.get("under_updates_by_mode") or {"": e.get("under_updates") or {}}
+            for mode, busy in modes.items():
+                reloads = busy.get("reloads_s") or []
+                label = name + (f" ({e['decode']})" if e.get("decode") else "") + (f", in flight: {mode}" if mode else "")
+                lines.append(f"| {shape} | {entry['params'] / 1e6:.0f} M | {label} "
+                             f"| {f(e.get('start_s'), '{:.1f}')} | {f(e.get('tokens_per_s'), '{:,.0f}')} | {f(e.get('turn_p50_s'))} "
+                             f"| {f(e.get('turn_p99_s'))} | {f(e.get('reload_s'))} | {f(busy.get('tokens_per_s'), '{:,.0f}')} "
+                             f"| {f(statistics.median(reloads) if reloads else None)} |")
     lines += ["", "| shape | vLLM / transformers tokens/s | log-prob tokens | mean abs diff | max abs diff | mismatch KL (k3) |",
               "|---|---|---|---|---|---|"]
     for shape, entry in record["shapes"].items():

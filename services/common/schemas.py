@@ -243,6 +243,10 @@ class VllmArgs(BaseModel):
     seeded_turns: bool | None = Field(None, description=(
         "Send each turn's seed to the sampler. Seeded requests take vLLM's per-request sampler, slower on a "
         "GPU. Default: on a CPU only (reproducible tests), off on a GPU."))
+    inflight_update: Literal["recompute", "keep"] = Field("recompute", description=(
+        "What a weight load does to the turns in flight (they are paused in place, never drained): recompute "
+        "their KV under the new weights (every later token sampled from the new weights alone), or keep the KV "
+        "computed so far (no re-prefill; later tokens see old-weight keys and values, as PipelineRL does)."))
     weight_transfer: Literal["files", "nccl"] = Field("files", description=(
         "How new weights arrive: files (a published safetensors folder, any host) or nccl (broadcast by the "
         "learner into the engine's GPUs through vLLM's weight-transfer engine; one host or an NCCL network)."))
@@ -252,7 +256,7 @@ class VllmArgs(BaseModel):
 
     @model_validator(mode="after")
     def _extra_is_not_typed(self) -> "VllmArgs":
-        typed = set(type(self).model_fields) - {"extra", "compile", "seeded_turns", "weight_transfer"}
+        typed = set(type(self).model_fields) - {"extra", "compile", "seeded_turns", "weight_transfer", "inflight_update"}
         clash = sorted(typed & set(self.extra))
         if clash:
             raise ValueError(f"extra: {', '.join(clash)} has a field of its own; set it there")

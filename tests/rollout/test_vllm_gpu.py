@@ -57,7 +57,7 @@ def test_weights_load_while_turns_are_in_flight(engine, folder):
 
     in_flight, timing, gens, after = loop.run_until_complete(scenario())
     assert in_flight > 0, "the load should have met turns in flight"
-    assert timing["drain_s"] == 0.0  # paused in place, not drained
+    assert timing["drain_s"] < 0.05  # paused in place, not drained
     assert all(len(g.token_ids) == 600 or g.finish == "stop" for g in gens)
     assert all(g.policy_version == 0 for g in gens)  # a turn counts as the version it started under
     assert sum(g.stats["updated_mid_turn"] for g in gens) > 0

