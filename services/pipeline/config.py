@@ -29,7 +29,7 @@ class _Section(BaseModel):
 
 
 class TinyModel(_Section):
-    """A random Qwen2 policy with the Qwen2.5 vocabulary, built offline (services.common.models)."""
+    """A random Qwen2 policy with the Qwen2.5 vocabulary, built offline (services.models)."""
 
     hidden: int = Field(128, description="Hidden size; hidden / heads must be 64 (vLLM's CPU attention kernel).")
     layers: int = Field(2, description="Decoder layers.")

@@ -29,7 +29,8 @@ from services.common.schemas import SamplingParams
 from services.common.streams import StreamNames
 from services.pipeline import fleet
 from services.pipeline.scheduler import Schedule, TaskPublisher
-from services.pipeline.train import Run, StageFailed, console
+from services.pipeline import stage
+from services.pipeline.stage import Run, StageFailed, check_exit, console
 from services.reward.rewards import Curriculum
 from services.synth.queries import load_queries
 
@@ -322,18 +323,15 @@ class Validation:
         return f"validate-v{version}"
 
     def _start_next(self) -> None:
-        from services.pipeline.train import eval_argv
-
         if self.running is not None or not self.waiting:
             return
         version, model = self.waiting.pop(0)
-        argv = eval_argv(self.run, model, self.split, self.folder(version) / "eval", self.run.config.eval.limit)
+        argv = stage.eval_argv(self.run, model, self.split, self.folder(version) / "eval", self.run.config.eval.limit)
         name = self._name(version)
         self.running = (version, model, Managed(name, argv, self.run.env, self.run.log(name)).start())
 
     def _finish(self) -> dict[str, Any]:
         from services.evaluation.runfolder import RunFolder
-        from services.pipeline.train import check_exit
 
         version, model, process = self.running  # type: ignore[misc]
         self.running = None
