@@ -9,13 +9,15 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from services.common.cli import fail as _fail
+from services.common.cli import fail as _fail, max_context_option, max_tool_calls_option, seed_option, \
+    temperature_option, top_p_option
 from services.common.settings import get_settings
 
 console = Console(stderr=True, soft_wrap=True)
 eval_app = typer.Typer(
     help="TravelPlanner evaluation: Table-1 metrics, failure analysis, run folders, run comparison.\n\n"
-         "star eval --split FILE (--model DIR|openai:NAME | --predictions FILE) [--mode official|strict] [-n N]",
+         "star eval --split FILE (--model DIR|openai:NAME | --predictions FILE) [--mode official|strict] [-n N]\n\n"
+         "star eval submission FILE [--split FILE]: a submission's leaderboard metrics, without a run folder",
     invoke_without_command=True, no_args_is_help=True)
 
 
@@ -47,10 +49,10 @@ def eval_run(
                                                "(CUDA graphs; static without a GPU)."),
     base_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL for openai:NAME."),
     sandbox_url: Optional[str] = typer.Option(None, help="Sandbox service URL (default: tools in-process)."),
-    temperature: float = typer.Option(0.6), top_p: float = typer.Option(0.95),
-    max_context: int = typer.Option(32_768), max_tool_calls: int = typer.Option(60),
+    temperature: float = temperature_option(0.6), top_p: float = top_p_option(0.95),
+    max_context: int = max_context_option(32_768), max_tool_calls: int = max_tool_calls_option(60),
     max_tokens: int = typer.Option(8192, "--max-tokens", min=1, help="Cap on one model turn's tokens."),
-    seed: Optional[int] = typer.Option(None),
+    seed: Optional[int] = seed_option(None),
 ) -> None:
     """Run (or take) a plan per query, format, score, write the run folder, print the metrics."""
     if ctx.invoked_subcommand is not None:
@@ -130,8 +132,8 @@ def eval_compare(
     run_a: Path = typer.Argument(..., help="Run folder A (the baseline)."),
     run_b: Path = typer.Argument(..., help="Run folder B."),
     resamples: int = typer.Option(2000, min=100, help="Bootstrap resamples."),
-    confidence: float = typer.Option(0.95, min=0.5, max=0.999),
-    seed: int = typer.Option(0),
+    confidence: float = typer.Option(0.95, min=0.5, max=0.999, help="Level of the confidence intervals."),
+    seed: int = seed_option(0, "Seed of the bootstrap resampling."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Metric deltas B − A with paired bootstrap confidence intervals over queries."""

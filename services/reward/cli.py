@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from services.common.cli import fail as _fail, read_text as _read
+from services.common.cli import fail as _fail, host_option, port_option, read_text as _read
 from services.common.settings import get_settings
 
 console = Console(stderr=True)
@@ -133,8 +133,8 @@ def score_command(
 
 @reward_app.command("serve")
 def reward_serve(
-    host: str = typer.Option("127.0.0.1"),
-    port: int = typer.Option(8003),
+    host: str = host_option(),
+    port: int = port_option(8003),
     workers: int = typer.Option(1, help="Worker processes (scoring is CPU-bound: one per core)."),
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world."),
 ) -> None:
