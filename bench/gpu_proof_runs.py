@@ -1,15 +1,15 @@
 """Compare recorded H100 proof runs: wall time per RL step, synchronous baseline against
 asynchronous, and how each run learned.
 
-    python bench/gpu_proof_runs.py 8 9 --out bench/results/gpu_proof_runs89.png
-    python bench/gpu_proof_runs.py 15 17 18 19 --learning bench/results/gpu_proof_learning1519.png
+    python bench/gpu_proof_runs.py 8 9 --out bench/results/runs/gpu_proof/compare/gpu_proof_runs89.png
+    python bench/gpu_proof_runs.py 15 17 18 19 --learning bench/results/runs/gpu_proof/compare/gpu_proof_learning1519.png
 
-Reads bench/results/gpu_proof_run{N}_rl_{sync,async}.jsonl (the learner's per-step metrics that
+Reads bench/results/runs/gpu_proof/run{N}/gpu_proof_rl_{sync,async}.jsonl (the learner's per-step metrics that
 `bench/gpu_proof_device.sh poll` brings back; a run without a synchronous baseline has no sync
 file), prints each run's seconds per step and speed-up, and plots the wall time of every step.
 Seconds per step are taken between the first and the last step's end, so the fleet's start (model
 loads), which both modes pay alike, is left out. `--learning` plots the asynchronous run's
-training success, grad norm, entropy and, where gpu_proof_run{N}_rl_samples.jsonl.gz was kept, the
+training success, grad norm, entropy and, where run{N}/gpu_proof_rl_samples.jsonl.gz was kept, the
 share of stated preferences the policy's first thoughts restate, step by step.
 """
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.gpu_proof import restated_by_step, step_summary  # noqa: E402 - after the path, as a script needs it
 from services.common.files import iter_jsonl  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RUNS = Path(__file__).resolve().parent / "results" / "runs" / "gpu_proof"  # one folder per run, as `poll` wrote it
 
 
 def read_steps(path: Path) -> list[dict[str, Any]]:
@@ -44,13 +44,14 @@ def step_walls(steps: list[dict[str, Any]]) -> list[float]:
 
 
 def summarize(run: str) -> dict[str, Any]:
-    sync_file = RESULTS / f"gpu_proof_run{run}_rl_sync.jsonl"
+    folder = RUNS / f"run{run}"
+    sync_file = folder / "gpu_proof_rl_sync.jsonl"
     sync = read_steps(sync_file) if sync_file.is_file() else []  # runs that skipped the baseline
-    asyn = read_steps(RESULTS / f"gpu_proof_run{run}_rl_async.jsonl")
+    asyn = read_steps(folder / "gpu_proof_rl_async.jsonl")
     s, a = seconds_per_step(sync), seconds_per_step(asyn)
     return {"run": run, "sync_steps": len(sync), "async_steps": len(asyn), "sync_s": s, "async_s": a,
             "speedup": s / a if s and a else None, "sync": sync, "async": asyn,
-            "restated": restated_by_step(RESULTS / f"gpu_proof_run{run}_rl_samples.jsonl.gz")}
+            "restated": restated_by_step(folder / "gpu_proof_rl_samples.jsonl.gz")}
 
 
 def describe(r: dict[str, Any]) -> str:
@@ -120,7 +121,7 @@ def plot_learning(runs: list[dict[str, Any]], out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", help="run numbers, as in gpu_proof_run{N}_rl_sync.jsonl")
+    ap.add_argument("runs", nargs="+", help="run numbers, as in bench/results/runs/gpu_proof/run{N}/")
     ap.add_argument("--out", type=Path, default=None, help="PNG of the per-step wall times")
     ap.add_argument("--learning", type=Path, default=None,
                     help="PNG of the per-step training success, grad norm, entropy and restated preferences")

@@ -228,7 +228,7 @@ def main() -> None:
     if args.quick:
         args.group, args.queries, args.max_tokens, args.repeats = 2, 1, 24, 1
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from services.common.models import tiny_qwen2
+    from services.models import tiny_qwen2
 
     model = tiny_qwen2()
     load_before = os.getloadavg()

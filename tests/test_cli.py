@@ -49,3 +49,50 @@ def test_errors_are_messages_not_tracebacks(tmp_path):
     assert r.exit_code == 2 and "unknown tool" in r.output
     r = runner.invoke(app, ["tool", "SearchCity", "--db", db, "Ohio"])
     assert r.exit_code == 2 and "expected --name value" in r.output
+
+
+def _visible_commands(command, path="star"):
+    """(path, click command) for `star` and every sub-command `--help` shows."""
+    if getattr(command, "hidden", False):
+        return
+    yield path, command
+    for name, sub in (getattr(command, "commands", None) or {}).items():
+        yield from _visible_commands(sub, f"{path} {name}")
+
+
+def test_every_command_and_option_says_what_it_is_for():
+    import typer
+
+    missing = []
+    for path, command in _visible_commands(typer.main.get_command(app)):
+        if not (command.help or command.short_help):
+            missing.append(path)
+        missing += [f"{path} {'/'.join(p.opts)}" for p in command.params
+                    if p.param_type_name == "option" and not p.hidden and not p.help]
+    assert missing == []
+
+
+def test_one_flag_name_for_one_thing_across_commands():
+    """Sampling budgets and the sandbox's address have one spelling wherever they appear."""
+    import typer
+
+    names = set()
+    for _, command in _visible_commands(typer.main.get_command(app)):
+        names |= {opt for p in command.params if not getattr(p, "hidden", False) for opt in p.opts}
+    assert {"--max-context", "--max-tool-calls", "--sandbox-url", "--top-p"} <= names
+    assert not names & {"--context", "--tool-budget", "--sandbox", "--max-context-tokens"}
+
+
+def test_commands_are_grouped_by_role_and_old_names_still_answer():
+    r = runner.invoke(app, ["--help"], env={"COLUMNS": "120"})
+    assert r.exit_code == 0
+    for panel in ("Run the recipe", "World and data", "Score and evaluate", "Train by hand", "Services and workers"):
+        assert panel in r.output
+    import typer
+
+    top = typer.main.get_command(app).commands
+    assert "demo" not in top and {"evaluate", "sft"} <= {name for name, c in top.items() if c.hidden}
+    for old, new in ((["sft", "--help"], ["learner", "sft", "--help"]),
+                     (["evaluate", "--help"], ["eval", "submission", "--help"])):
+        assert runner.invoke(app, old).exit_code == 0 and runner.invoke(app, new).exit_code == 0
+    assert runner.invoke(app, ["demo"]).exit_code == 2  # gone: `star up` and `star tool` do what it did

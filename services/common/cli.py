@@ -4,7 +4,7 @@ never a traceback."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -25,3 +25,34 @@ def read_text(path: Path) -> str:
         fail(f"cannot read {path}: {exc.strerror or exc}")
     except UnicodeDecodeError:
         fail(f"{path} is not UTF-8 text")
+
+
+# Options that several commands share, so that one thing has one flag name and one help text everywhere.
+
+def host_option() -> Any:
+    return typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: every interface).")
+
+
+def port_option(default: int) -> Any:
+    return typer.Option(default, help="TCP port to listen on.")
+
+
+def temperature_option(default: float) -> Any:
+    return typer.Option(default, "--temperature", help="Sampling temperature.")
+
+
+def top_p_option(default: float) -> Any:
+    return typer.Option(default, "--top-p", help="Nucleus sampling: the smallest token set holding this much "
+                                                  "probability.")
+
+
+def max_context_option(default: int) -> Any:
+    return typer.Option(default, "--max-context", help="Context budget of one episode, in tokens.")
+
+
+def max_tool_calls_option(default: int) -> Any:
+    return typer.Option(default, "--max-tool-calls", help="Tool calls one episode may make.")
+
+
+def seed_option(default: int | None, meaning: str = "Seed of the sampling (episode i uses seed + i).") -> Any:
+    return typer.Option(default, "--seed", help=meaning)

@@ -9,13 +9,15 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
-from services.common.cli import fail as _fail
+from services.common.cli import fail as _fail, max_context_option, max_tool_calls_option, seed_option, \
+    temperature_option, top_p_option
 from services.common.settings import get_settings
 
 console = Console(stderr=True, soft_wrap=True)
 eval_app = typer.Typer(
     help="TravelPlanner evaluation: Table-1 metrics, failure analysis, run folders, run comparison.\n\n"
-         "star eval --split FILE (--model DIR|openai:NAME | --predictions FILE) [--mode official|strict] [-n N]",
+         "star eval --split FILE (--model DIR|openai:NAME | --predictions FILE) [--mode official|strict] [-n N]\n\n"
+         "star eval submission FILE [--split FILE]: a submission's leaderboard metrics, without a run folder",
     invoke_without_command=True, no_args_is_help=True)
 
 
@@ -49,10 +51,10 @@ def eval_run(
                                             "recipe's services.vllm), e.g. '{\"gpu_memory_utilization\": 0.5}'."),
     base_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL for openai:NAME."),
     sandbox_url: Optional[str] = typer.Option(None, help="Sandbox service URL (default: tools in-process)."),
-    temperature: float = typer.Option(0.6), top_p: float = typer.Option(0.95),
-    max_context: int = typer.Option(32_768), max_tool_calls: int = typer.Option(60),
+    temperature: float = temperature_option(0.6), top_p: float = top_p_option(0.95),
+    max_context: int = max_context_option(32_768), max_tool_calls: int = max_tool_calls_option(60),
     max_tokens: int = typer.Option(8192, "--max-tokens", min=1, help="Cap on one model turn's tokens."),
-    seed: Optional[int] = typer.Option(None),
+    seed: Optional[int] = seed_option(None),
 ) -> None:
     """Run (or take) a plan per query, format, score, write the run folder, print the metrics."""
     if ctx.invoked_subcommand is not None:
@@ -134,8 +136,8 @@ def eval_compare(
     run_a: Path = typer.Argument(..., help="Run folder A (the baseline)."),
     run_b: Path = typer.Argument(..., help="Run folder B."),
     resamples: int = typer.Option(2000, min=100, help="Bootstrap resamples."),
-    confidence: float = typer.Option(0.95, min=0.5, max=0.999),
-    seed: int = typer.Option(0),
+    confidence: float = typer.Option(0.95, min=0.5, max=0.999, help="Level of the confidence intervals."),
+    seed: int = seed_option(0, "Seed of the bootstrap resampling."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Metric deltas B − A with paired bootstrap confidence intervals over queries."""
@@ -213,3 +215,109 @@ def _vllm_args(raw: str) -> Any:
         return VllmArgs.model_validate_json(raw)
     except ValidationError as exc:
         _fail("--vllm-args: " + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()))
+
+
+# --- star eval submission -------------------------------------------------------------------------
+
+@eval_app.command("submission")
+def eval_submission(
+    submission: Path = typer.Argument(..., help="Official submission JSONL: {idx, query, plan} per line, in dataset "
+                                                "order (plan: day list, text or null)."),
+    split: Optional[Path] = typer.Option(None, help="The split's query records (JSON list or JSONL with org, dest, "
+                                                    "days, date, ...). Default: the train split when the submission "
+                                                    "has 45 lines."),
+    mode: str = typer.Option("official", help="Evaluator mode: official (leaderboard parity) or strict."),
+    official_split: str = typer.Option("auto", help="auto (by the number of queries) | none | train | validation | "
+                                                    "test: which official denominators to use in official mode."),
+    backend: Optional[str] = typer.Option(None, help="Formatter backend for plans given as text."),
+    db: Optional[str] = typer.Option(None, help="World database URL (default: STAR_DB_URL / STAR_HOME)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
+) -> None:
+    """The leaderboard metrics of a submission file, paired line by line with the split's queries (as the
+    official evaluator pairs them), printed without a run folder."""
+    score_submission(submission, split, mode, official_split, backend, db, as_json,
+                     flags=("--split", "--official-split"))
+
+
+def evaluate_alias(
+    submission: Path = typer.Argument(..., help="Official submission JSONL."),
+    queries: Optional[Path] = typer.Option(None, help="Deprecated name of `star eval submission --split`."),
+    mode: str = typer.Option("official", help="official or strict."),
+    split: str = typer.Option("auto", help="Deprecated name of `star eval submission --official-split`."),
+    backend: Optional[str] = typer.Option(None, help="Formatter backend for plans given as text."),
+    db: Optional[str] = typer.Option(None, help="World database URL."),
+    as_json: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
+) -> None:
+    """Deprecated: `star eval submission FILE [--split QUERIES] [--official-split NAME]`."""
+    score_submission(submission, queries, mode, split, backend, db, as_json, flags=("--queries", "--split"))
+
+
+def score_submission(submission: Path, queries: Path | None, mode: str, official_split: str, backend: str | None,
+                     db: str | None, as_json: bool, flags: tuple[str, str]) -> None:
+    """`flags`: the caller's names for the query file and the official split, for its error messages."""
+    from rich.table import Table
+
+    from services.common.cli import read_text
+    from services.evaluation.submission import SubmissionError, load_split, read_predictions
+    from services.reward.cli import OFFICIAL_SIZES, _mode, _scoring, out
+    from services.reward.scoring import EvaluateRequest, PlanInput
+
+    _mode(mode)
+    lines = [ln for ln in read_text(submission).splitlines() if ln.strip()]
+    if queries is None:
+        default = get_settings().travelplanner_dir / "train" / "train.json"
+        if len(lines) != 45 or not default.is_file():
+            _fail(f"{submission} has {len(lines)} lines; give {flags[0]}, the split's records with their structured "
+                  "fields (a submission carries only the query text)")
+        queries = default
+    try:
+        split_queries = load_split(queries)
+        predictions = read_predictions(submission, split_queries)
+    except SubmissionError as exc:
+        _fail(str(exc))
+    mismatched = _text_mismatches(lines, split_queries)
+    if mismatched:
+        console.print(f"[yellow]warning:[/yellow] {len(mismatched)} line(s) carry a query text other than the "
+                      f"split's (first: line {mismatched[0]}); lines pair by order, as in the official evaluator")
+    chosen = None if official_split == "none" else OFFICIAL_SIZES.get(len(split_queries)) \
+        if official_split == "auto" else official_split
+    if chosen not in (None, "train", "validation", "test"):
+        _fail(f"{flags[1]} must be train, validation, test, none or auto, not {official_split!r}")
+    items = []
+    for sq in split_queries:
+        p = predictions.get(sq.query_id)
+        items.append(PlanInput(query=sq.query, plan=p.plan if p else None, plan_text=p.plan_text if p else None))
+    with _scoring(db, backend) as scorer:
+        metrics = scorer.evaluate_split(EvaluateRequest(items=items, split=chosen, mode=mode))
+    if as_json:
+        print(metrics.model_dump_json(indent=2))
+        return
+    c = metrics.counts
+    table = Table(title=f"{submission.name}: {c.queries} queries, {mode} mode"
+                        + (f", official {chosen} denominators" if chosen and mode == "official" else ""))
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("count", justify="right")
+    for label, value, num, den in (
+        ("Delivery Rate", metrics.delivery_rate, c.delivered, c.queries),
+        ("Commonsense Micro", metrics.cs_micro, c.cs_passed, c.cs_total),
+        ("Commonsense Macro", metrics.cs_macro, c.cs_macro_passed, c.queries),
+        ("Hard Micro", metrics.hard_micro, c.hard_passed, c.hard_total),
+        ("Hard Macro", metrics.hard_macro, c.hard_macro_passed, c.queries),
+        ("Final Pass Rate", metrics.final_pass_rate, c.final_passed, c.queries),
+    ):
+        table.add_row(label, f"{value:.2f}%", f"{num}/{den}")
+    out.print(table)
+
+
+def _text_mismatches(lines: list[str], split_queries) -> list[int]:
+    """Submission lines (1-based) whose query text differs from the split's query at the same position."""
+    bad = []
+    for i, (line, sq) in enumerate(zip(lines, split_queries), 1):
+        try:
+            text = json.loads(line).get("query")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(text, str) and sq.query.query and " ".join(text.split()) != " ".join(sq.query.query.split()):
+            bad.append(i)
+    return bad

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from services.common.cli import fail as _fail, read_text as _read
+from services.common.cli import fail as _fail, host_option, port_option, read_text as _read
 from services.common.settings import get_settings
 
 formatter_app = typer.Typer(help="Plan text → TravelPlanner plan (structured parser, or an LLM).",
@@ -19,8 +19,8 @@ formatter_app = typer.Typer(help="Plan text → TravelPlanner plan (structured p
 
 @formatter_app.command("serve")
 def formatter_serve(
-    host: str = typer.Option("127.0.0.1"),
-    port: int = typer.Option(8002),
+    host: str = host_option(),
+    port: int = port_option(8002),
     workers: int = typer.Option(1, help="Worker processes."),
     llm_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL (STAR_FORMATTER_LLM_URL)."),
     llm_model: Optional[str] = typer.Option(None, help="Model name (STAR_FORMATTER_LLM_MODEL)."),

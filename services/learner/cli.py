@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from services.common.cli import fail as _fail
+from services.common.cli import fail as _fail, host_option, port_option
 from rich.console import Console
 
 console = Console(stderr=True)
@@ -14,7 +14,7 @@ learner_app = typer.Typer(help="Train the policy: RL runs and the learner servic
 
 
 @learner_app.command("serve")
-def serve(host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8005)) -> None:
+def serve(host: str = host_option(), port: int = port_option(8005)) -> None:
     """Serve the learner API (POST /runs, GET /runs/{id}, POST /runs/{id}/stop)."""
     import uvicorn
 

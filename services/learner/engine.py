@@ -372,13 +372,3 @@ def iter_weight_buckets(model: nn.Module, *, bucket_bytes: int = 256 * 2**20, dt
             else:
                 out = torch.empty(need, dtype=torch.uint8, device=device)
             yield flatten(tensors, dtype=dtype, out=out)
-
-
-@contextmanager
-def no_grad_eval(engine: PolicyEngine):
-    engine.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        engine.train()

@@ -29,13 +29,13 @@ class _Section(BaseModel):
 
 
 class TinyModel(_Section):
-    """A random Qwen2 policy with the Qwen2.5 vocabulary, built offline (services.common.models)."""
+    """A random Qwen2 policy with the Qwen2.5 vocabulary, built offline (services.models)."""
 
-    hidden: int = 128
-    layers: int = 2
-    heads: int = 2
-    kv_heads: int = 1
-    seed: int = 0
+    hidden: int = Field(128, description="Hidden size; hidden / heads must be 64 (vLLM's CPU attention kernel).")
+    layers: int = Field(2, description="Decoder layers.")
+    heads: int = Field(2, description="Attention heads.")
+    kv_heads: int = Field(1, description="Key/value heads (grouped-query attention); heads must be a multiple.")
+    seed: int = Field(0, description="Seed of the random weights: same arguments, same weights.")
     tokenizer: Literal["travel", "qwen"] = Field(
         "travel", description="travel: our 4K BPE (fast on CPU); qwen: the Qwen2.5 vocabulary (152K rows).")
 
@@ -52,14 +52,17 @@ class ModelSpec(_Section):
 
 
 class WorldSpec(_Section):
-    source: Literal["official", "synthetic"] = "official"
-    synthetic_size: Literal["tiny", "small", "medium", "full"] = "small"
+    source: Literal["official", "synthetic"] = Field(
+        "official", description="official: the real TravelPlanner tables (STAR_TRAVELPLANNER_DIR) with generated "
+        "flights; synthetic: a generated world of synthetic_size.")
+    synthetic_size: Literal["tiny", "small", "medium", "full"] = Field(
+        "small", description="Size of a synthetic world (full: the benchmark's scale).")
     db_url: str | None = Field(None, description="World database; default STAR_DB_URL or STAR_HOME/world.sqlite.")
 
 
 class SynthSpec(_Section):
-    sft_queries: int = Field(1200, ge=0)
-    rl_queries: int = Field(1000, ge=0)
+    sft_queries: int = Field(1200, ge=0, description="Queries whose teacher trajectories train SFT.")
+    rl_queries: int = Field(1000, ge=0, description="RL prompts; an RL epoch is rl_queries / rl.batch_prompts steps.")
     val_queries: int = Field(180, ge=0, description="Validation queries: RL's best-checkpoint selection (rl.val_every), "
                              "and the eval stage's default where no held-out queries are made.")
     heldout_queries: int = Field(0, ge=0, description="Queries for the eval stage alone, apart from the validation "
@@ -71,8 +74,9 @@ class SynthSpec(_Section):
     days: list[Literal[3, 5, 7]] = Field([3, 5, 7], min_length=1, description="Trip lengths drawn (the benchmark's 3, 5, 7).")
     flight_share: float = Field(0.9, ge=0, le=1, description="Share of flight trips; a hard query forbids self-driving "
                                 "on a flight trip and flights on a road trip.")
-    teacher: Literal["oracle", "openai"] = "oracle"
-    seed: int = 0
+    teacher: Literal["oracle", "openai"] = Field(
+        "oracle", description="Who writes the SFT trajectories: the oracle planner, or an OpenAI-compatible model.")
+    seed: int = Field(0, description="Seed of query synthesis and the teacher.")
 
     @model_validator(mode="after")
     def _mixes_are_ratios(self) -> "SynthSpec":
@@ -86,12 +90,12 @@ class SynthSpec(_Section):
 
 
 class SFTSpec(_Section):
-    epochs: float = Field(4, gt=0)
-    lr: float = Field(5e-6, gt=0)
-    batch_size: int = Field(32, ge=1)
-    warmup_ratio: float = Field(0.1, ge=0, lt=1)
-    max_seq_len: int = Field(20480, ge=64)
-    max_steps: int | None = Field(None, ge=1)
+    epochs: float = Field(4, gt=0, description="Passes over the teacher trajectories (fractions allowed).")
+    lr: float = Field(5e-6, gt=0, description="Peak learning rate (linear warmup, then cosine decay).")
+    batch_size: int = Field(32, ge=1, description="Trajectories per optimizer step.")
+    warmup_ratio: float = Field(0.1, ge=0, lt=1, description="Share of the steps spent warming up.")
+    max_seq_len: int = Field(20480, ge=64, description="Longest trajectory in tokens; longer ones are truncated.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (default: epochs).")
 
 
 class RLSpec(_Section):
@@ -163,11 +167,12 @@ class RLSpec(_Section):
 
 
 class EvalSpec(_Section):
-    mode: EvalMode = "official"
+    mode: EvalMode = Field("official", description="Evaluator mode: official (leaderboard parity) or strict.")
     split: str | None = Field(None, description="Query file; default: the synthesized validation set.")
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.6, top_p=0.95,
-                                                                            max_context_tokens=32768))
-    limit: int | None = Field(None, ge=1)
+                                                                            max_context_tokens=32768),
+                                        description="Decoding of the evaluated model (the paper's: 0.6, 0.95, 32K).")
+    limit: int | None = Field(None, ge=1, description="Only the first N queries of the split.")
     concurrency: int = Field(MODEL_CONCURRENCY, ge=1, description=(
         "Episodes in flight at once in an evaluation (the eval stage and rl.val_every's validations); one engine "
         "batches their turns."))
@@ -206,9 +211,11 @@ class ServicesSpec(_Section):
 
 
 class PipelineConfig(_Section):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
-    seed: int = 0
-    stages: list[Stage] = Field(default_factory=lambda: list(STAGES))
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
+                      description="The run's name: its folder is STAR_HOME/runs/NAME unless --run-dir says otherwise.")
+    seed: int = Field(0, description="Seed of the run: learner, RL prompt order and sampling, tool faults, a synthetic world.")
+    stages: list[Stage] = Field(default_factory=lambda: list(STAGES), description=(
+        "Stages to run, in order; a stage left out starts from what earlier runs of the folder made."))
     model: ModelSpec
     world: WorldSpec = Field(default_factory=WorldSpec)
     synth: SynthSpec = Field(default_factory=SynthSpec)

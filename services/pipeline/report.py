@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.files import iter_jsonl
-from services.pipeline.train import Run
+from services.pipeline.stage import Run
 
 # (metric keys to draw together, title); drawn when the run logged any of them.
 CURVES: tuple[tuple[tuple[str, ...], str], ...] = (

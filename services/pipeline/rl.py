@@ -29,7 +29,8 @@ from services.common.schemas import SamplingParams
 from services.common.streams import StreamNames
 from services.pipeline import fleet
 from services.pipeline.scheduler import Schedule, TaskPublisher
-from services.pipeline.train import Run, StageFailed, console
+from services.pipeline import stage
+from services.pipeline.stage import Run, StageFailed, check_exit, console
 from services.reward.rewards import Curriculum
 from services.synth.queries import load_queries
 
@@ -165,7 +166,7 @@ def off_policy_note(sampling: SamplingParams) -> str | None:
     """What a rollout temperature other than 1 means for training, or None at 1. The learner's
     logprobs (and the rollouts' recorded ones) are the untempered model's, so samples drawn at T != 1
     come from another policy than the one trained. At 0.7 the proof's policy dropped the query's stated
-    preferences from its first thoughts; at 1.0 it kept them (runs 20 and 21, bench/results/gpu_proof.md)."""
+    preferences from its first thoughts; at 1.0 it kept them (docs/results.md)."""
     if sampling.temperature == 1.0:
         return None
     return (f"rl.sampling.temperature is {sampling.temperature:g}: the learner trains the untempered model, "
@@ -257,8 +258,8 @@ class Validation:
     A due version is hard-linked into the run folder at once, so the learner pruning old versions
     cannot pull it away, and the best one survives the run. Its `star eval` runs beside the fleet as
     a managed process, one at a time (later due versions wait their turn): the controller keeps
-    publishing meanwhile. Run 31 (bench/results/gpu_proof.md) validated in the controller's loop,
-    and the fleet idled for about a minute each time."""
+    publishing meanwhile: validating inside the controller's loop left the fleet idle for about a
+    minute each time."""
 
     run: Run
     split: str
@@ -323,18 +324,15 @@ class Validation:
         return f"validate-v{version}"
 
     def _start_next(self) -> None:
-        from services.pipeline.train import eval_argv
-
         if self.running is not None or not self.waiting:
             return
         version, model = self.waiting.pop(0)
-        argv = eval_argv(self.run, model, self.split, self.folder(version) / "eval", self.run.config.eval.limit)
+        argv = stage.eval_argv(self.run, model, self.split, self.folder(version) / "eval", self.run.config.eval.limit)
         name = self._name(version)
         self.running = (version, model, Managed(name, argv, self.run.env, self.run.log(name)).start())
 
     def _finish(self) -> dict[str, Any]:
         from services.evaluation.runfolder import RunFolder
-        from services.pipeline.train import check_exit
 
         version, model, process = self.running  # type: ignore[misc]
         self.running = None
@@ -343,7 +341,7 @@ class Validation:
         out = RunFolder(self.folder(version) / "eval")
         metrics = out.metrics() or {}
         if metrics.get("final_pass_rate") is None:
-            # Not 0: run 33 read every validation as 0 % from the wrong key and "picked" the last version.
+            # Not 0: a success read from the wrong key as 0 % would "pick" the last version every time.
             raise StageFailed(f"{name} exited cleanly but left no success in {out.metrics_path}")
         entry = {"version": version, "model": model, "success": metrics["final_pass_rate"], "metrics": metrics}
         self.history.append(entry)

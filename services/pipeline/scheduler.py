@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import redis
 
 from services.common.schemas import ArpoParams, RolloutTask, SamplingParams, TravelQuery
-from services.common.streams import StreamNames, publish
+from services.common.streams import StreamNames
 from services.reward.rewards import Curriculum
 
 
@@ -127,15 +127,3 @@ class TaskPublisher:
 
     def done_publishing(self) -> bool:
         return self.next_step() >= self.schedule.total_steps
-
-
-def publish_eval_tasks(client: redis.Redis, names: StreamNames, run_id: str, queries: list[TravelQuery],
-                       sampling: SamplingParams, eval_mode: str = "official") -> list[str]:
-    """One sample per query (validation / test), outside the training schedule."""
-    ids = []
-    for i, q in enumerate(queries):
-        task = RolloutTask(run_id=run_id, task_id=f"{run_id}/eval/{i:05d}", prompt_id=q.id or f"eval-{i}", query=q,
-                           group_size=1, sampling=sampling, eval_mode=eval_mode, reward_kind="success")
-        ids.append(publish(client, names.tasks, task))
-    return ids
-

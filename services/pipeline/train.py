@@ -18,88 +18,17 @@ records which stages finished; running the same command again resumes after the 
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
 from services.common.settings import get_settings
 from services.pipeline.config import STAGES, EvalSpec, PipelineConfig, dump_config
-
-console = Console(stderr=True)
-
-
-class StageFailed(RuntimeError):
-    """A stage's process failed; the message names the log to read."""
-
-
-@dataclass
-class Run:
-    config: PipelineConfig
-    folder: Path
-    world_url: str = ""
-    base_model: str = ""
-    env: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def stages_file(self) -> Path:
-        return self.folder / "stages.json"
-
-    def stage_records(self) -> dict[str, Any]:
-        return json.loads(self.stages_file.read_text()) if self.stages_file.is_file() else {}
-
-    def record(self, stage: str, **fields: Any) -> None:
-        records = self.stage_records()
-        records[stage] = {**records.get(stage, {}), **fields}
-        self.stages_file.write_text(json.dumps(records, indent=2, default=str))
-
-    def done(self, stage: str) -> dict[str, Any] | None:
-        rec = self.stage_records().get(stage)
-        return rec if rec and rec.get("state") == "done" else None
-
-    def log(self, name: str) -> Path:
-        path = self.folder / "logs" / f"{name}.log"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path
-
-
-def star_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", *args]
-
-
-def check_exit(run: Run, name: str, rc: int) -> None:
-    """A stage process that failed, as a StageFailed naming its log and last lines."""
-    if rc != 0:
-        log = run.log(name)
-        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
-        raise StageFailed(f"{name} exited with {rc}; see {log}\n  " + "\n  ".join(tail))
-
-
-def run_process(run: Run, name: str, argv: list[str], *, env: dict[str, str] | None = None,
-                timeout: float | None = None) -> None:
-    """Run one stage process to completion, its output in logs/<name>.log."""
-    log = run.log(name)
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, env={**os.environ, **run.env, **(env or {})}, stdout=out, stderr=out,
-                                stdin=subprocess.DEVNULL)
-        try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise StageFailed(f"{name} did not finish within {timeout:.0f}s; see {log}") from None
-        except KeyboardInterrupt:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
-            raise
-    check_exit(run, name, rc)
-
+from services.pipeline.rl import stage_rl
+from services.pipeline.report import write_report
+from services.pipeline.stage import Run, StageFailed, console, eval_argv, run_process, star_argv
 
 # ---- preparation -------------------------------------------------------------------------------
 
@@ -149,7 +78,7 @@ def prepare_model(config: PipelineConfig) -> str:
         if not (Path(config.model.path) / "config.json").is_file():
             raise StageFailed(f"model.path {config.model.path} is not an HF model folder (no config.json)")
         return config.model.path
-    from services.common.models import tiny_qwen2
+    from services.models import tiny_qwen2
 
     t = config.model.tiny
     return str(tiny_qwen2(hidden=t.hidden, layers=t.layers, heads=t.heads, kv_heads=t.kv_heads, seed=t.seed,
@@ -198,24 +127,6 @@ def stage_sft(run: Run, synth: dict[str, Any]) -> dict[str, Any]:
     return {"model": status["export"], "steps": status.get("step"), "metrics": str(out / "metrics.jsonl")}
 
 
-def eval_argv(run: Run, model: str, split: str | Path, out: Path, limit: int | None) -> list[str]:
-    """`star eval` of one model on one split into `out`, with the recipe's evaluation settings."""
-    e = run.config.eval
-    argv = star_argv("eval", "--model", model, "--split", str(split), "--mode", e.mode, "--out", str(out),
-                     "--engine", run.config.services.engine, "--db", run.world_url,
-                     "--temperature", str(e.sampling.temperature), "--top-p", str(e.sampling.top_p),
-                     "--max-context", str(e.sampling.max_context_tokens),
-                     "--max-tokens", str(e.sampling.max_tokens_per_turn),
-                     "--max-tool-calls", str(e.sampling.max_tool_calls), "--concurrency", str(e.concurrency))
-    if run.config.services.engine == "transformers":
-        argv += ["--decode", run.config.services.decode]
-    if run.config.services.engine == "vllm":
-        argv += ["--vllm-args", run.config.services.vllm.model_dump_json()]
-    if limit:
-        argv += ["-n", str(limit)]
-    return argv
-
-
 def evaluate_model(run: Run, model: str, split: str | Path, out: Path, name: str, limit: int | None) -> dict[str, Any]:
     """`star eval` of one model on one split into `out`; returns its metrics.json (or {})."""
     from services.evaluation.runfolder import RunFolder
@@ -246,8 +157,8 @@ def stage_eval(run: Run, model: str, synth: dict[str, Any] | None, rl: dict[str,
 
 def starting_model(base: str, outputs: dict[str, Any], stages: list[str]) -> str:
     """The model the first configured stage starts from: the last one the stages before it made
-    in this run folder. (RL run on its own after SFT had started from the base model: the H100
-    run of 2026-11-23 sampled the untrained policy and every trajectory broke the protocol.)"""
+    in this run folder. (An RL stage run on its own after SFT that started from the base model would
+    sample the untrained policy, whose trajectories all break the protocol.)"""
     model = base
     for stage in STAGES:
         if stage in stages:
@@ -258,9 +169,6 @@ def starting_model(base: str, outputs: dict[str, Any], stages: list[str]) -> str
 
 def train(config: PipelineConfig, folder: Path) -> Run:
     """Run (or resume) every configured stage in order."""
-    from services.pipeline.rl import stage_rl
-    from services.pipeline.report import write_report
-
     run = prepare(config, folder)
     outputs: dict[str, Any] = {name: rec.get("outputs") for name, rec in run.stage_records().items()
                                if rec.get("state") == "done"}

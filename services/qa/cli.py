@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from services.common.cli import fail as _fail
+from services.common.cli import fail as _fail, host_option, max_context_option, max_tool_calls_option, port_option, \
+    temperature_option, top_p_option
 from services.common.settings import get_settings
 
 console = Console(stderr=True, soft_wrap=True)
@@ -27,7 +28,7 @@ def qa_index(
     out: Optional[Path] = typer.Option(None, help="Index folder (default: STAR_QA_INDEX or STAR_HOME/qa/index)."),
     encoder: str = typer.Option("minilm", help="minilm (offline) or e5 (production; query:/passage: prefixes)."),
     model: Optional[str] = typer.Option(None, help="Encoder path or hub name overriding the preset's."),
-    batch_size: int = typer.Option(64, min=1),
+    batch_size: int = typer.Option(64, min=1, help="Passages encoded per batch."),
 ) -> None:
     """Encode a passage corpus into an index folder (progress bar)."""
     from dataclasses import replace
@@ -43,7 +44,9 @@ def qa_index(
 
 
 @qa_app.command("search")
-def qa_search(query: str, index: Optional[Path] = typer.Option(None), k: int = typer.Option(5, min=1)) -> None:
+def qa_search(query: str = typer.Argument(..., help="The search query."),
+              index: Optional[Path] = typer.Option(None, help="Index folder (default: STAR_QA_INDEX or STAR_HOME/qa/index)."),
+              k: int = typer.Option(5, min=1, help="Passages to return.")) -> None:
     """Run one Search call against an index and print the tool text."""
     from services.qa.retriever import PassageIndex, RetrieverError, render_hits
 
@@ -55,7 +58,8 @@ def qa_search(query: str, index: Optional[Path] = typer.Option(None), k: int = t
 
 
 @qa_app.command("serve")
-def qa_serve(host: str = "127.0.0.1", port: int = 8006, index: Optional[Path] = typer.Option(None)) -> None:
+def qa_serve(host: str = host_option(), port: int = port_option(8006),
+             index: Optional[Path] = typer.Option(None, help="Index folder (default: STAR_QA_INDEX or STAR_HOME/qa/index).")) -> None:
     """Serve Search over HTTP (POST /search, POST /tools/call)."""
     import os
 
@@ -76,8 +80,8 @@ def qa_eval(
     engine: str = typer.Option("vllm", help="Engine for --model: vllm | transformers."),
     base_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL for openai:NAME."),
     search_url: Optional[str] = typer.Option(None, help="Search service URL (default: the index in-process)."),
-    temperature: float = typer.Option(0.6), top_p: float = typer.Option(0.95),
-    max_tool_calls: int = typer.Option(10, min=1), max_context: int = typer.Option(8192, min=256),
+    temperature: float = temperature_option(0.6), top_p: float = top_p_option(0.95),
+    max_tool_calls: int = max_tool_calls_option(10), max_context: int = max_context_option(8192),
     index: Optional[Path] = typer.Option(None, help="Passage index for the agent's Search tool."),
     out: Optional[Path] = typer.Option(None, help="Run folder for predictions.jsonl, metrics.json, report.md."),
     n: Optional[int] = typer.Option(None, "-n", help="At most this many questions per dataset."),

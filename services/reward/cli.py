@@ -1,4 +1,5 @@
-"""`star score`, `star evaluate`, `star reward serve|worker`: the evaluator for people and for the fleet."""
+"""`star score`, `star reward serve|worker`: the evaluator for people and for the fleet (a submission file's
+leaderboard metrics: `star eval submission`, in services.evaluation.cli)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from services.common.cli import fail as _fail, read_text as _read
+from services.common.cli import fail as _fail, host_option, port_option, read_text as _read
 from services.common.settings import get_settings
 
 console = Console(stderr=True)
@@ -128,91 +129,12 @@ def score_command(
               f"   → {reward}: [bold]{result.reward:g}[/bold]")
 
 
-# --- star evaluate ------------------------------------------------------------------------------
-
-def evaluate_command(
-    submission: Path = typer.Argument(..., help="Official submission JSONL: {idx, query, plan} per line, "
-                                                "in dataset order (plan: day list, text or null)."),
-    queries: Optional[Path] = typer.Option(None, help="The split's query records (JSON list or JSONL with "
-                                                      "org, dest, days, date, ...). Default: the train split "
-                                                      "when the submission has 45 lines."),
-    mode: str = typer.Option("official", help="official (leaderboard parity) or strict."),
-    split: str = typer.Option("auto", help="train | validation | test | none | auto (by the number of queries). "
-                                           "Official mode then uses that split's fixed denominators."),
-    backend: Optional[str] = typer.Option(None, help="Formatter backend for plans given as text."),
-    db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world (default: settings)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
-) -> None:
-    """The leaderboard metrics of a submission file, paired line by line with the split's queries
-    (as the official evaluator pairs them)."""
-    from services.evaluation.submission import SubmissionError, load_split, read_predictions
-    from services.reward.scoring import EvaluateRequest, PlanInput
-
-    _mode(mode)
-    lines = [ln for ln in _read(submission).splitlines() if ln.strip()]
-    if queries is None:
-        default = get_settings().travelplanner_dir / "train" / "train.json"
-        if len(lines) != 45 or not default.is_file():
-            _fail(f"{submission} has {len(lines)} lines; give --queries, the split's records with their structured "
-                  "fields (a submission carries only the query text)")
-        queries = default
-    try:
-        split_queries = load_split(queries)
-        predictions = read_predictions(submission, split_queries)
-    except SubmissionError as exc:
-        _fail(str(exc))
-    mismatched = _text_mismatches(lines, split_queries)
-    if mismatched:
-        console.print(f"[yellow]warning:[/yellow] {len(mismatched)} line(s) carry a query text other than the "
-                      f"split's (first: line {mismatched[0]}); lines pair by order, as in the official evaluator")
-    chosen = None if split == "none" else OFFICIAL_SIZES.get(len(split_queries)) if split == "auto" else split
-    if chosen not in (None, "train", "validation", "test"):
-        _fail(f"--split must be train, validation, test, none or auto, not {split!r}")
-    items = []
-    for sq in split_queries:
-        p = predictions.get(sq.query_id)
-        items.append(PlanInput(query=sq.query, plan=p.plan if p else None, plan_text=p.plan_text if p else None))
-    with _scoring(db, backend) as scorer:
-        metrics = scorer.evaluate_split(EvaluateRequest(items=items, split=chosen, mode=mode))
-    if as_json:
-        print(metrics.model_dump_json(indent=2))
-        return
-    c = metrics.counts
-    table = Table(title=f"{submission.name}: {c.queries} queries, {mode} mode"
-                        + (f", official {chosen} denominators" if chosen and mode == "official" else ""))
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_column("count", justify="right")
-    for label, value, num, den in (
-        ("Delivery Rate", metrics.delivery_rate, c.delivered, c.queries),
-        ("Commonsense Micro", metrics.cs_micro, c.cs_passed, c.cs_total),
-        ("Commonsense Macro", metrics.cs_macro, c.cs_macro_passed, c.queries),
-        ("Hard Micro", metrics.hard_micro, c.hard_passed, c.hard_total),
-        ("Hard Macro", metrics.hard_macro, c.hard_macro_passed, c.queries),
-        ("Final Pass Rate", metrics.final_pass_rate, c.final_passed, c.queries),
-    ):
-        table.add_row(label, f"{value:.2f}%", f"{num}/{den}")
-    out.print(table)
-
-
-def _text_mismatches(lines: list[str], split_queries) -> list[int]:
-    bad = []
-    for i, (line, sq) in enumerate(zip(lines, split_queries), 1):
-        try:
-            text = json.loads(line).get("query")
-        except (json.JSONDecodeError, AttributeError):
-            continue
-        if isinstance(text, str) and sq.query.query and " ".join(text.split()) != " ".join(sq.query.query.split()):
-            bad.append(i)
-    return bad
-
-
 # --- star reward serve | worker -----------------------------------------------------------------
 
 @reward_app.command("serve")
 def reward_serve(
-    host: str = typer.Option("127.0.0.1"),
-    port: int = typer.Option(8003),
+    host: str = host_option(),
+    port: int = port_option(8003),
     workers: int = typer.Option(1, help="Worker processes (scoring is CPU-bound: one per core)."),
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world."),
 ) -> None:

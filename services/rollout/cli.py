@@ -15,7 +15,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.panel import Panel
-from services.common.cli import fail as _fail
+from services.common.cli import fail as _fail, host_option, max_context_option, max_tool_calls_option, port_option, \
+    seed_option, temperature_option, top_p_option
 from rich.table import Table
 
 console = Console()
@@ -61,14 +62,19 @@ def rollout(
     engine: str = typer.Option("vllm", "--engine", help="vllm | transformers | openai"),
     base_url: Optional[str] = typer.Option(None, "--base-url", help="openai: the API's base URL (…/v1)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="openai: bearer key."),
-    sandbox: Optional[str] = typer.Option(None, "--sandbox", help="Sandbox URL; default STAR_SANDBOX_URL, else the local world in-process."),
-    temperature: float = typer.Option(0.6, help="Sampling temperature (inference default 0.6)."),
-    top_p: float = typer.Option(0.95),
-    seed: Optional[int] = typer.Option(0, help="Base seed (sample i uses seed + i)."),
-    max_tokens: int = typer.Option(8192, "--max-tokens", help="Cap per model turn."),
-    context: int = typer.Option(30000, "--context", help="Context budget in tokens."),
-    tool_budget: int = typer.Option(60, "--tool-budget"),
-    max_model_len: int = typer.Option(32768, "--max-model-len"),
+    sandbox_url: Optional[str] = typer.Option(None, "--sandbox-url", help="Sandbox service URL; default "
+                                              "STAR_SANDBOX_URL, else the local world in-process."),
+    temperature: float = temperature_option(0.6),
+    top_p: float = top_p_option(0.95),
+    seed: Optional[int] = seed_option(0),
+    max_tokens: int = typer.Option(8192, "--max-tokens", help="Cap on one model turn's tokens."),
+    max_context: int = max_context_option(30000),
+    max_tool_calls: int = max_tool_calls_option(60),
+    max_model_len: int = typer.Option(32768, "--max-model-len", help="The engine's context window (vllm, transformers)."),
+    sandbox: Optional[str] = typer.Option(None, "--sandbox", hidden=True, help="Deprecated name of --sandbox-url."),
+    context: Optional[int] = typer.Option(None, "--context", hidden=True, help="Deprecated name of --max-context."),
+    tool_budget: Optional[int] = typer.Option(None, "--tool-budget", hidden=True,
+                                              help="Deprecated name of --max-tool-calls."),
     arpo: bool = typer.Option(False, help="ARPO branching (initial G/2, beam 2)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Also write the trajectories as JSON lines."),
     full: bool = typer.Option(False, help="Print every message in full."),
@@ -88,10 +94,12 @@ def rollout(
 
     try:
         sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens_per_turn=max_tokens,
-                                  max_context_tokens=context, max_tool_calls=tool_budget)
+                                  max_context_tokens=max_context if context is None else context,
+                                  max_tool_calls=max_tool_calls if tool_budget is None else tool_budget)
     except ValueError as exc:
         _fail(str(exc))
-    trajectories = asyncio.run(_run(model, engine, base_url, api_key, sandbox, q, group, sampling, max_model_len, arpo))
+    trajectories = asyncio.run(_run(model, engine, base_url, api_key, sandbox or sandbox_url, q, group, sampling,
+                                    max_model_len, arpo))
     for t in trajectories:
         show(t, full)
     summary(trajectories)
@@ -138,7 +146,7 @@ def _local_tools(settings):
     world = World(settings.world_url)
     problem = world.problem()
     if problem:
-        _fail(f"{problem} (or pass --sandbox URL)")
+        _fail(f"{problem} (or pass --sandbox-url URL)")
     return LocalToolClient(ToolBox.from_settings(world, settings))
 
 
@@ -180,7 +188,7 @@ def _clip(text: str, limit: int = 240) -> str:
 
 
 @rollout_app.command("serve")
-def serve(host: str = typer.Option("127.0.0.1"), port: int = typer.Option(8003)) -> None:
+def serve(host: str = host_option(), port: int = port_option(8003)) -> None:
     """Run the rollout HTTP service (engine from STAR_ROLLOUT_*, sandbox from STAR_SANDBOX_URL)."""
     import uvicorn
 

@@ -82,7 +82,7 @@ class RolloutWorker:
         # Heartbeat from here on: loading new weights can take as long as the claim timeout (an
         # engine that drains waits for its longest turn), and a task left unclaimed that long was
         # taken by a second worker and rolled out twice (the duplicate group went stale in the
-        # learner and pushed a fresh group out of every later batch; bench/results/gpu_proof.md).
+        # learner and pushed a fresh group out of every later batch; docs/results.md).
         with self._lock:
             self._working[msg.id] = consumer
         try:

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from services.common.cli import host_option, port_option
 from services.common.settings import get_settings
 
 console = Console(stderr=True)
@@ -95,13 +96,13 @@ def _progress() -> Progress:
 
 @sandbox_app.command("serve")
 def sandbox_serve(
-    host: str = typer.Option("127.0.0.1"),
-    port: int = typer.Option(8001),
+    host: str = host_option(),
+    port: int = port_option(8001),
     workers: int = typer.Option(1, help="Worker processes."),
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world."),
     dialect: Optional[str] = typer.Option(None, help="Default tool dialect: star | official."),
     fault_rate: Optional[float] = typer.Option(None, help="Run-level tool failure probability."),
-    fault_seed: Optional[int] = typer.Option(None),
+    fault_seed: Optional[int] = typer.Option(None, help="Seed of the run-level failure draws."),
 ) -> None:
     """Serve the tools over HTTP (OpenAPI docs at /docs)."""
     import uvicorn

@@ -60,7 +60,7 @@ def queries_command(
     splits: str = typer.Option("4:5:1", help="sft:rl:validation[:heldout] ratio of the disjoint sets (heldout: "
                                              "for the final evaluation alone; none when left out)."),
     out: Path = typer.Option(..., help="Output directory."),
-    seed: int = typer.Option(0),
+    seed: int = typer.Option(0, help="Seed of the sampling: same seed, same queries."),
     budget_factors: str = typer.Option("1.5:1.3:1.15", help="Budget = oracle cheapest cost × factor (easy:medium:hard)."),
     workers: int = typer.Option(min(2, os.cpu_count() or 1), help="Oracle worker processes."),
     language: str = typer.Option("template", help="template | openai (back-translation by an LLM)."),
@@ -214,7 +214,7 @@ def teacher_command(
     llm_key_env: str = typer.Option("OPENAI_API_KEY", help="Environment variable holding the API key."),
     samples: int = typer.Option(1, min=1, help="Episodes per query (--teacher openai)."),
     concurrency: int = typer.Option(4, min=1, help="Episodes in flight (--teacher openai)."),
-    seed: int = typer.Option(0),
+    seed: int = typer.Option(0, help="Seed of the teacher's choices and the LLM's sampling."),
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world."),
 ) -> None:
     """Teacher trajectories for SFT; only those scoring success under the strict evaluator are kept."""

@@ -130,8 +130,8 @@ _T_SIGHTS = ["{meal_note} Now the attractions of {city}.", "{meal_note} Let me f
 _T_NEXT_LEG = ["{sight_note} Then I move on: from {o} to {d} on {date}{how}.",
                "{sight_note} Next leg: {o} to {d} on {date}{how}."]
 # The transport preference, restated where the agent decides how to travel. With the bare
-# two-word constraint in the request, the 135 M SFT model flew on "no flight" trips (runs 13-14 in
-# bench/results/gpu_proof.md); with these, it drove on half of them (runs 15-16).
+# two-word constraint in the request, the 135 M SFT model flew on "no flight" trips; with these, it
+# drove on half of them (docs/results.md).
 _TRANSPORT_RULE = {"no flight": "No flights are allowed, so every leg goes by road.",
                    "no self-driving": "Self-driving is not allowed, so I fly or take a taxi."}
 _TRAVEL_BY = {"no flight": ", by road since flights are ruled out",

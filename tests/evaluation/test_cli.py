@@ -83,3 +83,23 @@ def test_unusable_world_is_an_error(gold, mutated_submission, tmp_path):
     r = runner.invoke(app, ["eval", "--split", str(gold.split_path), "--predictions", str(mutated_submission),
                             "--db", f"sqlite:///{tmp_path / 'empty.sqlite'}", "--out", str(tmp_path / "r")])
     assert r.exit_code == 2 and "world is not usable" in r.output
+
+
+def test_eval_submission_prints_the_same_metrics_as_a_run_folder(gold, official_world_url, mutated_submission,
+                                                                 tmp_path, travelplanner_dir):
+    """`star eval submission` (no run folder) and `star eval --predictions` agree; the old `star evaluate`
+    spelling, with its old flag names, still answers the same."""
+    out = tmp_path / "run"
+    runner.invoke(app, ["eval", "--split", str(gold.split_path), "--predictions", str(mutated_submission),
+                        "--db", official_world_url, "--out", str(out)])
+    folder = RunFolder(out).metrics()["final_pass_rate"]
+    r = runner.invoke(app, ["eval", "submission", str(mutated_submission), "--split", str(gold.split_path),
+                            "--official-split", "train", "--db", official_world_url, "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["final_pass_rate"] == pytest.approx(folder, abs=0.005)
+    old = runner.invoke(app, ["evaluate", str(mutated_submission), "--queries", str(gold.split_path),
+                              "--split", "train", "--db", official_world_url, "--json"])
+    assert old.exit_code == 0 and json.loads(old.stdout) == json.loads(r.stdout)
+    bad = runner.invoke(app, ["eval", "submission", str(mutated_submission), "--split", str(gold.split_path),
+                              "--official-split", "dev", "--db", official_world_url])
+    assert bad.exit_code == 2 and "--official-split must be" in bad.output and "Traceback" not in bad.output

@@ -25,7 +25,7 @@ def sandbox(official_world_url, tmp_path_factory):
 
 
 def test_tiny_model_through_vllm_and_sandbox_http(gold, official_world_url, sandbox, tmp_path):
-    from services.common.models import tiny_qwen2
+    from services.models import tiny_qwen2
 
     model = tiny_qwen2()
     out = tmp_path / "run"

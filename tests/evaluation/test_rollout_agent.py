@@ -49,7 +49,7 @@ def scripted_policy(gold, tokenizer):
 
 @pytest.mark.parametrize("concurrency", [1, N])  # N: every episode on the agent's one loop at once
 def test_eval_through_the_agent_loop_and_sandbox_http(gold, evaluator, sandbox, tmp_path, concurrency):
-    from services.common.models import qwen_tokenizer
+    from services.models import qwen_tokenizer
     from services.rollout.agent import Agent
     from services.rollout.tools import HttpToolClient
 

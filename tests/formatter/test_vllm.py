@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
     pytest.importorskip("vllm")
-    from services.common.models import tiny_qwen2
+    from services.models import tiny_qwen2
 
     model = tiny_qwen2()
     port = free_port()

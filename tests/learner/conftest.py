@@ -12,7 +12,7 @@ from services.common.schemas import Score, ScoredTrajectory
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    from services.common.models import tiny_qwen2
+    from services.models import tiny_qwen2
 
     return tiny_qwen2()
 

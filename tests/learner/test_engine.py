@@ -191,7 +191,7 @@ def test_hf_export_loads_in_transformers(engine_factory, tmp_path):
 
 
 def test_chat_loss_mask_covers_assistant_turns_only():
-    from services.common.models import qwen_tokenizer
+    from services.models import qwen_tokenizer
 
     tok = qwen_tokenizer()
     chat = [{"role": "system", "content": "You plan trips."}, {"role": "user", "content": "Go to Rockford"},

@@ -12,7 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from services.common.models import tiny_qwen2  # noqa: E402
+from services.models import tiny_qwen2  # noqa: E402
 from services.learner.batching import Sequence_  # noqa: E402
 from services.learner.config import EngineConfig, ScheduleConfig  # noqa: E402
 from services.learner.engine import PolicyEngine  # noqa: E402

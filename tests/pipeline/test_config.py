@@ -166,7 +166,7 @@ def test_the_synth_section_reaches_the_synthesizer(tmp_path, monkeypatch):
 
 
 def test_the_proof_recipe_plans_one_city_trips_from_oracle_teachers():
-    # a recipe that drew 5- and 7-day trips left the SFT model at 0 % (bench/results/gpu_proof.md)
+    # a recipe that drew 5- and 7-day trips left the SFT model at 0 % (docs/results.md)
     synth = load_pipeline_config(CONFIGS / "smollm2-proof.yaml").synth
     assert (synth.days, synth.teacher, synth.rl_mix) == ([3], "oracle", None)
 
@@ -250,7 +250,7 @@ def test_the_checkpoint_is_not_picked_on_the_queries_that_report_its_success(tmp
 
 def test_the_proof_fleet_samples_as_many_batches_as_the_staleness_allows_in_one_epoch():
     # runs 12-30: three batches in flight at max_staleness 3 keep the engines' rows busy; run 30's second
-    # epoch lost what the first had gained, and two engines stepped faster than four (gpu_proof.md)
+    # epoch lost what the first had gained, and two engines stepped faster than four (docs/results.md)
     proof = load_pipeline_config(CONFIGS / "smollm2-proof.yaml")
     s, r = proof.services, proof.rl
     assert s.rollout_workers * s.rollout_concurrency == r.max_staleness * r.batch_prompts

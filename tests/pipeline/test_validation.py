@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.pipeline import train
+from services.pipeline import stage
 from services.pipeline.rl import Validation
-from services.pipeline.train import StageFailed
+from services.pipeline.stage import StageFailed
 
 
 def test_due_every_n_versions_once_and_best_prefers_success_then_recency():
@@ -75,7 +75,7 @@ def _until(cond, timeout: float = 30.0):
 
 def test_validations_run_beside_the_controller_one_at_a_time_and_keep_their_weights(tmp_path, monkeypatch):
     gate = tmp_path / "gate"
-    monkeypatch.setattr(train, "eval_argv", _fake_eval(gate))
+    monkeypatch.setattr(stage, "eval_argv", _fake_eval(gate))
     v = Validation(run=_Run(tmp_path / "run"), split="val.jsonl", every=2)  # type: ignore[arg-type]
     started = time.monotonic()
     v.submit(2, _version(tmp_path, 2, 40.0))
@@ -99,7 +99,7 @@ def test_validations_run_beside_the_controller_one_at_a_time_and_keep_their_weig
 
 def test_a_failed_validation_fails_the_stage_and_stop_ends_the_one_under_way(tmp_path, monkeypatch):
     gate = tmp_path / "gate"
-    monkeypatch.setattr(train, "eval_argv", _fake_eval(gate))
+    monkeypatch.setattr(stage, "eval_argv", _fake_eval(gate))
     v = Validation(run=_Run(tmp_path / "run"), split="val.jsonl", every=1)  # type: ignore[arg-type]
     v.submit(1, _version(tmp_path, 1, -1.0))
     gate.touch()
@@ -121,7 +121,7 @@ def test_a_failed_validation_fails_the_stage_and_stop_ends_the_one_under_way(tmp
 def test_the_starting_model_is_the_baseline_evaluated_in_place_never_the_pick(tmp_path, monkeypatch):
     gate = tmp_path / "gate"
     gate.touch()
-    monkeypatch.setattr(train, "eval_argv", _fake_eval(gate))
+    monkeypatch.setattr(stage, "eval_argv", _fake_eval(gate))
     v = Validation(run=_Run(tmp_path / "run"), split="val.jsonl", every=4)  # type: ignore[arg-type]
     start = _version(tmp_path, 0, 52.0)
     v.submit(0, start, keep=False)

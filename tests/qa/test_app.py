@@ -85,7 +85,7 @@ def test_search_agent_loop_over_http(server):
     searches the question and answers with the top passage's title."""
     import re
 
-    from services.common.models import qwen_tokenizer
+    from services.models import qwen_tokenizer
     from services.common.schemas import SamplingParams
     from services.qa.agent import qa_agent
     from services.qa.datasets import QAItem

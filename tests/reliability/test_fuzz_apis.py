@@ -102,7 +102,7 @@ def test_qa_api(service, qa_index):
 def rollout_url(official_world, tmp_path):
     import uvicorn
 
-    from services.common.models import tiny_qwen2
+    from services.models import tiny_qwen2
     from services.common.settings import Settings
     from services.rollout.app import create_app
     from services.rollout.engines.scripted import ScriptedEngine

@@ -7,14 +7,14 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from services.common.models import qwen_tokenizer
+    from services.models import qwen_tokenizer
 
     return qwen_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    from services.common.models import tiny_qwen2
+    from services.models import tiny_qwen2
 
     return tiny_qwen2()
 

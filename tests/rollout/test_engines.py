@@ -64,7 +64,7 @@ def test_rows_of_different_lengths_in_one_batch_match_their_solo_runs(engine):
 
 
 def test_weight_reload_changes_the_policy_and_version(engine, tiny_model, tmp_path):
-    from services.common.models import tiny_qwen2
+    from services.models import tiny_qwen2
 
     other = tiny_qwen2(tmp_path / "v1", seed=1)
     greedy = TurnParams(max_tokens=8, temperature=0.0)
@@ -203,7 +203,7 @@ def test_agents_extending_caches_of_different_lengths_together_match_full_prefil
 
 
 def test_new_weights_drop_the_kept_caches(tiny_model, tmp_path):
-    from services.common.models import tiny_qwen2
+    from services.models import tiny_qwen2
 
     engine = TransformersEngine(tiny_model, max_model_len=2048)
     one = gen(engine, TurnParams(max_tokens=6, seed=7))[0]
@@ -218,7 +218,7 @@ def test_new_weights_load_between_steps_without_waiting_for_turns_in_flight(tiny
     """An asynchronous run's engine is never idle: an update must not wait for the longest turn.
     The turn in flight keeps its start version (the oldest that sampled it) and goes on under the
     new weights; the next turn carries the new version."""
-    from services.common.models import tiny_qwen2
+    from services.models import tiny_qwen2
 
     import threading
 

@@ -105,7 +105,7 @@ def test_arpo_group_on_vllm_fills_the_group(vllm, loop, sandbox):
 
 
 def test_weight_update_reloads_resets_and_stamps_the_version(vllm, loop, sandbox, tiny_model, tmp_path):
-    from services.common.models import tiny_qwen2
+    from services.models import tiny_qwen2
 
     root = tmp_path / "weights"
     v1 = root / "v1"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from services.common.models import qwen_tokenizer, tiny_qwen2
+from services.models import qwen_tokenizer, tiny_qwen2
 
 SAMPLES = [
     "Day 1:\nCurrent City: from St. Petersburg to Rockford\nTransportation: Flight Number: F3573659",
@@ -65,7 +65,7 @@ def test_tiny_qwen2_is_cached_deterministic_and_loadable():
 
 
 def test_travel_tokenizer_round_trips_agent_text_and_is_small():
-    from services.common.models import TRAVEL_VOCAB, travel_tokenizer
+    from services.models import TRAVEL_VOCAB, travel_tokenizer
     from services.rollout.protocol import system_prompt
 
     tok = travel_tokenizer()

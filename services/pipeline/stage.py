@@ -1,0 +1,105 @@
+"""A stage of `star train`: its record in the run folder and the processes it runs.
+
+The RL stage, the report and the stage sequence in `train` all build on these, so they live apart
+from each of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from services.pipeline.config import PipelineConfig
+
+console = Console(stderr=True)
+
+
+class StageFailed(RuntimeError):
+    """A stage's process failed; the message names the log to read."""
+
+
+@dataclass
+class Run:
+    config: PipelineConfig
+    folder: Path
+    world_url: str = ""
+    base_model: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def stages_file(self) -> Path:
+        return self.folder / "stages.json"
+
+    def stage_records(self) -> dict[str, Any]:
+        return json.loads(self.stages_file.read_text()) if self.stages_file.is_file() else {}
+
+    def record(self, stage: str, **fields: Any) -> None:
+        records = self.stage_records()
+        records[stage] = {**records.get(stage, {}), **fields}
+        self.stages_file.write_text(json.dumps(records, indent=2, default=str))
+
+    def done(self, stage: str) -> dict[str, Any] | None:
+        rec = self.stage_records().get(stage)
+        return rec if rec and rec.get("state") == "done" else None
+
+    def log(self, name: str) -> Path:
+        path = self.folder / "logs" / f"{name}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+def star_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", *args]
+
+
+def check_exit(run: Run, name: str, rc: int) -> None:
+    """A stage process that failed, as a StageFailed naming its log and last lines."""
+    if rc != 0:
+        log = run.log(name)
+        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+        raise StageFailed(f"{name} exited with {rc}; see {log}\n  " + "\n  ".join(tail))
+
+
+def run_process(run: Run, name: str, argv: list[str], *, env: dict[str, str] | None = None,
+                timeout: float | None = None) -> None:
+    """Run one stage process to completion, its output in logs/<name>.log."""
+    log = run.log(name)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, env={**os.environ, **run.env, **(env or {})}, stdout=out, stderr=out,
+                                stdin=subprocess.DEVNULL)
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise StageFailed(f"{name} did not finish within {timeout:.0f}s; see {log}") from None
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+            raise
+    check_exit(run, name, rc)
+
+
+def eval_argv(run: Run, model: str, split: str | Path, out: Path, limit: int | None) -> list[str]:
+    """`star eval` of one model on one split into `out`, with the recipe's evaluation settings."""
+    e = run.config.eval
+    argv = star_argv("eval", "--model", model, "--split", str(split), "--mode", e.mode, "--out", str(out),
+                     "--engine", run.config.services.engine, "--db", run.world_url,
+                     "--temperature", str(e.sampling.temperature), "--top-p", str(e.sampling.top_p),
+                     "--max-context", str(e.sampling.max_context_tokens),
+                     "--max-tokens", str(e.sampling.max_tokens_per_turn),
+                     "--max-tool-calls", str(e.sampling.max_tool_calls), "--concurrency", str(e.concurrency))
+    if run.config.services.engine == "transformers":
+        argv += ["--decode", run.config.services.decode]
+    if run.config.services.engine == "vllm":
+        argv += ["--vllm-args", run.config.services.vllm.model_dump_json()]
+    if limit:
+        argv += ["-n", str(limit)]
+    return argv
