@@ -40,6 +40,7 @@ RESULTS = ROOT / "bench" / "results"
 from bench.gpu_shapes import model_folder  # noqa: E402
 from bench.loadgen import serve_app  # noqa: E402
 
+DEVICE = "cuda"  # "cpu" for the smoke run (--methods files --no-zero3 --shapes tiny)
 CHECKED = ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "model.norm.weight")
 
 
@@ -54,7 +55,7 @@ def learner_model(folder: Path, zero3: bool):
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
     if not zero3:
-        return model.cuda().eval(), None
+        return model.to(DEVICE).eval(), None
     import deepspeed
 
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29655", "RANK": "0", "LOCAL_RANK": "0",
@@ -94,17 +95,17 @@ def learner_checksums(model, zero3: bool) -> dict[str, float]:
     out = {}
     for name in CHECKED:
         with _gather([params[name]], zero3):
-            out[name] = float(params[name].float().sum())
+            out[name] = float(params[name].detach().float().sum())
     return out
 
 
 def learner_logprobs(model, prompt: list[int], ids: list[int]) -> list[float]:
     import torch
 
-    x = torch.tensor([prompt + ids], device="cuda")
+    x = torch.tensor([prompt + ids], device=DEVICE)
     with torch.no_grad():
         logits = model(x).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids, device="cuda")[:, None])[:, 0].tolist()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids, device=DEVICE)[:, None])[:, 0].tolist()
 
 
 def sampled_with(url: str, version: int, prompt: list[int], tokens: int = 1, timeout: float = 120.0) -> dict[str, Any]:
@@ -146,7 +147,9 @@ def measure_shape(shape: str, args) -> list[dict[str, Any]]:
     weights_root = work / "weights"
     weights_root.mkdir(parents=True, exist_ok=True)
     port = args.port
-    vargs = {"weight_transfer": "nccl", "compile": False, "gpu_memory_utilization": args.gpu_memory}
+    methods = args.methods.split(",")
+    vargs = {"weight_transfer": "nccl" if "nccl" in methods else "files", "compile": False,
+             "gpu_memory_utilization": args.gpu_memory}
     env = {"CUDA_VISIBLE_DEVICES": args.engine_gpu, "STAR_MODEL": str(folder), "STAR_ROLLOUT_ENGINE": "vllm",
            "STAR_ROLLOUT_VLLM": json.dumps(vargs), "STAR_ROLLOUT_MAX_MODEL_LEN": "4096",
            "STAR_SANDBOX_URL": "http://127.0.0.1:9", "STAR_WEIGHTS_ROOT": str(weights_root),
@@ -161,22 +164,26 @@ def measure_shape(shape: str, args) -> list[dict[str, Any]]:
         layout = parameter_layout(model)
         nbytes = sum(torch.Size(s).numel() * 2 for s in layout["shapes"])
         pub = NcclPublisher([url], master_port=args.nccl_port, timeout_s=300)
-        connect = pub.connect()
-        log(f"{shape}: NCCL group formed in {connect['sync_connect_s']:.2f} s")
+        if "nccl" in methods:
+            connect = pub.connect()
+            log(f"{shape}: NCCL group formed in {connect['sync_connect_s']:.2f} s")
         version = 0
         for method, rounds in (("nccl", args.rounds), ("files", args.file_rounds)):
+            if method not in methods:
+                continue
             times = []
             for _ in range(rounds):
                 version += 1
                 take_step(model, args.zero3, version)
-                torch.cuda.synchronize()
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
                 t0 = time.perf_counter()  # step done
                 if method == "nccl":
                     timing = pub.publish(version, layout, iter_full_parameters(model, zero3=args.zero3))
                 else:
                     store = StorePublisher(weights_root, servers=[url], keep=1, timeout_s=600)
                     result = store.publish(version, iter_weight_buckets(model, zero3=args.zero3,
-                                                                        dtype=torch.bfloat16, device="cuda"),
+                                                                        dtype=torch.bfloat16, device=DEVICE),
                                            config=model.config, source_dir=folder)
                     if any(v != "ok" for v in result.servers.values()):
                         raise RuntimeError(f"file publish failed: {result.servers}")
@@ -193,7 +200,8 @@ def measure_shape(shape: str, args) -> list[dict[str, Any]]:
                          "learner": "deepspeed zero-3" if args.zero3 else "torch", **verdict})
         pub.close()
         del model, ds_engine
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -202,6 +210,7 @@ def main() -> None:
     p.add_argument("--shapes", default="0.5b,1.5b,7b")
     p.add_argument("--rounds", type=int, default=3, help="NCCL syncs per shape")
     p.add_argument("--file-rounds", type=int, default=1, help="file syncs per shape")
+    p.add_argument("--methods", default="nccl,files")
     p.add_argument("--no-zero3", dest="zero3", action="store_false", help="a plain bf16 model instead of ZeRO-3")
     p.add_argument("--engine-gpu", default="1")
     p.add_argument("--gpu-memory", type=float, default=0.5)
@@ -212,8 +221,9 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0," + args.engine_gpu)
-    device = f"{torch.cuda.device_count()}× {torch.cuda.get_device_name()}" if torch.cuda.is_available() \
+    global DEVICE
+    DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+    device = f"{torch.cuda.device_count()}× {torch.cuda.get_device_name()}" if DEVICE == "cuda" \
         else f"CPU ({platform.machine()})"
     import vllm
 

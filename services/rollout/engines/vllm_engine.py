@@ -212,4 +212,4 @@ class VllmEngine(Engine):
 def _parameter_sums(worker: Any, names: list[str]) -> dict[str, float]:
     """Runs inside each vLLM worker (`collective_rpc`; needs VLLM_ALLOW_INSECURE_SERIALIZATION=1)."""
     params = dict(worker.model_runner.model.named_parameters())
-    return {n: float(params[n].float().sum()) for n in names if n in params}
+    return {n: float(params[n].detach().float().sum()) for n in names if n in params}

@@ -1,0 +1,125 @@
+"""The rollout service's token route and NCCL weight routes, and the vLLM engine's arguments, on CPU.
+
+The NCCL transfer itself needs GPUs (tests/rollout/test_vllm_gpu.py, bench/weight_sync_gpu.py); here:
+what a server says when it cannot take part, a broadcast that fails leaving the server refusing to
+sample, and how a recipe's `services.vllm` becomes vLLM's engine arguments or is refused."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from services.common.schemas import VllmArgs
+from services.common.settings import Settings
+from services.rollout.app import create_app
+from services.rollout.engines.scripted import ScriptedEngine
+from services.rollout.engines.vllm_engine import engine_kwargs
+from services.rollout.service import RolloutService
+
+LAYOUT = {"names": ["model.norm.weight"], "dtype_names": ["bfloat16"], "shapes": [[64]]}
+
+
+@pytest.fixture
+def app_client(tokenizer, local_tools, tmp_path):
+    def make(engine):
+        settings = Settings(home=tmp_path, weights_root=tmp_path / "weights", log_json=False, log_level="WARNING")
+        return TestClient(create_app(settings, service=RolloutService(engine, local_tools, settings=settings)))
+    return make
+
+
+def test_generate_returns_the_sampled_ids_with_their_version(tokenizer, app_client):
+    engine = ScriptedEngine(tokenizer, ["hello there"])
+    with app_client(engine) as client:
+        r = client.post("/generate", json={"prompt_ids": [1, 2, 3], "max_tokens": 8})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["token_ids"] and body["policy_version"] == 0 and body["finish"] in ("stop", "length")
+        assert engine.calls[-1]["prompt_ids"] == [1, 2, 3]
+        bad = client.post("/generate", json={"prompt_ids": [], "max_tokens": 8})
+        assert bad.status_code == 422
+        negative = client.post("/generate", json={"prompt_ids": [-1], "max_tokens": 8})
+        assert negative.status_code == 422
+
+
+def test_an_engine_without_nccl_says_so(tokenizer, app_client):
+    with app_client(ScriptedEngine(tokenizer, ["x"])) as client:
+        assert client.get("/weights").json()["weight_ranks"] == 0
+        join = client.post("/weights/group", json={"master_address": "127.0.0.1", "master_port": 29500,
+                                                    "rank_offset": 1, "world_size": 2})
+        assert join.status_code == 409 and "NCCL" in join.text
+        send = client.post("/weights/broadcast", json={"version": 1, **LAYOUT})
+        assert send.status_code == 409
+
+
+def test_a_broadcast_with_mismatched_layout_is_refused(tokenizer, app_client):
+    with app_client(ScriptedEngine(tokenizer, ["x"])) as client:
+        r = client.post("/weights/broadcast", json={"version": 1, "names": ["a", "b"], "dtype_names": ["bfloat16"],
+                                                     "shapes": [[1], [2]]})
+        assert r.status_code == 422 and "same length" in r.text
+
+
+class HalfLoading(ScriptedEngine):
+    """Receives over 'NCCL' and fails halfway, as a dropped connection would."""
+
+    async def join_weight_group(self, *args) -> None:
+        return None
+
+    async def receive_weights(self, names, dtype_names, shapes, version):
+        raise RuntimeError("connection reset after 3 of 7 buckets")
+
+
+def test_a_failed_broadcast_stops_sampling_until_a_full_version_loads(tokenizer, app_client, tiny_model, tmp_path):
+    import shutil
+
+    from services.rollout.service import write_manifest
+
+    engine = HalfLoading(tokenizer, ["x"] * 10)
+    with app_client(engine) as client:
+        assert client.post("/weights/group", json={"master_address": "127.0.0.1", "master_port": 29500,
+                                                    "rank_offset": 1, "world_size": 2}).status_code == 200
+        r = client.post("/weights/broadcast", json={"version": 3, **LAYOUT})
+        assert r.status_code == 503 and "will not sample" in r.text
+        assert client.get("/weights").json()["broken"]
+        refused = client.post("/generate", json={"prompt_ids": [1], "max_tokens": 2})
+        assert refused.status_code == 503
+        # a whole version from files mends it (the scripted engine "loads" any folder)
+        version = tmp_path / "weights" / "v4"
+        shutil.copytree(tiny_model, version)
+
+        async def load(path: str) -> None:
+            return None
+
+        engine._load_weights = load
+        ok = client.post("/weights", json={"version": 4, "uri": str(version), "sha256": write_manifest(version, 4)})
+        assert ok.status_code == 200, ok.text
+        assert client.get("/weights").json()["broken"] is None
+        assert client.post("/generate", json={"prompt_ids": [1], "max_tokens": 2}).json()["policy_version"] == 4
+
+
+def test_engine_kwargs_on_a_gpu_and_on_a_cpu():
+    gpu = engine_kwargs(VllmArgs(tensor_parallel_size=2, gpu_memory_utilization=0.4, max_num_seqs=128,
+                                 kv_cache_dtype="fp8", weight_transfer="nccl", extra={"block_size": 32}),
+                        model="m", max_model_len=8192, dtype="bfloat16", seed=3, on_cpu=False)
+    assert gpu["enforce_eager"] is False and gpu["tensor_parallel_size"] == 2
+    assert gpu["gpu_memory_utilization"] == 0.4 and gpu["max_num_seqs"] == 128 and gpu["kv_cache_dtype"] == "fp8"
+    assert gpu["weight_transfer_config"] == {"backend": "nccl"} and gpu["block_size"] == 32
+    assert "compilation_config" not in gpu and "enable_chunked_prefill" not in gpu
+    fast = engine_kwargs(VllmArgs(compile=False), model="m", max_model_len=8192, dtype="bfloat16", seed=0, on_cpu=False)
+    assert fast["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    cpu = engine_kwargs(VllmArgs(), model="m", max_model_len=8192, dtype="float32", seed=0, on_cpu=True)
+    assert cpu["enforce_eager"] is True and cpu["enable_chunked_prefill"] is False
+    assert cpu["max_num_batched_tokens"] >= 8192 and "gpu_memory_utilization" not in cpu
+
+
+def test_a_recipe_with_a_bad_engine_argument_is_refused_naming_it(tmp_path):
+    from services.pipeline.config import ConfigError, load_pipeline_config
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\nmodel: {path: /m}\nservices:\n  vllm:\n    extra: {max_num_seqz: 4}\n")
+    with pytest.raises(ConfigError, match="services.vllm.*max_num_seqz is not an argument"):
+        load_pipeline_config(recipe)
+    recipe.write_text("name: r\nmodel: {path: /m}\nservices:\n  vllm:\n    gpu_memory_utilization: 1.5\n")
+    with pytest.raises(ConfigError, match="services.vllm.gpu_memory_utilization"):
+        load_pipeline_config(recipe)
+    recipe.write_text("name: r\nmodel: {path: /m}\nservices:\n  vllm:\n    tensor_parallel_size: 2\n")
+    assert load_pipeline_config(recipe).services.vllm.tensor_parallel_size == 2
