@@ -158,6 +158,12 @@ class RLConfig(_Strict):
     weights_dir: str | None = Field(None, description="Weights store (default: STAR_HOME/weights).")
     keep_versions: int = Field(3, ge=1)
     rollout_servers: list[str] = Field(default_factory=list, description="Base URLs that get POST /weights.")
+    weight_sync: Literal["files", "nccl"] = Field("files", description=(
+        "files: each version written to the weights store and loaded by the servers from it (any host). nccl: "
+        "broadcast from rank 0 into every rollout server's vLLM engine (engines started with weight_transfer: "
+        "nccl); the store still gets every `files_every`-th version and any version a server missed."))
+    nccl_master: str = Field("127.0.0.1:29731", description="host:port rank 0 listens on for the weight group.")
+    files_every: int = Field(10, ge=1, description="With weight_sync nccl: also write every N-th version to the store.")
     save_every: int = Field(1, ge=1, description="Checkpoint every N steps (1: every step, exact resume).")
     samples_per_step: int = Field(4, ge=0, description=(
         "Trajectories of each trained step written whole to samples.jsonl, one per group (the group's first "

@@ -31,7 +31,7 @@ from services.learner.config import RLConfig, SFTConfig
 from services.learner.engine import PolicyEngine
 from services.learner.runlog import RunLog
 from services.learner.steps import rl_step, sft_step
-from services.learner.weights import StorePublisher, write_version
+from services.learner.weights import FleetSync, NcclPublisher, StorePublisher, write_version
 
 log = logging.getLogger(__name__)
 CONSUMED_STEPS_KEPT = 16  # steps whose message ids stay in the checkpoint for de-duplication
@@ -244,6 +244,14 @@ class RLTrainer:
                 self.publisher = StorePublisher(root, redis_client=redis_client, key_prefix=cfg.stream_prefix,
                                                 servers=cfg.rollout_servers, keep=cfg.keep_versions,
                                                 api_token=settings.api_token)
+        self.fleet_sync = None
+        if cfg.publish_weights and cfg.weight_sync == "nccl":
+            nccl = None
+            if self.rank0:
+                host, _, port = cfg.nccl_master.rpartition(":")
+                nccl = NcclPublisher(cfg.rollout_servers, master_address=host, master_port=int(port),
+                                     api_token=settings.api_token)
+            self.fleet_sync = FleetSync(self.publisher, nccl, files_every=cfg.files_every)
 
     # -- resume ----------------------------------------------------------------------------------
 
@@ -498,6 +506,11 @@ class RLTrainer:
             self.publish()
 
     def publish(self) -> dict[str, float]:
+        if self.fleet_sync is not None:
+            dtype = torch.bfloat16 if self.engine.bf16 else None
+            return self.fleet_sync.publish(self.version, self.engine.hf_model, zero3=self.engine.cfg.zero_stage == 3,
+                                           buckets=lambda: self.engine.iter_weight_buckets(dtype=dtype),
+                                           config=self.engine.lm_config, source_dir=self.engine.model_dir)
         t0 = time.perf_counter()
         buckets = self.engine.iter_weight_buckets(dtype=torch.bfloat16 if self.engine.bf16 else None)
         if not self.rank0:

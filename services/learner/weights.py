@@ -443,7 +443,10 @@ class NcclPublisher:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
         if self.group is None:
-            self.connect()
+            try:
+                self.connect()
+            except Exception as exc:  # noqa: BLE001 - no group: the caller falls back to the store
+                raise WeightsError(f"could not form the NCCL weight group: {type(exc).__name__}: {exc}") from exc
         t0 = time.perf_counter()
         body = {"version": version, **layout}
         receives = {url: self.pool.submit(self._post, url, "/weights/broadcast", body) for url in self.servers}
@@ -465,6 +468,61 @@ class NcclPublisher:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
+
+
+class FleetSync:
+    """Weights over NCCL every step, through the store when NCCL cannot serve: every `files_every`-th
+    version (what a restarted server or a new host loads) and any version a server missed, posted to
+    that server at once. Every rank calls `publish` (the ZeRO-3 gathers are collective); rank 0 sends."""
+
+    def __init__(self, store: StorePublisher | None, nccl: NcclPublisher | None, *, files_every: int = 10) -> None:
+        self.store = store
+        self.nccl = nccl
+        self.files_every = files_every
+
+    def publish(self, version: int, model: torch.nn.Module, *, zero3: bool, buckets: Any, config: Any,
+                source_dir: Path | None) -> dict[str, float]:
+        """`buckets`: a callable giving the store's buckets (called only when files are written)."""
+        t0 = time.perf_counter()
+        metrics: dict[str, float] = {}
+        missed: list[str] = []
+        tensors = iter_full_parameters(model, zero3=zero3)
+        if self.nccl is None:
+            for _ in tensors:  # the other ranks' share of rank 0's gathers
+                pass
+        else:
+            try:
+                metrics.update(self.nccl.publish(version, parameter_layout(model), tensors))
+            except WeightsError as exc:
+                log.error("NCCL weight sync failed; those servers get the version from the store", extra={
+                    "version": version, "error": str(exc)})
+                missed = list(self.nccl.servers)
+                metrics["sync_nccl_failed"] = 1.0
+        if _every_rank_agrees(bool(missed) or version % self.files_every == 0):
+            if self.store is None:
+                for _ in buckets():  # the other ranks' share of rank 0's gathers
+                    pass
+            else:
+                servers, self.store.servers = self.store.servers, missed
+                try:
+                    metrics.update(self.store.publish(version, buckets(), config=config,
+                                                      source_dir=source_dir).metrics())
+                finally:
+                    self.store.servers = servers
+        metrics["time_sync_s"] = time.perf_counter() - t0
+        return metrics
+
+
+def _every_rank_agrees(flag: bool) -> bool:
+    """True on every rank when it is true on any (rank 0 alone learns that a broadcast failed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 # ---- the torch.distributed broadcast path ------------------------------------------------------
