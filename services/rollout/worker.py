@@ -13,7 +13,8 @@ that reports itself broken (`Engine.healthy`, e.g. ticks failing on a CUDA error
 with exit status 1 instead: its supervisor starts a fresh process, other workers take its tasks.
 
 Weights: before a task, the worker loads the version announced under `{prefix}:weights:latest`
-when it is newer than its own (the learner writes that key after every step).
+when it is newer than its own (the learner writes that key after every step); an engine that loads
+in place (vLLM) also polls the key while its turns run, so a new version arrives mid-episode.
 
 The engine lives on the asyncio loop of the main thread; `concurrency` consumer threads each
 take one task at a time and run it on that loop, so up to `concurrency` groups share the engine.
@@ -132,6 +133,15 @@ class RolloutWorker:
 
     # -- running -----------------------------------------------------------------------------
 
+    def _watch_weights(self, interval_s: float = 0.5) -> None:
+        """An engine that loads in place (vLLM) takes each announced version as it comes, while its
+        turns are in flight, instead of at its next task."""
+        while not self.stop.wait(interval_s):
+            try:
+                self.sync_weights()
+            except Exception as exc:  # noqa: BLE001 - the next poll tries again; tasks check the version too
+                log.warning("weights watch failed", extra={"error": f"{type(exc).__name__}: {exc}"})
+
     def _heartbeat(self) -> None:
         """Keep our in-progress tasks' idle time low so no other worker claims them."""
         interval = max(0.05, self.claim_idle_ms / 3000.0)
@@ -161,6 +171,8 @@ class RolloutWorker:
 
     def start(self) -> list[threading.Thread]:
         threads = [threading.Thread(target=self._heartbeat, name="rollout-heartbeat", daemon=True)]
+        if not self.service.engine.drains_on_update:
+            threads.append(threading.Thread(target=self._watch_weights, name="rollout-weights", daemon=True))
         threads += [threading.Thread(target=self._consume, args=(i,), name=f"rollout-consumer-{i}", daemon=True)
                     for i in range(self.concurrency)]
         for t in threads:
