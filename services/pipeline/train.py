@@ -209,6 +209,8 @@ def eval_argv(run: Run, model: str, split: str | Path, out: Path, limit: int | N
                      "--max-tool-calls", str(e.sampling.max_tool_calls), "--concurrency", str(e.concurrency))
     if run.config.services.engine == "transformers":
         argv += ["--decode", run.config.services.decode]
+    if e.sampling.summarize_at_limit:
+        argv += ["--summarize-at-limit"]
     if limit:
         argv += ["-n", str(limit)]
     return argv

@@ -283,3 +283,14 @@ def test_the_proof_fleet_samples_as_many_batches_as_the_staleness_allows_in_one_
     assert s.rollout_workers * s.rollout_concurrency == r.max_staleness * r.batch_prompts
     assert (s.rollout_workers, r.epochs, r.max_steps) == (2, 1, 40)
     assert proof.synth.rl_queries == r.max_steps * r.batch_prompts  # one epoch: each prompt seen once
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in CONFIGS.glob("qwen2.5-*.yaml")))
+def test_table_one_recipes_end_at_the_limit_as_the_reference_does(recipe, tmp_path):
+    from services.pipeline.train import Run, eval_argv
+
+    config = load_pipeline_config(CONFIGS / recipe)
+    assert config.eval.sampling.summarize_at_limit and not config.rl.sampling.summarize_at_limit
+    assert "--summarize-at-limit" in eval_argv(Run(config, tmp_path), "m", "split.jsonl", tmp_path / "e", None)
+    tiny = load_pipeline_config(CONFIGS / "tiny.yaml")
+    assert "--summarize-at-limit" not in eval_argv(Run(tiny, tmp_path), "m", "split.jsonl", tmp_path / "e", None)
