@@ -138,6 +138,12 @@ class RLSpec(_Section):
         "published weights and the steps not yet trained are left out (default: no budget).")
     samples_per_step: int = RLConfig.model_fields["samples_per_step"]
 
+    @field_validator("importance_sampling", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        # YAML reads a bare `off` as false
+        return "off" if value is False else value
+
     @field_validator("curriculum")
     @classmethod
     def _curriculum_reads(cls, text: str, info: ValidationInfo) -> str:
