@@ -152,6 +152,13 @@ class RLSpec(_Section):
         return text
 
     @model_validator(mode="after")
+    def _samples_are_drawn(self) -> "RLSpec":
+        # the learner's log-probs are of logits / T: greedy decoding (T = 0) has no policy to train
+        if self.sampling.temperature <= 0:
+            raise ValueError("rl.sampling.temperature must be above 0: RL trains on sampled turns, not greedy ones")
+        return self
+
+    @model_validator(mode="after")
     def _penalty_can_bite(self) -> "RLSpec":
         # A plan that breaks a stated preference fails, so its success reward is already 0, and
         # rewards are floored at 0: under success alone the penalty changes no reward at all.

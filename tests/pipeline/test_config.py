@@ -130,6 +130,8 @@ def test_the_loss_bounds_and_temperature_reach_the_learner_config(tmp_path):
     assert (chosen.importance_sampling, chosen.is_low, chosen.is_high) == ("mis", 0.125, 8.0)
     assert (chosen.loss_agg, chosen.temperature, chosen.dual_clip_c) == ("group-token-mean", 0.7, None)
     assert learner(["rl.importance_sampling=off"]).importance_sampling == "off"  # YAML's bare off is false
+    with pytest.raises(ConfigError, match="temperature must be above 0"):
+        load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.sampling.temperature=0"])
     for bad in ("rl.importance_sampling=sometimes", "rl.is_high=0.5", "rl.dual_clip_c=1", "rl.loss_agg=sum"):
         with pytest.raises(ConfigError):
             load_pipeline_config(CONFIGS / "smollm2-proof.yaml", [bad])
