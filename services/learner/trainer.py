@@ -218,8 +218,8 @@ class RLTrainer:
         self.duplicates = 0  # samples of already trained groups dropped since the last step
         # groups whose rollout task was dead-lettered (it failed on every attempt): group id → step.
         # A batch does not wait for them; without this it waited `straggler_wait_s` for a group
-        # that could never come, and the whole fleet with it (a rollout engine broken by a CUDA
-        # error on the H100, 2026-11-24).
+        # that could never come, and the whole fleet with it (say, behind a rollout engine broken
+        # by a CUDA error).
         self.lost: dict[str, int] = {}
         self._dead_cursor = "0-0"
         self.batches = 0  # step batches consumed, trained or skipped: the controller paces on it
@@ -288,8 +288,8 @@ class RLTrainer:
         """Complete groups this batch may take, oldest step first. A later step's groups wait
         while this step's are still coming: with several steps in flight the later step's fast
         groups finish first, and taken now they would leave this step's slow groups to the next
-        batch, one version staler and, at the staleness bound, dropped (half of the samples of
-        a 2026-11-24 run). After `straggler_wait_s`, or when refilling (DAPO reads beyond the
+        batch, one version staler and, at the staleness bound, dropped (once half of a run's
+        samples). After `straggler_wait_s`, or when refilling (DAPO reads beyond the
         step), any complete group goes, so a lost group cannot stall the run."""
         complete = sorted(self._complete(), key=self._step_of)  # stable: arrival order within a step
         if self.cfg.filters.refill or waited_s >= self.cfg.straggler_wait_s:
