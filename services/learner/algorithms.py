@@ -26,7 +26,6 @@ from typing import Literal, get_args
 
 import torch
 
-
 # ---- rewards and advantages ------------------------------------------------------------------
 
 # Finishes that are no answer of the policy's: out of the loss and out of their group's statistics.

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.learner import algorithms as alg
-from services.learner.batching import PackedRow, assign_weights, micro_batches, pack_sequences, shard_rows
-from services.learner.batching import Sequence_
+from services.learner.batching import PackedRow, Sequence_, assign_weights, micro_batches, pack_sequences, shard_rows
 from services.learner.config import RLConfig
 from services.learner.engine import PolicyEngine
 from services.learner.flops import model_shape, peak_flops, train_flops

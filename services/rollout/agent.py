@@ -44,7 +44,6 @@ from services.rollout.protocol import parse_turn, system_prompt, tool_response, 
 from services.rollout.tools import ToolClient, ToolServiceError
 from services.sandbox.tools.registry import tool_names
 
-
 # The public STAR agent's words when the conversation outgrows its context (spec/agent-star.md §1.2).
 SUMMARY_REQUEST = "The conversation has reached the token limit. Please summarize the conversation to generate a travel plan."
 

@@ -12,7 +12,6 @@ from services.learner import algorithms as alg
 from services.learner.batching import rl_sequences
 from services.learner.config import FilterConfig, RLConfig, masked_finishes, zero_reward_finishes
 
-
 # ---- advantages ---------------------------------------------------------------------------------
 
 def test_group_advantages_by_hand():

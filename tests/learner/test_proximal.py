@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from services.learner.batching import Sequence_, micro_batches, pack_sequences, assign_weights
+from services.learner.batching import Sequence_, assign_weights, micro_batches, pack_sequences
 from services.learner.config import EngineConfig, ScheduleConfig
 from services.learner.steps import LossBounds, needs_proximal_forward, rl_step
 
@@ -86,7 +86,7 @@ def test_missing_rollout_logprobs_fall_back_per_token_to_the_proximal_policy(mak
 
 
 def test_without_rollout_logprobs_the_second_mini_batch_is_judged_against_the_first_policy(make_engine, tiny_model):
-    seqs, start = _seqs(tiny_model, [False] * 4)
+    seqs, _ = _seqs(tiny_model, [False] * 4)
     metrics, _ = _run(make_engine, seqs, use_rollout_logprobs=True)
     assert metrics["proximal_forward"] == 1.0
     assert abs(metrics["ratio_mean"] - 1.0) > 1e-4  # before: exactly 1 (the updated policy against itself)
