@@ -294,6 +294,10 @@ class SamplingParams(BaseModel):
     max_tool_calls: int = Field(60, ge=1)
     logprobs_top_k: int = Field(0, ge=0, le=20, description="Top-k alternatives recorded per sampled token (0: only the sampled one).")
     seed: int | None = Field(None, description="Base seed; sample i of a group uses seed + i.")
+    summarize_at_limit: bool = Field(False, description=(
+        "At the context limit, replace the last message with the reference agent's request for a summarizing "
+        "plan and make one more call, whose reply is scored as the answer (the public STAR agent's ending); "
+        "off: the episode ends as context_limit with no answer."))
 
 
 class ArpoParams(BaseModel):

@@ -55,6 +55,9 @@ def eval_run(
     max_context: int = max_context_option(32_768), max_tool_calls: int = max_tool_calls_option(60),
     max_tokens: int = typer.Option(8192, "--max-tokens", min=1, help="Cap on one model turn's tokens."),
     seed: Optional[int] = seed_option(None),
+    summarize_at_limit: bool = typer.Option(
+        False, help="At the context limit, ask for a summarizing plan in one more call and score its answer "
+                    "(the public STAR agent's ending); off: such an episode has no answer."),
 ) -> None:
     """Run (or take) a plan per query, format, score, write the run folder, print the metrics."""
     if ctx.invoked_subcommand is not None:
@@ -91,7 +94,8 @@ def eval_run(
     close = None
     try:
         sampling = SamplingParams(temperature=temperature, top_p=top_p, max_context_tokens=max_context,
-                                  max_tool_calls=max_tool_calls, max_tokens_per_turn=max_tokens, seed=seed)
+                                  max_tool_calls=max_tool_calls, max_tokens_per_turn=max_tokens, seed=seed,
+                                  summarize_at_limit=summarize_at_limit)
         if predictions is not None:
             source = {"kind": "predictions", "path": str(predictions), "sha256": file_sha256(predictions)} \
                 if predictions.is_file() else _fail(f"{predictions}: no such file")

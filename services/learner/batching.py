@@ -11,7 +11,7 @@ and backward for all of them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,22 +116,18 @@ def filler_row() -> PackedRow:
                      seq_index=torch.full((1,), -1, dtype=torch.long), weights=torch.zeros(1))
 
 
-def assign_weights(rows: Sequence[PackedRow], mode: str = "token-mean") -> None:
-    """Loss weights over the whole step: every rank sees the same rows, so no all-reduce is needed."""
-    if mode == "token-mean":
-        for row, w in zip(rows, alg.token_weights([r.mask for r in rows], mode)):
-            row.weights = w
-        return
-    # per sequence: gather each sequence's mask across rows, then weight 1 / (n_seq · |mask_i|)
+def assign_weights(rows: Sequence[PackedRow], mode: alg.LossAggregation = "token-mean",
+                   groups: Mapping[int, Hashable] | None = None) -> None:
+    """Loss weights over the whole step: every rank sees the same rows, so no all-reduce is needed.
+    `groups` maps a sequence's index to its GRPO group (group-token-mean)."""
     counts: dict[int, float] = {}
     for r in rows:
         for idx, m in zip(r.seq_index.tolist(), r.mask.tolist()):
             counts[idx] = counts.get(idx, 0.0) + m
-    live = [i for i, c in counts.items() if c > 0 and i >= 0]
-    n = max(len(live), 1)
+    counts.pop(-1, None)  # filler carries no loss
+    scale = alg.sequence_token_weights(counts, mode, groups)
     for r in rows:
-        denom = torch.tensor([n * max(counts.get(i, 0.0), 1.0) for i in r.seq_index.tolist()])
-        r.weights = r.mask / denom
+        r.weights = r.mask * torch.tensor([scale.get(i, 0.0) for i in r.seq_index.tolist()], dtype=r.mask.dtype)
 
 
 def shard_rows(rows: Sequence[PackedRow], world_size: int, rank: int) -> list[PackedRow]:
@@ -200,15 +196,42 @@ class RLBatch:
     stats: dict[str, float] = field(default_factory=dict)
     rewards: list[float] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
-    recompute_old: bool = False
+
+
+def answered_groups(trajs: Sequence[ScoredTrajectory]) -> tuple[list[int], int]:
+    """Indices of the samples the policy answers for, and how many groups were dropped for errors.
+
+    An engine error (a sandbox outage, an engine crash) is no answer of the policy's: it leaves the
+    group statistics as well as the loss, so an outage does not count as a failure in its group's
+    mean. A group that errors leave with one sample out of several is dropped: alone, that sample
+    would get its reward as advantage, with no baseline to compare it to."""
+    sizes: dict[str, int] = {}
+    answered: dict[str, list[int]] = {}
+    for i, t in enumerate(trajs):
+        sizes[t.group_id] = sizes.get(t.group_id, 0) + 1
+        if t.finish_reason not in alg.ERROR_FINISHES:
+            answered.setdefault(t.group_id, []).append(i)
+    kept: list[int] = []
+    dropped = 0
+    for g, size in sizes.items():
+        idx = answered.get(g, [])
+        if not idx or (size > 1 and len(idx) < 2):
+            dropped += 1
+            continue
+        kept.extend(idx)
+    return sorted(kept), dropped
 
 
 def rl_sequences(trajs: Sequence[ScoredTrajectory], filters: FilterConfig, *, learner_version: int,
-                 std_normalize: bool = True, use_rollout_logprobs: bool = True, negative_scale: float = 1.0) -> RLBatch:
-    """Staleness → effective rewards → group selection (DAPO / StarPO-S) → advantages (negative ones
-    times `negative_scale`) → loss masks."""
-    fresh, stale = alg.split_stale([t.policy_version for t in trajs], learner_version, filters.max_staleness)
+                 std_normalize: bool = True, negative_scale: float = 1.0) -> RLBatch:
+    """Staleness (per group) → engine errors out → effective rewards → group selection (DAPO /
+    StarPO-S) → advantages (negative ones times `negative_scale`) → loss masks."""
+    fresh, stale = alg.split_stale([t.policy_version for t in trajs], learner_version, filters.max_staleness,
+                                   groups=[t.group_id for t in trajs])
     trajs = [trajs[i] for i in fresh]
+    n_errors = sum(t.finish_reason in alg.ERROR_FINISHES for t in trajs)
+    answered, dropped_errors = answered_groups(trajs)
+    trajs = [trajs[i] for i in answered]
     rewards = [alg.effective_reward(t.reward, t.finish_reason, filters.zero_reward_finish_reasons) for t in trajs]
     by_group: dict[str, list[float]] = {}
     for t, r in zip(trajs, rewards):
@@ -239,20 +262,20 @@ def rl_sequences(trajs: Sequence[ScoredTrajectory], filters: FilterConfig, *, le
         if not masked and any(m and (lps is None or lps[j] is None) for j, m in enumerate(mask)):
             missing_logprobs += 1
         seqs.append(Sequence_(list(t.token_ids), mask, lps, adv, index=k, group=t.group_id))
-    n_groups = len(by_group)
+    n_groups = len(by_group) + dropped_errors
     stats = {"samples_in": float(len(fresh) + len(stale)), "samples_stale": float(len(stale)),
              "samples_trained": float(len(seqs) - n_masked), "samples_masked_overlength": float(n_masked),
+             "samples_engine_error": float(n_errors), "groups_dropped_errors": float(dropped_errors),
              "samples_format_error": float(sum(t.finish_reason == "format_error" for t in trajs)),
              # out of context or tool calls, whether masked or trained as failures (rl.truncated)
              "samples_truncated": float(sum(t.finish_reason in TRUNCATED_FINISHES for t in trajs)),
              "groups_in": float(n_groups), "samples_missing_logprobs": float(missing_logprobs),
              **{k: float(v) for k, v in selection.counts().items()}}
     # measured whether or not flat groups are dropped: under GRPO they stay in the batch with zero
-    # advantage, and a batch of flat groups trains nothing (2026-11-24 H100 run, step 19)
+    # advantage, and a batch of flat groups trains nothing
     flat = sum(alg.is_flat(rs, filters.zero_variance_eps) for rs in by_group.values())
-    stats["groups_flat_fraction"] = flat / n_groups if n_groups else 0.0
-    return RLBatch(seqs, stats, [rewards[i] for i in chosen], advantages,
-                   recompute_old=not use_rollout_logprobs or missing_logprobs > 0)
+    stats["groups_flat_fraction"] = flat / len(by_group) if by_group else 0.0
+    return RLBatch(seqs, stats, [rewards[i] for i in chosen], advantages)
 
 
 # ---- SFT: chats → sequences with assistant-only loss -----------------------------------------

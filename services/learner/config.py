@@ -134,12 +134,28 @@ class RLConfig(_Strict):
                               "filters shrank makes fewer steps of the same number of groups.")
     eps_low: float = Field(0.2, ge=0.0, lt=1.0)
     eps_high: float = Field(0.28, ge=0.0)
-    dual_clip_c: float | None = Field(None, gt=1.0, description="Dual-clip bound for negative advantages (None: off).")
+    dual_clip_c: float | None = Field(3.0, gt=1.0, description=(
+        "Dual-clip bound for negative advantages: a token costs at most c·|A| (verl's default 3; None: off)."))
+    log_ratio_clamp: float | None = Field(20.0, gt=0.0, description=(
+        "Clamp of log(π/π_old) per token before exp (verl's ±20): one token far off the sampler gives a finite "
+        "loss and no gradient (None: off)."))
+    importance_sampling: Literal["off", "tis", "mis"] = Field("off", description=(
+        "Token-level correction from the sampler to the learner's policy before the update (docs/rl-numerics.md): "
+        "tis truncates the weight at is_high, mis zeroes tokens whose weight leaves [is_low, is_high]; "
+        "on, the clip ratio is against the learner's own log-probs."))
+    is_low: float = Field(0.5, ge=0.0, le=1.0, description="mis: lower bound of the token importance weight.")
+    is_high: float = Field(2.0, ge=1.0, description="tis: cap of the token importance weight; mis: upper bound.")
+    temperature: float = Field(1.0, gt=0.0, description=(
+        "The rollout's sampling temperature: the learner's log-probs are of logits / temperature, so samples "
+        "drawn at T != 1 stay on-policy. The rollouts' recorded log-probs are the untempered model's, so at "
+        "T != 1 they are not used."))
     std_normalize: bool = Field(True, description="Divide by the group's std (GRPO); False: Dr.GRPO-style mean only.")
     negative_scale: float = Field(1.0, ge=0.0, le=1.0, description=(
         "Weight of negative advantages (1: GRPO as the paper; 0: only samples above their group's mean train, "
         "as in RAFT++)."))
-    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    loss_agg: Literal["token-mean", "group-token-mean", "seq-mean-token-mean"] = Field("token-mean", description=(
+        "token-mean: every loss token of the step weighs the same; group-token-mean: the paper's, tokens "
+        "normalized within their group, groups averaged; seq-mean-token-mean: each sequence weighs the same."))
     kl_coef: float = Field(0.0, ge=0.0, description="KL to the reference policy (0: KL-free, no reference model).")
     use_rollout_logprobs: bool = Field(
         True, description="Importance ratio against the rollout's logprobs; False: the learner's own recomputation.")

@@ -100,6 +100,7 @@ class LogprobPolicy(nn.Module):
         self.lm = lm
         self.chunk_tokens = chunk_tokens
         self.head_checkpoint = head_checkpoint
+        self.temperature = 1.0  # log-probs of softmax(logits / T): the distribution a sampler at T draws from
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
                 with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,6 +124,8 @@ class LogprobPolicy(nn.Module):
 
     def _head(self, h: torch.Tensor, t: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.lm.lm_head(h).float()
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
         logz = torch.logsumexp(logits, dim=-1)
         lp = logits.gather(-1, t[:, None]).squeeze(-1) - logz
         if with_entropy:

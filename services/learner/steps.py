@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from services.learner import algorithms as alg
-from services.learner.batching import PackedRow, assign_weights, micro_batches, pack_sequences, shard_rows
-from services.learner.batching import Sequence_
+from services.learner.batching import PackedRow, Sequence_, assign_weights, micro_batches, pack_sequences, shard_rows
+from services.learner.config import RLConfig
 from services.learner.engine import PolicyEngine
 from services.learner.flops import model_shape, peak_flops, train_flops
 
@@ -36,10 +36,11 @@ def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def prepare_rows(engine: PolicyEngine, seqs: Sequence[Sequence_], loss_agg: str = "token-mean") -> list[PackedRow]:
+def prepare_rows(engine: PolicyEngine, seqs: Sequence[Sequence_],
+                 loss_agg: alg.LossAggregation = "token-mean") -> list[PackedRow]:
     """This rank's micro-batches ([B, T] each) of the step's packed, weighted rows."""
     rows = pack_sequences(seqs, engine.cfg.micro_batch_tokens)
-    assign_weights(rows, loss_agg)
+    assign_weights(rows, loss_agg, {s.index: s.group for s in seqs if s.group})
     return micro_batches(shard_rows(rows, engine.world_size, engine.rank), engine.cfg.micro_batch_rows,
                          engine.cfg.pad_to_multiple)
 
@@ -104,8 +105,8 @@ def split_mini_batches(seqs: Sequence[Sequence_], count: int, batch_groups: int 
 
     A group never straddles two shares: a share holding part of a group has advantages that do not
     balance (say, only the seven failures of a one-in-eight group), and Adam, whose step is about lr
-    whatever the gradient's size, pushes those samples down at full size. The likely cause of DAPO's
-    collapse on the H100 (run 22): it came right after steps that had one group left, cut in quarters.
+    whatever the gradient's size, pushes those samples down at full size (a DAPO run collapsed
+    right after steps that had one group left, cut in quarters).
     With `batch_groups`, `count` is the number of shares of a full batch of that many groups, and a
     share's size in groups stays fixed (verl's ppo_mini_batch_size): a batch the filters shrank makes
     fewer updates of the same size. Without it, `count` shares as even as whole groups allow.
@@ -122,37 +123,93 @@ def split_mini_batches(seqs: Sequence[Sequence_], count: int, batch_groups: int 
     return [[s for group in members[a:b] for s in group] for a, b in zip(bounds, bounds[1:])]
 
 
+@dataclass(frozen=True)
+class LossBounds:
+    """How the clipped policy loss is bounded and corrected beyond its clip range (RLConfig's
+    fields of the same names); the defaults are the shipped ones."""
+
+    dual_clip_c: float | None = alg.DUAL_CLIP_C
+    log_ratio_clamp: float | None = alg.LOG_RATIO_CLAMP
+    importance_sampling: alg.ImportanceMode = "off"
+    is_low: float = alg.IS_LOW
+    is_high: float = alg.IS_HIGH
+
+
+def loss_bounds(cfg: RLConfig) -> LossBounds:
+    """The policy-loss bounds of an RL recipe."""
+    return LossBounds(dual_clip_c=cfg.dual_clip_c,
+                              log_ratio_clamp=cfg.log_ratio_clamp, importance_sampling=cfg.importance_sampling,
+                              is_low=cfg.is_low, is_high=cfg.is_high)
+
+
+def lacks_rollout_logprobs(seqs: Sequence[Sequence_]) -> bool:
+    """Whether some loss token has no rollout logprob (the same answer on every rank: it reads the
+    whole step's sequences, not this rank's rows)."""
+    return any(m and (not s.logprobs or s.logprobs[j] is None) for s in seqs for j, m in enumerate(s.loss_mask))
+
+
+def needs_proximal_forward(shares: int, seqs: Sequence[Sequence_], bounds: LossBounds,
+                           use_rollout_logprobs: bool) -> bool:
+    """Whether the batch needs the learner's log-probs from before its first update.
+
+    With one optimizer step, the update's own forward is that policy (its detached log-probs are
+    exactly the proximal ones), so no extra pass is needed. From the second mini-batch on it is
+    not: a token with no rollout logprob, or every token when rollout logprobs are off or the
+    importance correction is on, would otherwise take the already-updated policy as "old", a ratio
+    of exactly 1 and no trust region."""
+    if shares <= 1:
+        return False
+    return bounds.importance_sampling != "off" or not use_rollout_logprobs or lacks_rollout_logprobs(seqs)
+
+
+def proximal_logprobs(engine: PolicyEngine, prepared: Sequence[Sequence[PackedRow]]) -> list[list[torch.Tensor]]:
+    """One no-grad forward over every micro-batch of the batch before its first update."""
+    return [[engine.logprobs(batch, grad=False, with_entropy=False)[0].detach() for batch in rows]
+            for rows in prepared]
+
+
 def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, eps_high: float,
-            dual_clip_c: float | None = None, loss_agg: str = "token-mean", use_rollout_logprobs: bool = True,
-            kl_coef: float = 0.0, reference: torch.nn.Module | None = None, mini_batches: int = 1,
+            bounds: LossBounds = LossBounds(), loss_agg: alg.LossAggregation = "token-mean", use_rollout_logprobs: bool = True, kl_coef: float = 0.0,
+            reference: torch.nn.Module | None = None, mini_batches: int = 1,
             batch_groups: int | None = None) -> StepOutput:
     """The clipped policy-gradient update of one batch: one PPO epoch in `mini_batches` optimizer
-    steps. The ratio is against the rollout's logprobs when those are used (so from the second
-    mini-batch on it also measures how far this batch's own updates moved the policy); otherwise
-    against the learner's logprobs at the forward, which makes it 1."""
+    steps.
+
+    "old" in the ratio, per token: with the importance correction off, the rollout's logprob where
+    there is one (so the ratio also bounds inference/training mismatch and staleness), else the
+    proximal policy's (the learner before the batch's first update). With it on (tis / mis), the
+    proximal policy's for every token, and the gap from the sampler to it is corrected by a
+    token-level importance weight (`alg.importance_weights`)."""
     _sync(engine.device)
     t0 = time.perf_counter()
+    n_loss = len(alg.LOSS_STAT_FIELDS)
     # Statistics stay on the device and are read once after the last optimizer step: a host read
     # per micro-batch would make the GPU idle while Python launches the next forward.
-    acc = torch.zeros(12, dtype=torch.float64, device=engine.device)  # pg, LossStats(5), ent, kl_ref(2), mismatch(3)
+    acc = torch.zeros(1 + n_loss + 6, dtype=torch.float64, device=engine.device)  # pg, LossStats, ent, kl_ref(2), mismatch(3)
     mm_max = torch.zeros((), dtype=torch.float64, device=engine.device)
     shares = split_mini_batches(seqs, mini_batches, batch_groups)
+    # each share is normalised on its own tokens, as a batch of that size would be
+    prepared = [prepare_rows(engine, share, loss_agg) for share in shares]
+    proximal = None
+    if needs_proximal_forward(len(shares), seqs, bounds, use_rollout_logprobs):
+        proximal = proximal_logprobs(engine, prepared)
     norms: list[float] = []
-    for share in shares:
-        # each share is normalised on its own tokens, as a batch of that size would be
-        for batch in prepare_rows(engine, share, loss_agg):
+    for s_i, rows in enumerate(prepared):
+        for b_i, batch in enumerate(rows):
             logp, ent = engine.logprobs(batch, grad=True)
             dev = logp.device
             mask, w, adv = _flat(batch.mask, dev), _flat(batch.weights, dev), _flat(batch.advantages, dev)
-            has_old, behaviour = _flat(batch.has_old, dev), _flat(batch.old_logp, dev)
-            learner_old = logp.detach()
-            if use_rollout_logprobs:
-                # A token the rollout gave no logprob for falls back to the learner's value (ratio 1).
-                old = torch.where(has_old, behaviour, learner_old)
-            else:
-                old = learner_old
-            loss, loss_sums = alg.clipped_policy_terms(logp, old, adv, w, eps_low=eps_low, eps_high=eps_high,
-                                                       dual_clip_c=dual_clip_c)
+            behaviour = _flat(batch.old_logp, dev)
+            has_old = _flat(batch.has_old, dev) & use_rollout_logprobs
+            prox = proximal[s_i][b_i] if proximal is not None else logp.detach()
+            is_w, is_touched = alg.importance_weights(prox, behaviour, has_old, bounds.importance_sampling,
+                                                      low=bounds.is_low, high=bounds.is_high,
+                                                      log_ratio_clamp=bounds.log_ratio_clamp)
+            old = prox if bounds.importance_sampling != "off" else torch.where(has_old, behaviour, prox)
+            loss, loss_sums = alg.clipped_policy_terms(
+                logp, old, adv, w, eps_low=eps_low, eps_high=eps_high,
+                dual_clip_c=bounds.dual_clip_c, log_ratio_clamp=bounds.log_ratio_clamp,
+                is_weights=is_w, is_touched=is_touched, is_mode=bounds.importance_sampling)
             kl_ref = torch.zeros(2, dtype=torch.float64, device=dev)  # the loss term (capped), k3 uncapped
             if kl_coef > 0.0 and reference is not None:
                 with torch.no_grad():
@@ -163,7 +220,7 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
                 uncapped = alg.kl_low_var(logp.detach(), ref_logp)
                 kl_ref = torch.stack([(kl.detach() * mask).sum(), (uncapped * mask).sum()]).double()
             engine.backward(loss * engine.world_size)
-            mm = alg.mismatch_terms(behaviour, learner_old, mask.bool() & has_old)
+            mm = alg.mismatch_terms(behaviour, prox, mask.bool() & has_old)
             acc += torch.cat([loss.detach().double()[None], loss_sums, (ent * mask).sum().double()[None],
                               kl_ref, mm[:3]])
             mm_max = torch.maximum(mm_max, mm[3])
@@ -171,18 +228,17 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
         norms.append(result.grad_norm)
     _sync(engine.device)
     seconds = time.perf_counter() - t0
-    (pg_sum, tokens, hi, lo, dual, ratio_sum, ent_sum, kl_ref_sum, kl_k3_sum, mm_k1, mm_k3, mm_tokens) = _all_reduce_sum(
-        acc.tolist(), engine.device)
+    totals = _all_reduce_sum(acc.tolist(), engine.device)
+    pg_sum, loss_totals = totals[0], alg.LossStats(*totals[1: 1 + n_loss])
+    ent_sum, kl_ref_sum, kl_k3_sum, mm_k1, mm_k3, mm_tokens = totals[1 + n_loss:]
     mm_max_t = mm_max.reshape(1)
     if torch.distributed.is_initialized() and engine.world_size > 1:
         torch.distributed.all_reduce(mm_max_t, op=torch.distributed.ReduceOp.MAX)
-    n = max(tokens, 1.0)
     metrics = {
         # per mini-batch means: the loss of each share is already normalised on its tokens
-        "loss": pg_sum / len(shares), "loss_tokens": tokens, "grad_norm": sum(norms) / len(norms),
-        "lr": result.lr, "optimizer_steps": float(len(shares)),
-        "clip_fraction": (hi + lo) / n, "clip_fraction_high": hi / n, "clip_fraction_low": lo / n,
-        "dual_clip_fraction": dual / n, "ratio_mean": ratio_sum / n, "entropy": ent_sum / n,
+        "loss": pg_sum / len(shares), "grad_norm": sum(norms) / len(norms),
+        "lr": result.lr, "optimizer_steps": float(len(shares)), "proximal_forward": float(proximal is not None),
+        **loss_metrics(loss_totals), "entropy": ent_sum / max(loss_totals.tokens, 1.0),
         "mismatch_kl_k1": mm_k1 / mm_tokens if mm_tokens else 0.0,
         "mismatch_kl_k3": mm_k3 / mm_tokens if mm_tokens else 0.0,
         "mismatch_logp_max_abs": float(mm_max_t.item()), "time_compute_s": seconds,
@@ -190,7 +246,19 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
     if kl_coef > 0.0:
         # kl_ref is what the loss saw (capped per token); kl_ref_k3 is the estimate itself, so a
         # policy far from its reference shows here even where the cap hides it from the loss
+        n = max(loss_totals.tokens, 1.0)
         metrics["kl_ref"] = kl_ref_sum / n
         metrics["kl_ref_k3"] = kl_k3_sum / n
     metrics.update(_mfu_metrics(engine, [len(s) for s in seqs], seconds))
     return StepOutput(metrics)
+
+
+def loss_metrics(stats: alg.LossStats) -> dict[str, float]:
+    """The step's loss-token counts as fractions of its loss tokens: how many tokens each bound touched."""
+    n = max(stats.tokens, 1.0)
+    return {"loss_tokens": stats.tokens,
+            "clip_fraction": (stats.clipped_high + stats.clipped_low) / n, "clip_fraction_high": stats.clipped_high / n,
+            "clip_fraction_low": stats.clipped_low / n, "dual_clip_fraction": stats.dual_clipped / n,
+            "ratio_mean": stats.ratio_sum / n, "log_ratio_clamp_fraction": stats.log_ratio_clamped / n,
+            "is_truncated_fraction": stats.is_truncated / n, "is_masked_fraction": stats.is_masked / n,
+            "is_weight_mean": stats.is_weight_sum / n}

@@ -30,7 +30,7 @@ from services.learner.batching import chat_to_sequence, rl_sequences
 from services.learner.config import RLConfig, SFTConfig
 from services.learner.engine import PolicyEngine
 from services.learner.runlog import RunLog
-from services.learner.steps import rl_step, sft_step
+from services.learner.steps import loss_bounds, rl_step, sft_step
 from services.learner.weights import FleetSync, NcclPublisher, StorePublisher, write_version
 
 log = logging.getLogger(__name__)
@@ -218,13 +218,17 @@ class RLTrainer:
         self.duplicates = 0  # samples of already trained groups dropped since the last step
         # groups whose rollout task was dead-lettered (it failed on every attempt): group id → step.
         # A batch does not wait for them; without this it waited `straggler_wait_s` for a group
-        # that could never come, and the whole fleet with it (a rollout engine broken by a CUDA
-        # error on the H100, 2026-11-24).
+        # that could never come, and the whole fleet with it (say, behind a rollout engine broken
+        # by a CUDA error).
         self.lost: dict[str, int] = {}
         self._dead_cursor = "0-0"
         self.batches = 0  # step batches consumed, trained or skipped: the controller paces on it
         self.groups: OrderedDict[str, list[tuple[Any, ScoredTrajectory]]] = OrderedDict()
         self.reference = self.engine.reference_policy() if cfg.kl_coef > 0 else None
+        # log-probs of the distribution the rollouts sample from (logits / T), the policy's and the reference's
+        self.engine.module.temperature = cfg.temperature
+        if self.reference is not None:
+            self.reference.temperature = cfg.temperature
         self.consumer = None
         self.publisher = None
         if self.rank0:
@@ -292,8 +296,8 @@ class RLTrainer:
         """Complete groups this batch may take, oldest step first. A later step's groups wait
         while this step's are still coming: with several steps in flight the later step's fast
         groups finish first, and taken now they would leave this step's slow groups to the next
-        batch, one version staler and, at the staleness bound, dropped (half of the samples of
-        a 2026-11-24 run). After `straggler_wait_s`, or when refilling (DAPO reads beyond the
+        batch, one version staler and, at the staleness bound, dropped (once half of a run's
+        samples). After `straggler_wait_s`, or when refilling (DAPO reads beyond the
         step), any complete group goes, so a lost group cannot stall the run."""
         complete = sorted(self._complete(), key=self._step_of)  # stable: arrival order within a step
         if self.cfg.filters.refill or waited_s >= self.cfg.straggler_wait_s:
@@ -414,7 +418,7 @@ class RLTrainer:
         trajs_payload, lost = _broadcast((trajs_payload, lost), self.engine)
         trajs = [ScoredTrajectory.model_validate(t) for t in trajs_payload]
         batch = rl_sequences(trajs, cfg.filters, learner_version=self.version, std_normalize=cfg.std_normalize,
-                             use_rollout_logprobs=cfg.use_rollout_logprobs, negative_scale=cfg.negative_scale)
+                             negative_scale=cfg.negative_scale)
         metrics: dict[str, Any] = {"time_wait_s": wait_s, **batch.stats,
                                    "samples_duplicate": float(_broadcast(self.duplicates, self.engine)),
                                    "groups_lost": float(len(lost))}
@@ -429,9 +433,10 @@ class RLTrainer:
                         "advantage_max": ads["max"]})
         trainable = [s for s in batch.sequences if sum(s.loss_mask) > 0]
         if trainable:
+            # the rollouts record the untempered model's log-probs: at T != 1 they are not the sampler's
             out = rl_step(self.engine, batch.sequences, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                          dual_clip_c=cfg.dual_clip_c, loss_agg=cfg.loss_agg,
-                          use_rollout_logprobs=cfg.use_rollout_logprobs and not batch.recompute_old,
+                          bounds=loss_bounds(cfg), loss_agg=cfg.loss_agg,
+                          use_rollout_logprobs=cfg.use_rollout_logprobs and cfg.temperature == 1.0,
                           kl_coef=cfg.kl_coef, reference=self.reference, mini_batches=cfg.mini_batches,
                           batch_groups=cfg.batch_prompts)
             metrics.update(out.metrics)

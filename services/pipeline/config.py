@@ -109,26 +109,30 @@ class RLSpec(_Section):
                               "on whole groups; a batch that DAPO or staleness shrank makes fewer.")
     eps_low: float = Field(0.2, ge=0)
     eps_high: float = Field(0.28, ge=0)
+    # The policy loss's bounds and corrections, one definition in RLConfig (docs/rl-numerics.md).
+    dual_clip_c: float | None = RLConfig.model_fields["dual_clip_c"]
+    log_ratio_clamp: float | None = RLConfig.model_fields["log_ratio_clamp"]
+    importance_sampling: Literal["off", "tis", "mis"] = RLConfig.model_fields["importance_sampling"]
+    is_low: float = RLConfig.model_fields["is_low"]
+    is_high: float = RLConfig.model_fields["is_high"]
+    loss_agg: Literal["token-mean", "group-token-mean", "seq-mean-token-mean"] = RLConfig.model_fields["loss_agg"]
     reward: RewardKind = "sum"
     # before `curriculum`, whose validator reads it
     curriculum_unit: CurriculumUnit = Field("epoch", description=(
         "What the curriculum's stage numbers count: epochs (the paper's) or RL steps, for runs of an epoch or two."))
     curriculum: str = Field("sum:1-2,macro:3-4,success:5", description="Reward schedule when reward is curriculum.")
     preference_penalty: PreferencePenalty = 0.0
-    # Not the paper's (it trains KL-free): a brake on RL unlearning what SFT taught (run 15 in
-    # bench/results/gpu_proof.md). The reference is the stage's starting model, usually the SFT export.
+    # Not the paper's (it trains KL-free): a brake on RL unlearning what SFT taught. The reference is
+    # the stage's starting model, usually the SFT export.
     kl_coef: float = RLConfig.model_fields["kl_coef"]
     negative_scale: float = RLConfig.model_fields["negative_scale"]
     truncated: TruncationPolicy = Field("mask", description=(
         "Episodes that ran out of context or tool calls: mask leaves them out of the loss (the STAR code's "
         "overlong filter), fail trains them as reward-0 failures (the paper calls them failures)."))
     eval_mode: EvalMode = Field("strict", description="Evaluator mode of the training reward.")
-    # The learner's logprobs, like the rollouts' recorded ones, are of the model's own (temperature-1)
-    # distribution, so only at temperature 1.0 (the paper's) are the samples on-policy. At 0.7 the
-    # proof's policy dropped the query's stated preferences from its plans' first thoughts; at 1.0 it
-    # kept them (runs 20 and 21 in bench/results/gpu_proof.md).
     sampling: SamplingParams = Field(default_factory=SamplingParams, description=(
-        "Rollout sampling. Temperature 1.0 keeps the samples on-policy: the learner trains the untempered model."))
+        "Rollout sampling. The learner's log-probs are taken at this temperature; top_p < 1 or a top_k makes the "
+        "samples off-policy (the learner trains the whole distribution)."))
     fault_rate: float = Field(0.0, ge=0, le=1, description="Tool failure injection during RL (paper: 0, 1, 5, 10%).")
     max_staleness: int = Field(0, ge=0, description="0: synchronous on-policy; k: rollouts may lag k versions.")
     val_every: int = Field(0, ge=0, description="Validate every N steps and keep the best checkpoint (0: off).")
@@ -138,12 +142,25 @@ class RLSpec(_Section):
         "published weights and the steps not yet trained are left out (default: no budget).")
     samples_per_step: int = RLConfig.model_fields["samples_per_step"]
 
+    @field_validator("importance_sampling", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        # YAML reads a bare `off` as false
+        return "off" if value is False else value
+
     @field_validator("curriculum")
     @classmethod
     def _curriculum_reads(cls, text: str, info: ValidationInfo) -> str:
         # Read when the recipe loads: the RL stage parses it only after synthesis and SFT have run.
         Curriculum.parse(text, info.data.get("curriculum_unit", "epoch"))
         return text
+
+    @model_validator(mode="after")
+    def _samples_are_drawn(self) -> "RLSpec":
+        # the learner's log-probs are of logits / T: greedy decoding (T = 0) has no policy to train
+        if self.sampling.temperature <= 0:
+            raise ValueError("rl.sampling.temperature must be above 0: RL trains on sampled turns, not greedy ones")
+        return self
 
     @model_validator(mode="after")
     def _penalty_can_bite(self) -> "RLSpec":

@@ -95,7 +95,9 @@ def rl_config(run: Run, model: str, names: StreamNames, redis_url: str, total_st
         model=model, output_dir=str(run.folder / "rl"), algorithm="dapo" if r.algorithm == "dapo" else "grpo",
         group_size=r.group_size, batch_prompts=r.batch_prompts, lr=r.lr, total_steps=total_steps,
         mini_batches=r.mini_batches, kl_coef=r.kl_coef, negative_scale=r.negative_scale,
-        samples_per_step=r.samples_per_step,
+        samples_per_step=r.samples_per_step, loss_agg=r.loss_agg, dual_clip_c=r.dual_clip_c,
+        log_ratio_clamp=r.log_ratio_clamp, importance_sampling=r.importance_sampling, is_low=r.is_low,
+        is_high=r.is_high, temperature=r.sampling.temperature,
         eps_low=r.eps_low, eps_high=r.eps_high, filters=r.filters(),
         engine=run.config.learner.engine(run.config.services.zero_stage, run.config.seed),
         redis_url=redis_url, stream_prefix=names.prefix, weights_dir=str(run.folder / "weights"),
@@ -163,14 +165,19 @@ def keep_alive(f: Fleet) -> list[str]:
 
 
 def off_policy_note(sampling: SamplingParams) -> str | None:
-    """What a rollout temperature other than 1 means for training, or None at 1. The learner's
-    logprobs (and the rollouts' recorded ones) are the untempered model's, so samples drawn at T != 1
-    come from another policy than the one trained. At 0.7 the proof's policy dropped the query's stated
-    preferences from its first thoughts; at 1.0 it kept them (docs/results.md)."""
-    if sampling.temperature == 1.0:
+    """What rollout sampling the learner cannot follow means for training, or None when it can. The
+    learner's log-probs are of softmax(logits / T) at the rollouts' temperature (rl.sampling passes
+    it), but of the whole vocabulary: a top-p or top-k cut draws from another distribution, so its
+    samples are off-policy for the policy trained."""
+    cuts = []
+    if sampling.top_p < 1.0:
+        cuts.append(f"top_p {sampling.top_p:g}")
+    if sampling.top_k > 0:
+        cuts.append(f"top_k {sampling.top_k}")
+    if not cuts:
         return None
-    return (f"rl.sampling.temperature is {sampling.temperature:g}: the learner trains the untempered model, "
-            "so these samples are off-policy for it (1.0, the paper's, keeps them on-policy)")
+    return (f"rl.sampling samples with {' and '.join(cuts)}: the learner trains the whole distribution, so these "
+            "samples are off-policy for it (top_p 1.0 and no top_k keep them on-policy)")
 
 
 def unreached_stages_note(curriculum: Curriculum | None, epochs: int, steps: int) -> str | None:

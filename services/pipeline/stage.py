@@ -100,6 +100,8 @@ def eval_argv(run: Run, model: str, split: str | Path, out: Path, limit: int | N
         argv += ["--decode", run.config.services.decode]
     if run.config.services.engine == "vllm":
         argv += ["--vllm-args", run.config.services.vllm.model_dump_json()]
+    if e.sampling.summarize_at_limit:
+        argv += ["--summarize-at-limit"]
     if limit:
         argv += ["-n", str(limit)]
     return argv

@@ -15,6 +15,13 @@ Budgets and how a trajectory ends (`finish_reason`):
 - `context_limit`: the next turn would have no room, a turn was cut by the room left, or a tool
   response does not fit. Context is `len(token_ids)`, i.e. real template tokens. Each turn may
   sample at most `min(max_tokens_per_turn, context left)` tokens.
+  With `summarize_at_limit` (the public STAR agent's ending, spec/agent-star.md §1.2 step 5), the
+  last message is replaced instead by a user message asking for a summarizing plan
+  (`SUMMARY_REQUEST`) and one more call is made; its reply is the answer (the text inside
+  `<answer>` tags when it has them, else the whole reply, as the reference takes it), the
+  trajectory ends as `answer` and `timings["summarized_at_limit"]` is 1. "The last message" is
+  the tool response that does not fit, or else the last environment message (a cut turn goes
+  with it), whichever leaves room for the request.
 - `format_error`: format-error policy. As in the public agent, a turn with neither a tool call nor
   an answer is burned: nothing is fed back, the assistant message is closed and a new assistant
   turn begins. After `max_format_errors` such turns in a row the trajectory ends as
@@ -37,6 +44,9 @@ from services.rollout.protocol import parse_turn, system_prompt, tool_response, 
 from services.rollout.tools import ToolClient, ToolServiceError
 from services.sandbox.tools.registry import tool_names
 
+# The public STAR agent's words when the conversation outgrows its context (spec/agent-star.md §1.2).
+SUMMARY_REQUEST = "The conversation has reached the token limit. Please summarize the conversation to generate a travel plan."
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -44,11 +54,12 @@ class Limits:
     max_context_tokens: int = 30_000
     max_tokens_per_turn: int = 8192
     max_format_errors: int = 3
+    summarize_at_limit: bool = False
 
     @classmethod
     def from_sampling(cls, sampling: SamplingParams, max_format_errors: int = 3) -> Limits:
         return cls(sampling.max_tool_calls, sampling.max_context_tokens, sampling.max_tokens_per_turn,
-                   max_format_errors)
+                   max_format_errors, sampling.summarize_at_limit)
 
 
 @dataclass
@@ -74,6 +85,11 @@ class Episode:
     last_entropy: float | None = None
     parent: int | None = None
     branch_token: int | None = None
+    # where the last environment segment begins (token index, message count before it) and whether
+    # the turn before it was closed by the engine: what `summarize_at_limit` replaces
+    env_start: int | None = None
+    env_messages: int = 0
+    env_closed: bool = True
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -154,8 +170,7 @@ class Agent:
             return await self._step_text(ep, sampling, limits, request_id)
         room = self.context_limit(limits) - len(ep.token_ids)
         if room <= 0:
-            ep.finish_reason = "context_limit"
-            return
+            return await self._at_limit(ep, sampling, limits, request_id)
         max_tokens = min(limits.max_tokens_per_turn, room)
         params = TurnParams(max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                             top_k=sampling.top_k, seed=turn_seed(ep.seed, ep.turns),
@@ -175,14 +190,14 @@ class Agent:
             ep.finish_reason, ep.answer = "answer", turn.answer
             return
         if cut_by_context:
-            ep.finish_reason = "context_limit"
-            return
+            return await self._at_limit(ep, sampling, limits, request_id)
         if turn.kind == "format_error":
             ep.format_errors_in_row += 1
             if ep.format_errors_in_row >= limits.max_format_errors:
                 ep.finish_reason = "format_error"
                 return
-            self._append_env(ep, self.segment_ids(closed, None), limits)
+            if not self._append_env(ep, self.segment_ids(closed, None), limits, closed):
+                await self._at_limit(ep, sampling, limits, request_id, pending=(closed, len(ep.messages)))
             return
         ep.format_errors_in_row = 0
         if ep.tool_calls >= limits.max_tool_calls:
@@ -192,7 +207,54 @@ class Agent:
         content = await self._run_tool(ep, turn)
         if content is None:
             return
-        self._append_env(ep, self.segment_ids(closed, content), limits, content)
+        if not self._append_env(ep, self.segment_ids(closed, content), limits, closed, content):
+            ep.messages.append({"role": "user", "content": content})  # the record keeps what did not fit
+            await self._at_limit(ep, sampling, limits, request_id, pending=(closed, len(ep.messages) - 1))
+
+    async def _at_limit(self, ep: Episode, sampling: SamplingParams, limits: Limits, request_id: str, *,
+                        pending: tuple[bool, int] | None = None) -> None:
+        """The context is full. Without `summarize_at_limit` the episode ends as context_limit;
+        with it, the last message becomes `SUMMARY_REQUEST` and one more turn answers it.
+
+        `pending`: an environment message did not fit after the last turn: (whether the engine
+        closed that turn, the messages kept before it); it is the one replaced. Otherwise the last
+        environment segment is (and a cut turn after it goes with it)."""
+        if not limits.summarize_at_limit or ep.timings.get("summarized_at_limit"):
+            ep.finish_reason = "context_limit"
+            return
+        cap = self.context_limit(limits)
+        candidates = []
+        if pending is not None:
+            candidates.append((len(ep.token_ids), pending[1], pending[0]))
+        if ep.env_start is not None:
+            candidates.append((ep.env_start, ep.env_messages, ep.env_closed))
+        for cut, n_messages, closed in candidates:
+            ids = self.segment_ids(closed, SUMMARY_REQUEST)
+            if cut + len(ids) < cap:
+                break
+        else:
+            ep.finish_reason = "context_limit"  # not even the request fits
+            return
+        del ep.token_ids[cut:], ep.loss_mask[cut:], ep.logprobs[cut:]
+        del ep.messages[n_messages:]
+        ep.messages.append({"role": "user", "content": SUMMARY_REQUEST})
+        ep.token_ids += ids
+        ep.loss_mask += [0] * len(ids)
+        ep.logprobs += [None] * len(ids)
+        ep.timings["summarized_at_limit"] = 1.0
+        room = cap - len(ep.token_ids)
+        params = TurnParams(max_tokens=min(limits.max_tokens_per_turn, room), temperature=sampling.temperature,
+                            top_p=sampling.top_p, top_k=sampling.top_k, seed=turn_seed(ep.seed, ep.turns),
+                            top_logprobs=sampling.logprobs_top_k)
+        gen = await self._sample(ep, params, request_id)
+        if gen is None:
+            return
+        self._append_sampled(ep, gen)
+        text = self.tokenizer.decode([t for t in gen.token_ids if t not in self.engine.stop_ids],
+                                     skip_special_tokens=True)
+        ep.messages.append({"role": "assistant", "content": text, "tokens": len(gen.token_ids),
+                            "policy_version": gen.policy_version, "generate_s": gen.stats.get("generate_s", 0.0)})
+        ep.finish_reason, ep.answer = "answer", summary_answer(text, self.tool_names)
 
     async def _sample(self, ep: Episode, params: TurnParams, request_id: str) -> Generation | None:
         t0 = time.perf_counter()
@@ -220,16 +282,19 @@ class Agent:
         else:
             ep.logprobs += [None] * len(gen.token_ids)
 
-    def _append_env(self, ep: Episode, ids: list[int], limits: Limits, content: str | None = None) -> None:
+    def _append_env(self, ep: Episode, ids: list[int], limits: Limits, closed: bool,
+                    content: str | None = None) -> bool:
+        """Append what the environment says after a turn; False (nothing appended) when it does
+        not fit or leaves no room to reply to it."""
+        if len(ep.token_ids) + len(ids) >= self.context_limit(limits):
+            return False
+        ep.env_start, ep.env_messages, ep.env_closed = len(ep.token_ids), len(ep.messages), closed
         if content is not None:
             ep.messages.append({"role": "user", "content": content})
-        if len(ep.token_ids) + len(ids) >= self.context_limit(limits):
-            # The environment's answer does not fit (or leaves no room to reply to it).
-            ep.finish_reason = "context_limit"
-            return
         ep.token_ids += ids
         ep.loss_mask += [0] * len(ids)
         ep.logprobs += [None] * len(ids)
+        return True
 
     async def _run_tool(self, ep: Episode, turn) -> str | None:
         if not turn.runnable:
@@ -252,6 +317,13 @@ class Agent:
         with the tokenizer's template when one is available."""
         used = self._count_chat(ep.messages)
         room = limits.max_context_tokens - used
+        summary = False
+        if room <= 0 and limits.summarize_at_limit and not ep.timings.get("summarized_at_limit") and ep.turns:
+            # as the reference: the last message's content becomes the request, one more call answers
+            ep.messages[-1] = {**ep.messages[-1], "content": SUMMARY_REQUEST}
+            ep.timings["summarized_at_limit"] = 1.0
+            summary = True
+            room = limits.max_context_tokens - self._count_chat(ep.messages)
         if room <= 0:
             ep.finish_reason = "context_limit"
             return
@@ -269,7 +341,9 @@ class Agent:
         text = gen.text or ""
         ep.messages.append({"role": "assistant", "content": text, "policy_version": gen.policy_version})
         turn = parse_turn(text, self.tool_names)
-        if turn.kind == "answer":
+        if summary:
+            ep.finish_reason, ep.answer = "answer", summary_answer(text, self.tool_names)
+        elif turn.kind == "answer":
             ep.finish_reason, ep.answer = "answer", turn.answer
         elif turn.kind == "format_error":
             ep.format_errors_in_row += 1
@@ -308,6 +382,13 @@ class Agent:
         ep = self.start(query, sample_index, seed)
         await self.run_episode(ep, sampling, limits)
         return to_trajectory(ep, query if isinstance(query, TravelQuery) else None, **meta)
+
+
+def summary_answer(text: str, tools: list[str]) -> str:
+    """The answer of a summarizing turn: inside `<answer>` tags when it has them (as any answer),
+    else the whole reply, as the reference takes it."""
+    turn = parse_turn(text, tools)
+    return turn.answer if turn.kind == "answer" and turn.answer is not None else text.strip()
 
 
 def to_trajectory(ep: Episode, query: TravelQuery | None = None, *, run_id: str = "adhoc", task_id: str = "adhoc",

@@ -12,7 +12,6 @@ from services.learner import algorithms as alg
 from services.learner.batching import rl_sequences
 from services.learner.config import FilterConfig, RLConfig, masked_finishes, zero_reward_finishes
 
-
 # ---- advantages ---------------------------------------------------------------------------------
 
 def test_group_advantages_by_hand():
@@ -202,8 +201,9 @@ def test_truncated_samples_train_as_failures_under_the_fail_policy():
     assert batch.stats["samples_masked_overlength"] == 0 and batch.stats["samples_trained"] == 4
     assert batch.stats["samples_truncated"] == 2  # counted under either policy
     assert rl_sequences(trajs, FilterConfig(), learner_version=0).stats["samples_truncated"] == 2
-    engine = rl_sequences([_traj("h", 0, 1.0), _traj("h", 1, 0.0, "engine_error")], filters, learner_version=0)
-    assert sum(engine.sequences[1].loss_mask) == 0  # an engine failure is still left out
+    engine = rl_sequences([_traj("h", 0, 1.0), _traj("h", 1, 0.0), _traj("h", 2, 0.0, "engine_error")], filters,
+                          learner_version=0)
+    assert len(engine.sequences) == 2  # an engine failure is still left out, under either policy
 
 
 @pytest.mark.parametrize("scale", [0.0, 0.25, 1.0])
@@ -291,3 +291,161 @@ def test_sdpa_backend_names_are_checked():
     with sdpa_priority(["math"]):  # a real priority list, honoured on CPU too
         out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True), atol=1e-6)
+
+
+# ---- bounded loss: log-ratio clamp, dual clip, token-level importance sampling ----------------------
+
+def _outlier(log_ratio: float, adv: float, **kw):
+    """One token `log_ratio` nats above its "old" log-prob, with one advantage."""
+    logp = torch.tensor([log_ratio], requires_grad=True)
+    loss, stats = alg.clipped_policy_loss(logp, torch.zeros(1), torch.tensor([adv]), torch.ones(1),
+                                          eps_low=0.2, eps_high=0.28, **kw)
+    loss.backward()
+    return loss.item(), logp.grad.item(), stats
+
+
+def test_outlier_token_unbounded_loss_by_hand():
+    # the old loss: ratio e^24 = 2.65e10, A = -0.5 → -A·ρ = 1.32e10 (the issue's figure)
+    loss, grad, _ = _outlier(24.0, -0.5, dual_clip_c=None, log_ratio_clamp=None)
+    assert loss == pytest.approx(0.5 * math.exp(24), rel=1e-5)
+    assert grad == pytest.approx(0.5 * math.exp(24), rel=1e-5)  # and the gradient with it
+    # at a log-ratio of 100 exp overflows float32: the loss is inf and, even under dual clip, the
+    # gradient is NaN (the min's zero times exp(100) = inf)
+    loss, grad, _ = _outlier(100.0, -0.5, log_ratio_clamp=None, dual_clip_c=None)
+    assert math.isinf(loss)
+    loss, grad, _ = _outlier(100.0, -0.5, log_ratio_clamp=None)
+    assert loss == pytest.approx(1.5) and math.isnan(grad)
+
+
+def test_outlier_token_gives_a_finite_loss_and_no_gradient_by_default():
+    # defaults: clamp ±20, dual clip c = 3 → loss = c·|A| = 1.5, no gradient through the clipped branch
+    for log_ratio in (24.0, 100.0):
+        loss, grad, stats = _outlier(log_ratio, -0.5)
+        assert loss == pytest.approx(3 * 0.5) and grad == 0.0
+        assert stats.dual_clipped == 1 and stats.log_ratio_clamped == 1
+    # A > 0 and a ratio far above 1 + eps_high: -A·1.28, no gradient; the clamp is counted
+    loss, grad, stats = _outlier(100.0, 2.0)
+    assert (loss, grad) == (pytest.approx(-2.56), 0.0)
+    assert stats.clipped_high == 1 and stats.log_ratio_clamped == 1 and stats.dual_clipped == 0
+    # far below the sampler with A < 0: the lower bound holds it at 0.8·|A|, no gradient
+    loss, grad, stats = _outlier(-100.0, -1.0)
+    assert (loss, grad) == (pytest.approx(0.8), 0.0)
+    assert math.isfinite(stats.ratio_sum)
+    # inside the clamp the clamp changes nothing: log-ratio 0.1, A = -1 → ratio e^0.1, gradient e^0.1
+    loss, grad, stats = _outlier(0.1, -1.0)
+    assert (loss, grad) == (pytest.approx(math.exp(0.1)), pytest.approx(math.exp(0.1)))
+    assert stats.log_ratio_clamped == 0 and stats.dual_clipped == 0
+
+
+def test_shipped_defaults_are_bounded():
+    cfg = RLConfig(model="m", output_dir="o")
+    assert (cfg.dual_clip_c, cfg.log_ratio_clamp, cfg.importance_sampling) == (3.0, 20.0, "off")
+    assert (alg.DUAL_CLIP_C, alg.LOG_RATIO_CLAMP) == (3.0, 20.0)
+
+
+def test_truncated_importance_weights_by_hand():
+    # proximal - behaviour log-ratios: ln 3 (w 3 → cut to 2), ln 0.25 (w 0.25, kept), 0 (w 1), none (w 1)
+    prox = torch.tensor([math.log(3.0), math.log(0.25), -1.0, -2.0])
+    behaviour = torch.tensor([0.0, 0.0, -1.0, 0.0])
+    has = torch.tensor([True, True, True, False])
+    w, touched = alg.importance_weights(prox, behaviour, has, "tis", high=2.0)
+    assert w.tolist() == pytest.approx([2.0, 0.25, 1.0, 1.0])
+    assert touched.tolist() == [True, False, False, False]
+
+
+def test_masked_importance_weights_by_hand():
+    prox = torch.tensor([math.log(3.0), math.log(0.25), math.log(1.5), -2.0])
+    behaviour = torch.tensor([0.0, 0.0, 0.0, 0.0])
+    has = torch.tensor([True, True, True, False])
+    w, touched = alg.importance_weights(prox, behaviour, has, "mis", low=0.5, high=2.0)
+    # 3 > 2 and 0.25 < 0.5 leave the loss; 1.5 is kept as is; a token with no behaviour logprob weighs 1
+    assert w.tolist() == pytest.approx([0.0, 0.0, 1.5, 1.0])
+    assert touched.tolist() == [True, True, False, False]
+    off, _ = alg.importance_weights(prox, behaviour, has, "off")
+    assert off.tolist() == [1.0] * 4
+    with pytest.raises(ValueError, match="importance sampling mode"):
+        alg.importance_weights(prox, behaviour, has, "sometimes")
+    with pytest.raises(ValueError, match="low <= 1 <= high"):
+        alg.importance_weights(prox, behaviour, has, "mis", low=1.5, high=2.0)
+
+
+def test_importance_weights_scale_the_loss_and_its_gradient():
+    # ratio 1 against the proximal policy (on-policy), A = +1 on both tokens, weights 1/2 each:
+    # per token -A·ρ·w → loss = -(2 + 0.25)/2 = -1.125; d/dlogp_i = -A·w_i/2
+    logp = torch.zeros(2, requires_grad=True)
+    w, touched = alg.importance_weights(torch.tensor([math.log(3.0), math.log(0.25)]), torch.zeros(2),
+                                        torch.ones(2, dtype=torch.bool), "tis", high=2.0)
+    loss, stats = alg.clipped_policy_loss(logp, logp.detach(), torch.ones(2), torch.full((2,), 0.5),
+                                          eps_low=0.2, eps_high=0.28, is_weights=w, is_touched=touched, is_mode="tis")
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.125)
+    assert logp.grad.tolist() == pytest.approx([-1.0, -0.125])
+    assert (stats.is_truncated, stats.is_masked, stats.is_weight_sum) == (1, 0, pytest.approx(2.25))
+
+
+# ---- group statistics: engine errors, staleness per group, group-token-mean ----------------------------
+
+def test_engine_errors_leave_the_group_statistics():
+    # rewards 1, 0, 0 and an engine error (reward 0): without the error, mean 1/3, std sqrt(1/3)
+    # → advantages (1 - 1/3)/0.57735 = 1.1547 and (0 - 1/3)/0.57735 = -0.5774. Counted as a failure
+    # it would give mean 0.25, std 0.5 → 1.5, -0.5.
+    trajs = [_traj("g", 0, 1.0), _traj("g", 1, 0.0), _traj("g", 2, 0.0), _traj("g", 3, 0.0, "engine_error")]
+    batch = rl_sequences(trajs, FilterConfig(), learner_version=0)
+    assert batch.advantages == pytest.approx([1.1547, -0.5774, -0.5774], abs=1e-4)
+    assert len(batch.sequences) == 3
+    assert batch.stats["samples_engine_error"] == 1 and batch.stats["groups_dropped_errors"] == 0
+
+
+def test_a_group_errors_leave_with_one_sample_is_dropped():
+    trajs = [_traj("a", 0, 1.0), _traj("a", 1, 0.0, "engine_error"),
+             _traj("b", 0, 0.0, "engine_error"), _traj("b", 1, 0.0, "engine_error"),
+             _traj("c", 0, 2.0), _traj("c", 1, 1.0)]
+    batch = rl_sequences(trajs, FilterConfig(), learner_version=0)
+    assert [s.group for s in batch.sequences] == ["c", "c"]
+    assert batch.stats["groups_dropped_errors"] == 2 and batch.stats["groups_in"] == 3
+    assert batch.stats["samples_engine_error"] == 3
+
+
+def test_staleness_is_judged_per_group_by_its_oldest_sample():
+    # learner at 5, max staleness 2: group a's samples are at 4 and 2 (3 behind) → all of a goes;
+    # group b's at 4 and 3 → kept whole
+    fresh, stale = alg.split_stale([4, 2, 4, 3], 5, 2, groups=["a", "a", "b", "b"])
+    assert (fresh, stale) == ([2, 3], [0, 1])
+    # one by one, a's fresher sample would have stayed alone
+    assert alg.split_stale([4, 2, 4, 3], 5, 2) == ([0, 2, 3], [1])
+    trajs = [_traj("a", 0, 1.0, version=4), _traj("a", 1, 0.0, version=2),
+             _traj("b", 0, 1.0, version=4), _traj("b", 1, 0.0, version=3)]
+    batch = rl_sequences(trajs, FilterConfig(max_staleness=2), learner_version=5)
+    assert [s.group for s in batch.sequences] == ["b", "b"] and batch.stats["samples_stale"] == 2
+
+
+def test_group_token_mean_weights_by_hand():
+    # group a: sequences of 2 and 6 loss tokens (8 in the group); group b: one of 4 tokens.
+    # group-token-mean: 1 / (2 groups · 8) = 1/16 in a, 1 / (2 · 4) = 1/8 in b; each group sums to 1/2.
+    # token-mean: 1/12 everywhere, so a (8 tokens) weighs 2/3 of the step and b 1/3.
+    masks = [torch.ones(2), torch.ones(6), torch.ones(4)]
+    w = alg.token_weights(masks, "group-token-mean", groups=["a", "a", "b"])
+    assert [float(x[0]) for x in w] == pytest.approx([1 / 16, 1 / 16, 1 / 8])
+    assert float(w[0].sum() + w[1].sum()) == pytest.approx(0.5) and float(w[2].sum()) == pytest.approx(0.5)
+    flat = alg.token_weights(masks, "token-mean")
+    assert float(flat[0].sum() + flat[1].sum()) == pytest.approx(2 / 3)
+    # a group with no loss tokens does not count in the number of groups
+    w = alg.token_weights([torch.ones(2), torch.zeros(3)], "group-token-mean", groups=["a", "b"])
+    assert float(w[0][0]) == pytest.approx(1 / 2) and float(w[1].sum()) == 0.0
+
+
+def test_group_token_mean_through_packed_rows():
+    from services.learner.batching import Sequence_, assign_weights, pack_sequences
+
+    # the loss mask counts targets from position 1: 2 + 2 loss tokens in group a, 4 in group b
+    seqs = [Sequence_([1, 2, 3], [0, 1, 1], index=0, group="a"), Sequence_([1, 2, 3, 4], [0, 0, 1, 1], index=1, group="a"),
+            Sequence_([5, 6, 7, 8, 9], [0, 1, 1, 1, 1], index=2, group="b")]
+    rows = pack_sequences(seqs, 64)
+    assign_weights(rows, "group-token-mean", {s.index: s.group for s in seqs})
+    by_seq: dict[int, float] = {}
+    for r in rows:
+        for i, wt in zip(r.seq_index.tolist(), r.weights.tolist()):
+            by_seq[i] = by_seq.get(i, 0.0) + wt
+    # group a: 4 tokens, each 1/(2·4); group b: 4 tokens, each 1/(2·4): every group sums to 1/2
+    assert by_seq[0] + by_seq[1] == pytest.approx(0.5) and by_seq[2] == pytest.approx(0.5)
+    assert by_seq[0] == pytest.approx(2 / 8)

@@ -111,6 +111,32 @@ def test_the_rl_section_reaches_the_learner_config(tmp_path):
         load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.negative_scale=2"])
 
 
+def test_the_loss_bounds_and_temperature_reach_the_learner_config(tmp_path):
+    from services.common.streams import StreamNames
+    from services.learner.config import RLConfig
+    from services.pipeline.rl import rl_config
+    from services.pipeline.train import Run
+
+    def learner(overrides: list[str]) -> RLConfig:
+        config = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", overrides)
+        return RLConfig.model_validate_json(rl_config(Run(config, tmp_path), "model", StreamNames("t"), "redis://x",
+                                                      total_steps=16).read_text())
+
+    shipped = learner([])
+    assert (shipped.log_ratio_clamp, shipped.dual_clip_c, shipped.importance_sampling) == (20.0, 3.0, "off")
+    assert shipped.temperature == 1.0
+    chosen = learner(["rl.importance_sampling=mis", "rl.is_low=0.125", "rl.is_high=8", "rl.loss_agg=group-token-mean",
+                      "rl.sampling.temperature=0.7", "rl.dual_clip_c=null"])
+    assert (chosen.importance_sampling, chosen.is_low, chosen.is_high) == ("mis", 0.125, 8.0)
+    assert (chosen.loss_agg, chosen.temperature, chosen.dual_clip_c) == ("group-token-mean", 0.7, None)
+    assert learner(["rl.importance_sampling=off"]).importance_sampling == "off"  # YAML's bare off is false
+    with pytest.raises(ConfigError, match="temperature must be above 0"):
+        load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.sampling.temperature=0"])
+    for bad in ("rl.importance_sampling=sometimes", "rl.is_high=0.5", "rl.dual_clip_c=1", "rl.loss_agg=sum"):
+        with pytest.raises(ConfigError):
+            load_pipeline_config(CONFIGS / "smollm2-proof.yaml", [bad])
+
+
 def test_the_truncation_policy_reaches_the_learner_filters(tmp_path):
     from services.common.streams import StreamNames
     from services.learner.config import RLConfig
@@ -171,14 +197,18 @@ def test_the_proof_recipe_plans_one_city_trips_from_oracle_teachers():
     assert (synth.days, synth.teacher, synth.rl_mix) == ([3], "oracle", None)
 
 
-def test_a_rollout_temperature_other_than_one_is_called_off_policy():
+def test_a_top_p_or_top_k_cut_is_called_off_policy_and_a_temperature_is_not():
     from services.pipeline.rl import off_policy_note
 
-    proof = load_pipeline_config(CONFIGS / "smollm2-proof.yaml")
-    assert off_policy_note(proof.rl.sampling) is None  # the recipe samples at the paper's 1.0
-    sharper = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.sampling.temperature=0.7"])
-    note = off_policy_note(sharper.rl.sampling)
-    assert note is not None and "0.7" in note and "off-policy" in note
+    whole = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.sampling.top_p=1.0"])
+    assert off_policy_note(whole.rl.sampling) is None
+    # the learner divides its logits by the rollouts' temperature, so T != 1 stays on-policy
+    sharper = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.sampling.top_p=1.0", "rl.sampling.temperature=0.7"])
+    assert off_policy_note(sharper.rl.sampling) is None
+    note = off_policy_note(load_pipeline_config(CONFIGS / "smollm2-proof.yaml").rl.sampling)  # top_p 0.95
+    assert note is not None and "top_p 0.95" in note and "off-policy" in note
+    cut = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.sampling.top_p=1.0", "rl.sampling.top_k=20"])
+    assert "top_k 20" in off_policy_note(cut.rl.sampling)
 
 
 def test_a_preference_penalty_that_cannot_change_a_reward_is_refused():
@@ -256,3 +286,14 @@ def test_the_proof_fleet_samples_as_many_batches_as_the_staleness_allows_in_one_
     assert s.rollout_workers * s.rollout_concurrency == r.max_staleness * r.batch_prompts
     assert (s.rollout_workers, r.epochs, r.max_steps) == (2, 1, 40)
     assert proof.synth.rl_queries == r.max_steps * r.batch_prompts  # one epoch: each prompt seen once
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in CONFIGS.glob("qwen2.5-*.yaml")))
+def test_table_one_recipes_end_at_the_limit_as_the_reference_does(recipe, tmp_path):
+    from services.pipeline.train import Run, eval_argv
+
+    config = load_pipeline_config(CONFIGS / recipe)
+    assert config.eval.sampling.summarize_at_limit and not config.rl.sampling.summarize_at_limit
+    assert "--summarize-at-limit" in eval_argv(Run(config, tmp_path), "m", "split.jsonl", tmp_path / "e", None)
+    tiny = load_pipeline_config(CONFIGS / "tiny.yaml")
+    assert "--summarize-at-limit" not in eval_argv(Run(tiny, tmp_path), "m", "split.jsonl", tmp_path / "e", None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from services.common.schemas import SamplingParams
-from services.rollout.agent import Agent, Limits
+from services.rollout.agent import SUMMARY_REQUEST, Agent, Limits
 from services.rollout.engines.base import EngineError
 from services.rollout.engines.scripted import ScriptedEngine, scripted_logprob
 from services.rollout.protocol import format_answer, format_tool_call, tool_response
@@ -149,6 +149,59 @@ def test_a_tool_response_that_does_not_fit_ends_with_context_limit(tokenizer, lo
     traj = run(agent, SamplingParams(max_context_tokens=prompt_len + 100, seed=3))
     assert traj.finish_reason == "context_limit" and len(engine.calls) == 1
     assert len(traj.token_ids) <= prompt_len + 100 and traj.messages[-1]["role"] == "user"
+
+
+def test_at_the_limit_the_reference_ending_asks_for_a_summary_and_scores_its_answer(tokenizer, local_tools):
+    # the restaurant list does not fit: it is replaced by the request, and one more call answers it
+    agent, engine = make(tokenizer, local_tools, [REST_CALL, ANSWER])
+    prompt_len = len(agent.start(QUERY).token_ids)
+    limit = prompt_len + 160
+    traj = run(agent, SamplingParams(max_context_tokens=limit, seed=3, summarize_at_limit=True))
+    assert traj.finish_reason == "answer" and traj.answer == "Day 1:\nCurrent City: Chicago"
+    assert traj.timings["summarized_at_limit"] == 1.0 and len(engine.calls) == 2
+    assert [m["role"] for m in traj.messages[2:]] == ["assistant", "user", "assistant"]
+    assert traj.messages[3]["content"] == SUMMARY_REQUEST
+    second = engine.calls[1]
+    env = tokenizer.decode(second["prompt_ids"][engine.calls[0]["prompt_len"]:])
+    assert env.endswith(f"<|im_end|>\n<|im_start|>user\n{SUMMARY_REQUEST}<|im_end|>\n<|im_start|>assistant\n")
+    assert second["params"].max_tokens == limit - second["prompt_len"]
+    # the summary's tokens are the policy's: mask 1, with their log-probs; the request's are not
+    answer_ids = tokenizer.encode(ANSWER, add_special_tokens=False)
+    assert traj.token_ids[second["prompt_len"]: second["prompt_len"] + len(answer_ids)] == answer_ids
+    assert all(traj.loss_mask[second["prompt_len"]:]) and not any(traj.loss_mask[second["prompt_len"] - 10:
+                                                                                   second["prompt_len"]])
+    # off (the default), the same episode ends with no answer
+    agent, engine = make(tokenizer, local_tools, [REST_CALL, ANSWER])
+    traj = run(agent, SamplingParams(max_context_tokens=limit, seed=3))
+    assert traj.finish_reason == "context_limit" and traj.answer is None and len(engine.calls) == 1
+
+
+def test_a_cut_turn_goes_with_the_message_before_it_and_an_untagged_summary_is_the_answer(tokenizer, local_tools):
+    plan = "Day 1:\nCurrent City: from Sarasota to Chicago"
+    agent, engine = make(tokenizer, local_tools, [CITY_CALL, "<think>" + "long " * 3000, plan])
+    prompt_len = len(agent.start(QUERY).token_ids)
+    limit = prompt_len + 350
+    traj = run(agent, SamplingParams(max_context_tokens=limit, max_tokens_per_turn=300, seed=3,
+                                     summarize_at_limit=True))
+    assert traj.finish_reason == "answer" and traj.answer == plan  # no tags: the whole reply, as the reference
+    assert len(engine.calls) == 3
+    # the city list and the cut turn are gone: the request follows the tool call directly
+    third = tokenizer.decode(engine.calls[2]["prompt_ids"])
+    assert "long long" not in third and "Rockford" not in third
+    assert third.endswith(
+        f"</tool_call><|im_end|>\n<|im_start|>user\n{SUMMARY_REQUEST}<|im_end|>\n<|im_start|>assistant\n")
+    assert len(traj.token_ids) <= limit
+    assert [m["role"] for m in traj.messages[2:]] == ["assistant", "user", "assistant"]
+
+
+def test_the_summary_is_asked_for_once(tokenizer, local_tools):
+    # the summarizing turn is itself cut by the limit: the episode ends there, it does not ask again,
+    # and the reply, cut as it is, is the answer (the reference scores whatever the last call said)
+    agent, engine = make(tokenizer, local_tools, [REST_CALL, "<think>" + "long " * 3000])
+    prompt_len = len(agent.start(QUERY).token_ids)
+    traj = run(agent, SamplingParams(max_context_tokens=prompt_len + 160, seed=3, summarize_at_limit=True))
+    assert len(engine.calls) == 2 and traj.finish_reason == "answer"
+    assert traj.answer.startswith("<think>") and traj.timings["summarized_at_limit"] == 1.0
 
 
 def test_engine_failure_is_an_engine_error_with_its_message(tokenizer, local_tools):

@@ -83,3 +83,27 @@ def test_a_refused_key_is_an_engine_error_with_the_reason(chat_server, tokenizer
     engine = OpenAIEngine(f"http://127.0.0.1:{chat_server.port}/v1", "teacher", api_key="wrong", tokenizer=tokenizer)
     traj = asyncio.run(Agent(engine, local_tools).run("Plan a trip."))
     assert traj.finish_reason == "engine_error" and "401" in traj.error
+
+
+def test_text_agent_at_the_limit_overwrites_the_last_message_and_scores_the_next_reply(chat_server, tokenizer,
+                                                                                      local_tools):
+    from services.rollout.agent import SUMMARY_REQUEST
+
+    def agent() -> Agent:  # one per event loop: the engine's HTTP client belongs to the loop it started on
+        return Agent(OpenAIEngine(f"http://127.0.0.1:{chat_server.port}/v1", "teacher", api_key="sk-test",
+                                  backoff_s=0.01, tokenizer=tokenizer), local_tools)
+
+    plain = asyncio.run(agent().run("Plan a trip.", SamplingParams(seed=2)))
+    chat = [{"role": m["role"], "content": m["content"]} for m in plain.messages[:4]]  # up to the city list
+    with_list = agent()._count_chat(chat)
+    with_request = agent()._count_chat(chat[:3] + [{"role": "user", "content": SUMMARY_REQUEST}])
+    assert with_request < with_list  # the list is longer than the request
+    sampling = SamplingParams(seed=2, max_context_tokens=with_request + 1, summarize_at_limit=True)
+    chat_server.requests.clear()
+    traj = asyncio.run(agent().run("Plan a trip.", sampling))
+    # as the reference: the tool response's content became the request, one more call answered it
+    assert traj.finish_reason == "answer" and traj.answer == "Day 1:\nCurrent City: Chicago"
+    assert traj.timings["summarized_at_limit"] == 1.0
+    assert chat_server.requests[-1]["messages"][-1] == {"role": "user", "content": SUMMARY_REQUEST}
+    off = asyncio.run(agent().run("Plan a trip.", SamplingParams(seed=2, max_context_tokens=with_request + 1)))
+    assert off.finish_reason == "context_limit" and off.answer is None
