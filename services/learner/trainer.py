@@ -61,6 +61,19 @@ def _broadcast(obj: Any, engine: PolicyEngine) -> Any:
     return box[0]
 
 
+def stop_agreed(stop: threading.Event, engine: PolicyEngine) -> bool:
+    """Whether any rank was asked to stop. SIGTERM reaches the ranks at different moments; deciding on
+    each rank's own flag, one rank would leave the loop while another entered the next step and waited
+    in its collectives for ever. Every rank calls this at the same point of each step."""
+    if engine.world_size == 1:
+        return stop.is_set()
+    flag = torch.tensor([1.0 if stop.is_set() else 0.0], device=engine.device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if flag.item() and not stop.is_set():
+        stop.set()
+    return bool(flag.item())
+
+
 # ---- SFT ---------------------------------------------------------------------------------------
 
 def load_chats(path: Path) -> list[list[dict[str, Any]]]:
@@ -112,7 +125,7 @@ class SFTTrainer:
 
         bar = tqdm(total=self.total_steps, initial=self.engine.step_count, desc="sft", disable=self.engine.rank != 0)
         last: dict[str, Any] = {}
-        while self.engine.step_count < self.total_steps and not self.stop.is_set():
+        while self.engine.step_count < self.total_steps and not stop_agreed(self.stop, self.engine):
             step = self.engine.step_count
             seqs = [self.sequences[i] for i in self.batch_indices(step)]
             last = sft_step(self.engine, seqs).metrics
@@ -218,8 +231,7 @@ class RLTrainer:
         self.duplicates = 0  # samples of already trained groups dropped since the last step
         # groups whose rollout task was dead-lettered (it failed on every attempt): group id → step.
         # A batch does not wait for them; without this it waited `straggler_wait_s` for a group
-        # that could never come, and the whole fleet with it (a rollout engine broken by a CUDA
-        # error on the H100, 2026-11-24).
+        # that could never come, and the whole fleet with it (e.g. behind a broken rollout engine).
         self.lost: dict[str, int] = {}
         self._dead_cursor = "0-0"
         self.batches = 0  # step batches consumed, trained or skipped: the controller paces on it
@@ -284,8 +296,8 @@ class RLTrainer:
         """Complete groups this batch may take, oldest step first. A later step's groups wait
         while this step's are still coming: with several steps in flight the later step's fast
         groups finish first, and taken now they would leave this step's slow groups to the next
-        batch, one version staler and, at the staleness bound, dropped (half of the samples of
-        a 2026-11-24 run). After `straggler_wait_s`, or when refilling (DAPO reads beyond the
+        batch, one version staler and, at the staleness bound, dropped (up to half of a
+        batch's samples). After `straggler_wait_s`, or when refilling (DAPO reads beyond the
         step), any complete group goes, so a lost group cannot stall the run."""
         complete = sorted(self._complete(), key=self._step_of)  # stable: arrival order within a step
         if self.cfg.filters.refill or waited_s >= self.cfg.straggler_wait_s:
@@ -400,10 +412,16 @@ class RLTrainer:
         trajs_payload = None
         lost: list[str] = []
         wait_s = 0.0
+        no_data: str | None = None
         if self.rank0:
-            messages, trajs, lost, wait_s = self.collect()
-            trajs_payload = [t.model_dump(mode="json") for t in trajs]
-        trajs_payload, lost = _broadcast((trajs_payload, lost), self.engine)
+            try:
+                messages, trajs, lost, wait_s = self.collect()
+                trajs_payload = [t.model_dump(mode="json") for t in trajs]
+            except NoData as exc:
+                no_data = str(exc)  # told to every rank, which would otherwise wait for this batch for ever
+        trajs_payload, lost, no_data = _broadcast((trajs_payload, lost, no_data), self.engine)
+        if no_data is not None:
+            raise NoData(no_data)
         trajs = [ScoredTrajectory.model_validate(t) for t in trajs_payload]
         batch = rl_sequences(trajs, cfg.filters, learner_version=self.version, std_normalize=cfg.std_normalize,
                              use_rollout_logprobs=cfg.use_rollout_logprobs, negative_scale=cfg.negative_scale)
@@ -524,7 +542,7 @@ class RLTrainer:
         last: dict[str, Any] = {}
         state = "finished"
         try:
-            while self.batches < limit and not self.stop.is_set():
+            while self.batches < limit and not stop_agreed(self.stop, self.engine):
                 last = self.train_step()
                 bar.update(1)
                 bar.set_postfix(loss=f"{last.get('loss', float('nan')):.4f}", reward=f"{last['reward_mean']:.3f}")

@@ -32,6 +32,7 @@ from rich.console import Console
 
 from services.common.settings import get_settings
 from services.pipeline.config import STAGES, EvalSpec, PipelineConfig, dump_config
+from services.pipeline.placement import Placement, PlacementError, placement_for
 
 console = Console(stderr=True)
 
@@ -47,6 +48,16 @@ class Run:
     world_url: str = ""
     base_model: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    placement: Placement | None = None
+
+    def learner_launch(self, kind: str, config: Path) -> tuple[list[str], dict[str, str]]:
+        """The command and environment (beside `env`) that start this run's learner for `kind` on its
+        placement: one process, or its ranks under torchrun, on the learner's devices."""
+        from services.learner.launch import worker_argv, worker_env
+
+        ranks = self.placement.learner_ranks if self.placement else 1
+        devices = self.placement.learner_env() if self.placement else {}
+        return worker_argv(kind, config, ranks), {**devices, **worker_env(ranks)}
 
     @property
     def stages_file(self) -> Path:
@@ -117,13 +128,19 @@ def prepare(config: PipelineConfig, folder: Path) -> Run:
 
         if recipe_identity(load_pipeline_config(resolved)) != recipe_identity(config):
             raise StageFailed(f"{folder} holds a run of a different recipe; use another --run-dir or remove it")
+    try:  # refused before anything is written or started
+        placement = placement_for(config.deployment, config.services.rollout_workers)
+    except PlacementError as exc:
+        raise StageFailed(f"{exc}") from None
     resolved.write_text(dump_config(config))
-    run = Run(config, folder)
+    run = Run(config, folder, placement=placement)
     run.world_url = prepare_world(config, folder)
     run.base_model = prepare_model(config)
     settings = get_settings()
+    # DeepSpeed's accelerator defaults to CPU unless told: follow the hardware unless the caller chose
     run.env = {"STAR_HOME": str(settings.home), "STAR_DB_URL": run.world_url, "STAR_LOG_JSON": "false",
-               "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+               "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", placement.accelerator)}
+    console.print(placement.describe())
     return run
 
 
@@ -187,11 +204,12 @@ def stage_sft(run: Run, synth: dict[str, Any]) -> dict[str, Any]:
     out = run.folder / "sft"
     cfg = SFTConfig(model=run.base_model, data=synth["sft_data"], output_dir=str(out), lr=s.lr, epochs=s.epochs,
                     batch_size=s.batch_size, warmup_ratio=s.warmup_ratio, max_seq_len=s.max_seq_len,
-                    max_steps=s.max_steps, engine=run.config.learner.engine(run.config.services.zero_stage,
-                                                                    run.config.seed))
+                    max_steps=s.max_steps, engine=run.config.learner.engine(
+                        run.config.services.zero_stage, run.config.seed, ranks=run.config.deployment.learner_ranks))
     path = run.folder / "sft.json"
     path.write_text(cfg.model_dump_json(indent=2))
-    run_process(run, "sft", [sys.executable, "-m", "services.learner.worker", "sft", str(path)])
+    argv, env = run.learner_launch("sft", path)
+    run_process(run, "sft", argv, env=env)
     status = read_status(out)
     if not status.get("export"):
         raise StageFailed(f"SFT finished without an exported model; see {out / 'status.json'}")
