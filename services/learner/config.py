@@ -45,6 +45,10 @@ class EngineConfig(_Strict):
     gradient_checkpointing: bool = Field(
         False, description="Recompute each decoder layer's activations in backward (a 30K-token row's activations "
                            "do not fit beside a 1.5B+ model otherwise).")
+    recompute_mlp: bool = Field(
+        False, description="Selective recomputation: recompute only each layer's MLP in backward (its "
+                           "intermediate-width activations are most of a layer's memory), keep attention's. "
+                           "Ignored under gradient_checkpointing, which recomputes whole layers.")
     ranks: int | None = Field(
         None, ge=1, description="Learner processes, launched under torchrun, one GPU each on a GPU machine (None: "
                                 "every visible GPU, 1 on CPU). More ranks than visible GPUs is refused.")

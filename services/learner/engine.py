@@ -133,6 +133,28 @@ class LogprobPolicy(nn.Module):
         return lp, ent.detach()
 
 
+def recompute_mlps(lm: nn.Module) -> int:
+    """Selective recomputation: each decoder layer's MLP runs under activation checkpointing (its
+    gate, up and activation outputs, 3 × intermediate width per token, are recomputed in backward);
+    attention keeps its activations, so the costly attention forward is not run twice. The forward
+    is replaced on the instance, so parameter names (and exports) stay HF's. Returns the count."""
+    count = 0
+    for layer in getattr(getattr(lm, "model", lm), "layers", []):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None:
+            continue
+        plain = mlp.forward
+
+        def forward(x: torch.Tensor, _plain=plain) -> torch.Tensor:
+            if torch.is_grad_enabled() and x.requires_grad:
+                return checkpoint(_plain, x, use_reentrant=False)
+            return _plain(x)
+
+        mlp.forward = forward
+        count += 1
+    return count
+
+
 @contextmanager
 def sdpa_priority(backends: list[str] | None) -> Iterator[None]:
     """Prefer these SDPA kernels, in order, where a call is eligible for them (PyTorch falls back
@@ -237,6 +259,8 @@ class PolicyEngine:
         lm.config.use_cache = False
         if cfg.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif cfg.recompute_mlp:
+            recompute_mlps(lm)
         self.policy = LogprobPolicy(lm, cfg.logprob_chunk_tokens, cfg.head_checkpoint)
         if cfg.compile_layers:
             # Regional compilation: one graph serves every layer (same code, parameters as inputs);

@@ -14,7 +14,8 @@ from pathlib import Path
 
 # Seconds torchrun gives its ranks after forwarding SIGTERM before it kills them: a rank finishes its
 # current step and checkpoints first (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; torchrun's own default is 30 s).
-STOP_GRACE_S = 600
+# The same wait bounds the teardown after a rank died, when a survivor may sit in a collective.
+STOP_GRACE_S = 120
 
 
 class RankError(ValueError):
