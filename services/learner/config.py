@@ -187,7 +187,10 @@ class RLConfig(_Strict):
     weights_dir: str | None = Field(None, description="Weights store (default: STAR_HOME/weights).")
     keep_versions: int = Field(3, ge=1)
     rollout_servers: list[str] = Field(default_factory=list, description="Base URLs that get POST /weights.")
-    save_every: int = Field(1, ge=1, description="Checkpoint every N steps (1: every step, exact resume).")
+    save_every: int = Field(
+        4, ge=1, le=16, description="Checkpoint every N steps (and at the end). Resume stays exact: the batches "
+        "since the last checkpoint are replayed from the stream, whose messages are acknowledged only at "
+        "checkpoints; so at most N steps are trained again after a crash.")
     samples_per_step: int = Field(4, ge=0, description=(
         "Trajectories of each trained step written whole to samples.jsonl, one per group (the group's first "
         "sample, so not picked by reward); 0: none. What the policy says, step by step."))

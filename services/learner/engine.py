@@ -345,10 +345,11 @@ class PolicyEngine:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def save_checkpoint(self, folder: Path, client_state: dict[str, Any]) -> Path:
+    def save_checkpoint(self, folder: Path, client_state: dict[str, Any], tag: str | None = None) -> Path:
         """Model, optimizer, scheduler (DeepSpeed's files) plus step, RNG and our client state.
-        DeepSpeed writes `latest` last, so a kill mid-save leaves the previous checkpoint in force."""
-        tag = f"step{self.step_count:07d}"
+        DeepSpeed writes `latest` last, so a kill mid-save leaves the previous checkpoint in force.
+        Tags start with `step` and the zero-padded step count, so that their names sort by age."""
+        tag = tag or f"step{self.step_count:07d}"
         state = {"step": self.step_count, "rng": rng_state(), **client_state}
         self.engine.save_checkpoint(str(folder), tag=tag, client_state=state)
         if self.local_rank == 0:  # one pruner per node's disk
