@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from services.pipeline.config import DeploymentSpec
 from services.pipeline.placement import PlacementError, plan
 
 GPUS8 = [str(i) for i in range(8)]
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_cpu_machine_puts_everything_on_cpu():
@@ -86,3 +89,35 @@ def test_recipe_section_is_typed():
         DeploymentSpec(learner_ranks=0)
     with pytest.raises(ValidationError):
         DeploymentSpec(gpu_count=3)  # unknown key
+
+
+def test_the_recipe_deployment_reaches_the_learner_launch_and_its_config(tmp_path):
+    from services.common.streams import StreamNames
+    from services.learner.config import RLConfig
+    from services.pipeline.config import load_pipeline_config
+    from services.pipeline.placement import placement_for
+    from services.pipeline.rl import rl_config
+    from services.pipeline.train import Run
+
+    config = load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml")
+    placement = placement_for(config.deployment, config.services.rollout_workers, GPUS8)
+    run = Run(config, tmp_path, placement=placement)
+    path = rl_config(run, "model", StreamNames("t"), "redis://x", total_steps=4)
+    engine = RLConfig.model_validate_json(path.read_text()).engine
+    assert engine.ranks == 4 and engine.gradient_checkpointing and engine.zero_stage == 3
+    argv, env = run.learner_launch("rl", path)
+    assert "torch.distributed.run" in argv and argv[argv.index("--nproc_per_node") + 1] == "4"
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and env["DS_ACCELERATOR"] == "cuda"
+    assert placement.engine_env(0)["CUDA_VISIBLE_DEVICES"] == "4"
+
+
+def test_star_train_refuses_a_layout_the_machine_cannot_hold_before_starting(tmp_path, monkeypatch):
+    from services.pipeline import placement as placement_module
+    from services.pipeline.config import load_pipeline_config
+    from services.pipeline.train import StageFailed, prepare
+
+    monkeypatch.setattr(placement_module, "visible_gpu_ids", lambda: ["0", "1"])
+    config = load_pipeline_config(CONFIGS / "tiny.yaml", ["deployment.learner_ranks=3"])
+    with pytest.raises(StageFailed, match="learner_ranks 3 needs 3 GPUs, one per rank; this machine shows 2"):
+        prepare(config, tmp_path / "run")
+    assert not (tmp_path / "run" / "config.yaml").exists()
