@@ -13,7 +13,8 @@ with fp32 gradient accumulation and reduction, overlap_comm, AdamW; median over 
 - ours: services.learner's PolicyEngine and rl_step (the clipped policy loss on rollout logprobs): the
   vocabulary head and log-prob run in chunks of `--chunk` tokens under checkpointing, so the 16K × 152K
   logits never exist at once (the fused head + loss); `--recompute` picks none, mlp (selective: each
-  layer's MLP recomputed in backward, attention kept) or layers (full gradient checkpointing).
+  layer's MLP recomputed in backward, attention kept) or layers (full gradient checkpointing); auto,
+  the default, takes the first of these that fits in memory (each attempt recorded).
 - baseline: HF Qwen2ForCausalLM (the same weights) with `labels=ids` (HF's cross-entropy over the full
   logits) under a plain DeepSpeed ZeRO-3 engine, as ../shared/tools/deepspeed_zero3_probe.py; without gradient
   checkpointing first, and where that runs out of memory again with it (both attempts recorded).
@@ -57,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=5, help="timed steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    ap.add_argument("--recompute", choices=["none", "mlp", "layers"], default="none")
+    ap.add_argument("--recompute", choices=["auto", "none", "mlp", "layers"], default="auto",
+                    help="auto: none, and where that runs out of memory mlp, then layers (every attempt recorded)")
     ap.add_argument("--chunk", type=int, default=4096, help="tokens per chunk of the vocabulary head")
     ap.add_argument("--sdpa", default="cudnn+flash", help="SDPA kernel order on GPU ('default': PyTorch's)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (ours)")
@@ -157,7 +159,8 @@ def summary(step_s: list[float], tokens: int, flops: float, flops_half: float, w
             "peak_gib": mem, "steps_s": [round(x, 4) for x in step_s]}
 
 
-def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, on_gpu: bool) -> dict:
+def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, on_gpu: bool,
+             recompute: str) -> dict:
     import torch
 
     from bench.learner_gpu import sequences
@@ -168,7 +171,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
 
     cfg = EngineConfig(zero_stage=3, precision="auto", micro_batch_tokens=args.seq, micro_batch_rows=1,
                        pad_to_multiple=256 if on_gpu else 1, logprob_chunk_tokens=args.chunk, head_checkpoint=True,
-                       gradient_checkpointing=args.recompute == "layers", recompute_mlp=args.recompute == "mlp",
+                       gradient_checkpointing=recompute == "layers", recompute_mlp=recompute == "mlp",
                        attn_implementation="sdpa", sdpa_backends=None if args.sdpa == "default" else
                        args.sdpa.split("+"), compile_layers=args.compile, zero_init=True, fp32_grad_reduce=True,
                        overlap_comm=on_gpu)
@@ -176,7 +179,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
     n_params = engine.num_parameters()
     layers, width = model_shape(engine.lm_config)
     log(rank, f"ours: {n_params / 1e9:.3f} B params, {world} ranks, ZeRO-3, bf16={engine.bf16}, "
-              f"recompute={args.recompute}")
+              f"recompute={recompute}")
     times = []
     try:
         for k in range(args.warmup + args.steps):
@@ -191,7 +194,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
         flops = train_flops(n_params, layers, width, [args.seq] * world)
         half = train_flops(n_params, layers, width, [args.seq] * world, causal_half=True)
         out = summary(times, tokens, flops, half, world, peak_flops() if on_gpu else None, peak_gib(on_gpu))
-        return {"params": n_params, "recompute": args.recompute, "chunk": args.chunk, **out}
+        return {"params": n_params, "recompute": recompute, "chunk": args.chunk, **out}
     finally:
         engine.close()
         del engine
@@ -288,7 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir or tempfile.gettempdir()) / f"star-learner-multigpu-{args.shape}"
     work.mkdir(parents=True, exist_ok=True)
     model_dir = build_model(args, work / "model", rank, on_gpu)
-    ours = attempt(run_ours, args, model_dir, rank, world, on_gpu)
+    ours: dict = {}
+    ours_attempts = []
+    for recompute in (("none", "mlp", "layers") if args.recompute == "auto" else (args.recompute,)):
+        result = attempt(run_ours, args, model_dir, rank, world, on_gpu, recompute)
+        ours_attempts.append({"recompute": recompute, **result})
+        if not result.get("oom"):
+            ours = result
+            break
     baseline: dict = {}
     attempts = []
     if not args.skip_baseline:
@@ -303,8 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         common = {"device": device, "world_size": world, "zero_stage": 3, "seq": args.seq}
         record = {**common, "shape": args.shape, **{k: ours.get(k) for k in
                                                     ("params", "mfu", "mfu_causal_half", "tokens_per_s", "peak_gib",
-                                                     "step_s", "recompute", "chunk", "oom")},
+                                                     "step_s", "recompute", "chunk")},
                   "baseline": {**common, **baseline} if baseline else None,
+                  "attempts": ours_attempts,
                   "baseline_attempts": attempts,
                   "speedup_tokens_per_s": (round(ours["tokens_per_s"] / baseline["tokens_per_s"], 3)
                                            if baseline and ours.get("tokens_per_s") else None),
