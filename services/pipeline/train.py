@@ -262,8 +262,8 @@ def stage_eval(run: Run, model: str, synth: dict[str, Any] | None, rl: dict[str,
 
 def starting_model(base: str, outputs: dict[str, Any], stages: list[str]) -> str:
     """The model the first configured stage starts from: the last one the stages before it made
-    in this run folder. (RL run on its own after SFT had started from the base model: the H100
-    run of 2026-11-23 sampled the untrained policy and every trajectory broke the protocol.)"""
+    in this run folder. (RL run on its own after SFT must not start from the base model: it would
+    sample the untrained policy, whose trajectories break the protocol.)"""
     model = base
     for stage in STAGES:
         if stage in stages:

@@ -186,7 +186,7 @@ def test_mini_batches_update_several_times_per_batch_and_count_one_step(tmp_path
 @pytest.mark.slow
 def test_a_batch_dapo_shrank_makes_fewer_updates_of_whole_groups(tmp_path, tiny_model, redis_server_url):
     """DAPO drops a flat group out of a batch of two: the one group left is one update, not two
-    halves of a group whose advantages do not balance (the H100 run 22 collapse)."""
+    halves of a group whose advantages do not balance (which collapsed the policy on a GPU run)."""
     client = redis.Redis.from_url(redis_server_url)
     prefix = f"test:{uuid.uuid4().hex[:8]}"
     # two batches of two groups, each sampled by the version that trains it
@@ -235,7 +235,7 @@ def test_a_batch_waits_for_its_own_steps_slow_groups_instead_of_taking_a_later_s
 @pytest.mark.slow
 def test_a_sample_delivered_twice_is_trained_once(tmp_path, tiny_model, redis_server_url):
     """A task that ran twice publishes its samples twice: a group must not grow past its size
-    with copies (a 2026-11-24 run trained batches of 72-96 samples for 64)."""
+    with copies (batches of 72-96 samples for 64 were trained that way)."""
     client = redis.Redis.from_url(redis_server_url)
     prefix = f"test:{uuid.uuid4().hex[:8]}"
     trajs = scored_batch(tiny_model, 2, 2, seed=0)
