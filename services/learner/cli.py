@@ -26,7 +26,7 @@ def serve(host: str = host_option(), port: int = port_option(8005)) -> None:
 @learner_app.command("rl")
 def rl(config: Path = typer.Argument(..., help="RLConfig as JSON or YAML."),
        max_steps: Optional[int] = typer.Option(None, help="Stop after this many optimizer steps.")) -> None:
-    """Run GRPO/DAPO on the scored stream in this process (torchrun it for several ranks)."""
+    """Run GRPO/DAPO on the scored stream (engine.ranks > 1: that many ranks under torchrun)."""
     _run("rl", config, max_steps)
 
 
@@ -53,15 +53,42 @@ def _run(kind: str, config: Path, max_steps: int | None) -> None:
         _fail(f"data file {cfg.data} does not exist")
     if kind == "sft" and max_steps:
         cfg.max_steps = max_steps
-    from services.learner.worker import run_file
+    from services.learner.launch import RankError, resolve_ranks
 
+    try:
+        ranks = resolve_ranks(cfg.engine.ranks)
+    except RankError as exc:
+        _fail(f"{config}: {exc}")
     import json
     import tempfile
 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         fh.write(cfg.model_dump_json())
-    result = run_file(kind, Path(fh.name), max_steps if kind == "rl" else None)
+    steps = max_steps if kind == "rl" else None
+    if ranks > 1:
+        raise typer.Exit(_run_ranks(kind, Path(fh.name), ranks, steps))
+    from services.learner.worker import run_file
+
+    result = run_file(kind, Path(fh.name), steps)
     console.print(json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in result.items()
                               if k != "metrics"}))
     if result["state"] == "failed":
         raise typer.Exit(1)
+
+
+def _run_ranks(kind: str, config: Path, ranks: int, max_steps: int | None) -> int:
+    """The run as `ranks` processes under torchrun, in the foreground; its exit code (a failed rank's
+    error is in torchrun's summary). Ctrl-C / SIGTERM reach every rank through torchrun."""
+    import os
+    import signal
+    import subprocess
+
+    from services.learner.launch import worker_argv, worker_env
+
+    console.print(f"{kind}: {ranks} ranks under torchrun")
+    proc = subprocess.Popen(worker_argv(kind, config, ranks, max_steps), env={**os.environ, **worker_env(ranks)})
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGTERM)
+        return proc.wait()

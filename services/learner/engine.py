@@ -136,6 +136,28 @@ class LogprobPolicy(nn.Module):
         return lp, ent.detach()
 
 
+def recompute_mlps(lm: nn.Module) -> int:
+    """Selective recomputation: each decoder layer's MLP runs under activation checkpointing (its
+    gate, up and activation outputs, 3 × intermediate width per token, are recomputed in backward);
+    attention keeps its activations, so the costly attention forward is not run twice. The forward
+    is replaced on the instance, so parameter names (and exports) stay HF's. Returns the count."""
+    count = 0
+    for layer in getattr(getattr(lm, "model", lm), "layers", []):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None:
+            continue
+        plain = mlp.forward
+
+        def forward(x: torch.Tensor, _plain=plain) -> torch.Tensor:
+            if torch.is_grad_enabled() and x.requires_grad:
+                return checkpoint(_plain, x, use_reentrant=False)
+            return _plain(x)
+
+        mlp.forward = forward
+        count += 1
+    return count
+
+
 @contextmanager
 def sdpa_priority(backends: list[str] | None) -> Iterator[None]:
     """Prefer these SDPA kernels, in order, where a call is eligible for them (PyTorch falls back
@@ -151,15 +173,20 @@ def sdpa_priority(backends: list[str] | None) -> Iterator[None]:
         yield
 
 
-def deepspeed_config(cfg: EngineConfig, *, bf16: bool, world_size: int) -> dict[str, Any]:
+def deepspeed_config(cfg: EngineConfig, *, bf16: bool, world_size: int, on_gpu: bool = False) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": cfg.zero_stage}
     if cfg.zero_stage >= 2:
-        zero.update({"overlap_comm": False, "contiguous_gradients": True,
+        overlap = cfg.overlap_comm if cfg.overlap_comm is not None else on_gpu
+        zero.update({"overlap_comm": overlap, "contiguous_gradients": True,
                      "reduce_bucket_size": cfg.reduce_bucket_size,
                      "allgather_bucket_size": cfg.allgather_bucket_size})
     if cfg.zero_stage == 3:
         zero.update({"stage3_gather_16bit_weights_on_model_save": False, "stage3_param_persistence_threshold": 1e4})
-    return {
+    if cfg.offload_optimizer == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    if cfg.offload_params == "cpu":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
+    config: dict[str, Any] = {
         # We own accumulation: each micro-batch's loss is already weighted for the whole step, and
         # step() is the boundary, so the number of micro-batches may change from step to step.
         "train_micro_batch_size_per_gpu": 1,
@@ -173,6 +200,30 @@ def deepspeed_config(cfg: EngineConfig, *, bf16: bool, world_size: int) -> dict[
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if bf16 and cfg.fp32_grad_reduce and cfg.zero_stage >= 1:
+        # ZeRO keeps fp32 gradient partitions and reduces in fp32 (DeepSpeed has no bf16-weights /
+        # fp32-accumulation mode without ZeRO)
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+        config["communication_data_type"] = "fp32"
+    return config
+
+
+@contextmanager
+def zero3_init(ds_config: dict[str, Any], enabled: bool) -> Iterator[None]:
+    """Under ZeRO-3, have transformers build the model inside deepspeed.zero.Init: each rank allocates
+    only its shard of every parameter as it is created, and the checkpoint is loaded shard by shard.
+    transformers sees the DeepSpeed config through a weak reference that lives as long as the
+    HfDeepSpeedConfig object; dropped at exit, so that later loads (the KL reference) are plain."""
+    if not enabled:
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+
+    holder = HfDeepSpeedConfig(ds_config)
+    try:
+        yield
+    finally:
+        del holder
 
 
 @dataclass
@@ -205,10 +256,14 @@ class PolicyEngine:
         kwargs: dict[str, Any] = {"dtype": torch.float32}
         if cfg.attn_implementation:
             kwargs["attn_implementation"] = cfg.attn_implementation
-        lm = AutoModelForCausalLM.from_pretrained(self.model_dir, **kwargs)
+        ds_config = deepspeed_config(cfg, bf16=self.bf16, world_size=self.world_size, on_gpu=self.on_gpu)
+        with zero3_init(ds_config, cfg.zero_stage == 3 and cfg.zero_init):
+            lm = AutoModelForCausalLM.from_pretrained(self.model_dir, **kwargs)
         lm.config.use_cache = False
         if cfg.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif cfg.recompute_mlp:
+            recompute_mlps(lm)
         self.policy = LogprobPolicy(lm, cfg.logprob_chunk_tokens, cfg.head_checkpoint)
         if cfg.compile_layers:
             # Regional compilation: one graph serves every layer (same code, parameters as inputs);
@@ -218,13 +273,20 @@ class PolicyEngine:
             self.policy._head = torch.compile(self.policy._head, dynamic=False)
         self.lm_config = lm.config
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=schedule.lr, betas=cfg.betas, eps=cfg.adam_eps,
-                                      weight_decay=cfg.weight_decay, foreach=self.on_gpu)
+        if cfg.offload_optimizer == "cpu":
+            # ZeRO-Offload steps Adam on the host with DeepSpeed's vectorized CPU Adam
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(params, lr=schedule.lr, betas=cfg.betas, eps=cfg.adam_eps,
+                                         weight_decay=cfg.weight_decay, adamw_mode=True)
+        else:
+            optimizer = torch.optim.AdamW(params, lr=schedule.lr, betas=cfg.betas, eps=cfg.adam_eps,
+                                          weight_decay=cfg.weight_decay, foreach=self.on_gpu)
         factor = lr_lambda(schedule, total_steps)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=self.policy, optimizer=optimizer,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),
-            config=deepspeed_config(cfg, bf16=self.bf16, world_size=self.world_size),
+            config=ds_config,
         )
         self.device = self.engine.device
         self.step_count = 0
@@ -286,10 +348,11 @@ class PolicyEngine:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def save_checkpoint(self, folder: Path, client_state: dict[str, Any]) -> Path:
+    def save_checkpoint(self, folder: Path, client_state: dict[str, Any], tag: str | None = None) -> Path:
         """Model, optimizer, scheduler (DeepSpeed's files) plus step, RNG and our client state.
-        DeepSpeed writes `latest` last, so a kill mid-save leaves the previous checkpoint in force."""
-        tag = f"step{self.step_count:07d}"
+        DeepSpeed writes `latest` last, so a kill mid-save leaves the previous checkpoint in force.
+        Tags start with `step` and the zero-padded step count, so that their names sort by age."""
+        tag = tag or f"step{self.step_count:07d}"
         state = {"step": self.step_count, "rng": rng_state(), **client_state}
         self.engine.save_checkpoint(str(folder), tag=tag, client_state=state)
         if self.local_rank == 0:  # one pruner per node's disk

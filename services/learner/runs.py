@@ -1,8 +1,8 @@
 """Training runs as processes: start from a config, read their state from the run folder, stop them.
 
 DeepSpeed holds one process group per process, so every run is its own process
-(`python -m services.learner.worker KIND CONFIG`); the API process only starts, watches and
-signals it. A run's truth is its folder: config.json, status.json, metrics.jsonl, log.txt.
+(`python -m services.learner.worker KIND CONFIG`, under torchrun for `engine.ranks` > 1); the API
+process only starts, watches and signals it. A run's truth is its folder: config.json, status.json, metrics.jsonl, log.txt.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError
 
 from services.learner.config import RLConfig, SFTConfig
+from services.learner.launch import RankError, resolve_ranks, worker_argv, worker_env
 from services.learner.runlog import read_metrics
 from services.learner.trainer import read_status
 
@@ -68,18 +68,22 @@ class RunManager:
             raise RunConfigError(f"model folder {model.model} does not exist")
         if isinstance(model, SFTConfig) and not Path(model.data).is_file():
             raise RunConfigError(f"data file {model.data} does not exist")
+        try:
+            ranks = resolve_ranks(model.engine.ranks)
+        except RankError as exc:
+            raise RunConfigError(str(exc)) from None
         folder.mkdir(parents=True)
         (folder / "config.json").write_text(model.model_dump_json(indent=1))
-        cmd = [sys.executable, "-m", "services.learner.worker", request.kind, str(folder / "config.json")]
-        if request.max_steps:
-            cmd.append(str(request.max_steps))
+        cmd = worker_argv(request.kind, folder / "config.json", ranks, request.max_steps)
         log = open(folder / "log.txt", "ab")
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **worker_env(ranks), **(env or {})},
                                    cwd=Path(__file__).resolve().parents[2], start_new_session=True)
         log.close()
         run = Run(run_id, request.kind, folder, process)
         self.runs[run_id] = run
-        (folder / "run.json").write_text(json.dumps({"id": run_id, "kind": request.kind, "pid": process.pid}))
+        (folder / "run.json").write_text(json.dumps({"id": run_id, "kind": request.kind, "pid": process.pid,
+                                                     "ranks": ranks}))
         return run
 
     def get(self, run_id: str) -> Run:

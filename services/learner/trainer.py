@@ -1,10 +1,16 @@
 """The training loops: SFT over a chat file, and RL over the scored stream.
 
 RL step (DESIGN.md "Data flow"): wait for `batch_prompts` complete groups on the scored stream →
-advantages and filters → one optimizer step → checkpoint (with the ids of the consumed
-messages) → acknowledge them → publish weights v+1. A learner killed anywhere in between resumes
-from the checkpoint: messages it trained on but had not acknowledged are recognised by id and
-skipped, the rest come back in the same order, so the next step sees the same batch.
+note the batch's groups in the journal (rl/journal.jsonl, one short line) → advantages and filters →
+one optimizer step → publish weights v+1. Every `save_every` steps (and at the end) a checkpoint
+(model, optimizer, the ids of the consumed messages), then the acknowledgement of every message
+since the previous one: the full optimizer state is not written at every step.
+
+A learner killed anywhere resumes from its last checkpoint and replays the batches since from the
+stream: their messages were never acknowledged, so they come back, and the journal says which
+groups made each batch, so each replayed step trains exactly the batch it trained before (versions
+already published are not published again, nor are their metrics logged twice). Messages trained
+and checkpointed but not yet acknowledged are recognised by id and skipped.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from services.learner.steps import loss_bounds, rl_step, sft_step
 from services.learner.weights import FleetSync, NcclPublisher, StorePublisher, write_version
 
 log = logging.getLogger(__name__)
-CONSUMED_STEPS_KEPT = 16  # steps whose message ids stay in the checkpoint for de-duplication
+CONSUMED_STEPS_KEPT = 16  # steps whose message ids stay in the checkpoint for de-duplication (at least save_every)
+JOURNAL = "journal.jsonl"
 
 
 class NoData(TimeoutError):
@@ -59,6 +66,19 @@ def _broadcast(obj: Any, engine: PolicyEngine) -> Any:
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def stop_agreed(stop: threading.Event, engine: PolicyEngine) -> bool:
+    """Whether any rank was asked to stop. SIGTERM reaches the ranks at different moments; deciding on
+    each rank's own flag, one rank would leave the loop while another entered the next step and waited
+    in its collectives for ever. Every rank calls this at the same point of each step."""
+    if engine.world_size == 1:
+        return stop.is_set()
+    flag = torch.tensor([1.0 if stop.is_set() else 0.0], device=engine.device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if flag.item() and not stop.is_set():
+        stop.set()
+    return bool(flag.item())
 
 
 # ---- SFT ---------------------------------------------------------------------------------------
@@ -112,7 +132,7 @@ class SFTTrainer:
 
         bar = tqdm(total=self.total_steps, initial=self.engine.step_count, desc="sft", disable=self.engine.rank != 0)
         last: dict[str, Any] = {}
-        while self.engine.step_count < self.total_steps and not self.stop.is_set():
+        while self.engine.step_count < self.total_steps and not stop_agreed(self.stop, self.engine):
             step = self.engine.step_count
             seqs = [self.sequences[i] for i in self.batch_indices(step)]
             last = sft_step(self.engine, seqs).metrics
@@ -218,11 +238,14 @@ class RLTrainer:
         self.duplicates = 0  # samples of already trained groups dropped since the last step
         # groups whose rollout task was dead-lettered (it failed on every attempt): group id → step.
         # A batch does not wait for them; without this it waited `straggler_wait_s` for a group
-        # that could never come, and the whole fleet with it (say, behind a rollout engine broken
-        # by a CUDA error).
+        # that could never come, and the whole fleet with it (e.g. behind a broken rollout engine).
         self.lost: dict[str, int] = {}
         self._dead_cursor = "0-0"
         self.batches = 0  # step batches consumed, trained or skipped: the controller paces on it
+        self.held: list[str] = []  # rank 0: ids of messages consumed since the last checkpoint, not acknowledged
+        self.replay: dict[int, dict[str, Any]] = {}  # rank 0: journaled batches after the checkpoint, by number
+        self.published = 0  # the newest version already published when this process started
+        self.logged_batches = 0  # batches already in metrics.jsonl when this process started
         self.groups: OrderedDict[str, list[tuple[Any, ScoredTrajectory]]] = OrderedDict()
         self.reference = self.engine.reference_policy() if cfg.kl_coef > 0 else None
         # log-probs of the distribution the rollouts sample from (logits / T), the policy's and the reference's
@@ -269,6 +292,31 @@ class RLTrainer:
         self.batches = int(state.get("batches", self.engine.step_count))
         return True
 
+    def _read_journal(self) -> None:
+        """Rank 0: the batches journaled after the checkpoint, to replay; and how far the metrics got."""
+        path = self.out / JOURNAL
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                    batch = int(entry["batch"])
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut by a kill
+                if batch >= self.batches:
+                    self.replay[batch] = entry
+        from services.learner.runlog import read_metrics
+
+        self.logged_batches = max((int(m.get("batch", 0)) for m in read_metrics(self.out)), default=0)
+
+    def _journal(self, chosen: list[str], lost: list[str]) -> None:
+        with open(self.out / JOURNAL, "a") as fh:
+            fh.write(json.dumps({"batch": self.batches, "groups": chosen, "lost": lost}) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def _kept(self) -> int:
+        return max(CONSUMED_STEPS_KEPT, self.cfg.save_every + 1)
+
     def _already_trained(self) -> set[str]:
         return {i for ids in self.consumed for i in ids}
 
@@ -296,8 +344,8 @@ class RLTrainer:
         """Complete groups this batch may take, oldest step first. A later step's groups wait
         while this step's are still coming: with several steps in flight the later step's fast
         groups finish first, and taken now they would leave this step's slow groups to the next
-        batch, one version staler and, at the staleness bound, dropped (once half of a run's
-        samples). After `straggler_wait_s`, or when refilling (DAPO reads beyond the
+        batch, one version staler and, at the staleness bound, dropped (up to half of a
+        batch's samples). After `straggler_wait_s`, or when refilling (DAPO reads beyond the
         step), any complete group goes, so a lost group cannot stall the run."""
         complete = sorted(self._complete(), key=self._step_of)  # stable: arrival order within a step
         if self.cfg.filters.refill or waited_s >= self.cfg.straggler_wait_s:
@@ -348,15 +396,22 @@ class RLTrainer:
         useful = 0
         started = time.monotonic()
         deadline = started + cfg.wait_timeout_s
+        plan = self.replay.pop(self.batches, None)  # a batch trained before the last kill, to train again
+        holding = set(self.held)
         while True:
             self._read_lost()
-            for g in self._candidates(time.monotonic() - started):
-                if g in chosen or self._enough(chosen, useful):
-                    continue
-                chosen.append(g)
-                useful += self._useful(self.groups[g])
-            if self._enough(chosen, useful):
-                break
+            if plan is not None:
+                if all(len(self.groups.get(g, ())) >= cfg.group_size for g in plan["groups"]):
+                    chosen = list(plan["groups"])
+                    break
+            else:
+                for g in self._candidates(time.monotonic() - started):
+                    if g in chosen or self._enough(chosen, useful):
+                        continue
+                    chosen.append(g)
+                    useful += self._useful(self.groups[g])
+                if self._enough(chosen, useful):
+                    break
             if self.stop.is_set():
                 raise NoData("stopped while waiting for data")
             if time.monotonic() > deadline:
@@ -369,6 +424,8 @@ class RLTrainer:
                 self.stop.wait(1.0)
                 continue
             for msg in arrived:
+                if msg.id in holding:
+                    continue  # ours, held unacknowledged until the next checkpoint (re-claimed after idling)
                 if msg.id in trained:
                     until_redis(lambda m=msg: self.consumer.ack(m), what="acknowledging")  # trained before a crash
                     continue
@@ -394,9 +451,11 @@ class RLTrainer:
                     continue
                 members.append((msg, traj))
         # this step's lost groups are settled now (a late copy of one is dropped like a re-run)
-        lost = [g for g, s in self.lost.items() if s <= self.batches]
+        lost = list(plan["lost"]) if plan is not None else [g for g, s in self.lost.items() if s <= self.batches]
         for g in lost:
-            del self.lost[g]
+            self.lost.pop(g, None)
+        if plan is None:
+            self._journal(chosen, lost)
         messages, trajs = [], []
         for g in chosen:
             for msg, traj in self.groups.pop(g):
@@ -406,16 +465,24 @@ class RLTrainer:
 
     # -- one step ------------------------------------------------------------------------------------
 
-    def train_step(self) -> dict[str, Any]:
+    def train_step(self, final: bool = False) -> dict[str, Any]:
+        """One batch. `final`: the run's last, checkpointed whatever `save_every` says, so that nothing
+        is left unacknowledged."""
         cfg = self.cfg
         messages: list[Any] = []
         trajs_payload = None
         lost: list[str] = []
         wait_s = 0.0
+        no_data: str | None = None
         if self.rank0:
-            messages, trajs, lost, wait_s = self.collect()
-            trajs_payload = [t.model_dump(mode="json") for t in trajs]
-        trajs_payload, lost = _broadcast((trajs_payload, lost), self.engine)
+            try:
+                messages, trajs, lost, wait_s = self.collect()
+                trajs_payload = [t.model_dump(mode="json") for t in trajs]
+            except NoData as exc:
+                no_data = str(exc)  # told to every rank, which would otherwise wait for this batch for ever
+        trajs_payload, lost, no_data = _broadcast((trajs_payload, lost, no_data), self.engine)
+        if no_data is not None:
+            raise NoData(no_data)
         trajs = [ScoredTrajectory.model_validate(t) for t in trajs_payload]
         batch = rl_sequences(trajs, cfg.filters, learner_version=self.version, std_normalize=cfg.std_normalize,
                              negative_scale=cfg.negative_scale)
@@ -445,27 +512,19 @@ class RLTrainer:
             metrics["skipped"] = 1.0  # nothing carries gradient (rLLM skips such steps too)
         # Checkpoint first (with what was consumed), then acknowledge: a crash in between re-reads
         # the messages and skips them by id.
-        self.consumed = (self.consumed + [[m.id for m in messages]])[-CONSUMED_STEPS_KEPT:]
+        self.consumed = (self.consumed + [[m.id for m in messages]])[-self._kept():]
         self.consumed = _broadcast(self.consumed, self.engine)
         # from the broadcast trajectories, so every rank holds the same list
         settled = sorted({t.group_id for t in trajs} | set(lost))
-        self.trained_groups = (self.trained_groups + [settled])[-CONSUMED_STEPS_KEPT:]
-        if trainable and self.version % cfg.save_every == 0:
-            self.engine.save_checkpoint(self.out / "checkpoints", {
-                "kind": "rl", "version": self.version, "consumed": self.consumed, "groups": self.trained_groups,
-                "batches": self.batches + 1,
-                "stream": {"name": getattr(self, "stream", None), "group": cfg.consumer_group,
-                           "last_id": messages[-1].id if messages else None}})
-        if os.environ.get("STAR_LEARNER_CRASH_AFTER_CHECKPOINT") == str(self.version):
-            # Fault injection for the resume test: die between checkpoint and acknowledgement.
-            os.kill(os.getpid(), 9)
+        self.trained_groups = (self.trained_groups + [settled])[-self._kept():]
+        self.held += [m.id for m in messages]
+        replaying = self.batches < self.logged_batches
         self.batches += 1
-        if self.rank0:
-            # (the checkpoint holds these ids: a learner that dies waiting for Redis skips them on resume)
-            until_redis(lambda: self.consumer.client.xack(self.consumer.stream, self.consumer.group,
-                                                          *[m.id for m in messages]) if messages else None,
-                        what="acknowledging the step's messages")
-        if trainable and cfg.publish_weights:
+        t_save = time.perf_counter()
+        due = (trainable and self.version % cfg.save_every == 0) or final
+        if due and self._checkpoint(last_id=messages[-1].id if messages else None):
+            metrics["time_checkpoint_s"] = time.perf_counter() - t_save
+        if trainable and cfg.publish_weights and self.version > self.published:
             metrics.update(self.publish())
         metrics["time_step_s"] = (metrics.get("time_wait_s", 0.0) + metrics.get("time_compute_s", 0.0)
                                   + metrics.get("time_sync_s", 0.0))
@@ -473,20 +532,48 @@ class RLTrainer:
         # `step` is the version (a skipped batch repeats it); `batch` counts every batch, so curves
         # of rollout figures have one point per batch
         metrics["batch"] = self.batches
-        self.runlog.write(self.version, metrics)  # a step is a trained batch, whatever its optimizer steps
-        self.runlog.write_samples(self.version, [{"batch": self.batches, **r}
-                                                 for r in step_samples(trajs, cfg.samples_per_step)])
+        if not replaying:  # a replayed batch's line is in metrics.jsonl from before the kill
+            self.runlog.write(self.version, metrics)  # a step is a trained batch, whatever its optimizer steps
+            self.runlog.write_samples(self.version, [{"batch": self.batches, **r}
+                                                     for r in step_samples(trajs, cfg.samples_per_step)])
         if self.rank0:
             # Counted last: the controller publishes the next steps' tasks on this count, with the
             # weights version it reads then as their oldest allowed sampler. Counted before the
-            # publication, the next step went out asking for the previous weights and its samples
-            # arrived one version stale, to be dropped (bench/results/gpu_proof.md).
+            # publication, the next step would go out asking for the previous weights and its samples
+            # would arrive one version stale, to be dropped.
             until_redis(self._count_batches, what="counting batches")
+        if os.environ.get("STAR_LEARNER_CRASH_AFTER_STEP") == str(self.version) and not replaying:
+            # Fault injection for the replay test: die after a step that no checkpoint holds.
+            os.kill(os.getpid(), 9)
         return metrics
 
+    def _checkpoint(self, last_id: str | None = None) -> bool:
+        """Every rank: save a checkpoint of the batches consumed so far, then (rank 0) acknowledge the
+        messages held since the previous one. The tag names the batch too, so a checkpoint after a
+        skipped batch never overwrites the one `latest` names. False when nothing was held."""
+        if not _broadcast(bool(self.held), self.engine):
+            return False
+        tag = f"step{self.engine.step_count:07d}-b{self.batches:07d}"
+        self.engine.save_checkpoint(self.out / "checkpoints", {
+            "kind": "rl", "version": self.version, "consumed": self.consumed, "groups": self.trained_groups,
+            "batches": self.batches,
+            "stream": {"name": getattr(self, "stream", None), "group": self.cfg.consumer_group,
+                       "last_id": last_id}}, tag=tag)
+        if os.environ.get("STAR_LEARNER_CRASH_AFTER_CHECKPOINT") == str(self.version):
+            # Fault injection for the resume test: die between checkpoint and acknowledgement.
+            os.kill(os.getpid(), 9)
+        if self.rank0 and self.held:
+            # (the checkpoint holds these ids: a learner that dies waiting for Redis skips them on resume)
+            held = self.held
+            until_redis(lambda: self.consumer.client.xack(self.consumer.stream, self.consumer.group, *held),
+                        what="acknowledging the messages since the last checkpoint")
+        self.held = []
+        return True
+
     def _count_batches(self) -> None:
-        """Publish the consumed-batch count (rank 0)."""
-        self.redis.set(self.names.learner_batches, self.batches)
+        """Publish the consumed-batch count (rank 0), never lowering it: a replayed batch was counted."""
+        current = self.redis.get(self.names.learner_batches)
+        self.redis.set(self.names.learner_batches, max(self.batches, int(current) if current else 0))
 
     def _recount_batches(self) -> None:
         """At start, agree with Redis on the batch count, never lowering it: batches skipped after
@@ -494,7 +581,8 @@ class RLTrainer:
         again, and a learner killed between publishing a step and counting it must still count it."""
         if self.rank0:
             raw = until_redis(lambda: self.redis.get(self.names.learner_batches), what="reading the batch count")
-            self.batches = max(self.batches, int(raw) if raw else 0)
+            if not self.replay:  # batches journaled since the checkpoint are trained again, counted as they go
+                self.batches = max(self.batches, int(raw) if raw else 0)
             until_redis(self._count_batches, what="counting batches")
         self.batches = int(_broadcast(self.batches, self.engine))
 
@@ -505,7 +593,9 @@ class RLTrainer:
         behind = False
         if self.rank0 and self.publisher is not None:
             latest = until_redis(self.publisher.latest, what="reading the published weights version")
-            behind = (latest.version if latest else 0) < self.version
+            self.published = latest.version if latest else 0
+            behind = self.published < self.version
+        self.published = _broadcast(self.published, self.engine)
         if _broadcast(behind, self.engine):
             log.info("publishing the resumed version", extra={"version": self.version})
             self.publish()
@@ -529,7 +619,11 @@ class RLTrainer:
     def run(self, max_steps: int | None = None) -> dict[str, Any]:
         from tqdm import tqdm
 
-        if self.resume():
+        resumed = self.resume()
+        if self.rank0:
+            self._read_journal()
+        self.logged_batches = _broadcast(self.logged_batches, self.engine)
+        if resumed or self.logged_batches:
             self._publish_unannounced()
         self._recount_batches()
         # A step is one batch of the controller's schedule, trained or skipped (all samples stale
@@ -542,8 +636,8 @@ class RLTrainer:
         last: dict[str, Any] = {}
         state = "finished"
         try:
-            while self.batches < limit and not self.stop.is_set():
-                last = self.train_step()
+            while self.batches < limit and not stop_agreed(self.stop, self.engine):
+                last = self.train_step(final=self.batches + 1 >= limit)
                 bar.update(1)
                 bar.set_postfix(loss=f"{last.get('loss', float('nan')):.4f}", reward=f"{last['reward_mean']:.3f}")
                 if self.rank0:
@@ -551,6 +645,7 @@ class RLTrainer:
                                  metrics=last)
             if self.batches < limit:
                 state = "stopped"
+                self._checkpoint()  # what was trained since the last checkpoint is kept and acknowledged
         except NoData as exc:
             state = "stopped" if self.stop.is_set() else "failed"
             last = {**last, "error": str(exc)}

@@ -3,20 +3,36 @@
 `python -m services.learner.worker rl run.json` (or `sft`). DeepSpeed owns one process group per
 process, so the API starts each run as its own process and talks to it through the run folder
 (status.json, metrics.jsonl) and signals: SIGTERM stops it after the current step. Under
-torchrun every rank runs this same entry point.
+torchrun every rank runs this same entry point (services.learner.launch builds the command).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from services.common.logging import configure_logging
 from services.common.settings import get_settings
 from services.learner.config import RLConfig, SFTConfig, load_config
+
+
+def die_with_launcher() -> None:
+    """Under torchrun: end this rank when torchrun itself is killed (SIGKILL cannot be forwarded), so
+    that no orphaned rank keeps its GPU and its place in a collective."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher died before the call above
+        os._exit(1)
 
 
 def run_file(kind: str, config_path: Path, max_steps: int | None = None) -> dict:
@@ -36,19 +52,23 @@ def run_file(kind: str, config_path: Path, max_steps: int | None = None) -> dict
         try:
             trainer = RLTrainer(cfg, stop=stop)
         except Exception as exc:
-            write_status(Path(cfg.output_dir), state="failed", error=f"{type(exc).__name__}: {exc}")
+            if os.environ.get("RANK", "0") == "0":
+                write_status(Path(cfg.output_dir), state="failed", error=f"{type(exc).__name__}: {exc}")
             raise
         return trainer.run(max_steps=max_steps)
     raise ValueError(f"unknown run kind {kind!r} (sft | rl)")
 
 
+@record  # under torchrun: a failing rank's error and traceback reach torchrun's summary
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) not in (2, 3):
         print("usage: python -m services.learner.worker sft|rl CONFIG [MAX_STEPS]", file=sys.stderr)
         return 2
+    die_with_launcher()
     result = run_file(argv[0], Path(argv[1]), int(argv[2]) if len(argv) == 3 else None)
-    print(json.dumps({k: v for k, v in result.items() if k != "metrics"}, default=str))
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps({k: v for k, v in result.items() if k != "metrics"}, default=str))
     return 0 if result["state"] in ("finished", "stopped") else 1
 
 

@@ -207,10 +207,14 @@ class LearnerSpec(_Section):
     compile_layers: bool = EngineConfig.model_fields["compile_layers"]
     gradient_checkpointing: bool = EngineConfig.model_fields["gradient_checkpointing"]
     keep_checkpoints: int = EngineConfig.model_fields["keep_checkpoints"]
+    offload_optimizer: Literal["none", "cpu"] = EngineConfig.model_fields["offload_optimizer"]
+    offload_params: Literal["none", "cpu"] = EngineConfig.model_fields["offload_params"]
+    fp32_grad_reduce: bool = EngineConfig.model_fields["fp32_grad_reduce"]
+    overlap_comm: bool | None = EngineConfig.model_fields["overlap_comm"]
 
-    def engine(self, zero_stage: int, seed: int) -> EngineConfig:
-        """The learner's EngineConfig for this recipe."""
-        return EngineConfig(zero_stage=zero_stage, seed=seed, **self.model_dump())
+    def engine(self, zero_stage: int, seed: int, ranks: int = 1) -> EngineConfig:
+        """The learner's EngineConfig for this recipe (`ranks`: deployment.learner_ranks)."""
+        return EngineConfig(zero_stage=zero_stage, seed=seed, ranks=ranks, **self.model_dump())
 
 
 class ServicesSpec(_Section):
@@ -227,6 +231,27 @@ class ServicesSpec(_Section):
     zero_stage: Literal[0, 1, 2, 3] = 2
 
 
+class DeploymentSpec(_Section):
+    """Where a run's processes go on this machine's GPUs (services.pipeline.placement): the learner's ranks,
+    and the rollout engines (one per rollout worker, `services.rollout_workers`), each over
+    `engine_tensor_parallel` GPUs. On a machine without GPUs everything runs on CPU and `learner_ranks`
+    counts gloo processes."""
+
+    learner_ranks: int = Field(1, ge=1, description="Learner processes, under torchrun for more than 1; on a GPU "
+                               "machine one GPU each (the first ones).")
+    engine_tensor_parallel: int = Field(1, ge=1, description="GPUs each rollout engine spans (vLLM tensor "
+                                        "parallelism).")
+    engine_memory_share: float | None = Field(
+        None, gt=0, le=1, description="Share of each of its GPUs' memory an engine may take (vLLM "
+        "gpu_memory_utilization). None: 0.9 on GPUs of their own; beside the learner or other engines, what "
+        "is left divided among the engines of the fullest GPU.")
+    learner_memory_share: float = Field(0.4, gt=0, lt=1, description="Share of a GPU's memory kept for the "
+                                        "learner where engines share its GPU.")
+    share_gpus: bool | None = Field(None, description="Engines beside the learner (and each other) on the same GPUs, "
+                                    "by memory share. None: only when the machine has too few GPUs to give each "
+                                    "process its own.")
+
+
 class PipelineConfig(_Section):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
                       description="The run's name: its folder is STAR_HOME/runs/NAME unless --run-dir says otherwise.")
@@ -241,6 +266,7 @@ class PipelineConfig(_Section):
     eval: EvalSpec = Field(default_factory=EvalSpec)
     services: ServicesSpec = Field(default_factory=ServicesSpec)
     learner: LearnerSpec = Field(default_factory=LearnerSpec)
+    deployment: DeploymentSpec = Field(default_factory=DeploymentSpec)
 
     @model_validator(mode="after")
     def _stages_in_order(self) -> "PipelineConfig":

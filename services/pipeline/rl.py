@@ -99,7 +99,8 @@ def rl_config(run: Run, model: str, names: StreamNames, redis_url: str, total_st
         log_ratio_clamp=r.log_ratio_clamp, importance_sampling=r.importance_sampling, is_low=r.is_low,
         is_high=r.is_high, temperature=r.sampling.temperature,
         eps_low=r.eps_low, eps_high=r.eps_high, filters=r.filters(),
-        engine=run.config.learner.engine(run.config.services.zero_stage, run.config.seed),
+        engine=run.config.learner.engine(run.config.services.zero_stage, run.config.seed,
+                                         ranks=run.config.deployment.learner_ranks),
         redis_url=redis_url, stream_prefix=names.prefix, weights_dir=str(run.folder / "weights"),
         wait_timeout_s=24 * 3600)
     path = run.folder / "rl.json"
@@ -128,8 +129,9 @@ def start_fleet(run: Run, model: str, names: StreamNames) -> Fleet:
                    # the transformers engine decodes every sample of its groups in one batch
                    "STAR_ROLLOUT_MAX_BATCH": str(s.rollout_concurrency * run.config.rl.group_size)}
     for i in range(s.rollout_workers):
+        devices = run.placement.engine_env(i) if run.placement else {}
         f.workers.append(Managed(f"rollout-{i}", [sys.executable, "-m", "services.rollout.worker"],
-                                 {**rollout_env, "STAR_ROLLOUT_CONSUMER": f"rollout-{i}"},
+                                 {**rollout_env, **devices, "STAR_ROLLOUT_CONSUMER": f"rollout-{i}"},
                                  logs / f"rollout-{i}.log").start())
     for i in range(s.reward_workers):
         f.workers.append(Managed(f"reward-{i}", [sys.executable, "-m", "services.cli", "reward", "worker",
@@ -220,9 +222,10 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
         try:
             if validation:
                 validation.submit(0, model, keep=False)  # the starting model: the curve's baseline, same queries
-            f.learner = Managed("learner", [sys.executable, "-m", "services.learner.worker", "rl",
-                                            str(rl_config(run, model, names, f.redis_url, schedule.total_steps))],
-                                {**run.env, "STAR_REDIS_URL": f.redis_url}, run.log("learner")).start()
+            argv, learner_env = run.learner_launch(
+                "rl", rl_config(run, model, names, f.redis_url, schedule.total_steps))
+            f.learner = Managed("learner", argv, {**run.env, **learner_env, "STAR_REDIS_URL": f.redis_url},
+                                run.log("learner")).start()
             client = redis.Redis.from_url(f.redis_url)
             publisher = TaskPublisher(client, names, run.config.name, schedule, sampling, reward_kind=r.reward,
                                       preference_penalty=r.preference_penalty, curriculum=curriculum,
@@ -432,7 +435,9 @@ def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher
                     if final >= total:
                         return Ending("done", final)
                 if f.learner.restarts >= MAX_RESTARTS:
-                    raise StageFailed(f"the learner keeps failing (exit {rc}); see {f.learner.log}")
+                    tail = f.learner.log.read_text(errors="replace").strip().splitlines()[-8:]
+                    raise StageFailed(f"the learner keeps failing (exit {rc}); see {f.learner.log}\n  "
+                                      + "\n  ".join(tail))
                 console.print(f"[yellow]learner exited ({rc}, {status.get('state')}); resuming from its checkpoint[/]")
                 f.learner.restarts += 1
                 f.learner.start()

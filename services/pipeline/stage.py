@@ -18,6 +18,7 @@ from typing import Any
 from rich.console import Console
 
 from services.pipeline.config import PipelineConfig
+from services.pipeline.placement import Placement
 
 console = Console(stderr=True)
 
@@ -33,6 +34,16 @@ class Run:
     world_url: str = ""
     base_model: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    placement: Placement | None = None
+
+    def learner_launch(self, kind: str, config: Path) -> tuple[list[str], dict[str, str]]:
+        """The command and environment (beside `env`) that start this run's learner for `kind` on its
+        placement: one process, or its ranks under torchrun, on the learner's devices."""
+        from services.learner.launch import worker_argv, worker_env
+
+        ranks = self.placement.learner_ranks if self.placement else 1
+        devices = self.placement.learner_env() if self.placement else {}
+        return worker_argv(kind, config, ranks), {**devices, **worker_env(ranks)}
 
     @property
     def stages_file(self) -> Path:

@@ -29,6 +29,7 @@ from services.pipeline.config import STAGES, EvalSpec, PipelineConfig, dump_conf
 from services.pipeline.rl import stage_rl
 from services.pipeline.report import write_report
 from services.pipeline.stage import Run, StageFailed, console, eval_argv, run_process, star_argv
+from services.pipeline.placement import PlacementError, placement_for
 
 # ---- preparation -------------------------------------------------------------------------------
 
@@ -46,13 +47,19 @@ def prepare(config: PipelineConfig, folder: Path) -> Run:
 
         if recipe_identity(load_pipeline_config(resolved)) != recipe_identity(config):
             raise StageFailed(f"{folder} holds a run of a different recipe; use another --run-dir or remove it")
+    try:  # refused before anything is written or started
+        placement = placement_for(config.deployment, config.services.rollout_workers)
+    except PlacementError as exc:
+        raise StageFailed(f"{exc}") from None
     resolved.write_text(dump_config(config))
-    run = Run(config, folder)
+    run = Run(config, folder, placement=placement)
     run.world_url = prepare_world(config, folder)
     run.base_model = prepare_model(config)
     settings = get_settings()
+    # DeepSpeed's accelerator defaults to CPU unless told: follow the hardware unless the caller chose
     run.env = {"STAR_HOME": str(settings.home), "STAR_DB_URL": run.world_url, "STAR_LOG_JSON": "false",
-               "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+               "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", placement.accelerator)}
+    console.print(placement.describe())
     return run
 
 
@@ -116,11 +123,12 @@ def stage_sft(run: Run, synth: dict[str, Any]) -> dict[str, Any]:
     out = run.folder / "sft"
     cfg = SFTConfig(model=run.base_model, data=synth["sft_data"], output_dir=str(out), lr=s.lr, epochs=s.epochs,
                     batch_size=s.batch_size, warmup_ratio=s.warmup_ratio, max_seq_len=s.max_seq_len,
-                    max_steps=s.max_steps, engine=run.config.learner.engine(run.config.services.zero_stage,
-                                                                    run.config.seed))
+                    max_steps=s.max_steps, engine=run.config.learner.engine(
+                        run.config.services.zero_stage, run.config.seed, ranks=run.config.deployment.learner_ranks))
     path = run.folder / "sft.json"
     path.write_text(cfg.model_dump_json(indent=2))
-    run_process(run, "sft", [sys.executable, "-m", "services.learner.worker", "sft", str(path)])
+    argv, env = run.learner_launch("sft", path)
+    run_process(run, "sft", argv, env=env)
     status = read_status(out)
     if not status.get("export"):
         raise StageFailed(f"SFT finished without an exported model; see {out / 'status.json'}")
@@ -157,8 +165,8 @@ def stage_eval(run: Run, model: str, synth: dict[str, Any] | None, rl: dict[str,
 
 def starting_model(base: str, outputs: dict[str, Any], stages: list[str]) -> str:
     """The model the first configured stage starts from: the last one the stages before it made
-    in this run folder. (An RL stage run on its own after SFT that started from the base model would
-    sample the untrained policy, whose trajectories all break the protocol.)"""
+    in this run folder. (RL run on its own after SFT must not start from the base model: it would
+    sample the untrained policy, whose trajectories break the protocol.)"""
     model = base
     for stage in STAGES:
         if stage in stages:

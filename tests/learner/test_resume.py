@@ -55,7 +55,7 @@ def test_sigkill_between_checkpoint_and_ack_resumes_exactly(tmp_path, tiny_model
         reference = read_metrics(tmp_path / "straight")
         assert [m["step"] for m in reference] == [1, 2, 3]
 
-        killed = _config(tmp_path, "killed", tiny_model, redis_server_url, prefixes["killed"])
+        killed = _config(tmp_path, "killed", tiny_model, redis_server_url, prefixes["killed"], save_every=1)
         crash = _run(killed, STEPS, {"STAR_LEARNER_CRASH_AFTER_CHECKPOINT": "2"})
         assert crash.returncode == -9, crash.stderr[-3000:]
         assert read_status(tmp_path / "killed")["step"] == 1  # step 2 was checkpointed, never reported
@@ -171,7 +171,7 @@ def test_mini_batches_update_several_times_per_batch_and_count_one_step(tmp_path
         assert int(client.get(StreamNames(prefix).learner_batches)) == 2
         assert json.loads(client.get(StreamNames(prefix).weights_latest))["version"] == 2
         tags = sorted(p.name for p in (tmp_path / "mini" / "checkpoints").iterdir() if p.name.startswith("step"))
-        assert tags[-1] == "step0000004"
+        assert tags[-1] == "step0000004-b0000002"  # 4 optimizer steps over 2 batches
         # samples.jsonl: each step's groups, one whole trajectory each (the default keeps up to 4)
         samples = [json.loads(line) for line in (tmp_path / "mini" / "samples.jsonl").read_text().splitlines()]
         assert [(s["step"], s["batch"], s["sample_index"]) for s in samples] == [
@@ -186,7 +186,7 @@ def test_mini_batches_update_several_times_per_batch_and_count_one_step(tmp_path
 @pytest.mark.slow
 def test_a_batch_dapo_shrank_makes_fewer_updates_of_whole_groups(tmp_path, tiny_model, redis_server_url):
     """DAPO drops a flat group out of a batch of two: the one group left is one update, not two
-    halves of a group whose advantages do not balance (the H100 run 22 collapse)."""
+    halves of a group whose advantages do not balance (which collapsed the policy on a GPU run)."""
     client = redis.Redis.from_url(redis_server_url)
     prefix = f"test:{uuid.uuid4().hex[:8]}"
     # two batches of two groups, each sampled by the version that trains it
@@ -235,7 +235,7 @@ def test_a_batch_waits_for_its_own_steps_slow_groups_instead_of_taking_a_later_s
 @pytest.mark.slow
 def test_a_sample_delivered_twice_is_trained_once(tmp_path, tiny_model, redis_server_url):
     """A task that ran twice publishes its samples twice: a group must not grow past its size
-    with copies (a 2026-11-24 run trained batches of 72-96 samples for 64)."""
+    with copies (batches of 72-96 samples for 64 were trained that way)."""
     client = redis.Redis.from_url(redis_server_url)
     prefix = f"test:{uuid.uuid4().hex[:8]}"
     trajs = scored_batch(tiny_model, 2, 2, seed=0)
@@ -315,3 +315,49 @@ def test_a_step_goes_without_a_group_whose_rollout_task_was_dead_lettered(tmp_pa
     finally:
         for key in client.scan_iter(match=prefix + "*"):
             client.delete(key)
+
+
+@pytest.mark.slow
+def test_kill_between_checkpoints_replays_the_batches_since_exactly(tmp_path, tiny_model, redis_server_url):
+    """Checkpoints every 3 steps: a learner killed after step 2 (no checkpoint yet holds it) replays steps 1
+    and 2 from the stream, with the same batches, publishes nothing twice, logs each step once, and its
+    later steps equal the uninterrupted run's."""
+    steps = 4
+    client = redis.Redis.from_url(redis_server_url)
+    trajs = [t for step in range(steps) for t in scored_batch(tiny_model, 2, 2, seed=step, version=step)]
+    prefixes = {name: f"test:{uuid.uuid4().hex[:8]}" for name in ("straight", "killed")}
+    try:
+        for prefix in prefixes.values():
+            for t in trajs:
+                publish(client, StreamNames(prefix).scored, t)
+        straight = _config(tmp_path, "straight", tiny_model, redis_server_url, prefixes["straight"], save_every=3)
+        done = _run(straight, steps)
+        assert done.returncode == 0, done.stderr[-3000:]
+        reference = read_metrics(tmp_path / "straight")
+        assert [m["step"] for m in reference] == [1, 2, 3, 4]
+        assert reference[2].get("time_checkpoint_s") and reference[3].get("time_checkpoint_s")
+        assert not reference[0].get("time_checkpoint_s") and not reference[1].get("time_checkpoint_s")
+
+        killed = _config(tmp_path, "killed", tiny_model, redis_server_url, prefixes["killed"], save_every=3)
+        crash = _run(killed, steps, {"STAR_LEARNER_CRASH_AFTER_STEP": "2"})
+        assert crash.returncode == -9, crash.stderr[-3000:]
+        assert not (tmp_path / "killed" / "checkpoints" / "latest").exists()  # no checkpoint was due yet
+        names = StreamNames(prefixes["killed"])
+        assert client.xpending(names.scored, "learner")["pending"] == 8  # both steps' messages held
+        assert json.loads(client.get(f"{prefixes['killed']}:weights:latest"))["version"] == 2
+
+        resumed = _run(killed, steps)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        after = read_metrics(tmp_path / "killed")
+        assert [m["step"] for m in after] == [1, 2, 3, 4]  # steps 1 and 2 replayed, not logged twice
+        for mine, theirs in zip(after, reference):
+            assert mine["samples_in"] == theirs["samples_in"] == 4
+            assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6, abs=1e-9), mine["step"]
+            assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), mine["step"]
+        assert client.xpending(names.scored, "learner")["pending"] == 0  # acknowledged at the checkpoints
+        assert int(client.get(names.learner_batches)) == 4
+        assert json.loads(client.get(f"{prefixes['killed']}:weights:latest"))["version"] == 4
+    finally:
+        for prefix in prefixes.values():
+            for key in client.scan_iter(match=f"{prefix}*"):
+                client.delete(key)

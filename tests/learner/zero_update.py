@@ -1,6 +1,9 @@
-"""One RL step of the tiny policy under ZeRO-2, as a script: `torchrun --nproc_per_node N zero_update.py OUT`.
+"""One RL step of the tiny policy under ZeRO, as a script:
+`torchrun --nproc_per_node N zero_update.py OUT [STAGE]` (STAGE 2 unless given).
 
-Rank 0 saves the weight change of every parameter to OUT, for the 1-vs-2-process comparison."""
+Rank 0 saves the full weights before and after the step (gathered, under ZeRO-3), their change, and
+the exported HF folder of the new weights (every rank joins its gather), for the comparisons of
+test_distributed.py."""
 
 from __future__ import annotations
 
@@ -17,25 +20,37 @@ from services.learner.batching import Sequence_  # noqa: E402
 from services.learner.config import EngineConfig, ScheduleConfig  # noqa: E402
 from services.learner.engine import PolicyEngine  # noqa: E402
 from services.learner.steps import rl_step  # noqa: E402
+from services.learner.trainer import export_model  # noqa: E402
 
 
-def main(out: Path) -> None:
+def full_weights(engine: PolicyEngine) -> dict[str, torch.Tensor]:
+    """Every HF-named weight, whole, as rank 0 receives it (every rank must call this)."""
+    out: dict[str, torch.Tensor] = {}
+    for bucket in engine.iter_weight_buckets(bucket_bytes=2**20):
+        out.update({n: t.clone() for n, t in bucket.tensors().items()})
+    return out
+
+
+def main(out: Path, stage: int) -> None:
     # adam_eps 1: Adam's first update is lr·g/(|g| + 1) ≈ lr·g, so the weight change is the gradient
     # itself. With the default eps it is ≈ lr·sign(g), where a gradient near eps flips with the
     # summation order (1 rank against a reduce over 2) and the comparison becomes a coin toss.
-    engine = PolicyEngine(tiny_qwen2(), EngineConfig(zero_stage=2, micro_batch_tokens=48, adam_eps=1.0),
+    engine = PolicyEngine(tiny_qwen2(), EngineConfig(zero_stage=stage, micro_batch_tokens=48, adam_eps=1.0),
                           ScheduleConfig(lr=0.1), total_steps=10)
-    before = {n: p.detach().clone() for n, p in engine.hf_model.named_parameters()}
+    before = full_weights(engine)
     g = torch.Generator().manual_seed(7)
     seqs = [Sequence_(torch.randint(100, 5000, (n,), generator=g).tolist(), [0, 0, 0] + [1] * (n - 3), None,
                       advantage=(1.0 if i % 2 else -0.5) * (1 + i / 10), index=i)
             for i, n in enumerate([30, 22, 17, 40, 9, 26])]
     metrics = rl_step(engine, seqs, eps_low=0.2, eps_high=0.28).metrics
+    after = full_weights(engine)
+    export = export_model(engine, out.parent / f"{out.stem}-export", engine.step_count)
     if engine.rank == 0:
-        delta = {n: p.detach() - before[n] for n, p in engine.hf_model.named_parameters()}
-        torch.save({"delta": delta, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-                    "world": engine.world_size}, out)
+        torch.save({"delta": {n: after[n] - before[n] for n in after}, "after": after, "loss": metrics["loss"],
+                    "grad_norm": metrics["grad_norm"], "world": engine.world_size, "stage": stage,
+                    "partitioned": any(hasattr(p, "ds_id") for p in engine.hf_model.parameters()),
+                    "export": str(export)}, out)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 2)

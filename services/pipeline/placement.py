@@ -1,0 +1,130 @@
+"""Placement: which GPUs each process of a run gets, from the recipe's `deployment:` section.
+
+The learner's ranks take the first GPUs, one each. Rollout engines take the GPUs after them, in
+groups of `engine_tensor_parallel`; where the machine has too few GPUs for that (or `share_gpus` says
+so) the engines go beside the learner and each other, each limited to a share of its GPUs' memory,
+GPUs without the learner filled first. A layout the machine cannot hold is refused with the numbers
+before anything starts. Each process learns its devices through CUDA_VISIBLE_DEVICES (the
+learner's ranks then pick theirs by LOCAL_RANK), and DeepSpeed its accelerator through
+DS_ACCELERATOR, which defaults to CPU unless told.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from services.pipeline.config import DeploymentSpec
+
+DEDICATED_MEMORY_SHARE = 0.9   # an engine alone on its GPUs (vLLM's own default)
+MIN_ENGINE_SHARE = 0.05        # below this an engine holds its weights and hardly any KV cache
+
+
+class PlacementError(ValueError):
+    """The machine cannot hold the layout the recipe asks for."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    accelerator: str                          # "cuda" or "cpu"
+    learner_ranks: int
+    learner_devices: tuple[str, ...]          # GPU ids (empty on CPU)
+    engine_devices: tuple[tuple[str, ...], ...]
+    engine_memory_share: float | None         # None on CPU
+    tensor_parallel: int = 1
+    shared: bool = False
+
+    def learner_env(self) -> dict[str, str]:
+        env = {"DS_ACCELERATOR": self.accelerator}
+        if self.accelerator == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.learner_devices)
+        return env
+
+    def engine_env(self, index: int) -> dict[str, str]:
+        """Rollout worker `index`'s devices, and the memory share and tensor parallelism of its engine."""
+        if self.accelerator != "cuda":
+            return {}
+        return {"CUDA_VISIBLE_DEVICES": ",".join(self.engine_devices[index]),
+                "STAR_ROLLOUT_GPU_MEMORY_UTILIZATION": f"{self.engine_memory_share:.2f}",
+                "STAR_ROLLOUT_TENSOR_PARALLEL_SIZE": str(self.tensor_parallel)}
+
+    def describe(self) -> str:
+        if self.accelerator != "cuda":
+            return f"placement: CPU; learner {self.learner_ranks} rank(s), {len(self.engine_devices)} engine(s)"
+        engines = ", ".join("+".join(d) for d in self.engine_devices) or "none"
+        return (f"placement: learner on GPU {'+'.join(self.learner_devices)}; engines on GPU {engines} "
+                f"at {self.engine_memory_share:.2f} of memory each{' (sharing GPUs)' if self.shared else ''}")
+
+
+def visible_gpu_ids() -> list[str]:
+    """The GPUs this process may hand out, by the ids its children's CUDA_VISIBLE_DEVICES must name."""
+    from services.learner.launch import visible_gpus
+
+    count = visible_gpus()
+    listed = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return listed[:count]
+    return [str(i) for i in range(count)]
+
+
+def plan(spec: DeploymentSpec, engines: int, gpus: list[str]) -> Placement:
+    """Devices for the learner and for each of `engines` rollout engines on a machine with `gpus`."""
+    if not gpus:
+        return Placement("cpu", spec.learner_ranks, (), tuple(() for _ in range(engines)), None)
+    n, ranks, tp = len(gpus), spec.learner_ranks, spec.engine_tensor_parallel
+    if ranks > n:
+        raise PlacementError(f"deployment.learner_ranks {ranks} needs {ranks} GPUs, one per rank; "
+                             f"this machine shows {n}")
+    if engines and tp > n:
+        raise PlacementError(f"deployment.engine_tensor_parallel {tp} needs {tp} GPUs per engine; "
+                             f"this machine shows {n}")
+    need = ranks + engines * tp
+    shared = spec.share_gpus if spec.share_gpus is not None else need > n
+    learner = tuple(gpus[:ranks])
+    if not shared:
+        if need > n:
+            raise PlacementError(
+                f"deployment needs {ranks} learner GPU(s) + {engines} engine(s) × {tp} GPU(s) = {need} GPUs; "
+                f"this machine shows {n} (deployment.share_gpus: true puts engines beside the learner by "
+                "memory share)")
+        devices = tuple(tuple(gpus[ranks + i * tp: ranks + (i + 1) * tp]) for i in range(engines))
+        share = spec.engine_memory_share or DEDICATED_MEMORY_SHARE
+        return Placement("cuda", ranks, learner, devices, share, tp, shared=False)
+    return _shared(spec, engines, gpus, learner)
+
+
+def _shared(spec: DeploymentSpec, engines: int, gpus: list[str], learner: tuple[str, ...]) -> Placement:
+    tp = spec.engine_tensor_parallel
+    groups = [tuple(gpus[g * tp: (g + 1) * tp]) for g in range(len(gpus) // tp)]
+    # engines go first where the learner is not, then round the groups again
+    groups.sort(key=lambda group: any(d in learner for d in group))
+    devices = tuple(groups[i % len(groups)] for i in range(engines))
+    load = {d: sum(d in group for group in devices) for d in gpus}
+    free = {d: 1.0 - (spec.learner_memory_share if d in learner else 0.0) for d in gpus}
+    used = [d for d in gpus if load[d]]
+    if spec.engine_memory_share is None:
+        fit = min((free[d] / load[d] for d in used), default=DEDICATED_MEMORY_SHARE)
+        share = min(math.floor(fit * 100) / 100, DEDICATED_MEMORY_SHARE)
+        if share < MIN_ENGINE_SHARE:
+            worst = min(used, key=lambda d: free[d] / load[d])
+            raise PlacementError(
+                f"deployment puts {load[worst]} engine(s) on GPU {worst}, leaving each {share:.2f} of its memory "
+                f"(learner keeps {spec.learner_memory_share:.2f}); an engine needs at least {MIN_ENGINE_SHARE:.2f}: "
+                f"fewer rollout workers, or more GPUs")
+    else:
+        share = spec.engine_memory_share
+        for d in used:
+            total = load[d] * share + (1.0 - free[d])
+            if total > 1.0 + 1e-9:
+                kept = f" + learner {1.0 - free[d]:.2f}" if d in learner else ""
+                raise PlacementError(
+                    f"GPU {d} would hold {load[d]} engine(s) × {share:.2f}{kept} = {total:.2f} of its memory "
+                    f"(at most 1.00): lower deployment.engine_memory_share to {free[d] / load[d]:.2f} or run fewer "
+                    "engines")
+    return Placement("cuda", len(learner), learner, devices, share, tp, shared=True)
+
+
+def placement_for(spec: DeploymentSpec, engines: int, gpus: list[str] | None = None) -> Placement:
+    """The run's placement on this machine (its visible GPUs unless `gpus` is given)."""
+    return plan(spec, engines, visible_gpu_ids() if gpus is None else gpus)

@@ -1,0 +1,58 @@
+"""Memory options of the learner: the DeepSpeed config they make, and selective recomputation that
+leaves the gradients as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from services.learner.config import EngineConfig
+from services.learner.engine import deepspeed_config, recompute_mlps
+
+
+def test_fp32_gradient_accumulation_and_reduction_under_bf16_zero():
+    ds = deepspeed_config(EngineConfig(zero_stage=3), bf16=True, world_size=2, on_gpu=True)
+    assert ds["data_types"] == {"grad_accum_dtype": "fp32"} and ds["communication_data_type"] == "fp32"
+    assert ds["zero_optimization"]["overlap_comm"] is True  # on GPU by default
+    # fp32 weights accumulate in fp32 anyway; without ZeRO DeepSpeed has no bf16/fp32 mix
+    assert "data_types" not in deepspeed_config(EngineConfig(zero_stage=2), bf16=False, world_size=1)
+    assert "data_types" not in deepspeed_config(EngineConfig(zero_stage=0), bf16=True, world_size=1)
+    off = deepspeed_config(EngineConfig(zero_stage=2, fp32_grad_reduce=False, overlap_comm=False), bf16=True,
+                           world_size=1, on_gpu=True)
+    assert "data_types" not in off and off["zero_optimization"]["overlap_comm"] is False
+
+
+def test_offload_options():
+    ds = deepspeed_config(EngineConfig(zero_stage=3, offload_optimizer="cpu", offload_params="cpu"), bf16=True,
+                          world_size=2, on_gpu=True)
+    assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert ds["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
+    with pytest.raises(ValidationError, match="offload_params needs zero_stage 3"):
+        EngineConfig(zero_stage=2, offload_params="cpu")
+    with pytest.raises(ValidationError, match="offload_optimizer needs ZeRO"):
+        EngineConfig(zero_stage=0, offload_optimizer="cpu")
+
+
+def test_mlp_recomputation_keeps_gradients_and_names(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(100, 4000, (1, 40), generator=torch.Generator().manual_seed(3))
+
+    def grads(recompute: bool) -> dict[str, torch.Tensor]:
+        lm = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+        names = [n for n, _ in lm.named_parameters()]
+        if recompute:
+            assert recompute_mlps(lm) == lm.config.num_hidden_layers
+        assert [n for n, _ in lm.named_parameters()] == names
+        calls = []
+        lm.model.layers[0].mlp.gate_proj.register_forward_hook(lambda *_: calls.append(1))
+        lm(input_ids=ids, labels=ids).loss.backward()
+        runs.append(len(calls))
+        return {n: p.grad.clone() for n, p in lm.named_parameters()}
+
+    runs: list[int] = []
+    plain, recomputed = grads(False), grads(True)
+    assert runs == [1, 2]  # the MLP ran again in backward
+    for name, g in plain.items():
+        assert torch.allclose(g, recomputed[name], rtol=1e-5, atol=1e-7), name

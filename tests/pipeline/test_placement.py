@@ -1,0 +1,123 @@
+"""Placement: the devices each process of a run gets for several layouts, and the refusals with numbers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.pipeline.config import DeploymentSpec
+from services.pipeline.placement import PlacementError, plan
+
+GPUS8 = [str(i) for i in range(8)]
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_cpu_machine_puts_everything_on_cpu():
+    p = plan(DeploymentSpec(learner_ranks=2), engines=3, gpus=[])
+    assert p.accelerator == "cpu" and p.learner_ranks == 2
+    assert p.learner_env() == {"DS_ACCELERATOR": "cpu"}
+    assert p.engine_env(0) == {}
+
+
+def test_dedicated_gpus_learner_first_then_engines_by_tensor_parallel_groups():
+    p = plan(DeploymentSpec(learner_ranks=2, engine_tensor_parallel=2), engines=3, gpus=GPUS8)
+    assert not p.shared
+    assert p.learner_devices == ("0", "1")
+    assert p.engine_devices == (("2", "3"), ("4", "5"), ("6", "7"))
+    assert p.learner_env() == {"DS_ACCELERATOR": "cuda", "CUDA_VISIBLE_DEVICES": "0,1"}
+    env = p.engine_env(2)
+    assert env["CUDA_VISIBLE_DEVICES"] == "6,7"
+    assert env["STAR_ROLLOUT_TENSOR_PARALLEL_SIZE"] == "2"
+    assert float(env["STAR_ROLLOUT_GPU_MEMORY_UTILIZATION"]) == pytest.approx(0.9)
+
+
+def test_ids_follow_the_callers_visible_devices():
+    p = plan(DeploymentSpec(learner_ranks=1), engines=1, gpus=["4", "6"])
+    assert p.learner_devices == ("4",) and p.engine_devices == (("6",),)
+
+
+def test_one_gpu_box_shares_by_memory():
+    p = plan(DeploymentSpec(), engines=2, gpus=["0"])
+    assert p.shared
+    assert p.learner_devices == ("0",) and p.engine_devices == (("0",), ("0",))
+    # the learner keeps 0.4, the two engines split the rest
+    assert p.engine_memory_share == pytest.approx(0.3)
+    assert p.engine_env(1)["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_sharing_fills_gpus_without_the_learner_first():
+    p = plan(DeploymentSpec(learner_ranks=2), engines=4, gpus=["0", "1", "2", "3"])
+    assert p.shared  # 2 + 4 > 4
+    assert p.engine_devices == (("2",), ("3",), ("0",), ("1",))
+    assert p.engine_memory_share == pytest.approx(0.6)  # the learner's GPUs are the fullest
+
+
+def test_explicit_share_that_overfills_a_gpu_is_refused_with_the_numbers():
+    with pytest.raises(PlacementError) as err:
+        plan(DeploymentSpec(engine_memory_share=0.5), engines=2, gpus=["0"])
+    text = str(err.value)
+    assert "2 engine(s) × 0.50" in text and "learner 0.40" in text and "1.40" in text and "0.30" in text
+
+
+def test_too_many_learner_ranks_refused():
+    with pytest.raises(PlacementError, match=r"learner_ranks 4 needs 4 GPUs.*shows 2"):
+        plan(DeploymentSpec(learner_ranks=4), engines=1, gpus=["0", "1"])
+
+
+def test_dedicated_layout_that_does_not_fit_refused():
+    with pytest.raises(PlacementError) as err:
+        plan(DeploymentSpec(learner_ranks=2, share_gpus=False), engines=8, gpus=GPUS8)
+    assert "2 learner GPU(s) + 8 engine(s) × 1 GPU(s) = 10 GPUs" in str(err.value)
+    assert "shows 8" in str(err.value)
+
+
+def test_tensor_parallel_wider_than_the_machine_refused():
+    with pytest.raises(PlacementError, match="engine_tensor_parallel 4 needs 4 GPUs per engine; this machine shows 2"):
+        plan(DeploymentSpec(engine_tensor_parallel=4), engines=1, gpus=["0", "1"])
+
+
+def test_too_many_engines_on_one_gpu_refused():
+    with pytest.raises(PlacementError, match=r"puts 16 engine\(s\) on GPU 0, leaving each 0\.03"):
+        plan(DeploymentSpec(), engines=16, gpus=["0"])
+
+
+def test_recipe_section_is_typed():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        DeploymentSpec(learner_ranks=0)
+    with pytest.raises(ValidationError):
+        DeploymentSpec(gpu_count=3)  # unknown key
+
+
+def test_the_recipe_deployment_reaches_the_learner_launch_and_its_config(tmp_path):
+    from services.common.streams import StreamNames
+    from services.learner.config import RLConfig
+    from services.pipeline.config import load_pipeline_config
+    from services.pipeline.placement import placement_for
+    from services.pipeline.rl import rl_config
+    from services.pipeline.train import Run
+
+    config = load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml")
+    placement = placement_for(config.deployment, config.services.rollout_workers, GPUS8)
+    run = Run(config, tmp_path, placement=placement)
+    path = rl_config(run, "model", StreamNames("t"), "redis://x", total_steps=4)
+    engine = RLConfig.model_validate_json(path.read_text()).engine
+    assert engine.ranks == 4 and engine.gradient_checkpointing and engine.zero_stage == 3
+    argv, env = run.learner_launch("rl", path)
+    assert "torch.distributed.run" in argv and argv[argv.index("--nproc_per_node") + 1] == "4"
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and env["DS_ACCELERATOR"] == "cuda"
+    assert placement.engine_env(0)["CUDA_VISIBLE_DEVICES"] == "4"
+
+
+def test_star_train_refuses_a_layout_the_machine_cannot_hold_before_starting(tmp_path, monkeypatch):
+    from services.pipeline import placement as placement_module
+    from services.pipeline.config import load_pipeline_config
+    from services.pipeline.train import StageFailed, prepare
+
+    monkeypatch.setattr(placement_module, "visible_gpu_ids", lambda: ["0", "1"])
+    config = load_pipeline_config(CONFIGS / "tiny.yaml", ["deployment.learner_ranks=3"])
+    with pytest.raises(StageFailed, match="learner_ranks 3 needs 3 GPUs, one per rank; this machine shows 2"):
+        prepare(config, tmp_path / "run")
+    assert not (tmp_path / "run" / "config.yaml").exists()
