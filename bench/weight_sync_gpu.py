@@ -183,7 +183,7 @@ def measure_shape(shape: str, args) -> list[dict[str, Any]]:
                 else:
                     store = StorePublisher(weights_root, servers=[url], keep=1, timeout_s=600)
                     result = store.publish(version, iter_weight_buckets(model, zero3=args.zero3,
-                                                                        dtype=torch.bfloat16, device=DEVICE),
+                                                                        dtype=torch.bfloat16, device="cpu"),
                                            config=model.config, source_dir=folder)
                     if any(v != "ok" for v in result.servers.values()):
                         raise RuntimeError(f"file publish failed: {result.servers}")
