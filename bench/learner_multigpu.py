@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sdpa", default="cudnn+flash", help="SDPA kernel order on GPU ('default': PyTorch's)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (ours)")
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--skip-ours", action="store_true", help="measure the baseline alone (in processes of its own, "
+                    "so nothing of ours holds memory) and complete the record ours left under --name")
     ap.add_argument("--nproc", type=int, default=None, help="not under torchrun: launch this many ranks under it")
     ap.add_argument("--name", default="learner_multigpu", help="results file stem under bench/results/")
     ap.add_argument("--workdir", default=None, help="where the random-init model is written (default: a temp dir)")
@@ -293,7 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = build_model(args, work / "model", rank, on_gpu)
     ours: dict = {}
     ours_attempts = []
-    for recompute in (("none", "mlp", "layers") if args.recompute == "auto" else (args.recompute,)):
+    out = ROOT / "bench" / "results" / f"{args.name}.json"
+    kept = ("params", "mfu", "mfu_causal_half", "tokens_per_s", "peak_gib", "step_s", "recompute", "chunk")
+    if args.skip_ours:
+        prev = json.loads(out.read_text())
+        ours, ours_attempts = {k: prev.get(k) for k in kept}, prev.get("attempts", [])
+    for recompute in (() if args.skip_ours else ("none", "mlp", "layers") if args.recompute == "auto"
+                      else (args.recompute,)):
         result = attempt(run_ours, args, model_dir, rank, world, on_gpu, recompute)
         ours_attempts.append({"recompute": recompute, **result})
         if not result.get("oom"):
@@ -311,9 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         device = torch.cuda.get_device_name(0) if on_gpu else f"cpu ({platform.processor() or platform.machine()})"
         common = {"device": device, "world_size": world, "zero_stage": 3, "seq": args.seq}
-        record = {**common, "shape": args.shape, **{k: ours.get(k) for k in
-                                                    ("params", "mfu", "mfu_causal_half", "tokens_per_s", "peak_gib",
-                                                     "step_s", "recompute", "chunk")},
+        record = {**common, "shape": args.shape, **{k: ours.get(k) for k in kept},
                   "baseline": {**common, **baseline} if baseline else None,
                   "attempts": ours_attempts,
                   "baseline_attempts": attempts,
@@ -323,7 +329,6 @@ def main(argv: list[str] | None = None) -> int:
                   "command": "torchrun --nproc_per_node {} bench/learner_multigpu.py {}".format(world, " ".join(
                       a for a in argv)),
                   "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-        out = ROOT / "bench" / "results" / f"{args.name}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=2) + "\n")
         print(json.dumps({k: record[k] for k in ("device", "world_size", "tokens_per_s", "mfu", "peak_gib",
