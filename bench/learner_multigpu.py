@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sdpa", default="cudnn+flash", help="SDPA kernel order on GPU ('default': PyTorch's)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (ours)")
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--baseline-checkpointing", choices=["auto", "off", "on"], default="auto",
+                    help="auto: without, then with gradient checkpointing on OOM (in the same processes)")
     ap.add_argument("--skip-ours", action="store_true", help="measure the baseline alone (in processes of its own, "
                     "so nothing of ours holds memory) and complete the record ours left under --name")
     ap.add_argument("--nproc", type=int, default=None, help="not under torchrun: launch this many ranks under it")
@@ -310,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     baseline: dict = {}
     attempts = []
     if not args.skip_baseline:
-        for checkpointing in (False, True):
+        choice = {"auto": (False, True), "off": (False,), "on": (True,)}[args.baseline_checkpointing]
+        for checkpointing in choice:
             result = attempt(run_baseline, args, model_dir, rank, world, on_gpu, checkpointing)
             attempts.append({"gradient_checkpointing": checkpointing, **result})
             if not result.get("oom"):
