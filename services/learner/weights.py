@@ -11,9 +11,6 @@ Fast path into vLLM (`NcclPublisher`): the learner's rank 0 forms one NCCL group
 engine of the fleet (through each rollout server's `POST /weights/group`), and after each step
 sends the full weights, gathered layer group by layer group under ZeRO-3, through vLLM's own
 weight-transfer engine while every server receives them in place (`POST /weights/broadcast`).
-
-`BroadcastPublisher` / `BroadcastReceiver`: the same buckets over a plain torch.distributed
-broadcast into a live torch model (NCCL between GPUs; gloo on CPU, which is how it is tested).
 """
 
 from __future__ import annotations
@@ -523,64 +520,3 @@ def _every_rank_agrees(flag: bool) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
-
-
-# ---- the torch.distributed broadcast path ------------------------------------------------------
-
-class BroadcastPublisher:
-    """Broadcast buckets from `src` over a process group shared with the rollout workers.
-
-    Per bucket: a small header (names, shapes, dtypes; one object broadcast) then one flat
-    tensor per dtype. Receivers allocate the same flat buffer and copy slices into their model.
-    On GPUs the group is NCCL and tensors move device to device."""
-
-    def __init__(self, group: Any = None, src: int = 0, device: str | torch.device | None = None) -> None:
-        self.group = group
-        self.src = src
-        self.device = torch.device(device) if device else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-
-    def publish(self, version: int, buckets: Iterable[FlatBucket]) -> dict[str, float]:
-        import torch.distributed as dist
-
-        t0 = time.perf_counter()
-        size = 0
-        for bucket in buckets:
-            entries = [(n, str(dt).removeprefix("torch."), list(sh), a, b) for n, dt, sh, a, b in bucket.entries]
-            dist.broadcast_object_list([{"entries": entries, "nbytes": bucket.nbytes, "version": version,
-                                         "done": False}], src=self.src, group=self.group)
-            data = bucket.data[: bucket.nbytes].to(self.device)
-            dist.broadcast(data, src=self.src, group=self.group)
-            size += bucket.nbytes
-        dist.broadcast_object_list([{"done": True, "version": version}], src=self.src, group=self.group)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return {"sync_broadcast_s": time.perf_counter() - t0, "sync_bytes": float(size)}
-
-
-class BroadcastReceiver:
-    def __init__(self, group: Any = None, src: int = 0, device: str | torch.device | None = None) -> None:
-        self.group = group
-        self.src = src
-        self.device = torch.device(device) if device else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-
-    def receive_into(self, model: torch.nn.Module) -> int:
-        """Copy one broadcast version into `model`; returns the version."""
-        import torch.distributed as dist
-
-        params = dict(model.named_parameters(remove_duplicate=False))
-        while True:
-            header = [None]
-            dist.broadcast_object_list(header, src=self.src, group=self.group)
-            meta = header[0]
-            if meta["done"]:
-                return int(meta["version"])
-            data = torch.empty(meta["nbytes"], dtype=torch.uint8, device=self.device)
-            dist.broadcast(data, src=self.src, group=self.group)
-            bucket = FlatBucket([(n, getattr(torch, dt), tuple(sh), a, b) for n, dt, sh, a, b in meta["entries"]], data)
-            with torch.no_grad():
-                for name, tensor in bucket.tensors().items():
-                    if name not in params:
-                        raise WeightsError(f"broadcast tensor {name} has no parameter in the receiving model")
-                    params[name].copy_(tensor)
