@@ -57,3 +57,27 @@ def test_star_sft_refuses_more_ranks_than_gpus(tmp_path, tiny_model):
     assert done.returncode == 2, done.stderr[-2000:]
     assert "asks for 2 ranks" in done.stderr and "shows 1 GPU" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_star_sft_runs_two_ranks_under_torchrun(tmp_path, tiny_model):
+    import json
+    import os
+
+    from services.learner.trainer import read_status
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"plan a trip {i}"},
+                                                     {"role": "assistant", "content": f"day {i}"}]}) + "\n"
+                            for i in range(8)))
+    config = tmp_path / "sft.json"
+    config.write_text(json.dumps({"model": str(tiny_model), "data": str(data), "output_dir": str(tmp_path / "out"),
+                                  "batch_size": 4, "engine": {"ranks": 2, "micro_batch_tokens": 64}}))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-m", "services.cli", "sft", str(config), "--max-steps", "2"], cwd=ROOT,
+                          env={**env, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "sft: 2 ranks under torchrun" in done.stderr
+    status = read_status(tmp_path / "out")
+    assert status["state"] == "finished" and status["step"] == 2
+    assert (Path(status["export"]) / "config.json").is_file()
