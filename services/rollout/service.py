@@ -47,6 +47,9 @@ class RolloutConfig(BaseSettings):
         "dynamic", description="transformers: dynamic shapes per step, or every slot each step (static), "
         "replayed as CUDA graphs on a GPU (graphs).")
     vllm: VllmArgs = Field(default_factory=VllmArgs, description="vllm: engine arguments (JSON), as a recipe's services.vllm.")
+    gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0, description=(
+        "vllm: this engine's share of its GPUs' memory (set per worker by the recipe's placement); overrides vllm's."))
+    tensor_parallel_size: int | None = Field(None, ge=1, description="vllm: GPUs this engine shards over; overrides vllm's.")
     rehash_weights: bool = Field(False, description="Re-hash every file of a published version before loading it "
                                  "(the manifest's own hash and the file sizes are always checked).")
     openai_base_url: str | None = None
@@ -352,7 +355,9 @@ def make_engine(settings: Settings, config: RolloutConfig) -> Engine:
         options["max_batch"] = config.max_batch
         options["decode"] = config.decode
     if config.engine == "vllm":
-        options["args"] = config.vllm
+        placed = {k: v for k, v in (("gpu_memory_utilization", config.gpu_memory_utilization),
+                                    ("tensor_parallel_size", config.tensor_parallel_size)) if v is not None}
+        options["args"] = config.vllm.model_copy(update=placed)
     return build_engine(config.engine, model, **options)
 
 
