@@ -110,7 +110,11 @@ def eval_argv(run: Run, model: str, split: str | Path, out: Path, limit: int | N
     if run.config.services.engine == "transformers":
         argv += ["--decode", run.config.services.decode]
     if run.config.services.engine == "vllm":
-        argv += ["--vllm-args", run.config.services.vllm.model_dump_json()]
+        vllm = run.config.services.vllm
+        if run.placement is not None and run.placement.engine_memory_share is not None:
+            # an evaluation's engine runs beside the fleet's (validations): the same share of a GPU
+            vllm = vllm.model_copy(update={"gpu_memory_utilization": run.placement.engine_memory_share})
+        argv += ["--vllm-args", vllm.model_dump_json()]
     if e.sampling.summarize_at_limit:
         argv += ["--summarize-at-limit"]
     if limit:
