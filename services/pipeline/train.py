@@ -31,6 +31,7 @@ from typing import Any
 from rich.console import Console
 
 from services.common.settings import get_settings
+from services.common.supervisor import RunLock, SupervisorError
 from services.pipeline.config import STAGES, EvalSpec, PipelineConfig, dump_config
 
 console = Console(stderr=True)
@@ -255,7 +256,20 @@ def starting_model(base: str, outputs: dict[str, Any], stages: list[str]) -> str
 
 
 def train(config: PipelineConfig, folder: Path) -> Run:
-    """Run (or resume) every configured stage in order."""
+    """Run (or resume) every configured stage in order, holding the run folder's lock."""
+
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = RunLock(folder).acquire()  # one controller per run folder
+    except SupervisorError as exc:
+        raise StageFailed(str(exc)) from None
+    try:
+        return _train(config, folder)
+    finally:
+        lock.release()
+
+
+def _train(config: PipelineConfig, folder: Path) -> Run:
     from services.pipeline.rl import stage_rl
     from services.pipeline.report import write_report
 

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from services.common.redis import redact
 from services.common.settings import get_settings
 
 console = Console(stderr=True)
@@ -62,7 +63,7 @@ def world_build(
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from None
     _print_world(url)
-    console.print(f"built in {meta.get('seconds', '?')} s → {url}")
+    console.print(f"built in {meta.get('seconds', '?')} s → {redact(url)}")
 
 
 @world_app.command("info")
@@ -78,7 +79,7 @@ def _print_world(url: str) -> None:
     if problem := world.problem():
         console.print(f"[red]error:[/red] {problem}")
         raise typer.Exit(2)
-    table = Table(title=f"world at {url}")
+    table = Table(title=f"world at {redact(url)}")
     table.add_column("table")
     table.add_column("visible rows", justify="right")
     for name, n in world.counts().items():
