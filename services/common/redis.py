@@ -74,11 +74,22 @@ def redact(url: str | None) -> str | None:
 
 def redis_argv(data_dir: Path, port: int, password: str | None, appendonly: bool) -> list[str]:
     """The one way this system runs a local redis-server: loopback only, protected mode on, a
-    password unless told otherwise, AOF when the streams must survive a restart."""
-    argv = [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
-            "--save", "", "--appendonly", "yes" if appendonly else "no", "--protected-mode", "yes"]
+    password unless told otherwise (in a 0600 config file, not on the command line, where `ps`
+    would show it), AOF when the streams must survive a restart."""
+    argv = [redis_server_binary()]
     if password:
-        argv += ["--requirepass", password]
+        conf = Path(data_dir) / "redis.conf"
+        conf.unlink(missing_ok=True)
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'requirepass "{password}"\n')
+        argv.append(str(conf))
+    argv += ["--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir), "--save", "",
+             "--appendonly", "yes" if appendonly else "no", "--protected-mode", "yes"]
+    if appendonly:
+        # every write on disk before it is acknowledged: a kill -9 of Redis loses nothing (the
+        # embedded fleet's writes are few; `everysec` could drop the last second)
+        argv += ["--appendfsync", "always"]
     return argv
 
 

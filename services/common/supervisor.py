@@ -223,6 +223,7 @@ class Supervisor:
         self.die_with_parent = die_with_parent
         self.children: dict[str, Child] = {}
         self.pgid: int | None = None
+        self.info: dict[str, Any] = {}  # saved with the record (no secrets: it is not private)
 
     # -- starting ------------------------------------------------------------------------------
 
@@ -309,7 +310,8 @@ class Supervisor:
                     for c in self.children.values() if c.pid]
         self.record.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.record.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"supervisor": os.getpid(), "pgid": self.pgid, "children": children}, indent=1))
+        tmp.write_text(json.dumps({"supervisor": os.getpid(), "pgid": self.pgid, "children": children,
+                                   **self.info}, indent=1))
         tmp.replace(self.record)
 
 

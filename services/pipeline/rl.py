@@ -108,6 +108,7 @@ def start_fleet(run: Run, model: str, names: StreamNames) -> Fleet:
     password = redis_password(data)
     port = free_port()
     redis_url = local_url(port, password)
+    sup.info = {"redis_port": port}
     redis_child = sup.add("redis", redis_argv(data, port, password, appendonly=True), log=logs / "redis.log",
                           stop_timeout=10)
     f = Fleet(sup, redis_url)
