@@ -270,14 +270,39 @@ def train(config: PipelineConfig, folder: Path) -> Run:
 
 
 def _train(config: PipelineConfig, folder: Path) -> Run:
-    from services.pipeline.rl import stage_rl
     from services.pipeline.report import write_report
 
     run = prepare(config, folder)
     outputs: dict[str, Any] = {name: rec.get("outputs") for name, rec in run.stage_records().items()
                                if rec.get("state") == "done"}
     model = starting_model(run.base_model, outputs, config.stages)
-    for stage in config.stages:
+    from services.common.tracking import Trackers
+
+    trackers = Trackers.open(folder, config.name, {"recipe": config.name, "stages": ",".join(config.stages)})
+    try:
+        _run_stages(run, config, outputs, model, trackers)
+    finally:
+        trackers.close()
+    write_report(run)
+    return run
+
+
+def stage_metrics(stage: str, result: dict[str, Any]) -> dict[str, float]:
+    """A stage's numbers for the experiment trackers: its outputs' scalars and, one level down, its
+    metrics (the evaluation's pass rates), each under `<stage>/`."""
+    out: dict[str, Any] = {}
+    for key, value in result.items():
+        if isinstance(value, dict):
+            out.update({f"{stage}/{key}/{k}": v for k, v in value.items()})
+        else:
+            out[f"{stage}/{key}"] = value
+    return out
+
+
+def _run_stages(run: Run, config: PipelineConfig, outputs: dict[str, Any], model: str, trackers) -> None:
+    from services.pipeline.rl import stage_rl
+
+    for index, stage in enumerate(config.stages):
         done = run.done(stage)
         if done:
             console.print(f"[dim]{stage}: done earlier, skipped[/]")
@@ -302,7 +327,6 @@ def _train(config: PipelineConfig, folder: Path) -> Run:
             raise
         outputs[stage] = result
         run.record(stage, state="done", outputs=result, seconds=round(time.monotonic() - t0, 1))
+        trackers.log({**stage_metrics(stage, result), f"{stage}/seconds": time.monotonic() - t0}, index)
         console.print(f"{stage}: done in {time.monotonic() - t0:.0f} s")
-    write_report(run)
-    return run
 
