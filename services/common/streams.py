@@ -71,6 +71,16 @@ class StreamNames:
     def dead(stream: str) -> str:
         return f"{stream}:dead"
 
+    @staticmethod
+    def consumer_group(stream: str) -> str | None:
+        """The group of the pipeline's stage that consumes `stream` (None for other streams): its
+        entries must wait for that group even before the stage's first worker has created it."""
+        return PIPELINE_GROUPS.get(stream.rsplit(":", 1)[-1])
+
+
+# Who consumes each pipeline stream (services/rollout/worker.py, reward/worker.py, the learner).
+PIPELINE_GROUPS = {"tasks": "rollout", "trajectories": "reward", "scored": "learner"}
+
 
 STREAMS = StreamNames()
 
@@ -373,13 +383,18 @@ def _text(value: Any) -> str:
 def consumed_below(client: redis.Redis, stream: str) -> str | None:
     """The smallest entry id some group on `stream` still needs (its oldest pending entry, else
     the first one after its last delivered); everything below it has been acknowledged by every
-    group. None when the stream has no group (nobody has said what they consumed)."""
+    group. None when the stream has no group (nobody has said what they consumed), or when it is
+    a pipeline stream whose stage's group does not exist yet (an audit group alone must not let
+    the tasks go before a rollout worker has joined)."""
     try:
         groups = client.xinfo_groups(stream)
     except redis.ResponseError:
         return None
     if not groups:
         return None
+    required = StreamNames.consumer_group(stream)
+    if required and required not in {_text(g.get("name") or g.get(b"name")) for g in groups}:
+        return None  # its consumers have not joined yet: nothing is consumed
     floor: tuple[int, int] | None = None
     for g in groups:
         name = _text(g.get("name") or g.get(b"name"))

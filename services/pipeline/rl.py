@@ -25,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from services.common.redis import free_port, local_url, redact, redis_argv, redis_password, wait_for_redis
 from services.common.schemas import SamplingParams
-from services.common.streams import StreamNames, trim_consumed
+from services.common.streams import StreamNames, ensure_group, trim_consumed
 from services.common.supervisor import (Child, Supervisor, SupervisorError, spawn, stop_orphans, stop_process,
                                         wait_ready)
 from services.pipeline import fleet
@@ -114,6 +114,9 @@ def start_fleet(run: Run, model: str, names: StreamNames) -> Fleet:
     f = Fleet(sup, redis_url)
     try:
         wait_for_redis(redis_url, redis_child.proc, 10, f"; see {redis_child.log}")
+        client = redis.Redis.from_url(redis_url)
+        for stream in (names.tasks, names.trajectories, names.scored):  # before any entry exists
+            ensure_group(client, stream, StreamNames.consumer_group(stream))
         env = {**run.env, "STAR_REDIS_URL": redis_url, "STAR_STREAM_PREFIX": names.prefix,
                "STAR_WEIGHTS_ROOT": str(run.folder / "weights")}
         sandbox_spec = next(s for s in fleet.SERVICES if s.name == "sandbox")

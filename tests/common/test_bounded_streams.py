@@ -122,3 +122,20 @@ def test_claim_keeper_extends_only_what_it_holds(redis_client):
         assert keeper.extend() == 0
     finally:
         keeper.close()
+
+
+def test_a_pipeline_stream_waits_for_its_stage_to_join(redis_client):
+    """Tasks published before any rollout worker has started must survive an audit (or any other)
+    group that has already read them."""
+    client, prefix = redis_client
+    names = StreamNames(prefix.rstrip(":"))
+    publish(client, names.tasks, {"n": 1})
+    audit = StreamConsumer(client, names.tasks, "audit", "a")
+    for m in audit.read(5, None):
+        audit.ack(m)
+    assert trim_consumed(client, names.tasks) == 0 and client.xlen(names.tasks) == 1
+    rollout = StreamConsumer(client, names.tasks, "rollout", "r")
+    (msg,) = rollout.read(5, None)
+    assert msg.data["n"] == 1
+    rollout.ack(msg)
+    assert trim_consumed(client, names.tasks) == 1
