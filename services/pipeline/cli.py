@@ -95,8 +95,9 @@ def train_command(
     # SIGTERM (a supervisor), SIGHUP (the terminal closed) and SIGINT (Ctrl-C) all stop the fleet
     # in order; even a SIGKILL stops it (each process dies with the controller) and a rerun
     # stops whatever was left (services/common/supervisor.py).
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGHUP, _interrupt)
+    # (SIGINT too: a shell starting us in the background may have left it ignored)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, _interrupt)
     try:
         run = train(cfg, folder)
     except StageFailed as exc:
