@@ -267,7 +267,7 @@ def chaos_kind(kind: str, kills: int, steps: int, rng: random.Random, timeout_s:
     deadline = time.monotonic() + timeout_s
     audit.ready.wait(timeout_s)
     while len(events) < kills and time.monotonic() < deadline and not run.finished():
-        time.sleep(rng.uniform(2.0, 10.0))
+        time.sleep(rng.uniform(3.0, 20.0))
         pid = run.pid_of(kind)
         if pid is None or run.finished():
             continue
