@@ -155,6 +155,13 @@ def stop_pid(pid: int, timeout: float = 10.0, started: int | None = None) -> boo
     return True
 
 
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
 def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
     try:
         os.killpg(pgid, sig)
@@ -323,12 +330,14 @@ def stop_orphans(record: Path) -> list[str]:
         data = json.loads(record.read_text())
     except (OSError, ValueError):
         return []
-    stopped = []
-    for c in data.get("children", []):
-        if c.get("pid") and stop_pid(int(c["pid"]), 10.0, c.get("started")):
-            stopped.append(c["name"])
+    children = [c for c in data.get("children", []) if c.get("pid")]
+    # the group is still ours only while one of our processes is in it (a pgid is reused only
+    # once its group is empty): then its grandchildren go too
     pgid = data.get("pgid")
-    if pgid and pgid != os.getpgid(0):
+    ours = pgid and pgid != os.getpgid(0) and any(
+        alive(int(c["pid"]), c.get("started")) and _pgid(int(c["pid"])) == pgid for c in children)
+    stopped = [c["name"] for c in children if stop_pid(int(c["pid"]), 10.0, c.get("started"))]
+    if ours:
         kill_group(int(pgid))
     record.unlink(missing_ok=True)
     if stopped:

@@ -51,20 +51,19 @@ def test_restarts_back_off_and_stop_at_the_budget(tmp_path):
 
 
 def test_the_budget_is_per_window():
-    policy = RestartPolicy(max_restarts=2, window_s=0.5, backoff_s=0.0)
+    policy = RestartPolicy(max_restarts=2, window_s=100, backoff_s=0.0, reset_after_s=1e9)
     sup = Supervisor(None)
     child = sup.add("c", [sys.executable, "-c", "pass"], policy=policy)
     try:
+        now = time.monotonic()
         for _ in range(2):
             child.proc.wait(10)
-            assert sup.restart_due(child)
+            assert sup.restart_due(child, now)
             sup.restart(child)
         child.proc.wait(10)
         with pytest.raises(SupervisorError):
-            sup.restart_due(child)
-        time.sleep(0.6)  # the window has moved on: restarting is allowed again
-        child._due = None
-        assert sup.restart_due(child)
+            sup.restart_due(child, now + 50)  # third death inside the window
+        assert sup.restart_due(child, now + 200)  # the window has moved past both restarts
     finally:
         sup.stop_all()
 
