@@ -200,10 +200,11 @@ def slope(xs: list[int], ys: list[float]) -> float:
     return float(np.polyfit(xs, ys, 1)[0])
 
 
-def memory(steps: int, timeout_s: float) -> dict[str, Any]:
+def memory(steps: int, timeout_s: float, baseline_steps: int | None = None) -> dict[str, Any]:
     print(f"memory: {steps} steps with trimming, then the baseline without", flush=True)
     trimmed = watch_memory(TinyRun("memory", steps), timeout_s)
-    baseline = watch_memory(TinyRun("memory-baseline", steps, {"STAR_STREAM_TRIM": "0"}), timeout_s)
+    baseline = watch_memory(TinyRun("memory-baseline", baseline_steps or steps, {"STAR_STREAM_TRIM": "0"}),
+                            timeout_s)
     out: dict[str, Any] = {}
     for name, r in (("trimmed", trimmed), ("baseline", baseline)):
         xs, ys = r["step_ids"], r["used_mb"]
@@ -388,6 +389,8 @@ def main() -> None:
     sub = parser.add_subparsers(dest="what", required=True)
     mem = sub.add_parser("memory")
     mem.add_argument("--steps", type=int, default=50)
+    mem.add_argument("--baseline-steps", type=int, default=None, help="(default: --steps) a shorter baseline "
+                     "still shows its growth per step")
     mem.add_argument("--timeout", type=float, default=3600)
     kill = sub.add_parser("kill")
     kill.add_argument("--kinds", default=",".join(KINDS))
@@ -398,7 +401,7 @@ def main() -> None:
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.what == "memory":
-        result = memory(args.steps, args.timeout)
+        result = memory(args.steps, args.timeout, args.baseline_steps)
         save({"redis_memory": result})
         print(json.dumps({k: v for k, v in result.items() if "used_mb" not in k}, indent=1))
         return
