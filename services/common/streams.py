@@ -398,10 +398,10 @@ def consumed_below(client: redis.Redis, stream: str) -> str | None:
     floor: tuple[int, int] | None = None
     for g in groups:
         name = _text(g.get("name") or g.get(b"name"))
-        if int(g.get("pending") or 0):
-            oldest = client.xpending(stream, name)["min"]
+        oldest = client.xpending(stream, name)["min"] if int(g.get("pending") or 0) else None
+        if oldest is not None:
             needed = _text(oldest)
-        else:
+        else:  # nothing pending (or acknowledged since XINFO said otherwise): all it read is done
             needed = _next_id(_text(g.get("last-delivered-id") or g.get(b"last-delivered-id") or "0-0"))
         key = tuple(int(x) for x in needed.split("-"))
         floor = key if floor is None or key < floor else floor
