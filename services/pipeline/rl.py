@@ -490,7 +490,10 @@ def trim_streams(client: redis.Redis, names: StreamNames) -> None:
     """Drop what every consumer group has acknowledged: the streams stay as long as the work in
     flight, not the run."""
     for stream in (names.tasks, names.trajectories, names.scored):
-        trim_consumed(client, stream)
+        try:
+            trim_consumed(client, stream)
+        except (redis.ResponseError, ValueError) as exc:  # housekeeping: never worth the stage
+            console.print(f"[yellow]could not trim {stream}: {exc}[/]")
 
 
 @dataclass
