@@ -366,6 +366,9 @@ def report(data: dict[str, Any]) -> str:
                   f"| never trimmed (baseline) | {b['steps']} | {b['first_mb']:.3f} | {b['last_mb']:.3f} | "
                   f"{b['kb_per_step_second_half']:.2f} | {b['stream_lengths_at_end']} |", "",
                   f"bounded: **{m['bounded']}**  ·  plot: chaos_memory.png", ""]
+        if b["steps"] < m["steps"]:
+            lines += [f"The baseline ran {b['steps']} steps (`--baseline-steps`): enough for its growth per step, "
+                      "which is linear; the trimmed run is the one that must stay flat over the whole run.", ""]
     kinds = data.get("kinds")
     if kinds:
         lines += ["## kill -9 during a tiny run, per process kind", "",
