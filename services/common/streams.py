@@ -6,12 +6,19 @@ The guarantees the RL loop relies on (DESIGN.md, "Data flow"):
 - exactly-once hand-off between stages: `forward` writes the result downstream and acknowledges
   the input in one MULTI/EXEC transaction, so a crash leaves either both or neither;
 - poison messages end: after `max_deliveries` attempts a message moves to `<stream>:dead`
-  with its error and is acknowledged, so it cannot block the group.
+  with its error and is acknowledged, so it cannot block the group. A message whose handler
+  kills the process (no failure is ever recorded) is buried when it comes round once more than
+  `max_deliveries` times, so the workers that take it in turn do not crash-loop;
+- a message being worked on is claimed again every `claim_idle_ms / 3` (`ClaimKeeper`), so a
+  slow but live consumer is never robbed of it (which would process it twice);
+- bounded state: once every group on a stream has acknowledged an entry it is trimmed
+  (`trim_consumed`, XTRIM MINID), and dead-letter streams keep their last `DEAD_LETTERS_KEPT`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -26,6 +33,10 @@ log = logging.getLogger(__name__)
 
 # Field under which every payload travels; one JSON document per stream entry.
 PAYLOAD = b"payload"
+DEAD_LETTERS_KEPT = 10_000  # approximate cap of each `<stream>:dead`
+TRIM_EVERY_S = 1.0  # how often a worker trims its input stream
+# STAR_STREAM_TRIM=0 keeps every entry (bench/chaos.py's baseline: the streams as they grew before)
+TRIM = os.environ.get("STAR_STREAM_TRIM", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,16 @@ class StreamNames:
     @staticmethod
     def dead(stream: str) -> str:
         return f"{stream}:dead"
+
+    @staticmethod
+    def consumer_group(stream: str) -> str | None:
+        """The group of the pipeline's stage that consumes `stream` (None for other streams): its
+        entries must wait for that group even before the stage's first worker has created it."""
+        return PIPELINE_GROUPS.get(stream.rsplit(":", 1)[-1])
+
+
+# Who consumes each pipeline stream (services/rollout/worker.py, reward/worker.py, the learner).
+PIPELINE_GROUPS = {"tasks": "rollout", "trajectories": "reward", "scored": "learner"}
 
 
 STREAMS = StreamNames()
@@ -193,7 +214,17 @@ class StreamConsumer:
             ids.append(entry)
         for msg, n in zip(out, self._delivery_counts(ids)):
             msg.deliveries = n
-        return out
+        return [m for m in out if not self._over_delivered(m)]
+
+    def _over_delivered(self, msg: StreamMessage) -> bool:
+        """Bury a message delivered more than `max_deliveries` times: its earlier attempts ended
+        without a recorded failure, i.e. the consumer died holding it (a message that crashes its
+        worker), and handing it out again would crash the next one too."""
+        if msg.deliveries <= self.max_deliveries:
+            return False
+        self._bury(msg.id, msg.data, f"delivered {msg.deliveries} times without finishing: "
+                                     "its consumers died while holding it", msg.deliveries)
+        return True
 
     def _delivery_counts(self, ids: list[str]) -> list[int]:
         counts = []
@@ -236,7 +267,8 @@ class StreamConsumer:
         dead = {"stream": self.stream, "id": entry, "group": self.group, "error": error[:4000],
                 "deliveries": deliveries, "payload": data, "at": time.time()}
         pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(StreamNames.dead(self.stream), {PAYLOAD: orjson.dumps(dead)})
+        pipe.xadd(StreamNames.dead(self.stream), {PAYLOAD: orjson.dumps(dead)}, maxlen=DEAD_LETTERS_KEPT,
+                  approximate=True)
         pipe.xack(self.stream, self.group, entry)
         pipe.execute()
         log.error("message dead-lettered", extra={"stream": self.stream, "id": entry, "error": error[:500]})
@@ -247,36 +279,141 @@ Handler = Callable[[StreamMessage], "BaseModel | Mapping[str, Any] | list | None
 
 def run_worker(consumer: StreamConsumer, handler: Handler, out_stream: str | None,
                stop: threading.Event | None = None, *, batch: int = 1, block_ms: int = 1000,
-               on_idle: Callable[[], None] | None = None) -> int:
+               on_idle: Callable[[], None] | None = None, keep_claims: bool = True) -> int:
     """Consume until `stop` is set. `handler` returns the payload(s) to forward (acknowledged in the
     same transaction), or None to just acknowledge; an exception counts as a failed attempt.
-    Returns the number of messages handled."""
+    While a message is handled its claim is kept fresh (`ClaimKeeper`), and consumed entries of
+    the input stream are trimmed now and then. Returns the number of messages handled."""
     stop = stop or threading.Event()
     handled = 0
-    while not stop.is_set():
-        try:
-            messages = consumer.read(batch, block_ms)
-        except REDIS_DOWN as exc:
-            log.warning("redis unavailable; retrying", extra={"error": str(exc)})
-            stop.wait(1.0)
-            continue
-        if not messages:
-            if on_idle:
-                on_idle()
-            continue
-        for msg in messages:
+    keeper = ClaimKeeper(consumer.client, consumer.claim_idle_ms, stop) if keep_claims else None
+    trimmed_at = 0.0
+    try:
+        while not stop.is_set():
             try:
-                result = handler(msg)
-            except Exception as exc:  # noqa: BLE001 - any failure is recorded on the message
-                log.exception("handler failed", extra={"stream": consumer.stream, "id": msg.id})
-                _settle(consumer, msg, lambda m=msg, e=exc: consumer.fail(m, f"{type(e).__name__}: {e}"), stop)
+                messages = consumer.read(batch, block_ms)
+                if time.monotonic() - trimmed_at >= TRIM_EVERY_S:
+                    trimmed_at = time.monotonic()
+                    trim_consumed(consumer.client, consumer.stream)
+            except REDIS_DOWN as exc:
+                log.warning("redis unavailable; retrying", extra={"error": str(exc)})
+                stop.wait(1.0)
                 continue
-            if result is None or out_stream is None:
-                _settle(consumer, msg, lambda m=msg: consumer.ack(m), stop)
-            else:
-                _settle(consumer, msg, lambda m=msg, r=result: consumer.forward(m, out_stream, r), stop)
-            handled += 1
+            if not messages:
+                if on_idle:
+                    on_idle()
+                continue
+            for msg in messages:
+                if keeper:
+                    keeper.hold(consumer, msg)
+                try:
+                    result = handler(msg)
+                except Exception as exc:  # noqa: BLE001 - any failure is recorded on the message
+                    log.exception("handler failed", extra={"stream": consumer.stream, "id": msg.id})
+                    _settle(consumer, msg, lambda m=msg, e=exc: consumer.fail(m, f"{type(e).__name__}: {e}"), stop)
+                    continue
+                finally:
+                    if keeper:
+                        keeper.release(msg)
+                if result is None or out_stream is None:
+                    _settle(consumer, msg, lambda m=msg: consumer.ack(m), stop)
+                else:
+                    _settle(consumer, msg, lambda m=msg, r=result: consumer.forward(m, out_stream, r), stop)
+                handled += 1
+    finally:
+        if keeper:
+            keeper.close()
     return handled
+
+
+class ClaimKeeper:
+    """Re-claims the messages its consumers are working on every `claim_idle_ms / 3` (XCLAIM
+    JUSTID, which leaves the delivery count alone), so no other consumer's XAUTOCLAIM takes a
+    message from a live consumer that is merely slow (a long formatter call, a weight load)."""
+
+    def __init__(self, client: redis.Redis, claim_idle_ms: int, stop: threading.Event | None = None) -> None:
+        self.client = client
+        self.interval_s = max(0.05, claim_idle_ms / 3000.0)
+        self._held: dict[str, tuple[StreamConsumer, StreamMessage]] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._stop = stop
+        self._thread = threading.Thread(target=self._run, name="claim-keeper", daemon=True)
+        self._thread.start()
+
+    def hold(self, consumer: StreamConsumer, msg: StreamMessage) -> None:
+        with self._lock:
+            self._held[msg.id] = (consumer, msg)
+
+    def release(self, msg: StreamMessage) -> None:
+        with self._lock:
+            self._held.pop(msg.id, None)
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def extend(self) -> int:
+        """Claim every held message again now; returns how many were extended."""
+        with self._lock:
+            held = list(self._held.values())
+        for consumer, msg in held:
+            try:
+                self.client.xclaim(consumer.stream, consumer.group, consumer.consumer, min_idle_time=0,
+                                   message_ids=[msg.id], justid=True)
+            except redis.RedisError as exc:
+                log.warning("claim not extended", extra={"id": msg.id, "error": str(exc)})
+        return len(held)
+
+    def _run(self) -> None:
+        while not self._closed.wait(self.interval_s):
+            if self._stop is not None and self._stop.is_set():
+                return
+            self.extend()
+
+
+def _next_id(entry: str) -> str:
+    ms, _, seq = entry.partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def consumed_below(client: redis.Redis, stream: str) -> str | None:
+    """The smallest entry id some group on `stream` still needs (its oldest pending entry, else
+    the first one after its last delivered); everything below it has been acknowledged by every
+    group. None when the stream has no group (nobody has said what they consumed), or when it is
+    a pipeline stream whose stage's group does not exist yet (an audit group alone must not let
+    the tasks go before a rollout worker has joined)."""
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError:
+        return None
+    if not groups:
+        return None
+    required = StreamNames.consumer_group(stream)
+    if required and required not in {_text(g.get("name") or g.get(b"name")) for g in groups}:
+        return None  # its consumers have not joined yet: nothing is consumed
+    floor: tuple[int, int] | None = None
+    for g in groups:
+        name = _text(g.get("name") or g.get(b"name"))
+        oldest = client.xpending(stream, name)["min"] if int(g.get("pending") or 0) else None
+        if oldest is not None:
+            needed = _text(oldest)
+        else:  # nothing pending (or acknowledged since XINFO said otherwise): all it read is done
+            needed = _next_id(_text(g.get("last-delivered-id") or g.get(b"last-delivered-id") or "0-0"))
+        key = tuple(int(x) for x in needed.split("-"))
+        floor = key if floor is None or key < floor else floor
+    return f"{floor[0]}-{floor[1]}"
+
+
+def trim_consumed(client: redis.Redis, stream: str) -> int:
+    """Delete the entries every group on `stream` has acknowledged; returns how many went."""
+    floor = consumed_below(client, stream) if TRIM else None
+    if floor is None or floor == "0-1":
+        return 0
+    return int(client.xtrim(stream, minid=floor, approximate=False))
 
 
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError (AOF replay) is a ConnectionError

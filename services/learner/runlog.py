@@ -1,4 +1,5 @@
-"""A run folder's metrics: one JSON line per step in metrics.jsonl, and the same scalars in TensorBoard."""
+"""A run folder's metrics: one JSON line per step in metrics.jsonl, and the same scalars in TensorBoard
+and in the experiment trackers STAR_TRACKING switches on (W&B, MLflow: services/common/tracking.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ class RunLog:
         self.enabled = enabled
         self.writer = None
         self.last: dict[str, Any] = {}
+        self.trackers = None
         if enabled:
             self.folder.mkdir(parents=True, exist_ok=True)
             if tensorboard:
@@ -24,6 +26,10 @@ class RunLog:
                     self.writer = SummaryWriter(str(self.folder / "tensorboard"))
                 except ImportError:  # pragma: no cover - tensorboard is a dependency
                     self.writer = None
+            from services.common.tracking import Trackers
+
+            # named after the run and the stage folder, e.g. "tiny/rl"
+            self.trackers = Trackers.open(self.folder, f"{self.folder.parent.name}/{self.folder.name}")
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, "time": time.time(), **metrics}
@@ -37,6 +43,8 @@ class RunLog:
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
+        if self.trackers is not None:
+            self.trackers.log(metrics, step)
 
     def write_samples(self, step: int, records: list[dict[str, Any]]) -> None:
         """Whole trajectories of a step, one JSON line each, in samples.jsonl."""
@@ -49,6 +57,8 @@ class RunLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 def _jsonable(value: Any) -> Any:

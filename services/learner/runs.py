@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
+from services.common.supervisor import process_start_time, spawn
 from services.learner.config import RLConfig, SFTConfig
 from services.learner.launch import RankError, resolve_ranks, worker_argv, worker_env
 from services.learner.runlog import read_metrics
@@ -75,15 +76,15 @@ class RunManager:
         folder.mkdir(parents=True)
         (folder / "config.json").write_text(model.model_dump_json(indent=1))
         cmd = worker_argv(request.kind, folder / "config.json", ranks, request.max_steps)
-        log = open(folder / "log.txt", "ab")
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **worker_env(ranks), **(env or {})},
-                                   cwd=Path(__file__).resolve().parents[2], start_new_session=True)
-        log.close()
+        # Its own process group (a torchrun's ranks stop with it). Not tied to the API process's
+        # life: requests run on pool threads that come and go, and a run is its folder's, so it
+        # may outlive an API restart; run.json names it (pid and start time) for whoever stops it.
+        process = spawn(cmd, env={**os.environ, **worker_env(ranks), **(env or {})}, log_path=folder / "log.txt",
+                        group=0, die_with_parent=False, cwd=Path(__file__).resolve().parents[2])
         run = Run(run_id, request.kind, folder, process)
         self.runs[run_id] = run
         (folder / "run.json").write_text(json.dumps({"id": run_id, "kind": request.kind, "pid": process.pid,
-                                                     "ranks": ranks}))
+                                                     "ranks": ranks, "started": process_start_time(process.pid)}))
         return run
 
     def get(self, run_id: str) -> Run:

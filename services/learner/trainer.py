@@ -232,7 +232,7 @@ class RLTrainer:
         self.runlog = RunLog(self.out, enabled=self.rank0)
         self.version = 0
         self.consumed: list[list[str]] = []
-        # group ids trained per step (the last CONSUMED_STEPS_KEPT): a task rolled out a second time
+        # group ids trained per step (the whole run): a task rolled out a second time
         # publishes its group again under new message ids, and that copy must not be trained too
         self.trained_groups: list[list[str]] = []
         self.duplicates = 0  # samples of already trained groups dropped since the last step
@@ -516,7 +516,8 @@ class RLTrainer:
         self.consumed = _broadcast(self.consumed, self.engine)
         # from the broadcast trajectories, so every rank holds the same list
         settled = sorted({t.group_id for t in trajs} | set(lost))
-        self.trained_groups = (self.trained_groups + [settled])[-self._kept():]
+        # every step's, for the whole run: a task rolled out again however late is still caught
+        self.trained_groups = self.trained_groups + [settled]
         self.held += [m.id for m in messages]
         replaying = self.batches < self.logged_batches
         self.batches += 1

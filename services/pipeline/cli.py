@@ -26,8 +26,11 @@ def up_command(only: Optional[list[str]] = typer.Option(None, "--only", help="St
     except RuntimeError as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(1) from None
-    console.print(f"redis {state.redis_url}; state in {fleet.state_path(settings)}")
-    console.print("clients: " + " ".join(f"{k}={v}" for k, v in state.env().items()))
+    from services.common.redis import redact
+
+    console.print(f"redis {redact(state.redis_url)} (password in {settings.home / 'redis' / 'redis.password'}); "
+                  f"state in {fleet.state_path(settings)}")
+    console.print("clients: " + " ".join(f"{k}={redact(v)}" for k, v in state.env().items()))
 
 
 def down_command() -> None:
@@ -89,7 +92,12 @@ def train_command(
     def _interrupt(*_: object) -> None:
         raise KeyboardInterrupt  # unwinds through the stages, which stop their processes
 
-    signal.signal(signal.SIGTERM, _interrupt)
+    # SIGTERM (a supervisor), SIGHUP (the terminal closed) and SIGINT (Ctrl-C) all stop the fleet
+    # in order; even a SIGKILL stops it (each process dies with the controller) and a rerun
+    # stops whatever was left (services/common/supervisor.py).
+    # (SIGINT too: a shell starting us in the background may have left it ignored)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, _interrupt)
     try:
         run = train(cfg, folder)
     except StageFailed as exc:

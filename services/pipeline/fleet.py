@@ -1,8 +1,11 @@
 """The embedded fleet: Redis and every service as local processes on 127.0.0.1 (`star up`).
 
-Processes are detached (their own session) so they outlive the command that started them; what
-was started is recorded in `STAR_HOME/fleet.json` so `star status` and `star down` find it. Each
-service gets the others' URLs through the same STAR_* settings Compose and Helm set.
+`star up` starts one detached supervisor process (`python -m services.pipeline.fleet supervise`),
+which outlives the command: it starts Redis (with a password) and the services in one process
+group through services/common/supervisor.py, restarts what dies (backoff, a budget per window) and
+records the fleet in `STAR_HOME/fleet.json` (mode 0600: it holds the Redis URL) so `star status`
+and `star down` find it. `star down` stops the supervisor, which stops the fleet. Each service
+gets the others' URLs through the same STAR_* settings Compose and Helm set.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,7 +22,9 @@ from pathlib import Path
 import httpx
 import redis
 
-from services.common.redis import free_port, redis_server_binary
+from services.common.redis import free_port, local_url, redact, redis_argv, redis_password, wait_for_redis
+from services.common.supervisor import alive as _alive_since
+from services.common.supervisor import spawn, stop_pid, wait_ready
 from services.common.settings import Settings, get_settings
 
 
@@ -58,6 +62,7 @@ class Process:
     pid: int
     port: int | None
     log: str
+    password: str | None = None  # Redis's, kept out of fleet.json (it is in the data folder)
 
     @property
     def url(self) -> str | None:
@@ -68,18 +73,30 @@ class Process:
 class FleetState:
     redis_url: str
     processes: list[Process] = field(default_factory=list)
+    supervisor: int | None = None
+    ready: bool = False
+    error: str | None = None
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"redis_url": self.redis_url, "processes": [asdict(p) for p in self.processes]},
-                                   indent=2))
+        rows = [{k: v for k, v in asdict(p).items() if k != "password"} for p in self.processes]
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"redis_url": self.redis_url, "processes": rows, "supervisor": self.supervisor,
+                                "ready": self.ready, "error": self.error}, indent=2))
+        tmp.replace(path)
 
     @classmethod
     def load(cls, path: Path) -> "FleetState | None":
         if not path.is_file():
             return None
-        data = json.loads(path.read_text())
-        return cls(data["redis_url"], [Process(**p) for p in data["processes"]])
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            return None
+        return cls(data["redis_url"], [Process(**p) for p in data["processes"]], data.get("supervisor"),
+                   bool(data.get("ready")), data.get("error"))
 
     def env(self) -> dict[str, str]:
         """The STAR_* variables that point a client (or another service) at this fleet."""
@@ -97,69 +114,38 @@ def state_path(settings: Settings | None = None) -> Path:
 
 
 def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return _alive_since(pid)
 
 
-def _spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    out = open(log, "ab")
-    return subprocess.Popen(argv, env=env, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
+def start_redis(settings: Settings, log_dir: Path, group: int | None = 0) -> Process:
+    return start_redis_at(settings.home / "redis", log_dir, group=group)
 
 
-def start_redis(settings: Settings, log_dir: Path) -> Process:
-    return start_redis_at(settings.home / "redis", log_dir)
-
-
-def start_redis_at(data: Path, log_dir: Path, port: int | None = None) -> Process:
-    """A real Redis with AOF on in `data`, so a restart resumes the streams (pass the old `port`
-    to restart it where its clients already point)."""
+def start_redis_at(data: Path, log_dir: Path, port: int | None = None, group: int | None = 0) -> Process:
+    """A real Redis with AOF on in `data` and the password kept there, so a restart resumes the
+    streams and its clients' URL still holds (pass the old `port` to restart it where they point)."""
     data.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
-    proc = _spawn([redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data),
-                   "--save", "", "--appendonly", "yes", "--protected-mode", "yes"], dict(os.environ),
-                  log_dir / "redis.log")
-    client = redis.Redis(port=port)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {proc.returncode}; see {log_dir / 'redis.log'}")
-        try:
-            client.ping()
-            return Process("redis", proc.pid, port, str(log_dir / "redis.log"))
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    raise RuntimeError("redis-server did not answer within 10 s")
+    password = redis_password(data)
+    log = log_dir / "redis.log"
+    proc = spawn(redis_argv(data, port, password, appendonly=True), env=dict(os.environ), log_path=log, group=group,
+                 die_with_parent=False)
+    wait_for_redis(local_url(port, password), proc, 10, f"; see {log}")
+    return Process("redis", proc.pid, port, str(log), password=password)
 
 
-def start_service(spec: ServiceSpec, env: dict[str, str], log_dir: Path, timeout: float = 120.0) -> Process:
+def service_argv(spec: ServiceSpec, port: int | None) -> list[str]:
+    return [sys.executable, "-m", *(a.replace("{port}", str(port)) for a in spec.argv)]
+
+
+def start_service(spec: ServiceSpec, env: dict[str, str], log_dir: Path, timeout: float = 120.0,
+                  group: int | None = 0) -> Process:
     port = free_port() if spec.http else None
-    argv = [sys.executable, "-m", *(a.replace("{port}", str(port)) for a in spec.argv)]
     log = log_dir / f"{spec.name}.log"
-    proc = _spawn(argv, {**os.environ, **env}, log)
+    proc = spawn(service_argv(spec, port), env={**os.environ, **env}, log_path=log, group=group, die_with_parent=False)
     if spec.http:
-        _wait_ready(spec.name, proc, f"http://127.0.0.1:{port}", log, timeout)
+        wait_ready(spec.name, proc, f"http://127.0.0.1:{port}", log, timeout)
     return Process(spec.name, proc.pid, port, str(log))
-
-
-def _wait_ready(name: str, proc: subprocess.Popen, url: str, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.terminate()
-    raise RuntimeError(f"{name} not ready within {timeout:.0f}s; see {log}")
 
 
 def available(spec: ServiceSpec) -> bool:
@@ -167,70 +153,116 @@ def available(spec: ServiceSpec) -> bool:
 
 
 def up(settings: Settings | None = None, only: list[str] | None = None, extra_env: dict[str, str] | None = None,
-       on_start=None) -> FleetState:
-    """Start Redis and the services (all available ones, or `only`), unless a fleet is running."""
+       on_start=None, timeout: float = 300.0) -> FleetState:
+    """Start the fleet's supervisor (detached) and wait until every service is ready, unless a
+    fleet is running."""
     settings = settings or get_settings()
     path = state_path(settings)
     existing = FleetState.load(path)
-    if existing and any(alive(p.pid) for p in existing.processes):
+    if existing and (existing.supervisor and alive(existing.supervisor)
+                     or any(alive(p.pid) for p in existing.processes)):
         raise RuntimeError(f"a fleet is already running (see {path}); run `star down` first")
+    path.unlink(missing_ok=True)
     log_dir = settings.home / "logs"
-    redis_proc = start_redis(settings, log_dir)
-    state = FleetState(f"redis://127.0.0.1:{redis_proc.port}/0", [redis_proc])
-    state.save(path)
+    argv = [sys.executable, "-m", "services.pipeline.fleet", "supervise"] + [f"--only={n}" for n in (only or [])]
+    env = {**os.environ, "STAR_HOME": str(settings.home), "STAR_FLEET_ENV": json.dumps(extra_env or {})}
+    proc = spawn(argv, env=env, log_path=log_dir / "supervisor.log", group=0, die_with_parent=False)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = FleetState.load(path)
+        if state is not None and state.error:
+            down(settings)
+            raise RuntimeError(state.error)
+        if state is not None and state.ready:
+            for p in state.processes:
+                if on_start:
+                    on_start(p)
+            return state
+        if proc.poll() is not None:
+            raise RuntimeError(f"the fleet's supervisor exited with {proc.returncode}; see {log_dir / 'supervisor.log'}")
+        time.sleep(0.2)
+    down(settings)
+    raise RuntimeError(f"the fleet was not ready within {timeout:.0f} s; see {log_dir}")
+
+
+def supervise(settings: Settings | None = None, only: list[str] | None = None,
+              extra_env: dict[str, str] | None = None, poll_s: float = 0.5) -> None:
+    """The fleet's supervisor process: start Redis and the services, keep them running, stop them
+    all on SIGTERM/SIGINT/SIGHUP. Its children die with it even if it is killed."""
+    from services.common.supervisor import Supervisor, SupervisorError
+
+    settings = settings or get_settings()
+    path = state_path(settings)
+    log_dir = settings.home / "logs"
+    stop = {"now": False}
+
+    def _stop(*_: object) -> None:
+        stop["now"] = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _stop)
+    sup = Supervisor(None)
+    data = settings.home / "redis"
+    data.mkdir(parents=True, exist_ok=True)
+    password = redis_password(data)
+    port = free_port()
+    state = FleetState(local_url(port, password), supervisor=os.getpid())
+    ports: dict[str, int | None] = {"redis": port}
     try:
+        redis_child = sup.add("redis", redis_argv(data, port, password, appendonly=True), log=log_dir / "redis.log",
+                              stop_timeout=10)
+        wait_for_redis(state.redis_url, redis_child.proc, 10, f"; see {redis_child.log}")
         for spec in SERVICES:
-            if only is not None and spec.name not in only:
+            if (only and spec.name not in only) or not available(spec) or stop["now"]:
                 continue
-            if not available(spec):
-                continue
-            env = {**state.env(), "STAR_DB_URL": settings.world_url, "STAR_HOME": str(settings.home),
-                   **(extra_env or {})}
-            proc = start_service(spec, env, log_dir)
-            state.processes.append(proc)
-            state.save(path)
-            if on_start:
-                on_start(proc)
-    except Exception:
-        down(settings)
-        raise
-    return state
+            env = {**_service_env(state, ports), "STAR_DB_URL": settings.world_url,
+                   "STAR_HOME": str(settings.home), **(extra_env or {})}
+            ports[spec.name] = free_port() if spec.http else None
+            child = sup.add(spec.name, service_argv(spec, ports[spec.name]), env, log_dir / f"{spec.name}.log")
+            if spec.http:
+                wait_ready(spec.name, child.proc, f"http://127.0.0.1:{ports[spec.name]}", child.log, 120)
+        state.ready = True
+        while not stop["now"]:
+            _record(state, sup, ports, path)
+            sup.poll()
+            time.sleep(poll_s)
+    except (RuntimeError, SupervisorError) as exc:
+        state.error = str(exc)
+        _record(state, sup, ports, path)
+    finally:
+        sup.stop_all([n for n in reversed(sup.children) if n != "redis"] + ["redis"])
+        if not state.error:
+            path.unlink(missing_ok=True)
 
 
-def down(settings: Settings | None = None, timeout: float = 10.0) -> list[str]:
-    """Stop every recorded process (services first, Redis last); returns the names stopped."""
+def _service_env(state: FleetState, ports: dict[str, int | None]) -> dict[str, str]:
+    out = {"STAR_REDIS_URL": state.redis_url}
+    for spec in SERVICES:
+        if spec.env_url and ports.get(spec.name):
+            out[spec.env_url] = f"http://127.0.0.1:{ports[spec.name]}"
+    return out
+
+
+def _record(state: FleetState, sup, ports: dict[str, int | None], path: Path) -> None:
+    state.processes = [Process(c.name, c.pid, ports.get(c.name), str(c.log)) for c in sup.children.values() if c.pid]
+    state.save(path)
+
+
+def down(settings: Settings | None = None, timeout: float = 30.0) -> list[str]:
+    """Stop the fleet: its supervisor stops the services, then Redis; whatever outlived a killed
+    supervisor is stopped here by pid. Returns the names that were running."""
     settings = settings or get_settings()
     path = state_path(settings)
     state = FleetState.load(path)
     if state is None:
         return []
-    stopped = []
+    running = [p.name for p in state.processes if alive(p.pid)]
+    if state.supervisor:
+        stop_pid(state.supervisor, timeout)
     for proc in reversed(state.processes):
-        if alive(proc.pid):
-            _terminate(proc.pid, timeout)
-            stopped.append(proc.name)
+        stop_pid(proc.pid, 10)
     path.unlink(missing_ok=True)
-    return stopped
-
-
-def _terminate(pid: int, timeout: float) -> None:
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not alive(pid):
-            return
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        time.sleep(0.05)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    return running
 
 
 def status(settings: Settings | None = None) -> dict:
@@ -251,7 +283,7 @@ def status(settings: Settings | None = None) -> dict:
                     health = "ready" if httpx.get(f"{p.url}/readyz", timeout=2).status_code == 200 else "not ready"
                 except httpx.TransportError:
                     health = "no answer"
-        url = state.redis_url if p.name == "redis" else p.url
+        url = redact(state.redis_url) if p.name == "redis" else p.url
         rows.append({"name": p.name, "pid": p.pid, "url": url, "health": health, "log": p.log})
     streams, weights = {}, None
     try:
@@ -264,4 +296,24 @@ def status(settings: Settings | None = None) -> dict:
         weights = json.loads(raw) if raw else None
     except redis.RedisError as exc:
         streams = {"error": str(exc)}
-    return {"running": True, "redis_url": state.redis_url, "processes": rows, "streams": streams, "weights": weights}
+    return {"running": True, "redis_url": redact(state.redis_url),
+            "redis_password_file": str(settings.home / "redis" / "redis.password"), "processes": rows, "streams": streams, "weights": weights}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m services.pipeline.fleet supervise [--only=NAME ...]` (started by `star up`)."""
+    from services.common.logging import configure_logging
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "supervise":
+        print("usage: python -m services.pipeline.fleet supervise [--only=NAME ...]", file=sys.stderr)
+        return 2
+    settings = get_settings()
+    configure_logging("fleet", settings.log_level, settings.log_json)
+    only = [a.split("=", 1)[1] for a in argv[1:] if a.startswith("--only=")]
+    supervise(settings, only or None, json.loads(os.environ.get("STAR_FLEET_ENV") or "{}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,8 +23,11 @@ from typing import Any
 import redis
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from services.common.redis import free_port, local_url, redact, redis_argv, redis_password, wait_for_redis
 from services.common.schemas import SamplingParams
-from services.common.streams import StreamNames
+from services.common.streams import StreamNames, ensure_group, trim_consumed
+from services.common.supervisor import (Child, Supervisor, SupervisorError, spawn, stop_orphans, stop_process,
+                                        wait_ready)
 from services.pipeline import fleet
 from services.pipeline.scheduler import Schedule, TaskPublisher
 from services.pipeline import stage
@@ -34,60 +35,47 @@ from services.pipeline.stage import Run, StageFailed, check_exit, console
 from services.reward.rewards import Curriculum
 from services.synth.queries import load_queries
 
-MAX_RESTARTS = 5
+REDIS_DOWN_LIMIT_S = float(os.environ.get("STAR_REDIS_DOWN_LIMIT_S", "300"))  # then the stage fails
+SANDBOX_DOWN_LIMIT_S = float(os.environ.get("STAR_SANDBOX_DOWN_LIMIT_S", "300"))
+HEALTH_EVERY_S = 2.0
 
 
-@dataclass
-class Managed:
-    """A child process the controller keeps alive."""
-
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    log: Path
-    proc: subprocess.Popen | None = None
-    restarts: int = 0
+class Managed(Child):
+    """A process of the stage outside the fleet's supervisor (a validation's `star eval`), started
+    and stopped the same way: output to its log, dies with the controller."""
 
     def start(self) -> "Managed":
-        out = open(self.log, "ab")
-        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, stdout=out, stderr=out,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = spawn(self.argv, env={**os.environ, **self.env}, log_path=self.log)
+        self.started_at = time.monotonic()
         return self
 
-    def exited(self) -> int | None:
-        return self.proc.poll() if self.proc else None
-
     def stop(self, timeout: float = 30.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
-        except ProcessLookupError:
-            pass
+        stop_process(self.proc, timeout)
 
 
 @dataclass
 class Fleet:
-    redis_proc: fleet.Process
+    """The RL stage's processes under one supervisor: Redis (restarted on its port, its AOF brings
+    the streams back), the sandbox, the workers and the learner."""
+
+    sup: Supervisor
     redis_url: str
-    sandbox: fleet.Process
-    workers: list[Managed] = field(default_factory=list)
-    learner: Managed | None = None
+    sandbox_url: str = ""
+    workers: list[Child] = field(default_factory=list)
+    learner: Child | None = None
+
+    @property
+    def redis_proc(self) -> Child:
+        return self.sup.children["redis"]
 
     def stop(self) -> None:
+        order = (["learner"] if self.learner else []) + [w.name for w in self.workers] + ["sandbox", "redis"]
         if self.learner:
-            self.learner.stop(120)
-        for w in self.workers:
-            w.stop()
-        for p in (self.sandbox, self.redis_proc):
-            fleet._terminate(p.pid, 10)
+            self.learner.stop_timeout = 120
+        self.sup.stop_all(order)
 
 
-def rl_config(run: Run, model: str, names: StreamNames, redis_url: str, total_steps: int) -> Path:
+def rl_config(run: Run, model: str, names: StreamNames, redis_url: str | None, total_steps: int) -> Path:
     from services.learner.config import RLConfig
 
     r = run.config.rl
@@ -108,18 +96,49 @@ def rl_config(run: Run, model: str, names: StreamNames, redis_url: str, total_st
     return path
 
 
+def fleet_record(run: Run) -> Path:
+    return run.folder / "fleet.json"
+
+
 def start_fleet(run: Run, model: str, names: StreamNames) -> Fleet:
-    """Redis, the sandbox, rollout and reward workers (the learner is started by the caller)."""
+    """Redis, the sandbox, rollout and reward workers (the learner is started by the caller), all
+    in one supervisor whose record lets a later run stop what a killed controller left behind."""
     logs = run.folder / "logs"
-    redis_proc = fleet.start_redis_at(run.folder / "redis", logs)
-    redis_url = f"redis://127.0.0.1:{redis_proc.port}/0"
-    env = {**run.env, "STAR_REDIS_URL": redis_url, "STAR_STREAM_PREFIX": names.prefix,
-           "STAR_WEIGHTS_ROOT": str(run.folder / "weights")}
-    sandbox_spec = next(s for s in fleet.SERVICES if s.name == "sandbox")
-    fault = {"STAR_FAULT_RATE": str(run.config.rl.fault_rate), "STAR_FAULT_SEED": str(run.config.seed)}
-    sandbox = fleet.start_service(sandbox_spec, {**env, **fault}, logs)
-    f = Fleet(redis_proc, redis_url, sandbox)
-    env["STAR_SANDBOX_URL"] = sandbox.url or ""
+    logs.mkdir(parents=True, exist_ok=True)
+    stop_orphans(fleet_record(run))
+    sup = Supervisor(fleet_record(run))
+    data = run.folder / "redis"
+    data.mkdir(parents=True, exist_ok=True)
+    password = redis_password(data)
+    port = free_port()
+    redis_url = local_url(port, password)
+    sup.info = {"redis_port": port}
+    redis_child = sup.add("redis", redis_argv(data, port, password, appendonly=True), log=logs / "redis.log",
+                          stop_timeout=10)
+    f = Fleet(sup, redis_url)
+    try:
+        wait_for_redis(redis_url, redis_child.proc, 10, f"; see {redis_child.log}")
+        client = redis.Redis.from_url(redis_url)
+        for stream in (names.tasks, names.trajectories, names.scored):  # before any entry exists
+            ensure_group(client, stream, StreamNames.consumer_group(stream))
+        env = {**run.env, "STAR_REDIS_URL": redis_url, "STAR_STREAM_PREFIX": names.prefix,
+               "STAR_WEIGHTS_ROOT": str(run.folder / "weights")}
+        sandbox_spec = next(s for s in fleet.SERVICES if s.name == "sandbox")
+        fault = {"STAR_FAULT_RATE": str(run.config.rl.fault_rate), "STAR_FAULT_SEED": str(run.config.seed)}
+        port = free_port()
+        sandbox = sup.add("sandbox", fleet.service_argv(sandbox_spec, port), {**env, **fault}, logs / "sandbox.log",
+                          stop_timeout=10)
+        f.sandbox_url = f"http://127.0.0.1:{port}"
+        wait_ready("sandbox", sandbox.proc, f.sandbox_url, sandbox.log, 120)
+        _start_workers(run, f, model, env, logs)
+    except BaseException:
+        f.stop()
+        raise
+    return f
+
+
+def _start_workers(run: Run, f: Fleet, model: str, env: dict[str, str], logs: Path) -> None:
+    env = {**env, "STAR_SANDBOX_URL": f.sandbox_url}
     s = run.config.services
     sampling = run.config.rl.sampling
     rollout_env = {**env, "STAR_MODEL": model, "STAR_ROLLOUT_ENGINE": s.engine, "STAR_ROLLOUT_DECODE": s.decode,
@@ -130,14 +149,13 @@ def start_fleet(run: Run, model: str, names: StreamNames) -> Fleet:
                    "STAR_ROLLOUT_MAX_BATCH": str(s.rollout_concurrency * run.config.rl.group_size)}
     for i in range(s.rollout_workers):
         devices = run.placement.engine_env(i) if run.placement else {}
-        f.workers.append(Managed(f"rollout-{i}", [sys.executable, "-m", "services.rollout.worker"],
-                                 {**rollout_env, **devices, "STAR_ROLLOUT_CONSUMER": f"rollout-{i}"},
-                                 logs / f"rollout-{i}.log").start())
+        f.workers.append(f.sup.add(f"rollout-{i}", [sys.executable, "-m", "services.rollout.worker"],
+                                   {**rollout_env, **devices, "STAR_ROLLOUT_CONSUMER": f"rollout-{i}"},
+                                   logs / f"rollout-{i}.log"))
     for i in range(s.reward_workers):
-        f.workers.append(Managed(f"reward-{i}", [sys.executable, "-m", "services.cli", "reward", "worker",
-                                                 "--consumer", f"reward-{i}", "--db", run.world_url],
-                                 env, logs / f"reward-{i}.log").start())
-    return f
+        f.workers.append(f.sup.add(f"reward-{i}", [sys.executable, "-m", "services.cli", "reward", "worker",
+                                                   "--consumer", f"reward-{i}", "--db", run.world_url],
+                                   env, logs / f"reward-{i}.log"))
 
 
 def weights_version(client: redis.Redis, names: StreamNames) -> int:
@@ -152,18 +170,16 @@ def learner_progress(client: redis.Redis, names: StreamNames) -> int:
 
 
 def keep_alive(f: Fleet) -> list[str]:
-    """Restart workers that died; returns what was restarted."""
-    restarted = []
-    for w in f.workers:
-        rc = w.exited()
-        if rc is None:
-            continue
-        if w.restarts >= MAX_RESTARTS:
-            raise StageFailed(f"{w.name} keeps dying (exit {rc}); see {w.log}")
-        w.restarts += 1
-        w.start()
-        restarted.append(w.name)
-    return restarted
+    """Restart what died (Redis, the sandbox, workers; not the learner, whose end `drive` reads
+    first), each after its backoff; returns what was restarted. A process past its restart budget
+    fails the stage."""
+    sup = getattr(f, "sup", None)
+    if sup is None:
+        return []
+    try:
+        return sup.poll([n for n in sup.children if n != "learner"])
+    except SupervisorError as exc:
+        raise StageFailed(str(exc)) from None
 
 
 def off_policy_note(sampling: SamplingParams) -> str | None:
@@ -220,12 +236,12 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
     try:
         f = start_fleet(run, model, names)
         try:
-            if validation:
+            if validation and not validation.seen(0):
                 validation.submit(0, model, keep=False)  # the starting model: the curve's baseline, same queries
-            argv, learner_env = run.learner_launch(
-                "rl", rl_config(run, model, names, f.redis_url, schedule.total_steps))
-            f.learner = Managed("learner", argv, {**run.env, **learner_env, "STAR_REDIS_URL": f.redis_url},
-                                run.log("learner")).start()
+            # the Redis URL (it holds the password) travels in the environment, not in rl.json
+            argv, learner_env = run.learner_launch("rl", rl_config(run, model, names, None, schedule.total_steps))
+            f.learner = f.sup.add("learner", argv, {**run.env, **learner_env, "STAR_REDIS_URL": f.redis_url},
+                                  run.log("learner"), stop_timeout=120)
             client = redis.Redis.from_url(f.redis_url)
             publisher = TaskPublisher(client, names, run.config.name, schedule, sampling, reward_kind=r.reward,
                                       preference_penalty=r.preference_penalty, curriculum=curriculum,
@@ -234,7 +250,7 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
             ended = drive(run, f, client, names, publisher, schedule, validation=validation, deadline=deadline)
             if ended.reason == "budget" and f.learner is not None:
                 # the learner may publish once more while it stops: read the weights after it has
-                f.learner.stop(120)
+                f.sup.stop("learner")
                 ended = Ending("budget", learner_progress(client, names))
             latest = client.get(names.weights_latest)
         finally:
@@ -277,6 +293,22 @@ class Validation:
     history: list[dict[str, Any]] = field(default_factory=list)
     waiting: list[tuple[int, str]] = field(default_factory=list)   # (version, model folder)
     running: tuple[int, str, Managed] | None = None
+
+    def __post_init__(self) -> None:
+        # A restarted controller keeps what the one before it validated, so the best-checkpoint
+        # pick covers the whole run, not just the versions since the restart.
+        path = self.history_path
+        if path.is_file():
+            try:
+                kept = json.loads(path.read_text())
+            except ValueError:
+                kept = []
+            self.history = [h for h in kept if isinstance(h, dict) and "version" in h and "success" in h
+                            and Path(h.get("model", "")).exists()]
+
+    @property
+    def history_path(self) -> Path:
+        return self.run.folder / "validation" / "history.json"
 
     def seen(self, version: int) -> bool:
         """Validated, under way or queued."""
@@ -355,7 +387,7 @@ class Validation:
             raise StageFailed(f"{name} exited cleanly but left no success in {out.metrics_path}")
         entry = {"version": version, "model": model, "success": metrics["final_pass_rate"], "metrics": metrics}
         self.history.append(entry)
-        (self.run.folder / "validation" / "history.json").write_text(json.dumps(self.history, indent=2))
+        self.history_path.write_text(json.dumps(self.history, indent=2))
         return entry
 
 
@@ -394,19 +426,28 @@ def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("rl", total=total, info="")
         redis_down_since: float | None = None
+        deps = Dependencies({"sandbox": f.sandbox_url} if getattr(f, "sandbox_url", "") else {})
         while True:
             try:
                 progress = learner_progress(client, names)
-                publisher.publish_ready(progress, weights_version(client, names))
+                if not deps.check():
+                    publisher.publish_ready(progress, weights_version(client, names))
                 latest_raw = client.get(names.weights_latest)
+                trim_streams(client, names)
                 if redis_down_since is not None:
                     console.print(f"redis is back after {time.monotonic() - redis_down_since:.0f} s")
                     redis_down_since = None
             except (redis.ConnectionError, redis.TimeoutError):
-                # Redis restarting (its AOF brings the streams back): keep the processes alive and wait
+                # Redis restarting (its AOF brings the streams back): keep the processes alive and
+                # wait, up to REDIS_DOWN_LIMIT_S; then fail, naming it, rather than wait forever
+                now = time.monotonic()
                 if redis_down_since is None:
-                    redis_down_since = time.monotonic()
-                    console.print("[yellow]redis unavailable; waiting for it to come back[/]")
+                    redis_down_since = now
+                    console.print(f"[yellow]redis at {redact(getattr(f, 'redis_url', ''))} unavailable; "
+                                  "waiting for it to come back[/]")
+                elif now - redis_down_since > REDIS_DOWN_LIMIT_S:
+                    raise StageFailed(f"redis at {redact(getattr(f, 'redis_url', ''))} unreachable for "
+                                      f"{now - redis_down_since:.0f} s; see {run.folder / 'logs' / 'redis.log'}")
                 keep_alive(f)
                 time.sleep(poll_s)
                 continue
@@ -434,14 +475,74 @@ def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher
                     final = _progress_or(client, names, progress)
                     if final >= total:
                         return Ending("done", final)
-                if f.learner.restarts >= MAX_RESTARTS:
-                    tail = f.learner.log.read_text(errors="replace").strip().splitlines()[-8:]
-                    raise StageFailed(f"the learner keeps failing (exit {rc}); see {f.learner.log}\n  "
-                                      + "\n  ".join(tail))
-                console.print(f"[yellow]learner exited ({rc}, {status.get('state')}); resuming from its checkpoint[/]")
-                f.learner.restarts += 1
-                f.learner.start()
+                restart_learner(f, rc, status)
             time.sleep(poll_s)
+
+
+def restart_learner(f: Fleet, rc: int, status: dict[str, Any]) -> None:
+    """Start the learner again once its backoff has passed (it resumes from its checkpoint and
+    skips what it had trained); past its restart budget the stage fails."""
+    sup = getattr(f, "sup", None)
+    if sup is None:
+        raise StageFailed(f"the learner exited ({rc}) and nothing supervises it")
+    try:
+        if not sup.restart_due(f.learner):
+            return
+    except SupervisorError as exc:
+        log = getattr(f.learner, "log", None)
+        tail = log.read_text(errors="replace").strip().splitlines()[-8:] if log and log.is_file() else []
+        raise StageFailed(f"the learner keeps failing: {exc}" + (f"; see {log}\n  " + "\n  ".join(tail) if tail else "")) from None
+    console.print(f"[yellow]learner exited ({rc}, {status.get('state')}); resuming from its checkpoint[/]")
+    sup.restart(f.learner)
+
+
+def trim_streams(client: redis.Redis, names: StreamNames) -> None:
+    """Drop what every consumer group has acknowledged: the streams stay as long as the work in
+    flight, not the run."""
+    for stream in (names.tasks, names.trajectories, names.scored):
+        try:
+            trim_consumed(client, stream)
+        except (redis.ResponseError, ValueError) as exc:  # housekeeping: never worth the stage
+            console.print(f"[yellow]could not trim {stream}: {exc}[/]")
+
+
+@dataclass
+class Dependencies:
+    """Services the stage cannot train without, probed on /readyz every HEALTH_EVERY_S. While one
+    is down no new step is published (a rollout against a dead sandbox scores 0, and that would be
+    trained); down longer than SANDBOX_DOWN_LIMIT_S, the stage fails, naming it. (A dead process
+    is restarted by the supervisor meanwhile; this covers one that runs but does not answer.)"""
+
+    urls: dict[str, str]
+    limit_s: float = SANDBOX_DOWN_LIMIT_S
+    down_since: dict[str, float] = field(default_factory=dict)
+    checked_at: float = 0.0
+
+    def check(self) -> list[str]:
+        """The names down now (as of the last probe)."""
+        now = time.monotonic()
+        if now - self.checked_at >= HEALTH_EVERY_S:
+            self.checked_at = now
+            for name, url in self.urls.items():
+                if _ready(url):
+                    if name in self.down_since:
+                        console.print(f"{name} is back after {now - self.down_since.pop(name):.0f} s; publishing again")
+                elif name not in self.down_since:
+                    self.down_since[name] = now
+                    console.print(f"[yellow]{name} at {url} is not ready: publishing paused[/]")
+        for name, since in self.down_since.items():
+            if now - since > self.limit_s:
+                raise StageFailed(f"{name} at {self.urls[name]} has not been ready for {now - since:.0f} s")
+        return list(self.down_since)
+
+
+def _ready(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _await_last_publication(run: Run, f: Fleet, timeout_s: float = 120.0) -> None:

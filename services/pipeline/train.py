@@ -19,12 +19,12 @@ records which stages finished; running the same command again resumes after the 
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from services.common.settings import get_settings
+from services.common.supervisor import RunLock, SupervisorError
 from services.pipeline.config import STAGES, EvalSpec, PipelineConfig, dump_config
 from services.pipeline.rl import stage_rl
 from services.pipeline.report import write_report
@@ -176,12 +176,49 @@ def starting_model(base: str, outputs: dict[str, Any], stages: list[str]) -> str
 
 
 def train(config: PipelineConfig, folder: Path) -> Run:
-    """Run (or resume) every configured stage in order."""
+    """Run (or resume) every configured stage in order, holding the run folder's lock."""
+
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = RunLock(folder).acquire()  # one controller per run folder
+    except SupervisorError as exc:
+        raise StageFailed(str(exc)) from None
+    try:
+        return _train(config, folder)
+    finally:
+        lock.release()
+
+
+def _train(config: PipelineConfig, folder: Path) -> Run:
     run = prepare(config, folder)
     outputs: dict[str, Any] = {name: rec.get("outputs") for name, rec in run.stage_records().items()
                                if rec.get("state") == "done"}
     model = starting_model(run.base_model, outputs, config.stages)
-    for stage in config.stages:
+    from services.common.tracking import Trackers
+
+    trackers = Trackers.open(folder, config.name, {"recipe": config.name, "stages": ",".join(config.stages)})
+    try:
+        _run_stages(run, config, outputs, model, trackers)
+    finally:
+        trackers.close()
+    write_report(run)
+    return run
+
+
+def stage_metrics(stage: str, result: dict[str, Any]) -> dict[str, float]:
+    """A stage's numbers for the experiment trackers: its outputs' scalars and, one level down, its
+    metrics (the evaluation's pass rates), each under `<stage>/`."""
+    out: dict[str, Any] = {}
+    for key, value in result.items():
+        if isinstance(value, dict):
+            out.update({f"{stage}/{key}/{k}": v for k, v in value.items()})
+        else:
+            out[f"{stage}/{key}"] = value
+    return out
+
+
+def _run_stages(run: Run, config: PipelineConfig, outputs: dict[str, Any], model: str, trackers) -> None:
+    for index, stage in enumerate(config.stages):
         done = run.done(stage)
         if done:
             console.print(f"[dim]{stage}: done earlier, skipped[/]")
@@ -206,7 +243,6 @@ def train(config: PipelineConfig, folder: Path) -> Run:
             raise
         outputs[stage] = result
         run.record(stage, state="done", outputs=result, seconds=round(time.monotonic() - t0, 1))
+        trackers.log({**stage_metrics(stage, result), f"{stage}/seconds": time.monotonic() - t0}, index)
         console.print(f"{stage}: done in {time.monotonic() - t0:.0f} s")
-    write_report(run)
-    return run
 

@@ -3,8 +3,9 @@
 Delivery (services/common/streams.py): the trajectories are written and the task acknowledged
 in one Redis transaction, so a worker killed at any point leaves either both or neither; a dead
 worker's task stays pending and another worker claims it after `claim_idle_ms`. While a task
-runs, a heartbeat re-claims it for its own consumer every `claim_idle_ms / 3`, so a slow but
-live worker is never robbed of its task (which would duplicate its trajectories).
+runs, `run_worker`'s claim keeper re-claims it every `claim_idle_ms / 3`, so a slow but live
+worker is never robbed of its task (which would duplicate its trajectories): loading new weights
+can take as long as the claim timeout (an engine that drains waits for its longest turn).
 
 Failures: a payload that is not a RolloutTask is dead-lettered at once (retrying cannot fix
 it); a task whose every sample ended in `engine_error`, or that needs newer weights than can
@@ -61,8 +62,6 @@ class RolloutWorker:
         self.max_deliveries = max_deliveries
         self.block_ms = block_ms
         self.stop = threading.Event()
-        self._working: dict[str, StreamConsumer] = {}
-        self._lock = threading.Lock()
         self.handled = 0
         self.on_fatal: Any = None  # called when a consumer thread dies (main() stops the loop)
         self.fatal = False  # stopped because something broke: main() exits non-zero
@@ -80,21 +79,11 @@ class RolloutWorker:
             msg.deliveries = max(msg.deliveries, consumer.max_deliveries)
             consumer.fail(msg, f"not a RolloutTask: {exc.errors()[:3]}")
             return None
-        # Heartbeat from here on: loading new weights can take as long as the claim timeout (an
-        # engine that drains waits for its longest turn), and a task left unclaimed that long was
-        # taken by a second worker and rolled out twice (the duplicate group went stale in the
-        # learner and pushed a fresh group out of every later batch; docs/results.md).
-        with self._lock:
-            self._working[msg.id] = consumer
-        try:
-            self.sync_weights()
-            if self.service.engine.policy_version < task.min_policy_version:
-                raise TaskFailed(f"task needs policy version ≥ {task.min_policy_version}; "
-                                 f"loaded {self.service.engine.policy_version}")
-            trajectories = self._on_loop(self.service.rollout(task))
-        finally:
-            with self._lock:
-                self._working.pop(msg.id, None)
+        self.sync_weights()
+        if self.service.engine.policy_version < task.min_policy_version:
+            raise TaskFailed(f"task needs policy version ≥ {task.min_policy_version}; "
+                             f"loaded {self.service.engine.policy_version}")
+        trajectories = self._on_loop(self.service.rollout(task))
         if trajectories and all(t.finish_reason == "engine_error" for t in trajectories):
             if not self.service.engine.healthy:
                 log.error("the engine is broken; stopping the worker for a restart",
@@ -142,19 +131,6 @@ class RolloutWorker:
             except Exception as exc:  # noqa: BLE001 - the next poll tries again; tasks check the version too
                 log.warning("weights watch failed", extra={"error": f"{type(exc).__name__}: {exc}"})
 
-    def _heartbeat(self) -> None:
-        """Keep our in-progress tasks' idle time low so no other worker claims them."""
-        interval = max(0.05, self.claim_idle_ms / 3000.0)
-        while not self.stop.wait(interval):
-            with self._lock:
-                working = list(self._working.items())
-            for entry, consumer in working:
-                try:
-                    self.client.xclaim(consumer.stream, consumer.group, consumer.consumer, min_idle_time=0,
-                                       message_ids=[entry], justid=True)
-                except redis.RedisError as exc:
-                    log.warning("heartbeat failed", extra={"id": entry, "error": str(exc)})
-
     def _consume(self, index: int) -> None:
         try:
             consumer = until_redis(lambda: StreamConsumer(
@@ -170,11 +146,10 @@ class RolloutWorker:
             self._stop_for_restart()
 
     def start(self) -> list[threading.Thread]:
-        threads = [threading.Thread(target=self._heartbeat, name="rollout-heartbeat", daemon=True)]
+        threads = [threading.Thread(target=self._consume, args=(i,), name=f"rollout-consumer-{i}", daemon=True)
+                    for i in range(self.concurrency)]
         if not self.service.engine.drains_on_update:
             threads.append(threading.Thread(target=self._watch_weights, name="rollout-weights", daemon=True))
-        threads += [threading.Thread(target=self._consume, args=(i,), name=f"rollout-consumer-{i}", daemon=True)
-                    for i in range(self.concurrency)]
         for t in threads:
             t.start()
         return threads

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from services.common.cli import host_option, port_option
+from services.common.redis import redact
 from services.common.settings import get_settings
 
 console = Console(stderr=True)
@@ -63,7 +64,7 @@ def world_build(
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from None
     _print_world(url)
-    console.print(f"built in {meta.get('seconds', '?')} s → {url}")
+    console.print(f"built in {meta.get('seconds', '?')} s → {redact(url)}")
 
 
 @world_app.command("info")
@@ -79,7 +80,7 @@ def _print_world(url: str) -> None:
     if problem := world.problem():
         console.print(f"[red]error:[/red] {problem}")
         raise typer.Exit(2)
-    table = Table(title=f"world at {url}")
+    table = Table(title=f"world at {redact(url)}")
     table.add_column("table")
     table.add_column("visible rows", justify="right")
     for name, n in world.counts().items():

@@ -6,10 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
 import redis
+
+from services.common.supervisor import alive
 
 pytestmark = pytest.mark.slow
 
@@ -32,12 +35,29 @@ def test_up_status_down(tmp_path):
         # the services answer for real after `star up` has exited
         r = httpx.post(by_name["sandbox"]["url"] + "/tools/call", json={"name": "SearchCity", "arguments": {"state": "x"}})
         assert r.status_code == 200
-        assert redis.Redis.from_url(report["redis_url"]).ping()
+        # the URL is printed without its password, which lives in a file of its own
+        assert "***" in report["redis_url"]
+        password = open(report["redis_password_file"]).read().strip()
+        assert password not in json.dumps(report)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(report["redis_url"].replace(":***@", "@")).ping()
+        assert redis.Redis.from_url(report["redis_url"].replace("***", password)).ping()
         assert set(report["streams"]) == {"star:tasks", "star:trajectories", "star:scored"}
         second = _star(tmp_path, "up", check=False)
         assert second.returncode == 1 and "already running" in second.stderr
+        # the supervisor restarts a service that dies
+        os.kill(by_name["sandbox"]["pid"], 9)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            again = {p["name"]: p for p in json.loads(_star(tmp_path, "status", "--json").stdout)["processes"]}
+            if again["sandbox"]["pid"] != by_name["sandbox"]["pid"] and again["sandbox"]["health"] == "ready":
+                break
+            time.sleep(0.5)
+        assert again["sandbox"]["health"] == "ready", again
     finally:
         out = _star(tmp_path, "down").stderr
     assert "sandbox" in out and "redis" in out
+    pids = [p["pid"] for p in report["processes"]] + [again["sandbox"]["pid"]]
+    assert not any(alive(pid) for pid in pids), "star down left a process running"
     gone = _star(tmp_path, "status", check=False)
     assert gone.returncode == 1 and "no fleet" in gone.stderr

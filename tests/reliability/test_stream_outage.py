@@ -14,6 +14,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from services.common.streams import StreamConsumer, _settle, publish, read_all, run_worker, until_redis
+from services.common.supervisor import stop_pid
 from services.pipeline import fleet
 
 
@@ -23,7 +24,8 @@ def own_redis(tmp_path):
     state = {"proc": fleet.start_redis_at(tmp_path / "data", tmp_path / "logs")}
     # No client-side retries: redis-py's own (about 4 s of backoff) would hide a short outage here,
     # and a longer real one is what the worker code has to survive.
-    client = redis.Redis(port=state["proc"].port, socket_timeout=5, retry=Retry(NoBackoff(), 0))
+    client = redis.Redis(port=state["proc"].port, password=state["proc"].password, socket_timeout=5,
+                         retry=Retry(NoBackoff(), 0))
 
     def stop(how: int = signal.SIGTERM) -> None:
         pid = state["proc"].pid
@@ -39,7 +41,7 @@ def own_redis(tmp_path):
         state["proc"] = fleet.start_redis_at(tmp_path / "data", tmp_path / "logs", port=state["proc"].port)
 
     yield client, stop, start
-    fleet._terminate(state["proc"].pid, 5)
+    stop_pid(state["proc"].pid, 5)
 
 
 def test_results_survive_a_restart_in_the_middle_of_a_worker(own_redis):

@@ -55,6 +55,14 @@ envFrom:
 {{- if .Values.auth.existingSecret }}
   - secretRef: {name: {{ .Values.auth.existingSecret }}}
 {{- end }}
+{{- if .Values.redis.auth.existingSecret }}
+  - secretRef: {name: {{ .Values.redis.auth.existingSecret }}}
+{{- end }}
+{{- end -}}
+
+{{/* The Secret (and key) holding the Redis password. */}}
+{{- define "star.redisSecret" -}}
+{{- .Values.redis.auth.existingSecret | default (include "star.secretName" .) -}}
 {{- end -}}
 
 {{/* Pod annotations: Prometheus scraping, and a restart when the shared settings change. args: root, port */}}
@@ -89,7 +97,7 @@ readinessProbe:
 {{- define "star.workerProbes" -}}
 livenessProbe:
   exec:
-    command: ["python", "-c", "import os, redis; redis.Redis.from_url(os.environ['STAR_REDIS_URL'], socket_timeout=5).ping()"]
+    command: ["python", "-c", "import os, redis; redis.Redis.from_url(os.environ['STAR_REDIS_URL'], password=os.environ.get('STAR_REDIS_PASSWORD'), socket_timeout=5).ping()"]
   initialDelaySeconds: 30
   periodSeconds: 30
   timeoutSeconds: 10
