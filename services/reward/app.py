@@ -17,7 +17,14 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.common.http import MAX_BATCH_ITEMS, Worker, create_app as create_service_app, problem
+from services.common.http import (
+    MAX_BATCH_ITEMS,
+    REQUEST_TIME_LIMIT_S,
+    WORK_THREADS,
+    Worker,
+    create_app as create_service_app,
+    problem,
+)
 from services.common.logging import configure_logging
 from services.common.metrics import Metrics
 from services.common.schemas import EvalMode, Score, TravelQuery
@@ -114,6 +121,14 @@ def create_app(settings: Settings | None = None, scorer: Scorer | None = None) -
             if state["problem"] is None:
                 state["scorer"] = Scorer(Evaluator(world), Formatter.from_settings(settings),
                                          default_backend=settings.formatter_backend)
+        # Scoring is CPU work off the event loop (so /healthz answers meanwhile), with a time limit
+        # per request; when it may wait on the LLM formatter, as many threads as the LLM client
+        # sends requests, and the formatting deadline on top of the limit.
+        if "scorer" in state and state["scorer"].formatter.blocking:
+            state["worker"] = Worker(threads=max(WORK_THREADS, settings.formatter_concurrency),
+                                     time_limit_s=REQUEST_TIME_LIMIT_S + settings.formatter_deadline_s)
+        else:
+            state["worker"] = Worker()
         yield
         if "scorer" in state and scorer is None:
             state["scorer"].close()
@@ -132,9 +147,8 @@ def create_app(settings: Settings | None = None, scorer: Scorer | None = None) -
     async def _too_deep(_req: Request, _exc: RecursionError) -> JSONResponse:
         return problem(422, "Invalid request", "the JSON body is nested too deeply")
 
-    # Scoring is CPU work (and may wait on the LLM formatter): off the event loop, so /healthz
-    # answers meanwhile, with a time limit per request.
-    worker = Worker()
+    def worker() -> Worker:
+        return state.get("worker") or Worker()
 
     def fail(exc: ScoreError) -> HTTPException:
         return HTTPException(422, str(exc))
@@ -145,7 +159,7 @@ def create_app(settings: Settings | None = None, scorer: Scorer | None = None) -
         s = current()
         with metrics.latency.labels("score").time():
             try:
-                out = await worker.run(s.score, request)
+                out = await worker().run(s.score, request)
             except ScoreError as exc:
                 raise fail(exc) from None
         metrics.observe(out.score)
@@ -157,7 +171,7 @@ def create_app(settings: Settings | None = None, scorer: Scorer | None = None) -
         s = current()
         with metrics.latency.labels("score_batch").time():
             try:
-                out = await worker.run(s.score_batch, request.items, deadline=True)
+                out = await worker().run(s.score_batch, request.items, deadline=True)
             except ScoreError as exc:
                 raise fail(exc) from None
         for r in out:
@@ -171,7 +185,7 @@ def create_app(settings: Settings | None = None, scorer: Scorer | None = None) -
         s = current()
         with metrics.latency.labels("evaluate").time():
             try:
-                return await worker.run(s.evaluate_split, request, deadline=True)
+                return await worker().run(s.evaluate_split, request, deadline=True)
             except ScoreError as exc:
                 raise fail(exc) from None
 
@@ -196,7 +210,7 @@ def create_app(settings: Settings | None = None, scorer: Scorer | None = None) -
 
         with metrics.latency.labels("submission").time():
             try:
-                report = await worker.run(run, deadline=True)
+                report = await worker().run(run, deadline=True)
             except ScoreError as exc:
                 raise fail(exc) from None
         return _json(report)
