@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from services.common.http import bearer_auth, create_app as create_service_app
+from services.common.http import Worker, bearer_auth, create_app as create_service_app
 from services.common.logging import configure_logging
 from services.common.metrics import Metrics
 from services.common.schemas import ToolCall, ToolResult
@@ -84,6 +84,7 @@ def create_app(settings: Settings | None = None, world: World | None = None) -> 
     )
     app.router.lifespan_context = lifespan
     admin = bearer_auth(settings.api_token)
+    worker = Worker()
 
     async def run_call(call: ToolCall) -> Response:
         box = toolbox()
@@ -143,7 +144,9 @@ def create_app(settings: Settings | None = None, world: World | None = None) -> 
     async def world_info() -> dict:
         box = toolbox()
         w: World = state["world"]
-        return {"url": _redact(w.url), "meta": w.meta(), "counts": w.counts(), "dialect": box.dialect,
+        if "counts" not in state:  # counting millions of flights takes a while: once, off the loop
+            state["meta"], state["counts"] = await worker.run(lambda: (w.meta(), w.counts()))
+        return {"url": _redact(w.url), "meta": state["meta"], "counts": state["counts"], "dialect": box.dialect,
                 "cache": box.cache_info(), "stats": box.stats_snapshot()}
 
     return app
