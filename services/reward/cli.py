@@ -134,52 +134,66 @@ def evaluate_command(
     submission: Path = typer.Argument(..., help="Official submission JSONL: {idx, query, plan} per line, "
                                                 "in dataset order (plan: day list, text or null)."),
     queries: Optional[Path] = typer.Option(None, help="The split's query records (JSON list or JSONL with "
-                                                      "org, dest, days, date, ...). Default: the train split "
-                                                      "when the submission has 45 lines."),
+                                                      "org, dest, days, date, ...). Default: the named split's "
+                                                      "queries in the dataset folder (STAR_TRAVELPLANNER_DIR), "
+                                                      "or train when the submission has 45 lines."),
     mode: str = typer.Option("official", help="official (leaderboard parity) or strict."),
     split: str = typer.Option("auto", help="train | validation | test | none | auto (by the number of queries). "
                                            "Official mode then uses that split's fixed denominators."),
     backend: Optional[str] = typer.Option(None, help="Formatter backend for plans given as text."),
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world (default: settings)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
+    allow_synthetic_flights: bool = typer.Option(False, help="Score validation/test on a world without the real "
+                                                             "flights (refused otherwise); the report is marked."),
+    as_json: bool = typer.Option(False, "--json", help="Print the whole report as JSON (metrics, per-plan "
+                                                       "verdicts, tables by level and trip length, costs)."),
+    report: Optional[Path] = typer.Option(None, help="Also write the whole report as JSON to this file."),
 ) -> None:
     """The leaderboard metrics of a submission file, paired line by line with the split's queries
-    (as the official evaluator pairs them)."""
-    from services.evaluation.submission import SubmissionError, load_split, read_predictions
-    from services.reward.scoring import EvaluateRequest, PlanInput
+    (as the official evaluator pairs them), with per-plan verdicts, tables and costs."""
+    from services.evaluation.submission import SPLITS, SubmissionError, SubmissionLine, dataset_split, load_split
+    from services.evaluation.submission import score_submission
 
     _mode(mode)
-    lines = [ln for ln in _read(submission).splitlines() if ln.strip()]
-    if queries is None:
-        default = get_settings().travelplanner_dir / "train" / "train.json"
-        if len(lines) != 45 or not default.is_file():
-            _fail(f"{submission} has {len(lines)} lines; give --queries, the split's records with their structured "
-                  "fields (a submission carries only the query text)")
-        queries = default
+    if split not in (*SPLITS, "none", "auto"):
+        _fail(f"--split must be train, validation, test, none or auto, not {split!r}")
+    raw = [ln for ln in _read(submission).splitlines() if ln.strip()]
+    lines = []
+    for i, text in enumerate(raw, 1):
+        try:
+            lines.append(SubmissionLine(**json.loads(text)))
+        except (json.JSONDecodeError, TypeError, ValueError) as exc:
+            _fail(f"{submission}:{i}: not a submission line ({str(exc).splitlines()[0]})")
+    settings = get_settings()
     try:
-        split_queries = load_split(queries)
-        predictions = read_predictions(submission, split_queries)
+        if queries is not None:
+            split_queries = load_split(queries)
+        elif split in SPLITS:
+            split_queries = dataset_split(settings.travelplanner_dir, split)
+        elif len(lines) == 45 and (settings.travelplanner_dir / "train" / "train.json").is_file():
+            split_queries = dataset_split(settings.travelplanner_dir, "train")
+        else:
+            _fail(f"{submission} has {len(lines)} lines; give --queries, the split's records with their structured "
+                  "fields (a submission carries only the query text), or --split with the dataset folder")
     except SubmissionError as exc:
         _fail(str(exc))
-    mismatched = _text_mismatches(lines, split_queries)
-    if mismatched:
-        console.print(f"[yellow]warning:[/yellow] {len(mismatched)} line(s) carry a query text other than the "
-                      f"split's (first: line {mismatched[0]}); lines pair by order, as in the official evaluator")
     chosen = None if split == "none" else OFFICIAL_SIZES.get(len(split_queries)) if split == "auto" else split
-    if chosen not in (None, "train", "validation", "test"):
-        _fail(f"--split must be train, validation, test, none or auto, not {split!r}")
-    items = []
-    for sq in split_queries:
-        p = predictions.get(sq.query_id)
-        items.append(PlanInput(query=sq.query, plan=p.plan if p else None, plan_text=p.plan_text if p else None))
     with _scoring(db, backend) as scorer:
-        metrics = scorer.evaluate_split(EvaluateRequest(items=items, split=chosen, mode=mode))
+        result = score_submission(scorer, split_queries, lines, mode=mode, split=chosen, backend=backend,
+                                  allow_synthetic_flights=allow_synthetic_flights)
+    if report is not None:
+        report.write_text(result.model_dump_json(indent=2) + "\n", encoding="utf-8")
     if as_json:
-        print(metrics.model_dump_json(indent=2))
+        print(result.model_dump_json(indent=2))
         return
+    for warning in result.warnings[:5]:
+        console.print(f"[yellow]warning:[/yellow] {warning}")
+    metrics, p = result.metrics, result.provenance
     c = metrics.counts
     table = Table(title=f"{submission.name}: {c.queries} queries, {mode} mode"
-                        + (f", official {chosen} denominators" if chosen and mode == "official" else ""))
+                        + (f", official {chosen} denominators" if chosen and mode == "official" else ""),
+                  caption=f"world {p.world} {p.world_hash}, flights {p.flights}"
+                          + (" (scored on synthetic flights at the caller's insistence)"
+                             if p.synthetic_flights_insisted else ""))
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_column("count", justify="right")
@@ -193,18 +207,26 @@ def evaluate_command(
     ):
         table.add_row(label, f"{value:.2f}%", f"{num}/{den}")
     out.print(table)
-
-
-def _text_mismatches(lines: list[str], split_queries) -> list[int]:
-    bad = []
-    for i, (line, sq) in enumerate(zip(lines, split_queries), 1):
-        try:
-            text = json.loads(line).get("query")
-        except (json.JSONDecodeError, AttributeError):
-            continue
-        if isinstance(text, str) and sq.query.query and " ".join(text.split()) != " ".join(sq.query.query.split()):
-            bad.append(i)
-    return bad
+    if c.formatter_outages:
+        console.print(f"[yellow]{c.formatter_outages} plan(s) were not read: the formatter failed[/yellow]")
+    for title, rows in (("by level", result.by_level), ("by trip length", result.by_trip_length)):
+        cohort = Table(title=title)
+        for col in ("", "n", "delivery", "cs micro", "cs macro", "hard micro", "hard macro", "final"):
+            cohort.add_column(col, justify="right" if col else "left")
+        for r in rows:
+            cohort.add_row(r.value, str(r.n), *(f"{v:.1f}%" for v in (r.delivery_rate, r.cs_micro, r.cs_macro,
+                                                                      r.hard_micro, r.hard_macro, r.final_pass_rate)))
+        out.print(cohort)
+    k = result.costs
+    if k.costed:
+        out.print(f"costs: {k.costed} plans costed, mean {k.mean:.0f}, median {k.median:.0f}, max {k.max:.0f}; "
+                  f"{k.over_budget} over budget")
+    failed = [v for v in result.plans if not v.success]
+    for v in failed[:10]:
+        first = v.failed[0] if v.failed else None
+        out.print(f"line {v.idx} (query {v.query_id}): " + (f"{first.name}: {first.reason}" if first else "failed"))
+    if len(failed) > 10:
+        out.print(f"... and {len(failed) - 10} more failed plans (--json or --report for all verdicts)")
 
 
 # --- star reward serve | worker -----------------------------------------------------------------
