@@ -109,7 +109,9 @@ class Plan(BaseModel):
 class ToolCall(BaseModel):
     """A request to run one sandbox tool."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"name": "SearchFlight", "arguments": {"origin": "Sarasota", "destination": "Chicago", "date": "2022-03-22"}},
+        {"name": "SearchAccommodation", "arguments": {"city": "Chicago"}, "dialect": "official"}]})
 
     name: str = Field(min_length=1, max_length=64)
     arguments: dict[str, Any] = Field(default_factory=dict)

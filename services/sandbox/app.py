@@ -13,7 +13,7 @@ import orjson
 from fastapi import Body, Depends, FastAPI, HTTPException, Path, Query
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from services.common.http import Worker, bearer_auth, create_app as create_service_app
@@ -30,6 +30,8 @@ VERSION = "0.1.0"
 
 class FaultConfig(BaseModel):
     """The run-level failure injection: every call without its own override draws from this."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"rate": 0.05, "seed": 7, "per_tool": {"SearchFlight": 0.2}}]})
 
     rate: float = Field(0.0, ge=0.0, le=1.0)
     seed: int = 0
@@ -113,7 +115,7 @@ def create_app(settings: Settings | None = None, world: World | None = None) -> 
     @app.post("/tools/{name}", tags=["tools"], response_model=ToolResult, summary="Run one tool by path")
     async def call_named_tool(
         name: str = Path(max_length=64),
-        arguments: dict[str, Any] = Body(default_factory=dict),
+        arguments: dict[str, Any] = Body(default_factory=dict, examples=[{"city": "Chicago"}]),
         dialect: str | None = Query(None, pattern="^(star|official)$"),
         fault_rate: float | None = Query(None, ge=0.0, le=1.0),
         fault_seed: int | None = Query(None),
