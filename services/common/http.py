@@ -47,6 +47,7 @@ MAX_JSON_DEPTH = 32  # a plan is 3 levels deep inside a request; nothing legitim
 REQUEST_TIME_LIMIT_S = 60.0
 WORK_THREADS = 2
 SWITCH_INTERVAL_S = 0.001
+_PARSE_IN_THREAD_BYTES = 256 * 1024
 _ALLOWED_CONTROLS = frozenset("\t\n\r")
 _CONTROLS = frozenset(chr(c) for c in range(32)) - _ALLOWED_CONTROLS
 
@@ -158,7 +159,9 @@ class _GuardedRequest(Request):
         if not hasattr(self, "_json"):
             body = await self.body()
             try:
-                self._json = read_json(body)
+                # A large body takes a while to parse and check: off the event loop.
+                self._json = read_json(body) if len(body) < _PARSE_IN_THREAD_BYTES else \
+                    await anyio.to_thread.run_sync(read_json, body)
             except InputError as exc:
                 raise HTTPException(422, [{"loc": ["body", *exc.loc], "msg": exc.msg, "input": None}]) from None
         return self._json

@@ -156,3 +156,12 @@ def test_one_batch_limit_for_every_service():
     from services.reward.scoring import MAX_BATCH, MAX_EVALUATE
 
     assert MAX_BATCH == MAX_EVALUATE == MAX_BATCH_ITEMS
+
+
+def test_large_bodies_are_checked_too(url):
+    """Bodies past 256 KiB are parsed in a thread; the same checks apply."""
+    items = ",".join(['"ok"'] * 60_000)
+    assert post_raw(url, "/echo", f'{{"text": "x", "items": [{items}]}}'.encode()).status_code == 200
+    bad = f'{{"text": "x", "items": [{items}, "\\u0000"]}}'.encode()
+    assert len(bad) > 256 * 1024
+    assert_problem(post_raw(url, "/echo", bad), 422, "NUL")
