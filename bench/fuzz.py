@@ -54,12 +54,19 @@ def build_world(tmp: Path) -> str:
     return url
 
 
-def run_service(name: str, target: int, world_url: str, tmp: Path, max_examples: int) -> dict:
+def run_service(name: str, target: int, world_url: str, tmp: Path, max_examples: int,
+                max_seconds: float | None) -> dict:
     with contextlib.ExitStack() as stack:
         url = start_service(name, tmp / name, stack, world_url=world_url)
         baseline = idle_healthz(url)
         started = time.monotonic()
-        report, probe = campaign(url, target, headers=AUTH, max_examples=max_examples)
+
+        def progress(round_: int, report) -> None:
+            print(f"  {name} round {round_}: {report.calls} requests, {report.server_errors} server errors, "
+                  f"{time.monotonic() - started:.0f} s", flush=True)
+
+        report, probe = campaign(url, target, headers=AUTH, max_examples=max_examples, max_seconds=max_seconds,
+                                 progress=progress)
         seconds = time.monotonic() - started
     result = {
         "requests": report.calls,
@@ -106,7 +113,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=10_000, help="Requests per service.")
     parser.add_argument("--services", default=",".join(SERVICES), help="Comma-separated services.")
-    parser.add_argument("--max-examples", type=int, default=100, help="Examples per operation and round.")
+    parser.add_argument("--max-examples", type=int, default=30, help="Examples per operation and round.")
+    parser.add_argument("--max-seconds", type=float, default=None, help="Time budget per service (the "
+                        "campaign stops there even short of --requests; the results say how many were sent).")
     parser.add_argument("--out", type=Path, default=RESULTS / "fuzz.json")
     args = parser.parse_args()
     names = [n.strip() for n in args.services.split(",") if n.strip()]
@@ -122,7 +131,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="star-fuzz-") as tmp:
         world_url = build_world(Path(tmp))
         for name in names:
-            results[name] = run_service(name, args.requests, world_url, Path(tmp), args.max_examples)
+            results[name] = run_service(name, args.requests, world_url, Path(tmp), args.max_examples,
+                                        args.max_seconds)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"meta": meta, "services": results}, indent=2) + "\n", encoding="utf-8")
             write_markdown(results, meta, args.out.with_suffix(".md"))

@@ -66,9 +66,12 @@ def _describe(case: Any) -> str:
 def fuzz_schema(schema: schemathesis.BaseSchema, *, base_url: str | None = None,
                 headers: dict[str, str] | None = None, max_examples: int = 20,
                 skip: Iterable[str] = (), timeout: float = 60.0, seed: int | None = None,
-                report: FuzzReport | None = None) -> FuzzReport:
+                report: FuzzReport | None = None, stop_at: float | None = None) -> FuzzReport:
     """Fuzz every operation of `schema` (except `skip`, as "METHOD /path") against the service.
-    `seed` None: the same examples every run; a number: another draw (a campaign runs rounds)."""
+    `seed` None: the same examples every run; a number: another draw (a campaign runs rounds).
+    `stop_at`: a time.monotonic() deadline; the run ends there, mid-operation if need be."""
+    import time
+
     report = report if report is not None else FuzzReport()
     skipped = set(skip)
     for result in schema.get_all_operations():
@@ -83,6 +86,8 @@ def fuzz_schema(schema: schemathesis.BaseSchema, *, base_url: str | None = None,
                        phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
             @given(case=strategy)
             def run(case: Any) -> None:
+                if stop_at is not None and time.monotonic() > stop_at:
+                    raise _OutOfTime()
                 kwargs = {"headers": headers} if headers else {}
                 if base_url:
                     kwargs["base_url"] = base_url
@@ -106,6 +111,8 @@ def fuzz_schema(schema: schemathesis.BaseSchema, *, base_url: str | None = None,
                 run = hseed(seed)(run)
             try:
                 run()
+            except _OutOfTime:
+                return report
             except Unsatisfiable:
                 # e.g. invalid input for an operation that takes none: nothing to send
                 report.unsatisfiable.append(f"{label} ({mode.value})")
@@ -142,6 +149,10 @@ def _probe(url: str, every_s: float, timeout_s: float, stop: Any, worst: Any, pr
             probes.value += 1
             failures.value += not ok
             stop.wait(every_s)
+
+
+class _OutOfTime(Exception):
+    pass
 
 
 class HealthProbe:
@@ -187,17 +198,23 @@ class HealthProbe:
 
 
 def campaign(url: str, target: int, *, headers: dict[str, str] | None = None, max_examples: int = 100,
-             max_rounds: int = 200, probe_every_s: float = 0.1) -> tuple[FuzzReport, HealthProbe]:
-    """Rounds of `fuzz_schema` with fresh seeds until `target` requests were sent, with /healthz
-    probed throughout."""
+             max_rounds: int = 1000, probe_every_s: float = 0.1, max_seconds: float | None = None,
+             progress: Any = None) -> tuple[FuzzReport, HealthProbe]:
+    """Rounds of `fuzz_schema` with fresh seeds until `target` requests were sent (or
+    `max_seconds` passed), with /healthz probed throughout. `progress(round, report)` after each."""
+    import time
+
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
     report = FuzzReport()
+    stop_at = time.monotonic() + max_seconds if max_seconds else None
     with HealthProbe(url, every_s=probe_every_s) as probe:
         for round_ in range(max_rounds):
-            if report.calls >= target:
+            if report.calls >= target or (stop_at is not None and time.monotonic() > stop_at):
                 break
             fuzz_schema(schema, base_url=url, headers=headers, max_examples=max_examples, seed=round_ + 1,
-                        report=report)
+                        report=report, stop_at=stop_at)
+            if progress is not None:
+                progress(round_ + 1, report)
     return report, probe
 
 
