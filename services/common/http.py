@@ -20,6 +20,7 @@ import logging
 import secrets
 import sys
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
@@ -187,10 +188,7 @@ class Deadline:
     """A cancellation flag with a time limit, for loops that can stop between items."""
 
     def __init__(self, seconds: float | None) -> None:
-        import time
-
-        self._clock = time.monotonic
-        self.at = None if seconds is None else self._clock() + seconds
+        self.at = None if seconds is None else time.monotonic() + seconds
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:
@@ -198,7 +196,7 @@ class Deadline:
 
     def check(self) -> None:
         """Raise `RequestTimeout` once cancelled or past the limit."""
-        if self._cancelled.is_set() or (self.at is not None and self._clock() > self.at):
+        if self._cancelled.is_set() or (self.at is not None and time.monotonic() > self.at):
             raise RequestTimeout("the request ran past its time limit")
 
 
@@ -217,8 +215,10 @@ class Worker:
         stop = Deadline(self.time_limit_s) if deadline else None
         call = partial(fn, *args, deadline=stop) if deadline else partial(fn, *args)
         try:
-            return await asyncio.wait_for(anyio.to_thread.run_sync(call, limiter=self._limiter),
-                                          self.time_limit_s)
+            # abandon_on_cancel: the reply goes out at the limit; a call that cannot stop finishes
+            # in its thread, its result dropped (a `deadline` call stops at its next item).
+            return await asyncio.wait_for(
+                anyio.to_thread.run_sync(call, limiter=self._limiter, abandon_on_cancel=True), self.time_limit_s)
         except (asyncio.TimeoutError, RequestTimeout):
             if stop is not None:
                 stop.cancel()

@@ -165,3 +165,22 @@ def test_large_bodies_are_checked_too(url):
     bad = f'{{"text": "x", "items": [{items}, "\\u0000"]}}'.encode()
     assert len(bad) > 256 * 1024
     assert_problem(post_raw(url, "/echo", bad), 422, "NUL")
+
+
+def test_work_that_cannot_stop_still_gets_its_reply_at_the_limit():
+    """A call without a deadline (one plan, say) that runs past the limit: the 503 goes out at
+    the limit, not when the call finally ends."""
+    import asyncio
+
+    from fastapi import HTTPException
+
+    worker = Worker(threads=1, time_limit_s=0.3)
+
+    async def main() -> float:
+        started = time.monotonic()
+        with pytest.raises(HTTPException) as caught:
+            await worker.run(time.sleep, 2.0)
+        assert caught.value.status_code == 503
+        return time.monotonic() - started
+
+    assert asyncio.run(main()) < 1.5
