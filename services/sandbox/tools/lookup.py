@@ -16,7 +16,7 @@ from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from services.sandbox.world import World
-from services.sandbox.world.store import MAX_KEY_CHARS, searchable  # noqa: F401 (re-exported)
+from services.sandbox.world.store import searchable
 from services.sandbox.world.rows import Accommodation, Attraction, Distance, Flight, Restaurant
 
 class BackendError(RuntimeError):
