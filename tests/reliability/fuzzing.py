@@ -241,6 +241,7 @@ def start_service(name: str, tmp: Any, stack: Any, *, world_url: str | None = No
     from pathlib import Path
 
     tmp = Path(tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
     if name in ("sandbox", "reward"):
         env = {"STAR_DB_URL": world_url or ""}
         if name == "reward":
