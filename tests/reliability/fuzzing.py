@@ -237,7 +237,7 @@ def start_service(name: str, tmp: Any, stack: Any, *, world_url: str | None = No
     """Start service `name` (its lifetime bound to the ExitStack `stack`); returns its URL. The
     sandbox and reward serve `world_url`; the formatter's LLM is a real chat-completions server
     whose replies rotate through a good plan, prose that is no JSON, and an upstream 500; the
-    rollout service runs a scripted engine (see `start_rollout`)."""
+    rollout service runs a scripted engine (`scripted_rollout_app`)."""
     from pathlib import Path
 
     tmp = Path(tmp)
@@ -270,29 +270,25 @@ def start_service(name: str, tmp: Any, stack: Any, *, world_url: str | None = No
         index = build_index(corpus, tmp / "qa-index", encoder.config, encoder=encoder, progress=False)
         proc = _process(name, "services.qa.app:create_app", {"STAR_QA_INDEX": str(index)}, tmp, timeout=180)
     elif name == "rollout":
-        return stack.enter_context(start_rollout(world_url or "", tmp))
+        proc = _process(name, "tests.reliability.fuzzing:scripted_rollout_app", {"STAR_DB_URL": world_url or ""},
+                        tmp, timeout=180)
     else:
         raise ValueError(f"unknown service {name!r} (use {', '.join(SERVICES)})")
     stack.callback(proc.stop)
     return proc.url
 
 
-def start_rollout(world_url: str, tmp: Any):
-    """The rollout service in a uvicorn thread around a scripted engine: fuzzed `/rollouts`
-    requests (up to 64 samples of up to 30K tokens) cost milliseconds instead of CPU-minutes of
-    decoding, while the agent loop, the tools (the real sandbox ToolBox) and the HTTP layer are
-    the real ones."""
-    import asyncio
-    import contextlib
-    import threading
-    import time
+def scripted_rollout_app():
+    """The rollout app around a scripted engine (a uvicorn factory; STAR_DB_URL names the world):
+    fuzzed `/rollouts` requests (up to 64 samples of up to 30K tokens) cost milliseconds instead
+    of CPU-minutes of decoding, while the agent loop, the tools (the real sandbox ToolBox) and the
+    HTTP layer are the real ones."""
+    import os
+    from pathlib import Path
 
-    import httpx
-    import uvicorn
     from transformers import AutoTokenizer
 
     from services.common.models import tiny_qwen2
-    from services.common.redis import free_port
     from services.common.settings import Settings
     from services.rollout.app import create_app
     from services.rollout.engines.scripted import ScriptedEngine
@@ -302,41 +298,19 @@ def start_rollout(world_url: str, tmp: Any):
     from services.sandbox.tools.toolbox import ToolBox
     from services.sandbox.world import World
 
-    @contextlib.contextmanager
-    def run():
-        model = tiny_qwen2()
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        # A model that looks one thing up, then answers: every fuzzed query runs the real agent loop.
-        call = format_tool_call("search_accommodations", {"city": "Chicago"})
+    model = tiny_qwen2()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    # A model that looks one thing up, then answers: every fuzzed query runs the real agent loop.
+    call = format_tool_call("search_accommodations", {"city": "Chicago"})
 
-        def script(_ids, turn):
-            return call if turn == 0 else format_answer("Day 1:\nCurrent City: Chicago")
+    def script(_ids, turn):
+        return call if turn == 0 else format_answer("Day 1:\nCurrent City: Chicago")
 
-        world = World(world_url)
-        settings = Settings(home=tmp / "home", api_token=TOKEN, weights_root=tmp / "weights",
-                            log_json=False, log_level="WARNING")
-        service = RolloutService(ScriptedEngine(tokenizer, script, max_model_len=32768),
-                                 LocalToolClient(ToolBox(world, dialect="star", cache_size=0)),
-                                 settings=settings, config=RolloutConfig(engine="transformers", model=str(model)))
-        app = create_app(settings, service=service)
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                               access_log=False, lifespan="on"))
-        thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-        thread.start()
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        try:
-            yield url
-        finally:
-            server.should_exit = True
-            thread.join(10)
-            world.close()
-
-    return run()
+    home = Path(os.environ["STAR_HOME"])
+    settings = Settings(home=home, api_token=TOKEN, weights_root=home / "weights", log_json=False,
+                        log_level="WARNING")
+    world = World(os.environ["STAR_DB_URL"])
+    service = RolloutService(ScriptedEngine(tokenizer, script, max_model_len=32768),
+                             LocalToolClient(ToolBox(world, dialect="star", cache_size=0)),
+                             settings=settings, config=RolloutConfig(engine="transformers", model=str(model)))
+    return create_app(settings, service=service)
