@@ -183,7 +183,7 @@ def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit:
              batch: int, decode: str) -> dict[str, Any]:
     """Decode every held-out query (batched), then score the answers in both evaluator modes."""
     from services.evaluation.runfolder import RunFolder
-    from services.evaluation.submission import load_split
+    from services.reward.submission import load_split
 
     queries = load_split(split, limit)
     out.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,8 @@ class TravelQuery(BaseModel):
     org: str
     dest: str
     days: Literal[3, 5, 7]
-    visiting_city_number: Literal[1, 2, 3]
+    # The benchmark's queries ask for 1-3 cities; the official evaluator scores any count, so do we.
+    visiting_city_number: int = Field(ge=1, le=30)
     date: list[str]
     people_number: int = Field(ge=1, le=16)
     local_constraint: LocalConstraint = Field(default_factory=LocalConstraint)
@@ -108,7 +109,9 @@ class Plan(BaseModel):
 class ToolCall(BaseModel):
     """A request to run one sandbox tool."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"name": "SearchFlight", "arguments": {"origin": "Sarasota", "destination": "Chicago", "date": "2022-03-22"}},
+        {"name": "SearchAccommodation", "arguments": {"city": "Chicago"}, "dialect": "official"}]})
 
     name: str = Field(min_length=1, max_length=64)
     arguments: dict[str, Any] = Field(default_factory=dict)
@@ -200,6 +203,21 @@ class Score(BaseModel):
     hard_macro: float = 0.0
     success: float = 0.0
     formatter_status: str = "ok"
+
+
+class Provenance(BaseModel):
+    """Which world and mode produced a score: a number means little without them."""
+
+    mode: Literal["official", "strict"]
+    world: str = Field(description="official (the benchmark's tables) | synthetic (a generated world) | unknown.")
+    flights: Literal["real", "synthetic", "synthetic+train_rows", "none", "unknown"] = Field(
+        description="real: a real flights file was loaded; synthetic: generated; synthetic+train_rows: generated "
+                    "plus the real flight rows the train queries need.")
+    flights_source: str = Field(description="The world's own description of its flights table.")
+    world_hash: str = Field(description="SHA-256 (first 16 hex digits) of the world's build metadata.")
+    synthetic_flights_insisted: bool = Field(
+        False, description="A validation or test split scored on synthetic flights because the caller insisted: "
+                           "flight checks of such plans mean little.")
 
 
 class ScoredTrajectory(Trajectory):

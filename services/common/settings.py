@@ -29,7 +29,8 @@ class Settings(BaseSettings):
     travelplanner_dir: Path = Field(default=DEFAULT_TRAVELPLANNER_DIR, description="Official TravelPlanner data.")
 
     api_token: str | None = Field(default=None, description="Bearer token required by mutating endpoints.")
-    max_body_bytes: int = Field(default=64 * 1024, description="Largest request body a service accepts.")
+    max_body_bytes: int | None = Field(default=None, ge=1024, description="Largest request body any service "
+                                       "accepts; default: the shared limit of services/common/http.py (16 MiB).")
     log_level: str = "INFO"
     log_json: bool = True
 
@@ -82,8 +83,6 @@ class Settings(BaseSettings):
     formatter_concurrency: int = Field(default=8, ge=1, description="Formatter API requests in flight per process.")
     formatter_cache_size: int = Field(default=4096, ge=0, description="Formatted answers kept in memory (0: off).")
     formatter_backend: str = Field(default="auto", description="Default formatter backend: structured | llm | auto.")
-    reward_max_body_bytes: int = Field(default=16 * 1024 * 1024, description="Largest body the reward API accepts "
-                                       "(POST /evaluate carries a whole split).")
 
     @property
     def world_url(self) -> str:

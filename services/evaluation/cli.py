@@ -68,7 +68,7 @@ def eval_run(
     from services.evaluation.runfolder import RunMismatch
     from services.evaluation.runner import MODEL_CONCURRENCY, EvalError, EvalRun, run_eval
     from services.common.files import sha256_file as file_sha256
-    from services.evaluation.submission import SubmissionError
+    from services.reward.submission import SubmissionError
     from services.reward.evaluator import Evaluator
     from services.sandbox.world import World
 
@@ -228,18 +228,23 @@ def eval_submission(
     submission: Path = typer.Argument(..., help="Official submission JSONL: {idx, query, plan} per line, in dataset "
                                                 "order (plan: day list, text or null)."),
     split: Optional[Path] = typer.Option(None, help="The split's query records (JSON list or JSONL with org, dest, "
-                                                    "days, date, ...). Default: the train split when the submission "
-                                                    "has 45 lines."),
+                                                    "days, date, ...). Default: the --official-split's queries in "
+                                                    "the dataset folder (STAR_TRAVELPLANNER_DIR), or train when the "
+                                                    "submission has 45 lines."),
     mode: str = typer.Option("official", help="Evaluator mode: official (leaderboard parity) or strict."),
     official_split: str = typer.Option("auto", help="auto (by the number of queries) | none | train | validation | "
                                                     "test: which official denominators to use in official mode."),
     backend: Optional[str] = typer.Option(None, help="Formatter backend for plans given as text."),
     db: Optional[str] = typer.Option(None, help="World database URL (default: STAR_DB_URL / STAR_HOME)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
+    allow_synthetic_flights: bool = typer.Option(False, help="Score validation/test on a world without the real "
+                                                             "flights (refused otherwise); the report is marked."),
+    as_json: bool = typer.Option(False, "--json", help="Print the whole report as JSON (metrics, per-plan "
+                                                       "verdicts, tables by level and trip length, costs)."),
+    report: Optional[Path] = typer.Option(None, help="Also write the whole report as JSON to this file."),
 ) -> None:
     """The leaderboard metrics of a submission file, paired line by line with the split's queries (as the
-    official evaluator pairs them), printed without a run folder."""
-    score_submission(submission, split, mode, official_split, backend, db, as_json,
+    official evaluator pairs them), with per-plan verdicts, tables and costs, printed without a run folder."""
+    score_submission(submission, split, mode, official_split, backend, db, as_json, allow_synthetic_flights, report,
                      flags=("--split", "--official-split"))
 
 
@@ -250,55 +255,75 @@ def evaluate_alias(
     split: str = typer.Option("auto", help="Deprecated name of `star eval submission --official-split`."),
     backend: Optional[str] = typer.Option(None, help="Formatter backend for plans given as text."),
     db: Optional[str] = typer.Option(None, help="World database URL."),
-    as_json: bool = typer.Option(False, "--json", help="Print the metrics as JSON."),
+    allow_synthetic_flights: bool = typer.Option(False, help="As `star eval submission --allow-synthetic-flights`."),
+    as_json: bool = typer.Option(False, "--json", help="Print the whole report as JSON."),
+    report: Optional[Path] = typer.Option(None, help="Also write the whole report as JSON to this file."),
 ) -> None:
     """Deprecated: `star eval submission FILE [--split QUERIES] [--official-split NAME]`."""
-    score_submission(submission, queries, mode, split, backend, db, as_json, flags=("--queries", "--split"))
+    score_submission(submission, queries, mode, split, backend, db, as_json, allow_synthetic_flights, report,
+                     flags=("--queries", "--split"))
 
 
 def score_submission(submission: Path, queries: Path | None, mode: str, official_split: str, backend: str | None,
-                     db: str | None, as_json: bool, flags: tuple[str, str]) -> None:
+                     db: str | None, as_json: bool, allow_synthetic_flights: bool, report: Path | None,
+                     flags: tuple[str, str]) -> None:
     """`flags`: the caller's names for the query file and the official split, for its error messages."""
     from rich.table import Table
 
     from services.common.cli import read_text
-    from services.evaluation.submission import SubmissionError, load_split, read_predictions
+    from services.reward.submission import SPLITS, SubmissionError, SubmissionLine, dataset_split, load_split
+    from services.reward.submission import score_submission as score
     from services.reward.cli import OFFICIAL_SIZES, _mode, _scoring, out
-    from services.reward.scoring import EvaluateRequest, PlanInput
 
     _mode(mode)
-    lines = [ln for ln in read_text(submission).splitlines() if ln.strip()]
-    if queries is None:
-        default = get_settings().travelplanner_dir / "train" / "train.json"
-        if len(lines) != 45 or not default.is_file():
-            _fail(f"{submission} has {len(lines)} lines; give {flags[0]}, the split's records with their structured "
-                  "fields (a submission carries only the query text)")
-        queries = default
+    if official_split not in (*SPLITS, "none", "auto"):
+        _fail(f"{flags[1]} must be train, validation, test, none or auto, not {official_split!r}")
+    raw = [ln for ln in read_text(submission).splitlines() if ln.strip()]
+    lines = []
+    for i, text in enumerate(raw, 1):
+        try:
+            lines.append(SubmissionLine(**json.loads(text)))
+        except (json.JSONDecodeError, TypeError, ValueError) as exc:
+            _fail(f"{submission}:{i}: not a submission line ({str(exc).splitlines()[0]})")
+    settings = get_settings()
     try:
-        split_queries = load_split(queries)
-        predictions = read_predictions(submission, split_queries)
+        if queries is not None:
+            split_queries = load_split(queries)
+        elif official_split in SPLITS:
+            split_queries = dataset_split(settings.travelplanner_dir, official_split)
+        elif len(lines) == 45 and (settings.travelplanner_dir / "train" / "train.json").is_file():
+            split_queries = dataset_split(settings.travelplanner_dir, "train")
+        else:
+            _fail(f"{submission} has {len(lines)} lines; give {flags[0]}, the split's records with their structured "
+                  f"fields (a submission carries only the query text), or {flags[1]} with the dataset folder")
     except SubmissionError as exc:
         _fail(str(exc))
-    mismatched = _text_mismatches(lines, split_queries)
+    mismatched = _text_mismatches(raw, split_queries)
     if mismatched:
         console.print(f"[yellow]warning:[/yellow] {len(mismatched)} line(s) carry a query text other than the "
                       f"split's (first: line {mismatched[0]}); lines pair by order, as in the official evaluator")
     chosen = None if official_split == "none" else OFFICIAL_SIZES.get(len(split_queries)) \
         if official_split == "auto" else official_split
-    if chosen not in (None, "train", "validation", "test"):
-        _fail(f"{flags[1]} must be train, validation, test, none or auto, not {official_split!r}")
-    items = []
-    for sq in split_queries:
-        p = predictions.get(sq.query_id)
-        items.append(PlanInput(query=sq.query, plan=p.plan if p else None, plan_text=p.plan_text if p else None))
-    with _scoring(db, backend) as scorer:
-        metrics = scorer.evaluate_split(EvaluateRequest(items=items, split=chosen, mode=mode))
+    try:
+        with _scoring(db, backend) as scorer:
+            result = score(scorer, split_queries, lines, mode=mode, split=chosen, backend=backend,
+                           allow_synthetic_flights=allow_synthetic_flights)
+    except SubmissionError as exc:
+        _fail(str(exc))
+    if report is not None:
+        report.write_text(result.model_dump_json(indent=2) + "\n", encoding="utf-8")
     if as_json:
-        print(metrics.model_dump_json(indent=2))
+        print(result.model_dump_json(indent=2))
         return
+    for warning in result.warnings[:5]:
+        console.print(f"[yellow]warning:[/yellow] {warning}")
+    metrics, p = result.metrics, result.provenance
     c = metrics.counts
     table = Table(title=f"{submission.name}: {c.queries} queries, {mode} mode"
-                        + (f", official {chosen} denominators" if chosen and mode == "official" else ""))
+                        + (f", official {chosen} denominators" if chosen and mode == "official" else ""),
+                  caption=f"world {p.world} {p.world_hash}, flights {p.flights}"
+                          + (" (scored on synthetic flights at the caller's insistence)"
+                             if p.synthetic_flights_insisted else ""))
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_column("count", justify="right")
@@ -312,6 +337,29 @@ def score_submission(submission: Path, queries: Path | None, mode: str, official
     ):
         table.add_row(label, f"{value:.2f}%", f"{num}/{den}")
     out.print(table)
+    if c.formatter_outages:
+        console.print(f"[yellow]{c.formatter_outages} plan(s) were not read: the formatter failed[/yellow]")
+    for title, rows in (("by level", result.by_level), ("by trip length", result.by_trip_length)):
+        cohort = Table(title=title)
+        for col in ("", "n", "delivery", "cs micro", "cs macro", "hard micro", "hard macro", "final"):
+            cohort.add_column(col, justify="right" if col else "left")
+        for r in rows:
+            cohort.add_row(r.value, str(r.n), *(f"{v:.1f}%" for v in (r.delivery_rate, r.cs_micro, r.cs_macro,
+                                                                      r.hard_micro, r.hard_macro, r.final_pass_rate)))
+        out.print(cohort)
+    k = result.costs
+    if k.costed:
+        out.print(f"costs: {k.costed} plans costed, mean {k.mean:.0f}, median {k.median:.0f}, max {k.max:.0f}; "
+                  f"{k.over_budget} over budget")
+    failed = [v for v in result.plans if not v.success]
+    for v in failed[:10]:
+        first = v.failed[0] if v.failed else None
+        out.print(f"line {v.idx} (query {v.query_id}): " + (f"{first.name}: {first.reason}" if first else "failed"))
+    if len(failed) > 10:
+        out.print(f"... and {len(failed) - 10} more failed plans (--json or --report for all verdicts)")
+
+
+# --- star reward serve | worker -----------------------------------------------------------------
 
 
 def _text_mismatches(lines: list[str], split_queries) -> list[int]:

@@ -21,7 +21,7 @@ from services.evaluation.formatting import PlanFormatter
 from services.common.files import sha256_file as file_sha256
 from services.evaluation.records import QueryRecord, TrajectorySummary, append_jsonl, split_metrics
 from services.evaluation.runfolder import RunFolder, evaluator_code_sha256
-from services.evaluation.submission import (
+from services.reward.submission import (
     Prediction,
     SplitQuery,
     load_split,

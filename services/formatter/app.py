@@ -12,9 +12,7 @@ from typing import Literal
 
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.concurrency import run_in_threadpool
-
-from services.common.http import create_app as create_service_app
+from services.common.http import Worker, create_app as create_service_app
 from services.common.logging import configure_logging
 from services.common.metrics import Metrics
 from services.common.schemas import Plan, TravelQuery
@@ -26,7 +24,14 @@ VERSION = "0.1.0"
 
 
 class FormatRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"plan_text": "Day 1:\nCurrent City: from Sarasota to Chicago\nTransportation: Flight Number: F3573659, "
+                      "from Sarasota to Chicago, Departure Time: 15:40, Arrival Time: 17:04\nBreakfast: -\n"
+                      "Attraction: -\nLunch: -\nDinner: Coco Bambu, Chicago\nAccommodation: Cozy Room, Chicago",
+         "backend": "structured"},
+        {"plan_text": "On day 1 I fly F3573659 from Sarasota to Chicago and dine at Coco Bambu.", "backend": "llm",
+         "query": {"org": "Sarasota", "dest": "Chicago", "days": 3, "visiting_city_number": 1,
+                   "date": ["2022-03-22", "2022-03-23", "2022-03-24"], "people_number": 1, "budget": 1900}}]})
 
     query: TravelQuery | None = Field(None, description="The query the plan answers (gives the LLM context and "
                                                         "the structured parser the day count).")
@@ -69,6 +74,9 @@ def create_app(settings: Settings | None = None, formatter: Formatter | None = N
                     "and an LLM backend over any OpenAI-compatible chat API.",
     )
     app.router.lifespan_context = lifespan
+    # Parsing 200K characters, or waiting on the LLM, happens off the event loop; as many at once
+    # as the LLM client sends, each bounded by the formatting deadline.
+    worker = Worker(threads=settings.formatter_concurrency, time_limit_s=settings.formatter_deadline_s + 5)
 
     @app.post("/format", tags=["format"], response_model=FormatResponse, response_model_exclude_none=True,
               summary="Turn plan text into a plan")
@@ -76,10 +84,7 @@ def create_app(settings: Settings | None = None, formatter: Formatter | None = N
         fmt = state["formatter"]
         backend = request.backend or settings.formatter_backend
         try:
-            if backend == "structured" or fmt.llm is None and backend == "auto":
-                result = fmt.format(request.plan_text, request.query, backend)  # pure CPU, fast
-            else:
-                result = await run_in_threadpool(fmt.format, request.plan_text, request.query, backend)
+            result = await worker.run(fmt.format, request.plan_text, request.query, backend)
         except LLMUnavailable as exc:
             raise HTTPException(503, str(exc)) from None
         except ValueError as exc:

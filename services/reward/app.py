@@ -11,23 +11,41 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 import orjson
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.concurrency import run_in_threadpool
 
-from services.common.http import create_app as create_service_app, problem
+from services.common.http import (
+    MAX_BATCH_ITEMS,
+    REQUEST_TIME_LIMIT_S,
+    WORK_THREADS,
+    Worker,
+    create_app as create_service_app,
+    problem,
+)
 from services.common.logging import configure_logging
 from services.common.metrics import Metrics
-from services.common.schemas import Score
+from services.common.schemas import EvalMode, Score, TravelQuery
 from services.common.settings import Settings, get_settings
+from services.reward.submission import (
+    MAX_LINES,
+    SubmissionError,
+    SubmissionLine,
+    SubmissionReport,
+    dataset_split,
+    queries_from,
+    score_submission,
+)
 from services.formatter.core import Formatter
 from services.reward.evaluator import Evaluator, SplitMetrics
 from services.reward.scoring import (
-    MAX_BATCH,
+    EXAMPLE_PLAN,
+    EXAMPLE_QUERY,
+    BatchItemError,
     EvaluateRequest,
+    FormatterBackend,
     ScoreError,
     Scorer,
     ScoreRequest,
@@ -36,16 +54,38 @@ from services.reward.scoring import (
 from services.sandbox.world import World
 
 VERSION = "0.1.0"
-
-
 class ScoreBatchRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"items": [{"query": EXAMPLE_QUERY, "plan": EXAMPLE_PLAN, "mode": "strict", "reward": "sum"},
+                   {"query": EXAMPLE_QUERY, "plan": None}]}]})
 
-    items: list[ScoreRequest] = Field(min_length=1, max_length=MAX_BATCH)
+    items: list[ScoreRequest] = Field(min_length=1, max_length=MAX_BATCH_ITEMS)
 
 
 class ScoreBatchResponse(BaseModel):
-    results: list[ScoreResponse]
+    results: list[ScoreResponse | BatchItemError] = Field(
+        description="One per item, in request order: a score, or why that item alone could not be scored.")
+
+
+class SubmissionRequest(BaseModel):
+    """The official submission lines and the split they answer."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"lines": [{"idx": 1, "query": "A 3-day trip from St. Petersburg to Rockford ...", "plan": EXAMPLE_PLAN}],
+         "queries": [EXAMPLE_QUERY], "mode": "official"},
+        {"lines": [{"idx": 1, "query": "...", "plan": EXAMPLE_PLAN}], "split": "train"}]})
+
+    lines: list[SubmissionLine] = Field(min_length=1, max_length=MAX_LINES,
+                                        description="The submission JSONL, one object per line, in split order.")
+    split: Literal["train", "validation", "test"] | None = Field(
+        None, description="The split: its queries come from the operator's dataset folder unless `queries` are "
+                          "given, and official mode uses its fixed denominators.")
+    queries: list[TravelQuery] | None = Field(None, min_length=1, max_length=MAX_LINES,
+                                              description="The split's queries with their structured fields.")
+    mode: EvalMode = "official"
+    backend: FormatterBackend | None = None
+    allow_synthetic_flights: bool = Field(False, description="Score validation/test on a world whose flights are "
+                                                             "not the real ones (refused otherwise); marked.")
 
 
 class ScorerMetrics:
@@ -81,8 +121,14 @@ def create_app(settings: Settings | None = None, scorer: Scorer | None = None) -
             if state["problem"] is None:
                 state["scorer"] = Scorer(Evaluator(world), Formatter.from_settings(settings),
                                          default_backend=settings.formatter_backend)
-        # Scoring is CPU work over an in-memory index, except when the LLM formatter is involved.
-        state["blocking"] = "scorer" in state and state["scorer"].formatter.blocking
+        # Scoring is CPU work off the event loop (so /healthz answers meanwhile), with a time limit
+        # per request; when it may wait on the LLM formatter, as many threads as the LLM client
+        # sends requests, and the formatting deadline on top of the limit.
+        if "scorer" in state and state["scorer"].formatter.blocking:
+            state["worker"] = Worker(threads=max(WORK_THREADS, settings.formatter_concurrency),
+                                     time_limit_s=REQUEST_TIME_LIMIT_S + settings.formatter_deadline_s)
+        else:
+            state["worker"] = Worker()
         yield
         if "scorer" in state and scorer is None:
             state["scorer"].close()
@@ -91,7 +137,7 @@ def create_app(settings: Settings | None = None, scorer: Scorer | None = None) -
 
     app = create_service_app(
         service="reward", title="STAR reward", version=VERSION, metrics=metrics.registry,
-        ready=lambda: "scorer" in state, max_body_bytes=settings.reward_max_body_bytes,
+        ready=lambda: "scorer" in state, max_body_bytes=settings.max_body_bytes,
         description="The TravelPlanner evaluator (official parity and strict modes) and the RL rewards: "
                     "score a plan (JSON or text), a batch, or a whole split.",
     )
@@ -101,10 +147,8 @@ def create_app(settings: Settings | None = None, scorer: Scorer | None = None) -
     async def _too_deep(_req: Request, _exc: RecursionError) -> JSONResponse:
         return problem(422, "Invalid request", "the JSON body is nested too deeply")
 
-    async def run(fn, *args):
-        if state.get("blocking"):
-            return await run_in_threadpool(fn, *args)
-        return fn(*args)
+    def worker() -> Worker:
+        return state.get("worker") or Worker()
 
     def fail(exc: ScoreError) -> HTTPException:
         return HTTPException(422, str(exc))
@@ -115,23 +159,24 @@ def create_app(settings: Settings | None = None, scorer: Scorer | None = None) -
         s = current()
         with metrics.latency.labels("score").time():
             try:
-                out = await run(s.score, request)
+                out = await worker().run(s.score, request)
             except ScoreError as exc:
                 raise fail(exc) from None
         metrics.observe(out.score)
         return _json(out)
 
     @app.post("/score/batch", tags=["score"], response_model=ScoreBatchResponse,
-              summary=f"Score up to {MAX_BATCH} plans; results in request order")
+              summary=f"Score up to {MAX_BATCH_ITEMS} plans; results in request order, errors per item")
     async def score_batch(request: ScoreBatchRequest) -> Response:
         s = current()
         with metrics.latency.labels("score_batch").time():
             try:
-                out = await run(s.score_batch, request.items)
+                out = await worker().run(s.score_batch, request.items, deadline=True)
             except ScoreError as exc:
                 raise fail(exc) from None
         for r in out:
-            metrics.observe(r.score)
+            if isinstance(r, ScoreResponse):
+                metrics.observe(r.score)
         return _json(ScoreBatchResponse(results=out))
 
     @app.post("/evaluate", tags=["evaluate"], response_model=SplitMetrics,
@@ -140,9 +185,35 @@ def create_app(settings: Settings | None = None, scorer: Scorer | None = None) -
         s = current()
         with metrics.latency.labels("evaluate").time():
             try:
-                return await run(s.evaluate_split, request)
+                return await worker().run(s.evaluate_split, request, deadline=True)
             except ScoreError as exc:
                 raise fail(exc) from None
+
+    @app.post("/submission", tags=["evaluate"], response_model=SubmissionReport,
+              summary="Score an official submission: leaderboard metrics, per-plan verdicts, tables, costs")
+    async def submission(request: SubmissionRequest) -> Response:
+        s = current()
+        try:
+            if request.queries is not None:
+                queries = queries_from(request.queries)
+            elif request.split is not None:
+                queries = dataset_split(settings.travelplanner_dir, request.split)
+            else:
+                raise SubmissionError("give the split (its queries come from the dataset folder) or the queries")
+        except SubmissionError as exc:
+            raise HTTPException(422, str(exc)) from None
+
+        def run(deadline: Any = None) -> SubmissionReport:
+            return score_submission(s, queries, request.lines, mode=request.mode, split=request.split,
+                                    backend=request.backend, allow_synthetic_flights=request.allow_synthetic_flights,
+                                    deadline=deadline)
+
+        with metrics.latency.labels("submission").time():
+            try:
+                report = await worker().run(run, deadline=True)
+            except ScoreError as exc:
+                raise fail(exc) from None
+        return _json(report)
 
     @app.get("/checks", tags=["evaluate"], summary="The checks, their names and the mode differences")
     async def checks() -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -18,6 +18,7 @@ from services.common.schemas import (
     EvalMode,
     Plan,
     PreferencePenalty,
+    Provenance,
     RewardKind,
     Score,
     ScoredTrajectory,
@@ -30,11 +31,40 @@ from services.reward.evaluator import Evaluation, Evaluator, PlanError, SplitMet
 from services.reward.evaluator import hard as hard_checks
 from services.reward.evaluator.aggregate import Split, not_delivered
 from services.reward.evaluator.context import Context
+from services.reward.provenance import refusal, world_provenance
 from services.reward.rewards import all_rewards, reward
 
 FormatterBackend = Literal["structured", "llm", "auto"]
-MAX_BATCH = 512
-MAX_EVALUATE = 1000  # the test split
+MAX_BATCH = 1000  # the test split; the same as services.common.http.MAX_BATCH_ITEMS
+MAX_EVALUATE = 1000
+
+
+class Deadline(Protocol):
+    """Stops a long loop between items (services.common.http.Deadline)."""
+
+    def check(self) -> None: ...
+
+
+EXAMPLE_QUERY = {"org": "St. Petersburg", "dest": "Rockford", "days": 3, "visiting_city_number": 1,
+                 "date": ["2022-03-16", "2022-03-17", "2022-03-18"], "people_number": 1, "budget": 1700,
+                 "local_constraint": {"house_rule": None, "cuisine": None, "room_type": None, "transportation": None},
+                 "level": "easy"}
+EXAMPLE_PLAN = [
+    {"days": 1, "current_city": "from St. Petersburg to Rockford",
+     "transportation": "Flight Number: F3573659, from St. Petersburg to Rockford, Departure Time: 15:40, "
+                       "Arrival Time: 17:04",
+     "breakfast": "-", "attraction": "-", "lunch": "-", "dinner": "Coco Bambu, Rockford",
+     "accommodation": "Pure luxury one bdrm + sofa bed on Central Park, Rockford"},
+    {"days": 2, "current_city": "Rockford", "transportation": "-", "breakfast": "Dial A Cake, Rockford",
+     "attraction": "Burpee Museum of Natural History, Rockford;Midway Village Museum, Rockford;",
+     "lunch": "Flying Mango, Rockford", "dinner": "Cafe Southall, Rockford",
+     "accommodation": "Pure luxury one bdrm + sofa bed on Central Park, Rockford"},
+    {"days": 3, "current_city": "from Rockford to St. Petersburg",
+     "transportation": "Flight Number: F3573120, from Rockford to St. Petersburg, Departure Time: 19:00, "
+                       "Arrival Time: 22:43",
+     "breakfast": "Subway, Rockford", "attraction": "Klehm Arboretum & Botanic Garden, Rockford;",
+     "lunch": "Gajalee Sea Food, Rockford", "dinner": "-", "accommodation": "-"},
+]
 
 
 class ScoreError(ValueError):
@@ -58,6 +88,11 @@ class PlanInput(BaseModel):
 
 
 class ScoreRequest(PlanInput):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"query": EXAMPLE_QUERY, "plan": EXAMPLE_PLAN, "mode": "official", "reward": "sum"},
+        {"query": EXAMPLE_QUERY, "plan_text": "Day 1:\nCurrent City: from St. Petersburg to Rockford\n...",
+         "mode": "strict", "reward": "curriculum", "epoch": 1, "backend": "structured"}]})
+
     mode: EvalMode = Field("official", description="official: leaderboard parity; strict: quirks fixed.")
     reward: RewardKind = Field("sum", description="The reward to report as `reward`.")
     epoch: int | None = Field(None, ge=1, le=10_000, description="1-based epoch (needed for curriculum).")
@@ -84,15 +119,29 @@ class ScoreResponse(BaseModel):
     cost: float | None = Field(None, description="Total cost of the plan as the evaluator computes it.")
     plan: Plan | None = Field(None, description="The plan the formatter read from plan_text.")
     formatter: FormatterOutcome | None = Field(None, description="How plan_text was read (absent for JSON plans).")
+    provenance: Provenance | None = Field(None, description="The world and mode that produced this score.")
+
+
+class BatchItemError(BaseModel):
+    """One item of a batch that could not be scored; the other items are scored regardless."""
+
+    index: int = Field(description="0-based position of the item in the request.")
+    status: int = Field(422, description="The HTTP status this item alone would have had.")
+    detail: str = Field(description="Why the item cannot be scored.")
 
 
 class EvaluateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"items": [{"query": EXAMPLE_QUERY, "plan": EXAMPLE_PLAN}, {"query": EXAMPLE_QUERY, "plan": None}],
+         "mode": "official"}]})
 
     items: list[PlanInput] = Field(min_length=1, max_length=MAX_EVALUATE)
     split: Split | None = Field(None, description="Official split name: its fixed denominators (official mode).")
     mode: EvalMode = "official"
     backend: FormatterBackend | None = None
+    allow_synthetic_flights: bool = Field(
+        False, description="Score a validation or test split even though the world's flights are not the real "
+                           "ones (refused otherwise); the reply's provenance is then marked.")
 
 
 @dataclass
@@ -109,6 +158,11 @@ class Scorer:
         self.evaluators = {"official": evaluator.with_mode("official"), "strict": evaluator.with_mode("strict")}
         self.formatter = formatter or Formatter(None)
         self.default_backend = default_backend
+        try:
+            meta = evaluator.index.world.meta()
+        except Exception:  # noqa: BLE001 - a world without metadata still scores; provenance says unknown
+            meta = {}
+        self.provenance = {mode: world_provenance(meta, mode) for mode in ("official", "strict")}
 
     def close(self) -> None:
         self.formatter.close()
@@ -154,19 +208,24 @@ class Scorer:
             f = scored.formatted
             outcome = FormatterOutcome(status=f.status, backend=f.backend, error=f.error)
         return ScoreResponse(score=score, reward=chosen, rewards=all_rewards(score, request.epoch),
-                             cost=scored.evaluation.cost, plan=scored.plan, formatter=outcome)
+                             cost=scored.evaluation.cost, plan=scored.plan, formatter=outcome,
+                             provenance=self.provenance[request.mode])
 
-    def score_batch(self, requests: Sequence[ScoreRequest], *, parallel: int = 8) -> list[ScoreResponse]:
-        """Results in request order. When formatting may wait on an LLM, up to `parallel` requests
-        are in flight at once (the LLM client's own concurrency limit still applies)."""
+    def score_batch(self, requests: Sequence[ScoreRequest], *, parallel: int = 8,
+                    deadline: Deadline | None = None) -> list[ScoreResponse | BatchItemError]:
+        """Results in request order; an item that cannot be scored is a `BatchItemError` in its
+        place. When formatting may wait on an LLM, up to `parallel` requests are in flight at once
+        (the LLM client's own concurrency limit still applies)."""
         if len(requests) > MAX_BATCH:
             raise ScoreError(f"a batch holds at most {MAX_BATCH} requests, got {len(requests)}")
 
-        def one(i: int) -> ScoreResponse:
+        def one(i: int) -> ScoreResponse | BatchItemError:
+            if deadline is not None:
+                deadline.check()
             try:
                 return self.score(requests[i])
             except ScoreError as exc:
-                raise ScoreError(f"item {i}: {exc}") from None
+                return BatchItemError(index=i, detail=str(exc))
 
         needs_llm = any(r.plan_text is not None for r in requests) and self.formatter.blocking
         if not needs_llm or parallel <= 1 or len(requests) <= 1:
@@ -176,13 +235,35 @@ class Scorer:
 
     # -- a split -------------------------------------------------------------------------------
 
-    def evaluate_split(self, request: EvaluateRequest) -> SplitMetrics:
-        evaluations = [self.evaluate(item, request.mode, request.backend, lenient=True).evaluation
-                       for item in request.items]
+    def split_provenance(self, mode: str, split: str | None, allow_synthetic_flights: bool) -> Provenance:
+        """The provenance of a split's scores; a `ScoreError` when the world cannot score that split
+        (validation or test on flights that are not the real ones) and the caller did not insist."""
+        provenance = self.provenance[mode]
+        why = refusal(provenance, split)
+        if why is None:
+            return provenance
+        if not allow_synthetic_flights:
+            raise ScoreError(why)
+        return provenance.model_copy(update={"synthetic_flights_insisted": True})
+
+    def evaluate_items(self, items: Sequence[PlanInput], mode: str, backend: str | None = None,
+                       deadline: Deadline | None = None) -> list[Scored]:
+        out = []
+        for item in items:
+            if deadline is not None:
+                deadline.check()
+            out.append(self.evaluate(item, mode, backend, lenient=True))
+        return out
+
+    def evaluate_split(self, request: EvaluateRequest, deadline: Deadline | None = None) -> SplitMetrics:
+        provenance = self.split_provenance(request.mode, request.split, request.allow_synthetic_flights)
+        evaluations = [s.evaluation for s in self.evaluate_items(request.items, request.mode, request.backend,
+                                                                   deadline)]
         try:
-            return aggregate([i.query for i in request.items], evaluations, mode=request.mode, split=request.split)
+            metrics = aggregate([i.query for i in request.items], evaluations, mode=request.mode, split=request.split)
         except ValueError as exc:
             raise ScoreError(str(exc)) from None
+        return metrics.model_copy(update={"provenance": provenance})
 
     # -- a trajectory (the RL loop) ------------------------------------------------------------
 

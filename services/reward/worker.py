@@ -7,6 +7,8 @@ transaction (`StreamConsumer.forward`), so a crash loses nothing and duplicates 
 A payload that can never be scored (not a trajectory, a newer schema, no query) goes straight to
 the dead-letter stream with its reason; any other failure (the LLM formatter down, say) leaves the
 message pending, to be retried after `claim_idle_ms`, and dead-lettered after `max_deliveries`.
+A formatter outage (`llm_error`, `timeout`) is such a failure: the agent's answer was never read,
+so it becomes no scored trajectory (no training sample with reward 0) until the formatter answers.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pydantic import ValidationError
 
 from services.common.schemas import SCHEMA_VERSION, ScoredTrajectory, Trajectory
 from services.common.streams import StreamConsumer, StreamMessage, StreamNames, ensure_group, run_worker
+from services.reward.evaluator.aggregate import FORMATTER_OUTAGES
 from services.reward.scoring import ScoreError, Scorer
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,10 @@ def read_trajectory(data: dict) -> Trajectory:
         raise PermanentError(f"not a trajectory: {exc}") from None
 
 
+class FormatterOutage(RuntimeError):
+    """The formatter could not read the answer (its API failed or timed out): retry later."""
+
+
 class ScoreWorker:
     def __init__(self, scorer: Scorer, client: redis.Redis, names: StreamNames, *, group: str = GROUP,
                  consumer: str | None = None, claim_idle_ms: int = 60_000, max_deliveries: int = 3,
@@ -63,9 +70,13 @@ class ScoreWorker:
     def score(self, msg: StreamMessage) -> ScoredTrajectory:
         trajectory = read_trajectory(msg.data)
         try:
-            return self.scorer.score_trajectory(trajectory, self.backend)
+            scored = self.scorer.score_trajectory(trajectory, self.backend)
         except ScoreError as exc:
             raise PermanentError(str(exc)) from None
+        if scored.score.formatter_status in FORMATTER_OUTAGES:
+            raise FormatterOutage(f"formatter {scored.score.formatter_status} on {trajectory.task_id}; "
+                                  "left pending for a retry")
+        return scored
 
     def handle(self, msg: StreamMessage) -> ScoredTrajectory | None:
         """The payload to forward; None after dead-lettering a message that can never be scored."""

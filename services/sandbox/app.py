@@ -13,10 +13,10 @@ import orjson
 from fastapi import Body, Depends, FastAPI, HTTPException, Path, Query
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from services.common.http import bearer_auth, create_app as create_service_app
+from services.common.http import Worker, bearer_auth, create_app as create_service_app
 from services.common.logging import configure_logging
 from services.common.metrics import Metrics
 from services.common.schemas import ToolCall, ToolResult
@@ -30,6 +30,8 @@ VERSION = "0.1.0"
 
 class FaultConfig(BaseModel):
     """The run-level failure injection: every call without its own override draws from this."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"rate": 0.05, "seed": 7, "per_tool": {"SearchFlight": 0.2}}]})
 
     rate: float = Field(0.0, ge=0.0, le=1.0)
     seed: int = 0
@@ -84,6 +86,7 @@ def create_app(settings: Settings | None = None, world: World | None = None) -> 
     )
     app.router.lifespan_context = lifespan
     admin = bearer_auth(settings.api_token)
+    worker = Worker()
 
     async def run_call(call: ToolCall) -> Response:
         box = toolbox()
@@ -112,7 +115,7 @@ def create_app(settings: Settings | None = None, world: World | None = None) -> 
     @app.post("/tools/{name}", tags=["tools"], response_model=ToolResult, summary="Run one tool by path")
     async def call_named_tool(
         name: str = Path(max_length=64),
-        arguments: dict[str, Any] = Body(default_factory=dict),
+        arguments: dict[str, Any] = Body(default_factory=dict, examples=[{"city": "Chicago"}]),
         dialect: str | None = Query(None, pattern="^(star|official)$"),
         fault_rate: float | None = Query(None, ge=0.0, le=1.0),
         fault_seed: int | None = Query(None),
@@ -143,7 +146,9 @@ def create_app(settings: Settings | None = None, world: World | None = None) -> 
     async def world_info() -> dict:
         box = toolbox()
         w: World = state["world"]
-        return {"url": _redact(w.url), "meta": w.meta(), "counts": w.counts(), "dialect": box.dialect,
+        if "counts" not in state:  # counting millions of flights takes a while: once, off the loop
+            state["meta"], state["counts"] = await worker.run(lambda: (w.meta(), w.counts()))
+        return {"url": _redact(w.url), "meta": state["meta"], "counts": state["counts"], "dialect": box.dialect,
                 "cache": box.cache_info(), "stats": box.stats_snapshot()}
 
     return app

@@ -9,7 +9,7 @@ from services.common.schemas import Trajectory
 from services.evaluation import analysis
 from services.evaluation.records import split_metrics
 from services.evaluation.runner import score_query
-from services.evaluation.submission import SplitQuery
+from services.reward.submission import SplitQuery
 
 
 def record(evaluator, gold, i, plan="gold", trajectory=None, status="ok", **query_changes):

@@ -96,7 +96,7 @@ def test_eval_submission_prints_the_same_metrics_as_a_run_folder(gold, official_
     r = runner.invoke(app, ["eval", "submission", str(mutated_submission), "--split", str(gold.split_path),
                             "--official-split", "train", "--db", official_world_url, "--json"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["final_pass_rate"] == pytest.approx(folder, abs=0.005)
+    assert json.loads(r.stdout)["metrics"]["final_pass_rate"] == pytest.approx(folder, abs=0.005)
     old = runner.invoke(app, ["evaluate", str(mutated_submission), "--queries", str(gold.split_path),
                               "--split", "train", "--db", official_world_url, "--json"])
     assert old.exit_code == 0 and json.loads(old.stdout) == json.loads(r.stdout)

@@ -11,7 +11,7 @@ from services.common.schemas import Plan, PlanDay, Trajectory
 from services.evaluation.formatting import ServiceFormatter, StructuredParser
 from services.evaluation.runfolder import RunFolder, RunMismatch
 from services.evaluation.runner import EvalRun, run_eval
-from services.evaluation.submission import SubmissionError, load_split, read_predictions
+from services.reward.submission import SubmissionError, load_split, read_predictions
 from services.formatter.structured import render_plan
 from services.reward.evaluator import COMMONSENSE_CHECKS, HARD_CHECKS
 from tests.evaluation.conftest import lowercase_index, mutated_plans

@@ -108,8 +108,10 @@ def test_bad_requests_are_422_with_the_field(client, body, where):
 
 
 def test_oversized_and_non_json_bodies(client):
-    r = client.post("/format", content=b"{" + b" " * 100_000 + b"}", headers={"content-type": "application/json"})
-    assert r.status_code == 413
+    from services.common.http import MAX_BODY_BYTES
+
+    r = client.post("/format", content=b"{" + b" " * MAX_BODY_BYTES + b"}", headers={"content-type": "application/json"})
+    assert r.status_code == 413 and str(MAX_BODY_BYTES) in r.json()["detail"]
     r = client.post("/format", content=b"not json", headers={"content-type": "application/json"})
     assert r.status_code == 422
 

@@ -199,3 +199,16 @@ def test_any_reply_is_a_plan_or_an_output_error(content):
         assert str(exc)
     else:
         assert plan is None or all(d.current_city for d in plan.days)
+
+
+def test_names_keep_their_inner_whitespace(server):
+    """Real names hold double spaces ("Affordable  Brooklyn Studio"); the sandbox matches them only
+    as written, so the formatter must not collapse them."""
+    days = json.loads(GOOD)
+    days[0]["accommodation"] = "Cozy  Room in  Wicker Park, Chicago"
+    days[1]["breakfast"] = "  Dial A  Cake, Chicago\n"
+    server.push(json.dumps(days))
+    out = llm(server).format(QUERY, PROSE)
+    assert out.status == "ok"
+    assert out.plan.days[0].accommodation == "Cozy  Room in  Wicker Park, Chicago"
+    assert out.plan.days[1].breakfast == "Dial A  Cake, Chicago"

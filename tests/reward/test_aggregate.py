@@ -54,3 +54,16 @@ def test_computed_denominators(gold, official):
     assert m.counts.hard_passed == 8 and m.hard_micro == pytest.approx(80.0)
     with pytest.raises(ValueError, match="180"):
         aggregate(queries, official.evaluate_many(queries, plans), mode="official", split="validation")
+
+
+def test_formatter_outages_are_counted_apart(gold, official):
+    """A plan the formatter never read (llm_error, timeout) is not delivered, and counted as an
+    outage, so a report can tell a formatter failure from an agent that gave no plan."""
+    from services.reward.evaluator import aggregate
+
+    evaluations = [official.evaluate(gold.queries[i], gold.plans[i]) for i in range(3)]
+    evaluations += [official.evaluate(gold.queries[3], None, formatter_status="llm_error"),
+                    official.evaluate(gold.queries[4], None, formatter_status="timeout"),
+                    official.evaluate(gold.queries[5], None, formatter_status="no_plan")]
+    m = aggregate(gold.queries[:6], evaluations)
+    assert m.counts.delivered == 3 and m.counts.formatter_outages == 2

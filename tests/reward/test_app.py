@@ -16,7 +16,7 @@ from services.formatter.structured import render_plan
 @pytest.fixture(scope="module")
 def server(official_world_url, tmp_path_factory):
     env = {"STAR_DB_URL": official_world_url, "STAR_LOG_LEVEL": "WARNING", "STAR_FORMATTER_LLM_URL": "",
-           "STAR_REWARD_MAX_BODY_BYTES": str(2 * 1024 * 1024)}
+           "STAR_MAX_BODY_BYTES": str(2 * 1024 * 1024)}
     proc = ServiceProcess("reward", "services.reward.app:create_app", env, tmp_path_factory.mktemp("logs")).start()
     yield proc
     proc.stop()
@@ -138,3 +138,112 @@ def test_any_json_body_is_never_a_5xx(client, body):
     for path in ("/score", "/score/batch", "/evaluate"):
         r = client.post(path, json=body)
         assert r.status_code < 500, (path, r.text)
+
+
+# --- per-item batch errors, provenance, submissions, health under load ------------------------
+
+def test_batch_reports_errors_per_item(client, gold):
+    items = [{"query": record(gold, 0), "plan": gold.plan(0)}, {"query": record(gold, 1), "plan": "not a plan"},
+             {"query": record(gold, 2), "plan_text": "x", "backend": "llm"}, {"query": record(gold, 3), "plan": None}]
+    r = client.post("/score/batch", json={"items": items})
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert results[0]["reward"] == 5.0 and results[3]["reward"] == 0.0
+    assert results[1]["index"] == 1 and "plan" in results[1]["detail"]
+    assert results[2]["index"] == 2 and "STAR_FORMATTER_LLM_URL" in results[2]["detail"]
+
+
+def test_every_score_says_which_world_and_mode(client, gold):
+    r = client.post("/score", json={"query": record(gold, 0), "plan": gold.plan(0), "mode": "strict"})
+    p = r.json()["provenance"]
+    assert p["mode"] == "strict" and p["world"] == "official" and p["flights"] == "synthetic+train_rows"
+    assert len(p["world_hash"]) == 16 and "reference rows" in p["flights_source"]
+
+
+def test_validation_on_synthetic_flights_is_refused_unless_insisted(client, gold):
+    items = [{"query": record(gold, i), "plan": gold.plan(i)} for i in range(3)]
+    r = client.post("/evaluate", json={"items": items, "split": "validation", "mode": "strict"})
+    assert r.status_code == 422 and "--flights-csv" in r.json()["detail"] and "synthetic" in r.json()["detail"]
+    r = client.post("/evaluate", json={"items": items, "split": "validation", "mode": "strict",
+                                       "allow_synthetic_flights": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["provenance"]["synthetic_flights_insisted"] is True
+    r = client.post("/evaluate", json={"items": items, "mode": "strict"})  # no split named: nothing to refuse
+    assert r.status_code == 200 and r.json()["provenance"]["synthetic_flights_insisted"] is False
+
+
+def submission_lines(gold, n=45):
+    lines = [{"idx": i + 1, "query": gold.records[i]["query"], "plan": gold.plan(i)} for i in range(n)]
+    lines[3]["plan"][1]["accommodation"] = "Nowhere Inn, " + lines[3]["plan"][1]["current_city"]
+    if n > 7:
+        lines[7]["plan"] = None
+    return lines
+
+
+def test_submission_of_the_train_split_from_the_dataset_folder(client, gold):
+    r = client.post("/submission", json={"lines": submission_lines(gold), "split": "train"})
+    assert r.status_code == 200, r.text
+    report = r.json()
+    m = report["metrics"]
+    assert m["counts"]["queries"] == 45 and m["counts"]["cs_total"] == 360 and m["counts"]["hard_total"] == 105
+    assert m["delivery_rate"] == pytest.approx(100 * 44 / 45) and m["final_pass_rate"] == pytest.approx(100 * 43 / 45)
+    plans = report["plans"]
+    assert len(plans) == 45 and plans[0]["success"] and not plans[0]["failed"]
+    assert not plans[7]["delivered"] and plans[7]["failed"]
+    bad = plans[3]
+    assert not bad["success"] and any(f["check"] == "is_valid_information_in_sandbox" and "Nowhere Inn" in f["reason"]
+                                      for f in bad["failed"])
+    levels = {row["value"]: row for row in report["by_level"]}
+    assert set(levels) == {"easy", "medium", "hard"} and sum(row["n"] for row in levels.values()) == 45
+    assert {row["value"] for row in report["by_trip_length"]} == {"3 days", "5 days", "7 days"}
+    assert report["costs"]["costed"] >= 40 and report["costs"]["over_budget"] == 0
+    assert report["provenance"]["mode"] == "official" and report["warnings"] == []
+
+
+def test_submission_with_queries_in_the_request(client, gold):
+    queries = [record(gold, i) for i in range(4)]
+    lines = submission_lines(gold, 4)
+    lines[0]["query"] = "some other question"
+    r = client.post("/submission", json={"lines": lines, "queries": queries, "mode": "strict"})
+    assert r.status_code == 200, r.text
+    report = r.json()
+    assert report["metrics"]["counts"]["queries"] == 4 and len(report["plans"]) == 4
+    assert any("line 1" in w for w in report["warnings"])
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"lines": [{"plan": None}]}, "give the split"),
+    ({"lines": [{"plan": None}], "split": "validation"}, "no validation queries"),
+    ({"lines": [], "split": "train"}, "at least 1"),
+])
+def test_bad_submissions_are_422_with_a_message(client, body, needle):
+    r = client.post("/submission", json=body)
+    assert r.status_code == 422 and needle in json.dumps(r.json()), r.text
+
+
+def test_official_mode_scores_four_visiting_cities(client, gold):
+    query = dict(record(gold, 0), visiting_city_number=4)
+    r = client.post("/score", json={"query": query, "plan": gold.plan(0), "mode": "official"})
+    assert r.status_code == 200, r.text
+    verdict = r.json()["score"]["commonsense"]["is_not_absent"]
+    assert verdict["passed"] is False and "4 city" in verdict["reason"]
+
+
+def test_healthz_answers_while_a_large_batch_is_scored(client, gold):
+    import threading
+    import time
+
+    items = [{"query": record(gold, i % 45), "plan": gold.plan(i % 45), "mode": "strict"} for i in range(400)]
+    done: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: done.append(client.post("/score/batch", json={"items": items})))
+    worker.start()
+    worst = 0.0
+    with httpx.Client(base_url=str(client.base_url), timeout=10) as probe:
+        while worker.is_alive():
+            started = time.monotonic()
+            assert probe.get("/healthz").status_code == 200
+            worst = max(worst, time.monotonic() - started)
+            time.sleep(0.05)
+    worker.join()
+    assert done[0].status_code == 200 and len(done[0].json()["results"]) == 400
+    assert worst < 1.0, f"/healthz took {worst:.2f} s during scoring"

@@ -89,8 +89,25 @@ def test_evaluate_submission_file(official_world_url, gold, travelplanner_dir, t
     assert "97.78%" in r.output and "44/45" in r.output and "352/360" in r.output
     r = runner.invoke(app, ["evaluate", str(sub), "--db", official_world_url, "--json", "--mode", "strict",
                             "--queries", str(travelplanner_dir / "train" / "train.json")])
-    m = json.loads(r.output)
+    report = json.loads(r.output)
+    m = report["metrics"]
     assert m["mode"] == "strict" and m["counts"]["final_passed"] == 44
+    assert not report["plans"][3]["delivered"] and report["plans"][4]["success"]
+    assert report["provenance"]["flights"] == "synthetic+train_rows"
+
+
+def test_evaluate_validation_is_refused_on_synthetic_flights(official_world_url, gold, tmp_path):
+    sub = tmp_path / "submission.jsonl"
+    sub.write_text("\n".join(json.dumps({"idx": i + 1, "plan": gold.plan(i)}) for i in range(3)) + "\n")
+    queries = tmp_path / "q.json"
+    queries.write_text(json.dumps([{k: v for k, v in gold.records[i].items() if k != "annotated_plan"}
+                                   for i in range(3)]))
+    r = runner.invoke(app, ["evaluate", str(sub), "--db", official_world_url, "--queries", str(queries),
+                            "--split", "validation", "--mode", "strict"])
+    assert r.exit_code == 2 and "--flights-csv" in r.output
+    r = runner.invoke(app, ["evaluate", str(sub), "--db", official_world_url, "--queries", str(queries),
+                            "--split", "validation", "--mode", "strict", "--allow-synthetic-flights"])
+    assert r.exit_code == 0 and "caller's insistence" in " ".join(r.output.split()), r.output
 
 
 def test_evaluate_needs_the_queries_for_other_splits(official_world_url, travelplanner_dir):

@@ -1,4 +1,4 @@
-"""Every documented official-vs-strict difference (services/reward/evaluator/__init__.py, D1–D17):
+"""Every documented official-vs-strict difference (services/reward/evaluator/__init__.py, D1–D18):
 a plan on which the two modes disagree, in the documented direction."""
 
 from __future__ import annotations
@@ -287,6 +287,20 @@ def test_d17_denominators(gold, official, strict):
     assert o.counts.hard_total == 105 and s.counts.hard_total == 106
     assert o.hard_micro == pytest.approx(100.0 * 106 / 105) and s.hard_micro == pytest.approx(100.0)
     assert o.counts.hard_passed == s.counts.hard_passed == 106
+
+
+def test_d18_a_plan_that_names_nothing(gold, official, strict):
+    """Every plan field '-': official passes the fault-finding checks, strict fails them all, and
+    the sum reward is 0 instead of 0.625."""
+    from services.reward.rewards import reward
+
+    TESTED.add("D18")
+    plan = [dict(day, **{k: "-" for k in ("transportation", "breakfast", "attraction", "lunch", "dinner",
+                                          "accommodation")}) for day in gold.plan(0)]
+    o, s = disagree(official, strict, gold.queries[0], plan, "is_valid_restaurants")
+    assert o.to_score().cs_micro > 0 and reward(o.to_score(), "sum") > 0
+    assert s.delivered and s.to_score().cs_micro == 0 and reward(s.to_score(), "sum") == 0.0
+    assert "names no" in s.commonsense["is_valid_restaurants"].reason
 
 
 def test_every_difference_has_a_test():

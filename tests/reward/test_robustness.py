@@ -180,3 +180,17 @@ def apply_damage(plan, damage):
 def test_damaged_gold_plans(gold, evaluators, mode, case):
     which, damage = case
     score_or_plan_error(evaluators[mode], gold.queries[which], apply_damage(gold.plan(which), damage))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", ["Chicago\ud800", "Chi\x00cago", "x" * 1500])
+def test_text_no_database_can_hold_scores_without_asking_it(gold, evaluators, mode, bad):
+    """Lone surrogates, NUL bytes and over-long names never reach the database (SQLite cannot encode
+    a surrogate, PostgreSQL refuses NUL): they match nothing, and the plan just fails."""
+    plan = gold.plan(0)
+    plan[1]["current_city"] = bad
+    plan[1]["breakfast"] = f"Cafe, {bad}"
+    plan[1]["accommodation"] = f"Inn, {bad}"
+    plan[0]["transportation"] = f"Flight Number: F{bad}, from {bad} to Rockford"
+    score = score_or_plan_error(evaluators[mode], gold.queries[0], plan)
+    assert score is not None and score.success == 0.0

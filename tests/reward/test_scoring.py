@@ -6,7 +6,7 @@ import pytest
 
 from services.common.schemas import Plan, PlanDay, Trajectory
 from services.formatter.structured import render_plan
-from services.reward.scoring import EvaluateRequest, PlanInput, ScoreError, Scorer, ScoreRequest
+from services.reward.scoring import BatchItemError, EvaluateRequest, PlanInput, ScoreError, Scorer, ScoreRequest
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +71,10 @@ def test_batch_keeps_order_and_names_the_bad_item(gold, scorer):
     out = scorer.score_batch(reqs)
     assert [r.reward for r in out] == [5.0, 0.0, 5.0]
     reqs[2] = ScoreRequest(query=gold.queries[2], plan="not a plan")
-    with pytest.raises(ScoreError, match="item 2: plan:"):
-        scorer.score_batch(reqs)
+    out = scorer.score_batch(reqs)
+    # the bad item is an error in its place; the others are scored regardless
+    assert [getattr(r, "reward", None) for r in out] == [5.0, 0.0, None]
+    assert isinstance(out[2], BatchItemError) and out[2].index == 2 and "plan:" in out[2].detail
 
 
 def test_evaluate_split_official_denominators(gold, scorer):

@@ -165,3 +165,30 @@ def test_star_reward_worker_process(redis_server_url, names, gold, official_worl
     assert "stopped: 4 scored, 0 dead-lettered" in output and "Traceback" not in output
     assert sorted(ScoredTrajectory(**d).task_id for _, d in read_all(client, streams.scored)) == \
         [f"task-{i}" for i in range(4)]
+
+
+def test_a_formatter_outage_is_retried_never_a_sample(names, gold, official):
+    """The formatter's LLM answers 500: the trajectory is not scored 0 and trained on; it stays
+    pending, and is scored once a formatter answers."""
+    from services.formatter.core import Formatter
+    from services.formatter.llm import LLMFormatter
+    from services.reward.worker import FormatterOutage
+    from tests.support.fake_openai import FakeOpenAI, Reply
+
+    client, streams = names
+    publish(client, streams.trajectories, trajectory(gold, 3, answer="I fly to Chicago and sleep at Cozy Room."))
+    with FakeOpenAI(lambda _body: Reply(status=500), api_key="sk-x") as llm:
+        formatter = Formatter(LLMFormatter(llm.base_url, "fmt", api_key="sk-x", max_attempts=1,
+                                           request_timeout_s=5, deadline_s=10, backoff_s=0.01))
+        down = ScoreWorker(Scorer(official, formatter), client, streams, consumer="w1", claim_idle_ms=60_000)
+        msg = down.consumer.read(1, 100)[0]
+        with pytest.raises(FormatterOutage, match="llm_error"):
+            down.handle(msg)
+        down.consumer.fail(msg, "formatter outage")
+        assert llm.requests
+    assert read_all(client, streams.scored) == []
+    assert stream_depth(client, streams.trajectories, GROUP)["pending"] == 1
+    time.sleep(0.2)
+    healthy = ScoreWorker(Scorer(official), client, streams, consumer="w2", claim_idle_ms=100)
+    run_until(healthy, lambda: len(read_all(client, streams.scored)) == 1)
+    assert ScoredTrajectory(**read_all(client, streams.scored)[0][1]).score.formatter_status == "invalid_output"

@@ -27,6 +27,7 @@ Differences between the modes, one per line (id: official → strict [spec]):
 | D15 | days after `query.days` are ignored                                 | a non-empty day after the last one fails Complete Information         | §5, §6.8 |
 | D16 | the 50% fill ratio counts every key, `day` and `current_city` included | it counts the six plan fields only                                 | §6.3-H |
 | D17 | split metrics use the hard-coded denominators of the named split    | denominators computed from the queries (8N, Σ 1 + constraints)        | §6.6, issue #16 |
+| D18 | a plan that names nothing (every plan field '-') passes the checks that look for faults (5 of 8) | it fails every check: nothing was planned | issue #35 |
 
 Shared by both modes: hard constraints run only when Complete Information and Within Sandbox
 pass (§6.2, §8.2-10); a gated-off applicable constraint is reported as failed ("not checked")
@@ -49,7 +50,7 @@ from services.reward.evaluator.hard import HARD_CHECKS
 from services.reward.evaluator.lookup import WorldIndex
 from services.reward.evaluator.plan import PlanError
 
-MODE_DIFFERENCES = tuple(f"D{i}" for i in range(1, 18))
+MODE_DIFFERENCES = tuple(f"D{i}" for i in range(1, 19))
 
 __all__ = [
     "COMMONSENSE_CHECKS",

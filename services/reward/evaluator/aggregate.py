@@ -21,11 +21,14 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from services.common.schemas import CheckVerdict, Score, TravelQuery
+from services.common.schemas import CheckVerdict, Provenance, Score, TravelQuery
 from services.reward.evaluator.commonsense import COMMONSENSE_CHECKS
 from services.reward.evaluator.hard import HARD_CHECKS
 
 Mode = Literal["official", "strict"]
+# Formatter statuses that say the formatter itself failed (services/formatter/core.py), not the plan:
+# the RL loop retries them; split metrics count them apart.
+FORMATTER_OUTAGES = ("llm_error", "timeout")
 Split = Literal["train", "validation", "test"]
 
 # split → (queries, commonsense-micro denominator, hard-micro denominator), as eval.py hard-codes them
@@ -111,6 +114,8 @@ class SplitCounts(BaseModel):
     hard_total: int
     hard_macro_passed: int
     final_passed: int
+    formatter_outages: int = Field(0, description="Plans not delivered because the formatter failed (llm_error, "
+                                                  "timeout), not the agent: score them again once it is back.")
 
 
 class SplitMetrics(BaseModel):
@@ -125,6 +130,7 @@ class SplitMetrics(BaseModel):
     hard_macro: float = Field(description="Hard Constraint Macro Pass Rate, in %.")
     final_pass_rate: float = Field(description="Final Pass Rate (success), in %.")
     counts: SplitCounts
+    provenance: Provenance | None = Field(None, description="The world and mode that produced these numbers.")
 
     def table(self) -> str:
         rows = [("Delivery Rate", self.delivery_rate), ("Commonsense Micro", self.cs_micro),
@@ -161,6 +167,7 @@ def aggregate(queries: Sequence[TravelQuery], evaluations: Sequence[Evaluation],
         hard_total=hard_total,
         hard_macro_passed=sum(e.hard_all for e in evaluations),
         final_passed=sum(e.cs_all and e.hard_all for e in evaluations),
+        formatter_outages=sum(e.formatter_status in FORMATTER_OUTAGES for e in evaluations),
     )
 
     def pct(num: int, den: int) -> float:

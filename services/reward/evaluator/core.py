@@ -28,6 +28,7 @@ from services.sandbox.world.store import World
 # What the official code raises on malformed plans (spec §6.7); each makes that one check fail.
 _CRASHES = (TypeError, AttributeError, KeyError, IndexError, ValueError)
 GATES = ("is_not_absent", "is_valid_information_in_sandbox")
+EMPTY_PLAN = "the plan names no transportation, meal, attraction or accommodation on any day"
 
 
 def _crash_reason(exc: Exception, ctx: Context) -> str:
@@ -79,6 +80,11 @@ class Evaluator:
         check_sizes(days, ctx.n)
         if self.mode == "strict":
             ctx.strict, ctx.extra = strict_days(days, query.days)
+            if not any(day.present_fields for day in ctx.strict):
+                # Checks that look for faults find none in a plan that names nothing: without this
+                # an all-'-' plan would pass 5 of 8 commonsense checks and earn a reward.
+                return not_delivered(self.mode, applicable, EMPTY_PLAN, delivered=True,
+                                     formatter_status=formatter_status)
         result = Evaluation(mode=self.mode, delivered=True, applicable=applicable, formatter_status=formatter_status)
         cs_fns, hard_fns = (commonsense.OFFICIAL, hard.OFFICIAL) if self.mode == "official" else \
                            (commonsense.STRICT, hard.STRICT)

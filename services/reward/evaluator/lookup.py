@@ -24,7 +24,7 @@ from services.sandbox.world.rows import (
     Flight,
     Restaurant,
 )
-from services.sandbox.world.store import World
+from services.sandbox.world.store import World, searchable
 
 T = TypeVar("T")
 
@@ -61,6 +61,9 @@ class _CityTable:
         self.exact = {k: tuple(v) for k, v in exact.items()}
 
 
+_NO_ROWS = _CityTable([])
+
+
 class WorldIndex:
     """Cached read access to everything the checks look up."""
 
@@ -91,6 +94,8 @@ class WorldIndex:
     def _table(self, kind: str, city: str) -> _CityTable:
         fetch = {"restaurants": self.world.restaurants, "accommodations": self.world.accommodations,
                  "attractions": self.world.attractions}[kind]
+        if not searchable(city):  # a NUL, a lone surrogate, a non-string: no city has that name
+            return _NO_ROWS
         return self._tables[kind].get(city, lambda: _CityTable(fetch(city)))
 
     def contains(self, kind: str, name: str, city: str) -> tuple[Any, ...]:
@@ -115,10 +120,14 @@ class WorldIndex:
     # --- flights and distances ----------------------------------------------------------------
     def flights_numbered(self, number: str) -> tuple[Flight, ...]:
         """Visible flight rows with this number, in table order."""
+        if not searchable(number):
+            return ()
         return self._flights.get(number, lambda: tuple(self.world.flight_by_number(number)))
 
     def distance(self, origin: str, destination: str) -> Distance | None:
         """The first distance row of the ordered pair."""
+        if not (searchable(origin) and searchable(destination)):
+            return None
         return self._distances.get((origin, destination), lambda: self.world.distance(origin, destination))
 
     def leg_cost(self, origin: str, destination: str, mode: str) -> int | None:

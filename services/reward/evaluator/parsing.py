@@ -26,16 +26,87 @@ FILLER_CITY = "You don't need to fill in the information for this or later days.
 
 @lru_cache(maxsize=8192)
 def before_paren(text: str) -> str:
-    """Text before the first "(...)" group, unstripped; the text itself when there is none."""
-    m = _BEFORE_PAREN.search(text)
-    return m.group(1) if m else text
+    """Text before the first "(...)" group, unstripped; the text itself when there is none.
+
+    `_BEFORE_PAREN` read in linear time: its lazy prefix cannot cross a newline, and a later "("
+    matches only where the first one does (a ")" after it), so the first "(" decides."""
+    if not isinstance(text, str):
+        raise TypeError(f"expected string, got {type(text).__name__}")
+    i = text.find("(")
+    if i < 0 or "\n" in text[:i] or text.find(")", i + 1) < 0:
+        return text
+    return text[:i]
+
+
+def _space_ends(text: str) -> list[int]:
+    """ends[p]: the first index >= p that is not whitespace (`\\s`, i.e. str.isspace)."""
+    n = len(text)
+    ends = [n] * (n + 1)
+    for p in range(n - 1, -1, -1):
+        ends[p] = ends[p + 1] if text[p].isspace() else p
+    return ends
+
+
+# Up to this length the regex itself is faster than the linear scan, and its worst case is bounded.
+_REGEX_CHARS = 256
 
 
 @lru_cache(maxsize=8192)
 def from_to(text: str) -> tuple[str | None, str | None]:
     """(A, B) of the first "from A to B" (B ends at a comma or the end); (None, None) if absent."""
-    m = _FROM_TO.search(text)
-    return (m.group(1), m.group(2)) if m else (None, None)
+    if isinstance(text, str) and len(text) <= _REGEX_CHARS:
+        m = _FROM_TO.search(text)
+        return (m.group(1), m.group(2)) if m else (None, None)
+    return from_to_linear(text)
+
+
+def from_to_linear(text: str) -> tuple[str | None, str | None]:
+    """Exactly what `_FROM_TO.search` finds, in linear time (the regex backtracks quadratically on
+    long texts with many "from"s or long whitespace runs): for each "from", its whitespace run is
+    given back one character at a time, as the regex does, and A ends at the first place where
+    `\\s+to\\s+` and one more non-comma character follow, without crossing a newline."""
+    if not isinstance(text, str):
+        raise TypeError(f"expected string, got {type(text).__name__}")
+    s = text.find("from")
+    if s < 0 or text.find("to", s + 4) < 0:
+        return None, None
+    n = len(text)
+    ends = _space_ends(text)
+
+    def b_start(e: int) -> int | None:
+        """Where B starts when A ends at e (text[e:] = \\s+ "to" \\s+ [^,]), else None."""
+        if e >= n or not text[e].isspace():
+            return None
+        r = ends[e]
+        if not text.startswith("to", r):
+            return None
+        q = r + 2
+        w = ends[q]
+        if w == q:
+            return None
+        if w < n and text[w] != ",":
+            return w
+        return w - 1 if w - q >= 2 else None
+
+    # next_end[p]: the first e >= p where A may end; next_newline[p]: the first newline >= p.
+    next_end = [n + 1] * (n + 2)
+    next_newline = [n] * (n + 1)
+    for p in range(n - 1, -1, -1):
+        next_end[p] = p if b_start(p) is not None else next_end[p + 1]
+        next_newline[p] = p if text[p] == "\n" else next_newline[p + 1]
+    while s >= 0:
+        k = ends[s + 4] - (s + 4)
+        for j in range(k, 0, -1):
+            start = s + 4 + j
+            if start >= n:
+                continue
+            e = next_end[start + 1]
+            if e <= next_newline[start]:
+                b = b_start(e)
+                comma = text.find(",", b)
+                return text[start:e], text[b:comma if comma >= 0 else n]
+        s = text.find("from", s + 4)
+    return None, None
 
 
 def leg_endpoints(transportation: str, current_city: str) -> tuple[str | None, str | None]:
@@ -49,11 +120,19 @@ def leg_endpoints(transportation: str, current_city: str) -> tuple[str | None, s
 
 @lru_cache(maxsize=8192)
 def name_city(text: str) -> tuple[str, str]:
-    """("name", "city") split at the last comma, "(State)" removed; ("-", "-") without a comma."""
-    m = _NAME_CITY.search(text)
-    if not m:
+    """("name", "city") split at the last comma, "(State)" removed; ("-", "-") without a comma.
+
+    What `_NAME_CITY.search` finds, in linear time: the city part holds no comma, so the comma is
+    the last one; it needs one character after it; the lazy name part starts after the last
+    newline before the comma (it cannot cross one). Its optional "(State)" group never takes
+    anything the city part has not already taken, so it changes nothing."""
+    if not isinstance(text, str):
+        raise TypeError(f"expected string, got {type(text).__name__}")
+    c = text.rfind(",")
+    if c < 0 or c == len(text) - 1:
         return "-", "-"
-    return m.group(1).strip(), before_paren(m.group(2).strip()).strip()
+    start = text.rfind("\n", 0, c) + 1
+    return text[start:c].strip(), before_paren(text[c + 1:].strip()).strip()
 
 
 def official_transport_kind(text: str) -> str | None:
@@ -125,6 +204,7 @@ TransportKind = Literal["flight", "self-driving", "taxi", "unknown"]
 
 _STRICT_TRAVEL = re.compile(r"^from\s+(.+?)\s+to\s+(.+)$", re.IGNORECASE)
 _STRICT_LEG = re.compile(r"\bfrom\s+(.+?)\s+to\s+(.+?)\s*(?:,|;|$)", re.IGNORECASE)
+_FROM_WORD = re.compile(r"\bfrom\s", re.IGNORECASE)
 _FLIGHT_NO = re.compile(r"\b(F\d{3,})\b")
 _DEP = re.compile(r"departure\s+time\s*:\s*(\d{1,2}:\d{2})", re.IGNORECASE)
 _ARR = re.compile(r"arrival\s+time\s*:\s*(\d{1,2}:\d{2})", re.IGNORECASE)
@@ -159,7 +239,11 @@ def strict_travel(current_city: str) -> tuple[str, str] | None:
 @lru_cache(maxsize=8192)
 def strict_leg_route(text: str) -> tuple[str, str] | None:
     """(A, B) of a transportation text's "from A to B" (B ends at a comma, ';' or the end)."""
-    m = _STRICT_LEG.search(norm_ws(text))
+    text = norm_ws(text)
+    # In normalised text, where the first "from" finds no " to " after it no later one does:
+    # anchoring there keeps the search linear (it backtracks quadratically over many "from"s).
+    first = _FROM_WORD.search(text)
+    m = _STRICT_LEG.match(text, first.start()) if first else None
     if not m:
         return None
     return strict_city(m.group(1)), strict_city(m.group(2))

@@ -16,25 +16,11 @@ from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from services.sandbox.world import World
+from services.sandbox.world.store import searchable
 from services.sandbox.world.rows import Accommodation, Attraction, Distance, Flight, Restaurant
-
-# No city, state or date in any world is this long; longer keys skip the database.
-MAX_KEY_CHARS = 1024
-
 
 class BackendError(RuntimeError):
     """The world database could not answer (connection, lock, timeout)."""
-
-
-def searchable(value: Any) -> bool:
-    """Whether `value` could equal a stored text key at all."""
-    if not isinstance(value, str) or len(value) > MAX_KEY_CHARS or "\x00" in value:
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates
-        return False
-    return True
 
 
 class WorldLookup:

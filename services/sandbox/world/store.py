@@ -39,6 +39,23 @@ def make_engine(url: str, *, for_write: bool = False) -> Engine:
     return create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8)
 
 
+# No city, state, name, flight number or date in any world is this long; longer keys skip the database.
+MAX_KEY_CHARS = 1024
+
+
+def searchable(value: Any) -> bool:
+    """Whether `value` could equal a stored text key at all. SQL drivers are less forgiving than
+    a DataFrame's `==`: PostgreSQL rejects NUL bytes and UTF-8 encoding fails on lone surrogates,
+    so such values are answered "no rows" without asking the database."""
+    if not isinstance(value, str) or len(value) > MAX_KEY_CHARS or "\x00" in value:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates
+        return False
+    return True
+
+
 class World:
     """Read-only view of a built world. All lookups are exact, case-sensitive equality."""
 
