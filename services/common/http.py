@@ -302,7 +302,7 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
-        response = problem(exc.status_code, _reason(exc.status_code), exc.detail)
+        response = problem(exc.status_code, reason(exc.status_code), exc.detail)
         for name, value in (exc.headers or {}).items():
             response.headers[name] = value
         return response
@@ -368,13 +368,14 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 
 
 def _problem_response(code: str) -> dict[str, Any]:
-    example = PROBLEM_EXAMPLES.get(code, {"type": "about:blank", "title": _reason(int(code)), "status": int(code)})
+    example = PROBLEM_EXAMPLES.get(code, {"type": "about:blank", "title": reason(int(code)), "status": int(code)})
     return {"description": str(example["title"]),
             "content": {"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"},
                                                      "example": example}}}
 
 
-def _reason(status: int) -> str:
+def reason(status: int) -> str:
+    """The standard phrase of an HTTP status (a problem reply's title)."""
     from http import HTTPStatus
 
     try:

@@ -409,18 +409,10 @@ def _gathered(params: list[nn.Parameter], zero3: bool):
 def iter_weight_buckets(model: nn.Module, *, bucket_bytes: int = 256 * 2**20, dtype: torch.dtype | None = None,
                         zero3: bool = False, device: str | torch.device = "cpu",
                         pinned: list[torch.Tensor] | None = None) -> Iterator["FlatBucket"]:
-    from services.learner.weights import flatten
+    from services.learner.weights import flatten, parameter_groups
 
     named = list(model.named_parameters(remove_duplicate=True))
-    groups: list[list[tuple[str, nn.Parameter]]] = [[]]
-    size = 0
-    for name, p in named:
-        if size >= bucket_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, p))
-        size += getattr(p, "ds_numel", p.numel()) * (dtype.itemsize if dtype is not None else p.element_size())
-    for k, group in enumerate(g for g in groups if g):
+    for k, group in enumerate(parameter_groups(named, bucket_bytes, dtype)):
         with _gathered([p for _, p in group], zero3):
             tensors = [(n, p.detach()) for n, p in group]
             on_device = tensors[0][1].device

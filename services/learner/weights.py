@@ -347,22 +347,28 @@ class StorePublisher:
 
 # ---- weights over NCCL into live vLLM engines ---------------------------------------------------
 
+def parameter_groups(named: list[tuple[str, torch.nn.Parameter]], limit_bytes: int,
+                     dtype: torch.dtype | None = None) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """Consecutive groups of about `limit_bytes` (full sizes, as `dtype` when given): what one ZeRO-3
+    gather holds at a time."""
+    groups: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
+    size = 0
+    for name, p in named:
+        if size >= limit_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append((name, p))
+        size += getattr(p, "ds_numel", p.numel()) * (dtype.itemsize if dtype is not None else p.element_size())
+    return [g for g in groups if g]
+
+
 def iter_full_parameters(model: torch.nn.Module, *, zero3: bool = False, group_bytes: int = 512 * 2**20,
                          skip_tied: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) for every parameter, in a fixed order. Under ZeRO-3 the parameters are
     gathered a group of about `group_bytes` at a time: every rank must iterate (the gather is a
-    collective). Tied output heads are
-    skipped (`skip_tied`): the engine ties them itself."""
+    collective). Tied output heads are skipped (`skip_tied`): the engine ties them itself."""
     named = [(n, p) for n, p in model.named_parameters(remove_duplicate=True) if not (skip_tied and _tied(model, n))]
-    groups: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
-    size = 0
-    for name, p in named:
-        if size >= group_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append((name, p))
-        size += getattr(p, "ds_numel", p.numel()) * p.element_size()
-    for group in groups:
+    for group in parameter_groups(named, group_bytes):
         if zero3:
             import deepspeed
 

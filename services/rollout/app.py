@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException
 
-from services.common.http import bearer_auth, create_app as create_service_app
+from services.common.http import bearer_auth, create_app as create_service_app, problem, reason
 from services.common.logging import configure_logging
 from services.common.schemas import (GenerateRequest, GenerateResult, Trajectory, WeightsBroadcast, WeightsGroup,
                                      WeightsUpdate)
@@ -55,6 +55,11 @@ def create_app(settings: Settings | None = None, service: RolloutService | None 
     app.router.lifespan_context = lifespan
     auth = bearer_auth(settings.api_token)
 
+    @app.exception_handler(WeightsError)
+    async def weights_error(_request: Any, exc: WeightsError) -> Any:
+        # the service's refusals (bad version, no NCCL, a broken broadcast) as problem replies
+        return problem(exc.status, reason(exc.status), exc.message)
+
     def svc() -> RolloutService:
         s = state.get("service")
         if s is None:
@@ -69,42 +74,27 @@ def create_app(settings: Settings | None = None, service: RolloutService | None 
     @app.post("/weights", tags=["weights"], dependencies=[Depends(auth)],
               summary="Load a published weight version (pause, load, reset prefix cache, resume)")
     async def load_weights(update: WeightsUpdate) -> dict[str, Any]:
-        try:
-            return await svc().update_weights(update)
-        except WeightsError as exc:
-            raise HTTPException(exc.status, exc.message) from None
+        return await svc().update_weights(update)
 
     @app.post("/weights/group", tags=["weights"], dependencies=[Depends(auth)],
               summary="Join the learner's NCCL group for weight broadcasts (vLLM with weight_transfer: nccl)")
     async def join_weight_group(group: WeightsGroup) -> dict[str, Any]:
-        try:
-            return await svc().join_weight_group(group)
-        except WeightsError as exc:
-            raise HTTPException(exc.status, exc.message) from None
+        return await svc().join_weight_group(group)
 
     @app.post("/weights/broadcast", tags=["weights"], dependencies=[Depends(auth)],
               summary="Receive a version from the learner's NCCL broadcast (pause in place, load, resume)")
     async def receive_weights(broadcast: WeightsBroadcast) -> dict[str, Any]:
-        try:
-            return await svc().receive_weights(broadcast)
-        except WeightsError as exc:
-            raise HTTPException(exc.status, exc.message) from None
+        return await svc().receive_weights(broadcast)
 
     @app.post("/weights/checksums", tags=["weights"], dependencies=[Depends(auth)],
               summary="fp32 sums of the named parameters as the engine holds them")
     async def checksums(names: list[str]) -> dict[str, float]:
-        try:
-            return await svc().parameter_checksums(names)
-        except WeightsError as exc:
-            raise HTTPException(exc.status, exc.message) from None
+        return await svc().parameter_checksums(names)
 
     @app.post("/generate", tags=["rollout"], dependencies=[Depends(auth)],
               summary="One model turn: token ids in, sampled ids and their log-probs out")
     async def generate(request: GenerateRequest) -> GenerateResult:
-        try:
-            return await svc().generate(request)
-        except WeightsError as exc:
-            raise HTTPException(exc.status, exc.message) from None
+        return await svc().generate(request)
 
     @app.get("/weights", tags=["weights"], summary="The loaded weight version")
     async def weights() -> dict[str, Any]:
