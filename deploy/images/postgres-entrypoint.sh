@@ -5,7 +5,7 @@ BIN=$(ls -d /usr/lib/postgresql/*/bin | tail -1)
 if [ ! -s "$PGDATA/PG_VERSION" ]; then
   pw=$(mktemp)
   printf '%s' "${POSTGRES_PASSWORD:?POSTGRES_PASSWORD is required}" > "$pw"
-  "$BIN/initdb" -D "$PGDATA" -U "${POSTGRES_USER:-postgres}" --pwfile="$pw" --auth=scram-sha-256 >/dev/null
+  "$BIN/initdb" -D "$PGDATA" -U "${POSTGRES_USER:-postgres}" --pwfile="$pw" --auth=scram-sha-256 --encoding=UTF8 --locale=C.UTF-8 >/dev/null
   rm -f "$pw"
   echo "host all all 0.0.0.0/0 scram-sha-256" >> "$PGDATA/pg_hba.conf"
   "$BIN/pg_ctl" -D "$PGDATA" -o "-c listen_addresses=''" -w start >/dev/null
