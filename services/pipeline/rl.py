@@ -297,6 +297,8 @@ class Validation:
     def __post_init__(self) -> None:
         # A restarted controller keeps what the one before it validated, so the best-checkpoint
         # pick covers the whole run, not just the versions since the restart.
+        if self.run is None:  # no run folder: nothing was kept
+            return
         path = self.history_path
         if path.is_file():
             try:
