@@ -8,6 +8,8 @@ policy's fault, so it must not be trained on as a failure).
 
 from __future__ import annotations
 
+import asyncio
+
 from typing import Any, Protocol
 
 import httpx
@@ -69,7 +71,8 @@ def _problem_detail(reply: httpx.Response) -> str:
 
 
 class LocalToolClient:
-    """A ToolBox in this process (SQLite reads are fast enough to run on the event loop)."""
+    """A ToolBox in this process. Calls run on a worker thread: a slow query must not hold the event
+    loop, which serves every agent and the health checks."""
 
     def __init__(self, toolbox: Any, *, dialect: str | None = None, fault_rate: float | None = None,
                  fault_seed: int | None = None) -> None:
@@ -82,8 +85,8 @@ class LocalToolClient:
         from services.sandbox.tools.toolbox import BackendError
 
         try:
-            return self.toolbox.call(name, arguments, dialect=self.dialect, fault_rate=self.fault_rate,
-                                     fault_seed=self.fault_seed, fault_key=fault_key)
+            return await asyncio.to_thread(self.toolbox.call, name, arguments, dialect=self.dialect,
+                                           fault_rate=self.fault_rate, fault_seed=self.fault_seed, fault_key=fault_key)
         except BackendError as exc:
             raise ToolServiceError(f"world database: {exc}") from exc
 
