@@ -202,10 +202,7 @@ class RolloutService:
         except WeightsError:
             self.metrics.weight_updates.labels("rejected").inc()
             raise
-        if update.version < self.engine.policy_version:
-            self.metrics.weight_updates.labels("rejected").inc()
-            raise WeightsError(409, f"version {update.version} is older than the loaded version "
-                                    f"{self.engine.policy_version}")
+        self._refuse_older(update.version)
         if update.version == self.engine.policy_version and update.sha256 == self._weights_sha:
             return {**self.weights_info(), "reloaded": False}
         try:
@@ -213,10 +210,19 @@ class RolloutService:
         except Exception as exc:  # noqa: BLE001 - a failed load is reported, the old weights stay in use
             self.metrics.weight_updates.labels("failed").inc()
             raise WeightsError(422, f"could not load {folder}: {type(exc).__name__}: {exc}") from exc
-        self._weights_sha = update.sha256
+        return self._loaded(update.version, update.sha256, timing)
+
+    def _refuse_older(self, version: int) -> None:
+        if version < self.engine.policy_version:
+            self.metrics.weight_updates.labels("rejected").inc()
+            raise WeightsError(409, f"version {version} is older than the loaded version {self.engine.policy_version}")
+
+    def _loaded(self, version: int, sha256: str | None, timing: dict[str, float]) -> dict[str, Any]:
+        """A whole version is in place (from files, or a broadcast: `sha256` None): the server samples again."""
+        self._weights_sha = sha256
         self._broken = None
         self.loaded_at = time.time()
-        self.metrics.weight_version.set(update.version)
+        self.metrics.weight_version.set(version)
         self.metrics.weight_updates.labels("loaded").inc()
         return {**self.weights_info(), "reloaded": True, **timing}
 
@@ -240,10 +246,7 @@ class RolloutService:
         receive = getattr(self.engine, "receive_weights", None)
         if receive is None:
             raise WeightsError(409, f"the {self.engine.name} engine cannot receive weights over NCCL")
-        if broadcast.version < self.engine.policy_version:
-            self.metrics.weight_updates.labels("rejected").inc()
-            raise WeightsError(409, f"version {broadcast.version} is older than the loaded version "
-                                    f"{self.engine.policy_version}")
+        self._refuse_older(broadcast.version)
         try:
             timing = await asyncio.wait_for(
                 receive(broadcast.names, broadcast.dtype_names, broadcast.shapes, broadcast.version),
@@ -252,12 +255,7 @@ class RolloutService:
             self.metrics.weight_updates.labels("failed").inc()
             self._broken = f"a broadcast of version {broadcast.version} failed: {type(exc).__name__}: {exc}"
             raise WeightsError(503, f"{self._broken}; this server will not sample until a full version loads") from exc
-        self._broken = None
-        self._weights_sha = None
-        self.loaded_at = time.time()
-        self.metrics.weight_version.set(broadcast.version)
-        self.metrics.weight_updates.labels("loaded").inc()
-        return {**self.weights_info(), "reloaded": True, **timing}
+        return self._loaded(broadcast.version, None, timing)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """One model turn on the token ids given (token-in/token-out clients and sync checks)."""
