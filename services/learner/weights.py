@@ -362,12 +362,17 @@ def parameter_groups(named: list[tuple[str, torch.nn.Parameter]], limit_bytes: i
     return [g for g in groups if g]
 
 
+def sent_parameters(model: torch.nn.Module, skip_tied: bool = True) -> list[tuple[str, torch.nn.Parameter]]:
+    """What a weight sync sends, in order: every parameter once, a tied output head left out."""
+    return [(n, p) for n, p in model.named_parameters(remove_duplicate=True) if not (skip_tied and _tied(model, n))]
+
+
 def iter_full_parameters(model: torch.nn.Module, *, zero3: bool = False, group_bytes: int = 512 * 2**20,
                          skip_tied: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) for every parameter, in a fixed order. Under ZeRO-3 the parameters are
     gathered a group of about `group_bytes` at a time: every rank must iterate (the gather is a
     collective). Tied output heads are skipped (`skip_tied`): the engine ties them itself."""
-    named = [(n, p) for n, p in model.named_parameters(remove_duplicate=True) if not (skip_tied and _tied(model, n))]
+    named = sent_parameters(model, skip_tied)
     for group in parameter_groups(named, group_bytes):
         if zero3:
             import deepspeed
@@ -383,7 +388,7 @@ def iter_full_parameters(model: torch.nn.Module, *, zero3: bool = False, group_b
 
 def parameter_layout(model: torch.nn.Module, *, skip_tied: bool = True) -> dict[str, list]:
     """Names, dtype names and full shapes of what `iter_full_parameters` yields (no gather needed)."""
-    named = [(n, p) for n, p in model.named_parameters(remove_duplicate=True) if not (skip_tied and _tied(model, n))]
+    named = sent_parameters(model, skip_tied)
     return {"names": [n for n, _ in named],
             "dtype_names": [str(p.dtype).removeprefix("torch.") for _, p in named],
             "shapes": [list(getattr(p, "ds_shape", p.shape)) for _, p in named]}
