@@ -680,11 +680,13 @@ def merged(values: dict) -> dict:
         return c.merge_values(values)
 
 
-@pytest.mark.parametrize("values_file", [None, "values-a100.yaml"])
+@pytest.mark.parametrize("values_file", [None, "values-a100.yaml", {"train": {"enabled": True}, "learner": {"nodes": 2}}],
+                         ids=["default", "a100", "train-2-nodes"])
 def test_helm_lint_strict(values_file):
     import helm_python
 
-    values = yaml.safe_load((CHART / values_file).read_text()) if values_file else None
+    values = values_file if isinstance(values_file, dict) else \
+        yaml.safe_load((CHART / values_file).read_text()) if values_file else None
     report = helm_python.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE_VERSION}.0")
     assert report["errors"] == []
     # severity 2 = warning, 3 = error (1 = info, e.g. "icon is recommended")

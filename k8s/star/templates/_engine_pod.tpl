@@ -2,8 +2,8 @@
 The pod template of an engine pod (rollout server, rollout worker, learner): the CPU or CUDA image,
 GPU scheduling, /dev/shm, the model and weights volumes.
 args: root, component, v (component values with gpu, shmSize, resources, nodeSelector, tolerations,
-      affinity), command (list), port (int or nil: no HTTP), weightsReadOnly (bool), extraMounts, extraEnv,
-      extraPorts, extraVolumes
+      affinity), gpus (GPUs the pod asks for when v.gpu.enabled), command (list), port (int or nil: no HTTP),
+      weightsReadOnly (bool), extraMounts, extraEnv, extraPorts, extraVolumes
 */}}
 {{- define "star.enginePod" -}}
 {{- $root := .root -}}
@@ -44,7 +44,7 @@ spec:
       {{- else }}
       {{- include "star.workerProbes" $root | nindent 6 }}
       {{- end }}
-      resources: {{- include "star.engineResources" $v | nindent 8 }}
+      resources: {{- include "star.engineResources" (dict "resources" $v.resources "gpus" (ternary .gpus 0 $v.gpu.enabled)) | nindent 8 }}
       securityContext: {{- toYaml $root.Values.securityContext | nindent 8 }}
       volumeMounts:
         - {name: weights, mountPath: /var/star/weights, readOnly: {{ .weightsReadOnly }}}

@@ -180,16 +180,6 @@ spec:
   persistentVolumeClaim: {claimName: {{ include "star.claimName" (dict "root" . "component" "runs") }}}
 {{- end -}}
 
-{{/* GPUs an engine pod asks for: the learner's gpu.count (one rank each); a rollout pod's one engine spans
-     gpu.tensorParallelSize GPUs. 0 off GPUs. args: values of the component */}}
-{{- define "star.gpus" -}}
-{{- if .gpu.enabled -}}
-{{- int (.gpu.count | default .gpu.tensorParallelSize) -}}
-{{- else -}}
-0
-{{- end -}}
-{{- end -}}
-
 {{/* GPU scheduling: node selector, tolerations, affinity. args: values of the component */}}
 {{- define "star.scheduling" -}}
 {{- with .nodeSelector }}
@@ -203,10 +193,11 @@ affinity: {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
 
-{{/* Resources, with nvidia.com/gpu (star.gpus) added to requests and limits when the component runs on GPUs. */}}
+{{/* Resources, with nvidia.com/gpu added to requests and limits when the pod runs on GPUs.
+     args: resources, gpus (int; 0 off GPUs) */}}
 {{- define "star.engineResources" -}}
 {{- $r := deepCopy .resources -}}
-{{- $gpus := int (include "star.gpus" .) -}}
+{{- $gpus := int .gpus -}}
 {{- if $gpus -}}
 {{- $limits := (get $r "limits") | default dict -}}
 {{- $requests := (get $r "requests") | default dict -}}
