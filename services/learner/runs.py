@@ -118,6 +118,9 @@ class RunManager:
         """Node 1..: start this node's ranks of run `run_id`, which node 0 started in the shared runs folder."""
         if self.nodes.rank == 0:
             raise RunConfigError("node 0 starts runs; it joins none")
+        joined = self.runs.get(run_id)
+        if joined is not None and joined.process is not None and joined.process.poll() is None:
+            return joined  # a repeated request: this node's ranks are already at the rendezvous
         folder = self.root / run_id
         if "/" in run_id or ".." in run_id or not (folder / "config.json").is_file():
             raise RunNotFound(run_id)

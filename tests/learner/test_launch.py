@@ -131,7 +131,7 @@ def _two_nodes(tmp_path, monkeypatch, spawned: list, refuse: bool = False):
                                   runs_root=tmp_path / "runs"))
 
     def post(url, json, headers, timeout):
-        assert url == "http://n1:8000/runs/" + url.rsplit("/runs/", 1)[1]
+        assert url.startswith("http://n1:8000/runs/")  # node 1's URL, from the peer list
         if refuse:
             headers = {"authorization": "Bearer wrong"}
         return node1.post(url.removeprefix("http://n1:8000"), json=json, headers=headers)
@@ -158,6 +158,9 @@ def test_node_0_starts_a_run_on_every_node(tmp_path, tiny_model, monkeypatch):
                           headers={"authorization": "Bearer tok"}).status_code == 422
         assert node1.post("/runs/nope/join", json={"kind": "rl"},
                           headers={"authorization": "Bearer tok"}).status_code == 404
+        # a repeated join (a retried request) starts nothing more
+        again = node1.post(f"/runs/{run.id}/join", json={"kind": "rl"}, headers={"authorization": "Bearer tok"})
+        assert again.status_code == 201 and again.json()["pid"] == spawned[1][2].pid and len(spawned) == 2
     finally:
         for *_, proc in spawned:
             proc.kill()
