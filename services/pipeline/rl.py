@@ -141,7 +141,7 @@ def _start_workers(run: Run, f: Fleet, model: str, env: dict[str, str], logs: Pa
     env = {**env, "STAR_SANDBOX_URL": f.sandbox_url}
     s = run.config.services
     sampling = run.config.rl.sampling
-    rollout_env = {**env, "STAR_MODEL": model, "STAR_ROLLOUT_ENGINE": s.engine, "STAR_ROLLOUT_DECODE": s.decode,
+    rollout_env = {**env, "STAR_MODEL": model, "STAR_ROLLOUT_ENGINE": s.engine,
                    "STAR_ROLLOUT_VLLM": s.vllm.model_dump_json(),
                    "STAR_ROLLOUT_MAX_MODEL_LEN": str(sampling.max_context_tokens + 512),
                    "STAR_ROLLOUT_CLAIM_IDLE_MS": "30000", "STAR_ROLLOUT_CONCURRENCY": str(s.rollout_concurrency),

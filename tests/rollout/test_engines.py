@@ -177,12 +177,10 @@ def test_a_next_turn_prefills_only_its_new_tokens_and_matches_a_full_prefill(tin
     assert ran_kept == len(prompt) - (len(PROMPT) + len(a1.token_ids) - 1)
 
 
-@pytest.mark.parametrize("decode", ["dynamic", "static"])
-def test_agents_extending_caches_of_different_lengths_together_match_full_prefills(tiny_model, decode):
+def test_agents_extending_caches_of_different_lengths_together_match_full_prefills(tiny_model):
     """Two agents' next turns admitted together: kept caches and new tokens of different lengths
-    (the batch's mask has holes), one of them joining a batch that is already decoding. The static
-    step decodes every slot: its idle slots must leave the kept caches intact."""
-    kept = TransformersEngine(tiny_model, max_model_len=2048, decode=decode)
+    (the batch's mask has holes), one of them joining a batch that is already decoding."""
+    kept = TransformersEngine(tiny_model, max_model_len=2048)
     full = TransformersEngine(tiny_model, max_model_len=2048, prefix_cache=0)
 
     async def agents(engine):
@@ -265,7 +263,7 @@ def test_the_engine_logs_where_its_time_goes(tiny_model, monkeypatch, caplog):
     from services.rollout.engines import hf
 
     monkeypatch.setattr(hf, "STATS_EVERY_S", 0.0)  # a line after every tick
-    engine = TransformersEngine(tiny_model, max_model_len=2048, decode="graphs")  # no GPU: static steps
+    engine = TransformersEngine(tiny_model, max_model_len=2048)
     with caplog.at_level(logging.INFO, logger=hf.__name__):
         gen(engine, TurnParams(max_tokens=6, seed=1), TurnParams(max_tokens=6, seed=2))
     lines = [r for r in caplog.records if r.getMessage().startswith("transformers engine: ")]
@@ -274,8 +272,7 @@ def test_the_engine_logs_where_its_time_goes(tiny_model, monkeypatch, caplog):
     assert first.admitted == 2 and first.rows_mean == 2.0  # both rows admitted together, then decoded
     assert "decode_ms_per_step=" in first.getMessage() and first.decode_ms_per_step > 0
     assert sum(r.admitted for r in lines) == 2
-    # the step actually in force, so a run's logs show whether its engines replayed graphs
-    assert "decode=static graphs=0" in first.getMessage()
+    assert "kept_caches=" in first.getMessage() and first.cache_capacity > 0
 
 
 # -- the slot pool: chunked prefill, growth, eviction, architectures ----------------------------
@@ -322,12 +319,11 @@ def test_a_long_joiner_grows_the_pool_without_disturbing_running_rows(tiny_model
     assert len(joiner.token_ids) == 4
 
 
-@pytest.mark.parametrize("decode", ["dynamic", "static"])
-def test_more_agents_than_slots_evict_kept_caches_and_still_match_full_prefills(tiny_model, decode):
+def test_more_agents_than_slots_evict_kept_caches_and_still_match_full_prefills(tiny_model):
     """Two slots, four agents of two turns each: kept caches are evicted (least recent first) and
     the agents whose cache survived prefill only their new tokens; every answer matches an engine
     that keeps nothing."""
-    kept = TransformersEngine(tiny_model, max_model_len=2048, max_batch=2, decode=decode)
+    kept = TransformersEngine(tiny_model, max_model_len=2048, max_batch=2)
     full = TransformersEngine(tiny_model, max_model_len=2048, max_batch=2, prefix_cache=0)
 
     async def agents(engine):
@@ -371,83 +367,12 @@ def test_a_llama_model_decodes_with_the_models_own_logprobs(tiny_model, tmp_path
         TransformersEngine(folder, max_model_len=2048)
 
 
-def test_the_static_step_samples_what_the_dynamic_one_does(tiny_model):
-    """Every slot each step, keys in buckets of columns (what a CUDA graph replays): same tokens,
-    same log-probs as the dynamic step, for rows of different lengths joining at different times."""
-    results = {}
-    for decode in ("dynamic", "graphs"):  # no GPU here: "graphs" runs the static step eagerly
-        engine = TransformersEngine(tiny_model, max_model_len=2048, decode=decode)
+def test_the_rollout_service_refuses_the_removed_decode_modes(tiny_model, monkeypatch):
+    """GPU decoding is vLLM's: the transformers engine has one decode step, and a setting from before
+    is refused by name rather than ignored."""
+    from services.pipeline.config import ServicesSpec
 
-        async def staggered(engine=engine):
-            first = asyncio.ensure_future(engine.generate(PROMPT, TurnParams(max_tokens=20, seed=1)))
-            await asyncio.sleep(0.05)
-            return [*await asyncio.gather(engine.generate(PROMPT[3:], TurnParams(max_tokens=9, seed=2)),
-                                          engine.generate((PROMPT * 40)[:300], TurnParams(max_tokens=5, seed=3))),
-                    await first]
-
-        results[decode] = asyncio.run(staggered())
-        assert engine.decode == ("dynamic" if decode == "dynamic" else "static")
-    for x, y in zip(results["dynamic"], results["graphs"]):
-        assert x.token_ids == y.token_ids
-        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
-    with pytest.raises(EngineError, match="decode must be one of"):
-        TransformersEngine(tiny_model, max_model_len=2048, decode="eager")
-
-
-def test_the_rollout_service_builds_its_engine_in_the_configured_decode_mode(tiny_model, monkeypatch):
-    from services.common.settings import Settings
-    from services.rollout.service import RolloutConfig, make_engine
-
-    monkeypatch.setenv("STAR_ROLLOUT_DECODE", "static")  # as the pipeline sets it from services.decode
-    config = RolloutConfig(engine="transformers", model=str(tiny_model), max_model_len=2048)
-    assert make_engine(Settings(), config).decode == "static"
-    monkeypatch.setenv("STAR_ROLLOUT_DECODE", "eager")
     with pytest.raises(ValueError, match="decode"):
-        RolloutConfig(engine="transformers", model=str(tiny_model))
-
-
-def test_a_failed_graph_capture_falls_back_to_the_eager_static_step(tiny_model, caplog):
-    import logging
-
-    reference = gen(TransformersEngine(tiny_model, max_model_len=2048), TurnParams(max_tokens=6, seed=5))[0]
-    engine = TransformersEngine(tiny_model, max_model_len=2048)
-    engine.decode = "graphs"  # on this CPU-only machine the capture itself fails
-    with caplog.at_level(logging.WARNING):
-        (g,) = gen(engine, TurnParams(max_tokens=6, seed=5))
-    assert engine.decode == "static" and "CUDA graph capture failed" in caplog.text
-    assert g.token_ids == reference.token_ids and g.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
-
-
-def test_a_grown_kv_pool_drops_its_graphs_and_their_memory_pool(tiny_model, monkeypatch):
-    """CPU stand-in for CUDA graphs (capture computes the step, replay recomputes it into the same
-    output): replayed steps match the dynamic step, and when the KV pool grows the engine captures
-    anew into a new memory pool, never into the handle of a pool whose graphs are all gone."""
-    reference = gen(TransformersEngine(tiny_model, max_model_len=2048), TurnParams(max_tokens=6, seed=5),
-                    TurnParams(max_tokens=300, seed=6))
-    engine = TransformersEngine(tiny_model, max_model_len=2048)
-    engine.decode = "graphs"
-    pools: list[object] = []
-
-    class Replay:
-        def __init__(self, used: int, columns: int):
-            self.shape, self.logits = (used, columns), engine._static_logits(used, columns).clone()
-
-        def replay(self) -> None:
-            self.logits.copy_(engine._static_logits(*self.shape))
-
-    def capture(used: int, columns: int):
-        if engine._graph_pool is None:
-            engine._graph_pool = object()
-            pools.append(engine._graph_pool)
-        graph = Replay(used, columns)
-        return graph, graph.logits
-
-    monkeypatch.setattr(engine, "_capture", capture)
-    short = gen(engine, TurnParams(max_tokens=6, seed=5))[0]
-    capacity = engine._pool.capacity
-    assert engine._graphs and len(pools) == 1
-    _, long = gen(engine, TurnParams(max_tokens=6, seed=5), TurnParams(max_tokens=300, seed=6))
-    assert engine._pool.capacity > capacity and len(pools) == 2  # the pool grew: new graphs, new memory pool
-    assert engine.decode == "graphs" and engine._graphs
-    assert short.token_ids == reference[0].token_ids and long.token_ids == reference[1].token_ids
-    assert long.logprobs == pytest.approx(reference[1].logprobs, abs=1e-4)
+        ServicesSpec(engine="transformers", decode="graphs")
+    with pytest.raises(TypeError, match="decode"):
+        TransformersEngine(tiny_model, max_model_len=2048, decode="graphs")

@@ -1,4 +1,5 @@
-"""transformers in-process with continuous batching: the CPU demo/test engine and a GPU fallback.
+"""transformers in-process with continuous batching: the CPU engine of demos and tests, and the
+reference the GPU engine (vLLM) is checked against. GPU rollout is vLLM's job.
 
 Rows join and leave the running batch between decode steps. A request that arrives while others
 decode is prefilled on its own (with whatever else arrived with it) and from the next step decodes
@@ -36,9 +37,8 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
-from services.common.schemas import DecodeMode
 from services.rollout.engines.base import Engine, EngineError, Generation, TurnParams
 
 STEPS_PER_TICK = 4  # decode steps between admissions: joiners wait at most this long
@@ -46,11 +46,6 @@ STATS_EVERY_S = 30.0  # how often the engine logs where its time went
 BROKEN_AFTER = 3  # ticks failed in a row after which the engine reports itself unhealthy
 PREFILL_CHUNK = 512  # prompt tokens per row per prefill pass: bounds the attention mask's size
 SUPPORTED = ("llama", "qwen2")  # decoder layers the engine can run itself (see _forward)
-# dynamic: each step runs the batch's rows over the slots they use; static: every slot in use (a power
-# of two), fixed shapes per bucket of key columns; graphs: the static step captured once per bucket as
-# a CUDA graph and replayed, so a step costs the host a few torch calls instead of ~700
-DECODE_MODES: tuple[str, ...] = get_args(DecodeMode)
-GRAPH_BUCKET = 256  # key columns per static-step bucket (one CUDA graph each)
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +162,7 @@ class TransformersEngine(Engine):
 
     def __init__(self, model: str | Path, *, max_model_len: int = 32768, max_batch: int = 16,
                  dtype: str | None = None, device: str | None = None, policy_version: int = 0, tokenizer: Any = None,
-                 continuous: bool = True, prefix_cache: int | None = None, decode: str = "dynamic") -> None:
+                 continuous: bool = True, prefix_cache: int | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -185,13 +180,6 @@ class TransformersEngine(Engine):
             raise EngineError(f"the transformers engine runs {', '.join(SUPPORTED)} models, not {config.model_type!r}"
                               " (serve it with vLLM: services.engine=vllm)")
         self._fuse_projections()
-        if decode not in DECODE_MODES:
-            raise EngineError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
-        # "graphs" replays the static step as a CUDA graph; without CUDA it runs the static step eagerly
-        self.decode = "static" if decode == "graphs" and not device.startswith("cuda") else decode
-        self._graphs: dict[tuple[int, int], tuple[Any, Any]] = {}  # (slots, key columns) → (graph, logits)
-        self._graph_pool: Any = None
-        self._static: Any = None
         self.weights_path = str(model)
         self.max_batch = max_batch
         # False: admit only into an empty batch (static batching; kept as the benchmark's baseline)
@@ -297,10 +285,8 @@ class TransformersEngine(Engine):
                 if finished:
                     break  # answer them now rather than after the remaining steps
         if time.perf_counter() - w.started >= STATS_EVERY_S:
-            # the decode step in force (graphs fall back to static after a failed capture) and the
-            # graphs captured so far: one per power-of-two slot count and key bucket in use
             fields = {**w.line(), "rows": len(batch.rows), "kept_caches": len(self._kept),
-                      "cache_capacity": self._pool.capacity, "decode": self.decode, "graphs": len(self._graphs)}
+                      "cache_capacity": self._pool.capacity}
             if self.device.startswith("cuda"):  # what this process holds of a GPU other processes share
                 fields["gpu_reserved_gib"] = round(torch.cuda.memory_reserved(self.device) / 2**30, 2)
             # in the message, not only in `extra`: the services' plain-text logs print no extras
@@ -368,10 +354,7 @@ class TransformersEngine(Engine):
                 self.reused_tokens += row.length
         for row in fresh:
             row.slot, row.length = self._take_slot(), 0
-        capacity = self._pool.capacity
         self._pool.ensure(max(len(row.request.prompt_ids) + row.limit - 1 for row in live))
-        if self._pool.capacity != capacity:
-            self._drop_graphs()  # captured over the old pool's tensors
         tokens = self._sample(live, self._prefill(live))
         for row in live:
             row.length = len(row.request.prompt_ids)
@@ -527,79 +510,9 @@ class TransformersEngine(Engine):
         again before the batch advances writes the same ones)."""
         used = max(row.slot for row in batch.rows) + 1
         keys_len = max(row.length for row in batch.rows) + 1
-        if self.decode != "dynamic":
-            return self._static_step(batch, used, keys_len)
         attend = self._decode_attention(batch.slots, batch.positions, used, keys_len)
         hidden = self._forward(batch.pending[:, None], batch.positions[:, None], batch.slots, attend)
         return self._logits(hidden[:, -1])
-
-    # -- the static step: the slots in use, fixed shapes, replayable as a CUDA graph -------------
-
-    def _static_step(self, batch: _Batch, used: int, keys_len: int) -> Any:
-        """The batch's logits from one step over slots [0, S), S the slots in use rounded up to a
-        power of two (slots are handed out lowest first). Idle slots decode a pad token at
-        position 0 and write to the scratch column, so a kept cache is never touched."""
-        torch = self.torch
-        if self._static is None:
-            n = self.max_batch
-            self._static = {"tokens": torch.full((n, 1), self.pad_id, dtype=torch.long, device=self.device),
-                            "positions": torch.zeros((n, 1), dtype=torch.long, device=self.device),
-                            "active": torch.zeros((n, 1), dtype=torch.bool, device=self.device),
-                            "slots": torch.arange(n, device=self.device)}
-        st = self._static
-        st["tokens"].fill_(self.pad_id)
-        st["positions"].zero_()
-        st["active"].zero_()
-        st["tokens"][batch.slots, 0] = batch.pending
-        st["positions"][batch.slots, 0] = batch.positions
-        st["active"][batch.slots, 0] = True
-        shape = (min(1 << (used - 1).bit_length(), self.max_batch),
-                 _round_up(keys_len, GRAPH_BUCKET, self._pool.capacity))
-        if self.decode == "graphs" and shape not in self._graphs:
-            try:
-                self._graphs[shape] = self._capture(*shape)
-            except Exception as exc:  # noqa: BLE001 - decoding goes on without graphs rather than fail rows
-                log.warning("transformers engine: CUDA graph capture failed (%s: %s); decoding the static step "
-                            "eagerly from now on", type(exc).__name__, exc)
-                self.decode = "static"
-                self._drop_graphs()
-        if self.decode == "static":
-            return self._static_logits(*shape)[batch.slots]
-        graph, logits = self._graphs[shape]
-        graph.replay()
-        return logits[batch.slots]
-
-    def _static_logits(self, used: int, columns: int) -> Any:
-        st = {name: t[:used] for name, t in self._static.items()}  # views: a replay reads the live buffers
-        seen = self.torch.where(st["active"][:, 0], st["positions"][:, 0], 0)  # idle slots see column 0
-        attend = self._decode_attention(st["slots"], seen, used, columns)
-        hidden = self._forward(st["tokens"], st["positions"], st["slots"], attend, valid=st["active"])
-        return self._logits(hidden[:, -1])
-
-    def _drop_graphs(self) -> None:
-        """Forget every captured graph and their memory pool. Once its last graph is gone the
-        allocator frees the pool, and a capture into the same handle then trips its internal assert
-        (`use_count > 0`): H100 run 28 hit that at the first growth of the KV pool, and every engine
-        fell back to the eager static step."""
-        self._graphs.clear()
-        self._graph_pool = None
-
-    def _capture(self, used: int, columns: int) -> tuple[Any, Any]:
-        """Record the static step over `used` slots and `columns` key columns. One eager run on a
-        side stream first (CUDA graphs need warmed-up kernels); it writes the same keys and values
-        the replay will."""
-        torch = self.torch
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._static_logits(used, columns)
-        torch.cuda.current_stream().wait_stream(side)
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = self._static_logits(used, columns)
-        return graph, logits
 
     def _sample(self, rows: list[_Row], logits: Any) -> Any:
         """Draw one token per row (each with its own generator) and record its raw log-prob."""
