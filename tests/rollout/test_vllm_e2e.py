@@ -176,7 +176,7 @@ def test_vllm_records_logprobs_of_the_tempered_distribution_it_sampled(vllm, loo
     logits = forward_logits(tiny_model, PROMPT, g.token_ids)
     tempered = torch.log_softmax(logits / temperature, -1)
     got = torch.tensor(g.logprobs)
-    assert (got - of(tempered, g.token_ids)).abs().max() < 1e-3
+    assert (got - of(tempered, g.token_ids)).abs().max() < 1e-4
     if temperature != 1.0:  # the untempered log-probs are far from what was recorded
         assert (got - of(torch.log_softmax(logits, -1), g.token_ids)).abs().max() > 1e-2
     values, ids = tempered[0].topk(5)
@@ -189,4 +189,4 @@ def test_vllm_records_a_top_p_cut_as_the_renormalized_nucleus(vllm, loop, tiny_m
     tempered = torch.log_softmax(forward_logits(tiny_model, PROMPT, g.token_ids) / 0.7, -1)
     probs = tempered.exp().sort(-1, descending=True).values
     mass = (probs * (probs.cumsum(-1) - probs < 0.3)).sum(-1)  # what the nucleus keeps
-    assert (torch.tensor(g.logprobs) - (of(tempered, g.token_ids) - mass.log())).abs().max() < 1e-3
+    assert (torch.tensor(g.logprobs) - (of(tempered, g.token_ids) - mass.log())).abs().max() < 1e-4
