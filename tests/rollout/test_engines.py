@@ -307,12 +307,9 @@ def test_the_engine_logs_where_its_time_goes(tiny_model, monkeypatch, caplog):
 # -- the slot pool: chunked prefill, growth, eviction, architectures ----------------------------
 
 
-def _logprobs_by_forward(engine, prompt: list[int], sampled: list[int]) -> torch.Tensor:
-    """The model's own (HF forward) raw log-probs of `sampled` after `prompt`."""
-    ids = torch.tensor([prompt + sampled])
-    with torch.inference_mode():
-        logits = engine.model(ids).logits[0].float()
-    return torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(sampled)[:, None])[:, 0]
+def _logprobs_by_forward(engine, prompt: list[int], sampled: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """The model's own (HF forward) log-probs of `sampled` after `prompt` at `temperature`."""
+    return _of(torch.log_softmax(_forward_logits(engine, prompt, sampled) / temperature, -1), sampled)
 
 
 def test_a_prompt_longer_than_a_prefill_chunk_matches_the_models_forward(tiny_model):
@@ -389,7 +386,7 @@ def test_a_llama_model_decodes_with_the_models_own_logprobs(tiny_model, tmp_path
             shutil.copy(f, folder / f.name)
     llama = TransformersEngine(folder, max_model_len=2048)
     g = gen(llama, TurnParams(max_tokens=8, seed=3, temperature=0.9))[0]
-    assert torch.allclose(torch.tensor(g.logprobs), _logprobs_by_forward(llama, PROMPT, g.token_ids), atol=1e-4)
+    assert torch.allclose(torch.tensor(g.logprobs), _logprobs_by_forward(llama, PROMPT, g.token_ids, 0.9), atol=1e-4)
 
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
