@@ -67,12 +67,13 @@ class SandboxCheck:
         self.ttl_s = ttl_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
-        self.probes = 0
+        self.probes = 0  # checks made
         self._lock = threading.Lock()
         self._checked_at = -math.inf
         self._up = True
 
     def up(self) -> bool:
+        """The last answer while younger than `ttl_s`, else a new check (one thread checks, the others wait)."""
         with self._lock:
             if time.monotonic() - self._checked_at >= self.ttl_s:
                 was_up, self._up = self._up, self._probe()

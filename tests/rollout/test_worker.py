@@ -297,9 +297,10 @@ def test_while_the_sandbox_is_down_the_worker_takes_no_task_and_checks_it_with_b
     script = [format_tool_call("SearchCity", {"state": "Illinois"}), format_answer("Day 1:\nCurrent City: Chicago")]
     engine = ScriptedEngine(tokenizer, lambda ids, turn: script[min(turn, 1)])
     service = RolloutService(engine, HttpToolClient(sandbox.url, retries=0))
-    worker = RolloutWorker(service, client, loop, names=names, consumer="w", claim_idle_ms=500, block_ms=200)
-    worker.sandbox = SandboxCheck(lambda: asyncio.run_coroutine_threadsafe(service.tools.reachable(), loop).result(),
-                                  ttl_s=0.2, backoff_s=0.2, max_backoff_s=1.0)
+    check = SandboxCheck(lambda: asyncio.run_coroutine_threadsafe(service.tools.reachable(), loop).result(),
+                         ttl_s=0.2, backoff_s=0.2, max_backoff_s=1.0)
+    worker = RolloutWorker(service, client, loop, names=names, consumer="w", claim_idle_ms=500, block_ms=200,
+                           sandbox=check)
     threads = worker.start()
     try:
         publish(client, names.tasks, task(1))

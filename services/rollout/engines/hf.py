@@ -606,14 +606,14 @@ class TransformersEngine(Engine):
         """Draw one token per row (each with its own generator) and record its log-prob under the
         distribution it was drawn from (`_draw`), with that distribution's most probable alternatives."""
         torch = self.torch
-        tokens, sampler = _draw(torch, logits.float(), [row.request.params for row in rows],
-                                [row.generator for row in rows])
-        chosen = sampler.gather(1, tokens[:, None])[:, 0].tolist()
+        tokens, drawn = _draw(torch, logits.float(), [row.request.params for row in rows],
+                              [row.generator for row in rows])
+        chosen = drawn.gather(1, tokens[:, None])[:, 0].tolist()
         top_k = max(row.request.params.top_logprobs for row in rows)
         top_ids: list[list[int]] = []
         top_lps: list[list[float]] = []
         if top_k:  # one host read for all rows' alternatives, not one per row
-            values, indices = sampler.topk(top_k, dim=-1)
+            values, indices = drawn.topk(top_k, dim=-1)
             top_ids, top_lps = indices.tolist(), values.tolist()
         stop = self.stop_ids
         for i, (row, tid) in enumerate(zip(rows, tokens.tolist())):
