@@ -500,10 +500,9 @@ class RLTrainer:
                         "advantage_max": ads["max"]})
         trainable = [s for s in batch.sequences if sum(s.loss_mask) > 0]
         if trainable:
-            # the rollouts record the untempered model's log-probs: at T != 1 they are not the sampler's
             out = rl_step(self.engine, batch.sequences, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                           bounds=loss_bounds(cfg), loss_agg=cfg.loss_agg,
-                          use_rollout_logprobs=cfg.use_rollout_logprobs and cfg.temperature == 1.0,
+                          use_rollout_logprobs=cfg.use_rollout_logprobs,
                           kl_coef=cfg.kl_coef, reference=self.reference, mini_batches=cfg.mini_batches,
                           batch_groups=cfg.batch_prompts)
             metrics.update(out.metrics)

@@ -133,6 +133,9 @@ class TimedTools:
         self.metrics.tool_calls.labels(name, outcome).inc()
         return result
 
+    async def reachable(self) -> bool:
+        return await self.inner.reachable()
+
     async def close(self) -> None:
         await self.inner.close()
 

@@ -1,4 +1,4 @@
-"""The transformers engine for real on a tiny Qwen2: seeds, raw log-probs, batching, weight reload."""
+"""The transformers engine for real on a tiny Qwen2: seeds, the sampler's log-probs, batching, weight reload."""
 
 from __future__ import annotations
 
@@ -35,20 +35,46 @@ def test_same_seed_same_ids_other_seed_other_ids_and_batched(engine):
     assert len(a.token_ids) == 12 and a.finish == "length"
 
 
-def test_logprobs_are_the_models_raw_logprobs_of_the_sampled_ids(engine, tiny_model):
-    (g,) = gen(engine, TurnParams(max_tokens=8, seed=3, temperature=0.7, top_logprobs=5))
-    ids = torch.tensor([PROMPT + g.token_ids])
+def _forward_logits(engine, prompt: list[int], sampled: list[int]) -> torch.Tensor:
+    """The model's (HF forward) logits at the positions that sampled `sampled` after `prompt`."""
     with torch.inference_mode():
-        logits = engine.model(ids).logits[0].float()
-    expected = torch.log_softmax(logits, -1)[len(PROMPT) - 1:-1].gather(1, torch.tensor(g.token_ids)[:, None])[:, 0]
-    assert torch.allclose(torch.tensor(g.logprobs), expected, atol=1e-4)
-    assert all(len(row) == 5 for row in g.top_logprobs)
-    # the alternatives are the model's five most probable ids with their raw log-probs
-    raw = torch.log_softmax(logits, -1)[len(PROMPT) - 1]
-    values, ids = raw.topk(5)
+        logits = engine.model(torch.tensor([prompt + sampled])).logits[0].float()
+    return logits[len(prompt) - 1:-1]
+
+
+def _of(logprobs: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    return logprobs.gather(1, torch.tensor(ids)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_logprobs_are_of_the_tempered_distribution_the_tokens_were_drawn_from(engine, temperature):
+    (g,) = gen(engine, TurnParams(max_tokens=16, seed=3, temperature=temperature, top_logprobs=5))
+    logits = _forward_logits(engine, PROMPT, g.token_ids)
+    tempered = torch.log_softmax(logits / temperature, -1)
+    got = torch.tensor(g.logprobs)
+    assert (got - _of(tempered, g.token_ids)).abs().max() < 1e-4
+    if temperature != 1.0:  # the check tells the two apart: the untempered log-probs are far off
+        assert (got - _of(torch.log_softmax(logits, -1), g.token_ids)).abs().max() > 1e-2
+    # the alternatives are that distribution's five most probable ids with their log-probs
+    values, ids = tempered[0].topk(5)
     assert sorted(g.top_logprobs[0]) == sorted(ids.tolist())
     assert [g.top_logprobs[0][i] for i in ids.tolist()] == pytest.approx(values.tolist(), abs=1e-4)
     assert max(g.top_logprobs[0].values()) >= g.logprobs[0]
+
+
+def test_a_top_p_cut_records_the_renormalized_nucleus_and_greedy_the_models_own(engine):
+    cut, greedy = gen(engine, TurnParams(max_tokens=16, seed=3, temperature=0.7, top_p=0.3, top_logprobs=20),
+                      TurnParams(max_tokens=8, temperature=0.0))
+    tempered = torch.log_softmax(_forward_logits(engine, PROMPT, cut.token_ids) / 0.7, -1)
+    probs, order = tempered.exp().sort(-1, descending=True)
+    kept = (probs.cumsum(-1) - probs < 0.3)  # the nucleus: tokens with less than top_p before them
+    mass = (probs * kept).sum(-1)
+    assert (torch.tensor(cut.logprobs) - (_of(tempered, cut.token_ids) - mass.log())).abs().max() < 1e-4
+    assert all(len(row) == int(k) for row, k in zip(cut.top_logprobs, kept.sum(-1).clamp(max=20)))
+    assert sorted(cut.top_logprobs[0]) == sorted(order[0, :int(kept[0].sum())].tolist()[:20])
+    raw = torch.log_softmax(_forward_logits(engine, PROMPT, greedy.token_ids), -1)
+    assert greedy.token_ids == raw.argmax(-1).tolist()
+    assert (torch.tensor(greedy.logprobs) - _of(raw, greedy.token_ids)).abs().max() < 1e-4
 
 
 def test_rows_of_different_lengths_in_one_batch_match_their_solo_runs(engine):
@@ -278,12 +304,9 @@ def test_the_engine_logs_where_its_time_goes(tiny_model, monkeypatch, caplog):
 # -- the slot pool: chunked prefill, growth, eviction, architectures ----------------------------
 
 
-def _logprobs_by_forward(engine, prompt: list[int], sampled: list[int]) -> torch.Tensor:
-    """The model's own (HF forward) raw log-probs of `sampled` after `prompt`."""
-    ids = torch.tensor([prompt + sampled])
-    with torch.inference_mode():
-        logits = engine.model(ids).logits[0].float()
-    return torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(sampled)[:, None])[:, 0]
+def _logprobs_by_forward(engine, prompt: list[int], sampled: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """The model's own (HF forward) log-probs of `sampled` after `prompt` at `temperature`."""
+    return _of(torch.log_softmax(_forward_logits(engine, prompt, sampled) / temperature, -1), sampled)
 
 
 def test_a_prompt_longer_than_a_prefill_chunk_matches_the_models_forward(tiny_model):
@@ -359,7 +382,7 @@ def test_a_llama_model_decodes_with_the_models_own_logprobs(tiny_model, tmp_path
             shutil.copy(f, folder / f.name)
     llama = TransformersEngine(folder, max_model_len=2048)
     g = gen(llama, TurnParams(max_tokens=8, seed=3, temperature=0.9))[0]
-    assert torch.allclose(torch.tensor(g.logprobs), _logprobs_by_forward(llama, PROMPT, g.token_ids), atol=1e-4)
+    assert torch.allclose(torch.tensor(g.logprobs), _logprobs_by_forward(llama, PROMPT, g.token_ids, 0.9), atol=1e-4)
 
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))

@@ -23,8 +23,9 @@ between two ticks without draining the batch: rows in flight decode on under the
 the cache the old ones wrote), and the kept caches, which the old policy computed, are dropped.
 
 The sampling loop is ours rather than `model.generate` because each row needs its own seed, its
-own `max_tokens`, and the raw log-prob (and top-k) of the token it sampled. Sampling runs on the
-model's device; decoding runs in a worker thread, so the event loop keeps serving tool calls.
+own `max_tokens`, and the log-prob (and top-k) of the token it sampled under the distribution it
+was drawn from (see `Generation.logprobs`). Sampling runs on the model's device; decoding runs in
+a worker thread, so the event loop keeps serving tool calls.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.rollout.engines.base import Engine, EngineError, Generation, TurnParams
+from services.rollout.engines.base import Engine, EngineError, Generation, TurnParams, drawable
 
 STEPS_PER_TICK = 4  # decode steps between admissions: joiners wait at most this long
 STATS_EVERY_S = 30.0  # how often the engine logs where its time went
@@ -515,17 +516,17 @@ class TransformersEngine(Engine):
         return self._logits(hidden[:, -1])
 
     def _sample(self, rows: list[_Row], logits: Any) -> Any:
-        """Draw one token per row (each with its own generator) and record its raw log-prob."""
+        """Draw one token per row (each with its own generator) and record its log-prob under the
+        distribution it was drawn from (`_draw`), with that distribution's most probable alternatives."""
         torch = self.torch
-        logits = logits.float()
-        raw = torch.log_softmax(logits, dim=-1)
-        tokens = _draw(torch, logits, [row.request.params for row in rows], [row.generator for row in rows])
-        chosen = raw.gather(1, tokens[:, None])[:, 0].tolist()
+        tokens, drawn = _draw(torch, logits.float(), [row.request.params for row in rows],
+                              [row.generator for row in rows])
+        chosen = drawn.gather(1, tokens[:, None])[:, 0].tolist()
         top_k = max(row.request.params.top_logprobs for row in rows)
         top_ids: list[list[int]] = []
         top_lps: list[list[float]] = []
         if top_k:  # one host read for all rows' alternatives, not one per row
-            values, indices = raw.topk(top_k, dim=-1)
+            values, indices = drawn.topk(top_k, dim=-1)
             top_ids, top_lps = indices.tolist(), values.tolist()
         stop = self.stop_ids
         for i, (row, tid) in enumerate(zip(rows, tokens.tolist())):
@@ -533,7 +534,7 @@ class TransformersEngine(Engine):
             row.logprobs.append(chosen[i])
             k = row.request.params.top_logprobs
             if k:
-                row.top.append(dict(zip(top_ids[i][:k], top_lps[i][:k])))
+                row.top.append(drawable(zip(top_ids[i][:k], top_lps[i][:k])))
             row.done = tid in stop or len(row.ids) >= row.limit
         return tokens
 
@@ -623,10 +624,14 @@ def _nucleus(torch, probs, top_p: float):
 
 
 def _draw(torch, logits, params: list[TurnParams], generators: list[Any]):
-    """One token id per row of `logits` [rows, vocab], on their device: greedy at temperature 0,
-    else temperature, top-k, top-p. Rows with the same settings are processed together; each row
-    draws its noise from its own generator, so what a row samples does not depend on the batch."""
+    """One token id per row of `logits` [rows, vocab], on their device, and the log-probs [rows, vocab]
+    of the distribution each row was drawn from: at temperature 0 the argmax, with the model's own
+    log-probs; else softmax(logits / temperature) cut to its top-k and then its top-p nucleus and
+    renormalized (what vLLM records with `logprobs_mode: processed_logprobs`). Rows with the same
+    settings are processed together; each row draws its noise from its own generator, so what a row
+    samples does not depend on the batch."""
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    logprobs = torch.empty_like(logits)
     groups: dict[tuple[float, int, float], list[int]] = {}
     for i, p in enumerate(params):
         groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
@@ -635,17 +640,23 @@ def _draw(torch, logits, params: list[TurnParams], generators: list[Any]):
         scores = logits[idx]
         if temperature <= 0:
             out[idx] = scores.argmax(-1)
+            logprobs[idx] = torch.log_softmax(scores, dim=-1)
             continue
         scores = scores / temperature
         if top_k and top_k > 0:
             kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]
             scores = scores.masked_fill(scores < kth, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
+        drawn = torch.log_softmax(scores, dim=-1)
         if top_p < 1.0:
-            probs = probs.masked_fill(~_nucleus(torch, probs, top_p), 0.0)
+            keep = _nucleus(torch, probs, top_p)
+            probs = probs.masked_fill(~keep, 0.0)
             probs = probs / probs.sum(-1, keepdim=True)
+            drawn = drawn.masked_fill(~keep, float("-inf"))
+            drawn = drawn - torch.logsumexp(drawn, dim=-1, keepdim=True)
+        logprobs[idx] = drawn
         # argmax(p / E), E ~ Exp(1), draws from p (the exponential race); several times faster
         # than torch.multinomial over a 150K vocabulary.
         noise = torch.stack([torch.empty_like(probs[0]).exponential_(1.0, generator=generators[i]) for i in rows])
         out[idx] = (probs / noise).argmax(-1)
-    return out
+    return out, logprobs
