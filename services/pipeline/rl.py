@@ -86,6 +86,7 @@ def rl_config(run: Run, model: str, names: StreamNames, redis_url: str | None, t
         samples_per_step=r.samples_per_step, loss_agg=r.loss_agg, dual_clip_c=r.dual_clip_c,
         log_ratio_clamp=r.log_ratio_clamp, importance_sampling=r.importance_sampling, is_low=r.is_low,
         is_high=r.is_high, temperature=r.sampling.temperature,
+        sampling_cut=r.sampling.top_p < 1.0 or r.sampling.top_k > 0,
         eps_low=r.eps_low, eps_high=r.eps_high, filters=r.filters(),
         engine=run.config.learner.engine(run.config.services.zero_stage, run.config.seed,
                                          ranks=run.config.deployment.learner_ranks),
