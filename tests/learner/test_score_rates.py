@@ -36,36 +36,6 @@ def test_rollout_timings_are_episode_means_and_the_slowest_episode():
     assert rollout_timings([c]) == {}
 
 
-class _Picker:
-    """The learner's choice of groups, without an engine or Redis."""
-
-    from services.learner.trainer import RLTrainer as _T
-
-    _complete, _step_of, _candidates = _T._complete, _T._step_of, _T._candidates
-
-    def __init__(self, arrivals: list[tuple[str, int | None, int]], batches: int, refill: bool = False) -> None:
-        from collections import OrderedDict
-
-        from services.learner.config import FilterConfig, RLConfig
-
-        self.cfg = RLConfig(model="m", output_dir="o", group_size=2, straggler_wait_s=60.0,
-                            filters=FilterConfig(refill=refill))
-        self.batches = batches
-        self.groups = OrderedDict()
-        for group, step, members in arrivals:
-            t = _traj(0.0, 1.0)
-            t.step = step
-            self.groups[group] = [(None, t)] * members
-
-
-def test_a_batch_takes_its_own_step_first_and_later_steps_only_after_the_straggler_wait():
-    # arrival order: step 2 complete, step 1 complete, step 1 incomplete, an unscheduled group, step 0
-    picker = _Picker([("s2", 2, 2), ("s1a", 1, 2), ("s1b", 1, 1), ("adhoc", None, 2), ("s0", 0, 2)], batches=1)
-    assert picker._candidates(0.0) == ["adhoc", "s0", "s1a"]  # oldest first; step 2 waits its turn
-    assert picker._candidates(61.0) == ["adhoc", "s0", "s1a", "s2"]  # a lost group cannot stall the run
-    assert _Picker([("s2", 2, 2), ("s1", 1, 2)], batches=1, refill=True)._candidates(0.0) == ["s1", "s2"]
-
-
 def test_step_samples_take_each_groups_first_sample_whatever_its_reward():
     from services.learner.trainer import step_samples
 

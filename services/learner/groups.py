@@ -1,0 +1,327 @@
+"""From the scored stream to one RL step's groups (rank 0 of the learner).
+
+`GroupCollector` reads `<prefix>:scored`, files each sample under its group, drops what must not be
+trained (copies of a sample, groups already trained, payloads that are no ScoredTrajectory), notes
+the groups whose rollout task was dead-lettered (lost), and decides when a step has its groups:
+complete ones, its own step's first, enough of them to survive the staleness and DAPO filters.
+Each step's choice goes to the journal (`journal.jsonl` in the run folder) before it is trained, so
+a learner killed after the step replays exactly that batch. `TrainedRecord` is what every rank
+keeps of the batches trained (message and group ids) and what the checkpoint holds of them.
+
+Acknowledging is the trainer's call: the collector holds the messages of the batches it handed out
+until `acknowledge_held`, which the trainer calls once a checkpoint holds those batches.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.common.schemas import ScoredTrajectory
+from services.common.streams import REDIS_DOWN, StreamConsumer, StreamMessage, StreamNames, decode, until_redis
+from services.learner import algorithms as alg
+from services.learner.config import RLConfig
+
+log = logging.getLogger(__name__)
+
+CONSUMED_STEPS_KEPT = 16  # steps whose message ids stay in the checkpoint for de-duplication (at least save_every)
+JOURNAL = "journal.jsonl"
+
+Member = tuple[StreamMessage, ScoredTrajectory]
+
+
+class NoData(TimeoutError):
+    """No (complete) group arrived within the configured wait."""
+
+
+@dataclass
+class TrainedRecord:
+    """The batches trained so far: the message ids of the last `keep` steps (a message trained but
+    not yet acknowledged comes back after a restart, and is recognised by id) and the group ids of
+    every step (a task rolled out again publishes its group under new ids, however late)."""
+
+    keep: int = CONSUMED_STEPS_KEPT
+    consumed: list[list[str]] = field(default_factory=list)
+    groups: list[list[str]] = field(default_factory=list)
+
+    @classmethod
+    def kept_steps(cls, save_every: int) -> int:
+        """Steps of message ids to keep: every step since the last checkpoint at least."""
+        return max(CONSUMED_STEPS_KEPT, save_every + 1)
+
+    def add(self, message_ids: list[str], groups: list[str]) -> None:
+        self.consumed = (self.consumed + [list(message_ids)])[-self.keep:]
+        self.groups = self.groups + [list(groups)]
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take the record from a checkpoint's state."""
+        self.consumed = [list(ids) for ids in state.get("consumed", [])]
+        self.groups = [list(ids) for ids in state.get("groups", [])]
+
+    def message_ids(self) -> set[str]:
+        return {i for ids in self.consumed for i in ids}
+
+    def group_ids(self) -> set[str]:
+        return {g for ids in self.groups for g in ids}
+
+
+@dataclass
+class StepGroups:
+    """One step's batch as rank 0 collected it: the messages and their trajectories (group by group),
+    the ids of the groups it goes without because their task was lost, and the time it waited."""
+
+    messages: list[StreamMessage]
+    trajectories: list[ScoredTrajectory]
+    lost: list[str]
+    wait_s: float
+
+
+class GroupCollector:
+    """Rank 0's reader of the scored stream: `collect(batch, version)` returns the step's groups."""
+
+    def __init__(self, cfg: RLConfig, redis_client: Any, trained: TrainedRecord,
+                 stop: threading.Event | None = None) -> None:
+        self.cfg = cfg
+        self.redis = redis_client
+        self.trained = trained
+        self.stop = stop or threading.Event()
+        self.names = StreamNames(cfg.stream_prefix)
+        self.consumer = StreamConsumer(redis_client, self.names.scored, cfg.consumer_group, cfg.consumer_name,
+                                       claim_idle_ms=600_000, max_deliveries=10)
+        self.journal = Path(cfg.output_dir) / JOURNAL
+        self.groups: OrderedDict[str, list[Member]] = OrderedDict()  # arrived, not yet in a batch
+        # Groups whose rollout task was dead-lettered (it failed on every attempt): group id → step.
+        # A batch does not wait for them: they can never come, and the fleet would wait with it.
+        self.lost: dict[str, int] = {}
+        self._dead_cursor = "0-0"
+        self.duplicates = 0  # samples of already trained groups dropped since `take_duplicates`
+        self.held: list[str] = []  # ids of the messages handed out since the last acknowledgement
+        self.replay: dict[int, dict[str, Any]] = {}  # journaled batches after the checkpoint, by number
+
+    @property
+    def stream(self) -> str:
+        return self.consumer.stream
+
+    # -- journal -----------------------------------------------------------------------------------
+
+    def load_journal(self, from_batch: int) -> None:
+        """The batches journaled from `from_batch` on (those after the checkpoint), to replay."""
+        if not self.journal.is_file():
+            return
+        for line in self.journal.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+                batch = int(entry["batch"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by a kill
+            if batch >= from_batch:
+                self.replay[batch] = entry
+
+    @property
+    def replaying(self) -> bool:
+        """Batches journaled since the checkpoint are still to be trained again."""
+        return bool(self.replay)
+
+    def _write_journal(self, batch: int, chosen: list[str], lost: list[str]) -> None:
+        with open(self.journal, "a") as fh:
+            fh.write(json.dumps({"batch": batch, "groups": chosen, "lost": lost}) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    # -- the step's groups -------------------------------------------------------------------------
+
+    def collect(self, batch: int, version: int) -> StepGroups:
+        """The groups of step batch `batch` for a learner at `version`: the journaled ones when the
+        batch is replayed, else complete groups by `candidates` until `enough`. Raises NoData when
+        stopped or when nothing comes for `wait_timeout_s`."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        chosen: list[str] = []
+        useful = 0
+        started = time.monotonic()
+        deadline = started + cfg.wait_timeout_s
+        plan = self.replay.pop(batch, None)  # a batch trained before the last kill, to train again
+        while True:
+            self.read_lost(batch)
+            if plan is not None:
+                if self._arrived(plan["groups"]):
+                    chosen = list(plan["groups"])
+                    break
+            else:
+                for g in self.candidates(batch, time.monotonic() - started):
+                    if g in chosen or self.enough(batch, chosen, useful):
+                        continue
+                    chosen.append(g)
+                    useful += self.useful(self.groups[g], version)
+                if self.enough(batch, chosen, useful):
+                    break
+            if self.stop.is_set():
+                raise NoData("stopped while waiting for data")
+            if time.monotonic() > deadline:
+                raise NoData(f"no complete group arrived within {cfg.wait_timeout_s:.0f} s")
+            self.read_stream()
+        # this step's lost groups are settled now (a late copy of one is dropped like a re-run)
+        lost = list(plan["lost"]) if plan is not None else [g for g, s in self.lost.items() if s <= batch]
+        for g in lost:
+            self.lost.pop(g, None)
+        if plan is None:
+            self._write_journal(batch, chosen, lost)
+        messages, trajs = [], []
+        for g in chosen:
+            for msg, traj in self.groups.pop(g):
+                messages.append(msg)
+                trajs.append(traj)
+        return StepGroups(messages, trajs, lost, time.perf_counter() - t0)
+
+    def complete(self) -> list[str]:
+        return [g for g, m in self.groups.items() if len(m) >= self.cfg.group_size]
+
+    def _arrived(self, groups: list[str]) -> bool:
+        return all(len(self.groups.get(g, ())) >= self.cfg.group_size for g in groups)
+
+    def _step_of(self, group: str) -> int:
+        step = self.groups[group][0][1].step
+        return -1 if step is None else step
+
+    def candidates(self, batch: int, waited_s: float) -> list[str]:
+        """Complete groups batch `batch` may take, oldest step first. A later step's groups wait
+        while this step's are still coming: with several steps in flight the later step's fast
+        groups finish first, and taken now they would leave this step's slow groups to the next
+        batch, one version staler and, at the staleness bound, dropped (up to half of a
+        batch's samples). After `straggler_wait_s`, or when refilling (DAPO reads beyond the
+        step), any complete group goes, so a lost group cannot stall the run."""
+        complete = sorted(self.complete(), key=self._step_of)  # stable: arrival order within a step
+        if self.cfg.filters.refill or waited_s >= self.cfg.straggler_wait_s:
+            return complete
+        return [g for g in complete if self._step_of(g) <= batch]
+
+    def useful(self, members: list[Member], version: int) -> bool:
+        """Would this group survive the staleness and DAPO filters at `version`? (Refill reads until
+        enough do.)"""
+        f = self.cfg.filters
+        trajs = [t for _, t in members]
+        if not alg.split_stale([t.policy_version for t in trajs], version, f.max_staleness)[0]:
+            return False
+        if f.dynamic_sampling:
+            rewards = [alg.effective_reward(t.reward, t.finish_reason, f.zero_reward_finish_reasons) for t in trajs]
+            return not alg.is_flat(rewards, f.zero_variance_eps)
+        return True
+
+    def enough(self, batch: int, chosen: list[str], useful: int) -> bool:
+        """Without refill a step takes the next `batch_prompts` groups (filters may shrink it), less
+        those of its own that were lost; with refill it reads on until that many groups survive, at
+        most max_refill_rounds batches more."""
+        n, f = self.cfg.batch_prompts, self.cfg.filters
+        if not f.refill:
+            return len(chosen) + self._lost_at(batch) >= n
+        if useful >= n:
+            return True
+        return f.max_refill_rounds > 0 and len(chosen) >= n * (1 + f.max_refill_rounds)
+
+    # -- lost groups -------------------------------------------------------------------------------
+
+    def _lost_at(self, step: int) -> int:
+        return sum(1 for s in self.lost.values() if s == step)
+
+    def read_lost(self, batch: int) -> None:
+        """Note the training tasks of step `batch` or later dead-lettered since the last look."""
+        dead = StreamNames.dead(self.names.tasks)
+        try:
+            entries = self.redis.xrange(dead, min=f"({self._dead_cursor}", count=1000)
+        except REDIS_DOWN:
+            return
+        for entry, fields in entries:
+            self._dead_cursor = entry.decode() if isinstance(entry, bytes) else entry
+            try:
+                task = decode(fields)["payload"]
+                group, step = task["task_id"], task.get("step")
+            except (KeyError, TypeError, ValueError):
+                continue  # not a task we could have trained
+            if isinstance(step, int) and step >= batch and group not in self.groups:
+                self.lost[group] = step
+                log.warning("a rollout task was dead-lettered; its step goes without it",
+                            extra={"group": group, "step": step})
+
+    # -- reading the stream ------------------------------------------------------------------------
+
+    def read_stream(self) -> int:
+        """Read up to a batch's samples from the stream (waiting up to `read_block_ms`) and file them;
+        returns how many messages came."""
+        cfg = self.cfg
+        try:
+            arrived = self.consumer.read(count=cfg.group_size * cfg.batch_prompts, block_ms=cfg.read_block_ms)
+        except REDIS_DOWN as exc:
+            # Redis restarting: what was read stays pending there, so wait and read on
+            log.warning("redis unavailable; waiting for data", extra={"error": str(exc)})
+            self.stop.wait(1.0)
+            return 0
+        seen = _Seen(self.trained.message_ids(), self.trained.group_ids(), set(self.held))
+        for msg in arrived:
+            self._file(msg, seen)
+        return len(arrived)
+
+    def _file(self, msg: StreamMessage, seen: _Seen) -> None:
+        """File one message under its group, or settle it: acknowledged when it was trained already or
+        is a copy, dead-lettered when it is no trajectory."""
+        if msg.id in seen.held:
+            return  # ours, held unacknowledged until the next checkpoint (re-claimed after idling)
+        if msg.id in seen.messages:
+            until_redis(lambda: self.consumer.ack(msg), what="acknowledging")  # trained before a crash
+            return
+        try:
+            traj = ScoredTrajectory.model_validate(msg.data)
+        except ValueError as exc:
+            msg.deliveries = self.consumer.max_deliveries  # a bad payload never gets better
+            self.consumer.fail(msg, f"not a ScoredTrajectory: {str(exc)[:500]}")
+            return
+        if traj.group_id in seen.groups:
+            # the whole group was trained from another run of its task: acknowledged, dropped
+            until_redis(lambda: self.consumer.ack(msg), what="acknowledging a re-run group")
+            self.duplicates += 1
+            return
+        members = self.groups.setdefault(traj.group_id, [])
+        same = next((m for m, t in members if t.sample_index == traj.sample_index), None)
+        if same is not None:
+            # The same sample again: our own pending message re-delivered after idling while we
+            # waited (the copy we hold stands), or a task that ran twice (this copy is
+            # acknowledged now, never trained).
+            if same.id != msg.id:
+                until_redis(lambda: self.consumer.ack(msg), what="acknowledging a duplicate")
+            return
+        members.append((msg, traj))
+
+    # -- after the step ----------------------------------------------------------------------------
+
+    def take_duplicates(self) -> int:
+        """Samples of already trained groups dropped since the last call."""
+        n, self.duplicates = self.duplicates, 0
+        return n
+
+    def hold(self, messages: list[StreamMessage]) -> None:
+        """Keep these messages unacknowledged until the next checkpoint holds their batch."""
+        self.held += [m.id for m in messages]
+
+    def acknowledge_held(self) -> None:
+        """Acknowledge the messages held since the last call (a checkpoint holds their batches, so a
+        learner that dies waiting for Redis here skips them by id on resume)."""
+        if self.held:
+            held = self.held
+            until_redis(lambda: self.consumer.client.xack(self.consumer.stream, self.consumer.group, *held),
+                        what="acknowledging the messages since the last checkpoint")
+        self.held = []
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """What the messages of one read are de-duplicated against."""
+
+    messages: set[str]  # ids of messages in trained batches
+    groups: set[str]    # ids of trained (or lost) groups
+    held: set[str]      # ids of our messages handed out and not yet acknowledged
