@@ -6,7 +6,8 @@ asynchronous, and how each run learned.
 
 Reads bench/results/runs/gpu_proof/run{N}/gpu_proof_rl_{sync,async}.jsonl (the learner's per-step metrics that
 `bench/gpu_proof_device.sh poll` brings back; a run without a synchronous baseline has no sync
-file), prints each run's seconds per step and speed-up, and plots the wall time of every step.
+file), from bench/results/runs/gpu_proof.tar.xz where the run's folder is not unpacked, prints each
+run's seconds per step and speed-up, and plots the wall time of every step.
 Seconds per step are taken between the first and the last step's end, so the fleet's start (model
 loads), which both modes pay alike, is left out. `--learning` plots the asynchronous run's
 training success, grad norm, entropy and, where run{N}/gpu_proof_rl_samples.jsonl.gz was kept, the
@@ -16,7 +17,11 @@ share of stated preferences the policy's first thoughts restate, step by step.
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +30,23 @@ from bench.gpu_proof import restated_by_step, step_summary  # noqa: E402 - after
 from services.common.files import iter_jsonl  # noqa: E402
 
 RUNS = Path(__file__).resolve().parent / "results" / "runs" / "gpu_proof"  # one folder per run, as `poll` wrote it
+ARCHIVE = RUNS.parent / "gpu_proof.tar.xz"  # the runs' files but their notes and reports, under gpu_proof/
+
+
+def run_folder(run: str) -> Path:
+    """Run N's files: its folder when unpacked there, else a temporary copy taken from the archive."""
+    folder = RUNS / f"run{run}"
+    if (folder / "gpu_proof_rl_async.jsonl").is_file() or not ARCHIVE.is_file():
+        return folder
+    prefix = f"gpu_proof/run{run}/"
+    out = Path(tempfile.mkdtemp(prefix=f"gpu_proof_run{run}-"))
+    atexit.register(shutil.rmtree, out, True)
+    with tarfile.open(ARCHIVE) as tar:
+        members = [m for m in tar.getmembers() if m.isfile() and m.name.startswith(prefix)]
+        for m in members:
+            m.name = m.name[len(prefix):]
+        tar.extractall(out, members=members, filter="data")
+    return out
 
 
 def read_steps(path: Path) -> list[dict[str, Any]]:
@@ -44,7 +66,7 @@ def step_walls(steps: list[dict[str, Any]]) -> list[float]:
 
 
 def summarize(run: str) -> dict[str, Any]:
-    folder = RUNS / f"run{run}"
+    folder = run_folder(run)
     sync_file = folder / "gpu_proof_rl_sync.jsonl"
     sync = read_steps(sync_file) if sync_file.is_file() else []  # runs that skipped the baseline
     asyn = read_steps(folder / "gpu_proof_rl_async.jsonl")
