@@ -50,8 +50,8 @@ _LABEL_TO_FIELD.update({"attractions": "attraction", "accommodations": "accommod
                         "current_city": "current_city", "currentcity": "current_city"})
 _FIELD_TO_LABEL = {name: label for label, name in FIELDS}
 # Fields that hold one entry. A ";" after it is the attraction line's separator carried over, not part
-# of the city: run 31's policy drifted to "Breakfast: Castell's Kitchen, Ostmore;", which the evaluator
-# read as a restaurant in the city "Ostmore;" (bench/results/gpu_proof.md).
+# of the city: a policy can drift to "Breakfast: Castell's Kitchen, Ostmore;", which the evaluator would
+# read as a restaurant in the city "Ostmore;".
 ONE_ENTRY_FIELDS = frozenset({"breakfast", "lunch", "dinner", "accommodation"})
 
 MAX_TEXT_CHARS = 200_000  # a plan of 7 days is a few KB; bounds the work on hostile input

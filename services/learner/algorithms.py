@@ -64,8 +64,7 @@ def group_advantages(rewards: Sequence[float], groups: Sequence[Hashable], *, st
 
 def scale_negative_advantages(advantages: Sequence[float], scale: float) -> list[float]:
     """Negative advantages times `scale` (1: GRPO as is; 0: only the group's better samples push).
-    A brake for a policy that full GRPO pushes off its format at a high learning rate
-    (bench/results/gpu_proof.md)."""
+    A brake for a policy that full GRPO pushes off its format at a high learning rate."""
     if not 0.0 <= scale <= 1.0:
         raise ValueError(f"negative advantage scale must be in [0, 1], got {scale}")
     return [a * scale if a < 0 else a for a in advantages]

@@ -105,8 +105,8 @@ def split_mini_batches(seqs: Sequence[Sequence_], count: int, batch_groups: int 
 
     A group never straddles two shares: a share holding part of a group has advantages that do not
     balance (say, only the seven failures of a one-in-eight group), and Adam, whose step is about lr
-    whatever the gradient's size, pushes those samples down at full size (a DAPO run collapsed
-    right after steps that had one group left, cut in quarters).
+    whatever the gradient's size, pushes those samples down at full size (a DAPO batch of one group,
+    cut in quarters, is enough to collapse a policy).
     With `batch_groups`, `count` is the number of shares of a full batch of that many groups, and a
     share's size in groups stays fixed (verl's ppo_mini_batch_size): a batch the filters shrank makes
     fewer updates of the same size. Without it, `count` shares as even as whole groups allow.

@@ -15,9 +15,8 @@ preference the plan breaks (house rule, room type, cuisine, transportation: ever
 constraint but the budget), floored at 0 so that no plan scores below a format error. Under the
 paper's rewards a plan that ignores "no self-driving" to stay within budget scores exactly like
 one that keeps the preference and overspends, so nothing stops a policy from trading the one for
-the other (bench/results/gpu_proof.md, runs 10 and 11). Measured once, at 1.0 on the H100 proof
-(run 13), it made things worse: the policy learned to fly on every query and held-out success
-fell from 57 % to 24 %.
+the other. It does not fix that trade: at 1.0 the policy learns another single mode (flying on
+every query) and held-out success falls (docs/results.md).
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ static batch (run until its longest row ends) made every turn do.
 The KV cache is a pool of slots, one per batch row, preallocated per layer as
 [slots, kv_heads, capacity, head_dim]: a row's token at position p lives at column p of its slot.
 A decode step writes one column per row and attends over the pool in place; rows joining or leaving
-move no cache at all. (HF's DynamicCache grows by concatenation, i.e. copied the whole cache on every
-step and on every join: an engine's cost grew with rows × context, and on the H100 it took 85 ms a
-step at 128 rows and 65 GiB; bench/results/gpu_proof.md.) So the engine runs the model's layers
+move no cache at all. (HF's DynamicCache grows by concatenation, i.e. copies the whole cache on every
+step and on every join: an engine's cost grows with rows × context, to 85 ms a step at 128 rows and
+65 GiB on an H100.) So the engine runs the model's layers
 itself, reusing the model's own modules (norms, projections, rotary embedding, MLP); Llama- and
 Qwen2-shaped models are supported, which covers SmolLM2 and Qwen2.5.
 
@@ -148,8 +148,8 @@ class _KVPool:
         self.capacity = capacity
         if str(self.device).startswith("cuda"):
             # The old pool's blocks would stay reserved in this process's cache, unusable by the
-            # learner and the other engines on the GPU: 4.5 of an engine's 10.6 GiB in the 2026-11-24
-            # H100 run, where a fleet of 48-row engines left the learner out of memory.
+            # learner and the other engines on the GPU: 4.5 of a 48-row engine's 10.6 GiB, enough
+            # for a fleet of such engines to leave the learner out of memory.
             torch.cuda.empty_cache()
 
     @property
@@ -190,10 +190,10 @@ class TransformersEngine(Engine):
         self._worker: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._model_lock = threading.Lock()
-        # One thread runs every tick and every weight load. asyncio.to_thread spread them over the
-        # default pool's threads, and each new thread that touches cuBLAS creates its own handle and
-        # workspace: on a full GPU that creation failed (CUBLAS_STATUS_ALLOC_FAILED) and kept failing,
-        # which broke one engine for good in an H100 run (bench/results/gpu_proof.md, run 9).
+        # One thread runs every tick and every weight load. asyncio.to_thread would spread them over
+        # the default pool's threads, and each new thread that touches cuBLAS creates its own handle
+        # and workspace: on a full GPU that creation fails (CUBLAS_STATUS_ALLOC_FAILED) and keeps
+        # failing, which breaks the engine for good.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-decode")
         self.batches: list[int] = []  # sizes of the groups admitted (prefilled) together, for tests and metrics
         attn = self.model.model.layers[0].self_attn
