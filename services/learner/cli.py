@@ -78,7 +78,7 @@ def _run(kind: str, config: Path, max_steps: int | None) -> None:
 
 def _run_ranks(kind: str, config: Path, ranks: int, max_steps: int | None) -> int:
     """The run as `ranks` processes under torchrun, in the foreground; its exit code (a failed rank's
-    error is in torchrun's summary). Ctrl-C / SIGTERM reach every rank through torchrun."""
+    error is in torchrun's summary). Ctrl-C / SIGTERM reach every rank through the launcher."""
     import os
     import signal
     import subprocess

@@ -2,23 +2,30 @@
 
 Every place that starts the learner (`star train`'s SFT and RL stages, `star sft`, `star learner rl`, the
 learner's runs API and so the Helm learner) builds its command here, so a recipe's rank count means the
-same everywhere. Under torchrun a rank that dies takes the others down (torchrun stops the survivors and
-exits non-zero, naming the failed rank and its error); SIGTERM to torchrun reaches every rank, and the
-ranks agree on stopping at the next step boundary (services.learner.trainer)."""
+same everywhere. Several ranks run under torchrun, started by `python -m services.learner.launch`
+(torchrun's own arguments): a rank that dies takes the others down (torchrun stops the survivors and
+exits non-zero, naming the failed rank and its error). SIGTERM or SIGINT to the launcher is passed on
+to every rank, and the ranks agree on stopping at the next step boundary (services.learner.trainer);
+torchrun itself does not take the signal, so its exit status is the ranks' verdict: 0 when every rank
+stopped cleanly. (Taking it, torchrun exits 1 after any signal, whatever its ranks did.)"""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.settings import Settings
 
-# Seconds torchrun gives its ranks after forwarding SIGTERM before it kills them: a rank finishes its
-# current step and checkpoints first (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; torchrun's own default is 30 s).
-# The same wait bounds the teardown after a rank died, when a survivor may sit in a collective.
+# Seconds the ranks get to stop after a stop signal before they are killed: a rank finishes its current
+# step and checkpoints first. Passed to torchrun too (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; its own default is
+# 30 s), where it bounds the teardown after a rank died, when a survivor may sit in a collective.
 STOP_GRACE_S = 120
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class RankError(ValueError):
@@ -87,7 +94,7 @@ def worker_argv(kind: str, config: str | Path, ranks: int, max_steps: int | None
             raise ValueError("a multi-node run needs the run id its nodes share")
         where = ["--nnodes", str(nodes.count), "--rdzv_backend", "c10d", "--rdzv_endpoint", str(nodes.rendezvous),
                  "--rdzv_id", run_id, "--rdzv_conf", f"is_host={int(nodes.rank == 0)}"]
-    return [sys.executable, "-m", "torch.distributed.run", *where, "--nproc_per_node", str(ranks),
+    return [sys.executable, "-m", "services.learner.launch", *where, "--nproc_per_node", str(ranks),
             "--max_restarts", "0", "-m", "services.learner.worker", *tail]
 
 
@@ -96,3 +103,74 @@ def worker_env(ranks: int, nodes: Nodes = Nodes()) -> dict[str, str]:
     if ranks == 1 and nodes.count == 1:
         return {}
     return {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(STOP_GRACE_S)}
+
+
+def child_pids(parent: int) -> set[int]:
+    """The processes whose parent is `parent` (torchrun's ranks are its direct children)."""
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+            out.add(int(entry.name))
+    return out
+
+
+class RankStopper:
+    """Passes the first stop signal on to this process's children (the ranks), including ranks started
+    after it, and kills whatever is left after `grace_s`: torchrun then sees a failed rank."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.requested: int | None = None
+
+    def __call__(self, signum: int, _frame: object = None) -> None:
+        if self.requested is None:
+            self.requested = signum
+            print(f"learner launcher: {signal.Signals(signum).name}: stopping the ranks", file=sys.stderr, flush=True)
+            threading.Thread(target=self._stop_ranks, name="rank-stopper", daemon=True).start()
+
+    def _stop_ranks(self) -> None:
+        told: set[int] = set()
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline:
+            for pid in child_pids(os.getpid()) - told:
+                _signal(pid, self.requested)
+                told.add(pid)
+            time.sleep(0.5)
+        left = child_pids(os.getpid())
+        if left:
+            print(f"learner launcher: ranks {sorted(left)} did not stop within {self.grace_s:.0f} s; killing them",
+                  file=sys.stderr, flush=True)
+        for pid in left:
+            _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """torchrun with `argv`, in this process, the stop signals handled by a `RankStopper`."""
+    grace = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", STOP_GRACE_S))
+    stopper = RankStopper(grace)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stopper)
+    # torchrun's --signals-to-handle (torch >= 2.9; older ones take every signal themselves): the
+    # signals it handles by killing its ranks. Not the stop signals, whose handler is ours.
+    os.environ["PET_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
+    from torch.distributed import run as torchrun
+
+    torchrun.main(sys.argv[1:] if argv is None else argv)  # raises (exit 1) when a rank failed
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,7 @@ def test_one_rank_is_a_plain_process_several_go_under_torchrun(tmp_path):
     assert worker_argv("sft", tmp_path / "c.json", 1)[1:] == ["-m", "services.learner.worker", "sft",
                                                                str(tmp_path / "c.json")]
     argv = worker_argv("rl", "c.json", 4, max_steps=3)
-    assert argv[1:3] == ["-m", "torch.distributed.run"]
+    assert argv[1:3] == ["-m", "services.learner.launch"]  # torchrun, with the stop signals ours
     assert argv[argv.index("--nproc_per_node") + 1] == "4"
     assert argv[-5:] == ["-m", "services.learner.worker", "rl", "c.json", "3"]
 
@@ -100,7 +103,7 @@ def test_a_multi_node_learner_runs_one_torchrun_per_node_at_node_0s_rendezvous()
         assert "--standalone" not in argv
         assert argv[-3:] == ["services.learner.worker", "rl", "c.json"]
     # one rank per node is still a torchrun (it must meet the other nodes)
-    assert "torch.distributed.run" in worker_argv("sft", "c.json", 1, nodes=nodes[1], run_id="r")
+    assert "services.learner.launch" in worker_argv("sft", "c.json", 1, nodes=nodes[1], run_id="r")
     assert worker_env(1, nodes[1])["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]
     with pytest.raises(ValueError, match="run id"):
         worker_argv("rl", "c.json", 8, nodes=nodes[0])
@@ -238,3 +241,59 @@ def test_two_learner_nodes_train_one_sft_run_together(tmp_path, tiny_model, monk
     assert read_status(run.folder)["step"] == 2  # 8 chats, batch 4, one epoch
     assert len(launched) == 2 and [p.wait(60) for p in launched] == [0, 0], logs
     assert (run.folder / "log.node1.txt").is_file()
+
+
+RANK = """
+import os, signal, sys, time
+from pathlib import Path
+
+mode, folder = sys.argv[1], Path(sys.argv[2])
+stop = []
+signal.signal(signal.SIGTERM, signal.SIG_IGN if mode == "deaf" else lambda *_: stop.append(1))
+(folder / os.environ["RANK"]).touch()
+while not stop:
+    time.sleep(0.05)
+sys.exit(0 if mode == "clean" else 3)
+"""
+
+
+def _stop_two_ranks(tmp_path: Path, mode: str, grace_s: int = 60) -> tuple[int, float, str]:
+    """Two ranks running RANK under the learner's launcher, SIGTERM to the launcher once both run:
+    its exit status, how long it took to end, its output."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    argv = worker_argv("rl", "c.json", 2)
+    argv = argv[:argv.index("-m", 3)] + [str(script), mode, str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    proc = subprocess.Popen(argv, cwd=ROOT, env={**env, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(grace_s)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((tmp_path / "0").exists() and (tmp_path / "1").exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        return proc.returncode, time.monotonic() - t0, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_ranks_that_stop_cleanly_on_sigterm_make_the_launcher_exit_0(tmp_path):
+    rc, _, out = _stop_two_ranks(tmp_path, "clean")
+    assert rc == 0, out[-3000:]
+
+
+def test_a_rank_that_fails_its_stop_makes_the_launcher_exit_non_zero(tmp_path):
+    rc, _, out = _stop_two_ranks(tmp_path, "failing")
+    assert rc != 0, out[-3000:]
+    assert "exitcode  : 3" in out, out[-3000:]  # torchrun's summary names the rank's failure
+
+
+def test_ranks_that_ignore_sigterm_are_killed_after_the_grace(tmp_path):
+    rc, took, out = _stop_two_ranks(tmp_path, "deaf", grace_s=3)
+    assert rc != 0, out[-3000:]
+    assert took < 60, out[-3000:]
+    assert "did not stop within 3 s" in out, out[-3000:]

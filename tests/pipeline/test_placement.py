@@ -106,7 +106,7 @@ def test_the_recipe_deployment_reaches_the_learner_launch_and_its_config(tmp_pat
     engine = RLConfig.model_validate_json(path.read_text()).engine
     assert engine.ranks == 4 and engine.gradient_checkpointing and engine.zero_stage == 3
     argv, env = run.learner_launch("rl", path)
-    assert "torch.distributed.run" in argv and argv[argv.index("--nproc_per_node") + 1] == "4"
+    assert "services.learner.launch" in argv and argv[argv.index("--nproc_per_node") + 1] == "4"
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and env["DS_ACCELERATOR"] == "cuda"
     assert placement.engine_env(0)["CUDA_VISIBLE_DEVICES"] == "4"
 
