@@ -181,6 +181,7 @@ class GroupCollector:
         return StepGroups(messages, trajs, lost, time.perf_counter() - t0)
 
     def complete(self) -> list[str]:
+        """The groups that have all their samples, in arrival order."""
         return [g for g, m in self.groups.items() if len(m) >= self.cfg.group_size]
 
     def _arrived(self, groups: list[str]) -> bool:
