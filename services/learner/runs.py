@@ -2,7 +2,10 @@
 
 DeepSpeed holds one process group per process, so every run is its own process
 (`python -m services.learner.worker KIND CONFIG`, under torchrun for `engine.ranks` > 1); the API
-process only starts, watches and signals it. A run's truth is its folder: config.json, status.json, metrics.jsonl, log.txt.
+process only starts, watches and signals it. A run's truth is its folder (config.json, run.json, log.txt) and
+its output folder (status.json, metrics.jsonl; the run folder itself unless the config names another
+`output_dir`, as `star train` does). run.json names the process (pid and start time), so an API process
+restarted meanwhile still tells whether the run lives and can stop it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
-from services.common.supervisor import process_start_time, spawn
+from services.common.supervisor import alive, process_start_time, spawn
 from services.learner.config import RLConfig, SFTConfig
 from services.learner.launch import RankError, resolve_ranks, worker_argv, worker_env
 from services.learner.runlog import read_metrics
@@ -47,7 +50,19 @@ class Run:
     id: str
     kind: str
     folder: Path
+    output: Path  # where the run writes status.json and metrics.jsonl
     process: subprocess.Popen | None = None
+    pid: int | None = None
+    started: int | None = None  # the kernel's start time of `pid`
+
+    def exit_code(self) -> int | None:
+        """The process's exit status; None while it runs, or when it ran under another API process."""
+        return self.process.poll() if self.process else None
+
+    def running(self) -> bool:
+        if self.process is not None:
+            return self.process.poll() is None
+        return self.pid is not None and alive(self.pid, self.started)
 
 
 class RunManager:
@@ -81,7 +96,7 @@ class RunManager:
         # may outlive an API restart; run.json names it (pid and start time) for whoever stops it.
         process = spawn(cmd, env={**os.environ, **worker_env(ranks), **(env or {})}, log_path=folder / "log.txt",
                         group=0, die_with_parent=False, cwd=Path(__file__).resolve().parents[2])
-        run = Run(run_id, request.kind, folder, process)
+        run = Run(run_id, request.kind, folder, Path(model.output_dir), process, process.pid)
         self.runs[run_id] = run
         (folder / "run.json").write_text(json.dumps({"id": run_id, "kind": request.kind, "pid": process.pid,
                                                      "ranks": ranks, "started": process_start_time(process.pid)}))
@@ -94,17 +109,21 @@ class RunManager:
             if "/" in run_id or ".." in run_id or not (folder / "run.json").is_file():
                 raise RunNotFound(run_id)
             meta = json.loads((folder / "run.json").read_text())
-            run = Run(run_id, meta["kind"], folder)
+            try:
+                output = Path(json.loads((folder / "config.json").read_text())["output_dir"])
+            except (OSError, ValueError, KeyError):
+                output = folder
+            run = Run(run_id, meta["kind"], folder, output, pid=meta.get("pid"), started=meta.get("started"))
         return run
 
     def describe(self, run_id: str) -> dict[str, Any]:
         run = self.get(run_id)
-        status = read_status(run.folder)
+        status = read_status(run.output)
         state = status.get("state", "starting")
-        exit_code = run.process.poll() if run.process else None
-        if run.process is not None and exit_code is not None and state in ("starting", "running"):
+        exit_code = run.exit_code()
+        if not run.running() and state in ("starting", "running"):
             state = "failed"  # the process ended without recording an end state
-        metrics = read_metrics(run.folder)
+        metrics = read_metrics(run.output)
         out = {"id": run.id, "kind": run.kind, "state": state, "step": status.get("step", 0),
                "version": status.get("version"), "folder": str(run.folder), "exit_code": exit_code,
                "metrics": metrics[-1] if metrics else {}, "steps_logged": len(metrics)}
@@ -124,6 +143,8 @@ class RunManager:
                     run.process.wait(timeout_s)
                 except subprocess.TimeoutExpired:
                     pass
+        elif run.process is None and run.running():
+            os.kill(run.pid, signal.SIGTERM)  # started by an earlier API process
         return self.describe(run_id)
 
     def list(self) -> list[dict[str, Any]]:

@@ -267,7 +267,7 @@ class RLTrainer:
             self.consumer = StreamConsumer(redis_client, self.stream, cfg.consumer_group, cfg.consumer_name,
                                            claim_idle_ms=600_000, max_deliveries=10)
             if cfg.publish_weights:
-                root = Path(cfg.weights_dir) if cfg.weights_dir else settings.home / "weights"
+                root = Path(cfg.weights_dir) if cfg.weights_dir else settings.weights_dir
                 self.publisher = StorePublisher(root, redis_client=redis_client, key_prefix=cfg.stream_prefix,
                                                 servers=cfg.rollout_servers, keep=cfg.keep_versions,
                                                 api_token=settings.api_token)

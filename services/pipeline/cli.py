@@ -71,6 +71,9 @@ def train_command(
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run folder (default: STAR_HOME/runs/<name>)."),
     stage: Optional[list[str]] = typer.Option(None, "--stage", help="Run only these stages (synth, sft, rl, eval)."),
     override: Optional[list[str]] = typer.Option(None, "--set", help="Override a recipe value: section.key=value."),
+    fleet: Optional[str] = typer.Option(
+        None, "--fleet", help="embedded: start the RL stage's own fleet; external: drive a running one (Compose, "
+        "Helm) through STAR_REDIS_URL and the STAR_*_URL settings. Default: the recipe's deployment.fleet."),
 ) -> None:
     """Run the STAR pipeline (synthesis → SFT → RL → eval) as configured; rerun to resume."""
     from pathlib import Path
@@ -81,6 +84,8 @@ def train_command(
     overrides = list(override or [])
     if stage:
         overrides.append(f"stages={json.dumps(list(stage))}")
+    if fleet:
+        overrides.append(f"deployment.fleet={json.dumps(fleet)}")
     try:
         cfg = load_pipeline_config(config, overrides)
     except ConfigError as exc:

@@ -35,8 +35,10 @@ from services.pipeline.placement import PlacementError, placement_for
 
 def recipe_identity(config: PipelineConfig) -> PipelineConfig:
     """What must match for a run folder to be resumed: the recipe without which stages run
-    (--stage) and the RL stage's time budget, both of which may change between invocations."""
-    return config.model_copy(update={"stages": [], "rl": config.rl.model_copy(update={"max_minutes": None})})
+    (--stage), the RL stage's time budget and who runs its fleet (--fleet), all of which may change
+    between invocations."""
+    return config.model_copy(update={"stages": [], "rl": config.rl.model_copy(update={"max_minutes": None}),
+                                     "deployment": config.deployment.model_copy(update={"fleet": "embedded"})})
 
 
 def prepare(config: PipelineConfig, folder: Path) -> Run:

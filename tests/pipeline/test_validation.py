@@ -35,6 +35,7 @@ class _Run:
     folder: Path
     env: dict[str, str] = field(default_factory=dict)
     config: object = field(default_factory=lambda: SimpleNamespace(eval=SimpleNamespace(limit=None)))
+    placement: object = None
 
     def log(self, name: str) -> Path:
         (self.folder / "logs").mkdir(parents=True, exist_ok=True)
