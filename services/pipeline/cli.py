@@ -79,6 +79,7 @@ def train_command(
     from pathlib import Path
 
     from services.pipeline.config import ConfigError, load_pipeline_config
+    from services.pipeline.external import FleetUnreachable
     from services.pipeline.train import StageFailed, train
 
     overrides = list(override or [])
@@ -105,6 +106,9 @@ def train_command(
         signal.signal(sig, _interrupt)
     try:
         run = train(cfg, folder)
+    except FleetUnreachable as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(1) from None
     except StageFailed as exc:
         console.print(f"[red]stage failed:[/] {exc}")
         raise typer.Exit(1) from None

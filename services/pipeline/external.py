@@ -81,12 +81,13 @@ def ready(url: str) -> bool:
 
 
 def live_consumers(client: redis.Redis, stream: str, group: str, seen_s: float = WORKER_SEEN_S) -> int:
-    """Consumers of `group` that read `stream` within `seen_s` or hold a message: the workers at work."""
+    """Consumers of `group` seen on `stream` within `seen_s`: a worker polls (and re-claims the task it
+    works on) far more often, a dead one's entry stays behind with its idle time growing."""
     try:
         consumers = client.xinfo_consumers(stream, group)
     except redis.ResponseError:  # no stream or no group yet: no worker has joined
         return 0
-    return sum(1 for c in consumers if int(c.get("idle", 0)) <= seen_s * 1000 or int(c.get("pending", 0)) > 0)
+    return sum(1 for c in consumers if int(c.get("idle", 0)) <= seen_s * 1000)
 
 
 def problems(address: FleetAddress) -> list[str]:
@@ -99,7 +100,9 @@ def problems(address: FleetAddress) -> list[str]:
             client = redis.Redis.from_url(address.redis_url, socket_connect_timeout=2, socket_timeout=2)
             client.ping()
         except redis.RedisError as exc:
-            found.append(f"redis (STAR_REDIS_URL) at {redact(address.redis_url)}: {type(exc).__name__}")
+            why = ("refused the credentials" if isinstance(exc, redis.AuthenticationError)
+                   else f"does not answer ({type(exc).__name__})")
+            found.append(f"redis (STAR_REDIS_URL) at {redact(address.redis_url)}: {why}")
         else:
             names = address.names
             for stream, group, what in ((names.tasks, "rollout", "rollout workers"),
