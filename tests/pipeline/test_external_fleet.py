@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -24,6 +23,7 @@ from services.pipeline.config import load_pipeline_config
 from services.pipeline.rl import Fleet, start_fleet
 from services.pipeline.stage import Run
 from tests.pipeline.test_train_e2e import _train, train_argv, train_env
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.slow
 TOKEN = "fleet-token"
@@ -31,16 +31,6 @@ PREFIX = "fleet"
 SMALL = ["--set", "sft.max_steps=1", "--set", "rl.max_steps=2", "--set", "rl.val_every=1",
          "--set", "synth.heldout_queries=2", "--set", "eval.limit=1", "--set", "eval.sampling.max_tool_calls=2"]
 RL = [*SMALL, "--stage", "rl", "--stage", "eval", "--fleet", "external"]
-
-
-def _until(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _start_learner_service(f: Fleet, folder: Path, home: Path) -> str:
@@ -82,8 +72,8 @@ def _stop_learner_runs(url: str) -> None:
         for run_id, r in _learner_runs(url).items():
             if r["state"] in ("starting", "running"):
                 httpx.post(f"{url}/runs/{run_id}/stop", headers={"authorization": f"Bearer {TOKEN}"}, timeout=10)
-        _until(lambda: all(r["state"] not in ("starting", "running") for r in _learner_runs(url).values()), 120,
-               "the learner runs to stop")
+        until(lambda: all(r["state"] not in ("starting", "running") for r in _learner_runs(url).values()), 120,
+              "the learner runs to stop", poll_s=0.5)
     except (httpx.HTTPError, AssertionError):
         pass
 
@@ -111,8 +101,8 @@ def test_star_train_drives_a_fleet_it_did_not_start(tmp_path):
         # SIGTERM: the controller stops the learner run it started, and nothing of the fleet
         with open(tmp_path / "first.log", "w") as log:
             controller = subprocess.Popen(train_argv(run, *RL), env=train_env(home, env), stdout=log, stderr=log)
-            first = _until(lambda: _recorded(run), 300, "the first learner run")
-            _until(lambda: _running(learner_url, first), 300, "the first learner run to train")
+            first = until(lambda: _recorded(run), 300, "the first learner run", poll_s=0.5)
+            until(lambda: _running(learner_url, first), 300, "the first learner run to train", poll_s=0.5)
             controller.send_signal(signal.SIGTERM)
             assert controller.wait(300) == 130, (tmp_path / "first.log").read_text()[-3000:]
         assert _learner_runs(learner_url)[first]["state"] == "stopped"
@@ -121,9 +111,9 @@ def test_star_train_drives_a_fleet_it_did_not_start(tmp_path):
         # killed outright, a controller leaves its learner run going: the next one re-attaches to it
         with open(tmp_path / "second.log", "w") as log:
             controller = subprocess.Popen(train_argv(run, *RL), env=train_env(home, env), stdout=log, stderr=log)
-            second = _until(lambda: _recorded(run) not in (None, first) and _recorded(run), 300,
-                            "the second learner run")
-            _until(lambda: _running(learner_url, second), 300, "the second learner run to train")
+            second = until(lambda: _recorded(run) not in (None, first) and _recorded(run), 300,
+                           "the second learner run", poll_s=0.5)
+            until(lambda: _running(learner_url, second), 300, "the second learner run to train", poll_s=0.5)
             controller.kill()
             controller.wait(30)
         done = _train(home, run, *RL, fleet=env)
