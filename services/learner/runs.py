@@ -54,6 +54,7 @@ class Run:
     process: subprocess.Popen | None = None
     pid: int | None = None
     started: int | None = None  # the kernel's start time of `pid`
+    created: float = 0.0  # wall clock at the start: an older status.json in `output` is an earlier run's
 
     def exit_code(self) -> int | None:
         """The process's exit status; None while it runs, or when it ran under another API process."""
@@ -89,6 +90,7 @@ class RunManager:
         except RankError as exc:
             raise RunConfigError(str(exc)) from None
         folder.mkdir(parents=True)
+        created = time.time()
         (folder / "config.json").write_text(model.model_dump_json(indent=1))
         cmd = worker_argv(request.kind, folder / "config.json", ranks, request.max_steps)
         # Its own process group (a torchrun's ranks stop with it). Not tied to the API process's
@@ -96,10 +98,11 @@ class RunManager:
         # may outlive an API restart; run.json names it (pid and start time) for whoever stops it.
         process = spawn(cmd, env={**os.environ, **worker_env(ranks), **(env or {})}, log_path=folder / "log.txt",
                         group=0, die_with_parent=False, cwd=Path(__file__).resolve().parents[2])
-        run = Run(run_id, request.kind, folder, Path(model.output_dir), process, process.pid)
+        run = Run(run_id, request.kind, folder, Path(model.output_dir), process, process.pid, created=created)
         self.runs[run_id] = run
         (folder / "run.json").write_text(json.dumps({"id": run_id, "kind": request.kind, "pid": process.pid,
-                                                     "ranks": ranks, "started": process_start_time(process.pid)}))
+                                                     "ranks": ranks, "started": process_start_time(process.pid),
+                                                     "created": created}))
         return run
 
     def get(self, run_id: str) -> Run:
@@ -113,12 +116,15 @@ class RunManager:
                 output = Path(json.loads((folder / "config.json").read_text())["output_dir"])
             except (OSError, ValueError, KeyError):
                 output = folder
-            run = Run(run_id, meta["kind"], folder, output, pid=meta.get("pid"), started=meta.get("started"))
+            run = Run(run_id, meta["kind"], folder, output, pid=meta.get("pid"), started=meta.get("started"),
+                      created=meta.get("created", 0.0))
         return run
 
     def describe(self, run_id: str) -> dict[str, Any]:
         run = self.get(run_id)
         status = read_status(run.output)
+        if status.get("updated", 0.0) < run.created:  # a resumed run's folder: the status is its predecessor's
+            status = {}
         state = status.get("state", "starting")
         exit_code = run.exit_code()
         if not run.running() and state in ("starting", "running"):

@@ -22,7 +22,7 @@ import redis
 from services.common.redis import redact
 from services.common.settings import Settings
 from services.common.streams import StreamNames
-from services.pipeline.stage import StageFailed, console
+from services.pipeline.stage import Run, StageFailed, console
 
 FLEET_WAIT_S = float(os.environ.get("STAR_FLEET_WAIT_S", "30"))  # for a fleet still starting
 WORKER_SEEN_S = 120.0  # a stream consumer quiet for longer is not counted as a live worker
@@ -199,9 +199,10 @@ class ExternalFleet:
             return None
         return run if run and run.get("state") in ACTIVE else None
 
-    def start_learner(self, config: Path) -> str:
+    def start_learner(self, run: Run, config: Path) -> str:
         """Re-attach to this folder's learner run if it still runs, else start one from `config`
-        (an RLConfig file) with POST /runs; returns the run's id."""
+        (an RLConfig file) with POST /runs; returns the run's id. (The learner service places it:
+        `run`'s placement is this machine's.)"""
         attached = self.recorded_run()
         if attached is not None:
             self.run_id = attached["id"]

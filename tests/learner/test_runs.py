@@ -1,11 +1,12 @@
-"""A run's state read from where it writes (its config's output_dir) and, for a run an earlier API
-process started, its liveness and stop through the pid and start time in run.json."""
+"""A run's state read from where it writes (its config's output_dir, never a predecessor's status there)
+and, for a run an earlier API process started, its liveness and stop through the pid and start time in run.json."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 
 from services.common.supervisor import process_start_time
 from services.learner.runs import RunManager
@@ -21,7 +22,7 @@ def _adopted_run(root, output, argv) -> tuple[str, subprocess.Popen]:
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({"output_dir": str(output)}))
     (folder / "run.json").write_text(json.dumps({"id": "r1", "kind": "rl", "pid": proc.pid, "ranks": 1,
-                                                 "started": process_start_time(proc.pid)}))
+                                                 "started": process_start_time(proc.pid), "created": time.time()}))
     return "r1", proc
 
 
@@ -29,9 +30,11 @@ def test_a_run_of_an_earlier_api_process_is_described_from_its_output_and_stoppe
     output = tmp_path / "controller" / "rl"
     script = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
               "print('ready', flush=True); time.sleep(120)")
+    write_status(output, state="stopped", step=1, version=1)  # the run before it, in the same output folder
     run_id, proc = _adopted_run(tmp_path / "runs", output, [sys.executable, "-c", script])
     try:
         manager = RunManager(tmp_path / "runs")  # a fresh API process: it did not start the run
+        assert manager.describe(run_id)["state"] == "starting"  # not its predecessor's "stopped"
         write_status(output, state="running", step=1, version=1)
         described = manager.describe(run_id)
         assert (described["state"], described["step"]) == ("running", 1)
