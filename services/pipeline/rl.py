@@ -33,6 +33,7 @@ from services.common.supervisor import (Child, Supervisor, SupervisorError, spaw
                                         wait_ready)
 from services.common.settings import get_settings
 from services.pipeline import fleet
+from services.pipeline.config import PipelineConfig
 from services.pipeline.external import ExternalFleet, FleetAddress, LearnerReport, connect, ready
 from services.pipeline.scheduler import Schedule, TaskPublisher
 from services.pipeline import stage
@@ -264,6 +265,15 @@ def unreached_stages_note(curriculum: Curriculum | None, epochs: int, steps: int
             f"{' then '.join(reached)} ({hint})")
 
 
+def external_fleet_note(config: PipelineConfig) -> str | None:
+    """What of the recipe an external fleet does not take from it, or None: its sandbox injects the
+    faults its own settings say."""
+    if config.deployment.fleet != "external" or not config.rl.fault_rate:
+        return None
+    return (f"rl.fault_rate {config.rl.fault_rate:g} is not applied to an external fleet: its sandbox's "
+            "STAR_FAULT_RATE decides")
+
+
 def fleet_streams(run: Run) -> StreamNames:
     """The streams of the run's fleet: an embedded fleet's are the run's own; an external fleet's are
     the ones its workers read (STAR_STREAM_PREFIX)."""
@@ -294,7 +304,8 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
     schedule = Schedule(prompts, r.batch_prompts, r.group_size, r.epochs, seed=run.config.seed, max_steps=r.max_steps)
     if curriculum is not None:
         console.print(f"reward: curriculum {curriculum.describe()} (by {curriculum.unit})")
-    for note in (off_policy_note(r.sampling), unreached_stages_note(curriculum, r.epochs, schedule.total_steps)):
+    for note in (off_policy_note(r.sampling), unreached_stages_note(curriculum, r.epochs, schedule.total_steps),
+                 external_fleet_note(run.config)):
         if note:
             console.print(f"[yellow]{note}[/]")
     deadline = time.monotonic() + r.max_minutes * 60 if r.max_minutes else None  # the fleet's start counts

@@ -87,3 +87,15 @@ def test_the_run_folder_resumes_whoever_runs_the_fleet(fleet):
     base = PipelineConfig.model_validate({"name": "x", "model": {"path": "/m"}})
     other = PipelineConfig.model_validate({"name": "x", "model": {"path": "/m"}, "deployment": {"fleet": fleet}})
     assert recipe_identity(base) == recipe_identity(other)
+
+
+def test_a_fault_rate_the_external_fleet_will_not_apply_is_said():
+    from services.pipeline.config import PipelineConfig
+    from services.pipeline.rl import external_fleet_note
+
+    def config(**deployment):
+        return PipelineConfig.model_validate({"name": "x", "model": {"path": "/m"}, "rl": {"fault_rate": 0.05},
+                                              "deployment": deployment})
+
+    assert "STAR_FAULT_RATE" in external_fleet_note(config(fleet="external"))
+    assert external_fleet_note(config()) is None
