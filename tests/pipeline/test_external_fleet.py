@@ -105,7 +105,10 @@ def test_star_train_drives_a_fleet_it_did_not_start(tmp_path):
             until(lambda: _running(learner_url, first), 300, "the first learner run to train", poll_s=0.5)
             controller.send_signal(signal.SIGTERM)
             assert controller.wait(300) == 130, (tmp_path / "first.log").read_text()[-3000:]
-        assert _learner_runs(learner_url)[first]["state"] == "stopped"
+        # (the controller waits a bounded while for the learner to finish its step and checkpoint)
+        stopped = until(lambda: _learner_runs(learner_url)[first]["state"] not in ("starting", "running"), 300,
+                        "the first learner run to stop", poll_s=0.5)
+        assert stopped and _learner_runs(learner_url)[first]["state"] == "stopped"
         _assert_fleet_runs(f, learner_url)
 
         # killed outright, a controller leaves its learner run going: the next one re-attaches to it
