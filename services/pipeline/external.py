@@ -220,7 +220,9 @@ class ExternalFleet:
             raise StageFailed(f"the learner at {self.address.learner_url} refused the run "
                               f"({r.status_code}): {_detail(r)}")
         self.run_id = r.json()["id"]
-        self.record.write_text(json.dumps({"id": self.run_id, "url": self.address.learner_url}))
+        tmp = self.record.with_suffix(".tmp")  # whole or absent, however the controller ends
+        tmp.write_text(json.dumps({"id": self.run_id, "url": self.address.learner_url}))
+        tmp.replace(self.record)
         console.print(f"learner run {self.run_id} started at {self.address.learner_url}")
         return self.run_id
 
