@@ -188,7 +188,8 @@ class ExternalFleet:
         return r.json()
 
     def recorded_run(self) -> dict[str, Any] | None:
-        """The learner run of an earlier controller of this folder, while it still runs."""
+        """The learner run of an earlier controller of this folder, while it runs or once it has
+        finished (it may train the last steps alone); None when there is none to follow."""
         try:
             run_id = json.loads(self.record.read_text())["id"]
         except (OSError, ValueError, KeyError):
@@ -197,17 +198,18 @@ class ExternalFleet:
             run = self._describe(run_id)
         except httpx.HTTPError:
             return None
-        return run if run and run.get("state") in ACTIVE else None
+        return run if run and run.get("state") in (*ACTIVE, "finished") else None
 
     def start_learner(self, run: Run, config: Path) -> str:
-        """Re-attach to this folder's learner run if it still runs, else start one from `config`
-        (an RLConfig file) with POST /runs; returns the run's id. (The learner service places it:
+        """Re-attach to this folder's learner run if it runs or has finished, else (none, or one that
+        failed or was stopped) start one from `config` (an RLConfig file) with POST /runs, which resumes
+        from the checkpoint in the run folder; returns the run's id. (The learner service places it:
         `run`'s placement is this machine's.)"""
         attached = self.recorded_run()
         if attached is not None:
             self.run_id = attached["id"]
             console.print(f"re-attached to learner run {self.run_id} at {self.address.learner_url} "
-                          f"(step {attached.get('step', 0)})")
+                          f"({attached['state']}, step {attached.get('step', 0)})")
             return self.run_id
         body = {"kind": "rl", "config": json.loads(config.read_text())}
         try:

@@ -2,7 +2,8 @@
 workers (as the RL stage starts them) and the learner service with its runs API, all started here. The
 controller starts the RL run on the learner service, publishes the steps, validates, writes the report,
 and leaves the fleet running; SIGTERM stops its learner run and nothing else; a controller killed outright
-is replaced by one that re-attaches to the learner run still going."""
+is replaced by one that re-attaches to its learner run (going on, or finished meanwhile) rather than start
+another."""
 
 from __future__ import annotations
 
@@ -123,7 +124,7 @@ def test_star_train_drives_a_fleet_it_did_not_start(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         assert f"re-attached to learner run {second}" in " ".join(done.stderr.split())
         runs = _learner_runs(learner_url)
-        assert set(runs) == {first, second} and runs[second]["state"] == "finished"
+        assert set(runs) == {first, second} and runs[second]["state"] == "finished"  # no third run
 
         # the steps were trained by the fleet's workers and the learner service, once each
         stages = json.loads((run / "stages.json").read_text())
