@@ -113,8 +113,6 @@ def main() -> None:
     p.add_argument("--step-probe", action="store_true", help="time single decode steps per batch size instead")
     p.add_argument("--probe-batches", default="1,8,32,64")
     p.add_argument("--probe-steps", type=int, default=32)
-    p.add_argument("--probe-modes", default="graphs",
-                   help="decode modes timed on the same rows after the default (dynamic) one; '' for none")
     args = p.parse_args()
 
     import torch
@@ -174,14 +172,13 @@ def main() -> None:
 
 def probe_context(args) -> int:
     """Context the step probe's rows reach: the prompt plus every decode step it runs on them (the
-    admission tick, a warm-up and the timed ticks per decode mode, the profile), with a margin. The
-    probe's rows ask for unlimited tokens, so the engine sizes its slot pool to this; at the
-    default 32,768 a 128-row probe wanted ~96 GiB of KV cache on an 80 GiB H100 (2026-11-25)."""
+    admission tick, a warm-up and the timed ticks, the profile), with a margin. The probe's rows ask
+    for unlimited tokens, so the engine sizes its slot pool to this rather than to its whole context
+    (at 32,768 a 128-row probe would want ~96 GiB of KV cache)."""
     from services.rollout.engines.hf import STEPS_PER_TICK
 
     ticks = max(1, args.probe_steps // STEPS_PER_TICK)
-    modes = 1 + len([m for m in args.probe_modes.split(",") if m])
-    steps = STEPS_PER_TICK * (1 + modes * (1 + ticks) + 2)
+    steps = STEPS_PER_TICK * (1 + (1 + ticks) + 2)
     return args.prompt + steps + 256
 
 
@@ -213,14 +210,6 @@ def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> N
         sync()
         prefill = time.perf_counter() - t0
         step = tick_step_s(engine, batch, ticks, sync)
-        modes = {}
-        for mode in [m for m in args.probe_modes.split(",") if m]:  # the same rows, other decode modes
-            engine.decode = "static" if mode == "graphs" and not torch.cuda.is_available() else mode
-            modes[mode] = 1000 * tick_step_s(engine, batch, ticks, sync)  # its warm-up captures the graph
-            modes[f"{mode}_logprob_diff"] = step_logprob_diff(engine, batch)
-            log(f"batch {n}, decode {mode}: {modes[mode]:.1f} ms/step; log-probs differ from the dynamic "
-                f"step's by at most {modes[mode + '_logprob_diff']:.2e}")
-        engine.decode = "dynamic"
         if n == sizes[-1]:
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             with profile(activities=acts) as prof:
@@ -233,8 +222,7 @@ def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> N
         del batch
         base = dynamic_cache_step_s(engine, n, args.prompt, args.probe_steps, sync)
         rows.append({"batch": n, "prefill_s": prefill, "step_ms": 1000 * step, "tokens_per_s": n / step,
-                     "dynamic_cache_step_ms": 1000 * base, "speedup": base / step,
-                     **{(k if k.endswith("_diff") else f"{k}_step_ms"): v for k, v in modes.items()}})
+                     "dynamic_cache_step_ms": 1000 * base, "speedup": base / step})
         log(f"batch {n}: admission tick {prefill:.3f} s, {1000 * step:.1f} ms/step, {n / step:,.0f} tokens/s; "
             f"DynamicCache forward {1000 * base:.1f} ms/step ({base / step:.2f}×)")
     print(table, flush=True)
@@ -250,10 +238,6 @@ def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> N
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['prefill_s']:.3f} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
               f"{r['dynamic_cache_step_ms']:.1f} | {r['speedup']:.2f}× |" for r in rows]
-    for mode in [m for m in args.probe_modes.split(",") if m]:
-        lines += ["", f"Decode mode `{mode}` on the same rows: "
-                  + ", ".join(f"{r['batch']} rows {r[mode + '_step_ms']:.1f} ms/step (log-probs within "
-                              f"{r[mode + '_logprob_diff']:.1e} of the dynamic step's)" for r in rows) + "."]
     lines += ["", f"Profile of {2 * STEPS_PER_TICK} steps at {sizes[-1]} rows:", "", "```", table, "```", ""]
     (RESULTS / f"{args.name}.md").write_text("\n".join(lines))
 
@@ -269,22 +253,6 @@ def tick_step_s(engine: Any, batch: Any, ticks: int, sync: Any) -> float:
         engine._tick(batch, [])
     sync()
     return (time.perf_counter() - t0) / (ticks * STEPS_PER_TICK)
-
-
-def step_logprob_diff(engine: Any, batch: Any) -> float:
-    """Largest difference between the engine's current decode mode's next-token log-probs and the
-    dynamic step's, on the batch as it stands (neither advances it)."""
-    import torch
-
-    from services.rollout.engines.hf import attention_backends
-
-    mode = engine.decode
-    with torch.inference_mode(), attention_backends():
-        mine = torch.log_softmax(engine._step_logits(batch).float(), -1)
-        engine.decode = "dynamic"
-        reference = torch.log_softmax(engine._step_logits(batch).float(), -1)
-    engine.decode = mode
-    return float((mine - reference).abs().max())
 
 
 def dynamic_cache_step_s(engine: Any, rows: int, context: int, steps: int, sync: Any) -> float:

@@ -15,7 +15,7 @@ Phases (each records its result in WORK/state.json, so a later call resumes afte
   rl_sync   the same RL stage again from the same SFT model with max_staleness=0 (timing baseline)
   report    gpu_proof.{json,md,png}: SFT vs RL, learning curves, step-time split, async speed-up
 
-Evaluation decodes the held-out queries together (one transformers engine, batched) and scores
+Evaluation decodes the held-out queries together (one engine of the recipe's kind, batched) and scores
 the answers with `star eval --predictions` in both evaluator modes, so the numbers are the same
 evaluator's as every other run; sampling is the recipe's eval sampling with a fixed seed.
 """
@@ -144,16 +144,16 @@ def stage_outputs(folder: Path, stage: str) -> dict[str, Any]:
 
 # ---- evaluation ------------------------------------------------------------------------------------
 
-async def _decode_all(model: str, queries: list, sampling, world_url: str, batch: int, decode: str) -> list:
+async def _decode_all(model: str, queries: list, sampling, world_url: str, batch: int, services) -> list:
     from services.rollout.agent import Agent
     from services.rollout.engines import build_engine
     from services.rollout.tools import LocalToolClient
     from services.sandbox.tools.toolbox import ToolBox
     from services.sandbox.world import World
 
-    # the recipe's decode mode, as its rollout engines use it: log-probs match across modes, time does not
-    engine = build_engine("transformers", model, max_model_len=sampling.max_context_tokens + 512, max_batch=batch,
-                          decode=decode)
+    # the recipe's engine, as its rollout workers run it
+    options = {"max_batch": batch} if services.engine == "transformers" else {"args": services.vllm}
+    engine = build_engine(services.engine, model, max_model_len=sampling.max_context_tokens + 512, **options)
     tools = LocalToolClient(ToolBox(World(world_url)))
     agent = Agent(engine, tools)
     gate = asyncio.Semaphore(batch)
@@ -170,17 +170,16 @@ async def _decode_all(model: str, queries: list, sampling, world_url: str, batch
 
     try:
         trajectories = await asyncio.gather(*(one(sq) for sq in queries))
-        # how much prompt the kept KV caches spared: the prefill the engine ran vs took from them; and the
-        # decode step it ended on (graphs run as static steps without CUDA, or after a failed capture)
-        return trajectories, {"prefill_tokens": engine.prefill_tokens, "reused_tokens": engine.reused_tokens,
-                              "decode_mode": engine.decode}
+        # how much prompt the transformers engine's kept KV caches spared: the prefill it ran vs took from them
+        return trajectories, {"engine": services.engine, "prefill_tokens": getattr(engine, "prefill_tokens", None),
+                              "reused_tokens": getattr(engine, "reused_tokens", None)}
     finally:
         bar.close()
         await engine.close()
 
 
 def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit: int | None,
-             batch: int, decode: str) -> dict[str, Any]:
+             batch: int, services) -> dict[str, Any]:
     """Decode every held-out query (batched), then score the answers in both evaluator modes."""
     from services.evaluation.runfolder import RunFolder
     from services.reward.submission import load_split
@@ -188,7 +187,7 @@ def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit:
     queries = load_split(split, limit)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    trajectories, prefill = asyncio.run(_decode_all(model, queries, sampling, world_url, batch, decode))
+    trajectories, prefill = asyncio.run(_decode_all(model, queries, sampling, world_url, batch, services))
     decode_s = time.perf_counter() - t0
     _release_gpu()
     predictions = out / "predictions.jsonl"
@@ -230,7 +229,7 @@ def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit:
     result["transport_modes"] = transport_modes(answers)
     result["restated_preferences"] = restated_preferences(answers, out / "trajectories.jsonl")
     label = Path(model).parent.name if Path(model).name == "model" else Path(model).name  # validation/vN/model
-    log(f"eval {label}: decode {decode_s:.0f} s ({prefill['decode_mode']} steps), finishes {finishes}, "
+    log(f"eval {label}: decode {decode_s:.0f} s (on {prefill['engine']}), finishes {finishes}, "
         f"success official {result['official'].get('final_pass_rate')}, strict {result['strict'].get('final_pass_rate')}")
     return result
 
@@ -552,7 +551,7 @@ def report(state: dict[str, Any], out: Path, name: str, command: str) -> dict[st
 def _eval_brief(result: dict[str, Any] | None) -> dict[str, Any] | None:
     if not result:
         return None
-    return {k: result.get(k) for k in ("model", "queries", "decode_s", "decode_mode", "finish_reasons",
+    return {k: result.get(k) for k in ("model", "queries", "decode_s", "engine", "decode_mode", "finish_reasons",
                                        "tool_calls_mean", "sampled_tokens_mean", "generate_s_per_turn",
                                        "prefill_tokens", "reused_tokens", "official_failures", "transport_modes",
                                        "restated_preferences")}
@@ -587,7 +586,9 @@ def _markdown(s: dict[str, Any]) -> str:
     for label in ("sft", "rl"):
         e = (s.get("eval") or {}).get(label)
         if e:
-            mode = f" ({e['decode_mode']} steps)" if e.get("decode_mode") else ""  # older runs: dynamic
+            # the engine that decoded (recorded runs of the transformers engine name its decode step instead)
+            mode = f" (on {e['engine']})" if e.get("engine") else (
+                f" ({e['decode_mode']} steps)" if e.get("decode_mode") else "")
             lines.append(f"- {label.upper()} decode{mode}: {e['queries']} queries in {e['decode_s']:.0f} s; finishes "
                          f"{e['finish_reasons']}; {e['tool_calls_mean']:.1f} tool calls per trajectory"
                          + (f"; prompt tokens prefilled {e['prefill_tokens']:,}, taken from kept KV caches "
@@ -818,7 +819,7 @@ def main() -> int:
                 world = f"sqlite:///{main_run / 'world.sqlite'}"
                 sampling = config.eval.sampling.model_copy(update={"seed": config.seed})
                 result = evaluate(source["model"], eval_split(config.eval, synth), world, sampling,
-                                  args.work / phase, config.eval.limit, args.eval_batch, config.services.decode)
+                                  args.work / phase, config.eval.limit, args.eval_batch, config.services)
             elif phase == "rl_async":
                 result = rl_run(with_time_budget(config, finish_by), main_run)
             elif phase == "rl_sync":

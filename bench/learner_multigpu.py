@@ -40,15 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SHAPES = {
-    # Qwen2.5-1.5B: 1.54 B parameters with the tied 151,936-token embedding
-    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                 num_attention_heads=12, num_key_value_heads=2),
-    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2),
-    "tiny": dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=2, num_key_value_heads=1),
-}
+from bench.gpu_shapes import SHAPES, qwen2_config  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -113,11 +105,10 @@ def setup(args: argparse.Namespace) -> tuple[int, int, bool]:
 def build_model(args: argparse.Namespace, folder: Path, rank: int, on_gpu: bool) -> Path:
     """Rank 0 writes the random-init model once; the others wait for it."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     if rank == 0 and not (folder / "config.json").is_file():
-        config = Qwen2Config(max_position_embeddings=max(32768, args.seq), tie_word_embeddings=True,
-                             rope_theta=1_000_000.0, bos_token_id=0, eos_token_id=1, **SHAPES[args.shape])
+        config = qwen2_config(args.shape, max(32768, args.seq))
         torch.manual_seed(0)
         with torch.device("cuda" if on_gpu else "cpu"):
             model = Qwen2ForCausalLM(config).to(torch.bfloat16 if on_gpu else torch.float32)

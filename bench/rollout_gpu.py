@@ -130,9 +130,7 @@ def child(args) -> None:
         from services.rollout.engines.hf import TransformersEngine
 
         engine = TransformersEngine(folder, max_model_len=max_model_len(args), max_batch=args.agents,
-                                    dtype="bfloat16" if on_gpu else "float32", tokenizer=tok,
-                                    decode="graphs" if on_gpu else "static")
-        out["decode"] = engine.decode
+                                    dtype="bfloat16" if on_gpu else "float32", tokenizer=tok)
     out["start_s"] = time.perf_counter() - t0
     log(f"{args.child}: started in {out['start_s']:.1f} s")
 

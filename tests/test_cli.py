@@ -96,3 +96,39 @@ def test_commands_are_grouped_by_role_and_old_names_still_answer():
                      (["evaluate", "--help"], ["eval", "submission", "--help"])):
         assert runner.invoke(app, old).exit_code == 0 and runner.invoke(app, new).exit_code == 0
     assert runner.invoke(app, ["demo"]).exit_code == 2  # gone: `star up` and `star tool` do what it did
+
+
+def _serve_ports() -> dict[str, int]:
+    """`star … serve` command → the default of its --port."""
+    import typer
+
+    return {path: next(p.default for p in command.params if "--port" in p.opts)
+            for path, command in _visible_commands(typer.main.get_command(app))
+            if path.endswith(" serve") and any("--port" in p.opts for p in command.params)}
+
+
+def test_every_service_listens_on_its_own_default_port():
+    ports = _serve_ports()
+    assert {"star sandbox serve", "star formatter serve", "star reward serve", "star rollout serve",
+            "star learner serve", "star qa serve"} <= set(ports)
+    assert len(set(ports.values())) == len(ports), ports
+
+
+def test_a_default_port_is_the_host_port_compose_publishes_the_service_on():
+    """A service that Compose publishes on the host is published on its `star … serve` default, so
+    `curl localhost:PORT` reaches it the same way under `star … serve` and under Compose."""
+    from pathlib import Path
+
+    import yaml
+
+    compose = yaml.safe_load((Path(__file__).resolve().parents[1] / "compose.yaml").read_text())
+    published: dict[str, set[int]] = {}
+    for service in compose["services"].values():
+        command = service.get("command") or []
+        if command[:1] == ["star"] and "serve" in command:
+            path = " ".join(command[:command.index("serve") + 1])
+            published.setdefault(path, set()).update(int(p.split(":")[-2]) for p in service.get("ports", []))
+    assert published  # the file still starts its services with `star … serve`
+    ports = _serve_ports()
+    for path, hosts in published.items():
+        assert not hosts or ports[path] in hosts, (path, ports[path], hosts)

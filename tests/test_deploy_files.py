@@ -98,6 +98,13 @@ def command_problems(argv: list[str], where: str) -> list[str]:
     return [f"{where}: unknown program {head}"]
 
 
+# `star train RECIPE --fleet external` drives a fleet it did not start (Redis from STAR_REDIS_URL, the
+# services from STAR_*_URL, the RL run through the learner's POST /runs): the controller of the Compose
+# and Helm deployments. The option is the controller's contract with these files, accepted here while
+# `star train` does not declare it yet; once it does, its own declaration is what is checked.
+CONTRACT_OPTIONS = {"star train": {"--fleet"}}
+
+
 def _star_problems(words: list[str], where: str) -> list[str]:
     cmd, ctx_path = star_cli(), ["star"]
     i = 0
@@ -108,7 +115,7 @@ def _star_problems(words: list[str], where: str) -> list[str]:
         if sub is None:
             return [f"{where}: `{' '.join(ctx_path)}` has no command {words[i]!r}"]
         cmd, ctx_path, i = sub, ctx_path + [words[i]], i + 1
-    options = {o for p in cmd.params for o in getattr(p, "opts", [])}
+    options = {o for p in cmd.params for o in getattr(p, "opts", [])} | CONTRACT_OPTIONS.get(" ".join(ctx_path), set())
     return [f"{where}: `{' '.join(ctx_path)}` has no option {w}" for w in words[i:]
             if w.startswith("--") and w.split("=")[0] not in options]
 
@@ -174,7 +181,7 @@ def compose_problems(cfg: dict) -> list[str]:
         for dep in svc.get("depends_on", {}):
             if dep not in services:
                 problems.append(f"{name} depends on {dep}, which this profile does not run")
-        one_shot = svc.get("restart") == "no"
+        one_shot = svc.get("restart") == "no" or svc.get("restart", "").startswith("on-failure")  # runs to an end
         check = svc.get("healthcheck", {})
         shell_less = svc.get("image", "").split(":")[0] in SHELL_LESS_IMAGES
         if not one_shot and not shell_less and (check.get("disable") or not check.get("test")):
@@ -187,7 +194,8 @@ def compose_problems(cfg: dict) -> list[str]:
             problems.append(f"{name} serves HTTP but its healthcheck does not ask /readyz")
         if "build" in svc and not one_shot and not serves_http and "STAR_REDIS_URL" not in " ".join(check.get("test", [])):
             problems.append(f"{name} is a worker whose healthcheck does not reach Redis")
-        gpu = "gpu" in (svc.get("profiles") or [])
+        # gpu-only services are the GPU engines; a service shared with the CPU fleet (the controller) takes none
+        gpu = (svc.get("profiles") or []) == ["gpu"]
         devices = ((svc.get("deploy") or {}).get("resources", {}).get("reservations", {}).get("devices") or [])
         nvidia = [d for d in devices if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])]
         dockerfile = (svc.get("build") or {}).get("dockerfile")
@@ -215,7 +223,7 @@ def test_compose_renders_and_is_wired(profiles):
     assert always <= set(services)
     gpu = {"rollout-gpu", "rollout-worker-gpu", "learner-gpu"}
     assert (gpu <= set(services)) == ("gpu" in profiles)
-    assert ("train" in services) == ("train" in profiles)
+    assert ("train" in services) == ("train" in profiles or "gpu" in profiles)
     assert ({"prometheus", "grafana", "redis-exporter"} <= set(services)) == ("monitoring" in profiles)
 
 
@@ -243,14 +251,55 @@ def test_compose_shares_weights_between_learner_and_rollout():
         assert m["source"] == "weights" and not m.get("read_only")
         assert _mounts(services[learner])["/var/star/runs"]["source"] == "runs"
     for rollout in ("rollout", "rollout-worker", "rollout-gpu", "rollout-worker-gpu"):
-        m = _mounts(services[rollout])["/var/star/weights"]
-        assert m["source"] == "weights" and m.get("read_only")
+        for path, volume in (("/var/star/weights", "weights"), ("/var/star/runs", "runs")):
+            m = _mounts(services[rollout])[path]
+            assert m["source"] == volume and m.get("read_only")
     assert _mounts(services["postgres"])["/var/lib/postgresql/data"]["source"] == "world-db"
     # The GPU services answer at the CPU ones' names, so STAR_ROLLOUT_URLS/STAR_LEARNER_URL hold in both.
     assert "rollout" in services["rollout-gpu"]["networks"]["default"]["aliases"]
     assert "learner" in services["learner-gpu"]["networks"]["default"]["aliases"]
     assert services["sandbox"]["environment"]["STAR_ROLLOUT_URLS"] == "http://rollout:8000"
     assert services["sandbox"]["environment"]["STAR_API_TOKEN"] == "test-token"
+
+
+@pytest.mark.parametrize("profile", ["train", "gpu"])
+def test_compose_controller_trains_against_the_compose_fleet(profile):
+    services = render_compose((profile,))["services"]
+    train = services["train"]
+    argv = train["entrypoint"] + train["command"]
+    assert argv == ["star", "train", "--fleet", "external", "configs/tiny.yaml"]
+    # the fleet it drives is this one: the services' own settings, the run folder on the runs volume
+    assert train["environment"] == {k: v for k, v in services["learner"]["environment"].items()}
+    runs = _mounts(train)["/var/star/runs"]
+    assert runs["source"] == "runs" and not runs.get("read_only")
+    assert _mounts(services["learner"])["/var/star/runs"]["source"] == "runs"
+    assert train["restart"].startswith("on-failure")
+    assert {"redis", "world", "model", "sandbox", "reward"} <= set(train["depends_on"])
+    # STAR_RECIPE picks the recipe; `run --rm train RECIPE [--set ...]` keeps the external mode
+    out = compose_config(ROOT / "compose.yaml", (profile,), {"STAR_RECIPE": "configs/smollm2-proof.yaml"})
+    assert json.loads(out.stdout)["services"]["train"]["command"] == ["configs/smollm2-proof.yaml"]
+
+
+def test_compose_gpu_profile_fits_one_gpu_by_default():
+    """One GPU box: the two vLLM engines and the learner share device 0, the engines at memory shares that
+    leave the learner room; distinct ids give each its own GPUs."""
+    services = render_compose(("gpu",))["services"]
+    engines = ("rollout-gpu", "rollout-worker-gpu", "learner-gpu")
+
+    def devices(name):
+        (d,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        return d["device_ids"]
+
+    assert {tuple(devices(n)) for n in engines} == {("0",)}
+    shares = [float(services[n]["environment"]["STAR_ROLLOUT_GPU_MEMORY_UTILIZATION"]) for n in engines[:2]]
+    # what `star train` keeps for a learner sharing its GPU with engines (deployment.learner_memory_share)
+    from services.pipeline.config import DeploymentSpec
+
+    assert sum(shares) <= 1 - DeploymentSpec.model_fields["learner_memory_share"].default + 1e-9
+    out = compose_config(ROOT / "compose.yaml", ("gpu",), {"STAR_ROLLOUT_GPU": "0", "STAR_ROLLOUT_WORKER_GPU": "1",
+                                                          "STAR_LEARNER_GPU": "2,3"})
+    services = json.loads(out.stdout)["services"]
+    assert [devices(n) for n in engines] == [["0"], ["1"], ["2,3"]]
 
 
 def test_compose_cpu_engines_can_be_switched_off_for_the_gpu_profile():
@@ -260,12 +309,15 @@ def test_compose_cpu_engines_can_be_switched_off_for_the_gpu_profile():
     assert all(services[s]["deploy"]["replicas"] == 0 for s in ("rollout", "rollout-worker", "learner"))
 
 
-def test_compose_refuses_to_render_without_an_api_token():
+@pytest.mark.parametrize("missing, given", [("STAR_API_TOKEN", "STAR_REDIS_PASSWORD"),
+                                            ("STAR_REDIS_PASSWORD", "STAR_API_TOKEN")])
+def test_compose_refuses_to_render_without_an_api_token_or_redis_password(missing, given):
+    # one missing at a time: Compose names the first variable it meets, in no fixed order
     args = [compose_binary(), "-f", str(ROOT / "compose.yaml"), "config", "-q"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("STAR_")}
-    out = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    out = subprocess.run(args, capture_output=True, text=True, env={**env, given: "x"}, cwd=ROOT, timeout=60)
     assert out.returncode != 0
-    assert "STAR_API_TOKEN" in out.stderr
+    assert missing in out.stderr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -485,9 +537,16 @@ def chart_problems(docs: list[dict], values: dict) -> list[str]:
         expected = [worker_auto["metricName"]] if worker_auto["metricName"] else []
         if external != expected:
             problems.append(f"star-reward-worker: HPA external metrics {external}, not {expected}")
-    # Engines: StatefulSets, GPUs where asked, the shared weights volume.
+    # Engines: StatefulSets, GPUs where asked (a rollout pod: its engine's tensor-parallel GPUs, none idle),
+    # the shared weights and runs volumes (the learner writes them, rollout reads them).
     sets = _by_kind(docs, "StatefulSet")
     weights_claim = values["weights"]["existingClaim"] or "star-weights"
+    runs_claim = values["runs"]["existingClaim"] or "star-runs"
+    expected_gpus = {"rollout": values["rollout"]["gpu"].get("tensorParallelSize"),
+                     "learner": values["learner"]["gpu"].get("count")}
+    if values["rollout"]["gpu"]["enabled"] and config.get("STAR_ROLLOUT_TENSOR_PARALLEL_SIZE") != str(expected_gpus["rollout"]):
+        problems.append(f"rollout engines span {config.get('STAR_ROLLOUT_TENSOR_PARALLEL_SIZE')} GPUs, their pods "
+                        f"ask for {expected_gpus['rollout']}")
     for name, key in (("star-rollout", "rollout"), ("star-rollout-worker", "rollout"), ("star-learner", "learner")):
         if name not in sets:
             if name != "star-rollout" or values["rollout"]["server"]["enabled"]:
@@ -498,15 +557,16 @@ def chart_problems(docs: list[dict], values: dict) -> list[str]:
         comp = values[key]
         mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
         claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in spec.get("volumes", [])}
-        wm = mounts.get("/var/star/weights")
-        if not wm or claims.get(wm["name"]) != weights_claim:
-            problems.append(f"{name}: does not mount the weights volume")
-        elif bool(wm.get("readOnly")) != (key == "rollout"):
-            problems.append(f"{name}: weights mounted {'read-only' if wm.get('readOnly') else 'read-write'}")
+        for path, claim, what in (("/var/star/weights", weights_claim, "weights"), ("/var/star/runs", runs_claim, "runs")):
+            m = mounts.get(path)
+            if not m or claims.get(m["name"]) != claim:
+                problems.append(f"{name}: does not mount the {what} volume")
+            elif bool(m.get("readOnly")) != (key == "rollout"):
+                problems.append(f"{name}: {what} mounted {'read-only' if m.get('readOnly') else 'read-write'}")
         gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
         if comp["gpu"]["enabled"]:
-            if gpus != comp["gpu"]["count"]:
-                problems.append(f"{name}: nvidia.com/gpu limit {gpus}, expected {comp['gpu']['count']}")
+            if gpus != expected_gpus[key] or c["resources"]["requests"].get("nvidia.com/gpu") != gpus:
+                problems.append(f"{name}: nvidia.com/gpu limit {gpus}, expected {expected_gpus[key]}")
             if not c["image"].endswith(":" + values["gpuImage"]["tag"]):
                 problems.append(f"{name}: GPU pod on the CPU image")
             if spec.get("nodeSelector") != (comp["nodeSelector"] or None):
@@ -515,10 +575,14 @@ def chart_problems(docs: list[dict], values: dict) -> list[str]:
                 problems.append(f"{name}: tolerations {spec.get('tolerations')}")
         elif gpus:
             problems.append(f"{name}: asks for GPUs with gpu.enabled false")
+    learner = sets.get("star-learner", {}).get("spec", {})
+    if learner and learner["replicas"] != values["learner"]["nodes"]:
+        problems.append(f"star-learner: {learner['replicas']} pods for {values['learner']['nodes']} nodes")
     pvcs = _by_kind(docs, "PersistentVolumeClaim")
-    if not values["weights"]["existingClaim"]:
-        if "ReadWriteMany" not in pvcs.get("star-weights", {}).get("spec", {}).get("accessModes", []):
-            problems.append("the weights PVC is not ReadWriteMany")
+    for what in ("weights", "runs"):
+        if not values[what]["existingClaim"] and \
+                "ReadWriteMany" not in pvcs.get(f"star-{what}", {}).get("spec", {}).get("accessModes", []):
+            problems.append(f"the {what} PVC is not ReadWriteMany")
     # Redis and PostgreSQL in the chart, unless switched off.
     if values["redis"]["enabled"]:
         redis_cmd = sets.get("star-redis", {}).get("spec", {}).get("template", {}).get("spec", {}).get("containers", [{}])[0].get("command", [])
@@ -534,6 +598,23 @@ def chart_problems(docs: list[dict], values: dict) -> list[str]:
             problems.append("no world build hook Job")
         elif job["spec"]["template"]["spec"]["containers"][0]["command"][:3] != ["star", "world", "build"]:
             problems.append("the world job does not run `star world build`")
+    # The controller: `star train RECIPE --fleet external`, its run folder on the runs volume.
+    train = jobs.get("star-train")
+    if values["train"]["enabled"] != bool(train):
+        problems.append(f"train.enabled is {values['train']['enabled']} but the controller Job is "
+                        f"{'there' if train else 'missing'}")
+    elif train:
+        pod = train["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        if c["command"][:2] != ["star", "train"] or c["command"][3:5] != ["--fleet", "external"]:
+            problems.append(f"the controller runs {c['command']}, not `star train RECIPE --fleet external`")
+        mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+        claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in pod.get("volumes", [])}
+        runs = mounts.get("/var/star/runs")
+        if not runs or runs.get("readOnly") or claims.get(runs["name"]) != runs_claim:
+            problems.append("the controller does not write its run folder to the runs volume")
+        if pod["restartPolicy"] != "Never" or train["spec"]["backoffLimit"] != values["train"]["backoffLimit"]:
+            problems.append("the controller Job's restarts are not a fresh pod within train.backoffLimit")
     if values["monitoring"]["grafanaDashboard"]["enabled"]:
         dash = _by_kind(docs, "ConfigMap").get("star-grafana-dashboard")
         if not dash:
@@ -599,11 +680,13 @@ def merged(values: dict) -> dict:
         return c.merge_values(values)
 
 
-@pytest.mark.parametrize("values_file", [None, "values-a100.yaml"])
+@pytest.mark.parametrize("values_file", [None, "values-a100.yaml", {"train": {"enabled": True}, "learner": {"nodes": 2}}],
+                         ids=["default", "a100", "train-2-nodes"])
 def test_helm_lint_strict(values_file):
     import helm_python
 
-    values = yaml.safe_load((CHART / values_file).read_text()) if values_file else None
+    values = values_file if isinstance(values_file, dict) else \
+        yaml.safe_load((CHART / values_file).read_text()) if values_file else None
     report = helm_python.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE_VERSION}.0")
     assert report["errors"] == []
     # severity 2 = warning, 3 = error (1 = info, e.g. "icon is recommended")
@@ -627,14 +710,110 @@ def test_a100_values_render_valid_kubernetes(a100_docs):
     pod = rollout["template"]["spec"]
     assert pod["nodeSelector"]["nvidia.com/gpu.product"].startswith("NVIDIA-A100")
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1  # tensor-parallel 1: one GPU each
+    assert _by_kind(a100_docs, "ConfigMap")["star-env"]["data"]["STAR_ROLLOUT_TENSOR_PARALLEL_SIZE"] == "1"
     learner = _by_kind(a100_docs, "StatefulSet")["star-learner"]["spec"]["template"]["spec"]
     assert learner["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert {"name": "DS_ACCELERATOR", "value": "cuda"} in learner["containers"][0]["env"]
+    # One node: no rendezvous, no peers (the launcher runs torchrun --standalone over the pod's GPUs).
+    assert not [e for e in learner["containers"][0]["env"] if e["name"].startswith("STAR_LEARNER_")]
     # The real model comes from a claim: no tiny-model init container on the GPU pods.
     assert "initContainers" not in learner
     world = _by_kind(a100_docs, "Job")["star-world-build"]["spec"]["template"]["spec"]
     assert world["containers"][0]["command"] == ["star", "world", "build"]
     assert world["volumes"][-1]["persistentVolumeClaim"]["claimName"] == "star-travelplanner"
+
+
+def test_the_controller_job_trains_against_the_charts_fleet():
+    values = {"train": {"enabled": True, "args": ["--set", "rl.max_steps=4"]}}
+    docs = render_chart(values)
+    assert validation_problems(docs) == [] and chart_problems(docs, merged(values)) == []
+    job = _by_kind(docs, "Job")["star-train"]
+    pod = job["spec"]["template"]["spec"]
+    train = pod["containers"][0]
+    assert train["command"] == ["star", "train", "configs/tiny.yaml", "--fleet", "external", "--set", "rl.max_steps=4"]
+    # the fleet it drives: the same ConfigMap and Secret as every service (Redis, STAR_*_URL, the token)
+    assert train["envFrom"] == _container(docs, "Deployment", "star-sandbox", "sandbox")["envFrom"]
+    assert {c["name"] for c in pod["initContainers"]} == {"wait-for-world", "build-tiny-model"}
+    # a retry is a fresh pod; a recipe that does not load fails the Job, a drained node costs no retry
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    assert pod["restartPolicy"] == "Never"
+    assert rules[0]["action"] == "FailJob" and rules[0]["onExitCodes"]["values"] == [2]
+    assert rules[1] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    # a recipe given as a file is mounted and run instead of the image's
+    values = {"train": {"enabled": True, "recipeFile": "name: mine\nstages: [rl]\n"}}
+    docs = render_chart(values)
+    assert validation_problems(docs) == [] and chart_problems(docs, merged(values)) == []
+    assert _by_kind(docs, "ConfigMap")["star-recipe"]["data"]["recipe.yaml"] == "name: mine\nstages: [rl]\n"
+    train = _container(docs, "Job", "star-train", "train")
+    assert train["command"][:3] == ["star", "train", "/etc/star/recipe/recipe.yaml"]
+    assert "star-train" not in _by_kind(render_chart(), "Job")
+
+
+def _pod_env(docs: list[dict], container: dict, ordinal: int) -> dict[str, str]:
+    """The environment a StatefulSet pod's container starts with: the ConfigMap, then its own env (the
+    downward API's pod-index label resolved for pod `ordinal`)."""
+    env = dict(_by_kind(docs, "ConfigMap")["star-env"]["data"])
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        elif e["valueFrom"].get("fieldRef", {}).get("fieldPath") == "metadata.labels['apps.kubernetes.io/pod-index']":
+            env[e["name"]] = str(ordinal)
+    return env
+
+
+def test_a_two_node_learner_runs_one_torchrun_per_pod_at_pod_0s_rendezvous(monkeypatch, tmp_path):
+    """learner.nodes=2 on the A100 values: two pods of 8 GPUs, and what services/learner/launch.py starts
+    in each from the pod's rendered environment: torchrun over 2 nodes × 8 ranks at the c10d rendezvous
+    that pod 0 hosts, reached through the headless Service."""
+    from services.learner.launch import Nodes, resolve_ranks, worker_argv
+    from services.learner.runs import RunManager
+
+    values = a100_values()
+    values["learner"]["nodes"] = 2
+    docs = render_chart(values)
+    assert validation_problems(docs) == [] and chart_problems(docs, merged(values)) == []
+    sts = _by_kind(docs, "StatefulSet")["star-learner"]
+    assert sts["spec"]["replicas"] == 2 and sts["spec"]["podManagementPolicy"] == "Parallel"
+    pod = sts["spec"]["template"]["spec"]
+    learner = pod["containers"][0]
+    gpus = learner["resources"]["limits"]["nvidia.com/gpu"]
+    assert gpus == learner["resources"]["requests"]["nvidia.com/gpu"] == 8
+    # one pod per node
+    spread = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["labelSelector"]["matchLabels"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    services = _by_kind(docs, "Service")
+    headless = services[sts["spec"]["serviceName"]]["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"]
+    assert headless["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    ports = {p["name"]: p["containerPort"] for p in learner["ports"]}
+    argvs = []
+    for ordinal in (0, 1):
+        for name, value in _pod_env(docs, learner, ordinal).items():
+            monkeypatch.setenv(name, value)
+        settings = Settings(_env_file=None)
+        nodes = Nodes.from_settings(settings)
+        assert (nodes.count, nodes.rank) == (2, ordinal)
+        argv = worker_argv("rl", "config.json", resolve_ranks(None, gpus=gpus), nodes=nodes, run_id="run-1")
+        opt = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+        assert opt["--nnodes"] == "2" and opt["--nproc_per_node"] == str(gpus) and opt["--rdzv_backend"] == "c10d"
+        assert opt["--rdzv_conf"] == f"is_host={int(ordinal == 0)}"
+        host, port = opt["--rdzv_endpoint"].rsplit(":", 1)
+        # pod 0's stable name under the headless Service, on a port that Service and the pod expose
+        assert host == f"{sts['metadata']['name']}-0.{sts['spec']['serviceName']}"
+        assert int(port) == ports["rendezvous"] and {"name": "rendezvous", "port": int(port), "targetPort":
+                                                     "rendezvous", "protocol": "TCP"} in headless["ports"]
+        argvs.append(argv)
+        if ordinal == 0:  # pod 0 asks pod 1 to join each run, at its stable name
+            peers = settings.learner_peer_urls.split(",")
+            assert peers == [f"http://{sts['metadata']['name']}-1.{sts['spec']['serviceName']}:{ports['http']}"]
+            RunManager(tmp_path, nodes, peers)  # refuses a peer list that does not match the nodes
+    assert len({tuple(a) for a in argvs}) == 2
+    # STAR_LEARNER_URL (the learner Service) reaches pod 0 alone: the pod that takes runs
+    learner_svc = services["star-learner"]["spec"]["selector"]
+    assert learner_svc["statefulset.kubernetes.io/pod-name"] == "star-learner-0"
+    assert _by_kind(docs, "ConfigMap")["star-env"]["data"]["STAR_LEARNER_URL"] == "http://star-learner"
 
 
 def test_reward_worker_can_scale_on_cpu_alone():

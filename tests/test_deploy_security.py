@@ -44,6 +44,38 @@ def test_an_existing_secret_replaces_the_generated_password():
     assert {"secretRef": {"name": "my-redis"}} in sandbox["envFrom"]
 
 
+def test_existing_secrets_reach_every_pod_and_make_renders_repeatable():
+    """GitOps renders offline (`helm template`: no live Secret to read back), so only given secrets are
+    stable: with both existing Secrets and the database password given, two renders are the same, and
+    every pod of ours, the controller Job's and a multi-node learner's included, reads both Secrets."""
+    from tests.test_deploy_files import _pod_specs
+
+    values = {"redis": {"auth": {"existingSecret": "my-redis"}}, "auth": {"existingSecret": "my-token"},
+              "postgresql": {"auth": {"password": "pg-pw"}}, "train": {"enabled": True}, "learner": {"nodes": 2}}
+    first, second = render_chart(values), render_chart(values)
+    assert first == second
+    assert validation_problems(first) == []
+    secret = _by_kind(first, "Secret")["star-secrets"]["stringData"]
+    assert "STAR_REDIS_PASSWORD" not in secret and "STAR_API_TOKEN" not in secret
+    checked = 0
+    for owner, template in _pod_specs(first):
+        for c in template["spec"]["containers"] + template["spec"].get("initContainers", []):
+            if not c["image"].startswith("ghcr.io/star-train/star:"):
+                continue
+            refs = [r["secretRef"]["name"] for r in c.get("envFrom", []) if "secretRef" in r]
+            assert {"my-redis", "my-token"} <= set(refs), f"{owner['metadata']['name']}/{c['name']}: {refs}"
+            checked += 1
+    assert checked >= 10
+    # the Redis server and its exporter read the password from the same existing Secret
+    redis, exporter = _redis(first)
+    refs = [e["valueFrom"]["secretKeyRef"] for e in redis["env"] + exporter["env"]]
+    assert refs and all(r == {"name": "my-redis", "key": "STAR_REDIS_PASSWORD"} for r in refs)
+    # without them, an offline render makes new random secrets each time (an online install reads them
+    # back from the live Secret instead): what docs/deployment.md warns about
+    plain = [_by_kind(render_chart(), "Secret")["star-secrets"]["stringData"] for _ in range(2)]
+    assert plain[0]["STAR_REDIS_PASSWORD"] != plain[1]["STAR_REDIS_PASSWORD"]
+
+
 def test_network_policy_admits_only_the_release_and_the_named_peers():
     docs = render_chart({"networkPolicy": {"httpFrom": [{"namespaceSelector": {"matchLabels": {"name": "ingress"}}}]}})
     assert validation_problems(docs) == []

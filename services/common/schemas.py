@@ -231,9 +231,6 @@ class ScoredTrajectory(Trajectory):
 
 RewardKind = Literal["sum", "macro", "success", "curriculum"]
 EvalMode = Literal["official", "strict"]
-# The transformers engine's decode step (services/rollout/engines/hf.py): set by the pipeline recipe, the
-# rollout service and `star eval --decode`.
-DecodeMode = Literal["dynamic", "static", "graphs"]
 
 
 class VllmArgs(BaseModel):

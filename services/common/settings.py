@@ -46,6 +46,14 @@ class Settings(BaseSettings):
     reward_url: str | None = Field(default=None, description="Base URL of the reward scoring API.")
     rollout_urls: str | None = Field(default=None, description="Comma-separated base URLs of the rollout servers.")
     learner_url: str | None = Field(default=None, description="Base URL of the learner service.")
+    # a multi-node learner (services.learner.launch.Nodes): one learner service per node, node 0 taking runs
+    learner_nodes: int = Field(default=1, ge=1, description="Nodes of the learner, one learner service each; more than "
+                               "1: node 0 starts each run on every node, as one torchrun per node.")
+    learner_node_rank: int = Field(default=0, ge=0, description="This learner node's rank (0: it takes the runs).")
+    learner_rendezvous: str | None = Field(default=None, description="host:port of the learner's c10d rendezvous, on "
+                                           "node 0 (multi-node learner).")
+    learner_peer_urls: str | None = Field(default=None, description="Comma-separated base URLs of learner nodes 1.., "
+                                          "in node order, which node 0 asks to join each run (multi-node learner).")
     stream_prefix: str = Field(default="star", description="Prefix of the Redis stream names (tasks, trajectories, scored).")
 
     # models and weights

@@ -279,17 +279,23 @@ Handler = Callable[[StreamMessage], "BaseModel | Mapping[str, Any] | list | None
 
 def run_worker(consumer: StreamConsumer, handler: Handler, out_stream: str | None,
                stop: threading.Event | None = None, *, batch: int = 1, block_ms: int = 1000,
-               on_idle: Callable[[], None] | None = None, keep_claims: bool = True) -> int:
+               on_idle: Callable[[], None] | None = None, keep_claims: bool = True,
+               until_ready: Callable[[], bool] | None = None) -> int:
     """Consume until `stop` is set. `handler` returns the payload(s) to forward (acknowledged in the
     same transaction), or None to just acknowledge; an exception counts as a failed attempt.
     While a message is handled its claim is kept fresh (`ClaimKeeper`), and consumed entries of
-    the input stream are trimmed now and then. Returns the number of messages handled."""
+    the input stream are trimmed now and then. `until_ready`, where given, runs before every read
+    and blocks while the worker could not handle a message (a dependency is down), so that nothing
+    is claimed meanwhile; it returns False when `stop` ends the wait. Returns the number of
+    messages handled."""
     stop = stop or threading.Event()
     handled = 0
     keeper = ClaimKeeper(consumer.client, consumer.claim_idle_ms, stop) if keep_claims else None
     trimmed_at = 0.0
     try:
         while not stop.is_set():
+            if until_ready is not None and not until_ready():
+                continue
             try:
                 messages = consumer.read(batch, block_ms)
                 if time.monotonic() - trimmed_at >= TRIM_EVERY_S:

@@ -45,8 +45,6 @@ def eval_run(
     concurrency: Optional[int] = typer.Option(
         None, min=1, help="Episodes in flight at once; one engine batches their turns. Default: 16 with --model, "
                           "1 with --agent (a function of yours is then called from this many threads)."),
-    decode: str = typer.Option("dynamic", help="The transformers engine's decode step: dynamic | static | graphs "
-                                               "(CUDA graphs; static without a GPU)."),
     vllm_args: Optional[str] = typer.Option(None, "--vllm-args", help="The vLLM engine's arguments as JSON (a "
                                             "recipe's services.vllm), e.g. '{\"gpu_memory_utilization\": 0.5}'."),
     base_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL for openai:NAME."),
@@ -81,10 +79,6 @@ def eval_run(
         _fail(f"--mode must be official or strict, not {mode!r}")
     if official_split not in ("auto", "none", "train", "validation", "test"):
         _fail("--official-split must be auto, none, train, validation or test")
-    from services.rollout.engines.hf import DECODE_MODES  # the engine's own list (the module loads no torch)
-
-    if decode not in DECODE_MODES:
-        _fail(f"--decode must be {', '.join(DECODE_MODES[:-1])} or {DECODE_MODES[-1]}, not {decode!r}")
     if concurrency is None:
         concurrency = MODEL_CONCURRENCY if model is not None else 1
     world_url = db or get_settings().world_url
@@ -106,7 +100,7 @@ def eval_run(
         else:
             source = {"kind": "model", "model": model, "engine": engine, "sampling": sampling.model_dump()}
             # the transformers engine decodes as many rows as there are episodes in flight
-            options = {"max_batch": concurrency, "decode": decode} if engine == "transformers" else {}
+            options = {"max_batch": concurrency} if engine == "transformers" else {}
             if engine == "vllm" and vllm_args:
                 options["args"] = _vllm_args(vllm_args)
             run_agent, close = rollout_agent(model, sampling, engine=engine, sandbox_url=sandbox_url,

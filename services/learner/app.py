@@ -13,7 +13,8 @@ from services.common.http import bearer_auth, create_app as create_service_app
 from services.common.logging import configure_logging
 from services.common.metrics import Metrics
 from services.common.settings import Settings, get_settings
-from services.learner.runs import RunConfigError, RunManager, RunNotFound, RunRequest
+from services.learner.launch import Nodes
+from services.learner.runs import JoinError, JoinRequest, RunConfigError, RunManager, RunNotFound, RunRequest
 
 VERSION = "0.1.0"
 
@@ -21,7 +22,9 @@ VERSION = "0.1.0"
 def create_app(settings: Settings | None = None, runs_root: Path | None = None) -> FastAPI:
     settings = settings or get_settings()
     configure_logging("learner", settings.log_level, settings.log_json)
-    manager = RunManager(runs_root or Path(settings.home) / "runs")
+    peers = [u.strip() for u in (settings.learner_peer_urls or "").split(",") if u.strip()]
+    manager = RunManager(runs_root or Path(settings.home) / "runs", Nodes.from_settings(settings), peers,
+                         settings.api_token)
     metrics = Metrics("learner")
     started = metrics.counter("runs_started_total", "Training runs started", ("kind",))
     app = create_service_app(service="learner", title="STAR learner", version=VERSION, metrics=metrics,
@@ -42,8 +45,21 @@ def create_app(settings: Settings | None = None, runs_root: Path | None = None) 
             run = manager.start(request)
         except RunConfigError as exc:
             raise HTTPException(422, str(exc)) from None
+        except JoinError as exc:
+            raise HTTPException(503, str(exc)) from None
         started.labels(request.kind).inc()
         return manager.describe(run.id)
+
+    @app.post("/runs/{run_id}/join", status_code=201, dependencies=[Depends(admin)], tags=["runs"],
+              summary="Multi-node learner, node 1..: start this node's ranks of a run node 0 started")
+    async def join_run(run_id: str, request: JoinRequest) -> dict:
+        try:
+            run = manager.join(run_id, request.kind, request.max_steps)
+        except RunNotFound:
+            raise HTTPException(404, f"no run {run_id!r} in this node's runs folder (is it shared with node 0?)") from None
+        except RunConfigError as exc:
+            raise HTTPException(422, str(exc)) from None
+        return {"id": run.id, "node": manager.nodes.rank, "pid": run.process.pid if run.process else None}
 
     @app.get("/runs", tags=["runs"], summary="All runs")
     async def list_runs() -> list[dict]:

@@ -176,8 +176,11 @@ class RLConfig(_Strict):
     is_high: float = Field(2.0, ge=1.0, description="tis: cap of the token importance weight; mis: upper bound.")
     temperature: float = Field(1.0, gt=0.0, description=(
         "The rollout's sampling temperature: the learner's log-probs are of logits / temperature, so samples "
-        "drawn at T != 1 stay on-policy. The rollouts' recorded log-probs are the untempered model's, so at "
-        "T != 1 they are not used."))
+        "drawn at T != 1 stay on-policy; the rollouts record their log-probs at the same temperature."))
+    sampling_cut: bool = Field(False, description=(
+        "The rollouts sample under a top-p or top-k cut: their recorded log-probs are of the cut distribution, "
+        "which the learner does not compute. They then serve only as the behaviour policy of the importance "
+        "correction (tis/mis); the ratio's old policy is the learner's own forward from before the update."))
     std_normalize: bool = Field(True, description="Divide by the group's std (GRPO); False: Dr.GRPO-style mean only.")
     negative_scale: float = Field(1.0, ge=0.0, le=1.0, description=(
         "Weight of negative advantages (1: GRPO as the paper; 0: only samples above their group's mean train, "

@@ -219,6 +219,13 @@ def step_samples(trajs: list[ScoredTrajectory], limit: int) -> list[dict[str, An
              "messages": t.messages} for t in list(firsts.values())[:limit]]
 
 
+def old_policy_from_rollouts(cfg: RLConfig) -> bool:
+    """Whether the rollouts' recorded log-probs take part in the loss. The engines record the distribution
+    they sampled from: at any temperature the learner's own (it divides by T too), under a top-p/top-k
+    cut another one, which can stand only as the behaviour policy of an importance correction."""
+    return cfg.use_rollout_logprobs and (not cfg.sampling_cut or cfg.importance_sampling != "off")
+
+
 class RLTrainer:
     def __init__(self, cfg: RLConfig, redis_client: Any = None, stop: threading.Event | None = None) -> None:
         self.cfg = cfg
@@ -500,10 +507,9 @@ class RLTrainer:
                         "advantage_max": ads["max"]})
         trainable = [s for s in batch.sequences if sum(s.loss_mask) > 0]
         if trainable:
-            # the rollouts record the untempered model's log-probs: at T != 1 they are not the sampler's
             out = rl_step(self.engine, batch.sequences, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
                           bounds=loss_bounds(cfg), loss_agg=cfg.loss_agg,
-                          use_rollout_logprobs=cfg.use_rollout_logprobs and cfg.temperature == 1.0,
+                          use_rollout_logprobs=old_policy_from_rollouts(cfg),
                           kl_coef=cfg.kl_coef, reference=self.reference, mini_batches=cfg.mini_batches,
                           batch_groups=cfg.batch_prompts)
             metrics.update(out.metrics)

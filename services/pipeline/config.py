@@ -14,7 +14,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from services.common.schemas import ArpoParams, DecodeMode, EvalMode, PreferencePenalty, RewardKind, SamplingParams, VllmArgs
+from services.common.schemas import ArpoParams, EvalMode, PreferencePenalty, RewardKind, SamplingParams, VllmArgs
 from services.evaluation.runner import MODEL_CONCURRENCY
 from services.learner.config import EngineConfig, FilterConfig, RLConfig, TruncationPolicy, masked_finishes, \
     zero_reward_finishes
@@ -219,10 +219,6 @@ class LearnerSpec(_Section):
 
 class ServicesSpec(_Section):
     engine: Literal["vllm", "transformers"] = "vllm"
-    decode: DecodeMode = Field(
-        "dynamic", description="transformers engine: per-step shapes, or every slot each step, replayed as "
-        "CUDA graphs on a GPU (graphs: 2.3× faster per step than dynamic on an H100, same log-probs; "
-        "bench/results/decode_probe_graphs.md).")
     vllm: VllmArgs = Field(default_factory=VllmArgs, description="How each vLLM engine starts (services.engine vllm).")
     rollout_workers: int = Field(1, ge=1)
     rollout_concurrency: int = Field(2, ge=1, description="Groups each rollout worker samples at once; they share "

@@ -37,7 +37,7 @@ file and the code differ). Two kinds of configuration exist:
 
 - **The recipe**: one YAML file per run (`configs/*.yaml`), read by `star train CONFIG` into
   `PipelineConfig` (`services/pipeline/config.py`). Unknown keys are refused. Any key can be overridden on
-  the command line: `star train configs/tiny.yaml --set rl.max_steps=4 --set services.decode=graphs`.
+  the command line: `star train configs/tiny.yaml --set rl.max_steps=4 --set services.rollout_workers=2`.
 - **Settings**: `STAR_*` environment variables (or a `.env` file), read by every service into `Settings`
   (`services/common/settings.py`). They say where things are (database, Redis, data) and how a service
   behaves; a recipe says what a run trains.

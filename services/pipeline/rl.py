@@ -147,6 +147,7 @@ def rl_config(run: Run, model: str, names: StreamNames, redis_url: str | None, t
         samples_per_step=r.samples_per_step, loss_agg=r.loss_agg, dual_clip_c=r.dual_clip_c,
         log_ratio_clamp=r.log_ratio_clamp, importance_sampling=r.importance_sampling, is_low=r.is_low,
         is_high=r.is_high, temperature=r.sampling.temperature,
+        sampling_cut=r.sampling.top_p < 1.0 or r.sampling.top_k > 0,
         eps_low=r.eps_low, eps_high=r.eps_high, filters=r.filters(),
         engine=run.config.learner.engine(run.config.services.zero_stage, run.config.seed,
                                          ranks=run.config.deployment.learner_ranks),
@@ -203,7 +204,7 @@ def _start_workers(run: Run, f: Fleet, model: str, env: dict[str, str], logs: Pa
     env = {**env, "STAR_SANDBOX_URL": f.sandbox_url}
     s = run.config.services
     sampling = run.config.rl.sampling
-    rollout_env = {**env, "STAR_MODEL": model, "STAR_ROLLOUT_ENGINE": s.engine, "STAR_ROLLOUT_DECODE": s.decode,
+    rollout_env = {**env, "STAR_MODEL": model, "STAR_ROLLOUT_ENGINE": s.engine,
                    "STAR_ROLLOUT_VLLM": s.vllm.model_dump_json(),
                    "STAR_ROLLOUT_MAX_MODEL_LEN": str(sampling.max_context_tokens + 512),
                    "STAR_ROLLOUT_CLAIM_IDLE_MS": "30000", "STAR_ROLLOUT_CONCURRENCY": str(s.rollout_concurrency),

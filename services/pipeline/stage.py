@@ -107,8 +107,6 @@ def eval_argv(run: Run, model: str, split: str | Path, out: Path, limit: int | N
                      "--max-context", str(e.sampling.max_context_tokens),
                      "--max-tokens", str(e.sampling.max_tokens_per_turn),
                      "--max-tool-calls", str(e.sampling.max_tool_calls), "--concurrency", str(e.concurrency))
-    if run.config.services.engine == "transformers":
-        argv += ["--decode", run.config.services.decode]
     if run.config.services.engine == "vllm":
         vllm = run.config.services.vllm
         if run.placement is not None and run.placement.engine_memory_share is not None:

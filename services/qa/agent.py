@@ -22,6 +22,9 @@ class SearchToolClient:
     async def call(self, name: str, arguments: dict[str, Any], *, fault_key: str | None = None) -> ToolResult:
         return self.tools.call(name, arguments)
 
+    async def reachable(self) -> bool:
+        return True  # in this process
+
     async def close(self) -> None:
         return None
 

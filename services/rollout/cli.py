@@ -1,7 +1,7 @@
 """`star rollout`: run G trajectories of one query and print them; `serve` and `worker` subcommands.
 
     star rollout --model DIR --query q.json -G 8 [--engine vllm|transformers|openai]
-    star rollout serve --port 8003
+    star rollout serve --port 8004
     star rollout worker
 """
 
@@ -188,7 +188,7 @@ def _clip(text: str, limit: int = 240) -> str:
 
 
 @rollout_app.command("serve")
-def serve(host: str = host_option(), port: int = port_option(8003)) -> None:
+def serve(host: str = host_option(), port: int = port_option(8004)) -> None:
     """Run the rollout HTTP service (engine from STAR_ROLLOUT_*, sandbox from STAR_SANDBOX_URL)."""
     import uvicorn
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.metrics import Metrics
-from services.common.schemas import (DecodeMode, EvalMode, PreferencePenalty, RewardKind, RolloutTask, SamplingParams,
+from services.common.schemas import (EvalMode, PreferencePenalty, RewardKind, RolloutTask, SamplingParams,
                                      GenerateRequest, GenerateResult, ToolResult, Trajectory, TravelQuery, VllmArgs,
                                      WeightsBroadcast, WeightsGroup, WeightsUpdate)
 from services.common.settings import Settings, get_settings
@@ -43,9 +43,6 @@ class RolloutConfig(BaseSettings):
     max_model_len: int = Field(32768, ge=256)
     dtype: str | None = Field(None, description="Model dtype; default bfloat16 for vllm, float32 for transformers.")
     max_batch: int = Field(16, ge=1, description="transformers: requests decoded together.")
-    decode: DecodeMode = Field(
-        "dynamic", description="transformers: dynamic shapes per step, or every slot each step (static), "
-        "replayed as CUDA graphs on a GPU (graphs).")
     vllm: VllmArgs = Field(default_factory=VllmArgs, description="vllm: engine arguments (JSON), as a recipe's services.vllm.")
     gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0, description=(
         "vllm: this engine's share of its GPUs' memory (set per worker by the recipe's placement); overrides vllm's."))
@@ -135,6 +132,9 @@ class TimedTools:
         outcome = "fault" if result.fault_injected else ("ok" if result.ok else "error")
         self.metrics.tool_calls.labels(name, outcome).inc()
         return result
+
+    async def reachable(self) -> bool:
+        return await self.inner.reachable()
 
     async def close(self) -> None:
         await self.inner.close()
@@ -351,7 +351,6 @@ def make_engine(settings: Settings, config: RolloutConfig) -> Engine:
         options["dtype"] = config.dtype
     if config.engine == "transformers":
         options["max_batch"] = config.max_batch
-        options["decode"] = config.decode
     if config.engine == "vllm":
         placed = {k: v for k, v in (("gpu_memory_utilization", config.gpu_memory_utilization),
                                     ("tensor_parallel_size", config.tensor_parallel_size)) if v is not None}

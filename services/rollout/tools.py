@@ -3,13 +3,13 @@
 Both return a `ToolResult` whose text is exactly what the tool prints. The HTTP client retries
 transport errors and 5xx answers with backoff; when the sandbox stays unreachable it raises
 `ToolServiceError`, which the agent turns into an `engine_error` trajectory (an outage is not the
-policy's fault, so it must not be trained on as a failure).
+policy's fault, so it must not be trained on as a failure). `reachable` is the cheap check a rollout
+worker makes before it takes a task, so that an outage mostly leaves tasks waiting instead.
 """
 
 from __future__ import annotations
 
 import asyncio
-
 from typing import Any, Protocol
 
 import httpx
@@ -19,12 +19,19 @@ from services.rollout.protocol import call_error
 from services.rollout.retry import post_retrying
 
 
+READY_TIMEOUT_S = 2.0  # a sandbox slower than this to say it is ready counts as down
+
+
 class ToolServiceError(RuntimeError):
     """The sandbox could not be reached or kept failing."""
 
 
 class ToolClient(Protocol):
     async def call(self, name: str, arguments: dict[str, Any], *, fault_key: str | None = None) -> ToolResult: ...
+
+    async def reachable(self) -> bool:
+        """Whether the tools can serve calls now: one cheap check, no retries."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -55,6 +62,14 @@ class HttpToolClient:
             return ToolResult.model_validate_json(reply.content)
         # 4xx: the call itself is bad (e.g. text that is not valid Unicode); the model is told.
         return ToolResult(name=name, text=call_error(ValueError(_problem_detail(reply))), ok=False)
+
+    async def reachable(self) -> bool:
+        """The sandbox answers `GET /readyz` with 200 within `READY_TIMEOUT_S`."""
+        try:
+            reply = await self._client.get("/readyz", timeout=READY_TIMEOUT_S)
+        except httpx.HTTPError:
+            return False
+        return reply.status_code == 200
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -89,6 +104,9 @@ class LocalToolClient:
                                            fault_rate=self.fault_rate, fault_seed=self.fault_seed, fault_key=fault_key)
         except BackendError as exc:
             raise ToolServiceError(f"world database: {exc}") from exc
+
+    async def reachable(self) -> bool:
+        return True  # in this process
 
     async def close(self) -> None:
         return None

@@ -7,6 +7,12 @@ runs, `run_worker`'s claim keeper re-claims it every `claim_idle_ms / 3`, so a s
 worker is never robbed of its task (which would duplicate its trajectories): loading new weights
 can take as long as the claim timeout (an engine that drains waits for its longest turn).
 
+Sandbox: a consumer takes a task only while the sandbox answers its readiness check (`SandboxCheck`,
+cached for a couple of seconds); while it does not, the consumer claims nothing and checks again
+with a growing pause, so an outage leaves tasks in the stream instead of turning them into
+`engine_error` samples. A read already waiting when the sandbox goes, or a check's cached answer,
+can still let one task through, and a sandbox lost in the middle of a task fails that task (retried).
+
 Failures: a payload that is not a RolloutTask is dead-lettered at once (retrying cannot fix
 it); a task whose every sample ended in `engine_error`, or that needs newer weights than can
 be loaded, is failed and retried, and dead-lettered after `max_deliveries` attempts. An engine
@@ -26,10 +32,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import socket
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -48,10 +57,57 @@ class TaskFailed(RuntimeError):
     """The task could not be rolled out now; it is retried (and dead-lettered in the end)."""
 
 
+class SandboxCheck:
+    """Whether the sandbox can serve tool calls, asked at most once per `ttl_s` however many consumer
+    threads ask, and a wait that backs off (`backoff_s` doubling up to `max_backoff_s`) while it cannot."""
+
+    def __init__(self, probe: Callable[[], bool], *, ttl_s: float = 2.0, backoff_s: float = 0.5,
+                 max_backoff_s: float = 10.0) -> None:
+        self.probe = probe
+        self.ttl_s = ttl_s
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.probes = 0  # checks made
+        self._lock = threading.Lock()
+        self._checked_at = -math.inf
+        self._up = True
+
+    def up(self) -> bool:
+        """The last answer while younger than `ttl_s`, else a new check (one thread checks, the others wait)."""
+        with self._lock:
+            if time.monotonic() - self._checked_at >= self.ttl_s:
+                was_up, self._up = self._up, self._probe()
+                self._checked_at = time.monotonic()
+                self.probes += 1
+                if was_up and not self._up:
+                    log.warning("sandbox unreachable; taking no tasks until it answers")
+                elif self._up and not was_up:
+                    log.info("sandbox reachable again; taking tasks")
+            return self._up
+
+    def wait_until_up(self, stop: threading.Event) -> bool:
+        """Block until the sandbox is up (True) or `stop` is set (False)."""
+        delay = self.backoff_s
+        while not stop.is_set():
+            if self.up():
+                return True
+            stop.wait(delay)
+            delay = min(2 * delay, self.max_backoff_s)
+        return False
+
+    def _probe(self) -> bool:
+        try:
+            return bool(self.probe())
+        except Exception as exc:  # noqa: BLE001 - a check that cannot run says the sandbox is down
+            log.warning("sandbox check failed", extra={"error": f"{type(exc).__name__}: {exc}"})
+            return False
+
+
 class RolloutWorker:
     def __init__(self, service: RolloutService, client: redis.Redis, loop: asyncio.AbstractEventLoop, *,
                  names: StreamNames | None = None, consumer: str | None = None, concurrency: int = 1,
-                 claim_idle_ms: int = 120_000, max_deliveries: int = 3, block_ms: int = 500) -> None:
+                 claim_idle_ms: int = 120_000, max_deliveries: int = 3, block_ms: int = 500,
+                 sandbox: SandboxCheck | None = None) -> None:
         self.service = service
         self.client = client
         self.loop = loop
@@ -61,6 +117,7 @@ class RolloutWorker:
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
         self.block_ms = block_ms
+        self.sandbox = sandbox or SandboxCheck(lambda: self._on_loop(service.tools.reachable()))
         self.stop = threading.Event()
         self.handled = 0
         self.on_fatal: Any = None  # called when a consumer thread dies (main() stops the loop)
@@ -138,7 +195,7 @@ class RolloutWorker:
                 max_deliveries=self.max_deliveries), self.stop, "joining the rollout group")
             if consumer is not None:
                 run_worker(consumer, lambda msg: self.handle(consumer, msg), self.names.trajectories, self.stop,
-                           block_ms=self.block_ms)
+                           block_ms=self.block_ms, until_ready=lambda: self.sandbox.wait_until_up(self.stop))
         except Exception:
             # A consumer thread that died would leave a live process doing nothing: stop the
             # process instead, so its supervisor restarts it (its pending task is re-read then).

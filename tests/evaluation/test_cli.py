@@ -59,7 +59,6 @@ def test_limit_uses_computed_denominators(gold, official_world_url, mutated_subm
     (["--predictions", "P", "--formatter", "llm"], "needs an LLM"),
     (["--model", "/nonexistent-model", "--engine", "transformers"], "not an HF model folder"),
     (["--model", "/nonexistent-model", "--engine", "tpu"], "unknown engine"),
-    (["--predictions", "P", "--decode", "fast"], "--decode must be dynamic, static or graphs"),
     (["--predictions", "P", "--concurrency", "0"], "--concurrency"),
 ])
 def test_errors_are_messages(gold, official_world_url, mutated_submission, tmp_path, extra, message):

@@ -81,3 +81,160 @@ def test_star_sft_runs_two_ranks_under_torchrun(tmp_path, tiny_model):
     status = read_status(tmp_path / "out")
     assert status["state"] == "finished" and status["step"] == 2
     assert (Path(status["export"]) / "config.json").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# A multi-node learner: one torchrun per node at node 0's c10d rendezvous; node 0 asks the others to join.
+# ---------------------------------------------------------------------------------------------
+
+def test_a_multi_node_learner_runs_one_torchrun_per_node_at_node_0s_rendezvous():
+    from services.learner.launch import Nodes, worker_env
+
+    nodes = [Nodes(2, rank, "star-learner-0.star-learner-headless:29400") for rank in (0, 1)]
+    argvs = [worker_argv("rl", "c.json", 8, nodes=n, run_id="run-1") for n in nodes]
+    for rank, argv in enumerate(argvs):
+        opts = dict(zip(argv[3:argv.index("--max_restarts")][::2], argv[4:argv.index("--max_restarts")][::2]))
+        assert opts == {"--nnodes": "2", "--rdzv_backend": "c10d", "--rdzv_id": "run-1",
+                        "--rdzv_endpoint": "star-learner-0.star-learner-headless:29400",
+                        "--rdzv_conf": f"is_host={int(rank == 0)}", "--nproc_per_node": "8"}
+        assert "--standalone" not in argv
+        assert argv[-3:] == ["services.learner.worker", "rl", "c.json"]
+    # one rank per node is still a torchrun (it must meet the other nodes)
+    assert "torch.distributed.run" in worker_argv("sft", "c.json", 1, nodes=nodes[1], run_id="r")
+    assert worker_env(1, nodes[1])["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]
+    with pytest.raises(ValueError, match="run id"):
+        worker_argv("rl", "c.json", 8, nodes=nodes[0])
+    with pytest.raises(ValueError, match="STAR_LEARNER_RENDEZVOUS"):
+        Nodes(2, 0, None)
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        Nodes(2, 2, "h:1")
+
+
+def _two_nodes(tmp_path, monkeypatch, spawned: list, refuse: bool = False):
+    """Node 0's RunManager, whose join requests reach node 1's app (in-process) over a shared runs folder."""
+    from fastapi.testclient import TestClient
+
+    from services.common.settings import Settings
+    from services.learner import launch, runs
+    from services.learner.app import create_app
+    from services.learner.launch import Nodes
+
+    def fake_spawn(cmd, **kwargs):
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        spawned.append((cmd, kwargs["log_path"].name, proc))
+        return proc
+
+    monkeypatch.setattr(runs, "spawn", fake_spawn)
+    monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
+    node1 = TestClient(create_app(Settings(home=tmp_path, log_json=False, api_token="tok", learner_nodes=2,
+                                           learner_node_rank=1, learner_rendezvous="n0:29400"),
+                                  runs_root=tmp_path / "runs"))
+
+    def post(url, json, headers, timeout):
+        assert url.startswith("http://n1:8000/runs/")  # node 1's URL, from the peer list
+        if refuse:
+            headers = {"authorization": "Bearer wrong"}
+        return node1.post(url.removeprefix("http://n1:8000"), json=json, headers=headers)
+
+    monkeypatch.setattr(runs.httpx, "post", post)
+    return runs.RunManager(tmp_path / "runs", Nodes(2, 0, "n0:29400"), ["http://n1:8000"], "tok"), node1
+
+
+def test_node_0_starts_a_run_on_every_node(tmp_path, tiny_model, monkeypatch):
+    from services.learner.runs import RunRequest
+
+    spawned: list = []
+    manager, node1 = _two_nodes(tmp_path, monkeypatch, spawned)
+    run = manager.start(RunRequest(kind="rl", config={"model": str(tiny_model)}))
+    try:
+        (cmd0, log0, _), (cmd1, log1, _) = spawned
+        assert (log0, log1) == ("log.txt", "log.node1.txt")
+        for rank, cmd in enumerate((cmd0, cmd1)):
+            assert cmd[cmd.index("--rdzv_id") + 1] == run.id
+            assert cmd[cmd.index("--rdzv_conf") + 1] == f"is_host={int(rank == 0)}"
+            assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--nproc_per_node") + 1] == "1"
+        # node 1 takes no runs of its own, and joins only runs in the shared folder
+        assert node1.post("/runs", json={"kind": "rl", "config": {"model": str(tiny_model)}},
+                          headers={"authorization": "Bearer tok"}).status_code == 422
+        assert node1.post("/runs/nope/join", json={"kind": "rl"},
+                          headers={"authorization": "Bearer tok"}).status_code == 404
+        # a repeated join (a retried request) starts nothing more
+        again = node1.post(f"/runs/{run.id}/join", json={"kind": "rl"}, headers={"authorization": "Bearer tok"})
+        assert again.status_code == 201 and again.json()["pid"] == spawned[1][2].pid and len(spawned) == 2
+    finally:
+        for *_, proc in spawned:
+            proc.kill()
+
+
+def test_a_node_that_does_not_join_stops_the_run(tmp_path, tiny_model, monkeypatch):
+    from services.learner.runs import JoinError, RunRequest
+
+    spawned: list = []
+    manager, _ = _two_nodes(tmp_path, monkeypatch, spawned, refuse=True)
+    with pytest.raises(JoinError, match="learner node 1 .* did not join: 401"):
+        manager.start(RunRequest(kind="rl", config={"model": str(tiny_model)}))
+    (run,) = manager.runs.values()
+    assert run.process.poll() is not None and len(spawned) == 1  # node 0's part stopped, node 1 never started
+    assert manager.describe(run.id)["state"] == "failed"
+
+
+def test_a_run_whose_process_is_gone_reads_failed_not_running(tmp_path, tiny_model):
+    """A learner pod restarted: its runs' folders stay on the volume, their processes do not."""
+    from services.learner.runs import GONE, RunManager
+    from services.learner.trainer import write_status
+
+    folder = tmp_path / "r1"
+    folder.mkdir()
+    write_status(folder, state="running", step=3)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (folder / "run.json").write_text(f'{{"id": "r1", "kind": "rl", "pid": {dead.pid}, "started": 1}}')
+    described = RunManager(tmp_path).describe("r1")
+    assert described["state"] == "failed" and described["error"] == GONE and described["step"] == 3
+
+
+@pytest.mark.slow
+def test_two_learner_nodes_train_one_sft_run_together(tmp_path, tiny_model, monkeypatch):
+    """Two learner nodes on this machine (one gloo rank each): node 0 takes the run, node 1 joins over HTTP,
+    their torchruns meet at node 0's rendezvous and train it as one world of two ranks."""
+    import json
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from services.common.redis import free_port
+    from services.common.settings import Settings
+    from services.learner import runs
+    from services.learner.app import create_app
+    from services.learner.launch import Nodes
+    from services.learner.trainer import read_status
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    rendezvous = f"127.0.0.1:{free_port()}"
+    node1 = TestClient(create_app(Settings(home=tmp_path, log_json=False, learner_nodes=2, learner_node_rank=1,
+                                           learner_rendezvous=rendezvous), runs_root=tmp_path / "runs"))
+    monkeypatch.setattr(runs.httpx, "post", lambda url, json, headers, timeout:
+                        node1.post(url.removeprefix("http://node1"), json=json, headers=headers))
+    launched = []
+    real_spawn = runs.spawn
+    monkeypatch.setattr(runs, "spawn", lambda cmd, **kw: launched.append(real_spawn(cmd, **kw)) or launched[-1])
+    manager = runs.RunManager(tmp_path / "runs", Nodes(2, 0, rendezvous), ["http://node1"])
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"plan a trip {i}"},
+                                                     {"role": "assistant", "content": f"day {i}"}]}) + "\n"
+                            for i in range(8)))
+    run = manager.start(runs.RunRequest(kind="sft", config={
+        "model": str(tiny_model), "data": str(data), "batch_size": 4, "epochs": 1,
+        "engine": {"micro_batch_tokens": 64}}))
+    deadline = time.time() + 600
+    while time.time() < deadline and manager.describe(run.id)["state"] in ("starting", "running"):
+        time.sleep(2)
+    described = manager.describe(run.id)
+    logs = "".join(p.read_text()[-2000:] for p in sorted(run.folder.glob("log*.txt")))
+    # a rendezvous of exactly 2 nodes: node 0 alone could not have started, let alone finished
+    assert described["state"] == "finished", logs
+    assert read_status(run.folder)["step"] == 2  # 8 chats, batch 4, one epoch
+    assert len(launched) == 2 and [p.wait(60) for p in launched] == [0, 0], logs
+    assert (run.folder / "log.node1.txt").is_file()

@@ -1,5 +1,6 @@
 """One RL step of the tiny policy under ZeRO, as a script:
-`torchrun --nproc_per_node N zero_update.py OUT [STAGE]` (STAGE 2 unless given).
+`torchrun --nproc_per_node N zero_update.py OUT [STAGE [PRECISION]]` (STAGE 2 and precision auto unless given;
+`DS_ACCELERATOR=cuda` runs it on the GPUs, one per rank).
 
 Rank 0 saves the full weights before and after the step (gathered, under ZeRO-3), their change, and
 the exported HF folder of the new weights (every rank joins its gather), for the comparisons of
@@ -27,15 +28,16 @@ def full_weights(engine: PolicyEngine) -> dict[str, torch.Tensor]:
     """Every HF-named weight, whole, as rank 0 receives it (every rank must call this)."""
     out: dict[str, torch.Tensor] = {}
     for bucket in engine.iter_weight_buckets(bucket_bytes=2**20):
-        out.update({n: t.clone() for n, t in bucket.tensors().items()})
+        out.update({n: t.detach().float().cpu().clone() for n, t in bucket.tensors().items()})
     return out
 
 
-def main(out: Path, stage: int) -> None:
+def main(out: Path, stage: int, precision: str = "auto") -> None:
     # adam_eps 1: Adam's first update is lr·g/(|g| + 1) ≈ lr·g, so the weight change is the gradient
     # itself. With the default eps it is ≈ lr·sign(g), where a gradient near eps flips with the
     # summation order (1 rank against a reduce over 2) and the comparison becomes a coin toss.
-    engine = PolicyEngine(tiny_qwen2(), EngineConfig(zero_stage=stage, micro_batch_tokens=48, adam_eps=1.0),
+    engine = PolicyEngine(tiny_qwen2(), EngineConfig(zero_stage=stage, micro_batch_tokens=48, adam_eps=1.0,
+                                                       precision=precision),
                           ScheduleConfig(lr=0.1), total_steps=10)
     before = full_weights(engine)
     g = torch.Generator().manual_seed(7)
@@ -48,9 +50,13 @@ def main(out: Path, stage: int) -> None:
     if engine.rank == 0:
         torch.save({"delta": {n: after[n] - before[n] for n in after}, "after": after, "loss": metrics["loss"],
                     "grad_norm": metrics["grad_norm"], "world": engine.world_size, "stage": stage,
+                    "device": str(next(engine.hf_model.parameters()).device), "bf16": engine.bf16,
                     "partitioned": any(hasattr(p, "ds_id") for p in engine.hf_model.parameters()),
                     "export": str(export)}, out)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+    if torch.cuda.is_available():
+        # fp32 means fp32: no TF32 matmuls, so 1 and 2 ranks differ only by the summation order
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 2, sys.argv[3] if len(sys.argv) > 3 else "auto")

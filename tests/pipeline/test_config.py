@@ -130,6 +130,15 @@ def test_the_loss_bounds_and_temperature_reach_the_learner_config(tmp_path):
     assert (chosen.importance_sampling, chosen.is_low, chosen.is_high) == ("mis", 0.125, 8.0)
     assert (chosen.loss_agg, chosen.temperature, chosen.dual_clip_c) == ("group-token-mean", 0.7, None)
     assert learner(["rl.importance_sampling=off"]).importance_sampling == "off"  # YAML's bare off is false
+    # the proof recipe samples under top_p 0.95: its recorded log-probs are the cut distribution's, which
+    # stand as "old" only for an importance correction; at top_p 1.0 they are the learner's own
+    from services.learner.trainer import old_policy_from_rollouts
+
+    assert shipped.sampling_cut and not old_policy_from_rollouts(shipped)
+    assert old_policy_from_rollouts(chosen)  # mis: the behaviour policy of the importance weights
+    whole = learner(["rl.sampling.top_p=1.0", "rl.sampling.temperature=0.7"])
+    assert not whole.sampling_cut and old_policy_from_rollouts(whole)
+    assert learner(["rl.sampling.top_p=1.0", "rl.sampling.top_k=20"]).sampling_cut
     with pytest.raises(ConfigError, match="temperature must be above 0"):
         load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.sampling.temperature=0"])
     for bad in ("rl.importance_sampling=sometimes", "rl.is_high=0.5", "rl.dual_clip_c=1", "rl.loss_agg=sum"):
@@ -279,12 +288,12 @@ def test_the_checkpoint_is_not_picked_on_the_queries_that_report_its_success(tmp
 
 
 def test_the_proof_fleet_samples_as_many_batches_as_the_staleness_allows_in_one_epoch():
-    # runs 12-30: three batches in flight at max_staleness 3 keep the engines' rows busy; run 30's second
-    # epoch lost what the first had gained, and two engines stepped faster than four (docs/results.md)
+    # three batches in flight at max_staleness 3 keep the engine's rows busy; a second epoch lost what the
+    # first had gained (docs/results.md); one vLLM engine batches every agent's turns itself
     proof = load_pipeline_config(CONFIGS / "smollm2-proof.yaml")
     s, r = proof.services, proof.rl
     assert s.rollout_workers * s.rollout_concurrency == r.max_staleness * r.batch_prompts
-    assert (s.rollout_workers, r.epochs, r.max_steps) == (2, 1, 40)
+    assert (s.engine, s.rollout_workers, r.epochs, r.max_steps) == ("vllm", 1, 1, 40)
     assert proof.synth.rl_queries == r.max_steps * r.batch_prompts  # one epoch: each prompt seen once
 
 

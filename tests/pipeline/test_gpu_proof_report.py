@@ -20,14 +20,14 @@ def _eval(success: float, delivery: float) -> dict:
 
 def test_success_gain_is_in_points_and_tables_show_percentages(tmp_path):
     state = {"eval_sft": _eval(success=6.25, delivery=12.5),
-             "eval_rl": {**_eval(success=18.75, delivery=75.0), "decode_mode": "graphs"}}
+             "eval_rl": {**_eval(success=18.75, delivery=75.0), "engine": "vllm"}}
     summary = gpu_proof.report(state, tmp_path, "proof", "python bench/gpu_proof.py")
     assert summary["success_gain_points"] == 12.5
     md = (tmp_path / "proof.md").read_text()
     assert "| SFT | 12.5 | 40.0 | 10.0 | 20.0 | 5.0 | 6.2 |" in md
     assert "| RL | 75.0 |" in md and "+12.5 points" in md
-    # which decode step the evaluation ran, where the run recorded it (older runs did not)
-    assert "- RL decode (graphs steps): 48 queries" in md and "- SFT decode: 48 queries" in md
+    # which engine the evaluation ran on, where the run recorded it (older runs did not)
+    assert "- RL decode (on vllm): 48 queries" in md and "- SFT decode: 48 queries" in md
     assert json.loads((tmp_path / "proof.json").read_text())["success_gain_points"] == 12.5
 
 

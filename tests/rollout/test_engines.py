@@ -1,4 +1,4 @@
-"""The transformers engine for real on a tiny Qwen2: seeds, raw log-probs, batching, weight reload."""
+"""The transformers engine for real on a tiny Qwen2: seeds, the sampler's log-probs, batching, weight reload."""
 
 from __future__ import annotations
 
@@ -35,20 +35,46 @@ def test_same_seed_same_ids_other_seed_other_ids_and_batched(engine):
     assert len(a.token_ids) == 12 and a.finish == "length"
 
 
-def test_logprobs_are_the_models_raw_logprobs_of_the_sampled_ids(engine, tiny_model):
-    (g,) = gen(engine, TurnParams(max_tokens=8, seed=3, temperature=0.7, top_logprobs=5))
-    ids = torch.tensor([PROMPT + g.token_ids])
+def _forward_logits(engine, prompt: list[int], sampled: list[int]) -> torch.Tensor:
+    """The model's (HF forward) logits at the positions that sampled `sampled` after `prompt`."""
     with torch.inference_mode():
-        logits = engine.model(ids).logits[0].float()
-    expected = torch.log_softmax(logits, -1)[len(PROMPT) - 1:-1].gather(1, torch.tensor(g.token_ids)[:, None])[:, 0]
-    assert torch.allclose(torch.tensor(g.logprobs), expected, atol=1e-4)
-    assert all(len(row) == 5 for row in g.top_logprobs)
-    # the alternatives are the model's five most probable ids with their raw log-probs
-    raw = torch.log_softmax(logits, -1)[len(PROMPT) - 1]
-    values, ids = raw.topk(5)
+        logits = engine.model(torch.tensor([prompt + sampled])).logits[0].float()
+    return logits[len(prompt) - 1:-1]
+
+
+def _of(logprobs: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    return logprobs.gather(1, torch.tensor(ids)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_logprobs_are_of_the_tempered_distribution_the_tokens_were_drawn_from(engine, temperature):
+    (g,) = gen(engine, TurnParams(max_tokens=16, seed=3, temperature=temperature, top_logprobs=5))
+    logits = _forward_logits(engine, PROMPT, g.token_ids)
+    tempered = torch.log_softmax(logits / temperature, -1)
+    got = torch.tensor(g.logprobs)
+    assert (got - _of(tempered, g.token_ids)).abs().max() < 1e-4
+    if temperature != 1.0:  # the check tells the two apart: the untempered log-probs are far off
+        assert (got - _of(torch.log_softmax(logits, -1), g.token_ids)).abs().max() > 1e-2
+    # the alternatives are that distribution's five most probable ids with their log-probs
+    values, ids = tempered[0].topk(5)
     assert sorted(g.top_logprobs[0]) == sorted(ids.tolist())
     assert [g.top_logprobs[0][i] for i in ids.tolist()] == pytest.approx(values.tolist(), abs=1e-4)
     assert max(g.top_logprobs[0].values()) >= g.logprobs[0]
+
+
+def test_a_top_p_cut_records_the_renormalized_nucleus_and_greedy_the_models_own(engine):
+    cut, greedy = gen(engine, TurnParams(max_tokens=16, seed=3, temperature=0.7, top_p=0.3, top_logprobs=20),
+                      TurnParams(max_tokens=8, temperature=0.0))
+    tempered = torch.log_softmax(_forward_logits(engine, PROMPT, cut.token_ids) / 0.7, -1)
+    probs, order = tempered.exp().sort(-1, descending=True)
+    kept = (probs.cumsum(-1) - probs < 0.3)  # the nucleus: tokens with less than top_p before them
+    mass = (probs * kept).sum(-1)
+    assert (torch.tensor(cut.logprobs) - (_of(tempered, cut.token_ids) - mass.log())).abs().max() < 1e-4
+    assert all(len(row) == int(k) for row, k in zip(cut.top_logprobs, kept.sum(-1).clamp(max=20)))
+    assert sorted(cut.top_logprobs[0]) == sorted(order[0, :int(kept[0].sum())].tolist()[:20])
+    raw = torch.log_softmax(_forward_logits(engine, PROMPT, greedy.token_ids), -1)
+    assert greedy.token_ids == raw.argmax(-1).tolist()
+    assert (torch.tensor(greedy.logprobs) - _of(raw, greedy.token_ids)).abs().max() < 1e-4
 
 
 def test_rows_of_different_lengths_in_one_batch_match_their_solo_runs(engine):
@@ -177,12 +203,10 @@ def test_a_next_turn_prefills_only_its_new_tokens_and_matches_a_full_prefill(tin
     assert ran_kept == len(prompt) - (len(PROMPT) + len(a1.token_ids) - 1)
 
 
-@pytest.mark.parametrize("decode", ["dynamic", "static"])
-def test_agents_extending_caches_of_different_lengths_together_match_full_prefills(tiny_model, decode):
+def test_agents_extending_caches_of_different_lengths_together_match_full_prefills(tiny_model):
     """Two agents' next turns admitted together: kept caches and new tokens of different lengths
-    (the batch's mask has holes), one of them joining a batch that is already decoding. The static
-    step decodes every slot: its idle slots must leave the kept caches intact."""
-    kept = TransformersEngine(tiny_model, max_model_len=2048, decode=decode)
+    (the batch's mask has holes), one of them joining a batch that is already decoding."""
+    kept = TransformersEngine(tiny_model, max_model_len=2048)
     full = TransformersEngine(tiny_model, max_model_len=2048, prefix_cache=0)
 
     async def agents(engine):
@@ -265,7 +289,7 @@ def test_the_engine_logs_where_its_time_goes(tiny_model, monkeypatch, caplog):
     from services.rollout.engines import hf
 
     monkeypatch.setattr(hf, "STATS_EVERY_S", 0.0)  # a line after every tick
-    engine = TransformersEngine(tiny_model, max_model_len=2048, decode="graphs")  # no GPU: static steps
+    engine = TransformersEngine(tiny_model, max_model_len=2048)
     with caplog.at_level(logging.INFO, logger=hf.__name__):
         gen(engine, TurnParams(max_tokens=6, seed=1), TurnParams(max_tokens=6, seed=2))
     lines = [r for r in caplog.records if r.getMessage().startswith("transformers engine: ")]
@@ -274,19 +298,15 @@ def test_the_engine_logs_where_its_time_goes(tiny_model, monkeypatch, caplog):
     assert first.admitted == 2 and first.rows_mean == 2.0  # both rows admitted together, then decoded
     assert "decode_ms_per_step=" in first.getMessage() and first.decode_ms_per_step > 0
     assert sum(r.admitted for r in lines) == 2
-    # the step actually in force, so a run's logs show whether its engines replayed graphs
-    assert "decode=static graphs=0" in first.getMessage()
+    assert "kept_caches=" in first.getMessage() and first.cache_capacity > 0
 
 
 # -- the slot pool: chunked prefill, growth, eviction, architectures ----------------------------
 
 
-def _logprobs_by_forward(engine, prompt: list[int], sampled: list[int]) -> torch.Tensor:
-    """The model's own (HF forward) raw log-probs of `sampled` after `prompt`."""
-    ids = torch.tensor([prompt + sampled])
-    with torch.inference_mode():
-        logits = engine.model(ids).logits[0].float()
-    return torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(sampled)[:, None])[:, 0]
+def _logprobs_by_forward(engine, prompt: list[int], sampled: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """The model's own (HF forward) log-probs of `sampled` after `prompt` at `temperature`."""
+    return _of(torch.log_softmax(_forward_logits(engine, prompt, sampled) / temperature, -1), sampled)
 
 
 def test_a_prompt_longer_than_a_prefill_chunk_matches_the_models_forward(tiny_model):
@@ -322,12 +342,11 @@ def test_a_long_joiner_grows_the_pool_without_disturbing_running_rows(tiny_model
     assert len(joiner.token_ids) == 4
 
 
-@pytest.mark.parametrize("decode", ["dynamic", "static"])
-def test_more_agents_than_slots_evict_kept_caches_and_still_match_full_prefills(tiny_model, decode):
+def test_more_agents_than_slots_evict_kept_caches_and_still_match_full_prefills(tiny_model):
     """Two slots, four agents of two turns each: kept caches are evicted (least recent first) and
     the agents whose cache survived prefill only their new tokens; every answer matches an engine
     that keeps nothing."""
-    kept = TransformersEngine(tiny_model, max_model_len=2048, max_batch=2, decode=decode)
+    kept = TransformersEngine(tiny_model, max_model_len=2048, max_batch=2)
     full = TransformersEngine(tiny_model, max_model_len=2048, max_batch=2, prefix_cache=0)
 
     async def agents(engine):
@@ -363,7 +382,7 @@ def test_a_llama_model_decodes_with_the_models_own_logprobs(tiny_model, tmp_path
             shutil.copy(f, folder / f.name)
     llama = TransformersEngine(folder, max_model_len=2048)
     g = gen(llama, TurnParams(max_tokens=8, seed=3, temperature=0.9))[0]
-    assert torch.allclose(torch.tensor(g.logprobs), _logprobs_by_forward(llama, PROMPT, g.token_ids), atol=1e-4)
+    assert torch.allclose(torch.tensor(g.logprobs), _logprobs_by_forward(llama, PROMPT, g.token_ids, 0.9), atol=1e-4)
 
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
@@ -371,83 +390,12 @@ def test_a_llama_model_decodes_with_the_models_own_logprobs(tiny_model, tmp_path
         TransformersEngine(folder, max_model_len=2048)
 
 
-def test_the_static_step_samples_what_the_dynamic_one_does(tiny_model):
-    """Every slot each step, keys in buckets of columns (what a CUDA graph replays): same tokens,
-    same log-probs as the dynamic step, for rows of different lengths joining at different times."""
-    results = {}
-    for decode in ("dynamic", "graphs"):  # no GPU here: "graphs" runs the static step eagerly
-        engine = TransformersEngine(tiny_model, max_model_len=2048, decode=decode)
+def test_the_rollout_service_refuses_the_removed_decode_modes(tiny_model, monkeypatch):
+    """GPU decoding is vLLM's: the transformers engine has one decode step, and a setting from before
+    is refused by name rather than ignored."""
+    from services.pipeline.config import ServicesSpec
 
-        async def staggered(engine=engine):
-            first = asyncio.ensure_future(engine.generate(PROMPT, TurnParams(max_tokens=20, seed=1)))
-            await asyncio.sleep(0.05)
-            return [*await asyncio.gather(engine.generate(PROMPT[3:], TurnParams(max_tokens=9, seed=2)),
-                                          engine.generate((PROMPT * 40)[:300], TurnParams(max_tokens=5, seed=3))),
-                    await first]
-
-        results[decode] = asyncio.run(staggered())
-        assert engine.decode == ("dynamic" if decode == "dynamic" else "static")
-    for x, y in zip(results["dynamic"], results["graphs"]):
-        assert x.token_ids == y.token_ids
-        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
-    with pytest.raises(EngineError, match="decode must be one of"):
-        TransformersEngine(tiny_model, max_model_len=2048, decode="eager")
-
-
-def test_the_rollout_service_builds_its_engine_in_the_configured_decode_mode(tiny_model, monkeypatch):
-    from services.common.settings import Settings
-    from services.rollout.service import RolloutConfig, make_engine
-
-    monkeypatch.setenv("STAR_ROLLOUT_DECODE", "static")  # as the pipeline sets it from services.decode
-    config = RolloutConfig(engine="transformers", model=str(tiny_model), max_model_len=2048)
-    assert make_engine(Settings(), config).decode == "static"
-    monkeypatch.setenv("STAR_ROLLOUT_DECODE", "eager")
     with pytest.raises(ValueError, match="decode"):
-        RolloutConfig(engine="transformers", model=str(tiny_model))
-
-
-def test_a_failed_graph_capture_falls_back_to_the_eager_static_step(tiny_model, caplog):
-    import logging
-
-    reference = gen(TransformersEngine(tiny_model, max_model_len=2048), TurnParams(max_tokens=6, seed=5))[0]
-    engine = TransformersEngine(tiny_model, max_model_len=2048)
-    engine.decode = "graphs"  # on this CPU-only machine the capture itself fails
-    with caplog.at_level(logging.WARNING):
-        (g,) = gen(engine, TurnParams(max_tokens=6, seed=5))
-    assert engine.decode == "static" and "CUDA graph capture failed" in caplog.text
-    assert g.token_ids == reference.token_ids and g.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
-
-
-def test_a_grown_kv_pool_drops_its_graphs_and_their_memory_pool(tiny_model, monkeypatch):
-    """CPU stand-in for CUDA graphs (capture computes the step, replay recomputes it into the same
-    output): replayed steps match the dynamic step, and when the KV pool grows the engine captures
-    anew into a new memory pool, never into the handle of a pool whose graphs are all gone."""
-    reference = gen(TransformersEngine(tiny_model, max_model_len=2048), TurnParams(max_tokens=6, seed=5),
-                    TurnParams(max_tokens=300, seed=6))
-    engine = TransformersEngine(tiny_model, max_model_len=2048)
-    engine.decode = "graphs"
-    pools: list[object] = []
-
-    class Replay:
-        def __init__(self, used: int, columns: int):
-            self.shape, self.logits = (used, columns), engine._static_logits(used, columns).clone()
-
-        def replay(self) -> None:
-            self.logits.copy_(engine._static_logits(*self.shape))
-
-    def capture(used: int, columns: int):
-        if engine._graph_pool is None:
-            engine._graph_pool = object()
-            pools.append(engine._graph_pool)
-        graph = Replay(used, columns)
-        return graph, graph.logits
-
-    monkeypatch.setattr(engine, "_capture", capture)
-    short = gen(engine, TurnParams(max_tokens=6, seed=5))[0]
-    capacity = engine._pool.capacity
-    assert engine._graphs and len(pools) == 1
-    _, long = gen(engine, TurnParams(max_tokens=6, seed=5), TurnParams(max_tokens=300, seed=6))
-    assert engine._pool.capacity > capacity and len(pools) == 2  # the pool grew: new graphs, new memory pool
-    assert engine.decode == "graphs" and engine._graphs
-    assert short.token_ids == reference[0].token_ids and long.token_ids == reference[1].token_ids
-    assert long.logprobs == pytest.approx(reference[1].logprobs, abs=1e-4)
+        ServicesSpec(engine="transformers", decode="graphs")
+    with pytest.raises(TypeError, match="decode"):
+        TransformersEngine(tiny_model, max_model_len=2048, decode="graphs")

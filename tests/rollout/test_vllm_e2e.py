@@ -151,3 +151,42 @@ def test_many_seeded_long_prompts_at_once_do_not_kill_the_cpu_engine(vllm, loop)
 
     outs = on(loop, burst())
     assert all(len(o.token_ids) == 4 for o in outs)
+
+
+def forward_logits(model_dir, prompt: list[int], sampled: list[int]) -> torch.Tensor:
+    """A transformers forward's logits at the positions that sampled `sampled` after `prompt`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + sampled])).logits[0].float()
+    return logits[len(prompt) - 1:-1]
+
+
+def of(logprobs: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    return logprobs.gather(1, torch.tensor(ids)[:, None])[:, 0]
+
+
+PROMPT = [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198]
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_vllm_records_logprobs_of_the_tempered_distribution_it_sampled(vllm, loop, tiny_model, temperature):
+    g = on(loop, vllm.generate(PROMPT, TurnParams(max_tokens=24, temperature=temperature, seed=11, top_logprobs=5)))
+    logits = forward_logits(tiny_model, PROMPT, g.token_ids)
+    tempered = torch.log_softmax(logits / temperature, -1)
+    got = torch.tensor(g.logprobs)
+    assert (got - of(tempered, g.token_ids)).abs().max() < 1e-4
+    if temperature != 1.0:  # the untempered log-probs are far from what was recorded
+        assert (got - of(torch.log_softmax(logits, -1), g.token_ids)).abs().max() > 1e-2
+    values, ids = tempered[0].topk(5)
+    assert sorted(g.top_logprobs[0]) == sorted(ids.tolist())
+    assert [g.top_logprobs[0][i] for i in ids.tolist()] == pytest.approx(values.tolist(), abs=1e-3)
+
+
+def test_vllm_records_a_top_p_cut_as_the_renormalized_nucleus(vllm, loop, tiny_model):
+    g = on(loop, vllm.generate(PROMPT, TurnParams(max_tokens=24, temperature=0.7, top_p=0.3, seed=11)))
+    tempered = torch.log_softmax(forward_logits(tiny_model, PROMPT, g.token_ids) / 0.7, -1)
+    probs = tempered.exp().sort(-1, descending=True).values
+    mass = (probs * (probs.cumsum(-1) - probs < 0.3)).sum(-1)  # what the nucleus keeps
+    assert (torch.tensor(g.logprobs) - (of(tempered, g.token_ids) - mass.log())).abs().max() < 1e-4

@@ -273,3 +273,63 @@ def test_kill_9_mid_task_another_worker_finishes_it_nothing_lost_or_duplicated(
     held_task = entry_task[held_id.decode() if isinstance(held_id, bytes) else held_id]
     assert sum(t["task_id"] == held_task for t in trajs) == 2
     assert all(len(t["token_ids"]) == len(t["loss_mask"]) == len(t["logprobs"]) for t in trajs)
+
+
+@pytest.fixture(scope="module")
+def synthetic_world_url(tmp_path_factory):
+    from services.sandbox.world.build import build_synthetic_world
+
+    url = f"sqlite:///{tmp_path_factory.mktemp('world') / 'tiny.sqlite'}"
+    build_synthetic_world(url, size="tiny", seed=0)
+    return url
+
+
+def test_while_the_sandbox_is_down_the_worker_takes_no_task_and_checks_it_with_backoff(
+        redis_client, tokenizer, loop, synthetic_world_url, tmp_path):
+    from services.embedded import ServiceProcess
+    from services.rollout.tools import HttpToolClient
+    from services.rollout.worker import SandboxCheck
+
+    client, prefix = redis_client
+    names = StreamNames(prefix.rstrip(":"))
+    sandbox = ServiceProcess("sandbox", "services.sandbox.app:create_app",
+                             {"STAR_DB_URL": synthetic_world_url, "STAR_LOG_LEVEL": "WARNING"}, tmp_path).start()
+    script = [format_tool_call("SearchCity", {"state": "Illinois"}), format_answer("Day 1:\nCurrent City: Chicago")]
+    engine = ScriptedEngine(tokenizer, lambda ids, turn: script[min(turn, 1)])
+    service = RolloutService(engine, HttpToolClient(sandbox.url, retries=0))
+    check = SandboxCheck(lambda: asyncio.run_coroutine_threadsafe(service.tools.reachable(), loop).result(),
+                         ttl_s=0.2, backoff_s=0.2, max_backoff_s=1.0)
+    worker = RolloutWorker(service, client, loop, names=names, consumer="w", claim_idle_ms=500, block_ms=200,
+                           sandbox=check)
+    threads = worker.start()
+    try:
+        publish(client, names.tasks, task(1))
+        wait_for(lambda: client.xlen(names.trajectories) >= 2)
+        sandbox.stop()
+        wait_for(lambda: not worker.sandbox.up())
+        time.sleep(0.5)  # a read that was already waiting (block_ms) when the sandbox went ends first
+        probes = worker.sandbox.probes
+        publish(client, names.tasks, task(2))
+        time.sleep(4.0)
+        # nothing claimed: the task is neither pending nor handed to the engine, and no sample failed
+        assert client.xpending(names.tasks, GROUP)["pending"] == 0 and worker.handled == 1
+        assert client.xlen(names.trajectories) == 2 and client.xlen(StreamNames.dead(names.tasks)) == 0
+        # backing off: 0.2, 0.4, 0.8, 1, 1 s between checks, not a check per read
+        assert 3 <= worker.sandbox.probes - probes <= 7, worker.sandbox.probes - probes
+        sandbox.start()  # the same port again
+        wait_for(lambda: client.xlen(names.trajectories) >= 4)
+    finally:
+        worker.stop.set()
+        for t in threads:
+            t.join(5)
+        sandbox.stop()
+    trajs = [d for _, d in read_all(client, names.trajectories)]
+    assert sorted(t["task_id"] for t in trajs) == ["task-1", "task-1", "task-2", "task-2"]
+    assert {t["finish_reason"] for t in trajs} == {"answer"}
+
+
+def wait_for(done, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)

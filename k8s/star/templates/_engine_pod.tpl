@@ -2,7 +2,8 @@
 The pod template of an engine pod (rollout server, rollout worker, learner): the CPU or CUDA image,
 GPU scheduling, /dev/shm, the model and weights volumes.
 args: root, component, v (component values with gpu, shmSize, resources, nodeSelector, tolerations,
-      affinity), command (list), port (int or nil: no HTTP), weightsReadOnly (bool), extraMounts, extraEnv
+      affinity), gpus (GPUs the pod asks for when v.gpu.enabled), command (list), port (int or nil: no HTTP),
+      weightsReadOnly (bool), extraMounts, extraEnv, extraPorts, extraVolumes
 */}}
 {{- define "star.enginePod" -}}
 {{- $root := .root -}}
@@ -36,26 +37,34 @@ spec:
       {{- if .port }}
       ports:
         - {name: http, containerPort: {{ .port }}, protocol: TCP}
+        {{- with .extraPorts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
       {{- include "star.httpProbes" (dict "startupFailures" 180) | nindent 6 }}
       {{- else }}
       {{- include "star.workerProbes" $root | nindent 6 }}
       {{- end }}
-      resources: {{- include "star.engineResources" $v | nindent 8 }}
+      resources: {{- include "star.engineResources" (dict "resources" $v.resources "gpus" (ternary .gpus 0 $v.gpu.enabled)) | nindent 8 }}
       securityContext: {{- toYaml $root.Values.securityContext | nindent 8 }}
       volumeMounts:
         - {name: weights, mountPath: /var/star/weights, readOnly: {{ .weightsReadOnly }}}
         - {name: models, mountPath: /var/star/models, readOnly: {{ not (not $root.Values.model.existingClaim) }}}
         - {name: dshm, mountPath: /dev/shm}
         - {name: scratch, mountPath: /tmp}
+        {{- include "star.runsMount" (dict "readOnly" .weightsReadOnly) | nindent 8 }}
         {{- with .extraMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
   volumes:
     - name: weights
-      persistentVolumeClaim: {claimName: {{ include "star.weightsClaim" $root }}}
+      persistentVolumeClaim: {claimName: {{ include "star.claimName" (dict "root" $root "component" "weights") }}}
     {{- include "star.modelVolume" $root | nindent 4 }}
     - name: dshm
       emptyDir: {medium: Memory, sizeLimit: {{ $v.shmSize }}}
     - name: scratch
       emptyDir: {}
+    {{- include "star.runsVolume" $root | nindent 4 }}
+    {{- with .extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
 {{- end -}}

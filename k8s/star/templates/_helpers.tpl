@@ -141,8 +141,43 @@ livenessProbe:
 {{- end }}
 {{- end -}}
 
-{{- define "star.weightsClaim" -}}
-{{- .Values.weights.existingClaim | default (printf "%s-weights" .Release.Name) -}}
+{{/* The shared ReadWriteMany volumes: `weights` (published versions) and `runs` (run folders).
+     args: root, component ("weights" | "runs") */}}
+{{- define "star.claimName" -}}
+{{- (get .root.Values .component).existingClaim | default (printf "%s-%s" .root.Release.Name .component) -}}
+{{- end -}}
+
+{{/* The PVC of one shared volume, unless an existing claim is named. args: root, component, what (comment) */}}
+{{- define "star.sharedClaim" -}}
+{{- $v := get .root.Values .component -}}
+{{- if not $v.existingClaim }}
+# {{ .what }}
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: {{ include "star.claimName" . }}
+  labels: {{- include "star.labels" . | nindent 4 }}
+  annotations:
+    # Deleting the release keeps the volume.
+    helm.sh/resource-policy: keep
+spec:
+  accessModes: {{- toYaml $v.accessModes | nindent 4 }}
+  {{- with $v.storageClassName }}
+  storageClassName: {{ . }}
+  {{- end }}
+  resources:
+    requests: {storage: {{ $v.size }}}
+{{- end }}
+{{- end -}}
+
+{{/* The runs volume, mounted at /var/star/runs (the default run folders, STAR_HOME/runs). args: root, readOnly */}}
+{{- define "star.runsMount" -}}
+- {name: runs, mountPath: /var/star/runs, readOnly: {{ .readOnly }}}
+{{- end -}}
+
+{{- define "star.runsVolume" -}}
+- name: runs
+  persistentVolumeClaim: {claimName: {{ include "star.claimName" (dict "root" . "component" "runs") }}}
 {{- end -}}
 
 {{/* GPU scheduling: node selector, tolerations, affinity. args: values of the component */}}
@@ -158,14 +193,16 @@ affinity: {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
 
-{{/* Resources, with nvidia.com/gpu added to requests and limits when the component runs on GPUs. */}}
+{{/* Resources, with nvidia.com/gpu added to requests and limits when the pod runs on GPUs.
+     args: resources, gpus (int; 0 off GPUs) */}}
 {{- define "star.engineResources" -}}
 {{- $r := deepCopy .resources -}}
-{{- if .gpu.enabled -}}
+{{- $gpus := int .gpus -}}
+{{- if $gpus -}}
 {{- $limits := (get $r "limits") | default dict -}}
 {{- $requests := (get $r "requests") | default dict -}}
-{{- $_ := set $limits "nvidia.com/gpu" (int .gpu.count) -}}
-{{- $_ := set $requests "nvidia.com/gpu" (int .gpu.count) -}}
+{{- $_ := set $limits "nvidia.com/gpu" $gpus -}}
+{{- $_ := set $requests "nvidia.com/gpu" $gpus -}}
 {{- $_ := set $r "limits" $limits -}}
 {{- $_ := set $r "requests" $requests -}}
 {{- end -}}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -39,8 +40,14 @@ class TurnParams:
 
 @dataclass
 class Generation:
+    """One sampled turn. `logprobs` are each sampled token's log-prob under the distribution the
+    engine drew it from: softmax(logits / temperature), cut to its top-k and top-p nucleus and
+    renormalized; at temperature 0, the model's own log_softmax(logits). Without a cut this is
+    exactly what the learner scores (it divides its logits by the same temperature). `top_logprobs`
+    are that distribution's most probable tokens, those a cut removed left out."""
+
     token_ids: list[int]
-    logprobs: list[float] | None  # raw model log-prob of each sampled token (None: not available)
+    logprobs: list[float] | None  # None: the engine has none (a text engine)
     finish: EngineFinish
     top_logprobs: list[dict[int, float]] | None = None
     text: str | None = None  # text engines only
@@ -143,6 +150,11 @@ class Engine:
 
     async def close(self) -> None:
         return None
+
+
+def drawable(alternatives: Iterable[tuple[int, float]]) -> dict[int, float]:
+    """(token id, log-prob) pairs without those a top-k or top-p cut left no chance (-inf)."""
+    return {tid: lp for tid, lp in alternatives if lp > -math.inf}
 
 
 def normalized_entropy(top_logprobs: list[dict[int, float]], first: int = 20, vocab_size: int = 151_936) -> float | None:

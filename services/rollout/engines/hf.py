@@ -1,4 +1,5 @@
-"""transformers in-process with continuous batching: the CPU demo/test engine and a GPU fallback.
+"""transformers in-process with continuous batching: the CPU engine of demos and tests, and the
+reference the GPU engine (vLLM) is checked against. GPU rollout is vLLM's job.
 
 Rows join and leave the running batch between decode steps. A request that arrives while others
 decode is prefilled on its own (with whatever else arrived with it) and from the next step decodes
@@ -22,8 +23,9 @@ between two ticks without draining the batch: rows in flight decode on under the
 the cache the old ones wrote), and the kept caches, which the old policy computed, are dropped.
 
 The sampling loop is ours rather than `model.generate` because each row needs its own seed, its
-own `max_tokens`, and the raw log-prob (and top-k) of the token it sampled. Sampling runs on the
-model's device; decoding runs in a worker thread, so the event loop keeps serving tool calls.
+own `max_tokens`, and the log-prob (and top-k) of the token it sampled under the distribution it
+was drawn from (see `Generation.logprobs`). Sampling runs on the model's device; decoding runs in
+a worker thread, so the event loop keeps serving tool calls.
 """
 
 from __future__ import annotations
@@ -36,21 +38,15 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
-from services.common.schemas import DecodeMode
-from services.rollout.engines.base import Engine, EngineError, Generation, TurnParams
+from services.rollout.engines.base import Engine, EngineError, Generation, TurnParams, drawable
 
 STEPS_PER_TICK = 4  # decode steps between admissions: joiners wait at most this long
 STATS_EVERY_S = 30.0  # how often the engine logs where its time went
 BROKEN_AFTER = 3  # ticks failed in a row after which the engine reports itself unhealthy
 PREFILL_CHUNK = 512  # prompt tokens per row per prefill pass: bounds the attention mask's size
 SUPPORTED = ("llama", "qwen2")  # decoder layers the engine can run itself (see _forward)
-# dynamic: each step runs the batch's rows over the slots they use; static: every slot in use (a power
-# of two), fixed shapes per bucket of key columns; graphs: the static step captured once per bucket as
-# a CUDA graph and replayed, so a step costs the host a few torch calls instead of ~700
-DECODE_MODES: tuple[str, ...] = get_args(DecodeMode)
-GRAPH_BUCKET = 256  # key columns per static-step bucket (one CUDA graph each)
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +163,7 @@ class TransformersEngine(Engine):
 
     def __init__(self, model: str | Path, *, max_model_len: int = 32768, max_batch: int = 16,
                  dtype: str | None = None, device: str | None = None, policy_version: int = 0, tokenizer: Any = None,
-                 continuous: bool = True, prefix_cache: int | None = None, decode: str = "dynamic") -> None:
+                 continuous: bool = True, prefix_cache: int | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -185,13 +181,6 @@ class TransformersEngine(Engine):
             raise EngineError(f"the transformers engine runs {', '.join(SUPPORTED)} models, not {config.model_type!r}"
                               " (serve it with vLLM: services.engine=vllm)")
         self._fuse_projections()
-        if decode not in DECODE_MODES:
-            raise EngineError(f"decode must be one of {', '.join(DECODE_MODES)}, not {decode!r}")
-        # "graphs" replays the static step as a CUDA graph; without CUDA it runs the static step eagerly
-        self.decode = "static" if decode == "graphs" and not device.startswith("cuda") else decode
-        self._graphs: dict[tuple[int, int], tuple[Any, Any]] = {}  # (slots, key columns) → (graph, logits)
-        self._graph_pool: Any = None
-        self._static: Any = None
         self.weights_path = str(model)
         self.max_batch = max_batch
         # False: admit only into an empty batch (static batching; kept as the benchmark's baseline)
@@ -297,10 +286,8 @@ class TransformersEngine(Engine):
                 if finished:
                     break  # answer them now rather than after the remaining steps
         if time.perf_counter() - w.started >= STATS_EVERY_S:
-            # the decode step in force (graphs fall back to static after a failed capture) and the
-            # graphs captured so far: one per power-of-two slot count and key bucket in use
             fields = {**w.line(), "rows": len(batch.rows), "kept_caches": len(self._kept),
-                      "cache_capacity": self._pool.capacity, "decode": self.decode, "graphs": len(self._graphs)}
+                      "cache_capacity": self._pool.capacity}
             if self.device.startswith("cuda"):  # what this process holds of a GPU other processes share
                 fields["gpu_reserved_gib"] = round(torch.cuda.memory_reserved(self.device) / 2**30, 2)
             # in the message, not only in `extra`: the services' plain-text logs print no extras
@@ -368,10 +355,7 @@ class TransformersEngine(Engine):
                 self.reused_tokens += row.length
         for row in fresh:
             row.slot, row.length = self._take_slot(), 0
-        capacity = self._pool.capacity
         self._pool.ensure(max(len(row.request.prompt_ids) + row.limit - 1 for row in live))
-        if self._pool.capacity != capacity:
-            self._drop_graphs()  # captured over the old pool's tensors
         tokens = self._sample(live, self._prefill(live))
         for row in live:
             row.length = len(row.request.prompt_ids)
@@ -527,92 +511,22 @@ class TransformersEngine(Engine):
         again before the batch advances writes the same ones)."""
         used = max(row.slot for row in batch.rows) + 1
         keys_len = max(row.length for row in batch.rows) + 1
-        if self.decode != "dynamic":
-            return self._static_step(batch, used, keys_len)
         attend = self._decode_attention(batch.slots, batch.positions, used, keys_len)
         hidden = self._forward(batch.pending[:, None], batch.positions[:, None], batch.slots, attend)
         return self._logits(hidden[:, -1])
 
-    # -- the static step: the slots in use, fixed shapes, replayable as a CUDA graph -------------
-
-    def _static_step(self, batch: _Batch, used: int, keys_len: int) -> Any:
-        """The batch's logits from one step over slots [0, S), S the slots in use rounded up to a
-        power of two (slots are handed out lowest first). Idle slots decode a pad token at
-        position 0 and write to the scratch column, so a kept cache is never touched."""
-        torch = self.torch
-        if self._static is None:
-            n = self.max_batch
-            self._static = {"tokens": torch.full((n, 1), self.pad_id, dtype=torch.long, device=self.device),
-                            "positions": torch.zeros((n, 1), dtype=torch.long, device=self.device),
-                            "active": torch.zeros((n, 1), dtype=torch.bool, device=self.device),
-                            "slots": torch.arange(n, device=self.device)}
-        st = self._static
-        st["tokens"].fill_(self.pad_id)
-        st["positions"].zero_()
-        st["active"].zero_()
-        st["tokens"][batch.slots, 0] = batch.pending
-        st["positions"][batch.slots, 0] = batch.positions
-        st["active"][batch.slots, 0] = True
-        shape = (min(1 << (used - 1).bit_length(), self.max_batch),
-                 _round_up(keys_len, GRAPH_BUCKET, self._pool.capacity))
-        if self.decode == "graphs" and shape not in self._graphs:
-            try:
-                self._graphs[shape] = self._capture(*shape)
-            except Exception as exc:  # noqa: BLE001 - decoding goes on without graphs rather than fail rows
-                log.warning("transformers engine: CUDA graph capture failed (%s: %s); decoding the static step "
-                            "eagerly from now on", type(exc).__name__, exc)
-                self.decode = "static"
-                self._drop_graphs()
-        if self.decode == "static":
-            return self._static_logits(*shape)[batch.slots]
-        graph, logits = self._graphs[shape]
-        graph.replay()
-        return logits[batch.slots]
-
-    def _static_logits(self, used: int, columns: int) -> Any:
-        st = {name: t[:used] for name, t in self._static.items()}  # views: a replay reads the live buffers
-        seen = self.torch.where(st["active"][:, 0], st["positions"][:, 0], 0)  # idle slots see column 0
-        attend = self._decode_attention(st["slots"], seen, used, columns)
-        hidden = self._forward(st["tokens"], st["positions"], st["slots"], attend, valid=st["active"])
-        return self._logits(hidden[:, -1])
-
-    def _drop_graphs(self) -> None:
-        """Forget every captured graph and their memory pool. Once its last graph is gone the
-        allocator frees the pool, and a capture into the same handle then trips its internal assert
-        (`use_count > 0`): H100 run 28 hit that at the first growth of the KV pool, and every engine
-        fell back to the eager static step."""
-        self._graphs.clear()
-        self._graph_pool = None
-
-    def _capture(self, used: int, columns: int) -> tuple[Any, Any]:
-        """Record the static step over `used` slots and `columns` key columns. One eager run on a
-        side stream first (CUDA graphs need warmed-up kernels); it writes the same keys and values
-        the replay will."""
-        torch = self.torch
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._static_logits(used, columns)
-        torch.cuda.current_stream().wait_stream(side)
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            logits = self._static_logits(used, columns)
-        return graph, logits
-
     def _sample(self, rows: list[_Row], logits: Any) -> Any:
-        """Draw one token per row (each with its own generator) and record its raw log-prob."""
+        """Draw one token per row (each with its own generator) and record its log-prob under the
+        distribution it was drawn from (`_draw`), with that distribution's most probable alternatives."""
         torch = self.torch
-        logits = logits.float()
-        raw = torch.log_softmax(logits, dim=-1)
-        tokens = _draw(torch, logits, [row.request.params for row in rows], [row.generator for row in rows])
-        chosen = raw.gather(1, tokens[:, None])[:, 0].tolist()
+        tokens, drawn = _draw(torch, logits.float(), [row.request.params for row in rows],
+                              [row.generator for row in rows])
+        chosen = drawn.gather(1, tokens[:, None])[:, 0].tolist()
         top_k = max(row.request.params.top_logprobs for row in rows)
         top_ids: list[list[int]] = []
         top_lps: list[list[float]] = []
         if top_k:  # one host read for all rows' alternatives, not one per row
-            values, indices = raw.topk(top_k, dim=-1)
+            values, indices = drawn.topk(top_k, dim=-1)
             top_ids, top_lps = indices.tolist(), values.tolist()
         stop = self.stop_ids
         for i, (row, tid) in enumerate(zip(rows, tokens.tolist())):
@@ -620,7 +534,7 @@ class TransformersEngine(Engine):
             row.logprobs.append(chosen[i])
             k = row.request.params.top_logprobs
             if k:
-                row.top.append(dict(zip(top_ids[i][:k], top_lps[i][:k])))
+                row.top.append(drawable(zip(top_ids[i][:k], top_lps[i][:k])))
             row.done = tid in stop or len(row.ids) >= row.limit
         return tokens
 
@@ -710,10 +624,14 @@ def _nucleus(torch, probs, top_p: float):
 
 
 def _draw(torch, logits, params: list[TurnParams], generators: list[Any]):
-    """One token id per row of `logits` [rows, vocab], on their device: greedy at temperature 0,
-    else temperature, top-k, top-p. Rows with the same settings are processed together; each row
-    draws its noise from its own generator, so what a row samples does not depend on the batch."""
+    """One token id per row of `logits` [rows, vocab], on their device, and the log-probs [rows, vocab]
+    of the distribution each row was drawn from: at temperature 0 the argmax, with the model's own
+    log-probs; else softmax(logits / temperature) cut to its top-k and then its top-p nucleus and
+    renormalized (what vLLM records with `logprobs_mode: processed_logprobs`). Rows with the same
+    settings are processed together; each row draws its noise from its own generator, so what a row
+    samples does not depend on the batch."""
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    logprobs = torch.empty_like(logits)
     groups: dict[tuple[float, int, float], list[int]] = {}
     for i, p in enumerate(params):
         groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(i)
@@ -722,17 +640,23 @@ def _draw(torch, logits, params: list[TurnParams], generators: list[Any]):
         scores = logits[idx]
         if temperature <= 0:
             out[idx] = scores.argmax(-1)
+            logprobs[idx] = torch.log_softmax(scores, dim=-1)
             continue
         scores = scores / temperature
         if top_k and top_k > 0:
             kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]
             scores = scores.masked_fill(scores < kth, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
+        drawn = torch.log_softmax(scores, dim=-1)
         if top_p < 1.0:
-            probs = probs.masked_fill(~_nucleus(torch, probs, top_p), 0.0)
+            keep = _nucleus(torch, probs, top_p)
+            probs = probs.masked_fill(~keep, 0.0)
             probs = probs / probs.sum(-1, keepdim=True)
+            drawn = drawn.masked_fill(~keep, float("-inf"))
+            drawn = drawn - torch.logsumexp(drawn, dim=-1, keepdim=True)
+        logprobs[idx] = drawn
         # argmax(p / E), E ~ Exp(1), draws from p (the exponential race); several times faster
         # than torch.multinomial over a 150K vocabulary.
         noise = torch.stack([torch.empty_like(probs[0]).exponential_(1.0, generator=generators[i]) for i in rows])
         out[idx] = (probs / noise).argmax(-1)
-    return out
+    return out, logprobs

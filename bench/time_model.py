@@ -1,0 +1,253 @@
+"""How long an RL step of the paper's 7B recipe takes on our system: each component measured on a lent
+multi-GPU machine at the recipe's shapes, a few whole steps through `star train`, and the step projected
+to the paper's 16×A100 for the synchronous and the asynchronous (one step off-policy) modes.
+
+    python bench/time_model.py measure --gpus 4     # on the GPU machine (bench/gpu_device.sh install first)
+    python bench/time_model.py project              # from the recorded components: time_model.{json,md,png}
+
+The recipe's step (spec/paper-recipe.md): 32 prompts × G 8 = 256 trajectories of about 10K tokens with
+about 9 tool calls each, 30K context, Qwen2.5-7B. The paper reports 9.0 min per GRPO step on 16×A100.
+
+Components, each by its own benchmark (random-init weights of the Qwen2.5-7B shape):
+- rollout: `bench/rollout_gpu.py` with vLLM on one GPU, 32 agents (one engine's share of 256 over 8
+  engines) in 10 turns whose lengths are forced (a random model would stop early); its wall time is the
+  critical path of one engine's share of the step: the slowest agent's sequential turns.
+- learner: `bench/learner_multigpu.py` at the 7B shape under ZeRO-3 over the machine's GPUs, 16K-token
+  rows: tokens/s per GPU and MFU (PaLM count).
+- weight sync: `bench/weight_sync_gpu.py`, learner → live vLLM engine over NCCL, "step done" to "the
+  engine samples with the new version".
+- scoring: the evaluator's plans/s (`bench/reward.py`, CPU; it runs on CPUs in every deployment).
+- whole steps: `star train` on the same machine with placement, its `time_step_s` per step.
+
+Projection to 16×A100 (stated, not hidden): the learner's time scales with the step's model FLOPs over
+A100's dense bf16 peak at the MFU measured here; decoding is memory-bound, so rollout time scales by
+HBM bandwidth (H100 3.35 → A100 2.0 TB/s); weight sync scales by NVLink bandwidth (900 → 600 GB/s).
+Synchronous: the step is rollout, then scoring, then training, then sync, with the learner on the
+learner's GPUs. Asynchronous (max_staleness 1, weights loaded in flight): the slower of the two sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "bench" / "results"
+
+PAPER_MIN_PER_STEP = 9.0
+TARGET_ASYNC_MIN = 3.0
+A100_BF16 = 312e12
+H100_BF16 = 989e12
+HBM_TBS = {"H100": 3.35, "A100": 2.0}
+NVLINK_GBS = {"H100": 900.0, "A100": 600.0}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The shape of one RL step of the paper's 7B recipe."""
+
+    prompts: int = 32
+    group: int = 8
+    trajectory_tokens: int = 10_300   # SFT trajectories average 10.3K tokens and 9.2 tool calls
+    tool_calls: int = 9
+    context: int = 30_000
+    rollout_gpus: int = 8             # vLLM engines, one GPU each
+    learner_gpus: int = 8
+
+    @property
+    def trajectories(self) -> int:
+        return self.prompts * self.group
+
+    @property
+    def step_tokens(self) -> int:
+        return self.trajectories * self.trajectory_tokens
+
+
+@dataclass(frozen=True)
+class Components:
+    """Measured figures, each on the device named, at the shapes given in `shapes`."""
+
+    device: str
+    rollout_wall_s: float         # one engine's share (trajectories / rollout_gpus) of a step, end to end
+    rollout_agents: int           # the agents that wall time covered
+    learner_mfu: float            # PaLM count, at the 7B shape under ZeRO-3
+    sync_s: float                 # learner → engine over NCCL, step done → engine samples the new version
+    score_plans_per_s: float      # the evaluator, on CPU
+    n_params: int                 # of the 7B shape
+    layers: int
+    attn_width: int
+
+
+def step_flops(c: Components, r: Recipe) -> float:
+    """Forward + backward model FLOPs (PaLM count) of training one step's trajectories."""
+    from services.learner.flops import train_flops
+
+    return train_flops(c.n_params, c.layers, c.attn_width, [r.trajectory_tokens] * r.trajectories)
+
+
+def project(c: Components, r: Recipe = Recipe(), *, source: str = "H100", target: str = "A100") -> dict[str, Any]:
+    """Minutes per step on `r.rollout_gpus + r.learner_gpus` GPUs of `target`, synchronous and asynchronous."""
+    per_engine = r.trajectories / r.rollout_gpus
+    rollout_s = c.rollout_wall_s * max(per_engine / c.rollout_agents, 1.0) * HBM_TBS[source] / HBM_TBS[target]
+    score_s = r.trajectories / c.score_plans_per_s
+    train_s = step_flops(c, r) / (r.learner_gpus * A100_BF16 * c.learner_mfu)
+    sync_s = c.sync_s * NVLINK_GBS[source] / NVLINK_GBS[target]
+    sync_min = (rollout_s + score_s + train_s + sync_s) / 60
+    async_min = max(rollout_s + score_s, train_s + sync_s) / 60
+    return {
+        "seconds": {"rollout": rollout_s, "scoring": score_s, "training": train_s, "weight_sync": sync_s},
+        "step_tflop": step_flops(c, r) / 1e12,
+        "sync": round(sync_min, 2),
+        "async": round(async_min, 2),
+        "bound_by": "rollout" if rollout_s + score_s >= train_s + sync_s else "training",
+        "target_async_met": async_min <= TARGET_ASYNC_MIN,
+        "ratios": {"bf16_tflops": [H100_BF16 / 1e12, A100_BF16 / 1e12], "hbm_tbs": [HBM_TBS[source], HBM_TBS[target]],
+                   "nvlink_gbs": [NVLINK_GBS[source], NVLINK_GBS[target]]},
+    }
+
+
+# -- reading the components' own results ------------------------------------------------------------
+
+def _load(results: Path, name: str) -> dict[str, Any]:
+    path = results / f"{name}.json"
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing: run `python bench/time_model.py measure` on a GPU machine first")
+    return json.loads(path.read_text())
+
+
+def components_from_results(prefix: str = "time_model", results: Path = RESULTS) -> tuple[Components, dict[str, Any]]:
+    """The figures of the component benchmarks `measure` ran, with the shapes each was taken at."""
+    rollout = _load(results, f"{prefix}_rollout")
+    shape = rollout["shapes"]["7b"]
+    engine = shape["engines"]["vllm"]
+    learner = _load(results, f"{prefix}_learner")
+    sync = [row for row in _load(results, f"{prefix}_sync")["rows"] if row["method"] == "nccl" and row["shape"] == "7b"]
+    reward = _load(results, "reward")
+    cfg = shape["config"]
+    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    comps = Components(
+        device=rollout["device"], rollout_wall_s=engine["wall_s"], rollout_agents=rollout["load"]["agents"],
+        learner_mfu=learner["mfu"], sync_s=min(row["seconds"] for row in sync),
+        score_plans_per_s=reward["http"]["official"]["score_batch"]["plans_per_s"],
+        n_params=shape["params"], layers=layers, attn_width=heads * (cfg["hidden_size"] // heads))
+    shapes = {
+        "rollout": {"tokens_per_s": engine["tokens_per_s"], "load": rollout["load"], "turn_p99_s": engine["turn_p99_s"]},
+        "learner": {k: learner.get(k) for k in ("device", "world_size", "zero_stage", "params", "seq", "mfu",
+                                                "mfu_causal_half", "tokens_per_s", "peak_gib")},
+        "weight_sync": sync,
+        "scoring": {"plans_per_s": comps.score_plans_per_s, "machine": reward.get("machine"),
+                    "what": "POST /score/batch, 64 plans a request, official mode, one worker"},
+    }
+    return comps, shapes
+
+
+def e2e_from_run(run_dir: Path) -> list[dict[str, float]]:
+    """`time_step_s` (and its parts) of each RL step a `star train` run recorded."""
+    steps = []
+    for path in sorted(run_dir.rglob("metrics.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if "time_step_s" in row:
+                steps.append({k: v for k, v in row.items() if k == "step" or k.startswith("time_")})
+    return steps
+
+
+# -- the two commands -------------------------------------------------------------------------------
+
+def _run(argv: list[str], timeout: float) -> None:
+    print("+", " ".join(argv), flush=True)
+    started = time.monotonic()
+    done = subprocess.run(argv, cwd=ROOT, timeout=timeout)
+    print(f"  rc {done.returncode} after {time.monotonic() - started:.0f} s", flush=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{argv[1]} failed (rc {done.returncode})")
+
+
+def measure(args: argparse.Namespace) -> None:
+    py = sys.executable
+    if "rollout" in args.parts:
+        _run([py, "bench/rollout_gpu.py", "--shapes", "7b", "--engines", "vllm", "--agents", str(args.agents),
+              "--turns", "10", "--ctx-min", "1500", "--ctx-max", "2500", "--short", "120", "--long", "1000",
+              "--long-share", "0.1", "--tool-min", "500", "--tool-max", "1000", "--gpu-memory", "0.85",
+              "--inflight-modes", "keep", "--name", f"{args.prefix}_rollout"], timeout=1800)
+    if "learner" in args.parts:
+        _run([py, "bench/learner_multigpu.py", "--shape", "7b", "--nproc", str(args.gpus), "--seq", "16384",
+              "--steps", "3", "--warmup", "1", "--skip-baseline", "--name", f"{args.prefix}_learner"], timeout=1800)
+    if "sync" in args.parts:
+        _run([py, "bench/weight_sync_gpu.py", "--shapes", "7b", "--methods", "nccl", "--rounds", "3",
+              "--name", f"{args.prefix}_sync"], timeout=1200)
+    if "e2e" in args.parts:
+        run_dir = Path(args.run_dir)
+        _run([py, "-m", "services.cli", "train", args.recipe, "--run-dir", str(run_dir),
+              "--set", f"rl.max_steps={args.e2e_steps}", "--set", "services.engine=vllm",
+              "--set", f"deployment.learner_ranks={max(1, args.gpus // 2)}",
+              *[a for item in args.e2e_set for a in ("--set", item)]], timeout=3000)
+        (RESULTS / f"{args.prefix}_e2e.json").write_text(json.dumps(
+            {"recipe": args.recipe, "gpus": args.gpus, "steps": e2e_from_run(run_dir)}, indent=1) + "\n")
+
+
+def write_projection(args: argparse.Namespace) -> dict[str, Any]:
+    comps, shapes = components_from_results(args.prefix)
+    e2e_path = RESULTS / f"{args.prefix}_e2e.json"
+    e2e = json.loads(e2e_path.read_text()) if e2e_path.is_file() else None
+    proj = project(comps)
+    record = {
+        "device": comps.device, "recipe": asdict(Recipe()), "components": {**asdict(comps), "shapes": shapes},
+        "e2e_steps": e2e, "projected_min_per_step_7b_16xA100": {"sync": proj["sync"], "async": proj["async"]},
+        "projection": proj, "paper_min_per_step": PAPER_MIN_PER_STEP, "target_async_min": TARGET_ASYNC_MIN,
+    }
+    (RESULTS / "time_model.json").write_text(json.dumps(record, indent=1) + "\n")
+    secs = proj["seconds"]
+    lines = [
+        "# An RL step of the paper's 7B recipe: measured components, projected to 16×A100", "",
+        f"Components measured on {comps.device} (`python bench/time_model.py measure`); projection by "
+        "`python bench/time_model.py project` (the method is in the script's docstring).", "",
+        "| part of a step | seconds on 16×A100 (projected) |", "|---|---|",
+        *[f"| {k.replace('_', ' ')} | {v:.1f} |" for k, v in secs.items()], "",
+        f"**Synchronous: {proj['sync']:.2f} min/step; asynchronous: {proj['async']:.2f} min/step** "
+        f"(paper: {PAPER_MIN_PER_STEP} min; target ≤ {TARGET_ASYNC_MIN} asynchronous: "
+        f"{'met' if proj['target_async_met'] else 'not met'}; bound by {proj['bound_by']}).", "",
+        "Ratios used, H100 → A100: bf16 989 → 312 TFLOP/s, HBM 3.35 → 2.0 TB/s, NVLink 900 → 600 GB/s.",
+    ]
+    if e2e:
+        times = [s["time_step_s"] for s in e2e["steps"]]
+        lines += ["", f"Whole steps through `star train` ({e2e['recipe']}, {e2e['gpus']} GPUs): "
+                  + ", ".join(f"{t:.1f} s" for t in times)]
+    (RESULTS / "time_model.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("measure", help="run the component benchmarks and whole steps on this GPU machine")
+    m.add_argument("--gpus", type=int, default=4)
+    m.add_argument("--agents", type=int, default=32, help="agents on the one measured engine (256 / 8 engines)")
+    m.add_argument("--parts", default="rollout,learner,sync,e2e")
+    m.add_argument("--recipe", default="configs/smollm2-proof.yaml", help="the recipe of the whole steps")
+    m.add_argument("--e2e-steps", type=int, default=3)
+    m.add_argument("--e2e-set", action="append", default=[], help="more recipe overrides of the whole steps (KEY=VALUE)")
+    m.add_argument("--run-dir", default=os.path.join("/tmp", "time-model-run"))
+    m.add_argument("--prefix", default="time_model")
+    p = sub.add_parser("project", help="write time_model.{json,md} from the recorded components")
+    p.add_argument("--prefix", default="time_model")
+    args = ap.parse_args(argv)
+    if args.command == "measure":
+        args.parts = set(args.parts.split(","))
+        measure(args)
+        write_projection(args)
+    else:
+        write_projection(args)
+
+
+if __name__ == "__main__":
+    main()

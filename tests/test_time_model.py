@@ -1,0 +1,73 @@
+"""The time model's projection (bench/time_model.py): the arithmetic that turns measured components into
+minutes per step of the paper's 7B recipe on 16×A100, and the reading of the benchmarks' own results."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from bench.gpu_shapes import SHAPES
+from bench.time_model import Components, Recipe, components_from_results, project, step_flops
+
+# The Qwen2.5-7B shape: 28 layers, attention width 28 × 128
+SEVEN_B = dict(n_params=7_615_616_512, layers=28, attn_width=3584)
+
+
+def comps(**kw) -> Components:
+    base = dict(device="NVIDIA H100 80GB HBM3", rollout_wall_s=60.0, rollout_agents=32, learner_mfu=0.45,
+                sync_s=0.21, score_plans_per_s=700.0, **SEVEN_B)
+    return Components(**{**base, **kw})
+
+
+def test_a_steps_training_matches_the_issues_scale():
+    # ~2.6M tokens at 7B is about 1.5e17 FLOPs, about 70 s on 16 A100s at 45 % MFU
+    r = Recipe(learner_gpus=16)
+    assert step_flops(comps(), r) == pytest.approx(1.5e17, rel=0.05)
+    assert project(comps(), r)["seconds"]["training"] == pytest.approx(70, rel=0.05)
+
+
+def test_rollout_scales_by_bandwidth_and_by_each_engines_share():
+    one = project(comps(rollout_wall_s=60.0, rollout_agents=32))["seconds"]["rollout"]
+    assert one == pytest.approx(60.0 * 3.35 / 2.0)
+    # measured at 16 agents while an engine's share is 32: twice the batches of sequential work
+    assert project(comps(rollout_agents=16))["seconds"]["rollout"] == pytest.approx(2 * one)
+    # more agents than an engine's share: no credit for the smaller batch
+    assert project(comps(rollout_agents=64))["seconds"]["rollout"] == pytest.approx(one)
+
+
+def test_asynchronous_is_the_slower_side_and_never_slower_than_synchronous():
+    slow_rollout = project(comps(rollout_wall_s=300.0))
+    assert slow_rollout["bound_by"] == "rollout"
+    s = slow_rollout["seconds"]
+    assert slow_rollout["async"] == pytest.approx((s["rollout"] + s["scoring"]) / 60, abs=0.01)
+    slow_learner = project(comps(rollout_wall_s=5.0, learner_mfu=0.05))
+    assert slow_learner["bound_by"] == "training"
+    for p in (slow_rollout, slow_learner):
+        assert p["async"] <= p["sync"]
+        assert p["sync"] == pytest.approx(sum(p["seconds"].values()) / 60, abs=0.01)
+    assert project(comps(rollout_wall_s=60.0))["target_async_met"]
+    assert not project(comps(rollout_wall_s=200.0))["target_async_met"]
+
+
+def test_components_are_read_from_the_benchmarks_results(tmp_path):
+    cfg = {**SHAPES["7b"]}
+    (tmp_path / "tm_rollout.json").write_text(json.dumps({
+        "device": "NVIDIA H100 80GB HBM3", "load": {"agents": 32},
+        "shapes": {"7b": {"params": SEVEN_B["n_params"], "config": cfg,
+                          "engines": {"vllm": {"wall_s": 48.0, "tokens_per_s": 2000.0, "turn_p99_s": 9.0}}}}}))
+    (tmp_path / "tm_learner.json").write_text(json.dumps({"device": "H100", "mfu": 0.33, "tokens_per_s": 9000.0}))
+    (tmp_path / "tm_sync.json").write_text(json.dumps({"rows": [
+        {"shape": "7b", "method": "nccl", "seconds": 0.25}, {"shape": "7b", "method": "nccl", "seconds": 0.21},
+        {"shape": "7b", "method": "files", "seconds": 14.7}, {"shape": "1.5b", "method": "nccl", "seconds": 0.1}]}))
+    (tmp_path / "reward.json").write_text(json.dumps(
+        {"machine": "2 cores", "http": {"official": {"score_batch": {"plans_per_s": 759.1}}}}))
+    c, shapes = components_from_results("tm", tmp_path)
+    assert c == replace(comps(), rollout_wall_s=48.0, learner_mfu=0.33, sync_s=0.21, score_plans_per_s=759.1)
+    assert [row["seconds"] for row in shapes["weight_sync"]] == [0.25, 0.21]
+
+
+def test_missing_results_say_how_to_make_them(tmp_path):
+    with pytest.raises(SystemExit, match="time_model.py measure"):
+        components_from_results("tm", tmp_path)
