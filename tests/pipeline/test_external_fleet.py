@@ -122,9 +122,9 @@ def test_star_train_drives_a_fleet_it_did_not_start(tmp_path):
             controller.wait(30)
         done = _train(home, run, *RL, fleet=env)
         assert done.returncode == 0, done.stderr[-3000:]
-        assert f"re-attached to learner run {second}" in " ".join(done.stderr.split())
+        assert f"re-attached to learner run {second}" in " ".join(done.stderr.split()), done.stderr[-3000:]
         runs = _learner_runs(learner_url)
-        assert set(runs) == {first, second} and runs[second]["state"] == "finished"  # no third run
+        assert set(runs) == {first, second} and runs[second]["state"] == "finished", runs  # no third run
 
         # the steps were trained by the fleet's workers and the learner service, once each
         stages = json.loads((run / "stages.json").read_text())
