@@ -99,3 +99,53 @@ def test_a_fault_rate_the_external_fleet_will_not_apply_is_said():
 
     assert "STAR_FAULT_RATE" in external_fleet_note(config(fleet="external"))
     assert external_fleet_note(config()) is None
+
+
+@pytest.fixture
+def learner_service(tmp_path):
+    """The real learner service (its runs API), as a deployment runs it."""
+    from services.common.supervisor import Supervisor, wait_ready
+    from services.pipeline import fleet
+
+    spec = next(s for s in fleet.SERVICES if s.name == "learner")
+    port = free_port()
+    sup = Supervisor(None)
+    env = {**train_env(tmp_path / "learner-home"), "STAR_API_TOKEN": "fleet-token"}
+    child = sup.add("learner", fleet.service_argv(spec, port), env, tmp_path / "learner.log")
+    url = f"http://127.0.0.1:{port}"
+    wait_ready("learner", child.proc, url, child.log, 120)
+    yield url
+    sup.stop_all()
+
+
+def test_a_learner_that_refuses_or_fails_the_run_fails_the_stage_with_its_words(tmp_path, learner_service):
+    from services.pipeline.config import load_pipeline_config
+    from services.pipeline.external import ExternalFleet
+    from services.pipeline.rl import rl_config
+    from services.pipeline.stage import Run, StageFailed
+    from tests.pipeline.test_train_e2e import ROOT
+    from tests.support.waiting import until
+
+    run = Run(load_pipeline_config(ROOT / "configs" / "tiny.yaml", ["deployment.fleet=external"]), tmp_path / "run")
+    run.folder.mkdir()
+
+    def fleet(token: str = "fleet-token") -> ExternalFleet:
+        return ExternalFleet(FleetAddress(None, None, learner_service, api_token=token), run.folder / "learner-run.json")
+
+    missing = rl_config(run, str(tmp_path / "nowhere"), StreamNames("fleet"), None, 2)
+    with pytest.raises(StageFailed, match=r"refused the run \(422\): model folder .*nowhere does not exist"):
+        fleet().start_learner(run, missing)
+    with pytest.raises(StageFailed, match=r"refused the token \(STAR_API_TOKEN\)"):
+        fleet("wrong").start_learner(run, missing)
+    assert not (run.folder / "learner-run.json").exists()
+
+    (tmp_path / "empty-model").mkdir()  # a folder, but no model in it: the run starts, then fails
+    f = fleet()
+    run_id = f.start_learner(run, rl_config(run, str(tmp_path / "empty-model"), StreamNames("fleet"), None, 2))
+    assert json.loads((run.folder / "learner-run.json").read_text())["id"] == run_id
+    report = until(lambda: (lambda r: r if not r.running else None)(f.learner_report()), 180, "the run to fail",
+                   poll_s=0.5)
+    assert report.state == "failed"
+    with pytest.raises(StageFailed, match=f"learner run {run_id} at {learner_service} ended failed: .*empty-model"):
+        f.learner_ended(report)
+    assert fleet().recorded_run() is None  # a failed run is not re-attached to: the next controller starts anew
