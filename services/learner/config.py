@@ -203,7 +203,7 @@ class RLConfig(_Strict):
     straggler_wait_s: float = Field(
         600.0, gt=0.0, description="How long a batch waits for its own step's groups before taking later steps' ones.")
     publish_weights: bool = True
-    weights_dir: str | None = Field(None, description="Weights store (default: STAR_HOME/weights).")
+    weights_dir: str | None = Field(None, description="Weights store (default: STAR_WEIGHTS_ROOT, else STAR_HOME/weights).")
     keep_versions: int = Field(3, ge=1)
     rollout_servers: list[str] = Field(default_factory=list, description="Base URLs that get POST /weights.")
     weight_sync: Literal["files", "nccl"] = Field("files", description=(

@@ -2,7 +2,10 @@
 
 DeepSpeed holds one process group per process, so every run is its own process
 (`python -m services.learner.worker KIND CONFIG`, under torchrun for `engine.ranks` > 1); the API
-process only starts, watches and signals it. A run's truth is its folder: config.json, status.json, metrics.jsonl, log.txt.
+process only starts, watches and signals it. A run's truth is its folder (config.json, run.json, log.txt) and
+its output folder (status.json, metrics.jsonl; the run folder itself unless the config names another
+`output_dir`, as `star train` does). run.json names the process (pid and start time), so an API process
+restarted meanwhile still tells whether the run lives and can stop it.
 
 On a multi-node learner (launch.Nodes) node 0 takes the runs and asks every other node to join each one
 (`POST /runs/{id}/join`): the run folder is on a volume all nodes share, and each node starts its own
@@ -63,8 +66,11 @@ class Run:
     id: str
     kind: str
     folder: Path
+    output: Path  # where the run writes status.json and metrics.jsonl
     process: subprocess.Popen | None = None
     gone: bool = False  # started by an earlier learner process, whose run process is no longer there
+    pid: int | None = None
+    created: float = 0.0  # wall clock at the start: an older status.json in `output` is an earlier run's
 
 
 class RunManager:
@@ -100,13 +106,15 @@ class RunManager:
         except RankError as exc:
             raise RunConfigError(str(exc)) from None
         folder.mkdir(parents=True)
+        created = time.time()
         (folder / "config.json").write_text(model.model_dump_json(indent=1))
         process = self._launch(run_id, request.kind, folder, ranks, request.max_steps, env, folder / "log.txt")
-        run = Run(run_id, request.kind, folder, process)
+        run = Run(run_id, request.kind, folder, Path(model.output_dir), process, pid=process.pid, created=created)
         self.runs[run_id] = run
         (folder / "run.json").write_text(json.dumps({"id": run_id, "kind": request.kind, "pid": process.pid,
                                                      "ranks": ranks, "nodes": self.nodes.count,
-                                                     "started": process_start_time(process.pid)}))
+                                                     "started": process_start_time(process.pid),
+                                                     "created": created}))
         try:
             self._join_peers(run_id, request)
         except JoinError:
@@ -130,7 +138,7 @@ class RunManager:
         except RankError as exc:
             raise RunConfigError(str(exc)) from None
         process = self._launch(run_id, kind, folder, ranks, max_steps, None, folder / f"log.node{self.nodes.rank}.txt")
-        run = Run(run_id, kind, folder, process)
+        run = Run(run_id, kind, folder, Path(config.output_dir), process, pid=process.pid)
         self.runs[run_id] = run
         return run
 
@@ -161,20 +169,26 @@ class RunManager:
             if "/" in run_id or ".." in run_id or not (folder / "run.json").is_file():
                 raise RunNotFound(run_id)
             meta = json.loads((folder / "run.json").read_text())
-            run = Run(run_id, meta["kind"], folder)
+            try:
+                output = Path(json.loads((folder / "config.json").read_text())["output_dir"])
+            except (OSError, ValueError, KeyError):
+                output = folder
+            run = Run(run_id, meta["kind"], folder, output, pid=meta["pid"], created=meta.get("created", 0.0))
             run.gone = not alive(meta["pid"], meta.get("started"))
         return run
 
     def describe(self, run_id: str) -> dict[str, Any]:
         run = self.get(run_id)
-        status = read_status(run.folder)
+        status = read_status(run.output)
+        if status.get("updated", 0.0) < run.created:  # a resumed run's folder: the status is its predecessor's
+            status = {}
         state = status.get("state", "starting")
         exit_code = run.process.poll() if run.process else None
         if (exit_code is not None or run.gone) and state in ("starting", "running"):
             # The process ended without recording an end state, or (a run of an earlier learner process,
             # e.g. before its pod restarted) is no longer there: its checkpoints stay for a resumed run.
             state = "failed"
-        metrics = read_metrics(run.folder)
+        metrics = read_metrics(run.output)
         out = {"id": run.id, "kind": run.kind, "state": state, "step": status.get("step", 0),
                "version": status.get("version"), "folder": str(run.folder), "exit_code": exit_code,
                "metrics": metrics[-1] if metrics else {}, "steps_logged": len(metrics)}
@@ -194,6 +208,8 @@ class RunManager:
                     run.process.wait(timeout_s)
                 except subprocess.TimeoutExpired:
                     pass
+        elif run.process is None and not run.gone:
+            os.kill(run.pid, signal.SIGTERM)  # started by an earlier API process
         return self.describe(run_id)
 
     def list(self) -> list[dict[str, Any]]:

@@ -265,7 +265,7 @@ class RLTrainer:
             self.names = StreamNames(cfg.stream_prefix)
             self.collector = GroupCollector(cfg, redis_client, self.trained, self.stop)
             if cfg.publish_weights:
-                root = Path(cfg.weights_dir) if cfg.weights_dir else settings.home / "weights"
+                root = Path(cfg.weights_dir) if cfg.weights_dir else settings.weights_dir
                 self.publisher = StorePublisher(root, redis_client=redis_client, key_prefix=cfg.stream_prefix,
                                                 servers=cfg.rollout_servers, keep=cfg.keep_versions,
                                                 api_token=settings.api_token)

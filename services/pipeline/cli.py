@@ -71,16 +71,22 @@ def train_command(
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run folder (default: STAR_HOME/runs/<name>)."),
     stage: Optional[list[str]] = typer.Option(None, "--stage", help="Run only these stages (synth, sft, rl, eval)."),
     override: Optional[list[str]] = typer.Option(None, "--set", help="Override a recipe value: section.key=value."),
+    fleet: Optional[str] = typer.Option(
+        None, "--fleet", help="embedded: start the RL stage's own fleet; external: drive a running one (Compose, "
+        "Helm) through STAR_REDIS_URL and the STAR_*_URL settings. Default: the recipe's deployment.fleet."),
 ) -> None:
     """Run the STAR pipeline (synthesis → SFT → RL → eval) as configured; rerun to resume."""
     from pathlib import Path
 
     from services.pipeline.config import ConfigError, load_pipeline_config
+    from services.pipeline.external import FleetUnreachable
     from services.pipeline.train import StageFailed, train
 
     overrides = list(override or [])
     if stage:
         overrides.append(f"stages={json.dumps(list(stage))}")
+    if fleet:
+        overrides.append(f"deployment.fleet={json.dumps(fleet)}")
     try:
         cfg = load_pipeline_config(config, overrides)
     except ConfigError as exc:
@@ -100,6 +106,9 @@ def train_command(
         signal.signal(sig, _interrupt)
     try:
         run = train(cfg, folder)
+    except FleetUnreachable as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(1) from None
     except StageFailed as exc:
         console.print(f"[red]stage failed:[/] {exc}")
         raise typer.Exit(1) from None

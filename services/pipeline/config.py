@@ -227,12 +227,19 @@ class ServicesSpec(_Section):
     zero_stage: Literal[0, 1, 2, 3] = 2
 
 
-class DeploymentSpec(_Section):
-    """Where a run's processes go on this machine's GPUs (services.pipeline.placement): the learner's ranks,
-    and the rollout engines (one per rollout worker, `services.rollout_workers`), each over
-    `engine_tensor_parallel` GPUs. On a machine without GPUs everything runs on CPU and `learner_ranks`
-    counts gloo processes."""
+FleetMode = Literal["embedded", "external"]
 
+
+class DeploymentSpec(_Section):
+    """Who runs the RL stage's fleet, and where a run's processes go on this machine's GPUs
+    (services.pipeline.placement): the learner's ranks, and the rollout engines (one per rollout worker,
+    `services.rollout_workers`), each over `engine_tensor_parallel` GPUs. On a machine without GPUs
+    everything runs on CPU and `learner_ranks` counts gloo processes."""
+
+    fleet: FleetMode = Field("embedded", description=(
+        "embedded: `star train` starts the RL stage's own Redis, sandbox, workers and learner; external: it "
+        "drives a running fleet (Compose, Helm) found through STAR_REDIS_URL and the STAR_*_URL settings, "
+        "starting only the learner run, on the learner service (`star train --fleet` overrides it)."))
     learner_ranks: int = Field(1, ge=1, description="Learner processes, under torchrun for more than 1; on a GPU "
                                "machine one GPU each (the first ones).")
     engine_tensor_parallel: int = Field(1, ge=1, description="GPUs each rollout engine spans (vLLM tensor "

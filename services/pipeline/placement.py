@@ -6,7 +6,7 @@ so) the engines go beside the learner and each other, each limited to a share of
 GPUs without the learner filled first. A layout the machine cannot hold is refused with the numbers
 before anything starts. Each process learns its devices through CUDA_VISIBLE_DEVICES (the
 learner's ranks then pick theirs by LOCAL_RANK), and DeepSpeed its accelerator through
-DS_ACCELERATOR, which defaults to CPU unless told.
+DS_ACCELERATOR, which defaults to CPU unless told. Validations during RL run on the first engine's GPUs.
 """
 
 from __future__ import annotations
@@ -48,6 +48,15 @@ class Placement:
         return {"CUDA_VISIBLE_DEVICES": ",".join(self.engine_devices[index]),
                 "STAR_ROLLOUT_GPU_MEMORY_UTILIZATION": f"{self.engine_memory_share:.2f}",
                 "STAR_ROLLOUT_TENSOR_PARALLEL_SIZE": str(self.tensor_parallel)}
+
+    def validation_env(self) -> dict[str, str]:
+        """A validation's devices (`rl.val_every`'s `star eval` beside the fleet): the first engine's
+        GPUs, the least loaded (engines fill GPUs without the learner first), where the memory share
+        its engine gets (`engine_memory_share`) was measured."""
+        if self.accelerator != "cuda":
+            return {}
+        devices = self.engine_devices[0] if self.engine_devices else self.learner_devices
+        return {"CUDA_VISIBLE_DEVICES": ",".join(devices)}
 
     def describe(self) -> str:
         if self.accelerator != "cuda":

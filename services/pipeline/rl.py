@@ -5,9 +5,12 @@
         └─────────── weights version (Redis key), batches consumed ◀───────────────────┘
 
 The controller publishes each step's tasks when the learner is close enough (`max_staleness`),
-watches every process, restarts a worker that died (its unfinished message is reclaimed by the
-others or by its successor), restarts a dead learner (it resumes from its checkpoint and skips
-what it had trained), and stops the fleet when every step has been trained.
+watches the fleet, and ends the stage when every step has been trained. Who runs the fleet is the
+recipe's `deployment.fleet`: embedded, the stage starts it (`Fleet`: Redis, sandbox, workers, the
+learner under one supervisor), restarts a worker that died (its unfinished message is reclaimed by
+the others or by its successor) or a dead learner (it resumes from its checkpoint and skips what it
+had trained), and stops it at the end; external, it drives a running fleet (`external.ExternalFleet`)
+and owns only the learner run it starts there. Both go through one loop, `drive`.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ from services.common.schemas import SamplingParams
 from services.common.streams import StreamNames, ensure_group, trim_consumed
 from services.common.supervisor import (Child, Supervisor, SupervisorError, spawn, stop_orphans, stop_process,
                                         wait_ready)
+from services.common.settings import get_settings
 from services.pipeline import fleet
+from services.pipeline.config import PipelineConfig
+from services.pipeline.external import ExternalFleet, FleetAddress, LearnerReport, connect, ready
 from services.pipeline.scheduler import Schedule, TaskPublisher
 from services.pipeline import stage
 from services.pipeline.stage import Run, StageFailed, check_exit, console
@@ -56,17 +62,68 @@ class Managed(Child):
 @dataclass
 class Fleet:
     """The RL stage's processes under one supervisor: Redis (restarted on its port, its AOF brings
-    the streams back), the sandbox, the workers and the learner."""
+    the streams back), the sandbox, the workers and the learner. (`sup` None: a learner process
+    alone, which nothing restarts.)"""
 
-    sup: Supervisor
+    sup: Supervisor | None
     redis_url: str
     sandbox_url: str = ""
     workers: list[Child] = field(default_factory=list)
     learner: Child | None = None
+    status_path: Path | None = None  # the learner's status.json
 
     @property
     def redis_proc(self) -> Child:
         return self.sup.children["redis"]
+
+    @property
+    def redis_log(self) -> Path | None:
+        return self.redis_proc.log if self.sup and "redis" in self.sup.children else None
+
+    def dependencies(self) -> dict[str, str]:
+        return {"sandbox": self.sandbox_url} if self.sandbox_url else {}
+
+    def start_learner(self, run: Run, config: Path) -> None:
+        # the Redis URL (it holds the password) travels in the environment, not in rl.json
+        argv, learner_env = run.learner_launch("rl", config)
+        self.status_path = run.folder / "rl" / "status.json"
+        self.learner = self.sup.add("learner", argv, {**run.env, **learner_env, "STAR_REDIS_URL": self.redis_url},
+                                    run.log("learner"), stop_timeout=120)
+
+    def keep_alive(self) -> list[str]:
+        """Restart what died (Redis, the sandbox, workers; not the learner, whose end `drive` reads
+        first), each after its backoff; returns what was restarted. A process past its restart budget
+        fails the stage."""
+        if self.sup is None:
+            return []
+        try:
+            return self.sup.poll([n for n in self.sup.children if n != "learner"])
+        except SupervisorError as exc:
+            raise StageFailed(str(exc)) from None
+
+    def learner_report(self) -> LearnerReport:
+        rc = self.learner.exited()
+        status = _read_json(self.status_path)
+        return LearnerReport(status.get("state", "starting"), running=rc is None, exit_code=rc)
+
+    def learner_ended(self, report: LearnerReport) -> None:
+        """Start the learner again once its backoff has passed (it resumes from its checkpoint and
+        skips what it had trained); past its restart budget the stage fails."""
+        if self.sup is None:
+            raise StageFailed(f"the learner exited ({report.exit_code}) and nothing supervises it")
+        try:
+            if not self.sup.restart_due(self.learner):
+                return
+        except SupervisorError as exc:
+            log = self.learner.log
+            tail = log.read_text(errors="replace").strip().splitlines()[-8:] if log and log.is_file() else []
+            raise StageFailed(f"the learner keeps failing: {exc}"
+                              + (f"; see {log}\n  " + "\n  ".join(tail) if tail else "")) from None
+        console.print(f"[yellow]learner exited ({report.exit_code}, {report.state}); resuming from its checkpoint[/]")
+        self.sup.restart(self.learner)
+
+    def stop_learner(self) -> None:
+        self.sup.stop("learner")
 
     def stop(self) -> None:
         order = (["learner"] if self.learner else []) + [w.name for w in self.workers] + ["sandbox", "redis"]
@@ -76,9 +133,13 @@ class Fleet:
 
 
 def rl_config(run: Run, model: str, names: StreamNames, redis_url: str | None, total_steps: int) -> Path:
+    """The learner's RLConfig for this run, written to rl.json. An embedded fleet keeps its weights in
+    the run folder; an external one in its own store (the learner service's STAR_WEIGHTS_ROOT, which
+    its rollout workers read), and its rollout servers (STAR_ROLLOUT_URLS) are told of each version."""
     from services.learner.config import RLConfig
 
     r = run.config.rl
+    external = run.config.deployment.fleet == "external"
     cfg = RLConfig(
         model=model, output_dir=str(run.folder / "rl"), algorithm="dapo" if r.algorithm == "dapo" else "grpo",
         group_size=r.group_size, batch_prompts=r.batch_prompts, lr=r.lr, total_steps=total_steps,
@@ -90,8 +151,9 @@ def rl_config(run: Run, model: str, names: StreamNames, redis_url: str | None, t
         eps_low=r.eps_low, eps_high=r.eps_high, filters=r.filters(),
         engine=run.config.learner.engine(run.config.services.zero_stage, run.config.seed,
                                          ranks=run.config.deployment.learner_ranks),
-        redis_url=redis_url, stream_prefix=names.prefix, weights_dir=str(run.folder / "weights"),
-        wait_timeout_s=24 * 3600)
+        redis_url=redis_url, stream_prefix=names.prefix,
+        weights_dir=None if external else str(run.folder / "weights"),
+        rollout_servers=get_settings().rollout_url_list if external else [], wait_timeout_s=24 * 3600)
     path = run.folder / "rl.json"
     path.write_text(cfg.model_dump_json(indent=2))
     return path
@@ -170,19 +232,6 @@ def learner_progress(client: redis.Redis, names: StreamNames) -> int:
     return max(int(raw) if raw else 0, weights_version(client, names))
 
 
-def keep_alive(f: Fleet) -> list[str]:
-    """Restart what died (Redis, the sandbox, workers; not the learner, whose end `drive` reads
-    first), each after its backoff; returns what was restarted. A process past its restart budget
-    fails the stage."""
-    sup = getattr(f, "sup", None)
-    if sup is None:
-        return []
-    try:
-        return sup.poll([n for n in sup.children if n != "learner"])
-    except SupervisorError as exc:
-        raise StageFailed(str(exc)) from None
-
-
 def off_policy_note(sampling: SamplingParams) -> str | None:
     """What rollout sampling the learner cannot follow means for training, or None when it can. The
     learner's log-probs are of softmax(logits / T) at the rollouts' temperature (rl.sampling passes
@@ -201,8 +250,8 @@ def off_policy_note(sampling: SamplingParams) -> str | None:
 
 def unreached_stages_note(curriculum: Curriculum | None, epochs: int, steps: int) -> str | None:
     """Which curriculum stages start after the run's last epoch (or step, when the curriculum counts
-    steps), or None when it reaches them all. A curriculum by epoch trains a short run (the proof's one
-    epoch, tiny.yaml's) on its first stages only."""
+    steps), or None when it reaches them all. A curriculum by epoch trains a run of an epoch or two on
+    its first stages only."""
     if curriculum is None:
         return None
     if curriculum.unit == "epoch":
@@ -217,6 +266,35 @@ def unreached_stages_note(curriculum: Curriculum | None, epochs: int, steps: int
             f"{' then '.join(reached)} ({hint})")
 
 
+def external_fleet_note(config: PipelineConfig) -> str | None:
+    """What of the recipe an external fleet does not take from it, or None: its sandbox injects the
+    faults its own settings say."""
+    if config.deployment.fleet != "external" or not config.rl.fault_rate:
+        return None
+    return (f"rl.fault_rate {config.rl.fault_rate:g} is not applied to an external fleet: its sandbox's "
+            "STAR_FAULT_RATE decides")
+
+
+def fleet_streams(run: Run) -> StreamNames:
+    """The streams of the run's fleet: an embedded fleet's are the run's own; an external fleet's are
+    the ones its workers read (STAR_STREAM_PREFIX)."""
+    if run.config.deployment.fleet == "external":
+        return StreamNames(get_settings().stream_prefix)
+    return StreamNames(f"star:{run.config.name}")
+
+
+def learner_record(run: Run) -> Path:
+    """The learner run an external fleet's learner service runs for this folder."""
+    return run.folder / "learner-run.json"
+
+
+def open_fleet(run: Run, model: str, names: StreamNames) -> Fleet | ExternalFleet:
+    """The RL stage's fleet: started here (embedded) or found running (external)."""
+    if run.config.deployment.fleet == "external":
+        return connect(FleetAddress.from_settings(get_settings()), names, learner_record(run))
+    return start_fleet(run, model, names)
+
+
 def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
     r = run.config.rl
     curriculum = r.schedule()
@@ -227,31 +305,29 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
     schedule = Schedule(prompts, r.batch_prompts, r.group_size, r.epochs, seed=run.config.seed, max_steps=r.max_steps)
     if curriculum is not None:
         console.print(f"reward: curriculum {curriculum.describe()} (by {curriculum.unit})")
-    for note in (off_policy_note(r.sampling), unreached_stages_note(curriculum, r.epochs, schedule.total_steps)):
+    for note in (off_policy_note(r.sampling), unreached_stages_note(curriculum, r.epochs, schedule.total_steps),
+                 external_fleet_note(run.config)):
         if note:
             console.print(f"[yellow]{note}[/]")
     deadline = time.monotonic() + r.max_minutes * 60 if r.max_minutes else None  # the fleet's start counts
-    names = StreamNames(f"star:{run.config.name}")
+    names = fleet_streams(run)
     sampling = r.sampling if r.sampling.seed is not None else r.sampling.model_copy(update={"seed": run.config.seed})
     validation = Validation(run, synth["val_queries"], r.val_every) if r.val_every and synth.get("val_queries") else None
     try:
-        f = start_fleet(run, model, names)
+        f = open_fleet(run, model, names)
         try:
             if validation and not validation.seen(0):
                 validation.submit(0, model, keep=False)  # the starting model: the curve's baseline, same queries
-            # the Redis URL (it holds the password) travels in the environment, not in rl.json
-            argv, learner_env = run.learner_launch("rl", rl_config(run, model, names, None, schedule.total_steps))
-            f.learner = f.sup.add("learner", argv, {**run.env, **learner_env, "STAR_REDIS_URL": f.redis_url},
-                                  run.log("learner"), stop_timeout=120)
+            f.start_learner(run, rl_config(run, model, names, None, schedule.total_steps))
             client = redis.Redis.from_url(f.redis_url)
             publisher = TaskPublisher(client, names, run.config.name, schedule, sampling, reward_kind=r.reward,
                                       preference_penalty=r.preference_penalty, curriculum=curriculum,
                                       eval_mode=r.eval_mode, max_staleness=r.max_staleness,
                                       arpo=r.arpo if r.algorithm == "arpo" else None)
             ended = drive(run, f, client, names, publisher, schedule, validation=validation, deadline=deadline)
-            if ended.reason == "budget" and f.learner is not None:
+            if ended.reason == "budget":
                 # the learner may publish once more while it stops: read the weights after it has
-                f.sup.stop("learner")
+                f.stop_learner()
                 ended = Ending("budget", learner_progress(client, names))
             latest = client.get(names.weights_latest)
         finally:
@@ -267,6 +343,8 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
         raise
     best = validation.best() if validation else None
     ending = {"ended": ended.reason, "steps_trained": ended.steps}
+    if isinstance(f, ExternalFleet):
+        ending["learner_run"] = f.run_id
     if best:
         return {"model": best["model"], "version": best["version"], "best_success": best["success"],
                 "last_version": update["version"] if update else 0, "steps": schedule.total_steps, **ending,
@@ -284,9 +362,9 @@ class Validation:
 
     A due version is hard-linked into the run folder at once, so the learner pruning old versions
     cannot pull it away, and the best one survives the run. Its `star eval` runs beside the fleet as
-    a managed process, one at a time (later due versions wait their turn): the controller keeps
-    publishing meanwhile: validating inside the controller's loop left the fleet idle for about a
-    minute each time."""
+    a managed process on the devices the placement gives validations, one at a time (later due
+    versions wait their turn), so that the controller keeps publishing and the fleet never idles
+    while a version is evaluated."""
 
     run: Run
     split: str
@@ -374,7 +452,8 @@ class Validation:
         version, model = self.waiting.pop(0)
         argv = stage.eval_argv(self.run, model, self.split, self.folder(version) / "eval", self.run.config.eval.limit)
         name = self._name(version)
-        self.running = (version, model, Managed(name, argv, self.run.env, self.run.log(name)).start())
+        devices = self.run.placement.validation_env() if self.run.placement else {}
+        self.running = (version, model, Managed(name, argv, {**self.run.env, **devices}, self.run.log(name)).start())
 
     def _finish(self) -> dict[str, Any]:
         from services.evaluation.runfolder import RunFolder
@@ -417,19 +496,20 @@ class Ending:
     steps: int
 
 
-def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher: TaskPublisher,
+def drive(run: Run, f: Fleet | ExternalFleet, client: redis.Redis, names: StreamNames, publisher: TaskPublisher,
           schedule: Schedule, poll_s: float = 0.5, validation: Validation | None = None,
           deadline: float | None = None) -> Ending:
     """Publish, watch, restart, until the learner has consumed every step (it counts a step once
     that step's weights are out) or, past `deadline` (time.monotonic()), at once: the steps under
-    way are dropped and the latest published weights are the stage's result."""
+    way are dropped and the latest published weights are the stage's result. The fleet says how its
+    learner is doing and what it restarts; the loop is the same for an embedded and an external one."""
     total = schedule.total_steps
     columns = (TextColumn("[bold]rl"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("rl", total=total, info="")
         redis_down_since: float | None = None
-        deps = Dependencies({"sandbox": f.sandbox_url} if getattr(f, "sandbox_url", "") else {})
+        deps = Dependencies(f.dependencies())
         while True:
             try:
                 progress = learner_progress(client, names)
@@ -446,12 +526,13 @@ def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher
                 now = time.monotonic()
                 if redis_down_since is None:
                     redis_down_since = now
-                    console.print(f"[yellow]redis at {redact(getattr(f, 'redis_url', ''))} unavailable; "
+                    console.print(f"[yellow]redis at {redact(f.redis_url)} unavailable; "
                                   "waiting for it to come back[/]")
                 elif now - redis_down_since > REDIS_DOWN_LIMIT_S:
-                    raise StageFailed(f"redis at {redact(getattr(f, 'redis_url', ''))} unreachable for "
-                                      f"{now - redis_down_since:.0f} s; see {run.folder / 'logs' / 'redis.log'}")
-                keep_alive(f)
+                    log = f"; see {f.redis_log}" if f.redis_log else ""
+                    raise StageFailed(f"redis at {redact(f.redis_url)} unreachable for "
+                                      f"{now - redis_down_since:.0f} s{log}")
+                f.keep_alive()
                 time.sleep(poll_s)
                 continue
             validating = f" · validating v{validation.running[0]}" if validation and validation.running else ""
@@ -464,39 +545,21 @@ def drive(run: Run, f: Fleet, client: redis.Redis, names: StreamNames, publisher
                     validation.submit(latest["version"], latest["uri"])
                 print_validations(validation.poll())
             if progress >= total:
-                _await_last_publication(run, f)
+                _await_last_publication(f)
                 return Ending("done", progress)
             if deadline is not None and time.monotonic() >= deadline:
                 console.print(f"[yellow]rl.max_minutes spent: stopping after {progress} of {total} steps[/]")
                 return Ending("budget", progress)
-            for name in keep_alive(f):
+            for name in f.keep_alive():
                 console.print(f"[yellow]{name} died; restarted[/]")
-            rc = f.learner.exited()
-            if rc is not None:
-                status = _learner_status(run)
-                if status.get("state") == "finished":
+            report = f.learner_report()
+            if not report.running:
+                if report.state == "finished":
                     final = _progress_or(client, names, progress)
                     if final >= total:
                         return Ending("done", final)
-                restart_learner(f, rc, status)
+                f.learner_ended(report)
             time.sleep(poll_s)
-
-
-def restart_learner(f: Fleet, rc: int, status: dict[str, Any]) -> None:
-    """Start the learner again once its backoff has passed (it resumes from its checkpoint and
-    skips what it had trained); past its restart budget the stage fails."""
-    sup = getattr(f, "sup", None)
-    if sup is None:
-        raise StageFailed(f"the learner exited ({rc}) and nothing supervises it")
-    try:
-        if not sup.restart_due(f.learner):
-            return
-    except SupervisorError as exc:
-        log = getattr(f.learner, "log", None)
-        tail = log.read_text(errors="replace").strip().splitlines()[-8:] if log and log.is_file() else []
-        raise StageFailed(f"the learner keeps failing: {exc}" + (f"; see {log}\n  " + "\n  ".join(tail) if tail else "")) from None
-    console.print(f"[yellow]learner exited ({rc}, {status.get('state')}); resuming from its checkpoint[/]")
-    sup.restart(f.learner)
 
 
 def trim_streams(client: redis.Redis, names: StreamNames) -> None:
@@ -527,7 +590,7 @@ class Dependencies:
         if now - self.checked_at >= HEALTH_EVERY_S:
             self.checked_at = now
             for name, url in self.urls.items():
-                if _ready(url):
+                if ready(url):
                     if name in self.down_since:
                         console.print(f"{name} is back after {now - self.down_since.pop(name):.0f} s; publishing again")
                 elif name not in self.down_since:
@@ -539,22 +602,14 @@ class Dependencies:
         return list(self.down_since)
 
 
-def _ready(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _await_last_publication(run: Run, f: Fleet, timeout_s: float = 120.0) -> None:
+def _await_last_publication(f: Fleet | ExternalFleet, timeout_s: float = 120.0) -> None:
     """The learner counts the last batch once its weights are out; give it a while to write its
     final status and exit before the fleet stops. Bounded, so that a learner stuck in its
     teardown cannot hang the run."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and f.learner.exited() is None:
-        if _learner_status(run).get("state") == "finished":
+    while time.monotonic() < deadline:
+        report = f.learner_report()
+        if not report.running or report.state == "finished":
             return
         time.sleep(0.5)
 
@@ -566,10 +621,9 @@ def _progress_or(client: redis.Redis, names: StreamNames, fallback: int) -> int:
         return fallback
 
 
-def _learner_status(run: Run) -> dict[str, Any]:
-    path = run.folder / "rl" / "status.json"
+def _read_json(path: Path | None) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text()) if path else {}
     except (OSError, ValueError):
         return {}
 

@@ -35,8 +35,10 @@ from services.pipeline.placement import PlacementError, placement_for
 
 def recipe_identity(config: PipelineConfig) -> PipelineConfig:
     """What must match for a run folder to be resumed: the recipe without which stages run
-    (--stage) and the RL stage's time budget, both of which may change between invocations."""
-    return config.model_copy(update={"stages": [], "rl": config.rl.model_copy(update={"max_minutes": None})})
+    (--stage), the RL stage's time budget and who runs its fleet (--fleet), all of which may change
+    between invocations."""
+    return config.model_copy(update={"stages": [], "rl": config.rl.model_copy(update={"max_minutes": None}),
+                                     "deployment": config.deployment.model_copy(update={"fleet": "embedded"})})
 
 
 def prepare(config: PipelineConfig, folder: Path) -> Run:
@@ -189,7 +191,16 @@ def train(config: PipelineConfig, folder: Path) -> Run:
         lock.release()
 
 
+def check_fleet(config: PipelineConfig, folder: Path) -> None:
+    """An external fleet that the RL stage will drive must answer before any stage starts."""
+    from services.pipeline.external import FleetAddress, check_reachable
+
+    if config.deployment.fleet == "external" and "rl" in config.stages and not Run(config, folder).done("rl"):
+        check_reachable(FleetAddress.from_settings(get_settings()))
+
+
 def _train(config: PipelineConfig, folder: Path) -> Run:
+    check_fleet(config, folder)
     run = prepare(config, folder)
     outputs: dict[str, Any] = {name: rec.get("outputs") for name, rec in run.stage_records().items()
                                if rec.get("state") == "done"}

@@ -15,7 +15,7 @@ import pytest
 from services.common.schemas import SamplingParams, TravelQuery
 from services.common.streams import StreamNames
 from services.pipeline.config import PipelineConfig
-from services.pipeline.rl import Managed, drive
+from services.pipeline.rl import Fleet, Managed, drive
 from services.pipeline.scheduler import Schedule, TaskPublisher
 
 
@@ -23,14 +23,6 @@ def _queries(n: int) -> tuple[TravelQuery, ...]:
     return tuple(TravelQuery(id=f"q{i}", org="A", dest="B", days=3, visiting_city_number=1,
                              date=["2022-03-01", "2022-03-02", "2022-03-03"], people_number=1, budget=1000)
                  for i in range(n))
-
-
-class _Fleet:
-    """The part of the controller's Fleet that `drive` watches: no workers, one learner process."""
-
-    def __init__(self, learner: Managed) -> None:
-        self.workers: list[Managed] = []
-        self.learner = learner
 
 
 @pytest.fixture
@@ -43,7 +35,9 @@ def setup(redis_client, tmp_path: Path):
                       tmp_path / "learner.log").start()
     run = type("RunStub", (), {"folder": tmp_path, "config": PipelineConfig.model_validate(
         {"name": "budget-test", "model": {"path": "/nowhere"}})})()
-    yield client, names, schedule, publisher, _Fleet(learner), run
+    # what `drive` watches of the controller's fleet: no supervisor, no workers, one learner process
+    fleet = Fleet(None, "", learner=learner, status_path=tmp_path / "rl" / "status.json")
+    yield client, names, schedule, publisher, fleet, run
     learner.stop(5)
 
 

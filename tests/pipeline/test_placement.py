@@ -121,3 +121,33 @@ def test_star_train_refuses_a_layout_the_machine_cannot_hold_before_starting(tmp
     with pytest.raises(StageFailed, match="learner_ranks 3 needs 3 GPUs, one per rank; this machine shows 2"):
         prepare(config, tmp_path / "run")
     assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_validations_run_on_the_first_engines_gpus():
+    dedicated = plan(DeploymentSpec(learner_ranks=2, engine_tensor_parallel=2), engines=2, gpus=GPUS8)
+    assert dedicated.validation_env() == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    shared = plan(DeploymentSpec(learner_ranks=2), engines=4, gpus=["0", "1", "2", "3"])
+    assert shared.validation_env() == {"CUDA_VISIBLE_DEVICES": "2"}  # a GPU without the learner
+    assert plan(DeploymentSpec(), engines=1, gpus=[]).validation_env() == {}
+
+
+def test_a_validation_process_gets_its_devices_from_the_placement(tmp_path, monkeypatch):
+    """The `star eval` a validation starts sees only the devices the placement gives it."""
+    import sys
+
+    from services.pipeline import stage
+    from services.pipeline.config import load_pipeline_config
+    from services.pipeline.rl import Validation
+    from services.pipeline.train import Run
+
+    probe = "import os, sys; open(sys.argv[1], 'w').write(os.environ.get('CUDA_VISIBLE_DEVICES', 'unset'))"
+    seen = tmp_path / "devices.txt"
+    monkeypatch.setattr(stage, "eval_argv", lambda run, model, split, out, limit: [sys.executable, "-c", probe,
+                                                                                  str(seen)])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    config = load_pipeline_config(CONFIGS / "tiny.yaml", ["services.rollout_workers=2"])
+    run = Run(config, tmp_path / "run", placement=plan(config.deployment, 2, ["0", "1", "2"]))
+    validation = Validation(run, "val.jsonl", every=1)
+    validation.submit(0, str(tmp_path), keep=False)
+    validation.running[2].proc.wait(30)
+    assert seen.read_text() == "1"

@@ -15,13 +15,24 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _train(home: Path, run: Path, *extra: str) -> subprocess.CompletedProcess:
+def train_env(home: Path, fleet: dict[str, str] | None = None) -> dict[str, str]:
+    """`star train`'s environment: this one's without its STAR_* fleet settings, plus `fleet`'s."""
     env = {**os.environ, "STAR_HOME": str(home), "STAR_LOG_JSON": "false", "DS_ACCELERATOR": "cpu",
            "TORCH_EXTENSIONS_DIR": str(ROOT / "var" / "torch_extensions")}
-    for key in ("STAR_REDIS_URL", "STAR_DB_URL", "STAR_SANDBOX_URL", "STAR_MODEL"):
+    for key in ("STAR_REDIS_URL", "STAR_DB_URL", "STAR_SANDBOX_URL", "STAR_MODEL", "STAR_LEARNER_URL",
+                "STAR_ROLLOUT_URLS", "STAR_REWARD_URL", "STAR_STREAM_PREFIX", "STAR_API_TOKEN"):
         env.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "services.cli", "train", str(ROOT / "configs" / "tiny.yaml"),
-                           "--run-dir", str(run), *extra], env=env, capture_output=True, text=True, timeout=1500)
+    return {**env, **(fleet or {})}
+
+
+def train_argv(run: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", "train", str(ROOT / "configs" / "tiny.yaml"), "--run-dir", str(run),
+            *extra]
+
+
+def _train(home: Path, run: Path, *extra: str, fleet: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(train_argv(run, *extra), env=train_env(home, fleet), capture_output=True, text=True,
+                          timeout=1500)
 
 
 def test_tiny_recipe_runs_every_stage_and_resumes(tmp_path):

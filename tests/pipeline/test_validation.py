@@ -14,6 +14,7 @@ import pytest
 from services.pipeline import stage
 from services.pipeline.rl import Validation
 from services.pipeline.stage import StageFailed
+from tests.support.waiting import until
 
 
 def test_due_every_n_versions_once_and_best_prefers_success_then_recency():
@@ -35,6 +36,7 @@ class _Run:
     folder: Path
     env: dict[str, str] = field(default_factory=dict)
     config: object = field(default_factory=lambda: SimpleNamespace(eval=SimpleNamespace(limit=None)))
+    placement: object = None
 
     def log(self, name: str) -> Path:
         (self.folder / "logs").mkdir(parents=True, exist_ok=True)
@@ -63,16 +65,6 @@ def _version(tmp_path: Path, version: int, score: float | None) -> str:
     return str(uri)
 
 
-def _until(cond, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        out = cond()
-        if out:
-            return out
-        time.sleep(0.05)
-    raise AssertionError("timed out")
-
-
 def test_validations_run_beside_the_controller_one_at_a_time_and_keep_their_weights(tmp_path, monkeypatch):
     gate = tmp_path / "gate"
     monkeypatch.setattr(stage, "eval_argv", _fake_eval(gate))
@@ -89,7 +81,7 @@ def test_validations_run_beside_the_controller_one_at_a_time_and_keep_their_weig
         (tmp_path / "weights" / f"v{n}" / "score.json").unlink()
     assert (tmp_path / "run" / "validation" / "v4" / "model" / "score.json").is_file()
     gate.touch()
-    first = _until(v.poll)
+    first = until(v.poll)
     assert [e["version"] for e in first] == [2] and v.running[0] == 4  # the queued one starts as one ends
     assert [e["version"] for e in v.wait()] == [4]
     assert v.best()["version"] == 4 and v.best()["success"] == 47.0

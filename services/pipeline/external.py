@@ -1,0 +1,292 @@
+"""An external fleet: one that `star train` did not start (Docker Compose, Helm, `star up`).
+
+The controller finds it through the settings its services read (STAR_REDIS_URL, STAR_SANDBOX_URL,
+STAR_LEARNER_URL, STAR_ROLLOUT_URLS, STAR_REWARD_URL, STAR_STREAM_PREFIX), refuses to start while a
+part of it is unreachable, and owns only the learner run it starts through the learner service's
+runs API: stopping the stage stops that run, never the fleet. The run's id is kept in the run folder,
+so a controller started again re-attaches to a run still going instead of starting a second one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from services.common.redis import redact
+from services.common.settings import Settings
+from services.common.streams import StreamNames
+from services.pipeline.stage import Run, StageFailed, console
+
+FLEET_WAIT_S = float(os.environ.get("STAR_FLEET_WAIT_S", "30"))  # for a fleet still starting
+WORKER_SEEN_S = 120.0  # a stream consumer quiet for longer is not counted as a live worker
+LEARNER_STOP_S = 120.0  # the learner finishes its step and checkpoints before it stops
+ACTIVE = ("starting", "running")
+
+
+class FleetUnreachable(StageFailed):
+    """A part of the external fleet does not answer; the message names each part and its address."""
+
+
+@dataclass(frozen=True)
+class FleetAddress:
+    """Where the parts of an external fleet answer, from the STAR_* settings its services share."""
+
+    redis_url: str | None
+    sandbox_url: str | None
+    learner_url: str | None
+    rollout_urls: tuple[str, ...] = ()
+    reward_url: str | None = None
+    api_token: str | None = None
+    stream_prefix: str = "star"
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "FleetAddress":
+        def base(url: str | None) -> str | None:
+            return url.rstrip("/") if url else None
+
+        return cls(settings.redis_url, base(settings.sandbox_url), base(settings.learner_url),
+                   tuple(settings.rollout_url_list), base(settings.reward_url), settings.api_token,
+                   settings.stream_prefix)
+
+    @property
+    def names(self) -> StreamNames:
+        return StreamNames(self.stream_prefix)
+
+    def services(self) -> dict[str, str | None]:
+        """The HTTP services the RL stage needs (None: not configured) and those it checks when set."""
+        out: dict[str, str | None] = {"sandbox (STAR_SANDBOX_URL)": self.sandbox_url,
+                                      "learner (STAR_LEARNER_URL)": self.learner_url}
+        out.update({f"rollout server (STAR_ROLLOUT_URLS) {i}": url for i, url in enumerate(self.rollout_urls)})
+        if self.reward_url:
+            out["reward (STAR_REWARD_URL)"] = self.reward_url
+        return out
+
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.api_token}"} if self.api_token else {}
+
+
+def ready(url: str) -> bool:
+    """Does the service at `url` answer /readyz with 200?"""
+    try:
+        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def live_consumers(client: redis.Redis, stream: str, group: str, seen_s: float = WORKER_SEEN_S) -> int:
+    """Consumers of `group` seen on `stream` within `seen_s`: a worker polls (and re-claims the task it
+    works on) far more often, a dead one's entry stays behind with its idle time growing."""
+    try:
+        consumers = client.xinfo_consumers(stream, group)
+    except redis.ResponseError:  # no stream or no group yet: no worker has joined
+        return 0
+    return sum(1 for c in consumers if int(c.get("idle", 0)) <= seen_s * 1000)
+
+
+def problems(address: FleetAddress) -> list[str]:
+    """What of the fleet is down or unset, one line each (empty: every part answers)."""
+    found: list[str] = []
+    if not address.redis_url:
+        found.append("redis: STAR_REDIS_URL is not set")
+    else:
+        try:
+            client = redis.Redis.from_url(address.redis_url, socket_connect_timeout=2, socket_timeout=2)
+            client.ping()
+        except redis.RedisError as exc:
+            why = ("refused the credentials" if isinstance(exc, redis.AuthenticationError)
+                   else f"does not answer ({type(exc).__name__})")
+            found.append(f"redis (STAR_REDIS_URL) at {redact(address.redis_url)}: {why}")
+        else:
+            names = address.names
+            for stream, group, what in ((names.tasks, "rollout", "rollout workers"),
+                                        (names.trajectories, "reward", "reward workers")):
+                if not live_consumers(client, stream, group):
+                    found.append(f"{what}: none has read {stream} (group {group}) at {redact(address.redis_url)} "
+                                 f"within {WORKER_SEEN_S:.0f} s")
+    for name, url in address.services().items():
+        if not url:
+            found.append(f"{name}: not set")
+        elif not ready(url):
+            found.append(f"{name} at {url}: not ready (GET /readyz)")
+    return found
+
+
+def check_reachable(address: FleetAddress, wait_s: float = FLEET_WAIT_S, poll_s: float = 1.0) -> None:
+    """Wait up to `wait_s` for every part of the fleet to answer (Compose starts them together);
+    then refuse, naming each part still down."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = problems(address)
+        if not found:
+            return
+        if time.monotonic() >= deadline:
+            raise FleetUnreachable("the external fleet is not reachable:\n  " + "\n  ".join(found))
+        time.sleep(poll_s)
+
+
+def foreign_progress(client: redis.Redis, names: StreamNames) -> str | None:
+    """RL progress in the fleet's Redis that no run of this folder made, or None. Its rollout workers
+    have loaded that run's weights and would not load an older version number."""
+    raw = client.get(names.weights_latest)
+    batches = client.get(names.learner_batches)
+    if not raw and not batches:
+        return None
+    version = json.loads(raw)["version"] if raw else 0
+    return f"weights v{version}, {int(batches) if batches else 0} batches consumed, under prefix {names.prefix!r}"
+
+
+@dataclass
+class LearnerReport:
+    """The learner's state as the controller reads it: `running` while it trains (or cannot be told)."""
+
+    state: str
+    running: bool
+    exit_code: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class ExternalFleet:
+    """The RL stage's view of a fleet it did not start: it owns the learner run alone."""
+
+    address: FleetAddress
+    record: Path  # the learner run this run folder started: {"id", "url"}
+    run_id: str | None = None
+    workers: list[Any] = field(default_factory=list)  # none of ours
+    learner: Any = None  # no process of ours
+    redis_log: Path | None = None  # the deployment keeps Redis's log
+
+    @property
+    def redis_url(self) -> str:
+        return self.address.redis_url or ""
+
+    @property
+    def sandbox_url(self) -> str:
+        return self.address.sandbox_url or ""
+
+    def dependencies(self) -> dict[str, str]:
+        return {"sandbox": self.sandbox_url, "learner": self.address.learner_url or ""}
+
+    # -- the learner run ----------------------------------------------------------------------
+
+    def _url(self, path: str) -> str:
+        return f"{self.address.learner_url}{path}"
+
+    def _describe(self, run_id: str) -> dict[str, Any] | None:
+        """GET /runs/{id}; None when the learner service does not know the run."""
+        r = httpx.get(self._url(f"/runs/{run_id}"), headers=self.address.headers(), timeout=10)
+        if r.status_code == 404:
+            return None
+        r.raise_for_status()
+        return r.json()
+
+    def recorded_run(self) -> dict[str, Any] | None:
+        """The learner run of an earlier controller of this folder, while it runs or once it has
+        finished (it may train the last steps alone); None when there is none to follow."""
+        try:
+            run_id = json.loads(self.record.read_text())["id"]
+        except (OSError, ValueError, KeyError):
+            return None
+        try:
+            run = self._describe(run_id)
+        except httpx.HTTPError:
+            return None
+        return run if run and run.get("state") in (*ACTIVE, "finished") else None
+
+    def start_learner(self, run: Run, config: Path) -> str:
+        """Re-attach to this folder's learner run if it runs or has finished, else (none, or one that
+        failed or was stopped) start one from `config` (an RLConfig file) with POST /runs, which resumes
+        from the checkpoint in the run folder; returns the run's id. (The learner service places it:
+        `run`'s placement is this machine's.)"""
+        attached = self.recorded_run()
+        if attached is not None:
+            self.run_id = attached["id"]
+            console.print(f"re-attached to learner run {self.run_id} at {self.address.learner_url} "
+                          f"({attached['state']}, step {attached.get('step', 0)})")
+            return self.run_id
+        body = {"kind": "rl", "config": json.loads(config.read_text())}
+        try:
+            r = httpx.post(self._url("/runs"), json=body, headers=self.address.headers(), timeout=60)
+        except httpx.HTTPError as exc:
+            raise StageFailed(f"the learner at {self.address.learner_url} did not take the run: {exc}") from None
+        if r.status_code == 401:
+            raise StageFailed(f"the learner at {self.address.learner_url} refused the token (STAR_API_TOKEN)")
+        if r.status_code != 201:
+            raise StageFailed(f"the learner at {self.address.learner_url} refused the run "
+                              f"({r.status_code}): {_detail(r)}")
+        self.run_id = r.json()["id"]
+        tmp = self.record.with_suffix(".tmp")  # whole or absent, however the controller ends
+        tmp.write_text(json.dumps({"id": self.run_id, "url": self.address.learner_url}))
+        tmp.replace(self.record)
+        console.print(f"learner run {self.run_id} started at {self.address.learner_url}")
+        return self.run_id
+
+    def learner_report(self) -> LearnerReport:
+        try:
+            run = self._describe(self.run_id) if self.run_id else None
+        except httpx.HTTPError:  # the service is down: the dependency check counts how long
+            return LearnerReport("unknown", running=True)
+        if run is None:
+            return LearnerReport("lost", running=False, error=f"the learner service no longer knows run {self.run_id}")
+        return LearnerReport(run["state"], running=run["state"] in ACTIVE, exit_code=run.get("exit_code"),
+                             error=run.get("error"))
+
+    def learner_ended(self, report: LearnerReport) -> None:
+        """A learner run that ended before every step was trained fails the stage with its error."""
+        error = (report.error or "").strip()
+        raise StageFailed(f"learner run {self.run_id} at {self.address.learner_url} ended {report.state}"
+                          + (f": {error[-2000:]}" if error else ""))
+
+    def stop_learner(self, timeout_s: float = LEARNER_STOP_S) -> None:
+        """POST /runs/{id}/stop and wait (bounded) for it to checkpoint and end."""
+        if not self.run_id:
+            return
+        try:
+            r = httpx.post(self._url(f"/runs/{self.run_id}/stop"), headers=self.address.headers(), timeout=30)
+            r.raise_for_status()
+        except httpx.HTTPError as exc:
+            console.print(f"[yellow]could not stop learner run {self.run_id} at {self.address.learner_url}: {exc}[/]")
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.learner_report().running:
+            time.sleep(0.5)
+
+    # -- the fleet ----------------------------------------------------------------------------
+
+    def keep_alive(self) -> list[str]:
+        """Nothing: the deployment restarts its own services."""
+        return []
+
+    def stop(self) -> None:
+        """Stop the learner run this stage started (or re-attached to); the fleet keeps running."""
+        if self.run_id and self.learner_report().running:
+            console.print(f"stopping learner run {self.run_id}")
+            self.stop_learner()
+
+
+def connect(address: FleetAddress, names: StreamNames, record: Path) -> ExternalFleet:
+    """The external fleet, once every part answers and its Redis holds no other run's progress."""
+    check_reachable(address)
+    fleet = ExternalFleet(address, record)
+    if not record.is_file():  # progress of a run this folder started is its own
+        found = foreign_progress(redis.Redis.from_url(address.redis_url), names)
+        if found:
+            raise StageFailed(f"the fleet's Redis at {redact(address.redis_url)} holds another run's RL progress "
+                              f"({found}); its rollout workers would not load this run's weights: start the "
+                              "fleet afresh, or give it another STAR_STREAM_PREFIX")
+    return fleet
+
+
+def _detail(r: httpx.Response) -> str:
+    try:
+        detail = r.json().get("detail")
+    except ValueError:
+        detail = None
+    return str(detail if detail is not None else r.text[:500])

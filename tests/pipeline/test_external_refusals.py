@@ -1,0 +1,151 @@
+"""`star train --fleet external` refuses, before any stage, a fleet it cannot reach: each part that is
+down is named with its address, Redis's password never shown, and no stack trace."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import redis
+
+from services.common.redis import EmbeddedRedis, free_port
+from services.common.streams import StreamConsumer, StreamNames
+from services.pipeline.external import FleetAddress, foreign_progress, problems
+from tests.pipeline.test_train_e2e import train_argv, train_env
+
+
+def _star_train(tmp_path, fleet: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
+    env = {**train_env(tmp_path / "home", fleet), "STAR_FLEET_WAIT_S": "0"}
+    return subprocess.run(train_argv(tmp_path / "run", "--fleet", "external", *extra), env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_an_unreachable_fleet_is_refused_naming_each_part_with_the_password_redacted(tmp_path):
+    redis_port, sandbox_port, learner_port = free_port(), free_port(), free_port()
+    out = _star_train(tmp_path, {"STAR_REDIS_URL": f"redis://:s3cret-pw@127.0.0.1:{redis_port}/0",
+                                 "STAR_SANDBOX_URL": f"http://127.0.0.1:{sandbox_port}",
+                                 "STAR_LEARNER_URL": f"http://127.0.0.1:{learner_port}"})
+    assert out.returncode == 1, out.stderr
+    text = " ".join(out.stderr.split())  # rich wraps long lines
+    assert "external fleet is not reachable" in text
+    assert f"redis (STAR_REDIS_URL) at redis://:***@127.0.0.1:{redis_port}/0" in text
+    assert f"sandbox (STAR_SANDBOX_URL) at http://127.0.0.1:{sandbox_port}" in text
+    assert f"learner (STAR_LEARNER_URL) at http://127.0.0.1:{learner_port}" in text
+    assert "s3cret-pw" not in out.stderr + out.stdout and "Traceback" not in out.stderr
+    assert not (tmp_path / "run" / "stages.json").exists()  # refused before the first stage
+
+
+def test_unset_settings_are_named(tmp_path):
+    out = _star_train(tmp_path, {})
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    text = " ".join(out.stderr.split())
+    for line in ("redis: STAR_REDIS_URL is not set", "sandbox (STAR_SANDBOX_URL): not set",
+                 "learner (STAR_LEARNER_URL): not set"):
+        assert line in text
+
+
+def test_a_fleet_mode_that_does_not_exist_is_a_recipe_error(tmp_path):
+    out = subprocess.run(train_argv(tmp_path / "run", "--fleet", "elsewhere"), env=train_env(tmp_path / "home"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "deployment.fleet" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_fleet_without_workers_or_learner_is_reported_part_by_part(redis_client):
+    client, prefix = redis_client
+    url = client.connection_pool.connection_kwargs
+    redis_url = f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}"
+    learner = f"http://127.0.0.1:{free_port()}"
+    address = FleetAddress(redis_url, None, learner, stream_prefix=prefix.rstrip(":"))
+    found = problems(address)
+    assert found == [f"rollout workers: none has read {prefix}tasks (group rollout) at {redis_url} within 120 s",
+                     f"reward workers: none has read {prefix}trajectories (group reward) at {redis_url} within 120 s",
+                     "sandbox (STAR_SANDBOX_URL): not set",
+                     f"learner (STAR_LEARNER_URL) at {learner}: not ready (GET /readyz)"]
+    # a worker that polls its stream counts as live
+    names = StreamNames(prefix.rstrip(":"))
+    StreamConsumer(client, names.tasks, "rollout", "rollout-0").read(block_ms=10)
+    StreamConsumer(client, names.trajectories, "reward", "reward-0").read(block_ms=10)
+    assert not any("workers" in line for line in problems(address))
+
+
+def test_another_runs_progress_in_the_fleets_redis_is_found():
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        names = StreamNames("fleet")
+        assert foreign_progress(client, names) is None
+        client.set(names.weights_latest, json.dumps({"version": 3, "uri": "/w/v3"}))
+        client.set(names.learner_batches, 3)
+        assert foreign_progress(client, names) == "weights v3, 3 batches consumed, under prefix 'fleet'"
+
+
+@pytest.mark.parametrize("fleet", ["embedded", "external"])
+def test_the_run_folder_resumes_whoever_runs_the_fleet(fleet):
+    from services.pipeline.config import PipelineConfig
+    from services.pipeline.train import recipe_identity
+
+    base = PipelineConfig.model_validate({"name": "x", "model": {"path": "/m"}})
+    other = PipelineConfig.model_validate({"name": "x", "model": {"path": "/m"}, "deployment": {"fleet": fleet}})
+    assert recipe_identity(base) == recipe_identity(other)
+
+
+def test_a_fault_rate_the_external_fleet_will_not_apply_is_said():
+    from services.pipeline.config import PipelineConfig
+    from services.pipeline.rl import external_fleet_note
+
+    def config(**deployment):
+        return PipelineConfig.model_validate({"name": "x", "model": {"path": "/m"}, "rl": {"fault_rate": 0.05},
+                                              "deployment": deployment})
+
+    assert "STAR_FAULT_RATE" in external_fleet_note(config(fleet="external"))
+    assert external_fleet_note(config()) is None
+
+
+@pytest.fixture
+def learner_service(tmp_path):
+    """The real learner service (its runs API), as a deployment runs it."""
+    from services.common.supervisor import Supervisor, wait_ready
+    from services.pipeline import fleet
+
+    spec = next(s for s in fleet.SERVICES if s.name == "learner")
+    port = free_port()
+    sup = Supervisor(None)
+    env = {**train_env(tmp_path / "learner-home"), "STAR_API_TOKEN": "fleet-token"}
+    child = sup.add("learner", fleet.service_argv(spec, port), env, tmp_path / "learner.log")
+    url = f"http://127.0.0.1:{port}"
+    wait_ready("learner", child.proc, url, child.log, 120)
+    yield url
+    sup.stop_all()
+
+
+def test_a_learner_that_refuses_or_fails_the_run_fails_the_stage_with_its_words(tmp_path, learner_service):
+    from services.pipeline.config import load_pipeline_config
+    from services.pipeline.external import ExternalFleet
+    from services.pipeline.rl import rl_config
+    from services.pipeline.stage import Run, StageFailed
+    from tests.pipeline.test_train_e2e import ROOT
+    from tests.support.waiting import until
+
+    run = Run(load_pipeline_config(ROOT / "configs" / "tiny.yaml", ["deployment.fleet=external"]), tmp_path / "run")
+    run.folder.mkdir()
+
+    def fleet(token: str = "fleet-token") -> ExternalFleet:
+        return ExternalFleet(FleetAddress(None, None, learner_service, api_token=token), run.folder / "learner-run.json")
+
+    missing = rl_config(run, str(tmp_path / "nowhere"), StreamNames("fleet"), None, 2)
+    with pytest.raises(StageFailed, match=r"refused the run \(422\): model folder .*nowhere does not exist"):
+        fleet().start_learner(run, missing)
+    with pytest.raises(StageFailed, match=r"refused the token \(STAR_API_TOKEN\)"):
+        fleet("wrong").start_learner(run, missing)
+    assert not (run.folder / "learner-run.json").exists()
+
+    (tmp_path / "empty-model").mkdir()  # a folder, but no model in it: the run starts, then fails
+    f = fleet()
+    run_id = f.start_learner(run, rl_config(run, str(tmp_path / "empty-model"), StreamNames("fleet"), None, 2))
+    assert json.loads((run.folder / "learner-run.json").read_text())["id"] == run_id
+    report = until(lambda: (lambda r: r if not r.running else None)(f.learner_report()), 180, "the run to fail",
+                   poll_s=0.5)
+    assert report.state == "failed"
+    with pytest.raises(StageFailed, match=f"learner run {run_id} at {learner_service} ended failed: .*empty-model"):
+        f.learner_ended(report)
+    assert fleet().recorded_run() is None  # a failed run is not re-attached to: the next controller starts anew
