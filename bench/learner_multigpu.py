@@ -156,8 +156,6 @@ def summary(step_s: list[float], tokens: int, flops: float, flops_half: float, w
 
 def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, on_gpu: bool,
              recompute: str) -> dict:
-    import torch
-
     from bench.learner_gpu import sequences
     from services.learner.config import EngineConfig, ScheduleConfig
     from services.learner.engine import PolicyEngine

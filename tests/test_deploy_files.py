@@ -102,9 +102,6 @@ def command_problems(argv: list[str], where: str) -> list[str]:
 # services from STAR_*_URL, the RL run through the learner's POST /runs): the controller of the Compose
 # and Helm deployments. The option is the controller's contract with these files, accepted here while
 # `star train` does not declare it yet; once it does, its own declaration is what is checked.
-CONTRACT_OPTIONS = {"star train": {"--fleet"}}
-
-
 def _star_problems(words: list[str], where: str) -> list[str]:
     cmd, ctx_path = star_cli(), ["star"]
     i = 0
@@ -115,7 +112,7 @@ def _star_problems(words: list[str], where: str) -> list[str]:
         if sub is None:
             return [f"{where}: `{' '.join(ctx_path)}` has no command {words[i]!r}"]
         cmd, ctx_path, i = sub, ctx_path + [words[i]], i + 1
-    options = {o for p in cmd.params for o in getattr(p, "opts", [])} | CONTRACT_OPTIONS.get(" ".join(ctx_path), set())
+    options = {o for p in cmd.params for o in getattr(p, "opts", [])}
     return [f"{where}: `{' '.join(ctx_path)}` has no option {w}" for w in words[i:]
             if w.startswith("--") and w.split("=")[0] not in options]
 
