@@ -57,21 +57,27 @@ class RestartPolicy:
         return 0.0 if streak <= 0 else min(self.backoff_s * 2 ** (streak - 1), self.max_backoff_s)
 
 
-def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of `pid` (clock ticks since boot), or None when it is gone; with the
-    pid it names one process for good (pids are reused)."""
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first, then the parent pid), or None
+    when the process is gone or unreadable."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    return stat.rsplit(")", 1)[1].split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel's start time of `pid` (clock ticks since boot), or None when it is gone; with the
+    pid it names one process for good (pids are reused)."""
+    fields = proc_stat(pid)
+    return None if fields is None else int(fields[19])
 
 
 def alive(pid: int, started: int | None = None) -> bool:
     """Is `pid` running (and, given `started`, still the same process)? Zombies count as gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    fields = proc_stat(pid)
+    if fields is None:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -79,7 +85,6 @@ def alive(pid: int, started: int | None = None) -> bool:
         except PermissionError:
             return True
         return True
-    fields = stat.rsplit(")", 1)[1].split()
     if fields[0] == "Z":
         return False
     return started is None or int(fields[19]) == started

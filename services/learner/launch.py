@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.settings import Settings
+from services.common.supervisor import proc_stat
 
 # Seconds the ranks get to stop after a stop signal before they are killed: a rank finishes its current
 # step and checkpoints first. Passed to torchrun too (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; its own default is
@@ -109,13 +110,7 @@ def child_pids(parent: int) -> set[int]:
     """The processes whose parent is `parent` (torchrun's ranks are its direct children)."""
     out = set()
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+        if entry.name.isdigit() and (fields := proc_stat(int(entry.name))) is not None and int(fields[1]) == parent:
             out.add(int(entry.name))
     return out
 
