@@ -36,6 +36,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,10 +45,9 @@ RESULTS = ROOT / "bench" / "results"
 
 PAPER_MIN_PER_STEP = 9.0
 TARGET_ASYNC_MIN = 3.0
-A100_BF16 = 312e12
-H100_BF16 = 989e12
-HBM_TBS = {"H100": 3.35, "A100": 2.0}
-NVLINK_GBS = {"H100": 900.0, "A100": 600.0}
+# per card (SXM parts): HBM bandwidth in TB/s and NVLink in GB/s; bf16 peaks are services.learner.flops'
+HBM_TBS = {"H100": 3.35, "H200": 4.8, "A100": 2.0}
+NVLINK_GBS = {"H100": 900.0, "H200": 900.0, "A100": 600.0}
 
 
 @dataclass(frozen=True)
@@ -93,23 +93,36 @@ def step_flops(c: Components, r: Recipe) -> float:
     return train_flops(c.n_params, c.layers, c.attn_width, [r.trajectory_tokens] * r.trajectories)
 
 
-def project(c: Components, r: Recipe = Recipe(), *, source: str = "H100", target: str = "A100") -> dict[str, Any]:
-    """Minutes per step on `r.rollout_gpus + r.learner_gpus` GPUs of `target`, synchronous and asynchronous."""
+def card(device: str) -> str:
+    """The card a device name is (a key of HBM_TBS), for its bandwidth figures."""
+    for key in HBM_TBS:
+        if key in device.upper():
+            return key
+    raise SystemExit(f"no bandwidth figures for {device!r}: add its card to HBM_TBS and NVLINK_GBS")
+
+
+def project(c: Components, r: Recipe = Recipe(), *, target: str = "A100") -> dict[str, Any]:
+    """Minutes per step on `r.rollout_gpus + r.learner_gpus` GPUs of `target`, synchronous and asynchronous,
+    from components measured on `c.device`."""
+    from services.learner.flops import peak_flops
+
+    source = card(c.device)
+    flops = step_flops(c, r)
     per_engine = r.trajectories / r.rollout_gpus
     rollout_s = c.rollout_wall_s * max(per_engine / c.rollout_agents, 1.0) * HBM_TBS[source] / HBM_TBS[target]
     score_s = r.trajectories / c.score_plans_per_s
-    train_s = step_flops(c, r) / (r.learner_gpus * A100_BF16 * c.learner_mfu)
+    train_s = flops / (r.learner_gpus * peak_flops(target) * c.learner_mfu)
     sync_s = c.sync_s * NVLINK_GBS[source] / NVLINK_GBS[target]
     sync_min = (rollout_s + score_s + train_s + sync_s) / 60
     async_min = max(rollout_s + score_s, train_s + sync_s) / 60
     return {
         "seconds": {"rollout": rollout_s, "scoring": score_s, "training": train_s, "weight_sync": sync_s},
-        "step_tflop": step_flops(c, r) / 1e12,
+        "step_tflop": flops / 1e12,
         "sync": round(sync_min, 2),
         "async": round(async_min, 2),
         "bound_by": "rollout" if rollout_s + score_s >= train_s + sync_s else "training",
         "target_async_met": async_min <= TARGET_ASYNC_MIN,
-        "ratios": {"bf16_tflops": [H100_BF16 / 1e12, A100_BF16 / 1e12], "hbm_tbs": [HBM_TBS[source], HBM_TBS[target]],
+        "ratios": {"bf16_tflops": [peak_flops(source) / 1e12, peak_flops(target) / 1e12], "hbm_tbs": [HBM_TBS[source], HBM_TBS[target]],
                    "nvlink_gbs": [NVLINK_GBS[source], NVLINK_GBS[target]]},
     }
 
@@ -125,19 +138,20 @@ def _load(results: Path, name: str) -> dict[str, Any]:
 
 def components_from_results(prefix: str = "time_model", results: Path = RESULTS) -> tuple[Components, dict[str, Any]]:
     """The figures of the component benchmarks `measure` ran, with the shapes each was taken at."""
+    from services.learner.flops import model_shape
+
     rollout = _load(results, f"{prefix}_rollout")
     shape = rollout["shapes"]["7b"]
     engine = shape["engines"]["vllm"]
     learner = _load(results, f"{prefix}_learner")
     sync = [row for row in _load(results, f"{prefix}_sync")["rows"] if row["method"] == "nccl" and row["shape"] == "7b"]
     reward = _load(results, "reward")
-    cfg = shape["config"]
-    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    layers, attn_width = model_shape(SimpleNamespace(**shape["config"]))
     comps = Components(
         device=rollout["device"], rollout_wall_s=engine["wall_s"], rollout_agents=rollout["load"]["agents"],
         learner_mfu=learner["mfu"], sync_s=min(row["seconds"] for row in sync),
         score_plans_per_s=reward["http"]["official"]["score_batch"]["plans_per_s"],
-        n_params=shape["params"], layers=layers, attn_width=heads * (cfg["hidden_size"] // heads))
+        n_params=shape["params"], layers=layers, attn_width=attn_width)
     shapes = {
         "rollout": {"tokens_per_s": engine["tokens_per_s"], "load": rollout["load"], "turn_p99_s": engine["turn_p99_s"]},
         "learner": {k: learner.get(k) for k in ("device", "world_size", "zero_stage", "params", "seq", "mfu",
@@ -215,7 +229,9 @@ def write_projection(args: argparse.Namespace) -> dict[str, Any]:
         f"**Synchronous: {proj['sync']:.2f} min/step; asynchronous: {proj['async']:.2f} min/step** "
         f"(paper: {PAPER_MIN_PER_STEP} min; target ≤ {TARGET_ASYNC_MIN} asynchronous: "
         f"{'met' if proj['target_async_met'] else 'not met'}; bound by {proj['bound_by']}).", "",
-        "Ratios used, H100 → A100: bf16 989 → 312 TFLOP/s, HBM 3.35 → 2.0 TB/s, NVLink 900 → 600 GB/s.",
+        "Ratios used, {} → A100: bf16 {} TFLOP/s, HBM {} TB/s, NVLink {} GB/s.".format(
+            card(comps.device), *(" → ".join(f"{v:g}" for v in proj["ratios"][k])
+                                  for k in ("bf16_tflops", "hbm_tbs", "nvlink_gbs"))),
     ]
     if e2e:
         times = [s["time_step_s"] for s in e2e["steps"]]

@@ -68,6 +68,14 @@ def test_components_are_read_from_the_benchmarks_results(tmp_path):
     assert [row["seconds"] for row in shapes["weight_sync"]] == [0.25, 0.21]
 
 
+def test_the_projection_scales_from_the_card_the_components_were_measured_on():
+    h100, h200 = project(comps()), project(comps(device="NVIDIA H200"))
+    assert h200["seconds"]["rollout"] == pytest.approx(h100["seconds"]["rollout"] * 4.8 / 3.35)
+    assert h200["ratios"]["hbm_tbs"] == [4.8, 2.0] and h100["ratios"]["bf16_tflops"] == [989.0, 312.0]
+    with pytest.raises(SystemExit, match="no bandwidth figures"):
+        project(comps(device="Some GPU"))
+
+
 def test_missing_results_say_how_to_make_them(tmp_path):
     with pytest.raises(SystemExit, match="time_model.py measure"):
         components_from_results("tm", tmp_path)
