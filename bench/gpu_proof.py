@@ -175,6 +175,7 @@ async def _decode_all(model: str, queries: list, sampling, world_url: str, batch
                               "reused_tokens": getattr(engine, "reused_tokens", None)}
     finally:
         bar.close()
+        await engine.close()  # vLLM's engine core holds its GPU share until shut down; RL needs it
         await engine.close()
 
 

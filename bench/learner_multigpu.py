@@ -43,6 +43,18 @@ sys.path.insert(0, str(ROOT))
 from bench.gpu_shapes import SHAPES, qwen2_config  # noqa: E402
 
 
+RECOMPUTE = ("none", "mlp", "layers")
+
+
+def _recompute_order(text: str) -> tuple[str, ...]:
+    """`--recompute`: the recomputation modes to try, in order, until one fits in memory."""
+    order = RECOMPUTE if text == "auto" else tuple(t.strip() for t in text.split(","))
+    bad = [t for t in order if t not in RECOMPUTE]
+    if bad or not order:
+        raise argparse.ArgumentTypeError(f"{text!r}: give auto or a comma-separated list of {', '.join(RECOMPUTE)}")
+    return order
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
@@ -50,8 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=5, help="timed steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    ap.add_argument("--recompute", choices=["auto", "none", "mlp", "layers"], default="auto",
-                    help="auto: none, and where that runs out of memory mlp, then layers (every attempt recorded)")
+    ap.add_argument("--recompute", type=_recompute_order, default="auto",
+                    help="none, mlp or layers, or several tried in order until one fits (e.g. mlp,layers); auto: "
+                         "none,mlp,layers (every attempt recorded)")
     ap.add_argument("--chunk", type=int, default=4096, help="tokens per chunk of the vocabulary head")
     ap.add_argument("--sdpa", default="cudnn+flash", help="SDPA kernel order on GPU ('default': PyTorch's)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (ours)")
@@ -291,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.skip_ours:
         prev = json.loads(out.read_text())
         ours, ours_attempts = {k: prev.get(k) for k in kept}, prev.get("attempts", [])
-    for recompute in (() if args.skip_ours else ("none", "mlp", "layers") if args.recompute == "auto"
-                      else (args.recompute,)):
+    for recompute in (() if args.skip_ours else args.recompute):
         result = attempt(run_ours, args, model_dir, rank, world, on_gpu, recompute)
         ours_attempts.append({"recompute": recompute, **result})
         if not result.get("oom"):

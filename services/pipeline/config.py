@@ -250,6 +250,10 @@ class DeploymentSpec(_Section):
         "is left divided among the engines of the fullest GPU.")
     learner_memory_share: float = Field(0.4, gt=0, lt=1, description="Share of a GPU's memory kept for the "
                                         "learner where engines share its GPU.")
+    validation_memory_share: float | None = Field(
+        None, gt=0, le=1, description="Share of its GPUs' memory the engine of a validation during RL "
+        "(`rl.val_every`) takes, beside the first rollout engine. None: the engines' share, the validation "
+        "counted as one more engine on those GPUs.")
     share_gpus: bool | None = Field(None, description="Engines beside the learner (and each other) on the same GPUs, "
                                     "by memory share. None: only when the machine has too few GPUs to give each "
                                     "process its own.")

@@ -34,6 +34,7 @@ class Placement:
     engine_memory_share: float | None         # None on CPU
     tensor_parallel: int = 1
     shared: bool = False
+    validation_memory_share: float | None = None  # None: no validations beside the fleet, or on CPU
 
     def learner_env(self) -> dict[str, str]:
         env = {"DS_ACCELERATOR": self.accelerator}
@@ -62,8 +63,11 @@ class Placement:
         if self.accelerator != "cuda":
             return f"placement: CPU; learner {self.learner_ranks} rank(s), {len(self.engine_devices)} engine(s)"
         engines = ", ".join("+".join(d) for d in self.engine_devices) or "none"
+        validations = ("" if self.validation_memory_share is None else
+                       f"; validations beside engine 0 at {self.validation_memory_share:.2f}")
         return (f"placement: learner on GPU {'+'.join(self.learner_devices)}; engines on GPU {engines} "
-                f"at {self.engine_memory_share:.2f} of memory each{' (sharing GPUs)' if self.shared else ''}")
+                f"at {self.engine_memory_share:.2f} of memory each{' (sharing GPUs)' if self.shared else ''}"
+                f"{validations}")
 
 
 def visible_gpu_ids() -> list[str]:
@@ -77,8 +81,9 @@ def visible_gpu_ids() -> list[str]:
     return [str(i) for i in range(count)]
 
 
-def plan(spec: DeploymentSpec, engines: int, gpus: list[str]) -> Placement:
-    """Devices for the learner and for each of `engines` rollout engines on a machine with `gpus`."""
+def plan(spec: DeploymentSpec, engines: int, gpus: list[str], *, validations: bool = False) -> Placement:
+    """Devices for the learner and for each of `engines` rollout engines on a machine with `gpus`;
+    `validations`: RL validations run beside the first engine, and their engine's memory is counted."""
     if not gpus:
         return Placement("cpu", spec.learner_ranks, (), tuple(() for _ in range(engines)), None)
     n, ranks, tp = len(gpus), spec.learner_ranks, spec.engine_tensor_parallel
@@ -98,42 +103,58 @@ def plan(spec: DeploymentSpec, engines: int, gpus: list[str]) -> Placement:
                 f"this machine shows {n} (deployment.share_gpus: true puts engines beside the learner by "
                 "memory share)")
         devices = tuple(tuple(gpus[ranks + i * tp: ranks + (i + 1) * tp]) for i in range(engines))
-        share = spec.engine_memory_share or DEDICATED_MEMORY_SHARE
-        return Placement("cuda", ranks, learner, devices, share, tp, shared=False)
-    return _shared(spec, engines, gpus, learner)
+    else:
+        groups = [tuple(gpus[g * tp: (g + 1) * tp]) for g in range(n // tp)]
+        # engines go first where the learner is not, then round the groups again
+        groups.sort(key=lambda group: any(d in learner for d in group))
+        devices = tuple(groups[i % len(groups)] for i in range(engines))
+    share, val_share = _memory_shares(spec, gpus, learner, devices, validations and bool(devices), shared)
+    return Placement("cuda", ranks, learner, devices, share, tp, shared=shared, validation_memory_share=val_share)
 
 
-def _shared(spec: DeploymentSpec, engines: int, gpus: list[str], learner: tuple[str, ...]) -> Placement:
-    tp = spec.engine_tensor_parallel
-    groups = [tuple(gpus[g * tp: (g + 1) * tp]) for g in range(len(gpus) // tp)]
-    # engines go first where the learner is not, then round the groups again
-    groups.sort(key=lambda group: any(d in learner for d in group))
-    devices = tuple(groups[i % len(groups)] for i in range(engines))
+def _memory_shares(spec: DeploymentSpec, gpus: list[str], learner: tuple[str, ...],
+                   devices: tuple[tuple[str, ...], ...], validations: bool, shared: bool
+                   ) -> tuple[float, float | None]:
+    """The engines' memory share and a validation's, such that no GPU is asked for more than it has:
+    on each GPU the learner keeps `learner_memory_share` (where engines share its GPU), a validation
+    beside the first engine keeps its own share (or counts as one more engine), and the engines
+    split the rest; alone on its GPUs an engine takes vLLM's default 0.9."""
     load = {d: sum(d in group for group in devices) for d in gpus}
-    free = {d: 1.0 - (spec.learner_memory_share if d in learner else 0.0) for d in gpus}
+    kept = {d: spec.learner_memory_share if shared and d in learner else 0.0 for d in gpus}
+    held = {d: f"learner {kept[d]:.2f}" if kept[d] else "" for d in gpus}
+    val_fixed = spec.validation_memory_share
+    for d in devices[0] if validations else ():
+        if val_fixed is None:
+            load[d] += 1
+        else:
+            kept[d] += val_fixed
+            held[d] = " + ".join(filter(None, (held[d], f"validation {val_fixed:.2f}")))
     used = [d for d in gpus if load[d]]
-    if spec.engine_memory_share is None:
-        fit = min((free[d] / load[d] for d in used), default=DEDICATED_MEMORY_SHARE)
-        share = min(math.floor(fit * 100) / 100, DEDICATED_MEMORY_SHARE)
+    cap = 1.0 if shared else DEDICATED_MEMORY_SHARE
+    share = spec.engine_memory_share
+    if share is None:
+        fit = min(((cap - kept[d]) / load[d] for d in used), default=DEDICATED_MEMORY_SHARE)
+        share = min(math.floor(fit * 100 + 1e-6) / 100, DEDICATED_MEMORY_SHARE)
         if share < MIN_ENGINE_SHARE:
-            worst = min(used, key=lambda d: free[d] / load[d])
+            worst = min(used, key=lambda d: (cap - kept[d]) / load[d])
             raise PlacementError(
                 f"deployment puts {load[worst]} engine(s) on GPU {worst}, leaving each {share:.2f} of its memory "
-                f"(learner keeps {spec.learner_memory_share:.2f}); an engine needs at least {MIN_ENGINE_SHARE:.2f}: "
-                f"fewer rollout workers, or more GPUs")
+                f"({held[worst] or 'nothing else'} kept); an engine needs at least {MIN_ENGINE_SHARE:.2f}: "
+                "fewer rollout workers, smaller shares, or more GPUs")
     else:
-        share = spec.engine_memory_share
         for d in used:
-            total = load[d] * share + (1.0 - free[d])
+            total = load[d] * share + kept[d]
             if total > 1.0 + 1e-9:
-                kept = f" + learner {1.0 - free[d]:.2f}" if d in learner else ""
+                beside = f" + {held[d]}" if held[d] else ""
                 raise PlacementError(
-                    f"GPU {d} would hold {load[d]} engine(s) × {share:.2f}{kept} = {total:.2f} of its memory "
-                    f"(at most 1.00): lower deployment.engine_memory_share to {free[d] / load[d]:.2f} or run fewer "
-                    "engines")
-    return Placement("cuda", len(learner), learner, devices, share, tp, shared=True)
+                    f"GPU {d} would hold {load[d]} engine(s) × {share:.2f}{beside} = {total:.2f} of its memory "
+                    f"(at most 1.00): lower deployment.engine_memory_share to {(1.0 - kept[d]) / load[d]:.2f} "
+                    "or run fewer engines")
+    val_share = (share if val_fixed is None else val_fixed) if validations else None
+    return share, val_share
 
 
-def placement_for(spec: DeploymentSpec, engines: int, gpus: list[str] | None = None) -> Placement:
+def placement_for(spec: DeploymentSpec, engines: int, gpus: list[str] | None = None, *,
+                  validations: bool = False) -> Placement:
     """The run's placement on this machine (its visible GPUs unless `gpus` is given)."""
-    return plan(spec, engines, visible_gpu_ids() if gpus is None else gpus)
+    return plan(spec, engines, visible_gpu_ids() if gpus is None else gpus, validations=validations)

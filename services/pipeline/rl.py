@@ -450,7 +450,9 @@ class Validation:
         if self.running is not None or not self.waiting:
             return
         version, model = self.waiting.pop(0)
-        argv = stage.eval_argv(self.run, model, self.split, self.folder(version) / "eval", self.run.config.eval.limit)
+        share = self.run.placement.validation_memory_share if self.run.placement else None
+        argv = stage.eval_argv(self.run, model, self.split, self.folder(version) / "eval", self.run.config.eval.limit,
+                               memory_share=share)
         name = self._name(version)
         devices = self.run.placement.validation_env() if self.run.placement else {}
         self.running = (version, model, Managed(name, argv, {**self.run.env, **devices}, self.run.log(name)).start())

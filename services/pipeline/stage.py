@@ -98,8 +98,10 @@ def run_process(run: Run, name: str, argv: list[str], *, env: dict[str, str] | N
     check_exit(run, name, rc)
 
 
-def eval_argv(run: Run, model: str, split: str | Path, out: Path, limit: int | None) -> list[str]:
-    """`star eval` of one model on one split into `out`, with the recipe's evaluation settings."""
+def eval_argv(run: Run, model: str, split: str | Path, out: Path, limit: int | None, *,
+              memory_share: float | None = None) -> list[str]:
+    """`star eval` of one model on one split into `out`, with the recipe's evaluation settings;
+    `memory_share`: the share of its GPUs a vLLM engine beside others may take."""
     e = run.config.eval
     argv = star_argv("eval", "--model", model, "--split", str(split), "--mode", e.mode, "--out", str(out),
                      "--engine", run.config.services.engine, "--db", run.world_url,
@@ -109,9 +111,8 @@ def eval_argv(run: Run, model: str, split: str | Path, out: Path, limit: int | N
                      "--max-tool-calls", str(e.sampling.max_tool_calls), "--concurrency", str(e.concurrency))
     if run.config.services.engine == "vllm":
         vllm = run.config.services.vllm
-        if run.placement is not None and run.placement.engine_memory_share is not None:
-            # an evaluation's engine runs beside the fleet's (validations): the same share of a GPU
-            vllm = vllm.model_copy(update={"gpu_memory_utilization": run.placement.engine_memory_share})
+        if memory_share is not None:
+            vllm = vllm.model_copy(update={"gpu_memory_utilization": memory_share})
         argv += ["--vllm-args", vllm.model_dump_json()]
     if e.sampling.summarize_at_limit:
         argv += ["--summarize-at-limit"]

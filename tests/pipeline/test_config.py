@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -306,3 +307,17 @@ def test_table_one_recipes_end_at_the_limit_as_the_reference_does(recipe, tmp_pa
     assert "--summarize-at-limit" in eval_argv(Run(config, tmp_path), "m", "split.jsonl", tmp_path / "e", None)
     tiny = load_pipeline_config(CONFIGS / "tiny.yaml")
     assert "--summarize-at-limit" not in eval_argv(Run(tiny, tmp_path), "m", "split.jsonl", tmp_path / "e", None)
+
+
+def test_a_validations_engine_takes_the_share_its_placement_kept(tmp_path):
+    from services.pipeline.placement import plan
+    from services.pipeline.train import Run, eval_argv
+
+    config = load_pipeline_config(CONFIGS / "smollm2-proof.yaml")
+    placement = plan(config.deployment, config.services.rollout_workers, ["0"], validations=True)
+    run = Run(config, tmp_path, placement=placement)
+    beside = eval_argv(run, "m", "split.jsonl", tmp_path / "e", None, memory_share=placement.validation_memory_share)
+    vllm = json.loads(beside[beside.index("--vllm-args") + 1])
+    assert vllm["gpu_memory_utilization"] == pytest.approx(placement.validation_memory_share)
+    alone = eval_argv(run, "m", "split.jsonl", tmp_path / "e", None)  # the eval stage: the GPU to itself
+    assert json.loads(alone[alone.index("--vllm-args") + 1])["gpu_memory_utilization"] == pytest.approx(0.9)

@@ -142,8 +142,8 @@ def test_a_validation_process_gets_its_devices_from_the_placement(tmp_path, monk
 
     probe = "import os, sys; open(sys.argv[1], 'w').write(os.environ.get('CUDA_VISIBLE_DEVICES', 'unset'))"
     seen = tmp_path / "devices.txt"
-    monkeypatch.setattr(stage, "eval_argv", lambda run, model, split, out, limit: [sys.executable, "-c", probe,
-                                                                                  str(seen)])
+    monkeypatch.setattr(stage, "eval_argv", lambda run, model, split, out, limit, memory_share=None: [
+        sys.executable, "-c", probe, str(seen)])
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     config = load_pipeline_config(CONFIGS / "tiny.yaml", ["services.rollout_workers=2"])
     run = Run(config, tmp_path / "run", placement=plan(config.deployment, 2, ["0", "1", "2"]))
@@ -151,3 +151,26 @@ def test_a_validation_process_gets_its_devices_from_the_placement(tmp_path, monk
     validation.submit(0, str(tmp_path), keep=False)
     validation.running[2].proc.wait(30)
     assert seen.read_text() == "1"
+
+
+def test_validations_count_as_one_more_engine_beside_the_first():
+    p = plan(DeploymentSpec(), engines=1, gpus=["0"], validations=True)
+    # the learner keeps 0.4; the engine and a validation's engine split the rest
+    assert p.engine_memory_share == pytest.approx(0.3) and p.validation_memory_share == pytest.approx(0.3)
+    alone = plan(DeploymentSpec(learner_ranks=2), engines=2, gpus=["0", "1", "2", "3"], validations=True)
+    assert not alone.shared and alone.engine_memory_share == pytest.approx(0.45)
+    assert plan(DeploymentSpec(), engines=1, gpus=["0"]).validation_memory_share is None
+
+
+def test_a_validation_share_of_its_own_is_kept_before_the_engines_split_the_rest():
+    p = plan(DeploymentSpec(validation_memory_share=0.12), engines=1, gpus=["0"], validations=True)
+    assert p.engine_memory_share == pytest.approx(0.48) and p.validation_memory_share == pytest.approx(0.12)
+    assert "validations beside engine 0 at 0.12" in p.describe()
+
+
+def test_a_validation_that_overfills_the_first_engines_gpu_is_refused_with_the_numbers():
+    spec = DeploymentSpec(engine_memory_share=0.5, validation_memory_share=0.2)
+    assert plan(spec, engines=1, gpus=["0"]).engine_memory_share == pytest.approx(0.5)  # no validations: fits
+    with pytest.raises(PlacementError) as err:
+        plan(spec, engines=1, gpus=["0"], validations=True)
+    assert "1 engine(s) × 0.50 + learner 0.40 + validation 0.20 = 1.10" in str(err.value)

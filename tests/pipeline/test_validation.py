@@ -55,7 +55,7 @@ def _fake_eval(gate: Path):
               "out.mkdir(parents=True, exist_ok=True)\n"
               "if score is not None:\n"
               "    (out / 'metrics.json').write_text(json.dumps({'metrics': {'final_pass_rate': score}}))\n")
-    return lambda run, model, split, out, limit: [sys.executable, "-c", script, model, str(out), str(gate)]
+    return lambda run, model, split, out, limit, memory_share=None: [sys.executable, "-c", script, model, str(out), str(gate)]
 
 
 def _version(tmp_path: Path, version: int, score: float | None) -> str:
