@@ -34,6 +34,10 @@ def rollout_agent(model: str, sampling: SamplingParams, *, engine: str = "vllm",
         engine, model = "openai", model.split(":", 1)[1]
         if base_url:
             options["base_url"] = base_url
+    else:
+        # the context the episodes may reach, with room for a last turn (as the rollout workers size it):
+        # a model's own limit (max_position_embeddings) may be below an engine's default
+        options.setdefault("max_model_len", sampling.max_context_tokens + 512)
     try:
         policy = build_engine(engine, model, **options)
     except (ValueError, OSError, ImportError) as exc:

@@ -12,6 +12,7 @@ import pytest
 
 from services.common.schemas import Plan, PlanDay, SamplingParams
 from services.embedded import ServiceProcess
+from services.evaluation import agents
 from services.evaluation.agents import agent_function
 from services.evaluation.formatting import StructuredParser
 from services.evaluation.runfolder import RunFolder
@@ -105,3 +106,31 @@ def test_closing_the_agent_cancels_the_episodes_still_under_way(gold):
     thread.join(timeout=10)
     assert not thread.is_alive() and time.monotonic() - t0 < 10
     assert len(outcome) == 1 and isinstance(outcome[0], concurrent.futures.CancelledError)
+
+
+
+
+
+class _Built(Exception):
+    pass
+
+
+@pytest.mark.parametrize("engine", ["vllm", "transformers"])
+def test_the_engine_is_sized_from_the_episodes_context(monkeypatch, engine):
+    seen = {}
+
+    def build(kind, model, **options):
+        seen.update(kind=kind, **options)
+        raise _Built
+
+    from services.rollout import engines
+
+    monkeypatch.setattr(engines, "build_engine", build)
+    with pytest.raises(_Built):
+        agents.rollout_agent("/m", SamplingParams(max_context_tokens=6144), engine=engine)
+    # a model whose max_position_embeddings is 8192 must not be asked for an engine default of 32K
+    assert seen == {"kind": engine, "max_model_len": 6144 + 512}
+    with pytest.raises(_Built):
+        agents.rollout_agent("/m", SamplingParams(max_context_tokens=6144), engine=engine,
+                             engine_options={"max_model_len": 4096})
+    assert seen["max_model_len"] == 4096
