@@ -108,9 +108,6 @@ def test_closing_the_agent_cancels_the_episodes_still_under_way(gold):
     assert len(outcome) == 1 and isinstance(outcome[0], concurrent.futures.CancelledError)
 
 
-
-
-
 class _Built(Exception):
     pass
 
