@@ -205,6 +205,10 @@ class RLConfig(_Strict):
     publish_weights: bool = True
     weights_dir: str | None = Field(None, description="Weights store (default: STAR_WEIGHTS_ROOT, else STAR_HOME/weights).")
     keep_versions: int = Field(3, ge=1)
+    publish_start: bool = Field(False, description=(
+        "Publish the starting weights as version 0 before the first step, when nothing is published yet: "
+        "rollout workers started on a model of their own (an external fleet) load it before they sample, so the "
+        "first step is sampled by the policy it trains."))
     rollout_servers: list[str] = Field(default_factory=list, description="Base URLs that get POST /weights.")
     weight_sync: Literal["files", "nccl"] = Field("files", description=(
         "files: each version written to the weights store and loaded by the servers from it (any host). nccl: "

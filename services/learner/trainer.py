@@ -441,15 +441,18 @@ class RLTrainer:
     def _publish_unannounced(self) -> None:
         """A learner killed after checkpointing a step but before publishing its weights resumes
         with that version unannounced (the controller may already count the step as done): publish
-        it from the checkpoint, which holds exactly those weights. Every rank joins the gather."""
+        it from the checkpoint, which holds exactly those weights. With `publish_start`, a run that
+        has announced nothing yet publishes its starting weights as version 0 the same way, for
+        rollout workers started on another model (the controller sends no task before it is out).
+        Every rank joins the gather."""
         behind = False
         if self.rank0 and self.publisher is not None:
             latest = until_redis(self.publisher.latest, what="reading the published weights version")
             self.published = latest.version if latest else 0
-            behind = self.published < self.version
+            behind = self.published < self.version or (latest is None and self.cfg.publish_start)
         self.published = _broadcast(self.published, self.engine)
         if _broadcast(behind, self.engine):
-            log.info("publishing the resumed version", extra={"version": self.version})
+            log.info("publishing an unannounced version", extra={"version": self.version})
             self.publish()
 
     def publish(self) -> dict[str, float]:
@@ -476,7 +479,7 @@ class RLTrainer:
             self.collector.load_journal(self.batches)
             self._read_metrics_progress()
         self.logged_batches = _broadcast(self.logged_batches, self.engine)
-        if resumed or self.logged_batches:
+        if resumed or self.logged_batches or self.cfg.publish_start:
             self._publish_unannounced()
         self._recount_batches()
         # A step is one batch of the controller's schedule, trained or skipped (all samples stale

@@ -211,7 +211,11 @@ class ExternalFleet:
             console.print(f"re-attached to learner run {self.run_id} at {self.address.learner_url} "
                           f"({attached['state']}, step {attached.get('step', 0)})")
             return self.run_id
-        body = {"kind": "rl", "config": json.loads(config.read_text())}
+        # The fleet's rollout workers run the model they were started with: the learner announces the run's
+        # starting weights as version 0 before the controller sends any task, and the workers load them.
+        settings = {**json.loads(config.read_text()), "publish_start": True}
+        config.write_text(json.dumps(settings, indent=2))
+        body = {"kind": "rl", "config": settings}
         try:
             r = httpx.post(self._url("/runs"), json=body, headers=self.address.headers(), timeout=60)
         except httpx.HTTPError as exc:

@@ -323,7 +323,8 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
             publisher = TaskPublisher(client, names, run.config.name, schedule, sampling, reward_kind=r.reward,
                                       preference_penalty=r.preference_penalty, curriculum=curriculum,
                                       eval_mode=r.eval_mode, max_staleness=r.max_staleness,
-                                      arpo=r.arpo if r.algorithm == "arpo" else None)
+                                      arpo=r.arpo if r.algorithm == "arpo" else None,
+                                      await_start_weights=isinstance(f, ExternalFleet))
             ended = drive(run, f, client, names, publisher, schedule, validation=validation, deadline=deadline)
             if ended.reason == "budget":
                 # the learner may publish once more while it stops: read the weights after it has

@@ -5,6 +5,9 @@ in a fresh seeded order and drops the last partial batch (1K prompts / 32 = 31 s
 5 epochs, as in the paper). Policy version v is the number of optimizer steps done, so step s is
 trained into version s + 1. With `max_staleness = k`, step s may be published once version
 s - k is out: k = 0 is synchronous on-policy RL, k ≥ 1 lets rollout run ahead of the learner.
+Version 0 is the starting model: rollout workers started on it sample the first steps as they are;
+for workers started on another model (an external fleet), the learner announces it as a version
+and no step goes out before that (`await_start_weights`).
 The next step to publish lives in Redis, so a restarted controller neither skips nor repeats one.
 """
 
@@ -81,6 +84,9 @@ class TaskPublisher:
     eval_mode: str = "strict"
     max_staleness: int = 0
     arpo: ArpoParams | None = None
+    # publish nothing until a weights version is announced: the learner's starting weights, which rollout
+    # workers started on another model (an external fleet's) load before they sample the first step
+    await_start_weights: bool = False
 
     @property
     def _cursor_key(self) -> str:
@@ -113,7 +119,9 @@ class TaskPublisher:
     def publish_ready(self, progress: int, version: int | None = None) -> list[int]:
         """Publish every step that the learner's progress (batches consumed) now allows; returns
         the steps published. `version` is the weights version the fleet has now."""
-        published = []
+        published: list[int] = []
+        if self.await_start_weights and not self.client.exists(self.names.weights_latest):
+            return published
         step = self.next_step()
         while step < self.schedule.total_steps and publishable(step, progress, self.max_staleness):
             pipe = self.client.pipeline(transaction=True)

@@ -152,6 +152,9 @@ class RolloutService:
         self.loaded_at = time.time()
         self.metrics.weight_version.set(engine.policy_version)
         self._weights_sha: str | None = None
+        # the published version last loaded (files or broadcast); None while the engine holds only the model it
+        # was started with, which is no published version even where its number (0) matches one
+        self.loaded_version: int | None = None
         self._broken: str | None = None  # set while a failed broadcast may have left mixed weights
 
     @classmethod
@@ -221,6 +224,7 @@ class RolloutService:
         """A whole version is in place (from files, or a broadcast: `sha256` None): the server samples again."""
         self._weights_sha = sha256
         self._broken = None
+        self.loaded_version = version
         self.loaded_at = time.time()
         self.metrics.weight_version.set(version)
         self.metrics.weight_updates.labels("loaded").inc()

@@ -21,7 +21,10 @@ with exit status 1 instead: its supervisor starts a fresh process, other workers
 
 Weights: before a task, the worker loads the version announced under `{prefix}:weights:latest`
 when it is newer than its own (the learner writes that key after every step); an engine that loads
-in place (vLLM) also polls the key while its turns run, so a new version arrives mid-episode.
+in place (vLLM) also polls the key while its turns run, so a new version arrives mid-episode. The
+model a worker was started with is no published version: once a version is announced (an external
+fleet's run announces its starting weights as version 0 before its first task), a worker that has
+not loaded one fails its tasks rather than sample them with its own model.
 
 The engine lives on the asyncio loop of the main thread; `concurrency` consumer threads each
 take one task at a time and run it on that loop, so up to `concurrency` groups share the engine.
@@ -136,7 +139,10 @@ class RolloutWorker:
             msg.deliveries = max(msg.deliveries, consumer.max_deliveries)
             consumer.fail(msg, f"not a RolloutTask: {exc.errors()[:3]}")
             return None
-        self.sync_weights()
+        announced = self.sync_weights()
+        if announced is not None and self.service.loaded_version is None:
+            raise TaskFailed(f"weights v{announced.version} are announced but not loaded: this worker holds only "
+                             "the model it was started with")
         if self.service.engine.policy_version < task.min_policy_version:
             raise TaskFailed(f"task needs policy version ≥ {task.min_policy_version}; "
                              f"loaded {self.service.engine.policy_version}")
@@ -158,24 +164,30 @@ class RolloutWorker:
         if self.on_fatal:
             self.on_fatal()
 
-    def sync_weights(self) -> None:
+    def sync_weights(self) -> WeightsUpdate | None:
+        """Load the announced version unless a published version at least as new is loaded: the model
+        the worker was started with counts as none, so a run's version 0 (its starting weights, which
+        an external fleet's workers were not started on) is loaded too. Returns the announcement (None:
+        none, or Redis unavailable)."""
         try:
             raw = self.client.get(self.names.weights_latest)
         except REDIS_DOWN:
-            return  # Redis restarting: keep the loaded weights; the version check below the call still holds
+            return None  # Redis restarting: keep the loaded weights; the version check below the call still holds
         if not raw:
-            return
+            return None
         try:
             update = WeightsUpdate.model_validate_json(raw)
         except ValidationError:
             log.warning("ignoring an unreadable weights announcement", extra={"key": self.names.weights_latest})
-            return
-        if update.version <= self.service.engine.policy_version:
-            return
+            return None
+        loaded = self.service.loaded_version
+        if loaded is not None and update.version <= loaded:
+            return update
         try:
             self._on_loop(self.service.update_weights(update))
         except WeightsError as exc:
             log.error("announced weights not loadable", extra={"version": update.version, "error": exc.message})
+        return update
 
     # -- running -----------------------------------------------------------------------------
 

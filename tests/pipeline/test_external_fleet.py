@@ -1,9 +1,10 @@
 """`star train --fleet external` against a fleet it did not start: Redis, the sandbox, rollout and reward
 workers (as the RL stage starts them) and the learner service with its runs API, all started here. The
-controller starts the RL run on the learner service, publishes the steps, validates, writes the report,
-and leaves the fleet running; SIGTERM stops its learner run and nothing else; a controller killed outright
-is replaced by one that re-attaches to its learner run (going on, or finished meanwhile) rather than start
-another."""
+controller starts the RL run on the learner service, publishes the steps (the first once the learner has
+announced the SFT model as version 0: the workers were started on the base model), validates, writes the
+report, and leaves the fleet running; SIGTERM stops its learner run and nothing else; a controller killed
+outright is replaced by one that re-attaches to its learner run (going on, or finished meanwhile) rather
+than start another."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from services.pipeline import fleet as fleet_module
 from services.pipeline.config import load_pipeline_config
 from services.pipeline.rl import Fleet, start_fleet
 from services.pipeline.stage import Run
+from services.pipeline.train import prepare_model
 from tests.pipeline.test_train_e2e import _train, train_argv, train_env
 from tests.support.waiting import until
 
@@ -44,6 +46,15 @@ def _start_learner_service(f: Fleet, folder: Path, home: Path) -> str:
     url = f"http://127.0.0.1:{port}"
     wait_ready("learner", child.proc, url, child.log, 120)
     return url
+
+
+def _same_weights(a: str | Path, b: str | Path) -> bool:
+    import torch
+
+    from services.learner.weights import load_state_dict
+
+    x, y = load_state_dict(Path(a)), load_state_dict(Path(b))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
 def _learner_runs(url: str) -> dict[str, dict]:
@@ -86,12 +97,16 @@ def test_star_train_drives_a_fleet_it_did_not_start(tmp_path):
     assert prep.returncode == 0, prep.stderr[-3000:]
     sft_model = json.loads((run / "stages.json").read_text())["sft"]["outputs"]["model"]
 
-    # the fleet, started the way the RL stage starts its own, but by us: its rollout workers serve the SFT model
+    # the fleet, started the way the RL stage starts its own, but by us: its rollout workers start on the
+    # recipe's base model, not on the SFT model the RL stage starts from
     folder = tmp_path / "fleet"
     world = f"sqlite:///{run / 'world.sqlite'}"
-    deployment = Run(load_pipeline_config(run / "config.yaml"), folder, world_url=world,
+    recipe = load_pipeline_config(run / "config.yaml")
+    base_model = prepare_model(recipe)
+    assert not _same_weights(base_model, sft_model)
+    deployment = Run(recipe, folder, world_url=world,
                      env={"STAR_HOME": str(home), "STAR_DB_URL": world, "STAR_LOG_JSON": "false"})
-    f = start_fleet(deployment, sft_model, StreamNames(PREFIX))
+    f = start_fleet(deployment, base_model, StreamNames(PREFIX))
     learner_url = ""
     try:
         learner_url = _start_learner_service(f, folder, tmp_path / "learner-home")
@@ -137,6 +152,8 @@ def test_star_train_drives_a_fleet_it_did_not_start(tmp_path):
         # the weights went to the fleet's store, which its rollout workers read, not into the run folder
         latest = json.loads(redis.Redis.from_url(f.redis_url).get(f"{PREFIX}:weights:latest"))
         assert latest["version"] == 2 and Path(latest["uri"]).is_relative_to(folder / "weights")
+        # version 0, which the workers loaded before the first step, is the SFT model the stage started from
+        assert _same_weights(folder / "weights" / "v0", sft_model)
         assert not (run / "weights").exists()
         # validated: the starting model and the final version (a version published while no controller ran
         # is not looked back for)

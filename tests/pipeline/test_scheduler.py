@@ -101,3 +101,22 @@ def test_preference_penalty_travels_with_the_tasks(redis_client):
     pub.publish_ready(0)
     tasks = [RolloutTask.model_validate(d) for _, d in read_all(client, names.tasks)]
     assert [t.preference_penalty for t in tasks] == [1.0, 1.0]
+
+
+def test_a_publisher_awaiting_the_start_weights_sends_no_step_before_they_are_announced(redis_client):
+    """An external fleet's rollout workers run a model of their own until they load the run's version 0:
+    a step sent before the learner announced it would be sampled by that model."""
+    from services.common.schemas import WeightsUpdate
+
+    client, prefix = redis_client
+    names = StreamNames(prefix.rstrip(":"))
+    sched = Schedule(_queries(4), batch_prompts=2, group_size=2, epochs=1)
+    pub = TaskPublisher(client, names, "run1", sched, SamplingParams(seed=7), max_staleness=1,
+                        await_start_weights=True)
+    assert pub.publish_ready(0) == [] and client.xlen(names.tasks) == 0
+    client.set(names.weights_latest, WeightsUpdate(version=0, uri="/w/v0", sha256="0" * 64).model_dump_json())
+    assert pub.publish_ready(0, version=0) == [0, 1]
+    tasks = [RolloutTask.model_validate(d) for _, d in read_all(client, names.tasks)]
+    assert {t.min_policy_version for t in tasks} == {0}
+    # the embedded fleet's workers start on the starting model: its publisher does not wait
+    assert TaskPublisher(client, names, "run2", sched, SamplingParams(seed=7)).publish_ready(0) == [0]

@@ -114,6 +114,60 @@ def test_the_worker_loads_newer_announced_weights_before_a_task(redis_client, to
     assert engine.policy_version == 3 and {t["policy_version"] for t in trajs} == {3}
 
 
+def _announce(client, names: StreamNames, folder, version: int, sha: str | None = None) -> None:
+    from services.common.schemas import WeightsUpdate
+    from services.rollout.service import write_manifest
+
+    written = write_manifest(folder, version)
+    client.set(names.weights_latest, WeightsUpdate(version=version, uri=str(folder), sha256=sha or written)
+               .model_dump_json())
+
+
+def test_a_worker_started_on_another_model_loads_the_runs_version_0_before_it_samples(
+        redis_client, tokenizer, local_tools, loop, tmp_path, tiny_model):
+    """An external fleet's worker runs the model it was started with; the run announces its starting
+    weights as version 0. The same number is no reason to skip them: every sample is drawn by them."""
+    import shutil
+
+    from services.common.settings import Settings
+
+    client, prefix = redis_client
+    names = StreamNames(prefix.rstrip(":"))
+    start = tmp_path / "weights" / "v0"
+    shutil.copytree(tiny_model, start)
+    _announce(client, names, start, 0)
+    engine = ScriptedEngine(tokenizer, lambda ids, turn: format_answer(f"Day 1: {engine.weights_path}"))
+    service = RolloutService(engine, local_tools, settings=Settings(weights_root=tmp_path / "weights"))
+    publish(client, names.tasks, task(1, min_policy_version=0))
+    worker = RolloutWorker(service, client, loop, names=names, consumer="w")
+    run_until(worker, lambda: client.xlen(names.trajectories) >= 2)
+    trajs = [d for _, d in read_all(client, names.trajectories)]
+    assert service.loaded_version == 0 and engine.weights_path == str(start)
+    assert {t["policy_version"] for t in trajs} == {0}
+    assert all(f"Day 1: {start}" in t["messages"][-1]["content"] for t in trajs), [t["messages"][-1] for t in trajs]
+
+
+def test_a_worker_that_cannot_load_the_announced_version_does_not_sample_with_its_own_model(
+        redis_client, tokenizer, local_tools, loop, tmp_path, tiny_model):
+    import shutil
+
+    from services.common.settings import Settings
+
+    client, prefix = redis_client
+    names = StreamNames(prefix.rstrip(":"))
+    start = tmp_path / "weights" / "v0"
+    shutil.copytree(tiny_model, start)
+    _announce(client, names, start, 0, sha="0" * 64)  # its manifest does not match: not loadable
+    engine = ScriptedEngine(tokenizer, lambda ids, turn: format_answer("Day 1:"))
+    service = RolloutService(engine, local_tools, settings=Settings(weights_root=tmp_path / "weights"))
+    publish(client, names.tasks, task(2, min_policy_version=0))
+    worker = RolloutWorker(service, client, loop, names=names, consumer="w", claim_idle_ms=200, max_deliveries=2)
+    run_until(worker, lambda: client.xlen(StreamNames.dead(names.tasks)) >= 1)
+    dead = read_all(client, StreamNames.dead(names.tasks))[0][1]
+    assert "announced but not loaded" in dead["error"], dead
+    assert client.xlen(names.trajectories) == 0 and engine.calls == []
+
+
 def test_checking_new_weights_does_not_hold_the_event_loop(tokenizer, local_tools, tmp_path, tiny_model, monkeypatch):
     """The check hashes every file of the version (hundreds of MB): on the loop it stalled every
     agent of the worker."""
@@ -169,9 +223,9 @@ def test_a_task_waiting_on_a_slow_weights_load_is_not_taken_by_a_second_worker(
     workers = []
     for name in ("slow", "idle"):
         engine = SlowLoad(tokenizer, lambda ids, turn: format_answer("Day 1:"))
-        if name == "idle":
-            engine.policy_version = 1  # up to date: free to claim what looks abandoned
         service = RolloutService(engine, local_tools, settings=Settings(weights_root=tmp_path / "weights"))
+        if name == "idle":
+            engine.policy_version = service.loaded_version = 1  # up to date: free to claim what looks abandoned
         workers.append(RolloutWorker(service, client, loop, names=names, consumer=name, claim_idle_ms=500))
     publish(client, names.tasks, task(5, min_policy_version=1))
     threads = workers[0].start()  # the slow worker reads the task first ...
