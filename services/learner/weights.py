@@ -435,6 +435,8 @@ class NcclPublisher:
         self.timeout_s = timeout_s
         self.group: Any = None
         self.group_id: str | None = None
+        self.group_port = master_port  # the port of the group formed last
+        self.formed = 0  # groups formed so far
         self.members: list[str] = []
         self.missed: list[str] = []
         self.pool = ThreadPoolExecutor(max_workers=min(32, 2 * len(self.servers)))
@@ -466,12 +468,21 @@ class NcclPublisher:
         forms a new one."""
         self.group, self.group_id, self.members = None, None, []
 
-    def _trainer_init(self, world_size: int) -> Any:
+    def _trainer_init(self, port: int, world_size: int) -> Any:
         """vLLM's side of forming the group: rank 0's communicator (blocks until every rank joins)."""
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-        return NCCLWeightTransferEngine.trainer_init(dict(master_address=self.master_address,
-                                                          master_port=self.master_port, world_size=world_size))
+        return NCCLWeightTransferEngine.trainer_init(dict(master_address=self.master_address, master_port=port,
+                                                          world_size=world_size))
+
+    def _next_port(self) -> int:
+        """The configured port for the first group; on a loopback master a free port for each later one,
+        as a dropped group's listening socket may stay bound until its communicator is collected."""
+        if self.formed == 0 or self.master_address not in ("127.0.0.1", "localhost", "::1"):
+            return self.master_port
+        from services.common.redis import free_port
+
+        return free_port()
 
     def _trainer_send(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """vLLM's side of a broadcast: the tensors, packed, from rank 0 to the group."""
@@ -494,14 +505,15 @@ class NcclPublisher:
             ranks.append(int(info["weight_ranks"]))
         world = 1 + sum(ranks)
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
-        group_id = uuid.uuid4().hex
+        group_id, port = uuid.uuid4().hex, self._next_port()
+        self.formed += 1
         joins = [self.pool.submit(self._post, url, "/weights/group", {
-            "master_address": self.master_address, "master_port": self.master_port, "rank_offset": off,
+            "master_address": self.master_address, "master_port": port, "rank_offset": off,
             "world_size": world, "group_id": group_id}) for url, off in zip(members, offsets)]
-        group = self._trainer_init(world)
+        group = self._trainer_init(port, world)
         for f in joins:
             f.result(timeout=self.timeout_s)
-        self.group, self.group_id, self.members = group, group_id, members
+        self.group, self.group_id, self.group_port, self.members = group, group_id, port, members
         return {"sync_connect_s": time.perf_counter() - t0, "sync_world_size": float(world)}
 
     def stale(self, infos: dict[str, dict[str, Any] | None]) -> bool:

@@ -22,6 +22,7 @@ class Fleet:
         self.down: set[str] = set()
         self.failing: set[str] = set()  # their next broadcast fails
         self.joins: list[tuple[str, str]] = []  # (server, group id)
+        self.ports: list[int] = []  # the group port each join was told
 
     def info(self, url: str):
         return None if url in self.down else dict(self.state[url])
@@ -31,6 +32,7 @@ class Fleet:
         if path == "/weights/group":
             s["weight_group"] = body["group_id"]
             self.joins.append((url, body["group_id"]))
+            self.ports.append(body["master_port"])
             return {"joined": True}
         if url in self.failing:
             self.failing.discard(url)
@@ -50,7 +52,8 @@ def fleet(monkeypatch):
     fleet.sent = []   # tensors per broadcast
     monkeypatch.setattr(NcclPublisher, "_info", lambda self, url: fleet.info(url))
     monkeypatch.setattr(NcclPublisher, "_post", lambda self, url, path, body: fleet.post(url, path, body))
-    monkeypatch.setattr(NcclPublisher, "_trainer_init", lambda self, world: fleet.inits.append(world) or object())
+    monkeypatch.setattr(NcclPublisher, "_trainer_init",
+                        lambda self, port, world: fleet.inits.append(world) or object())
 
     def send(self, tensors) -> None:
         fleet.sent.append(sum(1 for _ in tensors))
@@ -67,11 +70,11 @@ def _tensors(n: int = 3):
 
 
 def test_a_failed_broadcast_drops_the_group_and_the_next_one_forms_a_new_group(fleet):
-    pub = NcclPublisher([A, B], timeout_s=5)
+    pub = NcclPublisher([A, B], master_port=29777, timeout_s=5)
     pub.publish(1, LAYOUT, _tensors())
     first = pub.group_id
     assert fleet.inits == [3] and pub.members == [A, B] and pub.missed == []
-    assert {g for _, g in fleet.joins} == {first}
+    assert {g for _, g in fleet.joins} == {first} and fleet.ports == [29777, 29777]
     fleet.failing.add(B)
     with pytest.raises(WeightsError, match="did not load on 1 server"):
         pub.publish(2, LAYOUT, _tensors())
@@ -81,6 +84,8 @@ def test_a_failed_broadcast_drops_the_group_and_the_next_one_forms_a_new_group(f
     assert pub.group_id not in (None, first) and pub.missed == []
     assert [u for u, g in fleet.joins if g == pub.group_id] == [A, B]
     assert fleet.state[A]["version"] == fleet.state[B]["version"] == 3
+    # on another port: the dropped group's may still be bound
+    assert fleet.ports[2] == fleet.ports[3] == pub.group_port != 29777
 
 
 def test_a_restarted_server_makes_the_group_form_again_before_anything_is_sent(fleet):
