@@ -369,6 +369,9 @@ class WeightsGroup(BaseModel):
     master_port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(ge=1)
     world_size: int = Field(ge=2)
+    group_id: str | None = Field(None, max_length=64, description=(
+        "The learner's name for this group; the server reports it (GET /weights `weight_group`) while it is a "
+        "member, so the learner sees a server that restarted, or lost the group, before it broadcasts."))
 
 
 class WeightsBroadcast(BaseModel):

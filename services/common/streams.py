@@ -63,6 +63,19 @@ class StreamNames:
         return f"{self.prefix}:weights:latest"
 
     @property
+    def weights_version(self) -> str:
+        """A plain key: the newest version the learner has published by any path. Over NCCL most
+        versions reach the engines with no files written, so `weights_latest` (the newest version
+        that has files) may be older; the learner writes this one after each publication."""
+        return f"{self.prefix}:weights:version"
+
+    @property
+    def weights_wanted(self) -> str:
+        """A plain key: set (for a minute) by a rollout worker that lacks `weights_version` and has no
+        files of it to load, asking the learner to send its current version again."""
+        return f"{self.prefix}:weights:wanted"
+
+    @property
     def learner_batches(self) -> str:
         """A plain key: step batches the learner has consumed, trained or skipped (the controller paces on it)."""
         return f"{self.prefix}:learner:batches"

@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,11 @@ Member = tuple[StreamMessage, ScoredTrajectory]
 
 class NoData(TimeoutError):
     """No (complete) group arrived within the configured wait."""
+
+
+class WeightsWanted(Exception):
+    """A rollout server asked for the learner's current weights while the learner waited for data
+    (`GroupCollector.weights_wanted`): the learner sends them, then collects the step again."""
 
 
 @dataclass
@@ -104,6 +110,8 @@ class GroupCollector:
         self.duplicates = 0  # samples of already trained groups dropped since `take_duplicates`
         self.held: list[str] = []  # ids of the messages handed out since the last acknowledgement
         self.replay: dict[int, dict[str, Any]] = {}  # journaled batches after the checkpoint, by number
+        # polled while waiting: True when a rollout server asked for the weights (set with NCCL sync)
+        self.weights_wanted: Callable[[], bool] | None = None
 
     @property
     def stream(self) -> str:
@@ -140,7 +148,8 @@ class GroupCollector:
     def collect(self, batch: int, version: int) -> StepGroups:
         """The groups of step batch `batch` for a learner at `version`: the journaled ones when the
         batch is replayed, else complete groups by `candidates` until `enough`. Raises NoData when
-        stopped or when nothing comes for `wait_timeout_s`."""
+        stopped or when nothing comes for `wait_timeout_s`, and WeightsWanted when a rollout server
+        asks for the weights meanwhile (nothing of the step is taken yet: it is collected again)."""
         cfg = self.cfg
         t0 = time.perf_counter()
         chosen: list[str] = []
@@ -149,6 +158,10 @@ class GroupCollector:
         deadline = started + cfg.wait_timeout_s
         plan = self.replay.pop(batch, None)  # a batch trained before the last kill, to train again
         while True:
+            if self.weights_wanted is not None and self.weights_wanted():
+                if plan is not None:
+                    self.replay[batch] = plan
+                raise WeightsWanted()
             self.read_lost(batch)
             if plan is not None:
                 if self._arrived(plan["groups"]):

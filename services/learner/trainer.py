@@ -30,17 +30,18 @@ import torch
 
 from services.common.schemas import ScoredTrajectory
 from services.common.settings import get_settings
-from services.common.streams import StreamNames, until_redis
+from services.common.streams import REDIS_DOWN, StreamNames, until_redis
 from services.learner import algorithms as alg
 from services.learner.batching import RLBatch, chat_to_sequence, rl_sequences
 from services.learner.config import RLConfig, SFTConfig
 from services.learner.engine import PolicyEngine
-from services.learner.groups import GroupCollector, NoData, StepGroups, TrainedRecord
+from services.learner.groups import GroupCollector, NoData, StepGroups, TrainedRecord, WeightsWanted
 from services.learner.runlog import RunLog
 from services.learner.steps import loss_bounds, rl_step, sft_step
 from services.learner.weights import FleetSync, NcclPublisher, StorePublisher, write_version
 
 log = logging.getLogger(__name__)
+RESEND_EVERY_S = 30.0  # a rollout server's request for the weights is answered at most this often
 
 
 def write_status(folder: Path, **fields: Any) -> None:
@@ -277,6 +278,9 @@ class RLTrainer:
                 nccl = NcclPublisher(cfg.rollout_servers, master_address=host, master_port=int(port),
                                      api_token=settings.api_token)
             self.fleet_sync = FleetSync(self.publisher, nccl, files_every=cfg.files_every)
+            if self.collector is not None:
+                self.collector.weights_wanted = self._weights_wanted
+        self._resent_at = -math.inf  # when a server's request for the weights was last answered
 
     # -- resume ----------------------------------------------------------------------------------
 
@@ -333,6 +337,8 @@ class RLTrainer:
             metrics["time_checkpoint_s"] = time.perf_counter() - t_save
         if trainable and cfg.publish_weights and self.version > self.published:
             metrics.update(self.publish())
+        if final:
+            metrics.update(self._keep_last_version())
         self._log_step(metrics, trajs, replaying)
         if self.rank0:
             until_redis(self._count_batches, what="counting batches")
@@ -344,16 +350,25 @@ class RLTrainer:
     def _gather(self) -> StepGroups:
         """The step's groups on every rank: rank 0 collects them, the others get the trajectories and
         the lost group ids (the messages stay with rank 0). NoData on rank 0 is raised on every rank,
-        which would otherwise wait for this batch for ever."""
-        step, no_data = StepGroups([], [], [], 0.0), None
-        payload = None
-        if self.collector is not None:
-            try:
-                step = self.collector.collect(self.batches, self.version)
-                payload = [t.model_dump(mode="json") for t in step.trajectories]
-            except NoData as exc:
-                no_data = str(exc)
-        payload, lost, no_data = _broadcast((payload, step.lost, no_data), self.engine)
+        which would otherwise wait for this batch for ever. A rollout server asking for the weights
+        meanwhile (WeightsWanted) gets them from every rank's gathers, and the step is collected again."""
+        while True:
+            step, no_data, wanted = StepGroups([], [], [], 0.0), None, False
+            payload = None
+            if self.collector is not None:
+                try:
+                    step = self.collector.collect(self.batches, self.version)
+                    payload = [t.model_dump(mode="json") for t in step.trajectories]
+                except NoData as exc:
+                    no_data = str(exc)
+                except WeightsWanted:
+                    wanted = True
+            payload, lost, no_data, wanted = _broadcast((payload, step.lost, no_data, wanted), self.engine)
+            if not wanted:
+                break
+            log.info("a rollout server asked for the weights: sending the current version again",
+                     extra={"version": self.version})
+            self.publish()
         if no_data is not None:
             raise NoData(no_data)
         if self.collector is None:
@@ -444,7 +459,8 @@ class RLTrainer:
         it from the checkpoint, which holds exactly those weights. With `publish_start`, a run that
         has announced nothing yet publishes its starting weights as version 0 the same way, for
         rollout workers started on another model (the controller sends no task before it is out).
-        Every rank joins the gather."""
+        Every rank joins the gather. Over NCCL, "announced" means written to the store: a version
+        only broadcast may be missing from engines started since (a restarted fleet), so it is sent again."""
         behind = False
         if self.rank0 and self.publisher is not None:
             latest = until_redis(self.publisher.latest, what="reading the published weights version")
@@ -454,13 +470,51 @@ class RLTrainer:
         if _broadcast(behind, self.engine):
             log.info("publishing an unannounced version", extra={"version": self.version})
             self.publish()
+        else:
+            self._record_start()
+
+    def _weights_wanted(self) -> bool:
+        """Rank 0, while it waits for data: whether a rollout server asked for the current version
+        (`weights:wanted`, taken off as it is read). A server that restarted holds the newest version
+        with files, older than the one broadcast last, and takes no task until it has that one: with
+        no other server feeding the learner, nothing else would send it. Answered at most once per
+        RESEND_EVERY_S, and only once a version was trained."""
+        if self.version == 0 or time.monotonic() - self._resent_at < RESEND_EVERY_S:
+            return False
+        try:
+            asked = bool(self.redis.delete(self.names.weights_wanted))
+        except REDIS_DOWN:
+            return False
+        if asked:
+            self._resent_at = time.monotonic()
+        return asked
+
+    def _record_start(self) -> None:
+        """Over NCCL, a learner that publishes nothing as it starts records its own version as the
+        newest (`weights:version`): one left by an earlier attempt of the stage would name a version
+        the engines may never get, and they would take no task while waiting for it."""
+        if self.rank0 and self.fleet_sync is not None and self.publisher is not None:
+            self.publisher.record_version(self.version)
+
+    def _keep_last_version(self) -> dict[str, float]:
+        """Over NCCL, the version the run ends on is written to the store too (every rank gathers):
+        it is the stage's result, and what a later stage or a restarted server loads."""
+        if self.fleet_sync is None or not self.cfg.publish_weights or self.version == 0:
+            return {}
+        dtype = torch.bfloat16 if self.engine.bf16 else None
+        return self.fleet_sync.write_files(self.version, buckets=lambda: self.engine.iter_weight_buckets(dtype=dtype),
+                                           config=self.engine.lm_config, source_dir=self.engine.model_dir)
 
     def publish(self) -> dict[str, float]:
         if self.fleet_sync is not None:
             dtype = torch.bfloat16 if self.engine.bf16 else None
-            return self.fleet_sync.publish(self.version, self.engine.hf_model, zero3=self.engine.cfg.zero_stage == 3,
-                                           buckets=lambda: self.engine.iter_weight_buckets(dtype=dtype),
-                                           config=self.engine.lm_config, source_dir=self.engine.model_dir)
+            metrics = self.fleet_sync.publish(self.version, self.engine.hf_model,
+                                              zero3=self.engine.cfg.zero_stage == 3,
+                                              buckets=lambda: self.engine.iter_weight_buckets(dtype=dtype),
+                                              config=self.engine.lm_config, source_dir=self.engine.model_dir)
+            if self.rank0:  # every server has this version now, or was sent its files: requests are answered
+                until_redis(lambda: self.redis.delete(self.names.weights_wanted), what="clearing weight requests")
+            return metrics
         t0 = time.perf_counter()
         buckets = self.engine.iter_weight_buckets(dtype=torch.bfloat16 if self.engine.bf16 else None)
         if not self.rank0:
@@ -481,6 +535,8 @@ class RLTrainer:
         self.logged_batches = _broadcast(self.logged_batches, self.engine)
         if resumed or self.logged_batches or self.cfg.publish_start:
             self._publish_unannounced()
+        else:
+            self._record_start()
         self._recount_batches()
         # A step is one batch of the controller's schedule, trained or skipped (all samples stale
         # or without gradient): the controller publishes exactly `limit` batches, so a learner that
@@ -502,9 +558,12 @@ class RLTrainer:
             if self.batches < limit:
                 state = "stopped"
                 self._checkpoint()  # what was trained since the last checkpoint is kept and acknowledged
+                self._keep_last_version()
         except NoData as exc:
             state = "stopped" if self.stop.is_set() else "failed"
             last = {**last, "error": str(exc)}
+            if stop_agreed(self.stop, self.engine):  # every rank is here (NoData is raised on each)
+                self._keep_last_version()
         except BaseException as exc:
             state = "failed"  # not "finished": the controller reads this to decide on a restart
             last = {**last, "error": f"{type(exc).__name__}: {exc}"}

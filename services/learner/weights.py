@@ -11,6 +11,12 @@ Fast path into vLLM (`NcclPublisher`): the learner's rank 0 forms one NCCL group
 engine of the fleet (through each rollout server's `POST /weights/group`), and after each step
 sends the full weights, gathered layer group by layer group under ZeRO-3, through vLLM's own
 weight-transfer engine while every server receives them in place (`POST /weights/broadcast`).
+
+How the fleet learns the version (`FleetSync`): a version broadcast over NCCL is in every engine
+that received it before the publication returns, so the engine's own version is the truth on the
+rollout side. In Redis, `{prefix}:weights:latest` keeps one meaning: the newest version that has
+files (what a starting or lagging server loads); `{prefix}:weights:version` says the newest version
+published by any path, and the controller asks tasks for that one.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -277,6 +284,7 @@ class StorePublisher:
         self.root = Path(root)
         self.redis = redis_client
         self.key = f"{key_prefix}:weights:latest"
+        self.version_key = f"{key_prefix}:weights:version"  # StreamNames.weights_version
         self.servers = [s.rstrip("/") for s in servers]
         self.keep = keep
         self.api_token = api_token
@@ -344,6 +352,13 @@ class StorePublisher:
         raw = self.redis.get(self.key)
         return WeightsUpdate.model_validate_json(raw) if raw else None
 
+    def record_version(self, version: int) -> None:
+        """Say in Redis that `version` is the newest one published, files or not (`weights:version`)."""
+        if self.redis is not None:
+            from services.common.streams import until_redis
+
+            until_redis(lambda: self.redis.set(self.version_key, version), what="recording the weights version")
+
 
 # ---- weights over NCCL into live vLLM engines ---------------------------------------------------
 
@@ -397,11 +412,17 @@ def parameter_layout(model: torch.nn.Module, *, skip_tied: bool = True) -> dict[
 class NcclPublisher:
     """The learner's side of weight sync into live vLLM engines, over vLLM's NCCL weight transfer.
 
-    `connect()` forms the group: rank 0 is this process, each server's engine takes as many ranks as
-    its tensor-parallel size. `publish()` asks every server to receive a version and sends the tensors
-    meanwhile; it returns once every server has loaded it, and raises `WeightsError` naming the
-    servers that did not (they then refuse to sample until a version loads, and the caller falls
-    back to the file path for them)."""
+    `connect()` forms the group: rank 0 is this process, each member server's engine takes as many
+    ranks as its tensor-parallel size. `publish()` asks every member to receive a version and sends
+    the tensors meanwhile; it returns once every member has loaded it, and raises `WeightsError`
+    naming the servers that did not (they then refuse to sample until a version loads). After each
+    call `missed` lists the servers without the version, which the caller sends it as files.
+
+    A broadcast into a group that lost a rank would never end, so before each one the servers are
+    asked for their state (GET /weights) and the group is formed again, of the servers that answer,
+    whenever that set differs from its members or a member no longer reports the group's id (it
+    restarted, or left it after a failed broadcast). A failed broadcast drops the group: the next
+    publication forms a new one, every answering server joining it again."""
 
     def __init__(self, servers: Iterable[str], *, master_address: str = "127.0.0.1", master_port: int = 29731,
                  api_token: str | None = None, timeout_s: float = 120.0) -> None:
@@ -413,6 +434,11 @@ class NcclPublisher:
         self.headers = {"authorization": f"Bearer {api_token}"} if api_token else {}
         self.timeout_s = timeout_s
         self.group: Any = None
+        self.group_id: str | None = None
+        self.group_port = master_port  # the port of the group formed last
+        self.formed = 0  # groups formed so far
+        self.members: list[str] = []
+        self.missed: list[str] = []
         self.pool = ThreadPoolExecutor(max_workers=min(32, 2 * len(self.servers)))
 
     def _post(self, url: str, path: str, body: Any) -> Any:
@@ -423,46 +449,116 @@ class NcclPublisher:
             raise WeightsError(f"{url}{path}: HTTP {r.status_code}: {r.text[:300]}")
         return r.json()
 
-    def connect(self) -> dict[str, float]:
+    def _info(self, url: str) -> dict[str, Any] | None:
+        """A server's GET /weights, or None when it does not answer (down, restarting)."""
         import httpx
+
+        try:
+            r = httpx.get(f"{url}/weights", headers=self.headers, timeout=min(self.timeout_s, 10.0))
+            return r.json() if r.status_code < 300 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def survey(self) -> dict[str, dict[str, Any] | None]:
+        """Every server's weights state (None: no answer), asked at once."""
+        return dict(zip(self.servers, self.pool.map(self._info, self.servers)))
+
+    def drop(self) -> None:
+        """Forget the group (its communicator goes with the last reference): the next publication
+        forms a new one."""
+        self.group, self.group_id, self.members = None, None, []
+
+    def _trainer_init(self, port: int, world_size: int) -> Any:
+        """vLLM's side of forming the group: rank 0's communicator (blocks until every rank joins)."""
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
+        return NCCLWeightTransferEngine.trainer_init(dict(master_address=self.master_address, master_port=port,
+                                                          world_size=world_size))
+
+    def _next_port(self) -> int:
+        """The configured port for the first group; on a loopback master a free port for each later one,
+        as a dropped group's listening socket may stay bound until its communicator is collected."""
+        if self.formed == 0 or self.master_address not in ("127.0.0.1", "localhost", "::1"):
+            return self.master_port
+        from services.common.redis import free_port
+
+        return free_port()
+
+    def _trainer_send(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's side of a broadcast: the tensors, packed, from rank 0 to the group."""
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        NCCLWeightTransferEngine.trainer_send_weights(iter(tensors), {"group": self.group, "packed": True})
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def connect(self, servers: Iterable[str] | None = None) -> dict[str, float]:
+        """Form the group with `servers` (default: all), each joining under a new group id."""
+        members = [s.rstrip("/") for s in servers] if servers is not None else list(self.servers)
+        self.drop()
         t0 = time.perf_counter()
         ranks = []
-        for url in self.servers:
-            info = httpx.get(f"{url}/weights", headers=self.headers, timeout=self.timeout_s).json()
+        for url in members:
+            info = self._info(url) or {}
             if not info.get("weight_ranks"):
                 raise WeightsError(f"{url} cannot join an NCCL weight group (its engine needs weight_transfer: nccl)")
             ranks.append(int(info["weight_ranks"]))
         world = 1 + sum(ranks)
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
+        group_id, port = uuid.uuid4().hex, self._next_port()
+        self.formed += 1
         joins = [self.pool.submit(self._post, url, "/weights/group", {
-            "master_address": self.master_address, "master_port": self.master_port, "rank_offset": off,
-            "world_size": world}) for url, off in zip(self.servers, offsets)]
-        self.group = NCCLWeightTransferEngine.trainer_init(dict(master_address=self.master_address,
-                                                                master_port=self.master_port, world_size=world))
+            "master_address": self.master_address, "master_port": port, "rank_offset": off,
+            "world_size": world, "group_id": group_id}) for url, off in zip(members, offsets)]
+        group = self._trainer_init(port, world)
         for f in joins:
             f.result(timeout=self.timeout_s)
+        self.group, self.group_id, self.group_port, self.members = group, group_id, port, members
         return {"sync_connect_s": time.perf_counter() - t0, "sync_world_size": float(world)}
+
+    def stale(self, infos: dict[str, dict[str, Any] | None]) -> bool:
+        """Whether the group no longer matches the servers that answer (or there is none)."""
+        up = [u for u, info in infos.items() if info is not None]
+        return (self.group is None or set(up) != set(self.members)
+                or any(infos[u].get("weight_group") != self.group_id or infos[u].get("broken") for u in up))
 
     def publish(self, version: int, layout: dict[str, list], tensors: Iterable[tuple[str, torch.Tensor]]
                 ) -> dict[str, float]:
-        """Send `tensors` (in `layout`'s order) as `version` to every engine."""
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
-
-        if self.group is None:
+        """Send `tensors` (in `layout`'s order) as `version` to every member of the group, formed
+        again first when it is stale. `tensors` may be left unconsumed when nothing is sent."""
+        self.missed = list(self.servers)
+        infos = self.survey()
+        ahead = {u: i.get("version") for u, i in infos.items() if i is not None and int(i.get("version", 0)) > version}
+        if ahead:  # they would refuse it: nothing is sent (a learner resumed from an older checkpoint)
+            raise WeightsError(f"server(s) hold a version newer than {version}: {ahead}")
+        metrics: dict[str, float] = {}
+        if self.stale(infos):
+            up = [u for u, info in infos.items() if info is not None]
+            if not up:
+                self.drop()
+                raise WeightsError("no rollout server answers GET /weights")
             try:
-                self.connect()
+                metrics.update(self.connect(up))
             except Exception as exc:  # noqa: BLE001 - no group: the caller falls back to the store
+                self.drop()
                 raise WeightsError(f"could not form the NCCL weight group: {type(exc).__name__}: {exc}") from exc
+        metrics.update(self._send(version, layout, tensors))
+        self.missed = [u for u in self.servers if u not in self.members]
+        return metrics
+
+    def _send(self, version: int, layout: dict[str, list], tensors: Iterable[tuple[str, torch.Tensor]]
+              ) -> dict[str, float]:
+        """One broadcast to the members; on any failure the group is dropped and the members that did
+        not load the version are named."""
         t0 = time.perf_counter()
         body = {"version": version, **layout}
-        receives = {url: self.pool.submit(self._post, url, "/weights/broadcast", body) for url in self.servers}
-        NCCLWeightTransferEngine.trainer_send_weights(iter(tensors), {"group": self.group, "packed": True})
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        receives = {url: self.pool.submit(self._post, url, "/weights/broadcast", body) for url in self.members}
+        failed: dict[str, str] = {}
+        try:
+            self._trainer_send(tensors)
+        except Exception as exc:  # noqa: BLE001 - the members' receives fail too, and are named below
+            failed["learner"] = f"send failed: {type(exc).__name__}: {exc}"
         sent = time.perf_counter() - t0
-        failed = {}
         for url, f in receives.items():
             try:
                 reply = f.result(timeout=self.timeout_s)
@@ -471,7 +567,10 @@ class NcclPublisher:
             except Exception as exc:  # noqa: BLE001 - collected, then raised together
                 failed[url] = f"{type(exc).__name__}: {exc}"
         if failed:
-            raise WeightsError(f"version {version} did not load on {len(failed)} server(s): {failed}")
+            loaded = [u for u in self.members if u not in failed and "learner" not in failed]
+            self.missed = [u for u in self.servers if u not in loaded]
+            self.drop()
+            raise WeightsError(f"version {version} did not load on {len(self.missed)} server(s): {failed}")
         return {"sync_send_s": sent, "sync_s": time.perf_counter() - t0}
 
     def close(self) -> None:
@@ -480,45 +579,73 @@ class NcclPublisher:
 
 class FleetSync:
     """Weights over NCCL every step, through the store when NCCL cannot serve: every `files_every`-th
-    version (what a restarted server or a new host loads) and any version a server missed, posted to
-    that server at once. Every rank calls `publish` (the ZeRO-3 gathers are collective); rank 0 sends."""
+    version (what a restarted server or a new host loads), the run's last (`write_files`), and any
+    version a server missed, posted to that server at once. Every rank calls `publish` and
+    `write_files` (the ZeRO-3 gathers are collective); rank 0 sends, writes, and records each
+    version in Redis (`StorePublisher.record_version`) once every server has it or was sent files."""
 
     def __init__(self, store: StorePublisher | None, nccl: NcclPublisher | None, *, files_every: int = 10) -> None:
         self.store = store
         self.nccl = nccl
         self.files_every = files_every
+        self.files_version = -1  # the newest version this process wrote to the store (the same on every rank)
 
     def publish(self, version: int, model: torch.nn.Module, *, zero3: bool, buckets: Any, config: Any,
                 source_dir: Path | None) -> dict[str, float]:
         """`buckets`: a callable giving the store's buckets (called only when files are written)."""
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
-        missed: list[str] = []
+        missed = self._broadcast(version, model, zero3, metrics)
+        if _every_rank_agrees(bool(missed) or version % self.files_every == 0):
+            metrics.update(self._write(version, buckets, config, source_dir, missed))
+        if self.store is not None:
+            self.store.record_version(version)
+        metrics["time_sync_s"] = time.perf_counter() - t0
+        return metrics
+
+    def write_files(self, version: int, *, buckets: Any, config: Any, source_dir: Path | None) -> dict[str, float]:
+        """Write `version` to the store unless this process already has: the version a run ends on
+        must have files (the stage's result, the eval stage's model), broadcast or not."""
+        if version <= self.files_version:
+            return {}
+        metrics = self._write(version, buckets, config, source_dir, [])
+        if self.store is not None:
+            self.store.record_version(version)
+        return metrics
+
+    def _broadcast(self, version: int, model: torch.nn.Module, zero3: bool, metrics: dict[str, float]) -> list[str]:
+        """Rank 0 sends `version` over NCCL; the servers that did not get it (on rank 0). Every rank
+        walks the whole parameter list, rank 0 too after a failed send: the gathers are collective."""
         tensors = iter_full_parameters(model, zero3=zero3)
         if self.nccl is None:
             for _ in tensors:  # the other ranks' share of rank 0's gathers
                 pass
-        else:
-            try:
-                metrics.update(self.nccl.publish(version, parameter_layout(model), tensors))
-            except WeightsError as exc:
-                log.error("NCCL weight sync failed; those servers get the version from the store", extra={
-                    "version": version, "error": str(exc)})
-                missed = list(self.nccl.servers)
-                metrics["sync_nccl_failed"] = 1.0
-        if _every_rank_agrees(bool(missed) or version % self.files_every == 0):
-            if self.store is None:
-                for _ in buckets():  # the other ranks' share of rank 0's gathers
-                    pass
-            else:
-                servers, self.store.servers = self.store.servers, missed
-                try:
-                    metrics.update(self.store.publish(version, buckets(), config=config,
-                                                      source_dir=source_dir).metrics())
-                finally:
-                    self.store.servers = servers
-        metrics["time_sync_s"] = time.perf_counter() - t0
-        return metrics
+            return []
+        try:
+            metrics.update(self.nccl.publish(version, parameter_layout(model), tensors))
+        except WeightsError as exc:
+            log.error("NCCL weight sync failed; those servers get the version from the store", extra={
+                "version": version, "error": str(exc)})
+            metrics["sync_nccl_failed"] = 1.0
+        finally:
+            for _ in tensors:  # what a send that stopped early left of the gathers
+                pass
+        metrics["sync_nccl_missed"] = float(len(self.nccl.missed))
+        return list(self.nccl.missed)
+
+    def _write(self, version: int, buckets: Any, config: Any, source_dir: Path | None,
+               missed: list[str]) -> dict[str, float]:
+        """The store's copy of `version`, posted to the `missed` servers (every rank gathers)."""
+        self.files_version = version
+        if self.store is None:
+            for _ in buckets():  # the other ranks' share of rank 0's gathers
+                pass
+            return {}
+        servers, self.store.servers = self.store.servers, missed
+        try:
+            return self.store.publish(version, buckets(), config=config, source_dir=source_dir).metrics()
+        finally:
+            self.store.servers = servers
 
 
 def _every_rank_agrees(flag: bool) -> bool:

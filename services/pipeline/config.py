@@ -228,6 +228,7 @@ class ServicesSpec(_Section):
 
 
 FleetMode = Literal["embedded", "external"]
+WeightSync = Literal["auto", "files", "nccl"]
 
 
 class DeploymentSpec(_Section):
@@ -257,6 +258,12 @@ class DeploymentSpec(_Section):
     share_gpus: bool | None = Field(None, description="Engines beside the learner (and each other) on the same GPUs, "
                                     "by memory share. None: only when the machine has too few GPUs to give each "
                                     "process its own.")
+    weight_sync: WeightSync = Field("auto", description=(
+        "How the RL stage's rollout engines get each new policy version. files: the learner writes every version to "
+        "the weights store and the engines load it from there. nccl: the learner's rank 0 broadcasts it into every "
+        "vLLM engine's GPUs, and the store gets only every rl.val_every-th version (else every 10th), the last, and "
+        "any a broadcast missed; it needs vLLM engines of an embedded fleet on GPUs of their own (NCCL cannot put "
+        "two ranks on one GPU). auto: nccl where that holds, else files."))
 
 
 class PipelineConfig(_Section):

@@ -7,6 +7,10 @@ GPUs without the learner filled first. A layout the machine cannot hold is refus
 before anything starts. Each process learns its devices through CUDA_VISIBLE_DEVICES (the
 learner's ranks then pick theirs by LOCAL_RANK), and DeepSpeed its accelerator through
 DS_ACCELERATOR, which defaults to CPU unless told. Validations during RL run on the first engine's GPUs.
+
+The placement also decides how the RL stage's weights travel (`weight_sync`): over NCCL only where
+every engine is a vLLM engine of the embedded fleet on GPUs of its own, apart from the learner's and
+from each other's, since one NCCL group cannot hold two ranks on one GPU.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 from services.pipeline.config import DeploymentSpec
 
@@ -158,3 +163,50 @@ def placement_for(spec: DeploymentSpec, engines: int, gpus: list[str] | None = N
                   validations: bool = False) -> Placement:
     """The run's placement on this machine (its visible GPUs unless `gpus` is given)."""
     return plan(spec, engines, visible_gpu_ids() if gpus is None else gpus, validations=validations)
+
+
+@dataclass(frozen=True)
+class WeightSyncChoice:
+    """How the RL stage's weights reach its engines, and why (printed when the stage starts)."""
+
+    method: Literal["files", "nccl"]
+    reason: str
+
+    def describe(self) -> str:
+        return f"weight sync: {self.method} ({self.reason})"
+
+
+def nccl_obstacle(spec: DeploymentSpec, engine: str, placement: Placement) -> str | None:
+    """Why the learner cannot broadcast weights into this layout's engines over NCCL, or None."""
+    if spec.fleet != "embedded":
+        return "the fleet is external: its rollout servers load versions from the weights store"
+    if engine != "vllm":
+        return f"services.engine is {engine}: only vLLM engines receive weights over NCCL"
+    if placement.accelerator != "cuda":
+        return "this machine has no CUDA GPUs"
+    learner = set(placement.learner_devices)
+    seen: dict[str, int] = {}
+    for index, devices in enumerate(placement.engine_devices):
+        for device in devices:
+            if device in learner:
+                return (f"engine {index} shares GPU {device} with the learner, and one NCCL group cannot hold two "
+                        "ranks on one GPU")
+            if device in seen:
+                return (f"engines {seen[device]} and {index} share GPU {device}, and one NCCL group cannot hold two "
+                        "ranks on one GPU")
+            seen[device] = index
+    return None
+
+
+def weight_sync(spec: DeploymentSpec, engine: str, placement: Placement) -> WeightSyncChoice:
+    """`deployment.weight_sync` resolved for this layout: `auto` takes nccl where it can work, files
+    otherwise; an explicit nccl that cannot work is refused (PlacementError) with the reason."""
+    if spec.weight_sync == "files":
+        return WeightSyncChoice("files", "deployment.weight_sync files")
+    obstacle = nccl_obstacle(spec, engine, placement)
+    if obstacle is None:
+        return WeightSyncChoice("nccl", "vLLM engines on GPUs of their own")
+    if spec.weight_sync == "nccl":
+        raise PlacementError(f"deployment.weight_sync nccl cannot work here: {obstacle} "
+                             "(weight_sync auto or files sends versions through the weights store)")
+    return WeightSyncChoice("files", obstacle)

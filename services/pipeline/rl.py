@@ -69,6 +69,7 @@ class Fleet:
     redis_url: str
     sandbox_url: str = ""
     workers: list[Child] = field(default_factory=list)
+    rollout_urls: list[str] = field(default_factory=list)  # the workers' HTTP faces (weights over NCCL)
     learner: Child | None = None
     status_path: Path | None = None  # the learner's status.json
 
@@ -132,14 +133,17 @@ class Fleet:
         self.sup.stop_all(order)
 
 
-def rl_config(run: Run, model: str, names: StreamNames, redis_url: str | None, total_steps: int) -> Path:
+def rl_config(run: Run, model: str, names: StreamNames, redis_url: str | None, total_steps: int,
+              servers: list[str] | None = None) -> Path:
     """The learner's RLConfig for this run, written to rl.json. An embedded fleet keeps its weights in
     the run folder; an external one in its own store (the learner service's STAR_WEIGHTS_ROOT, which
-    its rollout workers read), and its rollout servers (STAR_ROLLOUT_URLS) are told of each version."""
+    its rollout workers read), and its rollout servers (STAR_ROLLOUT_URLS) are told of each version.
+    With weights over NCCL (`run.weight_sync`), `servers` are the embedded workers' HTTP faces."""
     from services.learner.config import RLConfig
 
     r = run.config.rl
     external = run.config.deployment.fleet == "external"
+    sync = nccl_sync(run, servers or []) if run.nccl and not external else {}
     cfg = RLConfig(
         model=model, output_dir=str(run.folder / "rl"), algorithm="dapo" if r.algorithm == "dapo" else "grpo",
         group_size=r.group_size, batch_prompts=r.batch_prompts, lr=r.lr, total_steps=total_steps,
@@ -154,9 +158,21 @@ def rl_config(run: Run, model: str, names: StreamNames, redis_url: str | None, t
         redis_url=redis_url, stream_prefix=names.prefix,
         weights_dir=None if external else str(run.folder / "weights"),
         rollout_servers=get_settings().rollout_url_list if external else [], wait_timeout_s=24 * 3600)
+    cfg = cfg.model_copy(update=sync)
     path = run.folder / "rl.json"
     path.write_text(cfg.model_dump_json(indent=2))
     return path
+
+
+def nccl_sync(run: Run, servers: list[str]) -> dict[str, Any]:
+    """The learner's settings for weights over NCCL into the embedded workers at `servers`: its rank 0
+    listens for the group on a free local port, and the store gets every validated version (a
+    validation evaluates it from files) or else every 10th, besides the last and any a server missed."""
+    if not servers:
+        raise StageFailed("weights over NCCL need the rollout workers' HTTP addresses; none were started")
+    files_every = run.config.rl.val_every or 10
+    return {"weight_sync": "nccl", "rollout_servers": list(servers), "nccl_master": f"127.0.0.1:{free_port()}",
+            "files_every": files_every}
 
 
 def fleet_record(run: Run) -> Path:
@@ -201,19 +217,28 @@ def start_fleet(run: Run, model: str, names: StreamNames) -> Fleet:
 
 
 def _start_workers(run: Run, f: Fleet, model: str, env: dict[str, str], logs: Path) -> None:
+    """Rollout and reward workers. With weights over NCCL each rollout worker also serves the rollout
+    API on a port of its own (`f.rollout_urls`), where the learner forms its group and broadcasts, and
+    its vLLM engine starts ready to receive (`weight_transfer: nccl`)."""
     env = {**env, "STAR_SANDBOX_URL": f.sandbox_url}
     s = run.config.services
     sampling = run.config.rl.sampling
+    vllm = s.vllm.model_copy(update={"weight_transfer": "nccl"}) if run.nccl else s.vllm
     rollout_env = {**env, "STAR_MODEL": model, "STAR_ROLLOUT_ENGINE": s.engine,
-                   "STAR_ROLLOUT_VLLM": s.vllm.model_dump_json(),
+                   "STAR_ROLLOUT_VLLM": vllm.model_dump_json(),
                    "STAR_ROLLOUT_MAX_MODEL_LEN": str(sampling.max_context_tokens + 512),
                    "STAR_ROLLOUT_CLAIM_IDLE_MS": "30000", "STAR_ROLLOUT_CONCURRENCY": str(s.rollout_concurrency),
                    # the transformers engine decodes every sample of its groups in one batch
                    "STAR_ROLLOUT_MAX_BATCH": str(s.rollout_concurrency * run.config.rl.group_size)}
     for i in range(s.rollout_workers):
         devices = run.placement.engine_env(i) if run.placement else {}
+        http = {}
+        if run.nccl:  # the same port across the worker's restarts: the learner knows it by its address
+            url = next(u for u in iter(lambda: f"http://127.0.0.1:{free_port()}", None) if u not in f.rollout_urls)
+            http = {"STAR_ROLLOUT_HTTP_PORT": url.rsplit(":", 1)[1]}
+            f.rollout_urls.append(url)
         f.workers.append(f.sup.add(f"rollout-{i}", [sys.executable, "-m", "services.rollout.worker"],
-                                   {**rollout_env, **devices, "STAR_ROLLOUT_CONSUMER": f"rollout-{i}"},
+                                   {**rollout_env, **devices, **http, "STAR_ROLLOUT_CONSUMER": f"rollout-{i}"},
                                    logs / f"rollout-{i}.log"))
     for i in range(s.reward_workers):
         f.workers.append(f.sup.add(f"reward-{i}", [sys.executable, "-m", "services.cli", "reward", "worker",
@@ -222,8 +247,10 @@ def _start_workers(run: Run, f: Fleet, model: str, env: dict[str, str], logs: Pa
 
 
 def weights_version(client: redis.Redis, names: StreamNames) -> int:
-    raw = client.get(names.weights_latest)
-    return int(json.loads(raw)["version"]) if raw else 0
+    """The newest policy version published: the newest with files (`weights:latest`) or, over NCCL, a
+    newer one the learner broadcast without writing files (`weights:version`). Tasks ask for it."""
+    raw, broadcast = client.mget(names.weights_latest, names.weights_version)
+    return max(int(json.loads(raw)["version"]) if raw else 0, int(broadcast) if broadcast else 0)
 
 
 def learner_progress(client: redis.Redis, names: StreamNames) -> int:
@@ -305,6 +332,8 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
     schedule = Schedule(prompts, r.batch_prompts, r.group_size, r.epochs, seed=run.config.seed, max_steps=r.max_steps)
     if curriculum is not None:
         console.print(f"reward: curriculum {curriculum.describe()} (by {curriculum.unit})")
+    if run.weight_sync is not None:
+        console.print(run.weight_sync.describe())
     for note in (off_policy_note(r.sampling), unreached_stages_note(curriculum, r.epochs, schedule.total_steps),
                  external_fleet_note(run.config)):
         if note:
@@ -318,7 +347,8 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
         try:
             if validation and not validation.seen(0):
                 validation.submit(0, model, keep=False)  # the starting model: the curve's baseline, same queries
-            f.start_learner(run, rl_config(run, model, names, None, schedule.total_steps))
+            servers = f.rollout_urls if isinstance(f, Fleet) else []
+            f.start_learner(run, rl_config(run, model, names, None, schedule.total_steps, servers))
             client = redis.Redis.from_url(f.redis_url)
             publisher = TaskPublisher(client, names, run.config.name, schedule, sampling, reward_kind=r.reward,
                                       preference_penalty=r.preference_penalty, curriculum=curriculum,

@@ -18,7 +18,7 @@ from typing import Any
 from rich.console import Console
 
 from services.pipeline.config import PipelineConfig
-from services.pipeline.placement import Placement
+from services.pipeline.placement import Placement, WeightSyncChoice
 
 console = Console(stderr=True)
 
@@ -35,6 +35,12 @@ class Run:
     base_model: str = ""
     env: dict[str, str] = field(default_factory=dict)
     placement: Placement | None = None
+    weight_sync: WeightSyncChoice | None = None  # None: files (no RL stage, or no placement)
+
+    @property
+    def nccl(self) -> bool:
+        """The RL stage's learner broadcasts weights into its engines over NCCL."""
+        return self.weight_sync is not None and self.weight_sync.method == "nccl"
 
     def learner_launch(self, kind: str, config: Path) -> tuple[list[str], dict[str, str]]:
         """The command and environment (beside `env`) that start this run's learner for `kind` on its

@@ -29,16 +29,17 @@ from services.pipeline.config import STAGES, EvalSpec, PipelineConfig, dump_conf
 from services.pipeline.rl import stage_rl
 from services.pipeline.report import write_report
 from services.pipeline.stage import Run, StageFailed, console, eval_argv, run_process, star_argv
-from services.pipeline.placement import PlacementError, placement_for
+from services.pipeline.placement import PlacementError, placement_for, weight_sync
 
 # ---- preparation -------------------------------------------------------------------------------
 
 def recipe_identity(config: PipelineConfig) -> PipelineConfig:
     """What must match for a run folder to be resumed: the recipe without which stages run
-    (--stage), the RL stage's time budget and who runs its fleet (--fleet), all of which may change
-    between invocations."""
+    (--stage), the RL stage's time budget, who runs its fleet (--fleet) and how its weights travel,
+    all of which may change between invocations."""
+    deployment = config.deployment.model_copy(update={"fleet": "embedded", "weight_sync": "auto"})
     return config.model_copy(update={"stages": [], "rl": config.rl.model_copy(update={"max_minutes": None}),
-                                     "deployment": config.deployment.model_copy(update={"fleet": "embedded"})})
+                                     "deployment": deployment})
 
 
 def prepare(config: PipelineConfig, folder: Path) -> Run:
@@ -52,10 +53,11 @@ def prepare(config: PipelineConfig, folder: Path) -> Run:
     try:  # refused before anything is written or started
         validations = "rl" in config.stages and config.rl.val_every > 0
         placement = placement_for(config.deployment, config.services.rollout_workers, validations=validations)
+        sync = weight_sync(config.deployment, config.services.engine, placement) if "rl" in config.stages else None
     except PlacementError as exc:
         raise StageFailed(f"{exc}") from None
     resolved.write_text(dump_config(config))
-    run = Run(config, folder, placement=placement)
+    run = Run(config, folder, placement=placement, weight_sync=sync)
     run.world_url = prepare_world(config, folder)
     run.base_model = prepare_model(config)
     settings = get_settings()

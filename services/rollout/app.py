@@ -2,13 +2,17 @@
 
 Run with `star rollout serve` (or `uvicorn --factory services.rollout.app:create_app`); the
 engine comes from `STAR_ROLLOUT_*` (default vLLM on `STAR_MODEL`), the sandbox from
-`STAR_SANDBOX_URL`.
+`STAR_SANDBOX_URL`. A stream worker (`services.rollout.worker`) serves the same API on its own
+engine when `STAR_ROLLOUT_HTTP_PORT` is set (`embedded_server`): that is how the learner reaches
+the engines of an embedded fleet with NCCL weight broadcasts.
 """
 
 from __future__ import annotations
 
-from contextlib import asynccontextmanager
-from typing import Any
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, Iterator
+
+import uvicorn
 
 from fastapi import Depends, FastAPI, HTTPException
 
@@ -101,3 +105,21 @@ def create_app(settings: Settings | None = None, service: RolloutService | None 
         return svc().weights_info()
 
     return app
+
+
+class _Embedded(uvicorn.Server):
+    """A uvicorn server that leaves the process's signal handlers alone: its host (the stream worker)
+    has its own shutdown, which sets `should_exit`."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def embedded_server(service: RolloutService, settings: Settings, host: str, port: int) -> uvicorn.Server:
+    """The rollout API on `service` (already built, with its engine), for `await server.serve()` on
+    the event loop the engine lives on; the caller stops it by setting `should_exit`."""
+    app = create_app(settings, service=service)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", log_config=None, lifespan="on",
+                            access_log=False)
+    return _Embedded(config)

@@ -26,6 +26,7 @@ from services.common.schemas import (EvalMode, PreferencePenalty, RewardKind, Ro
 from services.common.settings import Settings, get_settings
 from services.rollout.agent import Agent
 from services.rollout.engines import Engine, TurnParams, build_engine
+from services.rollout.engines.base import OlderVersion
 from services.rollout.group import ArpoConfig, GroupMeta, sample_group
 from services.rollout.tools import HttpToolClient, LocalToolClient, ToolClient
 from services.common.files import sha256_file as file_sha256
@@ -57,6 +58,10 @@ class RolloutConfig(BaseSettings):
     concurrency: int = Field(4, ge=1, description="Worker: tasks in flight at once.")
     claim_idle_ms: int = Field(120_000, ge=100, description="Worker: reclaim a dead worker's task after this idle time.")
     max_deliveries: int = Field(3, ge=1, description="Worker: attempts before a task is dead-lettered.")
+    http_port: int | None = Field(None, ge=1, le=65535, description=(
+        "Worker: also serve the rollout HTTP API (health, weights, NCCL weight group) on this port, on the worker's "
+        "engine; unset: no server. The embedded fleet sets it when weights travel over NCCL."))
+    http_host: str = Field("127.0.0.1", description="Worker: the address its HTTP API (http_port) listens on.")
     max_format_errors: int = Field(3, ge=1)
     weights_timeout_s: float = Field(120.0, gt=0, description="A weight group join or broadcast that takes longer fails.")
 
@@ -156,6 +161,7 @@ class RolloutService:
         # was started with, which is no published version even where its number (0) matches one
         self.loaded_version: int | None = None
         self._broken: str | None = None  # set while a failed broadcast may have left mixed weights
+        self._weight_group: str | None = None  # the learner's NCCL group this engine has joined
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None, config: RolloutConfig | None = None) -> RolloutService:
@@ -190,11 +196,17 @@ class RolloutService:
 
     # -- weights ---------------------------------------------------------------------------
 
+    @property
+    def broken(self) -> str | None:
+        """Why the server must not sample now (a broadcast failed halfway), or None."""
+        return self._broken
+
     def weights_info(self) -> dict[str, Any]:
         return {"version": self.engine.policy_version, "path": self.engine.weights_path, "sha256": self._weights_sha,
                 "engine": self.engine.name, "loaded_at": self.loaded_at, "in_flight": self.engine.in_flight,
                 # NCCL ranks this engine takes in the learner's weight group (0: it cannot join one)
-                "weight_ranks": weight_ranks(self.engine), "broken": self._broken}
+                "weight_ranks": weight_ranks(self.engine), "weight_group": self._weight_group,
+                "broken": self._broken}
 
     async def update_weights(self, update: WeightsUpdate) -> dict[str, Any]:
         if not self.engine.token_level:
@@ -210,6 +222,9 @@ class RolloutService:
             return {**self.weights_info(), "reloaded": False}
         try:
             timing = await self.engine.update_weights(folder, update.version)
+        except OlderVersion as exc:  # a broadcast of a newer version landed while this load waited
+            self.metrics.weight_updates.labels("rejected").inc()
+            raise WeightsError(409, str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - a failed load is reported, the old weights stay in use
             self.metrics.weight_updates.labels("failed").inc()
             raise WeightsError(422, f"could not load {folder}: {type(exc).__name__}: {exc}") from exc
@@ -235,6 +250,7 @@ class RolloutService:
         join = getattr(self.engine, "join_weight_group", None)
         if join is None:
             raise WeightsError(409, f"the {self.engine.name} engine cannot receive weights over NCCL")
+        self._weight_group = None  # whatever group it was in is left now
         try:
             await asyncio.wait_for(join(group.master_address, group.master_port, group.rank_offset, group.world_size),
                                    timeout=self.config.weights_timeout_s)
@@ -243,7 +259,9 @@ class RolloutService:
                                     f"form within {self.config.weights_timeout_s:g} s") from None
         except Exception as exc:  # noqa: BLE001 - reported to the learner, which falls back to files
             raise WeightsError(422, f"could not join the weight group: {type(exc).__name__}: {exc}") from exc
-        return {"joined": True, "rank_offset": group.rank_offset, "world_size": group.world_size}
+        self._weight_group = group.group_id or f"{group.master_address}:{group.master_port}"
+        return {"joined": True, "rank_offset": group.rank_offset, "world_size": group.world_size,
+                "weight_group": self._weight_group}
 
     async def receive_weights(self, broadcast: WeightsBroadcast) -> dict[str, Any]:
         """Receive `broadcast.version` from the learner's NCCL broadcast and load it in place."""
@@ -258,6 +276,7 @@ class RolloutService:
         except Exception as exc:  # noqa: BLE001 - the engine may hold part of a version: it must not sample
             self.metrics.weight_updates.labels("failed").inc()
             self._broken = f"a broadcast of version {broadcast.version} failed: {type(exc).__name__}: {exc}"
+            self._weight_group = None  # the group's state is unknown: the learner forms a new one
             raise WeightsError(503, f"{self._broken}; this server will not sample until a full version loads") from exc
         return self._loaded(broadcast.version, None, timing)
 

@@ -20,11 +20,22 @@ that reports itself broken (`Engine.healthy`, e.g. ticks failing on a CUDA error
 with exit status 1 instead: its supervisor starts a fresh process, other workers take its tasks.
 
 Weights: before a task, the worker loads the version announced under `{prefix}:weights:latest`
-when it is newer than its own (the learner writes that key after every step); an engine that loads
-in place (vLLM) also polls the key while its turns run, so a new version arrives mid-episode. The
-model a worker was started with is no published version: once a version is announced (an external
-fleet's run announces its starting weights as version 0 before its first task), a worker that has
-not loaded one fails its tasks rather than sample them with its own model.
+when it is newer than its own (the learner writes that key whenever it writes a version's files:
+every step, or with NCCL only now and then); an engine that loads in place (vLLM) also polls the
+key while its turns run, so a new version arrives mid-episode. With weights over NCCL the learner
+broadcasts most versions straight into the engine through the worker's HTTP face (below): the
+engine's own version is then what counts, a file version older than it is never loaded (the
+engine refuses it even when it was waiting behind the broadcast), and a worker whose engine lacks
+the newest version the learner recorded (`{prefix}:weights:version`) takes no task until it has it
+(every task asks for that version, so it could only fail them), loading any newer files meanwhile
+and asking the learner to send the version again (`{prefix}:weights:wanted`). The model a worker
+was started with is no published version: once a version is announced (an external fleet's run
+announces its starting weights as version 0 before its first task), a worker that has not loaded
+one fails its tasks rather than sample them with its own model.
+
+HTTP face: with `STAR_ROLLOUT_HTTP_PORT` set the worker also serves the rollout API (health,
+`GET /weights`, the NCCL weight group and broadcasts; `services.rollout.app`) on the same service
+and event loop; unset, it has no server.
 
 The engine lives on the asyncio loop of the main thread; `concurrency` consumer threads each
 take one task at a time and run it on that loop, so up to `concurrency` groups share the engine.
@@ -42,6 +53,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -122,6 +134,7 @@ class RolloutWorker:
         self.block_ms = block_ms
         self.sandbox = sandbox or SandboxCheck(lambda: self._on_loop(service.tools.reachable()))
         self.stop = threading.Event()
+        self.waiting_for: int | None = None  # the version this worker waits for before taking tasks
         self.handled = 0
         self.on_fatal: Any = None  # called when a consumer thread dies (main() stops the loop)
         self.fatal = False  # stopped because something broke: main() exits non-zero
@@ -189,6 +202,55 @@ class RolloutWorker:
             log.error("announced weights not loadable", extra={"version": update.version, "error": exc.message})
         return update
 
+    def newest_version(self) -> int:
+        """The newest version the learner recorded (`weights:version`, written over NCCL); 0 when
+        none is recorded or Redis does not answer (the claim loop waits for Redis itself)."""
+        try:
+            raw = self.client.get(self.names.weights_version)
+        except REDIS_DOWN:
+            return 0
+        try:
+            return int(raw) if raw else 0
+        except ValueError:
+            return 0
+
+    def weights_ready(self) -> bool:
+        """Whether the engine can serve the fleet's tasks: whole (no broadcast failed halfway) and
+        holding the newest version, after loading newer files where some exist."""
+        needed = self.newest_version()
+        if self.service.engine.policy_version < needed:
+            self.sync_weights()
+        ready = self.service.broken is None and self.service.engine.policy_version >= needed
+        if ready and self.waiting_for is not None:
+            log.info("weights in place; taking tasks", extra={"version": self.service.engine.policy_version})
+        elif not ready and self.waiting_for is None:
+            log.warning("taking no task until the learner's weights arrive", extra={
+                "loaded": self.service.engine.policy_version, "needed": needed, "broken": self.service.broken})
+        self.waiting_for = None if ready else needed
+        if not ready:
+            self._ask_for_weights(needed)
+        return ready
+
+    def _ask_for_weights(self, needed: int) -> None:
+        """Ask the learner to send its current version again (`weights:wanted`, for a minute): it
+        answers while it waits for data, which a fleet whose only worker restarted never sends it."""
+        try:
+            self.client.set(self.names.weights_wanted, needed, ex=60)
+        except REDIS_DOWN:
+            pass
+
+    def wait_for_weights(self, interval_s: float = 0.5) -> bool:
+        """Block until `weights_ready` (True) or `stop` is set (False)."""
+        while not self.stop.is_set():
+            if self.weights_ready():
+                return True
+            self.stop.wait(interval_s)
+        return False
+
+    def ready(self) -> bool:
+        """The claim loop's gate: the sandbox answers and the weights are in place."""
+        return self.sandbox.wait_until_up(self.stop) and self.wait_for_weights()
+
     # -- running -----------------------------------------------------------------------------
 
     def _watch_weights(self, interval_s: float = 0.5) -> None:
@@ -207,7 +269,7 @@ class RolloutWorker:
                 max_deliveries=self.max_deliveries), self.stop, "joining the rollout group")
             if consumer is not None:
                 run_worker(consumer, lambda msg: self.handle(consumer, msg), self.names.trajectories, self.stop,
-                           block_ms=self.block_ms, until_ready=lambda: self.sandbox.wait_until_up(self.stop))
+                           block_ms=self.block_ms, until_ready=self.ready)
         except Exception:
             # A consumer thread that died would leave a live process doing nothing: stop the
             # process instead, so its supervisor restarts it (its pending task is re-read then).
@@ -222,6 +284,47 @@ class RolloutWorker:
         for t in threads:
             t.start()
         return threads
+
+
+@dataclass
+class HttpFace:
+    """The worker's rollout API (`STAR_ROLLOUT_HTTP_PORT`): a uvicorn server running as a task on the
+    worker's event loop, beside the engine it serves."""
+
+    server: Any
+    task: asyncio.Task
+    url: str
+
+    def close(self, loop: asyncio.AbstractEventLoop, timeout_s: float = 10.0) -> None:
+        """Stop serving (the loop itself stopped already): requests in flight get `timeout_s`."""
+        self.server.should_exit = True
+        loop.run_until_complete(asyncio.wait({self.task}, timeout=timeout_s))
+        if not self.task.done():
+            self.task.cancel()
+
+
+def serve_http(loop: asyncio.AbstractEventLoop, service: RolloutService, settings: Settings,
+               config: RolloutConfig) -> HttpFace | None:
+    """Serve the rollout API on `service` when `config.http_port` is set, returning once it listens
+    (a port that cannot be bound ends the process, as uvicorn does); None when no port is set."""
+    if config.http_port is None:
+        return None
+    from services.rollout.app import embedded_server
+
+    server = embedded_server(service, settings, config.http_host, config.http_port)
+    task = loop.create_task(server.serve())
+
+    async def listening() -> None:
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+
+    loop.run_until_complete(listening())
+    if task.done():
+        task.result()  # what stopped it
+        raise RuntimeError(f"the rollout API on port {config.http_port} stopped as it started")
+    url = f"http://{config.http_host}:{config.http_port}"
+    log.info("rollout API serving", extra={"url": url})
+    return HttpFace(server, task, url)
 
 
 def main(settings: Settings | None = None, config: RolloutConfig | None = None) -> None:
@@ -245,9 +348,14 @@ def main(settings: Settings | None = None, config: RolloutConfig | None = None) 
     worker = RolloutWorker(service, client, loop, names=StreamNames(settings.stream_prefix),
                            consumer=os.environ.get("STAR_ROLLOUT_CONSUMER"), concurrency=config.concurrency,
                            claim_idle_ms=config.claim_idle_ms, max_deliveries=config.max_deliveries)
+    http = serve_http(loop, service, settings, config)
+    if http is not None:  # the app configured logging as its own service's
+        configure_logging("rollout-worker", settings.log_level, settings.log_json)
 
     def shutdown(*_: Any) -> None:
         worker.stop.set()
+        if http is not None:
+            http.server.should_exit = True
         loop.call_soon_threadsafe(loop.stop)
 
     signal.signal(signal.SIGTERM, shutdown)
@@ -258,6 +366,8 @@ def main(settings: Settings | None = None, config: RolloutConfig | None = None) 
     loop.run_forever()
     for t in threads:
         t.join(timeout=5)
+    if http is not None:
+        http.close(loop)
     loop.run_until_complete(service.close())
     if worker.fatal:
         raise SystemExit(1)

@@ -26,6 +26,10 @@ class EngineError(RuntimeError):
     """The engine could not produce a generation (bad request, crashed core, closed engine)."""
 
 
+class OlderVersion(EngineError):
+    """A weight load of a version older than the engine's own (it keeps the newer one)."""
+
+
 @dataclass(frozen=True)
 class TurnParams:
     """Sampling for one model turn."""
@@ -129,8 +133,12 @@ class Engine:
 
     async def load_version(self, version: int, label: str, load: Any) -> dict[str, float]:
         """Run `load()` (a coroutine function that puts `version`'s weights in place) under the update
-        lock, drained first when the engine drains, then take `version` and name its weights `label`."""
+        lock, drained first when the engine drains, then take `version` and name its weights `label`.
+        A version older than the one in place by the time the lock is taken is refused (OlderVersion):
+        a load from files that waited behind a newer broadcast must not undo it."""
         async with self._update_lock:
+            if version < self.policy_version:
+                raise OlderVersion(f"version {version} is older than the loaded version {self.policy_version}")
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             try:

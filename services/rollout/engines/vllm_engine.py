@@ -21,6 +21,7 @@ an `if __name__ == "__main__":` guard. `VLLM_CPU_KVCACHE_SPACE` (GiB) sizes the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from pathlib import Path
@@ -189,7 +190,13 @@ class VllmEngine(Engine):
 
         async def load() -> None:
             await self.llm.start_weight_update()
-            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+            try:
+                await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+            except BaseException:
+                # close the update session: left open, every later broadcast's start would be refused
+                with contextlib.suppress(Exception):
+                    await self.llm.finish_weight_update()
+                raise
             await self.llm.finish_weight_update()
 
         return await self.load_version(version, f"nccl:v{version}", lambda: self._paused(load))

@@ -1,0 +1,116 @@
+"""Weights over NCCL into a rollout stream worker, as `star train` wires it: the worker process serves
+its HTTP face (STAR_ROLLOUT_HTTP_PORT) on its vLLM engine (GPU 1), the learner's publisher runs here
+(GPU 0). A broadcast lands in the engine; a restarted worker is noticed before the next broadcast and
+the group is formed again. Marked `gpu`: it needs 2 GPUs and GPU vLLM (`bench/gpu_device.sh`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+if torch.cuda.device_count() < 2:
+    pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
+pytest.importorskip("vllm")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.gpu_shapes import model_folder  # noqa: E402
+
+CHECKED = "model.norm.weight"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return model_folder(tmp_path_factory.mktemp("gpu-model") / "smollm", "smollm", max_positions=4096)
+
+
+def _start_worker(folder: Path, port: int, redis_url: str, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1", "STAR_MODEL": str(folder), "STAR_ROLLOUT_ENGINE": "vllm",
+           "STAR_ROLLOUT_VLLM": json.dumps({"weight_transfer": "nccl", "compile": False,
+                                            "gpu_memory_utilization": 0.3}),
+           "STAR_ROLLOUT_MAX_MODEL_LEN": "2048", "STAR_ROLLOUT_HTTP_PORT": str(port), "STAR_REDIS_URL": redis_url,
+           "STAR_STREAM_PREFIX": "gpu-nccl", "STAR_SANDBOX_URL": "http://127.0.0.1:9", "STAR_LOG_LEVEL": "WARNING",
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "STAR_ROLLOUT_CONSUMER": "gpu"}
+    return subprocess.Popen([sys.executable, "-m", "services.rollout.worker"], env=env,
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 600) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"the worker did not get ready: {log.read_text()[-3000:]}")
+
+
+def test_a_broadcast_reaches_the_worker_and_a_restarted_worker_rejoins(folder, redis_server_url, tmp_path):
+    import httpx
+    from transformers import AutoModelForCausalLM
+
+    from services.common.redis import free_port
+    from services.learner.weights import NcclPublisher, iter_full_parameters, parameter_layout
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "worker.log"
+    worker = _start_worker(folder, port, redis_server_url, log)
+    torch.cuda.set_device(0)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    pub = NcclPublisher([url], master_port=free_port(), timeout_s=300)
+
+    def step_and_publish(version: int) -> float:
+        with torch.no_grad():
+            dict(model.named_parameters())[CHECKED].mul_(1.0 + 0.01 * version)
+        pub.publish(version, parameter_layout(model), iter_full_parameters(model))
+        return float(dict(model.named_parameters())[CHECKED].float().sum())
+
+    try:
+        _wait_ready(worker, url, log)
+        assert httpx.get(f"{url}/weights", timeout=10).json()["weight_ranks"] == 1
+        ours = step_and_publish(1)
+        info = httpx.get(f"{url}/weights", timeout=10).json()
+        assert info["version"] == 1 and info["weight_group"] == pub.group_id and pub.missed == []
+        theirs = httpx.post(f"{url}/weights/checksums", json=[CHECKED], timeout=60).json()[CHECKED]
+        assert abs(ours - theirs) <= 1e-3 * max(1.0, abs(ours))
+        first_group, first_port = pub.group_id, pub.group_port
+
+        step_and_publish(2)  # the same group
+        assert pub.group_id == first_group
+
+        worker.send_signal(signal.SIGKILL)  # a worker that died; its supervisor starts it again on its port
+        worker.wait(30)
+        worker = _start_worker(folder, port, redis_server_url, log)
+        _wait_ready(worker, url, log)
+        assert httpx.get(f"{url}/weights", timeout=10).json()["weight_group"] is None
+        ours = step_and_publish(3)
+        info = httpx.get(f"{url}/weights", timeout=10).json()
+        assert info["version"] == 3 and info["weight_group"] == pub.group_id != first_group
+        assert pub.group_port != first_port
+        theirs = httpx.post(f"{url}/weights/checksums", json=[CHECKED], timeout=60).json()[CHECKED]
+        assert abs(ours - theirs) <= 1e-3 * max(1.0, abs(ours))
+        gen = httpx.post(f"{url}/generate", json={"prompt_ids": [5, 6, 7], "max_tokens": 2, "temperature": 0.0},
+                         timeout=60).json()
+        assert gen["policy_version"] == 3
+
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(120) == 0, log.read_text()[-3000:]
+    finally:
+        pub.close()
+        if worker.poll() is None:
+            worker.kill()
