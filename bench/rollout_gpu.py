@@ -162,7 +162,8 @@ def child(args) -> None:
                 times.append(time.perf_counter() - t)
             return times
 
-        for mode in args.inflight_modes.split(","):
+        modes = [m for m in args.inflight_modes.split(",") if m]
+        for mode in modes:
             engine.args = engine.args.model_copy(update={"inflight_update": mode})
             busy = await run_agents(engine, plan, args, vocab, updates=updates)
             busy.pop("samples")
@@ -170,7 +171,8 @@ def child(args) -> None:
             log(f"vllm under updates ({mode}): {busy['tokens_per_s']:.0f} tokens/s, {len(busy['reloads_s'])} reloads "
                 f"(median {statistics.median(busy['reloads_s']) if busy['reloads_s'] else float('nan'):.2f} s), "
                 f"{busy['turns_updated_mid_turn']} turns updated mid-turn")
-        out["under_updates"] = out["under_updates_by_mode"][args.inflight_modes.split(",")[0]]
+        if modes:
+            out["under_updates"] = out["under_updates_by_mode"][modes[0]]
 
     try:
         asyncio.run(measure())
@@ -263,7 +265,7 @@ def main() -> None:
     p.add_argument("--vllm-compile", action="store_true", help="torch.compile vLLM's model (minutes of start-up)")
     p.add_argument("--gpu-memory", type=float, default=0.6, help="vLLM's gpu_memory_utilization")
     p.add_argument("--update-every", type=float, default=10.0, help="seconds between weight loads under load")
-    p.add_argument("--inflight-modes", default="recompute,keep", help="vLLM inflight_update modes measured under load")
+    p.add_argument("--inflight-modes", default="recompute,keep", help="vLLM inflight_update modes measured under load ('': none)")
     p.add_argument("--keep-samples", type=int, default=8, help="first turns kept for the log-prob check")
     p.add_argument("--child-timeout", type=float, default=420)
     p.add_argument("--seed", type=int, default=0)

@@ -194,7 +194,7 @@ def measure(args: argparse.Namespace) -> None:
         _run([py, "bench/rollout_gpu.py", "--shapes", "7b", "--engines", "vllm", "--agents", str(args.agents),
               "--turns", "10", "--ctx-min", "1500", "--ctx-max", "2500", "--short", "120", "--long", "1000",
               "--long-share", "0.1", "--tool-min", "500", "--tool-max", "1000", "--gpu-memory", "0.85",
-              "--inflight-modes", "keep", "--name", f"{args.prefix}_rollout"], timeout=1800)
+              "--inflight-modes", "", "--name", f"{args.prefix}_rollout"], timeout=1800)
     if "learner" in args.parts:
         _run([py, "bench/learner_multigpu.py", "--shape", "7b", "--nproc", str(args.gpus), "--seq", "16384",
               "--steps", "3", "--warmup", "1", "--recompute", "mlp,layers", "--skip-baseline",
