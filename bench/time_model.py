@@ -22,8 +22,11 @@ Components, each by its own benchmark (random-init weights of the Qwen2.5-7B sha
 Projection to 16×A100 (stated, not hidden): the learner's time scales with the step's model FLOPs over
 A100's dense bf16 peak at the MFU measured here; decoding is memory-bound, so rollout time scales by
 HBM bandwidth (H100 3.35 → A100 2.0 TB/s); weight sync scales by NVLink bandwidth (900 → 600 GB/s).
-Synchronous: the step is rollout, then scoring, then training, then sync, with the learner on the
-learner's GPUs. Asynchronous (max_staleness 1, weights loaded in flight): the slower of the two sides.
+Synchronous (colocated, as the paper's setup runs): all 16 GPUs sample as vLLM engines, then all 16
+train, then the weights are synced: the step is the sum. Asynchronous (max_staleness 1, weights loaded in
+flight): the GPUs are split between engines and learner, and the step is the slower of the two sides;
+the split that makes it shortest is the one reported. An engine serving fewer agents than were measured
+gets no credit for it: its wall time is the slowest trajectory's sequential turns either way.
 """
 
 from __future__ import annotations
@@ -59,8 +62,7 @@ class Recipe:
     trajectory_tokens: int = 10_300   # SFT trajectories average 10.3K tokens and 9.2 tool calls
     tool_calls: int = 9
     context: int = 30_000
-    rollout_gpus: int = 8             # vLLM engines, one GPU each
-    learner_gpus: int = 8
+    gpus: int = 16                    # the paper's 16×A100
 
     @property
     def trajectories(self) -> int:
@@ -101,26 +103,45 @@ def card(device: str) -> str:
     raise SystemExit(f"no bandwidth figures for {device!r}: add its card to HBM_TBS and NVLINK_GBS")
 
 
-def project(c: Components, r: Recipe = Recipe(), *, target: str = "A100") -> dict[str, Any]:
-    """Minutes per step on `r.rollout_gpus + r.learner_gpus` GPUs of `target`, synchronous and asynchronous,
-    from components measured on `c.device`."""
+def side_seconds(c: Components, r: Recipe, rollout_gpus: int, learner_gpus: int, *,
+                 target: str = "A100") -> dict[str, float]:
+    """Seconds of each part of a step with `rollout_gpus` vLLM engines (one GPU each) and the learner
+    on `learner_gpus` GPUs of `target`, from components measured on `c.device`."""
     from services.learner.flops import peak_flops
 
     source = card(c.device)
-    flops = step_flops(c, r)
-    per_engine = r.trajectories / r.rollout_gpus
-    rollout_s = c.rollout_wall_s * max(per_engine / c.rollout_agents, 1.0) * HBM_TBS[source] / HBM_TBS[target]
-    score_s = r.trajectories / c.score_plans_per_s
-    train_s = flops / (r.learner_gpus * peak_flops(target) * c.learner_mfu)
-    sync_s = c.sync_s * NVLINK_GBS[source] / NVLINK_GBS[target]
-    sync_min = (rollout_s + score_s + train_s + sync_s) / 60
-    async_min = max(rollout_s + score_s, train_s + sync_s) / 60
+    per_engine = r.trajectories / rollout_gpus
     return {
-        "seconds": {"rollout": rollout_s, "scoring": score_s, "training": train_s, "weight_sync": sync_s},
-        "step_tflop": flops / 1e12,
-        "sync": round(sync_min, 2),
+        "rollout": c.rollout_wall_s * max(per_engine / c.rollout_agents, 1.0) * HBM_TBS[source] / HBM_TBS[target],
+        "scoring": r.trajectories / c.score_plans_per_s,
+        "training": step_flops(c, r) / (learner_gpus * peak_flops(target) * c.learner_mfu),
+        "weight_sync": c.sync_s * NVLINK_GBS[source] / NVLINK_GBS[target],
+    }
+
+
+def async_minutes(sec: dict[str, float]) -> float:
+    return max(sec["rollout"] + sec["scoring"], sec["training"] + sec["weight_sync"]) / 60
+
+
+def project(c: Components, r: Recipe = Recipe(), *, target: str = "A100") -> dict[str, Any]:
+    """Minutes per step on `r.gpus` GPUs of `target`: synchronous (colocated: every GPU samples, then
+    every GPU trains) and asynchronous (the best split of the GPUs between engines and learner)."""
+    from services.learner.flops import peak_flops
+
+    source = card(c.device)
+    colocated = side_seconds(c, r, r.gpus, r.gpus, target=target)
+    splits = {k: side_seconds(c, r, k, r.gpus - k, target=target) for k in range(1, r.gpus)}
+    best = min(splits, key=lambda k: async_minutes(splits[k]))
+    split = splits[best]
+    async_min = async_minutes(split)
+    return {
+        "seconds": {"sync": colocated, "async": split},
+        "async_split": {"rollout_gpus": best, "learner_gpus": r.gpus - best},
+        "step_tflop": step_flops(c, r) / 1e12,
+        "sync": round(sum(colocated.values()) / 60, 2),
         "async": round(async_min, 2),
-        "bound_by": "rollout" if rollout_s + score_s >= train_s + sync_s else "training",
+        "bound_by": "rollout" if split["rollout"] + split["scoring"] >= split["training"] + split["weight_sync"]
+        else "training",
         "target_async_met": async_min <= TARGET_ASYNC_MIN,
         "ratios": {"bf16_tflops": [peak_flops(source) / 1e12, peak_flops(target) / 1e12], "hbm_tbs": [HBM_TBS[source], HBM_TBS[target]],
                    "nvlink_gbs": [NVLINK_GBS[source], NVLINK_GBS[target]]},
@@ -143,7 +164,8 @@ def components_from_results(prefix: str = "time_model", results: Path = RESULTS)
     rollout = _load(results, f"{prefix}_rollout")
     shape = rollout["shapes"]["7b"]
     engine = shape["engines"]["vllm"]
-    learner = _load(results, f"{prefix}_learner")
+    learner_name = f"{prefix}_learner" if (results / f"{prefix}_learner.json").is_file() else "learner_multigpu"
+    learner = _load(results, learner_name)
     sync_name = f"{prefix}_sync" if (results / f"{prefix}_sync.json").is_file() else "weight_sync_gpu"
     sync = [row for row in _load(results, sync_name)["rows"] if row["method"] == "nccl" and row["shape"] == "7b"]
     if not sync:
@@ -157,8 +179,9 @@ def components_from_results(prefix: str = "time_model", results: Path = RESULTS)
         n_params=shape["params"], layers=layers, attn_width=attn_width)
     shapes = {
         "rollout": {"tokens_per_s": engine["tokens_per_s"], "load": rollout["load"], "turn_p99_s": engine["turn_p99_s"]},
-        "learner": {k: learner.get(k) for k in ("device", "world_size", "zero_stage", "params", "seq", "mfu",
-                                                "mfu_causal_half", "tokens_per_s", "peak_gib")},
+        "learner": {**{k: learner.get(k) for k in ("device", "world_size", "zero_stage", "params", "seq", "mfu",
+                                                   "mfu_causal_half", "tokens_per_s", "peak_gib")},
+                    "source": f"bench/results/{learner_name}.json"},
         "weight_sync": {"rows": sync, "source": f"bench/results/{sync_name}.json"},
         "scoring": {"plans_per_s": comps.score_plans_per_s, "machine": reward.get("machine"),
                     "what": "POST /score/batch, 64 plans a request, official mode, one worker"},
@@ -228,6 +251,55 @@ def _device() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def component_rows(c: Components, shapes: dict[str, Any]) -> list[str]:
+    """The measured figures behind the projection, each with its shape and the file it came from."""
+    r, lr, ws = shapes["rollout"], shapes["learner"], shapes["weight_sync"]
+    load = r["load"]
+    return [
+        f"| rollout, one engine's share | {c.rollout_agents} agents × {load.get('turns')} turns in {c.rollout_wall_s:.1f} s, "
+        f"{r['tokens_per_s']:,.0f} tokens/s, turn p99 {r['turn_p99_s']:.1f} s ({c.n_params / 1e9:.1f}B) "
+        f"| {c.device}, bench/results/time_model_rollout.json |",
+        f"| learner | MFU {c.learner_mfu:.1%} (PaLM), {lr.get('tokens_per_s') or 0:,.0f} tokens/s, "
+        f"{(lr.get('params') or 0) / 1e9:.1f}B, {lr.get('world_size')} ranks, {lr.get('seq')} tokens a row "
+        f"| {lr.get('device')}, {lr['source']} |",
+        f"| weight sync, NCCL into vLLM | {c.sync_s:.2f} s at 7B | {ws['source']} |",
+        f"| scoring | {c.score_plans_per_s:,.0f} plans/s | {shapes['scoring'].get('machine')}, bench/results/reward.json |",
+    ]
+
+
+def plot_projection(proj: dict[str, Any], path: Path) -> None:
+    """Minutes per step: the paper's, and ours synchronous and asynchronous, split into their parts
+    (asynchronous: each side of the split as its own bar, the step being the taller)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sync, split = proj["seconds"]["sync"], proj["seconds"]["async"]
+    bars = {"paper (16×A100)": {"reported": PAPER_MIN_PER_STEP * 60},
+            "ours, synchronous": sync,
+            f"async: {proj['async_split']['rollout_gpus']} engines": {k: split[k] for k in ("rollout", "scoring")},
+            f"async: learner on {proj['async_split']['learner_gpus']}": {k: split[k] for k in ("training", "weight_sync")}}
+    colors = {"reported": "#999999", "rollout": "#4c72b0", "scoring": "#55a868", "training": "#c44e52",
+              "weight_sync": "#8172b2"}
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, parts in enumerate(bars.values()):
+        bottom = 0.0
+        for name, sec in parts.items():
+            ax.bar(i, sec / 60, bottom=bottom, color=colors[name], label=name.replace("_", " "))
+            bottom += sec / 60
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=8)
+    ax.axhline(TARGET_ASYNC_MIN, color="black", linestyle=":", linewidth=1)
+    ax.set_xticks(range(len(bars)), list(bars), fontsize=8)
+    ax.set_ylabel("minutes per RL step (7B, projected to 16×A100)")
+    ax.set_title(f"synchronous {proj['sync']:.2f} min, asynchronous {proj['async']:.2f} min (target ≤ {TARGET_ASYNC_MIN})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_projection(args: argparse.Namespace) -> dict[str, Any]:
     comps, shapes = components_from_results(args.prefix)
     e2e_path = RESULTS / f"{args.prefix}_e2e.json"
@@ -239,25 +311,34 @@ def write_projection(args: argparse.Namespace) -> dict[str, Any]:
         "projection": proj, "paper_min_per_step": PAPER_MIN_PER_STEP, "target_async_min": TARGET_ASYNC_MIN,
     }
     (RESULTS / "time_model.json").write_text(json.dumps(record, indent=1) + "\n")
-    secs = proj["seconds"]
+    secs, split = proj["seconds"], proj["async_split"]
     lines = [
         "# An RL step of the paper's 7B recipe: measured components, projected to 16×A100", "",
         f"Components measured on {comps.device} (`python bench/time_model.py measure`); projection by "
         "`python bench/time_model.py project` (the method is in the script's docstring).", "",
-        "| part of a step | seconds on 16×A100 (projected) |", "|---|---|",
-        *[f"| {k.replace('_', ' ')} | {v:.1f} |" for k, v in secs.items()], "",
+        f"| part of a step | synchronous: 16 GPUs sample, then 16 train (s) | asynchronous: {split['rollout_gpus']} "
+        f"engines beside a learner on {split['learner_gpus']} GPUs (s) |", "|---|---|---|",
+        *[f"| {k.replace('_', ' ')} | {v:.1f} | {secs['async'][k]:.1f} |" for k, v in secs["sync"].items()], "",
         f"**Synchronous: {proj['sync']:.2f} min/step; asynchronous: {proj['async']:.2f} min/step** "
         f"(paper: {PAPER_MIN_PER_STEP} min; target ≤ {TARGET_ASYNC_MIN} asynchronous: "
         f"{'met' if proj['target_async_met'] else 'not met'}; bound by {proj['bound_by']}).", "",
         "Ratios used, {} → A100: bf16 {} TFLOP/s, HBM {} TB/s, NVLink {} GB/s.".format(
             card(comps.device), *(" → ".join(f"{v:g}" for v in proj["ratios"][k])
                                   for k in ("bf16_tflops", "hbm_tbs", "nvlink_gbs"))),
+        "", "| component | measured | where |", "|---|---|---|",
+        *component_rows(comps, shapes),
     ]
+    learner_params = shapes["learner"].get("params") or 0
+    if learner_params < 0.9 * comps.n_params:
+        lines += ["", f"The learner's MFU was measured at {learner_params / 1e9:.1f}B, not at the 7B shape "
+                  f"(`measure --parts learner` records it): the training time above assumes the 7B learner "
+                  "reaches the same MFU."]
     if e2e:
         times = [s["time_step_s"] for s in e2e["steps"]]
-        lines += ["", f"Whole steps through `star train` ({e2e['recipe']}, {e2e['gpus']} GPUs): "
-                  + ", ".join(f"{t:.1f} s" for t in times)]
+        lines += ["", f"Whole steps through `star train` ({e2e['recipe']}, {e2e['gpus']} GPUs"
+                  + (f"; {e2e['note']}" if e2e.get("note") else "") + "): " + ", ".join(f"{t:.1f} s" for t in times)]
     (RESULTS / "time_model.md").write_text("\n".join(lines) + "\n")
+    plot_projection(proj, RESULTS / "time_model.png")
     print("\n".join(lines))
     return record
 
@@ -269,7 +350,8 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--gpus", type=int, default=4)
     m.add_argument("--agents", type=int, default=32, help="agents on the one measured engine (256 / 8 engines)")
     m.add_argument("--parts", default="rollout,learner,sync,e2e",
-                   help="which to run; without sync, the 7B NCCL rows of bench/results/weight_sync_gpu.json are used")
+                   help="which to run; without sync, the 7B NCCL rows of bench/results/weight_sync_gpu.json are "
+                        "used, and without learner, the MFU of bench/results/learner_multigpu.json")
     m.add_argument("--recipe", default="configs/smollm2-proof.yaml", help="the recipe of the whole steps")
     m.add_argument("--e2e-steps", type=int, default=3)
     m.add_argument("--e2e-learner-ranks", type=int, default=None, help="default: half the GPUs")

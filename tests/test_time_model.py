@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from bench.gpu_shapes import SHAPES
-from bench.time_model import Components, Recipe, components_from_results, project, step_flops
+from bench.time_model import Components, Recipe, components_from_results, project, side_seconds, step_flops
 
 # The Qwen2.5-7B shape: 28 layers, attention width 28 × 128
 SEVEN_B = dict(n_params=7_615_616_512, layers=28, attn_width=3584)
@@ -23,30 +23,42 @@ def comps(**kw) -> Components:
 
 def test_a_steps_training_matches_the_issues_scale():
     # ~2.6M tokens at 7B is about 1.5e17 FLOPs, about 70 s on 16 A100s at 45 % MFU
-    r = Recipe(learner_gpus=16)
+    r = Recipe()
     assert step_flops(comps(), r) == pytest.approx(1.5e17, rel=0.05)
-    assert project(comps(), r)["seconds"]["training"] == pytest.approx(70, rel=0.05)
+    # synchronous: the learner trains on all 16 GPUs
+    assert project(comps(), r)["seconds"]["sync"]["training"] == pytest.approx(70, rel=0.05)
 
 
 def test_rollout_scales_by_bandwidth_and_by_each_engines_share():
-    one = project(comps(rollout_wall_s=60.0, rollout_agents=32))["seconds"]["rollout"]
+    r = Recipe()
+    one = side_seconds(comps(rollout_wall_s=60.0, rollout_agents=32), r, 8, 8)["rollout"]  # 256 / 8 = 32 each
     assert one == pytest.approx(60.0 * 3.35 / 2.0)
     # measured at 16 agents while an engine's share is 32: twice the batches of sequential work
-    assert project(comps(rollout_agents=16))["seconds"]["rollout"] == pytest.approx(2 * one)
+    assert side_seconds(comps(rollout_agents=16), r, 8, 8)["rollout"] == pytest.approx(2 * one)
     # more agents than an engine's share: no credit for the smaller batch
-    assert project(comps(rollout_agents=64))["seconds"]["rollout"] == pytest.approx(one)
+    assert side_seconds(comps(rollout_agents=64), r, 8, 8)["rollout"] == pytest.approx(one)
+    assert side_seconds(comps(), r, 16, 16)["rollout"] == pytest.approx(one)  # 16 each: still the slowest's turns
+    assert side_seconds(comps(), r, 4, 12)["rollout"] == pytest.approx(2 * one)
 
 
 def test_asynchronous_is_the_slower_side_and_never_slower_than_synchronous():
     slow_rollout = project(comps(rollout_wall_s=300.0))
     assert slow_rollout["bound_by"] == "rollout"
-    s = slow_rollout["seconds"]
+    s = slow_rollout["seconds"]["async"]
     assert slow_rollout["async"] == pytest.approx((s["rollout"] + s["scoring"]) / 60, abs=0.01)
     slow_learner = project(comps(rollout_wall_s=5.0, learner_mfu=0.05))
     assert slow_learner["bound_by"] == "training"
     for p in (slow_rollout, slow_learner):
-        assert p["async"] <= p["sync"]
-        assert p["sync"] == pytest.approx(sum(p["seconds"].values()) / 60, abs=0.01)
+        assert p["sync"] == pytest.approx(sum(p["seconds"]["sync"].values()) / 60, abs=0.01)
+        split = p["async_split"]
+        assert split["rollout_gpus"] + split["learner_gpus"] == 16
+    # the split is the best of all: slow rollout takes engines, a slow learner takes GPUs
+    assert slow_rollout["async_split"]["rollout_gpus"] > slow_learner["async_split"]["rollout_gpus"]
+    r = Recipe()
+    for k in range(1, 16):
+        sec = side_seconds(comps(rollout_wall_s=300.0), r, k, 16 - k)
+        assert slow_rollout["async"] <= round(max(sec["rollout"] + sec["scoring"],
+                                                  sec["training"] + sec["weight_sync"]) / 60, 2) + 0.01
     assert project(comps(rollout_wall_s=60.0))["target_async_met"]
     assert not project(comps(rollout_wall_s=200.0))["target_async_met"]
 
@@ -75,7 +87,7 @@ def test_components_are_read_from_the_benchmarks_results(tmp_path):
 
 def test_the_projection_scales_from_the_card_the_components_were_measured_on():
     h100, h200 = project(comps()), project(comps(device="NVIDIA H200"))
-    assert h200["seconds"]["rollout"] == pytest.approx(h100["seconds"]["rollout"] * 4.8 / 3.35)
+    assert h200["seconds"]["sync"]["rollout"] == pytest.approx(h100["seconds"]["sync"]["rollout"] * 4.8 / 3.35)
     assert h200["ratios"]["hbm_tbs"] == [4.8, 2.0] and h100["ratios"]["bf16_tflops"] == [989.0, 312.0]
     with pytest.raises(SystemExit, match="no bandwidth figures"):
         project(comps(device="Some GPU"))
