@@ -102,3 +102,27 @@ def pg_url() -> str:
             pytest.fail(message + " (STAR_REQUIRE_SERVICES is set, as in CI)")
         pytest.skip(message)
     return PG_URL
+
+
+def _loop_in_thread():
+    """An asyncio loop running in a thread of its own, as a rollout worker's engine loop runs."""
+    import asyncio
+    import threading
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+@pytest.fixture
+def loop():
+    yield from _loop_in_thread()
+
+
+@pytest.fixture(scope="module")
+def module_loop():
+    """The same, for a module's engines (an AsyncLLM stays bound to the loop that first used it)."""
+    yield from _loop_in_thread()

@@ -75,19 +75,6 @@ class NoTools:
         return None
 
 
-@pytest.fixture
-def loop():
-    import asyncio
-    import threading
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-
-
 @pytest.mark.timeout(900)
 def test_the_first_step_is_sampled_by_the_runs_starting_model_not_the_workers_own(
         tmp_path, redis_client, redis_server_url, loop):

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ pytest.importorskip("vllm")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.gpu_shapes import model_folder  # noqa: E402
+from services.common.supervisor import wait_ready  # noqa: E402
 
 CHECKED = "model.norm.weight"
 
@@ -42,21 +42,6 @@ def _start_worker(folder: Path, port: int, redis_url: str, log: Path) -> subproc
            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "STAR_ROLLOUT_CONSUMER": "gpu"}
     return subprocess.Popen([sys.executable, "-m", "services.rollout.worker"], env=env,
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT)
-
-
-def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 600) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"the worker did not get ready: {log.read_text()[-3000:]}")
 
 
 def test_a_broadcast_reaches_the_worker_and_a_restarted_worker_rejoins(folder, redis_server_url, tmp_path):
@@ -81,7 +66,7 @@ def test_a_broadcast_reaches_the_worker_and_a_restarted_worker_rejoins(folder, r
         return float(dict(model.named_parameters())[CHECKED].float().sum())
 
     try:
-        _wait_ready(worker, url, log)
+        wait_ready("rollout worker", worker, url, log, 600)
         assert httpx.get(f"{url}/weights", timeout=10).json()["weight_ranks"] == 1
         ours = step_and_publish(1)
         info = httpx.get(f"{url}/weights", timeout=10).json()
@@ -96,7 +81,7 @@ def test_a_broadcast_reaches_the_worker_and_a_restarted_worker_rejoins(folder, r
         worker.send_signal(signal.SIGKILL)  # a worker that died; its supervisor starts it again on its port
         worker.wait(30)
         worker = _start_worker(folder, port, redis_server_url, log)
-        _wait_ready(worker, url, log)
+        wait_ready("rollout worker", worker, url, log, 600)
         assert httpx.get(f"{url}/weights", timeout=10).json()["weight_group"] is None
         ours = step_and_publish(3)
         info = httpx.get(f"{url}/weights", timeout=10).json()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import threading
 
 import pytest
 import torch
@@ -36,13 +35,8 @@ def sandbox(official_world_url, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+def loop(module_loop):
+    return module_loop
 
 
 @pytest.fixture(scope="module")

@@ -31,16 +31,6 @@ def task(n: int, group: int = 2, **kw) -> RolloutTask:
                                                max_context_tokens=kw.pop("context", 4096)), **kw)
 
 
-@pytest.fixture
-def loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-
-
 def run_until(worker: RolloutWorker, done, timeout: float = 30.0) -> None:
     threads = worker.start()
     deadline = time.monotonic() + timeout

@@ -24,7 +24,7 @@ from services.rollout.engines.scripted import ScriptedEngine
 from services.rollout.protocol import format_answer
 from services.rollout.service import RolloutConfig, RolloutService, WeightsError, write_manifest
 from services.rollout.worker import GROUP, RolloutWorker, serve_http
-from tests.rollout.test_worker import loop, run_until, task  # noqa: F401 - the loop fixture
+from tests.rollout.test_worker import run_until, task
 
 LAYOUT = {"names": ["model.norm.weight"], "dtype_names": ["bfloat16"], "shapes": [[64]]}
 
