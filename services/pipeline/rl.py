@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -126,10 +127,19 @@ class Fleet:
     def stop_learner(self) -> None:
         self.sup.stop("learner")
 
-    def stop(self) -> None:
+    def stop(self, exit_wait_s: float = 60.0) -> None:
+        """Stop the fleet, the learner first. A learner that reports its run over is given
+        `exit_wait_s` to exit on its own: its ranks tear down their process groups after the
+        status is written, and a stop signal then (Python's handlers are gone while it exits) would
+        kill them mid-teardown and make torchrun report a clean end as failed ranks."""
         order = (["learner"] if self.learner else []) + [w.name for w in self.workers] + ["sandbox", "redis"]
         if self.learner:
             self.learner.stop_timeout = 120
+            if self.learner.running() and self.learner_report().state in ("finished", "stopped"):
+                try:
+                    self.learner.proc.wait(exit_wait_s)
+                except subprocess.TimeoutExpired:
+                    pass
         self.sup.stop_all(order)
 
 
