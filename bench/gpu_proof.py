@@ -153,7 +153,7 @@ async def _decode_all(model: str, queries: list, sampling, world_url: str, batch
 
     # the recipe's engine, as its rollout workers run it
     options = {"max_batch": batch} if services.engine == "transformers" else {"args": services.vllm}
-    engine = build_engine(services.engine, model, max_model_len=sampling.max_context_tokens + 512, **options)
+    engine = build_engine(services.engine, model, max_model_len=sampling.engine_max_len, **options)
     tools = LocalToolClient(ToolBox(World(world_url)))
     agent = Agent(engine, tools)
     gate = asyncio.Semaphore(batch)

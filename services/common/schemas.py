@@ -314,6 +314,12 @@ class SamplingParams(BaseModel):
         "plan and make one more call, whose reply is scored as the answer (the public STAR agent's ending); "
         "off: the episode ends as context_limit with no answer."))
 
+    @property
+    def engine_max_len(self) -> int:
+        """The max_model_len of an engine serving these episodes: the context they may reach, with room
+        for a last turn (a model's own limit may be below an engine's default)."""
+        return self.max_context_tokens + 512
+
 
 class ArpoParams(BaseModel):
     """ARPO: entropy-guided branching of a group's rollouts after tool calls (agent-star.md §4.6);

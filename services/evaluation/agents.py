@@ -35,9 +35,7 @@ def rollout_agent(model: str, sampling: SamplingParams, *, engine: str = "vllm",
         if base_url:
             options["base_url"] = base_url
     else:
-        # the context the episodes may reach, with room for a last turn (as the rollout workers size it):
-        # a model's own limit (max_position_embeddings) may be below an engine's default
-        options.setdefault("max_model_len", sampling.max_context_tokens + 512)
+        options.setdefault("max_model_len", sampling.engine_max_len)
     try:
         policy = build_engine(engine, model, **options)
     except (ValueError, OSError, ImportError) as exc:
