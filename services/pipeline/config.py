@@ -295,10 +295,15 @@ class PipelineConfig(_Section):
                              "(queries for the eval stage alone) or eval.split")
         return self
 
+    @property
+    def validates_during_rl(self) -> bool:
+        """RL validates versions as it goes (`rl.val_every`), each with an engine beside the fleet's."""
+        return "rl" in self.stages and self.rl.val_every > 0
+
     def _selects_on_its_eval_set(self) -> bool:
         """RL would choose its checkpoint by validation success, and eval would score that checkpoint on
         the validation file itself: a success figure chosen on its own test set."""
-        selects = "rl" in self.stages and self.rl.val_every > 0
+        selects = self.validates_during_rl
         scores_validation = "eval" in self.stages and self.eval.split is None and self.synth.heldout_queries == 0
         return selects and scores_validation
 

@@ -51,8 +51,8 @@ def prepare(config: PipelineConfig, folder: Path) -> Run:
         if recipe_identity(load_pipeline_config(resolved)) != recipe_identity(config):
             raise StageFailed(f"{folder} holds a run of a different recipe; use another --run-dir or remove it")
     try:  # refused before anything is written or started
-        validations = "rl" in config.stages and config.rl.val_every > 0
-        placement = placement_for(config.deployment, config.services.rollout_workers, validations=validations)
+        placement = placement_for(config.deployment, config.services.rollout_workers,
+                                  validations=config.validates_during_rl)
         sync = weight_sync(config.deployment, config.services.engine, placement) if "rl" in config.stages else None
     except PlacementError as exc:
         raise StageFailed(f"{exc}") from None
