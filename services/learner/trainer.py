@@ -501,28 +501,31 @@ class RLTrainer:
         it is the stage's result, and what a later stage or a restarted server loads."""
         if self.fleet_sync is None or not self.cfg.publish_weights or self.version == 0:
             return {}
+        return self.fleet_sync.write_files(self.version, **self._store_args())
+
+    def _store_args(self) -> dict[str, Any]:
+        """What the weights store writes a version from: the weights in buckets (bf16 when training
+        in bf16; a callable, as the buckets are gathered only when files are written), the model's
+        config and the folder its tokenizer comes from."""
         dtype = torch.bfloat16 if self.engine.bf16 else None
-        return self.fleet_sync.write_files(self.version, buckets=lambda: self.engine.iter_weight_buckets(dtype=dtype),
-                                           config=self.engine.lm_config, source_dir=self.engine.model_dir)
+        return {"buckets": lambda: self.engine.iter_weight_buckets(dtype=dtype), "config": self.engine.lm_config,
+                "source_dir": self.engine.model_dir}
 
     def publish(self) -> dict[str, float]:
         if self.fleet_sync is not None:
-            dtype = torch.bfloat16 if self.engine.bf16 else None
             metrics = self.fleet_sync.publish(self.version, self.engine.hf_model,
-                                              zero3=self.engine.cfg.zero_stage == 3,
-                                              buckets=lambda: self.engine.iter_weight_buckets(dtype=dtype),
-                                              config=self.engine.lm_config, source_dir=self.engine.model_dir)
+                                              zero3=self.engine.cfg.zero_stage == 3, **self._store_args())
             if self.rank0:  # every server has this version now, or was sent its files: requests are answered
                 until_redis(lambda: self.redis.delete(self.names.weights_wanted), what="clearing weight requests")
             return metrics
         t0 = time.perf_counter()
-        buckets = self.engine.iter_weight_buckets(dtype=torch.bfloat16 if self.engine.bf16 else None)
+        store = self._store_args()
+        buckets = store.pop("buckets")()
         if not self.rank0:
             for _ in buckets:
                 pass
             return {}
-        result = self.publisher.publish(self.version, buckets, config=self.engine.lm_config,
-                                        source_dir=self.engine.model_dir)
+        result = self.publisher.publish(self.version, buckets, **store)
         return {**result.metrics(), "time_sync_s": time.perf_counter() - t0}
 
     def run(self, max_steps: int | None = None) -> dict[str, Any]:

@@ -285,6 +285,7 @@ def test_the_learner_keeps_files_of_its_last_version_and_records_its_own_at_star
     engine = SimpleNamespace(bf16=True, iter_weight_buckets=lambda dtype: iter(()), lm_config=None, model_dir=None)
     learner = SimpleNamespace(fleet_sync=fleet_sync, cfg=SimpleNamespace(publish_weights=True), version=7,
                               engine=engine, rank0=True, publisher=SimpleNamespace(record_version=recorded.append))
+    learner._store_args = lambda: RLTrainer._store_args(learner)
     assert RLTrainer._keep_last_version(learner) == {"sync_write_s": 1.0} and written == [7]
     learner.version = 0
     assert RLTrainer._keep_last_version(learner) == {} and written == [7]  # nothing trained
