@@ -120,9 +120,11 @@ poll() {
   while kill -0 "$(cat "$PID")" 2>/dev/null && [ "$waited" -lt "${POLL_MAX_S:-540}" ]; do
     sleep 5; waited=$((waited + 5))
   done
-  tr '\r' '\n' < "$LOG" | grep -v 'it/s\]$\|s/it\]$\|^$' | tail -60 || true
+  # the log without progress-bar redraws (tqdm lines ending in a rate)
+  local bars='it/s\]$\|s/it\]$\|query/s\]$\|s/query\]$\|^$'
+  tr '\r' '\n' < "$LOG" | grep -v "$bars" | tail -60 || true
   if [ -n "${OUT:-}" ]; then
-    tr '\r' '\n' < "$LOG" | grep -v 'it/s\]$\|s/it\]$\|^$' > "$OUT/job.log" || true
+    tr '\r' '\n' < "$LOG" | grep -v "$bars" > "$OUT/job.log" || true
     local glob
     for glob in "$@"; do cp "$SRC"/bench/results/$glob "$OUT/" 2>/dev/null || true; done
   fi

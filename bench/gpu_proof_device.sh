@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=/tmp/site SRC=/tmp/star-src GGUF=/tmp/star-gguf/SmolLM2-135M-Instruct.Q4_1.gguf
-WORK=/tmp/star-proof RESULTS=/tmp/star-proof-out LOG=/tmp/star-job.log PID=/tmp/star-job.pid
+WORK=/tmp/star-proof RESULTS=/tmp/star-proof-out
 PY=${PYTHON:-python3}  # the device's own Python; PYTHON=… for a check elsewhere
 
 start() {
@@ -30,7 +30,7 @@ poll() {
   bench/gpu_device.sh poll  # until the run ends or 9 minutes pass
   if [ -n "${OUT:-}" ]; then
     cp "$RESULTS"/gpu_proof.* "$OUT/" 2>/dev/null || true
-    tr '\r' '\n' < "$LOG" | grep -v 'it/s\]$\|s/it\]$\|query/s\]$\|s/query\]$\|^$' > "$OUT/gpu_proof.log" || true
+    mv "$OUT/job.log" "$OUT/gpu_proof.log"  # the driver's log, as the run folders name it
     cp "$WORK/run/rl/metrics.jsonl" "$OUT/gpu_proof_rl_async.jsonl" 2>/dev/null || true
     cp "$WORK/run-sync/rl/metrics.jsonl" "$OUT/gpu_proof_rl_sync.jsonl" 2>/dev/null || true
     # what the policy wrote during RL, a few whole trajectories per step (rl.samples_per_step)
