@@ -69,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sdpa", default="cudnn+flash", help="SDPA kernel order on GPU ('default': PyTorch's)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (ours)")
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="profile one more step of ours (bench/results/<name>_profile.txt)")
     ap.add_argument("--baseline-checkpointing", choices=["auto", "off", "on"], default="auto",
                     help="auto: without, then with gradient checkpointing on OOM (in the same processes)")
     ap.add_argument("--skip-ours", action="store_true", help="measure the baseline alone (in processes of its own, "
@@ -196,6 +197,8 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
                       f"mfu {m.get('mfu', float('nan')):.3f}, loss {m['loss']:.4f}")
             if k >= args.warmup:
                 times.append(m["time_compute_s"])
+        if args.profile:
+            profile_step(engine, world, args, rank, on_gpu)
         tokens = world * args.seq
         flops = train_flops(n_params, layers, width, [args.seq] * world)
         half = train_flops(n_params, layers, width, [args.seq] * world, causal_half=True)
@@ -205,6 +208,28 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
         engine.close()
         del engine
         release(on_gpu)
+
+
+def profile_step(engine, world: int, args: argparse.Namespace, rank: int, on_gpu: bool) -> None:
+    """One more step of ours under torch.profiler: where its time goes, by operator (rank 0's view),
+    written to bench/results/<name>_profile.txt."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.learner_gpu import sequences
+    from services.learner.steps import rl_step
+
+    seqs = sequences(world, args.seq, seed=10_000, vocab=engine.lm_config.vocab_size)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        seconds = rl_step(engine, seqs, eps_low=0.2, eps_high=0.28).metrics["time_compute_s"]
+    if rank == 0:
+        key = "cuda_time_total" if on_gpu else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=45, max_name_column_width=70)
+        path = ROOT / "bench" / "results" / f"{args.name}_profile.txt"
+        path.write_text(f"# one step of ours under torch.profiler ({seconds:.3f} s with the profiler on), "
+                        f"shape {args.shape}, seq {args.seq}, {world} ranks, sorted by {key}\n\n{table}\n")
+        log(rank, f"profile: {path}")
 
 
 def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: int, on_gpu: bool,

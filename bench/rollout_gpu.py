@@ -59,6 +59,20 @@ def workload(args) -> list[dict[str, Any]]:
     return plan
 
 
+def vllm_settings(items: list[str]) -> dict[str, Any]:
+    """`--vllm-set KEY=VALUE` items as VllmArgs fields (a value is read as JSON where it parses)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--vllm-set {item!r}: give KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def max_model_len(args) -> int:
     return args.ctx_max + args.turns * (args.long + args.tool_max) + 64
 
@@ -121,8 +135,8 @@ def child(args) -> None:
         from services.common.schemas import VllmArgs
         from services.rollout.engines.vllm_engine import VllmEngine
 
-        vargs = VllmArgs(compile=args.vllm_compile, gpu_memory_utilization=args.gpu_memory,
-                         max_num_seqs=max(args.agents, 8))
+        vargs = VllmArgs.model_validate({"compile": args.vllm_compile, "gpu_memory_utilization": args.gpu_memory,
+                                         "max_num_seqs": max(args.agents, 8), **vllm_settings(args.vllm_set)})
         engine = VllmEngine(folder, max_model_len=max_model_len(args), dtype="bfloat16" if on_gpu else "float32",
                             args=vargs, tokenizer=tok, kv_cache_gib=4)
         out["vllm_args"] = vargs.model_dump()
@@ -264,6 +278,8 @@ def main() -> None:
     p.add_argument("--tool-max", type=int, default=300)
     p.add_argument("--vllm-compile", action="store_true", help="torch.compile vLLM's model (minutes of start-up)")
     p.add_argument("--gpu-memory", type=float, default=0.6, help="vLLM's gpu_memory_utilization")
+    p.add_argument("--vllm-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a VllmArgs field for the vLLM engine, e.g. max_num_batched_tokens=2048 (repeatable)")
     p.add_argument("--update-every", type=float, default=10.0, help="seconds between weight loads under load")
     p.add_argument("--inflight-modes", default="recompute,keep", help="vLLM inflight_update modes measured under load ('': none)")
     p.add_argument("--keep-samples", type=int, default=8, help="first turns kept for the log-prob check")
@@ -276,6 +292,15 @@ def main() -> None:
     p.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if not args.child and args.vllm_set:
+        from pydantic import ValidationError
+
+        from services.common.schemas import VllmArgs
+
+        try:  # a bad field is refused here, before any engine starts
+            VllmArgs.model_validate(vllm_settings(args.vllm_set))
+        except ValidationError as exc:
+            p.error(f"--vllm-set: {exc}")
     if args.child:
         child(args)
         return
@@ -296,7 +321,7 @@ def main() -> None:
     record.update({"device": device, "vllm_version": vllm_version, "torch": torch.__version__,
                    "load": {k: getattr(args, k) for k in ("agents", "turns", "ctx_min", "ctx_max", "short", "long",
                                                           "long_share", "tool_min", "tool_max", "vllm_compile",
-                                                          "gpu_memory", "update_every", "inflight_modes")}})
+                                                          "gpu_memory", "vllm_set", "update_every", "inflight_modes")}})
     record.setdefault("shapes", {})
     for shape in args.shapes.split(","):
         record["shapes"][shape] = measure_shape(shape, args)

@@ -244,8 +244,12 @@ class VllmArgs(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description=(
         "Share of each of its GPUs' memory the engine takes (weights, activations, KV cache). Lower it when "
         "the learner or other engines share the GPU."))
-    max_num_seqs: int | None = Field(None, ge=1, description="Sequences decoded together (vLLM's default: 256 on a GPU).")
-    max_num_batched_tokens: int | None = Field(None, ge=16, description="Tokens per engine step (prefill chunks included).")
+    max_num_seqs: int | None = Field(None, ge=1, description=(
+        "Sequences decoded together. Default: vLLM's batch-inference default for the card (1,024 on "
+        "an H100 or H200, 256 on an A100 or smaller card)."))
+    max_num_batched_tokens: int | None = Field(None, ge=16, description=(
+        "Tokens per engine step, prefill chunks included. Default: vLLM's batch-inference default for the card "
+        "(16,384 on an H100 or H200, 8,192 on an A100 or smaller card)."))
     enable_prefix_caching: bool = Field(True, description=(
         "Reuse the KV of shared prompt prefixes: every turn of an episode re-sends the episode so far."))
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(

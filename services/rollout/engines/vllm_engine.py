@@ -93,6 +93,7 @@ class VllmEngine(Engine):
             typed = {k: extra.pop(k) for k in list(extra) if k in VllmArgs.model_fields}
             args = VllmArgs.model_validate({**args.model_dump(), **typed, "extra": {**args.extra, **extra}})
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if tokenizer is None:
@@ -105,7 +106,10 @@ class VllmEngine(Engine):
         self.seeded = seeded(args, cpu)
         kwargs = engine_kwargs(args, model=str(model), max_model_len=max_model_len, dtype=dtype, seed=seed, on_cpu=cpu)
         try:
-            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+            # Rollout is batch inference: vLLM's LLM-class defaults for the card (on an H100: 16,384
+            # batched tokens a step and 1,024 sequences) rather than the engine context's 2,048 tokens,
+            # which chops every turn's prefill into small chunks beside the decodes.
+            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS)
         except Exception as exc:  # vLLM's own message (out of memory, bad argument) ends the start
             raise EngineError(f"vLLM could not start: {type(exc).__name__}: {exc}") from exc
         self.model = str(model)
