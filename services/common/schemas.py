@@ -269,13 +269,19 @@ class VllmArgs(BaseModel):
     weight_transfer: Literal["files", "nccl"] = Field("files", description=(
         "How new weights arrive: files (a published safetensors folder, any host) or nccl (broadcast by the "
         "learner into the engine's GPUs through vLLM's weight-transfer engine; one host or an NCCL network)."))
+    kv_cache_from_share: bool = Field(False, description=(
+        "Size the KV cache from gpu_memory_utilization (that share of the card's memory, less the weights and "
+        "2 GiB for activations and CUDA graphs) instead of vLLM's measurement at start-up, which counts what "
+        "other processes on the GPU allocate meanwhile as the engine's own. Placement turns it on for engines "
+        "and validations that share a GPU with the learner or each other."))
     extra: dict[str, Any] = Field(default_factory=dict, description=(
         "Any other AsyncEngineArgs field, passed through (checked against vLLM's own list when vLLM is "
         "installed)."))
 
     @model_validator(mode="after")
     def _extra_is_not_typed(self) -> "VllmArgs":
-        typed = set(type(self).model_fields) - {"extra", "compile", "seeded_turns", "weight_transfer", "inflight_update"}
+        typed = set(type(self).model_fields) - {"extra", "compile", "seeded_turns", "weight_transfer", "inflight_update",
+                                                  "kv_cache_from_share"}
         clash = sorted(typed & set(self.extra))
         if clash:
             raise ValueError(f"extra: {', '.join(clash)} has a field of its own; set it there")

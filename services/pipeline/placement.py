@@ -51,9 +51,12 @@ class Placement:
         """Rollout worker `index`'s devices, and the memory share and tensor parallelism of its engine."""
         if self.accelerator != "cuda":
             return {}
-        return {"CUDA_VISIBLE_DEVICES": ",".join(self.engine_devices[index]),
-                "STAR_ROLLOUT_GPU_MEMORY_UTILIZATION": f"{self.engine_memory_share:.2f}",
-                "STAR_ROLLOUT_TENSOR_PARALLEL_SIZE": str(self.tensor_parallel)}
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(self.engine_devices[index]),
+               "STAR_ROLLOUT_GPU_MEMORY_UTILIZATION": f"{self.engine_memory_share:.2f}",
+               "STAR_ROLLOUT_TENSOR_PARALLEL_SIZE": str(self.tensor_parallel)}
+        if self.shared:  # beside the learner or other engines: the KV cache from the share, not measured
+            env["STAR_ROLLOUT_KV_CACHE_FROM_SHARE"] = "true"
+        return env
 
     def validation_env(self) -> dict[str, str]:
         """A validation's devices (`rl.val_every`'s `star eval` beside the fleet): the first engine's

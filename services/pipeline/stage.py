@@ -118,7 +118,8 @@ def eval_argv(run: Run, model: str, split: str | Path, out: Path, limit: int | N
     if run.config.services.engine == "vllm":
         vllm = run.config.services.vllm
         if memory_share is not None:
-            vllm = vllm.model_copy(update={"gpu_memory_utilization": memory_share})
+            # beside the fleet: its KV cache sized from the share (a measurement would count the others')
+            vllm = vllm.model_copy(update={"gpu_memory_utilization": memory_share, "kv_cache_from_share": True})
         argv += ["--vllm-args", vllm.model_dump_json()]
     if e.sampling.summarize_at_limit:
         argv += ["--summarize-at-limit"]

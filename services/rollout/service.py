@@ -48,6 +48,9 @@ class RolloutConfig(BaseSettings):
     gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0, description=(
         "vllm: this engine's share of its GPUs' memory (set per worker by the recipe's placement); overrides vllm's."))
     tensor_parallel_size: int | None = Field(None, ge=1, description="vllm: GPUs this engine shards over; overrides vllm's.")
+    kv_cache_from_share: bool | None = Field(None, description=(
+        "vllm: size the KV cache from the memory share (set per worker by placement where GPUs are shared); "
+        "overrides vllm's."))
     rehash_weights: bool = Field(False, description="Re-hash every file of a published version before loading it "
                                  "(the manifest's own hash and the file sizes are always checked).")
     openai_base_url: str | None = None
@@ -376,7 +379,8 @@ def make_engine(settings: Settings, config: RolloutConfig) -> Engine:
         options["max_batch"] = config.max_batch
     if config.engine == "vllm":
         placed = {k: v for k, v in (("gpu_memory_utilization", config.gpu_memory_utilization),
-                                    ("tensor_parallel_size", config.tensor_parallel_size)) if v is not None}
+                                    ("tensor_parallel_size", config.tensor_parallel_size),
+                                    ("kv_cache_from_share", config.kv_cache_from_share)) if v is not None}
         options["args"] = config.vllm.model_copy(update=placed)
     return build_engine(config.engine, model, **options)
 

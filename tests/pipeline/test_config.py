@@ -319,5 +319,7 @@ def test_a_validations_engine_takes_the_share_its_placement_kept(tmp_path):
     beside = eval_argv(run, "m", "split.jsonl", tmp_path / "e", None, memory_share=placement.validation_memory_share)
     vllm = json.loads(beside[beside.index("--vllm-args") + 1])
     assert vllm["gpu_memory_utilization"] == pytest.approx(placement.validation_memory_share)
+    assert vllm["kv_cache_from_share"] is True
     alone = eval_argv(run, "m", "split.jsonl", tmp_path / "e", None)  # the eval stage: the GPU to itself
-    assert json.loads(alone[alone.index("--vllm-args") + 1])["gpu_memory_utilization"] == pytest.approx(0.9)
+    alone_args = json.loads(alone[alone.index("--vllm-args") + 1])
+    assert alone_args["gpu_memory_utilization"] == pytest.approx(0.9) and alone_args["kv_cache_from_share"] is False

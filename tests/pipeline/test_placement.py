@@ -30,6 +30,7 @@ def test_dedicated_gpus_learner_first_then_engines_by_tensor_parallel_groups():
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7"
     assert env["STAR_ROLLOUT_TENSOR_PARALLEL_SIZE"] == "2"
     assert float(env["STAR_ROLLOUT_GPU_MEMORY_UTILIZATION"]) == pytest.approx(0.9)
+    assert "STAR_ROLLOUT_KV_CACHE_FROM_SHARE" not in env  # a GPU of its own: vLLM measures
 
 
 def test_ids_follow_the_callers_visible_devices():
@@ -44,6 +45,8 @@ def test_one_gpu_box_shares_by_memory():
     # the learner keeps 0.4, the two engines split the rest
     assert p.engine_memory_share == pytest.approx(0.3)
     assert p.engine_env(1)["CUDA_VISIBLE_DEVICES"] == "0"
+    # beside the learner, vLLM's start-up measurement would count the learner's allocations as its own
+    assert p.engine_env(1)["STAR_ROLLOUT_KV_CACHE_FROM_SHARE"] == "true"
 
 
 def test_sharing_fills_gpus_without_the_learner_first():

@@ -111,6 +111,24 @@ def test_engine_kwargs_on_a_gpu_and_on_a_cpu():
     assert cpu["max_num_batched_tokens"] >= 8192 and "gpu_memory_utilization" not in cpu
 
 
+def test_an_engine_beside_others_sizes_its_kv_cache_from_its_share():
+    from services.rollout.engines.base import EngineError
+    from services.rollout.engines.vllm_engine import ENGINE_RESERVE_BYTES, kv_cache_bytes_from_share
+
+    gib = 2**30
+    # 0.12 of an 80 GiB card is 9.6 GiB: less 0.5 GiB of weights and the 2 GiB reserve
+    assert kv_cache_bytes_from_share(0.12, 80 * gib, gib // 2) == int(0.12 * 80 * gib) - gib // 2 - ENGINE_RESERVE_BYTES
+    # tensor parallel: each GPU holds its slice of the weights
+    assert kv_cache_bytes_from_share(0.5, 80 * gib, 16 * gib, 2) == 40 * gib - 8 * gib - ENGINE_RESERVE_BYTES
+    with pytest.raises(EngineError, match=r"gpu_memory_utilization 0.05 of a 80.0 GiB card is 4.00 GiB.*raise the share"):
+        kv_cache_bytes_from_share(0.05, 80 * gib, 3 * gib)
+    sized = engine_kwargs(VllmArgs(gpu_memory_utilization=0.12), model="m", max_model_len=8192, dtype="bfloat16", seed=0,
+                          on_cpu=False, kv_cache_bytes=5 * gib)
+    assert sized["kv_cache_memory_bytes"] == 5 * gib
+    measured = engine_kwargs(VllmArgs(), model="m", max_model_len=8192, dtype="bfloat16", seed=0, on_cpu=False)
+    assert "kv_cache_memory_bytes" not in measured
+
+
 def test_a_recipe_with_a_bad_engine_argument_is_refused_naming_it(tmp_path):
     from services.pipeline.config import ConfigError, load_pipeline_config
 

@@ -37,8 +37,31 @@ def on_cpu_platform() -> bool:
     return current_platform.is_cpu()
 
 
+# what a vLLM engine holds besides weights and KV cache: activations at a full step, CUDA graphs, NCCL
+# and allocator slack (1-1.5 GiB measured at 135M-1.5B with 8-16K batched tokens)
+ENGINE_RESERVE_BYTES = 2 * 2**30
+
+
+def kv_cache_bytes_from_share(share: float, card_bytes: int, weights_bytes: int, tensor_parallel: int = 1) -> int:
+    """The KV cache an engine may take within `share` of a card: the share, less this engine's slice
+    of the weights and `ENGINE_RESERVE_BYTES`. Refused, with the numbers, when nothing is left."""
+    kv = int(share * card_bytes) - weights_bytes // max(tensor_parallel, 1) - ENGINE_RESERVE_BYTES
+    if kv < 2**28:
+        gib = 2**30
+        raise EngineError(
+            f"gpu_memory_utilization {share:.2f} of a {card_bytes / gib:.1f} GiB card is {share * card_bytes / gib:.2f} "
+            f"GiB: less than the weights ({weights_bytes / max(tensor_parallel, 1) / gib:.2f} GiB) and "
+            f"{ENGINE_RESERVE_BYTES / gib:.0f} GiB of activations plus 0.25 GiB of KV cache; raise the share")
+    return kv
+
+
+def weights_bytes(model: str | Path) -> int:
+    """Bytes of the model's safetensors files (its weights as loaded, for the usual bf16 checkpoints)."""
+    return sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
+
+
 def engine_kwargs(args: VllmArgs, *, model: str, max_model_len: int, dtype: str, seed: int,
-                  on_cpu: bool) -> dict[str, Any]:
+                  on_cpu: bool, kv_cache_bytes: int | None = None) -> dict[str, Any]:
     """The `AsyncEngineArgs` keywords for `args` on this platform (a pure function: tested on CPU)."""
     eager = args.enforce_eager if args.enforce_eager is not None else on_cpu
     kw: dict[str, Any] = dict(
@@ -52,6 +75,8 @@ def engine_kwargs(args: VllmArgs, *, model: str, max_model_len: int, dtype: str,
     )
     if not on_cpu:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+        if kv_cache_bytes is not None:  # sized by the caller: vLLM skips its start-up measurement
+            kw["kv_cache_memory_bytes"] = kv_cache_bytes
     if args.max_num_seqs is not None:
         kw["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens is not None:
@@ -104,7 +129,15 @@ class VllmEngine(Engine):
         cpu = on_cpu_platform()
         self.args = args
         self.seeded = seeded(args, cpu)
-        kwargs = engine_kwargs(args, model=str(model), max_model_len=max_model_len, dtype=dtype, seed=seed, on_cpu=cpu)
+        kv_bytes = None
+        if args.kv_cache_from_share and not cpu:
+            from vllm.platforms import current_platform
+
+            # NVML's figure: no CUDA context in this process
+            kv_bytes = kv_cache_bytes_from_share(args.gpu_memory_utilization, current_platform.get_device_total_memory(),
+                                                 weights_bytes(model), args.tensor_parallel_size)
+        kwargs = engine_kwargs(args, model=str(model), max_model_len=max_model_len, dtype=dtype, seed=seed, on_cpu=cpu,
+                               kv_cache_bytes=kv_bytes)
         try:
             # Rollout is batch inference: vLLM's LLM-class defaults for the card (on an H100: 16,384
             # batched tokens a step and 1,024 sequences) rather than the engine context's 2,048 tokens,
