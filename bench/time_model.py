@@ -333,6 +333,11 @@ def write_projection(args: argparse.Namespace) -> dict[str, Any]:
         lines += ["", f"The learner's MFU was measured at {learner_params / 1e9:.1f}B, not at the 7B shape "
                   f"(`measure --parts learner` records it): the training time above assumes the 7B learner "
                   "reaches the same MFU."]
+    learner_device = shapes["learner"].get("device")
+    if learner_device and learner_device != comps.device:
+        lines += ["", f"The learner ran on {learner_device}, the rollout on {comps.device}. Its MFU is a share of the "
+                  "card's bf16 peak, which the two cards have in common (989 TFLOP/s), so the projection scales it to "
+                  "the A100's; the learner's faster memory there may flatter it a little."]
     if e2e:
         times = [s["time_step_s"] for s in e2e["steps"]]
         lines += ["", f"Whole steps through `star train` ({e2e['recipe']}, {e2e['gpus']} GPUs"
