@@ -21,14 +21,17 @@ published by any path, and the controller asks tasks for that one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+import sys
+import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -409,6 +412,19 @@ def parameter_layout(model: torch.nn.Module, *, skip_tied: bool = True) -> dict[
             "shapes": [list(getattr(p, "ds_shape", p.shape)) for _, p in named]}
 
 
+# The learner's exit status when an NCCL call of the weight sync outlives its deadline.
+STUCK_EXIT = 75
+
+
+def end_stuck_learner(message: str) -> None:
+    """A collective that will never finish cannot be interrupted from Python (NCCL has no timeout
+    and vLLM's communicator no abort): the process ends, so its stage fails with this message
+    instead of hanging; rerunning the recipe resumes from the last checkpoint."""
+    print(f"weight sync: {message}", file=sys.stderr, flush=True)
+    log.error("weight sync: %s", message)
+    os._exit(STUCK_EXIT)
+
+
 class NcclPublisher:
     """The learner's side of weight sync into live vLLM engines, over vLLM's NCCL weight transfer.
 
@@ -422,10 +438,14 @@ class NcclPublisher:
     asked for their state (GET /weights) and the group is formed again, of the servers that answer,
     whenever that set differs from its members or a member no longer reports the group's id (it
     restarted, or left it after a failed broadcast). A failed broadcast drops the group: the next
-    publication forms a new one, every answering server joining it again."""
+    publication forms a new one, every answering server joining it again. A member that dies while
+    the group forms or a broadcast runs would still leave rank 0 waiting forever: each of those
+    calls has `timeout_s`, after which `on_stuck` is called (by default it ends the process:
+    `end_stuck_learner`)."""
 
     def __init__(self, servers: Iterable[str], *, master_address: str = "127.0.0.1", master_port: int = 29731,
-                 api_token: str | None = None, timeout_s: float = 120.0) -> None:
+                 api_token: str | None = None, timeout_s: float = 120.0,
+                 on_stuck: Callable[[str], None] = end_stuck_learner) -> None:
         self.servers = [s.rstrip("/") for s in servers]
         if not self.servers:
             raise ValueError("NCCL weight sync needs at least one rollout server")
@@ -433,6 +453,7 @@ class NcclPublisher:
         self.master_port = master_port
         self.headers = {"authorization": f"Bearer {api_token}"} if api_token else {}
         self.timeout_s = timeout_s
+        self.on_stuck = on_stuck
         self.group: Any = None
         self.group_id: str | None = None
         self.group_port = master_port  # the port of the group formed last
@@ -467,6 +488,22 @@ class NcclPublisher:
         """Forget the group (its communicator goes with the last reference): the next publication
         forms a new one."""
         self.group, self.group_id, self.members = None, None, []
+
+    @contextlib.contextmanager
+    def _deadline(self, what: str) -> Iterator[None]:
+        """Calls `on_stuck` if the block has not finished within `timeout_s`."""
+        done = threading.Event()
+
+        def watch() -> None:
+            if not done.wait(self.timeout_s):
+                self.on_stuck(f"{what} did not finish within {self.timeout_s:g} s (a member of the weight group "
+                              f"died or stopped answering: {', '.join(self.members) or 'none formed yet'})")
+
+        threading.Thread(target=watch, name="nccl-deadline", daemon=True).start()
+        try:
+            yield
+        finally:
+            done.set()
 
     def _trainer_init(self, port: int, world_size: int) -> Any:
         """vLLM's side of forming the group: rank 0's communicator (blocks until every rank joins)."""
@@ -510,7 +547,8 @@ class NcclPublisher:
         joins = [self.pool.submit(self._post, url, "/weights/group", {
             "master_address": self.master_address, "master_port": port, "rank_offset": off,
             "world_size": world, "group_id": group_id}) for url, off in zip(members, offsets)]
-        group = self._trainer_init(port, world)
+        with self._deadline(f"forming the NCCL weight group of {world} ranks"):
+            group = self._trainer_init(port, world)
         for f in joins:
             f.result(timeout=self.timeout_s)
         self.group, self.group_id, self.group_port, self.members = group, group_id, port, members
@@ -555,7 +593,8 @@ class NcclPublisher:
         receives = {url: self.pool.submit(self._post, url, "/weights/broadcast", body) for url in self.members}
         failed: dict[str, str] = {}
         try:
-            self._trainer_send(tensors)
+            with self._deadline(f"the NCCL broadcast of version {version}"):
+                self._trainer_send(tensors)
         except Exception as exc:  # noqa: BLE001 - the members' receives fail too, and are named below
             failed["learner"] = f"send failed: {type(exc).__name__}: {exc}"
         sent = time.perf_counter() - t0

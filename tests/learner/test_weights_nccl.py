@@ -88,6 +88,30 @@ def test_a_failed_broadcast_drops_the_group_and_the_next_one_forms_a_new_group(f
     assert fleet.ports[2] == fleet.ports[3] == pub.group_port != 29777
 
 
+def test_a_broadcast_that_never_ends_ends_the_learner_instead_of_hanging(fleet, monkeypatch):
+    """NCCL waits forever for a member that died mid-transfer: past the deadline `on_stuck` is called
+    (in the learner it ends the process, so the stage fails with the reason)."""
+    import threading
+
+    stuck = threading.Event()
+    reasons: list[str] = []
+
+    def hang(self, tensors) -> None:
+        assert stuck.wait(10), "the deadline never fired"
+
+    def on_stuck(message: str) -> None:
+        reasons.append(message)
+        stuck.set()  # what os._exit does for the real learner: nothing waits on the broadcast any more
+
+    pub = NcclPublisher([A, B], timeout_s=0.3, on_stuck=on_stuck)
+    pub.publish(1, LAYOUT, _tensors())  # a broadcast within its deadline: on_stuck is not called
+    assert reasons == []
+    monkeypatch.setattr(NcclPublisher, "_trainer_send", hang)
+    pub.publish(2, LAYOUT, _tensors())
+    assert len(reasons) == 1
+    assert "the NCCL broadcast of version 2 did not finish within 0.3 s" in reasons[0] and A in reasons[0]
+
+
 def test_a_restarted_server_makes_the_group_form_again_before_anything_is_sent(fleet):
     pub = NcclPublisher([A, B], timeout_s=5)
     pub.publish(1, LAYOUT, _tensors())
