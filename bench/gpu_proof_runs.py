@@ -6,12 +6,16 @@ asynchronous, and how each run learned.
 
 Reads bench/results/runs/gpu_proof/run{N}/gpu_proof_rl_{sync,async}.jsonl (the learner's per-step metrics that
 `bench/gpu_proof_device.sh poll` brings back; a run without a synchronous baseline has no sync
-file), from bench/results/runs/gpu_proof.tar.xz where the run's folder is not unpacked, prints each
+file), from the runs' archive where the run's folder is not unpacked, prints each
 run's seconds per step and speed-up, and plots the wall time of every step.
 Seconds per step are taken between the first and the last step's end, so the fleet's start (model
 loads), which both modes pay alike, is left out. `--learning` plots the asynchronous run's
 training success, grad norm, entropy and, where run{N}/gpu_proof_rl_samples.jsonl.gz was kept, the
 share of stated preferences the policy's first thoughts restate, step by step.
+
+The archive (bench/results/runs/gpu_proof.tar.xz) is kept in the repository's history, not in the
+working tree, which every GPU device call carries: it is read from the commit before the last one that
+removed it, or from the tree where `--restore-archive` put it back (to add a run).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import shutil
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -31,17 +36,51 @@ from services.common.files import iter_jsonl  # noqa: E402
 
 RUNS = Path(__file__).resolve().parent / "results" / "runs" / "gpu_proof"  # one folder per run, as `poll` wrote it
 ARCHIVE = RUNS.parent / "gpu_proof.tar.xz"  # the runs' files but their notes and reports, under gpu_proof/
+REPO = RUNS.parents[3]
+
+
+def _git(*args: str) -> bytes:
+    done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True)
+    if done.returncode != 0:
+        raise SystemExit(f"git {' '.join(args)}: {done.stderr.decode(errors='replace').strip()}")
+    return done.stdout
+
+
+def archive_commit() -> str:
+    """The commit whose tree holds the newest archive: the parent of the last commit that removed it."""
+    path = ARCHIVE.relative_to(REPO).as_posix()
+    removed = _git("log", "-1", "--format=%H", "--diff-filter=D", "--", path).decode().strip()
+    if not removed:
+        raise SystemExit(f"{path} is neither in the tree nor removed in this clone's history (a shallow clone?)")
+    return f"{removed}^"
+
+
+def archive() -> Path:
+    """The runs' archive: in the tree where it was restored, else a temporary copy from history."""
+    if ARCHIVE.is_file():
+        return ARCHIVE
+    out = Path(tempfile.mkdtemp(prefix="gpu_proof_archive-")) / ARCHIVE.name
+    atexit.register(shutil.rmtree, out.parent, True)
+    out.write_bytes(_git("show", f"{archive_commit()}:{ARCHIVE.relative_to(REPO).as_posix()}"))
+    return out
+
+
+def restore_archive() -> Path:
+    """Put the archive back into the tree (to add a run: pack it, commit, then `git rm` it again)."""
+    if not ARCHIVE.is_file():
+        shutil.copyfile(archive(), ARCHIVE)
+    return ARCHIVE
 
 
 def run_folder(run: str) -> Path:
     """Run N's files: its folder when unpacked there, else a temporary copy taken from the archive."""
     folder = RUNS / f"run{run}"
-    if (folder / "gpu_proof_rl_async.jsonl").is_file() or not ARCHIVE.is_file():
+    if (folder / "gpu_proof_rl_async.jsonl").is_file():
         return folder
     prefix = f"gpu_proof/run{run}/"
     out = Path(tempfile.mkdtemp(prefix=f"gpu_proof_run{run}-"))
     atexit.register(shutil.rmtree, out, True)
-    with tarfile.open(ARCHIVE) as tar:
+    with tarfile.open(archive()) as tar:
         members = [m for m in tar.getmembers() if m.isfile() and m.name.startswith(prefix)]
         for m in members:
             m.name = m.name[len(prefix):]
@@ -143,11 +182,18 @@ def plot_learning(runs: list[dict[str, Any]], out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", help="run numbers, as in bench/results/runs/gpu_proof/run{N}/")
+    ap.add_argument("runs", nargs="*", help="run numbers, as in bench/results/runs/gpu_proof/run{N}/")
+    ap.add_argument("--restore-archive", action="store_true",
+                    help=f"write the runs' archive from history back to {ARCHIVE.relative_to(REPO)} and stop")
     ap.add_argument("--out", type=Path, default=None, help="PNG of the per-step wall times")
     ap.add_argument("--learning", type=Path, default=None,
                     help="PNG of the per-step training success, grad norm, entropy and restated preferences")
     args = ap.parse_args()
+    if args.restore_archive:
+        print(f"restored: {restore_archive()}")
+        return
+    if not args.runs:
+        ap.error("give run numbers, or --restore-archive")
     runs = [summarize(r) for r in args.runs]
     for r in runs:
         print(describe(r))
