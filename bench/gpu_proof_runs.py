@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import shutil
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from services.common.files import iter_jsonl  # noqa: E402
 RUNS = Path(__file__).resolve().parent / "results" / "runs" / "gpu_proof"  # one folder per run, as `poll` wrote it
 ARCHIVE = RUNS.parent / "gpu_proof.tar.xz"  # the runs' files but their notes and reports, under gpu_proof/
 REPO = RUNS.parents[3]
+ARCHIVE_PATH = ARCHIVE.relative_to(REPO).as_posix()  # as git names it
 
 
 def _git(*args: str) -> bytes:
@@ -46,29 +48,30 @@ def _git(*args: str) -> bytes:
     return done.stdout
 
 
-def archive_commit() -> str:
-    """The commit whose tree holds the newest archive: the parent of the last commit that removed it."""
-    path = ARCHIVE.relative_to(REPO).as_posix()
-    removed = _git("log", "-1", "--format=%H", "--diff-filter=D", "--", path).decode().strip()
+def archive_from_history() -> bytes:
+    """The newest archive in history: the one in the tree before the last commit that removed it."""
+    removed = _git("log", "-1", "--format=%H", "--diff-filter=D", "--", ARCHIVE_PATH).decode().strip()
     if not removed:
-        raise SystemExit(f"{path} is neither in the tree nor removed in this clone's history (a shallow clone?)")
-    return f"{removed}^"
+        raise SystemExit(f"{ARCHIVE_PATH} is neither in the tree nor removed in this clone's history (a shallow clone?)")
+    return _git("show", f"{removed}^:{ARCHIVE_PATH}")
 
 
+@functools.cache
 def archive() -> Path:
-    """The runs' archive: in the tree where it was restored, else a temporary copy from history."""
+    """The runs' archive: in the tree where it was restored, else a temporary copy from history
+    (taken once per process, however many runs are read)."""
     if ARCHIVE.is_file():
         return ARCHIVE
     out = Path(tempfile.mkdtemp(prefix="gpu_proof_archive-")) / ARCHIVE.name
     atexit.register(shutil.rmtree, out.parent, True)
-    out.write_bytes(_git("show", f"{archive_commit()}:{ARCHIVE.relative_to(REPO).as_posix()}"))
+    out.write_bytes(archive_from_history())
     return out
 
 
 def restore_archive() -> Path:
     """Put the archive back into the tree (to add a run: pack it, commit, then `git rm` it again)."""
     if not ARCHIVE.is_file():
-        shutil.copyfile(archive(), ARCHIVE)
+        ARCHIVE.write_bytes(archive_from_history())
     return ARCHIVE
 
 
@@ -184,7 +187,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="*", help="run numbers, as in bench/results/runs/gpu_proof/run{N}/")
     ap.add_argument("--restore-archive", action="store_true",
-                    help=f"write the runs' archive from history back to {ARCHIVE.relative_to(REPO)} and stop")
+                    help=f"write the runs' archive from history back to {ARCHIVE_PATH} and stop")
     ap.add_argument("--out", type=Path, default=None, help="PNG of the per-step wall times")
     ap.add_argument("--learning", type=Path, default=None,
                     help="PNG of the per-step training success, grad norm, entropy and restated preferences")
