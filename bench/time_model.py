@@ -335,9 +335,12 @@ def write_projection(args: argparse.Namespace) -> dict[str, Any]:
                   "reaches the same MFU."]
     learner_device = shapes["learner"].get("device")
     if learner_device and learner_device != comps.device:
-        lines += ["", f"The learner ran on {learner_device}, the rollout on {comps.device}. Its MFU is a share of the "
-                  "card's bf16 peak, which the two cards have in common (989 TFLOP/s), so the projection scales it to "
-                  "the A100's; the learner's faster memory there may flatter it a little."]
+        from services.learner.flops import peak_flops
+
+        peak = peak_flops(learner_device)
+        lines += ["", f"The learner ran on {learner_device}" + (f" (bf16 peak {peak / 1e12:g} TFLOP/s)" if peak else "") + ", "
+                  f"the rollout on {comps.device}. Its MFU is a share of its own card's peak, so the projection "
+                  "carries it to the A100's; a learner card with faster memory may flatter it a little."]
     if e2e:
         times = [s["time_step_s"] for s in e2e["steps"]]
         lines += ["", f"Whole steps through `star train` ({e2e['recipe']}, {e2e['gpus']} GPUs"

@@ -45,12 +45,13 @@ ENGINE_RESERVE_BYTES = 2 * 2**30
 def kv_cache_bytes_from_share(share: float, card_bytes: int, weights_bytes: int, tensor_parallel: int = 1) -> int:
     """The KV cache an engine may take within `share` of a card: the share, less this engine's slice
     of the weights and `ENGINE_RESERVE_BYTES`. Refused, with the numbers, when nothing is left."""
-    kv = int(share * card_bytes) - weights_bytes // max(tensor_parallel, 1) - ENGINE_RESERVE_BYTES
+    weights_slice = weights_bytes // max(tensor_parallel, 1)
+    kv = int(share * card_bytes) - weights_slice - ENGINE_RESERVE_BYTES
     if kv < 2**28:
         gib = 2**30
         raise EngineError(
             f"gpu_memory_utilization {share:.2f} of a {card_bytes / gib:.1f} GiB card is {share * card_bytes / gib:.2f} "
-            f"GiB: less than the weights ({weights_bytes / max(tensor_parallel, 1) / gib:.2f} GiB) and "
+            f"GiB: less than the weights ({weights_slice / gib:.2f} GiB) and "
             f"{ENGINE_RESERVE_BYTES / gib:.0f} GiB of activations plus 0.25 GiB of KV cache; raise the share")
     return kv
 
