@@ -24,7 +24,7 @@ WHEELS=.vllmwhl
 # vLLM and what the device lacks for it and for our services (cp312 manylinux wheels). Pins: xgrammar
 # 0.2.8 needs a newer apache-tvm-ffi than vLLM pins; openai 3.x imports httpx2; llguidance's wheel is
 # tagged manylinux_2_31; mistral_common needs pydantic-extra-types and pycountry once transformers sees it.
-PACKAGES="vllm==0.26.0 flashinfer-python==0.6.14 apache-tvm-ffi==0.1.10 nvidia-cudnn-frontend nvtx==0.2.15
+PACKAGES="vllm==0.26.0 xxhash flashinfer-python==0.6.14 apache-tvm-ffi==0.1.10 nvidia-cudnn-frontend nvtx==0.2.15
 fastapi==0.136.3 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.3 pydantic_core==2.50.4 annotated-types==0.8.0
 typing-inspection==0.4.5 typing_extensions==4.16.0 openai<3 jiter distro sniffio cachetools blake3 cbor2 pybase64
 msgspec pyzmq ijson setproctitle watchfiles python-json-logger partial-json-parser jsonschema

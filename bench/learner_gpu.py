@@ -142,7 +142,7 @@ def bench_engine(args, model_dir: Path, variant: Variant, profile: bool = False)
     bucket = int(variant.bucket_m * 1e6)
     cfg = EngineConfig(zero_stage=args.zero, precision="auto", gradient_checkpointing=args.grad_ckpt,
                        micro_batch_tokens=args.seq, micro_batch_rows=variant.micro_rows, pad_to_multiple=variant.pad,
-                       logprob_chunk_tokens=args.chunk, head_checkpoint=args.head_ckpt, attn_implementation="sdpa",
+                       logprob_chunk_tokens=args.chunk, head_kernels=args.head_kernels, attn_implementation="sdpa",
                        compile_layers=args.compile, sdpa_backends=parse_sdpa(variant.sdpa),
                        reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     if torch.cuda.is_available():
@@ -348,8 +348,8 @@ def write_results(args, record: dict) -> None:
         f"deepspeed {record['deepspeed']}.",
         f"Model: Qwen2 architecture, {t['params_m']:.0f} M parameters (random init, size `{args.size}`); "
         f"{args.rows} sequences × {lengths} tokens per step; ZeRO-{args.zero}, bf16 on GPU; "
-        f"gradient checkpointing {'on' if args.grad_ckpt else 'off'}; logprob head in chunks of {args.chunk} tokens, "
-        f"{'recomputed' if args.head_ckpt else 'kept'} for backward; decoder layers "
+        f"gradient checkpointing {'on' if args.grad_ckpt else 'off'}; fused logprob head in chunks of {args.chunk} tokens "
+        f"({args.head_kernels} kernels); decoder layers "
         f"{'compiled (torch.compile, ours and the baseline)' if args.compile else 'eager'}; median of {args.steps} "
         f"steps after {args.warmup} warm-up. Same run, same GPU for every row.", "",
         "| | tokens/s | TFLOP/s | MFU (PaLM) | MFU (causal ½) | step s | peak GiB |",
@@ -450,7 +450,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--zero", type=int, default=2)
     p.add_argument("--chunk", type=int, default=8192, help="tokens per logprob chunk")
-    p.add_argument("--head-ckpt", action="store_true", help="recompute logits chunks in backward")
+    p.add_argument("--head-kernels", choices=["auto", "compiled", "eager"], default="auto",
+                   help="the fused head's element-wise work (auto: compiled on GPU)")
     p.add_argument("--grad-ckpt", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (ours and the baseline)")
     p.add_argument("--publish-rounds", type=int, default=3)

@@ -11,8 +11,8 @@ tokens per rank per step, ZeRO-3 over the ranks (parameters built sharded under 
 with fp32 gradient accumulation and reduction, overlap_comm, AdamW; median over the timed steps.
 
 - ours: services.learner's PolicyEngine and rl_step (the clipped policy loss on rollout logprobs): the
-  vocabulary head and log-prob run in chunks of `--chunk` tokens under checkpointing, so the 16K × 152K
-  logits never exist at once (the fused head + loss); `--recompute` picks none, mlp (selective: each
+  vocabulary head is fused with the log-prob (services/learner/vocab_head.py) and runs in chunks of
+  `--chunk` tokens, so the 16K × 152K logits never exist at once; `--recompute` picks none, mlp (selective: each
   layer's MLP recomputed in backward, attention kept) or layers (full gradient checkpointing); auto,
   the default, takes the first of these that fits in memory (each attempt recorded).
 - baseline: HF Qwen2ForCausalLM (the same weights) with `labels=ids` (HF's cross-entropy over the full
@@ -66,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="none, mlp or layers, or several tried in order until one fits (e.g. mlp,layers); auto: "
                          "none,mlp,layers (every attempt recorded)")
     ap.add_argument("--chunk", type=int, default=4096, help="tokens per chunk of the vocabulary head")
+    ap.add_argument("--head-kernels", choices=["auto", "compiled", "eager"], default="auto",
+                    help="the fused vocabulary head's element-wise work (auto: compiled on GPU)")
+    ap.add_argument("--grad-reduce", choices=["fp32", "bf16"], default="fp32",
+                    help="gradient accumulation and reduction dtype of ours (fp32: the learner's default)")
     ap.add_argument("--sdpa", default="cudnn+flash", help="SDPA kernel order on GPU ('default': PyTorch's)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (ours)")
     ap.add_argument("--skip-baseline", action="store_true")
@@ -177,10 +181,10 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
     from services.learner.steps import rl_step
 
     cfg = EngineConfig(zero_stage=3, precision="auto", micro_batch_tokens=args.seq, micro_batch_rows=1,
-                       pad_to_multiple=256 if on_gpu else 1, logprob_chunk_tokens=args.chunk, head_checkpoint=True,
+                       pad_to_multiple=256 if on_gpu else 1, logprob_chunk_tokens=args.chunk, head_kernels=args.head_kernels,
                        gradient_checkpointing=recompute == "layers", recompute_mlp=recompute == "mlp",
                        attn_implementation="sdpa", sdpa_backends=None if args.sdpa == "default" else
-                       args.sdpa.split("+"), compile_layers=args.compile, zero_init=True, fp32_grad_reduce=True,
+                       args.sdpa.split("+"), compile_layers=args.compile, zero_init=True, fp32_grad_reduce=args.grad_reduce == "fp32",
                        overlap_comm=on_gpu)
     engine = PolicyEngine(model_dir, cfg, ScheduleConfig(lr=2e-6), total_steps=100)
     n_params = engine.num_parameters()
@@ -203,7 +207,8 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
         flops = train_flops(n_params, layers, width, [args.seq] * world)
         half = train_flops(n_params, layers, width, [args.seq] * world, causal_half=True)
         out = summary(times, tokens, flops, half, world, peak_flops() if on_gpu else None, peak_gib(on_gpu))
-        return {"params": n_params, "recompute": recompute, "chunk": args.chunk, **out}
+        return {"params": n_params, "recompute": recompute, "chunk": args.chunk, "head_kernels": args.head_kernels,
+                "grad_reduce": args.grad_reduce, "compile_layers": args.compile, **out}
     finally:
         engine.close()
         del engine
@@ -325,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     ours: dict = {}
     ours_attempts = []
     out = ROOT / "bench" / "results" / f"{args.name}.json"
-    kept = ("params", "mfu", "mfu_causal_half", "tokens_per_s", "peak_gib", "step_s", "recompute", "chunk")
+    kept = ("params", "mfu", "mfu_causal_half", "tokens_per_s", "peak_gib", "step_s", "recompute", "chunk", "head_kernels",
+            "grad_reduce", "compile_layers")
     if args.skip_ours:
         prev = json.loads(out.read_text())
         ours, ours_attempts = {k: prev.get(k) for k in kept}, prev.get("attempts", [])

@@ -71,8 +71,12 @@ class EngineConfig(_Strict):
     pad_to_multiple: int = Field(
         1, ge=1, description="Right-pad each micro-batch's length up to a multiple of this (e.g. 256 on GPU): few "
                              "distinct shapes let cuDNN attention reuse its plans and compiled layers their graphs.")
-    logprob_chunk_tokens: int = Field(2048, ge=16, description="Tokens per chunk when turning hidden states into logprobs.")
-    head_checkpoint: bool = Field(True, description="Recompute each chunk's logits in backward instead of keeping them.")
+    logprob_chunk_tokens: int = Field(
+        2048, ge=16, description="Tokens per chunk of the fused vocabulary head and log-prob (the logits of one chunk "
+                                 "exist at a time, forward and backward).")
+    head_kernels: Literal["auto", "compiled", "eager"] = Field(
+        "auto", description="The fused head's element-wise work: torch.compile'd (one pass over each chunk's logits) "
+                            "or eager PyTorch ops; auto: compiled on GPU.")
     compile_layers: bool = Field(False, description="torch.compile each decoder layer (fuses norms, rotary, SiLU on GPU).")
     attn_implementation: str | None = Field(None, description="e.g. sdpa, eager, flash_attention_2; None: transformers' choice.")
     sdpa_backends: list[Literal["cudnn", "flash", "efficient", "math"]] | None = Field(

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from services.learner.batching import PackedRow, lr_lambda
 from services.learner.config import EngineConfig, ScheduleConfig
+from services.learner.vocab_head import HeadKernels, vocab_logprobs
 
 if TYPE_CHECKING:  # annotations only
     from services.learner.weights import FlatBucket
@@ -92,14 +92,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class LogprobPolicy(nn.Module):
     """A causal LM whose forward returns the logprob (and entropy) of each target token.
 
-    The vocabulary projection runs in chunks under activation checkpointing, so a 30K-token
-    row never materializes [T, 151936] logits at once (5+ GB in fp32)."""
+    The vocabulary head is fused with the log-prob (`vocab_logprobs`): it runs in chunks of
+    `chunk_tokens`, so a 30K-token row never materializes [T, 151936] logits (5+ GB in fp32)."""
 
-    def __init__(self, lm: nn.Module, chunk_tokens: int = 2048, head_checkpoint: bool = True) -> None:
+    def __init__(self, lm: nn.Module, chunk_tokens: int = 2048, head_kernels: HeadKernels = "auto") -> None:
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
-        self.head_checkpoint = head_checkpoint
+        self.head_kernels = head_kernels
         self.temperature = 1.0  # log-probs of softmax(logits / T): the distribution a sampler at T draws from
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
@@ -109,31 +109,15 @@ class LogprobPolicy(nn.Module):
         # transformers builds no mask at all and SDPA runs its plain causal kernel.
         hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
         # The head's chunks run over all B·T tokens, whatever row they come from.
-        hidden, targets = hidden.flatten(0, 1), targets.flatten()
-        logps, ents = [], []
-        for start in range(0, hidden.shape[0], self.chunk_tokens):
-            h = hidden[start: start + self.chunk_tokens]
-            t = targets[start: start + self.chunk_tokens]
-            if self.head_checkpoint and torch.is_grad_enabled() and h.requires_grad:
-                lp, ent = checkpoint(self._head, h, t, with_entropy, use_reentrant=False)
-            else:
-                lp, ent = self._head(h, t, with_entropy)
-            logps.append(lp)
-            ents.append(ent)
-        return torch.cat(logps), torch.cat(ents)
+        return vocab_logprobs(hidden.flatten(0, 1), self.head_weight, targets.flatten(), chunk=self.chunk_tokens,
+                              temperature=self.temperature, with_entropy=with_entropy,
+                              head_kernels=self.head_kernels)
 
-    def _head(self, h: torch.Tensor, t: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.lm.lm_head(h).float()
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        logz = torch.logsumexp(logits, dim=-1)
-        lp = logits.gather(-1, t[:, None]).squeeze(-1) - logz
-        if with_entropy:
-            with torch.no_grad():
-                ent = logz - (F.softmax(logits, dim=-1) * logits).sum(-1)
-        else:
-            ent = torch.zeros_like(lp)
-        return lp, ent.detach()
+    @property
+    def head_weight(self) -> nn.Parameter:
+        """The vocabulary head's weight [V, d] (under ZeRO-3 registered as this module's external
+        parameter, so it is gathered for the forward and the backward)."""
+        return self.lm.get_output_embeddings().weight
 
 
 def recompute_mlps(lm: nn.Module) -> int:
@@ -264,13 +248,15 @@ class PolicyEngine:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         elif cfg.recompute_mlp:
             recompute_mlps(lm)
-        self.policy = LogprobPolicy(lm, cfg.logprob_chunk_tokens, cfg.head_checkpoint)
+        self.policy = LogprobPolicy(lm, cfg.logprob_chunk_tokens, cfg.head_kernels)
+        if cfg.zero_stage == 3:
+            # the fused head reads the weight directly, not through lm_head's forward (whose hooks
+            # would gather it)
+            deepspeed.zero.register_external_parameter(self.policy, self.policy.head_weight)
         if cfg.compile_layers:
-            # Regional compilation: one graph serves every layer (same code, parameters as inputs);
-            # the head's cast / logsumexp / gather / entropy become a few fused kernels.
+            # Regional compilation: one graph serves every layer (same code, parameters as inputs)
             for layer in lm.model.layers:
                 layer.compile()
-            self.policy._head = torch.compile(self.policy._head, dynamic=False)
         self.lm_config = lm.config
         params = [p for p in self.policy.parameters() if p.requires_grad]
         if cfg.offload_optimizer == "cpu":
@@ -318,7 +304,7 @@ class PolicyEngine:
         from transformers import AutoModelForCausalLM
 
         lm = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.bfloat16 if self.bf16 else torch.float32)
-        ref = LogprobPolicy(lm, self.cfg.logprob_chunk_tokens).to(self.device).eval()
+        ref = LogprobPolicy(lm, self.cfg.logprob_chunk_tokens, self.cfg.head_kernels).to(self.device).eval()
         for p in ref.parameters():
             p.requires_grad_(False)
         return ref
