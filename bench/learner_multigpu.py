@@ -70,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the fused vocabulary head's element-wise work (auto: compiled on GPU)")
     ap.add_argument("--grad-reduce", choices=["fp32", "bf16"], default="fp32",
                     help="gradient accumulation and reduction dtype of ours (fp32: the learner's default)")
+    ap.add_argument("--fuse-pointwise", choices=["auto", "on", "off"], default="auto",
+                    help="ours: RMSNorm, rotary and SwiGLU as compiled functions (services/learner/pointwise.py); "
+                         "auto: on GPU")
+    ap.add_argument("--reduce-bucket", type=float, default=50, help="ours: ZeRO reduce bucket, millions of elements")
     ap.add_argument("--sdpa", default="cudnn+flash", help="SDPA kernel order on GPU ('default': PyTorch's)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (ours)")
     ap.add_argument("--skip-baseline", action="store_true")
@@ -184,8 +188,9 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
                        pad_to_multiple=256 if on_gpu else 1, logprob_chunk_tokens=args.chunk, head_kernels=args.head_kernels,
                        gradient_checkpointing=recompute == "layers", recompute_mlp=recompute == "mlp",
                        attn_implementation="sdpa", sdpa_backends=None if args.sdpa == "default" else
-                       args.sdpa.split("+"), compile_layers=args.compile, zero_init=True, fp32_grad_reduce=args.grad_reduce == "fp32",
-                       overlap_comm=on_gpu)
+                       args.sdpa.split("+"), compile_layers=args.compile, zero_init=True, grad_reduce_dtype=args.grad_reduce,
+                       fuse_pointwise={"on": True, "off": False}.get(args.fuse_pointwise),
+                       overlap_comm=on_gpu, reduce_bucket_size=int(args.reduce_bucket * 1e6))
     engine = PolicyEngine(model_dir, cfg, ScheduleConfig(lr=2e-6), total_steps=100)
     n_params = engine.num_parameters()
     layers, width = model_shape(engine.lm_config)
@@ -208,7 +213,8 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
         half = train_flops(n_params, layers, width, [args.seq] * world, causal_half=True)
         out = summary(times, tokens, flops, half, world, peak_flops() if on_gpu else None, peak_gib(on_gpu))
         return {"params": n_params, "recompute": recompute, "chunk": args.chunk, "head_kernels": args.head_kernels,
-                "grad_reduce": args.grad_reduce, "compile_layers": args.compile, **out}
+                "grad_reduce": args.grad_reduce, "compile_layers": args.compile,
+                "fuse_pointwise": args.fuse_pointwise, "reduce_bucket_m": args.reduce_bucket, **out}
     finally:
         engine.close()
         del engine
@@ -331,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     ours_attempts = []
     out = ROOT / "bench" / "results" / f"{args.name}.json"
     kept = ("params", "mfu", "mfu_causal_half", "tokens_per_s", "peak_gib", "step_s", "recompute", "chunk", "head_kernels",
-            "grad_reduce", "compile_layers")
+            "grad_reduce", "compile_layers", "fuse_pointwise", "reduce_bucket_m")
     if args.skip_ours:
         prev = json.loads(out.read_text())
         ours, ours_attempts = {k: prev.get(k) for k in kept}, prev.get("attempts", [])

@@ -58,10 +58,14 @@ class EngineConfig(_Strict):
     zero_init: bool = Field(
         True, description="ZeRO-3: build the model under deepspeed.zero.Init, so that each rank materializes only its "
                           "shard (a 7B model never sits whole in one process).")
-    fp32_grad_reduce: bool = Field(
-        True, description="Accumulate and all-reduce gradients in fp32 under bf16 (DeepSpeed data_types."
-                          "grad_accum_dtype and communication_data_type): bf16 accumulation over 128-256 micro-"
-                          "batches lost 1.3-1.8 % of the gradient.")
+    fp32_grad_accum: bool = Field(
+        True, description="Under bf16 with ZeRO, accumulate gradients in fp32 partitions (DeepSpeed data_types."
+                          "grad_accum_dtype): bf16 accumulation over 128-256 micro-batches lost 1.3-1.8 % of the "
+                          "gradient.")
+    grad_reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Under bf16 with ZeRO, the dtype gradients are reduce-scattered in (DeepSpeed "
+                            "communication_data_type). bf16 moves half the bytes and rounds each micro-batch's "
+                            "summed gradient once before the fp32 accumulation; fp32 keeps that sum exact to fp32.")
     overlap_comm: bool | None = Field(
         None, description="ZeRO-2/3: overlap gradient reduction with the backward pass (None: on GPU only).")
     micro_batch_tokens: int = Field(4096, ge=16, description="Token capacity of one packed micro-batch row.")
@@ -77,6 +81,9 @@ class EngineConfig(_Strict):
     head_kernels: Literal["auto", "compiled", "eager"] = Field(
         "auto", description="The fused head's element-wise work: torch.compile'd (one pass over each chunk's logits) "
                             "or eager PyTorch ops; auto: compiled on GPU.")
+    fuse_pointwise: bool | None = Field(
+        None, description="RMSNorm, rotary embedding and the SwiGLU product as torch.compile'd functions, each fused "
+                          "into a kernel or two (services/learner/pointwise.py); None: on GPU.")
     compile_layers: bool = Field(False, description="torch.compile each decoder layer (fuses norms, rotary, SiLU on GPU).")
     attn_implementation: str | None = Field(None, description="e.g. sdpa, eager, flash_attention_2; None: transformers' choice.")
     sdpa_backends: list[Literal["cudnn", "flash", "efficient", "math"]] | None = Field(

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from services.learner.batching import PackedRow, lr_lambda
 from services.learner.config import EngineConfig, ScheduleConfig
+from services.learner.pointwise import fuse_pointwise
 from services.learner.vocab_head import HeadKernels, vocab_logprobs
 
 if TYPE_CHECKING:  # annotations only
@@ -184,11 +185,12 @@ def deepspeed_config(cfg: EngineConfig, *, bf16: bool, world_size: int, on_gpu: 
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    if bf16 and cfg.fp32_grad_reduce and cfg.zero_stage >= 1:
-        # ZeRO keeps fp32 gradient partitions and reduces in fp32 (DeepSpeed has no bf16-weights /
-        # fp32-accumulation mode without ZeRO)
-        config["data_types"] = {"grad_accum_dtype": "fp32"}
-        config["communication_data_type"] = "fp32"
+    if bf16 and cfg.zero_stage >= 1:
+        # ZeRO keeps fp32 gradient partitions (DeepSpeed has no bf16-weights / fp32-accumulation mode
+        # without ZeRO); the reduction's dtype is a choice of its own
+        if cfg.fp32_grad_accum:
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
+        config["communication_data_type"] = cfg.grad_reduce_dtype
     return config
 
 
@@ -244,6 +246,8 @@ class PolicyEngine:
         with zero3_init(ds_config, cfg.zero_stage == 3 and cfg.zero_init):
             lm = AutoModelForCausalLM.from_pretrained(self.model_dir, **kwargs)
         lm.config.use_cache = False
+        if cfg.fuse_pointwise if cfg.fuse_pointwise is not None else self.on_gpu:
+            fuse_pointwise(lm)  # before recompute_mlps, which wraps the MLP forward it finds
         if cfg.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         elif cfg.recompute_mlp:

@@ -209,7 +209,9 @@ class LearnerSpec(_Section):
     keep_checkpoints: int = EngineConfig.model_fields["keep_checkpoints"]
     offload_optimizer: Literal["none", "cpu"] = EngineConfig.model_fields["offload_optimizer"]
     offload_params: Literal["none", "cpu"] = EngineConfig.model_fields["offload_params"]
-    fp32_grad_reduce: bool = EngineConfig.model_fields["fp32_grad_reduce"]
+    fp32_grad_accum: bool = EngineConfig.model_fields["fp32_grad_accum"]
+    grad_reduce_dtype: Literal["fp32", "bf16"] = EngineConfig.model_fields["grad_reduce_dtype"]
+    fuse_pointwise: bool | None = EngineConfig.model_fields["fuse_pointwise"]
     overlap_comm: bool | None = EngineConfig.model_fields["overlap_comm"]
 
     def engine(self, zero_stage: int, seed: int, ranks: int = 1) -> EngineConfig:

@@ -18,9 +18,13 @@ def test_fp32_gradient_accumulation_and_reduction_under_bf16_zero():
     # fp32 weights accumulate in fp32 anyway; without ZeRO DeepSpeed has no bf16/fp32 mix
     assert "data_types" not in deepspeed_config(EngineConfig(zero_stage=2), bf16=False, world_size=1)
     assert "data_types" not in deepspeed_config(EngineConfig(zero_stage=0), bf16=True, world_size=1)
-    off = deepspeed_config(EngineConfig(zero_stage=2, fp32_grad_reduce=False, overlap_comm=False), bf16=True,
+    off = deepspeed_config(EngineConfig(zero_stage=2, fp32_grad_accum=False, overlap_comm=False), bf16=True,
                            world_size=1, on_gpu=True)
     assert "data_types" not in off and off["zero_optimization"]["overlap_comm"] is False
+    wire = deepspeed_config(EngineConfig(zero_stage=3, grad_reduce_dtype="bf16"), bf16=True, world_size=2, on_gpu=True)
+    assert wire["data_types"] == {"grad_accum_dtype": "fp32"} and wire["communication_data_type"] == "bf16"
+    with pytest.raises(ValidationError, match="grad_reduce_dtype"):
+        EngineConfig(grad_reduce_dtype="fp16")
 
 
 def test_offload_options():

@@ -1,0 +1,83 @@
+"""Fused point-wise work of a decoder layer: RMSNorm, rotary embedding and the SwiGLU product.
+
+In eager PyTorch each of these is a chain of small kernels over [tokens, width] tensors (RMSNorm
+alone is a cast, a square, a mean, a reciprocal square root and two multiplies, forward and backward),
+and at 16K-token rows they cost the learner more kernel time than attention's forward. Here each
+becomes one `torch.compile`d function, the same arithmetic as transformers' Llama-family code, that
+Inductor fuses into a kernel or two per direction.
+
+Only pure tensor functions are compiled, never a module: the modules keep their forward hooks
+(ZeRO-3 gathers a module's parameters in them), which compiled modules would trace and recompile
+around. Liger-Kernel ships hand-written kernels for the same three, but patches transformers'
+modules by their internal layout per release; these functions depend on PyTorch alone.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import cache
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm / Qwen2RMSNorm: normalized in fp32, scaled in the input's dtype."""
+    dtype = hidden.dtype
+    x = hidden.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def silu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return nn.functional.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' apply_rotary_pos_emb."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+@cache
+def compiled(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=None)
+
+
+def _is_rms_norm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and \
+        isinstance(getattr(module, "weight", None), torch.Tensor)
+
+
+def _is_swiglu(module: nn.Module) -> bool:
+    # transformers' ACT2FN["silu"] is its own SiLUActivation module
+    act = type(getattr(module, "act_fn", None)).__name__
+    return all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj")) and act in ("SiLU", "SiLUActivation")
+
+
+def fuse_pointwise(lm: nn.Module) -> dict[str, int]:
+    """Route `lm`'s RMSNorms, SwiGLU MLPs and rotary embedding through the compiled functions (the
+    forwards are replaced on the instances; parameter names stay transformers'). Returns the counts."""
+    norm, product = compiled(rms_norm), compiled(silu_product)
+    counts = {"rms_norm": 0, "swiglu": 0, "rotary": 0}
+    for module in lm.modules():
+        if _is_rms_norm(module):
+            module.forward = lambda x, _m=module: norm(x, _m.weight, _m.variance_epsilon)
+            counts["rms_norm"] += 1
+        elif _is_swiglu(module):
+            module.forward = lambda x, _m=module: _m.down_proj(product(_m.gate_proj(x), _m.up_proj(x)))
+            counts["swiglu"] += 1
+    # The attention modules call their modeling file's apply_rotary_pos_emb by its global name.
+    for name in {type(m).__module__ for m in lm.modules() if type(m).__name__.endswith("Attention")}:
+        modeling = sys.modules.get(name)
+        if modeling is not None and callable(getattr(modeling, "apply_rotary_pos_emb", None)):
+            modeling.apply_rotary_pos_emb = compiled(rotary)
+            counts["rotary"] += 1
+    return counts
