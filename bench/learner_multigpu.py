@@ -15,7 +15,7 @@ with fp32 gradient accumulation and reduction, overlap_comm, AdamW; median over 
   `--chunk` tokens, so the 16K × 152K logits never exist at once; `--recompute` picks none, mlp (selective: each
   layer's MLP recomputed in backward, attention kept) or layers (full gradient checkpointing); auto,
   the default, takes the first of these that fits in memory (each attempt recorded).
-- baseline: HF Qwen2ForCausalLM (the same weights) with `labels=ids` (HF's cross-entropy over the full
+- baseline: HF Qwen2ForCausalLM (the same shape, random init) with `labels=ids` (HF's cross-entropy over the full
   logits) under a plain DeepSpeed ZeRO-3 engine, as ../shared/tools/deepspeed_zero3_probe.py; without gradient
   checkpointing first, and where that runs out of memory again with it (both attempts recorded).
 
@@ -250,7 +250,6 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
     import torch
     from transformers import AutoConfig, Qwen2ForCausalLM
 
-    from services.learner.engine import zero3_init
     from services.learner.flops import model_shape, peak_flops, train_flops
 
     bf16 = on_gpu
@@ -261,11 +260,11 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
               "steps_per_print": 10**9}
     if bf16:
         ds_cfg["data_types"] = {"grad_accum_dtype": "fp32"}
-    config = AutoConfig.from_pretrained(model_dir)
-    # the same weights as ours, built sharded (deepspeed.zero.Init through transformers)
-    with zero3_init(ds_cfg, True):
-        model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16 if bf16 else torch.float32,
-                                                 attn_implementation="sdpa")
+    config = AutoConfig.from_pretrained(model_dir, attn_implementation="sdpa")
+    # Built as the probe builds it: random init, each parameter partitioned as it is created. (Loaded
+    # through from_pretrained instead, the first step's full fp32 logits ran out of memory on 80 GB.)
+    with deepspeed.zero.Init(config_dict_or_path=ds_cfg, dtype=torch.bfloat16 if bf16 else torch.float32):
+        model = Qwen2ForCausalLM(config)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

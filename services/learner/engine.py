@@ -270,8 +270,9 @@ class PolicyEngine:
             optimizer = DeepSpeedCPUAdam(params, lr=schedule.lr, betas=cfg.betas, eps=cfg.adam_eps,
                                          weight_decay=cfg.weight_decay, adamw_mode=True)
         else:
+            # on GPU one fused kernel steps every parameter (the foreach path runs several per group)
             optimizer = torch.optim.AdamW(params, lr=schedule.lr, betas=cfg.betas, eps=cfg.adam_eps,
-                                          weight_decay=cfg.weight_decay, foreach=self.on_gpu)
+                                          weight_decay=cfg.weight_decay, fused=self.on_gpu or None)
         factor = lr_lambda(schedule, total_steps)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=self.policy, optimizer=optimizer,
