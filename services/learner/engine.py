@@ -270,9 +270,8 @@ class PolicyEngine:
             optimizer = DeepSpeedCPUAdam(params, lr=schedule.lr, betas=cfg.betas, eps=cfg.adam_eps,
                                          weight_decay=cfg.weight_decay, adamw_mode=True)
         else:
-            # on GPU one fused kernel steps every parameter (the foreach path runs several per group)
             optimizer = torch.optim.AdamW(params, lr=schedule.lr, betas=cfg.betas, eps=cfg.adam_eps,
-                                          weight_decay=cfg.weight_decay, fused=self.on_gpu or None)
+                                          weight_decay=cfg.weight_decay, foreach=self.on_gpu)
         factor = lr_lambda(schedule, total_steps)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=self.policy, optimizer=optimizer,
