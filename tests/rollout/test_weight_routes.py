@@ -104,11 +104,16 @@ def test_engine_kwargs_on_a_gpu_and_on_a_cpu():
     assert gpu["gpu_memory_utilization"] == 0.4 and gpu["max_num_seqs"] == 128 and gpu["kv_cache_dtype"] == "fp8"
     assert gpu["weight_transfer_config"] == {"backend": "nccl"} and gpu["block_size"] == 32
     assert "compilation_config" not in gpu and "enable_chunked_prefill" not in gpu
+    assert gpu["performance_mode"] == "interactivity" and gpu["prefix_caching_hash_algo"] == "xxhash"
+    balanced = engine_kwargs(VllmArgs(performance_mode="balanced", prefix_caching_hash_algo="sha256"), model="m",
+                             max_model_len=8192, dtype="bfloat16", seed=0, on_cpu=False)
+    assert balanced["performance_mode"] == "balanced" and balanced["prefix_caching_hash_algo"] == "sha256"
     fast = engine_kwargs(VllmArgs(compile=False), model="m", max_model_len=8192, dtype="bfloat16", seed=0, on_cpu=False)
     assert fast["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     cpu = engine_kwargs(VllmArgs(), model="m", max_model_len=8192, dtype="float32", seed=0, on_cpu=True)
     assert cpu["enforce_eager"] is True and cpu["enable_chunked_prefill"] is False
     assert cpu["max_num_batched_tokens"] >= 8192 and "gpu_memory_utilization" not in cpu
+    assert "performance_mode" not in cpu  # vLLM's own default on a CPU
 
 
 def test_an_engine_beside_others_sizes_its_kv_cache_from_its_share():

@@ -71,9 +71,13 @@ def engine_kwargs(args: VllmArgs, *, model: str, max_model_len: int, dtype: str,
         logprobs_mode="processed_logprobs",
         enforce_eager=eager, enable_prefix_caching=args.enable_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         # ids in, ids out: vLLM never needs the tokenizer (stops are token ids)
         skip_tokenizer_init=True,
     )
+    mode = args.performance_mode or (None if on_cpu else "interactivity")
+    if mode is not None:
+        kw["performance_mode"] = mode
     if not on_cpu:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
         if kv_cache_bytes is not None:  # sized by the caller: vLLM skips its start-up measurement
