@@ -350,6 +350,8 @@ def write_markdown(record: dict[str, Any], path: Path) -> None:
                              f"| {f(e.get('start_s'), '{:.1f}')} | {f(e.get('tokens_per_s'), '{:,.0f}')} | {f(e.get('turn_p50_s'))} "
                              f"| {f(e.get('turn_p99_s'))} | {f(e.get('reload_s'))} | {f(busy.get('tokens_per_s'), '{:,.0f}')} "
                              f"| {f(statistics.median(reloads) if reloads else None)} |")
+    notes = [f"- {shape}: {entry['note']}" for shape, entry in record["shapes"].items() if entry.get("note")]
+    lines += ["", *notes] if notes else []
     lines += ["", "| shape | vLLM / transformers tokens/s | log-prob tokens | mean abs diff | max abs diff | mismatch KL (k3) |",
               "|---|---|---|---|---|---|"]
     for shape, entry in record["shapes"].items():
