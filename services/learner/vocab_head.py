@@ -61,8 +61,10 @@ def kernels(compiled: bool) -> tuple[Callable, Callable]:
     """(chunk_stats, chunk_logit_grad), compiled once per process where asked."""
     if compiled not in _KERNELS:
         if compiled:
-            _KERNELS[compiled] = (torch.compile(chunk_stats, dynamic=False),
-                                  torch.compile(chunk_logit_grad, dynamic=False))
+            # dynamic=None: a second chunk length (a micro-batch's last chunk) makes the length symbolic
+            # rather than compiling once per length
+            _KERNELS[compiled] = (torch.compile(chunk_stats, dynamic=None),
+                                  torch.compile(chunk_logit_grad, dynamic=None))
         else:
             _KERNELS[compiled] = (chunk_stats, chunk_logit_grad)
     return _KERNELS[compiled]
