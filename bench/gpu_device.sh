@@ -17,7 +17,7 @@
 # back, and a machine left idle for 30 s goes back with everything copied to it.
 set -euo pipefail
 SITE=/tmp/site STORE=/tmp/star-parts GGUF_DIR=/tmp/star-gguf SRC=/tmp/star-src
-LOG=/tmp/star-job.log PID=/tmp/star-job.pid
+LOG=/tmp/star-job.log PID=/tmp/star-job.pid INSTALLED=/tmp/star-installed
 PART_MIB=${PART_MIB:-52}
 WHEELS=.vllmwhl
 
@@ -79,6 +79,7 @@ put() {
 }
 
 install() {
+  rm -f "$INSTALLED"
   put
   cd "$(dirname "$0")/.."
   if [ "$(cat "$STORE"/part_* | sha256sum | cut -d' ' -f1)" != "$(cat .parts/sha256)" ]; then
@@ -94,6 +95,7 @@ install() {
   python3 -c "import torch, vllm, deepspeed, transformers; print('torch', torch.__version__, 'vllm', vllm.__version__, \
 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__, torch.cuda.device_count(), 'x', \
 torch.cuda.get_device_name())"
+  touch "$INSTALLED"
 }
 
 env_vars() {
@@ -102,6 +104,11 @@ env_vars() {
 }
 
 start() {
+  # a machine that went back mid-upload is replaced by a bare one: its install failed, so no job starts
+  if [ ! -f "$INSTALLED" ]; then
+    echo "nothing is installed on this machine (it may be a fresh one): put the parts and install first" >&2
+    exit 1
+  fi
   # a copy of the tree that later calls (which re-send the working tree) cannot change under the job
   cd "$(dirname "$0")/.."
   rm -rf "$SRC" && mkdir -p "$SRC"
