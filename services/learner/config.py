@@ -65,7 +65,8 @@ class EngineConfig(_Strict):
     grad_reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="Under bf16 with ZeRO, the dtype gradients are reduce-scattered in (DeepSpeed "
                             "communication_data_type). bf16 moves half the bytes and rounds each micro-batch's "
-                            "summed gradient once before the fp32 accumulation; fp32 keeps that sum exact to fp32.")
+                            "summed gradient once before the fp32 accumulation: 0.17 % of the gradient over 2 ranks, "
+                            "not growing with the micro-batches (bench/results/grad_precision.md).")
     overlap_comm: bool | None = Field(
         None, description="ZeRO-2/3: overlap gradient reduction with the backward pass (None: on GPU only).")
     micro_batch_tokens: int = Field(4096, ge=16, description="Token capacity of one packed micro-batch row.")
