@@ -80,8 +80,6 @@ def accumulate(args: argparse.Namespace, config: str, out: Path) -> None:
 
 
 def compare(ref: dict, other: dict) -> dict:
-    import torch
-
     num = den = 0.0
     over, total = 0, 0
     for name, g_ref in ref.items():
@@ -93,8 +91,7 @@ def compare(ref: dict, other: dict) -> dict:
         total += int(big.sum())
     return {"relative_error": (num / den) ** 0.5 if den else None,
             "elements_over_1pct": over / total if total else None, "elements": total,
-            "max_abs_grad": float(max(g.abs().max() for g in ref.values()).item()) if ref else None,
-            "torch": torch.__version__}
+            "max_abs_grad": float(max(g.abs().max() for g in ref.values()).item()) if ref else None}
 
 
 def main() -> None:
@@ -138,7 +135,7 @@ def main() -> None:
     rows = {c: {**compare(grads[REFERENCE], grads[c]), "seconds": seconds[c]} for c in CONFIGS}
     record = {"bench": "grad_precision", "ranks": args.ranks, "micro_batches": args.micro_batches,
               "tokens_per_micro_batch": args.tokens, "model": f"tiny Qwen2, hidden {args.hidden}, {args.layers} layers",
-              "zero_stage": 3, "weights": "bf16", "reference": REFERENCE, "configs": rows,
+              "zero_stage": 3, "weights": "bf16", "reference": REFERENCE, "configs": rows, "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)

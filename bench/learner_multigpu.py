@@ -6,9 +6,10 @@ HF's loss, same ranks, same run.
     python bench/learner_multigpu.py --nproc 2 --shape tiny --seq 256 --device cpu --steps 2 --warmup 1 \\
         --name learner_multigpu_cpu_smoke                                  # the script end to end on CPU (gloo)
 
-Both sides: random-init weights of the shape (built once by rank 0, bf16 on GPU), one sequence of `--seq`
-tokens per rank per step, ZeRO-3 over the ranks (parameters built sharded under deepspeed.zero.Init), bf16
-with fp32 gradient accumulation and reduction, overlap_comm, AdamW; median over the timed steps.
+Both sides: random-init weights of the shape, one sequence of `--seq` tokens per rank per step, ZeRO-3 over
+the ranks (parameters built sharded under deepspeed.zero.Init), bf16 with fp32 gradient accumulation,
+overlap_comm, AdamW; median over the timed steps. Gradients are reduced in fp32 by ours (`--grad-reduce`) and
+in bf16 by the baseline (DeepSpeed's default).
 
 - ours: services.learner's PolicyEngine and rl_step (the clipped policy loss on rollout logprobs): the
   vocabulary head is fused with the log-prob (services/learner/vocab_head.py) and runs in chunks of
@@ -69,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--head-kernels", choices=["auto", "compiled", "eager"], default="auto",
                     help="the fused vocabulary head's element-wise work (auto: compiled on GPU)")
     ap.add_argument("--grad-reduce", choices=["fp32", "bf16"], default="fp32",
-                    help="gradient accumulation and reduction dtype of ours (fp32: the learner's default)")
+                    help="ours: the gradient reduction's dtype, accumulation staying fp32 (fp32: the learner's default)")
     ap.add_argument("--fuse-pointwise", choices=["auto", "on", "off"], default="auto",
                     help="ours: RMSNorm, rotary and SwiGLU as compiled functions (services/learner/pointwise.py); "
                          "auto: on GPU")

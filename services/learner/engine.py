@@ -246,7 +246,8 @@ class PolicyEngine:
         with zero3_init(ds_config, cfg.zero_stage == 3 and cfg.zero_init):
             lm = AutoModelForCausalLM.from_pretrained(self.model_dir, **kwargs)
         lm.config.use_cache = False
-        if cfg.fuse_pointwise if cfg.fuse_pointwise is not None else self.on_gpu:
+        fuse = cfg.fuse_pointwise if cfg.fuse_pointwise is not None else self.on_gpu
+        if fuse:
             fuse_pointwise(lm)  # before recompute_mlps, which wraps the MLP forward it finds
         if cfg.gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

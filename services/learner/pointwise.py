@@ -47,7 +47,9 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 
 @cache
-def compiled(fn: Callable) -> Callable:
+def compile_once(fn: Callable) -> Callable:
+    """`fn` under torch.compile, one wrapper per function and process. dynamic=None: compiled for the
+    first shapes seen, then once more with the lengths symbolic when they change."""
     return torch.compile(fn, dynamic=None)
 
 
@@ -65,7 +67,7 @@ def _is_swiglu(module: nn.Module) -> bool:
 def fuse_pointwise(lm: nn.Module) -> dict[str, int]:
     """Route `lm`'s RMSNorms, SwiGLU MLPs and rotary embedding through the compiled functions (the
     forwards are replaced on the instances; parameter names stay transformers'). Returns the counts."""
-    norm, product = compiled(rms_norm), compiled(silu_product)
+    norm, product = compile_once(rms_norm), compile_once(silu_product)
     counts = {"rms_norm": 0, "swiglu": 0, "rotary": 0}
     for module in lm.modules():
         if _is_rms_norm(module):
@@ -78,6 +80,6 @@ def fuse_pointwise(lm: nn.Module) -> dict[str, int]:
     for name in {type(m).__module__ for m in lm.modules() if type(m).__name__.endswith("Attention")}:
         modeling = sys.modules.get(name)
         if modeling is not None and callable(getattr(modeling, "apply_rotary_pos_emb", None)):
-            modeling.apply_rotary_pos_emb = compiled(rotary)
+            modeling.apply_rotary_pos_emb = compile_once(rotary)
             counts["rotary"] += 1
     return counts

@@ -23,6 +23,8 @@ from typing import Callable, Literal
 
 import torch
 
+from services.learner.pointwise import compile_once
+
 HeadKernels = Literal["auto", "compiled", "eager"]
 
 
@@ -54,20 +56,12 @@ def chunk_logit_grad(logits: torch.Tensor, targets: torch.Tensor, logz: torch.Te
     return ((onehot - softmax) * (grad_logp * inv_temp)[:, None]).to(logits.dtype)
 
 
-_KERNELS: dict[bool, tuple[Callable, Callable]] = {}
-
-
 def kernels(compiled: bool) -> tuple[Callable, Callable]:
-    """(chunk_stats, chunk_logit_grad), compiled once per process where asked."""
-    if compiled not in _KERNELS:
-        if compiled:
-            # dynamic=None: a second chunk length (a micro-batch's last chunk) makes the length symbolic
-            # rather than compiling once per length
-            _KERNELS[compiled] = (torch.compile(chunk_stats, dynamic=None),
-                                  torch.compile(chunk_logit_grad, dynamic=None))
-        else:
-            _KERNELS[compiled] = (chunk_stats, chunk_logit_grad)
-    return _KERNELS[compiled]
+    """(chunk_stats, chunk_logit_grad), compiled once per process where asked (a second chunk length,
+    a micro-batch's last chunk, makes the length symbolic rather than compiling once per length)."""
+    if compiled:
+        return compile_once(chunk_stats), compile_once(chunk_logit_grad)
+    return chunk_stats, chunk_logit_grad
 
 
 def use_compiled(choice: HeadKernels, device: torch.device) -> bool:
