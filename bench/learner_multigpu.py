@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fuse-pointwise", choices=["auto", "on", "off"], default="auto",
                     help="ours: RMSNorm, rotary and SwiGLU as compiled functions (services/learner/pointwise.py); "
                          "auto: on GPU")
+    ap.add_argument("--layer-units", choices=["on", "off"], default="on",
+                    help="ours: each decoder layer one ZeRO-3 unit (DeepSpeed leaf module; EngineConfig.zero3_layer_units)")
     ap.add_argument("--reduce-bucket", type=float, default=50, help="ours: ZeRO reduce bucket, millions of elements")
     ap.add_argument("--sdpa", default="cudnn+flash", help="SDPA kernel order on GPU ('default': PyTorch's)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (ours)")
@@ -141,6 +143,30 @@ def build_model(args: argparse.Namespace, folder: Path, rank: int, on_gpu: bool)
     return folder
 
 
+def host_facts(on_gpu: bool) -> dict:
+    """What differs between machines of one kind and moves a host-bound step: the CPU model, the GPUs'
+    clocks and power limit (nvidia-smi), NCCL settings from the environment."""
+    facts: dict = {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                   "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                facts["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if on_gpu:
+        query = "clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu,pstate"
+        try:
+            done = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+                                  capture_output=True, text=True, timeout=20)
+            facts["gpus"] = [dict(zip(query.split(","), (v.strip() for v in line.split(","))))
+                             for line in done.stdout.strip().splitlines()]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return facts
+
+
 def peak_gib(on_gpu: bool) -> float | None:
     """The largest per-rank peak of allocated GPU memory (None on CPU)."""
     import torch
@@ -191,7 +217,8 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
                        attn_implementation="sdpa", sdpa_backends=None if args.sdpa == "default" else
                        args.sdpa.split("+"), compile_layers=args.compile, zero_init=True, grad_reduce_dtype=args.grad_reduce,
                        fuse_pointwise={"on": True, "off": False}.get(args.fuse_pointwise),
-                       overlap_comm=on_gpu, reduce_bucket_size=int(args.reduce_bucket * 1e6))
+                       overlap_comm=on_gpu, reduce_bucket_size=int(args.reduce_bucket * 1e6),
+                       zero3_layer_units=args.layer_units == "on")
     engine = PolicyEngine(model_dir, cfg, ScheduleConfig(lr=2e-6), total_steps=100)
     n_params = engine.num_parameters()
     layers, width = model_shape(engine.lm_config)
@@ -215,7 +242,8 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
         out = summary(times, tokens, flops, half, world, peak_flops() if on_gpu else None, peak_gib(on_gpu))
         return {"params": n_params, "recompute": recompute, "chunk": args.chunk, "head_kernels": args.head_kernels,
                 "grad_reduce": args.grad_reduce, "compile_layers": args.compile,
-                "fuse_pointwise": args.fuse_pointwise, "reduce_bucket_m": args.reduce_bucket, **out}
+                "fuse_pointwise": args.fuse_pointwise, "reduce_bucket_m": args.reduce_bucket,
+                "layer_units": args.layer_units, **out}
     finally:
         engine.close()
         del engine
@@ -337,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     ours_attempts = []
     out = ROOT / "bench" / "results" / f"{args.name}.json"
     kept = ("params", "mfu", "mfu_causal_half", "tokens_per_s", "peak_gib", "step_s", "recompute", "chunk", "head_kernels",
-            "grad_reduce", "compile_layers", "fuse_pointwise", "reduce_bucket_m")
+            "grad_reduce", "compile_layers", "fuse_pointwise", "reduce_bucket_m", "layer_units")
     if args.skip_ours:
         prev = json.loads(out.read_text())
         ours, ours_attempts = {k: prev.get(k) for k in kept}, prev.get("attempts", [])
@@ -360,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         device = torch.cuda.get_device_name(0) if on_gpu else f"cpu ({platform.processor() or platform.machine()})"
         common = {"device": device, "world_size": world, "zero_stage": 3, "seq": args.seq}
+        host = host_facts(on_gpu)
         record = {**common, "shape": args.shape, **{k: ours.get(k) for k in kept},
                   "baseline": {**common, **baseline} if baseline else None,
                   "attempts": ours_attempts,
@@ -369,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                   "targets": {"speedup_min": 1.1, "mfu_min": 0.5, "peak_gib_max": 80},
                   "command": "torchrun --nproc_per_node {} bench/learner_multigpu.py {}".format(world, " ".join(
                       a for a in argv)),
-                  "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+                  "host": host, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=2) + "\n")
         print(json.dumps({k: record[k] for k in ("device", "world_size", "tokens_per_s", "mfu", "peak_gib",

@@ -58,6 +58,10 @@ class EngineConfig(_Strict):
     zero_init: bool = Field(
         True, description="ZeRO-3: build the model under deepspeed.zero.Init, so that each rank materializes only its "
                           "shard (a 7B model never sits whole in one process).")
+    zero3_layer_units: bool = Field(
+        True, description="ZeRO-3: each decoder layer is one unit (a DeepSpeed leaf module): its parameters are "
+                          "gathered together on entry and its gradients reduced together after its backward, instead "
+                          "of hooks and collectives for every linear and norm inside it.")
     fp32_grad_accum: bool = Field(
         True, description="Under bf16 with ZeRO, accumulate gradients in fp32 partitions (DeepSpeed data_types."
                           "grad_accum_dtype): bf16 accumulation over 128-256 micro-batches lost 1.3-1.8 % of the "

@@ -18,13 +18,14 @@ from services.learner.engine import free_port
 HERE = Path(__file__).resolve().parent
 
 
-def _torchrun(n: int, out: Path, stage: int = 2, accelerator: str = "cpu", precision: str = "auto") -> dict:
+def _torchrun(n: int, out: Path, stage: int = 2, accelerator: str = "cpu", precision: str = "auto",
+              recompute: str = "none") -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["DS_ACCELERATOR"] = accelerator
     if accelerator == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(HERE / "zero_update.py"), str(out), str(stage), precision]
+           "--master_port", str(free_port()), str(HERE / "zero_update.py"), str(out), str(stage), precision, recompute]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return torch.load(out)
@@ -66,6 +67,7 @@ def test_zero3_two_ranks_match_one_rank_and_export_whole_weights(tmp_path, tiny_
     three = _torchrun(2, tmp_path / "three.pt", stage=3)
     assert (three["world"], three["stage"]) == (2, 3)
     assert three["partitioned"]  # ZeRO-3 really sharded the parameters (built under zero.Init)
+    assert three["layer_units"] == three["layers"] > 0  # each decoder layer gathered and reduced as one unit
     _same_update(one, three)
     # the exported HF folder holds the gathered weights, equal to the unsharded run's
     exported = load_state_dict(Path(three["export"]))
@@ -75,6 +77,16 @@ def test_zero3_two_ranks_match_one_rank_and_export_whole_weights(tmp_path, tiny_
         assert exported[name].shape == tensor.shape, name
         assert torch.allclose(exported[name], tensor, rtol=0, atol=1e-5), name
         assert torch.equal(exported[name], three["after"][name]), name
+
+
+@pytest.mark.slow
+def test_zero3_layer_units_under_gradient_checkpointing_match_one_rank(tmp_path, tiny_model):
+    """Each decoder layer one ZeRO-3 unit while backward runs the layer's forward again (the GPU recipes'
+    gradient checkpointing): the layer's weights are there for the recompute and its gradients reduced once."""
+    one = _torchrun(1, tmp_path / "one.pt", stage=2)
+    three = _torchrun(2, tmp_path / "three.pt", stage=3, recompute="layers")
+    assert three["layer_units"] == three["layers"] > 0
+    _same_update(one, three)
 
 
 @pytest.mark.gpu

@@ -1,5 +1,6 @@
 """One RL step of the tiny policy under ZeRO, as a script:
-`torchrun --nproc_per_node N zero_update.py OUT [STAGE [PRECISION]]` (STAGE 2 and precision auto unless given;
+`torchrun --nproc_per_node N zero_update.py OUT [STAGE [PRECISION [RECOMPUTE]]]` (STAGE 2, precision auto and
+RECOMPUTE none (or mlp, layers) unless given;
 `DS_ACCELERATOR=cuda` runs it on the GPUs, one per rank).
 
 Rank 0 saves the full weights before and after the step (gathered, under ZeRO-3), their change, and
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
+from deepspeed.utils import get_z3_leaf_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -32,12 +34,13 @@ def full_weights(engine: PolicyEngine) -> dict[str, torch.Tensor]:
     return out
 
 
-def main(out: Path, stage: int, precision: str = "auto") -> None:
+def main(out: Path, stage: int, precision: str = "auto", recompute: str = "none") -> None:
     # adam_eps 1: Adam's first update is lr·g/(|g| + 1) ≈ lr·g, so the weight change is the gradient
     # itself. With the default eps it is ≈ lr·sign(g), where a gradient near eps flips with the
     # summation order (1 rank against a reduce over 2) and the comparison becomes a coin toss.
     engine = PolicyEngine(tiny_qwen2(), EngineConfig(zero_stage=stage, micro_batch_tokens=48, adam_eps=1.0,
-                                                       precision=precision),
+                                                       precision=precision, recompute_mlp=recompute == "mlp",
+                                                       gradient_checkpointing=recompute == "layers"),
                           ScheduleConfig(lr=0.1), total_steps=10)
     before = full_weights(engine)
     g = torch.Generator().manual_seed(7)
@@ -52,6 +55,8 @@ def main(out: Path, stage: int, precision: str = "auto") -> None:
                     "grad_norm": metrics["grad_norm"], "world": engine.world_size, "stage": stage,
                     "device": str(next(engine.hf_model.parameters()).device), "bf16": engine.bf16,
                     "partitioned": any(hasattr(p, "ds_id") for p in engine.hf_model.parameters()),
+                    "layer_units": len(get_z3_leaf_modules(engine.hf_model)),
+                    "layers": engine.lm_config.num_hidden_layers,
                     "export": str(export)}, out)
 
 
@@ -59,4 +64,5 @@ if __name__ == "__main__":
     if torch.cuda.is_available():
         # fp32 means fp32: no TF32 matmuls, so 1 and 2 ranks differ only by the summation order
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 2, sys.argv[3] if len(sys.argv) > 3 else "auto")
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 2, sys.argv[3] if len(sys.argv) > 3 else "auto",
+         sys.argv[4] if len(sys.argv) > 4 else "none")
