@@ -76,6 +76,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "auto: on GPU")
     ap.add_argument("--layer-units", choices=["on", "off"], default="on",
                     help="ours: each decoder layer one ZeRO-3 unit (DeepSpeed leaf module; EngineConfig.zero3_layer_units)")
+    ap.add_argument("--persist-gib", type=float, default=None,
+                    help="ours: GiB per rank of weights ZeRO-3 keeps whole (EngineConfig.persistent_weights_gib; "
+                         "default: the learner's; 0: shard all)")
+    ap.add_argument("--nccl-proto", default=None, help="ours: NCCL_PROTO (EngineConfig.nccl_protocol; default: the "
+                    "learner's; 'nccl': NCCL's own choice). The baseline keeps NCCL's choice.")
     ap.add_argument("--reduce-bucket", type=float, default=50, help="ours: ZeRO reduce bucket, millions of elements")
     ap.add_argument("--sdpa", default="cudnn+flash", help="SDPA kernel order on GPU ('default': PyTorch's)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (ours)")
@@ -120,6 +125,13 @@ def setup(args: argparse.Namespace) -> tuple[int, int, bool]:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the engine picks gloo and fp32 on a machine without CUDA
     import deepspeed
 
+    if on_gpu and not args.skip_ours:
+        # NCCL reads its protocol when the first collective makes a communicator, so ours sets it here;
+        # a baseline in these processes shares it (recorded), one run with --skip-ours keeps NCCL's choice
+        from services.learner.config import EngineConfig
+        from services.learner.engine import nccl_environment
+
+        nccl_environment(EngineConfig(**zero3_knobs(args)))
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     if on_gpu:
@@ -203,6 +215,16 @@ def summary(step_s: list[float], tokens: int, flops: float, flops_half: float, w
             "peak_gib": mem, "steps_s": [round(x, 4) for x in step_s]}
 
 
+def zero3_knobs(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields of the options given on the command line (the rest stay the learner's)."""
+    out: dict = {}
+    if args.persist_gib is not None:
+        out["persistent_weights_gib"] = args.persist_gib
+    if args.nccl_proto is not None:
+        out["nccl_protocol"] = None if args.nccl_proto == "nccl" else args.nccl_proto
+    return out
+
+
 def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, on_gpu: bool,
              recompute: str) -> dict:
     from bench.learner_gpu import sequences
@@ -218,7 +240,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
                        args.sdpa.split("+"), compile_layers=args.compile, zero_init=True, grad_reduce_dtype=args.grad_reduce,
                        fuse_pointwise={"on": True, "off": False}.get(args.fuse_pointwise),
                        overlap_comm=on_gpu, reduce_bucket_size=int(args.reduce_bucket * 1e6),
-                       zero3_layer_units=args.layer_units == "on")
+                       zero3_layer_units=args.layer_units == "on", **zero3_knobs(args))
     engine = PolicyEngine(model_dir, cfg, ScheduleConfig(lr=2e-6), total_steps=100)
     n_params = engine.num_parameters()
     layers, width = model_shape(engine.lm_config)
@@ -243,7 +265,8 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
         return {"params": n_params, "recompute": recompute, "chunk": args.chunk, "head_kernels": args.head_kernels,
                 "grad_reduce": args.grad_reduce, "compile_layers": args.compile,
                 "fuse_pointwise": args.fuse_pointwise, "reduce_bucket_m": args.reduce_bucket,
-                "layer_units": args.layer_units, **out}
+                "layer_units": args.layer_units, "persistent_weights_gib": cfg.persistent_weights_gib,
+                "nccl_proto": os.environ.get("NCCL_PROTO"), **out}
     finally:
         engine.close()
         del engine
@@ -323,7 +346,8 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
         half = train_flops(n_params, layers, width, [args.seq] * world, causal_half=True)
         out = summary(times, world * args.seq, flops, half, world, peak_flops() if on_gpu else None,
                       peak_gib(on_gpu))
-        return {"params": n_params, "gradient_checkpointing": checkpointing, **out}
+        return {"params": n_params, "gradient_checkpointing": checkpointing,
+                "nccl_proto": os.environ.get("NCCL_PROTO"), **out}
     finally:
         engine.destroy()
         del engine, model
@@ -365,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     ours_attempts = []
     out = ROOT / "bench" / "results" / f"{args.name}.json"
     kept = ("params", "mfu", "mfu_causal_half", "tokens_per_s", "peak_gib", "step_s", "recompute", "chunk", "head_kernels",
-            "grad_reduce", "compile_layers", "fuse_pointwise", "reduce_bucket_m", "layer_units")
+            "grad_reduce", "compile_layers", "fuse_pointwise", "reduce_bucket_m", "layer_units",
+            "persistent_weights_gib", "nccl_proto")
     if args.skip_ours:
         prev = json.loads(out.read_text())
         ours, ours_attempts = {k: prev.get(k) for k in kept}, prev.get("attempts", [])

@@ -101,6 +101,20 @@ class EngineConfig(_Strict):
         50_000_000, ge=1, description="ZeRO-2/3 gradient reduce bucket in elements (DeepSpeed counts elements).")
     allgather_bucket_size: int = Field(
         50_000_000, ge=1, description="ZeRO-2 all-gather bucket for the updated parameters, in elements.")
+    param_persistence_threshold: int = Field(
+        10_000, ge=0, description="ZeRO-3: parameters with at most this many elements stay whole on every rank "
+                                  "(norms, biases), never gathered (DeepSpeed stage3_param_persistence_threshold).")
+    persistent_weights_gib: float = Field(
+        4.0, ge=0.0, description="ZeRO-3: GiB per rank that whole weights may take. Parameters stay whole on every rank, "
+                                 "in model order, while they fit (DeepSpeed stage3_model_persistence_threshold), and are "
+                                 "never gathered again; the rest are sharded and gathered layer by layer. A 1.5B model's "
+                                 "bf16 weights (3.1 GB) fit whole; gradients and Adam state stay sharded either way. "
+                                 "0: shard every parameter above param_persistence_threshold.")
+    nccl_protocol: Literal["Simple", "LL128", "LL"] | None = Field(
+        "Simple", description="NCCL_PROTO for the learner's collectives where the environment does not set it. "
+                              "Under ZeRO-3's overlapped gathers NCCL picked its low-latency protocol for "
+                              "layer-sized messages and lost 5-7 % of the step (bench/nccl_protocols.py, "
+                              "docs/gpu.md); None: NCCL's choice.")
     keep_checkpoints: int = Field(
         2, ge=1, description="Training checkpoints kept on disk, newest first; older tags are deleted after each "
                              "save. A tag holds the optimizer state too (about 14 bytes per parameter): unpruned, "

@@ -172,6 +172,23 @@ def zero3_layer_units(lm: nn.Module) -> int:
     return len(set_z3_leaf_modules(lm, classes, raise_if_not_found=False))
 
 
+def zero3_persistence(cfg: EngineConfig, bytes_per_weight: int) -> dict[str, int]:
+    """Which parameters ZeRO-3 keeps whole on every rank: the small ones always, and any parameter, in model
+    order, while the whole weights kept fit `persistent_weights_gib`."""
+    budget = int(cfg.persistent_weights_gib * 2**30) // bytes_per_weight
+    if budget <= 0:
+        return {"stage3_param_persistence_threshold": cfg.param_persistence_threshold}
+    return {"stage3_param_persistence_threshold": max(budget, cfg.param_persistence_threshold),
+            "stage3_model_persistence_threshold": budget}
+
+
+def nccl_environment(cfg: EngineConfig) -> None:
+    """Set the learner's NCCL protocol unless the environment chose one. NCCL reads it when a communicator
+    is made, so this must run before the process group's first collective."""
+    if cfg.nccl_protocol and "NCCL_PROTO" not in os.environ:
+        os.environ["NCCL_PROTO"] = cfg.nccl_protocol
+
+
 def deepspeed_config(cfg: EngineConfig, *, bf16: bool, world_size: int, on_gpu: bool = False) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": cfg.zero_stage}
     if cfg.zero_stage >= 2:
@@ -180,7 +197,8 @@ def deepspeed_config(cfg: EngineConfig, *, bf16: bool, world_size: int, on_gpu: 
                      "reduce_bucket_size": cfg.reduce_bucket_size,
                      "allgather_bucket_size": cfg.allgather_bucket_size})
     if cfg.zero_stage == 3:
-        zero.update({"stage3_gather_16bit_weights_on_model_save": False, "stage3_param_persistence_threshold": 1e4})
+        zero.update({"stage3_gather_16bit_weights_on_model_save": False,
+                     **zero3_persistence(cfg, bytes_per_weight=2 if bf16 else 4)})
     if cfg.offload_optimizer == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
     if cfg.offload_params == "cpu":
@@ -245,6 +263,8 @@ class PolicyEngine:
         self.model_dir = Path(model_dir)
         self.on_gpu = torch.cuda.is_available()
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.on_gpu)
+        if self.on_gpu:
+            nccl_environment(cfg)
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend="nccl" if self.on_gpu else "gloo")
         self.rank = torch.distributed.get_rank()

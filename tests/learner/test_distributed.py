@@ -19,13 +19,13 @@ HERE = Path(__file__).resolve().parent
 
 
 def _torchrun(n: int, out: Path, stage: int = 2, accelerator: str = "cpu", precision: str = "auto",
-              recompute: str = "none") -> dict:
+              recompute: str = "none", persist_gib: float = 0.0) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["DS_ACCELERATOR"] = accelerator
     if accelerator == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(HERE / "zero_update.py"), str(out), str(stage), precision, recompute]
+           "--master_port", str(free_port()), str(HERE / "zero_update.py"), str(out), str(stage), precision, recompute, str(persist_gib)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return torch.load(out)
@@ -68,6 +68,7 @@ def test_zero3_two_ranks_match_one_rank_and_export_whole_weights(tmp_path, tiny_
     assert (three["world"], three["stage"]) == (2, 3)
     assert three["partitioned"]  # ZeRO-3 really sharded the parameters (built under zero.Init)
     assert three["layer_units"] == three["layers"] > 0  # each decoder layer gathered and reduced as one unit
+    assert 0 < three["whole"] < three["weights"]  # only the small ones (norms) stay whole; the rest are gathered
     _same_update(one, three)
     # the exported HF folder holds the gathered weights, equal to the unsharded run's
     exported = load_state_dict(Path(three["export"]))
@@ -80,13 +81,17 @@ def test_zero3_two_ranks_match_one_rank_and_export_whole_weights(tmp_path, tiny_
 
 
 @pytest.mark.slow
-def test_zero3_layer_units_under_gradient_checkpointing_match_one_rank(tmp_path, tiny_model):
-    """Each decoder layer one ZeRO-3 unit while backward runs the layer's forward again (the GPU recipes'
-    gradient checkpointing): the layer's weights are there for the recompute and its gradients reduced once."""
+def test_zero3_whole_weights_and_layer_units_under_gradient_checkpointing_match_one_rank(tmp_path, tiny_model):
+    """ZeRO-3 with the weights kept whole within a budget (gradients and Adam state still sharded), each
+    decoder layer one unit, while backward runs each layer's forward again (the GPU recipes' gradient
+    checkpointing): the same update as one rank, the updated whole weights gathered again after the step."""
     one = _torchrun(1, tmp_path / "one.pt", stage=2)
-    three = _torchrun(2, tmp_path / "three.pt", stage=3, recompute="layers")
+    three = _torchrun(2, tmp_path / "three.pt", stage=3, recompute="layers", persist_gib=4.0)
     assert three["layer_units"] == three["layers"] > 0
+    assert three["whole"] == three["weights"]  # the tiny model fits the budget whole
     _same_update(one, three)
+    for name, tensor in three["after"].items():  # what the next step computes with is the updated weight
+        assert torch.allclose(tensor, one["after"][name], rtol=0, atol=1e-5), name
 
 
 @pytest.mark.gpu

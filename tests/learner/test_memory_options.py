@@ -1,14 +1,16 @@
-"""Memory options of the learner: the DeepSpeed config they make, and selective recomputation that
-leaves the gradients as they were."""
+"""Memory and communication options of the learner: the DeepSpeed config they make, the NCCL protocol, and
+selective recomputation that leaves the gradients as they were."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 from pydantic import ValidationError
 
 from services.learner.config import EngineConfig
-from services.learner.engine import deepspeed_config, recompute_mlps
+from services.learner.engine import deepspeed_config, nccl_environment, recompute_mlps
 
 
 def test_fp32_gradient_accumulation_and_reduction_under_bf16_zero():
@@ -60,3 +62,28 @@ def test_mlp_recomputation_keeps_gradients_and_names(tiny_model):
     assert runs == [1, 2]  # the MLP ran again in backward
     for name, g in plain.items():
         assert torch.allclose(g, recomputed[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_zero3_whole_weight_budget():
+    """The budget is in GiB of the weights' own dtype; 0 leaves only the small parameters whole."""
+    bf16 = deepspeed_config(EngineConfig(zero_stage=3, persistent_weights_gib=4.0), bf16=True, world_size=2)
+    assert bf16["zero_optimization"]["stage3_model_persistence_threshold"] == 2 * 2**30
+    assert bf16["zero_optimization"]["stage3_param_persistence_threshold"] == 2 * 2**30
+    fp32 = deepspeed_config(EngineConfig(zero_stage=3, persistent_weights_gib=4.0), bf16=False, world_size=2)
+    assert fp32["zero_optimization"]["stage3_model_persistence_threshold"] == 2**30
+    off = deepspeed_config(EngineConfig(zero_stage=3, persistent_weights_gib=0), bf16=True, world_size=2)["zero_optimization"]
+    assert off["stage3_param_persistence_threshold"] == 10_000 and "stage3_model_persistence_threshold" not in off
+    assert "stage3_param_persistence_threshold" not in deepspeed_config(EngineConfig(zero_stage=2), bf16=True,
+                                                                        world_size=2)["zero_optimization"]
+
+
+def test_nccl_protocol_only_where_the_environment_chose_none(monkeypatch):
+    monkeypatch.delenv("NCCL_PROTO", raising=False)
+    nccl_environment(EngineConfig())
+    assert os.environ["NCCL_PROTO"] == "Simple"
+    monkeypatch.setenv("NCCL_PROTO", "LL128")
+    nccl_environment(EngineConfig(nccl_protocol="Simple"))
+    assert os.environ["NCCL_PROTO"] == "LL128"  # the operator's setting wins
+    monkeypatch.delenv("NCCL_PROTO")
+    nccl_environment(EngineConfig(nccl_protocol=None))
+    assert "NCCL_PROTO" not in os.environ

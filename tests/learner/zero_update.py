@@ -1,6 +1,6 @@
 """One RL step of the tiny policy under ZeRO, as a script:
-`torchrun --nproc_per_node N zero_update.py OUT [STAGE [PRECISION [RECOMPUTE]]]` (STAGE 2, precision auto and
-RECOMPUTE none (or mlp, layers) unless given;
+`torchrun --nproc_per_node N zero_update.py OUT [STAGE [PRECISION [RECOMPUTE [PERSIST_GIB]]]]` (STAGE 2, precision
+auto, RECOMPUTE none (or mlp, layers) and PERSIST_GIB 0 (every weight sharded) unless given;
 `DS_ACCELERATOR=cuda` runs it on the GPUs, one per rank).
 
 Rank 0 saves the full weights before and after the step (gathered, under ZeRO-3), their change, and
@@ -34,13 +34,14 @@ def full_weights(engine: PolicyEngine) -> dict[str, torch.Tensor]:
     return out
 
 
-def main(out: Path, stage: int, precision: str = "auto", recompute: str = "none") -> None:
+def main(out: Path, stage: int, precision: str = "auto", recompute: str = "none", persist_gib: float = 0.0) -> None:
     # adam_eps 1: Adam's first update is lr·g/(|g| + 1) ≈ lr·g, so the weight change is the gradient
     # itself. With the default eps it is ≈ lr·sign(g), where a gradient near eps flips with the
     # summation order (1 rank against a reduce over 2) and the comparison becomes a coin toss.
     engine = PolicyEngine(tiny_qwen2(), EngineConfig(zero_stage=stage, micro_batch_tokens=48, adam_eps=1.0,
                                                        precision=precision, recompute_mlp=recompute == "mlp",
-                                                       gradient_checkpointing=recompute == "layers"),
+                                                       gradient_checkpointing=recompute == "layers",
+                                                       persistent_weights_gib=persist_gib),
                           ScheduleConfig(lr=0.1), total_steps=10)
     before = full_weights(engine)
     g = torch.Generator().manual_seed(7)
@@ -57,6 +58,8 @@ def main(out: Path, stage: int, precision: str = "auto", recompute: str = "none"
                     "partitioned": any(hasattr(p, "ds_id") for p in engine.hf_model.parameters()),
                     "layer_units": len(get_z3_leaf_modules(engine.hf_model)),
                     "layers": engine.lm_config.num_hidden_layers,
+                    "whole": sum(getattr(p, "ds_persist", False) for p in engine.hf_model.parameters()),
+                    "weights": sum(1 for _ in engine.hf_model.parameters()),
                     "export": str(export)}, out)
 
 
@@ -65,4 +68,4 @@ if __name__ == "__main__":
         # fp32 means fp32: no TF32 matmuls, so 1 and 2 ranks differ only by the summation order
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 2, sys.argv[3] if len(sys.argv) > 3 else "auto",
-         sys.argv[4] if len(sys.argv) > 4 else "none")
+         sys.argv[4] if len(sys.argv) > 4 else "none", float(sys.argv[5]) if len(sys.argv) > 5 else 0.0)
