@@ -92,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "so nothing of ours holds memory) and complete the record ours left under --name")
     ap.add_argument("--nproc", type=int, default=None, help="not under torchrun: launch this many ranks under it")
     ap.add_argument("--name", default="learner_multigpu", help="results file stem under bench/results/")
+    ap.add_argument("--plot", nargs="+", metavar="LABEL=JSON", default=None,
+                    help="draw bench/results/<name>.png and exit: the first record with its baseline, then other runs "
+                         "of ours from the same machine, each labelled")
     ap.add_argument("--workdir", default=None, help="where the random-init model is written (default: a temp dir)")
     return ap.parse_args(argv)
 
@@ -367,9 +370,51 @@ def attempt(fn, *a, **kw) -> dict:
     return {"oom": True, "error": error} if error else result
 
 
+def plot_runs(items: list[str], path: Path) -> None:
+    """Tokens/s of each run of ours (LABEL=JSON) and of the first record's baseline, MFU written on each
+    bar, with the tokens/s that 50 % MFU takes marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = []
+    for item in items:
+        label, _, file = item.partition("=")
+        if not file:
+            raise SystemExit(f"--plot {item!r}: give LABEL=JSON")
+        runs.append((label, json.loads(Path(file).read_text())))
+    first = runs[0][1]
+    bars = [(label, r["tokens_per_s"], r["mfu"]) for label, r in runs]
+    if first.get("baseline"):
+        base = first["baseline"]
+        bars.append(("plain ZeRO-3 (HF model + loss" + (", checkpointing)" if base.get("gradient_checkpointing")
+                     else ")"), base["tokens_per_s"], base["mfu"]))
+    fig, ax = plt.subplots(figsize=(7.5, 0.55 * len(bars) + 1.4))
+    ys = list(range(len(bars)))[::-1]
+    ax.barh(ys, [b[1] for b in bars], color=["tab:blue"] * len(runs) + ["tab:gray"] * (len(bars) - len(runs)))
+    for y, (_, tps, mfu) in zip(ys, bars):
+        ax.text(tps, y, f" {tps / 1000:.1f}K, {100 * mfu:.1f} %", va="center", fontsize=8)
+    ax.axvline(first["tokens_per_s"] * 0.5 / first["mfu"], color="tab:red", ls="--", lw=1, label="50 % MFU (PaLM)")
+    ax.set_yticks(ys, [b[0] for b in bars], fontsize=8)
+    ax.set_xlabel("tokens/s, both ranks")
+    ax.set_xlim(0, max(b[1] for b in bars) * 1.3)
+    ax.set_title(f"Learner, {first['shape']} shape, ZeRO-3, {first['seq']:,} tokens a rank\n"
+                 f"{first['world_size']}× {first['device']}, one job", fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.plot:
+        path = ROOT / "bench" / "results" / f"{args.name}.png"
+        plot_runs(args.plot, path)
+        print(f"wrote {path}")
+        return 0
     if not launched():
         if args.nproc:
             return relaunch(args, argv)
@@ -391,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     kept = ("params", "mfu", "mfu_causal_half", "tokens_per_s", "peak_gib", "step_s", "recompute", "chunk", "head_kernels",
             "grad_reduce", "compile_layers", "fuse_pointwise", "reduce_bucket_m", "layer_units",
             "persistent_weights_gib", "nccl_proto")
+    prev: dict = {}
     if args.skip_ours:
         prev = json.loads(out.read_text())
         ours, ours_attempts = {k: prev.get(k) for k in kept}, prev.get("attempts", [])
@@ -413,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         device = torch.cuda.get_device_name(0) if on_gpu else f"cpu ({platform.processor() or platform.machine()})"
         common = {"device": device, "world_size": world, "zero_stage": 3, "seq": args.seq}
+        this_command = f"torchrun --nproc_per_node {world} bench/learner_multigpu.py {' '.join(argv)}"
         host = host_facts(on_gpu)
         record = {**common, "shape": args.shape, **{k: ours.get(k) for k in kept},
                   "baseline": {**common, **baseline} if baseline else None,
@@ -421,8 +468,9 @@ def main(argv: list[str] | None = None) -> int:
                   "speedup_tokens_per_s": (round(ours["tokens_per_s"] / baseline["tokens_per_s"], 3)
                                            if baseline and ours.get("tokens_per_s") else None),
                   "targets": {"speedup_min": 1.1, "mfu_min": 0.5, "peak_gib_max": 80},
-                  "command": "torchrun --nproc_per_node {} bench/learner_multigpu.py {}".format(world, " ".join(
-                      a for a in argv)),
+                  # each side's own command where they ran apart (--skip-baseline, then --skip-ours)
+                  "command": prev.get("command") or this_command,
+                  "baseline_command": this_command if baseline else None,
                   "host": host, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=2) + "\n")

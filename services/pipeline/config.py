@@ -213,6 +213,9 @@ class LearnerSpec(_Section):
     grad_reduce_dtype: Literal["fp32", "bf16"] = EngineConfig.model_fields["grad_reduce_dtype"]
     fuse_pointwise: bool | None = EngineConfig.model_fields["fuse_pointwise"]
     overlap_comm: bool | None = EngineConfig.model_fields["overlap_comm"]
+    zero3_layer_units: bool = EngineConfig.model_fields["zero3_layer_units"]
+    persistent_weights_gib: float = EngineConfig.model_fields["persistent_weights_gib"]
+    nccl_protocol: Literal["Simple", "LL128", "LL"] | None = EngineConfig.model_fields["nccl_protocol"]
 
     def engine(self, zero_stage: int, seed: int, ranks: int = 1) -> EngineConfig:
         """The learner's EngineConfig for this recipe (`ranks`: deployment.learner_ranks)."""
