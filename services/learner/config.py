@@ -113,7 +113,7 @@ class EngineConfig(_Strict):
     nccl_protocol: Literal["Simple", "LL128", "LL"] | None = Field(
         "Simple", description="NCCL_PROTO for the learner's collectives where the environment does not set it. "
                               "Simple moves a layer's bf16 weights at 433 GB/s where NCCL's own choice gave 291 "
-                              "(bench/nccl_protocols.py), and ZeRO-3 steps ran 5-7 % faster with it on 2× H100 "
+                              "(bench/nccl_protocols.py), and ZeRO-3 steps ran 5-8 % faster with it on 2× H100 "
                               "(docs/gpu.md); None: NCCL's choice.")
     keep_checkpoints: int = Field(
         2, ge=1, description="Training checkpoints kept on disk, newest first; older tags are deleted after each "
