@@ -132,9 +132,9 @@ def setup(args: argparse.Namespace) -> tuple[int, int, bool]:
         # NCCL reads its protocol when the first collective makes a communicator, so ours sets it here;
         # a baseline in these processes shares it (recorded), one run with --skip-ours keeps NCCL's choice
         from services.learner.config import EngineConfig
-        from services.learner.engine import nccl_environment
+        from services.learner.nccl_env import set_learner_protocol
 
-        nccl_environment(EngineConfig(**zero3_knobs(args)))
+        set_learner_protocol(EngineConfig(**zero3_knobs(args)).nccl_protocol)
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     if on_gpu:

@@ -114,7 +114,8 @@ class EngineConfig(_Strict):
         "Simple", description="NCCL_PROTO for the learner's collectives where the environment does not set it. "
                               "Simple moves a layer's bf16 weights at 433 GB/s where NCCL's own choice gave 291 "
                               "(bench/nccl_protocols.py), and ZeRO-3 steps ran 5-8 % faster with it on 2× H100 "
-                              "(docs/gpu.md); None: NCCL's choice.")
+                              "(docs/gpu.md). The learner's own collectives only: the weight group it forms with vLLM engines keeps "
+                              "NCCL's choice, as the engines do; None: NCCL's choice everywhere.")
     keep_checkpoints: int = Field(
         2, ge=1, description="Training checkpoints kept on disk, newest first; older tags are deleted after each "
                              "save. A tag holds the optimizer state too (about 14 bytes per parameter): unpruned, "

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from services.learner.batching import PackedRow, lr_lambda
 from services.learner.config import EngineConfig, ScheduleConfig
+from services.learner.nccl_env import set_learner_protocol
 from services.learner.pointwise import fuse_pointwise
 from services.learner.vocab_head import HeadKernels, vocab_logprobs
 
@@ -182,13 +183,6 @@ def zero3_persistence(cfg: EngineConfig, bytes_per_weight: int) -> dict[str, int
             "stage3_model_persistence_threshold": budget}
 
 
-def nccl_environment(cfg: EngineConfig) -> None:
-    """Set the learner's NCCL protocol unless the environment chose one. NCCL reads it when a communicator
-    is made, so this must run before the process group's first collective."""
-    if cfg.nccl_protocol and "NCCL_PROTO" not in os.environ:
-        os.environ["NCCL_PROTO"] = cfg.nccl_protocol
-
-
 def deepspeed_config(cfg: EngineConfig, *, bf16: bool, world_size: int, on_gpu: bool = False) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": cfg.zero_stage}
     if cfg.zero_stage >= 2:
@@ -264,7 +258,7 @@ class PolicyEngine:
         self.on_gpu = torch.cuda.is_available()
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.on_gpu)
         if self.on_gpu:
-            nccl_environment(cfg)
+            set_learner_protocol(cfg.nccl_protocol)
         if not torch.distributed.is_initialized():
             deepspeed.init_distributed(dist_backend="nccl" if self.on_gpu else "gloo")
         self.rank = torch.distributed.get_rank()

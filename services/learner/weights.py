@@ -509,8 +509,11 @@ class NcclPublisher:
         """vLLM's side of forming the group: rank 0's communicator (blocks until every rank joins)."""
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-        return NCCLWeightTransferEngine.trainer_init(dict(master_address=self.master_address, master_port=port,
-                                                          world_size=world_size))
+        from services.learner.nccl_env import peer_protocol
+
+        with peer_protocol():  # the engines' workers pick NCCL's own protocol; so must rank 0
+            return NCCLWeightTransferEngine.trainer_init(dict(master_address=self.master_address, master_port=port,
+                                                              world_size=world_size))
 
     def _next_port(self) -> int:
         """The configured port for the first group; on a loopback master a free port for each later one,

@@ -10,7 +10,8 @@ import torch
 from pydantic import ValidationError
 
 from services.learner.config import EngineConfig
-from services.learner.engine import deepspeed_config, nccl_environment, recompute_mlps
+from services.learner import nccl_env
+from services.learner.engine import deepspeed_config, recompute_mlps
 
 
 def test_fp32_gradient_accumulation_and_reduction_under_bf16_zero():
@@ -78,12 +79,23 @@ def test_zero3_whole_weight_budget():
 
 
 def test_nccl_protocol_only_where_the_environment_chose_none(monkeypatch):
+    monkeypatch.setattr(nccl_env, "_set_here", None)
     monkeypatch.delenv("NCCL_PROTO", raising=False)
-    nccl_environment(EngineConfig())
+    nccl_env.set_learner_protocol(EngineConfig().nccl_protocol)
     assert os.environ["NCCL_PROTO"] == "Simple"
+    # a group with the fleet's engines is made under NCCL's own choice, as on their side
+    with nccl_env.peer_protocol():
+        assert "NCCL_PROTO" not in os.environ
+    assert os.environ["NCCL_PROTO"] == "Simple"
+
+    monkeypatch.setattr(nccl_env, "_set_here", None)
     monkeypatch.setenv("NCCL_PROTO", "LL128")
-    nccl_environment(EngineConfig(nccl_protocol="Simple"))
-    assert os.environ["NCCL_PROTO"] == "LL128"  # the operator's setting wins
+    nccl_env.set_learner_protocol("Simple")
+    assert os.environ["NCCL_PROTO"] == "LL128"  # the operator's setting wins, for every group
+    with nccl_env.peer_protocol():
+        assert os.environ["NCCL_PROTO"] == "LL128"
+
+    monkeypatch.setattr(nccl_env, "_set_here", None)
     monkeypatch.delenv("NCCL_PROTO")
-    nccl_environment(EngineConfig(nccl_protocol=None))
+    nccl_env.set_learner_protocol(EngineConfig(nccl_protocol=None).nccl_protocol)
     assert "NCCL_PROTO" not in os.environ
