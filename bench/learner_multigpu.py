@@ -134,7 +134,7 @@ def setup(args: argparse.Namespace) -> tuple[int, int, bool]:
         from services.learner.config import EngineConfig
         from services.learner.nccl_env import set_learner_protocol
 
-        set_learner_protocol(EngineConfig(**zero3_knobs(args)).nccl_protocol)
+        set_learner_protocol(EngineConfig(**engine_options(args)).nccl_protocol)
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     if on_gpu:
@@ -218,7 +218,7 @@ def summary(step_s: list[float], tokens: int, flops: float, flops_half: float, w
             "peak_gib": mem, "steps_s": [round(x, 4) for x in step_s]}
 
 
-def zero3_knobs(args: argparse.Namespace) -> dict:
+def engine_options(args: argparse.Namespace) -> dict:
     """The EngineConfig fields of the options given on the command line (the rest stay the learner's)."""
     out: dict = {}
     if args.persist_gib is not None:
@@ -243,7 +243,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
                        args.sdpa.split("+"), compile_layers=args.compile, zero_init=True, grad_reduce_dtype=args.grad_reduce,
                        fuse_pointwise={"on": True, "off": False}.get(args.fuse_pointwise),
                        overlap_comm=on_gpu, reduce_bucket_size=int(args.reduce_bucket * 1e6),
-                       zero3_layer_units=args.layer_units == "on", **zero3_knobs(args))
+                       zero3_layer_units=args.layer_units == "on", **engine_options(args))
     engine = PolicyEngine(model_dir, cfg, ScheduleConfig(lr=2e-6), total_steps=100)
     n_params = engine.num_parameters()
     layers, width = model_shape(engine.lm_config)

@@ -282,9 +282,9 @@ class PolicyEngine:
         elif cfg.recompute_mlp:
             recompute_mlps(lm)
         self.policy = LogprobPolicy(lm, cfg.logprob_chunk_tokens, cfg.head_kernels)
-        if cfg.zero_stage == 3 and cfg.zero3_layer_units:
-            zero3_layer_units(lm)
         if cfg.zero_stage == 3:
+            if cfg.zero3_layer_units:
+                zero3_layer_units(lm)
             # the fused head reads the weight directly, not through lm_head's forward (whose hooks
             # would gather it)
             deepspeed.zero.register_external_parameter(self.policy, self.policy.head_weight)
