@@ -13,15 +13,60 @@ from services.common.redis import EmbeddedRedis
 from services.common.settings import DEFAULT_TRAVELPLANNER_DIR
 
 TRAVELPLANNER_DIR = Path(os.environ.get("STAR_TRAVELPLANNER_DIR", DEFAULT_TRAVELPLANNER_DIR))
+# the rows the tests' queries need, cut from the public data by tests/fixtures/cut_travelplanner.py
+FIXTURE_DIR = Path(__file__).resolve().parent / "fixtures" / "travelplanner"
 PG_URL = os.environ.get("STAR_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("STAR_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+DATA_MARK = "travelplanner_data"
+
+
+def _has_data(directory: Path) -> bool:
+    return (directory / "database" / "background" / "citySet_with_states.txt").is_file()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{DATA_MARK}: reads TravelPlanner data (the full data or the fixture)")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if _has_data(TRAVELPLANNER_DIR):
+        return f"TravelPlanner data: {TRAVELPLANNER_DIR}"
+    return (f"TravelPlanner data: the test fixture {FIXTURE_DIR} (no data at {TRAVELPLANNER_DIR}; "
+            "the full-data checks skip)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test that reads the data, so `-m travelplanner_data` runs exactly those."""
+    for item in items:
+        if {"travelplanner_dir", "full_travelplanner_dir"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(DATA_MARK)
 
 
 @pytest.fixture(scope="session")
 def travelplanner_dir() -> Path:
-    if not (TRAVELPLANNER_DIR / "database" / "background" / "citySet_with_states.txt").is_file():
-        pytest.skip(f"real TravelPlanner data not found at {TRAVELPLANNER_DIR} (set STAR_TRAVELPLANNER_DIR)")
+    """The TravelPlanner data: the full data where it is (STAR_TRAVELPLANNER_DIR, default
+    ../shared/travelplanner), otherwise the fixture cut from it."""
+    return TRAVELPLANNER_DIR if _has_data(TRAVELPLANNER_DIR) else FIXTURE_DIR
+
+
+@pytest.fixture(scope="session")
+def full_travelplanner_dir() -> Path:
+    """The full data, for the checks the fixture cannot make (every city, the whole validation file)."""
+    if not _has_data(TRAVELPLANNER_DIR):
+        pytest.skip(f"needs the full TravelPlanner data, not found at {TRAVELPLANNER_DIR}: set "
+                    "STAR_TRAVELPLANNER_DIR to a copy of the benchmark's files (docs/development.md#data)")
     return TRAVELPLANNER_DIR
+
+
+@pytest.fixture
+def data_env(travelplanner_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """STAR_TRAVELPLANNER_DIR set to the tests' data for code that reads the settings in-process."""
+    from services.common.settings import get_settings
+
+    monkeypatch.setenv("STAR_TRAVELPLANNER_DIR", str(travelplanner_dir))
+    get_settings.cache_clear()
+    yield travelplanner_dir
+    get_settings.cache_clear()
 
 
 @pytest.fixture(scope="session")

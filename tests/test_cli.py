@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from typer.testing import CliRunner
 
 from services.cli import app
@@ -25,6 +27,7 @@ def test_world_build_synthetic_then_tool(tmp_path):
     assert r.exit_code == 0 and r.output.startswith("[") and repr(city.city) in r.output
 
 
+@pytest.mark.usefixtures("full_travelplanner_dir")
 def test_world_build_from_real_directory(travelplanner_dir, tmp_path):
     db = f"sqlite:///{tmp_path / 'real.sqlite'}"
     r = runner.invoke(app, ["world", "build", "--from", str(travelplanner_dir / "database"), "--db", db,

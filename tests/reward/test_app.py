@@ -14,8 +14,8 @@ from services.formatter.structured import render_plan
 
 
 @pytest.fixture(scope="module")
-def server(official_world_url, tmp_path_factory):
-    env = {"STAR_DB_URL": official_world_url, "STAR_LOG_LEVEL": "WARNING", "STAR_FORMATTER_LLM_URL": "",
+def server(official_world_url, travelplanner_dir, tmp_path_factory):
+    env = {"STAR_DB_URL": official_world_url, "STAR_TRAVELPLANNER_DIR": str(travelplanner_dir), "STAR_LOG_LEVEL": "WARNING", "STAR_FORMATTER_LLM_URL": "",
            "STAR_MAX_BODY_BYTES": str(2 * 1024 * 1024)}
     proc = ServiceProcess("reward", "services.reward.app:create_app", env, tmp_path_factory.mktemp("logs")).start()
     yield proc

@@ -77,7 +77,7 @@ def test_score_errors_are_messages(official_world_url, gold, tmp_path):
         assert "Traceback" not in r.output
 
 
-def test_evaluate_submission_file(official_world_url, gold, travelplanner_dir, tmp_path):
+def test_evaluate_submission_file(official_world_url, gold, data_env, tmp_path):
     sub = tmp_path / "submission.jsonl"
     lines = [{"idx": i + 1, "query": gold.records[i]["query"], "plan": gold.plan(i)} for i in range(45)]
     lines[3]["plan"] = None
@@ -88,7 +88,7 @@ def test_evaluate_submission_file(official_world_url, gold, travelplanner_dir, t
     assert "official train denominators" in r.output
     assert "97.78%" in r.output and "44/45" in r.output and "352/360" in r.output
     r = runner.invoke(app, ["evaluate", str(sub), "--db", official_world_url, "--json", "--mode", "strict",
-                            "--queries", str(travelplanner_dir / "train" / "train.json")])
+                            "--queries", str(data_env / "train" / "train.json")])
     report = json.loads(r.output)
     m = report["metrics"]
     assert m["mode"] == "strict" and m["counts"]["final_passed"] == 44

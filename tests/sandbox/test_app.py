@@ -169,6 +169,7 @@ def test_run_level_faults_need_the_token(client):
     assert call(client, "SearchCity", {"state": "Illinois"}).json()["fault_injected"] is False
 
 
+@pytest.mark.usefixtures("full_travelplanner_dir")
 def test_metrics_and_world_info(client):
     call(client, "SearchRestaurant", {"city": "Rockford"})
     text = client.get("/metrics").text

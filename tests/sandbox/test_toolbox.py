@@ -243,6 +243,7 @@ def test_hostile_city_finds_nothing_and_echoes(world, value):
     assert box.call("SearchAccommodation", {"city": "Rockford"}).ok  # the table is still there
 
 
+@pytest.mark.usefixtures("full_travelplanner_dir")
 def test_hostile_strings_in_every_tool(world):
     box = ToolBox(world, cache_size=0)
     for value in HOSTILE:

@@ -92,6 +92,7 @@ def _frame(columns, rows, index=None):
     return pd.DataFrame([tuple(r) for r in rows], columns=[c.header for c in columns], index=index)
 
 
+@pytest.mark.usefixtures("full_travelplanner_dir")
 def test_tables_equal_installed_pandas_for_every_city(world):
     checked = 0
     for n, city in enumerate(sorted({c.city for c in world.cities()} | {"Bellingham", "Bishop", "Brunswick"})):
@@ -124,6 +125,7 @@ def test_renderer_equals_pandas_on_generated_frames(rows, index):
 
 
 # --- argument checks and messages ------------------------------------------------------------
+@pytest.mark.usefixtures("full_travelplanner_dir")
 def test_invalid_city_lists_the_city_set(box, world, city_set):
     searchable = world.city_set()
     r = box.call("SearchAccommodation", {"city": "Atlantis"})
@@ -137,6 +139,7 @@ def test_jackson_is_not_searchable_in_two_stage_mode(box):
     assert text(box, "SearchRestaurant", city="Jackson").startswith("Jackson is not valid city in ['San Diego', ")
 
 
+@pytest.mark.usefixtures("full_travelplanner_dir")
 def test_official_city_set_order_reproduces_the_message_exactly(world, city_set, box):
     assert city_set.index("Charleston") == 258  # elsewhere than in citySet_with_states.txt
     # the world keeps citySet.txt's order, so the default message is already exact

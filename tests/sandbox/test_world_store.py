@@ -91,12 +91,14 @@ def _check_real_world(world: World, conflicting_pair) -> None:
 
 
 # --- SQLite ---------------------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("full_travelplanner_dir")
 def test_official_world_in_sqlite(official_world, conflicting_pair):
     _check_real_world(official_world, conflicting_pair)
     meta = official_world.meta()
     assert meta["kind"] == "official" and meta["flights"].startswith("synthetic")
 
 
+@pytest.mark.usefixtures("full_travelplanner_dir")
 def test_invisible_rows_are_stored_but_hidden(official_world):
     with official_world.engine.connect() as conn:
         t = schema.accommodations
@@ -107,6 +109,7 @@ def test_invisible_rows_are_stored_but_hidden(official_world):
     assert sum(1 for row in hidden if row.house_rules is None) == 710
 
 
+@pytest.mark.usefixtures("full_travelplanner_dir")
 def test_flat_agent_star_layout(tmp_path: Path, database: Path, conflicting_pair):
     flat = tmp_path / "flat"
     flat.mkdir()
@@ -230,6 +233,7 @@ def pg_world(pg_url: str, database: Path, travelplanner_dir: Path):
         admin.dispose()
 
 
+@pytest.mark.usefixtures("full_travelplanner_dir")
 @pytest.mark.postgres
 def test_official_world_in_postgres(pg_world, conflicting_pair, official_world):
     world, meta, name = pg_world
