@@ -1,1 +1,1 @@
-"""The formatter service (see DESIGN.md)."""
+"""The formatter service: plan text to the benchmark's JSON plan (docs/architecture.md)."""

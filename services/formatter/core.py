@@ -110,7 +110,7 @@ class Formatter:
 
 
 class RemoteFormatter(Formatter):
-    """The formatter service over HTTP (DESIGN.md: reward workers → formatter). The structured
+    """The formatter service over HTTP (reward workers → formatter, docs/architecture.md). The structured
     parser still runs in-process (no round trip for the common case); only text the parser cannot
     read, or backend="llm", goes to the service."""
 

@@ -1,1 +1,1 @@
-"""The learner service (see DESIGN.md)."""
+"""The learner service: SFT and GRPO/DAPO on DeepSpeed, weight publication (docs/architecture.md)."""

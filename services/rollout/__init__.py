@@ -1,1 +1,1 @@
-"""The rollout service (see DESIGN.md)."""
+"""The rollout service: ReAct agents on an engine, token-in/token-out trajectories (docs/architecture.md)."""

@@ -1,1 +1,1 @@
-"""The synth service (see DESIGN.md)."""
+"""Synthesis: feasible queries, the oracle planner and teacher trajectories (docs/architecture.md)."""
