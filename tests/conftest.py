@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 import uuid
 from pathlib import Path
@@ -18,6 +21,8 @@ FIXTURE_DIR = Path(__file__).resolve().parent / "fixtures" / "travelplanner"
 PG_URL = os.environ.get("STAR_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("STAR_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 DATA_MARK = "travelplanner_data"
+_LIBC_NAME = ctypes.util.find_library("c")
+_MALLOC_TRIM = getattr(ctypes.CDLL(_LIBC_NAME), "malloc_trim", None) if _LIBC_NAME else None  # glibc only
 
 
 def _has_data(directory: Path) -> bool:
@@ -56,6 +61,16 @@ def full_travelplanner_dir() -> Path:
         pytest.skip(f"needs the full TravelPlanner data, not found at {TRAVELPLANNER_DIR}: set "
                     "STAR_TRAVELPLANNER_DIR to a copy of the benchmark's files (docs/development.md#data)")
     return TRAVELPLANNER_DIR
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_module_memory():
+    """After each module, collect its cycles and hand freed heap pages back to the system: models,
+    engines and worlds that a module built would otherwise keep the suite's process large."""
+    yield
+    gc.collect()
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 @pytest.fixture
