@@ -19,13 +19,13 @@ from typing import Any
 import httpx
 import redis
 
+from services.common.heartbeat import ALIVE_S, live_consumers
 from services.common.redis import redact
 from services.common.settings import Settings
 from services.common.streams import StreamNames
 from services.pipeline.stage import Run, StageFailed, console
 
 FLEET_WAIT_S = float(os.environ.get("STAR_FLEET_WAIT_S", "30"))  # for a fleet still starting
-WORKER_SEEN_S = 120.0  # a stream consumer quiet for longer is not counted as a live worker
 LEARNER_STOP_S = 120.0  # the learner finishes its step and checkpoints before it stops
 ACTIVE = ("starting", "running")
 
@@ -80,16 +80,6 @@ def ready(url: str) -> bool:
         return False
 
 
-def live_consumers(client: redis.Redis, stream: str, group: str, seen_s: float = WORKER_SEEN_S) -> int:
-    """Consumers of `group` seen on `stream` within `seen_s`: a worker polls (and re-claims the task it
-    works on) far more often, a dead one's entry stays behind with its idle time growing."""
-    try:
-        consumers = client.xinfo_consumers(stream, group)
-    except redis.ResponseError:  # no stream or no group yet: no worker has joined
-        return 0
-    return sum(1 for c in consumers if int(c.get("idle", 0)) <= seen_s * 1000)
-
-
 def problems(address: FleetAddress) -> list[str]:
     """What of the fleet is down or unset, one line each (empty: every part answers)."""
     found: list[str] = []
@@ -109,7 +99,7 @@ def problems(address: FleetAddress) -> list[str]:
                                         (names.trajectories, "reward", "reward workers")):
                 if not live_consumers(client, stream, group):
                     found.append(f"{what}: none has read {stream} (group {group}) at {redact(address.redis_url)} "
-                                 f"within {WORKER_SEEN_S:.0f} s")
+                                 f"within {ALIVE_S:.0f} s")
     for name, url in address.services().items():
         if not url:
             found.append(f"{name}: not set")

@@ -58,8 +58,8 @@ def test_a_fleet_without_workers_or_learner_is_reported_part_by_part(redis_clien
     learner = f"http://127.0.0.1:{free_port()}"
     address = FleetAddress(redis_url, None, learner, stream_prefix=prefix.rstrip(":"))
     found = problems(address)
-    assert found == [f"rollout workers: none has read {prefix}tasks (group rollout) at {redis_url} within 120 s",
-                     f"reward workers: none has read {prefix}trajectories (group reward) at {redis_url} within 120 s",
+    assert found == [f"rollout workers: none has read {prefix}tasks (group rollout) at {redis_url} within 60 s",
+                     f"reward workers: none has read {prefix}trajectories (group reward) at {redis_url} within 60 s",
                      "sandbox (STAR_SANDBOX_URL): not set",
                      f"learner (STAR_LEARNER_URL) at {learner}: not ready (GET /readyz)"]
     # a worker that polls its stream counts as live
