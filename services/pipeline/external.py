@@ -20,9 +20,11 @@ import httpx
 import redis
 
 from services.common.heartbeat import ALIVE_S, live_consumers
+from services.common.model_shape import model_shape, shape_differences
 from services.common.redis import redact
 from services.common.settings import Settings
 from services.common.streams import StreamNames
+from services.pipeline.config import WorldSpec
 from services.pipeline.stage import Run, StageFailed, console
 
 FLEET_WAIT_S = float(os.environ.get("STAR_FLEET_WAIT_S", "30"))  # for a fleet still starting
@@ -119,6 +121,91 @@ def check_reachable(address: FleetAddress, wait_s: float = FLEET_WAIT_S, poll_s:
         if time.monotonic() >= deadline:
             raise FleetUnreachable("the external fleet is not reachable:\n  " + "\n  ".join(found))
         time.sleep(poll_s)
+
+
+# -- one world and one model for a run --------------------------------------------------------
+
+def _get_json(url: str, wait_s: float = FLEET_WAIT_S) -> dict[str, Any]:
+    """GET `url`'s JSON, waiting up to `wait_s` for a service still starting; StageFailed after."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            r = httpx.get(url, timeout=10)
+            if r.status_code == 200:
+                return r.json()
+            why = f"{r.status_code}: {_detail(r)}"
+        except httpx.HTTPError as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() >= deadline:
+            raise FleetUnreachable(f"GET {url} failed ({why})")
+        time.sleep(1.0)
+
+
+def recipe_world_mismatch(world: WorldSpec, seed: int, fleet: dict[str, Any]) -> str | None:
+    """What of the recipe's `world` the fleet's world (its identity) is not, or None."""
+    if world.source == "synthetic":
+        want = {"kind": "synthetic", "size": world.synthetic_size, "seed": seed}
+    else:
+        want = {"kind": "official"}
+    wrong = [f"{k} {fleet.get(k)!r} (the recipe: {v!r})" for k, v in want.items() if fleet.get(k) != v]
+    return ", ".join(wrong) or None
+
+
+def fleet_world(address: FleetAddress, world: WorldSpec, seed: int, world_url: str) -> dict[str, Any]:
+    """The run's world is the fleet's: the one its sandbox serves, which its scorer must read too, and
+    the controller through `world_url` (STAR_DB_URL); a recipe naming another world is refused,
+    naming both. Returns the world's identity (hash, source)."""
+    from services.sandbox.world import World
+
+    if not address.sandbox_url:
+        raise FleetUnreachable("sandbox (STAR_SANDBOX_URL): not set")
+    served = _get_json(f"{address.sandbox_url}/world")
+    fleet = {k: served.get(k) for k in ("world_hash", "source", "kind", "size", "seed")}
+    where = f"the sandbox at {address.sandbox_url} serves {fleet['source']}, hash {fleet['world_hash']}"
+    if address.reward_url:
+        scored = _get_json(f"{address.reward_url}/world")
+        if scored.get("world_hash") != fleet["world_hash"]:
+            raise StageFailed(f"the fleet's services read different worlds: {where}, the scorer at "
+                              f"{address.reward_url} {scored.get('source')}, hash {scored.get('world_hash')}; "
+                              "give both the same STAR_DB_URL")
+    wrong = recipe_world_mismatch(world, seed, fleet)
+    if wrong:
+        recipe = (f"synthetic world {world.synthetic_size} (seed {seed})" if world.source == "synthetic"
+                  else "the official tables")
+        fix = (f"--set world.source=synthetic --set world.synthetic_size={fleet['size']}" if fleet["kind"] == "synthetic"
+               else "--set world.source=official")
+        raise StageFailed(f"the recipe's world is not the fleet's: the recipe names {recipe}; {where} ({wrong}). "
+                          f"Train on the fleet's world ({fix}), or rebuild the fleet's world to the recipe's")
+    own = World(world_url)
+    try:
+        ours = own.identity() if own.problem() is None else None
+    finally:
+        own.close()
+    if ours is None or ours["world_hash"] != fleet["world_hash"]:
+        mine = f"{ours['source']}, hash {ours['world_hash']}" if ours else "no world"
+        raise StageFailed(f"the controller's world database (STAR_DB_URL) holds {mine}, but {where}: "
+                          "give the controller the fleet's STAR_DB_URL")
+    return fleet
+
+
+def engines_take(address: FleetAddress, base_model: str) -> None:
+    """Refuse a starting model the fleet's engines cannot load (they load each published version into
+    the model they were started on): each rollout server reports that model's shape."""
+    ours = model_shape(base_model)
+    if ours is None:
+        raise StageFailed(f"the run's model {base_model} has no readable config.json")
+    for url in address.rollout_urls:
+        info = _get_json(f"{url}/weights")
+        theirs = info.get("shape")
+        if theirs is None:  # an engine without weights of its own (an OpenAI-compatible API)
+            continue
+        wrong = shape_differences(ours, theirs)
+        if wrong:
+            raise StageFailed(
+                f"the fleet's engines cannot load this run's model: the rollout server at {url} runs "
+                f"{info.get('model')}, and the run starts from {base_model} ({'; '.join(wrong)}). Train the "
+                f"fleet's model (--set model.path={info.get('model')} --set model.tiny=null), or start the fleet "
+                "with STAR_MODEL of the recipe's shape")
 
 
 def foreign_progress(client: redis.Redis, names: StreamNames) -> str | None:

@@ -26,6 +26,7 @@ from typing import Any
 from services.common.settings import get_settings
 from services.common.supervisor import RunLock, SupervisorError
 from services.pipeline.config import STAGES, EvalSpec, PipelineConfig, dump_config
+from services.pipeline.external import FleetAddress, check_reachable, engines_take, fleet_world
 from services.pipeline.rl import stage_rl
 from services.pipeline.report import write_report
 from services.pipeline.stage import Run, StageFailed, console, eval_argv, run_process, star_argv
@@ -56,10 +57,19 @@ def prepare(config: PipelineConfig, folder: Path) -> Run:
         sync = weight_sync(config.deployment, config.services.engine, placement) if "rl" in config.stages else None
     except PlacementError as exc:
         raise StageFailed(f"{exc}") from None
-    resolved.write_text(dump_config(config))
     run = Run(config, folder, placement=placement, weight_sync=sync)
-    run.world_url = prepare_world(config, folder)
-    run.base_model = prepare_model(config)
+    if config.deployment.fleet == "external":  # the fleet's world and a model its engines load, or refused
+        address = FleetAddress.from_settings(get_settings())
+        check_reachable(address)
+        run.world_url = get_settings().world_url
+        world = fleet_world(address, config.world, config.seed, run.world_url)
+        console.print(f"world: the fleet's, {world['source']}, hash {world['world_hash']}")
+        run.base_model = prepare_model(config)
+        engines_take(address, run.base_model)
+    else:
+        run.world_url = prepare_world(config, folder)
+        run.base_model = prepare_model(config)
+    resolved.write_text(dump_config(config))  # once the recipe is taken: a refused one can be mended and rerun
     settings = get_settings()
     # DeepSpeed's accelerator defaults to CPU unless told: follow the hardware unless the caller chose
     run.env = {"STAR_HOME": str(settings.home), "STAR_DB_URL": run.world_url, "STAR_LOG_JSON": "false",
