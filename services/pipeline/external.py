@@ -19,15 +19,16 @@ from typing import Any
 import httpx
 import redis
 
-from services.common.heartbeat import ALIVE_S, live_consumers
+from services.common.heartbeat import ALIVE_S, last_beat_age, live_consumers
 from services.common.model_shape import model_shape, shape_differences
 from services.common.redis import redact
 from services.common.settings import Settings
-from services.common.streams import StreamNames
+from services.common.streams import StreamNames, decode
 from services.pipeline.config import WorldSpec
 from services.pipeline.stage import Run, StageFailed, console
 
 FLEET_WAIT_S = float(os.environ.get("STAR_FLEET_WAIT_S", "30"))  # for a fleet still starting
+WATCH_EVERY_S = 20.0  # how often the controller looks for workers that cannot work
 LEARNER_STOP_S = 120.0  # the learner finishes its step and checkpoints before it stops
 ACTIVE = ("starting", "running")
 
@@ -239,6 +240,9 @@ class ExternalFleet:
     workers: list[Any] = field(default_factory=list)  # none of ours
     learner: Any = None  # no process of ours
     redis_log: Path | None = None  # the deployment keeps Redis's log
+    watched_at: float = 0.0
+    dead_seen: dict[str, int] = field(default_factory=dict)  # dead letters already reported, per stream
+    _client: redis.Redis | None = None
 
     @property
     def redis_url(self) -> str:
@@ -342,8 +346,38 @@ class ExternalFleet:
     # -- the fleet ----------------------------------------------------------------------------
 
     def keep_alive(self) -> list[str]:
-        """Nothing: the deployment restarts its own services."""
+        """Nothing to restart (the deployment restarts its own services); what of the fleet cannot work
+        is said in the controller's log, at most every WATCH_EVERY_S."""
+        now = time.monotonic()
+        if now - self.watched_at >= WATCH_EVERY_S:
+            self.watched_at = now
+            for line in self.watch():
+                console.print(f"[yellow]{line}[/]")
         return []
+
+    def watch(self) -> list[str]:
+        """Workers with no heartbeat within ALIVE_S and messages newly buried as dead letters, one line each."""
+        try:
+            client = self._client or redis.Redis.from_url(self.redis_url, socket_timeout=5, socket_connect_timeout=5)
+            self._client = client
+            lines = []
+            for stream, group, what in ((self.address.names.tasks, "rollout", "rollout workers"),
+                                        (self.address.names.trajectories, "reward", "reward workers")):
+                if not live_consumers(client, stream, group):
+                    age = last_beat_age(client, stream, group)
+                    lines.append(f"{what}: none has read {stream} for {age:.0f} s (they cannot work: see their logs)"
+                                 if age is not None else f"{what}: none has joined {stream} (group {group})")
+                dead = StreamNames.dead(stream)
+                count = client.xlen(dead)
+                if count > self.dead_seen.get(dead, 0):
+                    newest = client.xrevrange(dead, count=1)
+                    error = str(decode(newest[0][1]).get("error", "")) if newest else ""
+                    lines.append(f"{count - self.dead_seen.get(dead, 0)} message(s) of {stream} failed for good "
+                                 f"({dead}); the last: {error[:500]}")
+                    self.dead_seen[dead] = count
+            return lines
+        except redis.RedisError:
+            return []  # the stage's own loop reports Redis down
 
     def stop(self) -> None:
         """Stop the learner run this stage started (or re-attached to); the fleet keeps running."""

@@ -149,3 +149,35 @@ def test_a_learner_that_refuses_or_fails_the_run_fails_the_stage_with_its_words(
     with pytest.raises(StageFailed, match=f"learner run {run_id} at {learner_service} ended failed: .*empty-model"):
         f.learner_ended(report)
     assert fleet().recorded_run() is None  # a failed run is not re-attached to: the next controller starts anew
+
+
+def test_the_controller_says_what_of_the_fleet_cannot_work(redis_client, tmp_path):
+    from services.pipeline.external import ExternalFleet
+
+    client, prefix = redis_client
+    kw = client.connection_pool.connection_kwargs
+    address = FleetAddress(f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}", None, None,
+                           stream_prefix=prefix.rstrip(":"))
+    names = address.names
+    f = ExternalFleet(address, tmp_path / "learner-run.json")
+    assert f.watch() == [f"rollout workers: none has joined {names.tasks} (group rollout)",
+                         f"reward workers: none has joined {names.trajectories} (group reward)"]
+    worker = StreamConsumer(client, names.tasks, "rollout", "host-0", max_deliveries=1)
+    StreamConsumer(client, names.trajectories, "reward", "host-1").read(block_ms=10)
+    client.xadd(names.tasks, {b"payload": b'{"n": 1}'})
+    [msg] = worker.read(block_ms=10)
+    worker.fail(msg, "weights v0 not loadable: size mismatch")  # one delivery allowed: buried
+    assert f.watch() == [f"1 message(s) of {names.tasks} failed for good ({names.tasks}:dead); the last: "
+                         "weights v0 not loadable: size mismatch"]
+    assert f.watch() == []  # said once
+
+
+def test_rl_progress_is_said_line_by_line_where_there_is_no_terminal(capsys):
+    from services.pipeline.rl import say_progress
+
+    said = say_progress(0, 2, "published 1/2 · weights v0", "")
+    said = say_progress(0, 2, "published 1/2 · weights v0", said)
+    said = say_progress(1, 2, "published 2/2 · weights v1", said)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rl ")]
+    assert lines == ["rl 0/2 steps trained · published 1/2 · weights v0",
+                     "rl 1/2 steps trained · published 2/2 · weights v1"]
