@@ -163,6 +163,10 @@ def render_compose(profiles: tuple[str, ...] = ()) -> dict:
 SHELL_LESS_IMAGES = {"oliver006/redis_exporter"}
 
 
+# A worker's command word -> the stream (unprefixed) and group it consumes, as its heartbeat check names them.
+WORKER_STREAMS = {"services.rollout.worker": ("tasks", "rollout"), "worker": ("trajectories", "reward")}
+
+
 def compose_problems(cfg: dict) -> list[str]:
     problems: list[str] = []
     services = cfg["services"]
@@ -189,8 +193,11 @@ def compose_problems(cfg: dict) -> list[str]:
         serves_http = "serve" in argv or "uvicorn" in argv
         if serves_http and "/readyz" not in " ".join(check.get("test", [])):
             problems.append(f"{name} serves HTTP but its healthcheck does not ask /readyz")
-        if "build" in svc and not one_shot and not serves_http and "STAR_REDIS_URL" not in " ".join(check.get("test", [])):
-            problems.append(f"{name} is a worker whose healthcheck does not reach Redis")
+        if "build" in svc and not one_shot and not serves_http:
+            # a stream worker is healthy while it reads its own stream (its heartbeat), not while Redis answers
+            stream = WORKER_STREAMS.get(next((a for a in argv if a in WORKER_STREAMS), ""))
+            if not stream or check.get("test", [])[-3:] != ["services.common.heartbeat", *stream]:
+                problems.append(f"{name} is a worker whose healthcheck does not ask for its heartbeat on {stream}")
         # gpu-only services are the GPU engines; a service shared with the CPU fleet (the controller) takes none
         gpu = (svc.get("profiles") or []) == ["gpu"]
         devices = ((svc.get("deploy") or {}).get("resources", {}).get("reservations", {}).get("devices") or [])
@@ -203,6 +210,9 @@ def compose_problems(cfg: dict) -> list[str]:
     if "redis" in services and "--appendonly" not in services["redis"].get("command", []):
         problems.append("redis runs without AOF")
     return problems
+
+
+RUNS_ON_HOST = str(ROOT / "runs")  # STAR_RUNS_DIR's default, ./runs beside compose.yaml
 
 
 def _mounts(svc: dict) -> dict[str, dict]:
@@ -246,9 +256,9 @@ def test_compose_shares_weights_between_learner_and_rollout():
     for learner in ("learner", "learner-gpu"):
         m = _mounts(services[learner])["/var/star/weights"]
         assert m["source"] == "weights" and not m.get("read_only")
-        assert _mounts(services[learner])["/var/star/runs"]["source"] == "runs"
+        assert _mounts(services[learner])["/var/star/runs"]["source"] == RUNS_ON_HOST
     for rollout in ("rollout", "rollout-worker", "rollout-gpu", "rollout-worker-gpu"):
-        for path, volume in (("/var/star/weights", "weights"), ("/var/star/runs", "runs")):
+        for path, volume in (("/var/star/weights", "weights"), ("/var/star/runs", RUNS_ON_HOST)):
             m = _mounts(services[rollout])[path]
             assert m["source"] == volume and m.get("read_only")
     assert _mounts(services["postgres"])["/var/lib/postgresql/data"]["source"] == "world-db"
@@ -265,13 +275,20 @@ def test_compose_controller_trains_against_the_compose_fleet(profile):
     train = services["train"]
     argv = train["entrypoint"] + train["command"]
     assert argv == ["star", "train", "--fleet", "external", "configs/tiny.yaml"]
-    # the fleet it drives is this one: the services' own settings, the run folder on the runs volume
-    assert train["environment"] == {k: v for k, v in services["learner"]["environment"].items()}
+    # the fleet it drives is this one: the services' own settings (and a wait for its engines to load), the
+    # run folder on the host, written as the host's user by the controller and the learner alike
+    assert {k: v for k, v in train["environment"].items() if k != "STAR_FLEET_WAIT_S"} == \
+        services["learner"]["environment"]
     runs = _mounts(train)["/var/star/runs"]
-    assert runs["source"] == "runs" and not runs.get("read_only")
-    assert _mounts(services["learner"])["/var/star/runs"]["source"] == "runs"
+    assert runs["type"] == "bind" and runs["source"] == RUNS_ON_HOST and not runs.get("read_only")
+    assert _mounts(services["learner"])["/var/star/runs"]["source"] == RUNS_ON_HOST
+    assert train["user"] == services["learner"]["user"] == "10001:10001"
     assert train["restart"].startswith("on-failure")
-    assert {"redis", "world", "model", "sandbox", "reward"} <= set(train["depends_on"])
+    assert {"redis", "world", "model", "sandbox", "reward", "reward-worker"} <= set(train["depends_on"])
+    moved = json.loads(compose_config(ROOT / "compose.yaml", (profile,), {"STAR_RUNS_DIR": "/srv/star-runs",
+                                                                          "STAR_UID": "1000"}).stdout)
+    assert _mounts(moved["services"]["train"])["/var/star/runs"]["source"] == "/srv/star-runs"
+    assert moved["services"]["train"]["user"] == "1000:10001"
     # STAR_RECIPE picks the recipe; `run --rm train RECIPE [--set ...]` keeps the external mode
     out = compose_config(ROOT / "compose.yaml", (profile,), {"STAR_RECIPE": "configs/smollm2-proof.yaml"})
     assert json.loads(out.stdout)["services"]["train"]["command"] == ["configs/smollm2-proof.yaml"]
@@ -1004,3 +1021,30 @@ def test_world_job_waits_for_the_database_and_services_wait_for_the_world(defaul
     build_synthetic_world(url, size="tiny", seed=0)
     out = _run(wait_world, {"STAR_DB_URL": url, "STAR_HOME": str(tmp_path)}, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_compose_one_shot_jobs_keep_what_they_made_and_match_the_default_recipe(tmp_path):
+    """`up` and `run` start the world and model jobs again under live services: each keeps what is there.
+    On a fresh clone (no tables) they make the world and the model shape of configs/tiny.yaml, the
+    controller's default recipe, which it would refuse otherwise."""
+    from services.common.model_shape import model_shape
+    from services.pipeline.config import load_pipeline_config
+    from services.pipeline.train import prepare_model
+
+    services = render_compose(("train",))["services"]
+    world = " ".join(services["world"]["command"])
+    assert world.count("star world build") == world.count("star world build --if-missing") == 3
+    recipe = load_pipeline_config(ROOT / "configs" / "tiny.yaml")
+    assert (recipe.world.source, recipe.world.synthetic_size, recipe.seed) == ("synthetic", "tiny", 0)
+    assert f"--synthetic {recipe.world.synthetic_size}" in world
+    code = services["model"]["command"][-1]
+    assert services["model"]["command"][:2] == ["python", "-c"] and "/var/star/models/policy" in code
+    made = subprocess.run([sys.executable, "-c", code.replace("/var/star/models/policy", str(tmp_path / "policy"))],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "STAR_HOME": str(tmp_path)})
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert model_shape(tmp_path / "policy") == model_shape(prepare_model(recipe))
+
+
+def test_dockerfiles_fetch_no_frontend():
+    for dockerfile in (ROOT / "Dockerfile", ROOT / "Dockerfile.cuda", *(ROOT / "deploy" / "images").glob("Dockerfile*")):
+        assert "# syntax=" not in dockerfile.read_text(), dockerfile
