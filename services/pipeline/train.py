@@ -18,6 +18,7 @@ records which stages finished; running the same command again resumes after the 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -64,6 +65,7 @@ def prepare(config: PipelineConfig, folder: Path) -> Run:
         run.world_url = get_settings().world_url
         world = fleet_world(address, config.world, config.seed, run.world_url)
         console.print(f"world: the fleet's, {world['source']}, hash {world['world_hash']}")
+        (folder / "world.json").write_text(json.dumps(world, indent=1))  # which world the run trained on
         run.base_model = prepare_model(config)
         engines_take(address, run.base_model)
     else:
