@@ -9,6 +9,7 @@ so a controller started again re-attaches to a run still going instead of starti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -384,6 +385,43 @@ class ExternalFleet:
         if self.run_id and self.learner_report().running:
             console.print(f"stopping learner run {self.run_id}")
             self.stop_learner()
+
+
+def train_on_learner(address: FleetAddress, kind: str, config: dict[str, Any], poll_s: float = 2.0) -> dict[str, Any]:
+    """A `kind` run (sft) on the fleet's learner service, where the fleet's accelerators are, followed to
+    its end (its steps said as they come); returns the finished run, or fails the stage with its error.
+    Stopping the controller stops the run."""
+    headers = address.headers()
+    try:
+        r = httpx.post(f"{address.learner_url}/runs", json={"kind": kind, "config": config}, headers=headers, timeout=60)
+    except httpx.HTTPError as exc:
+        raise StageFailed(f"the learner at {address.learner_url} did not take the {kind} run: {exc}") from None
+    if r.status_code != 201:
+        raise StageFailed(f"the learner at {address.learner_url} refused the {kind} run ({r.status_code}): {_detail(r)}")
+    run_id = r.json()["id"]
+    console.print(f"{kind} run {run_id} started on the learner at {address.learner_url}")
+    said = None
+    try:
+        while True:
+            try:
+                run = httpx.get(f"{address.learner_url}/runs/{run_id}", headers=headers, timeout=10).json()
+            except (httpx.HTTPError, ValueError):
+                time.sleep(poll_s)  # the service restarting: its run folder keeps the run
+                continue
+            if (run.get("state"), run.get("step")) != said:
+                said = (run.get("state"), run.get("step"))
+                console.print(f"{kind} {run.get('state')} · step {run.get('step', 0)}")
+            if run.get("state") == "finished":
+                return run
+            if run.get("state") not in ACTIVE:
+                raise StageFailed(f"{kind} run {run_id} on the learner at {address.learner_url} ended "
+                                  f"{run.get('state')}: {str(run.get('error') or '')[-2000:]}")
+            time.sleep(poll_s)
+    except BaseException:
+        if said is None or said[0] in ACTIVE:
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(f"{address.learner_url}/runs/{run_id}/stop", headers=headers, timeout=30)
+        raise
 
 
 def connect(address: FleetAddress, names: StreamNames, record: Path) -> ExternalFleet:

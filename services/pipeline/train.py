@@ -27,7 +27,7 @@ from typing import Any
 from services.common.settings import get_settings
 from services.common.supervisor import RunLock, SupervisorError
 from services.pipeline.config import STAGES, EvalSpec, PipelineConfig, dump_config
-from services.pipeline.external import FleetAddress, check_reachable, engines_take, fleet_world
+from services.pipeline.external import FleetAddress, check_reachable, engines_take, fleet_world, train_on_learner
 from services.pipeline.rl import stage_rl
 from services.pipeline.report import write_report
 from services.pipeline.stage import Run, StageFailed, console, eval_argv, run_process, star_argv
@@ -144,8 +144,11 @@ def stage_sft(run: Run, synth: dict[str, Any]) -> dict[str, Any]:
                         run.config.services.zero_stage, run.config.seed, ranks=run.config.deployment.learner_ranks))
     path = run.folder / "sft.json"
     path.write_text(cfg.model_dump_json(indent=2))
-    argv, env = run.learner_launch("sft", path)
-    run_process(run, "sft", argv, env=env)
+    if run.config.deployment.fleet == "external":  # on the fleet's learner, where its accelerators are
+        train_on_learner(FleetAddress.from_settings(get_settings()), "sft", json.loads(path.read_text()))
+    else:
+        argv, env = run.learner_launch("sft", path)
+        run_process(run, "sft", argv, env=env)
     status = read_status(out)
     if not status.get("export"):
         raise StageFailed(f"SFT finished without an exported model; see {out / 'status.json'}")

@@ -181,3 +181,30 @@ def test_rl_progress_is_said_line_by_line_where_there_is_no_terminal(capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rl ")]
     assert lines == ["rl 0/2 steps trained · published 1/2 · weights v0",
                      "rl 1/2 steps trained · published 2/2 · weights v1"]
+
+
+def test_sft_runs_on_the_fleets_learner_to_its_end_or_fails_the_stage_with_its_error(tmp_path, learner_service,
+                                                                                       capsys):
+    """An external run's SFT goes to the learner service (in the gpu profile, the GPU learner), not the
+    controller's own machine; its steps are said as they come."""
+    from services.models import tiny_qwen2
+    from services.pipeline.external import train_on_learner
+    from services.pipeline.stage import StageFailed
+
+    tiny_model = tiny_qwen2(tmp_path / "model", tokenizer="travel")
+    address = FleetAddress(None, None, learner_service, api_token="fleet-token")
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "system", "content": "You plan trips."}, {"role": "user", "content": f"Trip {i}"},
+        {"role": "assistant", "content": f"<think>plan {i}</think><answer>Day 1: city {i}</answer>"}]}) + "\n"
+        for i in range(4)))
+    config = {"model": str(tiny_model), "data": str(data), "output_dir": str(tmp_path / "sft"), "lr": 1e-3,
+              "batch_size": 2, "epochs": 1, "engine": {"micro_batch_tokens": 128}}
+    run = train_on_learner(address, "sft", config, poll_s=0.5)
+    assert run["state"] == "finished" and run["step"] == 2 and (tmp_path / "sft" / "status.json").is_file()
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"on the learner at {learner_service}" in said and "sft finished · step 2" in said
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StageFailed, match=f"(?s)sft run .* on the learner at {learner_service} ended failed: .*tokenizer"):
+        train_on_learner(address, "sft", {**config, "model": str(tmp_path / "empty"),
+                                          "output_dir": str(tmp_path / "sft2")}, poll_s=0.5)
