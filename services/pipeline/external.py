@@ -210,6 +210,15 @@ def engines_take(address: FleetAddress, base_model: str) -> None:
                 "with STAR_MODEL of the recipe's shape")
 
 
+def fleet_weights(address: FleetAddress) -> str:
+    """What the fleet's rollout servers hold, in words: `v2 (/var/star/weights/v2)` per server."""
+    held = []
+    for url in address.rollout_urls:
+        info = _get_json(f"{url}/weights")
+        held.append(f"v{info.get('version')} ({info.get('path') or info.get('model')})")
+    return ", ".join(held) or "nothing (no STAR_ROLLOUT_URLS)"
+
+
 def foreign_progress(client: redis.Redis, names: StreamNames) -> str | None:
     """RL progress in the fleet's Redis that no run of this folder made, or None. Its rollout workers
     have loaded that run's weights and would not load an older version number."""

@@ -27,7 +27,8 @@ from typing import Any
 from services.common.settings import get_settings
 from services.common.supervisor import RunLock, SupervisorError
 from services.pipeline.config import STAGES, EvalSpec, PipelineConfig, dump_config
-from services.pipeline.external import FleetAddress, check_reachable, engines_take, fleet_world, train_on_learner
+from services.pipeline.external import (FleetAddress, check_reachable, engines_take, fleet_weights, fleet_world,
+                                        train_on_learner)
 from services.pipeline.rl import stage_rl
 from services.pipeline.report import write_report
 from services.pipeline.stage import Run, StageFailed, console, eval_argv, run_process, star_argv
@@ -155,7 +156,7 @@ def stage_sft(run: Run, synth: dict[str, Any]) -> dict[str, Any]:
     return {"model": status["export"], "steps": status.get("step"), "metrics": str(out / "metrics.jsonl")}
 
 
-def evaluate_model(run: Run, model: str, split: str | Path, out: Path, name: str, limit: int | None) -> dict[str, Any]:
+def evaluate_model(run: Run, model: str | None, split: str | Path, out: Path, name: str, limit: int | None) -> dict[str, Any]:
     """`star eval` of one model on one split into `out`; returns its metrics.json (or {})."""
     from services.evaluation.runfolder import RunFolder
 
@@ -179,6 +180,11 @@ def stage_eval(run: Run, model: str, synth: dict[str, Any] | None, rl: dict[str,
         raise StageFailed(f"the RL checkpoint was picked on {split}, and eval would report on the same queries: "
                           "set synth.heldout_queries and run the synth stage again, or set eval.split")
     out = run.folder / "eval"
+    if run.config.deployment.fleet == "external":  # on the fleet's engines, where its accelerators are
+        held = fleet_weights(FleetAddress.from_settings(get_settings()))
+        console.print(f"eval on the fleet's rollout servers, which hold {held}")
+        result = evaluate_model(run, None, split, out, "eval", e.limit)
+        return {"folder": str(out), "model": held, "metrics": result or None}
     result = evaluate_model(run, model, split, out, "eval", e.limit)
     return {"folder": str(out), "model": model, "metrics": result or None}
 

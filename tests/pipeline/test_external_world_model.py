@@ -98,3 +98,37 @@ def test_a_model_the_engines_cannot_load_is_refused_saying_what_to_set(services,
     assert "vocab_size 4096 ≠ 151936" in text
     assert f"--set model.path={services['qwen-model']} --set model.tiny=null" in text
     engines_take(_address(services), services["qwen-model"])  # the fleet's own model loads
+
+
+def test_eval_on_the_fleet_runs_each_episode_on_its_rollout_servers(services, worlds, tmp_path):
+    """`star eval --fleet` (an external run's eval stage): the episodes run on the fleet's rollout server,
+    on the engine and weights it holds; the controller only scores."""
+    import json
+    import subprocess
+    import sys
+
+    import httpx
+
+    from services.pipeline.external import fleet_weights
+
+    env = {**train_env(tmp_path / "home"), "STAR_DB_URL": worlds["tiny"], "STAR_ROLLOUT_URLS": services["rollout"]}
+    queries = tmp_path / "queries"
+    made = subprocess.run([sys.executable, "-m", "services.cli", "synth", "queries", "--n", "2", "--splits", "0:0:2:0",
+                           "--out", str(queries), "--db", worlds["tiny"]], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    served_before = httpx.get(f"{services['rollout']}/metrics", timeout=10).text.count("\n")
+    out = subprocess.run([sys.executable, "-m", "services.cli", "eval", "--fleet", "--split",
+                          str(queries / "validation.jsonl"), "--out", str(tmp_path / "eval"), "--db", worlds["tiny"],
+                          "--max-tokens", "16", "--max-tool-calls", "2", "--max-context", "4096"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert metrics, metrics
+    source = json.loads((tmp_path / "eval" / "manifest.json").read_text())["scoring"]["source"]
+    assert source["kind"] == "fleet" and source["rollout_urls"] == [services["rollout"]]
+    rollouts = [line for line in httpx.get(f"{services['rollout']}/metrics", timeout=10).text.splitlines()
+                if line.startswith("star_rollout_trajectories_total")]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in rollouts) >= 2, rollouts  # the server ran them
+    assert served_before > 0
+    assert fleet_weights(_address(services)) == f"v0 ({services['qwen-model']})"
