@@ -29,6 +29,7 @@ from services.pipeline.config import WorldSpec
 from services.pipeline.stage import Run, StageFailed, console
 
 FLEET_WAIT_S = float(os.environ.get("STAR_FLEET_WAIT_S", "30"))  # for a fleet still starting
+WAIT_SAID_EVERY_S = 30.0  # how often a controller waiting for the fleet says what it waits on
 WATCH_EVERY_S = 20.0  # how often the controller looks for workers that cannot work
 LEARNER_STOP_S = 120.0  # the learner finishes its step and checkpoints before it stops
 ACTIVE = ("starting", "running")
@@ -116,12 +117,18 @@ def check_reachable(address: FleetAddress, wait_s: float = FLEET_WAIT_S, poll_s:
     """Wait up to `wait_s` for every part of the fleet to answer (Compose starts them together);
     then refuse, naming each part still down."""
     deadline = time.monotonic() + wait_s
+    said = None
     while True:
         found = problems(address)
         if not found:
+            if said is not None:
+                console.print("the fleet is ready")
             return
         if time.monotonic() >= deadline:
             raise FleetUnreachable("the external fleet is not reachable:\n  " + "\n  ".join(found))
+        if said is None or time.monotonic() - said >= WAIT_SAID_EVERY_S:  # a log that shows what it waits on
+            said = time.monotonic()
+            console.print(f"waiting (up to {deadline - said:.0f} s more) for the fleet:\n  " + "\n  ".join(found))
         time.sleep(poll_s)
 
 

@@ -208,3 +208,12 @@ def test_sft_runs_on_the_fleets_learner_to_its_end_or_fails_the_stage_with_its_e
     with pytest.raises(StageFailed, match=f"(?s)sft run .* on the learner at {learner_service} ended failed: .*tokenizer"):
         train_on_learner(address, "sft", {**config, "model": str(tmp_path / "empty"),
                                           "output_dir": str(tmp_path / "sft2")}, poll_s=0.5)
+
+
+def test_a_controller_waiting_for_the_fleet_says_what_it_waits_on(capsys):
+    from services.pipeline.external import FleetUnreachable, check_reachable
+
+    with pytest.raises(FleetUnreachable):
+        check_reachable(FleetAddress(None, None, None), wait_s=1.0, poll_s=0.2)
+    said = capsys.readouterr().err
+    assert said.count("waiting (up to") == 1 and "redis: STAR_REDIS_URL is not set" in said
