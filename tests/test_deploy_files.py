@@ -323,6 +323,49 @@ def test_compose_cpu_engines_can_be_switched_off_for_the_gpu_profile():
     assert all(services[s]["deploy"]["replicas"] == 0 for s in ("rollout", "rollout-worker", "learner"))
 
 
+# Where each stage of an external run (`star train --fleet external`) runs its work: the controller's own
+# process, or the fleet service whose URL setting it calls (services/pipeline/train.py: SFT through the
+# learner's runs API, eval through the rollout servers' POST /rollouts; RL on the whole fleet).
+STAGE_PLACES = {"synth": ("controller",), "sft": ("STAR_LEARNER_URL",),
+                "rl": ("STAR_LEARNER_URL", "STAR_ROLLOUT_URLS", "tasks"), "eval": ("STAR_ROLLOUT_URLS",)}
+
+
+def _answering(services: dict, url: str) -> list[str]:
+    """The running services (replicas > 0) that answer at `url`'s host: by name or network alias."""
+    host = url.split("//", 1)[1].split(":", 1)[0]
+    return [name for name, svc in services.items() if (svc.get("deploy") or {}).get("replicas", 1) != 0
+            and (name == host or host in ((svc.get("networks") or {}).get("default") or {}).get("aliases", []))]
+
+
+def _takes_gpu(svc: dict) -> bool:
+    devices = ((svc.get("deploy") or {}).get("resources", {}).get("reservations", {}).get("devices") or [])
+    return any(d.get("driver") == "nvidia" for d in devices) and svc["build"]["dockerfile"] == "Dockerfile.cuda"
+
+
+def test_compose_gpu_profile_runs_every_stages_model_work_on_the_gpus():
+    """SFT, RL and eval of the gpu profile run on the CUDA services with GPUs; the controller (CPU image,
+    no GPU) only synthesizes queries and scores. In the train profile the same stages run on the CPU fleet."""
+    services = json.loads(compose_config(ROOT / "compose.yaml", ("gpu",), {"STAR_CPU_ENGINES": "0"}).stdout)["services"]
+    env = services["train"]["environment"]
+    placed = {}
+    for stage, places in STAGE_PLACES.items():
+        for place in places:
+            if place == "controller":
+                placed.setdefault(stage, []).append("train")
+            elif place == "tasks":  # the stream's consumers: the rollout workers
+                placed.setdefault(stage, []).extend(n for n in services if "rollout.worker" in
+                                                    " ".join(services[n].get("command") or [])
+                                                    and services[n].get("deploy", {}).get("replicas", 1) != 0)
+            else:
+                placed.setdefault(stage, []).extend(a for url in env[place].split(",") for a in _answering(services, url))
+    assert placed == {"synth": ["train"], "sft": ["learner-gpu"], "rl": ["learner-gpu", "rollout-gpu", "rollout-worker-gpu"],
+                      "eval": ["rollout-gpu"]}, placed
+    assert all(_takes_gpu(services[n]) for stage in ("sft", "rl", "eval") for n in placed[stage])
+    assert not _takes_gpu(services["train"])
+    cpu = render_compose(("train",))["services"]
+    assert _answering(cpu, env["STAR_LEARNER_URL"]) == ["learner"] and _answering(cpu, env["STAR_ROLLOUT_URLS"]) == ["rollout"]
+
+
 @pytest.mark.parametrize("missing, given", [("STAR_API_TOKEN", "STAR_REDIS_PASSWORD"),
                                             ("STAR_REDIS_PASSWORD", "STAR_API_TOKEN")])
 def test_compose_refuses_to_render_without_an_api_token_or_redis_password(missing, given):

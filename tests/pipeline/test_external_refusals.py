@@ -217,3 +217,29 @@ def test_a_controller_waiting_for_the_fleet_says_what_it_waits_on(capsys):
         check_reachable(FleetAddress(None, None, None), wait_s=1.0, poll_s=0.2)
     said = capsys.readouterr().err
     assert said.count("waiting (up to") == 1 and "redis: STAR_REDIS_URL is not set" in said
+
+
+def test_an_external_runs_sft_goes_to_the_learner_service_and_its_eval_to_the_rollout_servers(tmp_path, monkeypatch):
+    """Where each stage's model work runs in external mode: nothing of SFT or eval in the controller's process."""
+    from services.common.settings import get_settings
+    from services.pipeline import train as train_module
+    from services.pipeline.config import load_pipeline_config
+    from services.pipeline.stage import Run, eval_argv
+    from tests.pipeline.test_train_e2e import ROOT
+
+    monkeypatch.setenv("STAR_LEARNER_URL", "http://learner:8000")
+    get_settings.cache_clear()
+    run = Run(load_pipeline_config(ROOT / "configs" / "tiny.yaml", ["deployment.fleet=external"]), tmp_path / "run")
+    run.folder.mkdir()
+    run.base_model = str(tmp_path / "model")
+    sent = []
+    monkeypatch.setattr(train_module, "train_on_learner", lambda address, kind, config: sent.append(
+        (address.learner_url, kind, config["output_dir"])))
+    monkeypatch.setattr(train_module, "run_process", lambda *a, **k: pytest.fail("SFT ran in the controller"))
+    monkeypatch.setattr("services.learner.trainer.read_status", lambda out: {"export": str(out / "export")})
+    out = train_module.stage_sft(run, {"sft_data": str(tmp_path / "sft.jsonl")})
+    get_settings.cache_clear()
+    assert sent == [("http://learner:8000", "sft", str(run.folder / "sft"))]
+    assert out["model"] == str(run.folder / "sft" / "export")
+    argv = eval_argv(run, None, tmp_path / "split.jsonl", tmp_path / "eval", 4)
+    assert "--fleet" in argv and "--model" not in argv and "--engine" not in argv
