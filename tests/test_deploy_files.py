@@ -1091,3 +1091,27 @@ def test_compose_one_shot_jobs_keep_what_they_made_and_match_the_default_recipe(
 def test_dockerfiles_fetch_no_frontend():
     for dockerfile in (ROOT / "Dockerfile", ROOT / "Dockerfile.cuda", *(ROOT / "deploy" / "images").glob("Dockerfile*")):
         assert "# syntax=" not in dockerfile.read_text(), dockerfile
+
+
+def test_compose_env_writes_the_secrets_once_and_compose_reads_them_in_any_shell(tmp_path):
+    """`scripts/compose-env` writes .env (mode 0600) with the fleet's secrets and the host user; a later
+    `docker compose ...` in a shell without them exported still renders, with the same secrets."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "compose-env", tmp_path / "scripts" / "compose-env")
+    shutil.copy(ROOT / "compose.yaml", tmp_path / "compose.yaml")
+    for _ in range(2):  # the second run keeps the first one's secrets
+        out = subprocess.run([str(tmp_path / "scripts" / "compose-env")], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+    env_file = tmp_path / ".env"
+    assert oct(env_file.stat().st_mode & 0o777) == "0o600" and (tmp_path / "runs").is_dir()
+    values = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if line and not line.startswith("#"))
+    assert set(values) == {"STAR_API_TOKEN", "STAR_REDIS_PASSWORD", "STAR_UID", "STAR_GID"}
+    assert values["STAR_UID"] == str(os.getuid()) and len(values["STAR_API_TOKEN"]) == 48
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("STAR_", "COMPOSE_"))}
+    out = subprocess.run([compose_binary(), "-f", str(tmp_path / "compose.yaml"), "--profile", "train", "config",
+                          "--format", "json"], capture_output=True, text=True, env=base, cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    train = json.loads(out.stdout)["services"]["train"]
+    assert train["environment"]["STAR_API_TOKEN"] == values["STAR_API_TOKEN"]
+    assert train["user"] == f"{values['STAR_UID']}:{values['STAR_GID']}"
+    assert _mounts(train)["/var/star/runs"]["source"] == str(tmp_path / "runs")
