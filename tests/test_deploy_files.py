@@ -1115,3 +1115,64 @@ def test_compose_env_writes_the_secrets_once_and_compose_reads_them_in_any_shell
     assert train["environment"]["STAR_API_TOKEN"] == values["STAR_API_TOKEN"]
     assert train["user"] == f"{values['STAR_UID']}:{values['STAR_GID']}"
     assert _mounts(train)["/var/star/runs"]["source"] == str(tmp_path / "runs")
+
+
+def _gpus(container: dict) -> int:
+    return int((container.get("resources") or {}).get("limits", {}).get("nvidia.com/gpu", 0))
+
+
+def _pods_behind(docs: list[dict], url: str) -> list[str]:
+    """The Deployments/StatefulSets whose pods answer at `url`: through a Service's selector, or a
+    StatefulSet pod's name under its headless Service (`<set>-<n>.<set>-headless`)."""
+    host = url.split("//", 1)[1].split(":", 1)[0].split("/", 1)[0]
+    workloads = {**_by_kind(docs, "Deployment"), **_by_kind(docs, "StatefulSet")}
+    if "." in host:  # a StatefulSet pod by name
+        return [host.split(".", 1)[0].rsplit("-", 1)[0]]
+    selector = dict(_by_kind(docs, "Service")[host]["spec"]["selector"])
+    pod = selector.pop("statefulset.kubernetes.io/pod-name", None)  # set on each pod by its StatefulSet
+    return [name for name, w in workloads.items()
+            if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+            and (pod is None or (w["kind"] == "StatefulSet" and pod.rsplit("-", 1)[0] == name))]
+
+
+def test_the_charts_controller_and_fleet_share_one_world_and_model_and_the_gpu_pods_do_the_model_work(tmp_path):
+    """The chart's controller Job runs configs/tiny.yaml on the CPU image; the world Job builds that recipe's
+    world and every pod builds that recipe's model, so the controller accepts the fleet. With the A100 values,
+    the places an external run sends SFT (the learner service) and eval and RL episodes (the rollout servers),
+    read from the controller pod's own settings, are GPU pods, and the controller's pod takes no GPU."""
+    from services.common.model_shape import model_shape
+    from services.common.settings import Settings
+    from services.pipeline.config import load_pipeline_config
+    from services.pipeline.external import FleetAddress
+    from services.pipeline.train import prepare_model
+
+    docs = render_chart({"train": {"enabled": True}})
+    train = _container(docs, "Job", "star-train", "train")
+    assert train["command"][:3] == ["star", "train", "configs/tiny.yaml"] and ":cuda" not in train["image"]
+    recipe = load_pipeline_config(ROOT / "configs" / "tiny.yaml")
+    world = _container(docs, "Job", "star-world-build", "world")
+    assert f"--synthetic {recipe.world.synthetic_size}" in " ".join(world["command"] + world.get("args", []))
+    assert "--seed" not in world["command"] and recipe.seed == 0  # the world's default seed is the recipe's
+    inits = [c["command"] for name, kind in (("star-train", "Job"), ("star-learner", "StatefulSet"),
+                                             ("star-rollout", "StatefulSet"), ("star-rollout-worker", "StatefulSet"))
+             for c in [_container(docs, kind, name, "build-tiny-model")]]
+    assert all(cmd == inits[0] for cmd in inits)  # one model, built alike in every pod
+    code, path = inits[0][2], inits[0][3]
+    made = subprocess.run([sys.executable, "-c", code, str(tmp_path / "policy")], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "STAR_HOME": str(tmp_path)})
+    assert made.returncode == 0 and path == "/var/star/models/policy", made.stderr[-2000:]
+    assert model_shape(tmp_path / "policy") == model_shape(prepare_model(recipe))
+
+    values = {**a100_values(), "train": {**a100_values()["train"], "enabled": True}}
+    docs = render_chart(values)
+    env = dict(_by_kind(docs, "ConfigMap")["star-env"]["data"])
+    address = FleetAddress.from_settings(Settings(**{k[len("STAR_"):].lower(): v for k, v in env.items()
+                                                     if k in ("STAR_LEARNER_URL", "STAR_ROLLOUT_URLS", "STAR_SANDBOX_URL")}))
+    behind = {"sft": _pods_behind(docs, address.learner_url),
+              "eval": [p for url in address.rollout_urls for p in _pods_behind(docs, url)]}
+    assert behind == {"sft": ["star-learner"], "eval": ["star-rollout"]}, behind
+    for workload in behind["sft"] + behind["eval"] + ["star-rollout-worker"]:
+        container = _by_kind(docs, "StatefulSet")[workload]["spec"]["template"]["spec"]["containers"][0]
+        assert _gpus(container) >= 1 and "cuda" in container["image"], workload
+    controller = _container(docs, "Job", "star-train", "train")
+    assert _gpus(controller) == 0 and "cuda" not in controller["image"]
