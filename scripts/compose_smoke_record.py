@@ -51,7 +51,7 @@ def checks(work: Path) -> tuple[dict, list[str]]:
              "scorer": _json(work / "reward-world.json").get("world_hash")}
     found = {
         "stages": {name: s.get("state") for name, s in stages.items()},
-        "rl": {k: rl.get(k) for k in ("ended", "steps_trained", "last_version")},
+        "rl": {k: rl.get(k) for k in ("ended", "steps_trained", "learner_run")},
         "rl_steps_wanted": max_steps,
         "world_hash": world,
         "world": _json(work / "sandbox-world.json").get("source"),
@@ -92,7 +92,7 @@ def main() -> int:
                     if v},
         "base_image": env.get("SMOKE_BASE"), "docker": env.get("SMOKE_DOCKER"), "compose": env.get("SMOKE_COMPOSE"),
         "cores": os.cpu_count(), **found,
-        "tested_files": watched_digests(repo),
+        "tested_files": watched_digests(Path(env.get("SMOKE_TESTED", repo))),
     }
     if not passed and (work / "logs.txt").is_file():
         record["logs_tail"] = (work / "logs.txt").read_text(errors="replace")[-6000:]
