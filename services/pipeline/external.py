@@ -5,6 +5,12 @@ STAR_LEARNER_URL, STAR_ROLLOUT_URLS, STAR_REWARD_URL, STAR_STREAM_PREFIX), refus
 part of it is unreachable, and owns only the learner run it starts through the learner service's
 runs API: stopping the stage stops that run, never the fleet. The run's id is kept in the run folder,
 so a controller started again re-attaches to a run still going instead of starting a second one.
+
+One world and one model for a run: the run takes the fleet's world (its sandbox and scorer must read
+the same one, and so must the controller) and refuses a recipe naming another, and refuses a starting
+model the fleet's engines cannot load. The model work goes where the fleet's accelerators are: SFT to
+the learner service, eval episodes to the rollout servers. While the RL stage runs, workers without a
+heartbeat and new dead letters are said in the controller's log.
 """
 
 from __future__ import annotations
