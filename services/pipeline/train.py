@@ -180,11 +180,18 @@ def stage_eval(run: Run, model: str, synth: dict[str, Any] | None, rl: dict[str,
         raise StageFailed(f"the RL checkpoint was picked on {split}, and eval would report on the same queries: "
                           "set synth.heldout_queries and run the synth stage again, or set eval.split")
     out = run.folder / "eval"
-    if run.config.deployment.fleet == "external":  # on the fleet's engines, where its accelerators are
-        held = fleet_weights(FleetAddress.from_settings(get_settings()))
+    address = FleetAddress.from_settings(get_settings())
+    # on the fleet's engines, which hold RL's last version: unless validation picked another one
+    picked = (rl or {}).get("best_success") is not None
+    if run.config.deployment.fleet == "external" and address.rollout_urls and not picked:
+        held = fleet_weights(address)
         console.print(f"eval on the fleet's rollout servers, which hold {held}")
         result = evaluate_model(run, None, split, out, "eval", e.limit)
         return {"folder": str(out), "model": held, "metrics": result or None}
+    if run.config.deployment.fleet == "external":
+        why = "validation picked a version the fleet no longer holds" if picked else \
+            "the fleet names no rollout server (STAR_ROLLOUT_URLS)"
+        console.print(f"[yellow]{why}: eval runs here[/]")
     result = evaluate_model(run, model, split, out, "eval", e.limit)
     return {"folder": str(out), "model": model, "metrics": result or None}
 

@@ -243,3 +243,35 @@ def test_an_external_runs_sft_goes_to_the_learner_service_and_its_eval_to_the_ro
     assert out["model"] == str(run.folder / "sft" / "export")
     argv = eval_argv(run, None, tmp_path / "split.jsonl", tmp_path / "eval", 4)
     assert "--fleet" in argv and "--model" not in argv and "--engine" not in argv
+
+
+def test_an_external_runs_eval_runs_here_only_where_the_fleet_cannot_take_it(tmp_path, monkeypatch, capsys):
+    from services.common.settings import get_settings
+    from services.pipeline import train as train_module
+    from services.pipeline.config import load_pipeline_config
+    from services.pipeline.stage import Run
+    from tests.pipeline.test_train_e2e import ROOT
+
+    run = Run(load_pipeline_config(ROOT / "configs" / "tiny.yaml", ["deployment.fleet=external"]), tmp_path / "run")
+    run.folder.mkdir()
+    evaluated = []
+    monkeypatch.setattr(train_module, "evaluate_model", lambda run, model, *a: evaluated.append(model) or {})
+    monkeypatch.setattr(train_module, "fleet_weights", lambda address: "v2 (/w/v2)")
+    synth = {"heldout_queries": str(tmp_path / "heldout.jsonl")}
+
+    def eval_with(rollout_urls: str | None, rl: dict) -> dict:
+        monkeypatch.delenv("STAR_ROLLOUT_URLS", raising=False)
+        if rollout_urls:
+            monkeypatch.setenv("STAR_ROLLOUT_URLS", rollout_urls)
+        get_settings.cache_clear()
+        try:
+            return train_module.stage_eval(run, "/run/rl/model", synth, rl)
+        finally:
+            get_settings.cache_clear()
+
+    assert eval_with("http://rollout:8000", {})["model"] == "v2 (/w/v2)"  # on the fleet: no model of ours
+    eval_with(None, {})  # no rollout server to send the episodes to
+    eval_with("http://rollout:8000", {"best_success": 0.5})  # validation picked an older version
+    assert evaluated == [None, "/run/rl/model", "/run/rl/model"]
+    said = " ".join(capsys.readouterr().err.split())
+    assert "names no rollout server" in said and "validation picked a version the fleet no longer holds" in said
