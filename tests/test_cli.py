@@ -135,3 +135,18 @@ def test_a_default_port_is_the_host_port_compose_publishes_the_service_on():
     ports = _serve_ports()
     for path, hosts in published.items():
         assert not hosts or ports[path] in hosts, (path, ports[path], hosts)
+
+
+def test_world_build_if_missing_keeps_a_world_already_built(tmp_path):
+    from services.sandbox.world import World
+
+    db = f"sqlite:///{tmp_path / 'w.sqlite'}"
+    r = runner.invoke(app, ["world", "build", "--synthetic", "tiny", "--db", db, "--if-missing"])
+    assert r.exit_code == 0, r.output
+    first = World(db).identity()
+    assert first["source"] == "synthetic world tiny (seed 0)"
+    r = runner.invoke(app, ["world", "build", "--synthetic", "small", "--db", db, "--if-missing"])
+    assert r.exit_code == 0 and "kept the world" in r.output and first["world_hash"] in r.output
+    assert World(db).identity() == first  # not rebuilt
+    r = runner.invoke(app, ["world", "build", "--synthetic", "small", "--db", db])
+    assert r.exit_code == 0 and World(db).identity()["size"] == "small"  # without it: rebuilt

@@ -163,6 +163,10 @@ def render_compose(profiles: tuple[str, ...] = ()) -> dict:
 SHELL_LESS_IMAGES = {"oliver006/redis_exporter"}
 
 
+# A worker's command word -> the stream (unprefixed) and group it consumes, as its heartbeat check names them.
+WORKER_STREAMS = {"services.rollout.worker": ("tasks", "rollout"), "worker": ("trajectories", "reward")}
+
+
 def compose_problems(cfg: dict) -> list[str]:
     problems: list[str] = []
     services = cfg["services"]
@@ -189,8 +193,11 @@ def compose_problems(cfg: dict) -> list[str]:
         serves_http = "serve" in argv or "uvicorn" in argv
         if serves_http and "/readyz" not in " ".join(check.get("test", [])):
             problems.append(f"{name} serves HTTP but its healthcheck does not ask /readyz")
-        if "build" in svc and not one_shot and not serves_http and "STAR_REDIS_URL" not in " ".join(check.get("test", [])):
-            problems.append(f"{name} is a worker whose healthcheck does not reach Redis")
+        if "build" in svc and not one_shot and not serves_http:
+            # a stream worker is healthy while it reads its own stream (its heartbeat), not while Redis answers
+            stream = WORKER_STREAMS.get(next((a for a in argv if a in WORKER_STREAMS), ""))
+            if not stream or check.get("test", [])[-3:] != ["services.common.heartbeat", *stream]:
+                problems.append(f"{name} is a worker whose healthcheck does not ask for its heartbeat on {stream}")
         # gpu-only services are the GPU engines; a service shared with the CPU fleet (the controller) takes none
         gpu = (svc.get("profiles") or []) == ["gpu"]
         devices = ((svc.get("deploy") or {}).get("resources", {}).get("reservations", {}).get("devices") or [])
@@ -203,6 +210,9 @@ def compose_problems(cfg: dict) -> list[str]:
     if "redis" in services and "--appendonly" not in services["redis"].get("command", []):
         problems.append("redis runs without AOF")
     return problems
+
+
+RUNS_ON_HOST = str(ROOT / "runs")  # STAR_RUNS_DIR's default, ./runs beside compose.yaml
 
 
 def _mounts(svc: dict) -> dict[str, dict]:
@@ -246,9 +256,9 @@ def test_compose_shares_weights_between_learner_and_rollout():
     for learner in ("learner", "learner-gpu"):
         m = _mounts(services[learner])["/var/star/weights"]
         assert m["source"] == "weights" and not m.get("read_only")
-        assert _mounts(services[learner])["/var/star/runs"]["source"] == "runs"
+        assert _mounts(services[learner])["/var/star/runs"]["source"] == RUNS_ON_HOST
     for rollout in ("rollout", "rollout-worker", "rollout-gpu", "rollout-worker-gpu"):
-        for path, volume in (("/var/star/weights", "weights"), ("/var/star/runs", "runs")):
+        for path, volume in (("/var/star/weights", "weights"), ("/var/star/runs", RUNS_ON_HOST)):
             m = _mounts(services[rollout])[path]
             assert m["source"] == volume and m.get("read_only")
     assert _mounts(services["postgres"])["/var/lib/postgresql/data"]["source"] == "world-db"
@@ -265,13 +275,20 @@ def test_compose_controller_trains_against_the_compose_fleet(profile):
     train = services["train"]
     argv = train["entrypoint"] + train["command"]
     assert argv == ["star", "train", "--fleet", "external", "configs/tiny.yaml"]
-    # the fleet it drives is this one: the services' own settings, the run folder on the runs volume
-    assert train["environment"] == {k: v for k, v in services["learner"]["environment"].items()}
+    # the fleet it drives is this one: the services' own settings (and a wait for its engines to load), the
+    # run folder on the host, written as the host's user by the controller and the learner alike
+    assert {k: v for k, v in train["environment"].items() if k != "STAR_FLEET_WAIT_S"} == \
+        services["learner"]["environment"]
     runs = _mounts(train)["/var/star/runs"]
-    assert runs["source"] == "runs" and not runs.get("read_only")
-    assert _mounts(services["learner"])["/var/star/runs"]["source"] == "runs"
+    assert runs["type"] == "bind" and runs["source"] == RUNS_ON_HOST and not runs.get("read_only")
+    assert _mounts(services["learner"])["/var/star/runs"]["source"] == RUNS_ON_HOST
+    assert train["user"] == services["learner"]["user"] == "10001:10001"
     assert train["restart"].startswith("on-failure")
-    assert {"redis", "world", "model", "sandbox", "reward"} <= set(train["depends_on"])
+    assert {"redis", "world", "model", "sandbox", "reward", "reward-worker"} <= set(train["depends_on"])
+    moved = json.loads(compose_config(ROOT / "compose.yaml", (profile,), {"STAR_RUNS_DIR": "/srv/star-runs",
+                                                                          "STAR_UID": "1000"}).stdout)
+    assert _mounts(moved["services"]["train"])["/var/star/runs"]["source"] == "/srv/star-runs"
+    assert moved["services"]["train"]["user"] == "1000:10001"
     # STAR_RECIPE picks the recipe; `run --rm train RECIPE [--set ...]` keeps the external mode
     out = compose_config(ROOT / "compose.yaml", (profile,), {"STAR_RECIPE": "configs/smollm2-proof.yaml"})
     assert json.loads(out.stdout)["services"]["train"]["command"] == ["configs/smollm2-proof.yaml"]
@@ -304,6 +321,49 @@ def test_compose_cpu_engines_can_be_switched_off_for_the_gpu_profile():
     assert out.returncode == 0, out.stderr
     services = json.loads(out.stdout)["services"]
     assert all(services[s]["deploy"]["replicas"] == 0 for s in ("rollout", "rollout-worker", "learner"))
+
+
+# Where each stage of an external run (`star train --fleet external`) runs its work: the controller's own
+# process, or the fleet service whose URL setting it calls (services/pipeline/train.py: SFT through the
+# learner's runs API, eval through the rollout servers' POST /rollouts; RL on the whole fleet).
+STAGE_PLACES = {"synth": ("controller",), "sft": ("STAR_LEARNER_URL",),
+                "rl": ("STAR_LEARNER_URL", "STAR_ROLLOUT_URLS", "tasks"), "eval": ("STAR_ROLLOUT_URLS",)}
+
+
+def _answering(services: dict, url: str) -> list[str]:
+    """The running services (replicas > 0) that answer at `url`'s host: by name or network alias."""
+    host = url.split("//", 1)[1].split(":", 1)[0]
+    return [name for name, svc in services.items() if (svc.get("deploy") or {}).get("replicas", 1) != 0
+            and (name == host or host in ((svc.get("networks") or {}).get("default") or {}).get("aliases", []))]
+
+
+def _takes_gpu(svc: dict) -> bool:
+    devices = ((svc.get("deploy") or {}).get("resources", {}).get("reservations", {}).get("devices") or [])
+    return any(d.get("driver") == "nvidia" for d in devices) and svc["build"]["dockerfile"] == "Dockerfile.cuda"
+
+
+def test_compose_gpu_profile_runs_every_stages_model_work_on_the_gpus():
+    """SFT, RL and eval of the gpu profile run on the CUDA services with GPUs; the controller (CPU image,
+    no GPU) only synthesizes queries and scores. In the train profile the same stages run on the CPU fleet."""
+    services = json.loads(compose_config(ROOT / "compose.yaml", ("gpu",), {"STAR_CPU_ENGINES": "0"}).stdout)["services"]
+    env = services["train"]["environment"]
+    placed = {}
+    for stage, places in STAGE_PLACES.items():
+        for place in places:
+            if place == "controller":
+                placed.setdefault(stage, []).append("train")
+            elif place == "tasks":  # the stream's consumers: the rollout workers
+                placed.setdefault(stage, []).extend(n for n in services if "rollout.worker" in
+                                                    " ".join(services[n].get("command") or [])
+                                                    and services[n].get("deploy", {}).get("replicas", 1) != 0)
+            else:
+                placed.setdefault(stage, []).extend(a for url in env[place].split(",") for a in _answering(services, url))
+    assert placed == {"synth": ["train"], "sft": ["learner-gpu"], "rl": ["learner-gpu", "rollout-gpu", "rollout-worker-gpu"],
+                      "eval": ["rollout-gpu"]}, placed
+    assert all(_takes_gpu(services[n]) for stage in ("sft", "rl", "eval") for n in placed[stage])
+    assert not _takes_gpu(services["train"])
+    cpu = render_compose(("train",))["services"]
+    assert _answering(cpu, env["STAR_LEARNER_URL"]) == ["learner"] and _answering(cpu, env["STAR_ROLLOUT_URLS"]) == ["rollout"]
 
 
 @pytest.mark.parametrize("missing, given", [("STAR_API_TOKEN", "STAR_REDIS_PASSWORD"),
@@ -1004,3 +1064,115 @@ def test_world_job_waits_for_the_database_and_services_wait_for_the_world(defaul
     build_synthetic_world(url, size="tiny", seed=0)
     out = _run(wait_world, {"STAR_DB_URL": url, "STAR_HOME": str(tmp_path)}, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_compose_one_shot_jobs_keep_what_they_made_and_match_the_default_recipe(tmp_path):
+    """`up` and `run` start the world and model jobs again under live services: each keeps what is there.
+    On a fresh clone (no tables) they make the world and the model shape of configs/tiny.yaml, the
+    controller's default recipe, which it would refuse otherwise."""
+    from services.common.model_shape import model_shape
+    from services.pipeline.config import load_pipeline_config
+    from services.pipeline.train import prepare_model
+
+    services = render_compose(("train",))["services"]
+    world = " ".join(services["world"]["command"])
+    assert world.count("star world build") == world.count("star world build --if-missing") == 3
+    recipe = load_pipeline_config(ROOT / "configs" / "tiny.yaml")
+    assert (recipe.world.source, recipe.world.synthetic_size, recipe.seed) == ("synthetic", "tiny", 0)
+    assert f"--synthetic {recipe.world.synthetic_size}" in world
+    code = services["model"]["command"][-1]
+    assert services["model"]["command"][:2] == ["python", "-c"] and "/var/star/models/policy" in code
+    made = subprocess.run([sys.executable, "-c", code.replace("/var/star/models/policy", str(tmp_path / "policy"))],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "STAR_HOME": str(tmp_path)})
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert model_shape(tmp_path / "policy") == model_shape(prepare_model(recipe))
+
+
+def test_dockerfiles_fetch_no_frontend():
+    for dockerfile in (ROOT / "Dockerfile", ROOT / "Dockerfile.cuda", *(ROOT / "deploy" / "images").glob("Dockerfile*")):
+        assert "# syntax=" not in dockerfile.read_text(), dockerfile
+
+
+def test_compose_env_writes_the_secrets_once_and_compose_reads_them_in_any_shell(tmp_path):
+    """`scripts/compose-env` writes .env (mode 0600) with the fleet's secrets and the host user; a later
+    `docker compose ...` in a shell without them exported still renders, with the same secrets."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "compose-env", tmp_path / "scripts" / "compose-env")
+    shutil.copy(ROOT / "compose.yaml", tmp_path / "compose.yaml")
+    for _ in range(2):  # the second run keeps the first one's secrets
+        out = subprocess.run([str(tmp_path / "scripts" / "compose-env")], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+    env_file = tmp_path / ".env"
+    assert oct(env_file.stat().st_mode & 0o777) == "0o600" and (tmp_path / "runs").is_dir()
+    values = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if line and not line.startswith("#"))
+    assert set(values) == {"STAR_API_TOKEN", "STAR_REDIS_PASSWORD", "STAR_UID", "STAR_GID"}
+    assert values["STAR_UID"] == str(os.getuid()) and len(values["STAR_API_TOKEN"]) == 48
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("STAR_", "COMPOSE_"))}
+    out = subprocess.run([compose_binary(), "-f", str(tmp_path / "compose.yaml"), "--profile", "train", "config",
+                          "--format", "json"], capture_output=True, text=True, env=base, cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    train = json.loads(out.stdout)["services"]["train"]
+    assert train["environment"]["STAR_API_TOKEN"] == values["STAR_API_TOKEN"]
+    assert train["user"] == f"{values['STAR_UID']}:{values['STAR_GID']}"
+    assert _mounts(train)["/var/star/runs"]["source"] == str(tmp_path / "runs")
+
+
+def _gpus(container: dict) -> int:
+    return int((container.get("resources") or {}).get("limits", {}).get("nvidia.com/gpu", 0))
+
+
+def _pods_behind(docs: list[dict], url: str) -> list[str]:
+    """The Deployments/StatefulSets whose pods answer at `url`: through a Service's selector, or a
+    StatefulSet pod's name under its headless Service (`<set>-<n>.<set>-headless`)."""
+    host = url.split("//", 1)[1].split(":", 1)[0].split("/", 1)[0]
+    workloads = {**_by_kind(docs, "Deployment"), **_by_kind(docs, "StatefulSet")}
+    if "." in host:  # a StatefulSet pod by name
+        return [host.split(".", 1)[0].rsplit("-", 1)[0]]
+    selector = dict(_by_kind(docs, "Service")[host]["spec"]["selector"])
+    pod = selector.pop("statefulset.kubernetes.io/pod-name", None)  # set on each pod by its StatefulSet
+    return [name for name, w in workloads.items()
+            if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+            and (pod is None or (w["kind"] == "StatefulSet" and pod.rsplit("-", 1)[0] == name))]
+
+
+def test_the_charts_controller_and_fleet_share_one_world_and_model_and_the_gpu_pods_do_the_model_work(tmp_path):
+    """The chart's controller Job runs configs/tiny.yaml on the CPU image; the world Job builds that recipe's
+    world and every pod builds that recipe's model, so the controller accepts the fleet. With the A100 values,
+    the places an external run sends SFT (the learner service) and eval and RL episodes (the rollout servers),
+    read from the controller pod's own settings, are GPU pods, and the controller's pod takes no GPU."""
+    from services.common.model_shape import model_shape
+    from services.common.settings import Settings
+    from services.pipeline.config import load_pipeline_config
+    from services.pipeline.external import FleetAddress
+    from services.pipeline.train import prepare_model
+
+    docs = render_chart({"train": {"enabled": True}})
+    train = _container(docs, "Job", "star-train", "train")
+    assert train["command"][:3] == ["star", "train", "configs/tiny.yaml"] and ":cuda" not in train["image"]
+    recipe = load_pipeline_config(ROOT / "configs" / "tiny.yaml")
+    world = _container(docs, "Job", "star-world-build", "world")
+    assert f"--synthetic {recipe.world.synthetic_size}" in " ".join(world["command"] + world.get("args", []))
+    assert "--seed" not in world["command"] and recipe.seed == 0  # the world's default seed is the recipe's
+    inits = [c["command"] for name, kind in (("star-train", "Job"), ("star-learner", "StatefulSet"),
+                                             ("star-rollout", "StatefulSet"), ("star-rollout-worker", "StatefulSet"))
+             for c in [_container(docs, kind, name, "build-tiny-model")]]
+    assert all(cmd == inits[0] for cmd in inits)  # one model, built alike in every pod
+    code, path = inits[0][2], inits[0][3]
+    made = subprocess.run([sys.executable, "-c", code, str(tmp_path / "policy")], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "STAR_HOME": str(tmp_path)})
+    assert made.returncode == 0 and path == "/var/star/models/policy", made.stderr[-2000:]
+    assert model_shape(tmp_path / "policy") == model_shape(prepare_model(recipe))
+
+    values = {**a100_values(), "train": {**a100_values()["train"], "enabled": True}}
+    docs = render_chart(values)
+    env = dict(_by_kind(docs, "ConfigMap")["star-env"]["data"])
+    address = FleetAddress.from_settings(Settings(**{k[len("STAR_"):].lower(): v for k, v in env.items()
+                                                     if k in ("STAR_LEARNER_URL", "STAR_ROLLOUT_URLS", "STAR_SANDBOX_URL")}))
+    behind = {"sft": _pods_behind(docs, address.learner_url),
+              "eval": [p for url in address.rollout_urls for p in _pods_behind(docs, url)]}
+    assert behind == {"sft": ["star-learner"], "eval": ["star-rollout"]}, behind
+    for workload in behind["sft"] + behind["eval"] + ["star-rollout-worker"]:
+        container = _by_kind(docs, "StatefulSet")[workload]["spec"]["template"]["spec"]["containers"][0]
+        assert _gpus(container) >= 1 and "cuda" in container["image"], workload
+    controller = _container(docs, "Job", "star-train", "train")
+    assert _gpus(controller) == 0 and "cuda" not in controller["image"]

@@ -11,6 +11,8 @@ The guarantees the RL loop relies on (DESIGN.md, "Data flow"):
   `max_deliveries` times, so the workers that take it in turn do not crash-loop;
 - a message being worked on is claimed again every `claim_idle_ms / 3` (`ClaimKeeper`), so a
   slow but live consumer is never robbed of it (which would process it twice);
+- a reading consumer proves it is alive with a heartbeat (`services.common.heartbeat`), the same on
+  every Redis version, and so does one working on a message;
 - bounded state: once every group on a stream has acknowledged an entry it is trimmed
   (`trim_consumed`, XTRIM MINID), and dead-letter streams keep their last `DEAD_LETTERS_KEPT`.
 """
@@ -28,6 +30,8 @@ from typing import Any
 import orjson
 import redis
 from pydantic import BaseModel
+
+from services.common.heartbeat import BEAT_EVERY_S, Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +177,7 @@ class StreamConsumer:
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
         self._backlog: list[StreamMessage] | None = None
+        self.heartbeat = Heartbeat(client, stream, group, consumer)
         ensure_group(client, stream, group, start)
 
     # -- reading ---------------------------------------------------------------------------
@@ -182,6 +187,7 @@ class StreamConsumer:
 
         Our own pending messages (from before a restart under the same consumer name) are
         re-read first as well, so a restarted worker finishes what it had started."""
+        self.heartbeat.beat()
         messages = self._own_pending(count)
         if len(messages) < count:
             messages += self._claim_stale(count - len(messages))
@@ -348,7 +354,8 @@ def run_worker(consumer: StreamConsumer, handler: Handler, out_stream: str | Non
 class ClaimKeeper:
     """Re-claims the messages its consumers are working on every `claim_idle_ms / 3` (XCLAIM
     JUSTID, which leaves the delivery count alone), so no other consumer's XAUTOCLAIM takes a
-    message from a live consumer that is merely slow (a long formatter call, a weight load)."""
+    message from a live consumer that is merely slow (a long formatter call, a weight load).
+    Meanwhile it keeps those consumers' heartbeats going."""
 
     def __init__(self, client: redis.Redis, claim_idle_ms: int, stop: threading.Event | None = None) -> None:
         self.client = client
@@ -383,11 +390,22 @@ class ClaimKeeper:
                 log.warning("claim not extended", extra={"id": msg.id, "error": str(exc)})
         return len(held)
 
+    def beat(self) -> None:
+        """The heartbeat of each consumer holding a message (it reads nothing while it works)."""
+        with self._lock:
+            consumers = {id(c): c for c, _ in self._held.values()}
+        for consumer in consumers.values():
+            consumer.heartbeat.beat()
+
     def _run(self) -> None:
-        while not self._closed.wait(self.interval_s):
+        extended = time.monotonic()
+        while not self._closed.wait(min(self.interval_s, BEAT_EVERY_S)):
             if self._stop is not None and self._stop.is_set():
                 return
-            self.extend()
+            self.beat()
+            if time.monotonic() - extended >= self.interval_s:
+                extended = time.monotonic()
+                self.extend()
 
 
 def _next_id(entry: str) -> str:

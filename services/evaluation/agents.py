@@ -94,6 +94,33 @@ def agent_function(agent: Any, sampling: SamplingParams, *, run_id: str = "eval"
     return run, close
 
 
+def fleet_agent(sampling: SamplingParams, rollout_urls: list[str], api_token: str | None = None,
+                run_id: str = "eval", timeout_s: float = 3600.0) -> Callable[[TravelQuery], Trajectory]:
+    """Each episode on a deployed fleet's rollout servers (POST /rollouts, in turn): on their engines and the
+    weights they hold, where the fleet's accelerators are, not on this machine."""
+    import itertools
+
+    import httpx
+
+    if not rollout_urls:
+        raise AgentUnavailable("no rollout server to run the episodes on (STAR_ROLLOUT_URLS)")
+    turn = itertools.cycle([u.rstrip("/") for u in rollout_urls])
+    lock = threading.Lock()
+    headers = {"authorization": f"Bearer {api_token}"} if api_token else {}
+
+    def agent(query: TravelQuery) -> Trajectory:
+        with lock:
+            url = next(turn)
+        body = {"query": query.model_dump(mode="json"), "group_size": 1, "sampling": sampling.model_dump(mode="json"),
+                "run_id": run_id}
+        r = httpx.post(f"{url}/rollouts", json=body, headers=headers, timeout=timeout_s)
+        if r.status_code != 200:
+            raise RuntimeError(f"the rollout server at {url} answered {r.status_code}: {r.text[:500]}")
+        return Trajectory.model_validate(r.json()["trajectories"][0])
+
+    return agent
+
+
 def load_agent(spec: str) -> Callable[[TravelQuery], Trajectory]:
     """`package.module:function`: a function TravelQuery → Trajectory (or a factory of one when
     it is named `make_*`)."""

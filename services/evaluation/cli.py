@@ -41,6 +41,8 @@ def eval_run(
     official_split: str = typer.Option("auto", help="auto | none | train | validation | test: which official "
                                                     "denominators to use in official mode."),
     agent: Optional[str] = typer.Option(None, help="module:function TravelQuery → Trajectory, instead of --model."),
+    fleet: bool = typer.Option(False, "--fleet", help="Run the episodes on a deployed fleet's rollout servers "
+                               "(STAR_ROLLOUT_URLS), on the weights they hold, instead of --model."),
     engine: str = typer.Option("vllm", help="Engine for --model: vllm | transformers."),
     concurrency: Optional[int] = typer.Option(
         None, min=1, help="Episodes in flight at once; one engine batches their turns. Default: 16 with --model, "
@@ -61,7 +63,7 @@ def eval_run(
     if ctx.invoked_subcommand is not None:
         return
     from services.common.schemas import SamplingParams
-    from services.evaluation.agents import AgentUnavailable, load_agent, rollout_agent
+    from services.evaluation.agents import AgentUnavailable, fleet_agent, load_agent, rollout_agent
     from services.evaluation.formatting import FormatterUnavailable, load_formatter
     from services.evaluation.runfolder import RunMismatch
     from services.evaluation.runner import MODEL_CONCURRENCY, EvalError, EvalRun, run_eval
@@ -72,15 +74,15 @@ def eval_run(
 
     if split is None:
         _fail("--split FILE is required")
-    sources = [s for s in (model, predictions, agent) if s is not None]
+    sources = [s for s in (model, predictions, agent, fleet or None) if s is not None]
     if len(sources) != 1:
-        _fail("give exactly one of --model, --agent or --predictions")
+        _fail("give exactly one of --model, --agent, --fleet or --predictions")
     if mode not in ("official", "strict"):
         _fail(f"--mode must be official or strict, not {mode!r}")
     if official_split not in ("auto", "none", "train", "validation", "test"):
         _fail("--official-split must be auto, none, train, validation or test")
     if concurrency is None:
-        concurrency = MODEL_CONCURRENCY if model is not None else 1
+        concurrency = MODEL_CONCURRENCY if model is not None or fleet else 1
     world_url = db or get_settings().world_url
     world = World(world_url)
     if problem := world.problem():
@@ -97,6 +99,10 @@ def eval_run(
         elif agent is not None:
             source = {"kind": "agent", "agent": agent, "sampling": sampling.model_dump()}
             run_agent = load_agent(agent)
+        elif fleet:
+            settings = get_settings()
+            source = {"kind": "fleet", "rollout_urls": settings.rollout_url_list, "sampling": sampling.model_dump()}
+            run_agent = fleet_agent(sampling, settings.rollout_url_list, settings.api_token)
         else:
             source = {"kind": "model", "model": model, "engine": engine, "sampling": sampling.model_dump()}
             # the transformers engine decodes as many rows as there are episodes in flight
@@ -105,7 +111,7 @@ def eval_run(
                 options["args"] = _vllm_args(vllm_args)
             run_agent, close = rollout_agent(model, sampling, engine=engine, sandbox_url=sandbox_url,
                                              world_url=world_url, base_url=base_url, engine_options=options)
-        label = str(predictions or agent or model)
+        label = str(predictions or agent or model or "fleet")
         run = EvalRun(split_path=split, out=out or _default_out(split, label, mode),
                       evaluator=Evaluator(world, mode), formatter=load_formatter(formatter), source=source, limit=n,
                       official_split=None if official_split == "none" else official_split, sampling=sampling,

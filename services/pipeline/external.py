@@ -5,10 +5,17 @@ STAR_LEARNER_URL, STAR_ROLLOUT_URLS, STAR_REWARD_URL, STAR_STREAM_PREFIX), refus
 part of it is unreachable, and owns only the learner run it starts through the learner service's
 runs API: stopping the stage stops that run, never the fleet. The run's id is kept in the run folder,
 so a controller started again re-attaches to a run still going instead of starting a second one.
+
+One world and one model for a run: the run takes the fleet's world (its sandbox and scorer must read
+the same one, and so must the controller) and refuses a recipe naming another, and refuses a starting
+model the fleet's engines cannot load. The model work goes where the fleet's accelerators are: SFT to
+the learner service, eval episodes to the rollout servers. While the RL stage runs, workers without a
+heartbeat and new dead letters are said in the controller's log.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -19,13 +26,17 @@ from typing import Any
 import httpx
 import redis
 
+from services.common.heartbeat import ALIVE_S, last_beat_age, live_consumers
+from services.common.model_shape import model_shape, shape_differences
 from services.common.redis import redact
 from services.common.settings import Settings
-from services.common.streams import StreamNames
+from services.common.streams import StreamNames, decode
+from services.pipeline.config import WorldSpec
 from services.pipeline.stage import Run, StageFailed, console
 
 FLEET_WAIT_S = float(os.environ.get("STAR_FLEET_WAIT_S", "30"))  # for a fleet still starting
-WORKER_SEEN_S = 120.0  # a stream consumer quiet for longer is not counted as a live worker
+WAIT_SAID_EVERY_S = 30.0  # how often a controller waiting for the fleet says what it waits on
+WATCH_EVERY_S = 20.0  # how often the controller looks for workers that cannot work
 LEARNER_STOP_S = 120.0  # the learner finishes its step and checkpoints before it stops
 ACTIVE = ("starting", "running")
 
@@ -80,16 +91,6 @@ def ready(url: str) -> bool:
         return False
 
 
-def live_consumers(client: redis.Redis, stream: str, group: str, seen_s: float = WORKER_SEEN_S) -> int:
-    """Consumers of `group` seen on `stream` within `seen_s`: a worker polls (and re-claims the task it
-    works on) far more often, a dead one's entry stays behind with its idle time growing."""
-    try:
-        consumers = client.xinfo_consumers(stream, group)
-    except redis.ResponseError:  # no stream or no group yet: no worker has joined
-        return 0
-    return sum(1 for c in consumers if int(c.get("idle", 0)) <= seen_s * 1000)
-
-
 def problems(address: FleetAddress) -> list[str]:
     """What of the fleet is down or unset, one line each (empty: every part answers)."""
     found: list[str] = []
@@ -109,7 +110,7 @@ def problems(address: FleetAddress) -> list[str]:
                                         (names.trajectories, "reward", "reward workers")):
                 if not live_consumers(client, stream, group):
                     found.append(f"{what}: none has read {stream} (group {group}) at {redact(address.redis_url)} "
-                                 f"within {WORKER_SEEN_S:.0f} s")
+                                 f"within {ALIVE_S:.0f} s")
     for name, url in address.services().items():
         if not url:
             found.append(f"{name}: not set")
@@ -122,13 +123,113 @@ def check_reachable(address: FleetAddress, wait_s: float = FLEET_WAIT_S, poll_s:
     """Wait up to `wait_s` for every part of the fleet to answer (Compose starts them together);
     then refuse, naming each part still down."""
     deadline = time.monotonic() + wait_s
+    said = None
     while True:
         found = problems(address)
         if not found:
+            if said is not None:
+                console.print("the fleet is ready")
             return
         if time.monotonic() >= deadline:
             raise FleetUnreachable("the external fleet is not reachable:\n  " + "\n  ".join(found))
+        if said is None or time.monotonic() - said >= WAIT_SAID_EVERY_S:  # a log that shows what it waits on
+            said = time.monotonic()
+            console.print(f"waiting (up to {deadline - said:.0f} s more) for the fleet:\n  " + "\n  ".join(found))
         time.sleep(poll_s)
+
+
+# -- one world and one model for a run --------------------------------------------------------
+
+def _get_json(url: str, wait_s: float = FLEET_WAIT_S) -> dict[str, Any]:
+    """GET `url`'s JSON, waiting up to `wait_s` for a service still starting; StageFailed after."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            r = httpx.get(url, timeout=10)
+            if r.status_code == 200:
+                return r.json()
+            why = f"{r.status_code}: {_detail(r)}"
+        except httpx.HTTPError as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() >= deadline:
+            raise FleetUnreachable(f"GET {url} failed ({why})")
+        time.sleep(1.0)
+
+
+def recipe_world_mismatch(world: WorldSpec, seed: int, fleet: dict[str, Any]) -> str | None:
+    """What of the recipe's `world` the fleet's world (its identity) is not, or None."""
+    if world.source == "synthetic":
+        want = {"kind": "synthetic", "size": world.synthetic_size, "seed": seed}
+    else:
+        want = {"kind": "official"}
+    wrong = [f"{k} {fleet.get(k)!r} (the recipe: {v!r})" for k, v in want.items() if fleet.get(k) != v]
+    return ", ".join(wrong) or None
+
+
+def fleet_world(address: FleetAddress, world: WorldSpec, seed: int, world_url: str) -> dict[str, Any]:
+    """The run's world is the fleet's: the one its sandbox serves, which its scorer must read too, and
+    the controller through `world_url` (STAR_DB_URL); a recipe naming another world is refused,
+    naming both. Returns the world's identity (hash, source)."""
+    from services.sandbox.world import World
+
+    if not address.sandbox_url:
+        raise FleetUnreachable("sandbox (STAR_SANDBOX_URL): not set")
+    served = _get_json(f"{address.sandbox_url}/world")
+    fleet = {k: served.get(k) for k in ("world_hash", "source", "kind", "size", "seed")}
+    where = f"the sandbox at {address.sandbox_url} serves {fleet['source']}, hash {fleet['world_hash']}"
+    if address.reward_url:
+        scored = _get_json(f"{address.reward_url}/world")
+        if scored.get("world_hash") != fleet["world_hash"]:
+            raise StageFailed(f"the fleet's services read different worlds: {where}, the scorer at "
+                              f"{address.reward_url} {scored.get('source')}, hash {scored.get('world_hash')}; "
+                              "give both the same STAR_DB_URL")
+    wrong = recipe_world_mismatch(world, seed, fleet)
+    if wrong:
+        recipe = (f"synthetic world {world.synthetic_size} (seed {seed})" if world.source == "synthetic"
+                  else "the official tables")
+        fix = (f"--set world.source=synthetic --set world.synthetic_size={fleet['size']}" if fleet["kind"] == "synthetic"
+               else "--set world.source=official")
+        raise StageFailed(f"the recipe's world is not the fleet's: the recipe names {recipe}; {where} ({wrong}). "
+                          f"Train on the fleet's world ({fix}), or rebuild the fleet's world to the recipe's")
+    own = World(world_url)
+    try:
+        ours = own.identity() if own.problem() is None else None
+    finally:
+        own.close()
+    if ours is None or ours["world_hash"] != fleet["world_hash"]:
+        mine = f"{ours['source']}, hash {ours['world_hash']}" if ours else "no world"
+        raise StageFailed(f"the controller's world database (STAR_DB_URL) holds {mine}, but {where}: "
+                          "give the controller the fleet's STAR_DB_URL")
+    return fleet
+
+
+def engines_take(address: FleetAddress, base_model: str) -> None:
+    """Refuse a starting model the fleet's engines cannot load (they load each published version into
+    the model they were started on): each rollout server reports that model's shape."""
+    ours = model_shape(base_model)
+    if ours is None:
+        raise StageFailed(f"the run's model {base_model} has no readable config.json")
+    for url in address.rollout_urls:
+        info = _get_json(f"{url}/weights")
+        theirs = info.get("shape")
+        if theirs is None:  # an engine without weights of its own (an OpenAI-compatible API)
+            continue
+        wrong = shape_differences(ours, theirs)
+        if wrong:
+            raise StageFailed(
+                f"the fleet's engines cannot load this run's model: the rollout server at {url} runs "
+                f"{info.get('model')}, and the run starts from {base_model} ({'; '.join(wrong)}). Train the "
+                f"fleet's model (--set model.path={info.get('model')} --set model.tiny=null), or start the fleet "
+                "with STAR_MODEL of the recipe's shape")
+
+
+def fleet_weights(address: FleetAddress) -> str:
+    """What the fleet's rollout servers hold, in words: `v2 (/var/star/weights/v2)` per server."""
+    held = []
+    for url in address.rollout_urls:
+        info = _get_json(f"{url}/weights")
+        held.append(f"v{info.get('version')} ({info.get('path') or info.get('model')})")
+    return ", ".join(held) or "nothing (no STAR_ROLLOUT_URLS)"
 
 
 def foreign_progress(client: redis.Redis, names: StreamNames) -> str | None:
@@ -162,6 +263,9 @@ class ExternalFleet:
     workers: list[Any] = field(default_factory=list)  # none of ours
     learner: Any = None  # no process of ours
     redis_log: Path | None = None  # the deployment keeps Redis's log
+    watched_at: float = 0.0
+    dead_seen: dict[str, int] = field(default_factory=dict)  # dead letters already reported, per stream
+    _client: redis.Redis | None = None
 
     @property
     def redis_url(self) -> str:
@@ -265,14 +369,81 @@ class ExternalFleet:
     # -- the fleet ----------------------------------------------------------------------------
 
     def keep_alive(self) -> list[str]:
-        """Nothing: the deployment restarts its own services."""
+        """Nothing to restart (the deployment restarts its own services); what of the fleet cannot work
+        is said in the controller's log, at most every WATCH_EVERY_S."""
+        now = time.monotonic()
+        if now - self.watched_at >= WATCH_EVERY_S:
+            self.watched_at = now
+            for line in self.watch():
+                console.print(f"[yellow]{line}[/]")
         return []
+
+    def watch(self) -> list[str]:
+        """Workers with no heartbeat within ALIVE_S and messages newly buried as dead letters, one line each."""
+        try:
+            client = self._client or redis.Redis.from_url(self.redis_url, socket_timeout=5, socket_connect_timeout=5)
+            self._client = client
+            lines = []
+            for stream, group, what in ((self.address.names.tasks, "rollout", "rollout workers"),
+                                        (self.address.names.trajectories, "reward", "reward workers")):
+                if not live_consumers(client, stream, group):
+                    age = last_beat_age(client, stream, group)
+                    lines.append(f"{what}: none has read {stream} for {age:.0f} s (they cannot work: see their logs)"
+                                 if age is not None else f"{what}: none has joined {stream} (group {group})")
+                dead = StreamNames.dead(stream)
+                count = client.xlen(dead)
+                if count > self.dead_seen.get(dead, 0):
+                    newest = client.xrevrange(dead, count=1)
+                    error = str(decode(newest[0][1]).get("error", "")) if newest else ""
+                    lines.append(f"{count - self.dead_seen.get(dead, 0)} message(s) of {stream} failed for good "
+                                 f"({dead}); the last: {error[:500]}")
+                    self.dead_seen[dead] = count
+            return lines
+        except redis.RedisError:
+            return []  # the stage's own loop reports Redis down
 
     def stop(self) -> None:
         """Stop the learner run this stage started (or re-attached to); the fleet keeps running."""
         if self.run_id and self.learner_report().running:
             console.print(f"stopping learner run {self.run_id}")
             self.stop_learner()
+
+
+def train_on_learner(address: FleetAddress, kind: str, config: dict[str, Any], poll_s: float = 2.0) -> dict[str, Any]:
+    """A `kind` run (sft) on the fleet's learner service, where the fleet's accelerators are, followed to
+    its end (its steps said as they come); returns the finished run, or fails the stage with its error.
+    Stopping the controller stops the run."""
+    headers = address.headers()
+    try:
+        r = httpx.post(f"{address.learner_url}/runs", json={"kind": kind, "config": config}, headers=headers, timeout=60)
+    except httpx.HTTPError as exc:
+        raise StageFailed(f"the learner at {address.learner_url} did not take the {kind} run: {exc}") from None
+    if r.status_code != 201:
+        raise StageFailed(f"the learner at {address.learner_url} refused the {kind} run ({r.status_code}): {_detail(r)}")
+    run_id = r.json()["id"]
+    console.print(f"{kind} run {run_id} started on the learner at {address.learner_url}")
+    said = None
+    try:
+        while True:
+            try:
+                run = httpx.get(f"{address.learner_url}/runs/{run_id}", headers=headers, timeout=10).json()
+            except (httpx.HTTPError, ValueError):
+                time.sleep(poll_s)  # the service restarting: its run folder keeps the run
+                continue
+            if (run.get("state"), run.get("step")) != said:
+                said = (run.get("state"), run.get("step"))
+                console.print(f"{kind} {run.get('state')} · step {run.get('step', 0)}")
+            if run.get("state") == "finished":
+                return run
+            if run.get("state") not in ACTIVE:
+                raise StageFailed(f"{kind} run {run_id} on the learner at {address.learner_url} ended "
+                                  f"{run.get('state')}: {str(run.get('error') or '')[-2000:]}")
+            time.sleep(poll_s)
+    except BaseException:
+        if said is None or said[0] in ACTIVE:
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(f"{address.learner_url}/runs/{run_id}/stop", headers=headers, timeout=30)
+        raise
 
 
 def connect(address: FleetAddress, names: StreamNames, record: Path) -> ExternalFleet:

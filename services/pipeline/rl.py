@@ -552,6 +552,7 @@ def drive(run: Run, f: Fleet | ExternalFleet, client: redis.Redis, names: Stream
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("rl", total=total, info="")
         redis_down_since: float | None = None
+        said = ""
         deps = Dependencies(f.dependencies())
         while True:
             try:
@@ -579,9 +580,10 @@ def drive(run: Run, f: Fleet | ExternalFleet, client: redis.Redis, names: Stream
                 time.sleep(poll_s)
                 continue
             validating = f" · validating v{validation.running[0]}" if validation and validation.running else ""
-            bar.update(task, completed=min(progress, total),
-                       info=f"published {publisher.next_step()}/{total} · weights v{weights_version(client, names)}"
-                            f"{validating}")
+            info = (f"published {publisher.next_step()}/{total} · weights v{weights_version(client, names)}"
+                    f"{validating}")
+            bar.update(task, completed=min(progress, total), info=info)
+            said = say_progress(min(progress, total), total, info, said)
             if validation is not None:
                 latest = json.loads(latest_raw) if latest_raw else None
                 if latest and validation.due(latest["version"]):
@@ -603,6 +605,15 @@ def drive(run: Run, f: Fleet | ExternalFleet, client: redis.Redis, names: Stream
                         return Ending("done", final)
                 f.learner_ended(report)
             time.sleep(poll_s)
+
+
+def say_progress(done: int, total: int, info: str, said: str) -> str:
+    """A line per change of the RL progress where the console is no terminal (a container's log, a
+    file), which a progress bar reaches only when it ends; returns the line now said."""
+    line = f"rl {done}/{total} steps trained · {info}"
+    if line != said and not console.is_terminal:
+        console.print(line, soft_wrap=True)
+    return line
 
 
 def trim_streams(client: redis.Redis, names: StreamNames) -> None:

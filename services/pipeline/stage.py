@@ -104,18 +104,19 @@ def run_process(run: Run, name: str, argv: list[str], *, env: dict[str, str] | N
     check_exit(run, name, rc)
 
 
-def eval_argv(run: Run, model: str, split: str | Path, out: Path, limit: int | None, *,
+def eval_argv(run: Run, model: str | None, split: str | Path, out: Path, limit: int | None, *,
               memory_share: float | None = None) -> list[str]:
     """`star eval` of one model on one split into `out`, with the recipe's evaluation settings;
     `memory_share`: the share of its GPUs a vLLM engine beside others may take."""
     e = run.config.eval
-    argv = star_argv("eval", "--model", model, "--split", str(split), "--mode", e.mode, "--out", str(out),
-                     "--engine", run.config.services.engine, "--db", run.world_url,
+    # `model` None: the weights an external fleet's rollout servers hold, on their engines
+    source = ["--model", model, "--engine", run.config.services.engine] if model else ["--fleet"]
+    argv = star_argv("eval", *source, "--split", str(split), "--mode", e.mode, "--out", str(out), "--db", run.world_url,
                      "--temperature", str(e.sampling.temperature), "--top-p", str(e.sampling.top_p),
                      "--max-context", str(e.sampling.max_context_tokens),
                      "--max-tokens", str(e.sampling.max_tokens_per_turn),
                      "--max-tool-calls", str(e.sampling.max_tool_calls), "--concurrency", str(e.concurrency))
-    if run.config.services.engine == "vllm":
+    if model and run.config.services.engine == "vllm":
         vllm = run.config.services.vllm
         if memory_share is not None:
             # beside the fleet: its KV cache sized from the share (a measurement would count the others')

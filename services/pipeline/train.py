@@ -18,6 +18,7 @@ records which stages finished; running the same command again resumes after the 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -26,6 +27,8 @@ from typing import Any
 from services.common.settings import get_settings
 from services.common.supervisor import RunLock, SupervisorError
 from services.pipeline.config import STAGES, EvalSpec, PipelineConfig, dump_config
+from services.pipeline.external import (FleetAddress, check_reachable, engines_take, fleet_weights, fleet_world,
+                                        train_on_learner)
 from services.pipeline.rl import stage_rl
 from services.pipeline.report import write_report
 from services.pipeline.stage import Run, StageFailed, console, eval_argv, run_process, star_argv
@@ -56,10 +59,20 @@ def prepare(config: PipelineConfig, folder: Path) -> Run:
         sync = weight_sync(config.deployment, config.services.engine, placement) if "rl" in config.stages else None
     except PlacementError as exc:
         raise StageFailed(f"{exc}") from None
-    resolved.write_text(dump_config(config))
     run = Run(config, folder, placement=placement, weight_sync=sync)
-    run.world_url = prepare_world(config, folder)
-    run.base_model = prepare_model(config)
+    if config.deployment.fleet == "external":  # the fleet's world and a model its engines load, or refused
+        address = FleetAddress.from_settings(get_settings())
+        check_reachable(address)
+        run.world_url = get_settings().world_url
+        world = fleet_world(address, config.world, config.seed, run.world_url)
+        console.print(f"world: the fleet's, {world['source']}, hash {world['world_hash']}")
+        (folder / "world.json").write_text(json.dumps(world, indent=1))  # which world the run trained on
+        run.base_model = prepare_model(config)
+        engines_take(address, run.base_model)
+    else:
+        run.world_url = prepare_world(config, folder)
+        run.base_model = prepare_model(config)
+    resolved.write_text(dump_config(config))  # once the recipe is taken: a refused one can be mended and rerun
     settings = get_settings()
     # DeepSpeed's accelerator defaults to CPU unless told: follow the hardware unless the caller chose
     run.env = {"STAR_HOME": str(settings.home), "STAR_DB_URL": run.world_url, "STAR_LOG_JSON": "false",
@@ -132,15 +145,18 @@ def stage_sft(run: Run, synth: dict[str, Any]) -> dict[str, Any]:
                         run.config.services.zero_stage, run.config.seed, ranks=run.config.deployment.learner_ranks))
     path = run.folder / "sft.json"
     path.write_text(cfg.model_dump_json(indent=2))
-    argv, env = run.learner_launch("sft", path)
-    run_process(run, "sft", argv, env=env)
+    if run.config.deployment.fleet == "external":  # on the fleet's learner, where its accelerators are
+        train_on_learner(FleetAddress.from_settings(get_settings()), "sft", json.loads(path.read_text()))
+    else:
+        argv, env = run.learner_launch("sft", path)
+        run_process(run, "sft", argv, env=env)
     status = read_status(out)
     if not status.get("export"):
         raise StageFailed(f"SFT finished without an exported model; see {out / 'status.json'}")
     return {"model": status["export"], "steps": status.get("step"), "metrics": str(out / "metrics.jsonl")}
 
 
-def evaluate_model(run: Run, model: str, split: str | Path, out: Path, name: str, limit: int | None) -> dict[str, Any]:
+def evaluate_model(run: Run, model: str | None, split: str | Path, out: Path, name: str, limit: int | None) -> dict[str, Any]:
     """`star eval` of one model on one split into `out`; returns its metrics.json (or {})."""
     from services.evaluation.runfolder import RunFolder
 
@@ -164,6 +180,18 @@ def stage_eval(run: Run, model: str, synth: dict[str, Any] | None, rl: dict[str,
         raise StageFailed(f"the RL checkpoint was picked on {split}, and eval would report on the same queries: "
                           "set synth.heldout_queries and run the synth stage again, or set eval.split")
     out = run.folder / "eval"
+    address = FleetAddress.from_settings(get_settings())
+    # on the fleet's engines, which hold RL's last version: unless validation picked another one
+    picked = (rl or {}).get("best_success") is not None
+    if run.config.deployment.fleet == "external" and address.rollout_urls and not picked:
+        held = fleet_weights(address)
+        console.print(f"eval on the fleet's rollout servers, which hold {held}")
+        result = evaluate_model(run, None, split, out, "eval", e.limit)
+        return {"folder": str(out), "model": held, "metrics": result or None}
+    if run.config.deployment.fleet == "external":
+        why = "validation picked a version the fleet no longer holds" if picked else \
+            "the fleet names no rollout server (STAR_ROLLOUT_URLS)"
+        console.print(f"[yellow]{why}: eval runs here[/]")
     result = evaluate_model(run, model, split, out, "eval", e.limit)
     return {"folder": str(out), "model": model, "metrics": result or None}
 

@@ -215,6 +215,10 @@ def create_app(settings: Settings | None = None, scorer: Scorer | None = None) -
                 raise fail(exc) from None
         return _json(report)
 
+    @app.get("/world", tags=["evaluate"], summary="Which world the scorer reads: hash, source, kind")
+    async def world_info() -> dict:
+        return current().world
+
     @app.get("/checks", tags=["evaluate"], summary="The checks, their names and the mode differences")
     async def checks() -> dict:
         from services.reward.evaluator import COMMONSENSE_CHECKS, HARD_CHECKS, MODE_DIFFERENCES

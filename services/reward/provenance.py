@@ -8,11 +8,10 @@ caller insists, and then the reply says so.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 from services.common.schemas import Provenance
+from services.sandbox.world.store import world_hash
 
 REAL_FLIGHTS_SPLITS = ("validation", "test")
 LOAD_REAL_FLIGHTS = ("load the real flights file (clean_Flights_2022.csv of the official TravelPlanner "
@@ -36,7 +35,6 @@ def flights_kind(meta: dict[str, Any]) -> str:
 
 
 def world_provenance(meta: dict[str, Any], mode: str) -> Provenance:
-    blob = json.dumps({k: v for k, v in meta.items() if k != "seconds"}, sort_keys=True, default=str)
     kind = meta.get("kind")
     if meta.get("kind") == "synthetic":
         source = f"synthetic world {meta.get('size', '?')} (seed {meta.get('seed', '?')})"
@@ -44,7 +42,7 @@ def world_provenance(meta: dict[str, Any], mode: str) -> Provenance:
         source = str(meta.get("flights", "unknown"))
     return Provenance(mode=mode, world=kind if kind in ("official", "synthetic") else "unknown",  # type: ignore[arg-type]
                       flights=flights_kind(meta), flights_source=source,  # type: ignore[arg-type]
-                      world_hash=hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16])
+                      world_hash=world_hash(meta))
 
 
 def refusal(provenance: Provenance, split: str | None) -> str | None:

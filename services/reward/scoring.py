@@ -32,6 +32,7 @@ from services.reward.evaluator import hard as hard_checks
 from services.reward.evaluator.aggregate import Split, not_delivered
 from services.reward.evaluator.context import Context
 from services.reward.provenance import refusal, world_provenance
+from services.sandbox.world.store import world_identity
 from services.reward.rewards import all_rewards, reward
 
 FormatterBackend = Literal["structured", "llm", "auto"]
@@ -163,6 +164,7 @@ class Scorer:
         except Exception:  # noqa: BLE001 - a world without metadata still scores; provenance says unknown
             meta = {}
         self.provenance = {mode: world_provenance(meta, mode) for mode in ("official", "strict")}
+        self.world = world_identity(meta)  # which world: the controller compares it with the sandbox's
 
     def close(self) -> None:
         self.formatter.close()

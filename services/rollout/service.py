@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.metrics import Metrics
+from services.common.model_shape import model_shape
 from services.common.schemas import (EvalMode, PreferencePenalty, RewardKind, RolloutTask, SamplingParams,
                                      GenerateRequest, GenerateResult, ToolResult, Trajectory, TravelQuery, VllmArgs,
                                      WeightsBroadcast, WeightsGroup, WeightsUpdate)
@@ -165,6 +166,9 @@ class RolloutService:
         self.loaded_version: int | None = None
         self._broken: str | None = None  # set while a failed broadcast may have left mixed weights
         self._weight_group: str | None = None  # the learner's NCCL group this engine has joined
+        # the model the engine was started on: what a published version must match to load
+        self.base_model = self.config.model or self.settings.model
+        self.base_shape = model_shape(self.base_model) if self.base_model and engine.token_level else None
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None, config: RolloutConfig | None = None) -> RolloutService:
@@ -209,7 +213,7 @@ class RolloutService:
                 "engine": self.engine.name, "loaded_at": self.loaded_at, "in_flight": self.engine.in_flight,
                 # NCCL ranks this engine takes in the learner's weight group (0: it cannot join one)
                 "weight_ranks": weight_ranks(self.engine), "weight_group": self._weight_group,
-                "broken": self._broken}
+                "broken": self._broken, "model": self.base_model, "shape": self.base_shape}
 
     async def update_weights(self, update: WeightsUpdate) -> dict[str, Any]:
         if not self.engine.token_level:

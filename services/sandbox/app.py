@@ -24,6 +24,7 @@ from services.common.settings import Settings, get_settings
 from services.sandbox.tools.registry import tool_schemas
 from services.sandbox.tools.toolbox import BackendError, ToolBox, UnknownTool
 from services.sandbox.world import World
+from services.sandbox.world.store import world_identity
 
 VERSION = "0.1.0"
 
@@ -148,7 +149,8 @@ def create_app(settings: Settings | None = None, world: World | None = None) -> 
         w: World = state["world"]
         if "counts" not in state:  # counting millions of flights takes a while: once, off the loop
             state["meta"], state["counts"] = await worker.run(lambda: (w.meta(), w.counts()))
-        return {"url": _redact(w.url), "meta": state["meta"], "counts": state["counts"], "dialect": box.dialect,
+        return {"url": _redact(w.url), **world_identity(state["meta"]), "meta": state["meta"],
+                "counts": state["counts"], "dialect": box.dialect,
                 "cache": box.cache_info(), "stats": box.stats_snapshot()}
 
     return app

@@ -34,13 +34,24 @@ def world_build(
     flights_csv: Optional[Path] = typer.Option(None, help="A real flights CSV in the official schema."),
     flight_scale: Optional[float] = typer.Option(None, help="Generated flight density (1.0 = official size, ~3.8 M rows)."),
     ref_info: list[Path] = typer.Option([], help="*_ref_info.jsonl files whose real flight rows are merged."),
+    if_missing: bool = typer.Option(False, "--if-missing", help="Keep a complete world already in the database "
+                                    "(a deployment's one-shot job, started again under live services)."),
 ) -> None:
     """Build the world from the official tables (default: ../shared/travelplanner) or synthetically."""
-    from services.sandbox.world import build
+    from services.sandbox.world import World, build
 
     url = _db_url(db)
     if source is not None and synthetic is not None:
         raise typer.BadParameter("give either --from DIR or --synthetic SIZE, not both")
+    if if_missing:
+        world = World(url)
+        try:
+            kept = world.identity() if world.problem() is None else None
+        finally:
+            world.close()
+        if kept is not None:
+            console.print(f"kept the world in {redact(url)}: {kept['source']}, hash {kept['world_hash']}")
+            return
     with _progress() as bar:
         task = bar.add_task("world", total=None, stage="start")
 

@@ -50,7 +50,7 @@ def test_limit_uses_computed_denominators(gold, official_world_url, mutated_subm
 
 
 @pytest.mark.parametrize("extra,message", [
-    ([], "exactly one of --model, --agent or --predictions"),
+    ([], "exactly one of --model, --agent, --fleet or --predictions"),
     (["--predictions", "/nonexistent.jsonl"], "no such file"),
     (["--predictions", "P", "--mode", "lenient"], "--mode must be official or strict"),
     (["--predictions", "P", "--official-split", "dev"], "--official-split must be"),

@@ -111,6 +111,7 @@ def test_star_train_drives_a_fleet_it_did_not_start(tmp_path):
     try:
         learner_url = _start_learner_service(f, folder, tmp_path / "learner-home")
         env = {"STAR_REDIS_URL": f.redis_url, "STAR_SANDBOX_URL": f.sandbox_url, "STAR_LEARNER_URL": learner_url,
+               "STAR_DB_URL": world,  # the fleet's world, which the controller takes
                "STAR_STREAM_PREFIX": PREFIX, "STAR_API_TOKEN": TOKEN}
         password = redis.Redis.from_url(f.redis_url).connection_pool.connection_kwargs["password"]
 

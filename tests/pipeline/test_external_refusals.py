@@ -58,8 +58,8 @@ def test_a_fleet_without_workers_or_learner_is_reported_part_by_part(redis_clien
     learner = f"http://127.0.0.1:{free_port()}"
     address = FleetAddress(redis_url, None, learner, stream_prefix=prefix.rstrip(":"))
     found = problems(address)
-    assert found == [f"rollout workers: none has read {prefix}tasks (group rollout) at {redis_url} within 120 s",
-                     f"reward workers: none has read {prefix}trajectories (group reward) at {redis_url} within 120 s",
+    assert found == [f"rollout workers: none has read {prefix}tasks (group rollout) at {redis_url} within 60 s",
+                     f"reward workers: none has read {prefix}trajectories (group reward) at {redis_url} within 60 s",
                      "sandbox (STAR_SANDBOX_URL): not set",
                      f"learner (STAR_LEARNER_URL) at {learner}: not ready (GET /readyz)"]
     # a worker that polls its stream counts as live
@@ -149,3 +149,129 @@ def test_a_learner_that_refuses_or_fails_the_run_fails_the_stage_with_its_words(
     with pytest.raises(StageFailed, match=f"learner run {run_id} at {learner_service} ended failed: .*empty-model"):
         f.learner_ended(report)
     assert fleet().recorded_run() is None  # a failed run is not re-attached to: the next controller starts anew
+
+
+def test_the_controller_says_what_of_the_fleet_cannot_work(redis_client, tmp_path):
+    from services.pipeline.external import ExternalFleet
+
+    client, prefix = redis_client
+    kw = client.connection_pool.connection_kwargs
+    address = FleetAddress(f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}", None, None,
+                           stream_prefix=prefix.rstrip(":"))
+    names = address.names
+    f = ExternalFleet(address, tmp_path / "learner-run.json")
+    assert f.watch() == [f"rollout workers: none has joined {names.tasks} (group rollout)",
+                         f"reward workers: none has joined {names.trajectories} (group reward)"]
+    worker = StreamConsumer(client, names.tasks, "rollout", "host-0", max_deliveries=1)
+    StreamConsumer(client, names.trajectories, "reward", "host-1").read(block_ms=10)
+    client.xadd(names.tasks, {b"payload": b'{"n": 1}'})
+    [msg] = worker.read(block_ms=10)
+    worker.fail(msg, "weights v0 not loadable: size mismatch")  # one delivery allowed: buried
+    assert f.watch() == [f"1 message(s) of {names.tasks} failed for good ({names.tasks}:dead); the last: "
+                         "weights v0 not loadable: size mismatch"]
+    assert f.watch() == []  # said once
+
+
+def test_rl_progress_is_said_line_by_line_where_there_is_no_terminal(capsys):
+    from services.pipeline.rl import say_progress
+
+    said = say_progress(0, 2, "published 1/2 · weights v0", "")
+    said = say_progress(0, 2, "published 1/2 · weights v0", said)
+    said = say_progress(1, 2, "published 2/2 · weights v1", said)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rl ")]
+    assert lines == ["rl 0/2 steps trained · published 1/2 · weights v0",
+                     "rl 1/2 steps trained · published 2/2 · weights v1"]
+
+
+def test_sft_runs_on_the_fleets_learner_to_its_end_or_fails_the_stage_with_its_error(tmp_path, learner_service,
+                                                                                       capsys):
+    """An external run's SFT goes to the learner service (in the gpu profile, the GPU learner), not the
+    controller's own machine; its steps are said as they come."""
+    from services.models import tiny_qwen2
+    from services.pipeline.external import train_on_learner
+    from services.pipeline.stage import StageFailed
+
+    tiny_model = tiny_qwen2(tmp_path / "model", tokenizer="travel")
+    address = FleetAddress(None, None, learner_service, api_token="fleet-token")
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "system", "content": "You plan trips."}, {"role": "user", "content": f"Trip {i}"},
+        {"role": "assistant", "content": f"<think>plan {i}</think><answer>Day 1: city {i}</answer>"}]}) + "\n"
+        for i in range(4)))
+    config = {"model": str(tiny_model), "data": str(data), "output_dir": str(tmp_path / "sft"), "lr": 1e-3,
+              "batch_size": 2, "epochs": 1, "engine": {"micro_batch_tokens": 128}}
+    run = train_on_learner(address, "sft", config, poll_s=0.5)
+    assert run["state"] == "finished" and run["step"] == 2 and (tmp_path / "sft" / "status.json").is_file()
+    said = " ".join(capsys.readouterr().err.split())
+    assert f"on the learner at {learner_service}" in said and "sft finished · step 2" in said
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StageFailed, match=f"(?s)sft run .* on the learner at {learner_service} ended failed: .*tokenizer"):
+        train_on_learner(address, "sft", {**config, "model": str(tmp_path / "empty"),
+                                          "output_dir": str(tmp_path / "sft2")}, poll_s=0.5)
+
+
+def test_a_controller_waiting_for_the_fleet_says_what_it_waits_on(capsys):
+    from services.pipeline.external import FleetUnreachable, check_reachable
+
+    with pytest.raises(FleetUnreachable):
+        check_reachable(FleetAddress(None, None, None), wait_s=1.0, poll_s=0.2)
+    said = capsys.readouterr().err
+    assert said.count("waiting (up to") == 1 and "redis: STAR_REDIS_URL is not set" in said
+
+
+def test_an_external_runs_sft_goes_to_the_learner_service_and_its_eval_to_the_rollout_servers(tmp_path, monkeypatch):
+    """Where each stage's model work runs in external mode: nothing of SFT or eval in the controller's process."""
+    from services.common.settings import get_settings
+    from services.pipeline import train as train_module
+    from services.pipeline.config import load_pipeline_config
+    from services.pipeline.stage import Run, eval_argv
+    from tests.pipeline.test_train_e2e import ROOT
+
+    monkeypatch.setenv("STAR_LEARNER_URL", "http://learner:8000")
+    get_settings.cache_clear()
+    run = Run(load_pipeline_config(ROOT / "configs" / "tiny.yaml", ["deployment.fleet=external"]), tmp_path / "run")
+    run.folder.mkdir()
+    run.base_model = str(tmp_path / "model")
+    sent = []
+    monkeypatch.setattr(train_module, "train_on_learner", lambda address, kind, config: sent.append(
+        (address.learner_url, kind, config["output_dir"])))
+    monkeypatch.setattr(train_module, "run_process", lambda *a, **k: pytest.fail("SFT ran in the controller"))
+    monkeypatch.setattr("services.learner.trainer.read_status", lambda out: {"export": str(out / "export")})
+    out = train_module.stage_sft(run, {"sft_data": str(tmp_path / "sft.jsonl")})
+    get_settings.cache_clear()
+    assert sent == [("http://learner:8000", "sft", str(run.folder / "sft"))]
+    assert out["model"] == str(run.folder / "sft" / "export")
+    argv = eval_argv(run, None, tmp_path / "split.jsonl", tmp_path / "eval", 4)
+    assert "--fleet" in argv and "--model" not in argv and "--engine" not in argv
+
+
+def test_an_external_runs_eval_runs_here_only_where_the_fleet_cannot_take_it(tmp_path, monkeypatch, capsys):
+    from services.common.settings import get_settings
+    from services.pipeline import train as train_module
+    from services.pipeline.config import load_pipeline_config
+    from services.pipeline.stage import Run
+    from tests.pipeline.test_train_e2e import ROOT
+
+    run = Run(load_pipeline_config(ROOT / "configs" / "tiny.yaml", ["deployment.fleet=external"]), tmp_path / "run")
+    run.folder.mkdir()
+    evaluated = []
+    monkeypatch.setattr(train_module, "evaluate_model", lambda run, model, *a: evaluated.append(model) or {})
+    monkeypatch.setattr(train_module, "fleet_weights", lambda address: "v2 (/w/v2)")
+    synth = {"heldout_queries": str(tmp_path / "heldout.jsonl")}
+
+    def eval_with(rollout_urls: str | None, rl: dict) -> dict:
+        monkeypatch.delenv("STAR_ROLLOUT_URLS", raising=False)
+        if rollout_urls:
+            monkeypatch.setenv("STAR_ROLLOUT_URLS", rollout_urls)
+        get_settings.cache_clear()
+        try:
+            return train_module.stage_eval(run, "/run/rl/model", synth, rl)
+        finally:
+            get_settings.cache_clear()
+
+    assert eval_with("http://rollout:8000", {})["model"] == "v2 (/w/v2)"  # on the fleet: no model of ours
+    eval_with(None, {})  # no rollout server to send the episodes to
+    eval_with("http://rollout:8000", {"best_success": 0.5})  # validation picked an older version
+    assert evaluated == [None, "/run/rl/model", "/run/rl/model"]
+    said = " ".join(capsys.readouterr().err.split())
+    assert "names no rollout server" in said and "validation picked a version the fleet no longer holds" in said

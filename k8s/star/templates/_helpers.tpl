@@ -130,7 +130,7 @@ livenessProbe:
 {{- if not .root.Values.model.existingClaim }}
 - name: build-tiny-model
   {{- include "star.image" (dict "root" .root "gpu" .gpu) | nindent 2 }}
-  command: ["python", "-c", "import sys; from services.models import tiny_qwen2; print(tiny_qwen2(sys.argv[1]))", {{ .root.Values.model.path | quote }}]
+  command: ["python", "-c", "import sys; from services.models import tiny_qwen2; print(tiny_qwen2(sys.argv[1], tokenizer='travel'))", {{ .root.Values.model.path | quote }}]
   {{- include "star.envFrom" .root | nindent 2 }}
   volumeMounts:
     - {name: models, mountPath: /var/star/models}

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -149,6 +150,10 @@ class World:
         with self.engine.connect() as conn:
             return {k: json.loads(v) for k, v in conn.execute(select(schema.world_meta.c.key, schema.world_meta.c.value))}
 
+    def identity(self) -> dict[str, Any]:
+        """Which world this is: `world_identity` of its build metadata."""
+        return world_identity(self.meta())
+
     def counts(self) -> dict[str, int]:
         """Visible rows per table (what the tools can see)."""
         out: dict[str, int] = {}
@@ -251,3 +256,25 @@ def _batched(it: Iterable[Any], n: int) -> Iterator[list[Any]]:
             batch = []
     if batch:
         yield batch
+
+
+def world_hash(meta: dict[str, Any]) -> str:
+    """SHA-256 (first 16 hex digits) of a world's build metadata (its build time included): two
+    services agree on it only when they read one build of the world."""
+    blob = json.dumps({k: v for k, v in meta.items() if k != "seconds"}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def world_source(meta: dict[str, Any]) -> str:
+    """A world in words: `synthetic world tiny (seed 0)`, `official tables (flights: ...)`."""
+    if meta.get("kind") == "synthetic":
+        return f"synthetic world {meta.get('size', '?')} (seed {meta.get('seed', '?')})"
+    if meta.get("kind") == "official":
+        return f"official tables (flights: {meta.get('flights', 'unknown')})"
+    return "unknown world"
+
+
+def world_identity(meta: dict[str, Any]) -> dict[str, Any]:
+    """What services and the controller compare: the hash, the words, and the fields a recipe names."""
+    return {"world_hash": world_hash(meta), "source": world_source(meta), "kind": meta.get("kind"),
+            "size": meta.get("size"), "seed": meta.get("seed")}
