@@ -14,10 +14,12 @@ engine runs on GPU 1 with `weight_transfer: nccl`.
   hosts with no NCCL between them.
 
 Seconds are from "step done" to "the engine samples with the new version": the publish, then a
-one-token `POST /generate` that must come back stamped with the new version. After each sync the
-engine's parameter checksums are compared with the learner's, and its greedy log-probs on a fixed
-prompt with the learner's bf16 forward. Results: bench/results/weight_sync_gpu.json (merged by
-shape) and .md.
+one-token `POST /generate` that must come back stamped with the new version. The stand-in step
+changes every parameter; after each method's syncs a sha256 of every parameter on the engine
+(`GET /weights/digests`) is compared with the learner's, and each must differ from its digest
+before that method's steps (all weights changed). The engine's greedy log-probs on a fixed prompt
+are compared with the learner's bf16 forward too. Results: bench/results/weight_sync_gpu.json
+(merged by shape) and .md.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from bench.gpu_shapes import model_folder  # noqa: E402
 from bench.loadgen import serve_app  # noqa: E402
 
 DEVICE = "cuda"  # "cpu" for the smoke run (--methods files --no-zero3 --shapes tiny)
-CHECKED = ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "model.norm.weight")
 
 
 def log(msg: str) -> None:
@@ -69,15 +70,13 @@ def learner_model(folder: Path, zero3: bool):
 
 
 def take_step(model, zero3: bool, k: int) -> None:
-    """Stand-in for an optimizer step: scale the final norm and one MLP matrix."""
+    """Stand-in for an optimizer step that changes every parameter (scaled, and shifted so that tensors
+    of zeros change too), so that a receiver that kept any old tensor fails the check."""
     import torch
 
-    params = dict(model.named_parameters())
-    touched = [params["model.norm.weight"], params["model.layers.0.mlp.down_proj.weight"]]
-    ctx = _gather(touched, zero3, modifier=True)
-    with ctx, torch.no_grad():
-        for p in touched:
-            p.mul_(1.0 + 0.01 * k)
+    for p in model.parameters():
+        with _gather([p], zero3, modifier=True), torch.no_grad():
+            p.mul_(1.0 + 0.01 * k).add_(1e-3 * k)
 
 
 def _gather(params, zero3: bool, modifier: bool = False):
@@ -90,13 +89,12 @@ def _gather(params, zero3: bool, modifier: bool = False):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modifier else None)
 
 
-def learner_checksums(model, zero3: bool) -> dict[str, float]:
-    params = dict(model.named_parameters())
-    out = {}
-    for name in CHECKED:
-        with _gather([params[name]], zero3):
-            out[name] = float(params[name].detach().float().sum())
-    return out
+def engine_digests(url: str) -> dict[str, Any]:
+    import httpx
+
+    r = httpx.get(f"{url}/weights/digests", timeout=600)
+    r.raise_for_status()
+    return r.json()
 
 
 def learner_logprobs(model, prompt: list[int], ids: list[int]) -> list[float]:
@@ -120,25 +118,28 @@ def sampled_with(url: str, version: int, prompt: list[int], tokens: int = 1, tim
     return out
 
 
-def check(url: str, model, zero3: bool, version: int) -> dict[str, Any]:
-    import httpx
+def check(url: str, model, zero3: bool, version: int, before: dict[str, str]) -> dict[str, Any]:
+    """Every parameter on the engine against the learner's (sha256 of each, in the engine's layout),
+    which tensors changed since `before` (digests before this method's steps), and greedy log-probs."""
+    from services.learner.weights import check_engine_weights
 
-    ours = learner_checksums(model, zero3)
-    theirs = httpx.post(f"{url}/weights/checksums", json=list(CHECKED), timeout=60).json()
-    equal = all(abs(ours[n] - theirs.get(n, float("nan"))) <= 1e-3 * max(1.0, abs(ours[n])) for n in CHECKED)
+    verdict = check_engine_weights(model, engine_digests(url), zero3=zero3)
+    ours = verdict.pop("digests")
     prompt = [(13 * j) % 30000 + 100 for j in range(64)]
     out = sampled_with(url, version, prompt, tokens=16)
     lps = learner_logprobs(model, prompt, out["token_ids"])
     diff = max(abs(a - b) for a, b in zip(lps, out["logprobs"]))
-    return {"checksums_equal": equal, "logprob_max_abs_diff": diff,
-            "checksums": {n: [round(ours[n], 3), round(theirs.get(n, float("nan")), 3)] for n in CHECKED}}
+    changed = sum(before.get(n) != d for n, d in ours.items())
+    return {"all_tensors_equal": verdict["equal"], **verdict, "tensors_changed": changed,
+            "logprob_max_abs_diff": diff, "digests_after": ours}
 
 
 def measure_shape(shape: str, args) -> list[dict[str, Any]]:
     import torch
 
     from services.learner.engine import iter_weight_buckets
-    from services.learner.weights import NcclPublisher, StorePublisher, iter_full_parameters, parameter_layout
+    from services.learner.weights import (NcclPublisher, StorePublisher, check_engine_weights, iter_full_parameters,
+                                          parameter_layout)
 
     work = Path(args.work)
     t = time.perf_counter()
@@ -168,6 +169,10 @@ def measure_shape(shape: str, args) -> list[dict[str, Any]]:
             connect = pub.connect()
             log(f"{shape}: NCCL group formed in {connect['sync_connect_s']:.2f} s")
         version = 0
+        start = check_engine_weights(model, engine_digests(url), zero3=args.zero3)
+        if not start["equal"]:
+            raise RuntimeError(f"the engine does not start on the learner's weights: {start}")
+        before = start["digests"]
         for method, rounds in (("nccl", args.rounds), ("files", args.file_rounds)):
             if method not in methods:
                 continue
@@ -192,8 +197,10 @@ def measure_shape(shape: str, args) -> list[dict[str, Any]]:
                 seconds = time.perf_counter() - t0
                 times.append(seconds)
                 log(f"{shape}: {method} v{version}: {seconds:.3f} s ({ {k: round(v, 3) for k, v in timing.items()} })")
-            verdict = check(url, model, args.zero3, version)
-            log(f"{shape}: {method}: checksums equal {verdict['checksums_equal']}, log-prob max diff "
+            verdict = check(url, model, args.zero3, version, before)
+            before = verdict.pop("digests_after")
+            log(f"{shape}: {method}: {verdict['tensors_equal']}/{verdict['tensors_checked']} tensors equal "
+                f"(changed by the steps: {verdict['tensors_changed']}), log-prob max diff "
                 f"{verdict['logprob_max_abs_diff']:.3f}")
             rows.append({"shape": shape, "params": params, "gib": round(nbytes / 2**30, 2), "method": method,
                          "into": "vllm", "seconds": statistics.median(times), "rounds_s": times,
@@ -246,11 +253,16 @@ def write_markdown(record: dict[str, Any], path: Path) -> None:
     lines = [f"# Weight sync into a live vLLM engine ({record['device']}, vLLM {record['vllm_version']})", "",
              "Seconds from \"step done\" to \"the engine samples with the new version\" (`bench/weight_sync_gpu.py`; "
              "learner on GPU 0, rollout server on GPU 1). Target on one host: ≤ 0.3 s at 1.5B, ≤ 0.5 s at 7B.", "",
-             "| shape | params | GiB | method | seconds (median) | rounds | checksums equal | log-prob max abs diff |",
-             "|---|---|---|---|---|---|---|---|"]
+             "Tensors equal: a sha256 of every parameter on the engine against the learner's, after steps that "
+             "changed every tensor (changed: how many differ from before the steps).", "",
+             "| shape | params | GiB | method | seconds (median) | rounds | tensors equal | changed | "
+             "log-prob max abs diff |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
+        equal = (f"{r['tensors_equal']}/{r['tensors_checked']}" if "tensors_checked" in r
+                 else f"3 checksums: {r.get('checksums_equal')}")  # rows measured before every tensor was checked
         lines.append(f"| {r['shape']} | {r['params'] / 1e9:.2f} B | {r['gib']} | {r['method']} | {r['seconds']:.3f} | "
-                     f"{', '.join(f'{x:.3f}' for x in r['rounds_s'])} | {r['checksums_equal']} | "
+                     f"{', '.join(f'{x:.3f}' for x in r['rounds_s'])} | {equal} | {r.get('tensors_changed', '-')} | "
                      f"{r['logprob_max_abs_diff']:.3f} |")
     path.write_text("\n".join(lines) + "\n")
 

@@ -9,7 +9,9 @@ a learner killed after the step replays exactly that batch. `TrainedRecord` is w
 keeps of the batches trained (message and group ids) and what the checkpoint holds of them.
 
 Acknowledging is the trainer's call: the collector holds the messages of the batches it handed out
-until `acknowledge_held`, which the trainer calls once a checkpoint holds those batches.
+until `acknowledge_held`, which the trainer calls once a checkpoint holds those batches. Meanwhile it
+keeps their claims fresh (`keep_held`), so however long the checkpoint interval, they are neither
+re-claimed nor dead-lettered as messages whose consumer died.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 CONSUMED_STEPS_KEPT = 16  # steps whose message ids stay in the checkpoint for de-duplication (at least save_every)
 JOURNAL = "journal.jsonl"
+HELD_CLAIMED_AT_ONCE = 1000  # message ids per XCLAIM when the held messages' claims are renewed
 
 Member = tuple[StreamMessage, ScoredTrajectory]
 
@@ -109,6 +112,7 @@ class GroupCollector:
         self._dead_cursor = "0-0"
         self.duplicates = 0  # samples of already trained groups dropped since `take_duplicates`
         self.held: list[str] = []  # ids of the messages handed out since the last acknowledgement
+        self._held_kept_at = time.monotonic()  # when the held messages' claims were last renewed
         self.replay: dict[int, dict[str, Any]] = {}  # journaled batches after the checkpoint, by number
         # polled while waiting: True when a rollout server asked for the weights (set with NCCL sync)
         self.weights_wanted: Callable[[], bool] | None = None
@@ -270,6 +274,7 @@ class GroupCollector:
         returns how many messages came."""
         cfg = self.cfg
         try:
+            self.keep_held()
             arrived = self.consumer.read(count=cfg.group_size * cfg.batch_prompts, block_ms=cfg.read_block_ms)
         except REDIS_DOWN as exc:
             # Redis restarting: what was read stays pending there, so wait and read on
@@ -321,6 +326,21 @@ class GroupCollector:
     def hold(self, messages: list[StreamMessage]) -> None:
         """Keep these messages unacknowledged until the next checkpoint holds their batch."""
         self.held += [m.id for m in messages]
+
+    def keep_held(self) -> int:
+        """Renew the claims of the held messages (XCLAIM JUSTID: the delivery count stays) once a third
+        of the claim timeout has passed, before the read that would otherwise re-claim them: every
+        XAUTOCLAIM counts a delivery, and after `max_deliveries` a message is dead-lettered, so a
+        checkpoint interval longer than that many timeouts would lose trained batches. Returns how
+        many were renewed."""
+        if not self.held or time.monotonic() - self._held_kept_at < self.consumer.claim_idle_ms / 3000:
+            return 0
+        c = self.consumer
+        for i in range(0, len(self.held), HELD_CLAIMED_AT_ONCE):
+            c.client.xclaim(c.stream, c.group, c.consumer, min_idle_time=0,
+                            message_ids=self.held[i:i + HELD_CLAIMED_AT_ONCE], justid=True)
+        self._held_kept_at = time.monotonic()
+        return len(self.held)
 
     def acknowledge_held(self) -> None:
         """Acknowledge the messages held since the last call (a checkpoint holds their batches, so a

@@ -249,6 +249,7 @@ class RLTrainer:
         self.trained = TrainedRecord(keep=TrainedRecord.kept_steps(cfg.save_every))
         self.batches = 0  # step batches consumed, trained or skipped: the controller paces on it
         self.published = 0  # the newest version already published when this process started
+        self.start_version = 0  # the version this process started from (its checkpoint's)
         self.logged_batches = 0  # batches already in metrics.jsonl when this process started
         self.reference = self.engine.reference_policy() if cfg.kl_coef > 0 else None
         # log-probs of the distribution the rollouts sample from (logits / T), the policy's and the reference's
@@ -459,14 +460,20 @@ class RLTrainer:
         it from the checkpoint, which holds exactly those weights. With `publish_start`, a run that
         has announced nothing yet publishes its starting weights as version 0 the same way, for
         rollout workers started on another model (the controller sends no task before it is out).
-        Every rank joins the gather. Over NCCL, "announced" means written to the store: a version
-        only broadcast may be missing from engines started since (a restarted fleet), so it is sent again."""
+        Every rank joins the gather. Over NCCL a version counts as announced once recorded
+        (`weights:version`), files or not: the versions an earlier process published past this one's
+        checkpoint are in engines already, and the learner, training those steps again, sends none
+        of those numbers again (`retrained`), so that none ever names two sets of weights."""
         behind = False
         if self.rank0 and self.publisher is not None:
             latest = until_redis(self.publisher.latest, what="reading the published weights version")
             self.published = latest.version if latest else 0
+            if self.fleet_sync is not None:  # versions broadcast without files count as published too
+                self.published = max(self.published, until_redis(self.publisher.recorded_version,
+                                                                 what="reading the recorded weights version"))
             behind = self.published < self.version or (latest is None and self.cfg.publish_start)
         self.published = _broadcast(self.published, self.engine)
+        self.start_version = self.version
         if _broadcast(behind, self.engine):
             log.info("publishing an unannounced version", extra={"version": self.version})
             self.publish()
@@ -479,7 +486,7 @@ class RLTrainer:
         with files, older than the one broadcast last, and takes no task until it has that one: with
         no other server feeding the learner, nothing else would send it. Answered at most once per
         RESEND_EVERY_S, and only once a version was trained."""
-        if self.version == 0 or time.monotonic() - self._resent_at < RESEND_EVERY_S:
+        if self.version == 0 or time.monotonic() - self._resent_at < RESEND_EVERY_S or self.retrained():
             return False
         try:
             asked = bool(self.redis.delete(self.names.weights_wanted))
@@ -488,6 +495,12 @@ class RLTrainer:
         if asked:
             self._resent_at = time.monotonic()
         return asked
+
+    def retrained(self) -> bool:
+        """Whether this process holds a version it trained again after a restart, whose number an
+        earlier process already published with its own weights: it is never sent (the engines that
+        ask for weights meanwhile wait for the next new version)."""
+        return self.start_version < self.version <= self.published
 
     def _record_start(self) -> None:
         """Over NCCL, a learner that publishes nothing as it starts records its own version as the

@@ -355,6 +355,11 @@ class StorePublisher:
         raw = self.redis.get(self.key)
         return WeightsUpdate.model_validate_json(raw) if raw else None
 
+    def recorded_version(self) -> int:
+        """The version last recorded in Redis (`weights:version`; 0 when none)."""
+        raw = self.redis.get(self.version_key) if self.redis is not None else None
+        return int(raw) if raw else 0
+
     def record_version(self, version: int) -> None:
         """Say in Redis that `version` is the newest one published, files or not (`weights:version`)."""
         if self.redis is not None:
@@ -410,6 +415,22 @@ def parameter_layout(model: torch.nn.Module, *, skip_tied: bool = True) -> dict[
     return {"names": [n for n, _ in named],
             "dtype_names": [str(p.dtype).removeprefix("torch.") for _, p in named],
             "shapes": [list(getattr(p, "ds_shape", p.shape)) for _, p in named]}
+
+
+def check_engine_weights(model: torch.nn.Module, engine: dict[str, Any], *, zero3: bool = False) -> dict[str, Any]:
+    """Compare a sha256 of every parameter the engine holds (`engine`: its GET /weights/digests) with
+    the learner's `model` put in the engine's layout and dtype (every rank walks the parameters under
+    ZeRO-3). `equal` only when every tensor matches and neither side has one the other lacks."""
+    from services.common.weight_digests import digest_mismatches, engine_layout_digests
+
+    dtype = getattr(torch, engine["dtype"])
+    ours = engine_layout_digests(iter_full_parameters(model, zero3=zero3), engine["packed"], dtype)
+    opaque = set(engine.get("opaque") or [])  # held by the engine in a form it cannot read back
+    wrong = digest_mismatches(ours, engine["digests"])
+    wrong["missing"] = [n for n in wrong["missing"] if n not in opaque]
+    wrong["unverifiable"] = sorted(opaque)
+    return {"tensors_checked": len(ours), "tensors_equal": len(ours) - len(wrong["differ"]) - len(wrong["missing"])
+            - len(opaque), "equal": not any(wrong.values()), **{k: v[:10] for k, v in wrong.items()}, "digests": ours}
 
 
 # The learner's exit status when an NCCL call of the weight sync outlives its deadline.
@@ -567,12 +588,18 @@ class NcclPublisher:
                 ) -> dict[str, float]:
         """Send `tensors` (in `layout`'s order) as `version` to every member of the group, formed
         again first when it is stale. `tensors` may be left unconsumed when nothing is sent."""
-        self.missed = list(self.servers)
         infos = self.survey()
         ahead = {u: i.get("version") for u, i in infos.items() if i is not None and int(i.get("version", 0)) > version}
-        if ahead:  # they would refuse it: nothing is sent (a learner resumed from an older checkpoint)
-            raise WeightsError(f"server(s) hold a version newer than {version}: {ahead}")
+        if ahead:
+            # a learner resumed from a checkpoint older than what it published: those servers keep their
+            # newer version (a number is never given other weights) and the others get this one
+            log.warning("servers ahead of this version are left out of it", extra={"version": version,
+                                                                                     "ahead": ahead})
+            infos = {u: i for u, i in infos.items() if u not in ahead}
+        self.missed = [u for u in self.servers if u not in ahead]
         metrics: dict[str, float] = {}
+        if not self.missed:
+            return metrics  # every server is ahead: nothing to send
         if self.stale(infos):
             up = [u for u, info in infos.items() if info is not None]
             if not up:
@@ -583,12 +610,12 @@ class NcclPublisher:
             except Exception as exc:  # noqa: BLE001 - no group: the caller falls back to the store
                 self.drop()
                 raise WeightsError(f"could not form the NCCL weight group: {type(exc).__name__}: {exc}") from exc
-        metrics.update(self._send(version, layout, tensors))
-        self.missed = [u for u in self.servers if u not in self.members]
+        metrics.update(self._send(version, layout, tensors, ahead))
+        self.missed = [u for u in self.servers if u not in self.members and u not in ahead]
         return metrics
 
-    def _send(self, version: int, layout: dict[str, list], tensors: Iterable[tuple[str, torch.Tensor]]
-              ) -> dict[str, float]:
+    def _send(self, version: int, layout: dict[str, list], tensors: Iterable[tuple[str, torch.Tensor]],
+              ahead: dict[str, Any]) -> dict[str, float]:
         """One broadcast to the members; on any failure the group is dropped and the members that did
         not load the version are named."""
         t0 = time.perf_counter()
@@ -610,7 +637,7 @@ class NcclPublisher:
                 failed[url] = f"{type(exc).__name__}: {exc}"
         if failed:
             loaded = [u for u in self.members if u not in failed and "learner" not in failed]
-            self.missed = [u for u in self.servers if u not in loaded]
+            self.missed = [u for u in self.servers if u not in loaded and u not in ahead]
             self.drop()
             raise WeightsError(f"version {version} did not load on {len(self.missed)} server(s): {failed}")
         return {"sync_send_s": sent, "sync_s": time.perf_counter() - t0}

@@ -9,6 +9,8 @@ the engines of an embedded fleet with NCCL weight broadcasts.
 
 from __future__ import annotations
 
+import os
+import threading
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Iterator
 
@@ -42,6 +44,7 @@ def create_app(settings: Settings | None = None, service: RolloutService | None 
             cfg = config or RolloutConfig()
             svc = RolloutService(make_engine(settings, cfg), make_tools(settings, cfg), settings=settings,
                                  config=cfg, metrics=metrics)
+            svc.on_fatal = end_soon
         state["service"] = svc
         yield
         if service is None:
@@ -49,10 +52,10 @@ def create_app(settings: Settings | None = None, service: RolloutService | None 
 
     app = create_service_app(
         service="rollout", title="STAR rollout", version=VERSION, metrics=metrics.registry,
-        # not ready, and not alive, once the engine reports itself broken: it will not recover in
-        # this process, so Kubernetes' liveness probe restarts the pod
-        ready=lambda: "service" in state and state["service"].engine.healthy,
-        alive=lambda: "service" not in state or state["service"].engine.healthy,
+        # not ready, and not alive, once the engine reports itself broken or a weight transfer left it
+        # stuck: it will not recover in this process, so Kubernetes' liveness probe restarts the pod
+        ready=lambda: "service" in state and state["service"].healthy,
+        alive=lambda: "service" not in state or state["service"].healthy,
         max_body_bytes=settings.max_body_bytes,
         description="ReAct agents on an inference engine: G trajectories per query, token-in/token-out.",
     )
@@ -90,10 +93,10 @@ def create_app(settings: Settings | None = None, service: RolloutService | None 
     async def receive_weights(broadcast: WeightsBroadcast) -> dict[str, Any]:
         return await svc().receive_weights(broadcast)
 
-    @app.post("/weights/checksums", tags=["weights"], dependencies=[Depends(auth)],
-              summary="fp32 sums of the named parameters as the engine holds them")
-    async def checksums(names: list[str]) -> dict[str, float]:
-        return await svc().parameter_checksums(names)
+    @app.get("/weights/digests", tags=["weights"], dependencies=[Depends(auth)],
+             summary="A sha256 of every parameter as the engine holds it, with its fused layout and dtype")
+    async def digests() -> dict[str, Any]:
+        return await svc().parameter_digests()
 
     @app.post("/generate", tags=["rollout"], dependencies=[Depends(auth)],
               summary="One model turn: token ids in, sampled ids and their log-probs out")
@@ -105,6 +108,16 @@ def create_app(settings: Settings | None = None, service: RolloutService | None 
         return svc().weights_info()
 
     return app
+
+
+FATAL_EXIT_S = 1.0  # the reply that reports a fatal weight transfer goes out before the process ends
+
+
+def end_soon(reason: str) -> None:
+    """A server whose engine a weight transfer left stuck ends with status 1 (its supervisor starts a
+    fresh one, which loads the newest files), after a moment for the failed request's reply. Not a
+    graceful shutdown: that would wait on requests the stuck engine never finishes."""
+    threading.Timer(FATAL_EXIT_S, os._exit, args=(1,)).start()
 
 
 class _Embedded(uvicorn.Server):

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,11 +29,13 @@ from services.common.schemas import (EvalMode, PreferencePenalty, RewardKind, Ro
 from services.common.settings import Settings, get_settings
 from services.rollout.agent import Agent
 from services.rollout.engines import Engine, TurnParams, build_engine
-from services.rollout.engines.base import OlderVersion
+from services.rollout.engines.base import EngineError, OlderVersion
 from services.rollout.group import ArpoConfig, GroupMeta, sample_group
 from services.rollout.tools import HttpToolClient, LocalToolClient, ToolClient
 from services.common.files import sha256_file as file_sha256
 
+log = logging.getLogger(__name__)
+ABORT_TIMEOUT_S = 10.0  # an abort of the requests in flight that takes longer is given up (they are refused anyway)
 TOOL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -164,7 +168,12 @@ class RolloutService:
         # the published version last loaded (files or broadcast); None while the engine holds only the model it
         # was started with, which is no published version even where its number (0) matches one
         self.loaded_version: int | None = None
-        self._broken: str | None = None  # set while a failed broadcast may have left mixed weights
+        self._broken: str | None = None  # set while a failed load may have left mixed weights
+        self._failed_loads = 0  # loads that failed so far: a rollout that saw this change is refused
+        # set once the engine is stuck or its state unknown (a weight receive or join timed out or
+        # failed): nothing in this process mends it, so the process must end (`on_fatal`)
+        self.fatal: str | None = None
+        self.on_fatal: Callable[[str], None] | None = None  # the host's way to end the process
         self._weight_group: str | None = None  # the learner's NCCL group this engine has joined
         # the model the engine was started on: what a published version must match to load
         self.base_model = self.config.model or self.settings.model
@@ -179,6 +188,7 @@ class RolloutService:
     async def rollout(self, request: RolloutRequest | RolloutTask) -> list[Trajectory]:
         if self._broken:
             raise WeightsError(503, self._broken)
+        failed_loads = self._failed_loads
         if isinstance(request, RolloutTask):
             group, arpo = request.group_size, request.arpo
             task_id = request.task_id
@@ -198,6 +208,10 @@ class RolloutService:
                                               arpo=arpo, meta=meta)
         finally:
             self.metrics.in_flight.dec(group)
+        if self._failed_loads != failed_loads:
+            # a load failed while the group ran: some of its tokens may come from half-updated weights
+            raise WeightsError(503, f"a weight load failed while this group was sampled: "
+                                    f"{self._broken or 'mixed weights'}; the group is not kept")
         self.metrics.observe(trajectories)
         return trajectories
 
@@ -205,8 +219,34 @@ class RolloutService:
 
     @property
     def broken(self) -> str | None:
-        """Why the server must not sample now (a broadcast failed halfway), or None."""
+        """Why the server must not sample now (a load failed halfway), or None."""
         return self._broken
+
+    @property
+    def healthy(self) -> bool:
+        """False once this process cannot serve again (the engine broke, or a weight transfer left it
+        stuck): its host ends it and a fresh one loads the newest files."""
+        return self.fatal is None and self.engine.healthy
+
+    async def _load_failed(self, reason: str) -> None:
+        """A load failed partway: no sampling on these weights (until a whole version loads), and the
+        requests in flight, which may have sampled on them already, are aborted."""
+        self._broken = reason
+        self._failed_loads += 1
+        self.metrics.weight_updates.labels("failed").inc()
+        try:
+            await within(self.engine.abort_in_flight(), ABORT_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the rollouts are refused anyway (`rollout` checks)
+            log.warning("could not abort the requests in flight", extra={"error": f"{type(exc).__name__}: {exc}"})
+
+    def _end_process(self, reason: str) -> None:
+        """The engine may be stuck inside a collective (NCCL has no timeout) or hold weights nobody can
+        name: mark the process fatal and ask its host to end it. Its tasks' claims lapse and other
+        workers take them; its supervisor starts a fresh process, which loads the newest files."""
+        self.fatal = reason
+        log.error("weight transfer failed; ending the process", extra={"error": reason[:500]})
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
 
     def weights_info(self) -> dict[str, Any]:
         return {"version": self.engine.policy_version, "path": self.engine.weights_path, "sha256": self._weights_sha,
@@ -225,16 +265,20 @@ class RolloutService:
             self.metrics.weight_updates.labels("rejected").inc()
             raise
         self._refuse_older(update.version)
-        if update.version == self.engine.policy_version and update.sha256 == self._weights_sha:
+        if update.version == self.engine.policy_version and update.sha256 == self._weights_sha and not self._broken:
             return {**self.weights_info(), "reloaded": False}
         try:
             timing = await self.engine.update_weights(folder, update.version)
         except OlderVersion as exc:  # a broadcast of a newer version landed while this load waited
             self.metrics.weight_updates.labels("rejected").inc()
             raise WeightsError(409, str(exc)) from None
-        except Exception as exc:  # noqa: BLE001 - a failed load is reported, the old weights stay in use
-            self.metrics.weight_updates.labels("failed").inc()
-            raise WeightsError(422, f"could not load {folder}: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - tensors may have loaded before the failure: mixed weights
+            reason = f"loading version {update.version} failed: {type(exc).__name__}: {exc}"
+            await self._load_failed(reason)
+            if not self.engine.healthy:  # it cannot load a whole version again in this process
+                self._end_process(reason)
+            raise WeightsError(422, f"could not load {folder}: {type(exc).__name__}: {exc}; this server will "
+                                    "not sample until a full version loads") from exc
         return self._loaded(update.version, update.sha256, timing)
 
     def _refuse_older(self, version: int) -> None:
@@ -259,11 +303,13 @@ class RolloutService:
             raise WeightsError(409, f"the {self.engine.name} engine cannot receive weights over NCCL")
         self._weight_group = None  # whatever group it was in is left now
         try:
-            await asyncio.wait_for(join(group.master_address, group.master_port, group.rank_offset, group.world_size),
-                                   timeout=self.config.weights_timeout_s)
+            await within(join(group.master_address, group.master_port, group.rank_offset, group.world_size),
+                         self.config.weights_timeout_s)
         except TimeoutError:
-            raise WeightsError(504, f"the learner's group at {group.master_address}:{group.master_port} did not "
-                                    f"form within {self.config.weights_timeout_s:g} s") from None
+            reason = (f"the learner's group at {group.master_address}:{group.master_port} did not form within "
+                      f"{self.config.weights_timeout_s:g} s")
+            self._end_process(f"{reason}; the engine may still wait for it")  # its core is blocked in the join
+            raise WeightsError(504, f"{reason}; this server ends and restarts") from None
         except Exception as exc:  # noqa: BLE001 - reported to the learner, which falls back to files
             raise WeightsError(422, f"could not join the weight group: {type(exc).__name__}: {exc}") from exc
         self._weight_group = group.group_id or f"{group.master_address}:{group.master_port}"
@@ -277,14 +323,16 @@ class RolloutService:
             raise WeightsError(409, f"the {self.engine.name} engine cannot receive weights over NCCL")
         self._refuse_older(broadcast.version)
         try:
-            timing = await asyncio.wait_for(
-                receive(broadcast.names, broadcast.dtype_names, broadcast.shapes, broadcast.version),
-                timeout=self.config.weights_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - the engine may hold part of a version: it must not sample
-            self.metrics.weight_updates.labels("failed").inc()
-            self._broken = f"a broadcast of version {broadcast.version} failed: {type(exc).__name__}: {exc}"
+            timing = await within(receive(broadcast.names, broadcast.dtype_names, broadcast.shapes, broadcast.version),
+                                  self.config.weights_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the engine may hold part of a version, or be stuck receiving
+            what = (f"did not finish within {self.config.weights_timeout_s:g} s" if isinstance(exc, TimeoutError)
+                    else f"failed: {type(exc).__name__}: {exc}")
+            reason = f"a broadcast of version {broadcast.version} {what}"
             self._weight_group = None  # the group's state is unknown: the learner forms a new one
-            raise WeightsError(503, f"{self._broken}; this server will not sample until a full version loads") from exc
+            await self._load_failed(reason)
+            self._end_process(reason)
+            raise WeightsError(503, f"{reason}; this server will not sample again and restarts") from exc
         return self._loaded(broadcast.version, None, timing)
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
@@ -298,15 +346,31 @@ class RolloutService:
         return GenerateResult(token_ids=gen.token_ids, logprobs=gen.logprobs, finish=gen.finish,
                               policy_version=gen.policy_version)
 
-    async def parameter_checksums(self, names: list[str]) -> dict[str, float]:
-        sums = getattr(self.engine, "parameter_checksums", None)
-        if sums is None:
-            raise WeightsError(409, f"the {self.engine.name} engine cannot report parameter checksums")
-        return await sums(names)
+    async def parameter_digests(self) -> dict[str, Any]:
+        digests = getattr(self.engine, "parameter_digests", None)
+        if digests is None:
+            raise WeightsError(409, f"the {self.engine.name} engine cannot report parameter digests")
+        try:
+            return await digests()
+        except EngineError as exc:
+            raise WeightsError(409, str(exc)) from None
 
     async def close(self) -> None:
         await self.tools.close()
         await self.engine.close()
+
+
+async def within(work: Awaitable[Any], timeout_s: float) -> Any:
+    """`work`'s result, or TimeoutError after `timeout_s` without waiting for `work` to wind down: a
+    weight transfer cancelled while the engine core is blocked in a collective would wait on that core
+    for ever in its clean-up (`asyncio.wait_for` awaits the cancellation). It is cancelled and left."""
+    task = asyncio.ensure_future(work)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nobody awaits it: no warning
+        raise TimeoutError(f"did not finish within {timeout_s:g} s")
+    return task.result()
 
 
 def weight_ranks(engine: Engine) -> int:

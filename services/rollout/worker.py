@@ -17,7 +17,11 @@ Failures: a payload that is not a RolloutTask is dead-lettered at once (retrying
 it); a task whose every sample ended in `engine_error`, or that needs newer weights than can
 be loaded, is failed and retried, and dead-lettered after `max_deliveries` attempts. An engine
 that reports itself broken (`Engine.healthy`, e.g. ticks failing on a CUDA error) stops the worker
-with exit status 1 instead: its supervisor starts a fresh process, other workers take its tasks.
+with exit status 1 instead: its supervisor starts a fresh process, other workers take its tasks. So
+does a weight receive (or group join) over NCCL that timed out or failed (`RolloutService.fatal`):
+the engine core may be blocked in the collective for ever, and a paused engine must not go on
+holding (and re-claiming) tasks. A load from files that failed partway leaves the process up but
+takes no task (`broken`) until a whole version loads; the groups sampled across it are refused.
 
 Weights: before a task, the worker loads the version announced under `{prefix}:weights:latest`
 when it is newer than its own (the learner writes that key whenever it writes a version's files:
@@ -66,6 +70,7 @@ from services.rollout.service import RolloutConfig, RolloutService, WeightsError
 
 log = logging.getLogger(__name__)
 GROUP = "rollout"
+FATAL_EXIT_S = 60.0  # a worker stopping for a restart that has not exited by then ends at once
 
 
 class TaskFailed(RuntimeError):
@@ -138,6 +143,8 @@ class RolloutWorker:
         self.handled = 0
         self.on_fatal: Any = None  # called when a consumer thread dies (main() stops the loop)
         self.fatal = False  # stopped because something broke: main() exits non-zero
+        # a weight receive that timed out or failed leaves an engine nothing here can mend: stop
+        service.on_fatal = lambda reason: self._stop_for_restart()
 
     # -- one task ----------------------------------------------------------------------------
 
@@ -194,7 +201,7 @@ class RolloutWorker:
             log.warning("ignoring an unreadable weights announcement", extra={"key": self.names.weights_latest})
             return None
         loaded = self.service.loaded_version
-        if loaded is not None and update.version <= loaded:
+        if loaded is not None and update.version <= loaded and not self.service.broken:
             return update
         try:
             self._on_loop(self.service.update_weights(update))
@@ -217,9 +224,14 @@ class RolloutWorker:
     def weights_ready(self) -> bool:
         """Whether the engine can serve the fleet's tasks: whole (no broadcast failed halfway) and
         holding the newest version, after loading newer files where some exist."""
+        if not self.service.healthy:
+            log.error("the engine cannot serve again; stopping the worker for a restart",
+                      extra={"error": (self.service.fatal or "engine unhealthy")[:500]})
+            self._stop_for_restart()
+            return False
         needed = self.newest_version()
-        if self.service.engine.policy_version < needed:
-            self.sync_weights()
+        if self.service.engine.policy_version < needed or self.service.broken:
+            self.sync_weights()  # a whole version from files mends a failed load
         ready = self.service.broken is None and self.service.engine.policy_version >= needed
         if ready and self.waiting_for is not None:
             log.info("weights in place; taking tasks", extra={"version": self.service.engine.policy_version})
@@ -364,6 +376,9 @@ def main(settings: Settings | None = None, config: RolloutConfig | None = None) 
     threads = worker.start()
     log.info("rollout worker running", extra={"consumer": worker.consumer, "concurrency": config.concurrency})
     loop.run_forever()
+    if worker.fatal:
+        # an engine stuck in a weight transfer may not shut down: the process ends regardless
+        threading.Timer(FATAL_EXIT_S, os._exit, args=(1,)).start()
     for t in threads:
         t.join(timeout=5)
     if http is not None:

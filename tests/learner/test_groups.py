@@ -218,3 +218,29 @@ def test_the_trained_record_keeps_recent_message_ids_and_every_group(tmp_path: P
     restored = TrainedRecord(keep=2)
     restored.restore({"consumed": record.consumed, "groups": record.groups})
     assert restored == record
+
+
+def test_held_messages_are_never_dead_lettered_however_long_until_the_checkpoint(stream):
+    """Held (trained, not yet acknowledged) messages sit idle until the next checkpoint. Re-claimed by
+    the learner's own XAUTOCLAIM after each claim timeout, each time counting a delivery, they would be
+    dead-lettered after `max_deliveries` timeouts: with 10 min and 10, a checkpoint every 100 min lost
+    them. Here the timeout is 0.3 s and the limit 2, over several timeouts of waiting."""
+    import time
+
+    client, prefix, make = stream
+    collector = make(batch_prompts=1)
+    collector.consumer.claim_idle_ms, collector.consumer.max_deliveries = 300, 2
+    _send(client, prefix, _traj("a", 0), _traj("a", 1))
+    step = collector.collect(batch=0, version=0)
+    collector.hold(step.messages)
+    deadline = time.monotonic() + 2.0  # the learner trains on, reading now and then
+    while time.monotonic() < deadline:
+        collector.read_stream()
+        time.sleep(0.2)
+    scored = StreamNames(prefix).scored
+    assert client.xlen(StreamNames.dead(scored)) == 0
+    assert _pending(client, prefix) == 2
+    delivered = client.xpending_range(scored, "learner", min="-", max="+", count=10)
+    assert {d["times_delivered"] for d in delivered} == {1}
+    collector.acknowledge_held()  # the checkpoint holds them now
+    assert _pending(client, prefix) == 0 and client.xlen(StreamNames.dead(scored)) == 0

