@@ -216,6 +216,7 @@ class LearnerSpec(_Section):
     zero3_layer_units: bool = EngineConfig.model_fields["zero3_layer_units"]
     persistent_weights_gib: float = EngineConfig.model_fields["persistent_weights_gib"]
     nccl_protocol: Literal["Simple", "LL128", "LL"] | None = EngineConfig.model_fields["nccl_protocol"]
+    packed_attention: Literal["auto", "varlen", "per-sequence", "mask"] = EngineConfig.model_fields["packed_attention"]
 
     def engine(self, zero_stage: int, seed: int, ranks: int = 1) -> EngineConfig:
         """The learner's EngineConfig for this recipe (`ranks`: deployment.learner_ranks)."""
