@@ -63,13 +63,13 @@ def ensure_distributed_env(home: Path | None = None) -> dict[str, str]:
     return {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
 
 
-COLLECTIVE_TIMEOUT_S = 1800.0  # torch's and DeepSpeed's default process-group timeout
-
-
 def collective_timeout(data_wait_s: float) -> timedelta:
-    """How long a collective may wait before the process group aborts the rank: the default, plus the
-    longest wait for data on rank 0, during which the other ranks already sit in the step's first broadcast."""
-    return timedelta(seconds=COLLECTIVE_TIMEOUT_S + max(data_wait_s, 0.0))
+    """How long a collective may wait before the process group fails the rank: DeepSpeed's default
+    (10 minutes, or DEEPSPEED_TIMEOUT minutes) plus the longest wait for data on rank 0, during which
+    the other ranks already sit in the step's first broadcast."""
+    from deepspeed.constants import default_pg_timeout
+
+    return default_pg_timeout + timedelta(seconds=max(data_wait_s, 0.0))
 
 
 def seed_everything(seed: int) -> None:
