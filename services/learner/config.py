@@ -90,7 +90,17 @@ class EngineConfig(_Strict):
         None, description="RMSNorm, rotary embedding and the SwiGLU product as torch.compile'd functions, each fused "
                           "into a kernel or two (services/learner/pointwise.py); None: on GPU.")
     compile_layers: bool = Field(False, description="torch.compile each decoder layer (fuses norms, rotary, SiLU on GPU).")
-    attn_implementation: str | None = Field(None, description="e.g. sdpa, eager, flash_attention_2; None: transformers' choice.")
+    attn_implementation: str | None = Field(
+        None, description="e.g. sdpa, eager, flash_attention_2; None: transformers' choice. Used where packed_attention "
+                          "is mask; otherwise only sdpa (the kernel of unpacked rows) is accepted.")
+    packed_attention: Literal["auto", "varlen", "per-sequence", "mask"] = Field(
+        "auto", description="How the sequences of a packed row are kept apart. By their boundaries, with no [T, T] "
+                            "mask (services/learner/attention.py): varlen: FlashAttention's varlen kernel on GPU "
+                            "(torch.nn.attention.varlen); per-sequence: causal SDPA over each sequence; auto: varlen "
+                            "where a pass's sequences average under 4,096 tokens, else per-sequence. On CPU all three "
+                            "run per-sequence. mask: transformers builds a [B, 1, T, T] block mask for "
+                            "attn_implementation (2.6x the cost of the sequences alone at 7B width, "
+                            "bench/results/packed_attention.md).")
     sdpa_backends: list[Literal["cudnn", "flash", "efficient", "math"]] | None = Field(
         None, description="SDPA kernels in priority order on GPU (e.g. [cudnn, flash]); None: PyTorch's order.")
     weight_decay: float = Field(0.0, ge=0.0)
@@ -122,6 +132,13 @@ class EngineConfig(_Strict):
                              "a 135 M model's tags (about 1.9 GB each) fill a 64 GiB disk in a few dozen steps.")
     seed: int = 0
 
+
+    @model_validator(mode="after")
+    def _one_attention(self) -> "EngineConfig":
+        if self.packed_attention != "mask" and self.attn_implementation not in (None, "sdpa"):
+            raise ValueError(f"attn_implementation {self.attn_implementation!r} is not used under packed_attention "
+                             f"{self.packed_attention}; set packed_attention: mask to use it")
+        return self
 
     @model_validator(mode="after")
     def _offload_fits_stage(self) -> "EngineConfig":

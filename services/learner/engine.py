@@ -15,6 +15,7 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from services.learner.attention import IMPLEMENTATIONS, PACKED_IMPLEMENTATIONS, packed_kwargs
 from services.learner.batching import PackedRow, lr_lambda
 from services.learner.config import EngineConfig, ScheduleConfig
 from services.learner.nccl_env import set_learner_protocol
@@ -59,6 +61,15 @@ def ensure_distributed_env(home: Path | None = None) -> dict[str, str]:
     if home is not None:
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(home / "torch_extensions"))
     return {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
+
+
+def collective_timeout(data_wait_s: float) -> timedelta:
+    """How long a collective may wait before the process group fails the rank: DeepSpeed's default
+    (10 minutes, or DEEPSPEED_TIMEOUT minutes) plus the longest wait for data on rank 0, during which
+    the other ranks already sit in the step's first broadcast."""
+    from deepspeed.constants import default_pg_timeout
+
+    return default_pg_timeout + timedelta(seconds=max(data_wait_s, 0.0))
 
 
 def seed_everything(seed: int) -> None:
@@ -107,9 +118,12 @@ class LogprobPolicy(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
                 with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         # No attention mask: position_ids restarting at 0 mark packed sequences (block-diagonal causal).
-        # Where no row of the [B, T] batch restarts (micro-batch padding continues the positions),
-        # transformers builds no mask at all and SDPA runs its plain causal kernel.
-        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        # Under packed attention their boundaries go to every layer's attention as cu_seqlens; under
+        # another implementation transformers builds a block mask from them. Where no row of the [B, T]
+        # batch restarts (micro-batch padding continues the positions), SDPA runs its plain causal kernel.
+        bounds = packed_kwargs(position_ids) if self.lm.config._attn_implementation in PACKED_IMPLEMENTATIONS else {}
+        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                               **bounds).last_hidden_state
         # The head's chunks run over all B·T tokens, whatever row they come from.
         return vocab_logprobs(hidden.flatten(0, 1), self.head_weight, targets.flatten(), chunk=self.chunk_tokens,
                               temperature=self.temperature, with_entropy=with_entropy,
@@ -142,6 +156,14 @@ def recompute_mlps(lm: nn.Module) -> int:
         mlp.forward = forward
         count += 1
     return count
+
+
+def attention_choice(cfg: EngineConfig) -> dict[str, str]:
+    """The attention implementation a policy is loaded with: packed attention, or the configured one
+    (transformers' choice when none is set)."""
+    if cfg.packed_attention != "mask":
+        return {"attn_implementation": IMPLEMENTATIONS[cfg.packed_attention]}
+    return {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
 
 
 @contextmanager
@@ -248,7 +270,8 @@ class PolicyEngine:
     """One DeepSpeed engine around a HF causal LM, for SFT and RL alike."""
 
     def __init__(self, model_dir: str | Path, cfg: EngineConfig, schedule: ScheduleConfig, total_steps: int,
-                 home: Path | None = None) -> None:
+                 home: Path | None = None, data_wait_s: float = 0.0) -> None:
+        """`data_wait_s`: the longest rank 0 may wait for data while the other ranks wait in a collective."""
         ensure_distributed_env(home)
         import deepspeed
         from transformers import AutoModelForCausalLM
@@ -259,17 +282,18 @@ class PolicyEngine:
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.on_gpu)
         if self.on_gpu:
             set_learner_protocol(cfg.nccl_protocol)
+        timeout = collective_timeout(data_wait_s)
         if not torch.distributed.is_initialized():
-            deepspeed.init_distributed(dist_backend="nccl" if self.on_gpu else "gloo")
+            deepspeed.init_distributed(dist_backend="nccl" if self.on_gpu else "gloo", timeout=timeout)
+        else:
+            torch.distributed.group.WORLD.set_timeout(timeout)
         self.rank = torch.distributed.get_rank()
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # this node's GPU and disk
         self.world_size = torch.distributed.get_world_size()
         if self.on_gpu:
             torch.cuda.set_device(self.local_rank)
         seed_everything(cfg.seed)
-        kwargs: dict[str, Any] = {"dtype": torch.float32}
-        if cfg.attn_implementation:
-            kwargs["attn_implementation"] = cfg.attn_implementation
+        kwargs: dict[str, Any] = {"dtype": torch.float32, **attention_choice(cfg)}
         ds_config = deepspeed_config(cfg, bf16=self.bf16, world_size=self.world_size, on_gpu=self.on_gpu)
         with zero3_init(ds_config, cfg.zero_stage == 3 and cfg.zero_init):
             lm = AutoModelForCausalLM.from_pretrained(self.model_dir, **kwargs)
@@ -338,7 +362,8 @@ class PolicyEngine:
         """A frozen copy of the starting weights (read again from `model_dir`), for the KL term."""
         from transformers import AutoModelForCausalLM
 
-        lm = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.bfloat16 if self.bf16 else torch.float32)
+        lm = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.bfloat16 if self.bf16 else torch.float32,
+                                                  **attention_choice(self.cfg))
         ref = LogprobPolicy(lm, self.cfg.logprob_chunk_tokens, self.cfg.head_kernels).to(self.device).eval()
         for p in ref.parameters():
             p.requires_grad_(False)

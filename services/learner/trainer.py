@@ -240,8 +240,9 @@ class RLTrainer:
         self.stop = stop or threading.Event()
         settings = get_settings()
         # the schedule counts optimizer steps: mini_batches of them per batch
+        # ranks 1..n wait in the step's first broadcast while rank 0 waits for the stream's data
         self.engine = PolicyEngine(cfg.model, cfg.engine, cfg.schedule_config(), cfg.total_steps * cfg.mini_batches,
-                                   home=settings.home)
+                                   home=settings.home, data_wait_s=cfg.wait_timeout_s)
         self.rank0 = self.engine.rank == 0
         self.runlog = RunLog(self.out, enabled=self.rank0)
         self.version = 0

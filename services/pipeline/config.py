@@ -98,6 +98,17 @@ class SFTSpec(_Section):
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (default: epochs).")
 
 
+def sampling_cuts(sampling: SamplingParams) -> list[str]:
+    """The top-p / top-k cuts a sampler applies, as a recipe spells them ([] when it samples the whole
+    distribution, which the learner trains)."""
+    cuts = []
+    if sampling.top_p < 1.0:
+        cuts.append(f"top_p {sampling.top_p:g}")
+    if sampling.top_k > 0:
+        cuts.append(f"top_k {sampling.top_k}")
+    return cuts
+
+
 class RLSpec(_Section):
     algorithm: Literal["grpo", "dapo", "arpo"] = "grpo"
     arpo: ArpoParams = Field(default_factory=ArpoParams, description="Branching settings when algorithm is arpo.")
@@ -163,6 +174,19 @@ class RLSpec(_Section):
         return self
 
     @model_validator(mode="after")
+    def _stale_cut_samples_are_corrected(self) -> "RLSpec":
+        # Under a cut the recorded log-probs are not of the policy trained, so the clip ratio's old policy is
+        # the learner's own forward before the update; the gap from the policy that sampled, up to
+        # max_staleness versions behind, is then weighed only by an importance correction.
+        cuts = sampling_cuts(self.sampling)
+        if self.max_staleness > 0 and cuts and self.importance_sampling == "off":
+            raise ValueError(
+                f"max_staleness {self.max_staleness} with rl.sampling's {' and '.join(cuts)} needs an importance "
+                "correction: set rl.importance_sampling to tis or mis (or sample without the cut: top_p 1.0, "
+                "top_k -1; or train on-policy: max_staleness 0)")
+        return self
+
+    @model_validator(mode="after")
     def _penalty_can_bite(self) -> "RLSpec":
         # A plan that breaks a stated preference fails, so its success reward is already 0, and
         # rewards are floored at 0: under success alone the penalty changes no reward at all.
@@ -216,6 +240,7 @@ class LearnerSpec(_Section):
     zero3_layer_units: bool = EngineConfig.model_fields["zero3_layer_units"]
     persistent_weights_gib: float = EngineConfig.model_fields["persistent_weights_gib"]
     nccl_protocol: Literal["Simple", "LL128", "LL"] | None = EngineConfig.model_fields["nccl_protocol"]
+    packed_attention: Literal["auto", "varlen", "per-sequence", "mask"] = EngineConfig.model_fields["packed_attention"]
 
     def engine(self, zero_stage: int, seed: int, ranks: int = 1) -> EngineConfig:
         """The learner's EngineConfig for this recipe (`ranks`: deployment.learner_ranks)."""

@@ -34,7 +34,7 @@ from services.common.supervisor import (Child, Supervisor, SupervisorError, spaw
                                         wait_ready)
 from services.common.settings import get_settings
 from services.pipeline import fleet
-from services.pipeline.config import PipelineConfig
+from services.pipeline.config import PipelineConfig, sampling_cuts
 from services.pipeline.external import ExternalFleet, FleetAddress, LearnerReport, connect, ready
 from services.pipeline.scheduler import Schedule, TaskPublisher
 from services.pipeline import stage
@@ -161,7 +161,7 @@ def rl_config(run: Run, model: str, names: StreamNames, redis_url: str | None, t
         samples_per_step=r.samples_per_step, loss_agg=r.loss_agg, dual_clip_c=r.dual_clip_c,
         log_ratio_clamp=r.log_ratio_clamp, importance_sampling=r.importance_sampling, is_low=r.is_low,
         is_high=r.is_high, temperature=r.sampling.temperature,
-        sampling_cut=r.sampling.top_p < 1.0 or r.sampling.top_k > 0,
+        sampling_cut=bool(sampling_cuts(r.sampling)),
         eps_low=r.eps_low, eps_high=r.eps_high, filters=r.filters(),
         engine=run.config.learner.engine(run.config.services.zero_stage, run.config.seed,
                                          ranks=run.config.deployment.learner_ranks),
@@ -274,11 +274,7 @@ def off_policy_note(sampling: SamplingParams) -> str | None:
     learner's log-probs are of softmax(logits / T) at the rollouts' temperature (rl.sampling passes
     it), but of the whole vocabulary: a top-p or top-k cut draws from another distribution, so its
     samples are off-policy for the policy trained."""
-    cuts = []
-    if sampling.top_p < 1.0:
-        cuts.append(f"top_p {sampling.top_p:g}")
-    if sampling.top_k > 0:
-        cuts.append(f"top_k {sampling.top_k}")
+    cuts = sampling_cuts(sampling)
     if not cuts:
         return None
     return (f"rl.sampling samples with {' and '.join(cuts)}: the learner trains the whole distribution, so these "

@@ -1,6 +1,7 @@
 """Stop paths of a 2-rank learner under torchrun (gloo on CPU): none may leave a rank hanging.
 
-- no data reaches rank 0: every rank is told and the run ends as failed (not rank 0 alone);
+- no data reaches rank 0: every rank is told and the run ends as failed (not rank 0 alone), also when the
+  wait outlasts the process group's default timeout, in which the other ranks sit in a broadcast;
 - SIGTERM: the ranks agree on stopping at the step boundary, the run ends as stopped, the launcher exits 0;
 - a rank killed outright: torchrun takes the other down and exits non-zero, naming the failure."""
 
@@ -23,13 +24,14 @@ from services.learner.trainer import read_status
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _start(tmp: Path, model: Path, redis_url: str, wait_s: float) -> tuple[subprocess.Popen, Path]:
+def _start(tmp: Path, model: Path, redis_url: str, wait_s: float,
+           env_extra: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
     cfg = RLConfig(model=str(model), output_dir=str(tmp / "rl"), group_size=2, batch_prompts=2, total_steps=5,
                    redis_url=redis_url, stream_prefix=f"test:{uuid.uuid4().hex[:8]}", wait_timeout_s=wait_s,
                    read_block_ms=200, publish_weights=False, engine=EngineConfig(micro_batch_tokens=64, ranks=2))
     path = tmp / "rl.json"
     path.write_text(cfg.model_dump_json())
-    env = {**os.environ, **worker_env(2), "DS_ACCELERATOR": "cpu"}
+    env = {**os.environ, **worker_env(2), "DS_ACCELERATOR": "cpu", **(env_extra or {})}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
         env.pop(key, None)
     log = open(tmp / "log.txt", "wb")
@@ -114,3 +116,16 @@ def test_a_killed_rank_takes_the_run_down(tmp_path, tiny_model, redis_server_url
     assert "Signal 9" in log or "SIGKILL" in log, log[-3000:]  # torchrun names the failed rank's end
     time.sleep(1)
     assert not _leftover(tmp_path / "rl.json")
+
+
+@pytest.mark.slow
+def test_ranks_waiting_in_a_broadcast_outlast_the_default_collective_timeout(tmp_path, tiny_model, redis_server_url):
+    """DeepSpeed's process-group timeout cut to 1 minute, rank 0 waiting 75 s for data: rank 1 waits in the
+    step's broadcast all that time, and the run ends on rank 0's NoData, not on a collective timeout."""
+    proc, out = _start(tmp_path, tiny_model, redis_server_url, wait_s=75, env_extra={"DEEPSPEED_TIMEOUT": "1"})
+    rc = _finish(proc, 600)
+    log = (tmp_path / "log.txt").read_text()
+    assert rc != 0, log[-3000:]
+    status = read_status(out)
+    assert "no complete group arrived within 75 s" in status["metrics"]["error"], log[-3000:]
+    assert "Timed out" not in log and not _leftover(tmp_path / "rl.json")

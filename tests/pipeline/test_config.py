@@ -124,19 +124,21 @@ def test_the_loss_bounds_and_temperature_reach_the_learner_config(tmp_path):
                                                       total_steps=16).read_text())
 
     shipped = learner([])
-    assert (shipped.log_ratio_clamp, shipped.dual_clip_c, shipped.importance_sampling) == (20.0, 3.0, "off")
+    assert (shipped.log_ratio_clamp, shipped.dual_clip_c, shipped.importance_sampling) == (20.0, 3.0, "tis")
     assert shipped.temperature == 1.0
     chosen = learner(["rl.importance_sampling=mis", "rl.is_low=0.125", "rl.is_high=8", "rl.loss_agg=group-token-mean",
                       "rl.sampling.temperature=0.7", "rl.dual_clip_c=null"])
     assert (chosen.importance_sampling, chosen.is_low, chosen.is_high) == ("mis", 0.125, 8.0)
     assert (chosen.loss_agg, chosen.temperature, chosen.dual_clip_c) == ("group-token-mean", 0.7, None)
-    assert learner(["rl.importance_sampling=off"]).importance_sampling == "off"  # YAML's bare off is false
+    on_policy = learner(["rl.importance_sampling=off", "rl.max_staleness=0"])
+    assert on_policy.importance_sampling == "off"  # YAML's bare off is false
     # the proof recipe samples under top_p 0.95: its recorded log-probs are the cut distribution's, which
     # stand as "old" only for an importance correction; at top_p 1.0 they are the learner's own
     from services.learner.trainer import old_policy_from_rollouts
 
-    assert shipped.sampling_cut and not old_policy_from_rollouts(shipped)
-    assert old_policy_from_rollouts(chosen)  # mis: the behaviour policy of the importance weights
+    assert on_policy.sampling_cut and not old_policy_from_rollouts(on_policy)
+    assert shipped.sampling_cut and old_policy_from_rollouts(shipped)  # tis: the behaviour policy of its weights
+    assert old_policy_from_rollouts(chosen)  # mis likewise
     whole = learner(["rl.sampling.top_p=1.0", "rl.sampling.temperature=0.7"])
     assert not whole.sampling_cut and old_policy_from_rollouts(whole)
     assert learner(["rl.sampling.top_p=1.0", "rl.sampling.top_k=20"]).sampling_cut
@@ -145,6 +147,22 @@ def test_the_loss_bounds_and_temperature_reach_the_learner_config(tmp_path):
     for bad in ("rl.importance_sampling=sometimes", "rl.is_high=0.5", "rl.dual_clip_c=1", "rl.loss_agg=sum"):
         with pytest.raises(ConfigError):
             load_pipeline_config(CONFIGS / "smollm2-proof.yaml", [bad])
+
+
+def test_stale_samples_under_a_sampling_cut_need_an_importance_correction():
+    # the proof recipe samples at top_p 0.95 with max_staleness 3, so it corrects with tis
+    proof = CONFIGS / "smollm2-proof.yaml"
+    assert load_pipeline_config(proof).rl.importance_sampling == "tis"
+    with pytest.raises(ConfigError, match=r"rl: .*max_staleness 3 with rl.sampling's top_p 0.95 needs an importance "
+                                          r"correction: set rl.importance_sampling to tis or mis"):
+        load_pipeline_config(proof, ["rl.importance_sampling=off"])
+    with pytest.raises(ConfigError, match=r"max_staleness 1 with rl.sampling's top_k 20 needs"):
+        load_pipeline_config(proof, ["rl.importance_sampling=off", "rl.max_staleness=1", "rl.sampling.top_p=1.0",
+                                     "rl.sampling.top_k=20"])
+    # either correction, no cut, or no staleness is accepted
+    for fine in (["rl.importance_sampling=mis"], ["rl.importance_sampling=off", "rl.sampling.top_p=1.0"],
+                 ["rl.importance_sampling=off", "rl.max_staleness=0"]):
+        assert load_pipeline_config(proof, fine).rl.max_staleness >= 0
 
 
 def test_the_truncation_policy_reaches_the_learner_filters(tmp_path):

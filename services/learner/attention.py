@@ -1,0 +1,173 @@
+"""Attention over packed rows by sequence boundaries, with no [T, T] mask.
+
+A packed row holds several sequences, each restarting its position ids at 0. Given only the position
+ids, transformers builds a [B, 1, T, T] boolean block mask for SDPA, which keeps SDPA off its flash
+and cuDNN kernels and costs memory quadratic in the row. Here the row's boundaries are read once per
+forward (`packed_kwargs`) and handed to every layer's attention, which runs one of two kernels:
+
+- varlen: `torch.nn.attention.varlen.varlen_attn` (torch >= 2.10, CUDA, bf16/fp16), FlashAttention's
+  varlen kernels forward and backward over all B·T tokens at once, split at cumulative lengths
+  (`cu_seqlens`);
+- per sequence: causal SDPA over each sequence in turn, the call transformers makes for the sequence
+  alone (SDPA's own flash / cuDNN kernels on GPU; on CPU the only path, exact against unpacked rows).
+
+`PACKED_ATTENTION` picks per pass by the sequences' mean length (VARLEN_BELOW_TOKENS); the other two
+names force one kernel. Micro-batches whose rows hold one sequence each take SDPA's plain causal path.
+All three are registered with transformers' attention interface (`AttentionInterface`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import cache
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+PACKED_ATTENTION = "star_packed"  # the kernel chosen per pass (see VARLEN_BELOW_TOKENS)
+VARLEN_ATTENTION = "star_varlen"
+PER_SEQUENCE_ATTENTION = "star_per_sequence"
+PACKED_IMPLEMENTATIONS = (PACKED_ATTENTION, VARLEN_ATTENTION, PER_SEQUENCE_ATTENTION)
+# At 7B width on an H100 (bench/results/packed_attention*.md), a 32K row cost, per token, against its
+# sequences alone: three of ~11K tokens 1.00x per sequence, 1.12x varlen; eight of 4K 0.95x either way;
+# 64 of 512 0.50x per sequence (a launch per sequence and layer), 0.34x varlen (one for the pass).
+VARLEN_BELOW_TOKENS = 4096
+
+
+def sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: where a sequence starts, i.e. each row's first token and every token whose position
+    does not follow its left neighbour's (transformers reads packed rows the same way). Micro-batch
+    padding continues its row's positions, so it joins the row's last sequence, after all of it."""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    return starts
+
+
+def packed_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
+    """The sequence boundaries of a [B, T] (or [T]) batch as attention keyword arguments, or {} when every
+    row is one sequence: cumulative lengths over the B·T tokens on the batch's device (transformers'
+    FlashAttention names) and, for the per-sequence path, each sequence's (row, start, end) on the host.
+    One host copy of the position ids."""
+    pos = position_ids.detach().to("cpu")
+    pos = pos if pos.dim() == 2 else pos[None]
+    starts = sequence_starts(pos)
+    if int(starts.sum()) == starts.shape[0]:
+        return {}
+    first = starts.flatten().nonzero().flatten()
+    cu = torch.cat([first, torch.tensor([starts.numel()])]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    width = pos.shape[1]
+    spans = tuple((a // width, a % width, (b - 1) % width + 1) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()))
+    cu = cu.to(position_ids.device, non_blocking=True)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest,
+            "sequence_spans": spans}
+
+
+@cache
+def _varlen_options() -> dict[str, bool] | None:
+    """What this torch's varlen_attn takes (its keywords changed between releases), or None without it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return {"window": "window_size" in params, "gqa": "enable_gqa" in params, "scale": "scale" in params}
+
+
+def uses_varlen_kernel(query: torch.Tensor) -> bool:
+    """Whether packed rows of this query run FlashAttention's varlen kernel (else SDPA per sequence)."""
+    return query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen_options() is not None
+
+
+def kernel_for(tokens: int, sequences: int) -> str:
+    """The auto rule: varlen for a pass of short sequences, SDPA per sequence for long ones."""
+    return "varlen" if tokens / sequences < VARLEN_BELOW_TOKENS else "per-sequence"
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
+            scale: float | None) -> torch.Tensor:
+    """Causal varlen attention of [N, H, D] tokens split at `cu`."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    opts = _varlen_options()
+    kwargs: dict[str, Any] = {"window_size": (-1, 0)} if opts["window"] else {"is_causal": True}
+    if k.shape[1] != q.shape[1]:
+        if opts["gqa"]:
+            kwargs["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if opts["scale"]:
+        kwargs["scale"] = scale
+    elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+        raise ValueError("this torch's varlen_attn takes no scale; the model's attention scale is not 1/sqrt(head_dim)")
+    return varlen_attn(q, k, v, cu, cu, longest, longest, **kwargs)
+
+
+def _per_sequence(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  spans: tuple[tuple[int, int, int], ...], scale: float | None) -> torch.Tensor:
+    """Causal SDPA of each sequence alone, sliced from [B, heads, T, D] as transformers hands an
+    unpacked row to SDPA → [B·T, H, D]."""
+    parts = []
+    for row, start, end in spans:
+        one = [t[row, :, start:end][None] for t in (query, key, value)]  # [1, heads, L, D]
+        out, _ = sdpa_attention_forward(module, *one, None, scaling=scale)
+        parts.append(out[0])  # [L, H, D]
+    return torch.cat(parts)
+
+
+def _packed(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            attention_mask: torch.Tensor | None, dropout: float, scaling: float | None, sliding_window: int | None,
+            kwargs: dict[str, Any], mode: str) -> tuple[torch.Tensor, None]:
+    spans = kwargs.pop("sequence_spans", None)
+    cu, longest = kwargs.pop("cu_seq_lens_q", None), kwargs.pop("max_length_q", None)
+    if spans is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if attention_mask is not None or sliding_window is not None or dropout:
+        raise ValueError("packed attention takes no attention mask, sliding window or dropout")
+    b, h, t, d = query.shape
+    if mode == "auto":
+        mode = kernel_for(b * t, len(spans))
+    if mode == "varlen" and uses_varlen_kernel(query):
+        def tokens(x: torch.Tensor) -> torch.Tensor:
+            return x.transpose(1, 2).reshape(b * t, x.shape[1], d)  # [B·T, heads, D]
+
+        out = _varlen(tokens(query), tokens(key), tokens(value), cu, int(longest), scaling)
+    else:
+        out = _per_sequence(module, query, key, value, spans, scaling)
+    return out.view(b, t, h, d), None
+
+
+def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query [B, H, T, D], key and value [B, H_kv, T, D]
+    → ([B, T, H, D], no weights). Packed rows: FlashAttention's varlen kernel where it runs and the
+    pass's sequences average fewer than VARLEN_BELOW_TOKENS tokens, else causal SDPA per sequence."""
+    return _packed(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs, "auto")
+
+
+def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """As `packed_attention`, with packed rows through the varlen kernel wherever it runs."""
+    return _packed(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs, "varlen")
+
+
+def per_sequence_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                           sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """As `packed_attention`, with packed rows as causal SDPA over each sequence on every device."""
+    return _packed(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs,
+                   "per-sequence")
+
+
+# the names `attn_implementation` takes for each `packed_attention` setting of the learner
+IMPLEMENTATIONS = {"auto": PACKED_ATTENTION, "varlen": VARLEN_ATTENTION, "per-sequence": PER_SEQUENCE_ATTENTION}
+AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
+AttentionInterface.register(PER_SEQUENCE_ATTENTION, per_sequence_attention)
