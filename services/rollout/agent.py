@@ -142,6 +142,7 @@ class Agent:
         messages = [{"role": "system", "content": self.system}, {"role": "user", "content": user_message(query)}]
         ids: list[int] = []
         if self.chat is not None:
+            messages = self.chat.opening(self.system, user_message(query))
             ids = self.chat.prompt_ids(messages)
         return Episode(sample_index=sample_index, seed=seed, token_ids=ids, loss_mask=[0] * len(ids),
                        logprobs=[None] * len(ids), messages=messages, prompt_len=len(ids))

@@ -22,6 +22,7 @@ Two styles:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 from services.rollout import tool_formats
@@ -131,6 +132,26 @@ class Chat:
             ids += self._chatml_message(m["role"], m["content"])
         return ids + self._chatml_header("assistant")
 
+    def opening(self, system: str, user: str) -> list[dict[str, Any]]:
+        """The first messages. A template that moves the system message as the conversation grows
+        (Mistral's puts it in the last user message) would make the prompt of a later turn differ
+        from the tokens already sampled on; for it, the system text opens the user message instead
+        (when that makes the prompt stable; Qwen3's non-thinking prompt is not, whatever the opening:
+        its template drops the empty reasoning block of earlier turns)."""
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        if self.style != "template" or self._prefix_stable(messages):
+            return messages
+        folded = [{"role": "user", "content": f"{system}\n\n{user}"}]
+        return folded if self._prefix_stable(folded) else messages
+
+    def _prefix_stable(self, messages: list[dict[str, Any]]) -> bool:
+        """Whether the prompt stays the start of the conversation once a turn and a tool output follow."""
+        grown = [*messages, {"role": "assistant", "content": MARKER}, self.tool_message("x", tool_formats.call_id(0))]
+        try:
+            return self.render(grown, True).startswith(self.render(messages, True))
+        except ChatTemplateError:
+            return False
+
     # -- what the environment appends -----------------------------------------------------------
 
     def env_ids(self, messages: list[dict[str, Any]], closed: bool, new: list[dict[str, Any]]) -> list[int]:
@@ -195,12 +216,19 @@ class Chat:
             return message
         return {"role": "user", "content": tool_response(text)}
 
+    @cached_property
+    def control_tokens(self) -> list[str]:
+        """The control tokens text could spell: the special ones among those the tokenizer matches whole."""
+        added = {str(t) for t in self.tokenizer.added_tokens_decoder.values() if getattr(t, "special", False)}
+        added |= set(self.tokenizer.all_special_tokens)
+        return sorted((t for t in added if len(t) > 1 and t.strip() == t), key=len, reverse=True)
+
     def defused(self, text: str) -> str:
         """Environment text with every control token it spells broken by a zero-width space: the
         template's text is tokenized with control tokens parsed, and a tool output must not add one
         (the ChatML style tokenizes environment text apart, with control tokens split instead)."""
-        for token in self.tokenizer.all_special_tokens:
-            if token and len(token) > 1 and token in text:
+        for token in self.control_tokens:
+            if token in text:
                 text = text.replace(token, token[0] + "\u200b" + token[1:])
         return text
 
