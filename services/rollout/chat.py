@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from services.rollout import tool_formats
 from services.rollout.protocol import Turn, tool_response
 
@@ -39,13 +41,21 @@ class ChatTemplateError(ValueError):
     """The chat template cannot render the conversation the agent needs."""
 
 
-@dataclass(frozen=True)
-class ChatOptions:
-    """The recipe's choices (`services.rollout.chat`): style, tool format and thinking mode."""
+class ChatOptions(BaseModel):
+    """How the agent talks to the model (a recipe's `services.chat`, `STAR_ROLLOUT_CHAT`)."""
 
-    style: ChatStyle = "auto"
-    tool_format: str = "auto"
-    thinking: bool | None = None  # Qwen3's enable_thinking; None: the template's default
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    style: ChatStyle = Field("auto", description=(
+        "template: prompts and turns from the tokenizer's chat template, tools passed to it; chatml: the "
+        "Agent-STAR protocol in ChatML by hand; auto: chatml for a tokenizer without a template or with a "
+        "ChatML template that has no tools, else template."))
+    tool_format: Literal["auto", "hermes", "llama3_json", "mistral", "react"] = Field("auto", description=(
+        "How the model writes a tool call: hermes `<tool_call>` JSON (Qwen), llama3_json (Llama-3.x), mistral "
+        "`[TOOL_CALLS]`, react (Action / Action Input lines); auto: from the chat template (hermes for chatml)."))
+    thinking: bool | None = Field(None, description=(
+        "Thinking models' mode (Qwen3's enable_thinking): true thinks, false prompts an empty thought; "
+        "unset: the template's default."))
 
 
 def has_tool_support(template: str | None) -> bool:

@@ -178,3 +178,16 @@ def test_a_tool_output_cannot_smuggle_a_control_token(local_tools):
     # the template's own: the tool turn's header and end, the next header: nothing from the text
     assert tok.convert_ids_to_tokens([t for t in ids if t in control]) == [
         "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+
+
+def test_the_rollout_settings_carry_the_chat_options(monkeypatch):
+    from pydantic import ValidationError
+
+    from services.pipeline.config import ServicesSpec
+    from services.rollout.service import RolloutConfig
+
+    spec = ServicesSpec(chat={"tool_format": "mistral", "thinking": False})
+    monkeypatch.setenv("STAR_ROLLOUT_CHAT", spec.chat.model_dump_json())
+    assert RolloutConfig().chat == ChatOptions(tool_format="mistral", thinking=False)
+    with pytest.raises(ValidationError, match="tool_format"):
+        ServicesSpec(chat={"tool_format": "xml"})
