@@ -184,3 +184,113 @@ def tiny_family_model(name: str, *, seed: int = 0) -> Path:
         tok.save_pretrained(folder)
         (folder / ".recipe").write_text(recipe)
     return folder
+
+
+# -- the checks docs/models.md reports (tests/rollout/test_families.py, bench/model_families.py) --------
+
+CALLS = (("SearchCity", {"state": "Illinois"}), ("SearchRestaurant", {"city": "Rockford"}))
+QUERY = "Plan a 3-day trip from Sarasota to Chicago for 1 person, March 22-24 2022, budget $1900."
+PLAN = "Day 1:\nCurrent City: Chicago"
+
+
+def assistant_turns(tool_format: str, thinking: bool) -> list[dict[str, Any]]:
+    """Two tool calls and an answer, as the family's template takes them (Llama's and Mistral's
+    render calls from `tool_calls`, Hermes templates from the content)."""
+    from services.rollout.tool_formats import call_id, format_call
+
+    think = "<think>\nI need the cities first.\n</think>\n\n" if thinking else ""
+    turns = []
+    for i, (name, args) in enumerate(CALLS):
+        text = format_call(tool_format, name, args, index=i) if tool_format != "hermes" else \
+            f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args, ensure_ascii=False)}}}\n</tool_call>'
+        message: dict[str, Any] = {"role": "assistant", "content": think + text}
+        if tool_format in ("llama3_json", "mistral"):
+            message["tool_calls"] = [{"id": call_id(i), "type": "function", "function": {"name": name, "arguments": args}}]
+        turns.append(message)
+    turns.append({"role": "assistant", "content": think + f"<answer>\n{PLAN}\n</answer>"})
+    return turns
+
+
+def _canonical_ids(chat: Any, opening: list[dict[str, Any]], message: dict[str, Any]) -> list[int]:
+    """What the template writes for `message` after the prompt, up to its end-of-turn token."""
+    prompt = chat.render(opening, True)
+    whole = chat.render([*opening, message], False)
+    if not whole.startswith(prompt):
+        raise ValueError("the template rewrites the prompt when an assistant turn follows it")
+    ids = chat.ids(whole[len(prompt):])
+    end = next(i for i, t in enumerate(ids) if t in chat.stop_ids)
+    return ids[: end + 1]
+
+
+def scripted_conversation(name: str, tools: Any, tokenizer: Any = None):
+    """Run the agent on the family's tokenizer with an engine that samples exactly what the template
+    writes for each assistant turn (a ChatML model: the Agent-STAR form). Returns (agent, engine,
+    trajectory)."""
+    import asyncio
+
+    from services.common.schemas import SamplingParams
+    from services.rollout.agent import Agent, Limits
+    from services.rollout.chat import ChatOptions
+    from services.rollout.engines.scripted import ScriptedEngine
+
+    family = FAMILIES[name]
+    tok = tokenizer if tokenizer is not None else family_tokenizer(name)
+    options = ChatOptions(thinking=family.thinking)
+    probe = Agent(ScriptedEngine(tok, []), tools, chat=options)
+    chat = probe.chat
+    turns = assistant_turns(chat.tool_format, bool(family.thinking))
+    if chat.style == "chatml":
+        end = tok.convert_tokens_to_ids("<|im_end|>")
+        script = [tok.encode(m["content"], add_special_tokens=False) + [end] for m in turns]
+    else:
+        opening = chat.opening(probe.system, QUERY)
+        script = [_canonical_ids(chat, opening, m) for m in turns]
+    engine = ScriptedEngine(tok, script)
+    agent = Agent(engine, tools, chat=options)
+    traj = asyncio.run(agent.run(QUERY, SamplingParams(seed=3), Limits(max_context_tokens=60_000)))
+    return agent, engine, traj
+
+
+def rendered_prompt(agent: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The template's own ids for the conversation so far, with the generation prompt."""
+    chat = agent.chat
+    if chat.style == "template":
+        return chat.ids(chat.render(messages, True))
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    return list(chat.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"])
+
+
+def tito_report(name: str, tools: Any) -> dict[str, Any]:
+    """Token-in/token-out for one family: whether each turn's prompt is the tokens so far, and
+    whether it equals the template's rendering of the conversation so far."""
+    agent, engine, traj = scripted_conversation(name, tools)
+    starts = [i for i, m in enumerate(traj.messages) if m["role"] == "assistant"]
+    prefix = [traj.token_ids[: c["prompt_len"]] == c["prompt_ids"] for c in engine.calls]
+    equal = [c["prompt_ids"] == rendered_prompt(agent, traj.messages[:at]) for c, at in zip(engine.calls, starts)]
+    sampled = [t for t, m in zip(traj.token_ids, traj.loss_mask) if m]
+    return {"chat_style": agent.chat.style, "tool_format": agent.chat.tool_format,
+            "tool_role": agent.chat.tool_role, "finish": traj.finish_reason, "tool_calls": traj.tool_calls,
+            "turns_prefix_exact": all(prefix), "sampled_exact": sampled == [t for ids in engine.script for t in ids],
+            "template_equal_per_turn": equal, "tito_exact": all(prefix) and all(equal)}
+
+
+def learner_report(name: str, *, tokens: int = 64) -> dict[str, Any]:
+    """The learner on the family's tiny model: which fusions apply, and how far its log-probs are
+    from log_softmax of the model's own logits on CPU (fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.learner.engine import LogprobPolicy
+    from services.learner.pointwise import fuse_pointwise
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_family_model(name), dtype=torch.float32)
+    ids = torch.randint(10, 40_000, (1, tokens), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        own = torch.log_softmax(lm(input_ids=ids).logits, -1)[0, :-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
+    counts = fuse_pointwise(lm)
+    policy = LogprobPolicy(lm, chunk_tokens=16, head_kernels="eager")
+    with torch.no_grad():
+        logp, _ = policy(ids[:, :-1], torch.arange(tokens - 1)[None], ids[:, 1:])
+    return {"model_type": lm.config.model_type, "fused_pointwise": counts, "fused_head": policy.fused_head,
+            "logprob_max_abs_diff": float((logp - own).abs().max()), "logprob_bit_equal": bool(torch.equal(logp, own))}

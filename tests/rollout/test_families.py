@@ -13,16 +13,13 @@ import asyncio
 import pytest
 
 from services.common.schemas import SamplingParams
-from services.model_families import FAMILIES, FamilyUnavailable, family_tokenizer
+from services.model_families import PLAN, QUERY, FamilyUnavailable, family_tokenizer, rendered_prompt, \
+    scripted_conversation
 from services.rollout.agent import Agent, Limits
 from services.rollout.chat import Chat, ChatOptions
 from services.rollout.engines.scripted import ScriptedEngine
-from services.rollout.protocol import format_answer
 from services.rollout.tool_formats import call_id
 
-QUERY = "Plan a 3-day trip from Sarasota to Chicago for 1 person, March 22-24 2022, budget $1900."
-CALLS = [("SearchCity", {"state": "Illinois"}), ("SearchRestaurant", {"city": "Rockford"})]
-PLAN = "Day 1:\nCurrent City: Chicago"
 
 # family → (chat style, tool format, whole-conversation re-render equals the trajectory)
 EXPECTED = {
@@ -44,60 +41,10 @@ def family(request):
         pytest.skip(str(exc))
 
 
-def assistant_turns(chat: Chat, thinking: bool) -> list[dict]:
-    """The assistant messages of the scripted conversation, as the family's template takes them."""
-    from services.rollout.tool_formats import format_call
-
-    think = "<think>\nI need the cities first.\n</think>\n\n" if thinking else ""
-    turns = []
-    for i, (name, args) in enumerate(CALLS):
-        text = format_call(chat.tool_format, name, args, index=i) if chat.tool_format != "hermes" else \
-            f'<tool_call>\n{{"name": "{name}", "arguments": {_json(args)}}}\n</tool_call>'
-        message = {"role": "assistant", "content": think + text}
-        if chat.tool_format in ("llama3_json", "mistral"):
-            message["tool_calls"] = [{"id": call_id(i), "type": "function", "function": {"name": name, "arguments": args}}]
-        turns.append(message)
-    turns.append({"role": "assistant", "content": think + f"<answer>\n{PLAN}\n</answer>"})
-    return turns
-
-
-def _json(value) -> str:
-    import json
-
-    return json.dumps(value, ensure_ascii=False)
-
-
-def canonical_ids(chat: Chat, opening: list[dict], message: dict) -> list[int]:
-    """What the template writes for `message` after the prompt, up to its end-of-turn token."""
-    prompt = chat.render(opening, True)
-    whole = chat.render([*opening, message], False)
-    assert whole.startswith(prompt)
-    ids = chat.ids(whole[len(prompt):])
-    end = next(i for i, t in enumerate(ids) if t in chat.stop_ids)
-    return ids[: end + 1]
-
-
-def run_family(name, tok, local_tools):
-    family = FAMILIES[name]
-    options = ChatOptions(thinking=family.thinking)
-    probe = ScriptedEngine(tok, [])
-    chat = Chat.for_tokenizer(tok, options, stop_ids=probe.stop_ids)
-    agent_probe = Agent(probe, local_tools, chat=options)
-    opening = agent_probe.chat.opening(agent_probe.system, QUERY)
-    script = [canonical_ids(agent_probe.chat, opening, m) for m in assistant_turns(agent_probe.chat, bool(family.thinking))]
-    if chat.style == "chatml":  # a ChatML model writes the Agent-STAR form; <|im_end|> ends it
-        end = tok.convert_tokens_to_ids("<|im_end|>")
-        script = [tok.encode(m["content"], add_special_tokens=False) + [end] for m in assistant_turns(chat, False)]
-    engine = ScriptedEngine(tok, script)
-    agent = Agent(engine, local_tools, chat=options)
-    traj = asyncio.run(agent.run(QUERY, SamplingParams(seed=3), Limits(max_context_tokens=60_000)))
-    return agent, engine, traj
-
-
 def test_each_family_keeps_token_in_token_out_exact(family, local_tools):
     name, tok = family
     style, fmt, whole_equal = EXPECTED[name]
-    agent, engine, traj = run_family(name, tok, local_tools)
+    agent, engine, traj = scripted_conversation(name, local_tools, tok)
     assert (agent.chat.style, agent.chat.tool_format) == (style, fmt)
     assert traj.finish_reason == "answer" and traj.answer == PLAN and traj.tool_calls == 2, traj.error
     messages = traj.messages
@@ -107,9 +54,7 @@ def test_each_family_keeps_token_in_token_out_exact(family, local_tools):
         # every turn's prompt: the tokens so far (sampled ones untouched) ...
         assert traj.token_ids[: call["prompt_len"]] == call["prompt_ids"]
         # ... equal the template's rendering of the conversation up to that turn
-        rendered = agent.chat.ids(agent.chat.render(messages[:at], True)) if style == "template" else \
-            list(tok.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages[:at]],
-                                         add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        rendered = rendered_prompt(agent, messages[:at])
         assert (call["prompt_ids"] == rendered) == (whole_equal or at == starts[0]), (name, at)
     # the learner trains on exactly the sampled ids: mask 1 on them and nowhere else
     sampled = [t for t, m in zip(traj.token_ids, traj.loss_mask) if m]
