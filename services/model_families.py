@@ -286,11 +286,13 @@ def learner_report(name: str, *, tokens: int = 64) -> dict[str, Any]:
 
     lm = AutoModelForCausalLM.from_pretrained(tiny_family_model(name), dtype=torch.float32)
     ids = torch.randint(10, 40_000, (1, tokens), generator=torch.Generator().manual_seed(1))
+    inputs, targets, positions = ids[:, :-1], ids[:, 1:], torch.arange(tokens - 1)[None]
     with torch.no_grad():
-        own = torch.log_softmax(lm(input_ids=ids).logits, -1)[0, :-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
+        logits = lm(input_ids=inputs, position_ids=positions).logits
+        own = torch.log_softmax(logits, -1)[0].gather(-1, targets[0, :, None]).squeeze(-1)
     counts = fuse_pointwise(lm)
     policy = LogprobPolicy(lm, chunk_tokens=16, head_kernels="eager")
     with torch.no_grad():
-        logp, _ = policy(ids[:, :-1], torch.arange(tokens - 1)[None], ids[:, 1:])
+        logp, _ = policy(inputs, positions, targets)
     return {"model_type": lm.config.model_type, "fused_pointwise": counts, "fused_head": policy.fused_head,
             "logprob_max_abs_diff": float((logp - own).abs().max()), "logprob_bit_equal": bool(torch.equal(logp, own))}
