@@ -57,12 +57,13 @@ def tool_calls(messages: Sequence[dict[str, Any]]) -> list[Call]:
         if message.get("role") != "assistant":
             continue
         step += 1
+        structured = message.get("tool_calls")  # families whose templates render calls from it (Llama, Mistral)
         match = _TOOL_CALL.search(message.get("content") or "")
-        if not match:
+        if not match and not structured:
             continue
         call = Call(step=step, name=None, arguments={})
         try:
-            payload = json.loads(match.group(1).strip())
+            payload = structured[0]["function"] if structured else json.loads(match.group(1).strip())
             call.name = str(payload["name"])
             args = payload.get("arguments", {})
             call.arguments = args if isinstance(args, dict) else {}

@@ -28,7 +28,7 @@ from services.learner.batching import PackedRow, lr_lambda
 from services.learner.config import EngineConfig, ScheduleConfig
 from services.learner.nccl_env import set_learner_protocol
 from services.learner.pointwise import fuse_pointwise
-from services.learner.vocab_head import HeadKernels, vocab_logprobs
+from services.learner.vocab_head import HeadKernels, fused_head_fits, model_logprobs, vocab_logprobs
 
 if TYPE_CHECKING:  # annotations only
     from services.learner.weights import FlatBucket
@@ -114,6 +114,7 @@ class LogprobPolicy(nn.Module):
         self.chunk_tokens = chunk_tokens
         self.head_kernels = head_kernels
         self.temperature = 1.0  # log-probs of softmax(logits / T): the distribution a sampler at T draws from
+        self.fused_head = fused_head_fits(lm.config)  # else the model's own logits (softcaps, scales)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
                 with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,8 +123,12 @@ class LogprobPolicy(nn.Module):
         # another implementation transformers builds a block mask from them. Where no row of the [B, T]
         # batch restarts (micro-batch padding continues the positions), SDPA runs its plain causal kernel.
         bounds = packed_kwargs(position_ids) if self.lm.config._attn_implementation in PACKED_IMPLEMENTATIONS else {}
-        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                               **bounds).last_hidden_state
+        if not self.fused_head:
+            logits = self.lm(input_ids=input_ids, position_ids=position_ids, use_cache=False, **bounds).logits
+            return model_logprobs(logits.flatten(0, 1), targets.flatten(), temperature=self.temperature,
+                                  with_entropy=with_entropy)
+        hidden = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                       **bounds).last_hidden_state
         # The head's chunks run over all B·T tokens, whatever row they come from.
         return vocab_logprobs(hidden.flatten(0, 1), self.head_weight, targets.flatten(), chunk=self.chunk_tokens,
                               temperature=self.temperature, with_entropy=with_entropy,
@@ -142,7 +147,7 @@ def recompute_mlps(lm: nn.Module) -> int:
     attention keeps its activations, so the costly attention forward is not run twice. The forward
     is replaced on the instance, so parameter names (and exports) stay HF's. Returns the count."""
     count = 0
-    for layer in getattr(getattr(lm, "model", lm), "layers", []):
+    for layer in getattr(lm.get_decoder(), "layers", []):
         mlp = getattr(layer, "mlp", None)
         if mlp is None:
             continue
@@ -314,7 +319,7 @@ class PolicyEngine:
             deepspeed.zero.register_external_parameter(self.policy, self.policy.head_weight)
         if cfg.compile_layers:
             # Regional compilation: one graph serves every layer (same code, parameters as inputs)
-            for layer in lm.model.layers:
+            for layer in lm.get_decoder().layers:
                 layer.compile()
         self.lm_config = lm.config
         params = [p for p in self.policy.parameters() if p.requires_grad]

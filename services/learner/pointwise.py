@@ -6,6 +6,10 @@ and at 16K-token rows they cost the learner more kernel time than attention's fo
 becomes one `torch.compile`d function, the same arithmetic as transformers' Llama-family code, that
 Inductor fuses into a kernel or two per direction.
 
+The arithmetic is proven equal to the model's own only for the families in `FUSED_MODEL_TYPES`
+(tests/learner/test_pointwise.py runs each): other models (interleaved or partial rotary, Gemma's
+`1 + weight` norms, ...) keep their own code, and the log says so once per model type.
+
 Only pure tensor functions are compiled, never a module: the modules keep their forward hooks
 (ZeRO-3 gathers a module's parameters in them), which compiled modules would trace and recompile
 around. Liger-Kernel ships hand-written kernels for the same three, but patches transformers'
@@ -14,12 +18,31 @@ modules by their internal layout per release; these functions depend on PyTorch 
 
 from __future__ import annotations
 
+import logging
 import sys
 from functools import cache
 from typing import Callable
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
+
+# Model types whose RMSNorm, rotary embedding and SwiGLU are transformers' Llama arithmetic.
+FUSED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+_said: set[tuple[str, str]] = set()
+
+
+def model_type(lm: nn.Module) -> str:
+    return str(getattr(getattr(lm, "config", None), "model_type", None))
+
+
+def say_once(what: str, kind: str) -> None:
+    """Log once per process and model type that a fused path is off (the model's own code runs)."""
+    if (what, kind) not in _said:
+        _said.add((what, kind))
+        log.info("%s off for model type %r (not one of %s): the model's own code runs", what, kind,
+                 ", ".join(sorted(FUSED_MODEL_TYPES)))
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,9 +89,13 @@ def _is_swiglu(module: nn.Module) -> bool:
 
 def fuse_pointwise(lm: nn.Module) -> dict[str, int]:
     """Route `lm`'s RMSNorms, SwiGLU MLPs and rotary embedding through the compiled functions (the
-    forwards are replaced on the instances; parameter names stay transformers'). Returns the counts."""
-    norm, product = compile_once(rms_norm), compile_once(silu_product)
+    forwards are replaced on the instances; parameter names stay transformers'). Returns the counts:
+    all 0 for a model type outside `FUSED_MODEL_TYPES`, which is left as it is."""
     counts = {"rms_norm": 0, "swiglu": 0, "rotary": 0}
+    if model_type(lm) not in FUSED_MODEL_TYPES:
+        say_once("fused point-wise functions", model_type(lm))
+        return counts
+    norm, product = compile_once(rms_norm), compile_once(silu_product)
     for module in lm.modules():
         if _is_rms_norm(module):
             module.forward = lambda x, _m=module: norm(x, _m.weight, _m.variance_epsilon)

@@ -11,6 +11,10 @@ runs the head chunk by chunk under its own autograd function:
   them, `g · (onehot(target) − softmax) / temperature`, written once in bf16, and the two matmuls
   for the hidden states and the head's weight (the weight's gradient summed over chunks in fp32).
 
+The fused head computes `hidden @ weightᵀ`, which is the model's logits only where the model adds
+nothing after its output embedding: `fused_head_fits` allows the families in `FUSED_MODEL_TYPES`
+(without a logit soft-cap or scale); elsewhere `model_logprobs` reads the model's own logits.
+
 Compared with running the head under activation checkpointing, the forward is not run a second time
 (no second entropy or log-partition), and the element-wise work is one read of the logits forward
 and one read and one write backward. On GPU the element-wise functions are compiled (Inductor fuses
@@ -23,7 +27,7 @@ from typing import Callable, Literal
 
 import torch
 
-from services.learner.pointwise import compile_once
+from services.learner.pointwise import FUSED_MODEL_TYPES, compile_once, say_once
 
 HeadKernels = Literal["auto", "compiled", "eager"]
 
@@ -62,6 +66,31 @@ def kernels(compiled: bool) -> tuple[Callable, Callable]:
     if compiled:
         return compile_once(chunk_stats), compile_once(chunk_logit_grad)
     return chunk_stats, chunk_logit_grad
+
+
+def fused_head_fits(config) -> bool:
+    """Whether the model's logits are exactly its hidden states times the output embedding (said
+    once in the log when they are not)."""
+    kind = str(getattr(config, "model_type", None))
+    plain = kind in FUSED_MODEL_TYPES and not getattr(config, "final_logit_softcapping", None) and \
+        getattr(config, "logit_scale", None) in (None, 1.0)
+    if not plain:
+        say_once("the fused vocabulary head", kind)
+    return plain
+
+
+def model_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                   with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each target ([n]) and the entropy (no gradient) from the model's own logits ([n, V]),
+    read in at least fp32: the head for models the fused head does not fit."""
+    x = logits.to(stats_dtype(logits.dtype)) / temperature
+    logp_all = torch.log_softmax(x, dim=-1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    if not with_entropy:
+        return logp, torch.zeros_like(logp).detach()
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
 
 
 def use_compiled(choice: HeadKernels, device: torch.device) -> bool:

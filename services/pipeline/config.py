@@ -19,6 +19,7 @@ from services.evaluation.runner import MODEL_CONCURRENCY
 from services.learner.config import EngineConfig, FilterConfig, RLConfig, TruncationPolicy, masked_finishes, \
     zero_reward_finishes
 from services.reward.rewards import Curriculum, CurriculumUnit
+from services.rollout.chat import ChatOptions
 
 Stage = Literal["synth", "sft", "rl", "eval"]
 STAGES: tuple[Stage, ...] = ("synth", "sft", "rl", "eval")
@@ -255,6 +256,9 @@ class ServicesSpec(_Section):
                                      "its engine, whose batch is sized to hold all their samples.")
     reward_workers: int = Field(1, ge=1)
     zero_stage: Literal[0, 1, 2, 3] = 2
+    chat: ChatOptions = Field(default_factory=ChatOptions, description=(
+        "How the rollout agent talks to the model: its chat template or ChatML, the tool-call format, "
+        "the thinking mode (docs/models.md)."))
 
 
 FleetMode = Literal["embedded", "external"]

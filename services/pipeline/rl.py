@@ -235,7 +235,7 @@ def _start_workers(run: Run, f: Fleet, model: str, env: dict[str, str], logs: Pa
     sampling = run.config.rl.sampling
     vllm = s.vllm.model_copy(update={"weight_transfer": "nccl"}) if run.nccl else s.vllm
     rollout_env = {**env, "STAR_MODEL": model, "STAR_ROLLOUT_ENGINE": s.engine,
-                   "STAR_ROLLOUT_VLLM": vllm.model_dump_json(),
+                   "STAR_ROLLOUT_VLLM": vllm.model_dump_json(), "STAR_ROLLOUT_CHAT": s.chat.model_dump_json(),
                    "STAR_ROLLOUT_MAX_MODEL_LEN": str(sampling.engine_max_len),
                    "STAR_ROLLOUT_CLAIM_IDLE_MS": "30000", "STAR_ROLLOUT_CONCURRENCY": str(s.rollout_concurrency),
                    # the transformers engine decodes every sample of its groups in one batch

@@ -39,10 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.schemas import SamplingParams, Trajectory, TravelQuery
+from services.rollout.chat import Chat, ChatOptions, ChatTemplateError
 from services.rollout.engines.base import Engine, EngineError, Generation, TurnParams, normalized_entropy
-from services.rollout.protocol import parse_turn, system_prompt, tool_response, user_message
+from services.rollout.protocol import FORMAT_ERROR, parse_turn, system_prompt, tool_response, user_message
+from services.rollout.tool_formats import call_instructions
 from services.rollout.tools import ToolClient, ToolServiceError
-from services.sandbox.tools.registry import tool_names
+from services.sandbox.tools.registry import tool_names, tool_schemas
 
 # The public STAR agent's words when the conversation outgrows its context (spec/agent-star.md §1.2).
 SUMMARY_REQUEST = "The conversation has reached the token limit. Please summarize the conversation to generate a travel plan."
@@ -113,45 +115,50 @@ class Agent:
 
     def __init__(self, engine: Engine, tools: ToolClient, *, tokenizer: Any = None,
                  system: str | None = None, tool_names_: list[str] | None = None,
-                 fault_keys: bool = True) -> None:
+                 fault_keys: bool = True, chat: ChatOptions | None = None) -> None:
         self.engine = engine
         self.tools = tools
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         if engine.token_level and self.tokenizer is None:
             raise ValueError("a token-level engine needs a tokenizer")
-        self.system = system if system is not None else system_prompt()
         self.tool_names = list(tool_names_) if tool_names_ is not None else tool_names()
         self.fault_keys = fault_keys
-        self._special: dict[str, int] = {}
-        if self.tokenizer is not None:
-            for t in ("<|im_start|>", "<|im_end|>"):
-                self._special[t] = self.tokenizer.convert_tokens_to_ids(t)
+        # the model's conversation format (chat.py); a text engine's server applies its own template
+        self.chat: Chat | None = None
+        if self.tokenizer is not None and engine.token_level:
+            schemas = [s for s in tool_schemas("openai") if s["function"]["name"] in self.tool_names]
+            self.chat = Chat.for_tokenizer(self.tokenizer, chat, tools=schemas or None, stop_ids=engine.stop_ids)
+        self.system = system if system is not None else self._system_prompt()
+
+    def _system_prompt(self) -> str:
+        if self.chat is None or self.chat.style == "chatml":
+            return system_prompt()
+        return system_prompt(call=call_instructions(self.chat.tool_format),
+                             tools_listed_elsewhere=self.chat.tools_in_template)
 
     # -- building sequences ----------------------------------------------------------------
 
     def start(self, query: TravelQuery | str, sample_index: int = 0, seed: int | None = None) -> Episode:
         messages = [{"role": "system", "content": self.system}, {"role": "user", "content": user_message(query)}]
         ids: list[int] = []
-        if self.engine.token_level:
-            ids = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=True)["input_ids"])
+        if self.chat is not None:
+            messages = self.chat.opening(self.system, user_message(query))
+            ids = self.chat.prompt_ids(messages)
         return Episode(sample_index=sample_index, seed=seed, token_ids=ids, loss_mask=[0] * len(ids),
                        logprobs=[None] * len(ids), messages=messages, prompt_len=len(ids))
 
-    def _text(self, text: str) -> list[int]:
-        # split_special_tokens: text from a tool can never smuggle in a control token.
-        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
-
-    def segment_ids(self, closed: bool, user_content: str | None) -> list[int]:
-        """What follows a sampled turn: `<|im_end|>` if the engine did not sample it, then (when
-        there is a user message) the ChatML user turn, then the next assistant header."""
-        start, end = self._special["<|im_start|>"], self._special["<|im_end|>"]
-        ids = [] if closed else [end]
-        ids += self._text("\n")
-        if user_content is not None:
-            ids += [start] + self._text("user\n" + user_content) + [end] + self._text("\n")
-        ids += [start] + self._text("assistant\n")
-        return ids
+    def segment(self, messages: list[dict[str, Any]], closed: bool,
+                new: list[dict[str, Any]]) -> tuple[list[int], list[dict[str, Any]]]:
+        """What follows a sampled turn (the last of `messages`), with the messages it carries: the
+        `new` environment messages, or, where the template cannot render a turn followed by no
+        message (roles must alternate), a user message saying the turn had no call and no answer."""
+        try:
+            return self.chat.env_ids(messages, closed, new), new
+        except ChatTemplateError:
+            if new:
+                raise
+            said = [{"role": "user", "content": FORMAT_ERROR}]
+            return self.chat.env_ids(messages, closed, said), said
 
     def context_limit(self, limits: Limits) -> int:
         cap = limits.max_context_tokens
@@ -179,12 +186,12 @@ class Agent:
         if gen is None:
             return
         self._append_sampled(ep, gen)
-        stop_ids = self.engine.stop_ids
-        closed = bool(gen.token_ids) and gen.token_ids[-1] in stop_ids
-        text = self.tokenizer.decode([t for t in gen.token_ids if t not in stop_ids], skip_special_tokens=True)
-        ep.messages.append({"role": "assistant", "content": text, "tokens": len(gen.token_ids),
-                            "policy_version": gen.policy_version, "generate_s": gen.stats.get("generate_s", 0.0)})
-        turn = parse_turn(text, self.tool_names)
+        closed = bool(gen.token_ids) and gen.token_ids[-1] in self.engine.stop_ids
+        text = self.chat.decode(gen.token_ids)
+        turn = self.chat.parse(text, self.tool_names)
+        message, call_id = self.chat.assistant_message(text, turn, ep.tool_calls)
+        ep.messages.append({**message, "tokens": len(gen.token_ids), "policy_version": gen.policy_version,
+                            "generate_s": gen.stats.get("generate_s", 0.0)})
         cut_by_context = gen.finish == "length" and max_tokens == room
         if turn.kind == "answer":
             ep.finish_reason, ep.answer = "answer", turn.answer
@@ -196,7 +203,7 @@ class Agent:
             if ep.format_errors_in_row >= limits.max_format_errors:
                 ep.finish_reason = "format_error"
                 return
-            if not self._append_env(ep, self.segment_ids(closed, None), limits, closed):
+            if not self._append_env(ep, *self.segment(ep.messages, closed, []), limits, closed):
                 await self._at_limit(ep, sampling, limits, request_id, pending=(closed, len(ep.messages)))
             return
         ep.format_errors_in_row = 0
@@ -204,12 +211,14 @@ class Agent:
             ep.finish_reason = "tool_budget"
             return
         ep.tool_calls += 1
-        content = await self._run_tool(ep, turn)
-        if content is None:
+        output = await self._run_tool(ep, turn)
+        if output is None:
             return
-        if not self._append_env(ep, self.segment_ids(closed, content), limits, closed, content):
-            ep.messages.append({"role": "user", "content": content})  # the record keeps what did not fit
-            await self._at_limit(ep, sampling, limits, request_id, pending=(closed, len(ep.messages) - 1))
+        reply = self.chat.tool_message(output, call_id)
+        ids, new = self.segment(ep.messages, closed, [reply])
+        if not self._append_env(ep, ids, new, limits, closed):
+            ep.messages += new  # the record keeps what did not fit
+            await self._at_limit(ep, sampling, limits, request_id, pending=(closed, len(ep.messages) - len(new)))
 
     async def _at_limit(self, ep: Episode, sampling: SamplingParams, limits: Limits, request_id: str, *,
                         pending: tuple[bool, int] | None = None) -> None:
@@ -228,8 +237,9 @@ class Agent:
             candidates.append((len(ep.token_ids), pending[1], pending[0]))
         if ep.env_start is not None:
             candidates.append((ep.env_start, ep.env_messages, ep.env_closed))
+        request = [{"role": "user", "content": SUMMARY_REQUEST}]
         for cut, n_messages, closed in candidates:
-            ids = self.segment_ids(closed, SUMMARY_REQUEST)
+            ids, _ = self.segment(ep.messages[:n_messages], closed, request)
             if cut + len(ids) < cap:
                 break
         else:
@@ -237,7 +247,7 @@ class Agent:
             return
         del ep.token_ids[cut:], ep.loss_mask[cut:], ep.logprobs[cut:]
         del ep.messages[n_messages:]
-        ep.messages.append({"role": "user", "content": SUMMARY_REQUEST})
+        ep.messages += request
         ep.token_ids += ids
         ep.loss_mask += [0] * len(ids)
         ep.logprobs += [None] * len(ids)
@@ -250,8 +260,7 @@ class Agent:
         if gen is None:
             return
         self._append_sampled(ep, gen)
-        text = self.tokenizer.decode([t for t in gen.token_ids if t not in self.engine.stop_ids],
-                                     skip_special_tokens=True)
+        text = self.chat.decode(gen.token_ids)
         ep.messages.append({"role": "assistant", "content": text, "tokens": len(gen.token_ids),
                             "policy_version": gen.policy_version, "generate_s": gen.stats.get("generate_s", 0.0)})
         ep.finish_reason, ep.answer = "answer", summary_answer(text, self.tool_names)
@@ -282,23 +291,23 @@ class Agent:
         else:
             ep.logprobs += [None] * len(gen.token_ids)
 
-    def _append_env(self, ep: Episode, ids: list[int], limits: Limits, closed: bool,
-                    content: str | None = None) -> bool:
+    def _append_env(self, ep: Episode, ids: list[int], new: list[dict[str, Any]], limits: Limits,
+                    closed: bool) -> bool:
         """Append what the environment says after a turn; False (nothing appended) when it does
         not fit or leaves no room to reply to it."""
         if len(ep.token_ids) + len(ids) >= self.context_limit(limits):
             return False
         ep.env_start, ep.env_messages, ep.env_closed = len(ep.token_ids), len(ep.messages), closed
-        if content is not None:
-            ep.messages.append({"role": "user", "content": content})
+        ep.messages += new
         ep.token_ids += ids
         ep.loss_mask += [0] * len(ids)
         ep.logprobs += [None] * len(ids)
         return True
 
     async def _run_tool(self, ep: Episode, turn) -> str | None:
+        """The tool's output text (or the error the model is told), None when the sandbox failed."""
         if not turn.runnable:
-            return tool_response(turn.error)
+            return turn.error
         t0 = time.perf_counter()
         key = f"{ep.sample_index}/{ep.tool_calls}" if self.fault_keys else None
         try:
@@ -308,7 +317,7 @@ class Agent:
             return None
         ep.timings["tool_s"] += time.perf_counter() - t0
         ep.timings["tool_faults"] = ep.timings.get("tool_faults", 0.0) + float(result.fault_injected)
-        return tool_response(result.text)
+        return result.text
 
     # -- text engines (no ids) ----------------------------------------------------------------
 
@@ -354,9 +363,9 @@ class Agent:
         else:
             ep.format_errors_in_row = 0
             ep.tool_calls += 1
-            content = await self._run_tool(ep, turn)
-            if content is not None:
-                ep.messages.append({"role": "user", "content": content})
+            output = await self._run_tool(ep, turn)
+            if output is not None:
+                ep.messages.append({"role": "user", "content": tool_response(output)})
 
     def _count_chat(self, messages: list[dict[str, Any]]) -> int:
         if self.tokenizer is None:

@@ -76,27 +76,17 @@ describes, using only what the travel database tools tell you.
 Every reply you write must take exactly one of these two forms, and nothing else:
 
 1. Call one tool:
-<think>what you know so far and what you need next</think>
-<tool_call>
-{{"name": "<tool name>", "arguments": {{"<parameter>": "<value>"}}}}
-</tool_call>
+{call}
 
 2. Give the final itinerary:
-<think>why this plan satisfies every requirement</think>
-<answer>
+{answer_think}<answer>
 <the itinerary, in the day-by-day form below>
 </answer>
 
-Make a single tool call per reply; the result comes back to you inside <tool_response></tool_response>. \
+Make a single tool call per reply; {result_note}. \
 A reply with neither a tool call nor an answer is wasted.
 
-# Tools
-The tools are described as JSON schemas:
-<tools>
-{tools}
-</tools>
-
-# Guidelines
+{tools_section}# Guidelines
 - You are a travel planner and nothing else; stay on the user's trip.
 - Tool results are the only source of truth. Use names, flight numbers, prices and times exactly \
 as the tools print them, and never invent a flight, restaurant, attraction or place to stay.
@@ -118,12 +108,28 @@ anything a day does not have; name each place followed by ", <city>"; end each a
 """
 
 
-def system_prompt(tools: Sequence[dict[str, Any]] | None = None) -> str:
+_HERMES_CALL = """<think>what you know so far and what you need next</think>
+<tool_call>
+{"name": "<tool name>", "arguments": {"<parameter>": "<value>"}}
+</tool_call>"""
+
+
+def system_prompt(tools: Sequence[dict[str, Any]] | None = None, *, call: str | None = None,
+                  tools_listed_elsewhere: bool = False) -> str:
     """The system message. `tools`: schemas in the plain `{name, description, parameters}` form
-    (default: the sandbox's six tools), embedded one JSON object per line."""
+    (default: the sandbox's six tools), embedded one JSON object per line. `call`: how a tool call
+    is written (default: the Agent-STAR `<think>` + `<tool_call>` form); `tools_listed_elsewhere`:
+    the chat template lists the tools itself (then the prompt does not)."""
     schemas = list(tools) if tools is not None else tool_schemas("plain")
     rendered = "\n".join(json.dumps(_plain(t), ensure_ascii=False) for t in schemas)
-    return _SYSTEM_TEMPLATE.format(tools=rendered, example=PLAN_FORM_EXAMPLE)
+    section = "" if tools_listed_elsewhere else \
+        f"# Tools\nThe tools are described as JSON schemas:\n<tools>\n{rendered}\n</tools>\n\n"
+    agent_star = call is None
+    return _SYSTEM_TEMPLATE.format(
+        call=_HERMES_CALL if agent_star else call, tools_section=section, example=PLAN_FORM_EXAMPLE,
+        answer_think="<think>why this plan satisfies every requirement</think>\n" if agent_star else "",
+        result_note="the result comes back to you inside <tool_response></tool_response>" if agent_star
+        else "the result comes back to you in the next message")
 
 
 def _plain(schema: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from services.common.schemas import (EvalMode, PreferencePenalty, RewardKind, Ro
 from services.common.settings import Settings, get_settings
 from services.rollout.agent import Agent
 from services.rollout.engines import Engine, TurnParams, build_engine
+from services.rollout.chat import ChatOptions
 from services.rollout.engines.base import EngineError, OlderVersion
 from services.rollout.group import ArpoConfig, GroupMeta, sample_group
 from services.rollout.tools import HttpToolClient, LocalToolClient, ToolClient
@@ -71,6 +72,9 @@ class RolloutConfig(BaseSettings):
         "engine; unset: no server. The embedded fleet sets it when weights travel over NCCL."))
     http_host: str = Field("127.0.0.1", description="Worker: the address its HTTP API (http_port) listens on.")
     max_format_errors: int = Field(3, ge=1)
+    chat: ChatOptions = Field(default_factory=ChatOptions, description=(
+        "The conversation format (JSON): chat template or ChatML, tool-call format, thinking mode; as a recipe's "
+        "services.chat."))
     weights_timeout_s: float = Field(120.0, gt=0, description="A weight group join or broadcast that takes longer fails.")
 
 
@@ -161,7 +165,7 @@ class RolloutService:
         self.metrics = metrics or RolloutMetrics()
         self.engine = engine
         self.tools = TimedTools(tools, self.metrics)
-        self.agent = Agent(engine, self.tools)
+        self.agent = Agent(engine, self.tools, chat=self.config.chat)
         self.loaded_at = time.time()
         self.metrics.weight_version.set(engine.policy_version)
         self._weights_sha: str | None = None

@@ -37,6 +37,18 @@ def test_tool_calls_pair_with_responses(toolbox, gold):
     assert calls[1].error.startswith("unreadable tool call")
 
 
+def test_structured_calls_of_llama_and_mistral_records_are_read(toolbox, gold):
+    text = toolbox.call("SearchCity", {"state": "Illinois"}).text
+    msgs = [{"role": "user", "content": "plan my trip"},
+            {"role": "assistant", "content": '{"name": "SearchCity", "parameters": {"state": "Illinois"}}',
+             "tool_calls": [{"id": "call00000", "type": "function",
+                             "function": {"name": "SearchCity", "arguments": {"state": "Illinois"}}}]},
+            {"role": "tool", "content": text, "tool_call_id": "call00000"},
+            {"role": "assistant", "content": "<answer>plan</answer>"}]
+    calls = tool_calls(msgs)
+    assert [(c.name, c.arguments, c.response) for c in calls] == [("SearchCity", {"state": "Illinois"}, text)]
+
+
 def test_city_dead_end_revised_and_not(toolbox, gold):
     q = gold.queries[0]  # St. Petersburg → Rockford, 3 days
     msgs = chat(toolbox, [("SearchRestaurant", {"city": "Atlantis"}),        # commits to Atlantis

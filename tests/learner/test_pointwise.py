@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
+import pytest
 import torch
 
 from services.learner.engine import recompute_mlps
@@ -37,3 +39,62 @@ def test_fused_pointwise_keeps_logits_gradients_and_names(tiny_model, monkeypatc
     torch.testing.assert_close(fused_logits, plain_logits, rtol=1e-5, atol=1e-5)
     for name, g in plain.items():
         torch.testing.assert_close(fused[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mistral", "gemma3"])
+def test_fusions_only_for_proven_model_types(name, monkeypatch, caplog):
+    """Qwen3 and Mistral are fused and compute what their own code computes; Gemma 3 (`1 + weight`
+    norms, scaled embeddings) keeps its own code, said once in the log."""
+    from transformers import AutoModelForCausalLM
+
+    from services.learner.pointwise import FUSED_MODEL_TYPES
+    from services.model_families import FamilyUnavailable, tiny_family_model
+
+    try:
+        folder = tiny_family_model(name)
+    except FamilyUnavailable as exc:
+        pytest.skip(str(exc))
+    ids = torch.randint(100, 4000, (1, 32), generator=torch.Generator().manual_seed(2))
+    lm = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        plain = lm(input_ids=ids).logits
+    decoder = lm.get_decoder()
+    modeling = sys.modules[type(decoder.layers[0].self_attn).__module__]
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)  # restored after
+    with caplog.at_level(logging.INFO, logger="services.learner.pointwise"):
+        counts = fuse_pointwise(lm)
+        fuse_pointwise(lm)
+    fused = lm.config.model_type in FUSED_MODEL_TYPES
+    assert (counts["rotary"], counts["swiglu"] > 0) == ((1, True) if fused else (0, False))
+    said = [r for r in caplog.records if "off for model type" in r.getMessage()]
+    assert len(said) == (0 if fused else 1)
+    with torch.no_grad():
+        torch.testing.assert_close(lm(input_ids=ids).logits, plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "qwen3", "llama3", "mistral", "smollm2", "gemma3"])
+def test_learner_logprobs_equal_the_models_own_on_cpu(name):
+    """The learner's log-probs (fused head where it fits, the model's own logits elsewhere) equal
+    log_softmax of the model's own logits, what a transformers engine samples from."""
+    from transformers import AutoModelForCausalLM
+
+    from services.learner.engine import LogprobPolicy
+    from services.model_families import FamilyUnavailable, tiny_family_model
+
+    try:
+        folder = tiny_family_model(name)
+    except FamilyUnavailable as exc:
+        pytest.skip(str(exc))
+    lm = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = torch.randint(10, 40_000, (1, 48), generator=torch.Generator().manual_seed(1))
+    inputs, targets, positions = ids[:, :-1], ids[:, 1:], torch.arange(47)[None]
+    with torch.no_grad():
+        logits = lm(input_ids=inputs, position_ids=positions).logits
+        own = torch.log_softmax(logits, -1)[0].gather(-1, targets[0, :, None]).squeeze(-1)
+        policy = LogprobPolicy(lm, chunk_tokens=16, head_kernels="eager")
+        logp, _ = policy(inputs, positions, targets)
+    if lm.config.model_type == "gemma3_text":  # the model's own head: the same arithmetic, bit for bit
+        assert not policy.fused_head and torch.equal(logp, own)
+    else:  # the fused head: logsumexp in its own order, a rounding step or two at |log p| ~ 12
+        assert policy.fused_head
+        torch.testing.assert_close(logp, own, rtol=0, atol=4e-6)

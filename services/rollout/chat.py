@@ -1,0 +1,279 @@
+"""The conversation in the model's own format: the prompt, what the environment appends after a
+sampled turn, and how a turn is recorded.
+
+Two styles:
+
+- `template`: everything the environment adds comes from the tokenizer's chat template, with the
+  tools passed to it (`tools=`) and the family's tool format (tool_formats.py). The prompt is the
+  template's rendering of [system, user] with the generation prompt. After a turn, the template
+  renders the conversation with the last assistant message replaced by a marker, followed by the
+  new environment messages and the generation prompt; the text after the marker, less the end-of-turn
+  token the engine already sampled, is tokenized and appended. The sampled ids themselves are never
+  re-tokenized, so the learner trains on exactly what was sampled, and the whole sequence equals the
+  template's rendering of the conversation wherever the template renders earlier turns as they were
+  sampled (tests/rollout/test_families.py checks it per family).
+- `chatml`: the Agent-STAR protocol in ChatML by hand (tools listed in the system prompt, tool
+  output as a user message in `<tool_response>`): for a tokenizer with no template, or a ChatML
+  template that has no tool support (the project's own tokenizers, SmolLM2).
+
+`auto` picks `chatml` for those two cases and `template` otherwise; a recipe may name either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.rollout import tool_formats
+from services.rollout.protocol import Turn, tool_response
+
+ChatStyle = Literal["auto", "template", "chatml"]
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+MARKER = "STARMARKER7Q"  # stands for the last assistant reply while the template renders what follows it
+# the message fields a template reads; the record's own (tokens, timings) are left out
+_TEMPLATE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "reasoning_content")
+
+
+class ChatTemplateError(ValueError):
+    """The chat template cannot render the conversation the agent needs."""
+
+
+class ChatOptions(BaseModel):
+    """How the agent talks to the model (a recipe's `services.chat`, `STAR_ROLLOUT_CHAT`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    style: ChatStyle = Field("auto", description=(
+        "template: prompts and turns from the tokenizer's chat template, tools passed to it; chatml: the "
+        "Agent-STAR protocol in ChatML by hand; auto: chatml for a tokenizer without a template or with a "
+        "ChatML template that has no tools, else template."))
+    tool_format: Literal["auto", "hermes", "llama3_json", "mistral", "react"] = Field("auto", description=(
+        "How the model writes a tool call: hermes `<tool_call>` JSON (Qwen), llama3_json (Llama-3.x), mistral "
+        "`[TOOL_CALLS]`, react (Action / Action Input lines); auto: from the chat template (hermes for chatml)."))
+    thinking: bool | None = Field(None, description=(
+        "Thinking models' mode (Qwen3's enable_thinking): true thinks, false prompts an empty thought; "
+        "unset: the template's default."))
+
+
+def has_tool_support(template: str | None) -> bool:
+    return bool(template) and "tools" in template
+
+
+def resolve_style(tokenizer: Any, style: ChatStyle = "auto") -> str:
+    template = getattr(tokenizer, "chat_template", None)
+    if style == "template" and not template:
+        raise ChatTemplateError("chat style 'template' needs a tokenizer with a chat template; this one has none")
+    if style != "auto":
+        return style
+    if not template or (IM_START in template and not has_tool_support(template)):
+        return "chatml"
+    return "template"
+
+
+@dataclass
+class Chat:
+    """One model family's conversation format, for one agent."""
+
+    tokenizer: Any
+    style: str
+    tool_format: str
+    tools: list[dict[str, Any]] | None = None  # OpenAI-form schemas the template renders
+    thinking: bool | None = None
+    stop_ids: set[int] = field(default_factory=set)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, options: ChatOptions | None = None, *,
+                      tools: list[dict[str, Any]] | None = None, stop_ids: set[int] | None = None) -> Chat:
+        options = options or ChatOptions()
+        style = resolve_style(tokenizer, options.style)
+        template = getattr(tokenizer, "chat_template", None)
+        if options.tool_format != "auto":
+            if options.tool_format not in tool_formats.TOOL_FORMATS:
+                raise ValueError(f"unknown tool format {options.tool_format!r}; use auto or one of "
+                                 f"{', '.join(tool_formats.TOOL_FORMATS)}")
+            fmt = options.tool_format
+        else:
+            fmt = "hermes" if style == "chatml" else tool_formats.detect(template)
+        templated_tools = tools if style == "template" and has_tool_support(template) and fmt != "react" else None
+        return cls(tokenizer, style, fmt, templated_tools, options.thinking, set(stop_ids or ()))
+
+    # -- what the model is told ----------------------------------------------------------------
+
+    @property
+    def tools_in_template(self) -> bool:
+        return self.tools is not None
+
+    @property
+    def tool_role(self) -> str:
+        """The role of the message carrying a tool's output."""
+        return "tool" if self.style == "template" and self.tools_in_template else "user"
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {} if self.thinking is None else {"enable_thinking": self.thinking}
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """The template's text for `messages` (only the fields a template reads)."""
+        clean = [{k: m[k] for k in _TEMPLATE_FIELDS if k in m} for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(clean, tools=self.tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **self._kwargs())
+        except Exception as exc:  # noqa: BLE001 - jinja raises its own types; the caller decides
+            raise ChatTemplateError(f"the chat template cannot render this conversation: {exc}") from exc
+
+    def ids(self, text: str) -> list[int]:
+        """Template text to ids: its special tokens as themselves."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def text_ids(self, text: str) -> list[int]:
+        """Free text to ids: a control token written in it stays text (split_special_tokens)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        if self.style == "template":
+            return self.ids(self.render(messages, True))
+        if getattr(self.tokenizer, "chat_template", None):  # a ChatML template without tools
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=True)["input_ids"])
+        ids: list[int] = []
+        for m in messages:
+            ids += self._chatml_message(m["role"], m["content"])
+        return ids + self._chatml_header("assistant")
+
+    def opening(self, system: str, user: str) -> list[dict[str, Any]]:
+        """The first messages. A template that moves the system message as the conversation grows
+        (Mistral's puts it in the last user message) would make the prompt of a later turn differ
+        from the tokens already sampled on; for it, the system text opens the user message instead
+        (when that makes the prompt stable; Qwen3's non-thinking prompt is not, whatever the opening:
+        its template drops the empty reasoning block of earlier turns)."""
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        if self.style != "template" or self._prefix_stable(messages):
+            return messages
+        folded = [{"role": "user", "content": f"{system}\n\n{user}"}]
+        return folded if self._prefix_stable(folded) else messages
+
+    def _prefix_stable(self, messages: list[dict[str, Any]]) -> bool:
+        """Whether the prompt stays the start of the conversation once a turn and a tool output follow."""
+        grown = [*messages, {"role": "assistant", "content": MARKER}, self.tool_message("x", tool_formats.call_id(0))]
+        try:
+            return self.render(grown, True).startswith(self.render(messages, True))
+        except ChatTemplateError:
+            return False
+
+    # -- what the environment appends -----------------------------------------------------------
+
+    def env_ids(self, messages: list[dict[str, Any]], closed: bool, new: list[dict[str, Any]]) -> list[int]:
+        """The ids after the last sampled turn (the last message of `messages`, an assistant one):
+        its end-of-turn token when the engine did not sample it, the `new` environment messages, and
+        the next generation prompt."""
+        if self.style == "chatml":
+            content = new[-1]["content"] if new else None
+            return self._chatml_segment(closed, content)
+        probe = [*messages[:-1], {"role": "assistant", "content": MARKER}, *new]
+        text = self.render(probe, True)
+        at = text.rfind(MARKER)
+        if at < 0:
+            raise ChatTemplateError("the chat template drops the last assistant message; its turns cannot be appended")
+        suffix = text[at + len(MARKER):]
+        if closed:
+            suffix = self._without_end_of_turn(suffix)
+        return self.ids(suffix)
+
+    def _without_end_of_turn(self, suffix: str) -> str:
+        """The suffix less the end-of-turn token the engine sampled (the template writes it too)."""
+        for tid in self.stop_ids:
+            token = self.tokenizer.convert_ids_to_tokens(tid)
+            if isinstance(token, str) and token and suffix.startswith(token):
+                return suffix[len(token):]
+        return suffix
+
+    # -- records -----------------------------------------------------------------------------------
+
+    def decode(self, ids: list[int]) -> str:
+        """A sampled turn's text, without its end-of-turn token. The template style keeps control
+        tokens that carry meaning (Mistral's `[TOOL_CALLS]`, Llama's `<|python_tag|>`)."""
+        kept = [t for t in ids if t not in self.stop_ids]
+        return self.tokenizer.decode(kept, skip_special_tokens=self.style == "chatml")
+
+    def parse(self, text: str, tools: list[str]) -> Turn:
+        if self.style == "chatml" and self.tool_format == "hermes":
+            from services.rollout.protocol import parse_turn
+
+            return parse_turn(text, tools)  # the Agent-STAR reading order, think block included
+        return tool_formats.parse(self.tool_format, text, tools)
+
+    def assistant_message(self, text: str, turn: Turn, call_index: int) -> tuple[dict[str, Any], str | None]:
+        """The assistant turn as the template takes it, and the id of its call (None without one).
+        Families whose templates render calls from `tool_calls` (Llama, Mistral) get that field;
+        Hermes templates render the call from the content itself."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if turn.kind != "tool_call" or not turn.runnable or self.tool_format not in ("llama3_json", "mistral"):
+            return message, (tool_formats.call_id(call_index) if turn.kind == "tool_call" else None)
+        given = _given_id(text) if self.tool_format == "mistral" else None
+        call = tool_formats.ToolCall(turn.name or "", turn.arguments, given or tool_formats.call_id(call_index))
+        message["tool_calls"] = [call.message_entry()]
+        return message, call.id
+
+    def tool_message(self, text: str, call_id: str | None) -> dict[str, Any]:
+        if self.style == "template":
+            text = self.defused(text)
+        if self.tool_role == "tool":
+            message = {"role": "tool", "content": text}
+            if call_id is not None:
+                message["tool_call_id"] = call_id
+            return message
+        return {"role": "user", "content": tool_response(text)}
+
+    @cached_property
+    def control_tokens(self) -> list[str]:
+        """The control tokens text could spell: the special ones among those the tokenizer matches whole."""
+        added = {str(t) for t in self.tokenizer.added_tokens_decoder.values() if getattr(t, "special", False)}
+        added |= set(self.tokenizer.all_special_tokens)
+        return sorted((t for t in added if len(t) > 1 and t.strip() == t), key=len, reverse=True)
+
+    def defused(self, text: str) -> str:
+        """Environment text with every control token it spells broken by a zero-width space: the
+        template's text is tokenized with control tokens parsed, and a tool output must not add one
+        (the ChatML style tokenizes environment text apart, with control tokens split instead)."""
+        for token in self.control_tokens:
+            if token in text:
+                text = text.replace(token, token[0] + "\u200b" + token[1:])
+        return text
+
+    # -- ChatML by hand ---------------------------------------------------------------------------------
+
+    def _special(self, token: str) -> int:
+        tid = self.tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(tid, int) or tid < 0 or tid == getattr(self.tokenizer, "unk_token_id", None):
+            raise ChatTemplateError(f"ChatML needs the token {token} in the vocabulary")
+        return tid
+
+    def _chatml_header(self, role: str) -> list[int]:
+        return [self._special(IM_START)] + self.text_ids(role + "\n")
+
+    def _chatml_message(self, role: str, content: str) -> list[int]:
+        return [self._special(IM_START)] + self.text_ids(f"{role}\n{content}") + [self._special(IM_END)] + \
+            self.text_ids("\n")
+
+    def _chatml_segment(self, closed: bool, user_content: str | None) -> list[int]:
+        """`<|im_end|>` if the engine did not sample it, then (with a user message) the user turn,
+        then the next assistant header."""
+        ids = [] if closed else [self._special(IM_END)]
+        ids += self.text_ids("\n")
+        if user_content is not None:
+            ids += self._chatml_message("user", user_content)
+        return ids + self._chatml_header("assistant")
+
+
+def _given_id(text: str) -> str | None:
+    """The id a Mistral call carries, when it has a usable one (9 alphanumerics)."""
+    import json
+
+    try:
+        calls = json.JSONDecoder().raw_decode(text.split(tool_formats.MISTRAL_CALLS, 1)[1].lstrip())[0]
+        given = calls[0].get("id") if isinstance(calls, list) else calls.get("id")
+    except (ValueError, IndexError, AttributeError):
+        return None
+    return given if isinstance(given, str) and len(given) == 9 and given.isalnum() else None
