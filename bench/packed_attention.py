@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.learner.attention import (PACKED_ATTENTION, PER_SEQUENCE_ATTENTION, VARLEN_ATTENTION,  # noqa: E402
-                                       VARLEN_BELOW_TOKENS, _varlen_options, packed_kwargs, uses_varlen_kernel)
+                                       VARLEN_BELOW_TOKENS, varlen_options, packed_kwargs, uses_varlen_kernel)
 
 TARGET = 1.1
 
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> dict:
         "shape": {"hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
                   "intermediate": args.intermediate, "layers": args.layers},
         "lengths": args.lengths, "warmup": args.warmup, "repeat": args.repeat, "variants": variants,
-        "varlen_options": _varlen_options(),
+        "varlen_options": varlen_options(),
         "auto_picks": ("packed varlen" if sum(args.lengths) / len(args.lengths) < VARLEN_BELOW_TOKENS
                        else "packed per-sequence"),
         "target_per_token_vs_alone": TARGET,

@@ -67,7 +67,7 @@ def packed_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
 
 
 @cache
-def _varlen_options() -> dict[str, bool] | None:
+def varlen_options() -> dict[str, bool] | None:
     """What this torch's varlen_attn takes (its keywords changed between releases), or None without it."""
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -79,7 +79,7 @@ def _varlen_options() -> dict[str, bool] | None:
 
 def uses_varlen_kernel(query: torch.Tensor) -> bool:
     """Whether packed rows of this query run FlashAttention's varlen kernel (else SDPA per sequence)."""
-    return query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen_options() is not None
+    return query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and varlen_options() is not None
 
 
 def kernel_for(tokens: int, sequences: int) -> str:
@@ -92,7 +92,7 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     """Causal varlen attention of [N, H, D] tokens split at `cu`."""
     from torch.nn.attention.varlen import varlen_attn
 
-    opts = _varlen_options()
+    opts = varlen_options()
     kwargs: dict[str, Any] = {"window_size": (-1, 0)} if opts["window"] else {"is_causal": True}
     if k.shape[1] != q.shape[1]:
         if opts["gqa"]:
