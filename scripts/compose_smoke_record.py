@@ -57,6 +57,10 @@ def checks(work: Path) -> tuple[dict, list[str]]:
         "world": _json(work / "sandbox-world.json").get("source"),
         "results_on_host": sorted(p.name for p in run.iterdir()) if run.is_dir() else [],
         "progress_lines": [line for line in log.splitlines() if line.startswith("rl ") and "steps trained" in line],
+        # where the model work ran: SFT on the learner service, eval on the rollout servers
+        "placed": [line for line in log.splitlines() if "started on the learner at" in line
+                   or line.startswith("eval on the fleet's rollout servers")],
+        "controller_log_tail": log.splitlines()[-40:],
         "services": (work / "ps.txt").read_text().splitlines() if (work / "ps.txt").is_file() else [],
         "redis": (work / "redis-version.txt").read_text().strip() if (work / "redis-version.txt").is_file() else "",
     }
@@ -69,6 +73,8 @@ def checks(work: Path) -> tuple[dict, list[str]]:
         failed.append(f"the world hashes differ: {world}")
     if not {"report.md", "plots"} <= set(found["results_on_host"]):
         failed.append("no report.md and plots/ in ./runs/tiny on the host")
+    if len(found["placed"]) != 2:
+        failed.append(f"SFT on the learner and eval on the rollout servers not both in the log: {found['placed']}")
     if not found["progress_lines"]:
         failed.append("no step-by-step RL progress in `docker compose logs train`")
     if "7.0." not in found["redis"]:
