@@ -7,8 +7,9 @@ For each family of services/model_families.py (Qwen2.5, Qwen3 thinking and not, 
 SmolLM2, Gemma 3): the chat style and tool format the agent picks, token-in/token-out (every turn's
 prompt is the tokens so far, and equals the template's rendering of the conversation so far) on a
 conversation of two real tool calls (the official world's sandbox) and an answer, and, on a tiny
-random-init model of the family's architecture, which fused paths the learner takes and how far its
-log-probs are from log_softmax of the model's own logits. Results: bench/results/model_families.json
+random-init model of the family's architecture, which fused paths the learner takes, how far its
+log-probs are from log_softmax of the model's own logits, and (where the transformers rollout engine
+runs the family's layers) from the log-probs that engine reported for the tokens it sampled. Results: bench/results/model_families.json
 (docs/models.md is the table).
 """
 
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.common.settings import get_settings  # noqa: E402
-from services.model_families import FAMILIES, FamilyUnavailable, learner_report, tito_report  # noqa: E402
+from services.model_families import FAMILIES, FamilyUnavailable, engine_report, learner_report, tito_report  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "model_families.json"
 
@@ -53,6 +54,7 @@ def main() -> int:
             try:
                 row |= tito_report(name, tools)
                 row |= learner_report(name)
+                row |= engine_report(name) or {"engine": "vllm (the transformers engine does not run these layers)"}
             except FamilyUnavailable as exc:
                 row["unavailable"] = str(exc)
             row["seconds"] = round(time.perf_counter() - t0, 1)

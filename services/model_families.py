@@ -296,3 +296,38 @@ def learner_report(name: str, *, tokens: int = 64) -> dict[str, Any]:
         logp, _ = policy(inputs, positions, targets)
     return {"model_type": lm.config.model_type, "fused_pointwise": counts, "fused_head": policy.fused_head,
             "logprob_max_abs_diff": float((logp - own).abs().max()), "logprob_bit_equal": bool(torch.equal(logp, own))}
+
+
+def engine_report(name: str, *, new_tokens: int = 24) -> dict[str, Any] | None:
+    """The transformers rollout engine against the learner on the family's tiny model: the engine
+    samples at temperature 1 and reports each token's log-prob; the learner scores the same ids.
+    None where the engine does not run the family's layers (vLLM serves those)."""
+    import asyncio
+
+    import torch
+
+    from services.learner.engine import LogprobPolicy
+    from services.rollout.engines.base import TurnParams
+    from services.rollout.engines.hf import SUPPORTED, TransformersEngine
+
+    if FAMILIES[name].model_type not in SUPPORTED:
+        return None
+    folder = tiny_family_model(name)
+    engine = TransformersEngine(folder, max_batch=1, max_model_len=512)
+    prompt = list(range(1000, 1040))
+
+    async def sample():
+        try:
+            return await engine.generate(prompt, TurnParams(max_tokens=new_tokens, temperature=1.0, seed=5))
+        finally:
+            await engine.close()
+
+    gen = asyncio.run(sample())
+    ids = torch.tensor([prompt + gen.token_ids])
+    policy = LogprobPolicy(engine.model, chunk_tokens=16, head_kernels="eager")
+    with torch.no_grad():
+        logp, _ = policy(ids[:, :-1], torch.arange(ids.shape[1] - 1)[None], ids[:, 1:])
+    learner = logp[len(prompt) - 1:]
+    sampled = torch.tensor(gen.logprobs, dtype=learner.dtype)
+    return {"engine": "transformers", "engine_tokens": len(gen.token_ids),
+            "engine_logprob_max_abs_diff": float((learner - sampled).abs().max())}

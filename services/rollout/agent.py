@@ -175,6 +175,13 @@ class Agent:
             return
         if not self.engine.token_level:
             return await self._step_text(ep, sampling, limits, request_id)
+        try:
+            await self._step_tokens(ep, sampling, limits, request_id, top_logprobs)
+        except ChatTemplateError as exc:  # a conversation the model's template refuses ends the episode
+            ep.finish_reason, ep.error = "engine_error", f"chat template: {exc}"
+
+    async def _step_tokens(self, ep: Episode, sampling: SamplingParams, limits: Limits, request_id: str,
+                           top_logprobs: int | None) -> None:
         room = self.context_limit(limits) - len(ep.token_ids)
         if room <= 0:
             return await self._at_limit(ep, sampling, limits, request_id)

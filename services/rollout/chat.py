@@ -21,6 +21,7 @@ Two styles:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
@@ -28,7 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.rollout import tool_formats
-from services.rollout.protocol import Turn, tool_response
+from services.rollout.protocol import Turn, parse_turn, tool_response
 
 ChatStyle = Literal["auto", "template", "chatml"]
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -91,9 +92,6 @@ class Chat:
         style = resolve_style(tokenizer, options.style)
         template = getattr(tokenizer, "chat_template", None)
         if options.tool_format != "auto":
-            if options.tool_format not in tool_formats.TOOL_FORMATS:
-                raise ValueError(f"unknown tool format {options.tool_format!r}; use auto or one of "
-                                 f"{', '.join(tool_formats.TOOL_FORMATS)}")
             fmt = options.tool_format
         else:
             fmt = "hermes" if style == "chatml" else tool_formats.detect(template)
@@ -199,20 +197,20 @@ class Chat:
 
     def parse(self, text: str, tools: list[str]) -> Turn:
         if self.style == "chatml" and self.tool_format == "hermes":
-            from services.rollout.protocol import parse_turn
-
             return parse_turn(text, tools)  # the Agent-STAR reading order, think block included
         return tool_formats.parse(self.tool_format, text, tools)
 
     def assistant_message(self, text: str, turn: Turn, call_index: int) -> tuple[dict[str, Any], str | None]:
         """The assistant turn as the template takes it, and the id of its call (None without one).
         Families whose templates render calls from `tool_calls` (Llama, Mistral) get that field;
-        Hermes templates render the call from the content itself."""
+        Hermes templates render the call from the content itself. A malformed call gets the field
+        too (its name as read, no arguments): Mistral's template counts a turn without it as a reply
+        and would then refuse the conversation (roles must alternate)."""
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        if turn.kind != "tool_call" or not turn.runnable or self.tool_format not in ("llama3_json", "mistral"):
+        if turn.kind != "tool_call" or self.tool_format not in ("llama3_json", "mistral"):
             return message, (tool_formats.call_id(call_index) if turn.kind == "tool_call" else None)
         given = _given_id(text) if self.tool_format == "mistral" else None
-        call = tool_formats.ToolCall(turn.name or "", turn.arguments, given or tool_formats.call_id(call_index))
+        call = tool_formats.ToolCall(turn.name or "unreadable", turn.arguments, given or tool_formats.call_id(call_index))
         message["tool_calls"] = [call.message_entry()]
         return message, call.id
 
@@ -269,8 +267,6 @@ class Chat:
 
 def _given_id(text: str) -> str | None:
     """The id a Mistral call carries, when it has a usable one (9 alphanumerics)."""
-    import json
-
     try:
         calls = json.JSONDecoder().raw_decode(text.split(tool_formats.MISTRAL_CALLS, 1)[1].lstrip())[0]
         given = calls[0].get("id") if isinstance(calls, list) else calls.get("id")

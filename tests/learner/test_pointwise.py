@@ -98,3 +98,14 @@ def test_learner_logprobs_equal_the_models_own_on_cpu(name):
     else:  # the fused head: logsumexp in its own order, a rounding step or two at |log p| ~ 12
         assert policy.fused_head
         torch.testing.assert_close(logp, own, rtol=0, atol=4e-6)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "llama3"])
+def test_learner_scores_what_the_transformers_engine_sampled(name):
+    """The rollout engine's reported log-probs of its own samples (temperature 1) and the learner's
+    log-probs of the same ids, on CPU in fp32."""
+    from services.model_families import engine_report
+
+    report = engine_report(name)
+    assert report["engine_tokens"] == 24
+    assert report["engine_logprob_max_abs_diff"] < 4e-6

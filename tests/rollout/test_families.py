@@ -18,7 +18,7 @@ from services.model_families import PLAN, QUERY, FamilyUnavailable, family_token
 from services.rollout.agent import Agent, Limits
 from services.rollout.chat import Chat, ChatOptions
 from services.rollout.engines.scripted import ScriptedEngine
-from services.rollout.tool_formats import call_id
+from services.rollout.tool_formats import call_id, format_call
 
 
 # family → (chat style, tool format, whole-conversation re-render equals the trajectory)
@@ -136,3 +136,20 @@ def test_the_rollout_settings_carry_the_chat_options(monkeypatch):
     assert RolloutConfig().chat == ChatOptions(tool_format="mistral", thinking=False)
     with pytest.raises(ValidationError, match="tool_format"):
         ServicesSpec(chat={"tool_format": "xml"})
+
+
+def test_a_malformed_mistral_call_is_answered_and_the_conversation_goes_on(local_tools):
+    """The error goes back as the tool's output; the turn keeps a `tool_calls` entry, so Mistral's
+    template (roles must alternate) still renders the conversation."""
+    tok = family_tokenizer("mistral")
+    eos = tok.convert_tokens_to_ids("</s>")
+    bad = tok.encode('[TOOL_CALLS] [{"name": "SearchCity", "arguments": {"state": ', add_special_tokens=False) + [eos]
+    good = tok.encode(format_call("mistral", "SearchCity", {"state": "Illinois"}, index=1),
+                      add_special_tokens=False) + [eos]
+    answer = tok.encode(" <answer>\nplan\n</answer>", add_special_tokens=False) + [eos]
+    agent = Agent(ScriptedEngine(tok, [bad, good, answer]), local_tools)
+    traj = asyncio.run(agent.run(QUERY, SamplingParams(seed=1), Limits()))
+    assert traj.finish_reason == "answer" and traj.answer == "plan" and traj.tool_calls == 2, traj.error
+    first, second = [m for m in traj.messages if m["role"] == "tool"]
+    assert first["content"].startswith("Error calling tool") and first["tool_call_id"] == call_id(0)
+    assert "Rockford" in second["content"] and second["tool_call_id"] == call_id(1)
