@@ -1048,6 +1048,28 @@ def test_worker_liveness_probe_reaches_redis_or_fails(default_docs, redis_server
     assert dead.returncode != 0 and "ConnectionError" in dead.stderr
 
 
+def test_worker_readiness_probes_follow_their_consumers_heartbeat(default_docs, redis_client):
+    """A worker pod is ready while a consumer of its host reads its stream, NotReady when none beats."""
+    import socket
+
+    from services.common.heartbeat import Heartbeat
+
+    client, prefix = redis_client
+    url = client.connection_pool.connection_kwargs
+    env = {"STAR_REDIS_URL": f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}",
+           "STAR_STREAM_PREFIX": prefix.rstrip(":")}
+    for kind, name, container, stream, group in (
+            ("Deployment", "star-reward-worker", "reward-worker", "trajectories", "reward"),
+            ("StatefulSet", "star-rollout-worker", "rollout-worker", "tasks", "rollout")):
+        probe = _container(default_docs, kind, name, container)["readinessProbe"]["exec"]["command"]
+        argv = [sys.executable if a == "python" else a for a in probe]
+        assert argv[-2:] == [stream, group], argv
+        idle = _run(argv, env)
+        assert idle.returncode == 1 and "no consumer" in idle.stderr, idle.stderr
+        Heartbeat(client, f"{prefix.rstrip(':')}:{stream}", group, f"{socket.gethostname()}-1").beat()
+        assert _run(argv, env).returncode == 0
+
+
 def test_world_job_waits_for_the_database_and_services_wait_for_the_world(default_docs, pg_url, tmp_path):
     wait_db = _container(default_docs, "Job", "star-world-build", "wait-for-database")["command"]
     argv = [sys.executable if a == "python" else a for a in wait_db]

@@ -42,7 +42,7 @@ spec:
         {{- end }}
       {{- include "star.httpProbes" (dict "startupFailures" 180) | nindent 6 }}
       {{- else }}
-      {{- include "star.workerProbes" $root | nindent 6 }}
+      {{- include "star.workerProbes" (dict "stream" "tasks" "group" "rollout") | nindent 6 }}
       {{- end }}
       resources: {{- include "star.engineResources" (dict "resources" $v.resources "gpus" (ternary .gpus 0 $v.gpu.enabled)) | nindent 8 }}
       securityContext: {{- toYaml $root.Values.securityContext | nindent 8 }}

@@ -95,6 +95,9 @@ readinessProbe:
 
 {{/* A stream worker has no HTTP port: it is alive while it reaches Redis. */}}
 {{- define "star.workerProbes" -}}
+{{- /* A stream worker serves no port. Live while it reaches Redis; ready while one of its consumers reads
+its stream (the heartbeat of services/common/heartbeat.py), which stops while it cannot work (a dependency
+down, weights it cannot load): such a pod shows NotReady rather than being restarted. */ -}}
 livenessProbe:
   exec:
     command: ["python", "-c", "import os, redis; redis.Redis.from_url(os.environ['STAR_REDIS_URL'], password=os.environ.get('STAR_REDIS_PASSWORD'), socket_timeout=5).ping()"]
@@ -102,6 +105,13 @@ livenessProbe:
   periodSeconds: 30
   timeoutSeconds: 10
   failureThreshold: 3
+readinessProbe:
+  exec:
+    command: ["python", "-m", "services.common.heartbeat", {{ .stream | quote }}, {{ .group | quote }}]
+  initialDelaySeconds: 30
+  periodSeconds: 15
+  timeoutSeconds: 10
+  failureThreshold: 4
 {{- end -}}
 
 {{/* Init container: wait until the world job has built the world (sandbox and reward load it at start). */}}
