@@ -83,6 +83,8 @@ class Audit:
         self.client = client
         self.streams = (names.tasks, names.trajectories, names.scored)
         self.entries: dict[str, list[tuple[str, dict[str, Any]]]] = {s: [] for s in self.streams}
+        self._seen: set[tuple[str, str]] = set()
+        self._pending_first = False  # after a Redis error: entries delivered in a lost reply are pending
         for stream in self.streams:
             ensure_group(self.client, stream, AUDIT, "0")
         self._stop = threading.Event()
@@ -90,16 +92,23 @@ class Audit:
         self._thread.start()
 
     def drain(self) -> int:
-        """Read and acknowledge what has arrived; returns how many entries."""
+        """Read and acknowledge what has arrived; returns how many entries. After a Redis error the
+        auditor's own pending entries are read first: a reply lost to the restart left them delivered
+        to it but never recorded (or recorded but not acknowledged: each entry is kept once)."""
         n = 0
+        starts = ("0", ">") if self._pending_first else (">",)
         for stream in self.streams:
-            reply = self.client.xreadgroup(AUDIT, "auditor", {stream: ">"}, count=1000)
-            for entry, fields in (reply[0][1] if reply else []):
-                if fields is None:
-                    continue
-                self.entries[stream].append((entry.decode(), decode(fields)))
-                self.client.xack(stream, AUDIT, entry)
-                n += 1
+            for start in starts:
+                reply = self.client.xreadgroup(AUDIT, "auditor", {stream: start}, count=1000)
+                for entry, fields in (reply[0][1] if reply else []):
+                    if fields is None:
+                        continue
+                    if (stream, entry) not in self._seen:
+                        self._seen.add((stream, entry))
+                        self.entries[stream].append((entry.decode(), decode(fields)))
+                    self.client.xack(stream, AUDIT, entry)
+                    n += 1
+        self._pending_first = False
         return n
 
     def _run(self) -> None:
@@ -108,6 +117,7 @@ class Audit:
                 if not self.drain():
                     self._stop.wait(0.05)
             except redis.RedisError:
+                self._pending_first = True
                 self._stop.wait(0.2)  # Redis restarting: the group resumes where it was
 
     def finish(self) -> None:
@@ -118,6 +128,7 @@ class Audit:
                 if not self.drain():
                     return
             except redis.RedisError:
+                self._pending_first = True
                 time.sleep(0.2)
 
 
