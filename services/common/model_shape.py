@@ -24,3 +24,12 @@ def model_shape(folder: str | Path) -> dict[str, Any] | None:
 def shape_differences(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
     """`key ours ≠ theirs` for each shape key the two disagree on."""
     return [f"{k} {ours.get(k)} ≠ {theirs.get(k)}" for k in SHAPE_KEYS if ours.get(k) != theirs.get(k)]
+
+
+def model_config(folder: str | Path) -> dict[str, Any] | None:
+    """The whole config.json of the HF model in `folder` (None: none readable there)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None

@@ -279,6 +279,9 @@ class VllmArgs(BaseModel):
     weight_transfer: Literal["files", "nccl"] = Field("files", description=(
         "How new weights arrive: files (a published safetensors folder, any host) or nccl (broadcast by the "
         "learner into the engine's GPUs through vLLM's weight-transfer engine; one host or an NCCL network)."))
+    enable_sleep_mode: bool = Field(False, description=(
+        "Start the engine able to sleep (vLLM's CuMem allocator): colocated placement turns it on, so the engine "
+        "frees its GPU memory while the learner trains on the same GPUs and takes the new weights on waking."))
     kv_cache_from_share: bool = Field(False, description=(
         "Size the KV cache from gpu_memory_utilization (that share of the card's memory, less the weights and "
         "2 GiB for activations and CUDA graphs) instead of vLLM's measurement at start-up, which counts what "
@@ -415,6 +418,52 @@ class WeightsBroadcast(BaseModel):
     def _same_lengths(self) -> "WeightsBroadcast":
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
             raise ValueError("names, dtype_names and shapes must have the same length")
+        return self
+
+
+class SleepRequest(BaseModel):
+    """`POST /sleep`: a colocated engine frees its GPU memory for the learner's step. New turns are held
+    (the agents wait, their tasks stay with the worker), the turns in flight finish first, within
+    `timeout_s`; then vLLM sleeps at `level` (1: weights to host memory, KV dropped; 2: both dropped)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    level: Literal[1, 2] = 1
+    timeout_s: float = Field(300.0, gt=0, le=24 * 3600)
+
+
+class WakeRequest(BaseModel):
+    """`POST /wake`: bring back `tags` of the engine's memory ("weights", "kv_cache"; none: all). Waking
+    everything also reopens the engine to the held turns."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tags: list[Literal["weights", "kv_cache"]] | None = None
+
+
+class IpcWeights(BaseModel):
+    """`POST /weights/ipc`: one chunk of `version`'s tensors, packed in a CUDA buffer of the learner's
+    on this engine's GPU (vLLM's packed IPC layout: `tensor_sizes` bytes each, in order), named by
+    `handles`: base64 of the pickled {GPU UUID: rebuild args} map. The first chunk starts the update,
+    the `last` one (tensors optional) finishes it: the version is then the engine's."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=0)
+    names: list[str] = Field(default_factory=list)
+    dtype_names: list[Literal["bfloat16", "float16", "float32"]] = Field(default_factory=list)
+    shapes: list[list[int]] = Field(default_factory=list)
+    tensor_sizes: list[int] = Field(default_factory=list)
+    handles: str = Field("", max_length=1_000_000)
+    first: bool = False
+    last: bool = False
+
+    @model_validator(mode="after")
+    def _same_lengths(self) -> "IpcWeights":
+        if not len(self.names) == len(self.dtype_names) == len(self.shapes) == len(self.tensor_sizes):
+            raise ValueError("names, dtype_names, shapes and tensor_sizes must have the same length")
+        if not self.last and not (self.names and self.handles):
+            raise ValueError("a chunk before the last needs tensors and their handles")
         return self
 
 

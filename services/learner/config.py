@@ -258,10 +258,16 @@ class RLConfig(_Strict):
         "rollout workers started on a model of their own (an external fleet) load it before they sample, so the "
         "first step is sampled by the policy it trains."))
     rollout_servers: list[str] = Field(default_factory=list, description="Base URLs that get POST /weights.")
-    weight_sync: Literal["files", "nccl"] = Field("files", description=(
+    weight_sync: Literal["files", "nccl", "ipc"] = Field("files", description=(
         "files: each version written to the weights store and loaded by the servers from it (any host). nccl: "
         "broadcast from rank 0 into every rollout server's vLLM engine (engines started with weight_transfer: "
-        "nccl); the store still gets every `files_every`-th version and any version a server missed."))
+        "nccl); the store still gets every `files_every`-th version and any version a server missed. ipc: the "
+        "servers are colocated on the learner's GPUs (services/learner/colocate.py): asleep while it trains, "
+        "woken with each version by CUDA IPC; the store gets every `files_every`-th version."))
+    sleep_level: Literal[1, 2] = Field(1, description="With weight_sync ipc: the servers' vLLM sleep level.")
+    sleep_timeout_s: float = Field(300.0, gt=0, description=(
+        "With weight_sync ipc: how long every server may take to finish its turns and sleep before the learner "
+        "refuses the step."))
     nccl_master: str = Field("127.0.0.1:29731", description="host:port rank 0 listens on for the weight group.")
     files_every: int = Field(10, ge=1, description="With weight_sync nccl: also write every N-th version to the store.")
     save_every: int = Field(

@@ -282,6 +282,12 @@ class RLTrainer:
             self.fleet_sync = FleetSync(self.publisher, nccl, files_every=cfg.files_every)
             if self.collector is not None:
                 self.collector.weights_wanted = self._weights_wanted
+        if cfg.publish_weights and cfg.weight_sync == "ipc":  # engines colocated on this learner's GPUs
+            from services.learner.colocate import ColocatedServers, ColocatedSync
+
+            servers = (ColocatedServers(cfg.rollout_servers, level=cfg.sleep_level, timeout_s=cfg.sleep_timeout_s,
+                                        api_token=settings.api_token) if self.rank0 else None)
+            self.fleet_sync = ColocatedSync(self.publisher, servers, files_every=cfg.files_every)
         self._resent_at = -math.inf  # when a server's request for the weights was last answered
 
     # -- resume ----------------------------------------------------------------------------------
@@ -329,6 +335,9 @@ class RLTrainer:
                                    "samples_duplicate": float(_broadcast(duplicates, self.engine)),
                                    "groups_lost": float(len(step.lost))}
         metrics.update(batch_figures(trajs, batch.advantages, cfg))
+        colocated = getattr(self.fleet_sync, "asleep", None) is not None
+        if colocated and any(sum(s.loss_mask) > 0 for s in batch.sequences):
+            metrics.update(self.fleet_sync.sleep())  # the engines on these GPUs free them, or no step
         trainable = self._train(batch, metrics)
         self._record_trained(step)
         replaying = self.batches < self.logged_batches
@@ -339,6 +348,8 @@ class RLTrainer:
             metrics["time_checkpoint_s"] = time.perf_counter() - t_save
         if trainable and cfg.publish_weights and self.version > self.published:
             metrics.update(self.publish())
+        if colocated:  # a batch that trained nothing (or published nothing new): the engines wake as they were
+            metrics.update(self.fleet_sync.wake(None))
         if final:
             metrics.update(self._keep_last_version())
         self._log_step(metrics, trajs, replaying)

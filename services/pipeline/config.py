@@ -300,6 +300,33 @@ class DeploymentSpec(_Section):
         "two ranks on one GPU). auto: nccl where that holds, else files."))
 
 
+PlacementMode = Literal["auto", "split", "colocated"]
+
+
+class PlacementSpec(_Section):
+    """Whether the RL stage's engines get GPUs of their own or share the learner's in time
+    (services.pipeline.placement): colocated, every GPU holds a learner rank and engines, and the engines
+    sleep (vLLM sleep mode) while the learner trains, then wake with the new weights (CUDA IPC)."""
+
+    mode: PlacementMode = Field("split", description=(
+        "split: engines on GPUs of their own (or beside the learner by memory share, `deployment.share_gpus`); "
+        "colocated: a learner rank on every GPU and the engines beside it, asleep while it trains; auto: split "
+        "where the learner and the engines fit GPUs of their own, else colocated where that fits, else refused "
+        "with the numbers. auto and colocated read the model's size from its config.json."))
+    sleep_level: Literal[1, 2] = Field(1, description=(
+        "Colocated engines' vLLM sleep level: 1 offloads weights to host memory and drops the KV cache; 2 "
+        "discards both (faster to sleep; the buffers that are not weights, the rotary caches, are restored "
+        "after each load and checked)."))
+    sleep_timeout_s: float = Field(300.0, gt=0, description=(
+        "How long the learner waits for every colocated engine to finish its turns in flight and sleep before "
+        "it refuses to train the step (rather than run out of memory)."))
+    activation_gib: float | None = Field(None, gt=0, description=(
+        "A learner rank's activation memory at `learner.micro_batch_tokens`, GiB. None: estimated from the "
+        "model's shape (docs/gpu.md)."))
+    gpu_gib: float | None = Field(None, gt=0, description=(
+        "Memory of each GPU, GiB. None: what the first visible GPU reports."))
+
+
 class PipelineConfig(_Section):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
                       description="The run's name: its folder is STAR_HOME/runs/NAME unless --run-dir says otherwise.")
@@ -315,6 +342,7 @@ class PipelineConfig(_Section):
     services: ServicesSpec = Field(default_factory=ServicesSpec)
     learner: LearnerSpec = Field(default_factory=LearnerSpec)
     deployment: DeploymentSpec = Field(default_factory=DeploymentSpec)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
 
     @model_validator(mode="after")
     def _stages_in_order(self) -> "PipelineConfig":

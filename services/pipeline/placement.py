@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from services.pipeline.config import DeploymentSpec
+from services.pipeline.config import DeploymentSpec, PipelineConfig
 
 DEDICATED_MEMORY_SHARE = 0.9   # an engine alone on its GPUs (vLLM's own default)
 MIN_ENGINE_SHARE = 0.05        # below this an engine holds its weights and hardly any KV cache
@@ -40,6 +40,8 @@ class Placement:
     tensor_parallel: int = 1
     shared: bool = False
     validation_memory_share: float | None = None  # None: no validations beside the fleet, or on CPU
+    colocated: bool = False   # engines share every learner GPU in time: asleep while the learner trains
+    reason: str = ""          # why this layout (the memory model's numbers), printed with it
 
     def learner_env(self) -> dict[str, str]:
         env = {"DS_ACCELERATOR": self.accelerator}
@@ -73,9 +75,11 @@ class Placement:
         engines = ", ".join("+".join(d) for d in self.engine_devices) or "none"
         validations = ("" if self.validation_memory_share is None else
                        f"; validations beside engine 0 at {self.validation_memory_share:.2f}")
+        sharing = " (colocated: asleep while the learner trains)" if self.colocated else (
+            " (sharing GPUs)" if self.shared else "")
+        why = f"\n  why: {self.reason}" if self.reason else ""
         return (f"placement: learner on GPU {'+'.join(self.learner_devices)}; engines on GPU {engines} "
-                f"at {self.engine_memory_share:.2f} of memory each{' (sharing GPUs)' if self.shared else ''}"
-                f"{validations}")
+                f"at {self.engine_memory_share:.2f} of memory each{sharing}{validations}{why}")
 
 
 def visible_gpu_ids() -> list[str]:
@@ -172,7 +176,7 @@ def placement_for(spec: DeploymentSpec, engines: int, gpus: list[str] | None = N
 class WeightSyncChoice:
     """How the RL stage's weights reach its engines, and why (printed when the stage starts)."""
 
-    method: Literal["files", "nccl"]
+    method: Literal["files", "nccl", "ipc"]
     reason: str
 
     def describe(self) -> str:
@@ -204,6 +208,11 @@ def nccl_obstacle(spec: DeploymentSpec, engine: str, placement: Placement) -> st
 def weight_sync(spec: DeploymentSpec, engine: str, placement: Placement) -> WeightSyncChoice:
     """`deployment.weight_sync` resolved for this layout: `auto` takes nccl where it can work, files
     otherwise; an explicit nccl that cannot work is refused (PlacementError) with the reason."""
+    if placement.colocated:
+        if spec.fleet != "embedded" or engine != "vllm":
+            raise PlacementError("colocated placement needs vLLM engines (services.engine vllm) of an embedded fleet: "
+                                 "they sleep while the learner trains and take its weights by CUDA IPC")
+        return WeightSyncChoice("ipc", "engines colocated on the learner's GPUs: CUDA IPC on waking")
     if spec.weight_sync == "files":
         return WeightSyncChoice("files", "deployment.weight_sync files")
     obstacle = nccl_obstacle(spec, engine, placement)
@@ -213,3 +222,230 @@ def weight_sync(spec: DeploymentSpec, engine: str, placement: Placement) -> Weig
         raise PlacementError(f"deployment.weight_sync nccl cannot work here: {obstacle} "
                              "(weight_sync auto or files sends versions through the weights store)")
     return WeightSyncChoice("files", obstacle)
+
+
+# ---- memory model: split or colocated ---------------------------------------------------------
+
+GiB = 2**30
+CARD_USABLE = 0.92          # of a card's memory: CUDA contexts, NCCL buffers and allocator fragments take the rest
+LEARNER_RESERVE = 3 * GiB   # a rank's ZeRO-3 gather buckets, NCCL buffers and CUDA context
+ENGINE_RESERVE = 2 * GiB    # an awake engine's activations and CUDA graphs (vllm_engine.ENGINE_RESERVE_BYTES)
+SLEEP_RESIDUE = int(1.5 * GiB)  # an asleep engine: CUDA context and the allocator's bookkeeping
+ZERO3_BYTES_PER_PARAM = 2 + 2 + 12  # bf16 weights and gradients, fp32 Adam moments and master weights
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What placement needs of the model: its parameters and the shapes that size activations and KV."""
+
+    params: int
+    hidden: int
+    intermediate: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "ModelSize":
+        """From a decoder's config.json (Qwen2/Llama-like: attention with q/k/v biases counted, SwiGLU MLP)."""
+        h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+        heads = config["num_attention_heads"]
+        kv = config.get("num_key_value_heads") or heads
+        hd = config.get("head_dim") or h // heads
+        vocab = config["vocab_size"]
+        attn = h * heads * hd + 2 * h * kv * hd + heads * hd * h + (heads + 2 * kv) * hd  # q, k, v, o + biases
+        per_layer = attn + 3 * h * inter + 2 * h
+        head = 0 if config.get("tie_word_embeddings", False) else vocab * h
+        return cls(vocab * h + layers * per_layer + h + head, h, inter, layers, kv, hd, vocab)
+
+    @property
+    def weights_bytes(self) -> int:
+        return 2 * self.params  # bf16
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2  # keys and values, bf16
+
+
+def learner_state_bytes(size: ModelSize, ranks: int) -> int:
+    """A ZeRO-3 rank's share of weights, gradients and Adam state."""
+    return ZERO3_BYTES_PER_PARAM * size.params // ranks
+
+
+def activation_bytes(size: ModelSize, tokens: int, checkpointing: bool) -> int:
+    """A rank's activations for a packed row of `tokens` (bf16): with checkpointing, each layer's input
+    kept plus one layer recomputed at a time; without, every layer's. A layer holds about 10 hidden-wide
+    and 4 MLP-wide tensors per token (norms, q/k/v/o, the residuals; gate, up, their product, its
+    gradient); the fused vocabulary head adds a few hidden-wide chunks."""
+    layer = tokens * (10 * size.hidden + 4 * size.intermediate) * 2
+    kept = size.layers * tokens * size.hidden * 2 if checkpointing else size.layers * layer
+    return kept + (layer if checkpointing else 0) + 4 * tokens * size.hidden * 4
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A layout's memory per GPU, the numbers the choice and its refusals name."""
+
+    mode: Literal["split", "colocated"]
+    fits: bool
+    why: str
+    engine_share: float | None = None  # colocated: each engine's memory share while awake
+    validation_share: float | None = None  # colocated: a validation's engine beside engine 0
+
+
+def split_fit(size: ModelSize, ranks: int, engines: int, tp: int, gpus: int, card: int, activations: int,
+              min_kv_tokens: int) -> Fit:
+    """Learner ranks and engines on GPUs of their own."""
+    usable = int(CARD_USABLE * card)
+    need = ranks + engines * tp
+    if need > gpus:
+        return Fit("split", False, f"split needs {ranks} learner GPU(s) + {engines} engine(s) × {tp} = {need} GPUs; "
+                                   f"this machine shows {gpus}")
+    learner = learner_state_bytes(size, ranks) + activations + LEARNER_RESERVE
+    if learner > usable:
+        return Fit("split", False, f"split: a learner rank needs {_gib(learner)} (ZeRO-3 state "
+                                   f"{_gib(learner_state_bytes(size, ranks))} + activations {_gib(activations)} + "
+                                   f"{_gib(LEARNER_RESERVE)}) of {_gib(usable)} usable")
+    kv = int(DEDICATED_MEMORY_SHARE * card) - size.weights_bytes // tp - ENGINE_RESERVE
+    if kv < min_kv_tokens * size.kv_bytes_per_token // tp:
+        return Fit("split", False, f"split: an engine's KV cache of {_gib(kv)} holds fewer than {min_kv_tokens} tokens")
+    return Fit("split", True, f"split: learner rank {_gib(learner)} of {_gib(usable)}; each engine alone on "
+                              f"{tp} GPU(s), KV {_gib(kv)} ({kv * tp // size.kv_bytes_per_token:,} tokens)")
+
+
+VALIDATION_SEQUENCES = 2  # max-length sequences a validation's engine beside colocated training holds
+
+
+def colocated_fit(size: ModelSize, gpus: int, tp: int, card: int, activations: int, min_kv_tokens: int, *,
+                  validations: bool = False) -> Fit:
+    """A learner rank on every GPU and one engine per tensor-parallel group of GPUs, asleep while the
+    learner trains. Training: the rank's state, activations and reserve beside the asleep engine's
+    residue. Rollout: the rank's state and reserve (activations freed) beside the awake engine's
+    weights, reserve and KV. A validation during RL is a separate engine that does not sleep: on engine
+    0's GPUs its weights, reserve and `VALIDATION_SEQUENCES` sequences of KV count in both phases."""
+    usable = int(CARD_USABLE * card)
+    state = learner_state_bytes(size, gpus)
+    weights = size.weights_bytes // tp
+    need_kv = min_kv_tokens * size.kv_bytes_per_token // tp
+    validation = weights + ENGINE_RESERVE + VALIDATION_SEQUENCES * need_kv if validations else 0
+    training = state + activations + LEARNER_RESERVE + SLEEP_RESIDUE + validation
+    beside = f" + a validation's engine {_gib(validation)}" if validation else ""
+    if training > usable:
+        return Fit("colocated", False, f"colocated: training needs {_gib(training)} a GPU (ZeRO-3 state over {gpus} "
+                                       f"ranks {_gib(state)} + activations {_gib(activations)} + "
+                                       f"{_gib(LEARNER_RESERVE)} + an asleep engine {_gib(SLEEP_RESIDUE)}{beside}) "
+                                       f"of {_gib(usable)} usable")
+    engine = usable - state - LEARNER_RESERVE - validation
+    kv = engine - weights - ENGINE_RESERVE
+    if kv < need_kv:
+        return Fit("colocated", False, f"colocated: an engine beside a learner rank's {_gib(state)}{beside} keeps "
+                                       f"{_gib(max(kv, 0))} of KV cache, less than one {min_kv_tokens}-token "
+                                       f"sequence ({_gib(need_kv)})")
+    share = math.floor(engine / card * 100) / 100
+    val_share = math.ceil(validation / card * 100) / 100 if validation else None
+    return Fit("colocated", True, f"colocated: training {_gib(training)} of {_gib(usable)} a GPU with the engine "
+                                  f"asleep{beside}; awake, the engine takes {share:.2f} of its GPUs, KV {_gib(kv)} "
+                                  f"({kv * tp // size.kv_bytes_per_token:,} tokens)",
+               engine_share=share, validation_share=val_share)
+
+
+def _gib(n: int | float) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def plan_colocated(spec: DeploymentSpec, gpus: list[str], share: float, *,
+                   validation_share: float | None = None) -> Placement:
+    """Every GPU holds a learner rank and one engine per tensor-parallel group of GPUs (the rollout
+    workers' concurrency is pooled into them: `colocated_concurrency`), each taking `share` of its GPUs
+    while awake; a validation during RL runs beside engine 0 at `validation_share`."""
+    tp = spec.engine_tensor_parallel
+    if tp > len(gpus):
+        raise PlacementError(f"deployment.engine_tensor_parallel {tp} needs {tp} GPUs per engine; "
+                             f"this machine shows {len(gpus)}")
+    devices = tuple(tuple(gpus[g * tp: (g + 1) * tp]) for g in range(len(gpus) // tp))
+    return Placement("cuda", len(gpus), tuple(gpus), devices, share, tp, shared=True,
+                     validation_memory_share=validation_share, colocated=True)
+
+
+def colocated_concurrency(workers: int, concurrency: int, engines: int) -> int:
+    """Groups each colocated engine's worker samples at once: the recipe's rollout workers × their
+    concurrency, pooled into the colocated engines (one per GPU group)."""
+    return max(1, math.ceil(workers * concurrency / max(engines, 1)))
+
+
+def choose(spec: DeploymentSpec, mode: str, size: ModelSize | None, engines: int, gpus: list[str],
+           card_bytes: int | None, *, micro_batch_tokens: int, checkpointing: bool, min_kv_tokens: int,
+           activation_bytes_override: int | None = None, validations: bool = False) -> Placement:
+    """The run's layout: `mode` split (the deployment's own plan), colocated, or auto (split where the
+    learner and engines fit GPUs of their own, else colocated where that fits); the placement's `reason`
+    says why. A mode whose memory cannot fit is refused (PlacementError) with the numbers, before anything
+    starts. Without GPUs, or split without a known model size, the deployment's plan as it was."""
+    if not gpus or (mode == "split" and (size is None or card_bytes is None)):
+        return plan(spec, engines, gpus, validations=validations)
+    if size is None or card_bytes is None:
+        raise PlacementError(f"placement.mode {mode} needs the model's size (its config.json) and the GPUs' memory "
+                             "(placement.gpu_gib where the GPUs cannot be asked)")
+    acts = activation_bytes_override or activation_bytes(size, micro_batch_tokens, checkpointing)
+    tp, n = spec.engine_tensor_parallel, len(gpus)
+    split = split_fit(size, spec.learner_ranks, engines, tp, n, card_bytes, acts, min_kv_tokens)
+    if mode == "split":
+        placed = plan(spec, engines, gpus, validations=validations)
+        if split.fits or placed.shared:  # memory sharing by share: plan()'s own checks
+            return _with_reason(placed, split.why if split.fits else "split by memory share (deployment.share_gpus)")
+        raise PlacementError(f"placement.mode split does not fit: {split.why}")
+    colo = colocated_fit(size, n, tp, card_bytes, acts, min_kv_tokens, validations=validations)
+    if mode == "auto" and split.fits:
+        return _with_reason(plan(spec.model_copy(update={"share_gpus": False}), engines, gpus,
+                                 validations=validations), f"auto → {split.why}")
+    if colo.fits:
+        prefix = f"auto → {colo.why} (not split: {split.why})" if mode == "auto" else colo.why
+        return _with_reason(plan_colocated(spec, gpus, colo.engine_share, validation_share=colo.validation_share),
+                            prefix)
+    raise PlacementError(f"placement.mode {mode}: no layout fits {n} GPU(s) of {_gib(card_bytes)} for "
+                         f"{size.params / 1e9:.2f} B parameters: {colo.why}"
+                         + (f"; {split.why}" if mode == "auto" else ""))
+
+
+def _with_reason(placement: Placement, reason: str) -> Placement:
+    from dataclasses import replace
+
+    return replace(placement, reason=reason)
+
+
+def gpu_memory_bytes(gpus: list[str]) -> int | None:
+    """The smallest memory among `gpus` (nvidia-smi: no CUDA context in the controller), or None."""
+    import subprocess
+
+    if not gpus:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sizes = {i.strip(): int(float(m)) * 2**20 for i, m in (line.split(",") for line in out.strip().splitlines())}
+    known = [sizes[g] for g in gpus if g in sizes]
+    return min(known) if known else None
+
+
+def placement_for_recipe(config: PipelineConfig, gpus: list[str] | None = None, card_bytes: int | None = None,
+                         size: ModelSize | None = None) -> Placement:
+    """The run's placement from its recipe (`placement.mode`, the deployment, the learner's row size, the
+    episodes' context) on this machine: its visible GPUs and their memory unless given; the model's size
+    from its config.json unless given (unknown for a model not built yet: split as the deployment says)."""
+    gpus = visible_gpu_ids() if gpus is None else gpus
+    mode = config.placement.mode
+    if card_bytes is None:
+        card_bytes = int(config.placement.gpu_gib * GiB) if config.placement.gpu_gib else gpu_memory_bytes(gpus)
+    if size is None and config.model.path:
+        from services.common.model_shape import model_config
+
+        raw = model_config(config.model.path)
+        size = ModelSize.from_hf_config(raw) if raw else None
+    act = int(config.placement.activation_gib * GiB) if config.placement.activation_gib else None
+    return choose(config.deployment, mode, size, config.services.rollout_workers, gpus, card_bytes,
+                  micro_batch_tokens=config.learner.micro_batch_tokens,
+                  checkpointing=config.learner.gradient_checkpointing,
+                  min_kv_tokens=config.rl.sampling.engine_max_len, activation_bytes_override=act,
+                  validations=config.validates_during_rl)

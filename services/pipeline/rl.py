@@ -154,6 +154,8 @@ def rl_config(run: Run, model: str, names: StreamNames, redis_url: str | None, t
     r = run.config.rl
     external = run.config.deployment.fleet == "external"
     sync = nccl_sync(run, servers or []) if run.nccl and not external else {}
+    if run.colocated:
+        sync = colocated_sync(run, servers or [])
     cfg = RLConfig(
         model=model, output_dir=str(run.folder / "rl"), algorithm="dapo" if r.algorithm == "dapo" else "grpo",
         group_size=r.group_size, batch_prompts=r.batch_prompts, lr=r.lr, total_steps=total_steps,
@@ -183,6 +185,16 @@ def nccl_sync(run: Run, servers: list[str]) -> dict[str, Any]:
     files_every = run.config.rl.val_every or 10
     return {"weight_sync": "nccl", "rollout_servers": list(servers), "nccl_master": f"127.0.0.1:{free_port()}",
             "files_every": files_every}
+
+
+def colocated_sync(run: Run, servers: list[str]) -> dict[str, Any]:
+    """The learner's settings for engines colocated on its GPUs (`placement.mode` colocated): the
+    servers it puts to sleep before each step and wakes with the new weights by CUDA IPC."""
+    if not servers:
+        raise StageFailed("colocation needs the rollout workers' HTTP addresses; none were started")
+    p = run.config.placement
+    return {"weight_sync": "ipc", "rollout_servers": list(servers), "files_every": run.config.rl.val_every or 10,
+            "sleep_level": p.sleep_level, "sleep_timeout_s": p.sleep_timeout_s}
 
 
 def fleet_record(run: Run) -> Path:
@@ -234,16 +246,23 @@ def _start_workers(run: Run, f: Fleet, model: str, env: dict[str, str], logs: Pa
     s = run.config.services
     sampling = run.config.rl.sampling
     vllm = s.vllm.model_copy(update={"weight_transfer": "nccl"}) if run.nccl else s.vllm
+    workers, concurrency = s.rollout_workers, s.rollout_concurrency
+    if run.colocated:  # one engine per GPU group, able to sleep, holding the recipe's concurrency pooled
+        from services.pipeline.placement import colocated_concurrency
+
+        vllm = vllm.model_copy(update={"enable_sleep_mode": True})
+        workers = len(run.placement.engine_devices)
+        concurrency = colocated_concurrency(s.rollout_workers, s.rollout_concurrency, workers)
     rollout_env = {**env, "STAR_MODEL": model, "STAR_ROLLOUT_ENGINE": s.engine,
                    "STAR_ROLLOUT_VLLM": vllm.model_dump_json(), "STAR_ROLLOUT_CHAT": s.chat.model_dump_json(),
                    "STAR_ROLLOUT_MAX_MODEL_LEN": str(sampling.engine_max_len),
-                   "STAR_ROLLOUT_CLAIM_IDLE_MS": "30000", "STAR_ROLLOUT_CONCURRENCY": str(s.rollout_concurrency),
+                   "STAR_ROLLOUT_CLAIM_IDLE_MS": "30000", "STAR_ROLLOUT_CONCURRENCY": str(concurrency),
                    # the transformers engine decodes every sample of its groups in one batch
-                   "STAR_ROLLOUT_MAX_BATCH": str(s.rollout_concurrency * run.config.rl.group_size)}
-    for i in range(s.rollout_workers):
+                   "STAR_ROLLOUT_MAX_BATCH": str(concurrency * run.config.rl.group_size)}
+    for i in range(workers):
         devices = run.placement.engine_env(i) if run.placement else {}
         http = {}
-        if run.nccl:  # the same port across the worker's restarts: the learner knows it by its address
+        if run.serves_http:  # the same port across the worker's restarts: the learner knows it by its address
             url = next(u for u in iter(lambda: f"http://127.0.0.1:{free_port()}", None) if u not in f.rollout_urls)
             http = {"STAR_ROLLOUT_HTTP_PORT": url.rsplit(":", 1)[1]}
             f.rollout_urls.append(url)

@@ -42,6 +42,16 @@ class Run:
         """The RL stage's learner broadcasts weights into its engines over NCCL."""
         return self.weight_sync is not None and self.weight_sync.method == "nccl"
 
+    @property
+    def colocated(self) -> bool:
+        """The RL stage's engines share the learner's GPUs in time (asleep while it trains; weights by IPC)."""
+        return self.weight_sync is not None and self.weight_sync.method == "ipc"
+
+    @property
+    def serves_http(self) -> bool:
+        """Rollout workers serve their HTTP API for the learner (NCCL groups, or colocation's sleep and wake)."""
+        return self.nccl or self.colocated
+
     def learner_launch(self, kind: str, config: Path) -> tuple[list[str], dict[str, str]]:
         """The command and environment (beside `env`) that start this run's learner for `kind` on its
         placement: one process, or its ranks under torchrun, on the learner's devices."""

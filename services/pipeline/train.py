@@ -32,7 +32,7 @@ from services.pipeline.external import (FleetAddress, check_reachable, engines_t
 from services.pipeline.rl import stage_rl
 from services.pipeline.report import write_report
 from services.pipeline.stage import Run, StageFailed, console, eval_argv, run_process, star_argv
-from services.pipeline.placement import PlacementError, placement_for, weight_sync
+from services.pipeline.placement import PlacementError, placement_for_recipe, weight_sync
 
 # ---- preparation -------------------------------------------------------------------------------
 
@@ -54,8 +54,7 @@ def prepare(config: PipelineConfig, folder: Path) -> Run:
         if recipe_identity(load_pipeline_config(resolved)) != recipe_identity(config):
             raise StageFailed(f"{folder} holds a run of a different recipe; use another --run-dir or remove it")
     try:  # refused before anything is written or started
-        placement = placement_for(config.deployment, config.services.rollout_workers,
-                                  validations=config.validates_during_rl)
+        placement = placement_for_recipe(config)
         sync = weight_sync(config.deployment, config.services.engine, placement) if "rl" in config.stages else None
     except PlacementError as exc:
         raise StageFailed(f"{exc}") from None

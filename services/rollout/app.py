@@ -20,8 +20,8 @@ from fastapi import Depends, FastAPI, HTTPException
 
 from services.common.http import bearer_auth, create_app as create_service_app, problem, reason
 from services.common.logging import configure_logging
-from services.common.schemas import (GenerateRequest, GenerateResult, Trajectory, WeightsBroadcast, WeightsGroup,
-                                     WeightsUpdate)
+from services.common.schemas import (GenerateRequest, GenerateResult, IpcWeights, SleepRequest, Trajectory,
+                                     WakeRequest, WeightsBroadcast, WeightsGroup, WeightsUpdate)
 from services.common.settings import Settings, get_settings
 from services.rollout.service import RolloutConfig, RolloutMetrics, RolloutRequest, RolloutService, WeightsError
 
@@ -92,6 +92,21 @@ def create_app(settings: Settings | None = None, service: RolloutService | None 
               summary="Receive a version from the learner's NCCL broadcast (pause in place, load, resume)")
     async def receive_weights(broadcast: WeightsBroadcast) -> dict[str, Any]:
         return await svc().receive_weights(broadcast)
+
+    @app.post("/sleep", tags=["colocation"], dependencies=[Depends(auth)],
+              summary="Hold new turns, finish those in flight, free the GPU memory (vLLM sleep mode)")
+    async def sleep(request: SleepRequest) -> dict[str, Any]:
+        return await svc().sleep(request)
+
+    @app.post("/wake", tags=["colocation"], dependencies=[Depends(auth)],
+              summary="Bring back the weights or the KV cache (all: the held turns run again)")
+    async def wake(request: WakeRequest) -> dict[str, Any]:
+        return await svc().wake(request)
+
+    @app.post("/weights/ipc", tags=["colocation"], dependencies=[Depends(auth)],
+              summary="Load one chunk of a version from the learner's CUDA buffer on this GPU (CUDA IPC)")
+    async def receive_ipc(chunk: IpcWeights) -> dict[str, Any]:
+        return await svc().receive_ipc(chunk)
 
     @app.get("/weights/digests", tags=["weights"], dependencies=[Depends(auth)],
              summary="A sha256 of every parameter as the engine holds it, with its fused layout and dtype")

@@ -23,15 +23,18 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.metrics import Metrics
 from services.common.model_shape import model_shape
-from services.common.schemas import (EvalMode, PreferencePenalty, RewardKind, RolloutTask, SamplingParams,
-                                     GenerateRequest, GenerateResult, ToolResult, Trajectory, TravelQuery, VllmArgs,
-                                     WeightsBroadcast, WeightsGroup, WeightsUpdate)
+from services.common.schemas import (EvalMode, IpcWeights, PreferencePenalty, RewardKind, RolloutTask,
+                                     SamplingParams, GenerateRequest, GenerateResult, SleepRequest, ToolResult,
+                                     Trajectory, TravelQuery, VllmArgs, WakeRequest, WeightsBroadcast, WeightsGroup,
+                                     WeightsUpdate)
 from services.common.settings import Settings, get_settings
 from services.rollout.agent import Agent
 from services.rollout.engines import Engine, TurnParams, build_engine
 from services.rollout.chat import ChatOptions
 from services.rollout.engines.base import EngineError, OlderVersion
 from services.rollout.group import ArpoConfig, GroupMeta, sample_group
+from services.rollout import sleep as sleep_mode
+from services.rollout.sleep import SleepError, SleepState
 from services.rollout.tools import HttpToolClient, LocalToolClient, ToolClient
 from services.common.files import sha256_file as file_sha256
 
@@ -182,6 +185,7 @@ class RolloutService:
         # the model the engine was started on: what a published version must match to load
         self.base_model = self.config.model or self.settings.model
         self.base_shape = model_shape(self.base_model) if self.base_model and engine.token_level else None
+        self.sleep_state = SleepState()  # colocated with the learner: asleep while it trains
 
     @classmethod
     def from_settings(cls, settings: Settings | None = None, config: RolloutConfig | None = None) -> RolloutService:
@@ -257,7 +261,8 @@ class RolloutService:
                 "engine": self.engine.name, "loaded_at": self.loaded_at, "in_flight": self.engine.in_flight,
                 # NCCL ranks this engine takes in the learner's weight group (0: it cannot join one)
                 "weight_ranks": weight_ranks(self.engine), "weight_group": self._weight_group,
-                "broken": self._broken, "model": self.base_model, "shape": self.base_shape}
+                "broken": self._broken, "model": self.base_model, "shape": self.base_shape,
+                "can_sleep": self.engine.supports_sleep, "sleep": self.sleep_state.info()}
 
     async def update_weights(self, update: WeightsUpdate) -> dict[str, Any]:
         if not self.engine.token_level:
@@ -269,6 +274,7 @@ class RolloutService:
             self.metrics.weight_updates.labels("rejected").inc()
             raise
         self._refuse_older(update.version)
+        self._refuse_asleep()
         if update.version == self.engine.policy_version and update.sha256 == self._weights_sha and not self._broken:
             return {**self.weights_info(), "reloaded": False}
         try:
@@ -284,6 +290,12 @@ class RolloutService:
             raise WeightsError(422, f"could not load {folder}: {type(exc).__name__}: {exc}; this server will "
                                     "not sample until a full version loads") from exc
         return self._loaded(update.version, update.sha256, timing)
+
+    def _refuse_asleep(self) -> None:
+        if self.sleep_state.asleep:
+            self.metrics.weight_updates.labels("rejected").inc()
+            raise WeightsError(409, "the engine is asleep (colocated with the learner): its weights arrive with "
+                                    "the wake, by CUDA IPC")
 
     def _refuse_older(self, version: int) -> None:
         if version < self.engine.policy_version:
@@ -326,6 +338,7 @@ class RolloutService:
         if receive is None:
             raise WeightsError(409, f"the {self.engine.name} engine cannot receive weights over NCCL")
         self._refuse_older(broadcast.version)
+        self._refuse_asleep()
         try:
             timing = await within(receive(broadcast.names, broadcast.dtype_names, broadcast.shapes, broadcast.version),
                                   self.config.weights_timeout_s)
@@ -338,6 +351,44 @@ class RolloutService:
             self._end_process(reason)
             raise WeightsError(503, f"{reason}; this server will not sample again and restarts") from exc
         return self._loaded(broadcast.version, None, timing)
+
+    # -- colocated with the learner: sleep, wake, weights by CUDA IPC (services/rollout/sleep.py) -----
+
+    async def sleep(self, request: SleepRequest) -> dict[str, Any]:
+        try:
+            return await sleep_mode.sleep(self.engine, self.sleep_state, request)
+        except SleepError as exc:
+            raise WeightsError(exc.status, exc.message) from None
+
+    async def wake(self, request: WakeRequest) -> dict[str, Any]:
+        try:
+            return await sleep_mode.wake(self.engine, self.sleep_state, request)
+        except SleepError as exc:
+            raise WeightsError(exc.status, exc.message) from None
+        except Exception as exc:  # noqa: BLE001 - memory that did not come back: this process cannot serve
+            reason = f"waking the engine failed: {type(exc).__name__}: {exc}"
+            self._end_process(reason)
+            raise WeightsError(503, f"{reason}; this server ends and restarts") from exc
+
+    async def receive_ipc(self, chunk: IpcWeights) -> dict[str, Any]:
+        """One chunk of a version by CUDA IPC; the last one makes the version the engine's."""
+        self._refuse_older(chunk.version)
+        try:
+            out = await within(sleep_mode.receive_ipc(self.engine, self.sleep_state, chunk),
+                               self.config.weights_timeout_s)
+        except SleepError as exc:
+            raise WeightsError(exc.status, exc.message) from None
+        except Exception as exc:  # noqa: BLE001 - some tensors may have loaded: mixed weights
+            what = (f"did not finish within {self.config.weights_timeout_s:g} s" if isinstance(exc, TimeoutError)
+                    else f"failed: {type(exc).__name__}: {exc}")
+            reason = f"a CUDA IPC load of version {chunk.version} {what}"
+            self.sleep_state.loading = None
+            await self._load_failed(reason)
+            self._end_process(reason)
+            raise WeightsError(503, f"{reason}; this server will not sample again and restarts") from exc
+        if not chunk.last:
+            return out
+        return {**self._loaded(chunk.version, None, {k: v for k, v in out.items() if isinstance(v, float)}), **out}
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """One model turn on the token ids given (token-in/token-out clients and sync checks)."""

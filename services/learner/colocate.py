@@ -1,0 +1,265 @@
+"""The learner's side of colocation: rollout engines on the learner's own GPUs, used in turns.
+
+Placement `colocated` (services/pipeline/placement.py) puts a learner rank and an engine on every GPU.
+Each RL step, in this order:
+
+1. `sleep()` (rank 0, before the forward/backward): every colocated rollout server holds new turns,
+   finishes those in flight and frees its GPU memory (`POST /sleep`). All must answer within
+   `timeout_s`; one that does not (or cannot sleep) makes the learner refuse the step with
+   `ColocationError`, naming it, rather than train into memory an engine still holds. Servers that did
+   sleep are woken again first, so rollouts go on.
+2. the optimizer steps.
+3. `publish()` (every rank): each rank frees its cached activation memory, rank 0 wakes the servers'
+   weights (`POST /wake {"tags": ["weights"]}`), then every rank packs the new version's full tensors
+   (gathered under ZeRO-3) into one CUDA buffer of its own, vLLM's packed IPC layout, chunk by chunk;
+   the ranks' IPC handles are gathered to rank 0, which posts each chunk to every server
+   (`POST /weights/ipc`; each engine opens the handle of its own GPU). The last call finishes the
+   load, then `POST /wake` brings back the KV cache and the held turns run on the new version.
+   Every `files_every`-th version and the last also go to the weights store (what a restarted server
+   loads).
+
+Metrics per step: `colocate_sleep_s` (the slowest server's drain and sleep, as the learner waited for
+it), `colocate_wake_s` (both wakes), `colocate_weights_s` (the IPC transfer and load).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import pickle
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.learner.weights import StorePublisher, iter_full_parameters
+
+log = logging.getLogger(__name__)
+
+IPC_BUFFER_BYTES = 2**30  # vLLM's default packed buffer; raised to the largest tensor where one is bigger
+
+
+class ColocationError(RuntimeError):
+    """A colocated server did not free its GPU for the learner's step (or did not take the weights)."""
+
+
+class ColocatedServers:
+    """Rank 0's HTTP client of the colocated rollout servers."""
+
+    def __init__(self, servers: Iterable[str], *, level: int = 1, timeout_s: float = 300.0,
+                 api_token: str | None = None, post: Callable[[str, str, Any, float], Any] | None = None) -> None:
+        self.servers = [s.rstrip("/") for s in servers]
+        if not self.servers:
+            raise ValueError("colocation needs the rollout servers' addresses")
+        self.level = level
+        self.timeout_s = timeout_s
+        self.headers = {"authorization": f"Bearer {api_token}"} if api_token else {}
+        self._post = post or self._http_post
+        self.pool = ThreadPoolExecutor(max_workers=min(32, 2 * len(self.servers)))
+
+    def _http_post(self, url: str, path: str, body: Any, timeout_s: float) -> Any:
+        import httpx
+
+        r = httpx.post(f"{url}{path}", json=body, headers=self.headers, timeout=timeout_s)
+        if r.status_code >= 300:
+            raise ColocationError(f"{url}{path}: HTTP {r.status_code}: {r.text[:300]}")
+        return r.json()
+
+    def _all(self, path: str, body: Any, timeout_s: float) -> dict[str, Any]:
+        """`path` on every server at once: url → its reply, or the exception it raised."""
+        futures = {url: self.pool.submit(self._post, url, path, body, timeout_s) for url in self.servers}
+        out: dict[str, Any] = {}
+        for url, f in futures.items():
+            try:
+                out[url] = f.result(timeout=timeout_s + 5)
+            except Exception as exc:  # noqa: BLE001 - collected and named together
+                out[url] = exc
+        return out
+
+    def sleep(self) -> dict[str, float]:
+        """Every server asleep, or ColocationError (those that slept are woken again)."""
+        t0 = time.perf_counter()
+        # the server drains within timeout_s; the request itself gets a little longer to answer
+        replies = self._all("/sleep", {"level": self.level, "timeout_s": self.timeout_s}, self.timeout_s + 30)
+        failed = {u: r for u, r in replies.items() if isinstance(r, Exception)}
+        if failed:
+            slept = [u for u, r in replies.items() if not isinstance(r, Exception)]
+            for url in slept:
+                try:
+                    self._post(url, "/wake", {"tags": None}, 120.0)
+                except Exception as exc:  # noqa: BLE001 - reported with the refusal
+                    failed[url] = ColocationError(f"slept, then did not wake: {exc}")
+            raise ColocationError(
+                f"refusing to train: {len(failed)} of {len(self.servers)} colocated rollout server(s) did not free "
+                f"their GPU within {self.timeout_s:g} s (placement.sleep_timeout_s): "
+                + "; ".join(f"{u}: {e}" for u, e in failed.items()))
+        drain = max(float(r.get("drain_s", 0.0)) for r in replies.values())
+        return {"colocate_sleep_s": time.perf_counter() - t0, "colocate_drain_s": drain}
+
+    def wake(self, tags: list[str] | None) -> None:
+        replies = self._all("/wake", {"tags": tags}, 300.0)
+        failed = {u: r for u, r in replies.items() if isinstance(r, Exception)}
+        if failed:
+            raise ColocationError(f"could not wake {', '.join(failed)}: " + "; ".join(map(str, failed.values())))
+
+    def load_chunk(self, body: dict[str, Any]) -> None:
+        replies = self._all("/weights/ipc", body, 600.0)
+        failed = {u: r for u, r in replies.items() if isinstance(r, Exception)}
+        if failed:
+            raise ColocationError(f"version {body['version']} did not load on {', '.join(failed)}: "
+                                  + "; ".join(map(str, failed.values())))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def gather_handles(handle: dict[str, tuple]) -> dict[str, tuple]:
+    """Every rank's {GPU UUID: IPC args} merged, on rank 0 (each rank packs on its own GPU); a single
+    process's own. Every rank calls it (a collective)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return handle
+    gathered: list[dict[str, tuple] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, handle)
+    merged: dict[str, tuple] = {}
+    for h in gathered:
+        merged.update(h or {})
+    return merged
+
+
+def ipc_chunks(tensors: Iterator[tuple[str, torch.Tensor]], buffer_bytes: int) -> Iterator[dict[str, Any]]:
+    """vLLM's packed IPC producer over `tensors` (one reusable CUDA buffer on this rank's GPU): each
+    chunk's layout and the merged handles, pickled for HTTP. The caller must have the chunk loaded
+    before asking for the next one (the buffer is reused)."""
+    from vllm.distributed.weight_transfer.packed_tensor import packed_ipc_producer
+
+    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    for chunk in packed_ipc_producer(tensors, uuid, lambda item: item[1], buffer_bytes):
+        handles = gather_handles(chunk.ipc_handle)
+        yield {"names": chunk.names, "dtype_names": chunk.dtype_names, "shapes": chunk.shapes,
+               "tensor_sizes": chunk.tensor_sizes, "handles": base64.b64encode(pickle.dumps(handles)).decode()}
+
+
+def buffer_bytes_for(model: torch.nn.Module) -> int:
+    """The IPC buffer: vLLM's 1 GiB, or the largest parameter where one is bigger (a 7B embedding)."""
+    largest = max((getattr(p, "ds_numel", p.numel()) * 2 for p in model.parameters()), default=0)
+    return max(IPC_BUFFER_BYTES, largest)
+
+
+class ColocatedSync:
+    """Weight publication for colocated engines (the trainer's `fleet_sync` when `weight_sync` is
+    ipc): sleep before the step, wake with the new version by CUDA IPC after it, files every
+    `files_every`-th version. Every rank calls `publish` and `write_files`; `servers` only on rank 0."""
+
+    def __init__(self, store: StorePublisher | None, servers: ColocatedServers | None, *, files_every: int = 10,
+                 chunks: Callable[[Iterator[tuple[str, torch.Tensor]], int], Iterator[dict[str, Any]]] = ipc_chunks
+                 ) -> None:
+        self.store = store
+        self.servers = servers
+        self.files_every = files_every
+        self.files_version = -1
+        self.asleep = False
+        self._chunks = chunks
+
+    def sleep(self) -> dict[str, float]:
+        """Rank 0 puts every server to sleep; the outcome reaches every rank (all refuse together)."""
+        metrics: dict[str, float] = {}
+        error = None
+        if self.servers is not None:
+            try:
+                metrics = self.servers.sleep()
+            except ColocationError as exc:
+                error = str(exc)
+        error = _from_rank0(error)
+        if error is not None:
+            raise ColocationError(error)
+        self.asleep = True
+        return metrics
+
+    def wake(self, version: int | None, model: torch.nn.Module | None = None, *, zero3: bool = False
+             ) -> dict[str, float]:
+        """Wake the servers; with `version`, loading it from `model` by CUDA IPC between the weights and
+        the KV cache. Every rank calls it (the gathers and the handle gathers are collective)."""
+        if not self.asleep:
+            return {}
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the step's activations back to the driver: the engines need it
+        t0 = time.perf_counter()
+        if version is None or model is None:
+            if self.servers is not None:
+                self.servers.wake(None)
+            self.asleep = False
+            return {"colocate_wake_s": time.perf_counter() - t0}
+        if self.servers is not None:
+            self.servers.wake(["weights"])
+        woke = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        first = True
+        for chunk in self._chunks(iter_full_parameters(model, zero3=zero3), buffer_bytes_for(model)):
+            if self.servers is not None:
+                self.servers.load_chunk({"version": version, **chunk, "first": first, "last": False})
+            first = False
+            _barrier()  # the buffer is reused: no rank packs the next chunk before rank 0's load returns
+        if self.servers is not None:
+            self.servers.load_chunk({"version": version, "first": first, "last": True})
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+        weights = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        if self.servers is not None:
+            self.servers.wake(None)
+        self.asleep = False
+        return {"colocate_wake_s": woke + time.perf_counter() - t2, "colocate_weights_s": weights}
+
+    def publish(self, version: int, model: torch.nn.Module, *, zero3: bool, buckets: Any, config: Any,
+                source_dir: Path | None) -> dict[str, float]:
+        """The new version into the engines (waking them), and to the store when due."""
+        t0 = time.perf_counter()
+        metrics = self.wake(version, model, zero3=zero3)
+        if version % self.files_every == 0:
+            metrics.update(self.write_files(version, buckets=buckets, config=config, source_dir=source_dir))
+        elif self.store is not None:
+            self.store.record_version(version)
+        metrics["time_sync_s"] = time.perf_counter() - t0
+        return metrics
+
+    def write_files(self, version: int, *, buckets: Any, config: Any, source_dir: Path | None) -> dict[str, float]:
+        if version <= self.files_version:
+            return {}
+        self.files_version = version
+        if self.store is None:
+            for _ in buckets():  # the other ranks' share of rank 0's gathers
+                pass
+            return {}
+        servers, self.store.servers = self.store.servers, []  # the engines have it already, by IPC
+        try:
+            return self.store.publish(version, buckets(), config=config, source_dir=source_dir).metrics()
+        finally:
+            self.store.servers = servers
+
+
+def _from_rank0(value: Any) -> Any:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
