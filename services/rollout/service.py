@@ -267,6 +267,7 @@ class RolloutService:
     async def update_weights(self, update: WeightsUpdate) -> dict[str, Any]:
         if not self.engine.token_level:
             raise WeightsError(409, f"the {self.engine.name} engine serves a remote model; it has no weights to load")
+        self._refuse_asleep()
         try:
             # off the event loop: hashing a version's files takes long enough to stall every agent
             folder = await asyncio.to_thread(check_weights, update, self.settings.weights_dir, self.config.rehash_weights)
@@ -274,7 +275,6 @@ class RolloutService:
             self.metrics.weight_updates.labels("rejected").inc()
             raise
         self._refuse_older(update.version)
-        self._refuse_asleep()
         if update.version == self.engine.policy_version and update.sha256 == self._weights_sha and not self._broken:
             return {**self.weights_info(), "reloaded": False}
         try:
@@ -334,11 +334,11 @@ class RolloutService:
 
     async def receive_weights(self, broadcast: WeightsBroadcast) -> dict[str, Any]:
         """Receive `broadcast.version` from the learner's NCCL broadcast and load it in place."""
+        self._refuse_asleep()
         receive = getattr(self.engine, "receive_weights", None)
         if receive is None:
             raise WeightsError(409, f"the {self.engine.name} engine cannot receive weights over NCCL")
         self._refuse_older(broadcast.version)
-        self._refuse_asleep()
         try:
             timing = await within(receive(broadcast.names, broadcast.dtype_names, broadcast.shapes, broadcast.version),
                                   self.config.weights_timeout_s)

@@ -1,0 +1,123 @@
+"""Placement's memory model: split or colocated from the GPUs it sees and the model's size, and the
+refusals that name the numbers (fake GPU inventories; no GPU needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.pipeline.config import load_pipeline_config
+from services.pipeline.placement import (GiB, ModelSize, PlacementError, activation_bytes, choose,
+                                         colocated_concurrency, colocated_fit, learner_state_bytes, placement_for_recipe,
+                                         weight_sync)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+# the published config.json shapes of Qwen2.5-7B-Instruct and Qwen2.5-1.5B-Instruct
+QWEN_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+           "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
+QWEN_1_5B = {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+             "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True}
+CARD_80 = 80 * GiB
+
+
+def gpus(n: int) -> list[str]:
+    return [str(i) for i in range(n)]
+
+
+def recipe(name: str, **placement):
+    config = load_pipeline_config(CONFIGS / name)
+    return config.model_copy(update={"placement": config.placement.model_copy(update=placement)})
+
+
+def test_parameter_counts_match_the_published_models():
+    assert ModelSize.from_hf_config(QWEN_7B).params == pytest.approx(7.62e9, rel=0.01)
+    assert ModelSize.from_hf_config(QWEN_1_5B).params == pytest.approx(1.54e9, rel=0.01)
+
+
+def test_zero3_state_is_sixteen_bytes_a_parameter_over_the_ranks():
+    size = ModelSize.from_hf_config(QWEN_7B)
+    assert learner_state_bytes(size, 4) == 16 * size.params // 4
+    assert activation_bytes(size, 32768, True) < activation_bytes(size, 32768, False)
+
+
+@pytest.mark.parametrize("n", [8, 4])
+def test_the_7b_recipe_fits_80_gb_hosts_colocated(n):
+    config = recipe("qwen2.5-7b-grpo-sum.yaml")
+    assert config.placement.mode == "auto"
+    p = placement_for_recipe(config, gpus(n), CARD_80, ModelSize.from_hf_config(QWEN_7B))
+    assert p.colocated and p.learner_ranks == n and p.learner_devices == tuple(gpus(n))
+    assert p.engine_devices == tuple((g,) for g in gpus(n))  # one engine per GPU
+    assert "not split" in p.reason and "12 GPUs" in p.reason
+    # awake, engine 0's GPU holds the learner's state, its engine and a validation's, within the card
+    state = learner_state_bytes(ModelSize.from_hf_config(QWEN_7B), n)
+    assert state + (p.engine_memory_share + p.validation_memory_share) * CARD_80 <= CARD_80
+    env = p.engine_env(0)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["STAR_ROLLOUT_KV_CACHE_FROM_SHARE"] == "true"
+    assert weight_sync(config.deployment, "vllm", p).method == "ipc"
+    # the 8 workers' groups pooled into the engines
+    assert colocated_concurrency(8, config.services.rollout_concurrency, n) * n >= 8 * config.services.rollout_concurrency
+
+
+def test_the_7b_recipe_splits_where_gpus_of_their_own_exist():
+    p = placement_for_recipe(recipe("qwen2.5-7b-grpo-sum.yaml"), gpus(12), CARD_80, ModelSize.from_hf_config(QWEN_7B))
+    assert not p.colocated and not p.shared
+    assert p.learner_devices == tuple(gpus(4)) and len(p.engine_devices) == 8
+    assert p.reason.startswith("auto → split")
+
+
+def test_the_7b_recipe_on_two_gpus_is_refused_with_the_numbers():
+    with pytest.raises(PlacementError) as err:
+        placement_for_recipe(recipe("qwen2.5-7b-grpo-sum.yaml"), gpus(2), CARD_80, ModelSize.from_hf_config(QWEN_7B))
+    msg = str(err.value)
+    assert "ZeRO-3 state over 2 ranks 56.7 GiB" in msg and "of 73.6 GiB usable" in msg and "12 GPUs" in msg
+
+
+def test_a_1_5b_recipe_colocates_on_one_gpu():
+    config = recipe("qwen2.5-1.5b-arpo-macro.yaml", mode="colocated")
+    p = placement_for_recipe(config, gpus(1), CARD_80, ModelSize.from_hf_config(QWEN_1_5B))
+    assert p.colocated and p.learner_devices == ("0",) and p.engine_devices == (("0",),)
+    assert 0.05 < p.engine_memory_share < 0.9
+
+
+def test_auto_on_one_gpu_takes_colocated():
+    config = recipe("qwen2.5-1.5b-arpo-macro.yaml", mode="auto")
+    p = placement_for_recipe(config, gpus(1), CARD_80, ModelSize.from_hf_config(QWEN_1_5B))
+    assert p.colocated and "not split" in p.reason
+
+
+def test_activations_beyond_the_card_are_refused_naming_them():
+    config = recipe("qwen2.5-1.5b-arpo-macro.yaml", mode="colocated", activation_gib=70.0)
+    with pytest.raises(PlacementError, match=r"activations 70\.0 GiB"):
+        placement_for_recipe(config, gpus(1), CARD_80, ModelSize.from_hf_config(QWEN_1_5B))
+
+
+def test_kv_too_small_for_one_episode_is_refused():
+    # a 7B learner's whole state on one 141 GB card trains (small rows) but leaves its engine no KV cache
+    size = ModelSize.from_hf_config(QWEN_7B)
+    fit = colocated_fit(size, 1, 1, 141 * GiB, 1 * GiB, 30512)
+    assert not fit.fits and "less than one 30512-token sequence" in fit.why
+    assert colocated_fit(size, 4, 1, 141 * GiB, 1 * GiB, 30512).fits
+
+
+def test_colocated_needs_the_model_size_and_gpu_memory():
+    config = recipe("qwen2.5-7b-grpo-sum.yaml", mode="colocated")
+    with pytest.raises(PlacementError, match="config.json"):
+        choose(config.deployment, "colocated", None, 8, gpus(8), CARD_80, micro_batch_tokens=32768,
+               checkpointing=True, min_kv_tokens=30512)
+
+
+def test_split_mode_and_cpu_keep_the_deployments_plan():
+    config = recipe("qwen2.5-7b-grpo-sum.yaml", mode="split")
+    p = placement_for_recipe(config, gpus(8), CARD_80, ModelSize.from_hf_config(QWEN_7B))
+    assert not p.colocated and p.shared  # engines beside the learner by memory share, as before
+    cpu = placement_for_recipe(recipe("qwen2.5-7b-grpo-sum.yaml"), [], None, ModelSize.from_hf_config(QWEN_7B))
+    assert cpu.accelerator == "cpu"
+
+
+def test_colocation_needs_vllm_engines_of_an_embedded_fleet():
+    config = recipe("qwen2.5-7b-grpo-sum.yaml")
+    p = placement_for_recipe(config, gpus(8), CARD_80, ModelSize.from_hf_config(QWEN_7B))
+    with pytest.raises(PlacementError, match="vLLM"):
+        weight_sync(config.deployment, "transformers", p)
+    assert "colocated" in p.describe() and "why:" in p.describe()
