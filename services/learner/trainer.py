@@ -335,7 +335,7 @@ class RLTrainer:
                                    "samples_duplicate": float(_broadcast(duplicates, self.engine)),
                                    "groups_lost": float(len(step.lost))}
         metrics.update(batch_figures(trajs, batch.advantages, cfg))
-        colocated = getattr(self.fleet_sync, "asleep", None) is not None
+        colocated = cfg.publish_weights and cfg.weight_sync == "ipc"
         if colocated and any(sum(s.loss_mask) > 0 for s in batch.sequences):
             metrics.update(self.fleet_sync.sleep())  # the engines on these GPUs free them, or no step
         trainable = self._train(batch, metrics)
