@@ -241,7 +241,8 @@ def start_fleet(run: Run, model: str, names: StreamNames) -> Fleet:
 def _start_workers(run: Run, f: Fleet, model: str, env: dict[str, str], logs: Path) -> None:
     """Rollout and reward workers. With weights over NCCL each rollout worker also serves the rollout
     API on a port of its own (`f.rollout_urls`), where the learner forms its group and broadcasts, and
-    its vLLM engine starts ready to receive (`weight_transfer: nccl`)."""
+    its vLLM engine starts ready to receive (`weight_transfer: nccl`). Colocated (`placement.mode`), one
+    worker per GPU group serves it too, its engine able to sleep while the learner trains."""
     env = {**env, "STAR_SANDBOX_URL": f.sandbox_url}
     s = run.config.services
     sampling = run.config.rl.sampling
@@ -259,6 +260,8 @@ def _start_workers(run: Run, f: Fleet, model: str, env: dict[str, str], logs: Pa
                    "STAR_ROLLOUT_CLAIM_IDLE_MS": "30000", "STAR_ROLLOUT_CONCURRENCY": str(concurrency),
                    # the transformers engine decodes every sample of its groups in one batch
                    "STAR_ROLLOUT_MAX_BATCH": str(concurrency * run.config.rl.group_size)}
+    if run.colocated:
+        rollout_env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the IPC load runs through collective_rpc
     for i in range(workers):
         devices = run.placement.engine_env(i) if run.placement else {}
         http = {}
