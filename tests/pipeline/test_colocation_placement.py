@@ -121,3 +121,58 @@ def test_colocation_needs_vllm_engines_of_an_embedded_fleet():
     with pytest.raises(PlacementError, match="vLLM"):
         weight_sync(config.deployment, "transformers", p)
     assert "colocated" in p.describe() and "why:" in p.describe()
+
+
+# ---- what a colocated RL stage's processes are told ------------------------------------------------
+
+def _colocated_run(tmp_path: Path):
+    from services.pipeline.placement import plan_colocated
+    from services.pipeline.stage import Run
+
+    config = load_pipeline_config(CONFIGS / "tiny.yaml", ["services.engine=vllm", "services.rollout_workers=8",
+                                                          "services.rollout_concurrency=2", "placement.sleep_level=2"])
+    placement = plan_colocated(config.deployment, gpus(4), 0.3)
+    return Run(config, tmp_path, placement=placement, weight_sync=weight_sync(config.deployment, "vllm", placement))
+
+
+def test_a_colocated_stage_starts_one_sleeping_engine_a_gpu_serving_the_learner(tmp_path):
+    from types import SimpleNamespace
+
+    from services.common.schemas import VllmArgs
+    from services.pipeline.rl import Fleet, _start_workers
+
+    class Sup:
+        def __init__(self) -> None:
+            self.added: dict[str, dict[str, str]] = {}
+
+        def add(self, name, argv, env=None, log=None, **_):
+            self.added[name] = dict(env or {})
+            return SimpleNamespace(name=name)
+
+    run = _colocated_run(tmp_path)
+    f = Fleet(Sup(), "redis://x", sandbox_url="http://127.0.0.1:9")
+    _start_workers(run, f, "model", {}, tmp_path / "logs")
+    rollout = {n: e for n, e in f.sup.added.items() if n.startswith("rollout-")}
+    assert sorted(rollout) == [f"rollout-{i}" for i in range(4)]  # one per GPU, not the recipe's 8
+    for i, env in enumerate(rollout[f"rollout-{j}"] for j in range(4)):
+        assert VllmArgs.model_validate_json(env["STAR_ROLLOUT_VLLM"]).enable_sleep_mode
+        assert env["CUDA_VISIBLE_DEVICES"] == str(i) and env["STAR_ROLLOUT_CONCURRENCY"] == "4"  # 8 × 2 over 4
+        assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and "STAR_ROLLOUT_HTTP_PORT" in env
+    assert len(f.rollout_urls) == 4
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in f.sup.added["reward-0"]
+
+
+def test_a_colocated_learner_sleeps_the_workers_and_takes_ipc(tmp_path):
+    from services.common.streams import StreamNames
+    from services.learner.config import RLConfig
+    from services.pipeline.rl import rl_config
+    from services.pipeline.stage import StageFailed
+
+    run = _colocated_run(tmp_path)
+    assert run.colocated and run.serves_http and not run.nccl
+    servers = [f"http://127.0.0.1:{4100 + i}" for i in range(4)]
+    cfg = RLConfig.model_validate_json(rl_config(run, "model", StreamNames("t"), None, 4, servers).read_text())
+    assert cfg.weight_sync == "ipc" and cfg.rollout_servers == servers
+    assert cfg.sleep_level == 2 and cfg.sleep_timeout_s == 300.0
+    with pytest.raises(StageFailed, match="HTTP addresses"):
+        rl_config(run, "model", StreamNames("t"), None, 4, [])
