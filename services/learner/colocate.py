@@ -50,7 +50,8 @@ class ColocatedServers:
     """Rank 0's HTTP client of the colocated rollout servers."""
 
     def __init__(self, servers: Iterable[str], *, level: int = 1, timeout_s: float = 300.0,
-                 api_token: str | None = None, post: Callable[[str, str, Any, float], Any] | None = None) -> None:
+                 api_token: str | None = None, post: Callable[[str, str, Any, float], Any] | None = None,
+                 get: Callable[[str, str], Any] | None = None) -> None:
         self.servers = [s.rstrip("/") for s in servers]
         if not self.servers:
             raise ValueError("colocation needs the rollout servers' addresses")
@@ -58,6 +59,7 @@ class ColocatedServers:
         self.timeout_s = timeout_s
         self.headers = {"authorization": f"Bearer {api_token}"} if api_token else {}
         self._post = post or self._http_post
+        self._get = get or self._http_get
         self.pool = ThreadPoolExecutor(max_workers=min(32, 2 * len(self.servers)))
 
     def _http_post(self, url: str, path: str, body: Any, timeout_s: float) -> Any:
@@ -98,6 +100,30 @@ class ColocatedServers:
                 + "; ".join(f"{u}: {e}" for u, e in failed.items()))
         drain = max(float(r.get("drain_s", 0.0)) for r in replies.values())
         return {"colocate_sleep_s": time.perf_counter() - t0, "colocate_drain_s": drain}
+
+    def recover(self) -> list[str]:
+        """Wake servers a previous learner left asleep (it died mid-step); returns their addresses. One
+        that cannot wake whole (its level-2 weights are gone) ends and is restarted by its supervisor."""
+        asleep = []
+        for url in self.servers:
+            try:
+                info = self._get(url, "/weights")
+            except Exception:  # noqa: BLE001 - not up yet: nothing to wake
+                continue
+            if (info.get("sleep") or {}).get("asleep"):
+                asleep.append(url)
+                try:
+                    self._post(url, "/wake", {"tags": None}, 300.0)
+                except Exception as exc:  # noqa: BLE001 - it restarts with the newest files
+                    log.warning("a colocated server left asleep could not wake", extra={"url": url, "error": str(exc)})
+        return asleep
+
+    def _http_get(self, url: str, path: str) -> Any:
+        import httpx
+
+        r = httpx.get(f"{url}{path}", headers=self.headers, timeout=10.0)
+        r.raise_for_status()
+        return r.json()
 
     def wake(self, tags: list[str] | None) -> None:
         replies = self._all("/wake", {"tags": tags}, 300.0)
@@ -170,6 +196,8 @@ class ColocatedSync:
         self.files_version = -1
         self.asleep = False
         self._chunks = chunks
+        if servers is not None and (left := servers.recover()):
+            log.warning("woke colocated servers a previous learner left asleep", extra={"servers": left})
 
     def sleep(self) -> dict[str, float]:
         """Rank 0 puts every server to sleep; the outcome reaches every rank (all refuse together)."""
@@ -189,7 +217,8 @@ class ColocatedSync:
     def wake(self, version: int | None, model: torch.nn.Module | None = None, *, zero3: bool = False
              ) -> dict[str, float]:
         """Wake the servers; with `version`, loading it from `model` by CUDA IPC between the weights and
-        the KV cache. Every rank calls it (the gathers and the handle gathers are collective)."""
+        the KV cache (without, only after a level-1 sleep: level 2 discarded the weights). Every rank
+        calls it (the gathers and the handle gathers are collective)."""
         if not self.asleep:
             return {}
         if torch.cuda.is_available():

@@ -348,8 +348,9 @@ class RLTrainer:
             metrics["time_checkpoint_s"] = time.perf_counter() - t_save
         if trainable and cfg.publish_weights and self.version > self.published:
             metrics.update(self.publish())
-        if colocated:  # a batch that trained nothing (or published nothing new): the engines wake as they were
-            metrics.update(self.fleet_sync.wake(None))
+        if colocated:  # slept but published nothing new (a batch replayed after a resume): the current version
+            metrics.update(self.fleet_sync.wake(self.version, self.engine.hf_model,
+                                                zero3=self.engine.cfg.zero_stage == 3))
         if final:
             metrics.update(self._keep_last_version())
         self._log_step(metrics, trajs, replaying)

@@ -364,6 +364,10 @@ class RolloutService:
         try:
             return await sleep_mode.wake(self.engine, self.sleep_state, request)
         except SleepError as exc:
+            if exc.fatal:
+                self._broken = exc.message
+                self._end_process(exc.message)
+                raise WeightsError(exc.status, f"{exc.message}; this server ends and restarts") from None
             raise WeightsError(exc.status, exc.message) from None
         except Exception as exc:  # noqa: BLE001 - memory that did not come back: this process cannot serve
             reason = f"waking the engine failed: {type(exc).__name__}: {exc}"

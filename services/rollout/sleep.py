@@ -12,6 +12,9 @@ The learner's rank 0 drives it over HTTP (services/learner/colocate.py), each st
    rest (the KV cache): the held turns run on the new version.
 
 While asleep the server refuses other weight loads (files, NCCL): they would load into freed memory.
+A learner that restarts finds its servers asleep and wakes them: after level 1 they hold the version
+they had; after level 2 their weights are gone, so such a server ends its process (its supervisor
+starts a fresh one, which loads the newest files) rather than sample on garbage.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from services.rollout.engines.base import Engine
 class SleepError(Exception):
     """A sleep, wake or IPC load the server cannot do, with the HTTP status to answer."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, *, fatal: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.fatal = fatal  # the engine cannot serve again in this process
 
 
 @dataclass
@@ -40,6 +44,7 @@ class SleepState:
     level: int = 0                    # 0: awake
     awake: set[str] = field(default_factory=set)  # tags woken since the last sleep
     loading: int | None = None        # the version whose IPC chunks are arriving
+    loaded: bool = False              # a whole version arrived since the last sleep
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -68,7 +73,7 @@ async def sleep(engine: Engine, state: SleepState, request: SleepRequest) -> dic
     except Exception as exc:  # noqa: BLE001 - the engine stays awake and serves again
         engine.release()
         raise SleepError(500, f"vLLM sleep failed: {type(exc).__name__}: {exc}") from exc
-    state.level, state.awake = request.level, set()
+    state.level, state.awake, state.loaded = request.level, set(), False
     state.timings = {"drain_s": drain_s, "sleep_s": time.perf_counter() - t0 - drain_s}
     return {**state.info(), "slept": True}
 
@@ -86,6 +91,10 @@ async def wake(engine: Engine, state: SleepState, request: WakeRequest) -> dict[
     state.awake.update(tags)
     state.timings[f"wake_{'_'.join(tags) or 'none'}_s"] = time.perf_counter() - t0
     if {"weights", "kv_cache"} <= state.awake:
+        if state.level == 2 and not state.loaded:
+            # level 2 discarded the weights: woken without a version, the engine holds garbage
+            raise SleepError(503, "woken from a level-2 sleep without new weights: the engine's weights are gone",
+                             fatal=True)
         state.level = 0
         engine.release()
     return {**state.info(), "woke": True}
@@ -107,5 +116,5 @@ async def receive_ipc(engine: Engine, state: SleepState, chunk: IpcWeights) -> d
     body = chunk.model_dump(include={"names", "dtype_names", "shapes", "tensor_sizes", "handles"})
     out = await receive(body, first=chunk.first, last=chunk.last, version=chunk.version)
     if chunk.last:
-        state.loading = None
+        state.loading, state.loaded = None, True
     return {"version": chunk.version, "chunk_s": time.perf_counter() - t0, **out}

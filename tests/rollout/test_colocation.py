@@ -154,6 +154,12 @@ class Routed:
             raise ColocationError(f"{url}{path}: HTTP {r.status_code}: {r.text[:200]}")
         return r.json()
 
+    def get(self, url: str, path: str):
+        return self.clients[url].get(path).json()
+
+    def servers(self, **kw) -> ColocatedServers:
+        return ColocatedServers(list(self.clients), post=self, get=self.get, **kw)
+
 
 @pytest.fixture
 def two_servers(tokenizer, local_tools, tmp_path):
@@ -169,8 +175,7 @@ def two_servers(tokenizer, local_tools, tmp_path):
 def test_the_learner_refuses_to_train_when_a_server_does_not_sleep(two_servers):
     engines, services, clients = two_servers(second_sleeps=False)
     with clients["http://s0"], clients["http://s1"]:
-        servers = ColocatedServers(list(clients), timeout_s=5, post=Routed(clients))
-        sync = ColocatedSync(None, servers)
+        sync = ColocatedSync(None, Routed(clients).servers(timeout_s=5))
         with pytest.raises(ColocationError) as err:
             sync.sleep()
         assert "refusing to train" in str(err.value) and "http://s1" in str(err.value) and "cannot sleep" in str(err.value)
@@ -192,9 +197,7 @@ def test_a_step_sleeps_every_server_then_wakes_it_with_the_version_by_ipc(two_se
 
     model = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1))
     with clients["http://s0"], clients["http://s1"]:
-        routed = Routed(clients)
-        sync = ColocatedSync(None, ColocatedServers(list(clients), level=2, timeout_s=5, post=routed), files_every=100,
-                             chunks=chunks)
+        sync = ColocatedSync(None, Routed(clients).servers(level=2, timeout_s=5), files_every=100, chunks=chunks)
         slept = sync.sleep()
         assert sync.asleep and "colocate_sleep_s" in slept
         assert all(s.sleep_state.level == 2 for s in services)
@@ -211,7 +214,7 @@ def test_a_step_sleeps_every_server_then_wakes_it_with_the_version_by_ipc(two_se
 def test_a_batch_without_gradient_wakes_the_engines_as_they_were(two_servers):
     engines, services, clients = two_servers()
     with clients["http://s0"], clients["http://s1"]:
-        sync = ColocatedSync(None, ColocatedServers(list(clients), timeout_s=5, post=Routed(clients)))
+        sync = ColocatedSync(None, Routed(clients).servers(timeout_s=5))
         sync.sleep()
         assert "colocate_wake_s" in sync.wake(None)
         assert all(not s.sleep_state.asleep and s.weights_info()["version"] == 0 for s in services)
@@ -224,3 +227,17 @@ def test_vllm_engines_start_able_to_sleep_on_a_gpu_only():
     assert gpu["enable_sleep_mode"] is True and "enable_sleep_mode" not in cpu
     assert "enable_sleep_mode" not in engine_kwargs(VllmArgs(), model="m", max_model_len=1024, dtype="bfloat16",
                                                     seed=0, on_cpu=False)
+
+
+def test_a_new_learner_wakes_servers_left_asleep_and_a_level_2_one_restarts(two_servers):
+    engines, services, clients = two_servers()
+    ended: list[str] = []
+    services[1].on_fatal = ended.append
+    with clients["http://s0"], clients["http://s1"]:
+        ColocatedSync(None, Routed({"http://s0": clients["http://s0"]}).servers(level=1)).sleep()
+        ColocatedSync(None, Routed({"http://s1": clients["http://s1"]}).servers(level=2)).sleep()
+        assert all(s.sleep_state.asleep for s in services)  # the learner that slept them died here
+        ColocatedSync(None, Routed(clients).servers())  # its successor starts
+        assert not services[0].sleep_state.asleep and services[0].broken is None  # level 1: its weights came back
+        assert ended and "weights are gone" in ended[0]  # level 2: nothing to sample on, the process ends
+        assert services[1].broken and not services[1].healthy
