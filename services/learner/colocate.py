@@ -257,7 +257,7 @@ class ColocatedSync:
         metrics = self.wake(version, model, zero3=zero3)
         if version % self.files_every == 0:
             metrics.update(self.write_files(version, buckets=buckets, config=config, source_dir=source_dir))
-        elif self.store is not None:
+        if self.store is not None:  # the controller asks the next tasks for this version
             self.store.record_version(version)
         metrics["time_sync_s"] = time.perf_counter() - t0
         return metrics
