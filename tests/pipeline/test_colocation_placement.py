@@ -9,8 +9,8 @@ import pytest
 
 from services.pipeline.config import load_pipeline_config
 from services.pipeline.placement import (GiB, ModelSize, PlacementError, activation_bytes, choose,
-                                         colocated_concurrency, colocated_fit, learner_state_bytes, placement_for_recipe,
-                                         weight_sync)
+                                         colocated_concurrency, colocated_fit, learner_state_bytes,
+                                         placement_for_recipe, weight_sync)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # the published config.json shapes of Qwen2.5-7B-Instruct and Qwen2.5-1.5B-Instruct
@@ -56,7 +56,8 @@ def test_the_7b_recipe_fits_80_gb_hosts_colocated(n):
     assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["STAR_ROLLOUT_KV_CACHE_FROM_SHARE"] == "true"
     assert weight_sync(config.deployment, "vllm", p).method == "ipc"
     # the 8 workers' groups pooled into the engines
-    assert colocated_concurrency(8, config.services.rollout_concurrency, n) * n >= 8 * config.services.rollout_concurrency
+    per_worker = config.services.rollout_concurrency
+    assert colocated_concurrency(8, per_worker, n) * n >= 8 * per_worker
 
 
 def test_the_7b_recipe_splits_where_gpus_of_their_own_exist():

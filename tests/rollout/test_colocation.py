@@ -178,7 +178,8 @@ def test_the_learner_refuses_to_train_when_a_server_does_not_sleep(two_servers):
         sync = ColocatedSync(None, Routed(clients).servers(timeout_s=5))
         with pytest.raises(ColocationError) as err:
             sync.sleep()
-        assert "refusing to train" in str(err.value) and "http://s1" in str(err.value) and "cannot sleep" in str(err.value)
+        message = str(err.value)
+        assert "refusing to train" in message and "http://s1" in message and "cannot sleep" in message
         assert not sync.asleep
         assert engines[0].events == [("sleep", 1), ("wake", ("weights", "kv_cache"))]  # the one that slept woke again
         assert not services[0].sleep_state.asleep
