@@ -166,7 +166,7 @@ def rl_config(run: Run, model: str, names: StreamNames, redis_url: str | None, t
         sampling_cut=bool(sampling_cuts(r.sampling)),
         eps_low=r.eps_low, eps_high=r.eps_high, filters=r.filters(),
         engine=run.config.learner.engine(run.config.services.zero_stage, run.config.seed,
-                                         ranks=run.config.deployment.learner_ranks),
+                                         ranks=run.learner_ranks),
         redis_url=redis_url, stream_prefix=names.prefix,
         weights_dir=None if external else str(run.folder / "weights"),
         rollout_servers=get_settings().rollout_url_list if external else [], wait_timeout_s=24 * 3600)

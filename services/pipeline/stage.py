@@ -43,6 +43,11 @@ class Run:
         return self.weight_sync is not None and self.weight_sync.method == "nccl"
 
     @property
+    def learner_ranks(self) -> int:
+        """The learner's ranks on this machine: the placement's (colocated: every GPU), else the recipe's."""
+        return self.placement.learner_ranks if self.placement else self.config.deployment.learner_ranks
+
+    @property
     def colocated(self) -> bool:
         """The RL stage's engines share the learner's GPUs in time (asleep while it trains; weights by IPC)."""
         return self.weight_sync is not None and self.weight_sync.method == "ipc"

@@ -175,5 +175,6 @@ def test_a_colocated_learner_sleeps_the_workers_and_takes_ipc(tmp_path):
     cfg = RLConfig.model_validate_json(rl_config(run, "model", StreamNames("t"), None, 4, servers).read_text())
     assert cfg.weight_sync == "ipc" and cfg.rollout_servers == servers
     assert cfg.sleep_level == 2 and cfg.sleep_timeout_s == 300.0
+    assert cfg.engine.ranks == 4 == run.learner_ranks  # a rank on every GPU, whatever deployment.learner_ranks says
     with pytest.raises(StageFailed, match="HTTP addresses"):
         rl_config(run, "model", StreamNames("t"), None, 4, [])
