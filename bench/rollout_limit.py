@@ -275,16 +275,18 @@ def ceiling_side(args: argparse.Namespace, folder: Path, loads: list[int], out: 
         before = engine_counters()
         wall, tokens = batch(prompts, budgets)
         counters = counters_during(before, engine_counters())
-        llm.reset_prefix_cache()
-        prefill_s, _ = batch(prompts, [1] * agents)
-        steady_s, steady_tokens = batch(prompts, [args.steady_tokens] * agents)  # prompts now cached
         res = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "prompt_tokens": sum(map(len, prompts)),
-               "prefill_s": prefill_s, "steady_decode_tokens_per_s": steady_tokens / steady_s,
-               "steady_step_ms": 1000 * steady_s / args.steady_tokens, "engine": counters}
+               "engine": counters}
         out["loads"][str(agents)] = res
-        log(f"ceiling {args.shape} x{agents}: {res['tokens_per_s']:,.0f} tokens/s ({tokens} in {wall:.1f} s), prefill "
-            f"{prefill_s:.1f} s, steady decode {res['steady_decode_tokens_per_s']:,.0f} tokens/s "
-            f"({res['steady_step_ms']:.1f} ms a step)")
+        log(f"ceiling {args.shape} x{agents}: {res['tokens_per_s']:,.0f} tokens/s ({tokens} in {wall:.1f} s)")
+        if args.steady_tokens:
+            llm.reset_prefix_cache()
+            prefill_s, _ = batch(prompts, [1] * agents)
+            steady_s, steady_tokens = batch(prompts, [args.steady_tokens] * agents)  # prompts now cached
+            res.update(prefill_s=prefill_s, steady_decode_tokens_per_s=steady_tokens / steady_s,
+                       steady_step_ms=1000 * steady_s / args.steady_tokens)
+            log(f"ceiling {args.shape} x{agents}: prefill {prefill_s:.1f} s, steady decode "
+                f"{res['steady_decode_tokens_per_s']:,.0f} tokens/s ({res['steady_step_ms']:.1f} ms a step)")
     del llm
 
 
@@ -353,7 +355,8 @@ def main() -> None:
     p.add_argument("--long-share", type=float, default=0.25)
     p.add_argument("--tool-min", type=int, default=100)
     p.add_argument("--tool-max", type=int, default=300)
-    p.add_argument("--steady-tokens", type=int, default=256, help="tokens per sequence of the steady-decode pass")
+    p.add_argument("--steady-tokens", type=int, default=256,
+                   help="tokens per sequence of the steady-decode pass (0: no prefill-only and steady passes)")
     p.add_argument("--no-compile", dest="vllm_compile", action="store_false",
                    help="no torch.compile (VllmArgs.compile false: engines up sooner; mixed steps without piecewise graphs)")
     p.add_argument("--gpu-memory", type=float, default=None,
