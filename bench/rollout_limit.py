@@ -30,8 +30,9 @@ beside this Python, or in /tmp/site/bin); its collapsed stacks (<name>_profile_<
 and a self-time summary (.md) land in bench/results/. A profiled load's figures carry
 `"profiled": true` (py-spy pauses the processes to sample them).
 
-Results: bench/results/<name>.json (merged by shape, so shapes can run in separate jobs on one
-device), .md and .png, with the device, versions, arguments and command.
+Results: bench/results/<name>.json, .md and .png, with the device, versions, arguments and commands.
+Jobs on one device merge: shapes run in separate jobs, and loads of one shape measured in separate jobs
+with the same load and engine arguments are reported together (a load measured again is replaced).
 """
 
 from __future__ import annotations
@@ -334,6 +335,27 @@ def measure_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     return entry
 
 
+# what may differ between two jobs whose loads of one shape are reported together
+PER_JOB = {"runs", "updates", "sides", "profile", "profile_load", "profile_seconds", "child_timeout", "work", "name"}
+
+
+def merged(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """A shape's entry after a job: `new`'s loads join those `old` measured with the same load and engine
+    arguments (a load measured again is replaced); otherwise `new` alone."""
+    same = old is not None and all(old.get("args", {}).get(k) == v for k, v in new["args"].items() if k not in PER_JOB)
+    if not same:
+        return new
+    out = dict(old, config=new["config"], args=new["args"], commands=old.get("commands", []) + new["commands"])
+    out["loads"] = sorted(set(old["loads"]) | set(new["loads"]))
+    sides = {k: dict(v, loads=dict(v.get("loads", {}))) for k, v in old["sides"].items()}
+    for side, data in new["sides"].items():
+        loads = {**sides.get(side, {}).get("loads", {}), **data.get("loads", {})}
+        sides[side] = {**sides.get(side, {}), **data, "loads": loads}
+    out["sides"] = sides
+    out["efficiency"] = efficiency(out)
+    return out
+
+
 def efficiency(entry: dict[str, Any]) -> dict[str, float]:
     """Per load: agent tokens/s ÷ ceiling tokens/s (loads both sides measured)."""
     agent = entry["sides"].get("agent", {}).get("loads", {})
@@ -409,8 +431,9 @@ def main() -> None:
     for shape in runs:
         entry = measure_shape(shape, args)
         entry["args"] = {k: v for k, v in vars(args).items() if k not in ("child", "shape", "folder", "result")}
-        entry["command"] = " ".join(["python", "bench/rollout_limit.py", *sys.argv[1:]])
-        record["shapes"][shape] = entry
+        entry["commands"] = [" ".join(["python", "bench/rollout_limit.py", *sys.argv[1:]])]
+        record["shapes"][shape] = merged(record["shapes"].get(shape), entry)
+        entry = record["shapes"][shape]
         RESULTS.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1))
         log(f"{shape}: efficiency {entry['efficiency']}")
@@ -472,7 +495,7 @@ def write_markdown(record: dict[str, Any], path: Path) -> None:
         for shape, n, mode, busy, every in rows:
             lines.append(f"| {shape} | {n} | {mode} | {every:g} | {busy['tokens_per_s']:,.0f} | {busy['loss']:.1%} "
                          f"| {len(busy['reloads_s'])} | {busy['turns_updated_mid_turn']} |")
-    lines += ["", "Commands:", ""] + [f"    {entry['command']}" for entry in record["shapes"].values()]
+    lines += ["", "Commands:", ""] + [f"    {c}" for entry in record["shapes"].values() for c in entry["commands"]]
     failed = [f"- {shape} {side}: exit {d.get('rc')}" for shape, entry in record["shapes"].items()
               for side, d in entry["sides"].items() if d.get("rc") != 0]
     lines += ["", *failed] if failed else []

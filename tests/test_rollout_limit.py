@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from bench.rollout_limit import efficiency, episode_prompt, parse_runs, profile_summary, sampled_budget
+from bench.rollout_limit import efficiency, episode_prompt, merged, parse_runs, profile_summary, sampled_budget
 from bench.rollout_gpu import run_agents, workload
 from services.rollout.engines.base import Engine, Generation
 
@@ -60,3 +60,19 @@ def test_profile_summary_shares_self_time_by_leaf_frame(tmp_path):
     stacks.write_text('process 1:"agent";main;step;hash 6\nprocess 1:"agent";main;step;decode 3\n'
                       'process 1:"agent";main;other;hash 1\nprocess 1:"agent";process 2:"VLLM::EngineCore";loop;step 2\n')
     assert profile_summary(stacks) == {"agent": [("hash", 0.7), ("decode", 0.3)], "VLLM::EngineCore": [("step", 1.0)]}
+
+
+def job(loads: dict[str, tuple[float, float]], **args) -> dict:
+    return {"config": {}, "loads": [int(n) for n in loads], "commands": [f"job {sorted(loads)}"],
+            "args": {"turns": 6, "runs": "x", **args},
+            "sides": {"agent": {"loads": {n: {"tokens_per_s": a} for n, (a, _) in loads.items()}},
+                      "ceiling": {"loads": {n: {"tokens_per_s": c} for n, (_, c) in loads.items()}}}}
+
+
+def test_jobs_with_the_same_arguments_merge_their_loads_and_others_replace():
+    first = job({"64": (50.0, 100.0), "256": (60.0, 100.0)})
+    both = merged(first, job({"256": (80.0, 100.0), "512": (40.0, 80.0)}, runs="y"))
+    assert both["loads"] == [64, 256, 512] and both["efficiency"] == {"64": 0.5, "256": 0.8, "512": 0.5}
+    assert len(both["commands"]) == 2
+    other = job({"512": (40.0, 80.0)}, turns=3)
+    assert merged(first, other) is other and merged(None, first) is first
