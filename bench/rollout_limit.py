@@ -43,6 +43,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import shutil
 import subprocess
 import sys
@@ -431,7 +432,7 @@ def main() -> None:
     for shape in runs:
         entry = measure_shape(shape, args)
         entry["args"] = {k: v for k, v in vars(args).items() if k not in ("child", "shape", "folder", "result")}
-        entry["commands"] = [" ".join(["python", "bench/rollout_limit.py", *sys.argv[1:]])]
+        entry["commands"] = [shlex.join(["python", "bench/rollout_limit.py", *sys.argv[1:]])]
         record["shapes"][shape] = merged(record["shapes"].get(shape), entry)
         entry = record["shapes"][shape]
         RESULTS.mkdir(parents=True, exist_ok=True)
