@@ -119,6 +119,24 @@ async def run_agents(engine: Any, plan: list[dict[str, Any]], args, vocab: int, 
             "samples": samples}
 
 
+def periodic_updates(engine: Any, folder: Path, every: float) -> Any:
+    """For `run_agents(updates=...)`: reload `folder` into `engine` as its next version every `every`
+    seconds until the agents' tasks are done; returns each reload's seconds."""
+
+    async def updates(tasks: list[asyncio.Future]) -> list[float]:
+        times = []
+        while True:
+            _, running = await asyncio.wait(tasks, timeout=every)  # the load may end before the next reload
+            if not running:
+                break
+            t = time.perf_counter()
+            await engine.update_weights(folder, engine.policy_version + 1)
+            times.append(time.perf_counter() - t)
+        return times
+
+    return updates
+
+
 def child(args) -> None:
     """One engine, one shape: the measurement, written to --result as JSON."""
     import torch
@@ -164,22 +182,10 @@ def child(args) -> None:
         out["reload_idle_s"] = idle
         log(f"vllm: reload from the folder {out['reload_s']:.2f} s (idle)")
 
-        async def updates(tasks: list[asyncio.Future]) -> list[float]:
-            times, v = [], 10
-            while not all(t.done() for t in tasks):
-                await asyncio.sleep(args.update_every)
-                if all(t.done() for t in tasks):
-                    break
-                v += 1
-                t = time.perf_counter()
-                await engine.update_weights(folder, v)
-                times.append(time.perf_counter() - t)
-            return times
-
         modes = [m for m in args.inflight_modes.split(",") if m]
         for mode in modes:
             engine.args = engine.args.model_copy(update={"inflight_update": mode})
-            busy = await run_agents(engine, plan, args, vocab, updates=updates)
+            busy = await run_agents(engine, plan, args, vocab, updates=periodic_updates(engine, folder, args.update_every))
             busy.pop("samples")
             out.setdefault("under_updates_by_mode", {})[mode] = busy
             log(f"vllm under updates ({mode}): {busy['tokens_per_s']:.0f} tokens/s, {len(busy['reloads_s'])} reloads "

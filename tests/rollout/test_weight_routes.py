@@ -112,10 +112,21 @@ def test_engine_kwargs_on_a_gpu_and_on_a_cpu():
     assert balanced["performance_mode"] == "balanced" and balanced["prefix_caching_hash_algo"] == "sha256"
     fast = engine_kwargs(VllmArgs(compile=False), model="m", max_model_len=8192, dtype="bfloat16", seed=0, on_cpu=False)
     assert fast["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    mixed = engine_kwargs(VllmArgs(compile=False, cudagraph_mode="FULL",
+                                   extra={"compilation_config": {"max_cudagraph_capture_size": 1024}}),
+                          model="m", max_model_len=8192, dtype="bfloat16", seed=0, on_cpu=False)
+    assert mixed["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL", "max_cudagraph_capture_size": 1024}
+    compiled = engine_kwargs(VllmArgs(cudagraph_mode="FULL"), model="m", max_model_len=8192, dtype="bfloat16", seed=0,
+                             on_cpu=False)
+    assert compiled["compilation_config"] == {"cudagraph_mode": "FULL"}
+    with pytest.raises(ValueError, match="PIECEWISE needs compile: true"):
+        VllmArgs(compile=False, cudagraph_mode="PIECEWISE")
     cpu = engine_kwargs(VllmArgs(), model="m", max_model_len=8192, dtype="float32", seed=0, on_cpu=True)
     assert cpu["enforce_eager"] is True and cpu["enable_chunked_prefill"] is False
     assert cpu["max_num_batched_tokens"] >= 8192 and "gpu_memory_utilization" not in cpu
     assert "performance_mode" not in cpu  # vLLM's own default on a CPU
+    assert "compilation_config" not in engine_kwargs(VllmArgs(cudagraph_mode="FULL"), model="m", max_model_len=8192,
+                                                     dtype="float32", seed=0, on_cpu=True)  # eager: no graphs
 
 
 def test_an_engine_beside_others_sizes_its_kv_cache_from_its_share():

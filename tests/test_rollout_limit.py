@@ -1,0 +1,78 @@
+"""bench/rollout_limit.py's pure parts: the run list, and the ceiling doing the agent load's work."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+
+from bench.rollout_limit import efficiency, episode_prompt, merged, parse_runs, profile_summary, sampled_budget
+from bench.rollout_gpu import run_agents, workload
+from services.rollout.engines.base import Engine, Generation
+
+VOCAB = 500
+SAMPLED = 10_000  # ids the fake engine samples: outside the vocabulary, so they can be told apart
+
+
+def test_runs_parse_and_bad_ones_are_refused():
+    assert parse_runs("1.5b=64,256; 7b=64") == {"1.5b": [64, 256], "7b": [64]}
+    assert parse_runs("") == {}
+    for bad, said in [("13b=64", "SHAPE one of"), ("1.5b", "SHAPE=AGENTS"), ("1.5b=x", "integers"),
+                      ("1.5b=0", "1 or more"), ("1.5b=", "at least one")]:
+        with pytest.raises(ValueError, match=said):
+            parse_runs(bad)
+
+
+class Recorder(Engine):
+    """Samples max_tokens ids and records each prompt."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prompts: list[list[int]] = []
+
+    async def _generate(self, prompt_ids, params, request_id):
+        self.prompts.append(prompt_ids)
+        return Generation(token_ids=[SAMPLED] * params.max_tokens, logprobs=[0.0] * params.max_tokens, finish="length")
+
+
+def test_the_ceilings_sequences_are_the_agents_last_prompts_and_budgets():
+    args = argparse.Namespace(agents=3, turns=3, ctx_min=20, ctx_max=40, short=4, long=9, long_share=0.5,
+                              tool_min=5, tool_max=8, seed=1)
+    plan = workload(args)
+    engine = Recorder()
+    res = asyncio.run(run_agents(engine, plan, args, VOCAB))
+    for i, spec in enumerate(plan):
+        last = max((p for p in engine.prompts if p[:spec["context"]] == episode_prompt(i, spec, VOCAB)[:spec["context"]]),
+                   key=len)
+        assert [t for t in last if t != SAMPLED] == episode_prompt(i, spec, VOCAB)
+    assert res["tokens"] == sum(sampled_budget(spec) for spec in plan)
+
+
+def test_efficiency_is_per_load_both_sides_measured():
+    entry = {"sides": {"agent": {"loads": {"64": {"tokens_per_s": 50.0}, "256": {"tokens_per_s": 90.0}}},
+                       "ceiling": {"loads": {"64": {"tokens_per_s": 100.0}}}}}
+    assert efficiency(entry) == {"64": 0.5}
+
+
+def test_profile_summary_shares_self_time_by_leaf_frame(tmp_path):
+    stacks = tmp_path / "p.txt"
+    stacks.write_text('process 1:"agent";main;step;hash 6\nprocess 1:"agent";main;step;decode 3\n'
+                      'process 1:"agent";main;other;hash 1\nprocess 1:"agent";process 2:"VLLM::EngineCore";loop;step 2\n')
+    assert profile_summary(stacks) == {"agent": [("hash", 0.7), ("decode", 0.3)], "VLLM::EngineCore": [("step", 1.0)]}
+
+
+def job(loads: dict[str, tuple[float, float]], **args) -> dict:
+    return {"config": {}, "loads": [int(n) for n in loads], "commands": [f"job {sorted(loads)}"],
+            "args": {"turns": 6, "runs": "x", **args},
+            "sides": {"agent": {"loads": {n: {"tokens_per_s": a} for n, (a, _) in loads.items()}},
+                      "ceiling": {"loads": {n: {"tokens_per_s": c} for n, (_, c) in loads.items()}}}}
+
+
+def test_jobs_with_the_same_arguments_merge_their_loads_and_others_replace():
+    first = job({"64": (50.0, 100.0), "256": (60.0, 100.0)})
+    both = merged(first, job({"256": (80.0, 100.0), "512": (40.0, 80.0)}, runs="y"))
+    assert both["loads"] == [64, 256, 512] and both["efficiency"] == {"64": 0.5, "256": 0.8, "512": 0.5}
+    assert len(both["commands"]) == 2
+    other = job({"512": (40.0, 80.0)}, turns=3)
+    assert merged(first, other) is other and merged(None, first) is first
