@@ -163,6 +163,7 @@ def rl_config(run: Run, model: str, names: StreamNames, redis_url: str | None, t
         is_high=r.is_high, temperature=r.sampling.temperature,
         sampling_cut=bool(sampling_cuts(r.sampling)),
         eps_low=r.eps_low, eps_high=r.eps_high, filters=r.filters(),
+        oversample_groups=r.oversample_groups, late_groups=r.late_groups,
         engine=run.config.learner.engine(run.config.services.zero_stage, run.config.seed,
                                          ranks=run.config.deployment.learner_ranks),
         redis_url=redis_url, stream_prefix=names.prefix,
@@ -237,9 +238,7 @@ def _start_workers(run: Run, f: Fleet, model: str, env: dict[str, str], logs: Pa
     rollout_env = {**env, "STAR_MODEL": model, "STAR_ROLLOUT_ENGINE": s.engine,
                    "STAR_ROLLOUT_VLLM": vllm.model_dump_json(), "STAR_ROLLOUT_CHAT": s.chat.model_dump_json(),
                    "STAR_ROLLOUT_MAX_MODEL_LEN": str(sampling.engine_max_len),
-                   "STAR_ROLLOUT_CLAIM_IDLE_MS": "30000", "STAR_ROLLOUT_CONCURRENCY": str(s.rollout_concurrency),
-                   # the transformers engine decodes every sample of its groups in one batch
-                   "STAR_ROLLOUT_MAX_BATCH": str(s.rollout_concurrency * run.config.rl.group_size)}
+                   "STAR_ROLLOUT_CLAIM_IDLE_MS": "30000", **inflight_env(run.config)}
     for i in range(s.rollout_workers):
         devices = run.placement.engine_env(i) if run.placement else {}
         http = {}
@@ -254,6 +253,17 @@ def _start_workers(run: Run, f: Fleet, model: str, env: dict[str, str], logs: Pa
         f.workers.append(f.sup.add(f"reward-{i}", [sys.executable, "-m", "services.cli", "reward", "worker",
                                                    "--consumer", f"reward-{i}", "--db", run.world_url],
                                    env, logs / f"reward-{i}.log"))
+
+
+def inflight_env(config: PipelineConfig) -> dict[str, str]:
+    """A rollout worker's episode budget: the recipe's, else derived by the worker from its engine's KV cache
+    over the episodes' context. The transformers engine decodes every episode in flight in one batch."""
+    s, budget = config.services, config.inflight_episodes()
+    env = {"STAR_ROLLOUT_EPISODE_TOKENS": str(s.episode_tokens or config.rl.sampling.max_context_tokens)}
+    if budget is not None:
+        env["STAR_ROLLOUT_MAX_INFLIGHT_EPISODES"] = str(budget)
+    env["STAR_ROLLOUT_MAX_BATCH"] = str(budget or 2 * config.rl.group_size)
+    return env
 
 
 def weights_version(client: redis.Redis, names: StreamNames) -> int:
@@ -360,6 +370,7 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
                                       preference_penalty=r.preference_penalty, curriculum=curriculum,
                                       eval_mode=r.eval_mode, max_staleness=r.max_staleness,
                                       arpo=r.arpo if r.algorithm == "arpo" else None,
+                                      oversample_groups=r.oversample_groups,
                                       await_start_weights=isinstance(f, ExternalFleet))
             ended = drive(run, f, client, names, publisher, schedule, validation=validation, deadline=deadline)
             if ended.reason == "budget":
