@@ -99,3 +99,36 @@ def test_a_replayed_batch_drops_the_groups_its_journal_dropped(stream, tmp_path)
     assert _groups(replayed) == _groups(before) == ["b", "c"] and replayed.dropped == ["a"]
     assert sorted(m.id for m in replayed.messages) == sorted(m.id for m in before.messages)
     assert _pending(client, prefix) == 6  # acknowledged only once a checkpoint holds the batch
+
+
+@pytest.mark.slow
+def test_the_learner_counts_late_and_surplus_groups_in_its_step_metrics(tmp_path, tiny_model, redis_server_url):
+    import uuid
+
+    import redis
+
+    from services.common.streams import StreamNames, publish
+    from services.learner.runlog import read_metrics
+    from tests.learner.conftest import scored_batch
+    from tests.learner.test_resume import _config, _run
+
+    client = redis.Redis.from_url(redis_server_url)
+    prefix = f"test:{uuid.uuid4().hex[:8]}"
+    step0 = scored_batch(tiny_model, 3, 2, seed=0, version=0, step=0)  # one group more than the batch
+    step0[1] = step0[1].model_copy(update={"finish_reason": "deadline"})
+    step1 = scored_batch(tiny_model, 2, 2, seed=1, version=1, step=1)
+    try:
+        for t in step0 + step1:
+            publish(client, StreamNames(prefix).scored, t)
+        config = _config(tmp_path, "tail", tiny_model, redis_server_url, prefix, oversample_groups=1,
+                         late_groups="partial")
+        done = _run(config, 2)
+        assert done.returncode == 0, done.stderr[-3000:]
+        metrics = read_metrics(tmp_path / "tail")
+        assert [m["samples_trained"] for m in metrics] == [3.0, 4.0]  # the cut episode left step 0
+        assert [(m["groups_late"], m["groups_partial"], m["episodes_cut"]) for m in metrics] == [(1, 1, 1), (0, 0, 0)]
+        # step 0's surplus group is one version stale at step 1 (max_staleness 0): dropped, counted
+        assert [m["groups_surplus_dropped"] for m in metrics] == [0.0, 1.0]
+    finally:
+        for key in client.scan_iter(match=prefix + "*"):
+            client.delete(key)
