@@ -18,7 +18,8 @@ HouseRule = Literal["parties", "smoking", "children under 10", "visitors", "pets
 RoomType = Literal["shared room", "not shared room", "private room", "entire room"]
 Transportation = Literal["no flight", "no self-driving"]
 Cuisine = Literal["Chinese", "American", "Italian", "Mexican", "Indian", "Mediterranean", "French"]
-FinishReason = Literal["answer", "format_error", "context_limit", "tool_budget", "engine_error"]
+# deadline: the episode ran past its wall-clock limit (SamplingParams.*_timeout_s) and was cut there
+FinishReason = Literal["answer", "format_error", "context_limit", "tool_budget", "engine_error", "deadline"]
 
 
 def _literal(value: Any) -> Any:
@@ -346,6 +347,14 @@ class SamplingParams(BaseModel):
         "At the context limit, replace the last message with the reference agent's request for a summarizing "
         "plan and make one more call, whose reply is scored as the answer (the public STAR agent's ending); "
         "off: the episode ends as context_limit with no answer."))
+    # Wall-clock limits: a turn past its limit is aborted in the engine, and an episode past its own (or
+    # its group's) ends with finish_reason `deadline`; what the learner does with such a group is
+    # rl.late_groups. None: no limit.
+    turn_timeout_s: float | None = Field(600.0, gt=0, description="Longest one model turn may take (seconds).")
+    episode_timeout_s: float | None = Field(3600.0, gt=0, description="Longest one episode may run (seconds).")
+    group_timeout_s: float | None = Field(
+        5400.0, gt=0, description="Longest a group may run from its first episode's start; its unfinished "
+        "episodes end then (seconds).")
 
     @property
     def engine_max_len(self) -> int:

@@ -45,6 +45,7 @@ NO_PLAN_CATEGORIES = {
     "context_limit": "context budget exhausted",
     "tool_budget": "tool budget exhausted",
     "engine_error": "engine error",
+    "deadline": "wall-clock deadline passed",
 }
 # formatter statuses that mean there was no plan to format (not a formatting failure)
 NO_ANSWER_STATUSES = ("no_answer", "empty_answer", "no_plan")

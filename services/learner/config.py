@@ -19,12 +19,22 @@ Schedule = Literal["cosine", "linear", "constant"]
 # the loss, as rLLM's overlong filter (the STAR code's setting); "fail": trained as a reward-0 failure,
 # as the paper counts it. The paper does not say which it trained with (spec/agent-star.md §4.4).
 TruncationPolicy = Literal["mask", "fail"]
+# What happens to a group with episodes cut at their deadline (finish_reason "deadline"). "drop": the
+# whole group leaves the batch; "partial": its finished episodes are trained, normalized among
+# themselves, and the cut ones leave; "mask": every episode stays in the group's normalization and the
+# cut ones are out of the loss (zero advantage on their tokens), as a truncation under "mask".
+LateGroupPolicy = Literal["drop", "partial", "mask"]
 TRUNCATED_FINISHES: tuple[FinishReason, ...] = ("context_limit", "tool_budget")
 
 
 def masked_finishes(policy: TruncationPolicy) -> list[FinishReason]:
     """Finish reasons whose samples leave the loss: an engine error is never the policy's doing."""
     return [*TRUNCATED_FINISHES, "engine_error"] if policy == "mask" else ["engine_error"]
+
+
+def late_masked_finishes(policy: LateGroupPolicy) -> list[FinishReason]:
+    """Finish reasons the loss leaves out under a late-group policy: a cut episode under "mask"."""
+    return ["deadline"] if policy == "mask" else []
 
 
 def zero_reward_finishes(policy: TruncationPolicy) -> list[FinishReason]:
@@ -250,6 +260,13 @@ class RLConfig(_Strict):
     wait_timeout_s: float = Field(3600.0, gt=0.0, description="Give up a step when no data comes for this long.")
     straggler_wait_s: float = Field(
         600.0, gt=0.0, description="How long a batch waits for its own step's groups before taking later steps' ones.")
+    oversample_groups: int = Field(0, ge=0, description=(
+        "Groups the controller publishes per step beyond batch_prompts: a step takes its first batch_prompts "
+        "complete groups, the surplus goes to later steps while fresh enough (filters.max_staleness), else it is "
+        "dropped and counted (groups_surplus_dropped)."))
+    late_groups: LateGroupPolicy = Field("partial", description=(
+        "A group with episodes cut at their deadline: drop it, train its finished episodes (partial), or keep "
+        "the cut ones in its normalization out of the loss (mask)."))
     publish_weights: bool = True
     weights_dir: str | None = Field(None, description="Weights store (default: STAR_WEIGHTS_ROOT, else STAR_HOME/weights).")
     keep_versions: int = Field(3, ge=1)

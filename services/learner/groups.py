@@ -8,6 +8,16 @@ Each step's choice goes to the journal (`journal.jsonl` in the run folder) befor
 a learner killed after the step replays exactly that batch. `TrainedRecord` is what every rank
 keeps of the batches trained (message and group ids) and what the checkpoint holds of them.
 
+Over-sampling (`oversample_groups`): the controller publishes more groups a step than it trains, so a
+step takes its first `batch_prompts` complete groups; the surplus is taken by the next steps (oldest
+step first) while fresh enough, and a surplus group too stale to train (every sample older than
+`max_staleness` allows) is dropped before any step takes it. Late groups (episodes cut at their
+deadline, finish_reason `deadline`) go as `late_groups` says: dropped (the step takes another group
+instead), trained with their finished episodes only (partial), or kept whole (mask: the filters
+leave the cut episodes out of the loss). A dropped group is journaled with its step, its messages
+are held and acknowledged with the step's, and it is recorded as settled like a trained one: no
+group is trained twice, and none leaves without a count (`StepGroups.counts`).
+
 Acknowledging is the trainer's call: the collector holds the messages of the batches it handed out
 until `acknowledge_held`, which the trainer calls once a checkpoint holds those batches. Meanwhile it
 keeps their claims fresh (`keep_held`), so however long the checkpoint interval, they are neither
@@ -81,15 +91,26 @@ class TrainedRecord:
         return {g for ids in self.groups for g in ids}
 
 
+LATE = "deadline"  # the finish reason of an episode cut at its deadline
+
+
 @dataclass
 class StepGroups:
     """One step's batch as rank 0 collected it: the messages and their trajectories (group by group),
-    the ids of the groups it goes without because their task was lost, and the time it waited."""
+    the ids of the groups it goes without because their task was lost, the time it waited, the groups
+    it dropped (late or stale surplus: their messages are among `messages`, their samples are not
+    trained) and the counts of late and surplus groups."""
 
     messages: list[StreamMessage]
     trajectories: list[ScoredTrajectory]
     lost: list[str]
     wait_s: float
+    dropped: list[str] = field(default_factory=list)
+    counts: dict[str, float] = field(default_factory=dict)
+
+
+def is_late(members: list[Member]) -> bool:
+    return any(t.finish_reason == LATE for _, t in members)
 
 
 class GroupCollector:
@@ -141,9 +162,9 @@ class GroupCollector:
         """Batches journaled since the checkpoint are still to be trained again."""
         return bool(self.replay)
 
-    def _write_journal(self, batch: int, chosen: list[str], lost: list[str]) -> None:
+    def _write_journal(self, batch: int, chosen: list[str], lost: list[str], dropped: list[str]) -> None:
         with open(self.journal, "a") as fh:
-            fh.write(json.dumps({"batch": batch, "groups": chosen, "lost": lost}) + "\n")
+            fh.write(json.dumps({"batch": batch, "groups": chosen, "lost": lost, "dropped": dropped}) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
 
@@ -157,6 +178,8 @@ class GroupCollector:
         cfg = self.cfg
         t0 = time.perf_counter()
         chosen: list[str] = []
+        dropped_late: list[str] = []  # late groups left out under late_groups "drop"
+        dropped_stale: list[str] = []  # surplus groups of earlier steps too stale to train
         useful = 0
         started = time.monotonic()
         deadline = started + cfg.wait_timeout_s
@@ -170,14 +193,20 @@ class GroupCollector:
             if plan is not None:
                 if self._arrived(plan["groups"]):
                     chosen = list(plan["groups"])
+                    dropped_late = [g for g in plan.get("dropped", []) if g in self.groups]
                     break
             else:
+                dropped_stale += self.stale_surplus(batch, version, chosen + dropped_stale)
                 for g in self.candidates(batch, time.monotonic() - started):
-                    if g in chosen or self.enough(batch, chosen, useful):
+                    if g in chosen or g in dropped_late or g in dropped_stale or self.enough(
+                            batch, chosen, useful, len(dropped_late)):
+                        continue
+                    if cfg.late_groups == "drop" and is_late(self.groups[g]):
+                        dropped_late.append(g)
                         continue
                     chosen.append(g)
                     useful += self.useful(self.groups[g], version)
-                if self.enough(batch, chosen, useful):
+                if self.enough(batch, chosen, useful, len(dropped_late)):
                     break
             if self.stop.is_set():
                 raise NoData("stopped while waiting for data")
@@ -188,14 +217,38 @@ class GroupCollector:
         lost = list(plan["lost"]) if plan is not None else [g for g, s in self.lost.items() if s <= batch]
         for g in lost:
             self.lost.pop(g, None)
+        dropped = dropped_late + dropped_stale  # and below, late groups with no finished episode
         if plan is None:
-            self._write_journal(batch, chosen, lost)
+            self._write_journal(batch, chosen, lost, dropped)
+        counts = {"groups_late": float(len(dropped_late) + sum(is_late(self.groups[g]) for g in chosen)),
+                  "groups_dropped_late": float(len(dropped_late)), "groups_partial": 0.0,
+                  "episodes_cut": float(sum(t.finish_reason == LATE for g in chosen + dropped_late
+                                            for _, t in self.groups[g])),
+                  "groups_surplus_dropped": float(len(dropped_stale)),
+                  "groups_surplus_trained": float(sum(self._step_of(g) < batch for g in chosen))}
         messages, trajs = [], []
         for g in chosen:
-            for msg, traj in self.groups.pop(g):
-                messages.append(msg)
-                trajs.append(traj)
-        return StepGroups(messages, trajs, lost, time.perf_counter() - t0)
+            members = self.groups.pop(g)
+            partial = cfg.late_groups == "partial" and is_late(members)
+            counts["groups_partial"] += partial
+            kept = [traj for _, traj in members if not (partial and traj.finish_reason == LATE)]
+            messages += [msg for msg, _ in members]
+            trajs += kept
+            if not kept:  # every episode cut: nothing to train, settled as dropped
+                dropped.append(g)
+                counts["groups_dropped_late"] += 1
+        for g in dropped_late + dropped_stale:
+            messages += [msg for msg, _ in self.groups.pop(g)]
+        return StepGroups(messages, trajs, lost, time.perf_counter() - t0, dropped, counts)
+
+    def stale_surplus(self, batch: int, version: int, seen: list[str]) -> list[str]:
+        """Complete groups of earlier steps (over-sampling's surplus) none of whose samples the staleness
+        filter would keep at `version`: dropped rather than taking a place in the batch."""
+        if not self.cfg.oversample_groups:
+            return []
+        f = self.cfg.filters
+        return [g for g in self.complete() if g not in seen and self._step_of(g) < batch
+                and not alg.split_stale([t.policy_version for _, t in self.groups[g]], version, f.max_staleness)[0]]
 
     def complete(self) -> list[str]:
         """The groups that have all their samples, in arrival order."""
@@ -232,13 +285,14 @@ class GroupCollector:
             return not alg.is_flat(rewards, f.zero_variance_eps)
         return True
 
-    def enough(self, batch: int, chosen: list[str], useful: int) -> bool:
+    def enough(self, batch: int, chosen: list[str], useful: int, dropped: int = 0) -> bool:
         """Without refill a step takes the next `batch_prompts` groups (filters may shrink it), less
-        those of its own that were lost; with refill it reads on until that many groups survive, at
-        most max_refill_rounds batches more."""
+        those of its own that were lost or dropped late beyond the over-sampled surplus; with refill it
+        reads on until that many groups survive, at most max_refill_rounds batches more."""
         n, f = self.cfg.batch_prompts, self.cfg.filters
         if not f.refill:
-            return len(chosen) + self._lost_at(batch) >= n
+            missing = max(0, self._lost_at(batch) + dropped - self.cfg.oversample_groups)
+            return len(chosen) + missing >= n
         if useful >= n:
             return True
         return f.max_refill_rounds > 0 and len(chosen) >= n * (1 + f.max_refill_rounds)

@@ -333,7 +333,7 @@ class RLTrainer:
         duplicates = self.collector.take_duplicates() if self.collector else 0
         metrics: dict[str, Any] = {"time_wait_s": step.wait_s, **batch.stats,
                                    "samples_duplicate": float(_broadcast(duplicates, self.engine)),
-                                   "groups_lost": float(len(step.lost))}
+                                   "groups_lost": float(len(step.lost)), **step.counts}
         metrics.update(batch_figures(trajs, batch.advantages, cfg))
         colocated = cfg.publish_weights and cfg.weight_sync == "ipc"
         if colocated and any(sum(s.loss_mask) > 0 for s in batch.sequences):
@@ -377,7 +377,8 @@ class RLTrainer:
                     no_data = str(exc)
                 except WeightsWanted:
                     wanted = True
-            payload, lost, no_data, wanted = _broadcast((payload, step.lost, no_data, wanted), self.engine)
+            payload, lost, dropped, counts, no_data, wanted = _broadcast(
+                (payload, step.lost, step.dropped, step.counts, no_data, wanted), self.engine)
             if not wanted:
                 break
             log.info("a rollout server asked for the weights: sending the current version again",
@@ -386,7 +387,7 @@ class RLTrainer:
         if no_data is not None:
             raise NoData(no_data)
         if self.collector is None:
-            step = StepGroups([], [ScoredTrajectory.model_validate(t) for t in payload], lost, 0.0)
+            step = StepGroups([], [ScoredTrajectory.model_validate(t) for t in payload], lost, 0.0, dropped, counts)
         else:
             step.trajectories = [ScoredTrajectory.model_validate(t) for t in payload]
         return step
@@ -412,7 +413,7 @@ class RLTrainer:
         the broadcast trajectories, so every rank holds the same list); rank 0 holds its messages
         until the next checkpoint."""
         ids = _broadcast([m.id for m in step.messages], self.engine)
-        settled = sorted({t.group_id for t in step.trajectories} | set(step.lost))
+        settled = sorted({t.group_id for t in step.trajectories} | set(step.lost) | set(step.dropped))
         self.trained.add(ids, settled)
         if self.collector is not None:
             self.collector.hold(step.messages)

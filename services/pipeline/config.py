@@ -11,13 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+import math
+
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from services.common.schemas import ArpoParams, EvalMode, PreferencePenalty, RewardKind, SamplingParams, VllmArgs
 from services.evaluation.runner import MODEL_CONCURRENCY
-from services.learner.config import EngineConfig, FilterConfig, RLConfig, TruncationPolicy, masked_finishes, \
-    zero_reward_finishes
+from services.learner.config import EngineConfig, FilterConfig, LateGroupPolicy, RLConfig, TruncationPolicy, \
+    late_masked_finishes, masked_finishes, zero_reward_finishes
 from services.reward.rewards import Curriculum, CurriculumUnit
 from services.rollout.chat import ChatOptions
 
@@ -153,6 +155,16 @@ class RLSpec(_Section):
         None, gt=0, description="Wall-clock budget of the RL stage: once spent, the stage ends with the latest "
         "published weights and the steps not yet trained are left out (default: no budget).")
     samples_per_step: int = RLConfig.model_fields["samples_per_step"]
+    oversample: float = Field(0.0, ge=0, le=4, description=(
+        "Over-sampling: the controller publishes ceil(batch_prompts × (1 + oversample)) prompts a step and the "
+        "step trains the first batch_prompts groups to complete, so it does not wait for its slowest groups; the "
+        "surplus trains at a later step while within max_staleness, else it is dropped (groups_surplus_dropped). "
+        "With max_staleness 0 every surplus group is dropped: sampled work traded for step time."))
+    late_groups: LateGroupPolicy = Field("partial", description=(
+        "A group with episodes cut at their deadline (rl.sampling's turn_timeout_s, episode_timeout_s, "
+        "group_timeout_s; finish_reason deadline): drop leaves the whole group out; partial trains its finished "
+        "episodes, normalized among themselves; mask keeps every episode in the group's normalization with the "
+        "cut ones out of the loss. Counted as groups_late, groups_dropped_late, groups_partial, episodes_cut."))
 
     @field_validator("importance_sampling", mode="before")
     @classmethod
@@ -204,8 +216,14 @@ class RLSpec(_Section):
 
     def filters(self) -> FilterConfig:
         """Which samples reach the learner's loss, and with what reward."""
-        return FilterConfig(max_staleness=self.max_staleness, mask_finish_reasons=masked_finishes(self.truncated),
+        return FilterConfig(max_staleness=self.max_staleness,
+                            mask_finish_reasons=masked_finishes(self.truncated) + late_masked_finishes(self.late_groups),
                             zero_reward_finish_reasons=zero_reward_finishes(self.truncated))
+
+    @property
+    def oversample_groups(self) -> int:
+        """Groups published a step beyond batch_prompts."""
+        return math.ceil(self.batch_prompts * self.oversample - 1e-9)
 
 
 class EvalSpec(_Section):
@@ -252,8 +270,17 @@ class ServicesSpec(_Section):
     engine: Literal["vllm", "transformers"] = "vllm"
     vllm: VllmArgs = Field(default_factory=VllmArgs, description="How each vLLM engine starts (services.engine vllm).")
     rollout_workers: int = Field(1, ge=1)
-    rollout_concurrency: int = Field(2, ge=1, description="Groups each rollout worker samples at once; they share "
-                                     "its engine, whose batch is sized to hold all their samples.")
+    max_inflight_episodes: int | None = Field(None, ge=1, description=(
+        "Episodes each rollout worker keeps in flight on its engine, over all its groups (a group's finished "
+        "episodes free their slots for other groups). None: derived per worker from its vLLM engine's KV cache "
+        "(its memory share less the weights) over episode_tokens (docs/configuration.md); 16 without a GPU."))
+    episode_tokens: int | None = Field(None, ge=64, description=(
+        "The context an episode is expected to reach, for the derived max_inflight_episodes (None: "
+        "rl.sampling.max_context_tokens, the safe bound; a fleet whose episodes end well short of it runs more "
+        "at once by saying how long they get)."))
+    rollout_concurrency: int | None = Field(None, ge=1, description=(
+        "Deprecated (use max_inflight_episodes): groups each rollout worker samples at once; maps to "
+        "rollout_concurrency × rl.group_size episodes."))
     reward_workers: int = Field(1, ge=1)
     zero_stage: Literal[0, 1, 2, 3] = 2
     chat: ChatOptions = Field(default_factory=ChatOptions, description=(
@@ -356,6 +383,22 @@ class PipelineConfig(_Section):
                              "eval stage would report its success on those same queries: set synth.heldout_queries "
                              "(queries for the eval stage alone) or eval.split")
         return self
+
+    @model_validator(mode="after")
+    def _one_concurrency(self) -> "PipelineConfig":
+        s = self.services
+        if s.max_inflight_episodes is not None and s.rollout_concurrency is not None:
+            raise ValueError("services: set max_inflight_episodes (episodes per worker) or the deprecated "
+                             "rollout_concurrency (groups per worker), not both")
+        return self
+
+    def inflight_episodes(self) -> int | None:
+        """Each rollout worker's episode budget as the recipe sets it (the deprecated rollout_concurrency in
+        groups of rl.group_size), or None: each worker derives its own from its engine's KV cache."""
+        s = self.services
+        if s.rollout_concurrency is not None:
+            return s.rollout_concurrency * self.rl.group_size
+        return s.max_inflight_episodes
 
     @property
     def validates_during_rl(self) -> bool:

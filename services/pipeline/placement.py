@@ -357,7 +357,7 @@ def _gib(n: int | float) -> str:
 def plan_colocated(spec: DeploymentSpec, gpus: list[str], share: float, *,
                    validation_share: float | None = None) -> Placement:
     """Every GPU holds a learner rank and one engine per tensor-parallel group of GPUs (the rollout
-    workers' concurrency is pooled into them: `colocated_concurrency`), each taking `share` of its GPUs
+    workers' episode budget is pooled into them: `colocated_concurrency`), each taking `share` of its GPUs
     while awake; a validation during RL runs beside engine 0 at `validation_share`."""
     tp = spec.engine_tensor_parallel
     if tp > len(gpus):
@@ -369,8 +369,8 @@ def plan_colocated(spec: DeploymentSpec, gpus: list[str], share: float, *,
 
 
 def colocated_concurrency(workers: int, concurrency: int, engines: int) -> int:
-    """Groups each colocated engine's worker samples at once: the recipe's rollout workers × their
-    concurrency, pooled into the colocated engines (one per GPU group)."""
+    """Episodes each colocated engine's worker keeps in flight: the recipe's rollout workers × their
+    budget, pooled into the colocated engines (one per GPU group)."""
     return max(1, math.ceil(workers * concurrency / max(engines, 1)))
 
 

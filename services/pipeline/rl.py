@@ -165,6 +165,7 @@ def rl_config(run: Run, model: str, names: StreamNames, redis_url: str | None, t
         is_high=r.is_high, temperature=r.sampling.temperature,
         sampling_cut=bool(sampling_cuts(r.sampling)),
         eps_low=r.eps_low, eps_high=r.eps_high, filters=r.filters(),
+        oversample_groups=r.oversample_groups, late_groups=r.late_groups,
         engine=run.config.learner.engine(run.config.services.zero_stage, run.config.seed,
                                          ranks=run.learner_ranks),
         redis_url=redis_url, stream_prefix=names.prefix,
@@ -247,19 +248,20 @@ def _start_workers(run: Run, f: Fleet, model: str, env: dict[str, str], logs: Pa
     s = run.config.services
     sampling = run.config.rl.sampling
     vllm = s.vllm.model_copy(update={"weight_transfer": "nccl"}) if run.nccl else s.vllm
-    workers, concurrency = s.rollout_workers, s.rollout_concurrency
-    if run.colocated:  # one engine per GPU group, able to sleep, holding the recipe's concurrency pooled
+    workers, inflight = s.rollout_workers, inflight_env(run.config)
+    if run.colocated:  # one engine per GPU group, able to sleep, holding the recipe's episode budget pooled
         from services.pipeline.placement import colocated_concurrency
 
         vllm = vllm.model_copy(update={"enable_sleep_mode": True})
         workers = len(run.placement.engine_devices)
-        concurrency = colocated_concurrency(s.rollout_workers, s.rollout_concurrency, workers)
+        budget = run.config.inflight_episodes()
+        if budget is not None:  # else each engine derives its budget from its own (shared) KV cache
+            pooled = str(colocated_concurrency(s.rollout_workers, budget, workers))
+            inflight.update(STAR_ROLLOUT_MAX_INFLIGHT_EPISODES=pooled, STAR_ROLLOUT_MAX_BATCH=pooled)
     rollout_env = {**env, "STAR_MODEL": model, "STAR_ROLLOUT_ENGINE": s.engine,
                    "STAR_ROLLOUT_VLLM": vllm.model_dump_json(), "STAR_ROLLOUT_CHAT": s.chat.model_dump_json(),
                    "STAR_ROLLOUT_MAX_MODEL_LEN": str(sampling.engine_max_len),
-                   "STAR_ROLLOUT_CLAIM_IDLE_MS": "30000", "STAR_ROLLOUT_CONCURRENCY": str(concurrency),
-                   # the transformers engine decodes every sample of its groups in one batch
-                   "STAR_ROLLOUT_MAX_BATCH": str(concurrency * run.config.rl.group_size)}
+                   "STAR_ROLLOUT_CLAIM_IDLE_MS": "30000", **inflight}
     if run.colocated:
         rollout_env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the IPC load runs through collective_rpc
     for i in range(workers):
@@ -276,6 +278,17 @@ def _start_workers(run: Run, f: Fleet, model: str, env: dict[str, str], logs: Pa
         f.workers.append(f.sup.add(f"reward-{i}", [sys.executable, "-m", "services.cli", "reward", "worker",
                                                    "--consumer", f"reward-{i}", "--db", run.world_url],
                                    env, logs / f"reward-{i}.log"))
+
+
+def inflight_env(config: PipelineConfig) -> dict[str, str]:
+    """A rollout worker's episode budget: the recipe's, else derived by the worker from its engine's KV cache
+    over the episodes' context. The transformers engine decodes every episode in flight in one batch."""
+    s, budget = config.services, config.inflight_episodes()
+    env = {"STAR_ROLLOUT_EPISODE_TOKENS": str(s.episode_tokens or config.rl.sampling.max_context_tokens)}
+    if budget is not None:
+        env["STAR_ROLLOUT_MAX_INFLIGHT_EPISODES"] = str(budget)
+    env["STAR_ROLLOUT_MAX_BATCH"] = str(budget or 2 * config.rl.group_size)
+    return env
 
 
 def weights_version(client: redis.Redis, names: StreamNames) -> int:
@@ -382,6 +395,7 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
                                       preference_penalty=r.preference_penalty, curriculum=curriculum,
                                       eval_mode=r.eval_mode, max_staleness=r.max_staleness,
                                       arpo=r.arpo if r.algorithm == "arpo" else None,
+                                      oversample_groups=r.oversample_groups,
                                       await_start_weights=isinstance(f, ExternalFleet))
             ended = drive(run, f, client, names, publisher, schedule, validation=validation, deadline=deadline)
             if ended.reason == "budget":

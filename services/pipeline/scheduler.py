@@ -9,6 +9,9 @@ Version 0 is the starting model: rollout workers started on it sample the first 
 for workers started on another model (an external fleet), the learner announces it as a version
 and no step goes out before that (`await_start_weights`).
 The next step to publish lives in Redis, so a restarted controller neither skips nor repeats one.
+Over-sampling (`oversample_groups`) publishes that many more prompts a step (the next ones of the
+epoch's order, wrapping around): the learner trains the first `batch_prompts` groups to complete
+and the surplus at a later step, or drops it (services/learner/groups.py).
 """
 
 from __future__ import annotations
@@ -50,17 +53,17 @@ class Schedule:
     def epoch_of(self, step: int) -> int:
         return step // self.steps_per_epoch + 1
 
-    def batch(self, step: int) -> list[tuple[int, TravelQuery]]:
-        """(index in the prompt set, query) of the prompts rolled out at `step`."""
+    def batch(self, step: int, extra: int = 0) -> list[tuple[int, TravelQuery]]:
+        """(index in the prompt set, query) of the prompts rolled out at `step`, and `extra` more (the
+        prompts after them in the epoch's order, wrapping around: over-sampling)."""
         if not 0 <= step < self.total_steps:
             raise IndexError(f"step {step} is outside 0..{self.total_steps - 1}")
         epoch = self.epoch_of(step)
         order = list(range(len(self.prompts)))
         random.Random(f"{self.seed}/{epoch}").shuffle(order)
         start = (step % self.steps_per_epoch) * self.batch_prompts
-        picked = order[start:start + self.batch_prompts]
-        if len(picked) < self.batch_prompts:  # fewer prompts than one batch: wrap around
-            picked += order[: self.batch_prompts - len(picked)]
+        want = self.batch_prompts + extra
+        picked = [order[(start + k) % len(order)] for k in range(want)]  # fewer prompts than that: wrap around
         return [(i, self.prompts[i]) for i in picked]
 
 
@@ -87,6 +90,7 @@ class TaskPublisher:
     # publish nothing until a weights version is announced: the learner's starting weights, which rollout
     # workers started on another model (an external fleet's) load before they sample the first step
     await_start_weights: bool = False
+    oversample_groups: int = 0  # prompts published a step beyond the batch
 
     @property
     def _cursor_key(self) -> str:
@@ -106,7 +110,7 @@ class TaskPublisher:
             kind = self.curriculum.kind_for(epoch, step)  # resolved here, so the scorer needs no schedule
         base_seed = self.sampling.seed if self.sampling.seed is not None else 0
         out = []
-        for slot, (index, query) in enumerate(self.schedule.batch(step)):
+        for slot, (index, query) in enumerate(self.schedule.batch(step, self.oversample_groups)):
             task_id = f"{self.run_id}/s{step:05d}/p{slot:03d}"
             sampling = self.sampling.model_copy(update={"seed": base_seed + (step * 1000 + slot) * 1000})
             out.append(RolloutTask(

@@ -28,10 +28,14 @@ Budgets and how a trajectory ends (`finish_reason`):
   `format_error` (a policy that keeps rambling is not going to answer; the reward is 0 either way).
 - `engine_error`: the engine or the sandbox failed; `error` says how. The worker retries a task
   whose every sample ended this way.
+- `deadline`: the episode ran past its wall-clock limit (`Limits.episode_timeout_s`, or its group's
+  deadline), or one turn past `Limits.turn_timeout_s`: the turn in flight is cancelled, which aborts
+  its request in the engine, and what was sampled before it stays.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import time
 import uuid
@@ -57,11 +61,14 @@ class Limits:
     max_tokens_per_turn: int = 8192
     max_format_errors: int = 3
     summarize_at_limit: bool = False
+    turn_timeout_s: float | None = None  # wall-clock limits (None: none)
+    episode_timeout_s: float | None = None
 
     @classmethod
     def from_sampling(cls, sampling: SamplingParams, max_format_errors: int = 3) -> Limits:
         return cls(sampling.max_tool_calls, sampling.max_context_tokens, sampling.max_tokens_per_turn,
-                   max_format_errors, sampling.summarize_at_limit)
+                   max_format_errors, sampling.summarize_at_limit, sampling.turn_timeout_s,
+                   sampling.episode_timeout_s)
 
 
 @dataclass
@@ -93,10 +100,31 @@ class Episode:
     env_messages: int = 0
     env_closed: bool = True
     started: float = field(default_factory=time.perf_counter)
+    deadline: float | None = None  # time.monotonic() at which the episode ends as `deadline`
+    turn_timeout_s: float | None = None
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    def arm(self, limits: Limits, group_deadline: float | None = None) -> None:
+        """Start the episode's clock: its deadline is its own limit from now, or its group's if sooner."""
+        ends = [] if group_deadline is None else [group_deadline]
+        if limits.episode_timeout_s is not None:
+            ends.append(time.monotonic() + limits.episode_timeout_s)
+        self.deadline = min(ends) if ends else None
+        self.turn_timeout_s = limits.turn_timeout_s
+
+    def turn_budget(self) -> float | None:
+        """Seconds the next turn may take (None: unbounded); ≤ 0 once the deadline has passed."""
+        left = [] if self.turn_timeout_s is None else [self.turn_timeout_s]
+        if self.deadline is not None:
+            left.append(self.deadline - time.monotonic())
+        return min(left) if left else None
+
+    def cut(self, why: str) -> None:
+        """End the episode at its deadline, keeping what it sampled so far."""
+        self.finish_reason, self.error = "deadline", why
 
     def fork(self, sample_index: int, seed: int | None) -> Episode:
         child = copy.deepcopy(self)
@@ -173,6 +201,8 @@ class Agent:
         """Sample one model turn, act on it, and append what the environment returns."""
         if ep.done:
             return
+        if ep.deadline is not None and time.monotonic() >= ep.deadline:
+            return ep.cut("the episode ran past its deadline")
         if not self.engine.token_level:
             return await self._step_text(ep, sampling, limits, request_id)
         try:
@@ -274,8 +304,16 @@ class Agent:
 
     async def _sample(self, ep: Episode, params: TurnParams, request_id: str) -> Generation | None:
         t0 = time.perf_counter()
+        budget = ep.turn_budget()
+        if budget is not None and budget <= 0:
+            ep.cut("the episode ran past its deadline")
+            return None
         try:
-            gen = await self.engine.generate(ep.token_ids, params, request_id=request_id)
+            # a turn past its budget is cancelled: the engine aborts its request (vLLM does on cancel)
+            gen = await asyncio.wait_for(self.engine.generate(ep.token_ids, params, request_id=request_id), budget)
+        except asyncio.TimeoutError:
+            ep.cut(f"a turn ran past its {budget:.1f} s budget and was aborted")
+            return None
         except (EngineError, Exception) as exc:  # noqa: BLE001 - any engine failure ends the episode
             ep.finish_reason, ep.error = "engine_error", f"engine: {type(exc).__name__}: {exc}"
             return None
@@ -386,6 +424,8 @@ class Agent:
     async def run_episode(self, ep: Episode, sampling: SamplingParams, limits: Limits,
                           request_id: str | None = None) -> Episode:
         request_id = request_id or uuid.uuid4().hex
+        if ep.deadline is None:
+            ep.arm(limits)
         while not ep.done:
             await self.step(ep, sampling, limits, f"{request_id}-{ep.sample_index}")
         return ep

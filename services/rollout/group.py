@@ -1,6 +1,12 @@
 """Group sampling: G trajectories of one prompt, concurrently, plus ARPO branching.
 
-Plain groups run G independent episodes at once (asyncio), sample i seeded `seed + i`.
+Plain groups run G independent episodes at once (asyncio), sample i seeded `seed + i`. Given
+`EpisodeSlots` (a worker's budget of episodes in flight on its engine), each episode waits for a
+slot and gives it back when it ends, so the slots of a group's finished episodes go to other
+groups while its slowest one runs (an ARPO group, which branches as it goes, holds G slots).
+
+Deadlines: each episode ends as `deadline` past `SamplingParams.episode_timeout_s` from its start,
+or past the group's `group_timeout_s` from the group's start, whichever comes first.
 
 ARPO (agent-star.md §4.6, after the RUC-NLPIR reference): `initial_rollouts` episodes start from
 scratch; the other G − initial slots are filled by branches. Episodes advance in rounds of one
@@ -19,7 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,31 +60,91 @@ class GroupMeta:
                 "preference_penalty": self.preference_penalty, "eval_mode": self.eval_mode}
 
 
+class EpisodeSlots:
+    """A budget of episodes in flight at once, shared by the groups on one engine (FIFO). `used` and
+    `waiting` are plain counters a claim thread may read to decide whether to take another task."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"an episode budget must be at least 1, not {capacity}")
+        self.capacity = capacity
+        self.used = 0
+        self.waiting = 0  # episodes waiting for a slot
+        self._sem: asyncio.Semaphore | None = None  # made on the engine's loop, at first use
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    def admits(self) -> bool:
+        """Whether a new group could start an episode now (nothing waits and a slot is free)."""
+        return self.waiting == 0 and self.used < self.capacity
+
+    @asynccontextmanager
+    async def hold(self, n: int = 1) -> AsyncIterator[None]:
+        n = min(n, self.capacity)
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.capacity)
+        self.waiting += n
+        taken = 0
+        try:
+            for _ in range(n):
+                await self._sem.acquire()
+                taken += 1
+                self.waiting -= 1
+                self.used += 1
+            yield
+        finally:
+            self.waiting -= n - taken
+            self.used -= taken
+            for _ in range(taken):
+                self._sem.release()
+
+
 def sample_seed(sampling: SamplingParams, index: int) -> int | None:
     return None if sampling.seed is None else sampling.seed + index
 
 
 async def sample_group(agent: Agent, query: TravelQuery | str, group_size: int, sampling: SamplingParams,
                        limits: Limits | None = None, *, arpo: ArpoConfig | None = None,
-                       meta: GroupMeta | None = None) -> list[Trajectory]:
+                       meta: GroupMeta | None = None, slots: EpisodeSlots | None = None) -> list[Trajectory]:
     """G trajectories of `query`, ordered by sample index."""
     limits = limits or Limits.from_sampling(sampling)
     meta = meta or GroupMeta()
     request = uuid.uuid4().hex[:12]
+    group_deadline = None if sampling.group_timeout_s is None else time.monotonic() + sampling.group_timeout_s
     if arpo is None:
         episodes = [agent.start(query, i, sample_seed(sampling, i)) for i in range(group_size)]
-        await asyncio.gather(*(agent.run_episode(ep, sampling, limits, request) for ep in episodes))
+
+        async def run(ep: Episode) -> None:
+            async with _slot(slots, 1):
+                ep.arm(limits, group_deadline)
+                await agent.run_episode(ep, sampling, limits, request)
+
+        await asyncio.gather(*(run(ep) for ep in episodes))
     else:
-        episodes = await _arpo(agent, query, group_size, sampling, limits, arpo, request)
+        async with _slot(slots, group_size):
+            episodes = await _arpo(agent, query, group_size, sampling, limits, arpo, request, group_deadline)
     q = query if isinstance(query, TravelQuery) else None
     return [to_trajectory(ep, q, **meta.fields()) for ep in sorted(episodes, key=lambda e: e.sample_index)]
 
 
+@asynccontextmanager
+async def _slot(slots: EpisodeSlots | None, n: int) -> AsyncIterator[None]:
+    if slots is None:
+        yield
+    else:
+        async with slots.hold(n):
+            yield
+
+
 async def _arpo(agent: Agent, query: TravelQuery | str, group_size: int, sampling: SamplingParams,
-                limits: Limits, cfg: ArpoConfig, request: str) -> list[Episode]:
+                limits: Limits, cfg: ArpoConfig, request: str, group_deadline: float | None = None) -> list[Episode]:
     rng = random.Random(cfg.seed if cfg.seed is not None else sampling.seed)
     initial = min(group_size, cfg.initial_rollouts or max(1, group_size // 2))
     episodes = [agent.start(query, i, sample_seed(sampling, i)) for i in range(initial)]
+    for ep in episodes:
+        ep.arm(limits, group_deadline)
 
     def new_index() -> int:
         return len(episodes)
@@ -86,6 +155,7 @@ async def _arpo(agent: Agent, query: TravelQuery | str, group_size: int, samplin
             if len(episodes) >= group_size:
                 break
             episodes.append(agent.start(query, new_index(), sample_seed(sampling, new_index())))
+            episodes[-1].arm(limits, group_deadline)
             continue
         before = {id(ep): ep.tool_calls for ep in active}
         await asyncio.gather(*(agent.step(ep, sampling, limits, f"{request}-{ep.sample_index}",

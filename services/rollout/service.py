@@ -32,7 +32,7 @@ from services.rollout.agent import Agent
 from services.rollout.engines import Engine, TurnParams, build_engine
 from services.rollout.chat import ChatOptions
 from services.rollout.engines.base import EngineError, OlderVersion
-from services.rollout.group import ArpoConfig, GroupMeta, sample_group
+from services.rollout.group import ArpoConfig, EpisodeSlots, GroupMeta, sample_group
 from services.rollout import sleep as sleep_mode
 from services.rollout.sleep import SleepError, SleepState
 from services.rollout.tools import HttpToolClient, LocalToolClient, ToolClient
@@ -67,7 +67,16 @@ class RolloutConfig(BaseSettings):
     tools: Literal["http", "local"] = Field("http", description="Sandbox over HTTP (STAR_SANDBOX_URL) or in-process.")
     tool_timeout_s: float = Field(30.0, gt=0)
     tool_retries: int = Field(3, ge=0)
-    concurrency: int = Field(4, ge=1, description="Worker: tasks in flight at once.")
+    max_inflight_episodes: int | None = Field(None, ge=1, description=(
+        "Worker: episodes in flight at once on its engine, over all its groups. None: derived from a vLLM "
+        "engine's KV cache (its memory share) over episode_tokens (services/rollout/capacity.py); 16 without one."))
+    episode_tokens: int | None = Field(None, ge=64, description=(
+        "Worker: the context one episode is expected to reach, for the derived max_inflight_episodes "
+        "(None: max_model_len)."))
+    concurrency: int | None = Field(None, ge=1, description=(
+        "Worker (deprecated: use max_inflight_episodes): groups in flight at once; maps to concurrency × "
+        "group_size episodes."))
+    group_size: int = Field(8, ge=1, description="Worker: the group size the deprecated concurrency multiplies.")
     claim_idle_ms: int = Field(120_000, ge=100, description="Worker: reclaim a dead worker's task after this idle time.")
     max_deliveries: int = Field(3, ge=1, description="Worker: attempts before a task is dead-lettered.")
     http_port: int | None = Field(None, ge=1, le=65535, description=(
@@ -193,7 +202,8 @@ class RolloutService:
         config = config or RolloutConfig()
         return cls(make_engine(settings, config), make_tools(settings, config), settings=settings, config=config)
 
-    async def rollout(self, request: RolloutRequest | RolloutTask) -> list[Trajectory]:
+    async def rollout(self, request: RolloutRequest | RolloutTask, slots: EpisodeSlots | None = None) -> list[Trajectory]:
+        """The group's G trajectories; `slots`: the worker's episode budget its episodes wait for."""
         if self._broken:
             raise WeightsError(503, self._broken)
         failed_loads = self._failed_loads
@@ -213,7 +223,7 @@ class RolloutService:
 
             limits = Limits.from_sampling(request.sampling, self.config.max_format_errors)
             trajectories = await sample_group(self.agent, request.query, group, request.sampling, limits,
-                                              arpo=arpo, meta=meta)
+                                              arpo=arpo, meta=meta, slots=slots)
         finally:
             self.metrics.in_flight.dec(group)
         if self._failed_loads != failed_loads:

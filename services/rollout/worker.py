@@ -41,8 +41,19 @@ HTTP face: with `STAR_ROLLOUT_HTTP_PORT` set the worker also serves the rollout 
 `GET /weights`, the NCCL weight group and broadcasts; `services.rollout.app`) on the same service
 and event loop; unset, it has no server.
 
-The engine lives on the asyncio loop of the main thread; `concurrency` consumer threads each
-take one task at a time and run it on that loop, so up to `concurrency` groups share the engine.
+Scheduling: the engine lives on the asyncio loop of the main thread, and the unit of concurrency
+is the episode, not the group. The worker keeps up to `max_inflight_episodes` episodes in flight
+on its engine (`EpisodeSlots`, shared by every group on the loop): one claim thread takes a new
+task whenever the episodes running, waiting for a slot and claimed but not yet started are fewer
+than that, and the task's G episodes start as slots free up, each giving its slot back when it
+ends, so a group's slot no longer idles until its slowest episode ends. A task's group is written,
+with the task's acknowledgement in the same transaction, when its last episode ends (a small pool
+of settling threads does the Redis writes); the claim keeper re-claims every task in flight. The
+budget's default derives from the engine's KV cache and the episodes' context (`capacity.py`).
+
+Deadlines: each task's sampling carries wall-clock limits per turn, episode and group
+(`SamplingParams.*_timeout_s`); a cut episode ends as `deadline` and its group is written with the
+others; what the learner does with such a group is the recipe's `rl.late_groups`.
 Run: `star rollout worker` or `python -m services.rollout.worker`.
 """
 
@@ -57,6 +68,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,12 +77,17 @@ from pydantic import ValidationError
 
 from services.common.schemas import RolloutTask, Trajectory, WeightsUpdate
 from services.common.settings import Settings, get_settings
-from services.common.streams import REDIS_DOWN, StreamConsumer, StreamMessage, StreamNames, run_worker, until_redis
+from services.common.streams import (REDIS_DOWN, TRIM_EVERY_S, ClaimKeeper, StreamConsumer, StreamMessage, StreamNames,
+                                     _settle, trim_consumed, until_redis)
+from services.rollout.capacity import inflight_budget
+from services.rollout.group import EpisodeSlots
 from services.rollout.service import RolloutConfig, RolloutService, WeightsError
 
 log = logging.getLogger(__name__)
 GROUP = "rollout"
 FATAL_EXIT_S = 60.0  # a worker stopping for a restart that has not exited by then ends at once
+ADMIT_POLL_S = 0.01  # how often a full worker looks for a free episode slot
+SETTLE_THREADS = 4  # threads writing finished groups (and failures) to Redis
 
 
 class TaskFailed(RuntimeError):
@@ -125,7 +142,7 @@ class SandboxCheck:
 
 class RolloutWorker:
     def __init__(self, service: RolloutService, client: redis.Redis, loop: asyncio.AbstractEventLoop, *,
-                 names: StreamNames | None = None, consumer: str | None = None, concurrency: int = 1,
+                 names: StreamNames | None = None, consumer: str | None = None, max_inflight_episodes: int = 16,
                  claim_idle_ms: int = 120_000, max_deliveries: int = 3, block_ms: int = 500,
                  sandbox: SandboxCheck | None = None) -> None:
         self.service = service
@@ -133,7 +150,9 @@ class RolloutWorker:
         self.loop = loop
         self.names = names or StreamNames(get_settings().stream_prefix)
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
-        self.concurrency = concurrency
+        self.slots = EpisodeSlots(max_inflight_episodes)
+        self._reserved = 0  # episodes of tasks claimed whose group has not begun on the loop yet
+        self._lock = threading.Lock()
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
         self.block_ms = block_ms
@@ -151,13 +170,14 @@ class RolloutWorker:
     def _on_loop(self, coro) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    def handle(self, consumer: StreamConsumer, msg: StreamMessage) -> list[Trajectory] | None:
+    def accept(self, consumer: StreamConsumer, msg: StreamMessage) -> RolloutTask | None:
+        """The task `msg` carries, once the weights it needs are loaded (TaskFailed: not now); None when
+        it is no task (dead-lettered at once: no retry can make it one)."""
         try:
             task = RolloutTask.model_validate(msg.data)
         except ValidationError as exc:
-            # Permanent: no retry can make this a task. Straight to the dead letters.
             msg.deliveries = max(msg.deliveries, consumer.max_deliveries)
-            consumer.fail(msg, f"not a RolloutTask: {exc.errors()[:3]}")
+            _settle(consumer, msg, lambda: consumer.fail(msg, f"not a RolloutTask: {exc.errors()[:3]}"), self.stop)
             return None
         announced = self.sync_weights()
         if announced is not None and self.service.loaded_version is None:
@@ -166,14 +186,29 @@ class RolloutWorker:
         if self.service.engine.policy_version < task.min_policy_version:
             raise TaskFailed(f"task needs policy version ≥ {task.min_policy_version}; "
                              f"loaded {self.service.engine.policy_version}")
-        trajectories = self._on_loop(self.service.rollout(task))
+        return task
+
+    async def _rollout(self, task: RolloutTask) -> list[Trajectory]:
+        """The task's group on the loop; its reserved episodes become slot holders or waiters now."""
+        with self._lock:
+            self._reserved -= task.group_size
+        return await self.service.rollout(task, self.slots)
+
+    def admits(self) -> bool:
+        """Whether to claim another task: the episodes running, waiting for a slot and claimed but not
+        yet begun are fewer than the budget (a task may start with one free slot; the rest follow)."""
+        with self._lock:
+            reserved = self._reserved
+        return self.slots.used + self.slots.waiting + reserved < self.slots.capacity
+
+    def checked(self, trajectories: list[Trajectory]) -> list[Trajectory]:
+        """A finished group, or TaskFailed when every sample failed (stopping a broken engine's worker)."""
         if trajectories and all(t.finish_reason == "engine_error" for t in trajectories):
             if not self.service.engine.healthy:
                 log.error("the engine is broken; stopping the worker for a restart",
                           extra={"error": (trajectories[0].error or "")[:500]})
                 self._stop_for_restart()
             raise TaskFailed(f"every sample failed: {trajectories[0].error}")
-        self.handled += 1
         return trajectories
 
     def _stop_for_restart(self) -> None:
@@ -274,23 +309,81 @@ class RolloutWorker:
             except Exception as exc:  # noqa: BLE001 - the next poll tries again; tasks check the version too
                 log.warning("weights watch failed", extra={"error": f"{type(exc).__name__}: {exc}"})
 
-    def _consume(self, index: int) -> None:
+    def _consume(self) -> None:
         try:
             consumer = until_redis(lambda: StreamConsumer(
-                self.client, self.names.tasks, GROUP, f"{self.consumer}-{index}", claim_idle_ms=self.claim_idle_ms,
+                self.client, self.names.tasks, GROUP, f"{self.consumer}-0", claim_idle_ms=self.claim_idle_ms,
                 max_deliveries=self.max_deliveries), self.stop, "joining the rollout group")
             if consumer is not None:
-                run_worker(consumer, lambda msg: self.handle(consumer, msg), self.names.trajectories, self.stop,
-                           block_ms=self.block_ms, until_ready=self.ready)
+                self._claim_loop(consumer)
         except Exception:
-            # A consumer thread that died would leave a live process doing nothing: stop the
-            # process instead, so its supervisor restarts it (its pending task is re-read then).
-            log.exception("rollout consumer failed; stopping the worker", extra={"consumer": index})
+            # A claim thread that died would leave a live process doing nothing: stop the
+            # process instead, so its supervisor restarts it (its pending tasks are re-read then).
+            log.exception("rollout consumer failed; stopping the worker")
             self._stop_for_restart()
 
+    def _claim_loop(self, consumer: StreamConsumer) -> None:
+        """Claim tasks while the episode budget admits one and the gates are open; each runs on the
+        loop and is settled (written and acknowledged, or failed) by a settling thread when it ends."""
+        keeper = ClaimKeeper(consumer.client, consumer.claim_idle_ms, self.stop)
+        settling = ThreadPoolExecutor(SETTLE_THREADS, thread_name_prefix="rollout-settle")
+        trimmed_at = 0.0
+        try:
+            while not self.stop.is_set():
+                if not self.admits():
+                    self.stop.wait(ADMIT_POLL_S)
+                    continue
+                if not self.ready():
+                    continue
+                try:
+                    messages = consumer.read(1, self.block_ms)
+                    if time.monotonic() - trimmed_at >= TRIM_EVERY_S:
+                        trimmed_at = time.monotonic()
+                        trim_consumed(consumer.client, consumer.stream)
+                except REDIS_DOWN as exc:
+                    log.warning("redis unavailable; retrying", extra={"error": str(exc)})
+                    self.stop.wait(1.0)
+                    continue
+                for msg in messages:
+                    self._start_task(consumer, keeper, settling, msg)
+        finally:
+            keeper.close()
+            settling.shutdown(wait=False)
+
+    def _start_task(self, consumer: StreamConsumer, keeper: ClaimKeeper, settling: ThreadPoolExecutor,
+                    msg: StreamMessage) -> None:
+        keeper.hold(consumer, msg)
+        try:
+            task = self.accept(consumer, msg)
+        except Exception as exc:  # noqa: BLE001 - recorded on the message: retried, then dead-lettered
+            log.warning("task not started", extra={"id": msg.id, "error": f"{type(exc).__name__}: {exc}"})
+            _settle(consumer, msg, lambda: consumer.fail(msg, f"{type(exc).__name__}: {exc}"), self.stop)
+            keeper.release(msg)
+            return
+        if task is None:
+            keeper.release(msg)
+            return
+        with self._lock:
+            self._reserved += task.group_size
+        group = asyncio.run_coroutine_threadsafe(self._rollout(task), self.loop)
+        group.add_done_callback(lambda done: settling.submit(self._settle_task, consumer, keeper, msg, done))
+
+    def _settle_task(self, consumer: StreamConsumer, keeper: ClaimKeeper, msg: StreamMessage,
+                     group: Future) -> None:
+        """Write a finished group and acknowledge its task in one transaction, or record the failure."""
+        try:
+            trajectories = self.checked(group.result())
+        except Exception as exc:  # noqa: BLE001 - any failure is recorded on the message
+            log.warning("task failed", extra={"id": msg.id, "error": f"{type(exc).__name__}: {exc}"})
+            _settle(consumer, msg, lambda: consumer.fail(msg, f"{type(exc).__name__}: {exc}"), self.stop)
+        else:
+            _settle(consumer, msg, lambda: consumer.forward(msg, self.names.trajectories, trajectories), self.stop)
+            self.handled += 1
+        finally:
+            keeper.release(msg)
+
     def start(self) -> list[threading.Thread]:
-        threads = [threading.Thread(target=self._consume, args=(i,), name=f"rollout-consumer-{i}", daemon=True)
-                    for i in range(self.concurrency)]
+        threads = [threading.Thread(target=self._consume, name="rollout-claim", daemon=True)]
         if not self.service.engine.drains_on_update:
             threads.append(threading.Thread(target=self._watch_weights, name="rollout-weights", daemon=True))
         for t in threads:
@@ -358,7 +451,8 @@ def main(settings: Settings | None = None, config: RolloutConfig | None = None) 
         raise SystemExit("STAR_REDIS_URL is not set: a worker joins the fleet's Redis")
     client, _ = connect_redis(settings.redis_url)
     worker = RolloutWorker(service, client, loop, names=StreamNames(settings.stream_prefix),
-                           consumer=os.environ.get("STAR_ROLLOUT_CONSUMER"), concurrency=config.concurrency,
+                           consumer=os.environ.get("STAR_ROLLOUT_CONSUMER"),
+                           max_inflight_episodes=inflight_budget(config, config.model or settings.model),
                            claim_idle_ms=config.claim_idle_ms, max_deliveries=config.max_deliveries)
     http = serve_http(loop, service, settings, config)
     if http is not None:  # the app configured logging as its own service's
@@ -374,7 +468,8 @@ def main(settings: Settings | None = None, config: RolloutConfig | None = None) 
     signal.signal(signal.SIGINT, shutdown)
     worker.on_fatal = shutdown
     threads = worker.start()
-    log.info("rollout worker running", extra={"consumer": worker.consumer, "concurrency": config.concurrency})
+    log.info("rollout worker running", extra={"consumer": worker.consumer,
+                                              "max_inflight_episodes": worker.slots.capacity})
     loop.run_forever()
     if worker.fatal:
         # an engine stuck in a weight transfer may not shut down: the process ends regardless

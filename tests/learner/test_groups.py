@@ -58,7 +58,7 @@ def test_a_step_takes_complete_groups_and_leaves_a_partial_one_waiting(stream, t
     assert [m.data["group_id"] for m in step.messages] == ["a", "a", "c", "c"]
     assert list(collector.groups) == ["b"]  # still waiting for its second sample
     journal = [json.loads(line) for line in (tmp_path / JOURNAL).read_text().splitlines()]
-    assert journal == [{"batch": 0, "groups": ["a", "c"], "lost": []}]
+    assert journal == [{"batch": 0, "groups": ["a", "c"], "lost": [], "dropped": []}]
     # nothing is acknowledged until the trainer says a checkpoint holds the batch
     assert _pending(client, prefix) == 5
     collector.hold(step.messages)
@@ -155,7 +155,7 @@ def test_a_step_goes_without_its_lost_group_at_once(stream, tmp_path):
     assert step.wait_s < 10  # not the straggler wait, nor the timeout
     assert collector.lost == {"later": 1}
     last = json.loads((tmp_path / JOURNAL).read_text().splitlines()[-1])
-    assert last == {"batch": 0, "groups": ["kept"], "lost": ["lost"]}
+    assert last == {"batch": 0, "groups": ["kept"], "lost": ["lost"], "dropped": []}
 
 
 def test_a_task_lost_for_a_past_step_is_not_waited_for(stream):

@@ -55,9 +55,10 @@ def test_the_7b_recipe_fits_80_gb_hosts_colocated(n):
     env = p.engine_env(0)
     assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["STAR_ROLLOUT_KV_CACHE_FROM_SHARE"] == "true"
     assert weight_sync(config.deployment, "vllm", p).method == "ipc"
-    # the 8 workers' groups pooled into the engines
-    per_worker = config.services.rollout_concurrency
-    assert colocated_concurrency(8, per_worker, n) * n >= 8 * per_worker
+    # each colocated engine derives its episode budget from its own KV share; a recipe's fixed budget
+    # for 8 workers is pooled into the n engines
+    assert config.inflight_episodes() is None
+    assert colocated_concurrency(8, 16, n) * n >= 8 * 16
 
 
 def test_the_7b_recipe_splits_where_gpus_of_their_own_exist():
@@ -157,7 +158,9 @@ def test_a_colocated_stage_starts_one_sleeping_engine_a_gpu_serving_the_learner(
     assert sorted(rollout) == [f"rollout-{i}" for i in range(4)]  # one per GPU, not the recipe's 8
     for i, env in enumerate(rollout[f"rollout-{j}"] for j in range(4)):
         assert VllmArgs.model_validate_json(env["STAR_ROLLOUT_VLLM"]).enable_sleep_mode
-        assert env["CUDA_VISIBLE_DEVICES"] == str(i) and env["STAR_ROLLOUT_CONCURRENCY"] == "4"  # 8 × 2 over 4
+        # 8 workers × 2 groups pooled over 4 engines: 4 groups' episodes each
+        assert env["CUDA_VISIBLE_DEVICES"] == str(i)
+        assert env["STAR_ROLLOUT_MAX_INFLIGHT_EPISODES"] == str(4 * run.config.rl.group_size)
         assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and "STAR_ROLLOUT_HTTP_PORT" in env
     assert len(f.rollout_urls) == 4
     assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in f.sup.added["reward-0"]

@@ -341,3 +341,33 @@ def test_a_validations_engine_takes_the_share_its_placement_kept(tmp_path):
     alone = eval_argv(run, "m", "split.jsonl", tmp_path / "e", None)  # the eval stage: the GPU to itself
     alone_args = json.loads(alone[alone.index("--vllm-args") + 1])
     assert alone_args["gpu_memory_utilization"] == pytest.approx(0.9) and alone_args["kv_cache_from_share"] is False
+
+
+def test_the_episode_budget_is_the_recipes_or_derived_by_each_worker(tmp_path):
+    from services.pipeline.rl import inflight_env
+
+    seven = load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml")
+    assert seven.inflight_episodes() is None  # each worker derives it from its engine's KV cache
+    env = inflight_env(seven)
+    assert "STAR_ROLLOUT_MAX_INFLIGHT_EPISODES" not in env
+    assert env["STAR_ROLLOUT_EPISODE_TOKENS"] == str(seven.rl.sampling.max_context_tokens)
+    proof = load_pipeline_config(CONFIGS / "smollm2-proof.yaml")  # the deprecated groups per worker
+    assert proof.inflight_episodes() == proof.services.rollout_concurrency * proof.rl.group_size
+    assert inflight_env(proof)["STAR_ROLLOUT_MAX_INFLIGHT_EPISODES"] == str(proof.inflight_episodes())
+    set_ = load_pipeline_config(CONFIGS / "tiny.yaml", ["services.max_inflight_episodes=48",
+                                                         "services.episode_tokens=6000"])
+    assert inflight_env(set_) == {"STAR_ROLLOUT_EPISODE_TOKENS": "6000", "STAR_ROLLOUT_MAX_INFLIGHT_EPISODES": "48",
+                                  "STAR_ROLLOUT_MAX_BATCH": "48"}
+    with pytest.raises(ConfigError, match="not both"):
+        load_pipeline_config(CONFIGS / "tiny.yaml", ["services.max_inflight_episodes=48",
+                                                     "services.rollout_concurrency=2"])
+
+
+def test_over_sampling_and_late_groups_reach_the_learner_and_its_filters():
+    config = load_pipeline_config(CONFIGS / "tiny.yaml", ["rl.oversample=0.25", "rl.late_groups=mask"])
+    r = config.rl
+    assert r.oversample_groups == -(-r.batch_prompts // 4)
+    assert "deadline" in r.filters().mask_finish_reasons
+    assert "deadline" not in load_pipeline_config(CONFIGS / "tiny.yaml").rl.filters().mask_finish_reasons
+    with pytest.raises(ConfigError, match="late_groups"):
+        load_pipeline_config(CONFIGS / "tiny.yaml", ["rl.late_groups=later"])

@@ -120,3 +120,17 @@ def test_a_publisher_awaiting_the_start_weights_sends_no_step_before_they_are_an
     assert {t.min_policy_version for t in tasks} == {0}
     # the embedded fleet's workers start on the starting model: its publisher does not wait
     assert TaskPublisher(client, names, "run2", sched, SamplingParams(seed=7)).publish_ready(0) == [0]
+
+
+def test_over_sampling_publishes_extra_prompts_a_step_each_a_group_of_its_own(redis_client):
+    client, prefix = redis_client
+    names = StreamNames(prefix.rstrip(":"))
+    sched = Schedule(_queries(6), batch_prompts=2, group_size=4, epochs=1, seed=1)  # 3 steps
+    assert [i for i, _ in sched.batch(0, extra=1)] == [i for i, _ in sched.batch(0)] + [sched.batch(1)[0][0]]
+    last = sched.batch(2, extra=2)  # past the epoch's end: wraps to its first prompts
+    assert [i for i, _ in last[2:]] == [i for i, _ in sched.batch(0)]
+    pub = TaskPublisher(client, names, "run1", sched, SamplingParams(seed=7), oversample_groups=1)
+    assert pub.publish_ready(10) == [0, 1, 2]
+    tasks = [RolloutTask.model_validate(d) for _, d in read_all(client, names.tasks)]
+    assert [t.step for t in tasks] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert len({t.task_id for t in tasks}) == 9 and len({t.sampling.seed for t in tasks}) == 9

@@ -184,3 +184,20 @@ def test_vllm_records_a_top_p_cut_as_the_renormalized_nucleus(vllm, loop, tiny_m
     probs = tempered.exp().sort(-1, descending=True).values
     mass = (probs * (probs.cumsum(-1) - probs < 0.3)).sum(-1)  # what the nucleus keeps
     assert (torch.tensor(g.logprobs) - (of(tempered, g.token_ids) - mass.log())).abs().max() < 1e-4
+
+
+def test_a_turn_past_its_deadline_is_aborted_in_vllm(vllm, loop, sandbox):
+    # a budget no turn of thousands of tokens meets: the turn is cancelled, and vLLM aborts its request
+    agent = Agent(vllm, HttpToolClient(sandbox.url))
+    sampling = SamplingParams(seed=5, max_tokens_per_turn=3000, turn_timeout_s=0.05, episode_timeout_s=60)
+    trajs = on(loop, sample_group(agent, QUERY, 2, sampling))
+    assert [t.finish_reason for t in trajs] == ["deadline", "deadline"]
+
+    async def unfinished() -> bool:
+        for _ in range(100):
+            if not vllm.llm.output_processor.has_unfinished_requests():
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    assert vllm.in_flight == 0 and not on(loop, unfinished())
