@@ -275,6 +275,50 @@ def tito_report(name: str, tools: Any) -> dict[str, Any]:
             "template_equal_per_turn": equal, "tito_exact": all(prefix) and all(equal)}
 
 
+def teacher_chat(traj: Any, thinking: bool) -> list[dict[str, Any]]:
+    """The scripted conversation as SFT data in the Agent-STAR form (what the teachers write): the
+    Agent-STAR system prompt, `<tool_call>` turns, tool output in user `<tool_response>` messages."""
+    from services.rollout.protocol import system_prompt, tool_response
+
+    think = "<think>I need the cities first.</think>\n" if thinking else ""
+    outputs = [m["content"] for m in traj.messages if m["role"] in ("tool", "user")][1:]
+    chat = [{"role": "system", "content": system_prompt()}, {"role": "user", "content": QUERY}]
+    for (name, args), output in zip(CALLS, outputs):
+        call = json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
+        text = output if output.startswith("<tool_response>") else tool_response(output)
+        chat += [{"role": "assistant", "content": f"{think}<tool_call>\n{call}\n</tool_call>"},
+                 {"role": "user", "content": text}]
+    return chat + [{"role": "assistant", "content": f"{think}<answer>\n{PLAN}\n</answer>"}]
+
+
+def sft_sequence(name: str, traj: Any, tokenizer: Any) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """The teacher chat of a scripted conversation through the learner's SFT batching, in the
+    family's format. Returns (chat format, sequence, the chat as the template takes it)."""
+    from services.learner.batching import chat_to_sequence
+    from services.rollout.chat import Chat, ChatOptions
+
+    chat = Chat.for_agent(tokenizer, ChatOptions(thinking=FAMILIES[name].thinking))
+    teacher = teacher_chat(traj, bool(FAMILIES[name].thinking))
+    return chat, chat_to_sequence(tokenizer, teacher, chat=chat), chat.from_agent_star(teacher)
+
+
+def sft_report(name: str, tools: Any, conversation: Any = None) -> dict[str, Any]:
+    """SFT in the family's format, against the rollout's trajectory of the same conversation and the
+    template's rendering of the whole of it. `conversation`: scripted_conversation's result, if run."""
+    agent, _, traj = conversation if conversation is not None else scripted_conversation(name, tools)
+    tok = agent.chat.tokenizer
+    chat, seq, converted = sft_sequence(name, traj, tok)
+    n = len(traj.token_ids)
+    whole = chat.ids(chat.render(converted, False)) if chat.style == "template" else list(
+        tok.apply_chat_template(converted, tokenize=True, return_dict=True)["input_ids"])
+    mask = seq.loss_mask
+    ends = [i for i, m in enumerate(mask) if m and (i + 1 == len(mask) or not mask[i + 1])]
+    return {"sft_equals_rollout": seq.token_ids[:n] == traj.token_ids and mask[:n] == traj.loss_mask
+            and not any(mask[n:]),
+            "sft_equals_template": seq.token_ids == whole, "sft_trained_turns": len(ends),
+            "sft_turns_end_with_end_of_turn": all(seq.token_ids[i] in chat.stop_ids for i in ends)}
+
+
 def learner_report(name: str, *, tokens: int = 64) -> dict[str, Any]:
     """The learner on the family's tiny model: which fusions apply, and how far its log-probs are
     from log_softmax of the model's own logits on CPU (fp32)."""

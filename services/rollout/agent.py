@@ -42,9 +42,8 @@ from services.common.schemas import SamplingParams, Trajectory, TravelQuery
 from services.rollout.chat import Chat, ChatOptions, ChatTemplateError
 from services.rollout.engines.base import Engine, EngineError, Generation, TurnParams, normalized_entropy
 from services.rollout.protocol import FORMAT_ERROR, parse_turn, system_prompt, tool_response, user_message
-from services.rollout.tool_formats import call_instructions
 from services.rollout.tools import ToolClient, ToolServiceError
-from services.sandbox.tools.registry import tool_names, tool_schemas
+from services.sandbox.tools.registry import tool_names
 
 # The public STAR agent's words when the conversation outgrows its context (spec/agent-star.md §1.2).
 SUMMARY_REQUEST = "The conversation has reached the token limit. Please summarize the conversation to generate a travel plan."
@@ -126,15 +125,8 @@ class Agent:
         # the model's conversation format (chat.py); a text engine's server applies its own template
         self.chat: Chat | None = None
         if self.tokenizer is not None and engine.token_level:
-            schemas = [s for s in tool_schemas("openai") if s["function"]["name"] in self.tool_names]
-            self.chat = Chat.for_tokenizer(self.tokenizer, chat, tools=schemas or None, stop_ids=engine.stop_ids)
-        self.system = system if system is not None else self._system_prompt()
-
-    def _system_prompt(self) -> str:
-        if self.chat is None or self.chat.style == "chatml":
-            return system_prompt()
-        return system_prompt(call=call_instructions(self.chat.tool_format),
-                             tools_listed_elsewhere=self.chat.tools_in_template)
+            self.chat = Chat.for_agent(self.tokenizer, chat, tool_names=self.tool_names, stop_ids=engine.stop_ids)
+        self.system = system if system is not None else (self.chat.system_prompt() if self.chat else system_prompt())
 
     # -- building sequences ----------------------------------------------------------------
 
