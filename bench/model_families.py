@@ -147,6 +147,7 @@ def engine_checks(gpu: bool, families: list[str] | None, max_tokens: int, child_
         if not names:
             continue
         t0 = time.perf_counter()
+        print(f"{', '.join(names)}: vLLM ({dtype}) samples, then the learner scores", flush=True)
         try:
             folder = tiny_family_model(names[0], **size)
         except FamilyUnavailable as exc:
@@ -221,7 +222,8 @@ def table(result: dict[str, Any]) -> str:
         tito = "yes" if row["tito_exact"] else (
             f"prompt = tokens so far on every turn; equals a re-render on {sum(turns)}/{len(turns)}"
             if row["turns_prefix_exact"] else "no")
-        sft = f"{'yes' if row.get('sft_equals_rollout') else 'no'} / {'yes' if row.get('sft_equals_template') else 'no'}"
+        sft = "not run" if "sft_equals_rollout" not in row else \
+            f"{'yes' if row['sft_equals_rollout'] else 'no'} / {'yes' if row['sft_equals_template'] else 'no'}"
         fused = "on" if row["fused_pointwise"].get("rotary") else "off"
         engine = _diff(row.get("engine_logprob_max_abs_diff")) + f" ({row['engine_tokens']} tokens)" \
             if "engine_tokens" in row else "not run (vLLM serves it)"
