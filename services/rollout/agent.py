@@ -142,15 +142,11 @@ class Agent:
     def segment(self, messages: list[dict[str, Any]], closed: bool,
                 new: list[dict[str, Any]]) -> tuple[list[int], list[dict[str, Any]]]:
         """What follows a sampled turn (the last of `messages`), with the messages it carries: the
-        `new` environment messages, or, where the template cannot render a turn followed by no
-        message (roles must alternate), a user message saying the turn had no call and no answer."""
-        try:
-            return self.chat.env_ids(messages, closed, new), new
-        except ChatTemplateError:
-            if new:
-                raise
-            said = [{"role": "user", "content": FORMAT_ERROR}]
-            return self.chat.env_ids(messages, closed, said), said
+        `new` environment messages, or, where the template cannot render two assistant turns in a row
+        (roles must alternate), a user message saying the turn had no call and no answer."""
+        if not new and not self.chat.renders_turns_in_a_row:
+            new = [{"role": "user", "content": FORMAT_ERROR}]
+        return self.chat.env_ids(messages, closed, new), new
 
     def context_limit(self, limits: Limits) -> int:
         cap = limits.max_context_tokens

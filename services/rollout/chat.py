@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.rollout import tool_formats
 from services.rollout.protocol import (
+    FORMAT_ERROR,
     THINK_CLOSE,
     THINK_OPEN,
     TOOL_CALL_CLOSE,
@@ -325,9 +326,29 @@ class Chat:
             if following is None:  # what follows the last turn trains nothing
                 tail = self.closing_ids(chat[: at + 1])
                 return ids + tail, mask + [0] * len(tail)
-            env = self.env_ids(chat[: at + 1], True, chat[at + 1: following])
+            new = chat[at + 1: following]
+            if not new and not self.renders_turns_in_a_row:
+                # as the agent does: a template whose roles must alternate hears why no tool ran
+                new = [{"role": "user", "content": FORMAT_ERROR}]
+                chat = [*chat[: at + 1], *new, *chat[following:]]
+                following += 1
+            env = self.env_ids(chat[: at + 1], True, new)
             ids, mask = ids + env, mask + [0] * len(env)
             at = following
+
+    @cached_property
+    def renders_turns_in_a_row(self) -> bool:
+        """Whether the template renders an assistant turn right after another (Mistral's and Gemma 3's
+        refuse: roles must alternate)."""
+        if self.style == "chatml":
+            return True
+        turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a"},
+                 {"role": "assistant", "content": "b"}]
+        try:
+            self.render(turns, False)
+        except ChatTemplateError:
+            return False
+        return True
 
     # -- records -----------------------------------------------------------------------------------
 

@@ -175,3 +175,24 @@ def test_a_malformed_mistral_call_is_answered_and_the_conversation_goes_on(local
     first, second = [m for m in traj.messages if m["role"] == "tool"]
     assert first["content"].startswith("Error calling tool") and first["tool_call_id"] == call_id(0)
     assert "Rockford" in second["content"] and second["tool_call_id"] == call_id(1)
+
+
+def test_sft_of_a_burned_turn_follows_the_agent():
+    """A teacher turn with neither call nor answer, followed by another turn: where the template's roles
+    must alternate (Mistral), SFT inserts the user message the agent sends; a chat with no assistant
+    turn is refused."""
+    from services.learner.batching import chat_to_sequence
+    from services.rollout.protocol import FORMAT_ERROR, system_prompt
+
+    tok = family_tokenizer("mistral")
+    chat = Chat.for_agent(tok)
+    teacher = [{"role": "system", "content": system_prompt()}, {"role": "user", "content": QUERY},
+               {"role": "assistant", "content": "<think>hmm</think>\nlet me think"},
+               {"role": "assistant", "content": "<think>done</think>\n<answer>\nplan\n</answer>"}]
+    seq = chat_to_sequence(tok, teacher, chat=chat)
+    untrained = tok.decode([t for t, m in zip(seq.token_ids, seq.loss_mask) if not m])
+    trained = tok.decode([t for t, m in zip(seq.token_ids, seq.loss_mask) if m])
+    assert FORMAT_ERROR in untrained and "let me think" in trained and "plan" in trained
+    assert "<think>" not in trained  # Mistral's format has no place for reasoning
+    with pytest.raises(ValueError, match="assistant turn"):
+        chat_to_sequence(tok, teacher[:2], chat=chat)
