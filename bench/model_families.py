@@ -37,6 +37,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -128,10 +129,40 @@ def sample_child(names: list[str], model: str, dtype: str, into: str, max_tokens
     Path(into).write_text(json.dumps(asyncio.run(run())))
 
 
+def sample_group(names: list[str], size: dict[str, int], dtype: str, max_tokens: int,
+                 child_timeout: int) -> tuple[Path | None, dict[str, Any], dict[str, str] | None]:
+    """The group's tiny model, and what one vLLM subprocess sampled on it: (folder, samples, failure)."""
+    from services.model_families import FamilyUnavailable, tiny_family_model
+
+    t0 = time.perf_counter()
+    print(f"{', '.join(names)}: vLLM ({dtype}) samples", flush=True)
+    try:
+        folder = tiny_family_model(names[0], **size)
+    except FamilyUnavailable as exc:
+        return None, {}, {"unavailable": str(exc)}
+    with tempfile.TemporaryDirectory() as tmp:
+        into, log = Path(tmp) / "sampled.json", Path(tmp) / "child.log"
+        cmd = [sys.executable, __file__, "--sample", ",".join(names), "--model", str(folder), "--dtype", dtype,
+               "--into", str(into), "--max-tokens", str(max_tokens)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        with log.open("w") as out:
+            try:
+                code = subprocess.run(cmd, env=env, timeout=child_timeout, stdout=out, stderr=subprocess.STDOUT).returncode
+            except subprocess.TimeoutExpired:
+                return folder, {}, {"error": f"vLLM did not sample within {child_timeout} s"}
+        if code != 0 or not into.exists():
+            tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-6:]
+            return folder, {}, {"error": "vLLM: " + " | ".join(tail)}
+        sampled = json.loads(into.read_text())
+    for name in names:
+        sampled[name]["sample_s"] = round(time.perf_counter() - t0, 1)  # the model's build included
+    return folder, sampled, None
+
+
 def engine_checks(gpu: bool, families: list[str] | None, max_tokens: int, child_timeout: int) -> None:
     import torch
 
-    from services.model_families import FAMILIES, FamilyUnavailable, learner_against_engine, tiny_family_model
+    from services.model_families import FAMILIES, learner_against_engine
 
     if gpu and not torch.cuda.is_available():
         raise SystemExit("--gpu: no CUDA device here")
@@ -142,48 +173,34 @@ def engine_checks(gpu: bool, families: list[str] | None, max_tokens: int, child_
         raise SystemExit(f"unknown families {sorted(unknown)}; known: {', '.join(FAMILIES)}")
     started = time.perf_counter()
     rows: dict[str, Any] = {}
-    for group in GROUPS:
-        names = [n for n in group if n in wanted]
-        if not names:
-            continue
-        t0 = time.perf_counter()
-        print(f"{', '.join(names)}: vLLM ({dtype}) samples, then the learner scores", flush=True)
-        try:
-            folder = tiny_family_model(names[0], **size)
-        except FamilyUnavailable as exc:
-            rows |= {n: {"unavailable": str(exc)} for n in names}
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            into = Path(tmp) / "sampled.json"
-            cmd = [sys.executable, __file__, "--sample", ",".join(names), "--model", str(folder), "--dtype", dtype,
-                   "--into", str(into), "--max-tokens", str(max_tokens)]
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-            try:
-                done = subprocess.run(cmd, env=env, timeout=child_timeout, capture_output=True, text=True)
-            except subprocess.TimeoutExpired:
-                rows |= {n: {"error": f"vLLM did not sample within {child_timeout} s"} for n in names}
+    groups = [[n for n in g if n in wanted] for g in GROUPS]
+    groups = [g for g in groups if g]
+    # one vLLM subprocess at a time, the next one sampling while the learner scores the last one's ids
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        futures = [pool.submit(sample_group, names, size, dtype, max_tokens, child_timeout) for names in groups]
+        for names, future in zip(groups, futures):
+            folder, sampled, failure = future.result()
+            if failure is not None:
+                rows |= {n: failure for n in names}
+                print(", ".join(names), json.dumps(failure), flush=True)
                 continue
-            if done.returncode != 0 or not into.exists():
-                tail = (done.stdout + done.stderr).strip().splitlines()[-6:]
-                rows |= {n: {"error": "vLLM: " + " | ".join(tail)} for n in names}
-                print(names, "failed:", "\n".join(tail), flush=True)
-                continue
-            sampled = json.loads(into.read_text())
-        for name in names:
-            row = {k: v for k, v in sampled[name].items() if k not in ("token_ids", "loss_mask", "logprobs")}
-            try:
-                row |= learner_against_engine(folder, sampled[name])
-            except Exception as exc:  # noqa: BLE001 - one family's failure is its row, the others still run
-                row["error"] = f"learner: {type(exc).__name__}: {exc}"
-            row["seconds"] = round(time.perf_counter() - t0, 1)
-            rows[name] = row
-            print(name, json.dumps(row), flush=True)
+            for name in names:
+                t0 = time.perf_counter()
+                row = {k: v for k, v in sampled[name].items() if k not in ("token_ids", "loss_mask", "logprobs")}
+                try:
+                    row |= learner_against_engine(folder, sampled[name])
+                except Exception as exc:  # noqa: BLE001 - one family's failure is its row, the others still run
+                    row["error"] = f"learner: {type(exc).__name__}: {exc}"
+                row["learner_s"] = round(time.perf_counter() - t0, 1)
+                rows[name] = row
+                print(name, json.dumps(row), flush=True)
     result = load()
     device = torch.cuda.get_device_name() if gpu else "cpu"
-    result.setdefault("engine_checks", {})[key] = {
+    earlier = result.setdefault("engine_checks", {}).get(key, {}).get("families", {})
+    result["engine_checks"][key] = {  # the families run now replace their earlier rows; the others stay
         "device": device, "engine": "vllm", "engine_dtype": dtype, "model_size": size or "tiny_config defaults",
         "max_tokens_per_turn": max_tokens, "turns": 3, "temperature": 1.0,
-        "seconds": round(time.perf_counter() - started, 1), "families": rows}
+        "seconds": round(time.perf_counter() - started, 1), "families": {**earlier, **rows}}
     save(result)
     write_table(result)
 
