@@ -161,11 +161,12 @@ def tiny_config(name: str, vocab_size: int, *, hidden: int = 128, layers: int = 
     raise ValueError(f"no tiny config for {family.model_type}")
 
 
-def tiny_family_model(name: str, *, seed: int = 0) -> Path:
-    """A random-init model of the family's architecture with its tokenizer, saved as an HF folder."""
+def tiny_family_model(name: str, *, seed: int = 0, **size: int) -> Path:
+    """A random-init model of the family's architecture with its tokenizer, saved as an HF folder.
+    `size`: tiny_config's hidden, layers, heads, kv_heads."""
     tok = family_tokenizer(name)
     vocab = QWEN_VOCAB_SIZE if FAMILIES[name].tokenizer_source.startswith("Qwen2.5") else len(tok)
-    config = tiny_config(name, vocab)
+    config = tiny_config(name, vocab, **size)
     recipe = json.dumps({"config": config.to_dict(), "seed": seed, "tokenizer": _RECIPE}, sort_keys=True, default=str)
     folder = models_dir() / f"tiny-{name}-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
     with _build_lock(folder):
@@ -261,10 +262,11 @@ def rendered_prompt(agent: Any, messages: list[dict[str, Any]]) -> list[int]:
                                                    return_dict=True)["input_ids"])
 
 
-def tito_report(name: str, tools: Any) -> dict[str, Any]:
+def tito_report(name: str, tools: Any, conversation: Any = None) -> dict[str, Any]:
     """Token-in/token-out for one family: whether each turn's prompt is the tokens so far, and
-    whether it equals the template's rendering of the conversation so far."""
-    agent, engine, traj = scripted_conversation(name, tools)
+    whether it equals the template's rendering of the conversation so far. `conversation`:
+    scripted_conversation's result, if run."""
+    agent, engine, traj = conversation if conversation is not None else scripted_conversation(name, tools)
     starts = [i for i, m in enumerate(traj.messages) if m["role"] == "assistant"]
     prefix = [traj.token_ids[: c["prompt_len"]] == c["prompt_ids"] for c in engine.calls]
     equal = [c["prompt_ids"] == rendered_prompt(agent, traj.messages[:at]) for c, at in zip(engine.calls, starts)]
@@ -273,6 +275,50 @@ def tito_report(name: str, tools: Any) -> dict[str, Any]:
             "tool_role": agent.chat.tool_role, "finish": traj.finish_reason, "tool_calls": traj.tool_calls,
             "turns_prefix_exact": all(prefix), "sampled_exact": sampled == [t for ids in engine.script for t in ids],
             "template_equal_per_turn": equal, "tito_exact": all(prefix) and all(equal)}
+
+
+def teacher_chat(traj: Any, thinking: bool) -> list[dict[str, Any]]:
+    """The scripted conversation as SFT data in the Agent-STAR form (what the teachers write): the
+    Agent-STAR system prompt, `<tool_call>` turns, tool output in user `<tool_response>` messages."""
+    from services.rollout.protocol import system_prompt, tool_response
+
+    think = "<think>I need the cities first.</think>\n" if thinking else ""
+    outputs = [m["content"] for m in traj.messages if m["role"] in ("tool", "user")][1:]
+    chat = [{"role": "system", "content": system_prompt()}, {"role": "user", "content": QUERY}]
+    for (name, args), output in zip(CALLS, outputs):
+        call = json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
+        text = output if output.startswith("<tool_response>") else tool_response(output)
+        chat += [{"role": "assistant", "content": f"{think}<tool_call>\n{call}\n</tool_call>"},
+                 {"role": "user", "content": text}]
+    return chat + [{"role": "assistant", "content": f"{think}<answer>\n{PLAN}\n</answer>"}]
+
+
+def sft_sequence(name: str, traj: Any, tokenizer: Any) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """The teacher chat of a scripted conversation through the learner's SFT batching, in the
+    family's format. Returns (chat format, sequence, the chat as the template takes it)."""
+    from services.learner.batching import chat_to_sequence
+    from services.rollout.chat import Chat, ChatOptions
+
+    chat = Chat.for_agent(tokenizer, ChatOptions(thinking=FAMILIES[name].thinking))
+    teacher = teacher_chat(traj, bool(FAMILIES[name].thinking))
+    return chat, chat_to_sequence(tokenizer, teacher, chat=chat), chat.from_agent_star(teacher)
+
+
+def sft_report(name: str, tools: Any, conversation: Any = None) -> dict[str, Any]:
+    """SFT in the family's format, against the rollout's trajectory of the same conversation and the
+    template's rendering of the whole of it. `conversation`: scripted_conversation's result, if run."""
+    agent, _, traj = conversation if conversation is not None else scripted_conversation(name, tools)
+    tok = agent.chat.tokenizer
+    chat, seq, converted = sft_sequence(name, traj, tok)
+    n = len(traj.token_ids)
+    whole = chat.ids(chat.render(converted, False)) if chat.style == "template" else list(
+        tok.apply_chat_template(converted, tokenize=True, return_dict=True)["input_ids"])
+    mask = seq.loss_mask
+    ends = [i for i, m in enumerate(mask) if m and (i + 1 == len(mask) or not mask[i + 1])]
+    return {"sft_equals_rollout": seq.token_ids[:n] == traj.token_ids and mask[:n] == traj.loss_mask
+            and not any(mask[n:]),
+            "sft_equals_template": seq.token_ids == whole, "sft_trained_turns": len(ends),
+            "sft_turns_end_with_end_of_turn": all(seq.token_ids[i] in chat.stop_ids for i in ends)}
 
 
 def learner_report(name: str, *, tokens: int = 64) -> dict[str, Any]:
@@ -331,3 +377,75 @@ def engine_report(name: str, *, new_tokens: int = 24) -> dict[str, Any] | None:
     sampled = torch.tensor(gen.logprobs, dtype=learner.dtype)
     return {"engine": "transformers", "engine_tokens": len(gen.token_ids),
             "engine_logprob_max_abs_diff": float((learner - sampled).abs().max())}
+
+
+# -- the learner against an engine's samples through the template path (bench/model_families.py --vllm/--gpu) --
+
+# what the tool turns carry (fixed text: the check needs the template's tool turn, not a sandbox)
+TOOL_OUTPUTS = ("City\nChicago\nRockford\nPeoria", "Name\tCuisines\tAverage Cost\nThe Rock Cafe\tAmerican\t21")
+
+
+async def sample_agent_turns(engine: Any, name: str, *, turns: int = 3, max_tokens: int = 32,
+                             seed: int = 0) -> dict[str, Any]:
+    """Turns `engine` samples at temperature 1 through the family's real template path: the agent's
+    prompt (chat.py, with its tools and system prompt), each sampled turn followed by the tool turn the
+    template renders (as if the turn had called CALLS[i]: a random model writes no call of its own).
+    Returns the ids, their loss mask and the engine's log-prob of each sampled token."""
+    from services.rollout.chat import Chat, ChatOptions
+    from services.rollout.engines.base import TurnParams
+    from services.rollout.protocol import Turn
+
+    chat = Chat.for_agent(engine.tokenizer, ChatOptions(thinking=FAMILIES[name].thinking), stop_ids=engine.stop_ids)
+    messages = chat.opening(chat.system_prompt(), QUERY)
+    ids = chat.prompt_ids(messages)
+    mask: list[int] = [0] * len(ids)
+    logprobs: list[float | None] = [None] * len(ids)
+    for turn in range(turns):
+        gen = await engine.generate(list(ids), TurnParams(max_tokens=max_tokens, temperature=1.0, seed=seed + turn))
+        if gen.logprobs is None or len(gen.logprobs) != len(gen.token_ids):
+            raise RuntimeError(f"{name}: the engine returned no log-prob per sampled token")
+        ids, mask, logprobs = ids + gen.token_ids, mask + [1] * len(gen.token_ids), logprobs + list(gen.logprobs)
+        if turn + 1 == turns:
+            break
+        tool, args = CALLS[turn % len(CALLS)]
+        text = chat.decode([t for t in gen.token_ids if t < len(engine.tokenizer)])
+        message, cid = chat.assistant_message(text, Turn("tool_call", name=tool, arguments=args), turn)
+        messages.append(message)
+        closed = bool(gen.token_ids) and gen.token_ids[-1] in chat.stop_ids
+        new = [chat.tool_message(TOOL_OUTPUTS[turn % len(TOOL_OUTPUTS)], cid)]
+        env = chat.env_ids(messages, closed, new)
+        messages += new
+        ids, mask, logprobs = ids + env, mask + [0] * len(env), logprobs + [None] * len(env)
+    return {"token_ids": ids, "loss_mask": mask, "logprobs": logprobs, "chat_style": chat.style,
+            "tool_format": chat.tool_format, "sampled_tokens": sum(mask), "prompt_tokens": mask.index(1)}
+
+
+def learner_against_engine(folder: Path, sample: dict[str, Any], engine_cfg: Any = None) -> dict[str, Any]:
+    """The learner's training log-probs (PolicyEngine: DeepSpeed, bf16 on GPU, fused paths where the
+    model type allows) of exactly the ids an engine sampled, against the log-probs the engine reported."""
+    import torch
+
+    from services.learner.batching import Sequence_, pack_sequences
+    from services.learner.config import EngineConfig, ScheduleConfig
+    from services.learner.engine import PolicyEngine
+    from services.learner.pointwise import FUSED_MODEL_TYPES
+
+    cfg = engine_cfg or EngineConfig()
+    engine = PolicyEngine(folder, cfg, ScheduleConfig(lr=1e-6), 1)
+    try:
+        engine.eval()
+        seq = Sequence_(sample["token_ids"], sample["loss_mask"], sample["logprobs"], 1.0)
+        row = pack_sequences([seq], len(seq))[0]
+        logp, _ = engine.logprobs(row, grad=False)
+        scored = row.has_old & (row.mask > 0)
+        diff = (logp.detach().float().cpu()[scored] - row.old_logp[scored]).abs()
+        kind = engine.lm_config.model_type
+        fuse = cfg.fuse_pointwise if cfg.fuse_pointwise is not None else engine.on_gpu
+        return {"learner_precision": "bf16" if engine.bf16 else "fp32", "compared_tokens": int(scored.sum()),
+                "logprob_max_abs_diff": float(diff.max()), "logprob_mean_abs_diff": float(diff.mean()),
+                "fused_pointwise": bool(fuse and kind in FUSED_MODEL_TYPES), "fused_head": engine.module.fused_head,
+                "model_type": kind}
+    finally:
+        engine.close()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

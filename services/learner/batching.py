@@ -281,43 +281,21 @@ def rl_sequences(trajs: Sequence[ScoredTrajectory], filters: FilterConfig, *, le
 # ---- SFT: chats → sequences with assistant-only loss -----------------------------------------
 
 def chat_to_sequence(tokenizer: Any, messages: list[dict[str, Any]], max_len: int | None = None,
-                     index: int = 0) -> Sequence_:
-    """Token ids and loss mask for a chat: 1 on each assistant turn's content and its <|im_end|>,
-    0 on system/user/tool text, role headers and the newline after <|im_end|> (LLaMA-Factory's
-    train_on_prompt=False semantics). Rendering is incremental, so the template must grow by
-    appending (ChatML does)."""
+                     index: int = 0, *, chat: Any = None) -> Sequence_:
+    """Token ids and loss mask for an SFT chat, in the model's own format by the rollout's path
+    (`services.rollout.chat.Chat.supervised`): 1 on each assistant turn as the model writes it and its
+    end-of-turn token, 0 on the system, user and tool text, role headers and what the template writes
+    after an end-of-turn token (LLaMA-Factory's train_on_prompt=False semantics). `chat`: the format
+    (`Chat.for_agent`, built once per data set); default: the tokenizer's, with the default options."""
+    from services.rollout.chat import Chat
+
     if not messages:
         raise ValueError("a chat needs at least one message")
-    ids: list[int] = []
-    mask: list[int] = []
-    prev = ""
-
-    def add(text: str, bit: int) -> None:
-        if text:
-            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-            ids.extend(piece)
-            mask.extend([bit] * len(piece))
-
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
             raise ValueError(f"message {i} needs 'role' and 'content'")
-        full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        if not full.startswith(prev):
-            raise ValueError("the chat template does not render by appending; cannot mask per turn")
-        delta = full[len(prev):]
-        if msg["role"] == "assistant":
-            header = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)[len(prev):] \
-                if i else ""
-            if not delta.startswith(header):
-                raise ValueError("the generation prompt is not a prefix of the assistant turn")
-            body = delta[len(header):]
-            tail = body[len(body.rstrip("\n")):]
-            add(header, 0)
-            add(body[: len(body) - len(tail)], 1)
-            add(tail, 0)
-        else:
-            add(delta, 0)
-        prev = full
+    chat = chat if chat is not None else Chat.for_agent(tokenizer)
+    ids, mask = chat.supervised(messages)
     if max_len is not None:
         ids, mask = ids[:max_len], mask[:max_len]
     return Sequence_(ids, mask, None, 1.0, index=index)

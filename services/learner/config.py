@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.common.schemas import FinishReason
+from services.rollout.chat import ChatOptions
 
 Schedule = Literal["cosine", "linear", "constant"]
 # What happens to an episode that ran out of context or tool calls before it answered. "mask": out of
@@ -181,6 +182,9 @@ class SFTConfig(_Strict):
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    chat: ChatOptions = Field(default_factory=ChatOptions, description=(
+        "The chat format the chats are rendered in, as the rollout's (a recipe's services.chat): the model's "
+        "template with the agent's tools and system prompt, or ChatML (docs/models.md)."))
 
     def schedule_config(self) -> ScheduleConfig:
         return ScheduleConfig(lr=self.lr, warmup_ratio=self.warmup_ratio, schedule=self.schedule)

@@ -97,12 +97,16 @@ class SFTTrainer:
     def __init__(self, cfg: SFTConfig, stop: threading.Event | None = None) -> None:
         from transformers import AutoTokenizer
 
+        from services.rollout.chat import Chat
+
         self.cfg = cfg
         self.out = Path(cfg.output_dir)
         self.stop = stop or threading.Event()
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         chats = load_chats(Path(cfg.data))
-        self.sequences = [chat_to_sequence(tokenizer, c, cfg.max_seq_len, index=i) for i, c in enumerate(chats)]
+        chat = Chat.for_agent(tokenizer, cfg.chat)  # the rollout's format: SFT and RL train on the same one
+        self.sequences = [chat_to_sequence(tokenizer, c, cfg.max_seq_len, index=i, chat=chat)
+                          for i, c in enumerate(chats)]
         self.total_steps = cfg.max_steps or math.ceil(len(self.sequences) * cfg.epochs / cfg.batch_size)
         self.engine = PolicyEngine(cfg.model, cfg.engine, cfg.schedule_config(), self.total_steps,
                                    home=get_settings().home)

@@ -46,9 +46,8 @@ from services.common.schemas import SamplingParams, Trajectory, TravelQuery
 from services.rollout.chat import Chat, ChatOptions, ChatTemplateError
 from services.rollout.engines.base import Engine, EngineError, Generation, TurnParams, normalized_entropy
 from services.rollout.protocol import FORMAT_ERROR, parse_turn, system_prompt, tool_response, user_message
-from services.rollout.tool_formats import call_instructions
 from services.rollout.tools import ToolClient, ToolServiceError
-from services.sandbox.tools.registry import tool_names, tool_schemas
+from services.sandbox.tools.registry import tool_names
 
 # The public STAR agent's words when the conversation outgrows its context (spec/agent-star.md §1.2).
 SUMMARY_REQUEST = "The conversation has reached the token limit. Please summarize the conversation to generate a travel plan."
@@ -154,15 +153,8 @@ class Agent:
         # the model's conversation format (chat.py); a text engine's server applies its own template
         self.chat: Chat | None = None
         if self.tokenizer is not None and engine.token_level:
-            schemas = [s for s in tool_schemas("openai") if s["function"]["name"] in self.tool_names]
-            self.chat = Chat.for_tokenizer(self.tokenizer, chat, tools=schemas or None, stop_ids=engine.stop_ids)
-        self.system = system if system is not None else self._system_prompt()
-
-    def _system_prompt(self) -> str:
-        if self.chat is None or self.chat.style == "chatml":
-            return system_prompt()
-        return system_prompt(call=call_instructions(self.chat.tool_format),
-                             tools_listed_elsewhere=self.chat.tools_in_template)
+            self.chat = Chat.for_agent(self.tokenizer, chat, tool_names=self.tool_names, stop_ids=engine.stop_ids)
+        self.system = system if system is not None else (self.chat.system_prompt() if self.chat else system_prompt())
 
     # -- building sequences ----------------------------------------------------------------
 
@@ -178,15 +170,11 @@ class Agent:
     def segment(self, messages: list[dict[str, Any]], closed: bool,
                 new: list[dict[str, Any]]) -> tuple[list[int], list[dict[str, Any]]]:
         """What follows a sampled turn (the last of `messages`), with the messages it carries: the
-        `new` environment messages, or, where the template cannot render a turn followed by no
-        message (roles must alternate), a user message saying the turn had no call and no answer."""
-        try:
-            return self.chat.env_ids(messages, closed, new), new
-        except ChatTemplateError:
-            if new:
-                raise
-            said = [{"role": "user", "content": FORMAT_ERROR}]
-            return self.chat.env_ids(messages, closed, said), said
+        `new` environment messages, or, where the template cannot render two assistant turns in a row
+        (roles must alternate), a user message saying the turn had no call and no answer."""
+        if not new and not self.chat.renders_turns_in_a_row:
+            new = [{"role": "user", "content": FORMAT_ERROR}]
+        return self.chat.env_ids(messages, closed, new), new
 
     def context_limit(self, limits: Limits) -> int:
         cap = limits.max_context_tokens

@@ -29,10 +29,24 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.rollout import tool_formats
-from services.rollout.protocol import Turn, parse_turn, tool_response
+from services.rollout.protocol import (
+    FORMAT_ERROR,
+    THINK_CLOSE,
+    THINK_OPEN,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    TOOL_RESPONSE_CLOSE,
+    TOOL_RESPONSE_OPEN,
+    Turn,
+    parse_turn,
+    system_prompt,
+    tool_response,
+)
 
 ChatStyle = Literal["auto", "template", "chatml"]
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+# each family's end of message: ChatML, Llama-3's end of turn and end of message, Gemma's end of turn
+END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>")
 MARKER = "STARMARKER7Q"  # stands for the last assistant reply while the template renders what follows it
 # the message fields a template reads; the record's own (tokens, timings) are left out
 _TEMPLATE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "reasoning_content")
@@ -57,6 +71,18 @@ class ChatOptions(BaseModel):
     thinking: bool | None = Field(None, description=(
         "Thinking models' mode (Qwen3's enable_thinking): true thinks, false prompts an empty thought; "
         "unset: the template's default."))
+
+
+def end_of_turn_ids(tokenizer: Any) -> set[int]:
+    """Token ids that end a model turn: the tokenizer's end of sequence and each family's end of message."""
+    if tokenizer is None:
+        return set()
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for t in END_OF_TURN:
+        i = tokenizer.convert_tokens_to_ids(t)
+        if isinstance(i, int) and i >= 0 and i != getattr(tokenizer, "unk_token_id", None):
+            ids.add(i)
+    return ids
 
 
 def has_tool_support(template: str | None) -> bool:
@@ -97,6 +123,26 @@ class Chat:
             fmt = "hermes" if style == "chatml" else tool_formats.detect(template)
         templated_tools = tools if style == "template" and has_tool_support(template) and fmt != "react" else None
         return cls(tokenizer, style, fmt, templated_tools, options.thinking, set(stop_ids or ()))
+
+    @classmethod
+    def for_agent(cls, tokenizer: Any, options: ChatOptions | None = None, *, tool_names: list[str] | None = None,
+                  stop_ids: set[int] | None = None) -> Chat:
+        """The agent's format for this tokenizer: the sandbox's tools (those named) passed to the template.
+        The rollout and SFT both build it here, so both train on the same format."""
+        from services.sandbox.tools.registry import tool_schemas
+
+        names = set(tool_names) if tool_names is not None else None
+        schemas = [s for s in tool_schemas("openai") if names is None or s["function"]["name"] in names]
+        return cls.for_tokenizer(tokenizer, options, tools=schemas or None,
+                                 stop_ids=end_of_turn_ids(tokenizer) if stop_ids is None else stop_ids)
+
+    def system_prompt(self) -> str:
+        """The agent's system message in this format: the Agent-STAR one for ChatML; otherwise the
+        family's call syntax, and no tool list where the template lists the tools."""
+        if self.style == "chatml":
+            return system_prompt()
+        return system_prompt(call=tool_formats.call_instructions(self.tool_format),
+                             tools_listed_elsewhere=self.tools_in_template)
 
     # -- what the model is told ----------------------------------------------------------------
 
@@ -187,6 +233,123 @@ class Chat:
                 return suffix[len(token):]
         return suffix
 
+    # -- supervised turns (SFT) --------------------------------------------------------------------
+
+    @property
+    def keeps_thoughts(self) -> bool:
+        """Whether a reasoning block has a place in this format's turns (Qwen3 thinking; and the
+        Agent-STAR protocol, whose turns open with `<think>`)."""
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        return self.style == "chatml" or (THINK_OPEN in template and self.thinking is not False)
+
+    def assistant_ids(self, messages: list[dict[str, Any]], message: dict[str, Any]) -> list[int]:
+        """What the model writes for assistant `message` after `messages` in this format, up to and
+        including its end-of-turn token: the ids a rollout samples for that turn."""
+        if self.style == "chatml":
+            return self.ids(message["content"]) + [self._special(IM_END)]
+        prompt = self.render(messages, True)
+        whole = self.render([*messages, message], False)
+        if not whole.startswith(prompt):
+            raise ChatTemplateError("the chat template rewrites the prompt when an assistant turn follows it")
+        ids = self.ids(whole[len(prompt):])
+        end = next((i for i, t in enumerate(ids) if t in self.stop_ids), None)
+        if end is None:
+            raise ChatTemplateError("the chat template ends an assistant turn with no end-of-turn token")
+        return ids[: end + 1]
+
+    def closing_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """What the template writes after the last assistant turn's end-of-turn token (ChatML's newline)."""
+        if self.style == "chatml":
+            return self.text_ids("\n")
+        text = self.render([*messages[:-1], {"role": "assistant", "content": MARKER}], False)
+        at = text.rfind(MARKER)
+        if at < 0:
+            raise ChatTemplateError("the chat template drops the last assistant message")
+        return self.ids(self._without_end_of_turn(text[at + len(MARKER):]))
+
+    def from_agent_star(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """An Agent-STAR chat (SFT data: the system prompt, `<think>` + `<tool_call>` turns, tool output
+        in user `<tool_response>` messages) as the rollout writes it in this format: the agent's system
+        prompt and opening, each call in the family's syntax (its `tool_calls` entry where the template
+        reads one), the reasoning where the format has a place for it, tool output in the family's tool
+        role. ChatML keeps the chat as it is."""
+        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+        if self.style == "chatml":
+            return plain
+        first = next((i for i, m in enumerate(plain) if m["role"] == "assistant"), len(plain))
+        head = plain[:first]
+        if [m["role"] for m in head] == ["system", "user"]:
+            system = self.system_prompt() if head[0]["content"] == system_prompt() else head[0]["content"]
+            head = self.opening(system, head[1]["content"])
+        out, calls, last_call = head, 0, None
+        for m in plain[first:]:
+            if m["role"] == "assistant":
+                message, last_call = self._turn_in_format(m["content"], calls)
+                calls += last_call is not None
+                out.append(message)
+            elif m["role"] == "user" and last_call is not None and _wrapped(m["content"]):
+                inner = m["content"][len(TOOL_RESPONSE_OPEN): -len(TOOL_RESPONSE_CLOSE)]
+                out.append(self.tool_message(inner, last_call))
+                last_call = None
+            else:
+                out.append(m)
+        return out
+
+    def _turn_in_format(self, content: str, index: int) -> tuple[dict[str, Any], str | None]:
+        turn = parse_turn(content)
+        thought = _thought(content)
+        if turn.runnable and self.tool_format == "hermes":
+            call = json.dumps({"name": turn.name, "arguments": turn.arguments}, ensure_ascii=False)
+            body = f"{TOOL_CALL_OPEN}\n{call}\n{TOOL_CALL_CLOSE}"
+        elif turn.runnable:
+            body = tool_formats.format_call(self.tool_format, turn.name, turn.arguments, think=thought, index=index)
+        else:
+            body = tool_formats.reply_part(content).lstrip()
+        if self.keeps_thoughts and thought and self.tool_format != "react":
+            body = f"{THINK_OPEN}\n{thought}\n{THINK_CLOSE}\n\n{body}"
+        return self.assistant_message(body, turn, index)
+
+    def supervised(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+        """Token ids and loss mask of a chat, built as a rollout builds its trajectory: the prompt,
+        then each assistant turn as the model writes it in this format with its end-of-turn token
+        (mask 1), what the environment appends after it (mask 0), and the template's closing text."""
+        chat = self.from_agent_star(messages)
+        at = next((i for i, m in enumerate(chat) if m["role"] == "assistant"), None)
+        if at is None:
+            raise ValueError("a chat needs an assistant turn to train on")
+        ids = self.prompt_ids(chat[:at])
+        mask = [0] * len(ids)
+        while True:
+            turn = self.assistant_ids(chat[:at], chat[at])
+            ids, mask = ids + turn, mask + [1] * len(turn)
+            following = next((j for j in range(at + 1, len(chat)) if chat[j]["role"] == "assistant"), None)
+            if following is None:  # what follows the last turn trains nothing
+                tail = self.closing_ids(chat[: at + 1])
+                return ids + tail, mask + [0] * len(tail)
+            new = chat[at + 1: following]
+            if not new and not self.renders_turns_in_a_row:
+                # as the agent does: a template whose roles must alternate hears why no tool ran
+                new = [{"role": "user", "content": FORMAT_ERROR}]
+                chat = [*chat[: at + 1], *new, *chat[following:]]
+                following += 1
+            env = self.env_ids(chat[: at + 1], True, new)
+            ids, mask = ids + env, mask + [0] * len(env)
+            at = following
+
+    @cached_property
+    def renders_turns_in_a_row(self) -> bool:
+        """Whether the template renders an assistant turn right after another (Mistral's and Gemma 3's
+        refuse: roles must alternate)."""
+        if self.style == "chatml":
+            return True
+        turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a"},
+                 {"role": "assistant", "content": "b"}]
+        try:
+            self.render(turns, False)
+        except ChatTemplateError:
+            return False
+        return True
+
     # -- records -----------------------------------------------------------------------------------
 
     def decode(self, ids: list[int]) -> str:
@@ -263,6 +426,17 @@ class Chat:
         if user_content is not None:
             ids += self._chatml_message("user", user_content)
         return ids + self._chatml_header("assistant")
+
+
+def _wrapped(text: str) -> bool:
+    return text.startswith(TOOL_RESPONSE_OPEN) and text.endswith(TOOL_RESPONSE_CLOSE)
+
+
+def _thought(content: str) -> str:
+    """The reasoning of an Agent-STAR turn (its `<think>` block), stripped."""
+    start = content.find(THINK_OPEN)
+    end = content.find(THINK_CLOSE, start + 1)
+    return content[start + len(THINK_OPEN): end].strip() if 0 <= start < end else ""
 
 
 def _given_id(text: str) -> str | None:

@@ -22,12 +22,12 @@ def test_fused_pointwise_keeps_logits_gradients_and_names(tiny_model, monkeypatc
         lm = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
         names = [n for n, _ in lm.named_parameters()]
         if fused:
-            modeling = sys.modules[type(lm.model.layers[0].self_attn).__module__]
+            modeling = sys.modules[type(lm.get_decoder().layers[0].self_attn).__module__]
             monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)  # restored after
             layers = lm.config.num_hidden_layers
             assert fuse_pointwise(lm) == {"rms_norm": 2 * layers + 1, "swiglu": layers, "rotary": 1}
             recompute_mlps(lm)  # wraps the fused MLP forward, as the engine orders them
-            lm.model.layers[0].mlp.up_proj.register_forward_hook(lambda *_: calls.append("up"))
+            lm.get_decoder().layers[0].mlp.up_proj.register_forward_hook(lambda *_: calls.append("up"))
         assert [n for n, _ in lm.named_parameters()] == names
         out = lm(input_ids=ids, labels=ids)
         out.loss.backward()
@@ -109,3 +109,31 @@ def test_learner_scores_what_the_transformers_engine_sampled(name):
     report = engine_report(name)
     assert report["engine_tokens"] == 24
     assert report["engine_logprob_max_abs_diff"] < 4e-6
+
+
+def test_learner_training_path_scores_what_an_engine_sampled_through_the_template():
+    """bench/model_families.py's check on CPU: the transformers engine samples agent turns through
+    Qwen2.5's template (tool turns appended by the template), and the learner's training path
+    (PolicyEngine) scores exactly those ids; fp32, so equal to rounding."""
+    import asyncio
+
+    from services.model_families import learner_against_engine, sample_agent_turns, tiny_family_model
+    from services.rollout.engines.hf import TransformersEngine
+
+    folder = tiny_family_model("qwen2.5")
+    engine = TransformersEngine(folder, max_batch=1, max_model_len=4096)
+
+    async def sample():
+        try:
+            return await sample_agent_turns(engine, "qwen2.5", turns=2, max_tokens=8)
+        finally:
+            await engine.close()
+
+    sample_ = asyncio.run(sample())
+    assert sample_["sampled_tokens"] == 16 and sample_["loss_mask"].count(1) == 16
+    tok = engine.tokenizer
+    text = tok.decode(sample_["token_ids"])
+    assert "<tool_response>" in text and "City\nChicago" in text  # the template's tool turn, Qwen2.5's form
+    report = learner_against_engine(folder, sample_)
+    assert report["compared_tokens"] == 16 and report["learner_precision"] == "fp32"
+    assert report["logprob_max_abs_diff"] < 1e-5

@@ -14,7 +14,7 @@ import pytest
 
 from services.common.schemas import SamplingParams
 from services.model_families import PLAN, QUERY, FamilyUnavailable, family_tokenizer, rendered_prompt, \
-    scripted_conversation
+    scripted_conversation, sft_report, sft_sequence
 from services.rollout.agent import Agent, Limits
 from services.rollout.chat import Chat, ChatOptions
 from services.rollout.engines.scripted import ScriptedEngine
@@ -63,6 +63,28 @@ def test_each_family_keeps_token_in_token_out_exact(family, local_tools):
     tool_role = "tool" if fmt in ("hermes", "llama3_json", "mistral") and style == "template" else "user"
     replies = [m for m in messages[starts[0]:] if m["role"] == tool_role]
     assert len(replies) == 2 and "Rockford" in replies[0]["content"]
+
+
+def test_sft_renders_each_family_as_its_rollout(family, local_tools):
+    """SFT data (the Agent-STAR form the teachers write) goes through the rollout's own path: the ids
+    are the trajectory the agent builds for the same conversation (and the template's rendering of
+    the whole of it, where the template re-renders turns as sampled); the mask is 1 on exactly the
+    assistant turns, each with its end-of-turn token."""
+    name, tok = family
+    style, fmt, whole_equal = EXPECTED[name]
+    conversation = scripted_conversation(name, local_tools, tok)
+    report = sft_report(name, local_tools, conversation)
+    assert report == {"sft_equals_rollout": True, "sft_equals_template": whole_equal, "sft_trained_turns": 3,
+                      "sft_turns_end_with_end_of_turn": True}
+    _, seq, _ = sft_sequence(name, conversation[2], tok)
+    trained = tok.decode([t for t, m in zip(seq.token_ids, seq.loss_mask) if m])
+    # the calls are trained in the family's own syntax, not the data's Hermes form
+    assert ("<tool_call>" in trained) == (fmt == "hermes")
+    assert {"llama3_json": '"parameters"', "mistral": "[TOOL_CALLS]", "react": "Action: SearchCity",
+            "hermes": "<tool_call>"}[fmt] in trained
+    assert ("I need the cities first." in trained) == bool(name == "qwen3")
+    output = [m["content"] for m in conversation[2].messages if m["role"] in ("tool", "user")][1]
+    assert "Rockford" in output and output.split("<tool_response>")[-1][:40] not in trained  # nor tool output
 
 
 def test_thinking_tokens_count_against_the_turn_budget(local_tools):
@@ -153,3 +175,24 @@ def test_a_malformed_mistral_call_is_answered_and_the_conversation_goes_on(local
     first, second = [m for m in traj.messages if m["role"] == "tool"]
     assert first["content"].startswith("Error calling tool") and first["tool_call_id"] == call_id(0)
     assert "Rockford" in second["content"] and second["tool_call_id"] == call_id(1)
+
+
+def test_sft_of_a_burned_turn_follows_the_agent():
+    """A teacher turn with neither call nor answer, followed by another turn: where the template's roles
+    must alternate (Mistral), SFT inserts the user message the agent sends; a chat with no assistant
+    turn is refused."""
+    from services.learner.batching import chat_to_sequence
+    from services.rollout.protocol import FORMAT_ERROR, system_prompt
+
+    tok = family_tokenizer("mistral")
+    chat = Chat.for_agent(tok)
+    teacher = [{"role": "system", "content": system_prompt()}, {"role": "user", "content": QUERY},
+               {"role": "assistant", "content": "<think>hmm</think>\nlet me think"},
+               {"role": "assistant", "content": "<think>done</think>\n<answer>\nplan\n</answer>"}]
+    seq = chat_to_sequence(tok, teacher, chat=chat)
+    untrained = tok.decode([t for t, m in zip(seq.token_ids, seq.loss_mask) if not m])
+    trained = tok.decode([t for t, m in zip(seq.token_ids, seq.loss_mask) if m])
+    assert FORMAT_ERROR in untrained and "let me think" in trained and "plan" in trained
+    assert "<think>" not in trained  # Mistral's format has no place for reasoning
+    with pytest.raises(ValueError, match="assistant turn"):
+        chat_to_sequence(tok, teacher[:2], chat=chat)

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from services.rollout.chat import end_of_turn_ids
+
 EngineFinish = Literal["stop", "length", "abort"]
-END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>")
 
 
 class EngineError(RuntimeError):
@@ -94,15 +95,8 @@ class Engine:
 
     @property
     def stop_ids(self) -> set[int]:
-        """Token ids that end a model turn: the tokenizer's end of sequence and each family's end of
-        message (ChatML, Llama-3's end of turn and end of message, Gemma's end of turn)."""
-        tok = self.tokenizer
-        ids = {tok.eos_token_id} if tok is not None and tok.eos_token_id is not None else set()
-        for t in END_OF_TURN:
-            i = tok.convert_tokens_to_ids(t) if tok is not None else None
-            if isinstance(i, int) and i >= 0 and i != getattr(tok, "unk_token_id", None):
-                ids.add(i)
-        return ids
+        """Token ids that end a model turn (chat.end_of_turn_ids)."""
+        return end_of_turn_ids(self.tokenizer)
 
     async def generate(self, prompt_ids: list[int], params: TurnParams, request_id: str = "") -> Generation:
         """Sample one turn continuing `prompt_ids`."""

@@ -176,6 +176,9 @@ class TransformersEngine(Engine):
         # bf16 where it is fast (as vLLM serves and the learner trains); CPU bf16 matmuls are slow
         self.dtype = getattr(torch, dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
         self.model = AutoModelForCausalLM.from_pretrained(str(model), dtype=self.dtype).to(device).eval()
+        # the decoder stack (embeddings, layers, rotary tables, final norm) and the head, as the model names them
+        self._decoder = self.model.get_decoder()
+        self._head = self.model.get_output_embeddings()
         config = self.model.config
         if config.model_type not in SUPPORTED:
             raise EngineError(f"the transformers engine runs {', '.join(SUPPORTED)} models, not {config.model_type!r}"
@@ -196,7 +199,7 @@ class TransformersEngine(Engine):
         # failing, which breaks the engine for good.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-decode")
         self.batches: list[int] = []  # sizes of the groups admitted (prefilled) together, for tests and metrics
-        attn = self.model.model.layers[0].self_attn
+        attn = self._decoder.layers[0].self_attn
         self._pool = _KVPool(torch, config.num_hidden_layers, max_batch, config.num_key_value_heads,
                              attn.head_dim, self.dtype, device, max_model_len or 32768)
         self._free = list(range(max_batch))  # slots holding nothing
@@ -408,10 +411,10 @@ class TransformersEngine(Engine):
         (`load_state_dict` copies into parameters in place) updates the fused tensor too. A decode
         step is bound by the host's per-op cost (~20 µs a torch call), not by the GPU."""
         torch = self.torch
-        if self.model.config.hidden_act != "silu" or self.model.model.layers[0].mlp.gate_proj.bias is not None:
+        if self.model.config.hidden_act != "silu" or self._decoder.layers[0].mlp.gate_proj.bias is not None:
             raise EngineError("the transformers engine runs SiLU MLPs without bias (serve this model with vLLM)")
         self._fused: list[tuple[Any, Any, Any]] = []
-        for layer in self.model.model.layers:
+        for layer in self._decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = _fuse(torch, [attn.q_proj, attn.k_proj, attn.v_proj], "weight")
             bias = _fuse(torch, [attn.q_proj, attn.k_proj, attn.v_proj], "bias") if attn.q_proj.bias is not None else None
@@ -425,7 +428,7 @@ class TransformersEngine(Engine):
         kernel, rotary embedding on queries and keys at once."""
         torch = self.torch
         linear, rms_norm, silu = torch.nn.functional.linear, torch.nn.functional.rms_norm, torch.nn.functional.silu
-        inner = self.model.model
+        inner = self._decoder
         n, s = ids.shape
         h = inner.embed_tokens(ids)
         cos, sin = inner.rotary_emb(h, positions)  # [n, S, D]: the model's own (scaled) rotary tables
@@ -494,7 +497,7 @@ class TransformersEngine(Engine):
         return attend
 
     def _logits(self, hidden: Any) -> Any:
-        return self.model.lm_head(self.model.model.norm(hidden))
+        return self._head(self._decoder.norm(hidden))
 
     # -- decoding --------------------------------------------------------------------------------
 
