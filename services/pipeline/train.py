@@ -140,7 +140,7 @@ def stage_sft(run: Run, synth: dict[str, Any]) -> dict[str, Any]:
     out = run.folder / "sft"
     cfg = SFTConfig(model=run.base_model, data=synth["sft_data"], output_dir=str(out), lr=s.lr, epochs=s.epochs,
                     batch_size=s.batch_size, warmup_ratio=s.warmup_ratio, max_seq_len=s.max_seq_len,
-                    max_steps=s.max_steps, engine=run.config.learner.engine(
+                    max_steps=s.max_steps, chat=run.config.services.chat, engine=run.config.learner.engine(
                         run.config.services.zero_stage, run.config.seed, ranks=run.learner_ranks))
     path = run.folder / "sft.json"
     path.write_text(cfg.model_dump_json(indent=2))

@@ -229,17 +229,21 @@ def test_an_external_runs_sft_goes_to_the_learner_service_and_its_eval_to_the_ro
 
     monkeypatch.setenv("STAR_LEARNER_URL", "http://learner:8000")
     get_settings.cache_clear()
-    run = Run(load_pipeline_config(ROOT / "configs" / "tiny.yaml", ["deployment.fleet=external"]), tmp_path / "run")
+    run = Run(load_pipeline_config(ROOT / "configs" / "tiny.yaml", ["deployment.fleet=external",
+                                                                    "services.chat.tool_format=react"]),
+              tmp_path / "run")
     run.folder.mkdir()
     run.base_model = str(tmp_path / "model")
     sent = []
     monkeypatch.setattr(train_module, "train_on_learner", lambda address, kind, config: sent.append(
-        (address.learner_url, kind, config["output_dir"])))
+        (address.learner_url, kind, config["output_dir"])) or configs.append(config))
+    configs = []
     monkeypatch.setattr(train_module, "run_process", lambda *a, **k: pytest.fail("SFT ran in the controller"))
     monkeypatch.setattr("services.learner.trainer.read_status", lambda out: {"export": str(out / "export")})
     out = train_module.stage_sft(run, {"sft_data": str(tmp_path / "sft.jsonl")})
     get_settings.cache_clear()
     assert sent == [("http://learner:8000", "sft", str(run.folder / "sft"))]
+    assert configs[0]["chat"]["tool_format"] == "react"  # SFT renders chats in the rollout's format
     assert out["model"] == str(run.folder / "sft" / "export")
     argv = eval_argv(run, None, tmp_path / "split.jsonl", tmp_path / "eval", 4)
     assert "--fleet" in argv and "--model" not in argv and "--engine" not in argv
