@@ -140,6 +140,8 @@ def sample_group(names: list[str], size: dict[str, int], dtype: str, max_tokens:
         folder = tiny_family_model(names[0], **size)
     except FamilyUnavailable as exc:
         return None, {}, {"unavailable": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - a model that cannot be built is its families' row, the others still run
+        return None, {}, {"error": f"model: {type(exc).__name__}: {exc}"}
     with tempfile.TemporaryDirectory() as tmp:
         into, log = Path(tmp) / "sampled.json", Path(tmp) / "child.log"
         cmd = [sys.executable, __file__, "--sample", ",".join(names), "--model", str(folder), "--dtype", dtype,

@@ -156,8 +156,9 @@ def tiny_config(name: str, vocab_size: int, *, hidden: int = 128, layers: int = 
     if family.model_type == "mistral":
         return transformers.MistralConfig(**common, head_dim=hidden // heads, sliding_window=None)
     if family.model_type == "gemma3_text":
-        return transformers.Gemma3TextConfig(**common, head_dim=hidden // heads, sliding_window=512,
-                                             layer_types=["sliding_attention", "full_attention"][:layers])
+        # Gemma 3 interleaves sliding-window and global layers; every other one here, ending on a global one
+        kinds = ["full_attention" if (layers - i) % 2 == 1 else "sliding_attention" for i in range(layers)]
+        return transformers.Gemma3TextConfig(**common, head_dim=hidden // heads, sliding_window=512, layer_types=kinds)
     raise ValueError(f"no tiny config for {family.model_type}")
 
 

@@ -13,7 +13,7 @@ import asyncio
 import pytest
 
 from services.common.schemas import SamplingParams
-from services.model_families import PLAN, QUERY, FamilyUnavailable, family_tokenizer, rendered_prompt, \
+from services.model_families import FAMILIES, PLAN, QUERY, FamilyUnavailable, family_tokenizer, rendered_prompt, \
     scripted_conversation, sft_report, sft_sequence
 from services.rollout.agent import Agent, Limits
 from services.rollout.chat import Chat, ChatOptions
@@ -196,3 +196,14 @@ def test_sft_of_a_burned_turn_follows_the_agent():
     assert "<think>" not in trained  # Mistral's format has no place for reasoning
     with pytest.raises(ValueError, match="assistant turn"):
         chat_to_sequence(tok, teacher[:2], chat=chat)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_familys_small_config_builds_at_any_depth(name):
+    """The GPU check builds 4-layer models: a family whose config ties per-layer settings to the depth (Gemma 3's
+    layer_types) must follow it."""
+    from services.model_families import tiny_config
+
+    config = tiny_config(name, 1000, layers=4)
+    assert config.num_hidden_layers == 4
+    assert len(getattr(config, "layer_types", None) or [0] * 4) == 4
