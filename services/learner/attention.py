@@ -88,12 +88,13 @@ def kernel_for(tokens: int, sequences: int) -> str:
 
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
-            scale: float | None) -> torch.Tensor:
-    """Causal varlen attention of [N, H, D] tokens split at `cu`."""
+            scale: float | None, window: int | None = None) -> torch.Tensor:
+    """Causal varlen attention of [N, H, D] tokens split at `cu`; `window`: each token sees itself and the
+    `window - 1` before it (transformers' sliding_window)."""
     from torch.nn.attention.varlen import varlen_attn
 
     opts = varlen_options()
-    kwargs: dict[str, Any] = {"window_size": (-1, 0)} if opts["window"] else {"is_causal": True}
+    kwargs: dict[str, Any] = {"window_size": (window - 1 if window else -1, 0)} if opts["window"] else {"is_causal": True}
     if k.shape[1] != q.shape[1]:
         if opts["gqa"]:
             kwargs["enable_gqa"] = True
@@ -107,14 +108,24 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     return varlen_attn(q, k, v, cu, cu, longest, longest, **kwargs)
 
 
+def window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """[1, 1, L, L] bool (True: attend) for causal attention within a sliding window, or None where the
+    window covers the whole sequence (plain causal)."""
+    if window is None or length <= window:
+        return None
+    i = torch.arange(length, device=device)
+    back = i[:, None] - i[None, :]
+    return ((back >= 0) & (back < window))[None, None]
+
+
 def _per_sequence(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  spans: tuple[tuple[int, int, int], ...], scale: float | None) -> torch.Tensor:
-    """Causal SDPA of each sequence alone, sliced from [B, heads, T, D] as transformers hands an
-    unpacked row to SDPA → [B·T, H, D]."""
+                  spans: tuple[tuple[int, int, int], ...], scale: float | None, window: int | None = None) -> torch.Tensor:
+    """Causal SDPA of each sequence alone (within `window` on sliding-window layers), sliced from
+    [B, heads, T, D] as transformers hands an unpacked row to SDPA → [B·T, H, D]."""
     parts = []
     for row, start, end in spans:
         one = [t[row, :, start:end][None] for t in (query, key, value)]  # [1, heads, L, D]
-        out, _ = sdpa_attention_forward(module, *one, None, scaling=scale)
+        out, _ = sdpa_attention_forward(module, *one, window_mask(end - start, window, query.device), scaling=scale)
         parts.append(out[0])  # [L, H, D]
     return torch.cat(parts)
 
@@ -124,21 +135,26 @@ def _packed(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: to
             kwargs: dict[str, Any], mode: str) -> tuple[torch.Tensor, None]:
     spans = kwargs.pop("sequence_spans", None)
     cu, longest = kwargs.pop("cu_seq_lens_q", None), kwargs.pop("max_length_q", None)
+    # a sliding-window layer (Gemma 3, Mistral's early releases): transformers hands attention functions
+    # other than its own the window, not a mask, so it is applied here
+    window = sliding_window or getattr(module, "sliding_window", None)
     if spans is None:
+        if attention_mask is None and query.shape[2] == key.shape[2]:
+            attention_mask = window_mask(query.shape[2], window, query.device)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    if attention_mask is not None or sliding_window is not None or dropout:
-        raise ValueError("packed attention takes no attention mask, sliding window or dropout")
+    if attention_mask is not None or dropout:
+        raise ValueError("packed attention takes no attention mask or dropout")
     b, h, t, d = query.shape
     if mode == "auto":
         mode = kernel_for(b * t, len(spans))
-    if mode == "varlen" and uses_varlen_kernel(query):
+    if mode == "varlen" and uses_varlen_kernel(query) and (window is None or varlen_options()["window"]):
         def tokens(x: torch.Tensor) -> torch.Tensor:
             return x.transpose(1, 2).reshape(b * t, x.shape[1], d)  # [B·T, heads, D]
 
-        out = _varlen(tokens(query), tokens(key), tokens(value), cu, int(longest), scaling)
+        out = _varlen(tokens(query), tokens(key), tokens(value), cu, int(longest), scaling, window)
     else:
-        out = _per_sequence(module, query, key, value, spans, scaling)
+        out = _per_sequence(module, query, key, value, spans, scaling, window)
     return out.view(b, t, h, d), None
 
 

@@ -170,3 +170,38 @@ def test_gpu_packed_equals_alone_within_bf16(implementation):
     batch.position_ids = torch.arange(batch.position_ids.shape[1]).expand_as(batch.position_ids).contiguous()
     leaky_logp, _ = run(policy, batch)
     assert logp_error([(i, leaky_logp[index == i]) for i, _ in ref_logps]) > 5 * logp_error(packed_pairs)
+
+
+def _sliding_model(implementation: str, window: int = 16):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=window,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        max_position_embeddings=4096)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=implementation).eval()
+
+
+@pytest.mark.parametrize("implementation", [PACKED_ATTENTION, PER_SEQUENCE_ATTENTION])
+def test_sliding_window_layers_see_only_their_window(implementation):
+    """Gemma 3's sliding layers: transformers hands attention functions other than its own the window (no
+    mask), so each path applies it: one sequence to a row, and sequences packed in a row, equal the model's
+    own eager attention on each sequence alone, past the window."""
+    eager = _sliding_model("eager")
+    ours = _sliding_model(implementation)
+    ours.load_state_dict(eager.state_dict())
+    g = torch.Generator().manual_seed(1)
+    first, second = torch.randint(0, 500, (1, 70), generator=g), torch.randint(0, 500, (1, 45), generator=g)
+    with torch.no_grad():
+        alone = [eager(x).logits for x in (first, second)]
+        one = ours(first, position_ids=torch.arange(70)[None], use_cache=False).logits
+        pos = torch.cat([torch.arange(70), torch.arange(45)])[None]
+        row = ours(torch.cat([first, second], 1), position_ids=pos, use_cache=False, **packed_kwargs(pos)).logits
+    assert torch.allclose(one, alone[0], atol=1e-5)
+    assert torch.allclose(row[:, :70], alone[0], atol=1e-5) and torch.allclose(row[:, 70:], alone[1], atol=1e-5)
+    # the window matters here: full causal attention would give other logits
+    with torch.no_grad():
+        wide = _sliding_model("eager", window=4096)
+        wide.load_state_dict(eager.state_dict())
+        assert not torch.allclose(wide(first).logits, alone[0], atol=1e-3)
