@@ -222,8 +222,10 @@ def _engine_cell(check: dict[str, Any] | None, name: str) -> str:
         return "not run"
     if "error" in row or "unavailable" in row:
         return "failed: " + (row.get("error") or row["unavailable"])[:80]
-    return (f"max {row['logprob_max_abs_diff']:.1e}, mean {row['logprob_mean_abs_diff']:.1e} "
+    cell = (f"max {row['logprob_max_abs_diff']:.1e}, mean {row['logprob_mean_abs_diff']:.1e} "
             f"({row['compared_tokens']} tokens, learner {row['learner_precision']})")
+    # a row measured before a fix that changes it says so until the check runs again
+    return cell + (f"; **stale**: {row['stale']}" if row.get("stale") else "")
 
 
 def table(result: dict[str, Any]) -> str:
