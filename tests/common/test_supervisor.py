@@ -79,7 +79,8 @@ def test_one_group_and_stop_all_reaches_grandchildren(tmp_path):
     """)]
     a = sup.add("a", SLEEP)
     b = sup.add("b", spawner)
-    assert wait_until(grandchild_pid.exists)
+    # the spawner creates the file, then writes the pid: wait for the pid itself
+    assert wait_until(lambda: grandchild_pid.exists() and grandchild_pid.read_text().strip())
     grandchild = int(grandchild_pid.read_text())
     assert os.getpgid(a.pid) == os.getpgid(b.pid) == os.getpgid(grandchild) == sup.pgid != os.getpgid(0)
     assert json.loads((tmp_path / "record.json").read_text())["pgid"] == sup.pgid
