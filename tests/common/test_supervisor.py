@@ -91,8 +91,10 @@ def test_one_group_and_stop_all_reaches_grandchildren(tmp_path):
 
 
 CONTROLLER = """
-import sys, time
+import signal, sys, time
 from pathlib import Path
+# a controller in a terminal: SIGHUP ends it (a runner started under nohup hands its children SIGHUP ignored)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 from services.common.supervisor import RunLock, Supervisor
 lock = RunLock(Path(sys.argv[1])).acquire()
 sup = Supervisor(Path(sys.argv[1]) / "fleet.json")
