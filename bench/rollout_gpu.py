@@ -77,6 +77,26 @@ def max_model_len(args) -> int:
     return args.ctx_max + args.turns * (args.long + args.tool_max) + 64
 
 
+def device_record(path: Path) -> dict[str, Any]:
+    """The record at `path` to add this device's shapes to (a fresh one when it holds another device's),
+    stamped with the device and the torch and vLLM versions."""
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()})"
+    try:
+        import vllm
+
+        vllm_version = vllm.__version__
+    except ImportError:
+        vllm_version = None
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    if record.get("device") not in (None, device):
+        log(f"the recorded shapes were measured on {record['device']}; starting a fresh record on {device}")
+        record = {}
+    record.update(device=device, vllm_version=vllm_version, torch=torch.__version__)
+    return record
+
+
 async def run_agents(engine: Any, plan: list[dict[str, Any]], args, vocab: int, *, updates: Any = None,
                      keep: int = 0) -> dict[str, Any]:
     from services.rollout.engines.base import TurnParams
@@ -310,22 +330,9 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    import torch
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()})"
-    try:
-        import vllm
-
-        vllm_version = vllm.__version__
-    except ImportError:
-        vllm_version = None
     path = RESULTS / f"{args.name}.json"
-    record = json.loads(path.read_text()) if path.is_file() else {}
-    if record.get("device") not in (None, device):
-        log(f"the recorded shapes were measured on {record['device']}; starting a fresh record on {device}")
-        record = {}
-    record.update({"device": device, "vllm_version": vllm_version, "torch": torch.__version__,
-                   "load": {k: getattr(args, k) for k in ("agents", "turns", "ctx_min", "ctx_max", "short", "long",
+    record = device_record(path)
+    record.update({"load": {k: getattr(args, k) for k in ("agents", "turns", "ctx_min", "ctx_max", "short", "long",
                                                           "long_share", "tool_min", "tool_max", "vllm_compile",
                                                           "gpu_memory", "vllm_set", "update_every", "inflight_modes")}})
     record.setdefault("shapes", {})

@@ -41,7 +41,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import shlex
 import shutil
@@ -58,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results"
 
 from bench.gpu_shapes import SHAPES, model_folder  # noqa: E402
-from bench.rollout_gpu import log, max_model_len, periodic_updates, run_agents, vllm_settings, workload  # noqa: E402
+from bench.rollout_gpu import device_record, log, max_model_len, periodic_updates, run_agents, vllm_settings, workload  # noqa: E402
 
 
 def parse_runs(text: str) -> dict[str, list[int]]:
@@ -411,23 +410,10 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    import torch
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()})"
-    try:
-        import vllm
-
-        vllm_version = vllm.__version__
-    except ImportError:
-        vllm_version = None
     path = RESULTS / f"{args.name}.json"
-    record = json.loads(path.read_text()) if path.is_file() else {}
-    if record.get("device") not in (None, device):
-        log(f"the recorded shapes were measured on {record['device']}; starting a fresh record on {device}")
-        record = {}
+    record = device_record(path)
     record.setdefault("shapes", {})
     record.setdefault("commands", {})
-    record.update(device=device, vllm_version=vllm_version, torch=torch.__version__)
     t0 = time.perf_counter()
     for shape in runs:
         entry = measure_shape(shape, args)
