@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from services.learner.weights import StorePublisher, iter_full_parameters
+from services.learner.weights import StorePublisher, iter_full_parameters, publish_files
 
 log = logging.getLogger(__name__)
 
@@ -266,15 +266,8 @@ class ColocatedSync:
         if version <= self.files_version:
             return {}
         self.files_version = version
-        if self.store is None:
-            for _ in buckets():  # the other ranks' share of rank 0's gathers
-                pass
-            return {}
-        servers, self.store.servers = self.store.servers, []  # the engines have it already, by IPC
-        try:
-            return self.store.publish(version, buckets(), config=config, source_dir=source_dir).metrics()
-        finally:
-            self.store.servers = servers
+        # posted to no server: the engines have it already, by IPC
+        return publish_files(self.store, version, buckets, config=config, source_dir=source_dir, servers=[])
 
 
 def _from_rank0(value: Any) -> Any:

@@ -706,15 +706,22 @@ class FleetSync:
                missed: list[str]) -> dict[str, float]:
         """The store's copy of `version`, posted to the `missed` servers (every rank gathers)."""
         self.files_version = version
-        if self.store is None:
-            for _ in buckets():  # the other ranks' share of rank 0's gathers
-                pass
-            return {}
-        servers, self.store.servers = self.store.servers, missed
-        try:
-            return self.store.publish(version, buckets(), config=config, source_dir=source_dir).metrics()
-        finally:
-            self.store.servers = servers
+        return publish_files(self.store, version, buckets, config=config, source_dir=source_dir, servers=missed)
+
+
+def publish_files(store: StorePublisher | None, version: int, buckets: Any, *, config: Any, source_dir: Path | None,
+                  servers: list[str]) -> dict[str, float]:
+    """`version`'s files in the weights store, posted to `servers` alone (the others have it already).
+    Every rank calls it: ranks without the store (`None`) take their share of rank 0's gathers."""
+    if store is None:
+        for _ in buckets():
+            pass
+        return {}
+    kept, store.servers = store.servers, servers
+    try:
+        return store.publish(version, buckets(), config=config, source_dir=source_dir).metrics()
+    finally:
+        store.servers = kept
 
 
 def _every_rank_agrees(flag: bool) -> bool:
