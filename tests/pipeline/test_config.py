@@ -311,7 +311,7 @@ def test_the_proof_fleet_samples_as_many_batches_as_the_staleness_allows_in_one_
     # first had gained (docs/results.md); one vLLM engine batches every agent's turns itself
     proof = load_pipeline_config(CONFIGS / "smollm2-proof.yaml")
     s, r = proof.services, proof.rl
-    assert s.rollout_workers * s.rollout_concurrency == r.max_staleness * r.batch_prompts
+    assert s.rollout_workers * s.max_inflight_episodes == r.max_staleness * r.batch_prompts * r.group_size
     assert (s.engine, s.rollout_workers, r.epochs, r.max_steps) == ("vllm", 1, 1, 40)
     assert proof.synth.rl_queries == r.max_steps * r.batch_prompts  # one epoch: each prompt seen once
 
@@ -351,9 +351,10 @@ def test_the_episode_budget_is_the_recipes_or_derived_by_each_worker(tmp_path):
     env = inflight_env(seven)
     assert "STAR_ROLLOUT_MAX_INFLIGHT_EPISODES" not in env
     assert env["STAR_ROLLOUT_EPISODE_TOKENS"] == str(seven.rl.sampling.max_context_tokens)
-    proof = load_pipeline_config(CONFIGS / "smollm2-proof.yaml")  # the deprecated groups per worker
-    assert proof.inflight_episodes() == proof.services.rollout_concurrency * proof.rl.group_size
-    assert inflight_env(proof)["STAR_ROLLOUT_MAX_INFLIGHT_EPISODES"] == str(proof.inflight_episodes())
+    proof = load_pipeline_config(CONFIGS / "smollm2-proof.yaml")
+    assert inflight_env(proof)["STAR_ROLLOUT_MAX_INFLIGHT_EPISODES"] == str(proof.services.max_inflight_episodes)
+    groups = load_pipeline_config(CONFIGS / "tiny.yaml", ["services.rollout_concurrency=3"])  # deprecated: groups
+    assert groups.inflight_episodes() == 3 * groups.rl.group_size
     set_ = load_pipeline_config(CONFIGS / "tiny.yaml", ["services.max_inflight_episodes=48",
                                                          "services.episode_tokens=6000"])
     assert inflight_env(set_) == {"STAR_ROLLOUT_EPISODE_TOKENS": "6000", "STAR_ROLLOUT_MAX_INFLIGHT_EPISODES": "48",
