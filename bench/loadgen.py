@@ -32,29 +32,35 @@ class LoadResult:
 
 
 @contextmanager
-def serve_app(factory: str, port: int, env: dict[str, str], *, workers: int = 1, timeout: float = 120.0) -> Iterator[None]:
-    """Run `factory` (e.g. services.reward.app:create_app) under uvicorn on 127.0.0.1:`port` until
-    the block ends; returns once /readyz answers 200."""
+def serve_app(factory: str, port: int, env: dict[str, str], *, workers: int = 1, timeout: float = 120.0,
+              host: str = "127.0.0.1", wrap: Sequence[str] = ()) -> Iterator[subprocess.Popen]:
+    """Run `factory` (e.g. services.reward.app:create_app) under uvicorn on `host`:`port` until the
+    block ends; returns (the process) once /readyz answers 200. `wrap`: a command the server runs
+    under (e.g. one entering another network namespace)."""
     import httpx
 
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", factory, "--host", "127.0.0.1",
+    proc = subprocess.Popen([*wrap, sys.executable, "-m", "uvicorn", "--factory", factory, "--host", host,
                              "--port", str(port), "--workers", str(workers), "--log-level", "warning",
                              "--no-access-log"], env={**os.environ, **env}, cwd=ROOT)
     try:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                if httpx.get(f"http://{host}:{port}/readyz", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"{factory} did not start on port {port}")
+                raise RuntimeError(f"{factory} did not start on {host}:{port}")
             time.sleep(0.2)
-        yield
+        yield proc
     finally:
         proc.terminate()
-        proc.wait(20)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 def post_request(host: str, port: int, path: str, body: bytes) -> bytes:

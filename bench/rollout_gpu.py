@@ -98,7 +98,10 @@ def device_record(path: Path) -> dict[str, Any]:
 
 
 async def run_agents(engine: Any, plan: list[dict[str, Any]], args, vocab: int, *, updates: Any = None,
-                     keep: int = 0) -> dict[str, Any]:
+                     keep: int = 0, until: float | None = None, timeline: list | None = None) -> dict[str, Any]:
+    """The closed-loop agent load on `engine` (anything with `generate(ids, TurnParams)`). `until`: a
+    perf_counter time after which no agent starts another turn; `timeline` gets (end time, tokens) of
+    every turn."""
     from services.rollout.engines.base import TurnParams
 
     turns: list[dict[str, Any]] = []
@@ -109,11 +112,15 @@ async def run_agents(engine: Any, plan: list[dict[str, Any]], args, vocab: int, 
         context = [rng.randrange(3, vocab) for _ in range(spec["context"])]
         sampled = 0
         for k, (max_tokens, tool, seed) in enumerate(spec["turns"]):
+            if until is not None and time.perf_counter() >= until:
+                break
             t0 = time.perf_counter()
             gen = await engine.generate(context, TurnParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0,
                                                             seed=seed))
             turns.append({"kind": "long" if max_tokens == args.long else "short", "s": time.perf_counter() - t0,
                           "tokens": len(gen.token_ids), "mid_update": gen.stats.get("updated_mid_turn", 0.0)})
+            if timeline is not None:
+                timeline.append((time.perf_counter(), len(gen.token_ids)))
             if k == 0 and i < keep and gen.logprobs is not None:
                 samples.append({"prompt": list(context), "ids": list(gen.token_ids), "logprobs": list(gen.logprobs)})
             sampled += len(gen.token_ids)

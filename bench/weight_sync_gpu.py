@@ -118,12 +118,20 @@ def sampled_with(url: str, version: int, prompt: list[int], tokens: int = 1, tim
     return out
 
 
-def check(url: str, model, zero3: bool, version: int, before: dict[str, str]) -> dict[str, Any]:
+def check(url: str, model, zero3: bool, version: int, before: dict[str, str],
+          form: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every parameter on the engine against the learner's (sha256 of each, in the engine's layout),
-    which tensors changed since `before` (digests before this method's steps), and greedy log-probs."""
-    from services.learner.weights import check_engine_weights
+    which tensors changed since `before` (digests before this method's steps), and greedy log-probs.
+    With `form` (an earlier digests answer: the engine's fused layout and dtype) both sides hash at once."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    verdict = check_engine_weights(model, engine_digests(url), zero3=zero3)
+    from services.learner.weights import compare_engine_digests, learner_digests
+
+    with ThreadPoolExecutor(1) as pool:
+        theirs = pool.submit(engine_digests, url)
+        form = form or theirs.result()
+        ours = learner_digests(model, form["packed"], form["dtype"], zero3=zero3)
+        verdict = compare_engine_digests(ours, theirs.result())
     ours = verdict.pop("digests")
     prompt = [(13 * j) % 30000 + 100 for j in range(64)]
     out = sampled_with(url, version, prompt, tokens=16)

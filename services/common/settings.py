@@ -59,6 +59,11 @@ class Settings(BaseSettings):
     # models and weights
     model: str | None = Field(default=None, description="Path of the policy model (an HF folder).")
     weights_root: Path | None = Field(default=None, description="Where published weight versions live; default home/weights.")
+    nccl_master_addr: str | None = Field(default=None, description=(
+        "The address the learner announces to an external fleet's rollout servers for the NCCL weight group (its "
+        "pod IP, say); default: this host's address on the route to the first rollout server."))
+    nccl_port: int = Field(default=29731, ge=1, le=65535, description=(
+        "The port the learner's rank 0 listens on for the NCCL weight group's rendezvous (TCP)."))
 
     @model_validator(mode="after")
     def _password_into_redis_url(self) -> "Settings":

@@ -289,7 +289,9 @@ class RLConfig(_Strict):
     sleep_timeout_s: float = Field(300.0, gt=0, description=(
         "With weight_sync ipc: how long every server may take to finish its turns and sleep before the learner "
         "refuses the step."))
-    nccl_master: str = Field("127.0.0.1:29731", description="host:port rank 0 listens on for the weight group.")
+    nccl_master: str = Field("127.0.0.1:29731", description=(
+        "host:port rank 0 listens on for the weight group; auto (an external fleet): the address and port the "
+        "learner announces (STAR_NCCL_MASTER_ADDR or its address on the route to the first server, STAR_NCCL_PORT)."))
     files_every: int = Field(10, ge=1, description="With weight_sync nccl: also write every N-th version to the store.")
     save_every: int = Field(
         4, ge=1, le=16, description="Checkpoint every N steps (and at the end). Resume stays exact: the batches "

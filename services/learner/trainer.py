@@ -280,9 +280,15 @@ class RLTrainer:
         if cfg.publish_weights and cfg.weight_sync == "nccl":
             nccl = None
             if self.rank0:
-                host, _, port = cfg.nccl_master.rpartition(":")
-                nccl = NcclPublisher(cfg.rollout_servers, master_address=host, master_port=int(port),
+                from services.learner.nccl_master import nccl_master_key, resolve_master
+
+                host, port = resolve_master(cfg.nccl_master, cfg.rollout_servers, settings)
+                nccl = NcclPublisher(cfg.rollout_servers, master_address=host, master_port=port,
                                      api_token=settings.api_token)
+                if getattr(self, "redis", None) is not None:  # where the servers meet rank 0, for operators
+                    self.redis.set(nccl_master_key(cfg.stream_prefix), f"{host}:{port}")
+                log.info("weight sync: nccl", extra={"nccl_master": f"{host}:{port}",
+                                                     "servers": len(cfg.rollout_servers)})
             self.fleet_sync = FleetSync(self.publisher, nccl, files_every=cfg.files_every)
             if self.collector is not None:
                 self.collector.weights_wanted = self._weights_wanted

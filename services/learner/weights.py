@@ -421,10 +421,22 @@ def check_engine_weights(model: torch.nn.Module, engine: dict[str, Any], *, zero
     """Compare a sha256 of every parameter the engine holds (`engine`: its GET /weights/digests) with
     the learner's `model` put in the engine's layout and dtype (every rank walks the parameters under
     ZeRO-3). `equal` only when every tensor matches and neither side has one the other lacks."""
-    from services.common.weight_digests import digest_mismatches, engine_layout_digests
+    return compare_engine_digests(learner_digests(model, engine["packed"], engine["dtype"], zero3=zero3), engine)
 
-    dtype = getattr(torch, engine["dtype"])
-    ours = engine_layout_digests(iter_full_parameters(model, zero3=zero3), engine["packed"], dtype)
+
+def learner_digests(model: torch.nn.Module, packed: dict[str, list[str]], dtype: str, *,
+                    zero3: bool = False) -> dict[str, str]:
+    """The learner's side of `check_engine_weights`: a sha256 of every parameter in an engine's fused
+    layout (`packed`) and dtype (its name), without asking the engine (it may hash at the same time)."""
+    from services.common.weight_digests import engine_layout_digests
+
+    return engine_layout_digests(iter_full_parameters(model, zero3=zero3), packed, getattr(torch, dtype))
+
+
+def compare_engine_digests(ours: dict[str, str], engine: dict[str, Any]) -> dict[str, Any]:
+    """The verdict of `check_engine_weights` on digests already taken on both sides."""
+    from services.common.weight_digests import digest_mismatches
+
     opaque = set(engine.get("opaque") or [])  # held by the engine in a form it cannot read back
     wrong = digest_mismatches(ours, engine["digests"])
     wrong["missing"] = [n for n in wrong["missing"] if n not in opaque]

@@ -323,8 +323,10 @@ class DeploymentSpec(_Section):
         "How the RL stage's rollout engines get each new policy version. files: the learner writes every version to "
         "the weights store and the engines load it from there. nccl: the learner's rank 0 broadcasts it into every "
         "vLLM engine's GPUs, and the store gets only every rl.val_every-th version (else every 10th), the last, and "
-        "any a broadcast missed; it needs vLLM engines of an embedded fleet on GPUs of their own (NCCL cannot put "
-        "two ranks on one GPU). auto: nccl where that holds, else files."))
+        "any a broadcast missed; it needs vLLM engines on GPUs of their own (NCCL cannot put two ranks on one "
+        "GPU): an embedded fleet's placement, or an external fleet whose every rollout server reports weight_ranks "
+        "(vLLM started with weight_transfer: nccl), joining at the address its learner announces. auto: nccl "
+        "where that holds, else files."))
 
 
 PlacementMode = Literal["auto", "split", "colocated"]

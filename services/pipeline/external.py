@@ -223,6 +223,18 @@ def engines_take(address: FleetAddress, base_model: str) -> None:
                 "with STAR_MODEL of the recipe's shape")
 
 
+def fleet_weight_states(address: FleetAddress) -> dict[str, dict[str, Any] | None]:
+    """Each rollout server's GET /weights (None: it does not answer): whether its engine can join an
+    NCCL weight group (`weight_ranks`)."""
+    states: dict[str, dict[str, Any] | None] = {}
+    for url in address.rollout_urls:
+        try:
+            states[url] = _get_json(f"{url}/weights", wait_s=10)
+        except FleetUnreachable:
+            states[url] = None
+    return states
+
+
 def fleet_weights(address: FleetAddress) -> str:
     """What the fleet's rollout servers hold, in words: `v2 (/var/star/weights/v2)` per server."""
     held = []

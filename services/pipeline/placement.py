@@ -224,6 +224,40 @@ def weight_sync(spec: DeploymentSpec, engine: str, placement: Placement) -> Weig
     return WeightSyncChoice("files", obstacle)
 
 
+def fleet_obstacle(engine: str, infos: dict[str, dict | None]) -> str | None:
+    """Why an external fleet's rollout servers (`infos`: each one's GET /weights, None when it does not
+    answer) cannot all join the learner's NCCL weight group, or None."""
+    if engine != "vllm":
+        return f"services.engine is {engine}: only vLLM engines receive weights over NCCL"
+    if not infos:
+        return "the fleet names no rollout server (STAR_ROLLOUT_URLS)"
+    silent = [u for u, i in infos.items() if i is None]
+    if silent:
+        return f"rollout server(s) {', '.join(silent)} do not answer GET /weights"
+    off = [u for u, i in infos.items() if not (i or {}).get("weight_ranks")]
+    if off:
+        return (f"the engine of {', '.join(off)} does not take weights over NCCL (start it with the vLLM argument "
+                "weight_transfer: nccl)")
+    return None
+
+
+def external_weight_sync(spec: DeploymentSpec, engine: str, infos: dict[str, dict | None]) -> WeightSyncChoice:
+    """`deployment.weight_sync` for an external fleet, from what its rollout servers report: nccl (rank 0
+    broadcasts to every engine's tensor-parallel ranks through the address the learner announces) when
+    all of them can receive, files otherwise; an explicit nccl that cannot work is refused."""
+    if spec.weight_sync == "files":
+        return WeightSyncChoice("files", "deployment.weight_sync files")
+    obstacle = fleet_obstacle(engine, infos)
+    if obstacle is None:
+        ranks = sum(int(i["weight_ranks"]) for i in infos.values() if i)
+        return WeightSyncChoice("nccl", f"{len(infos)} rollout server(s), {ranks} engine rank(s), join the group at "
+                                        "the address the learner announces; files for restarts and stragglers")
+    if spec.weight_sync == "nccl":
+        raise PlacementError(f"deployment.weight_sync nccl cannot work here: {obstacle} "
+                             "(weight_sync auto or files sends versions through the weights store)")
+    return WeightSyncChoice("files", obstacle)
+
+
 # ---- memory model: split or colocated ---------------------------------------------------------
 
 GiB = 2**30

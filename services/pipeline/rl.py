@@ -148,12 +148,15 @@ def rl_config(run: Run, model: str, names: StreamNames, redis_url: str | None, t
     """The learner's RLConfig for this run, written to rl.json. An embedded fleet keeps its weights in
     the run folder; an external one in its own store (the learner service's STAR_WEIGHTS_ROOT, which
     its rollout workers read), and its rollout servers (STAR_ROLLOUT_URLS) are told of each version.
-    With weights over NCCL (`run.weight_sync`), `servers` are the embedded workers' HTTP faces."""
+    With weights over NCCL (`run.weight_sync`), `servers` are the embedded workers' HTTP faces; an
+    external fleet's servers join at the address its learner announces (`nccl_master` auto)."""
     from services.learner.config import RLConfig
 
     r = run.config.rl
     external = run.config.deployment.fleet == "external"
     sync = nccl_sync(run, servers or []) if run.nccl and not external else {}
+    if run.nccl and external:  # rank 0 announces its address to the fleet's servers (services.learner.nccl_master)
+        sync = {"weight_sync": "nccl", "nccl_master": "auto", "files_every": r.val_every or 10}
     if run.colocated:
         sync = colocated_sync(run, servers or [])
     cfg = RLConfig(

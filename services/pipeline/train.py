@@ -27,12 +27,12 @@ from typing import Any
 from services.common.settings import get_settings
 from services.common.supervisor import RunLock, SupervisorError
 from services.pipeline.config import STAGES, EvalSpec, PipelineConfig, dump_config
-from services.pipeline.external import (FleetAddress, check_reachable, engines_take, fleet_weights, fleet_world,
-                                        train_on_learner)
+from services.pipeline.external import (FleetAddress, check_reachable, engines_take, fleet_weight_states,
+                                        fleet_weights, fleet_world, train_on_learner)
 from services.pipeline.rl import stage_rl
 from services.pipeline.report import write_report
 from services.pipeline.stage import Run, StageFailed, console, eval_argv, run_process, star_argv
-from services.pipeline.placement import PlacementError, placement_for_recipe, weight_sync
+from services.pipeline.placement import PlacementError, external_weight_sync, placement_for_recipe, weight_sync
 
 # ---- preparation -------------------------------------------------------------------------------
 
@@ -55,7 +55,8 @@ def prepare(config: PipelineConfig, folder: Path) -> Run:
             raise StageFailed(f"{folder} holds a run of a different recipe; use another --run-dir or remove it")
     try:  # refused before anything is written or started
         placement = placement_for_recipe(config)
-        sync = weight_sync(config.deployment, config.services.engine, placement) if "rl" in config.stages else None
+        local = "rl" in config.stages and config.deployment.fleet != "external"
+        sync = weight_sync(config.deployment, config.services.engine, placement) if local else None
     except PlacementError as exc:
         raise StageFailed(f"{exc}") from None
     run = Run(config, folder, placement=placement, weight_sync=sync)
@@ -68,6 +69,12 @@ def prepare(config: PipelineConfig, folder: Path) -> Run:
         (folder / "world.json").write_text(json.dumps(world, indent=1))  # which world the run trained on
         run.base_model = prepare_model(config)
         engines_take(address, run.base_model)
+        if "rl" in config.stages:  # NCCL when every server's engine can receive; printed when the stage starts
+            try:
+                run.weight_sync = external_weight_sync(config.deployment, config.services.engine,
+                                                       fleet_weight_states(address))
+            except PlacementError as exc:
+                raise StageFailed(f"{exc}") from None
     else:
         run.world_url = prepare_world(config, folder)
         run.base_model = prepare_model(config)

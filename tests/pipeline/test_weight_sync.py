@@ -179,3 +179,55 @@ def test_the_controller_asks_for_the_newest_version_files_or_not(redis_client):
     client.set(names.weights_version, 9)  # a learner resumed from an older checkpoint
     assert weights_version(client, names) == 10
     assert json.loads(client.get(names.weights_latest))["version"] == 10
+
+
+# ---- an external fleet: decided from what its rollout servers report --------------------------------
+
+NCCL_SERVER = {"version": 0, "weight_ranks": 2, "weight_group": None}
+FILES_SERVER = {"version": 0, "weight_ranks": 0}
+
+
+@pytest.mark.parametrize("requested", ["auto", "nccl"])
+def test_an_external_fleet_whose_engines_all_receive_takes_nccl(requested):
+    from services.pipeline.placement import external_weight_sync
+
+    spec = DeploymentSpec(fleet="external", weight_sync=requested)
+    choice = external_weight_sync(spec, "vllm", {"http://a:8080": NCCL_SERVER, "http://b:8080": {**NCCL_SERVER,
+                                                                                                 "weight_ranks": 1}})
+    assert choice.method == "nccl" and "2 rollout server(s), 3 engine rank(s)" in choice.describe()
+
+
+@pytest.mark.parametrize("infos, engine, reason", [
+    ({"http://a:8080": NCCL_SERVER, "http://b:8080": FILES_SERVER}, "vllm", "the engine of http://b:8080"),
+    ({"http://a:8080": NCCL_SERVER, "http://b:8080": None}, "vllm", "http://b:8080 do not answer"),
+    ({}, "vllm", "no rollout server"),
+    ({"http://a:8080": NCCL_SERVER}, "hf", "services.engine is hf"),
+])
+def test_an_external_fleet_that_cannot_receive_gets_files_or_refuses_nccl(infos, engine, reason):
+    from services.pipeline.placement import external_weight_sync
+
+    auto = external_weight_sync(DeploymentSpec(fleet="external"), engine, infos)
+    assert auto.method == "files" and reason in auto.reason
+    with pytest.raises(PlacementError, match="cannot work here"):
+        external_weight_sync(DeploymentSpec(fleet="external", weight_sync="nccl"), engine, infos)
+    files = external_weight_sync(DeploymentSpec(fleet="external", weight_sync="files"), "vllm",
+                                 {"http://a:8080": NCCL_SERVER})
+    assert files.method == "files"
+
+
+def test_rl_config_for_an_external_fleet_over_nccl_lets_the_learner_announce(tmp_path, monkeypatch):
+    from services.common.settings import get_settings
+    from services.pipeline.rl import rl_config
+
+    urls = ["http://rollout-0:8080", "http://rollout-1:8080"]
+    monkeypatch.setenv("STAR_ROLLOUT_URLS", ",".join(urls))
+    get_settings.cache_clear()
+    try:
+        nccl = rl_config(_run(tmp_path, "nccl", ["deployment.fleet=external"]), "model", StreamNames("t"), None, 4)
+        cfg = RLConfig.model_validate_json(nccl.read_text())
+        assert (cfg.weight_sync, cfg.nccl_master, cfg.rollout_servers) == ("nccl", "auto", urls)
+        files = rl_config(_run(tmp_path, "files", ["deployment.fleet=external"]), "model", StreamNames("t"), None, 4)
+        cfg = RLConfig.model_validate_json(files.read_text())
+        assert (cfg.weight_sync, cfg.rollout_servers) == ("files", urls)
+    finally:
+        get_settings.cache_clear()

@@ -413,7 +413,7 @@ def _receive_ipc_chunk(worker: Any, *, names: list[str], dtype_names: list[str],
 
 def _parameter_digests(worker: Any) -> dict[str, Any]:
     """Runs inside the vLLM worker (`collective_rpc`; needs VLLM_ALLOW_INSECURE_SERIALIZATION=1)."""
-    from services.common.weight_digests import tensor_digest
+    from services.common.weight_digests import tensor_digests
 
     model = worker.model_runner.model
     params = list(model.named_parameters())
@@ -421,6 +421,6 @@ def _parameter_digests(worker: Any) -> dict[str, Any]:
     # failed in-place reload leaves parameters without data (meta): those cannot be read back, and are
     # named as such (the check then does not pass)
     opaque = {n for n, p in params if p.numel() == 0 or p.is_meta}
-    return {"digests": {n: tensor_digest(p) for n, p in params if n not in opaque}, "opaque": sorted(opaque),
+    return {"digests": tensor_digests((n, p) for n, p in params if n not in opaque), "opaque": sorted(opaque),
             "packed": dict(getattr(model, "packed_modules_mapping", {}) or {}),
             "dtype": str(params[0][1].dtype).removeprefix("torch.") if params else None}
