@@ -118,7 +118,7 @@ def peer_namespace() -> Iterator[dict[str, Any]]:
     """A network namespace joined to this one by a veth pair; yields how the server runs in it
     (`wrap`: the command prefix that enters it) and the addresses, or the reason it could not be made
     (then loopback in this namespace)."""
-    holder = None
+    holder, net = None, None
     try:
         holder = subprocess.Popen([sys.executable, "-c", (
             "import ctypes,sys\n"
@@ -133,7 +133,7 @@ def peer_namespace() -> Iterator[dict[str, Any]]:
         subprocess.run([sys.executable, __file__, "--enter", ns, "--configure", f"{PEER_IF},{PEER_ADDR},{HOST_ADDR}"],
                        check=True, capture_output=True, text=True, timeout=60)
         log(f"rollout server's network namespace: {ns}, veth {HOST_IF} {HOST_ADDR} <-> {PEER_IF} {PEER_ADDR}")
-        yield {"namespace": True, "how": "unshare(CLONE_NEWNET) + veth pair " + ("(iproute2)" if shutil.which("ip")
+        net = {"namespace": True, "how": "unshare(CLONE_NEWNET) + veth pair " + ("(iproute2)" if shutil.which("ip")
                                                                                   else "(pyroute2)"),
                "wrap": [sys.executable, __file__, "--enter", ns, "--"], "server_host": PEER_ADDR,
                "master": HOST_ADDR, "learner_if": HOST_IF, "server_if": PEER_IF}
@@ -141,8 +141,10 @@ def peer_namespace() -> Iterator[dict[str, Any]]:
         why = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else str(exc)
         log(f"no separate network namespace ({type(exc).__name__}: {str(why).strip()[-300:]}): loopback in this one")
         _drop_veth()
-        yield {"namespace": False, "why_not": f"{type(exc).__name__}: {str(why).strip()[-300:]}", "wrap": [],
+        net = {"namespace": False, "why_not": f"{type(exc).__name__}: {str(why).strip()[-300:]}", "wrap": [],
                "server_host": "127.0.0.1", "master": "127.0.0.1", "learner_if": "lo", "server_if": "lo"}
+    try:  # the body's own errors are its own: only the set-up above falls back to loopback
+        yield net
     finally:
         _drop_veth()
         if holder is not None:
