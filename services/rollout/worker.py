@@ -18,7 +18,8 @@ it); a task whose every sample ended in `engine_error`, or that needs newer weig
 be loaded, is failed and retried, and dead-lettered after `max_deliveries` attempts. An engine
 that reports itself broken (`Engine.healthy`, e.g. ticks failing on a CUDA error) stops the worker
 with exit status 1 instead: its supervisor starts a fresh process, other workers take its tasks. So
-does a weight receive (or group join) over NCCL that timed out or failed (`RolloutService.fatal`):
+does a weight receive (or group join) over NCCL that timed out or failed (`RolloutService.fatal`,
+exit status `STUCK_EXIT`, 75; a watchdog thread ends the process where the event loop itself is stuck):
 the engine core may be blocked in the collective for ever, and a paused engine must not go on
 holding (and re-claiming) tasks. A load from files that failed partway leaves the process up but
 takes no task (`broken`) until a whole version loads; the groups sampled across it are refused.
