@@ -74,6 +74,13 @@ class StreamNames:
         return f"{self.prefix}:weights:version"
 
     @property
+    def weights_highest(self) -> str:
+        """A plain key: the highest version number published in this run by any process, never lowered
+        (`weights_version` may be: a restarted learner records its own there). A learner gives every
+        new version a number above it, so no number ever names two sets of weights."""
+        return f"{self.prefix}:weights:highest"
+
+    @property
     def weights_wanted(self) -> str:
         """A plain key: set (for a minute) by a rollout worker that lacks `weights_version` and has no
         files of it to load, asking the learner to send its current version again."""

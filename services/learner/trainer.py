@@ -336,6 +336,8 @@ class RLTrainer:
            would arrive one version stale, to be dropped.
         """
         cfg = self.cfg
+        replayed = self.collector is not None and self.batches in self.collector.replay
+        renumbered = self._number_past_the_fleet(_broadcast(replayed, self.engine))
         step = self._gather()
         trajs = step.trajectories
         batch = rl_sequences(trajs, cfg.filters, learner_version=self.version, std_normalize=cfg.std_normalize,
@@ -345,6 +347,7 @@ class RLTrainer:
                                    "samples_duplicate": float(_broadcast(duplicates, self.engine)),
                                    "groups_lost": float(len(step.lost)), **step.counts}
         metrics.update(batch_figures(trajs, batch.advantages, cfg))
+        metrics.update(renumbered)
         colocated = cfg.publish_weights and cfg.weight_sync == "ipc"
         if colocated and any(sum(s.loss_mask) > 0 for s in batch.sequences):
             metrics.update(self.fleet_sync.sleep())  # the engines on these GPUs free them, or no step
@@ -491,11 +494,7 @@ class RLTrainer:
         behind = False
         if self.rank0 and self.publisher is not None:
             latest = until_redis(self.publisher.latest, what="reading the published weights version")
-            self.published = latest.version if latest else 0
-            if self.fleet_sync is not None:  # versions broadcast without files count as published too
-                self.published = max(self.published, until_redis(self.publisher.recorded_version,
-                                                                 what="reading the recorded weights version"))
-            behind = self.published < self.version or (latest is None and self.cfg.publish_start)
+            behind = self._highest_published() < self.version or (latest is None and self.cfg.publish_start)
         self.published = _broadcast(self.published, self.engine)
         self.start_version = self.version
         if _broadcast(behind, self.engine):
@@ -503,6 +502,39 @@ class RLTrainer:
             self.publish()
         else:
             self._record_start()
+
+    def _highest_published(self) -> int:
+        """Rank 0: note (`published`) and return the highest version number this run has published by
+        any path and process: the store's and Redis' records (`StorePublisher.highest_version`) and
+        the versions the NCCL fleet's engines report (0 when none)."""
+        self.published = max(0, until_redis(self.publisher.highest_version,
+                                            what="reading the highest published weights version"),
+                             self._engines_highest())
+        return self.published
+
+    def _engines_highest(self) -> int:
+        """The highest version the NCCL fleet's engines report holding (-1: none answers, or no NCCL):
+        a learner killed between a broadcast and its record left it in the engines alone."""
+        nccl = getattr(self.fleet_sync, "nccl", None)
+        if nccl is None:
+            return -1
+        return max((int(info.get("version") or 0) for info in nccl.survey().values() if info), default=-1)
+
+    def _number_past_the_fleet(self, replayed: bool) -> dict[str, float]:
+        """Before a batch that no journal replays, a learner behind the highest number published (it
+        resumed from an older checkpoint than the versions an earlier process published, or without
+        their journal, or an earlier attempt of the stage left them) publishes the weights it holds
+        as the next number above them all, and trains on from there: its weights differ from what the
+        fleet holds under the numbers in between, and the fleet samples on its weights again before
+        its next batch. A replayed batch keeps its number (the same batch from the same weights gives
+        the version the earlier process published under it) and is not published again (`retrained`).
+        Every rank calls it (the publication gathers)."""
+        if replayed or self.version >= self.published or not self.cfg.publish_weights:
+            return {}
+        log.warning("publishing the current weights under a number above the fleet's", extra={
+            "version": self.version, "highest_published": self.published, "as": self.published + 1})
+        self.version = self.published + 1
+        return self.publish()
 
     def _weights_wanted(self) -> bool:
         """Rank 0, while it waits for data: whether a rollout server asked for the current version
@@ -575,7 +607,10 @@ class RLTrainer:
         self.logged_batches = _broadcast(self.logged_batches, self.engine)
         if resumed or self.logged_batches or self.cfg.publish_start:
             self._publish_unannounced()
-        else:
+        else:  # a fresh start still numbers its versions above what an earlier attempt published
+            if self.rank0 and self.publisher is not None:
+                self._highest_published()
+            self.published = _broadcast(self.published, self.engine)
             self._record_start()
         self._recount_batches()
         # A step is one batch of the controller's schedule, trained or skipped (all samples stale

@@ -17,6 +17,11 @@ that received it before the publication returns, so the engine's own version is 
 rollout side. In Redis, `{prefix}:weights:latest` keeps one meaning: the newest version that has
 files (what a starting or lagging server loads); `{prefix}:weights:version` says the newest version
 published by any path, and the controller asks tasks for that one.
+
+Version numbers only grow and each names one set of weights: `{prefix}:weights:highest` is the highest
+number ever published in the run (never lowered, while a restarted learner may lower
+`weights:version` to its checkpoint's); a learner numbers every new version above it, the store's
+folders and the engines' own versions (services/learner/trainer.py, `RLTrainer._number_past_the_fleet`).
 """
 
 from __future__ import annotations
@@ -288,6 +293,7 @@ class StorePublisher:
         self.redis = redis_client
         self.key = f"{key_prefix}:weights:latest"
         self.version_key = f"{key_prefix}:weights:version"  # StreamNames.weights_version
+        self.highest_key = f"{key_prefix}:weights:highest"  # StreamNames.weights_highest
         self.servers = [s.rstrip("/") for s in servers]
         self.keep = keep
         self.api_token = api_token
@@ -304,6 +310,7 @@ class StorePublisher:
             from services.common.streams import until_redis
 
             until_redis(lambda: self.redis.set(self.key, update.model_dump_json()), what="announcing weights")
+            self.raise_highest(version)
         servers = self.notify(update)
         notify_s = time.perf_counter() - t0
         self.prune(version)
@@ -361,11 +368,40 @@ class StorePublisher:
         return int(raw) if raw else 0
 
     def record_version(self, version: int) -> None:
-        """Say in Redis that `version` is the newest one published, files or not (`weights:version`)."""
+        """Say in Redis that `version` is the newest one the fleet must have, files or not
+        (`weights:version`; a restarted learner may lower it to its own), and raise the run's highest
+        published number (`weights:highest`, never lowered) to it."""
         if self.redis is not None:
             from services.common.streams import until_redis
 
             until_redis(lambda: self.redis.set(self.version_key, version), what="recording the weights version")
+            self.raise_highest(version)
+
+    def raise_highest(self, version: int) -> None:
+        """`weights:highest` becomes `version` where that is higher (atomically: never lowered)."""
+        from services.common.streams import until_redis
+
+        until_redis(lambda: self.redis.eval(RAISE_TO, 1, self.highest_key, version),
+                    what="recording the highest version")
+
+    def highest_version(self) -> int:
+        """The highest number this run has published by any path, as far as the store and Redis say: the
+        highest recorded, the one recorded last, the one announced with files, and every version folder
+        in the store (-1 when none). A learner numbers every new version above it."""
+        found = [-1, *self.versions()]
+        if self.redis is not None:
+            highest, recorded = self.redis.mget(self.highest_key, self.version_key)
+            latest = self.latest()
+            found += [int(highest or -1), int(recorded or -1), latest.version if latest else -1]
+        return max(found)
+
+
+# Raise a counter key to ARGV[1] unless it is already at least that (`StorePublisher.raise_highest`).
+RAISE_TO = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '-1')
+if tonumber(ARGV[1]) > current then redis.call('SET', KEYS[1], ARGV[1]) end
+return redis.call('GET', KEYS[1])
+"""
 
 
 # ---- weights over NCCL into live vLLM engines ---------------------------------------------------

@@ -23,7 +23,8 @@ from services.common.logging import configure_logging
 from services.common.schemas import (GenerateRequest, GenerateResult, IpcWeights, SleepRequest, Trajectory,
                                      WakeRequest, WeightsBroadcast, WeightsGroup, WeightsUpdate)
 from services.common.settings import Settings, get_settings
-from services.rollout.service import RolloutConfig, RolloutMetrics, RolloutRequest, RolloutService, WeightsError
+from services.rollout.service import (STUCK_EXIT, RolloutConfig, RolloutMetrics, RolloutRequest, RolloutService,
+                                     WeightsError)
 
 VERSION = "0.1.0"
 
@@ -129,10 +130,12 @@ FATAL_EXIT_S = 1.0  # the reply that reports a fatal weight transfer goes out be
 
 
 def end_soon(reason: str) -> None:
-    """A server whose engine a weight transfer left stuck ends with status 1 (its supervisor starts a
+    """A server whose engine a weight transfer left stuck ends with STUCK_EXIT (its supervisor starts a
     fresh one, which loads the newest files), after a moment for the failed request's reply. Not a
     graceful shutdown: that would wait on requests the stuck engine never finishes."""
-    threading.Timer(FATAL_EXIT_S, os._exit, args=(1,)).start()
+    ender = threading.Timer(FATAL_EXIT_S, os._exit, args=(STUCK_EXIT,))
+    ender.daemon = True
+    ender.start()
 
 
 class _Embedded(uvicorn.Server):

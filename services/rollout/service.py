@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -40,6 +42,12 @@ from services.common.files import sha256_file as file_sha256
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 10.0  # an abort of the requests in flight that takes longer is given up (they are refused anyway)
+# a weight transfer not over this long after its deadline (its clean-up included) has wedged the process
+# itself (e.g. the event loop blocked in a call into the engine): the watchdog thread ends the process
+STUCK_GRACE_S = ABORT_TIMEOUT_S + 5.0
+# the exit status of a rollout process ended because a weight transfer left its engine stuck
+# (EX_TEMPFAIL, as the learner's `services.learner.weights.STUCK_EXIT`): restart it, it loads the newest files
+STUCK_EXIT = 75
 TOOL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -266,6 +274,26 @@ class RolloutService:
         if self.on_fatal is not None:
             self.on_fatal(reason)
 
+    @contextlib.contextmanager
+    def _watchdog(self, what: str):
+        """Ends the process (`_end_process`, from a thread of its own) if the block has not finished
+        `STUCK_GRACE_S` after the transfer's deadline: the deadline itself runs on the event loop, which
+        an engine call blocked in a collective may hold too, and then nothing on the loop ever fires."""
+        done = threading.Event()
+        limit = self.config.weights_timeout_s + STUCK_GRACE_S
+
+        def watch() -> None:
+            if not done.wait(limit) and self.fatal is None:
+                reason = f"{what} had not returned {limit:g} s after it began, its deadline long passed"
+                self._broken = self._broken or reason
+                self._end_process(reason)
+
+        threading.Thread(target=watch, name="weights-watchdog", daemon=True).start()
+        try:
+            yield
+        finally:
+            done.set()
+
     def weights_info(self) -> dict[str, Any]:
         return {"version": self.engine.policy_version, "path": self.engine.weights_path, "sha256": self._weights_sha,
                 "engine": self.engine.name, "loaded_at": self.loaded_at, "in_flight": self.engine.in_flight,
@@ -328,16 +356,17 @@ class RolloutService:
         if join is None:
             raise WeightsError(409, f"the {self.engine.name} engine cannot receive weights over NCCL")
         self._weight_group = None  # whatever group it was in is left now
-        try:
-            await within(join(group.master_address, group.master_port, group.rank_offset, group.world_size),
-                         self.config.weights_timeout_s)
-        except TimeoutError:
-            reason = (f"the learner's group at {group.master_address}:{group.master_port} did not form within "
-                      f"{self.config.weights_timeout_s:g} s")
-            self._end_process(f"{reason}; the engine may still wait for it")  # its core is blocked in the join
-            raise WeightsError(504, f"{reason}; this server ends and restarts") from None
-        except Exception as exc:  # noqa: BLE001 - reported to the learner, which falls back to files
-            raise WeightsError(422, f"could not join the weight group: {type(exc).__name__}: {exc}") from exc
+        with self._watchdog(f"joining the weight group at {group.master_address}:{group.master_port}"):
+            try:
+                await within(join(group.master_address, group.master_port, group.rank_offset, group.world_size),
+                             self.config.weights_timeout_s)
+            except TimeoutError:
+                reason = (f"the learner's group at {group.master_address}:{group.master_port} did not form within "
+                          f"{self.config.weights_timeout_s:g} s")
+                self._end_process(f"{reason}; the engine may still wait for it")  # its core is blocked in the join
+                raise WeightsError(504, f"{reason}; this server ends and restarts") from None
+            except Exception as exc:  # noqa: BLE001 - reported to the learner, which falls back to files
+                raise WeightsError(422, f"could not join the weight group: {type(exc).__name__}: {exc}") from exc
         self._weight_group = group.group_id or f"{group.master_address}:{group.master_port}"
         return {"joined": True, "rank_offset": group.rank_offset, "world_size": group.world_size,
                 "weight_group": self._weight_group}
@@ -349,17 +378,18 @@ class RolloutService:
         if receive is None:
             raise WeightsError(409, f"the {self.engine.name} engine cannot receive weights over NCCL")
         self._refuse_older(broadcast.version)
-        try:
-            timing = await within(receive(broadcast.names, broadcast.dtype_names, broadcast.shapes, broadcast.version),
-                                  self.config.weights_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - the engine may hold part of a version, or be stuck receiving
-            what = (f"did not finish within {self.config.weights_timeout_s:g} s" if isinstance(exc, TimeoutError)
-                    else f"failed: {type(exc).__name__}: {exc}")
-            reason = f"a broadcast of version {broadcast.version} {what}"
-            self._weight_group = None  # the group's state is unknown: the learner forms a new one
-            await self._load_failed(reason)
-            self._end_process(reason)
-            raise WeightsError(503, f"{reason}; this server will not sample again and restarts") from exc
+        with self._watchdog(f"a broadcast of version {broadcast.version}"):
+            try:
+                timing = await within(receive(broadcast.names, broadcast.dtype_names, broadcast.shapes,
+                                              broadcast.version), self.config.weights_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the engine may hold part of a version, or be stuck receiving
+                what = (f"did not finish within {self.config.weights_timeout_s:g} s" if isinstance(exc, TimeoutError)
+                        else f"failed: {type(exc).__name__}: {exc}")
+                reason = f"a broadcast of version {broadcast.version} {what}"
+                self._weight_group = None  # the group's state is unknown: the learner forms a new one
+                await self._load_failed(reason)
+                self._end_process(reason)
+                raise WeightsError(503, f"{reason}; this server will not sample again and restarts") from exc
         return self._loaded(broadcast.version, None, timing)
 
     # -- colocated with the learner: sleep, wake, weights by CUDA IPC (services/rollout/sleep.py) -----
@@ -387,19 +417,20 @@ class RolloutService:
     async def receive_ipc(self, chunk: IpcWeights) -> dict[str, Any]:
         """One chunk of a version by CUDA IPC; the last one makes the version the engine's."""
         self._refuse_older(chunk.version)
-        try:
-            out = await within(sleep_mode.receive_ipc(self.engine, self.sleep_state, chunk),
-                               self.config.weights_timeout_s)
-        except SleepError as exc:
-            raise WeightsError(exc.status, exc.message) from None
-        except Exception as exc:  # noqa: BLE001 - some tensors may have loaded: mixed weights
-            what = (f"did not finish within {self.config.weights_timeout_s:g} s" if isinstance(exc, TimeoutError)
-                    else f"failed: {type(exc).__name__}: {exc}")
-            reason = f"a CUDA IPC load of version {chunk.version} {what}"
-            self.sleep_state.loading = None
-            await self._load_failed(reason)
-            self._end_process(reason)
-            raise WeightsError(503, f"{reason}; this server will not sample again and restarts") from exc
+        with self._watchdog(f"a CUDA IPC load of version {chunk.version}"):
+            try:
+                out = await within(sleep_mode.receive_ipc(self.engine, self.sleep_state, chunk),
+                                   self.config.weights_timeout_s)
+            except SleepError as exc:
+                raise WeightsError(exc.status, exc.message) from None
+            except Exception as exc:  # noqa: BLE001 - some tensors may have loaded: mixed weights
+                what = (f"did not finish within {self.config.weights_timeout_s:g} s" if isinstance(exc, TimeoutError)
+                        else f"failed: {type(exc).__name__}: {exc}")
+                reason = f"a CUDA IPC load of version {chunk.version} {what}"
+                self.sleep_state.loading = None
+                await self._load_failed(reason)
+                self._end_process(reason)
+                raise WeightsError(503, f"{reason}; this server will not sample again and restarts") from exc
         if not chunk.last:
             return out
         return {**self._loaded(chunk.version, None, {k: v for k, v in out.items() if isinstance(v, float)}), **out}

@@ -18,7 +18,8 @@ it); a task whose every sample ended in `engine_error`, or that needs newer weig
 be loaded, is failed and retried, and dead-lettered after `max_deliveries` attempts. An engine
 that reports itself broken (`Engine.healthy`, e.g. ticks failing on a CUDA error) stops the worker
 with exit status 1 instead: its supervisor starts a fresh process, other workers take its tasks. So
-does a weight receive (or group join) over NCCL that timed out or failed (`RolloutService.fatal`):
+does a weight receive (or group join) over NCCL that timed out or failed (`RolloutService.fatal`,
+exit status `STUCK_EXIT`, 75; a watchdog thread ends the process where the event loop itself is stuck):
 the engine core may be blocked in the collective for ever, and a paused engine must not go on
 holding (and re-claiming) tasks. A load from files that failed partway leaves the process up but
 takes no task (`broken`) until a whole version loads; the groups sampled across it are refused.
@@ -81,7 +82,7 @@ from services.common.streams import (REDIS_DOWN, TRIM_EVERY_S, ClaimKeeper, Stre
                                      _settle, trim_consumed, until_redis)
 from services.rollout.capacity import inflight_budget
 from services.rollout.group import EpisodeSlots
-from services.rollout.service import RolloutConfig, RolloutService, WeightsError
+from services.rollout.service import STUCK_EXIT, RolloutConfig, RolloutService, WeightsError
 
 log = logging.getLogger(__name__)
 GROUP = "rollout"
@@ -161,7 +162,7 @@ class RolloutWorker:
         self.waiting_for: int | None = None  # the version this worker waits for before taking tasks
         self.handled = 0
         self.on_fatal: Any = None  # called when a consumer thread dies (main() stops the loop)
-        self.fatal = False  # stopped because something broke: main() exits non-zero
+        self.fatal = False  # stopped because something broke: main() exits non-zero (`exit_status`)
         # a weight receive that timed out or failed leaves an engine nothing here can mend: stop
         service.on_fatal = lambda reason: self._stop_for_restart()
 
@@ -218,6 +219,14 @@ class RolloutWorker:
         self.stop.set()
         if self.on_fatal:
             self.on_fatal()
+
+    @property
+    def exit_status(self) -> int:
+        """The process's exit status once stopped: STUCK_EXIT when a weight transfer left the engine
+        stuck, 1 for another failure, 0 for a plain stop."""
+        if not self.fatal:
+            return 0
+        return STUCK_EXIT if self.service.fatal else 1
 
     def sync_weights(self) -> WeightsUpdate | None:
         """Load the announced version unless a published version at least as new is loaded: the model
@@ -464,23 +473,28 @@ def main(settings: Settings | None = None, config: RolloutConfig | None = None) 
             http.server.should_exit = True
         loop.call_soon_threadsafe(loop.stop)
 
+    def stop_for_restart(*_: Any) -> None:
+        # an engine stuck in a weight transfer may never shut down, nor free the loop: the process ends
+        # after FATAL_EXIT_S regardless, from this timer's thread
+        ender = threading.Timer(FATAL_EXIT_S, lambda: os._exit(worker.exit_status))
+        ender.daemon = True  # a shutdown that does finish exits at once
+        ender.start()
+        shutdown()
+
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
-    worker.on_fatal = shutdown
+    worker.on_fatal = stop_for_restart
     threads = worker.start()
     log.info("rollout worker running", extra={"consumer": worker.consumer,
                                               "max_inflight_episodes": worker.slots.capacity})
     loop.run_forever()
-    if worker.fatal:
-        # an engine stuck in a weight transfer may not shut down: the process ends regardless
-        threading.Timer(FATAL_EXIT_S, os._exit, args=(1,)).start()
     for t in threads:
         t.join(timeout=5)
     if http is not None:
         http.close(loop)
     loop.run_until_complete(service.close())
     if worker.fatal:
-        raise SystemExit(1)
+        raise SystemExit(worker.exit_status)
 
 
 if __name__ == "__main__":

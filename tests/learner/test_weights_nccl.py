@@ -347,8 +347,7 @@ def test_a_resumed_learner_never_sends_a_number_an_earlier_process_published(red
                               start_version=0, cfg=SimpleNamespace(publish_start=False), engine=SimpleNamespace(
                                   world_size=1), redis=client, names=names, _resent_at=-float("inf"),
                               publish=lambda: published.append(learner.version))
-    learner._record_start = lambda: RLTrainer._record_start(learner)
-    learner.retrained = lambda: RLTrainer.retrained(learner)
+    _bind(learner, "_record_start", "retrained", "_highest_published", "_engines_highest")
     RLTrainer._publish_unannounced(learner)
     assert published == [] and learner.published == 13 and learner.start_version == 12
     # a restarted server asks for the weights: v12 is the checkpoint's, exactly the weights v12 named
@@ -359,3 +358,80 @@ def test_a_resumed_learner_never_sends_a_number_an_earlier_process_published(red
     assert not RLTrainer._weights_wanted(learner) and learner.retrained()
     learner.version = 14  # a new number: published as usual
     assert not learner.retrained() and RLTrainer._weights_wanted(learner)
+
+
+def _bind(learner, *methods: str) -> None:
+    """Give a stand-in learner the RLTrainer methods named, bound to it."""
+    from services.learner.trainer import RLTrainer
+
+    for name in methods:
+        setattr(learner, name, getattr(RLTrainer, name).__get__(learner))
+
+
+def _resumed_learner(client, store, version: int, *, engines: dict | None = None):
+    """A rank-0 learner resumed at `version` over NCCL, whose fleet's engines report `engines`."""
+    from types import SimpleNamespace
+
+    nccl = SimpleNamespace(survey=lambda: engines or {})
+    learner = SimpleNamespace(rank0=True, publisher=store, fleet_sync=SimpleNamespace(nccl=nccl), version=version,
+                              published=0, start_version=0, cfg=SimpleNamespace(publish_start=False,
+                                                                                publish_weights=True),
+                              engine=SimpleNamespace(world_size=1), redis=client, published_as=[])
+    learner.publish = lambda: learner.published_as.append(learner.version) or {}
+    _bind(learner, "_record_start", "retrained", "_highest_published", "_engines_highest", "_number_past_the_fleet")
+    return learner
+
+
+def test_a_learner_restarted_twice_still_knows_the_highest_number_published(redis_client):
+    """The first restart records its checkpoint's version (12) as the one the fleet needs, lower than
+    the 13 the crashed process broadcast; restarted again before publishing anything, the learner must
+    still know that 13 was published, or it would send a 13 of other weights."""
+    from services.learner.trainer import RLTrainer
+
+    client, prefix = redis_client
+    store = StorePublisher("/nonexistent", redis_client=client, key_prefix=prefix.rstrip(":"))
+    store.record_version(13)
+    RLTrainer._publish_unannounced(_resumed_learner(client, store, 12))
+    assert store.recorded_version() == 12  # what the fleet must hold to take tasks: the checkpoint's version
+    again = _resumed_learner(client, store, 12)
+    RLTrainer._publish_unannounced(again)
+    assert again.published == 13 and again.published_as == []
+
+
+def test_versions_only_the_engines_hold_count_as_published(redis_client):
+    """Killed between a broadcast and its record, the learner left v9 in the engines alone."""
+    from services.learner.trainer import RLTrainer
+
+    client, prefix = redis_client
+    store = StorePublisher("/nonexistent", redis_client=client, key_prefix=prefix.rstrip(":"))
+    store.record_version(8)
+    learner = _resumed_learner(client, store, 8, engines={"http://a": {"version": 9}, "http://b": None})
+    RLTrainer._publish_unannounced(learner)
+    assert learner.published == 9 and learner.published_as == []
+
+
+def test_a_learner_behind_the_fleet_publishes_its_weights_above_every_number_before_a_new_batch(
+        redis_client, tmp_path):
+    """Resumed from a checkpoint (v5) older than what was published (v13: a later checkpoint lost, or
+    no journal of those steps): replayed batches keep their numbers and are not sent; before the first
+    new batch the learner publishes its weights as v14, so the fleet samples on them again and no number
+    names two sets of weights. The store's folders count as published too."""
+    from services.learner.trainer import RLTrainer
+
+    client, prefix = redis_client
+    store = StorePublisher(tmp_path, redis_client=client, key_prefix=prefix.rstrip(":"))
+    (tmp_path / "v13").mkdir()
+    (tmp_path / "v13" / "manifest.json").write_text("{}")  # written, then killed before its announcement
+    store.record_version(10)
+    learner = _resumed_learner(client, store, 5)
+    RLTrainer._publish_unannounced(learner)
+    assert learner.published == 13 and learner.published_as == []
+    assert RLTrainer._number_past_the_fleet(learner, replayed=True) == {} and learner.version == 5
+    learner.version = 6  # a replayed step: its number is the earlier process's, not sent again
+    assert learner.retrained()
+    RLTrainer._number_past_the_fleet(learner, replayed=False)
+    assert learner.published_as == [14] and learner.version == 14 and not learner.retrained()
+    assert store.highest_version() == 13  # the stand-in publish wrote nothing; a real one records 14
+    store.record_version(14)
+    store.record_version(7)  # a later restart records its own, lower version: the highest stays
+    assert store.highest_version() == 14
