@@ -38,6 +38,7 @@ from services.learner.engine import PolicyEngine
 from services.learner.groups import GroupCollector, NoData, StepGroups, TrainedRecord, WeightsWanted
 from services.learner.runlog import RunLog
 from services.learner.steps import loss_bounds, rl_step, sft_step
+from services.learner.timesplit import step_split, stream_seconds
 from services.learner.weights import FleetSync, NcclPublisher, StorePublisher, write_version
 
 log = logging.getLogger(__name__)
@@ -330,7 +331,9 @@ class RLTrainer:
            would arrive one version stale, to be dropped.
         """
         cfg = self.cfg
+        began = time.perf_counter()
         step = self._gather()
+        waited_until = time.time()
         trajs = step.trajectories
         batch = rl_sequences(trajs, cfg.filters, learner_version=self.version, std_normalize=cfg.std_normalize,
                              negative_scale=cfg.negative_scale)
@@ -357,6 +360,12 @@ class RLTrainer:
                                                 zero3=self.engine.cfg.zero_stage == 3))
         if final:
             metrics.update(self._keep_last_version())
+        metrics.update(step_split(
+            wall_s=time.perf_counter() - began, wait_s=step.wait_s, waited_until=waited_until,
+            episode_ends=[t.timings.get("ended_at") for t in trajs],
+            scored_at=[stream_seconds(m.id) for m in step.messages],
+            training_s=metrics.get("time_compute_s", 0.0) + metrics.get("time_checkpoint_s", 0.0),
+            sync_s=metrics.get("time_sync_s", 0.0) + metrics.get("colocate_sleep_s", 0.0)))
         self._log_step(metrics, trajs, replaying)
         if self.rank0:
             until_redis(self._count_batches, what="counting batches")
