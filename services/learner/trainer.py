@@ -227,6 +227,7 @@ def step_samples(trajs: list[ScoredTrajectory], limit: int) -> list[dict[str, An
              "policy_version": t.policy_version, "reward": t.reward, "rewards": t.rewards,
              # which of `rewards` is `reward`: a curriculum changes it by epoch or step
              "reward_kind": t.reward_kind, "epoch": t.epoch, "finish_reason": t.finish_reason,
+             "tokens": len(t.token_ids), "tool_calls": t.tool_calls,
              "query": t.query.model_dump(mode="json") if t.query else None,
              "messages": t.messages} for t in list(firsts.values())[:limit]]
 
