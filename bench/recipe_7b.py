@@ -143,7 +143,7 @@ def trajectory_shape(rl_dir: Path) -> dict[str, float]:
 
     tokens, calls = [], []
     path = rl_dir / "samples.jsonl"
-    for row in iter_jsonl(path) if path.is_file() else []:
+    for _, row in iter_jsonl(path, skip_bad=True) if path.is_file() else []:
         if isinstance(row.get("tokens"), (int, float)):
             tokens.append(row["tokens"])
         if isinstance(row.get("tool_calls"), (int, float)):
@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/recipe-7b")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="more recipe overrides")
     ap.add_argument("--smoke", action="store_true", help="CPU: configs/tiny.yaml, 2 steps, short forced turns")
+    ap.add_argument("--record-only", action="store_true",
+                    help="write the record from WORK's finished run (its train.log and metrics) without training")
     args = ap.parse_args(argv)
     if args.smoke:
         args.recipe, args.gpus, args.steps = "configs/tiny.yaml", 0, 2
@@ -252,20 +254,25 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "COLUMNS": "240"}  # the placement's lines unwrapped, as the record keeps them
     model = None
-    if not args.smoke:
+    if not args.smoke and not args.record_only:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(args.gpus)))
         log("writing the random-init Qwen2.5-7B folder")
         model = model_folder(work, args.tokenizer)
+    elif args.record_only and not args.smoke:
+        model = work / "qwen2.5-7b-random"
     items = overrides(args, model)
     from services.pipeline.config import load_pipeline_config
 
     config = load_pipeline_config(ROOT / args.recipe, items)
     t0 = time.monotonic()
-    rc, output = run_train(args, run_dir, items, env)
-    log(f"star train ended with rc {rc} after {time.monotonic() - t0:.0f} s")
+    if args.record_only:
+        rc, output = 0, (work / "train.log").read_text()
+    else:
+        rc, output = run_train(args, run_dir, items, env)
+        log(f"star train ended with rc {rc} after {time.monotonic() - t0:.0f} s")
     steps = steps_from_metrics(run_dir / "rl")
     rec = record(args, work, config, output, steps, rc)
-    rec["train_s"] = time.monotonic() - t0
+    rec["train_s"] = None if args.record_only else time.monotonic() - t0
     out = work if args.smoke else RESULTS
     name = "recipe_7b_smoke" if args.smoke else "recipe_7b"
     (out / f"{name}.json").write_text(json.dumps(rec, indent=1) + "\n")
