@@ -33,6 +33,16 @@ def qwen2_config(shape: str, max_positions: int = 32768):
                        bos_token_id=0, eos_token_id=0, **SHAPES[shape])
 
 
+def shape_params(shape: str) -> int:
+    """Parameters of a `shape` Qwen2 model, counted on the meta device (no memory)."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(qwen2_config(shape))
+    return sum(p.numel() for p in model.parameters())
+
+
 def model_folder(folder: str | Path, shape: str, *, seed: int = 0, device: str | None = None,
                  max_positions: int = 32768) -> Path:
     """Build (once) a random `shape` Qwen2 model in bf16 at `folder`; returns the folder."""

@@ -119,6 +119,49 @@ def side_seconds(c: Components, r: Recipe, rollout_gpus: int, learner_gpus: int,
     }
 
 
+@dataclass(frozen=True)
+class Machine:
+    """A machine a step runs on, and how the run placed its processes on it."""
+
+    device: str                 # the card's name (torch.cuda.get_device_name), a key of HBM_TBS inside it
+    gpus: int
+    placement: str              # "colocated" (engines asleep while the learner trains) or "split"
+    engines: int                # rollout engines, one GPU each
+    learner_gpus: int
+    max_staleness: int = 1
+
+
+def colocated_sync_s(c: Components, colocate: dict[str, Any]) -> float:
+    """Seconds a colocated step spends on its weights: the engines' sleep before training, then their
+    wake and the new version by CUDA IPC (bench/colocate_gpu.py's cycles, median), scaled from the
+    parameters measured there to `c.n_params` (each part moves or frees the weights' bytes)."""
+    import statistics
+
+    from bench.gpu_shapes import shape_params
+
+    cycles = colocate["cycles"]
+    seconds = statistics.median(cy["colocate_sleep_s"] + cy["time_sync_s"] for cy in cycles)
+    measured = colocate.get("params") or shape_params(colocate["shape"])
+    return seconds * c.n_params / measured
+
+
+def predict_step(c: Components, r: Recipe, m: Machine, *, colocate: dict[str, Any] | None = None) -> dict[str, float]:
+    """Seconds of one RL step of shape `r` on machine `m`, from components `c` (measured on any card;
+    carried to m's card by the ratios `side_seconds` uses). Assumes: an engine's share of the step's
+    trajectories takes the measured wall time scaled up linearly past the agents measured (no credit
+    for fewer); training runs at the measured MFU on m's learner GPUs; scoring follows rollout (the
+    last group's score is on the critical path; all of it counted, an upper bound); colocated, the
+    engines sleep while the learner trains, so the step is the sum of its parts, with the sync being
+    the sleep, wake and IPC load (`colocated_sync_s`, when `colocate` is given, else the NCCL sync);
+    split with max_staleness > 0, rollout overlaps training and the step is the slower side."""
+    sec = side_seconds(c, r, m.engines, m.learner_gpus, target=card(m.device))
+    if m.placement == "colocated" and colocate is not None:
+        sec["weight_sync"] = colocated_sync_s(c, colocate)
+    overlap = m.placement == "split" and m.max_staleness > 0
+    step = max(sec["rollout"] + sec["scoring"], sec["training"] + sec["weight_sync"]) if overlap else sum(sec.values())
+    return {**sec, "step": step}
+
+
 def async_minutes(sec: dict[str, float]) -> float:
     return max(sec["rollout"] + sec["scoring"], sec["training"] + sec["weight_sync"]) / 60
 
@@ -196,7 +239,7 @@ def e2e_from_run(run_dir: Path) -> list[dict[str, float]]:
         for line in path.read_text().splitlines():
             row = json.loads(line)
             if "time_step_s" in row:
-                steps.append({k: v for k, v in row.items() if k == "step" or k.startswith("time_")})
+                steps.append({k: v for k, v in row.items() if k == "step" or k.startswith(("time_", "split_"))})
     return steps
 
 

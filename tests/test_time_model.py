@@ -96,3 +96,46 @@ def test_the_projection_scales_from_the_card_the_components_were_measured_on():
 def test_missing_results_say_how_to_make_them(tmp_path):
     with pytest.raises(SystemExit, match="time_model.py measure"):
         components_from_results("tm", tmp_path)
+
+
+# -- the prediction for a given machine (bench/recipe_7b.py compares it with `star train`'s steps) ----------
+
+def test_a_colocated_step_is_the_sum_of_its_parts_on_the_machines_own_card():
+    from bench.time_model import Machine, predict_step
+
+    r = Recipe(prompts=32, group=8)
+    m = Machine(device="NVIDIA H100 80GB HBM3", gpus=4, placement="colocated", engines=4, learner_gpus=4)
+    sec = predict_step(comps(), r, m)
+    # same card as the components: no bandwidth ratio; 64 agents an engine against 32 measured: twice the wall
+    assert sec["rollout"] == pytest.approx(2 * 60.0)
+    assert sec["weight_sync"] == pytest.approx(0.21)  # without a colocation record: the NCCL sync
+    assert sec["step"] == pytest.approx(sec["rollout"] + sec["scoring"] + sec["training"] + sec["weight_sync"])
+    # training over the 4 GPUs at the measured MFU
+    from services.learner.flops import peak_flops
+
+    assert sec["training"] == pytest.approx(step_flops(comps(), r) / (4 * peak_flops("H100") * 0.45))
+
+
+def test_a_split_asynchronous_step_is_its_slower_side_and_a_synchronous_one_the_sum():
+    from bench.time_model import Machine, predict_step
+
+    r = Recipe()
+    split = Machine(device="NVIDIA H100 80GB HBM3", gpus=8, placement="split", engines=4, learner_gpus=4)
+    sec = predict_step(comps(), r, split)
+    assert sec["step"] == pytest.approx(max(sec["rollout"] + sec["scoring"], sec["training"] + sec["weight_sync"]))
+    on_policy = predict_step(comps(), r, replace(split, max_staleness=0))
+    assert on_policy["step"] == pytest.approx(sum(v for k, v in on_policy.items() if k != "step"))
+
+
+def test_a_colocated_sync_is_the_measured_cycle_scaled_by_parameters():
+    from bench.time_model import Machine, colocated_sync_s, predict_step
+
+    colocate = {"shape": "1.5b", "params": 1_000_000_000,
+                "cycles": [{"colocate_sleep_s": 1.0, "time_sync_s": 0.5}, {"colocate_sleep_s": 3.0, "time_sync_s": 0.5},
+                           {"colocate_sleep_s": 2.0, "time_sync_s": 0.5}]}
+    assert colocated_sync_s(comps(), colocate) == pytest.approx(2.5 * 7.615616512)
+    m = Machine(device="NVIDIA H200", gpus=4, placement="colocated", engines=4, learner_gpus=4)
+    sec = predict_step(comps(), Recipe(), m, colocate=colocate)
+    assert sec["weight_sync"] == pytest.approx(2.5 * 7.615616512)
+    # H200's faster memory shortens the rollout measured on an H100
+    assert sec["rollout"] == pytest.approx(2 * 60.0 * 3.35 / 4.8)

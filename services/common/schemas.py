@@ -332,6 +332,21 @@ def unknown_vllm_args(names: Any) -> list[str]:
     return sorted(n for n in names if n not in known)
 
 
+class ForcedTurns(BaseModel):
+    """Benchmarking only: episodes of a fixed shape whatever the model samples, so that a random-init
+    policy's rollouts cost what a trained agent's do (a random model stops or rambles on its first turn).
+    Each episode takes `tool_calls` turns of exactly `turn_tokens` sampled tokens (stop tokens ignored),
+    each read as a call of a real sandbox tool whose arguments come from the query, then one turn of
+    `answer_tokens` whose text is the answer scored. The sampled tokens, their log-probs and the tool
+    responses are real; what the turns say is not read. Off unless a recipe sets it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tool_calls: int = Field(10, ge=0, le=200, description="Tool turns before the answer turn.")
+    turn_tokens: int = Field(120, ge=1, description="Tokens each tool turn samples (stop tokens ignored).")
+    answer_tokens: int = Field(1000, ge=1, description="Tokens the answer turn samples (stop tokens ignored).")
+
+
 class SamplingParams(BaseModel):
     """How the policy samples; defaults are the paper's RL sampling (temperature 1.0)."""
 
@@ -357,6 +372,11 @@ class SamplingParams(BaseModel):
     group_timeout_s: float | None = Field(
         5400.0, gt=0, description="Longest a group may run from its first episode's start; its unfinished "
         "episodes end then (seconds).")
+
+    forced_turns: ForcedTurns | None = Field(None, description=(
+        "Benchmarking only (bench/recipe_7b.py): every episode takes this fixed shape of tool turns and an "
+        "answer whatever the model samples, so a random-init model's rollouts are shaped like a trained agent's. "
+        "Trains nothing useful; None (off) unless set explicitly."))
 
     @property
     def engine_max_len(self) -> int:

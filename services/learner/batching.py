@@ -75,11 +75,16 @@ def _aligned(seq: Sequence_) -> dict[str, list]:
 def pack_sequences(seqs: Sequence[Sequence_], capacity: int) -> list[PackedRow]:
     """First-fit decreasing into rows of at most `capacity` tokens (a longer sequence gets a row
     of its own). Deterministic: ties keep input order."""
-    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    return [_row([seqs[i] for i in b]) for b in pack_bins([len(s) for s in seqs], capacity)]
+
+
+def pack_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """The rows `pack_sequences` makes, as sorted indices into `lengths` (empty sequences left out)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     bins: list[list[int]] = []
     loads: list[int] = []
     for i in order:
-        n = len(seqs[i])
+        n = lengths[i]
         if n == 0:
             continue
         for b, load in enumerate(loads):
@@ -90,7 +95,7 @@ def pack_sequences(seqs: Sequence[Sequence_], capacity: int) -> list[PackedRow]:
         else:
             bins.append([i])
             loads.append(n)
-    return [_row([seqs[i] for i in sorted(b)]) for b in bins]
+    return [sorted(b) for b in bins]
 
 
 def _row(seqs: Sequence[Sequence_]) -> PackedRow:

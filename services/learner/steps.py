@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from services.learner import algorithms as alg
-from services.learner.batching import PackedRow, Sequence_, assign_weights, micro_batches, pack_sequences, shard_rows
+from services.learner.batching import PackedRow, Sequence_, assign_weights, micro_batches, pack_bins, pack_sequences, \
+    shard_rows
 from services.learner.config import RLConfig
 from services.learner.engine import PolicyEngine
 from services.learner.flops import model_shape, peak_flops, train_flops
@@ -242,6 +243,9 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
         "mismatch_kl_k1": mm_k1 / mm_tokens if mm_tokens else 0.0,
         "mismatch_kl_k3": mm_k3 / mm_tokens if mm_tokens else 0.0,
         "mismatch_logp_max_abs": float(mm_max_t.item()), "time_compute_s": seconds,
+        # rows of up to micro_batch_tokens the step's sequences were packed into, over all ranks
+        "packed_rows": float(sum(len(pack_bins([len(s) for s in share], engine.cfg.micro_batch_tokens))
+                                 for share in shares)),
     }
     if kl_coef > 0.0:
         # kl_ref is what the loss saw (capped per token); kl_ref_k3 is the estimate itself, so a

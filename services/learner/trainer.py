@@ -38,6 +38,7 @@ from services.learner.engine import PolicyEngine
 from services.learner.groups import GroupCollector, NoData, StepGroups, TrainedRecord, WeightsWanted
 from services.learner.runlog import RunLog
 from services.learner.steps import loss_bounds, rl_step, sft_step
+from services.learner.timesplit import step_split, stream_seconds
 from services.learner.weights import FleetSync, NcclPublisher, StorePublisher, write_version
 
 log = logging.getLogger(__name__)
@@ -226,6 +227,7 @@ def step_samples(trajs: list[ScoredTrajectory], limit: int) -> list[dict[str, An
              "policy_version": t.policy_version, "reward": t.reward, "rewards": t.rewards,
              # which of `rewards` is `reward`: a curriculum changes it by epoch or step
              "reward_kind": t.reward_kind, "epoch": t.epoch, "finish_reason": t.finish_reason,
+             "tokens": len(t.token_ids), "tool_calls": t.tool_calls,
              "query": t.query.model_dump(mode="json") if t.query else None,
              "messages": t.messages} for t in list(firsts.values())[:limit]]
 
@@ -338,7 +340,9 @@ class RLTrainer:
         cfg = self.cfg
         replayed = self.collector is not None and self.batches in self.collector.replay
         renumbered = self._number_past_the_fleet(_broadcast(replayed, self.engine))
+        began = time.perf_counter()
         step = self._gather()
+        waited_until = time.time()
         trajs = step.trajectories
         batch = rl_sequences(trajs, cfg.filters, learner_version=self.version, std_normalize=cfg.std_normalize,
                              negative_scale=cfg.negative_scale)
@@ -366,6 +370,12 @@ class RLTrainer:
                                                 zero3=self.engine.cfg.zero_stage == 3))
         if final:
             metrics.update(self._keep_last_version())
+        metrics.update(step_split(
+            wall_s=time.perf_counter() - began, wait_s=step.wait_s, waited_until=waited_until,
+            episode_ends=[t.timings.get("ended_at") for t in trajs],
+            scored_at=[stream_seconds(m.id) for m in step.messages],
+            training_s=metrics.get("time_compute_s", 0.0) + metrics.get("time_checkpoint_s", 0.0),
+            sync_s=metrics.get("time_sync_s", 0.0) + metrics.get("colocate_sleep_s", 0.0)))
         self._log_step(metrics, trajs, replaying)
         if self.rank0:
             until_redis(self._count_batches, what="counting batches")

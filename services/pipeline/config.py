@@ -187,6 +187,14 @@ class RLSpec(_Section):
         return self
 
     @model_validator(mode="after")
+    def _forced_turns_fit(self) -> "RLSpec":
+        forced = self.sampling.forced_turns
+        if forced is not None and forced.tool_calls > self.sampling.max_tool_calls:
+            raise ValueError(f"rl.sampling.forced_turns.tool_calls {forced.tool_calls} exceeds "
+                             f"rl.sampling.max_tool_calls {self.sampling.max_tool_calls}")
+        return self
+
+    @model_validator(mode="after")
     def _stale_cut_samples_are_corrected(self) -> "RLSpec":
         # Under a cut the recorded log-probs are not of the policy trained, so the clip ratio's old policy is
         # the learner's own forward before the update; the gap from the policy that sampled, up to
@@ -236,6 +244,14 @@ class EvalSpec(_Section):
     concurrency: int = Field(MODEL_CONCURRENCY, ge=1, description=(
         "Episodes in flight at once in an evaluation (the eval stage and rl.val_every's validations); one engine "
         "batches their turns."))
+
+    @model_validator(mode="after")
+    def _not_forced(self) -> "EvalSpec":
+        # forced episodes answer with whatever was sampled: a score of them measures nothing
+        if self.sampling.forced_turns is not None:
+            raise ValueError("eval.sampling.forced_turns is for benchmarking rollouts (rl.sampling) only: an "
+                             "evaluation of forced episodes scores text the model was made to produce")
+        return self
 
 
 class LearnerSpec(_Section):

@@ -319,6 +319,15 @@ def off_policy_note(sampling: SamplingParams) -> str | None:
             "samples are off-policy for it (top_p 1.0 and no top_k keep them on-policy)")
 
 
+def forced_turns_note(sampling: SamplingParams) -> str | None:
+    """A warning that the episodes are forced to a fixed shape (a benchmarking option), or None."""
+    f = sampling.forced_turns
+    if f is None:
+        return None
+    return (f"rl.sampling.forced_turns (benchmarking): every episode is {f.tool_calls} tool turns of {f.turn_tokens} "
+            f"tokens and an answer of {f.answer_tokens}, whatever the model samples: the run measures time, not learning")
+
+
 def unreached_stages_note(curriculum: Curriculum | None, epochs: int, steps: int) -> str | None:
     """Which curriculum stages start after the run's last epoch (or step, when the curriculum counts
     steps), or None when it reaches them all. A curriculum by epoch trains a run of an epoch or two on
@@ -378,7 +387,7 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
         console.print(f"reward: curriculum {curriculum.describe()} (by {curriculum.unit})")
     if run.weight_sync is not None:
         console.print(run.weight_sync.describe())
-    for note in (off_policy_note(r.sampling), unreached_stages_note(curriculum, r.epochs, schedule.total_steps),
+    for note in (forced_turns_note(r.sampling), off_policy_note(r.sampling), unreached_stages_note(curriculum, r.epochs, schedule.total_steps),
                  external_fleet_note(run.config)):
         if note:
             console.print(f"[yellow]{note}[/]")

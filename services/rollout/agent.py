@@ -28,6 +28,10 @@ Budgets and how a trajectory ends (`finish_reason`):
   `format_error` (a policy that keeps rambling is not going to answer; the reward is 0 either way).
 - `engine_error`: the engine or the sandbox failed; `error` says how. The worker retries a task
   whose every sample ended this way.
+- Forced episodes (`SamplingParams.forced_turns`, benchmarking only): each turn samples a fixed
+  number of tokens with stop tokens ignored; the first `tool_calls` turns are read as calls of real
+  sandbox tools (`forced_call`: arguments from the query), the next one is the answer, whatever the
+  text says. A random-init model's rollouts then cost what a trained agent's do.
 - `deadline`: the episode ran past its wall-clock limit (`Limits.episode_timeout_s`, or its group's
   deadline), or one turn past `Limits.turn_timeout_s`: the turn in flight is cancelled, which aborts
   its request in the engine, and what was sampled before it stays.
@@ -45,7 +49,7 @@ from typing import Any
 from services.common.schemas import SamplingParams, Trajectory, TravelQuery
 from services.rollout.chat import Chat, ChatOptions, ChatTemplateError
 from services.rollout.engines.base import Engine, EngineError, Generation, TurnParams, normalized_entropy
-from services.rollout.protocol import FORMAT_ERROR, parse_turn, system_prompt, tool_response, user_message
+from services.rollout.protocol import FORMAT_ERROR, Turn, parse_turn, system_prompt, tool_response, user_message
 from services.rollout.tools import ToolClient, ToolServiceError
 from services.sandbox.tools.registry import tool_names
 
@@ -99,6 +103,7 @@ class Episode:
     env_messages: int = 0
     env_closed: bool = True
     started: float = field(default_factory=time.perf_counter)
+    query: TravelQuery | str | None = None  # what forced turns read their tool arguments from
     deadline: float | None = None  # time.monotonic() at which the episode ends as `deadline`
     turn_timeout_s: float | None = None
 
@@ -165,7 +170,7 @@ class Agent:
             messages = self.chat.opening(self.system, user_message(query))
             ids = self.chat.prompt_ids(messages)
         return Episode(sample_index=sample_index, seed=seed, token_ids=ids, loss_mask=[0] * len(ids),
-                       logprobs=[None] * len(ids), messages=messages, prompt_len=len(ids))
+                       logprobs=[None] * len(ids), messages=messages, prompt_len=len(ids), query=query)
 
     def segment(self, messages: list[dict[str, Any]], closed: bool,
                 new: list[dict[str, Any]]) -> tuple[list[int], list[dict[str, Any]]]:
@@ -192,8 +197,13 @@ class Agent:
         if ep.deadline is not None and time.monotonic() >= ep.deadline:
             return ep.cut("the episode ran past its deadline")
         if not self.engine.token_level:
+            if sampling.forced_turns is not None:
+                ep.finish_reason, ep.error = "engine_error", "forced turns need a token-level engine"
+                return
             return await self._step_text(ep, sampling, limits, request_id)
         try:
+            if sampling.forced_turns is not None:
+                return await self._step_forced(ep, sampling, limits, request_id)
             await self._step_tokens(ep, sampling, limits, request_id, top_logprobs)
         except ChatTemplateError as exc:  # a conversation the model's template refuses ends the episode
             ep.finish_reason, ep.error = "engine_error", f"chat template: {exc}"
@@ -244,6 +254,44 @@ class Agent:
         if not self._append_env(ep, ids, new, limits, closed):
             ep.messages += new  # the record keeps what did not fit
             await self._at_limit(ep, sampling, limits, request_id, pending=(closed, len(ep.messages) - len(new)))
+
+    async def _step_forced(self, ep: Episode, sampling: SamplingParams, limits: Limits, request_id: str) -> None:
+        """One turn of a forced episode (`SamplingParams.forced_turns`): exactly the forced number of
+        tokens, then the next forced tool call on the real sandbox, or the answer after the last call."""
+        forced = sampling.forced_turns
+        room = self.context_limit(limits) - len(ep.token_ids)
+        if room <= 0:
+            ep.finish_reason = "context_limit"
+            return
+        answering = ep.tool_calls >= forced.tool_calls
+        max_tokens = min(forced.answer_tokens if answering else forced.turn_tokens, limits.max_tokens_per_turn, room)
+        params = TurnParams(max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                            top_k=sampling.top_k, seed=turn_seed(ep.seed, ep.turns),
+                            top_logprobs=sampling.logprobs_top_k, ignore_stop=True)
+        gen = await self._sample(ep, params, request_id)
+        if gen is None:
+            return
+        self._append_sampled(ep, gen)
+        text = self.chat.decode(gen.token_ids)
+        turn = Turn(kind="answer", answer=text) if answering else forced_call(ep.query, ep.tool_calls)
+        message, call_id = self.chat.assistant_message(text, turn, ep.tool_calls)
+        ep.messages.append({**message, "tokens": len(gen.token_ids), "policy_version": gen.policy_version,
+                            "generate_s": gen.stats.get("generate_s", 0.0), "forced": True})
+        if answering:
+            ep.finish_reason, ep.answer = "answer", text
+            return
+        if max_tokens == room:
+            ep.finish_reason = "context_limit"
+            return
+        ep.tool_calls += 1
+        output = await self._run_tool(ep, turn)
+        if output is None:
+            return
+        closed = bool(gen.token_ids) and gen.token_ids[-1] in self.engine.stop_ids
+        ids, new = self.segment(ep.messages, closed, [self.chat.tool_message(output, call_id)])
+        if not self._append_env(ep, ids, new, limits, closed):
+            ep.messages += new
+            ep.finish_reason = "context_limit"
 
     async def _at_limit(self, ep: Episode, sampling: SamplingParams, limits: Limits, request_id: str, *,
                         pending: tuple[bool, int] | None = None) -> None:
@@ -428,6 +476,23 @@ class Agent:
         return to_trajectory(ep, query if isinstance(query, TravelQuery) else None, **meta)
 
 
+def forced_call(query: TravelQuery | str | None, index: int) -> Turn:
+    """The `index`-th tool call of a forced episode: the tools a planner would use for the query
+    (flights, cities of a state or lodging, restaurants, sights, driving), in turn. A multi-city
+    query's destination is a state, so its city searches answer that nothing matched: still a real
+    call and a real response."""
+    if not isinstance(query, TravelQuery):
+        return Turn(kind="tool_call", name="SearchCity", arguments={"state": str(query or "")})
+    calls = (("SearchFlight", {"departure": query.org, "destination": query.dest, "date": query.date[0]}),
+             ("SearchCity", {"state": query.dest}) if query.visiting_city_number > 1
+             else ("SearchAccommodation", {"city": query.dest}),
+             ("SearchRestaurant", {"city": query.dest}),
+             ("SearchAttraction", {"city": query.dest}),
+             ("GoogleDistanceMatrix", {"departure": query.org, "destination": query.dest, "mode": "driving"}))
+    name, arguments = calls[index % len(calls)]
+    return Turn(kind="tool_call", name=name, arguments=arguments)
+
+
 def summary_answer(text: str, tools: list[str]) -> str:
     """The answer of a summarizing turn: inside `<answer>` tags when it has them (as any answer),
     else the whole reply, as the reference takes it."""
@@ -441,6 +506,7 @@ def to_trajectory(ep: Episode, query: TravelQuery | None = None, *, run_id: str 
                   policy_version: int | None = None) -> Trajectory:
     timings = dict(ep.timings)
     timings["total_s"] = time.perf_counter() - ep.started
+    timings["ended_at"] = time.time()  # wall clock: the learner splits a step's wait by it (timesplit.py)
     timings["turns"] = float(ep.turns)
     timings["prompt_tokens"] = float(ep.prompt_len)
     timings["sampled_tokens"] = float(sum(ep.loss_mask))

@@ -372,3 +372,16 @@ def test_over_sampling_and_late_groups_reach_the_learner_and_its_filters():
     assert "deadline" not in load_pipeline_config(CONFIGS / "tiny.yaml").rl.filters().mask_finish_reasons
     with pytest.raises(ConfigError, match="late_groups"):
         load_pipeline_config(CONFIGS / "tiny.yaml", ["rl.late_groups=later"])
+
+
+def test_forced_turns_are_off_unless_set_and_only_for_rl_sampling():
+    """rl.sampling.forced_turns (benchmarking: a random-init model's episodes shaped like a trained agent's)."""
+    paper = load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml")
+    assert paper.rl.sampling.forced_turns is None and paper.eval.sampling.forced_turns is None
+    forced = load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml",
+                                  ['rl.sampling.forced_turns={"tool_calls": 10, "turn_tokens": 120}'])
+    assert forced.rl.sampling.forced_turns.tool_calls == 10 and forced.rl.sampling.forced_turns.answer_tokens == 1000
+    with pytest.raises(ConfigError, match="max_tool_calls"):  # more forced calls than the episode may make
+        load_pipeline_config(CONFIGS / "tiny.yaml", ['rl.sampling.forced_turns={"tool_calls": 5}'])
+    with pytest.raises(ConfigError, match="benchmarking"):  # an evaluation of forced answers measures nothing
+        load_pipeline_config(CONFIGS / "tiny.yaml", ['eval.sampling.forced_turns={"tool_calls": 2}'])

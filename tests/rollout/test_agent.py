@@ -271,3 +271,32 @@ def test_a_weight_update_lets_in_flight_turns_finish_and_holds_new_ones_until_lo
     assert events == ["start a", "end a", "load", "loaded", "start b", "end b"]
     assert (first.policy_version, second.policy_version, engine.policy_version) == (0, 1, 1)
     assert timing["drain_s"] >= 0.1
+
+
+def test_forced_turns_take_the_set_shape_with_real_tools_whatever_is_sampled(tokenizer, local_tools, toolbox):
+    """A benchmark's forced episode: every turn exactly its tokens (the engine's stop ignored), the first
+    turns read as the query's tool calls on the real sandbox, the last as the answer."""
+    from services.common.schemas import ForcedTurns, TravelQuery
+    from services.rollout.agent import forced_call
+
+    query = TravelQuery(org="Sarasota", dest="Chicago", days=3, visiting_city_number=1,
+                        date=["2022-03-22", "2022-03-23", "2022-03-24"], people_number=1, budget=1900)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    engine = ScriptedEngine(tokenizer, lambda ids, turn: [im_end] * 50, append_stop=False)
+    agent = Agent(engine, local_tools)
+    sampling = SamplingParams(seed=7, forced_turns=ForcedTurns(tool_calls=3, turn_tokens=20, answer_tokens=30))
+    traj = asyncio.run(agent.run(query, sampling))
+    assert traj.finish_reason == "answer" and traj.tool_calls == 3
+    assert [c["params"].max_tokens for c in engine.calls] == [20, 20, 20, 30]
+    assert all(c["params"].ignore_stop for c in engine.calls)
+    assert sum(traj.loss_mask) == 3 * 20 + 30
+    call = forced_call(query, 1)
+    assert (call.name, call.arguments) == ("SearchAccommodation", {"city": "Chicago"})
+    tool_text = toolbox.call(call.name, call.arguments).text
+    assert tool_response(tool_text) in [m["content"] for m in traj.messages if m["role"] != "assistant"]
+
+
+def test_without_forced_turns_the_stop_token_ends_the_turn(tokenizer, local_tools):
+    agent, engine = make(tokenizer, local_tools, [CITY_CALL, ANSWER])
+    run(agent)
+    assert not any(c["params"].ignore_stop for c in engine.calls)

@@ -42,6 +42,7 @@ class TurnParams:
     top_k: int = -1
     seed: int | None = None
     top_logprobs: int = 0  # alternatives recorded per sampled token (0: only the sampled one)
+    ignore_stop: bool = False  # sample exactly max_tokens, stop tokens included (forced benchmark turns)
 
 
 @dataclass

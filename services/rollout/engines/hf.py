@@ -538,7 +538,7 @@ class TransformersEngine(Engine):
             k = row.request.params.top_logprobs
             if k:
                 row.top.append(drawable(zip(top_ids[i][:k], top_lps[i][:k])))
-            row.done = tid in stop or len(row.ids) >= row.limit
+            row.done = (tid in stop and not row.request.params.ignore_stop) or len(row.ids) >= row.limit
         return tokens
 
     def _retire(self, batch: _Batch) -> list[_Row]:
@@ -616,7 +616,7 @@ def _round_up(n: int, step: int, limit: int) -> int:
 
 
 def _generation(row: _Row, stop: set[int]) -> Generation:
-    finish = "stop" if row.ids and row.ids[-1] in stop else "length"
+    finish = "stop" if row.ids and row.ids[-1] in stop and not row.request.params.ignore_stop else "length"
     return Generation(token_ids=row.ids, logprobs=row.logprobs, finish=finish,
                       top_logprobs=row.top if row.request.params.top_logprobs else None)
 

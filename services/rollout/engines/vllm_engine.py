@@ -198,7 +198,8 @@ class VllmEngine(Engine):
         sampling = SamplingParams(
             n=1, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else -1, seed=params.seed if self.seeded else None,
-            logprobs=params.top_logprobs, stop_token_ids=list(self._stop_list), skip_special_tokens=False,
+            logprobs=params.top_logprobs, stop_token_ids=[] if params.ignore_stop else list(self._stop_list),
+            ignore_eos=params.ignore_stop, skip_special_tokens=False,
             detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
             # log-probs kept as flat lists, not a dict of Logprob objects per sampled token: vLLM's
             # front end appends each step's rows for every running request, on the event loop
