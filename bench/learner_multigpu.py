@@ -1,28 +1,52 @@
-"""Learner on several GPUs: our RL step under ZeRO-3 against plain DeepSpeed ZeRO-3 on HF's model with
-HF's loss, same ranks, same run.
+"""Learner on several GPUs: our RL step under ZeRO-3 against HF + Liger-Kernel and plain HF under DeepSpeed
+ZeRO-3, same ranks, same rows, one job.
 
-    torchrun --nproc_per_node 2 bench/learner_multigpu.py                 # Qwen2.5-1.5B shape, 16K tokens
-    python bench/learner_multigpu.py --nproc 2                            # the same, launching torchrun itself
-    python bench/learner_multigpu.py --nproc 2 --shape tiny --seq 256 --device cpu --steps 2 --warmup 1 \\
-        --name learner_multigpu_cpu_smoke                                  # the script end to end on CPU (gloo)
+    python bench/learner_multigpu.py --nproc 2 --shape 1.5b --rows recipe --name learner_recipe      # 1.5B on 2 GPUs
+    python bench/learner_multigpu.py --nproc 4 --shape 7b --rows recipe --name learner_recipe_7b     # 7B on 4 GPUs
+    python bench/learner_multigpu.py --nproc 2 --shape tiny --device cpu --steps 2 --warmup 1 --rows recipe \\
+        --row-tokens 512 --name learner_recipe_cpu_smoke                     # the script end to end on CPU (gloo)
+    python bench/learner_multigpu.py --nproc 2 --rows single                 # one unpacked 16K row a rank (old shape)
 
-Both sides: random-init weights of the shape, one sequence of `--seq` tokens per rank per step, ZeRO-3 over
-the ranks (parameters built sharded under deepspeed.zero.Init), bf16 with fp32 gradient accumulation,
-overlap_comm, AdamW; median over the timed steps. Gradients are reduced in fp32 by ours (`--grad-reduce`) and
-in bf16 by the baseline (DeepSpeed's default).
+The device run (liger-kernel from its wheel on PYTHONPATH):
 
-- ours: services.learner's PolicyEngine and rl_step (the clipped policy loss on rollout logprobs): the
-  vocabulary head is fused with the log-prob (services/learner/vocab_head.py) and runs in chunks of
-  `--chunk` tokens, so the 16K × 152K logits never exist at once; `--recompute` picks none, mlp (selective: each
-  layer's MLP recomputed in backward, attention kept) or layers (full gradient checkpointing); auto,
-  the default, takes the first of these that fits in memory (each attempt recorded).
-- baseline: HF Qwen2ForCausalLM (the same shape, random init) with `labels=ids` (HF's cross-entropy over the full
-  logits) under a plain DeepSpeed ZeRO-3 engine, as ../shared/tools/deepspeed_zero3_probe.py; without gradient
-  checkpointing first, and where that runs out of memory again with it (both attempts recorded).
+    CUDA_VISIBLE_DEVICES=2,3 python bench/learner_multigpu.py --nproc 2 --shape 1.5b --rows recipe --name learner_recipe
+    python bench/learner_multigpu.py --nproc 4 --shape 7b --rows recipe --name learner_recipe_7b
 
-MFU (services/learner/flops.py): PaLM count (6·N + 12·L·d·s per token) and causal-half beside it,
-against the card's dense bf16 peak. Targets (issue 33): ours ≥ 1.1× the baseline's tokens/s and
-≥ 50 % MFU (PaLM) within 80 GB. Results: bench/results/<name>.json (rank 0 writes).
+Rows (`--rows`):
+- recipe (default): each step trains packed rows of `--row-tokens` (the recipes' micro_batch_tokens, 32,768)
+  filled with trajectories whose lengths are drawn from a log-normal (sigma `--length-sigma`, 0.6) clipped to
+  [`--length-min`, `--length-max`] = [512, 30,000] with its location set so that the clipped mean is
+  `--length-mean`, 10,300 tokens (the SFT trajectories' mean; 30K the recipes' max_context_tokens); all three
+  scale with `--row-tokens` / 32,768 (a 512-token row: mean 161, at most 469). The stream of lengths is seeded by
+  the step, so every side trains the same rows. A step takes the longest prefix of the stream that the learner's
+  packing (services/learner/batching.py, first-fit decreasing) puts in exactly `--rows-per-rank` rows a rank,
+  with none left over (2: about 64K tokens a rank and step at 32K rows); positions restart at each trajectory.
+- single: one unpacked `--seq`-token sequence a rank (the learner_multigpu record's shape).
+
+Sides (`--sides`, each in processes of its own under `--nproc`; the record is rewritten after each):
+- ours: services.learner's PolicyEngine and rl_step (the clipped policy loss on rollout logprobs) on its real
+  path: packed attention by sequence boundaries (services/learner/attention.py: varlen or SDPA per sequence,
+  no [T, T] mask), the vocabulary head fused with the log-prob in chunks of `--chunk` tokens; `--recompute`
+  picks none, mlp (each layer's MLP recomputed in backward) or layers (full gradient checkpointing); auto,
+  the default, takes the first that fits in memory (each attempt recorded).
+- liger: HF Qwen2 with Liger-Kernel's RoPE, RMSNorm and SwiGLU (apply_liger_kernel_to_qwen2), and as loss
+  Liger's LigerFusedLinearGRPOLoss, the same clipped token-level policy loss as ours (eps 0.2 / 0.28, DAPO
+  token mean, no KL term) with the head fused in sequence × vocabulary chunks. Its advantages are one per
+  row, and a packed row mixes trajectories, so each token is handed over as a row of one. Packed rows go in
+  as transformers takes them: position ids restarting per trajectory, from which it builds the [B, 1, T, T]
+  block mask for SDPA (`--baseline-attn`; varlen kernels through `kernels` / flash-attn are not installed on
+  the devices). Without the Triton kernels (CPU) the side runs the Liger loss alone, marked in the record.
+- plain: HF Qwen2 and HF's loss (cross-entropy over the full logits, labels -100 off the loss tokens).
+Both baselines: random-init weights built under deepspeed.zero.Init, the same plain ZeRO-3 config (bf16, fp32
+gradient accumulation, overlap_comm, AdamW, DeepSpeed's gradient accumulation over the rank's rows), without
+gradient checkpointing first and with it where that runs out of memory (`--baseline-checkpointing`, every
+attempt recorded). In-process (under torchrun) liger runs last, since its patches change HF's Qwen2 classes.
+
+MFU (services/learner/flops.py): PaLM count (6·N + 12·L·d·s per token, s each trajectory's own length, so a
+packed row counts the sum over its trajectories) and causal-half beside it, against the card's dense bf16 peak.
+tokens/s: trajectory tokens (no padding) over the timed steps' time; min/max per step beside it.
+Targets (issue 45): ours >= 1.15x the Liger baseline's tokens/s, >= 50 % MFU (PaLM), <= 80 GiB a card at 1.5B.
+Results: bench/results/<name>.json and .md (rank 0 writes).
 """
 
 from __future__ import annotations
@@ -30,6 +54,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -45,6 +70,19 @@ from bench.gpu_shapes import SHAPES, qwen2_config  # noqa: E402
 
 
 RECOMPUTE = ("none", "mlp", "layers")
+SIDES = ("ours", "liger", "plain")
+RECIPE_ROW_TOKENS = 32768  # configs/qwen2.5-{7b,1.5b}-*.yaml learner.micro_batch_tokens
+RECIPE_LENGTHS = {"mean": 10300, "min": 512, "max": 30000}  # tokens at RECIPE_ROW_TOKENS (bench/time_model.py, rl.sampling)
+TARGETS = {"speedup_vs_liger_min": 1.15, "mfu_min": 0.5, "peak_gib_max": 80}
+
+
+def _sides(text: str) -> tuple[str, ...]:
+    """`--sides`: which implementations run, in order."""
+    sides = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in sides if t not in SIDES]
+    if bad or not sides:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a comma-separated list of {', '.join(SIDES)}")
+    return sides
 
 
 def _recompute_order(text: str) -> tuple[str, ...]:
@@ -59,8 +97,23 @@ def _recompute_order(text: str) -> tuple[str, ...]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
-    ap.add_argument("--seq", type=int, default=16384, help="tokens per sequence, one sequence per rank and step")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps (after --warmup)")
+    ap.add_argument("--rows", choices=["recipe", "single"], default="recipe",
+                    help="recipe: packed rows of trajectories drawn like the recipe's; single: one --seq row a rank")
+    ap.add_argument("--seq", type=int, default=16384, help="--rows single: tokens per sequence, one sequence per rank")
+    ap.add_argument("--row-tokens", type=int, default=RECIPE_ROW_TOKENS,
+                    help="--rows recipe: a packed row's capacity (the recipes' micro_batch_tokens)")
+    ap.add_argument("--rows-per-rank", type=int, default=2, help="--rows recipe: packed rows a rank trains per step")
+    ap.add_argument("--length-mean", type=float, default=None,
+                    help=f"trajectory tokens, mean of the clipped log-normal (default {RECIPE_LENGTHS['mean']:,} "
+                         f"scaled by --row-tokens / {RECIPE_ROW_TOKENS:,})")
+    ap.add_argument("--length-min", type=int, default=None, help=f"shortest trajectory (default {RECIPE_LENGTHS['min']} scaled)")
+    ap.add_argument("--length-max", type=int, default=None, help=f"longest trajectory (default {RECIPE_LENGTHS['max']:,} scaled)")
+    ap.add_argument("--length-sigma", type=float, default=0.6, help="the log-normal's sigma (spread of log length)")
+    ap.add_argument("--sides", type=_sides, default=SIDES, help=f"--rows recipe: comma-separated, of {', '.join(SIDES)}")
+    ap.add_argument("--baseline-attn", default="sdpa", help="the baselines' attn_implementation (transformers')")
+    ap.add_argument("--merge", action="store_true", help="add this run's sides to the record under --name "
+                    "(the --nproc wrapper passes it to every side after the first)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (after --warmup); default 4 recipe, 5 single")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--recompute", type=_recompute_order, default="auto",
@@ -96,22 +149,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="draw bench/results/<name>.png and exit: the first record with its baseline, then other runs "
                          "of ours from the same machine, each labelled")
     ap.add_argument("--workdir", default=None, help="where the random-init model is written (default: a temp dir)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.steps is None:
+        args.steps = 4 if args.rows == "recipe" else 5
+    scale = args.row_tokens / RECIPE_ROW_TOKENS
+    for key in ("mean", "min", "max"):
+        if getattr(args, f"length_{key}") is None:
+            setattr(args, f"length_{key}", max(2, round(RECIPE_LENGTHS[key] * scale)))
+    if not args.length_min <= args.length_mean <= args.length_max <= args.row_tokens:
+        ap.error("need --length-min <= --length-mean <= --length-max <= --row-tokens")
+    return args
 
 
 def launched() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def relaunch(args: argparse.Namespace, argv: list[str]) -> int:
+def without(argv: list[str], flag: str) -> list[str]:
+    """argv less `flag` and its value (`flag V` or `flag=V`)."""
+    return [a for i, a in enumerate(argv) if a != flag and (i == 0 or argv[i - 1] != flag)
+            and not a.startswith(flag + "=")]
+
+
+def relaunch(args: argparse.Namespace, argv: list[str], extra: tuple[str, ...] = ()) -> int:
     """Run this script under torchrun with --nproc ranks (the wrapper form of the single command)."""
     from services.learner.engine import free_port
 
-    rest = [a for i, a in enumerate(argv) if a != "--nproc" and (i == 0 or argv[i - 1] != "--nproc")
-            and not a.startswith("--nproc=")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), str(Path(__file__).resolve()), *rest]
+           "127.0.0.1", "--master_port", str(free_port()), str(Path(__file__).resolve()),
+           *without(argv, "--nproc"), *extra]
     return subprocess.call(cmd)
+
+
+def relaunch_sides(args: argparse.Namespace, argv: list[str]) -> int:
+    """Each side under torchrun in processes of its own, in turn, each adding itself to the record; a side
+    that fails does not stop the next. Returns the worst exit status."""
+    rest = [a for a in without(argv, "--sides") if a != "--merge"]
+    codes = []
+    for i, side in enumerate(args.sides):
+        print(f"[{time.strftime('%H:%M:%S')}] side {side}: {args.nproc} ranks", flush=True)
+        codes.append(relaunch(args, rest, ("--sides", side, *(("--merge",) if i or args.merge else ()))))
+        if codes[-1]:
+            print(f"[{time.strftime('%H:%M:%S')}] side {side} exited with {codes[-1]}", flush=True)
+    return max(codes)
 
 
 def log(rank: int, msg: str) -> None:
@@ -128,7 +208,7 @@ def setup(args: argparse.Namespace) -> tuple[int, int, bool]:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the engine picks gloo and fp32 on a machine without CUDA
     import deepspeed
 
-    if on_gpu and not args.skip_ours:
+    if on_gpu and not args.skip_ours and (args.rows == "single" or "ours" in args.sides):
         # NCCL reads its protocol when the first collective makes a communicator, so ours sets it here;
         # a baseline in these processes shares it (recorded), one run with --skip-ours keeps NCCL's choice
         from services.learner.config import EngineConfig
@@ -148,7 +228,7 @@ def build_model(args: argparse.Namespace, folder: Path, rank: int, on_gpu: bool)
     from transformers import Qwen2ForCausalLM
 
     if rank == 0 and not (folder / "config.json").is_file():
-        config = qwen2_config(args.shape, max(32768, args.seq))
+        config = qwen2_config(args.shape, max(32768, args.seq, args.row_tokens))
         torch.manual_seed(0)
         with torch.device("cuda" if on_gpu else "cpu"):
             model = Qwen2ForCausalLM(config).to(torch.bfloat16 if on_gpu else torch.float32)
@@ -209,13 +289,91 @@ def release(on_gpu: bool) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def summary(step_s: list[float], tokens: int, flops: float, flops_half: float, world: int, peak: float | None,
-            mem: float | None) -> dict:
+def summary(step_s: list[float], tokens: list[int], flops: list[float], flops_half: list[float], world: int,
+            peak: float | None, mem: float | None) -> dict:
+    """A side's figures from its timed steps (`tokens`, `flops`: each step's). Steps of equal work: the median
+    step; steps of different work (recipe rows): the timed steps' work over their time. tokens_per_s_min/max:
+    the spread of the steps' own rates."""
     s = statistics.median(step_s)
-    return {"step_s": round(s, 4), "tokens_per_s": round(tokens / s, 1),
-            "mfu": round(flops / s / (peak * world), 4) if peak else None,
-            "mfu_causal_half": round(flops_half / s / (peak * world), 4) if peak else None,
-            "peak_gib": mem, "steps_s": [round(x, 4) for x in step_s]}
+    if len(set(tokens)) == 1:
+        time_, tok, fl, half = s, tokens[0], flops[0], flops_half[0]
+    else:
+        time_, tok, fl, half = sum(step_s), sum(tokens), sum(flops), sum(flops_half)
+    rates = [t / x for t, x in zip(tokens, step_s)]
+    return {"step_s": round(s, 4), "tokens_per_s": round(tok / time_, 1),
+            "tokens_per_s_min": round(min(rates), 1), "tokens_per_s_max": round(max(rates), 1),
+            "mfu": round(fl / time_ / (peak * world), 4) if peak else None,
+            "mfu_causal_half": round(half / time_ / (peak * world), 4) if peak else None,
+            "peak_gib": mem, "steps_s": [round(x, 4) for x in step_s], "tokens_per_step": tokens}
+
+
+def length_location(mean: float, sigma: float, low: float, high: float) -> float:
+    """The log-normal's mu whose draws, clipped to [low, high], average `mean` (bisection on the closed form
+    E[clip(X, low, high)] = low·P(X<low) + high·P(X>high) + e^(mu+sigma²/2)·[Φ(b-sigma) - Φ(a-sigma)])."""
+    def phi(x: float) -> float:
+        return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+    def clipped_mean(mu: float) -> float:
+        a, b = (math.log(low) - mu) / sigma, (math.log(high) - mu) / sigma
+        return low * phi(a) + high * (1 - phi(b)) + math.exp(mu + sigma**2 / 2) * (phi(b - sigma) - phi(a - sigma))
+
+    lo, hi = math.log(low) - 10 * sigma, math.log(high) + 10 * sigma
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if clipped_mean(mid) < mean else (lo, mid)
+    return (lo + hi) / 2
+
+
+def recipe_lengths(args: argparse.Namespace, step: int, world: int):
+    """The step's trajectory lengths and the generator that then draws their tokens: the longest prefix of a
+    seeded stream of lengths that the learner packs into exactly --rows-per-rank rows a rank, every rank the
+    same count (so no filler rows); a stream that has none such is replaced by the next (another seed)."""
+    import torch
+
+    from services.learner.batching import Sequence_, pack_sequences, shard_rows
+
+    mu = length_location(args.length_mean, args.length_sigma, args.length_min, args.length_max)
+    want = args.rows_per_rank * world
+    for attempt_ in range(100):
+        g = torch.Generator().manual_seed(1_000_003 * step + attempt_)
+        lengths: list[int] = []
+        while sum(lengths) <= want * args.row_tokens:
+            x = float(torch.empty(1).log_normal_(mu, args.length_sigma, generator=g))
+            lengths.append(int(min(max(round(x), args.length_min), args.length_max)))
+        for n in range(len(lengths), 0, -1):
+            rows = pack_sequences([Sequence_([0] * m, [0] * m) for m in lengths[:n]], args.row_tokens)
+            if len(rows) < want:
+                break
+            shares = [sum(int(r.seq_index[0]) >= 0 for r in shard_rows(rows, world, k)) for k in range(world)]
+            if len(rows) == want and shares == [args.rows_per_rank] * world:
+                return lengths[:n], g
+    raise RuntimeError(f"no stream of trajectories packs into {args.rows_per_rank} rows a rank of {world}")
+
+
+def recipe_sequences(args: argparse.Namespace, step: int, world: int, vocab: int) -> list:
+    """The step's trajectories, the same on every rank and every side (`recipe_lengths`)."""
+    from bench.learner_gpu import _trajectory
+
+    lengths, g = recipe_lengths(args, step, world)
+    return [_trajectory(i, m, g, vocab) for i, m in enumerate(lengths)]
+
+
+def step_sequences(args: argparse.Namespace, step: int, world: int, vocab: int) -> list:
+    """The whole step's sequences, the same on every rank and side (rl_step and the baselines each take
+    this rank's rows of them)."""
+    if args.rows == "recipe":
+        return recipe_sequences(args, step, world, vocab)
+    from bench.learner_gpu import sequences
+
+    return sequences(world, args.seq, seed=step, vocab=vocab)
+
+
+def row_capacity(args: argparse.Namespace) -> int:
+    return args.row_tokens if args.rows == "recipe" else args.seq
+
+
+def rows_per_rank(args: argparse.Namespace) -> int:
+    return args.rows_per_rank if args.rows == "recipe" else 1
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -230,13 +388,12 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, on_gpu: bool,
              recompute: str) -> dict:
-    from bench.learner_gpu import sequences
     from services.learner.config import EngineConfig, ScheduleConfig
     from services.learner.engine import PolicyEngine
     from services.learner.flops import model_shape, peak_flops, train_flops
     from services.learner.steps import rl_step
 
-    cfg = EngineConfig(zero_stage=3, precision="auto", micro_batch_tokens=args.seq, micro_batch_rows=1,
+    cfg = EngineConfig(zero_stage=3, precision="auto", micro_batch_tokens=row_capacity(args), micro_batch_rows=1,
                        pad_to_multiple=256 if on_gpu else 1, logprob_chunk_tokens=args.chunk, head_kernels=args.head_kernels,
                        gradient_checkpointing=recompute == "layers", recompute_mlp=recompute == "mlp",
                        attn_implementation="sdpa", sdpa_backends=None if args.sdpa == "default" else
@@ -248,28 +405,29 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
     n_params = engine.num_parameters()
     layers, width = model_shape(engine.lm_config)
     log(rank, f"ours: {n_params / 1e9:.3f} B params, {world} ranks, ZeRO-3, bf16={engine.bf16}, "
-              f"recompute={recompute}")
-    times = []
+              f"recompute={recompute}, packed attention {cfg.packed_attention}")
+    times, tokens, flops, half = [], [], [], []
     try:
         for k in range(args.warmup + args.steps):
-            # one sequence per rank: rl_step hands each rank its rows
-            seqs = sequences(world, args.seq, seed=k, vocab=engine.lm_config.vocab_size)
+            # the whole step's sequences: rl_step packs them and hands each rank its rows
+            seqs = step_sequences(args, k, world, engine.lm_config.vocab_size)
             m = rl_step(engine, seqs, eps_low=0.2, eps_high=0.28).metrics
             log(rank, f"ours step {k}: {m['time_compute_s']:.3f} s, {m['tokens_per_s']:.0f} tok/s, "
                       f"mfu {m.get('mfu', float('nan')):.3f}, loss {m['loss']:.4f}")
             if k >= args.warmup:
+                lens = [len(q) for q in seqs]
                 times.append(m["time_compute_s"])
+                tokens.append(sum(lens))
+                flops.append(train_flops(n_params, layers, width, lens))
+                half.append(train_flops(n_params, layers, width, lens, causal_half=True))
         if args.profile:
             profile_step(engine, world, args, rank, on_gpu)
-        tokens = world * args.seq
-        flops = train_flops(n_params, layers, width, [args.seq] * world)
-        half = train_flops(n_params, layers, width, [args.seq] * world, causal_half=True)
         out = summary(times, tokens, flops, half, world, peak_flops() if on_gpu else None, peak_gib(on_gpu))
         return {"params": n_params, "recompute": recompute, "chunk": args.chunk, "head_kernels": args.head_kernels,
                 "grad_reduce": args.grad_reduce, "compile_layers": args.compile,
                 "fuse_pointwise": args.fuse_pointwise, "reduce_bucket_m": args.reduce_bucket,
                 "layer_units": args.layer_units, "persistent_weights_gib": cfg.persistent_weights_gib,
-                "nccl_proto": os.environ.get("NCCL_PROTO"), **out}
+                "packed_attention": cfg.packed_attention, "nccl_proto": os.environ.get("NCCL_PROTO"), **out}
     finally:
         engine.close()
         del engine
@@ -282,10 +440,9 @@ def profile_step(engine, world: int, args: argparse.Namespace, rank: int, on_gpu
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.learner_gpu import sequences
     from services.learner.steps import rl_step
 
-    seqs = sequences(world, args.seq, seed=10_000, vocab=engine.lm_config.vocab_size)
+    seqs = step_sequences(args, 10_000, world, engine.lm_config.vocab_size)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities) as prof:
         seconds = rl_step(engine, seqs, eps_low=0.2, eps_high=0.28).metrics["time_compute_s"]
@@ -294,28 +451,97 @@ def profile_step(engine, world: int, args: argparse.Namespace, rank: int, on_gpu
         table = prof.key_averages().table(sort_by=key, row_limit=45, max_name_column_width=70)
         path = ROOT / "bench" / "results" / f"{args.name}_profile.txt"
         path.write_text(f"# one step of ours under torch.profiler ({seconds:.3f} s with the profiler on), "
-                        f"shape {args.shape}, seq {args.seq}, {world} ranks, sorted by {key}\n\n{table}\n")
+                        f"shape {args.shape}, rows {args.rows}, {world} ranks, sorted by {key}\n\n{table}\n")
         log(rank, f"profile: {path}")
 
 
+def liger_kernels(on_gpu: bool) -> tuple[object | None, list[str], str | None]:
+    """Liger-Kernel's GRPO loss class, the kernels applied to HF's Qwen2 (before the model is built), and why
+    a part is missing: (None, [], reason) without the package; the loss alone without CUDA (its Triton kernels
+    do not run on CPU)."""
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+        from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+    except ImportError as exc:
+        return None, [], f"liger-kernel not importable: {exc}"
+    if not on_gpu:
+        return LigerFusedLinearGRPOLoss, [], "no CUDA: Liger's Triton kernels (RoPE, RMSNorm, SwiGLU) not applied"
+    apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                fused_linear_cross_entropy=True)
+    return LigerFusedLinearGRPOLoss, ["rope", "rms_norm", "swiglu", "fused_linear_cross_entropy"], None
+
+
+def liger_policy(lm, loss_cls, chunk: int, compiled: bool):
+    """The Liger side's module: HF's decoder, then Liger's fused linear GRPO loss on its last hidden states
+    (as TRL's use_liger_loss); forward(ids, positions, targets, mask, old logprobs, advantages) → loss.
+    Tokens go to the loss as rows of one ([N, 1, H]): its advantages are one per row and a packed row
+    holds several trajectories, so this keeps each token's own advantage; DAPO's normalizer (loss tokens of
+    the micro-batch) is the same token mean."""
+    import torch
+
+    class _Policy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = lm
+            self.loss = loss_cls(beta=0.0, use_ref_model=False, compiled=compiled, chunk_size=chunk,
+                                 epsilon_low=0.2, epsilon_high=0.28, loss_type="dapo", temperature=1.0)
+
+        def forward(self, ids, positions, targets, mask, old, adv):
+            hidden = self.lm.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+            one = (lambda t: t.reshape(-1, 1))
+            loss, _ = self.loss(hidden.reshape(-1, 1, hidden.shape[-1]), self.lm.lm_head.weight, one(targets),
+                                one(mask), adv.reshape(-1).float(), old_per_token_logps=one(old).float())
+            return loss
+
+    return _Policy()
+
+
+def baseline_ds_config(on_gpu: bool, world: int, micro_batches: int) -> dict:
+    """The baselines' plain ZeRO-3 (as ../shared/tools/deepspeed_zero3_probe.py), with DeepSpeed's own
+    gradient accumulation over the rank's `micro_batches` rows of a step."""
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro_batches,
+           "train_batch_size": micro_batches * world, "bf16": {"enabled": on_gpu},
+           "zero_optimization": {"stage": 3, "overlap_comm": on_gpu, "contiguous_gradients": True,
+                                 "stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5},
+           "optimizer": {"type": "AdamW", "params": {"lr": 2e-6, "torch_adam": True, "adam_w_mode": True}},
+           "steps_per_print": 10**9}
+    if on_gpu:
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    return cfg
+
+
+def hf_labels(batch) -> "object":
+    """HF's `labels` for a packed micro-batch: HF predicts labels[t + 1] at t, so labels[t + 1] is the learner's
+    target at t where it carries loss, and -100 elsewhere (never across a trajectory's boundary)."""
+    import torch
+
+    labels = torch.full_like(batch.input_ids, -100)
+    labels[:, 1:] = torch.where(batch.mask[:, :-1] > 0, batch.targets[:, :-1], -100)
+    return labels
+
+
 def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: int, on_gpu: bool,
-                 checkpointing: bool) -> dict:
-    """Plain DeepSpeed ZeRO-3: HF's model and HF's loss (full logits), as the probe in ../shared/tools."""
+                 checkpointing: bool, side: str = "plain") -> dict:
+    """A baseline under plain DeepSpeed ZeRO-3 on the rows ours trains: plain (HF's model and loss over the
+    full logits) or liger (HF's model with Liger's kernels and fused GRPO loss)."""
     import deepspeed
     import torch
     from transformers import AutoConfig, Qwen2ForCausalLM
 
+    from services.learner.batching import rank_micro_batches
     from services.learner.flops import model_shape, peak_flops, train_flops
 
     bf16 = on_gpu
-    ds_cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": bf16},
-              "zero_optimization": {"stage": 3, "overlap_comm": on_gpu, "contiguous_gradients": True,
-                                    "stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5},
-              "optimizer": {"type": "AdamW", "params": {"lr": 2e-6, "torch_adam": True, "adam_w_mode": True}},
-              "steps_per_print": 10**9}
-    if bf16:
-        ds_cfg["data_types"] = {"grad_accum_dtype": "fp32"}
-    config = AutoConfig.from_pretrained(model_dir, attn_implementation="sdpa")
+    ds_cfg = baseline_ds_config(on_gpu, world, rows_per_rank(args))
+    extra: dict = {}
+    if side == "liger":
+        loss_cls, kernels, missing = liger_kernels(on_gpu)
+        if loss_cls is None:
+            return {"skipped": missing}
+        extra = {"liger_kernels": kernels, "liger_loss": "LigerFusedLinearGRPOLoss(loss_type=dapo, beta=0)",
+                 **({"liger_missing": missing} if missing else {})}
+    attn = args.baseline_attn if args.rows == "recipe" else "sdpa"
+    config = AutoConfig.from_pretrained(model_dir, attn_implementation=attn)
     # Built as the probe builds it: random init, each parameter partitioned as it is created. (Loaded
     # through from_pretrained instead, the first step's full fp32 logits ran out of memory on 80 GB.)
     with deepspeed.zero.Init(config_dict_or_path=ds_cfg, dtype=torch.bfloat16 if bf16 else torch.float32):
@@ -323,37 +549,55 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+    module = model
+    if side == "liger":
+        module = liger_policy(model, loss_cls, args.chunk, compiled=on_gpu)
+        # the loss reads the head's weight directly, not through lm_head's forward (whose hooks would gather it)
+        deepspeed.zero.register_external_parameter(module, model.lm_head.weight)
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=ds_cfg)
     device = engine.device
-    g = torch.Generator(device="cpu").manual_seed(rank)
-    times = []
-    log(rank, f"baseline: HF model + HF loss, ZeRO-3, checkpointing={checkpointing}")
+    pad = 256 if on_gpu else 1
+    times, tokens, flops, half = [], [], [], []
+    layers, width = model_shape(config)
+    log(rank, f"{side}: HF model{' + Liger' if side == 'liger' else ''}, ZeRO-3, checkpointing={checkpointing}, "
+              f"attention {attn}{', ' + str(extra) if extra else ''}")
     try:
         for k in range(args.warmup + args.steps):
-            ids = torch.randint(0, config.vocab_size, (1, args.seq), generator=g).to(device)
+            seqs = step_sequences(args, k, world, config.vocab_size)
             if on_gpu:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
+            batches = rank_micro_batches(seqs, row_capacity(args), world, rank, 1, pad)
+            if len(batches) != rows_per_rank(args):
+                raise RuntimeError(f"{len(batches)} micro-batches on rank {rank}, DeepSpeed set for {rows_per_rank(args)}")
+            for b in batches:
+                ids, pos = b.input_ids.to(device), b.position_ids.to(device)
+                if side == "liger":
+                    loss = engine(ids, pos, b.targets.to(device), b.mask.to(device), b.old_logp.to(device),
+                                  b.advantages.to(device))
+                elif args.rows == "recipe":
+                    loss = engine(input_ids=ids, position_ids=pos, labels=hf_labels(b).to(device)).loss
+                else:
+                    loss = engine(input_ids=ids, labels=ids).loss
+                engine.backward(loss)
+                engine.step()  # DeepSpeed's boundary: the optimizer steps after the rank's last row
             if on_gpu:
                 torch.cuda.synchronize()
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
             torch.distributed.all_reduce(dt, op=torch.distributed.ReduceOp.MAX)  # the slowest rank's step
-            log(rank, f"baseline step {k}: {dt.item():.3f} s, loss {loss.item():.4f}")
+            log(rank, f"{side} step {k}: {dt.item():.3f} s, loss {loss.item():.4f}")
             if k >= args.warmup:
+                lens = [len(q) for q in seqs]
                 times.append(float(dt.item()))
-        layers, width = model_shape(config)
-        flops = train_flops(n_params, layers, width, [args.seq] * world)
-        half = train_flops(n_params, layers, width, [args.seq] * world, causal_half=True)
-        out = summary(times, world * args.seq, flops, half, world, peak_flops() if on_gpu else None,
-                      peak_gib(on_gpu))
-        return {"params": n_params, "gradient_checkpointing": checkpointing,
-                "nccl_proto": os.environ.get("NCCL_PROTO"), **out}
+                tokens.append(sum(lens))
+                flops.append(train_flops(n_params, layers, width, lens))
+                half.append(train_flops(n_params, layers, width, lens, causal_half=True))
+        out = summary(times, tokens, flops, half, world, peak_flops() if on_gpu else None, peak_gib(on_gpu))
+        return {"params": n_params, "gradient_checkpointing": checkpointing, "attn_implementation": attn,
+                "nccl_proto": os.environ.get("NCCL_PROTO"), **extra, **out}
     finally:
         engine.destroy()
-        del engine, model
+        del engine, model, module
         release(on_gpu)
 
 
@@ -368,6 +612,168 @@ def attempt(fn, *a, **kw) -> dict:
             raise
         error, result = f"OOM: {str(exc)[:200]}", {}
     return {"oom": True, "error": error} if error else result
+
+
+def recipe_rows_facts(args: argparse.Namespace, world: int, on_gpu: bool) -> dict:
+    """What the recipe rows were: the length distribution and, per timed step, the trajectories drawn."""
+    steps = []
+    for k in range(args.warmup, args.warmup + args.steps):
+        lengths, _ = recipe_lengths(args, k, world)
+        steps.append({"step": k, "trajectories": len(lengths), "tokens": sum(lengths),
+                      "mean": round(sum(lengths) / len(lengths)), "max": max(lengths), "min": min(lengths)})
+    every = [s["tokens"] / s["trajectories"] for s in steps]
+    return {"mode": "recipe", "row_tokens": args.row_tokens, "rows_per_rank": args.rows_per_rank,
+            "pad_to_multiple": 256 if on_gpu else 1,
+            "lengths": {"distribution": "log-normal, clipped", "mean": args.length_mean, "min": args.length_min,
+                        "max": args.length_max, "sigma": args.length_sigma,
+                        "mu": round(length_location(args.length_mean, args.length_sigma, args.length_min,
+                                                    args.length_max), 4)},
+            "drawn_mean": round(statistics.mean(every)), "timed_steps": steps}
+
+
+def finish_record(record: dict) -> None:
+    """Ratios, ours' figures at the top level (as the single-row record has them) and the targets."""
+    sides = record["sides"]
+    ours, liger, plain = (sides.get(k) or {} for k in SIDES)
+
+    def ratio(a: dict, b: dict) -> float | None:
+        return round(a["tokens_per_s"] / b["tokens_per_s"], 3) if a.get("tokens_per_s") and b.get("tokens_per_s") else None
+
+    record["speedup_vs_liger"] = ratio(ours, liger)
+    record["speedup_vs_plain"] = ratio(ours, plain)
+    for key in ("tokens_per_s", "mfu", "mfu_causal_half", "peak_gib", "step_s"):
+        record[key] = ours.get(key)
+    record["targets"] = TARGETS
+    record["targets_met"] = {
+        "speedup_vs_liger": None if record["speedup_vs_liger"] is None
+        else record["speedup_vs_liger"] >= TARGETS["speedup_vs_liger_min"],
+        "mfu": None if ours.get("mfu") is None else ours["mfu"] >= TARGETS["mfu_min"],
+        "peak_gib": None if ours.get("peak_gib") is None else ours["peak_gib"] <= TARGETS["peak_gib_max"]}
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{100 * x:.1f} %"
+
+
+def write_markdown(record: dict, path: Path) -> None:
+    """The record as a table: one line per side, then the ratios against the targets and every attempt."""
+    rows = record["rows"]
+    lines = [f"# The learner on the recipe's rows: {record['world_size']}× {record['device']}, {record['shape']} shape, "
+             f"ZeRO-3", "",
+             f"Written by `bench/learner_multigpu.py` (`{record['name']}.json`). Rows: {rows['rows_per_rank']} packed rows "
+             f"of {rows['row_tokens']:,} tokens a rank and step, trajectories of log-normal lengths (sigma "
+             f"{rows['lengths']['sigma']}) clipped to {rows['lengths']['min']:,}-{rows['lengths']['max']:,}, mean "
+             f"{rows['lengths']['mean']:,} (drawn: {rows['drawn_mean']:,}); the same rows for every side. "
+             f"tokens/s: trajectory tokens over the timed steps' time (min-max of the steps' own rates).", "",
+             "| side | tokens/s | min-max | MFU (PaLM) | MFU (causal-half) | peak GiB | step s | memory option |",
+             "|---|---|---|---|---|---|---|---|"]
+    names = {"ours": "ours (services.learner)", "liger": "HF + Liger-Kernel", "plain": "plain HF"}
+    for side in SIDES:
+        r = record["sides"].get(side)
+        if r is None:
+            continue
+        if not r.get("tokens_per_s"):
+            why = r.get("skipped") or r.get("error") or "out of memory"
+            lines.append(f"| {names[side]} | {why} | | | | | | |")
+            continue
+        option = (f"recompute {r['recompute']}" if side == "ours" else
+                  "gradient checkpointing" if r.get("gradient_checkpointing") else "none")
+        lines.append(f"| {names[side]} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s_min']:,.0f}-"
+                     f"{r['tokens_per_s_max']:,.0f} | {_pct(r['mfu'])} | {_pct(r['mfu_causal_half'])} | "
+                     f"{r['peak_gib'] if r['peak_gib'] is not None else ''} | {r['step_s']} | {option} |")
+    t = record["targets"]
+    def times(x: float | None) -> str:
+        return "n/a" if x is None else f"{x}×"
+
+    lines += ["", f"ours / Liger: **{times(record['speedup_vs_liger'])}** (target ≥ {t['speedup_vs_liger_min']}×); "
+                  f"ours / plain: {times(record['speedup_vs_plain'])}; ours' MFU (PaLM) {_pct(record['mfu']) or 'n/a'} "
+                  f"(target ≥ {_pct(t['mfu_min'])}); peak {record['peak_gib'] or 'n/a'} GiB (target ≤ {t['peak_gib_max']} "
+                  f"at 1.5B). "
+                  f"Targets met: {record['targets_met']}.", "", "Attempts (each side's memory options, in order):", ""]
+    for side, tries in record["attempts"].items():
+        for a in tries:
+            option = {k: a[k] for k in ("recompute", "gradient_checkpointing") if k in a}
+            outcome = a.get("error") or a.get("skipped") or f"{a.get('tokens_per_s', 0):,.0f} tokens/s"
+            lines.append(f"- {side} {option}: {outcome}")
+    liger = record["sides"].get("liger") or {}
+    if liger.get("liger_missing") or liger.get("skipped"):
+        lines += ["", f"Liger side: {liger.get('liger_missing') or liger.get('skipped')}."]
+    lines += ["", f"Baselines' attention: `{record['baseline_attn']}` from position ids (transformers' [B, 1, T, T] "
+                  "block mask; no varlen kernel: `kernels` and flash-attn are not installed).",
+              f"torch {record['torch']}, transformers {record['transformers']}, deepspeed {record['deepspeed']}, "
+              f"liger-kernel {record['liger_kernel']}; {record['date']}.", ""]
+    path.write_text("\n".join(lines))
+
+
+def run_recipe(args: argparse.Namespace, argv: list[str], model_dir: Path, rank: int, world: int,
+               on_gpu: bool) -> int:
+    """The sides on recipe rows, in these processes, the record (JSON and .md) rewritten after each side.
+    A side that fails is recorded and the next one runs. Returns 1 where a side failed."""
+    import traceback
+    from importlib import metadata
+
+    import torch
+
+    out = ROOT / "bench" / "results" / f"{args.name}.json"
+    record = json.loads(out.read_text()) if args.merge and out.is_file() else {}
+    versions = {}
+    for package in ("transformers", "deepspeed", "liger_kernel"):
+        try:
+            versions[package] = metadata.version(package.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            mod = sys.modules.get(package)
+            versions[package] = getattr(mod, "__version__", None) if mod else None
+    device = torch.cuda.get_device_name(0) if on_gpu else f"cpu ({platform.processor() or platform.machine()})"
+    record.update({"name": args.name, "device": device, "world_size": world, "zero_stage": 3, "shape": args.shape,
+                   "rows": recipe_rows_facts(args, world, on_gpu) if rank == 0 else None,
+                   "baseline_attn": args.baseline_attn, "host": host_facts(on_gpu), "torch": torch.__version__,
+                   **versions, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
+    for key in ("sides", "attempts", "commands"):
+        record.setdefault(key, {})
+    command = f"torchrun --nproc_per_node {world} bench/learner_multigpu.py {' '.join(argv)}"
+    failed = False
+    # in these processes Liger's patches of HF's Qwen2 classes would reach every side after it: liger last
+    for side in sorted(args.sides, key=lambda x: x == "liger"):
+        log(rank, f"side {side}: start")
+        tries: list[dict] = []
+        result: dict = {}
+        try:
+            if side == "ours":
+                options = [("recompute", r, lambda r=r: attempt(run_ours, args, model_dir, rank, world, on_gpu, r))
+                           for r in args.recompute]
+            else:
+                choice = {"auto": (False, True), "off": (False,), "on": (True,)}[args.baseline_checkpointing]
+                options = [("gradient_checkpointing", c, lambda c=c, side=side: attempt(
+                    run_baseline, args, model_dir, rank, world, on_gpu, c, side)) for c in choice]
+            for key, value, run in options:
+                r = run()
+                tries.append({key: value, **r})
+                if not r.get("oom"):
+                    result = r
+                    break
+            else:
+                result = {"oom": True, "error": "out of memory with every option"}
+        except Exception as exc:  # recorded; the next side still runs
+            failed = True
+            if rank == 0:
+                traceback.print_exc()
+            result = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+            release(on_gpu)
+        record["sides"][side] = result
+        record["attempts"][side] = tries
+        record["commands"][side] = command
+        if rank == 0:
+            finish_record(record)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(record, indent=2) + "\n")
+            write_markdown(record, out.with_suffix(".md"))
+        log(rank, f"side {side}: " + json.dumps({k: result.get(k) for k in ("tokens_per_s", "mfu", "mfu_causal_half",
+                                                                                 "peak_gib", "step_s", "error", "skipped")}))
+    if rank == 0:
+        print(json.dumps({k: record.get(k) for k in ("device", "world_size", "tokens_per_s", "mfu", "peak_gib",
+                                                     "speedup_vs_liger", "speedup_vs_plain")}), flush=True)
+        print(f"wrote {out} and {out.with_suffix('.md')}", flush=True)
+    return 1 if failed else 0
 
 
 def plot_runs(items: list[str], path: Path) -> None:
@@ -417,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not launched():
         if args.nproc:
-            return relaunch(args, argv)
+            return relaunch_sides(args, argv) if args.rows == "recipe" else relaunch(args, argv)
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
         from services.learner.engine import free_port
 
@@ -430,6 +836,11 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir or tempfile.gettempdir()) / f"star-learner-multigpu-{args.shape}"
     work.mkdir(parents=True, exist_ok=True)
     model_dir = build_model(args, work / "model", rank, on_gpu)
+    if args.rows == "recipe":
+        code = run_recipe(args, argv, model_dir, rank, world, on_gpu)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        return code
     ours: dict = {}
     ours_attempts = []
     out = ROOT / "bench" / "results" / f"{args.name}.json"

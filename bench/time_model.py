@@ -263,7 +263,7 @@ def measure(args: argparse.Namespace) -> None:
               "--inflight-modes", "", "--name", f"{args.prefix}_rollout"], timeout=1800)
     if "learner" in args.parts:
         _run([py, "bench/learner_multigpu.py", "--shape", "7b", "--nproc", str(args.gpus), "--seq", "16384",
-              "--steps", "3", "--warmup", "1", "--recompute", "mlp,layers", "--skip-baseline",
+              "--steps", "3", "--warmup", "1", "--recompute", "mlp,layers", "--skip-baseline", "--rows", "single",
               "--name", f"{args.prefix}_learner"], timeout=1800)
     if "sync" in args.parts:
         _run([py, "bench/weight_sync_gpu.py", "--shapes", "7b", "--methods", "nccl", "--rounds", "3",

@@ -193,6 +193,16 @@ def micro_batches(rows: Sequence[PackedRow], rows_per_batch: int, pad_to_multipl
             for i in range(0, len(ordered), rows_per_batch)]
 
 
+def rank_micro_batches(seqs: Sequence[Sequence_], capacity: int, world_size: int, rank: int, rows_per_batch: int = 1,
+                       pad_to_multiple: int = 1, loss_agg: alg.LossAggregation = "token-mean") -> list[PackedRow]:
+    """This rank's micro-batches ([B, T] each) of a step's sequences: packed into rows of `capacity`
+    tokens, weighted over the whole step, shared out among the ranks and stacked. Every rank passes
+    the whole step's sequences and gets its own share."""
+    rows = pack_sequences(seqs, capacity)
+    assign_weights(rows, loss_agg, {s.index: s.group for s in seqs if s.group})
+    return micro_batches(shard_rows(rows, world_size, rank), rows_per_batch, pad_to_multiple)
+
+
 # ---- RL: scored trajectories → sequences with advantages -------------------------------------
 
 @dataclass

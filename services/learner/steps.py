@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.learner import algorithms as alg
-from services.learner.batching import PackedRow, Sequence_, assign_weights, micro_batches, pack_bins, pack_sequences, \
-    shard_rows
+from services.learner.batching import PackedRow, Sequence_, pack_bins, rank_micro_batches
 from services.learner.config import RLConfig
 from services.learner.engine import PolicyEngine
 from services.learner.flops import model_shape, peak_flops, train_flops
@@ -40,10 +39,8 @@ def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 def prepare_rows(engine: PolicyEngine, seqs: Sequence[Sequence_],
                  loss_agg: alg.LossAggregation = "token-mean") -> list[PackedRow]:
     """This rank's micro-batches ([B, T] each) of the step's packed, weighted rows."""
-    rows = pack_sequences(seqs, engine.cfg.micro_batch_tokens)
-    assign_weights(rows, loss_agg, {s.index: s.group for s in seqs if s.group})
-    return micro_batches(shard_rows(rows, engine.world_size, engine.rank), engine.cfg.micro_batch_rows,
-                         engine.cfg.pad_to_multiple)
+    return rank_micro_batches(seqs, engine.cfg.micro_batch_tokens, engine.world_size, engine.rank,
+                              engine.cfg.micro_batch_rows, engine.cfg.pad_to_multiple, loss_agg)
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

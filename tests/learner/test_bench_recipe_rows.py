@@ -1,0 +1,85 @@
+"""The learner benchmark's recipe rows (bench/learner_multigpu.py): the lengths drawn, the rows every side
+trains, the labels the HF baselines get, and the figures a side reports."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from bench.learner_multigpu import (hf_labels, length_location, parse_args, recipe_lengths, recipe_sequences,
+                                    summary, without)
+from services.learner.batching import rank_micro_batches
+from services.learner.flops import train_flops
+
+
+def test_length_location_gives_the_clipped_mean():
+    mu = length_location(10300, 0.6, 512, 30000)
+    rng = random.Random(0)
+    draws = [min(max(math.exp(rng.gauss(mu, 0.6)), 512), 30000) for _ in range(200_000)]
+    assert sum(draws) / len(draws) == pytest.approx(10300, rel=0.01)
+
+
+def test_recipe_lengths_scale_with_the_row():
+    args = parse_args(["--row-tokens", "512"])
+    assert (args.length_min, args.length_mean, args.length_max) == (8, 161, 469)
+    full = parse_args([])
+    assert (full.row_tokens, full.length_mean, full.length_max, full.rows_per_rank) == (32768, 10300, 30000, 2)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_rank_gets_the_same_rows_and_exactly_its_share(world):
+    args = parse_args(["--row-tokens", "2048", "--rows-per-rank", "2"])
+    for step in range(3):
+        lengths, _ = recipe_lengths(args, step, world)
+        assert lengths == recipe_lengths(args, step, world)[0]  # every side and rank draws the same
+        assert max(lengths) <= args.length_max and min(lengths) >= args.length_min
+        seqs = recipe_sequences(args, step, world, vocab=1000)
+        assert [len(s) for s in seqs] == lengths
+        seen = []
+        for rank in range(world):
+            batches = rank_micro_batches(seqs, args.row_tokens, world, rank, 1, 256)
+            assert len(batches) == args.rows_per_rank  # DeepSpeed's accumulation steps of the baselines
+            for b in batches:
+                assert b.input_ids.shape[1] % 256 == 0 and b.input_ids.shape[1] <= args.row_tokens
+                assert (b.seq_index >= 0).any()  # no filler row
+                seen += sorted(set(b.seq_index[b.seq_index >= 0].tolist()))
+        assert sorted(seen) == list(range(len(seqs)))  # each trajectory trained once, on one rank
+    assert recipe_lengths(args, 0, world)[0] != recipe_lengths(args, 1, world)[0]
+
+
+def test_hf_labels_are_the_learner_targets_shifted_and_stop_at_boundaries():
+    args = parse_args(["--row-tokens", "512"])
+    seqs = recipe_sequences(args, 0, 1, vocab=1000)
+    b = rank_micro_batches(seqs, args.row_tokens, 1, 0, 1, 64)[0]
+    labels = hf_labels(b)
+    # HF's loss predicts labels[t + 1] at position t
+    shifted = labels[:, 1:]
+    loss_at = b.mask[:, :-1] > 0
+    assert torch.equal(shifted[loss_at], b.targets[:, :-1][loss_at])
+    assert (shifted[~loss_at] == -100).all() and labels[0, 0] == -100
+    starts = (b.position_ids[0, 1:] == 0).nonzero().flatten() + 1  # a trajectory's first token: no label
+    assert len(starts) > 0 and (labels[0, starts] == -100).all()
+    assert int((labels != -100).sum()) == int(b.mask.sum())
+
+
+def test_packed_rows_count_attention_per_trajectory():
+    lens = [12000, 9000, 11768]
+    assert train_flops(10, 2, 8, lens) == sum(train_flops(10, 2, 8, [n]) for n in lens)
+    assert train_flops(10, 2, 8, lens) < train_flops(10, 2, 8, [sum(lens)])
+
+
+def test_summary_of_steps_of_different_work_uses_their_totals():
+    out = summary([1.0, 2.0, 4.0], [100, 400, 400], [10.0, 40.0, 40.0], [5.0, 20.0, 20.0], 2, 10.0, None)
+    assert out["tokens_per_s"] == pytest.approx(900 / 7, abs=0.1)
+    assert (out["tokens_per_s_min"], out["tokens_per_s_max"]) == (100.0, 200.0)
+    assert out["mfu"] == pytest.approx(90 / 7 / 20, abs=1e-4) and out["step_s"] == 2.0
+    same = summary([1.0, 3.0, 2.0], [100] * 3, [10.0] * 3, [5.0] * 3, 1, None, None)
+    assert same["tokens_per_s"] == 50.0 and same["mfu"] is None  # equal steps: the median step
+
+
+def test_without_strips_a_flag_and_its_value():
+    argv = ["--nproc", "2", "--sides=ours", "--name", "x", "--sides", "liger"]
+    assert without(without(argv, "--nproc"), "--sides") == ["--name", "x"]
