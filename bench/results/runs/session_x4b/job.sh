@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One 4-GPU device job, a lane per GPU (or pair), each lane archived into bench/results/lane_<name>.tgz as it
+# ends (started by `bench/gpu_device.sh start bash bench/results/runs/session_x4b/job.sh`, fetched by
+# `bench/gpu_device.sh poll 'lane_*.tgz'`):
+#   GPU 0:   the proof recipe (SFT → RL → held-out evaluation), configs/smollm2-proof.yaml as it is now
+#   GPU 1:   Gemma 3 on vLLM against the learner (bench/model_families.py), then bench/rollout_limit.py at
+#            256 agents: the defaults again (run-to-run spread) and engine variants
+#   GPU 2-3: weight sync across network namespaces over NCCL's socket transport (bench/weight_sync_hosts.py),
+#            then the learner at the recipe's packed rows against HF + Liger (bench/learner_multigpu.py)
+set -u
+R=bench/results
+GGUF=/tmp/star-gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+# extra wheels (pyroute2, liger-kernel) beside the vLLM ones
+[ -d .diag/whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .diag/whl/*.whl
+lane() {  # lane NAME GPUS CMD...
+  local name=$1 gpu=$2; shift 2
+  mkdir -p $R/lane/$name
+  ( export CUDA_VISIBLE_DEVICES=$gpu; echo "[$(date +%T)] lane $name on GPU $gpu: $*"; "$@"; echo "[$(date +%T)] lane $name rc=$?" ) \
+    > $R/lane/$name/lane.log 2>&1
+}
+pack() {  # pack NAME FILES...: the lane's log and files into one archive
+  local name=$1; shift
+  tar -czf $R/lane_$name.tgz $R/lane/$name "$@" 2>/dev/null
+  echo "[$(date +%T)] packed lane $name"
+}
+proof() {
+  lane proof 0 timeout 1140 python bench/gpu_proof.py --gguf $GGUF --work /tmp/star-proof --out /tmp/star-proof-out \
+    --eval-batch 128 --phases convert,sft,eval_sft,rl_async,eval_rl,report --finish-within-min 18
+  mkdir -p /tmp/pp/logs && cp /tmp/star-proof-out/gpu_proof.* /tmp/pp/ 2>/dev/null
+  cp /tmp/star-proof/run/rl/metrics.jsonl /tmp/pp/gpu_proof_rl_async.jsonl 2>/dev/null
+  for f in /tmp/star-proof/run/logs/{rollout-0,learner,sandbox,reward-0}.log; do
+    [ -f "$f" ] && tail -c 200000 "$f" > /tmp/pp/logs/$(basename "$f"); done
+  pack proof /tmp/pp
+}
+families_limit() {
+  lane families 1 timeout 300 python bench/model_families.py --gpu --families gemma3 --tokenizers .diag/family_tokenizers.tar.xz
+  pack families $R/model_families.json
+  local v
+  for v in default block64 full; do
+    case $v in
+      default) set -- ;;
+      block64) set -- --vllm-set 'extra={"block_size":64}' ;;
+      full) set -- --vllm-set cudagraph_mode=FULL ;;
+    esac
+    lane limit_$v 1 timeout 330 python bench/rollout_limit.py --runs 1.5b=256 --updates '' --name rollout_limit_256_$v "$@"
+  done
+  pack limit $R/rollout_limit_256_*
+}
+sync_learner() {
+  lane sync 2,3 timeout 540 python bench/weight_sync_hosts.py --shapes 1.5b,7b --load-seconds 40
+  pack sync $R/weight_sync_hosts.*
+  lane learner 2,3 timeout 420 python bench/learner_multigpu.py --nproc 2 --shape 1.5b --rows recipe --name learner_recipe
+  pack learner $R/learner_recipe*
+}
+nvidia-smi --query-gpu=index,name,memory.total --format=csv
+proof & families_limit & sync_learner &
+wait
+echo "[$(date +%T)] all lanes ended"
