@@ -198,7 +198,10 @@ def engine_checks(gpu: bool, families: list[str] | None, max_tokens: int, child_
                 print(name, json.dumps(row), flush=True)
     result = load()
     device = torch.cuda.get_device_name() if gpu else "cpu"
-    earlier = result.setdefault("engine_checks", {}).get(key, {}).get("families", {})
+    before = result.setdefault("engine_checks", {}).get(key, {})
+    # each row keeps the device it was measured on: a partial re-run may land on another card
+    earlier = {name: {"device": before.get("device"), **row} for name, row in before.get("families", {}).items()}
+    rows = {name: {"device": device, **row} for name, row in rows.items()}
     result["engine_checks"][key] = {  # the families run now replace their earlier rows; the others stay
         "device": device, "engine": "vllm", "engine_dtype": dtype, "model_size": size or "tiny_config defaults",
         "max_tokens_per_turn": max_tokens, "turns": 3, "temperature": 1.0,
@@ -254,7 +257,14 @@ def table(result: dict[str, Any]) -> str:
             f"{engine} | {_engine_cell(checks.get('cpu-vllm'), name)} | {_engine_cell(checks.get('gpu-vllm'), name)} | "
             f"{fused} / {'on' if row['fused_head'] else 'off'} (`{row['model_type']}`) |")
     gpu = checks.get("gpu-vllm")
-    note = f"\n\nGPU column: {gpu['device']}, vLLM {gpu['engine_dtype']} eager, models {gpu['model_size']}." if gpu else ""
+    note = ""
+    if gpu:
+        cards: dict[str, list[str]] = {}
+        for name, row in gpu["families"].items():
+            cards.setdefault(row.get("device") or gpu["device"], []).append(name)
+        where = "; ".join(f"{card} ({', '.join(names)})" for card, names in cards.items())
+        note = f"\n\nGPU column: {where}; vLLM {gpu['engine_dtype']} eager, models {gpu['model_size']}."
+
     return "\n".join(lines) + note
 
 

@@ -7,8 +7,11 @@
 #            256 agents: the defaults again (run-to-run spread) and engine variants
 #   GPU 2-3: weight sync across network namespaces over NCCL's socket transport (bench/weight_sync_hosts.py),
 #            then the learner at the recipe's packed rows against HF + Liger (bench/learner_multigpu.py)
+# On fewer GPUs: LANES picks the lanes (default: all four), and PROOF_GPU, FAMILIES_GPU, LIMIT_GPU and SYNC_GPUS
+# the devices, e.g. LANES="proof families" FAMILIES_GPU=0 on one GPU.
 set -u
 R=bench/results
+LANES=${LANES:-"proof families_limit sync_learner"}
 GGUF=/tmp/star-gguf/SmolLM2-135M-Instruct.Q4_1.gguf
 # extra wheels (pyroute2, liger-kernel) beside the vLLM ones
 [ -d .diag/whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .diag/whl/*.whl
@@ -24,7 +27,7 @@ pack() {  # pack NAME FILES...: the lane's log and files into one archive
   echo "[$(date +%T)] packed lane $name"
 }
 proof() {
-  lane proof 0 timeout 1140 python bench/gpu_proof.py --gguf $GGUF --work /tmp/star-proof --out /tmp/star-proof-out \
+  lane proof ${PROOF_GPU:-0} timeout 1140 python bench/gpu_proof.py --gguf $GGUF --work /tmp/star-proof --out /tmp/star-proof-out \
     --eval-batch 128 --phases convert,sft,eval_sft,rl_async,eval_rl,report --finish-within-min 18
   mkdir -p /tmp/pp/logs && cp /tmp/star-proof-out/gpu_proof.* /tmp/pp/ 2>/dev/null
   cp /tmp/star-proof/run/rl/metrics.jsonl /tmp/pp/gpu_proof_rl_async.jsonl 2>/dev/null
@@ -32,9 +35,11 @@ proof() {
     [ -f "$f" ] && tail -c 200000 "$f" > /tmp/pp/logs/$(basename "$f"); done
   pack proof /tmp/pp
 }
-families_limit() {
-  lane families 1 timeout 300 python bench/model_families.py --gpu --families gemma3 --tokenizers .diag/family_tokenizers.tar.xz
+families() {
+  lane families ${FAMILIES_GPU:-1} timeout 300 python bench/model_families.py --gpu --families gemma3 --tokenizers .diag/family_tokenizers.tar.xz
   pack families $R/model_families.json
+}
+limit() {
   local v
   for v in default block64 full; do
     case $v in
@@ -42,17 +47,18 @@ families_limit() {
       block64) set -- --vllm-set 'extra={"block_size":64}' ;;
       full) set -- --vllm-set cudagraph_mode=FULL ;;
     esac
-    lane limit_$v 1 timeout 330 python bench/rollout_limit.py --runs 1.5b=256 --updates '' --name rollout_limit_256_$v "$@"
+    lane limit_$v ${LIMIT_GPU:-1} timeout 330 python bench/rollout_limit.py --runs 1.5b=256 --updates '' --name rollout_limit_256_$v "$@"
   done
   pack limit $R/rollout_limit_256_*
 }
+families_limit() { families; limit; }
 sync_learner() {
-  lane sync 2,3 timeout 540 python bench/weight_sync_hosts.py --shapes 1.5b,7b --load-seconds 40
+  lane sync ${SYNC_GPUS:-2,3} timeout 540 python bench/weight_sync_hosts.py --shapes 1.5b,7b --load-seconds 40
   pack sync $R/weight_sync_hosts.*
-  lane learner 2,3 timeout 420 python bench/learner_multigpu.py --nproc 2 --shape 1.5b --rows recipe --name learner_recipe
+  lane learner ${SYNC_GPUS:-2,3} timeout 420 python bench/learner_multigpu.py --nproc 2 --shape 1.5b --rows recipe --name learner_recipe
   pack learner $R/learner_recipe*
 }
 nvidia-smi --query-gpu=index,name,memory.total --format=csv
-proof & families_limit & sync_learner &
+for l in $LANES; do $l & done
 wait
 echo "[$(date +%T)] all lanes ended"
