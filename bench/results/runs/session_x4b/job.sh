@@ -52,12 +52,15 @@ limit() {
   pack limit $R/rollout_limit_256_*
 }
 families_limit() { families; limit; }
-sync_learner() {
-  lane sync ${SYNC_GPUS:-2,3} timeout 540 python bench/weight_sync_hosts.py --shapes 1.5b,7b --load-seconds 40
+sync() {
+  lane sync ${SYNC_GPUS:-2,3} timeout 540 python bench/weight_sync_hosts.py --shapes 1.5b,7b --load-seconds ${LOAD_S:-40}
   pack sync $R/weight_sync_hosts.*
+}
+learner() {
   lane learner ${SYNC_GPUS:-2,3} timeout 420 python bench/learner_multigpu.py --nproc 2 --shape 1.5b --rows recipe --name learner_recipe
   pack learner $R/learner_recipe*
 }
+sync_learner() { sync; learner; }
 nvidia-smi --query-gpu=index,name,memory.total --format=csv
 for l in $LANES; do $l & done
 wait
