@@ -25,6 +25,12 @@ _LIBC_NAME = ctypes.util.find_library("c")
 _MALLOC_TRIM = getattr(ctypes.CDLL(_LIBC_NAME), "malloc_trim", None) if _LIBC_NAME else None  # glibc only
 
 
+def train_position(records: list[dict], org: str, dest: str) -> int:
+    """Where the train query from `org` to `dest` is in `records`. The fixture keeps some of the 45 train
+    queries, in their order, so a test names a query by its route: the same query in both data sets."""
+    return next(i for i, r in enumerate(records) if (r["org"], r["dest"]) == (org, dest))
+
+
 def _has_data(directory: Path) -> bool:
     return (directory / "database" / "background" / "citySet_with_states.txt").is_file()
 

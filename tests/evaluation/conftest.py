@@ -1,4 +1,5 @@
-"""Fixtures of the evaluation tests: the 45 official train queries with their gold plans,
+"""Fixtures of the evaluation tests: the train queries with their gold plans (all 45 with the full data,
+the fixture's subset without),
 submission files built from them (with known mutations), and an evaluator over the shared
 official world."""
 

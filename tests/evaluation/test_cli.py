@@ -9,25 +9,36 @@ from typer.testing import CliRunner
 
 from services.cli import app
 from services.evaluation.runfolder import RunFolder
+from services.reward.evaluator import OFFICIAL_DENOMINATORS
 
 runner = CliRunner()
 
 
+def whole_train_split(gold) -> bool:
+    """Whether gold is the whole train split (the full data), which official mode scores with the official
+    denominators; the fixture's subset gets computed ones."""
+    return len(gold.plans) == OFFICIAL_DENOMINATORS["train"][0]
+
+
 def test_eval_predictions_end_to_end(gold, official_world_url, mutated_submission, tmp_path):
+    """Four planted faults, one of them an undelivered plan: the rates follow from the split's size."""
+    n = len(gold.plans)
     out = tmp_path / "run"
     args = ["eval", "--split", str(gold.split_path), "--predictions", str(mutated_submission), "--db", official_world_url,
             "--out", str(out)]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
-    assert "45 queries, official mode, official train denominators" in r.stdout
-    assert "Final Pass Rate       91.11%" in r.stdout and "Delivery Rate         97.78%" in r.stdout
+    denominators = "official train denominators" if whole_train_split(gold) else "computed denominators"
+    assert f"{n} queries, official mode, {denominators}" in r.stdout
+    final = 100 * (n - 4) / n
+    assert f"Final Pass Rate       {final:.2f}%" in r.stdout and f"Delivery Rate         {100 * (n - 1) / n:.2f}%" in r.stdout
     # the reader the RL stage's validation picks its checkpoint by
-    assert RunFolder(out).metrics()["final_pass_rate"] == pytest.approx(91.11, abs=0.005)
+    assert RunFolder(out).metrics()["final_pass_rate"] == pytest.approx(final, abs=0.005)
     assert RunFolder(tmp_path / "nothing").metrics() is None
     for name in ("manifest.json", "scores.jsonl", "predictions.jsonl", "metrics.json", "report.md"):
         assert (out / name).is_file(), name
     report = (out / "report.md").read_text()
-    assert "| Final Pass Rate | 91.11 |" in report and "repeated restaurant" in report
+    assert f"| Final Pass Rate | {final:.2f} |" in report and "repeated restaurant" in report
     # a rerun finds everything done and prints the same table
     again = runner.invoke(app, args)
     assert again.exit_code == 0 and again.stdout == r.stdout
@@ -40,6 +51,16 @@ def test_eval_predictions_end_to_end(gold, official_world_url, mutated_submissio
     r = runner.invoke(app, ["eval", "report", str(out)])
     assert r.exit_code == 0, r.output
     assert json.loads((out / "metrics.json").read_text())["metrics"]["final_pass_rate"] == metrics["final_pass_rate"]
+
+
+def test_whole_train_split_official_numbers(gold, official_world_url, mutated_submission, tmp_path,
+                                           full_travelplanner_dir):
+    """The published train numbers of the planted faults: official denominators (full data only)."""
+    r = runner.invoke(app, ["eval", "--split", str(gold.split_path), "--predictions", str(mutated_submission),
+                            "--db", official_world_url, "--out", str(tmp_path / "run")])
+    assert r.exit_code == 0, r.output
+    assert "45 queries, official mode, official train denominators" in r.stdout
+    assert "Final Pass Rate       91.11%" in r.stdout and "Delivery Rate         97.78%" in r.stdout
 
 
 def test_limit_uses_computed_denominators(gold, official_world_url, mutated_submission, tmp_path):
@@ -92,12 +113,14 @@ def test_eval_submission_prints_the_same_metrics_as_a_run_folder(gold, official_
     runner.invoke(app, ["eval", "--split", str(gold.split_path), "--predictions", str(mutated_submission),
                         "--db", official_world_url, "--out", str(out)])
     folder = RunFolder(out).metrics()["final_pass_rate"]
+    # the official denominators for the whole train split, as the run folder used; none for the subset
+    new_flag, old_flag = (["--official-split", "train"], ["--split", "train"]) if whole_train_split(gold) else ([], [])
     r = runner.invoke(app, ["eval", "submission", str(mutated_submission), "--split", str(gold.split_path),
-                            "--official-split", "train", "--db", official_world_url, "--json"])
+                            *new_flag, "--db", official_world_url, "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["metrics"]["final_pass_rate"] == pytest.approx(folder, abs=0.005)
     old = runner.invoke(app, ["evaluate", str(mutated_submission), "--queries", str(gold.split_path),
-                              "--split", "train", "--db", official_world_url, "--json"])
+                              *old_flag, "--db", official_world_url, "--json"])
     assert old.exit_code == 0 and json.loads(old.stdout) == json.loads(r.stdout)
     bad = runner.invoke(app, ["eval", "submission", str(mutated_submission), "--split", str(gold.split_path),
                               "--official-split", "dev", "--db", official_world_url])

@@ -20,7 +20,7 @@ runner = CliRunner()
 @pytest.fixture
 def runs(gold, evaluator, tmp_path):
     """Run A: the gold plans with 4 faults; run B: the gold plans; run C: a copy of A."""
-    gold_sub = write_submission(tmp_path / "gold.jsonl", gold, [gold.plan(i) for i in range(45)])
+    gold_sub = write_submission(tmp_path / "gold.jsonl", gold, [gold.plan(i) for i in range(len(gold.plans))])
     bad_sub = write_submission(tmp_path / "bad.jsonl", gold, mutated_plans(gold))
     out = {}
     for name, sub in (("a", bad_sub), ("b", gold_sub), ("c", bad_sub)):
@@ -31,22 +31,23 @@ def runs(gold, evaluator, tmp_path):
     return out
 
 
-def test_identical_runs_have_zero_delta(runs):
+def test_identical_runs_have_zero_delta(runs, gold):
     deltas, info = compare_records(RunFolder(runs["a"]).records(), RunFolder(runs["c"]).records(), resamples=500)
-    assert info == {"paired_queries": 45, "only_a": 0, "only_b": 0}
+    assert info == {"paired_queries": len(gold.plans), "only_a": 0, "only_b": 0}
     for d in deltas:
         assert d.delta == 0 and d.low == 0 and d.high == 0 and d.p_b_better == 0
 
 
-def test_better_run_has_positive_delta_and_ci(runs):
+def test_better_run_has_positive_delta_and_ci(runs, gold):
+    n = len(gold.plans)
     deltas, _ = compare_records(RunFolder(runs["a"]).records(), RunFolder(runs["b"]).records(), resamples=2000)
     by = {d.metric: d for d in deltas}
     final = by["final_pass_rate"]
-    assert final.a == pytest.approx(100 * 41 / 45) and final.b == pytest.approx(100.0)
-    assert final.delta == pytest.approx(100 * 4 / 45)
+    assert final.a == pytest.approx(100 * (n - 4) / n) and final.b == pytest.approx(100.0)
+    assert final.delta == pytest.approx(100 * 4 / n)
     # B is never worse on any query, so no resample can favour A; the CI holds the point estimate
     assert 0 <= final.low <= final.delta <= final.high
-    assert by["delivery_rate"].delta == pytest.approx(100 / 45)
+    assert by["delivery_rate"].delta == pytest.approx(100 / n)
     assert final.p_b_better > 0.9
 
 
@@ -64,11 +65,12 @@ def test_unrelated_runs_refused(runs):
         compare_records(a, other)
 
 
-def test_cli_compare(runs, tmp_path):
+def test_cli_compare(runs, gold, tmp_path):
+    n = len(gold.plans)  # 45 on the full data: 91.11, +8.89
     r = runner.invoke(app, ["eval", "compare", str(runs["a"]), str(runs["b"]), "--resamples", "500"])
     assert r.exit_code == 0, r.output
-    assert "45 paired queries" in r.stdout
-    assert "| Final Pass Rate | 91.11 | 100.00 | +8.89 |" in r.stdout
+    assert f"{n} paired queries" in r.stdout
+    assert f"| Final Pass Rate | {100 * (n - 4) / n:.2f} | 100.00 | +{400 / n:.2f} |" in r.stdout
     r = runner.invoke(app, ["eval", "compare", str(runs["a"]), str(runs["c"]), "--json", "--resamples", "200"])
     assert r.exit_code == 0, r.output
     assert all(d["delta"] == 0 and d["low"] == 0 and d["high"] == 0 for d in json.loads(r.stdout)["deltas"])
@@ -76,9 +78,10 @@ def test_cli_compare(runs, tmp_path):
     assert r.exit_code == 2 and "not a run folder" in r.output
 
 
-def test_the_learning_proof_reports_its_success_gain_with_this_interval(runs, tmp_path):
+def test_the_learning_proof_reports_its_success_gain_with_this_interval(runs, gold, tmp_path):
     import shutil
 
+    n = len(gold.plans)
     from bench import gpu_proof
 
     evals = {}
@@ -89,15 +92,17 @@ def test_the_learning_proof_reports_its_success_gain_with_this_interval(runs, tm
     expected = next(d for d in compare_records(RunFolder(runs["a"]).records(), RunFolder(runs["b"]).records())[0]
                     if d.metric == "final_pass_rate")
     assert ci == {"points": expected.delta, "low": expected.low, "high": expected.high,
-                  "p_rl_better": expected.p_b_better, "confidence": 0.95, "queries": 45}
-    assert ci["points"] == pytest.approx(100 * 4 / 45)
+                  "p_rl_better": expected.p_b_better, "confidence": 0.95, "queries": n}
+    assert ci["points"] == pytest.approx(100 * 4 / n)
     # an older state, or folders left on the device: no interval, no error
     assert gpu_proof.success_gain_interval({"model": "m"}, evals["rl"]) is None
     assert gpu_proof.success_gain_interval({"folder": str(tmp_path / "gone")}, evals["rl"]) is None
-    decoded = {"queries": 45, "decode_s": 1.0, "finish_reasons": {"answer": 45}, "tool_calls_mean": 5.0}
+    decoded = {"queries": n, "decode_s": 1.0, "finish_reasons": {"answer": n}, "tool_calls_mean": 5.0}
+    sft = round(100 * (n - 4) / n, 2)
     state = {label: {**e, **decoded, "official": {"final_pass_rate": p}, "strict": {}}
-             for label, e, p in (("eval_sft", evals["sft"], 91.11), ("eval_rl", evals["rl"], 100.0))}
+             for label, e, p in (("eval_sft", evals["sft"], sft), ("eval_rl", evals["rl"], 100.0))}
     gpu_proof.report(state, tmp_path / "out", "proof", "cmd")
     md = (tmp_path / "out" / "proof.md").read_text()
-    assert (f"Success gain of RL over SFT (official): +8.9 points, 95% CI [{ci['low']:+.1f}, {ci['high']:+.1f}], "
-            f"P(RL > SFT) {ci['p_rl_better']:.2f} (paired bootstrap over the 45 held-out queries") in md
+    assert (f"Success gain of RL over SFT (official): {100 - sft:+.1f} points, 95% CI [{ci['low']:+.1f}, "
+            f"{ci['high']:+.1f}], P(RL > SFT) {ci['p_rl_better']:.2f} (paired bootstrap over the {n} held-out "
+            "queries") in md

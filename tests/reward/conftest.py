@@ -1,5 +1,5 @@
-"""Fixtures of the evaluator tests: the 45 official train queries with their gold plans, and
-evaluators in both modes over the shared official world."""
+"""Fixtures of the evaluator tests: the train queries with their gold plans (all 45 with the full data,
+the fixture's subset without), and evaluators in both modes over the shared official world."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from services.common.schemas import TravelQuery
 from services.reward import COMMONSENSE_CHECKS, HARD_CHECKS, Evaluator
+from tests.conftest import train_position
 
 
 @dataclass
@@ -25,6 +26,10 @@ class Gold:
     def plan(self, i: int) -> list[dict[str, Any]]:
         """A fresh deep copy of gold plan i, ready to mutate."""
         return copy.deepcopy(self.plans[i])
+
+    def at(self, org: str, dest: str) -> int:
+        """The position of the query from org to dest (positions differ between fixture and full data)."""
+        return train_position(self.records, org, dest)
 
     def query(self, i: int, **changes: Any) -> TravelQuery:
         """Query i, optionally with fields (or local constraints via lc_<name>) replaced."""

@@ -62,7 +62,8 @@ def test_score_plan_text_and_batch(client, gold):
     assert results[4]["formatter"]["status"] == "invalid_output"
 
 
-def test_evaluate_gold_train_split(client, gold):
+def test_evaluate_gold_train_split(client, gold, full_travelplanner_dir):
+    """The official train denominators need the whole split (full data only)."""
     items = [{"query": record(gold, i), "plan": gold.plan(i)} for i in range(45)]
     items[0]["plan"] = None
     r = client.post("/evaluate", json={"items": items, "split": "train", "mode": "official"})
@@ -180,7 +181,9 @@ def submission_lines(gold, n=45):
     return lines
 
 
-def test_submission_of_the_train_split_from_the_dataset_folder(client, gold):
+def test_submission_of_the_train_split_from_the_dataset_folder(client, gold, full_travelplanner_dir):
+    """The server reads the whole train split from its dataset folder (full data only: the fixture's
+    subset is not the official split, whose denominators are fixed)."""
     r = client.post("/submission", json={"lines": submission_lines(gold), "split": "train"})
     assert r.status_code == 200, r.text
     report = r.json()
@@ -233,7 +236,8 @@ def test_healthz_answers_while_a_large_batch_is_scored(client, gold):
     import threading
     import time
 
-    items = [{"query": record(gold, i % 45), "plan": gold.plan(i % 45), "mode": "strict"} for i in range(400)]
+    n = len(gold.plans)
+    items = [{"query": record(gold, i % n), "plan": gold.plan(i % n), "mode": "strict"} for i in range(400)]
     done: list[httpx.Response] = []
     worker = threading.Thread(target=lambda: done.append(client.post("/score/batch", json={"items": items})))
     worker.start()

@@ -40,7 +40,7 @@ def test_score_json_plan_and_text_plan(official_world_url, gold, tmp_path):
 
 
 def test_score_preference_penalty(official_world_url, gold, tmp_path):
-    i = next(i for i in range(45) if gold.queries[i].local_constraint.transportation is None
+    i = next(i for i in range(len(gold.queries)) if gold.queries[i].local_constraint.transportation is None
              and any("Self-driving" in str(d.get("transportation")) for d in gold.plan(i)))
     record = _record(gold, i)
     record["local_constraint"] = str({**gold.queries[i].local_constraint.model_dump(by_alias=True),
@@ -77,7 +77,8 @@ def test_score_errors_are_messages(official_world_url, gold, tmp_path):
         assert "Traceback" not in r.output
 
 
-def test_evaluate_submission_file(official_world_url, gold, data_env, tmp_path):
+def test_evaluate_submission_file(official_world_url, gold, data_env, tmp_path, full_travelplanner_dir):
+    """A 45-line file is the train split: its queries and official denominators (full data only)."""
     sub = tmp_path / "submission.jsonl"
     lines = [{"idx": i + 1, "query": gold.records[i]["query"], "plan": gold.plan(i)} for i in range(45)]
     lines[3]["plan"] = None

@@ -20,7 +20,7 @@ def gold_text(gold, i: int) -> str:
 
 @pytest.mark.parametrize("mode", ["official", "strict"])
 def test_gold_plans_as_json_and_as_text_score_full_marks(gold, scorer, mode):
-    for i in range(0, 45, 4):
+    for i in range(0, len(gold.plans), 4):
         by_json = scorer.score(ScoreRequest(query=gold.queries[i], plan=gold.plan(i), mode=mode))
         by_text = scorer.score(ScoreRequest(query=gold.queries[i], plan_text=gold_text(gold, i), mode=mode,
                                             backend="structured"))
@@ -77,7 +77,8 @@ def test_batch_keeps_order_and_names_the_bad_item(gold, scorer):
     assert isinstance(out[2], BatchItemError) and out[2].index == 2 and "plan:" in out[2].detail
 
 
-def test_evaluate_split_official_denominators(gold, scorer):
+def test_evaluate_split_official_denominators(gold, scorer, full_travelplanner_dir):
+    """The official train denominators need the whole split (full data only)."""
     items = [PlanInput(query=q, plan=p) for q, p in zip(gold.queries, gold.plans)]
     m = scorer.evaluate_split(EvaluateRequest(items=items, split="train"))
     assert (m.delivery_rate, m.cs_micro, m.hard_micro, m.final_pass_rate) == (100, 100, 100, 100)

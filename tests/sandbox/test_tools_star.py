@@ -335,7 +335,7 @@ def test_every_city_matches_the_pandas_tools(box, world, pandas_tools):
 def test_distance_pairs_match_the_pandas_tools(box, pandas_tools):
     rng = random.Random(7)
     pairs = list(pandas_tools._dist)
-    sample = rng.sample(pairs, 3000) + [("Killeen", "Mission"), ("Hartford", "Denver"), ("Harlingen", "Brownsville")]
+    sample = rng.sample(pairs, min(3000, len(pairs))) + [("Killeen", "Mission"), ("Hartford", "Denver"), ("Harlingen", "Brownsville")]
     for o, d in sample:
         for mode in ("driving", "taxi", "self-driving"):
             assert text(box, "GoogleDistanceMatrix", departure=o, destination=d, mode=mode) == \

@@ -13,6 +13,7 @@ from services.synth import meals
 from services.synth.baseline import naive_cheapest
 from services.synth.index import Eatery, SynthIndex
 from services.synth.oracle import Oracle, night_splits
+from tests.conftest import train_position
 from tests.synth.conftest import failures
 
 
@@ -36,7 +37,7 @@ def test_every_train_query_gets_a_strict_success_plan(oracle, strict_eval, train
         assert failures(evaluation) == {}, f"train #{i + 1}"
         assert evaluation.cost == pytest.approx(result.cost)
         solved += 1
-    assert solved == 45
+    assert solved == len(train_queries)
 
 
 def test_reference_world_oracle_is_never_dearer_than_gold(reference_world, train_queries, gold_plans):
@@ -55,7 +56,7 @@ def test_reference_world_oracle_is_never_dearer_than_gold(reference_world, train
         assert failures(strict.evaluate(q, result.solution.day_dicts())) == {}
         assert result.cost <= gold_eval.cost + 1e-9, f"train #{i + 1}: oracle {result.cost} > gold {gold_eval.cost}"
         cheaper += result.cost < gold_eval.cost
-    assert cheaper >= 40  # gold plans eat on travel days and pick pricier stays
+    assert cheaper >= len(train_queries) - 5  # gold plans eat on travel days and pick pricier stays (40 of 45)
 
 
 def _sample_queries(index: SynthIndex, n: int, seed: int, days: int) -> list[TravelQuery]:
@@ -120,8 +121,9 @@ def test_coverage_matches_brute_force():
                 assert table[mask][0] == best, (trial, mask)
 
 
-def test_cuisine_plan_uses_travel_day_meals_when_stay_meals_cannot_cover(oracle, strict_eval, train_queries):
-    q = train_queries[44].model_copy(deep=True)  # Minneapolis -> Ohio, 7 days, 4 cuisines, no flight
+def test_cuisine_plan_uses_travel_day_meals_when_stay_meals_cannot_cover(oracle, strict_eval, train_queries,
+                                                                       train_records):
+    q = train_queries[train_position(train_records, "Minneapolis", "Ohio")].model_copy(deep=True)  # Minneapolis -> Ohio, 7 days, 4 cuisines, no flight
     result = oracle.solve(q)
     assert result.feasible and result.evaluated >= 1
     assert failures(strict_eval.evaluate(q, result.solution.day_dicts())) == {}
@@ -150,8 +152,8 @@ def test_infeasible_queries_name_the_constraint(oracle, train_queries, change, c
     assert words in result.reason
 
 
-def test_unreachable_state_reports_route(oracle, train_queries):
-    data = train_queries[10].model_dump()  # a 7-day trip
+def test_unreachable_state_reports_route(oracle, train_queries, train_records):
+    data = train_queries[train_position(train_records, "Houston", "Utah")].model_dump()  # a 7-day trip
     data["dest"] = "Wallonia"  # a one-city "state"
     result = oracle.solve(TravelQuery(**data))
     assert not result.feasible and result.constraint == "route" and "needs 3" in result.reason

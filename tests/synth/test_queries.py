@@ -24,6 +24,7 @@ from services.synth.queries import (
     write_jsonl,
 )
 from tests.support.fake_openai import FakeOpenAI, Reply
+from tests.conftest import train_position
 from tests.synth.conftest import failures
 
 
@@ -198,7 +199,8 @@ def test_loads_official_train_json_and_csv(travelplanner_dir, train_records, tmp
     import csv
 
     train = load_queries(travelplanner_dir / "train" / "train.json")
-    assert len(train) == 45 and train[0].org == "St. Petersburg" and train[44].local_constraint.cuisine
+    last = train_position(train_records, "Minneapolis", "Ohio")
+    assert len(train) == len(train_records) and train[0].org == "St. Petersburg" and train[last].local_constraint.cuisine
     path = tmp_path / "train.csv"
     cols = ["org", "dest", "days", "visiting_city_number", "date", "people_number", "local_constraint", "budget",
             "query", "level"]
@@ -222,8 +224,8 @@ def test_bad_query_files_name_the_line(tmp_path):
         load_queries(tmp_path / "absent.jsonl")
 
 
-def test_templates_vary_and_state_every_fact(train_queries):
-    q = train_queries[44]  # hard: pets, 4 cuisines, no flight, 2 people
+def test_templates_vary_and_state_every_fact(train_queries, train_records):
+    q = train_queries[train_position(train_records, "Minneapolis", "Ohio")]  # hard: pets, 4 cuisines, no flight, 2 people
     texts = {template_text(q, random.Random(i)) for i in range(30)}
     assert len(texts) >= 10
     for text in texts:
