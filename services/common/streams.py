@@ -1,6 +1,6 @@
 """Redis Streams with consumer groups: how tasks, trajectories and scores move between services.
 
-The guarantees the RL loop relies on (DESIGN.md, "Data flow"):
+The guarantees the RL loop relies on (docs/architecture.md, "One RL step"):
 - at-least-once delivery inside a group: a message stays pending until acknowledged, and a
   consumer that died is relieved of it by `XAUTOCLAIM` after `claim_idle_ms`;
 - exactly-once hand-off between stages: `forward` writes the result downstream and acknowledges
