@@ -20,8 +20,9 @@ group is trained twice, and none leaves without a count (`StepGroups.counts`).
 
 Acknowledging is the trainer's call: the collector holds the messages of the batches it handed out
 until `acknowledge_held`, which the trainer calls once a checkpoint holds those batches. Meanwhile it
-keeps their claims fresh (`keep_held`), so however long the checkpoint interval, they are neither
-re-claimed nor dead-lettered as messages whose consumer died.
+keeps their claims fresh (`keep_held`), and those of the samples filed under groups still waiting, so
+however long the checkpoint interval or the steps, they are neither re-claimed nor dead-lettered as
+messages whose consumer died.
 """
 
 from __future__ import annotations
@@ -382,19 +383,26 @@ class GroupCollector:
         self.held += [m.id for m in messages]
 
     def keep_held(self) -> int:
-        """Renew the claims of the held messages (XCLAIM JUSTID: the delivery count stays) once a third
-        of the claim timeout has passed, before the read that would otherwise re-claim them: every
-        XAUTOCLAIM counts a delivery, and after `max_deliveries` a message is dead-lettered, so a
-        checkpoint interval longer than that many timeouts would lose trained batches. Returns how
+        """Renew the claims of the messages this learner keeps pending (XCLAIM JUSTID: the delivery
+        count stays) once a third of the claim timeout has passed, before the read that would otherwise
+        re-claim them: every XAUTOCLAIM counts a delivery, and after `max_deliveries` a message is
+        dead-lettered. Kept are the held messages (trained, waiting for the next checkpoint: a long
+        checkpoint interval would lose trained batches) and those filed under a group still waiting for
+        its other samples or for a step (slow steps, surplus groups from over-sampling). Returns how
         many were renewed."""
-        if not self.held or time.monotonic() - self._held_kept_at < self.consumer.claim_idle_ms / 3000:
+        kept = self.held + self.waiting_ids()
+        if not kept or time.monotonic() - self._held_kept_at < self.consumer.claim_idle_ms / 3000:
             return 0
         c = self.consumer
-        for i in range(0, len(self.held), HELD_CLAIMED_AT_ONCE):
+        for i in range(0, len(kept), HELD_CLAIMED_AT_ONCE):
             c.client.xclaim(c.stream, c.group, c.consumer, min_idle_time=0,
-                            message_ids=self.held[i:i + HELD_CLAIMED_AT_ONCE], justid=True)
+                            message_ids=kept[i:i + HELD_CLAIMED_AT_ONCE], justid=True)
         self._held_kept_at = time.monotonic()
-        return len(self.held)
+        return len(kept)
+
+    def waiting_ids(self) -> list[str]:
+        """Ids of the messages filed under groups not yet in a batch."""
+        return [msg.id for members in self.groups.values() for msg, _ in members]
 
     def acknowledge_held(self) -> None:
         """Acknowledge the messages held since the last call (a checkpoint holds their batches, so a

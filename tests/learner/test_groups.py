@@ -244,3 +244,27 @@ def test_held_messages_are_never_dead_lettered_however_long_until_the_checkpoint
     assert {d["times_delivered"] for d in delivered} == {1}
     collector.acknowledge_held()  # the checkpoint holds them now
     assert _pending(client, prefix) == 0 and client.xlen(StreamNames.dead(scored)) == 0
+
+
+def test_samples_waiting_for_their_group_are_never_dead_lettered_however_slow_the_steps(stream):
+    """Samples filed under a group that is not complete yet (or not yet taken by a step) stay pending in
+    this learner's name. Without their claims renewed, its own XAUTOCLAIM re-delivers them after each
+    timeout and dead-letters them after `max_deliveries`, while they still wait in memory to be trained."""
+    import time
+
+    client, prefix, make = stream
+    collector = make(batch_prompts=1)
+    collector.consumer.claim_idle_ms, collector.consumer.max_deliveries = 300, 2
+    _send(client, prefix, _traj("a", 0))  # one sample of two: its group waits
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        collector.read_stream()
+        time.sleep(0.2)
+    scored = StreamNames(prefix).scored
+    assert client.xlen(StreamNames.dead(scored)) == 0
+    assert collector.waiting_ids() and _pending(client, prefix) == 1
+    delivered = client.xpending_range(scored, "learner", min="-", max="+", count=10)
+    assert {d["times_delivered"] for d in delivered} == {1}
+    _send(client, prefix, _traj("a", 1))  # the group completes and is trained as usual
+    step = collector.collect(batch=0, version=0)
+    assert _groups(step) == ["a"] and len(step.messages) == 2
