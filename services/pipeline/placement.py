@@ -302,9 +302,11 @@ class ModelSize:
         return 2 * self.layers * self.kv_heads * self.head_dim * 2  # keys and values, bf16
 
 
-def learner_state_bytes(size: ModelSize, ranks: int) -> int:
-    """A ZeRO-3 rank's share of weights, gradients and Adam state."""
-    return ZERO3_BYTES_PER_PARAM * size.params // ranks
+def learner_state_bytes(size: ModelSize, ranks: int, reference: bool = False) -> int:
+    """A ZeRO-3 rank's share of weights, gradients and Adam state; with `reference` (a KL term), the
+    frozen reference policy beside it, which every rank holds whole in bf16
+    (`PolicyEngine.reference_policy`)."""
+    return ZERO3_BYTES_PER_PARAM * size.params // ranks + (2 * size.params if reference else 0)
 
 
 def activation_bytes(size: ModelSize, tokens: int, checkpointing: bool) -> int:
@@ -329,17 +331,18 @@ class Fit:
 
 
 def split_fit(size: ModelSize, ranks: int, engines: int, tp: int, gpus: int, card: int, activations: int,
-              min_kv_tokens: int) -> Fit:
+              min_kv_tokens: int, *, reference: bool = False) -> Fit:
     """Learner ranks and engines on GPUs of their own."""
     usable = int(CARD_USABLE * card)
     need = ranks + engines * tp
     if need > gpus:
         return Fit("split", False, f"split needs {ranks} learner GPU(s) + {engines} engine(s) × {tp} = {need} GPUs; "
                                    f"this machine shows {gpus}")
-    learner = learner_state_bytes(size, ranks) + activations + LEARNER_RESERVE
+    state = learner_state_bytes(size, ranks, reference)
+    learner = state + activations + LEARNER_RESERVE
     if learner > usable:
         return Fit("split", False, f"split: a learner rank needs {_gib(learner)} (ZeRO-3 state "
-                                   f"{_gib(learner_state_bytes(size, ranks))} + activations {_gib(activations)} + "
+                                   f"{_gib(state)}{_reference_note(reference)} + activations {_gib(activations)} + "
                                    f"{_gib(LEARNER_RESERVE)}) of {_gib(usable)} usable")
     kv = int(DEDICATED_MEMORY_SHARE * card) - size.weights_bytes // tp - ENGINE_RESERVE
     if kv < min_kv_tokens * size.kv_bytes_per_token // tp:
@@ -352,14 +355,14 @@ VALIDATION_SEQUENCES = 2  # max-length sequences a validation's engine beside co
 
 
 def colocated_fit(size: ModelSize, gpus: int, tp: int, card: int, activations: int, min_kv_tokens: int, *,
-                  validations: bool = False) -> Fit:
+                  validations: bool = False, reference: bool = False) -> Fit:
     """A learner rank on every GPU and one engine per tensor-parallel group of GPUs, asleep while the
     learner trains. Training: the rank's state, activations and reserve beside the asleep engine's
     residue. Rollout: the rank's state and reserve (activations freed) beside the awake engine's
     weights, reserve and KV. A validation during RL is a separate engine that does not sleep: on engine
     0's GPUs its weights, reserve and `VALIDATION_SEQUENCES` sequences of KV count in both phases."""
     usable = int(CARD_USABLE * card)
-    state = learner_state_bytes(size, gpus)
+    state = learner_state_bytes(size, gpus, reference)
     weights = size.weights_bytes // tp
     need_kv = min_kv_tokens * size.kv_bytes_per_token // tp
     validation = weights + ENGINE_RESERVE + VALIDATION_SEQUENCES * need_kv if validations else 0
@@ -367,7 +370,7 @@ def colocated_fit(size: ModelSize, gpus: int, tp: int, card: int, activations: i
     beside = f" + a validation's engine {_gib(validation)}" if validation else ""
     if training > usable:
         return Fit("colocated", False, f"colocated: training needs {_gib(training)} a GPU (ZeRO-3 state over {gpus} "
-                                       f"ranks {_gib(state)} + activations {_gib(activations)} + "
+                                       f"ranks {_gib(state)}{_reference_note(reference)} + activations {_gib(activations)} + "
                                        f"{_gib(LEARNER_RESERVE)} + an asleep engine {_gib(SLEEP_RESIDUE)}{beside}) "
                                        f"of {_gib(usable)} usable")
     engine = usable - state - LEARNER_RESERVE - validation
@@ -382,6 +385,10 @@ def colocated_fit(size: ModelSize, gpus: int, tp: int, card: int, activations: i
                                   f"asleep{beside}; awake, the engine takes {share:.2f} of its GPUs, KV {_gib(kv)} "
                                   f"({kv * tp // size.kv_bytes_per_token:,} tokens)",
                engine_share=share, validation_share=val_share)
+
+
+def _reference_note(reference: bool) -> str:
+    return ", the KL reference's whole bf16 copy included" if reference else ""
 
 
 def _gib(n: int | float) -> str:
@@ -410,7 +417,8 @@ def colocated_concurrency(workers: int, concurrency: int, engines: int) -> int:
 
 def choose(spec: DeploymentSpec, mode: str, size: ModelSize | None, engines: int, gpus: list[str],
            card_bytes: int | None, *, micro_batch_tokens: int, checkpointing: bool, min_kv_tokens: int,
-           activation_bytes_override: int | None = None, validations: bool = False) -> Placement:
+           activation_bytes_override: int | None = None, validations: bool = False,
+           reference: bool = False) -> Placement:
     """The run's layout: `mode` split (the deployment's own plan), colocated, or auto (split where the
     learner and engines fit GPUs of their own, else colocated where that fits); the placement's `reason`
     says why. A mode whose memory cannot fit is refused (PlacementError) with the numbers, before anything
@@ -422,13 +430,13 @@ def choose(spec: DeploymentSpec, mode: str, size: ModelSize | None, engines: int
                              "(placement.gpu_gib where the GPUs cannot be asked)")
     acts = activation_bytes_override or activation_bytes(size, micro_batch_tokens, checkpointing)
     tp, n = spec.engine_tensor_parallel, len(gpus)
-    split = split_fit(size, spec.learner_ranks, engines, tp, n, card_bytes, acts, min_kv_tokens)
+    split = split_fit(size, spec.learner_ranks, engines, tp, n, card_bytes, acts, min_kv_tokens, reference=reference)
     if mode == "split":
         placed = plan(spec, engines, gpus, validations=validations)
         if split.fits or placed.shared:  # memory sharing by share: plan()'s own checks
             return _with_reason(placed, split.why if split.fits else "split by memory share (deployment.share_gpus)")
         raise PlacementError(f"placement.mode split does not fit: {split.why}")
-    colo = colocated_fit(size, n, tp, card_bytes, acts, min_kv_tokens, validations=validations)
+    colo = colocated_fit(size, n, tp, card_bytes, acts, min_kv_tokens, validations=validations, reference=reference)
     if mode == "auto" and split.fits:
         return _with_reason(plan(spec.model_copy(update={"share_gpus": False}), engines, gpus,
                                  validations=validations), f"auto → {split.why}")
@@ -482,4 +490,4 @@ def placement_for_recipe(config: PipelineConfig, gpus: list[str] | None = None, 
                   micro_batch_tokens=config.learner.micro_batch_tokens,
                   checkpointing=config.learner.gradient_checkpointing,
                   min_kv_tokens=config.rl.sampling.engine_max_len, activation_bytes_override=act,
-                  validations=config.validates_during_rl)
+                  validations=config.validates_during_rl, reference=config.rl.kl_coef > 0)

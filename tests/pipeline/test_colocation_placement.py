@@ -41,6 +41,20 @@ def test_zero3_state_is_sixteen_bytes_a_parameter_over_the_ranks():
     assert activation_bytes(size, 32768, True) < activation_bytes(size, 32768, False)
 
 
+def test_a_kl_term_adds_the_reference_policy_whole_on_every_rank():
+    size = ModelSize.from_hf_config(QWEN_7B)
+    assert learner_state_bytes(size, 4, reference=True) - learner_state_bytes(size, 4) == 2 * size.params
+    # on four 80 GB cards it still fits, with less room left for the engine; on two it is refused, and the
+    # refusal names the reference copy
+    with_kl = colocated_fit(size, 4, 1, CARD_80, 4 * GiB, 30512, reference=True)
+    without = colocated_fit(size, 4, 1, CARD_80, 4 * GiB, 30512)
+    assert with_kl.fits and without.fits and with_kl.engine_share < without.engine_share
+    config = recipe("qwen2.5-7b-grpo-sum.yaml")
+    kl = config.model_copy(update={"rl": config.rl.model_copy(update={"kl_coef": 0.05})})
+    with pytest.raises(PlacementError, match="KL reference"):
+        placement_for_recipe(kl, gpus(2), CARD_80, size)
+
+
 @pytest.mark.parametrize("n", [8, 4])
 def test_the_7b_recipe_fits_80_gb_hosts_colocated(n):
     config = recipe("qwen2.5-7b-grpo-sum.yaml")
