@@ -55,7 +55,21 @@ HOST_IF, PEER_IF = "starh0", "starp0"  # the veth pair: this side, the rollout s
 HOST_ADDR, PEER_ADDR = "10.231.0.1", "10.231.0.2"
 SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket",
               "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
-MAX_MODEL_LEN = 32768  # the agents' contexts grow over the load phase
+MAX_MODEL_LEN = 32768
+
+
+def socket_env(args) -> dict[str, str]:
+    """NCCL's settings on both sides: the socket transport alone, with `--socket-threads` ×
+    `--socks-per-thread` connections where given (NCCL's defaults otherwise; Helm's nccl.socketThreads
+    and nccl.socksPerThread set the same on a cluster)."""
+    if not args.cuda:
+        return {}
+    env = dict(SOCKET_ENV)
+    if args.socket_threads:
+        env["NCCL_SOCKET_NTHREADS"] = str(args.socket_threads)
+    if args.socks_per_thread:
+        env["NCCL_NSOCKS_PERTHREAD"] = str(args.socks_per_thread)
+    return env  # the agents' contexts grow over the load phase
 
 
 def log(msg: str) -> None:
@@ -389,7 +403,7 @@ def measure_shape(shape: str, index: int, args, net: dict[str, Any]) -> dict[str
            "STAR_ROLLOUT_MAX_MODEL_LEN": str(MAX_MODEL_LEN), "STAR_SANDBOX_URL": "http://127.0.0.1:9",
            "STAR_WEIGHTS_ROOT": str(weights_root), "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
            "STAR_LOG_LEVEL": "WARNING", "NCCL_SOCKET_IFNAME": net["server_if"], "VLLM_HOST_IP": net["server_host"],
-           **(SOCKET_ENV if args.cuda else {})}
+           **socket_env(args)}
     host, port = net["server_host"], args.port + index
     t = time.perf_counter()
     with serve_app("services.rollout.app:create_app", port, env, timeout=args.start_timeout, host=host,
@@ -476,6 +490,8 @@ def main() -> None:
     p.add_argument("--no-namespace", dest="namespace", action="store_false",
                    help="the rollout server in this network namespace (loopback)")
     p.add_argument("--gpu-memory", type=float, default=0.5)
+    p.add_argument("--socket-threads", type=int, default=None, help="NCCL_SOCKET_NTHREADS (1-16)")
+    p.add_argument("--socks-per-thread", type=int, default=None, help="NCCL_NSOCKS_PERTHREAD (threads × this ≤ 64)")
     p.add_argument("--load-shape", default="1.5b")
     p.add_argument("--load-seconds", type=float, default=45.0, help="each load phase; 0: none")
     p.add_argument("--update-every", type=float, default=6.0)
@@ -505,7 +521,7 @@ def main() -> None:
                               "target": "nccl ≥ 5× faster than files at 7B", "shapes": []}
     STATE.update(record=record, args=args)
     with peer_namespace() if args.namespace else _loopback() as net:
-        env = {**(SOCKET_ENV if args.cuda else {}), "NCCL_SOCKET_IFNAME": net["learner_if"]}
+        env = {**socket_env(args), "NCCL_SOCKET_IFNAME": net["learner_if"]}
         os.environ.update(env)
         os.environ["NO_PROXY"] = ",".join(filter(None, [os.environ.get("NO_PROXY"), HOST_ADDR, PEER_ADDR,
                                                         "127.0.0.1", "localhost"]))
