@@ -776,6 +776,16 @@ def test_a100_values_render_valid_kubernetes(a100_docs):
     assert not [e for e in learner["containers"][0]["env"] if e["name"].startswith("STAR_LEARNER_")]
     # The real model comes from a claim: no tiny-model init container on the GPU pods.
     assert "initContainers" not in learner
+    # weights over NCCL: every engine joins the learner's group, the workers' too (each serves the rollout API)
+    urls = _by_kind(a100_docs, "ConfigMap")["star-env"]["data"]["STAR_ROLLOUT_URLS"].split(",")
+    assert urls == ["http://star-rollout-0.star-rollout-headless:8000"] + [
+        f"http://star-rollout-worker-{i}.star-rollout-worker:8000" for i in range(7)]
+    worker = rollout["template"]["spec"]["containers"][0]
+    assert {"name": "STAR_ROLLOUT_HTTP_PORT", "value": "8000"} in worker["env"]
+    assert worker["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert worker["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    governing = _by_kind(a100_docs, "Service")["star-rollout-worker"]["spec"]
+    assert governing["clusterIP"] == "None" and governing["ports"][0]["port"] == 8000
     world = _by_kind(a100_docs, "Job")["star-world-build"]["spec"]["template"]["spec"]
     assert world["containers"][0]["command"] == ["star", "world", "build"]
     assert world["volumes"][-1]["persistentVolumeClaim"]["claimName"] == "star-travelplanner"
@@ -1192,8 +1202,9 @@ def test_the_charts_controller_and_fleet_share_one_world_and_model_and_the_gpu_p
                                                      if k in ("STAR_LEARNER_URL", "STAR_ROLLOUT_URLS", "STAR_SANDBOX_URL")}))
     behind = {"sft": _pods_behind(docs, address.learner_url),
               "eval": [p for url in address.rollout_urls for p in _pods_behind(docs, url)]}
-    assert behind == {"sft": ["star-learner"], "eval": ["star-rollout"]}, behind
-    for workload in behind["sft"] + behind["eval"] + ["star-rollout-worker"]:
+    # weights over NCCL (the A100 values): the workers serve the rollout API too, so each of their pods is one
+    assert behind == {"sft": ["star-learner"], "eval": ["star-rollout"] + ["star-rollout-worker"] * 7}, behind
+    for workload in set(behind["sft"] + behind["eval"]):
         container = _by_kind(docs, "StatefulSet")[workload]["spec"]["template"]["spec"]["containers"][0]
         assert _gpus(container) >= 1 and "cuda" in container["image"], workload
     controller = _container(docs, "Job", "star-train", "train")

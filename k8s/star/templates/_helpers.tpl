@@ -44,6 +44,11 @@ redis://{{ .Release.Name }}-redis:6379/0
 {{- $urls = append $urls (printf "http://%s-rollout-%d.%s-rollout-headless:%d" $.Release.Name $i $.Release.Name (int $.Values.rollout.server.port)) -}}
 {{- end -}}
 {{- end -}}
+{{- if eq .Values.rollout.weightTransfer "nccl" -}}
+{{- range $i := until (int .Values.rollout.worker.replicas) -}}
+{{- $urls = append $urls (printf "http://%s-rollout-worker-%d.%s-rollout-worker:%d" $.Release.Name $i $.Release.Name (int $.Values.rollout.server.port)) -}}
+{{- end -}}
+{{- end -}}
 {{- join "," $urls -}}
 {{- end -}}
 
