@@ -9,9 +9,9 @@ their sha256) files that match it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
-import contextlib
 import logging
 import threading
 import time
