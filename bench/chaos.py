@@ -1,7 +1,14 @@
-"""Operations benchmark: Redis memory over a long tiny run, and kill -9 chaos per process kind.
+"""Operations benchmark: Redis memory over a long tiny run, kill -9 chaos per process kind, and kill -9 on
+the NCCL weight path on GPUs.
 
     .venv/bin/python bench/chaos.py memory [--steps 50]            # + a baseline run with trimming off
     .venv/bin/python bench/chaos.py kill [--kinds learner,redis] [--kills 3] [--steps 10]
+    .venv/bin/python bench/chaos.py gpu --smoke --steps 6          # CPU: learner_rank1's plumbing (gloo, files)
+
+    # GPUs (4× H100/H200, the `device` tool's nvidia-h100-x4; about 10 minutes): vLLM 0.26.0 + DeepSpeed and
+    # the SmolLM2-135M GGUF from bench/gpu_device.sh (pack here once; put and install on the device), then
+    bench/gpu_device.sh start python bench/chaos.py gpu --parallel
+    bench/gpu_device.sh poll 'chaos_gpu*'        # until it says the job has ended
 
 Both drive `star train configs/tiny.yaml` (stages synth → rl, RL from the tiny base policy) as a
 real subprocess with its own STAR_HOME and run folder, and watch the run's Redis from outside (its
@@ -20,7 +27,22 @@ trimming goes on): samples produced and scored, and from the learner's checkpoin
 messages each step trained. lost: samples of published tasks never trained (dead letters
 included); duplicated: (task, sample) pairs trained more than once, or a group trained twice.
 
-Results: bench/results/chaos.json (`redis_memory`, `kinds`), chaos.md and chaos_memory.png.
+gpu: the three faults of the weights' NCCL path, each in a `star train` run of its own (the same tiny recipe
+with SmolLM2-135M-Instruct, converted from its GGUF as bench/gpu_proof.py does, on one vLLM engine on a GPU of
+its own fed over NCCL: `deployment.weight_sync: nccl`, 12 steps of episodes forced to a small fixed shape), the
+fault injected once at its moment after step 2 rather than at random:
+  learner_broadcast  SIGKILL of the learner's rank 0 (1 rank: 2 GPUs) as soon as the rollout server's
+                     GET /weights reports an NCCL receive under way (`receiving`, polled every few ms)
+  rollout_receive    SIGKILL of that rollout worker at the same moment (1 rank: 2 GPUs)
+  learner_rank1      SIGKILL of rank 1 of a 2-rank learner (3 GPUs) while it holds a whole batch
+With --parallel the runs whose GPUs are free go at once (4 GPUs: the first two together, then the third).
+After each: the run completed (exit 0, every step trained), the ledger's lost and trained twice, each rollout
+server's last GET /weights (not broken, not receiving, on the learner's final version), what was restarted
+and the recovery time (from the kill until a step past it is trained and every server serves the version
+last published).
+
+Results: bench/results/chaos.json (`redis_memory`, `kinds`), chaos.md and chaos_memory.png; gpu:
+bench/results/chaos_gpu.json and chaos_gpu.md (--smoke: var/bench/chaos/chaos_gpu_smoke.*).
 """
 
 from __future__ import annotations
@@ -366,7 +388,7 @@ def gpu_sets(fault: str, model: str | None, smoke: bool = False) -> list[str]:
     engine fed over NCCL, the learner's ranks as the fault's layout needs, episodes of a fixed small shape.
     `smoke`: the same on CPU (the transformers engine, weights through files)."""
     sets = [f"deployment.learner_ranks={GPU_FAULTS[fault]}", "rl.val_every=0",
-            f"rl.sampling.forced_turns={json.dumps(FORCED)}", "rl.sampling.max_context_tokens=2048"]
+            f"rl.sampling.forced_turns={json.dumps(FORCED)}", "rl.sampling.max_context_tokens=4096"]
     if model is not None:
         sets += ["model.tiny=null", f"model.path={model}"]
     if not smoke:
@@ -505,7 +527,10 @@ def inject(fault: str, run: TinyRun, audit: Audit, servers: Servers, after_step:
         pid = ahead["before"].get(name)
         if pid is None or fired.is_set():
             return False
-        os.kill(pid, signal.SIGKILL)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # restarted since it was looked up: the next moment will do
+            return False
         done.update(killed=name, pid=pid, at=time.monotonic(), step=audit.batches, version=audit.published,
                     before=ahead["before"], **about)
         fired.set()
