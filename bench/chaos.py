@@ -321,18 +321,22 @@ def chaos_kind(kind: str, kills: int, steps: int, rng: random.Random, timeout_s:
             run.start()  # the operator's rerun
         else:
             wait_for(lambda: run.pid_of(kind) not in (None, pid), 120)
-    if run.proc.poll() is None:
-        try:
-            run.proc.wait(max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            run.proc.kill()
-    rc = run.proc.wait()
+    rc = run_end(run, deadline)
     audit.finish()
     ledger = count(run, audit)
     return {"kills": len(events), "lost": ledger["lost"], "duplicated": ledger["duplicated"],
             "completed": rc == 0 and run.finished(), "exit_code": rc, "controller_starts": run.starts,
             "orphans_left_after_controller_kill": orphans_left if kind == "controller" else None,
             "events": events, **{k: v for k, v in ledger.items() if k not in ("lost", "duplicated")}}
+
+
+def run_end(run: TinyRun, deadline: float) -> int:
+    """The controller's exit status, once it ends or is killed at `deadline` (time.monotonic())."""
+    try:
+        run.proc.wait(max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        run.proc.kill()
+    return run.proc.wait()
 
 
 def wait_for(condition, timeout: float) -> bool:
@@ -587,11 +591,7 @@ def chaos_gpu_fault(fault: str, steps: int, gpus: list[str], model: str | None, 
                        "receiving_version": shot.get("receiving"), "restarted": restarted(shot["before"], after),
                        "recovery_s": round(shot["recovered_at"] - shot["at"], 1) if "recovered_at" in shot else None,
                        "recovered_at_step": audit.batches if "recovered_at" in shot else None})
-    try:
-        run.proc.wait(max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        run.proc.kill()
-    rc = run.proc.wait()
+    rc = run_end(run, deadline)
     servers.finish()
     audit.finish()
     ledger = count(run, audit)
