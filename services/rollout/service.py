@@ -199,6 +199,9 @@ class RolloutService:
         self.fatal: str | None = None
         self.on_fatal: Callable[[str], None] | None = None  # the host's way to end the process
         self._weight_group: str | None = None  # the learner's NCCL group this engine has joined
+        # the transfer under way (version, path, start), None between transfers: a server found receiving
+        # long after its learner stopped sending is one a dead sender left paused
+        self.receiving: dict[str, Any] | None = None
         # the model the engine was started on: what a published version must match to load
         self.base_model = self.config.model or self.settings.model
         self.base_shape = model_shape(self.base_model) if self.base_model and engine.token_level else None
@@ -294,9 +297,19 @@ class RolloutService:
         finally:
             done.set()
 
+    @contextlib.contextmanager
+    def _receiving(self, version: int, via: str):
+        """Marks `version` as arriving (by `via`: files, nccl or ipc) for the block's duration."""
+        self.receiving = {"version": version, "via": via, "since": time.time()}
+        try:
+            yield
+        finally:
+            self.receiving = None
+
     def weights_info(self) -> dict[str, Any]:
         return {"version": self.engine.policy_version, "path": self.engine.weights_path, "sha256": self._weights_sha,
                 "engine": self.engine.name, "loaded_at": self.loaded_at, "in_flight": self.engine.in_flight,
+                "receiving": self.receiving,
                 # NCCL ranks this engine takes in the learner's weight group (0: it cannot join one)
                 "weight_ranks": weight_ranks(self.engine), "weight_group": self._weight_group,
                 "broken": self._broken, "model": self.base_model, "shape": self.base_shape,
@@ -316,7 +329,8 @@ class RolloutService:
         if update.version == self.engine.policy_version and update.sha256 == self._weights_sha and not self._broken:
             return {**self.weights_info(), "reloaded": False}
         try:
-            timing = await self.engine.update_weights(folder, update.version)
+            with self._receiving(update.version, "files"):
+                timing = await self.engine.update_weights(folder, update.version)
         except OlderVersion as exc:  # a broadcast of a newer version landed while this load waited
             self.metrics.weight_updates.labels("rejected").inc()
             raise WeightsError(409, str(exc)) from None
@@ -378,7 +392,8 @@ class RolloutService:
         if receive is None:
             raise WeightsError(409, f"the {self.engine.name} engine cannot receive weights over NCCL")
         self._refuse_older(broadcast.version)
-        with self._watchdog(f"a broadcast of version {broadcast.version}"):
+        with (self._watchdog(f"a broadcast of version {broadcast.version}"),
+              self._receiving(broadcast.version, "nccl")):
             try:
                 timing = await within(receive(broadcast.names, broadcast.dtype_names, broadcast.shapes,
                                               broadcast.version), self.config.weights_timeout_s)
@@ -417,7 +432,8 @@ class RolloutService:
     async def receive_ipc(self, chunk: IpcWeights) -> dict[str, Any]:
         """One chunk of a version by CUDA IPC; the last one makes the version the engine's."""
         self._refuse_older(chunk.version)
-        with self._watchdog(f"a CUDA IPC load of version {chunk.version}"):
+        with (self._watchdog(f"a CUDA IPC load of version {chunk.version}"),
+              self._receiving(chunk.version, "ipc")):
             try:
                 out = await within(sleep_mode.receive_ipc(self.engine, self.sleep_state, chunk),
                                    self.config.weights_timeout_s)

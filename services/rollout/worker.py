@@ -21,8 +21,10 @@ with exit status 1 instead: its supervisor starts a fresh process, other workers
 does a weight receive (or group join) over NCCL that timed out or failed (`RolloutService.fatal`,
 exit status `STUCK_EXIT`, 75; a watchdog thread ends the process where the event loop itself is stuck):
 the engine core may be blocked in the collective for ever, and a paused engine must not go on
-holding (and re-claiming) tasks. A load from files that failed partway leaves the process up but
-takes no task (`broken`) until a whole version loads; the groups sampled across it are refused.
+holding (and re-claiming) tasks. A worker ended outright leaves nothing behind: a guard process
+(services/common/reaper.py) kills what it started (vLLM's engine core, which would keep its GPU). A
+load from files that failed partway leaves the process up but takes no task (`broken`) until a whole
+version loads; the groups sampled across it are refused.
 
 Weights: before a task, the worker loads the version announced under `{prefix}:weights:latest`
 when it is newer than its own (the learner writes that key whenever it writes a version's files:
@@ -449,6 +451,11 @@ def main(settings: Settings | None = None, config: RolloutConfig | None = None) 
     settings = settings or get_settings()
     config = config or RolloutConfig()
     configure_logging("rollout-worker", settings.log_level, settings.log_json)
+    # a worker killed outright (SIGKILL, or os._exit after a stuck transfer) would leave its engine's own
+    # processes (vLLM's engine core) holding the GPU its restarted successor needs
+    from services.common.reaper import guard_descendants
+
+    guard_descendants()
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
 

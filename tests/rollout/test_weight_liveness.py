@@ -126,6 +126,26 @@ def test_a_receive_whose_clean_up_waits_on_the_stuck_core_still_times_out_and_st
         engine.freed.set()
 
 
+def test_get_weights_names_the_version_arriving_while_a_receive_runs(tokenizer, local_tools, loop, tmp_path):
+    """GET /weights' `receiving`: what a chaos run (bench/chaos.py gpu) waits for to kill mid-receive, and what
+    must be empty on every server once a run ends (none left paused)."""
+    engine = StuckCore(tokenizer)
+    service = _service(engine, local_tools, tmp_path, timeout_s=30)
+    assert service.weights_info()["receiving"] is None
+    receive = asyncio.run_coroutine_threadsafe(service.receive_weights(WeightsBroadcast(version=4, **LAYOUT)), loop)
+    try:
+        deadline = time.monotonic() + 10
+        while not engine.core.locked() and time.monotonic() < deadline:  # the receive holds the core
+            time.sleep(0.01)
+        arriving = service.weights_info()["receiving"]
+        assert arriving and arriving["version"] == 4 and arriving["via"] == "nccl"
+        assert time.time() - arriving["since"] < 10
+    finally:
+        engine.freed.set()
+    receive.result(10)
+    assert service.weights_info()["receiving"] is None and service.loaded_version == 4
+
+
 def test_a_receive_that_blocks_the_event_loop_is_ended_by_the_watchdog(tokenizer, local_tools, loop, tmp_path,
                                                                       monkeypatch):
     import services.rollout.service as service_module
