@@ -61,6 +61,27 @@ learner() {
   pack learner $R/learner_recipe*
 }
 sync_learner() { sync; learner; }
+# What this session's device time did not reach (run alone: each takes a whole 4-GPU machine, or its
+# two halves), in the order of the issues: the 7B recipe through `star train` (carry .qwen-tok, written
+# here by `python -c "from services.models import qwen_tokenizer; qwen_tokenizer('.qwen-tok')"`), the
+# learner at 7B, chaos on the NCCL path, and the socket sync with more connections.
+recipe7b() {
+  lane recipe7b 0,1,2,3 timeout 1500 python bench/recipe_7b.py --gpus 4 --steps 5 --tokenizer .qwen-tok
+  pack recipe7b $R/recipe_7b.*
+}
+learner7b() {
+  lane learner7b 0,1,2,3 timeout 600 python bench/learner_multigpu.py --nproc 4 --shape 7b --rows recipe --name learner_recipe_7b
+  pack learner7b $R/learner_recipe_7b*
+}
+chaos() {
+  lane chaos 0,1,2,3 timeout 1200 python bench/chaos.py gpu --parallel
+  pack chaos $R/chaos_gpu.*
+}
+sync_threads() {
+  lane sync_threads ${SYNC_GPUS:-2,3} timeout 420 python bench/weight_sync_hosts.py --shapes 7b --methods nccl,files \
+    --load-seconds 0 --socket-threads 4 --socks-per-thread 4 --name weight_sync_hosts_4x4
+  pack sync_threads $R/weight_sync_hosts_4x4.*
+}
 nvidia-smi --query-gpu=index,name,memory.total --format=csv
 for l in $LANES; do $l & done
 wait
