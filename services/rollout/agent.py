@@ -245,15 +245,23 @@ class Agent:
         if ep.tool_calls >= limits.max_tool_calls:
             ep.finish_reason = "tool_budget"
             return
+        left = await self._call_tool(ep, turn, call_id, closed, limits)
+        if left:
+            await self._at_limit(ep, sampling, limits, request_id, pending=(closed, len(ep.messages) - len(left)))
+
+    async def _call_tool(self, ep: Episode, turn: Turn, call_id: str | None, closed: bool,
+                         limits: Limits) -> list[dict[str, Any]]:
+        """Counts the turn's tool call, runs it and appends its reply (loss mask 0). Returns the reply's
+        messages when they do not fit the context (kept in the record, not in the tokens), else []."""
         ep.tool_calls += 1
         output = await self._run_tool(ep, turn)
         if output is None:
-            return
-        reply = self.chat.tool_message(output, call_id)
-        ids, new = self.segment(ep.messages, closed, [reply])
-        if not self._append_env(ep, ids, new, limits, closed):
-            ep.messages += new  # the record keeps what did not fit
-            await self._at_limit(ep, sampling, limits, request_id, pending=(closed, len(ep.messages) - len(new)))
+            return []
+        ids, new = self.segment(ep.messages, closed, [self.chat.tool_message(output, call_id)])
+        if self._append_env(ep, ids, new, limits, closed):
+            return []
+        ep.messages += new  # the record keeps what did not fit
+        return new
 
     async def _step_forced(self, ep: Episode, sampling: SamplingParams, limits: Limits, request_id: str) -> None:
         """One turn of a forced episode (`SamplingParams.forced_turns`): exactly the forced number of
@@ -283,14 +291,8 @@ class Agent:
         if max_tokens == room:
             ep.finish_reason = "context_limit"
             return
-        ep.tool_calls += 1
-        output = await self._run_tool(ep, turn)
-        if output is None:
-            return
         closed = bool(gen.token_ids) and gen.token_ids[-1] in self.engine.stop_ids
-        ids, new = self.segment(ep.messages, closed, [self.chat.tool_message(output, call_id)])
-        if not self._append_env(ep, ids, new, limits, closed):
-            ep.messages += new
+        if await self._call_tool(ep, turn, call_id, closed, limits):
             ep.finish_reason = "context_limit"
 
     async def _at_limit(self, ep: Episode, sampling: SamplingParams, limits: Limits, request_id: str, *,
