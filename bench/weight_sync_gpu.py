@@ -221,15 +221,20 @@ def measure_shape(shape: str, args) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="0.5b,1.5b,7b")
+def sync_arguments(p: argparse.ArgumentParser, shapes: str) -> None:
+    """The options every weight-sync benchmark takes: what is measured, how often, on which learner."""
+    p.add_argument("--shapes", default=shapes)
     p.add_argument("--rounds", type=int, default=3, help="NCCL syncs per shape")
     p.add_argument("--file-rounds", type=int, default=1, help="file syncs per shape")
     p.add_argument("--methods", default="nccl,files")
     p.add_argument("--no-zero3", dest="zero3", action="store_false", help="a plain bf16 model instead of ZeRO-3")
+    p.add_argument("--gpu-memory", type=float, default=0.5, help="the engine's share of its GPU")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sync_arguments(p, "0.5b,1.5b,7b")
     p.add_argument("--engine-gpu", default="1")
-    p.add_argument("--gpu-memory", type=float, default=0.5)
     p.add_argument("--port", type=int, default=8791)
     p.add_argument("--nccl-port", type=int, default=29741)
     p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "weight-sync"))

@@ -481,15 +481,12 @@ def save(record: dict[str, Any], args) -> None:
 def main() -> None:
     if sys.argv[1:2] == ["--enter"]:
         return enter_main(sys.argv[1:])
+    from bench.weight_sync_gpu import sync_arguments
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="1.5b,7b")
-    p.add_argument("--rounds", type=int, default=3, help="NCCL syncs per shape")
-    p.add_argument("--file-rounds", type=int, default=1, help="file syncs per shape")
-    p.add_argument("--methods", default="nccl,files")
-    p.add_argument("--no-zero3", dest="zero3", action="store_false", help="a plain bf16 model instead of ZeRO-3")
+    sync_arguments(p, "1.5b,7b")
     p.add_argument("--no-namespace", dest="namespace", action="store_false",
                    help="the rollout server in this network namespace (loopback)")
-    p.add_argument("--gpu-memory", type=float, default=0.5)
     p.add_argument("--socket-threads", type=int, default=None, help="NCCL_SOCKET_NTHREADS (1-16)")
     p.add_argument("--socks-per-thread", type=int, default=None, help="NCCL_NSOCKS_PERTHREAD (threads × this ≤ 64)")
     p.add_argument("--load-shape", default="1.5b")
