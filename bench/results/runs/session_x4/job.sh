@@ -7,19 +7,8 @@
 #   2: bench/rollout_limit.py at 7B (64, 256 agents)
 #   3: bench/model_families.py --gpu, then bench/colocate_gpu.py (levels 1 and 2)
 set -u
-R=bench/results
+source bench/gpu_lanes.sh  # lane, pack; R=bench/results
 GGUF=/tmp/star-gguf/SmolLM2-135M-Instruct.Q4_1.gguf
-lane() {  # lane NAME GPU CMD...
-  local name=$1 gpu=$2; shift 2
-  mkdir -p $R/lane/$name
-  ( export CUDA_VISIBLE_DEVICES=$gpu; echo "[$(date +%T)] lane $name on GPU $gpu: $*"; "$@"; echo "[$(date +%T)] lane $name rc=$?" ) \
-    > $R/lane/$name/lane.log 2>&1
-}
-pack() {  # pack NAME FILES...: the lane's log and files into one archive
-  local name=$1; shift
-  tar -czf $R/lane_$name.tgz $R/lane/$name "$@" 2>/dev/null
-  echo "[$(date +%T)] packed lane $name"
-}
 proof() {
   lane proof 0 timeout 1140 python bench/gpu_proof.py --gguf $GGUF --work /tmp/star-proof --out /tmp/star-proof-out \
     --eval-batch 128 --phases convert,sft,eval_sft,rl_async,eval_rl,report --finish-within-min 18

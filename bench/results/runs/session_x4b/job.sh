@@ -10,22 +10,11 @@
 # On fewer GPUs: LANES picks the lanes (default: all four), and PROOF_GPU, FAMILIES_GPU, LIMIT_GPU and SYNC_GPUS
 # the devices, e.g. LANES="proof families" FAMILIES_GPU=0 on one GPU.
 set -u
-R=bench/results
+source bench/gpu_lanes.sh  # lane, pack; R=bench/results
 LANES=${LANES:-"proof families_limit sync_learner"}
 GGUF=/tmp/star-gguf/SmolLM2-135M-Instruct.Q4_1.gguf
 # extra wheels (pyroute2, liger-kernel) beside the vLLM ones
 [ -d .diag/whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .diag/whl/*.whl
-lane() {  # lane NAME GPUS CMD...
-  local name=$1 gpu=$2; shift 2
-  mkdir -p $R/lane/$name
-  ( export CUDA_VISIBLE_DEVICES=$gpu; echo "[$(date +%T)] lane $name on GPU $gpu: $*"; "$@"; echo "[$(date +%T)] lane $name rc=$?" ) \
-    > $R/lane/$name/lane.log 2>&1
-}
-pack() {  # pack NAME FILES...: the lane's log and files into one archive
-  local name=$1; shift
-  tar -czf $R/lane_$name.tgz $R/lane/$name "$@" 2>/dev/null
-  echo "[$(date +%T)] packed lane $name"
-}
 proof() {
   lane proof ${PROOF_GPU:-0} timeout 1140 python bench/gpu_proof.py --gguf $GGUF --work /tmp/star-proof --out /tmp/star-proof-out \
     --eval-batch 128 --phases convert,sft,eval_sft,rl_async,eval_rl,report --finish-within-min 18

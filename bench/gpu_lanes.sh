@@ -1,0 +1,15 @@
+# Lanes of a multi-GPU device job (sourced by the job scripts under bench/results/runs/): each lane runs
+# a command on its own GPUs with its log under bench/results/lane/NAME, and is archived into
+# bench/results/lane_NAME.tgz when it ends, for `bench/gpu_device.sh poll 'lane_*.tgz'`.
+R=bench/results
+lane() {  # lane NAME GPUS CMD...
+  local name=$1 gpu=$2; shift 2
+  mkdir -p $R/lane/$name
+  ( export CUDA_VISIBLE_DEVICES=$gpu; echo "[$(date +%T)] lane $name on GPU $gpu: $*"; "$@"; echo "[$(date +%T)] lane $name rc=$?" ) \
+    > $R/lane/$name/lane.log 2>&1
+}
+pack() {  # pack NAME FILES...: the lane's log and files into one archive
+  local name=$1; shift
+  tar -czf $R/lane_$name.tgz $R/lane/$name "$@" 2>/dev/null
+  echo "[$(date +%T)] packed lane $name"
+}
