@@ -5,7 +5,7 @@ the NCCL weight path on GPUs.
     .venv/bin/python bench/chaos.py kill [--kinds learner,redis] [--kills 3] [--steps 10]
     .venv/bin/python bench/chaos.py gpu --smoke --steps 6          # CPU: learner_rank1's plumbing (gloo, files)
 
-    # GPUs (4× H100/H200, the `device` tool's nvidia-h100-x4; about 10 minutes): vLLM 0.26.0 + DeepSpeed and
+    # GPUs (2-4× H100/H200; on 4 about 10 minutes, on 2 the runs go one after another): vLLM 0.26.0 + DeepSpeed and
     # the SmolLM2-135M GGUF from bench/gpu_device.sh (pack here once; put and install on the device), then
     bench/gpu_device.sh start python bench/chaos.py gpu --parallel
     bench/gpu_device.sh poll 'chaos_gpu*'        # until it says the job has ended
@@ -34,7 +34,9 @@ fault injected once at its moment after step 2 rather than at random:
   learner_broadcast  SIGKILL of the learner's rank 0 (1 rank: 2 GPUs) as soon as the rollout server's
                      GET /weights reports an NCCL receive under way (`receiving`, polled every few ms)
   rollout_receive    SIGKILL of that rollout worker at the same moment (1 rank: 2 GPUs)
-  learner_rank1      SIGKILL of rank 1 of a 2-rank learner (3 GPUs) while it holds a whole batch
+  learner_rank1      SIGKILL of rank 1 of a 2-rank learner (3 GPUs) while it holds a whole batch; on a 2-GPU
+                     machine the engine shares rank 1's GPU by memory (`deployment.share_gpus`), outside rank 0's
+                     GPU, so the weights still travel over NCCL
 With --parallel the runs whose GPUs are free go at once (4 GPUs: the first two together, then the third).
 After each: the run completed (exit 0, every step trained), the ledger's lost and trained twice, each rollout
 server's last GET /weights (not broken, not receiving, on the learner's final version), what was restarted
@@ -387,16 +389,27 @@ GPU_STEPS = 12
 FORCED = {"tool_calls": 2, "turn_tokens": 32, "answer_tokens": 32}  # every episode the same small shape
 
 
-def gpu_sets(fault: str, model: str | None, smoke: bool = False) -> list[str]:
+def gpus_needed(fault: str, visible: int) -> tuple[int, bool]:
+    """GPUs a fault's run takes on a machine showing `visible`, and whether its engine shares a learner
+    rank's GPU: a GPU of its own where there are enough, else beside the last rank (never rank 0's)."""
+    ranks = GPU_FAULTS[fault]
+    if visible >= ranks + 1 or ranks == 1:
+        return ranks + 1, False
+    return ranks, True
+
+
+def gpu_sets(fault: str, model: str | None, smoke: bool = False, share: bool = False) -> list[str]:
     """The recipe overrides of a fault's run: configs/tiny.yaml with `model` (None: tiny's own policy) on a vLLM
-    engine fed over NCCL, the learner's ranks as the fault's layout needs, episodes of a fixed small shape.
-    `smoke`: the same on CPU (the transformers engine, weights through files)."""
+    engine fed over NCCL, the learner's ranks as the fault's layout needs (`share`: the engine beside rank 1),
+    episodes of a fixed small shape. `smoke`: the same on CPU (the transformers engine, weights through files)."""
     sets = [f"deployment.learner_ranks={GPU_FAULTS[fault]}", "rl.val_every=0",
             f"rl.sampling.forced_turns={json.dumps(FORCED)}", "rl.sampling.max_context_tokens=4096"]
     if model is not None:
         sets += ["model.tiny=null", f"model.path={model}"]
     if not smoke:
         sets += ["services.engine=vllm", "services.vllm={compile: false}", "deployment.weight_sync=nccl"]
+        if share:
+            sets += ["deployment.share_gpus=true"]
     return sets
 
 
@@ -564,11 +577,11 @@ def inject(fault: str, run: TinyRun, audit: Audit, servers: Servers, after_step:
 
 
 def chaos_gpu_fault(fault: str, steps: int, gpus: list[str], model: str | None, timeout_s: float,
-                    after_step: int = 2, smoke: bool = False) -> dict[str, Any]:
+                    after_step: int = 2, smoke: bool = False, share: bool = False) -> dict[str, Any]:
     """One `star train` RL stage on `gpus` with `fault` injected once at its moment; the run's ledger, how it
     recovered, and every rollout server's state at the end."""
     env = {} if smoke else {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
-    run = TinyRun(f"gpu-{fault}", steps, env, gpu_sets(fault, model, smoke))
+    run = TinyRun(f"gpu-{fault}", steps, env, gpu_sets(fault, model, smoke, share))
     audit = Audit(run)
     started = time.monotonic()
     run.start()
@@ -577,6 +590,7 @@ def chaos_gpu_fault(fault: str, steps: int, gpus: list[str], model: str | None, 
     print(f"  {fault}: started on GPU {','.join(gpus) or 'none (CPU)'}", flush=True)
     shot = inject(fault, run, audit, servers, after_step, min(deadline, started + timeout_s / 2))
     record: dict[str, Any] = {"fault": fault, "learner_ranks": GPU_FAULTS[fault], "gpus": gpus, "steps": steps,
+                              "engine_beside_rank": GPU_FAULTS[fault] - 1 if share else None,
                               "injected": shot is not None}
     if shot is not None:
         print(f"  {fault}: killed {shot['killed']} (pid {shot['pid']}) at step {shot['step']}", flush=True)
@@ -660,16 +674,17 @@ def chaos_gpu(faults: list[str], steps: int, model: str | None, timeout_s: float
     from concurrent.futures import ThreadPoolExecutor
 
     gpus = [] if smoke else visible_gpus()
-    need = {f: GPU_FAULTS[f] + 1 for f in faults}
-    if not smoke and max(need.values()) > len(gpus):
-        raise SystemExit(f"{', '.join(f for f in faults if need[f] > len(gpus))} need(s) {max(need.values())} GPUs; "
-                         f"{len(gpus)} visible")
+    need = {f: gpus_needed(f, len(gpus)) for f in faults}
+    if not smoke and max(n for n, _ in need.values()) > len(gpus):
+        raise SystemExit(f"{', '.join(f for f in faults if need[f][0] > len(gpus))} need(s) "
+                         f"{max(n for n, _ in need.values())} GPUs; {len(gpus)} visible")
     pool = GpuPool(gpus)
 
     def one(fault: str) -> dict[str, Any]:
-        taken = [] if smoke else pool.take(need[fault])
+        n, share = need[fault]
+        taken = [] if smoke else pool.take(n)
         try:
-            return chaos_gpu_fault(fault, steps, taken, model, timeout_s, smoke=smoke)
+            return chaos_gpu_fault(fault, steps, taken, model, timeout_s, smoke=smoke, share=share and not smoke)
         except Exception as exc:  # noqa: BLE001 - one fault's failure is its row, not the others' end
             return {"fault": fault, "passed": False, "error": f"{type(exc).__name__}: {exc}"}
         finally:
@@ -738,7 +753,8 @@ def report_gpu(data: dict[str, Any]) -> str:
              f"Recipe: configs/tiny.yaml, stages synth → rl, {data.get('steps')} RL steps of {PROMPTS} prompts × {G} "
              f"samples, episodes forced to {FORCED}; policy {data.get('model')}; {data.get('engine')}. "
              "Each fault in a run of its own: one vLLM engine on a GPU of its own, the learner's ranks on "
-             "GPUs of their own.", "",
+             "GPUs of their own, except where a row says the engine shares a rank's GPU (by memory share; never "
+             "rank 0's, which broadcasts the weights).", "",
              "| fault | learner ranks + engine (GPUs) | killed | at (s, step) | restarted | recovery s | steps trained "
              "| lost | trained twice | rollout servers at the end | exit | passed |",
              "|---|---|---|---|---|---:|---:|---:|---:|---|---:|---|"]
@@ -750,7 +766,8 @@ def report_gpu(data: dict[str, Any]) -> str:
             lines.append(f"| {fault} | | | | | | | | | {r['error'][:200]} | | False |")
             continue
         at = f"{r['injected_s']}, {r['injected_at_step']}" if r.get("injected") else "not injected"
-        lines.append(f"| {fault} | {r['learner_ranks']} + 1 ({','.join(r['gpus']) or 'CPU'}) | {r.get('killed', '')} | "
+        beside = f", engine beside rank {r['engine_beside_rank']}" if r.get("engine_beside_rank") is not None else ""
+        lines.append(f"| {fault} | {r['learner_ranks']} + 1 ({','.join(r['gpus']) or 'CPU'}{beside}) | {r.get('killed', '')} | "
                      f"{at} | {', '.join(r.get('restarted') or []) or '-'} | {r.get('recovery_s')} | "
                      f"{r.get('steps_trained')} / {r['steps']} | {r['lost']} | {r['duplicated']} | "
                      f"{r['servers_at_end'] if isinstance(r['servers_at_end'], str) else '; '.join(r['servers_at_end'])} "

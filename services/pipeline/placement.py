@@ -117,8 +117,9 @@ def plan(spec: DeploymentSpec, engines: int, gpus: list[str], *, validations: bo
         devices = tuple(tuple(gpus[ranks + i * tp: ranks + (i + 1) * tp]) for i in range(engines))
     else:
         groups = [tuple(gpus[g * tp: (g + 1) * tp]) for g in range(n // tp)]
-        # engines go first where the learner is not, then round the groups again
-        groups.sort(key=lambda group: any(d in learner for d in group))
+        # engines go first where the learner is not, then beside ranks other than rank 0 (which broadcasts
+        # the weights: an engine on its GPU could not join that NCCL group), then round the groups again
+        groups.sort(key=lambda group: (any(d in learner for d in group), learner[0] in group))
         devices = tuple(groups[i % len(groups)] for i in range(engines))
     share, val_share = _memory_shares(spec, gpus, learner, devices, validations and bool(devices), shared)
     return Placement("cuda", ranks, learner, devices, share, tp, shared=shared, validation_memory_share=val_share)
@@ -191,13 +192,14 @@ def nccl_obstacle(spec: DeploymentSpec, engine: str, placement: Placement) -> st
         return f"services.engine is {engine}: only vLLM engines receive weights over NCCL"
     if placement.accelerator != "cuda":
         return "this machine has no CUDA GPUs"
-    learner = set(placement.learner_devices)
+    # the weights' group holds the learner's rank 0 and every engine rank: the other learner ranks are not in it
+    rank0 = placement.learner_devices[0] if placement.learner_devices else None
     seen: dict[str, int] = {}
     for index, devices in enumerate(placement.engine_devices):
         for device in devices:
-            if device in learner:
-                return (f"engine {index} shares GPU {device} with the learner, and one NCCL group cannot hold two "
-                        "ranks on one GPU")
+            if device == rank0:
+                return (f"engine {index} shares GPU {device} with the learner's rank 0, and one NCCL group cannot "
+                        "hold two ranks on one GPU")
             if device in seen:
                 return (f"engines {seen[device]} and {index} share GPU {device}, and one NCCL group cannot hold two "
                         "ranks on one GPU")

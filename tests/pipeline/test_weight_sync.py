@@ -73,6 +73,17 @@ def test_explicit_choices_that_can_work_are_kept():
     assert _resolve(2, GPUS4, learner_ranks=2, weight_sync="files").method == "files"
 
 
+def test_an_engine_beside_a_rank_other_than_rank_0_still_joins_the_weights_group():
+    # two GPUs, a 2-rank learner and one engine: the engine goes beside rank 1, outside the group's rank 0
+    spec = DeploymentSpec(learner_ranks=2, weight_sync="nccl")
+    placement = plan(spec, 1, ["0", "1"])
+    assert placement.shared and placement.engine_devices == (("1",),)
+    assert weight_sync(spec, "vllm", placement).method == "nccl"
+    # a second engine has nowhere left but rank 0's GPU
+    with pytest.raises(PlacementError, match="engine 1 shares GPU 0 with the learner's rank 0"):
+        weight_sync(spec, "vllm", plan(spec, 2, ["0", "1"]))
+
+
 def test_star_train_refuses_nccl_on_a_one_gpu_box_before_starting(tmp_path, monkeypatch):
     from services.pipeline import placement as placement_module
     from services.pipeline.train import StageFailed, prepare

@@ -29,6 +29,17 @@ def test_each_faults_recipe_puts_the_learner_and_one_engine_on_gpus_of_their_own
     assert weight_sync(config.deployment, config.services.engine, placement).method == "nccl"
 
 
+def test_on_two_gpus_the_2_rank_fault_puts_its_engine_beside_rank_1_and_keeps_nccl():
+    assert chaos.gpus_needed("learner_rank1", 4) == (3, False)
+    assert chaos.gpus_needed("learner_rank1", 2) == (2, True)
+    assert chaos.gpus_needed("learner_broadcast", 2) == (2, False)
+    config = load_pipeline_config(ROOT / "configs" / "tiny.yaml",
+                                  chaos.gpu_sets("learner_rank1", "/models/smollm", share=True))
+    placement = plan(config.deployment, config.services.rollout_workers, ["0", "1"])
+    assert placement.learner_devices == ("0", "1") and placement.engine_devices == (("1",),)
+    assert weight_sync(config.deployment, config.services.engine, placement).method == "nccl"
+
+
 def test_the_cpu_smoke_keeps_the_tiny_policy_on_the_transformers_engine():
     config = load_pipeline_config(ROOT / "configs" / "tiny.yaml", chaos.gpu_sets("learner_rank1", None, smoke=True))
     assert config.model.tiny is not None and config.services.engine == "transformers"

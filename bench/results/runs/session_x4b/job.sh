@@ -7,8 +7,9 @@
 #            256 agents: the defaults again (run-to-run spread) and engine variants
 #   GPU 2-3: weight sync across network namespaces over NCCL's socket transport (bench/weight_sync_hosts.py),
 #            then the learner at the recipe's packed rows against HF + Liger (bench/learner_multigpu.py)
-# On fewer GPUs: LANES picks the lanes (default: all four), and PROOF_GPU, FAMILIES_GPU, LIMIT_GPU and SYNC_GPUS
-# the devices, e.g. LANES="proof families" FAMILIES_GPU=0 on one GPU.
+# On fewer GPUs: LANES picks the lanes (default: all four), and PROOF_GPU, FAMILIES_GPU, LIMIT_GPU, SYNC_GPUS and
+# CHAOS_GPUS the devices, e.g. LANES="proof families" FAMILIES_GPU=0 on one GPU. Lanes joined by "+" run one
+# after another on the same GPUs, e.g. LANES="sync_threads+chaos+learner" SYNC_GPUS=0,1 CHAOS_GPUS=0,1 on two.
 set -u
 source bench/gpu_lanes.sh  # lane, pack; R=bench/results
 LANES=${LANES:-"proof families_limit sync_learner"}
@@ -63,7 +64,7 @@ learner7b() {
   pack learner7b $R/learner_recipe_7b*
 }
 chaos() {
-  lane chaos 0,1,2,3 timeout 1200 python bench/chaos.py gpu --parallel
+  lane chaos ${CHAOS_GPUS:-0,1,2,3} timeout ${CHAOS_TIMEOUT_S:-1200} python bench/chaos.py gpu --parallel ${CHAOS_ARGS:-}
   pack chaos $R/chaos_gpu.*
 }
 sync_threads() {
@@ -72,6 +73,8 @@ sync_threads() {
   pack sync_threads $R/weight_sync_hosts_4x4.*
 }
 nvidia-smi --query-gpu=index,name,memory.total --format=csv
-for l in $LANES; do $l & done
+for group in $LANES; do
+  ( IFS=+; for l in $group; do $l; done ) &
+done
 wait
 echo "[$(date +%T)] all lanes ended"
