@@ -119,6 +119,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--recompute", type=_recompute_order, default="auto",
                     help="none, mlp or layers, or several tried in order until one fits (e.g. mlp,layers); auto: "
                          "none,mlp,layers (every attempt recorded)")
+    ap.add_argument("--card-gib", type=float, default=80.0,
+                    help="GiB of GPU memory each rank may use (torch's per-process cap, where the card has more): "
+                         "the memory options are chosen as on a card of that size (default 80: A100/H100 80 GB; "
+                         "0: the whole card)")
     ap.add_argument("--chunk", type=int, default=4096, help="tokens per chunk of the vocabulary head")
     ap.add_argument("--head-kernels", choices=["auto", "compiled", "eager"], default="auto",
                     help="the fused vocabulary head's element-wise work (auto: compiled on GPU)")
@@ -219,7 +223,21 @@ def setup(args: argparse.Namespace) -> tuple[int, int, bool]:
         deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        cap_memory(args.card_gib)
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), on_gpu
+
+
+def cap_memory(card_gib: float) -> float | None:
+    """Let this process allocate at most `card_gib` of its GPU (as on a card of that size); the fraction set,
+    or None where the card is not larger or no cap is asked."""
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if not card_gib or card_gib * 2**30 >= total:
+        return None
+    fraction = card_gib * 2**30 / total
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    return fraction
 
 
 def build_model(args: argparse.Namespace, folder: Path, rank: int, on_gpu: bool) -> Path:
@@ -476,8 +494,11 @@ def liger_policy(lm, loss_cls, chunk: int, compiled: bool):
     (as TRL's use_liger_loss); forward(ids, positions, targets, mask, old logprobs, advantages) → loss.
     Tokens go to the loss as rows of one ([N, 1, H]): its advantages are one per row and a packed row
     holds several trajectories, so this keeps each token's own advantage; DAPO's normalizer (loss tokens of
-    the micro-batch) is the same token mean."""
+    the micro-batch) is the same token mean. The token rows are padded (masked out) to a whole number of
+    chunks: every chunk then has one shape and the compiled chunk function compiles once (with a ragged last
+    chunk, torch 2.11's automatic dynamic shapes failed building its guards on the second shape)."""
     import torch
+    import torch.nn.functional as F
 
     class _Policy(torch.nn.Module):
         def __init__(self) -> None:
@@ -488,9 +509,14 @@ def liger_policy(lm, loss_cls, chunk: int, compiled: bool):
 
         def forward(self, ids, positions, targets, mask, old, adv):
             hidden = self.lm.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
-            one = (lambda t: t.reshape(-1, 1))
-            loss, _ = self.loss(hidden.reshape(-1, 1, hidden.shape[-1]), self.lm.lm_head.weight, one(targets),
-                                one(mask), adv.reshape(-1).float(), old_per_token_logps=one(old).float())
+            extra = -hidden.shape[0] * hidden.shape[1] % chunk  # masked tokens up to a whole chunk
+
+            def one(t):  # [B, T] → one token a row, padded
+                return F.pad(t.reshape(-1), (0, extra)).reshape(-1, 1)
+
+            rows = F.pad(hidden.reshape(-1, hidden.shape[-1]), (0, 0, 0, extra)).unsqueeze(1)
+            loss, _ = self.loss(rows, self.lm.lm_head.weight, one(targets), one(mask),
+                                one(adv).reshape(-1).float(), old_per_token_logps=one(old).float())
             return loss
 
     return _Policy()
@@ -658,8 +684,11 @@ def _pct(x: float | None) -> str:
 def write_markdown(record: dict, path: Path) -> None:
     """The record as a table: one line per side, then the ratios against the targets and every attempt."""
     rows = record["rows"]
+    cap = record.get("card_gib")
     lines = [f"# The learner on the recipe's rows: {record['world_size']}× {record['device']}, {record['shape']} shape, "
              f"ZeRO-3", "",
+             *([f"Each rank capped at {cap:g} GiB of GPU memory (as on an {cap:g} GB card): memory options "
+                "are chosen as there.", ""] if cap else []),
              f"Written by `bench/learner_multigpu.py` (`{record['name']}.json`). Rows: {rows['rows_per_rank']} packed rows "
              f"of {rows['row_tokens']:,} tokens a rank and step, trajectories of log-normal lengths (sigma "
              f"{rows['lengths']['sigma']}) clipped to {rows['lengths']['min']:,}-{rows['lengths']['max']:,}, mean "
@@ -726,7 +755,8 @@ def run_recipe(args: argparse.Namespace, argv: list[str], model_dir: Path, rank:
     device = torch.cuda.get_device_name(0) if on_gpu else f"cpu ({platform.processor() or platform.machine()})"
     record.update({"name": args.name, "device": device, "world_size": world, "zero_stage": 3, "shape": args.shape,
                    "rows": recipe_rows_facts(args, world, on_gpu) if rank == 0 else None,
-                   "baseline_attn": args.baseline_attn, "host": host_facts(on_gpu), "torch": torch.__version__,
+                   "baseline_attn": args.baseline_attn, "host": host_facts(on_gpu), "card_gib": args.card_gib,
+                   "torch": torch.__version__,
                    **versions, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
     for key in ("sides", "attempts", "commands"):
         record.setdefault(key, {})

@@ -784,11 +784,20 @@ def test_a100_values_render_valid_kubernetes(a100_docs):
     assert {"name": "STAR_ROLLOUT_HTTP_PORT", "value": "8000"} in worker["env"]
     assert worker["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     assert worker["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    # without InfiniBand the broadcast spreads over 4 × 4 sockets (bench/results/weight_sync_hosts_4x4.md)
+    env = _by_kind(a100_docs, "ConfigMap")["star-env"]["data"]
+    assert (env["NCCL_SOCKET_NTHREADS"], env["NCCL_NSOCKS_PERTHREAD"]) == ("4", "4")
     governing = _by_kind(a100_docs, "Service")["star-rollout-worker"]["spec"]
     assert governing["clusterIP"] == "None" and governing["ports"][0]["port"] == 8000
     world = _by_kind(a100_docs, "Job")["star-world-build"]["spec"]["template"]["spec"]
     assert world["containers"][0]["command"] == ["star", "world", "build"]
     assert world["volumes"][-1]["persistentVolumeClaim"]["claimName"] == "star-travelplanner"
+
+
+def test_null_socket_settings_leave_nccls_own_defaults():
+    docs = render_chart({"nccl": {"socketThreads": None, "socksPerThread": None}})
+    env = _by_kind(docs, "ConfigMap")["star-env"]["data"]
+    assert "NCCL_SOCKET_NTHREADS" not in env and "NCCL_NSOCKS_PERTHREAD" not in env
 
 
 def test_the_controller_job_trains_against_the_charts_fleet():

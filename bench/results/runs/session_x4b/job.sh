@@ -74,7 +74,7 @@ sync_threads() {
 }
 nvidia-smi --query-gpu=index,name,memory.total --format=csv
 for group in $LANES; do
-  ( IFS=+; for l in $group; do $l; done ) &
+  ( IFS=+; set -- $group; IFS=$' \t\n'; for l in "$@"; do $l; done ) &
 done
 wait
 echo "[$(date +%T)] all lanes ended"
