@@ -37,7 +37,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -510,10 +510,12 @@ class NcclPublisher:
     publication forms a new one, every answering server joining it again. A member that dies while
     the group forms or a broadcast runs would still leave rank 0 waiting forever: each of those
     calls has `timeout_s`, after which `on_stuck` is called (by default it ends the process:
-    `end_stuck_learner`)."""
+    `end_stuck_learner`); a broadcast whose member's receive request has already failed (its server died:
+    the connection broke) cannot end either, so `on_stuck` is called then, after `member_grace_s`, rather
+    than at the deadline."""
 
     def __init__(self, servers: Iterable[str], *, master_address: str = "127.0.0.1", master_port: int = 29731,
-                 api_token: str | None = None, timeout_s: float = 120.0,
+                 api_token: str | None = None, timeout_s: float = 120.0, member_grace_s: float = 5.0,
                  on_stuck: Callable[[str], None] = end_stuck_learner) -> None:
         self.servers = [s.rstrip("/") for s in servers]
         if not self.servers:
@@ -522,6 +524,7 @@ class NcclPublisher:
         self.master_port = master_port
         self.headers = {"authorization": f"Bearer {api_token}"} if api_token else {}
         self.timeout_s = timeout_s
+        self.member_grace_s = member_grace_s
         self.on_stuck = on_stuck
         self.group: Any = None
         self.group_id: str | None = None
@@ -559,14 +562,29 @@ class NcclPublisher:
         self.group, self.group_id, self.members = None, None, []
 
     @contextlib.contextmanager
-    def _deadline(self, what: str) -> Iterator[None]:
-        """Calls `on_stuck` if the block has not finished within `timeout_s`."""
+    def _deadline(self, what: str, receives: dict[str, Future] | None = None) -> Iterator[None]:
+        """Calls `on_stuck` if the block has not finished within `timeout_s`, or `member_grace_s` after one
+        of `receives` (each member's request to receive) failed while the block still runs."""
         done = threading.Event()
 
+        def failed_member() -> str | None:
+            for url, f in (receives or {}).items():
+                if f.done() and f.exception() is not None:
+                    return f"{url}: {type(f.exception()).__name__}: {str(f.exception())[:200]}"
+            return None
+
         def watch() -> None:
-            if not done.wait(self.timeout_s):
-                self.on_stuck(f"{what} did not finish within {self.timeout_s:g} s (a member of the weight group "
-                              f"died or stopped answering: {', '.join(self.members) or 'none formed yet'})")
+            end = time.monotonic() + self.timeout_s
+            while not done.wait(min(0.5, max(0.0, end - time.monotonic()))):
+                if time.monotonic() >= end:
+                    self.on_stuck(f"{what} did not finish within {self.timeout_s:g} s (a member of the weight "
+                                  f"group died or stopped answering: {', '.join(self.members) or 'none formed yet'})")
+                    return
+                gone = failed_member()
+                if gone is not None:
+                    if not done.wait(self.member_grace_s):
+                        self.on_stuck(f"{what} cannot end: a member's receive failed while it ran ({gone})")
+                    return
 
         threading.Thread(target=watch, name="nccl-deadline", daemon=True).start()
         try:
@@ -671,7 +689,7 @@ class NcclPublisher:
         receives = {url: self.pool.submit(self._post, url, "/weights/broadcast", body) for url in self.members}
         failed: dict[str, str] = {}
         try:
-            with self._deadline(f"the NCCL broadcast of version {version}"):
+            with self._deadline(f"the NCCL broadcast of version {version}", receives):
                 self._trainer_send(tensors)
         except Exception as exc:  # noqa: BLE001 - the members' receives fail too, and are named below
             failed["learner"] = f"send failed: {type(exc).__name__}: {exc}"

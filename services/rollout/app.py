@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import uvicorn
 
-from fastapi import Depends, FastAPI, HTTPException
+from fastapi import Depends, FastAPI, HTTPException, Request
 
 from services.common.http import bearer_auth, create_app as create_service_app, problem, reason
 from services.common.logging import configure_logging
@@ -91,8 +91,8 @@ def create_app(settings: Settings | None = None, service: RolloutService | None 
 
     @app.post("/weights/broadcast", tags=["weights"], dependencies=[Depends(auth)],
               summary="Receive a version from the learner's NCCL broadcast (pause in place, load, resume)")
-    async def receive_weights(broadcast: WeightsBroadcast) -> dict[str, Any]:
-        return await svc().receive_weights(broadcast)
+    async def receive_weights(broadcast: WeightsBroadcast, request: Request) -> dict[str, Any]:
+        return await svc().receive_weights(broadcast, sender_gone=request.is_disconnected)
 
     @app.post("/sleep", tags=["colocation"], dependencies=[Depends(auth)],
               summary="Hold new turns, finish those in flight, free the GPU memory (vLLM sleep mode)")

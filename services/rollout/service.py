@@ -385,8 +385,11 @@ class RolloutService:
         return {"joined": True, "rank_offset": group.rank_offset, "world_size": group.world_size,
                 "weight_group": self._weight_group}
 
-    async def receive_weights(self, broadcast: WeightsBroadcast) -> dict[str, Any]:
-        """Receive `broadcast.version` from the learner's NCCL broadcast and load it in place."""
+    async def receive_weights(self, broadcast: WeightsBroadcast,
+                              sender_gone: Callable[[], Awaitable[bool]] | None = None) -> dict[str, Any]:
+        """Receive `broadcast.version` from the learner's NCCL broadcast and load it in place. `sender_gone`
+        (the learner's request was disconnected: its process died) ends the receive at once, as a failure:
+        NCCL would wait for the dead sender until the deadline."""
         self._refuse_asleep()
         receive = getattr(self.engine, "receive_weights", None)
         if receive is None:
@@ -396,7 +399,8 @@ class RolloutService:
               self._receiving(broadcast.version, "nccl")):
             try:
                 timing = await within(receive(broadcast.names, broadcast.dtype_names, broadcast.shapes,
-                                              broadcast.version), self.config.weights_timeout_s)
+                                              broadcast.version), self.config.weights_timeout_s,
+                                      gone=sender_gone)
             except Exception as exc:  # noqa: BLE001 - the engine may hold part of a version, or be stuck receiving
                 what = (f"did not finish within {self.config.weights_timeout_s:g} s" if isinstance(exc, TimeoutError)
                         else f"failed: {type(exc).__name__}: {exc}")
@@ -476,17 +480,33 @@ class RolloutService:
         await self.engine.close()
 
 
-async def within(work: Awaitable[Any], timeout_s: float) -> Any:
-    """`work`'s result, or TimeoutError after `timeout_s` without waiting for `work` to wind down: a
-    weight transfer cancelled while the engine core is blocked in a collective would wait on that core
-    for ever in its clean-up (`asyncio.wait_for` awaits the cancellation). It is cancelled and left."""
+class SenderGone(Exception):
+    """The other side of a transfer went away while it ran."""
+
+
+async def within(work: Awaitable[Any], timeout_s: float, *, gone: Callable[[], Awaitable[bool]] | None = None,
+                 poll_s: float = 1.0) -> Any:
+    """`work`'s result, or TimeoutError after `timeout_s` (SenderGone as soon as `gone()` says so, asked
+    every `poll_s`) without waiting for `work` to wind down: a weight transfer cancelled while the engine
+    core is blocked in a collective would wait on that core for ever in its clean-up (`asyncio.wait_for`
+    awaits the cancellation). It is cancelled and left."""
     task = asyncio.ensure_future(work)
-    done, _ = await asyncio.wait({task}, timeout=timeout_s)
-    if not done:
-        task.cancel()
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nobody awaits it: no warning
-        raise TimeoutError(f"did not finish within {timeout_s:g} s")
-    return task.result()
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while True:
+        left = end - loop.time()
+        if left <= 0:
+            why: Exception = TimeoutError(f"did not finish within {timeout_s:g} s")
+            break
+        done, _ = await asyncio.wait({task}, timeout=min(left, poll_s) if gone is not None else left)
+        if done:
+            return task.result()
+        if gone is not None and await gone():
+            why = SenderGone("the sender's connection closed while the transfer ran (its process died)")
+            break
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nobody awaits it: no warning
+    raise why
 
 
 def weight_ranks(engine: Engine) -> int:

@@ -112,6 +112,47 @@ def test_a_broadcast_that_never_ends_ends_the_learner_instead_of_hanging(fleet, 
     assert "the NCCL broadcast of version 2 did not finish within 0.3 s" in reasons[0] and A in reasons[0]
 
 
+def test_a_broadcast_whose_member_died_ends_the_learner_without_waiting_out_the_deadline(fleet, monkeypatch):
+    """A member killed mid-receive breaks its HTTP request at once, while NCCL on rank 0 waits for it forever:
+    `on_stuck` is called a short grace after that failure, long before `timeout_s`."""
+    import threading
+    import time
+
+    stuck = threading.Event()
+    reasons: list[str] = []
+    post = Fleet.post
+
+    def dies(url, path, body):
+        if path == "/weights/broadcast" and url == B:
+            raise ConnectionError("connection reset by peer")
+        return post(fleet, url, path, body)
+
+    def hang(self, tensors) -> None:
+        assert stuck.wait(10), "on_stuck never fired"
+
+    def on_stuck(message: str) -> None:
+        reasons.append(message)
+        stuck.set()
+
+    pub = NcclPublisher([A, B], timeout_s=60, member_grace_s=0.2, on_stuck=on_stuck)
+    monkeypatch.setattr(NcclPublisher, "_post", lambda self, url, path, body: dies(url, path, body))
+    monkeypatch.setattr(NcclPublisher, "_trainer_send", hang)
+    t0 = time.monotonic()
+    with pytest.raises(WeightsError, match="did not load"):
+        pub.publish(1, LAYOUT, _tensors())
+    assert time.monotonic() - t0 < 5
+    assert len(reasons) == 1 and "a member's receive failed while it ran" in reasons[0] and B in reasons[0]
+
+
+def test_a_member_that_fails_after_the_send_ended_does_not_end_the_learner(fleet):
+    reasons: list[str] = []
+    fleet.failing.add(B)  # its load fails, reported after the collective
+    pub = NcclPublisher([A, B], timeout_s=60, member_grace_s=0.2, on_stuck=reasons.append)
+    with pytest.raises(WeightsError, match="did not load on 1 server"):
+        pub.publish(1, LAYOUT, _tensors())
+    assert reasons == []
+
+
 def test_a_restarted_server_makes_the_group_form_again_before_anything_is_sent(fleet):
     pub = NcclPublisher([A, B], timeout_s=5)
     pub.publish(1, LAYOUT, _tensors())

@@ -240,6 +240,43 @@ def test_a_files_load_waiting_behind_a_broadcast_is_refused(tokenizer, local_too
     assert engine.policy_version == 11 and engine.weights_path == "nccl:v11"
 
 
+def test_a_receive_whose_sender_died_ends_the_process_at_once(tokenizer, local_tools, http_face, tmp_path):
+    """The learner killed mid-broadcast: its HTTP request to the server breaks at once, while NCCL on the
+    server would wait for it until the deadline (60 s here). The receive ends within a few seconds."""
+    engine = _answering(tokenizer, Receiving)
+    engine.gate = asyncio.Event()  # the broadcast never completes
+    service = RolloutService(engine, local_tools, settings=_settings(tmp_path),
+                             config=RolloutConfig(weights_timeout_s=60))
+    ended = threading.Event()
+    reasons: list[str] = []
+    service.on_fatal = lambda reason: (reasons.append(reason), ended.set())
+    url = http_face(service)
+    with pytest.raises(httpx.TimeoutException):  # the "learner" gives up and closes its connection
+        httpx.post(f"{url}/weights/broadcast", json={"version": 2, **LAYOUT}, timeout=0.5)
+    assert ended.wait(10), "the receive waited on for its dead sender"
+    assert "connection closed" in reasons[0]
+    assert service.weights_info()["broken"] and service.weights_info()["weight_group"] is None
+
+
+def test_within_ends_when_the_other_side_is_gone_and_otherwise_at_its_deadline(loop):
+    from services.rollout.service import SenderGone, within
+
+    async def forever() -> None:
+        await asyncio.Event().wait()
+
+    async def gone_after(n: list[int]) -> bool:
+        n.append(1)
+        return len(n) >= 2
+
+    with pytest.raises(SenderGone):
+        _on(loop, within(forever(), 30, gone=lambda n=[]: gone_after(n), poll_s=0.05), timeout=5)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        _on(loop, within(forever(), 0.2), timeout=5)
+    assert time.monotonic() - t0 < 2
+    assert _on(loop, within(asyncio.sleep(0, result=7), 5, gone=lambda: asyncio.sleep(0, result=True))) == 7
+
+
 def test_a_worker_whose_broadcast_failed_takes_no_task(redis_client, tokenizer, local_tools, loop, tmp_path):
     client, prefix = redis_client
     names = StreamNames(prefix.rstrip(":"))
