@@ -18,6 +18,11 @@ of a loss on the last hidden state, with the position ids the learner gives a pa
 
 Times are medians of `--repeat` passes after `--warmup`; peak memory is the most allocated during a
 pass. Target (issue 45): a packed row's time per token ≤ 1.1× the sequences alone.
+
+`--fresh-lengths`: every pass draws new lengths (each of `--lengths` times 0.8-1.2), as a training step's
+trajectories are; `alone` then pads each sequence to a multiple of 256 (as the learner stacks unpacked rows),
+and `packed per-sequence, unpadded` runs SDPA on the exact lengths (services/learner/attention.py pads each
+sequence to SEQUENCE_MULTIPLE on a GPU so that cuDNN sees few lengths); ms per 1K tokens count real tokens.
 Results: bench/results/<name>.json and .md (default name packed_attention), or under --out.
 """
 
@@ -53,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the packed row's sequences, in tokens (default: 32,768 in three)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--fresh-lengths", action="store_true", help="new lengths every pass (see above)")
     ap.add_argument("--name", default="packed_attention")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
@@ -91,22 +97,50 @@ def timed_pass(model: torch.nn.Module, hidden: torch.Tensor, positions: torch.Te
     return time.perf_counter() - t0
 
 
-def measure(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], packed: bool,
-            args: argparse.Namespace, device: torch.device) -> dict[str, float]:
-    """Median seconds of running every batch once, and peak GiB over a pass."""
-    times = []
+def measure(model: torch.nn.Module, batches, packed: bool, args: argparse.Namespace,
+            device: torch.device) -> dict[str, float]:
+    """Median seconds of running every batch once, and peak GiB over a pass. `batches`: a list of
+    (hidden, positions), or a function of the pass's index giving that list and its real tokens."""
+    times, per_token = [], []
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     for i in range(args.warmup + args.repeat):
-        total = sum(timed_pass(model, h, p, packed, device) for h, p in batches)
+        these, tokens = batches(i) if callable(batches) else (batches, sum(h.shape[1] for h, _ in batches))
+        total = sum(timed_pass(model, h, p, packed, device) for h, p in these)
         model.zero_grad(set_to_none=True)
         if i >= args.warmup:
             times.append(total)
+            per_token.append(total / tokens)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    tokens = sum(h.shape[1] for h, _ in batches)
     seconds = statistics.median(times)
-    return {"seconds": seconds, "ms_per_1k_tokens": seconds / tokens * 1e6, "peak_gib": peak, "tokens": tokens}
+    return {"seconds": seconds, "ms_per_1k_tokens": statistics.median(per_token) * 1e6, "peak_gib": peak,
+            "tokens": tokens}
+
+
+def fresh_lengths(base: list[int], i: int) -> list[int]:
+    """Pass `i`'s lengths: each of `base` times a factor drawn from 0.8-1.2 (seeded by `i`)."""
+    g = torch.Generator().manual_seed(1000 + i)
+    return [max(2, round(n * float(0.8 + 0.4 * torch.rand(1, generator=g)))) for n in base]
+
+
+def fresh_batches(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, packed: bool):
+    """The pass-index → (batches, real tokens) function of --fresh-lengths: one packed row, or each sequence
+    alone padded to a multiple of 256 with positions continuing (the learner's unpacked rows)."""
+    def make(i: int):
+        lengths = fresh_lengths(args.lengths, i)
+        g = torch.Generator().manual_seed(i)
+        seqs = [torch.randn(1, n, args.hidden, generator=g) * 0.02 for n in lengths]
+        if packed:
+            row = (torch.cat(seqs, dim=1).to(device, dtype), torch.cat([torch.arange(n) for n in lengths])[None].to(device))
+            return [row], sum(lengths)
+        alone = []
+        for s in seqs:
+            width = -(-s.shape[1] // 256) * 256
+            h = torch.nn.functional.pad(s, (0, 0, 0, width - s.shape[1]))
+            alone.append((h.to(device, dtype), torch.arange(width, device=device)[None]))
+        return alone, sum(lengths)
+    return make
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -119,6 +153,8 @@ def run(args: argparse.Namespace) -> dict:
            torch.cat([torch.arange(n) for n in args.lengths])[None].to(device))
     variants = {}
     model = build_layers(args, PACKED_ATTENTION, device, dtype)
+    if args.fresh_lengths:
+        return fresh_run(args, model, device, dtype)
     variants["alone"] = measure(model, alone, False, args, device)
     kernel = "varlen_attn" if uses_varlen_kernel(row[0]) else "SDPA per sequence"
     for name, impl, used in (("packed varlen", VARLEN_ATTENTION, kernel),
@@ -150,6 +186,39 @@ def run(args: argparse.Namespace) -> dict:
     return record
 
 
+def fresh_run(args: argparse.Namespace, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> dict:
+    """--fresh-lengths: every variant on new lengths each pass."""
+    from services.learner import attention
+
+    variants = {"alone": measure(model, fresh_batches(args, device, dtype, False), False, args, device)}
+    row = fresh_batches(args, device, dtype, True)
+    for name, impl, multiple in (("packed per-sequence", PER_SEQUENCE_ATTENTION, attention.SEQUENCE_MULTIPLE),
+                                 ("packed per-sequence, unpadded", PER_SEQUENCE_ATTENTION, 1),
+                                 ("packed varlen", VARLEN_ATTENTION, attention.SEQUENCE_MULTIPLE)):
+        model.config._attn_implementation = impl
+        kept = attention.SEQUENCE_MULTIPLE
+        attention.SEQUENCE_MULTIPLE = multiple
+        try:
+            variants[name] = {**measure(model, row, True, args, device), "kernel": impl}
+        finally:
+            attention.SEQUENCE_MULTIPLE = kept
+    base = variants["alone"]["ms_per_1k_tokens"]
+    for v in variants.values():
+        v["per_token_vs_alone"] = v["ms_per_1k_tokens"] / base
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "transformers": __import__("transformers").__version__, "dtype": str(dtype),
+        "shape": {"hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
+                  "intermediate": args.intermediate, "layers": args.layers},
+        "lengths": args.lengths, "fresh_lengths": [fresh_lengths(args.lengths, i) for i in range(args.warmup + args.repeat)],
+        "warmup": args.warmup, "repeat": args.repeat, "variants": variants, "varlen_options": varlen_options(),
+        "auto_picks": "packed per-sequence" if sum(args.lengths) / len(args.lengths) >= VARLEN_BELOW_TOKENS
+        else "packed varlen",
+        "target_per_token_vs_alone": TARGET,
+        "meets_target": {name: v["per_token_vs_alone"] <= TARGET for name, v in variants.items() if name != "alone"},
+    }
+
+
 def markdown(record: dict, command: str) -> str:
     s = record["shape"]
     lines = [
@@ -157,8 +226,8 @@ def markdown(record: dict, command: str) -> str:
         f"torch {record['torch']}, transformers {record['transformers']}, {record['dtype']}. Qwen2 decoder layers at "
         f"hidden {s['hidden']}, {s['heads']} heads ({s['kv_heads']} KV), MLP {s['intermediate']}, {s['layers']} layers; "
         f"one row of {len(record['lengths'])} sequences ({', '.join(f'{n:,}' for n in record['lengths'])} tokens, "
-        f"{sum(record['lengths']):,} in all); forward + backward, median of {record['repeat']} after "
-        f"{record['warmup']} warm-up.", "",
+        f"{sum(record['lengths']):,} in all{'; new lengths every pass, each 0.8-1.2× these' if record.get('fresh_lengths') else ''}); "
+        f"forward + backward, median of {record['repeat']} after {record['warmup']} warm-up.", "",
         "| | fwd+bwd ms | ms per 1K tokens | per token vs alone | peak GiB |",
         "|---|---|---|---|---|",
     ]

@@ -35,6 +35,10 @@ PACKED_IMPLEMENTATIONS = (PACKED_ATTENTION, VARLEN_ATTENTION, PER_SEQUENCE_ATTEN
 # sequences alone: three of ~11K tokens 1.00x per sequence, 1.12x varlen; eight of 4K 0.95x either way;
 # 64 of 512 0.50x per sequence (a launch per sequence and layer), 0.34x varlen (one for the pass).
 VARLEN_BELOW_TOKENS = 4096
+# Per-sequence SDPA on a GPU pads each sequence to a multiple of this many tokens (zeros after its end, which
+# no real token sees under the causal mask; their outputs are dropped): every new length would otherwise
+# make cuDNN's attention build a new execution plan, and the recipes' trajectories have new lengths every step.
+SEQUENCE_MULTIPLE = 256
 
 
 def sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -118,15 +122,26 @@ def window_mask(length: int, window: int | None, device: torch.device) -> torch.
     return ((back >= 0) & (back < window))[None, None]
 
 
+def pad_multiple(query: torch.Tensor, window: int | None) -> int:
+    """What per-sequence SDPA pads each sequence's length to a multiple of: SEQUENCE_MULTIPLE on a GPU, 1 (no
+    padding) on CPU, whose SDPA builds no plans, and on sliding-window layers, whose mask is built per length."""
+    return SEQUENCE_MULTIPLE if query.is_cuda and window is None else 1
+
+
 def _per_sequence(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   spans: tuple[tuple[int, int, int], ...], scale: float | None, window: int | None = None) -> torch.Tensor:
     """Causal SDPA of each sequence alone (within `window` on sliding-window layers), sliced from
     [B, heads, T, D] as transformers hands an unpacked row to SDPA → [B·T, H, D]."""
     parts = []
+    multiple = pad_multiple(query, window)
     for row, start, end in spans:
+        length = end - start
+        extra = -length % multiple
         one = [t[row, :, start:end][None] for t in (query, key, value)]  # [1, heads, L, D]
-        out, _ = sdpa_attention_forward(module, *one, window_mask(end - start, window, query.device), scaling=scale)
-        parts.append(out[0])  # [L, H, D]
+        if extra:
+            one = [nn.functional.pad(t, (0, 0, 0, extra)) for t in one]
+        out, _ = sdpa_attention_forward(module, *one, window_mask(length, window, query.device), scaling=scale)
+        parts.append(out[0, :length])  # [L, H, D]
     return torch.cat(parts)
 
 

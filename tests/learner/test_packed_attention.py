@@ -92,6 +92,28 @@ def test_packed_logprobs_and_gradients_equal_each_sequence_alone(engine):
     assert sum(float(g.abs().sum()) for g in packed_grads) > 0
 
 
+def test_padding_each_sequence_to_a_multiple_changes_no_log_prob_or_gradient(engine, monkeypatch):
+    """On a GPU per-sequence SDPA pads each sequence (zeros after its end) so cuDNN sees few lengths; forced on
+    here, the real tokens' log-probs and gradients stay those of the unpadded pass."""
+    from services.learner import attention
+
+    seqs = _seqs(LENGTHS, seed=5)
+    batch, = micro_batches(_weighted(seqs, 80), rows_per_batch=2, pad_to_multiple=16)
+    plain_logp, plain_grads = _loss_and_grads(engine, batch)
+    seen = []
+
+    def padded(query, window):
+        seen.append(query.shape)
+        return 8
+
+    monkeypatch.setattr(attention, "pad_multiple", padded)
+    logp, grads = _loss_and_grads(engine, batch)
+    assert seen, "per-sequence attention did not run"
+    assert torch.allclose(logp, plain_logp, atol=1e-6, rtol=0)
+    for p, q in zip(grads, plain_grads):
+        assert torch.allclose(p, q, atol=1e-6, rtol=1e-5), float((p - q).abs().max())
+
+
 def test_packed_rows_match_the_block_mask_path(engine, tiny_model):
     """The mask path (transformers' [B, 1, T, T] block mask) is the reference the varlen path replaced."""
     from transformers import AutoModelForCausalLM
