@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.learner.attention import (PACKED_ATTENTION, PER_SEQUENCE_ATTENTION, VARLEN_ATTENTION,  # noqa: E402
-                                       VARLEN_BELOW_TOKENS, varlen_options, packed_kwargs, uses_varlen_kernel)
+                                       varlen_options, packed_kwargs, uses_varlen_kernel)
 
 TARGET = 1.1
 
@@ -177,8 +177,7 @@ def run(args: argparse.Namespace) -> dict:
                   "intermediate": args.intermediate, "layers": args.layers},
         "lengths": args.lengths, "warmup": args.warmup, "repeat": args.repeat, "variants": variants,
         "varlen_options": varlen_options(),
-        "auto_picks": ("packed varlen" if sum(args.lengths) / len(args.lengths) < VARLEN_BELOW_TOKENS
-                       else "packed per-sequence"),
+        "auto_picks": "packed varlen" if uses_varlen_kernel(row[0]) else "packed per-sequence",
         "target_per_token_vs_alone": TARGET,
         "meets_target": {name: v["per_token_vs_alone"] <= TARGET for name, v in variants.items()
                          if name != "alone" and "per_token_vs_alone" in v},
@@ -212,8 +211,8 @@ def fresh_run(args: argparse.Namespace, model: torch.nn.Module, device: torch.de
                   "intermediate": args.intermediate, "layers": args.layers},
         "lengths": args.lengths, "fresh_lengths": [fresh_lengths(args.lengths, i) for i in range(args.warmup + args.repeat)],
         "warmup": args.warmup, "repeat": args.repeat, "variants": variants, "varlen_options": varlen_options(),
-        "auto_picks": "packed per-sequence" if sum(args.lengths) / len(args.lengths) >= VARLEN_BELOW_TOKENS
-        else "packed varlen",
+        "auto_picks": "packed varlen" if device.type == "cuda" and dtype != torch.float32 and varlen_options()
+        else "packed per-sequence",
         "target_per_token_vs_alone": TARGET,
         "meets_target": {name: v["per_token_vs_alone"] <= TARGET for name, v in variants.items() if name != "alone"},
     }

@@ -11,7 +11,7 @@ forward (`packed_kwargs`) and handed to every layer's attention, which runs one 
 - per sequence: causal SDPA over each sequence in turn, the call transformers makes for the sequence
   alone (SDPA's own flash / cuDNN kernels on GPU; on CPU the only path, exact against unpacked rows).
 
-`PACKED_ATTENTION` picks per pass by the sequences' mean length (VARLEN_BELOW_TOKENS); the other two
+`PACKED_ATTENTION` takes varlen wherever its kernel runs and SDPA per sequence elsewhere; the other two
 names force one kernel. Micro-batches whose rows hold one sequence each take SDPA's plain causal path.
 All three are registered with transformers' attention interface (`AttentionInterface`).
 """
@@ -27,14 +27,15 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-PACKED_ATTENTION = "star_packed"  # the kernel chosen per pass (see VARLEN_BELOW_TOKENS)
+PACKED_ATTENTION = "star_packed"  # varlen where it runs, else per sequence
 VARLEN_ATTENTION = "star_varlen"
 PER_SEQUENCE_ATTENTION = "star_per_sequence"
 PACKED_IMPLEMENTATIONS = (PACKED_ATTENTION, VARLEN_ATTENTION, PER_SEQUENCE_ATTENTION)
-# At 7B width on an H100 (bench/results/packed_attention*.md), a 32K row cost, per token, against its
-# sequences alone: three of ~11K tokens 1.00x per sequence, 1.12x varlen; eight of 4K 0.95x either way;
-# 64 of 512 0.50x per sequence (a launch per sequence and layer), 0.34x varlen (one for the pass).
-VARLEN_BELOW_TOKENS = 4096
+# A 32K row's cost per token against its sequences alone (bench/results/packed_attention*.md), 7B width:
+# with the same lengths every pass (cuDNN's plans cached), three of ~11K tokens 1.00x per sequence, 1.12x
+# varlen; eight of 4K 0.95x either way; 64 of 512 0.50x per sequence, 0.34x varlen (H100). With new lengths
+# every pass, as a training step's trajectories have, 0.97x per sequence (padded as below; 1.23x unpadded)
+# and 0.53x varlen (H200): SDPA builds an execution plan for each new length, varlen none.
 # Per-sequence SDPA on a GPU pads each sequence to a multiple of this many tokens (zeros after its end, which
 # no real token sees under the causal mask; their outputs are dropped): every new length would otherwise
 # make cuDNN's attention build a new execution plan, and the recipes' trajectories have new lengths every step.
@@ -84,11 +85,6 @@ def varlen_options() -> dict[str, bool] | None:
 def uses_varlen_kernel(query: torch.Tensor) -> bool:
     """Whether packed rows of this query run FlashAttention's varlen kernel (else SDPA per sequence)."""
     return query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and varlen_options() is not None
-
-
-def kernel_for(tokens: int, sequences: int) -> str:
-    """The auto rule: varlen for a pass of short sequences, SDPA per sequence for long ones."""
-    return "varlen" if tokens / sequences < VARLEN_BELOW_TOKENS else "per-sequence"
 
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
@@ -161,9 +157,7 @@ def _packed(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: to
     if attention_mask is not None or dropout:
         raise ValueError("packed attention takes no attention mask or dropout")
     b, h, t, d = query.shape
-    if mode == "auto":
-        mode = kernel_for(b * t, len(spans))
-    if mode == "varlen" and uses_varlen_kernel(query) and (window is None or varlen_options()["window"]):
+    if mode in ("auto", "varlen") and uses_varlen_kernel(query) and (window is None or varlen_options()["window"]):
         def tokens(x: torch.Tensor) -> torch.Tensor:
             return x.transpose(1, 2).reshape(b * t, x.shape[1], d)  # [B·T, heads, D]
 
@@ -177,16 +171,9 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B, H, T, D], key and value [B, H_kv, T, D]
-    → ([B, T, H, D], no weights). Packed rows: FlashAttention's varlen kernel where it runs and the
-    pass's sequences average fewer than VARLEN_BELOW_TOKENS tokens, else causal SDPA per sequence."""
+    → ([B, T, H, D], no weights). Packed rows: FlashAttention's varlen kernel where it runs, else causal
+    SDPA per sequence."""
     return _packed(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs, "auto")
-
-
-def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """As `packed_attention`, with packed rows through the varlen kernel wherever it runs."""
-    return _packed(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs, "varlen")
 
 
 def per_sequence_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -200,5 +187,5 @@ def per_sequence_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
 # the names `attn_implementation` takes for each `packed_attention` setting of the learner
 IMPLEMENTATIONS = {"auto": PACKED_ATTENTION, "varlen": VARLEN_ATTENTION, "per-sequence": PER_SEQUENCE_ATTENTION}
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
-AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
+AttentionInterface.register(VARLEN_ATTENTION, packed_attention)  # `varlen` names the same rule as `auto`
 AttentionInterface.register(PER_SEQUENCE_ATTENTION, per_sequence_attention)

@@ -107,9 +107,11 @@ class EngineConfig(_Strict):
     packed_attention: Literal["auto", "varlen", "per-sequence", "mask"] = Field(
         "auto", description="How the sequences of a packed row are kept apart. By their boundaries, with no [T, T] "
                             "mask (services/learner/attention.py): varlen: FlashAttention's varlen kernel on GPU "
-                            "(torch.nn.attention.varlen); per-sequence: causal SDPA over each sequence; auto: varlen "
-                            "where a pass's sequences average under 4,096 tokens, else per-sequence. On CPU all three "
-                            "run per-sequence. mask: transformers builds a [B, 1, T, T] block mask for "
+                            "(torch.nn.attention.varlen); per-sequence: causal SDPA over each sequence (on GPU each "
+                            "padded to a multiple of 256 tokens, so cuDNN builds few plans); auto (the same as varlen): "
+                            "varlen where its kernel runs, else per-sequence. With new lengths every step, varlen cost "
+                            "0.53x the sequences alone per token, per-sequence 0.97x (7B width, H200, "
+                            "bench/results/packed_attention_fresh.md). On CPU all three run per-sequence. mask: transformers builds a [B, 1, T, T] block mask for "
                             "attn_implementation (2.6x the cost of the sequences alone at 7B width, "
                             "bench/results/packed_attention.md).")
     sdpa_backends: list[Literal["cudnn", "flash", "efficient", "math"]] | None = Field(

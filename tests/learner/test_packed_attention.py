@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.learner.attention import (PACKED_ATTENTION, PER_SEQUENCE_ATTENTION, VARLEN_ATTENTION, kernel_for,
+from services.learner.attention import (PACKED_ATTENTION, PER_SEQUENCE_ATTENTION, VARLEN_ATTENTION,
                                        packed_kwargs, uses_varlen_kernel)
 from services.learner.batching import Sequence_, assign_weights, micro_batches, pack_sequences
 from services.learner.config import EngineConfig, ScheduleConfig
@@ -39,10 +39,12 @@ def test_boundaries_of_a_padded_micro_batch():
     assert packed_kwargs(torch.arange(6)[None].repeat(2, 1)) == {}
 
 
-def test_auto_takes_varlen_for_short_sequences_only():
-    assert kernel_for(32768, 8) == "per-sequence"  # 4K tokens a sequence: SDPA per sequence
-    assert kernel_for(32768, 3) == "per-sequence"
-    assert kernel_for(32768, 64) == "varlen"
+def test_auto_is_the_varlen_rule():
+    from transformers import AttentionInterface
+
+    assert AttentionInterface._global_mapping[PACKED_ATTENTION] is AttentionInterface._global_mapping[VARLEN_ATTENTION]
+    assert AttentionInterface._global_mapping[PER_SEQUENCE_ATTENTION] is not AttentionInterface._global_mapping[
+        PACKED_ATTENTION]
 
 
 def test_varlen_refuses_another_attention_implementation():
