@@ -1,4 +1,4 @@
-"""The scorer using the formatter service over HTTP (DESIGN.md: reward workers → formatter), with
+"""The scorer using the formatter service over HTTP (docs/architecture.md: reward workers → formatter), with
 the formatter's LLM backend pointed at a real chat-completions server."""
 
 from __future__ import annotations
