@@ -93,8 +93,10 @@ def test_one_group_and_stop_all_reaches_grandchildren(tmp_path):
 CONTROLLER = """
 import signal, sys, time
 from pathlib import Path
-# a controller in a terminal: SIGHUP ends it (a runner started under nohup hands its children SIGHUP ignored)
+# a controller in a terminal: SIGHUP ends it and SIGINT interrupts it (a runner started under nohup, or as a
+# background job of a shell without job control, hands its children SIGHUP or SIGINT ignored)
 signal.signal(signal.SIGHUP, signal.SIG_DFL)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from services.common.supervisor import RunLock, Supervisor
 lock = RunLock(Path(sys.argv[1])).acquire()
 sup = Supervisor(Path(sys.argv[1]) / "fleet.json")
