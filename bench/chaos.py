@@ -99,7 +99,8 @@ class TinyRun:
                      "--set", f"rl.max_steps={steps}", "--set", f"rl.epochs={epochs}",
                      *[a for item in sets for a in ("--set", item)]]
         self.env = {**os.environ, "STAR_HOME": str(self.folder / "home"), "STAR_LOG_JSON": "false",
-                    "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))), "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+                    "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+                    "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
                     **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.starts = 0

@@ -132,7 +132,8 @@ def fresh_batches(args: argparse.Namespace, device: torch.device, dtype: torch.d
         g = torch.Generator().manual_seed(i)
         seqs = [torch.randn(1, n, args.hidden, generator=g) * 0.02 for n in lengths]
         if packed:
-            row = (torch.cat(seqs, dim=1).to(device, dtype), torch.cat([torch.arange(n) for n in lengths])[None].to(device))
+            row = (torch.cat(seqs, dim=1).to(device, dtype),
+                   torch.cat([torch.arange(n) for n in lengths])[None].to(device))
             return [row], sum(lengths)
         alone = []
         for s in seqs:
@@ -146,17 +147,17 @@ def fresh_batches(args: argparse.Namespace, device: torch.device, dtype: torch.d
 def run(args: argparse.Namespace) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_layers(args, PACKED_ATTENTION, device, dtype)
+    if args.fresh_lengths:
+        return fresh_run(args, model, device, dtype)
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randn(1, n, args.hidden, generator=g) * 0.02 for n in args.lengths]
     alone = [(s.to(device, dtype), torch.arange(s.shape[1], device=device)[None]) for s in seqs]
     row = (torch.cat(seqs, dim=1).to(device, dtype),
            torch.cat([torch.arange(n) for n in args.lengths])[None].to(device))
-    variants = {}
-    model = build_layers(args, PACKED_ATTENTION, device, dtype)
-    if args.fresh_lengths:
-        return fresh_run(args, model, device, dtype)
-    variants["alone"] = measure(model, alone, False, args, device)
-    kernel = "varlen_attn" if uses_varlen_kernel(row[0]) else "SDPA per sequence"
+    variants = {"alone": measure(model, alone, False, args, device)}
+    varlen = uses_varlen_kernel(row[0])
+    kernel = "varlen_attn" if varlen else "SDPA per sequence"
     for name, impl, used in (("packed varlen", VARLEN_ATTENTION, kernel),
                              ("packed per-sequence", PER_SEQUENCE_ATTENTION, "SDPA per sequence")):
         model.config._attn_implementation = impl
@@ -166,23 +167,26 @@ def run(args: argparse.Namespace) -> dict:
         variants["packed mask"] = measure(model, [row], False, args, device)
     except torch.OutOfMemoryError:
         variants["packed mask"] = {"error": "OOM"}
+    return record_of(args, device, dtype, variants, "packed varlen" if varlen else "packed per-sequence")
+
+
+def record_of(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, variants: dict, auto_picks: str,
+              **extra) -> dict:
+    """The run's record: each variant's cost per token against `alone`, and whether it meets the target."""
     base = variants["alone"]["ms_per_1k_tokens"]
     for v in variants.values():
         if "ms_per_1k_tokens" in v:
             v["per_token_vs_alone"] = v["ms_per_1k_tokens"] / base
-    record = {
+    return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "transformers": __import__("transformers").__version__, "dtype": str(dtype),
         "shape": {"hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
                   "intermediate": args.intermediate, "layers": args.layers},
-        "lengths": args.lengths, "warmup": args.warmup, "repeat": args.repeat, "variants": variants,
-        "varlen_options": varlen_options(),
-        "auto_picks": "packed varlen" if uses_varlen_kernel(row[0]) else "packed per-sequence",
-        "target_per_token_vs_alone": TARGET,
+        "lengths": args.lengths, **extra, "warmup": args.warmup, "repeat": args.repeat, "variants": variants,
+        "varlen_options": varlen_options(), "auto_picks": auto_picks, "target_per_token_vs_alone": TARGET,
         "meets_target": {name: v["per_token_vs_alone"] <= TARGET for name, v in variants.items()
                          if name != "alone" and "per_token_vs_alone" in v},
     }
-    return record
 
 
 def fresh_run(args: argparse.Namespace, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> dict:
@@ -191,31 +195,19 @@ def fresh_run(args: argparse.Namespace, model: torch.nn.Module, device: torch.de
 
     variants = {"alone": measure(model, fresh_batches(args, device, dtype, False), False, args, device)}
     row = fresh_batches(args, device, dtype, True)
-    for name, impl, multiple in (("packed per-sequence", PER_SEQUENCE_ATTENTION, attention.SEQUENCE_MULTIPLE),
+    kept = attention.SEQUENCE_MULTIPLE
+    for name, impl, multiple in (("packed per-sequence", PER_SEQUENCE_ATTENTION, kept),
                                  ("packed per-sequence, unpadded", PER_SEQUENCE_ATTENTION, 1),
-                                 ("packed varlen", VARLEN_ATTENTION, attention.SEQUENCE_MULTIPLE)):
+                                 ("packed varlen", VARLEN_ATTENTION, kept)):
         model.config._attn_implementation = impl
-        kept = attention.SEQUENCE_MULTIPLE
         attention.SEQUENCE_MULTIPLE = multiple
         try:
             variants[name] = {**measure(model, row, True, args, device), "kernel": impl}
         finally:
             attention.SEQUENCE_MULTIPLE = kept
-    base = variants["alone"]["ms_per_1k_tokens"]
-    for v in variants.values():
-        v["per_token_vs_alone"] = v["ms_per_1k_tokens"] / base
-    return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "transformers": __import__("transformers").__version__, "dtype": str(dtype),
-        "shape": {"hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
-                  "intermediate": args.intermediate, "layers": args.layers},
-        "lengths": args.lengths, "fresh_lengths": [fresh_lengths(args.lengths, i) for i in range(args.warmup + args.repeat)],
-        "warmup": args.warmup, "repeat": args.repeat, "variants": variants, "varlen_options": varlen_options(),
-        "auto_picks": "packed varlen" if device.type == "cuda" and dtype != torch.float32 and varlen_options()
-        else "packed per-sequence",
-        "target_per_token_vs_alone": TARGET,
-        "meets_target": {name: v["per_token_vs_alone"] <= TARGET for name, v in variants.items() if name != "alone"},
-    }
+    varlen = uses_varlen_kernel(torch.empty(1, device=device, dtype=dtype))
+    return record_of(args, device, dtype, variants, "packed varlen" if varlen else "packed per-sequence",
+                     fresh_lengths=[fresh_lengths(args.lengths, i) for i in range(args.warmup + args.repeat)])
 
 
 def markdown(record: dict, command: str) -> str:

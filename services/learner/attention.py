@@ -157,7 +157,7 @@ def _packed(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: to
     if attention_mask is not None or dropout:
         raise ValueError("packed attention takes no attention mask or dropout")
     b, h, t, d = query.shape
-    if mode in ("auto", "varlen") and uses_varlen_kernel(query) and (window is None or varlen_options()["window"]):
+    if mode == "auto" and uses_varlen_kernel(query) and (window is None or varlen_options()["window"]):
         def tokens(x: torch.Tensor) -> torch.Tensor:
             return x.transpose(1, 2).reshape(b * t, x.shape[1], d)  # [B·T, heads, D]
 

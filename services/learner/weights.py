@@ -569,8 +569,9 @@ class NcclPublisher:
 
         def failed_member() -> str | None:
             for url, f in (receives or {}).items():
-                if f.done() and f.exception() is not None:
-                    return f"{url}: {type(f.exception()).__name__}: {str(f.exception())[:200]}"
+                exc = f.exception() if f.done() else None
+                if exc is not None:
+                    return f"{url}: {type(exc).__name__}: {str(exc)[:200]}"
             return None
 
         def watch() -> None:
