@@ -56,11 +56,13 @@ sync_learner() { sync; learner; }
 # here by `python -c "from services.models import qwen_tokenizer; qwen_tokenizer('.qwen-tok')"`), the
 # learner at 7B, chaos on the NCCL path, and the socket sync with more connections.
 recipe7b() {
-  lane recipe7b 0,1,2,3 timeout 1500 python bench/recipe_7b.py --gpus 4 --steps 5 --tokenizer .qwen-tok
-  pack recipe7b $R/recipe_7b.*
+  lane recipe7b 0,1,2,3 timeout ${RECIPE_TIMEOUT_S:-1500} python bench/recipe_7b.py --gpus 4 --steps 5 --tokenizer .qwen-tok
+  # cut short by its timeout: the record of the steps it did train
+  [ -f $R/recipe_7b.json ] || lane recipe7b_record 0,1,2,3 python bench/recipe_7b.py --gpus 4 --steps 5 --record-only
+  pack recipe7b $R/recipe_7b.* $R/lane/recipe7b_record /tmp/recipe-7b/train.log
 }
 learner7b() {
-  lane learner7b 0,1,2,3 timeout 600 python bench/learner_multigpu.py --nproc 4 --shape 7b --rows recipe --name learner_recipe_7b
+  lane learner7b 0,1,2,3 timeout ${LEARNER7B_TIMEOUT_S:-600} python bench/learner_multigpu.py --nproc 4 --shape 7b --rows recipe --name learner_recipe_7b
   pack learner7b $R/learner_recipe_7b*
 }
 chaos() {
