@@ -629,15 +629,25 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
 
 def attempt(fn, *a, **kw) -> dict:
     """Run a side; an out-of-memory is recorded, not fatal (the ranks run the same shapes, so they run
-    out together)."""
+    out together). A failed option's engine and activations stay alive through the exception's traceback
+    (DeepSpeed's engine in reference cycles besides), so they are collected here, once the exception is
+    gone: the next option starts from an empty GPU, not beside the last one's leftovers. `left_gib`: what
+    was still allocated after that (a leak shows there)."""
     error = None
     try:
         result = fn(*a, **kw)
     except Exception as exc:
         if not is_oom(exc):
             raise
-        error, result = f"OOM: {str(exc)[:200]}", {}
-    return {"oom": True, "error": error} if error else result
+        error, result = f"OOM: {str(exc)[:600]}", {}
+    if error is None:
+        return result
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    release(on_gpu)
+    return {"oom": True, "error": error,
+            "left_gib": round(torch.cuda.memory_allocated() / 2**30, 2) if on_gpu else None}
 
 
 def recipe_rows_facts(args: argparse.Namespace, world: int, on_gpu: bool) -> dict:

@@ -102,6 +102,7 @@ def run_train(args: argparse.Namespace, run_dir: Path, items: list[str], env: di
         for line in proc.stdout:
             print(line, end="", flush=True)
             f.write(line)
+            f.flush()  # a run cut short by a timeout keeps what it printed
             out.append(line)
     return proc.returncode, "".join(out)
 

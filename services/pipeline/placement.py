@@ -304,11 +304,13 @@ class ModelSize:
         return 2 * self.layers * self.kv_heads * self.head_dim * 2  # keys and values, bf16
 
 
-def learner_state_bytes(size: ModelSize, ranks: int, reference: bool = False) -> int:
-    """A ZeRO-3 rank's share of weights, gradients and Adam state; with `reference` (a KL term), the
-    frozen reference policy beside it, which every rank holds whole in bf16
+def learner_state_bytes(size: ModelSize, ranks: int, reference: bool = False, persistent_bytes: int = 0) -> int:
+    """A ZeRO-3 rank's share of weights, gradients and Adam state; the weights ZeRO-3 keeps whole on every
+    rank (`learner.persistent_weights_gib`, at most the model's bf16 weights); with `reference` (a KL term),
+    the frozen reference policy beside it, which every rank holds whole in bf16
     (`PolicyEngine.reference_policy`)."""
-    return ZERO3_BYTES_PER_PARAM * size.params // ranks + (2 * size.params if reference else 0)
+    return (ZERO3_BYTES_PER_PARAM * size.params // ranks + min(persistent_bytes, size.weights_bytes)
+            + (2 * size.params if reference else 0))
 
 
 def activation_bytes(size: ModelSize, tokens: int, checkpointing: bool) -> int:
@@ -333,18 +335,20 @@ class Fit:
 
 
 def split_fit(size: ModelSize, ranks: int, engines: int, tp: int, gpus: int, card: int, activations: int,
-              min_kv_tokens: int, *, reference: bool = False) -> Fit:
+              min_kv_tokens: int, *, reference: bool = False, persistent_bytes: int = 0) -> Fit:
     """Learner ranks and engines on GPUs of their own."""
     usable = int(CARD_USABLE * card)
     need = ranks + engines * tp
     if need > gpus:
         return Fit("split", False, f"split needs {ranks} learner GPU(s) + {engines} engine(s) × {tp} = {need} GPUs; "
                                    f"this machine shows {gpus}")
-    state = learner_state_bytes(size, ranks, reference)
+    state = learner_state_bytes(size, ranks, reference, persistent_bytes)
     learner = state + activations + LEARNER_RESERVE
     if learner > usable:
         return Fit("split", False, f"split: a learner rank needs {_gib(learner)} (ZeRO-3 state "
-                                   f"{_gib(state)}{_reference_note(reference)} + activations {_gib(activations)} + "
+                                   f"{_gib(state)}{_persistent_note(size, persistent_bytes)}"
+                                   f"{_reference_note(reference)} + "
+                                   f"activations {_gib(activations)} + "
                                    f"{_gib(LEARNER_RESERVE)}) of {_gib(usable)} usable")
     kv = int(DEDICATED_MEMORY_SHARE * card) - size.weights_bytes // tp - ENGINE_RESERVE
     if kv < min_kv_tokens * size.kv_bytes_per_token // tp:
@@ -357,14 +361,14 @@ VALIDATION_SEQUENCES = 2  # max-length sequences a validation's engine beside co
 
 
 def colocated_fit(size: ModelSize, gpus: int, tp: int, card: int, activations: int, min_kv_tokens: int, *,
-                  validations: bool = False, reference: bool = False) -> Fit:
+                  validations: bool = False, reference: bool = False, persistent_bytes: int = 0) -> Fit:
     """A learner rank on every GPU and one engine per tensor-parallel group of GPUs, asleep while the
     learner trains. Training: the rank's state, activations and reserve beside the asleep engine's
     residue. Rollout: the rank's state and reserve (activations freed) beside the awake engine's
     weights, reserve and KV. A validation during RL is a separate engine that does not sleep: on engine
     0's GPUs its weights, reserve and `VALIDATION_SEQUENCES` sequences of KV count in both phases."""
     usable = int(CARD_USABLE * card)
-    state = learner_state_bytes(size, gpus, reference)
+    state = learner_state_bytes(size, gpus, reference, persistent_bytes)
     weights = size.weights_bytes // tp
     need_kv = min_kv_tokens * size.kv_bytes_per_token // tp
     validation = weights + ENGINE_RESERVE + VALIDATION_SEQUENCES * need_kv if validations else 0
@@ -372,7 +376,8 @@ def colocated_fit(size: ModelSize, gpus: int, tp: int, card: int, activations: i
     beside = f" + a validation's engine {_gib(validation)}" if validation else ""
     if training > usable:
         return Fit("colocated", False, f"colocated: training needs {_gib(training)} a GPU (ZeRO-3 state over {gpus} "
-                                       f"ranks {_gib(state)}{_reference_note(reference)} + activations {_gib(activations)} + "
+                                       f"ranks {_gib(state)}{_persistent_note(size, persistent_bytes)}"
+                                       f"{_reference_note(reference)} + activations {_gib(activations)} + "
                                        f"{_gib(LEARNER_RESERVE)} + an asleep engine {_gib(SLEEP_RESIDUE)}{beside}) "
                                        f"of {_gib(usable)} usable")
     engine = usable - state - LEARNER_RESERVE - validation
@@ -387,6 +392,11 @@ def colocated_fit(size: ModelSize, gpus: int, tp: int, card: int, activations: i
                                   f"asleep{beside}; awake, the engine takes {share:.2f} of its GPUs, KV {_gib(kv)} "
                                   f"({kv * tp // size.kv_bytes_per_token:,} tokens)",
                engine_share=share, validation_share=val_share)
+
+
+def _persistent_note(size: ModelSize, persistent_bytes: int) -> str:
+    kept = min(persistent_bytes, size.weights_bytes)
+    return f", {_gib(kept)} of weights kept whole (learner.persistent_weights_gib)" if kept else ""
 
 
 def _reference_note(reference: bool) -> str:
@@ -420,7 +430,7 @@ def colocated_concurrency(workers: int, concurrency: int, engines: int) -> int:
 def choose(spec: DeploymentSpec, mode: str, size: ModelSize | None, engines: int, gpus: list[str],
            card_bytes: int | None, *, micro_batch_tokens: int, checkpointing: bool, min_kv_tokens: int,
            activation_bytes_override: int | None = None, validations: bool = False,
-           reference: bool = False) -> Placement:
+           reference: bool = False, persistent_bytes: int = 0) -> Placement:
     """The run's layout: `mode` split (the deployment's own plan), colocated, or auto (split where the
     learner and engines fit GPUs of their own, else colocated where that fits); the placement's `reason`
     says why. A mode whose memory cannot fit is refused (PlacementError) with the numbers, before anything
@@ -432,13 +442,15 @@ def choose(spec: DeploymentSpec, mode: str, size: ModelSize | None, engines: int
                              "(placement.gpu_gib where the GPUs cannot be asked)")
     acts = activation_bytes_override or activation_bytes(size, micro_batch_tokens, checkpointing)
     tp, n = spec.engine_tensor_parallel, len(gpus)
-    split = split_fit(size, spec.learner_ranks, engines, tp, n, card_bytes, acts, min_kv_tokens, reference=reference)
+    split = split_fit(size, spec.learner_ranks, engines, tp, n, card_bytes, acts, min_kv_tokens, reference=reference,
+                      persistent_bytes=persistent_bytes)
     if mode == "split":
         placed = plan(spec, engines, gpus, validations=validations)
         if split.fits or placed.shared:  # memory sharing by share: plan()'s own checks
             return _with_reason(placed, split.why if split.fits else "split by memory share (deployment.share_gpus)")
         raise PlacementError(f"placement.mode split does not fit: {split.why}")
-    colo = colocated_fit(size, n, tp, card_bytes, acts, min_kv_tokens, validations=validations, reference=reference)
+    colo = colocated_fit(size, n, tp, card_bytes, acts, min_kv_tokens, validations=validations, reference=reference,
+                         persistent_bytes=persistent_bytes)
     if mode == "auto" and split.fits:
         return _with_reason(plan(spec.model_copy(update={"share_gpus": False}), engines, gpus,
                                  validations=validations), f"auto → {split.why}")
@@ -492,4 +504,5 @@ def placement_for_recipe(config: PipelineConfig, gpus: list[str] | None = None, 
                   micro_batch_tokens=config.learner.micro_batch_tokens,
                   checkpointing=config.learner.gradient_checkpointing,
                   min_kv_tokens=config.rl.sampling.engine_max_len, activation_bytes_override=act,
-                  validations=config.validates_during_rl, reference=config.rl.kl_coef > 0)
+                  validations=config.validates_during_rl, reference=config.rl.kl_coef > 0,
+                  persistent_bytes=int(config.learner.persistent_weights_gib * GiB))

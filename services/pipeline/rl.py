@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from services.common.redis import free_port, local_url, redact, redis_argv, redis_password, wait_for_redis
@@ -38,7 +39,7 @@ from services.pipeline.config import PipelineConfig, sampling_cuts
 from services.pipeline.external import ExternalFleet, FleetAddress, LearnerReport, connect, ready
 from services.pipeline.scheduler import Schedule, TaskPublisher
 from services.pipeline import stage
-from services.pipeline.stage import Run, StageFailed, check_exit, console
+from services.pipeline.stage import Run, StageFailed, check_exit, console, failure_cause, log_tail
 from services.reward.rewards import Curriculum
 from services.synth.queries import load_queries
 
@@ -118,10 +119,12 @@ class Fleet:
                 return
         except SupervisorError as exc:
             log = self.learner.log
-            tail = log.read_text(errors="replace").strip().splitlines()[-8:] if log and log.is_file() else []
+            tail = log_tail(log, 8) if log else []
             raise StageFailed(f"the learner keeps failing: {exc}"
                               + (f"; see {log}\n  " + "\n  ".join(tail) if tail else "")) from None
-        console.print(f"[yellow]learner exited ({report.exit_code}, {report.state}); resuming from its checkpoint[/]")
+        cause = failure_cause(self.learner.log) if self.learner.log else None
+        console.print(f"[yellow]learner exited ({report.exit_code}, {report.state}); resuming from its checkpoint[/]"
+                      + (f"\n  [dim]{escape(cause)} (see {self.learner.log})[/]" if cause else ""))
         self.sup.restart(self.learner)
 
     def stop_learner(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,12 +93,35 @@ def star_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "services.cli", *args]
 
 
+_ERROR_LINE = re.compile(r"\b\w*(Error|Exception|Interrupt)\b:?")
+# torchrun's own report of a failed rank: it names the rank, not the cause
+_LAUNCHER_LINE = re.compile(r"ChildFailedError|torch\.distributed\.elastic|^\s*raise ")
+
+
+def log_tail(log: Path, lines: int, max_bytes: int = 256 * 1024) -> list[str]:
+    """The last `lines` non-empty lines of a process's log (reading at most its last `max_bytes`)."""
+    if not log.is_file():
+        return []
+    with open(log, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+        text = f.read().decode(errors="replace")
+    return [line for line in text.splitlines() if line.strip()][-lines:]
+
+
+def failure_cause(log: Path) -> str | None:
+    """The last line of a failed process's log that names an error (the exception a rank raised, not
+    the launcher's summary of it), or None where there is none."""
+    for line in reversed(log_tail(log, 400)):
+        if _ERROR_LINE.search(line) and not _LAUNCHER_LINE.search(line):
+            return line.strip()[:400]
+    return None
+
+
 def check_exit(run: Run, name: str, rc: int) -> None:
     """A stage process that failed, as a StageFailed naming its log and last lines."""
     if rc != 0:
         log = run.log(name)
-        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
-        raise StageFailed(f"{name} exited with {rc}; see {log}\n  " + "\n  ".join(tail))
+        raise StageFailed(f"{name} exited with {rc}; see {log}\n  " + "\n  ".join(log_tail(log, 5)))
 
 
 def run_process(run: Run, name: str, argv: list[str], *, env: dict[str, str] | None = None,

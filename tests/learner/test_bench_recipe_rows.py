@@ -83,3 +83,36 @@ def test_summary_of_steps_of_different_work_uses_their_totals():
 def test_without_strips_a_flag_and_its_value():
     argv = ["--nproc", "2", "--sides=ours", "--name", "x", "--sides", "liger"]
     assert without(without(argv, "--nproc"), "--sides") == ["--name", "x"]
+
+
+def test_a_failed_option_is_collected_before_the_next_one_starts():
+    """An option that runs out of memory leaves its engine in reference cycles held by the exception's
+    traceback; the next option must not start beside it (it did: every later option then ran out too)."""
+    import weakref
+
+    from bench.learner_multigpu import attempt
+
+    held: list[weakref.ref] = []
+
+    class Engine:
+        def __init__(self) -> None:
+            self.me = self  # a cycle, as DeepSpeed's engine and its hooks make
+            self.states = torch.zeros(1024)
+
+    def option() -> dict:
+        engine = Engine()
+        held.append(weakref.ref(engine))
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.16 GiB")
+        finally:
+            del engine
+
+    import gc
+
+    gc.disable()  # only attempt's own collection may free it
+    try:
+        result = attempt(option)
+        assert held[0]() is None
+    finally:
+        gc.enable()
+    assert result["oom"] and "1.16 GiB" in result["error"]

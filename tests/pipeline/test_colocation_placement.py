@@ -38,6 +38,9 @@ def test_parameter_counts_match_the_published_models():
 def test_zero3_state_is_sixteen_bytes_a_parameter_over_the_ranks():
     size = ModelSize.from_hf_config(QWEN_7B)
     assert learner_state_bytes(size, 4) == 16 * size.params // 4
+    # the weights ZeRO-3 keeps whole count on every rank, up to the whole model
+    assert learner_state_bytes(size, 4, persistent_bytes=4 * GiB) - learner_state_bytes(size, 4) == 4 * GiB
+    assert learner_state_bytes(size, 4, persistent_bytes=10**12) - learner_state_bytes(size, 4) == size.weights_bytes
     assert activation_bytes(size, 32768, True) < activation_bytes(size, 32768, False)
 
 
@@ -64,7 +67,8 @@ def test_the_7b_recipe_fits_80_gb_hosts_colocated(n):
     assert p.engine_devices == tuple((g,) for g in gpus(n))  # one engine per GPU
     assert "not split" in p.reason and "12 GPUs" in p.reason
     # awake, engine 0's GPU holds the learner's state, its engine and a validation's, within the card
-    state = learner_state_bytes(ModelSize.from_hf_config(QWEN_7B), n)
+    state = learner_state_bytes(ModelSize.from_hf_config(QWEN_7B), n,
+                                persistent_bytes=int(config.learner.persistent_weights_gib * GiB))
     assert state + (p.engine_memory_share + p.validation_memory_share) * CARD_80 <= CARD_80
     env = p.engine_env(0)
     assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["STAR_ROLLOUT_KV_CACHE_FROM_SHARE"] == "true"
@@ -86,7 +90,7 @@ def test_the_7b_recipe_on_two_gpus_is_refused_with_the_numbers():
     with pytest.raises(PlacementError) as err:
         placement_for_recipe(recipe("qwen2.5-7b-grpo-sum.yaml"), gpus(2), CARD_80, ModelSize.from_hf_config(QWEN_7B))
     msg = str(err.value)
-    assert "ZeRO-3 state over 2 ranks 56.7 GiB" in msg and "of 73.6 GiB usable" in msg and "12 GPUs" in msg
+    assert "ZeRO-3 state over 2 ranks 60.7 GiB, 4.0 GiB of weights kept whole" in msg and "of 73.6 GiB usable" in msg and "12 GPUs" in msg
 
 
 def test_a_1_5b_recipe_colocates_on_one_gpu():

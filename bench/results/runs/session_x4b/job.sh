@@ -59,7 +59,9 @@ recipe7b() {
   lane recipe7b 0,1,2,3 timeout ${RECIPE_TIMEOUT_S:-1500} python bench/recipe_7b.py --gpus 4 --steps 5 --tokenizer .qwen-tok
   # cut short by its timeout: the record of the steps it did train
   [ -f $R/recipe_7b.json ] || lane recipe7b_record 0,1,2,3 python bench/recipe_7b.py --gpus 4 --steps 5 --record-only
-  pack recipe7b $R/recipe_7b.* $R/lane/recipe7b_record /tmp/recipe-7b/train.log
+  mkdir -p /tmp/r7/logs && cp /tmp/recipe-7b/run/rl/metrics.jsonl /tmp/recipe-7b/train.log /tmp/r7/ 2>/dev/null
+  for f in /tmp/recipe-7b/run/logs/*.log; do [ -f "$f" ] && tail -c 300000 "$f" > /tmp/r7/logs/$(basename "$f"); done
+  pack recipe7b $R/recipe_7b.* $R/lane/recipe7b_record /tmp/r7
 }
 learner7b() {
   lane learner7b 0,1,2,3 timeout ${LEARNER7B_TIMEOUT_S:-600} python bench/learner_multigpu.py --nproc 4 --shape 7b --rows recipe --name learner_recipe_7b
