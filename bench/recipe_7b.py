@@ -203,7 +203,24 @@ def record(args, work: Path, config, output: str, steps: list[dict[str, Any]], r
             "overrides": overrides(args, Path("MODEL")), "steps": steps, "trajectories": shape,
             "measured_step_s": measured_s, "measured_over": "steps after the first" if len(steps) > 1 else "all steps",
             "prediction": prediction, "predicted_step_s": predicted_s, "ratio": ratio,
-            "within_target": ratio is not None and abs(ratio - 1) <= TARGET, "target": TARGET}
+            "within_target": ratio is not None and abs(ratio - 1) <= TARGET, "target": TARGET,
+            "failures": failures(work / "run", output, rc)}
+
+
+def failures(run_dir: Path, output: str, rc: int) -> dict[str, Any]:
+    """Why the run's processes failed where they did: how often `star train` restarted the learner and, for
+    a run that failed or restarted it, the error each process's log ends with
+    (services.pipeline.stage.failure_cause)."""
+    from services.pipeline.stage import failure_cause
+
+    restarts = output.count("learner exited (")
+    causes = {}
+    logs = (run_dir / "logs").glob("*.log") if (rc or restarts) and (run_dir / "logs").is_dir() else []
+    for log in sorted(logs):
+        cause = failure_cause(log)
+        if cause:
+            causes[log.stem] = cause
+    return {"learner_restarts": restarts, "causes": causes}
 
 
 def markdown(rec: dict[str, Any]) -> str:
@@ -225,6 +242,10 @@ def markdown(rec: dict[str, Any]) -> str:
         lines.append(f"Measured {rec['measured_step_s']:.1f} s a step ({rec['measured_over']}) against predicted "
                      f"{rec['predicted_step_s']:.1f} s: ratio {rec['ratio']:.2f}, "
                      f"{'within' if rec['within_target'] else 'outside'} ±{rec['target']:.0%}.")
+    fail = rec.get("failures") or {}
+    if fail.get("learner_restarts") or fail.get("causes"):
+        lines += ["", f"The learner was restarted {fail['learner_restarts']} time(s). Errors the logs end with:", ""]
+        lines += [f"- {name}: `{cause}`" for name, cause in fail["causes"].items()] or ["- none found in the logs"]
     if rec["prediction"].get("note"):
         lines += ["", rec["prediction"]["note"]]
     return "\n".join(lines) + "\n"

@@ -139,3 +139,17 @@ def test_a_colocated_sync_is_the_measured_cycle_scaled_by_parameters():
     assert sec["weight_sync"] == pytest.approx(2.5 * 7.615616512)
     # H200's faster memory shortens the rollout measured on an H100
     assert sec["rollout"] == pytest.approx(2 * 60.0 * 3.35 / 4.8)
+
+
+def test_the_7b_record_names_why_a_run_fell_short(tmp_path):
+    """A `star train` run that restarted its learner records each process's last error; a clean run records
+    none (its logs may hold handled errors that explain nothing)."""
+    from bench.recipe_7b import failures
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "learner.log").write_text("step 0\n[rank2]: torch.OutOfMemoryError: CUDA out of memory.\n")
+    (tmp_path / "logs" / "rollout-0.log").write_text("INFO ready\n")
+    said = "learner exited (1, failed); resuming from its checkpoint\n" * 3
+    assert failures(tmp_path, said, 124) == {"learner_restarts": 3,
+                                             "causes": {"learner": "[rank2]: torch.OutOfMemoryError: CUDA out of memory."}}
+    assert failures(tmp_path, "rl: done in 62 s\n", 0) == {"learner_restarts": 0, "causes": {}}
