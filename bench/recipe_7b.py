@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -97,6 +98,7 @@ def run_train(args: argparse.Namespace, run_dir: Path, items: list[str], env: di
             "--stage", "synth", "--stage", "rl", *[a for item in items for a in ("--set", item)]]
     log("+ " + " ".join(argv))
     out: list[str] = []
+    restarts = 0
     with open(run_dir.parent / "train.log", "w") as f, subprocess.Popen(
             argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         for line in proc.stdout:
@@ -104,6 +106,12 @@ def run_train(args: argparse.Namespace, run_dir: Path, items: list[str], env: di
             f.write(line)
             f.flush()  # a run cut short by a timeout keeps what it printed
             out.append(line)
+            restarts += line.lstrip().startswith("learner exited (")
+            if args.max_learner_restarts and restarts == args.max_learner_restarts:
+                # the same failure again: device time is better spent on the record of why
+                log(f"the learner failed {restarts} times: stopping the run (--max-learner-restarts)")
+                proc.send_signal(signal.SIGTERM)
+                restarts += 1  # said and signalled once
     return proc.returncode, "".join(out)
 
 
@@ -258,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tool-calls", type=int, default=10, help="forced tool turns an episode takes")
     ap.add_argument("--turn-tokens", type=int, default=120, help="tokens each forced tool turn samples")
     ap.add_argument("--answer-tokens", type=int, default=1000, help="tokens the forced answer samples")
+    ap.add_argument("--max-learner-restarts", type=int, default=2,
+                    help="stop the run once `star train` has restarted its learner this many times (0: never)")
     ap.add_argument("--tokenizer", default=None, help="a saved Qwen2.5 tokenizer folder (default: built here)")
     ap.add_argument("--work", default="/tmp/recipe-7b")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="more recipe overrides")
