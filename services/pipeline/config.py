@@ -155,6 +155,7 @@ class RLSpec(_Section):
         None, gt=0, description="Wall-clock budget of the RL stage: once spent, the stage ends with the latest "
         "published weights and the steps not yet trained are left out (default: no budget).")
     samples_per_step: int = RLConfig.model_fields["samples_per_step"]
+    save_every: int = RLConfig.model_fields["save_every"]
     oversample: float = Field(0.0, ge=0, le=4, description=(
         "Over-sampling: the controller publishes ceil(batch_prompts × (1 + oversample)) prompts a step and the "
         "step trains the first batch_prompts groups to complete, so it does not wait for its slowest groups; the "

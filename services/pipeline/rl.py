@@ -166,7 +166,7 @@ def rl_config(run: Run, model: str, names: StreamNames, redis_url: str | None, t
         model=model, output_dir=str(run.folder / "rl"), algorithm="dapo" if r.algorithm == "dapo" else "grpo",
         group_size=r.group_size, batch_prompts=r.batch_prompts, lr=r.lr, total_steps=total_steps,
         mini_batches=r.mini_batches, kl_coef=r.kl_coef, negative_scale=r.negative_scale,
-        samples_per_step=r.samples_per_step, loss_agg=r.loss_agg, dual_clip_c=r.dual_clip_c,
+        samples_per_step=r.samples_per_step, save_every=r.save_every, loss_agg=r.loss_agg, dual_clip_c=r.dual_clip_c,
         log_ratio_clamp=r.log_ratio_clamp, importance_sampling=r.importance_sampling, is_low=r.is_low,
         is_high=r.is_high, temperature=r.sampling.temperature,
         sampling_cut=bool(sampling_cuts(r.sampling)),

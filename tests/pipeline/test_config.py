@@ -374,6 +374,21 @@ def test_over_sampling_and_late_groups_reach_the_learner_and_its_filters():
         load_pipeline_config(CONFIGS / "tiny.yaml", ["rl.late_groups=later"])
 
 
+def test_the_checkpoint_interval_reaches_the_learner_and_is_bounded(tmp_path):
+    """A 7B checkpoint with its optimizer state is about 106 GB: a recipe sets how often the RL stage writes one."""
+    from services.common.streams import StreamNames
+    from services.learner.config import RLConfig
+    from services.pipeline.rl import rl_config
+    from services.pipeline.stage import Run
+
+    config = load_pipeline_config(CONFIGS / "tiny.yaml", ["rl.save_every=16"])
+    path = rl_config(Run(config, tmp_path), "model", StreamNames("t"), "redis://x", total_steps=16)
+    assert RLConfig.model_validate_json(path.read_text()).save_every == 16
+    assert load_pipeline_config(CONFIGS / "tiny.yaml").rl.save_every == RLConfig.model_fields["save_every"].default
+    with pytest.raises(ConfigError, match="save_every"):
+        load_pipeline_config(CONFIGS / "tiny.yaml", ["rl.save_every=17"])
+
+
 def test_forced_turns_are_off_unless_set_and_only_for_rl_sampling():
     """rl.sampling.forced_turns (benchmarking: a random-init model's episodes shaped like a trained agent's)."""
     paper = load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml")
