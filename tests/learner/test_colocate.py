@@ -1,6 +1,6 @@
-"""Colocated weight publication's store side: the engines take each version by CUDA IPC on waking
+"""Colocated weight publication: the store side (the engines take each version by CUDA IPC on waking
 (tests/rollout/test_colocation.py, bench/colocate_gpu.py), the store every `files_every`-th version,
-without telling the servers (they have it already)."""
+without telling the servers, who have it already), and the collectives of a step on several ranks."""
 
 from __future__ import annotations
 
