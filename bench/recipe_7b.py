@@ -89,7 +89,7 @@ def overrides(args: argparse.Namespace, model: Path | None) -> list[str]:
     else:
         items += [f"model.path={model}", "world.synthetic_size=small",
                   f"synth.rl_queries={32 * args.steps}",
-             "rl.save_every=16"]  # one checkpoint, the run's last: the steps measured write none
+                  "rl.save_every=16"]  # one checkpoint, the run's last: the steps measured write none
     return items + list(args.set)
 
 
@@ -99,7 +99,7 @@ def run_train(args: argparse.Namespace, run_dir: Path, items: list[str], env: di
             "--stage", "synth", "--stage", "rl", *[a for item in items for a in ("--set", item)]]
     log("+ " + " ".join(argv))
     out: list[str] = []
-    restarts = 0
+    restarts, stopping = 0, False
     with open(run_dir.parent / "train.log", "w") as f, subprocess.Popen(
             argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         for line in proc.stdout:
@@ -107,13 +107,18 @@ def run_train(args: argparse.Namespace, run_dir: Path, items: list[str], env: di
             f.write(line)
             f.flush()  # a run cut short by a timeout keeps what it printed
             out.append(line)
-            restarts += line.lstrip().startswith("learner exited (")
-            if args.max_learner_restarts and restarts == args.max_learner_restarts:
+            restarts += learner_restarted(line)
+            if args.max_learner_restarts and restarts >= args.max_learner_restarts and not stopping:
                 # the same failure again: device time is better spent on the record of why
                 log(f"the learner failed {restarts} times: stopping the run (--max-learner-restarts)")
                 proc.send_signal(signal.SIGTERM)
-                restarts += 1  # said and signalled once
+                stopping = True
     return proc.returncode, "".join(out)
+
+
+def learner_restarted(line: str) -> bool:
+    """A line where `star train` says it restarts its learner (services.pipeline.rl.Fleet.learner_ended)."""
+    return line.lstrip().startswith("learner exited (")
 
 
 def placement_lines(output: str) -> list[str]:
@@ -226,7 +231,7 @@ def failures(run_dir: Path, output: str, rc: int) -> dict[str, Any]:
     (services.pipeline.stage.failure_cause)."""
     from services.pipeline.stage import failure_cause
 
-    restarts = output.count("learner exited (")
+    restarts = sum(map(learner_restarted, output.splitlines()))
     causes = {}
     logs = (run_dir / "logs").glob("*.log") if (rc or restarts) and (run_dir / "logs").is_dir() else []
     for log in sorted(logs):
