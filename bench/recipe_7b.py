@@ -282,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/recipe-7b")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="more recipe overrides")
     ap.add_argument("--smoke", action="store_true", help="CPU: configs/tiny.yaml, 2 steps, short forced turns")
+    ap.add_argument("--name", default=None,
+                    help="the record's name under bench/results (default recipe_7b; another for a machine or shape "
+                         "that is not the recipe's own, e.g. fewer GPUs or a smaller batch)")
     ap.add_argument("--record-only", action="store_true",
                     help="write the record from WORK's finished run (its train.log and metrics) without training")
     args = ap.parse_args(argv)
@@ -316,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     rec = record(args, work, config, output, steps, rc)
     rec["train_s"] = None if args.record_only else time.monotonic() - t0
     out = work if args.smoke else RESULTS
-    name = "recipe_7b_smoke" if args.smoke else "recipe_7b"
+    name = args.name or ("recipe_7b_smoke" if args.smoke else "recipe_7b")
     (out / f"{name}.json").write_text(json.dumps(rec, indent=1) + "\n")
     (out / f"{name}.md").write_text(markdown(rec))
     print(markdown(rec))

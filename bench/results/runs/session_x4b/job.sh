@@ -55,13 +55,19 @@ sync_learner() { sync; learner; }
 # two halves), in the order of the issues: the 7B recipe through `star train` (carry .qwen-tok, written
 # here by `python -c "from services.models import qwen_tokenizer; qwen_tokenizer('.qwen-tok')"`), the
 # learner at 7B, chaos on the NCCL path, and the socket sync with more connections.
+# RECIPE_GPUS (default 0,1,2,3), RECIPE_NAME (the record's name), RECIPE_ARGS (more bench/recipe_7b.py arguments)
 recipe7b() {
-  lane recipe7b 0,1,2,3 timeout ${RECIPE_TIMEOUT_S:-1500} python bench/recipe_7b.py --gpus 4 --steps 5 --tokenizer .qwen-tok
+  local gpus=${RECIPE_GPUS:-0,1,2,3} name=${RECIPE_NAME:-recipe_7b}
+  local n=$(( $(tr -cd , <<<"$gpus" | wc -c) + 1 ))
+  lane recipe7b $gpus timeout ${RECIPE_TIMEOUT_S:-1500} python bench/recipe_7b.py --gpus $n --steps ${RECIPE_STEPS:-5} \
+    --tokenizer .qwen-tok --name $name ${RECIPE_ARGS:-}
   # cut short by its timeout: the record of the steps it did train
-  [ -f $R/recipe_7b.json ] || lane recipe7b_record 0,1,2,3 python bench/recipe_7b.py --gpus 4 --steps 5 --record-only
+  [ -f $R/$name.json ] || lane recipe7b_record $gpus python bench/recipe_7b.py --gpus $n --steps ${RECIPE_STEPS:-5} \
+    --name $name --record-only ${RECIPE_ARGS:-}
   mkdir -p /tmp/r7/logs && cp /tmp/recipe-7b/run/rl/metrics.jsonl /tmp/recipe-7b/train.log /tmp/r7/ 2>/dev/null
   for f in /tmp/recipe-7b/run/logs/*.log; do [ -f "$f" ] && tail -c 300000 "$f" > /tmp/r7/logs/$(basename "$f"); done
-  pack recipe7b $R/recipe_7b.* $R/lane/recipe7b_record /tmp/r7
+  nvidia-smi > /tmp/r7/nvidia-smi.txt 2>&1
+  pack recipe7b $R/$name.* $R/lane/recipe7b_record /tmp/r7
 }
 learner7b() {
   lane learner7b 0,1,2,3 timeout ${LEARNER7B_TIMEOUT_S:-600} python bench/learner_multigpu.py --nproc 4 --shape 7b --rows recipe --name learner_recipe_7b
