@@ -338,6 +338,9 @@ class PolicyEngine:
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),
             config=ds_config,
         )
+        # from_pretrained leaves the model in eval mode, and HF recomputes a layer (gradient
+        # checkpointing) only in training mode: without this, recomputation is silently off
+        self.engine.train()
         self.device = self.engine.device
         self.step_count = 0
 
