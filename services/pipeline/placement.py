@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from services.pipeline.config import DeploymentSpec, PipelineConfig
@@ -42,6 +42,7 @@ class Placement:
     validation_memory_share: float | None = None  # None: no validations beside the fleet, or on CPU
     colocated: bool = False   # engines share every learner GPU in time: asleep while the learner trains
     reason: str = ""          # why this layout (the memory model's numbers), printed with it
+    validations_after: bool = False  # no room for a validation's engine beside the fleet: they run after RL
 
     def learner_env(self) -> dict[str, str]:
         env = {"DS_ACCELERATOR": self.accelerator}
@@ -73,7 +74,8 @@ class Placement:
         if self.accelerator != "cuda":
             return f"placement: CPU; learner {self.learner_ranks} rank(s), {len(self.engine_devices)} engine(s)"
         engines = ", ".join("+".join(d) for d in self.engine_devices) or "none"
-        validations = ("" if self.validation_memory_share is None else
+        validations = ("; validations after the RL steps, on the freed GPUs" if self.validations_after else
+                       "" if self.validation_memory_share is None else
                        f"; validations beside engine 0 at {self.validation_memory_share:.2f}")
         sharing = " (colocated: asleep while the learner trains)" if self.colocated else (
             " (sharing GPUs)" if self.shared else "")
@@ -264,10 +266,14 @@ def external_weight_sync(spec: DeploymentSpec, engine: str, infos: dict[str, dic
 
 GiB = 2**30
 CARD_USABLE = 0.92          # of a card's memory: CUDA contexts, NCCL buffers and allocator fragments take the rest
-LEARNER_RESERVE = 3 * GiB   # a rank's ZeRO-3 gather buckets, NCCL buffers and CUDA context
-ENGINE_RESERVE = 2 * GiB    # an awake engine's activations and CUDA graphs (vllm_engine.ENGINE_RESERVE_BYTES)
-SLEEP_RESIDUE = int(1.5 * GiB)  # an asleep engine: CUDA context and the allocator's bookkeeping
+# Measured at 7B on two H200s (docs/gpu.md, "Colocation's memory"): a learner rank held 6.2 GiB beyond its
+# ZeRO-3 state before its first step; an engine 2.5 GiB beyond weights and KV cache that its sleep freed and
+# 1.9 GiB it kept asleep.
+LEARNER_RESERVE = 6 * GiB   # a rank's ZeRO-3 gather and reduce buckets, NCCL buffers, CUDA context, allocator cache
+ENGINE_RESERVE = int(4.5 * GiB)  # an awake engine besides weights and KV (vllm_engine.ENGINE_RESERVE_BYTES)
+SLEEP_RESIDUE = 2 * GiB     # an asleep engine: CUDA context, CUDA graphs' pools, the allocator's bookkeeping
 ZERO3_BYTES_PER_PARAM = 2 + 2 + 12  # bf16 weights and gradients, fp32 Adam moments and master weights
+FP32_GRADS_EXTRA = 2        # gradients accumulated in fp32 partitions (learner.fp32_grad_accum, the default)
 
 
 @dataclass(frozen=True)
@@ -304,12 +310,15 @@ class ModelSize:
         return 2 * self.layers * self.kv_heads * self.head_dim * 2  # keys and values, bf16
 
 
-def learner_state_bytes(size: ModelSize, ranks: int, reference: bool = False, persistent_bytes: int = 0) -> int:
-    """A ZeRO-3 rank's share of weights, gradients and Adam state; the weights ZeRO-3 keeps whole on every
+def learner_state_bytes(size: ModelSize, ranks: int, reference: bool = False, persistent_bytes: int = 0,
+                        fp32_grads: bool = True) -> int:
+    """A ZeRO-3 rank's share of weights, gradients (fp32 with `fp32_grads`) and Adam state (allocated at the
+    first step, so counted from the start: the engines wake beside it); the weights ZeRO-3 keeps whole on every
     rank (`learner.persistent_weights_gib`, at most the model's bf16 weights); with `reference` (a KL term),
     the frozen reference policy beside it, which every rank holds whole in bf16
     (`PolicyEngine.reference_policy`)."""
-    return (ZERO3_BYTES_PER_PARAM * size.params // ranks + min(persistent_bytes, size.weights_bytes)
+    per_param = ZERO3_BYTES_PER_PARAM + (FP32_GRADS_EXTRA if fp32_grads else 0)
+    return (per_param * size.params // ranks + min(persistent_bytes, size.weights_bytes)
             + (2 * size.params if reference else 0))
 
 
@@ -335,14 +344,15 @@ class Fit:
 
 
 def split_fit(size: ModelSize, ranks: int, engines: int, tp: int, gpus: int, card: int, activations: int,
-              min_kv_tokens: int, *, reference: bool = False, persistent_bytes: int = 0) -> Fit:
+              min_kv_tokens: int, *, reference: bool = False, persistent_bytes: int = 0, fp32_grads: bool = True
+              ) -> Fit:
     """Learner ranks and engines on GPUs of their own."""
     usable = int(CARD_USABLE * card)
     need = ranks + engines * tp
     if need > gpus:
         return Fit("split", False, f"split needs {ranks} learner GPU(s) + {engines} engine(s) × {tp} = {need} GPUs; "
                                    f"this machine shows {gpus}")
-    state = learner_state_bytes(size, ranks, reference, persistent_bytes)
+    state = learner_state_bytes(size, ranks, reference, persistent_bytes, fp32_grads)
     learner = state + activations + LEARNER_RESERVE
     if learner > usable:
         return Fit("split", False, f"split: a learner rank needs {_gib(learner)} (ZeRO-3 state "
@@ -361,14 +371,15 @@ VALIDATION_SEQUENCES = 2  # max-length sequences a validation's engine beside co
 
 
 def colocated_fit(size: ModelSize, gpus: int, tp: int, card: int, activations: int, min_kv_tokens: int, *,
-                  validations: bool = False, reference: bool = False, persistent_bytes: int = 0) -> Fit:
+                  validations: bool = False, reference: bool = False, persistent_bytes: int = 0,
+                  fp32_grads: bool = True) -> Fit:
     """A learner rank on every GPU and one engine per tensor-parallel group of GPUs, asleep while the
     learner trains. Training: the rank's state, activations and reserve beside the asleep engine's
     residue. Rollout: the rank's state and reserve (activations freed) beside the awake engine's
     weights, reserve and KV. A validation during RL is a separate engine that does not sleep: on engine
     0's GPUs its weights, reserve and `VALIDATION_SEQUENCES` sequences of KV count in both phases."""
     usable = int(CARD_USABLE * card)
-    state = learner_state_bytes(size, gpus, reference, persistent_bytes)
+    state = learner_state_bytes(size, gpus, reference, persistent_bytes, fp32_grads)
     weights = size.weights_bytes // tp
     need_kv = min_kv_tokens * size.kv_bytes_per_token // tp
     validation = weights + ENGINE_RESERVE + VALIDATION_SEQUENCES * need_kv if validations else 0
@@ -430,7 +441,7 @@ def colocated_concurrency(workers: int, concurrency: int, engines: int) -> int:
 def choose(spec: DeploymentSpec, mode: str, size: ModelSize | None, engines: int, gpus: list[str],
            card_bytes: int | None, *, micro_batch_tokens: int, checkpointing: bool, min_kv_tokens: int,
            activation_bytes_override: int | None = None, validations: bool = False,
-           reference: bool = False, persistent_bytes: int = 0) -> Placement:
+           reference: bool = False, persistent_bytes: int = 0, fp32_grads: bool = True) -> Placement:
     """The run's layout: `mode` split (the deployment's own plan), colocated, or auto (split where the
     learner and engines fit GPUs of their own, else colocated where that fits); the placement's `reason`
     says why. A mode whose memory cannot fit is refused (PlacementError) with the numbers, before anything
@@ -443,21 +454,30 @@ def choose(spec: DeploymentSpec, mode: str, size: ModelSize | None, engines: int
     acts = activation_bytes_override or activation_bytes(size, micro_batch_tokens, checkpointing)
     tp, n = spec.engine_tensor_parallel, len(gpus)
     split = split_fit(size, spec.learner_ranks, engines, tp, n, card_bytes, acts, min_kv_tokens, reference=reference,
-                      persistent_bytes=persistent_bytes)
+                      persistent_bytes=persistent_bytes, fp32_grads=fp32_grads)
     if mode == "split":
         placed = plan(spec, engines, gpus, validations=validations)
         if split.fits or placed.shared:  # memory sharing by share: plan()'s own checks
             return _with_reason(placed, split.why if split.fits else "split by memory share (deployment.share_gpus)")
         raise PlacementError(f"placement.mode split does not fit: {split.why}")
     colo = colocated_fit(size, n, tp, card_bytes, acts, min_kv_tokens, validations=validations, reference=reference,
-                         persistent_bytes=persistent_bytes)
+                         persistent_bytes=persistent_bytes, fp32_grads=fp32_grads)
     if mode == "auto" and split.fits:
         return _with_reason(plan(spec.model_copy(update={"share_gpus": False}), engines, gpus,
                                  validations=validations), f"auto → {split.why}")
+    later = False
+    if not colo.fits and validations:
+        # no room for a validation's engine beside the colocated ones: the validations wait for the fleet to end
+        alone = colocated_fit(size, n, tp, card_bytes, acts, min_kv_tokens, reference=reference,
+                              persistent_bytes=persistent_bytes, fp32_grads=fp32_grads)
+        if alone.fits:
+            colo, later = alone, True
     if colo.fits:
         prefix = f"auto → {colo.why} (not split: {split.why})" if mode == "auto" else colo.why
-        return _with_reason(plan_colocated(spec, gpus, colo.engine_share, validation_share=colo.validation_share),
-                            prefix)
+        if later:
+            prefix += "; validations run after the RL steps (no room for their engine beside the fleet)"
+        placed = plan_colocated(spec, gpus, colo.engine_share, validation_share=colo.validation_share)
+        return _with_reason(replace(placed, validations_after=later), prefix)
     raise PlacementError(f"placement.mode {mode}: no layout fits {n} GPU(s) of {_gib(card_bytes)} for "
                          f"{size.params / 1e9:.2f} B parameters: {colo.why}"
                          + (f"; {split.why}" if mode == "auto" else ""))
@@ -505,4 +525,5 @@ def placement_for_recipe(config: PipelineConfig, gpus: list[str] | None = None, 
                   checkpointing=config.learner.gradient_checkpointing,
                   min_kv_tokens=config.rl.sampling.engine_max_len, activation_bytes_override=act,
                   validations=config.validates_during_rl, reference=config.rl.kl_coef > 0,
-                  persistent_bytes=int(config.learner.persistent_weights_gib * GiB))
+                  persistent_bytes=int(config.learner.persistent_weights_gib * GiB),
+                  fp32_grads=config.learner.fp32_grad_accum)

@@ -397,7 +397,9 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
     deadline = time.monotonic() + r.max_minutes * 60 if r.max_minutes else None  # the fleet's start counts
     names = fleet_streams(run)
     sampling = r.sampling if r.sampling.seed is not None else r.sampling.model_copy(update={"seed": run.config.seed})
-    validation = Validation(run, synth["val_queries"], r.val_every) if r.val_every and synth.get("val_queries") else None
+    later = bool(run.placement and run.placement.validations_after)
+    validation = (Validation(run, synth["val_queries"], r.val_every, after_fleet=later)
+                  if r.val_every and synth.get("val_queries") else None)
     try:
         f = open_fleet(run, model, names)
         try:
@@ -452,11 +454,14 @@ class Validation:
     cannot pull it away, and the best one survives the run. Its `star eval` runs beside the fleet as
     a managed process on the devices the placement gives validations, one at a time (later due
     versions wait their turn), so that the controller keeps publishing and the fleet never idles
-    while a version is evaluated."""
+    while a version is evaluated. With `after_fleet` (a colocated placement with no room for a
+    validation's engine beside the fleet), the due versions queue until `wait()`, which the stage calls
+    once the fleet has given its GPUs back."""
 
     run: Run
     split: str
     every: int
+    after_fleet: bool = False
     history: list[dict[str, Any]] = field(default_factory=list)
     waiting: list[tuple[int, str]] = field(default_factory=list)   # (version, model folder)
     running: tuple[int, str, Managed] | None = None
@@ -511,7 +516,9 @@ class Validation:
         return done
 
     def wait(self) -> list[dict[str, Any]]:
-        """Every queued validation, run to its end."""
+        """Every queued validation, run to its end (the fleet has ended: the queue may start)."""
+        self.after_fleet = False
+        self._start_next()
         done: list[dict[str, Any]] = []
         while self.running is not None:
             self.running[2].proc.wait()
@@ -535,7 +542,7 @@ class Validation:
         return f"validate-v{version}"
 
     def _start_next(self) -> None:
-        if self.running is not None or not self.waiting:
+        if self.running is not None or not self.waiting or self.after_fleet:
             return
         version, model = self.waiting.pop(0)
         share = self.run.placement.validation_memory_share if self.run.placement else None

@@ -215,3 +215,25 @@ def test_schedules_by_hand():
     assert [g(s) for s in (0, 5, 10)] == [1.0, 0.5, 0.0]
     c = lr_lambda(ScheduleConfig(lr=1.0, warmup_ratio=0.5, schedule="constant"), 4)
     assert [c(s) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+
+
+def test_gradient_checkpointing_recomputes_each_layer_in_backward(engine_factory):
+    """The policy trains in training mode (from_pretrained hands over an eval-mode model, and HF
+    recomputes layers only in training mode): with gradient checkpointing each decoder layer's forward
+    runs again in backward; without it, once."""
+    seqs = [Sequence_(list(range(10, 40)), [0] * 5 + [1] * 25, None, advantage=1.0)]
+    (row,) = pack_sequences(seqs, 64)
+    calls = {}
+    for checkpointing in (True, False):
+        engine = engine_factory(gradient_checkpointing=checkpointing)
+        assert engine.hf_model.training
+        layer = engine.hf_model.model.layers[0]
+        count = [0]
+        # a pre-hook: the recomputation stops early, once it has what backward needs, so a post-hook misses it
+        handle = layer.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+        logp, _ = engine.logprobs(row, grad=True)
+        engine.backward((logp * row.mask.flatten()).sum())
+        handle.remove()
+        calls[checkpointing] = count[0]
+        engine.close()
+    assert calls == {True: 2, False: 1}

@@ -35,9 +35,11 @@ def test_parameter_counts_match_the_published_models():
     assert ModelSize.from_hf_config(QWEN_1_5B).params == pytest.approx(1.54e9, rel=0.01)
 
 
-def test_zero3_state_is_sixteen_bytes_a_parameter_over_the_ranks():
+def test_zero3_state_is_eighteen_bytes_a_parameter_over_the_ranks_with_fp32_gradients():
     size = ModelSize.from_hf_config(QWEN_7B)
-    assert learner_state_bytes(size, 4) == 16 * size.params // 4
+    # bf16 weights, fp32 gradient partitions (the default), fp32 master weights and both Adam moments
+    assert learner_state_bytes(size, 4) == 18 * size.params // 4
+    assert learner_state_bytes(size, 4, fp32_grads=False) == 16 * size.params // 4
     # the weights ZeRO-3 keeps whole count on every rank, up to the whole model
     assert learner_state_bytes(size, 4, persistent_bytes=4 * GiB) - learner_state_bytes(size, 4) == 4 * GiB
     assert learner_state_bytes(size, 4, persistent_bytes=10**12) - learner_state_bytes(size, 4) == size.weights_bytes
@@ -61,15 +63,20 @@ def test_a_kl_term_adds_the_reference_policy_whole_on_every_rank():
 @pytest.mark.parametrize("n", [8, 4])
 def test_the_7b_recipe_fits_80_gb_hosts_colocated(n):
     config = recipe("qwen2.5-7b-grpo-sum.yaml")
-    assert config.placement.mode == "auto"
+    assert config.placement.mode == "auto" and config.validates_during_rl
     p = placement_for_recipe(config, gpus(n), CARD_80, ModelSize.from_hf_config(QWEN_7B))
     assert p.colocated and p.learner_ranks == n and p.learner_devices == tuple(gpus(n))
     assert p.engine_devices == tuple((g,) for g in gpus(n))  # one engine per GPU
     assert "not split" in p.reason and "12 GPUs" in p.reason
-    # awake, engine 0's GPU holds the learner's state, its engine and a validation's, within the card
     state = learner_state_bytes(ModelSize.from_hf_config(QWEN_7B), n,
                                 persistent_bytes=int(config.learner.persistent_weights_gib * GiB))
-    assert state + (p.engine_memory_share + p.validation_memory_share) * CARD_80 <= CARD_80
+    if n == 8:  # awake, engine 0's GPU holds the learner's state, its engine and a validation's, within the card
+        assert not p.validations_after
+        assert state + (p.engine_memory_share + p.validation_memory_share) * CARD_80 <= CARD_80
+    else:  # on four, a validation's engine does not fit beside them: validations wait for the fleet's end
+        assert p.validations_after and p.validation_memory_share is None
+        assert "validations run after the RL steps" in p.reason and "validations after the RL steps" in p.describe()
+        assert state + p.engine_memory_share * CARD_80 <= CARD_80
     env = p.engine_env(0)
     assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["STAR_ROLLOUT_KV_CACHE_FROM_SHARE"] == "true"
     assert weight_sync(config.deployment, "vllm", p).method == "ipc"
@@ -90,7 +97,7 @@ def test_the_7b_recipe_on_two_gpus_is_refused_with_the_numbers():
     with pytest.raises(PlacementError) as err:
         placement_for_recipe(recipe("qwen2.5-7b-grpo-sum.yaml"), gpus(2), CARD_80, ModelSize.from_hf_config(QWEN_7B))
     msg = str(err.value)
-    assert "ZeRO-3 state over 2 ranks 60.7 GiB, 4.0 GiB of weights kept whole" in msg and "of 73.6 GiB usable" in msg and "12 GPUs" in msg
+    assert "ZeRO-3 state over 2 ranks 67.8 GiB, 4.0 GiB of weights kept whole" in msg and "of 73.6 GiB usable" in msg and "12 GPUs" in msg
 
 
 def test_a_1_5b_recipe_colocates_on_one_gpu():
@@ -113,9 +120,10 @@ def test_activations_beyond_the_card_are_refused_naming_them():
 
 
 def test_kv_too_small_for_one_episode_is_refused():
-    # a 7B learner's whole state on one 141 GB card trains (small rows) but leaves its engine no KV cache
+    # a 7B learner's whole state (bf16 gradients) on one 141 GB card trains (small rows) but leaves its engine
+    # no KV cache
     size = ModelSize.from_hf_config(QWEN_7B)
-    fit = colocated_fit(size, 1, 1, 141 * GiB, 1 * GiB, 30512)
+    fit = colocated_fit(size, 1, 1, 141 * GiB, 1 * GiB, 30512, fp32_grads=False)
     assert not fit.fits and "less than one 30512-token sequence" in fit.why
     assert colocated_fit(size, 4, 1, 141 * GiB, 1 * GiB, 30512).fits
 

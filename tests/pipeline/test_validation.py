@@ -123,3 +123,18 @@ def test_the_starting_model_is_the_baseline_evaluated_in_place_never_the_pick(tm
     assert not (tmp_path / "run" / "validation" / "v0" / "model").exists()  # no copy of the starting model
     assert v.best()["version"] == 4  # RL's pick, though the starting model scored higher
     assert Validation(run=None, split="x", every=1, history=[v.history[0]]).best() is None  # type: ignore[arg-type]
+
+
+def test_validations_after_the_fleet_queue_until_it_has_ended(tmp_path, monkeypatch):
+    # a colocated placement with no room for a validation's engine: nothing starts beside the fleet
+    gate = tmp_path / "gate"
+    gate.touch()
+    monkeypatch.setattr(stage, "eval_argv", _fake_eval(gate))
+    v = Validation(run=_Run(tmp_path / "run"), split="val.jsonl", every=2, after_fleet=True)  # type: ignore[arg-type]
+    v.submit(2, _version(tmp_path, 2, 30.0))
+    v.submit(4, _version(tmp_path, 4, 35.0))
+    time.sleep(0.2)
+    assert v.running is None and [version for version, _ in v.waiting] == [2, 4] and v.poll() == []
+    assert not v.due(2) and not v.due(4)  # queued counts as seen: not submitted twice
+    assert [e["version"] for e in v.wait()] == [2, 4]  # the fleet has ended: both run, in order
+    assert v.best()["version"] == 4

@@ -242,3 +242,38 @@ def test_a_new_learner_wakes_servers_left_asleep_and_a_level_2_one_restarts(two_
         assert not services[0].sleep_state.asleep and services[0].broken is None  # level 1: its weights came back
         assert ended and "weights are gone" in ended[0]  # level 2: nothing to sample on, the process ends
         assert services[1].broken and not services[1].healthy
+
+
+def test_a_server_restarting_is_waited_for_before_the_step_not_refused(two_servers, monkeypatch):
+    """A server its supervisor is restarting refuses connections until its engine is up: the learner
+    keeps asking within sleep_timeout_s, then refuses, naming it, once that has passed."""
+    import httpx
+
+    from services.learner import colocate
+
+    monkeypatch.setattr(colocate, "CONNECT_RETRY_S", 0.05)
+    engines, services, clients = two_servers()
+    with clients["http://s0"], clients["http://s1"]:
+        routed = Routed(clients)
+        refusals = {"left": 3}
+
+        def restarting(url, path, body, timeout_s):
+            if url == "http://s1" and refusals["left"]:
+                refusals["left"] -= 1
+                raise httpx.ConnectError("[Errno 111] Connection refused")
+            return routed(url, path, body, timeout_s)
+
+        sync = ColocatedSync(None, ColocatedServers(list(clients), post=restarting, get=routed.get, timeout_s=5))
+        assert "colocate_sleep_s" in sync.sleep()
+        assert refusals["left"] == 0 and all(s.sleep_state.asleep for s in services)
+        sync.wake(None)
+
+        def down(url, path, body, timeout_s):
+            if url == "http://s1":
+                raise httpx.ConnectError("[Errno 111] Connection refused")
+            return routed(url, path, body, timeout_s)
+
+        gone = ColocatedSync(None, ColocatedServers(list(clients), post=down, get=routed.get, timeout_s=0.3))
+        with pytest.raises(ColocationError, match="http://s1: \\[Errno 111\\] Connection refused"):
+            gone.sleep()
+        assert not services[0].sleep_state.asleep  # the one that slept was woken again
