@@ -113,6 +113,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--baseline-attn", default="sdpa", help="the baselines' attn_implementation (transformers')")
     ap.add_argument("--merge", action="store_true", help="add this run's sides to the record under --name "
                     "(the --nproc wrapper passes it to every side after the first)")
+    ap.add_argument("--more-attempts", action="store_true", help="keep the side's earlier attempts in the record "
+                    "(the --nproc wrapper's later options of a side)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (after --warmup); default 4 recipe, 5 single")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
@@ -185,17 +187,97 @@ def relaunch(args: argparse.Namespace, argv: list[str], extra: tuple[str, ...] =
     return subprocess.call(cmd)
 
 
+OOM_EXIT = 75  # a rank that ran out of memory under several ranks ends its launch with this status
+OOM_MARK = "STAR_BENCH_OOM_MARK"  # where that rank writes its error, for the --nproc wrapper
+
+
+def side_options(args: argparse.Namespace, side: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    """A side's memory options in the order they are tried: (record key, value, the child's arguments)."""
+    if side == "ours":
+        return [("recompute", r, ("--recompute", r)) for r in args.recompute]
+    choice = {"auto": (False, True), "off": (False,), "on": (True,)}[args.baseline_checkpointing]
+    return [("gradient_checkpointing", c, ("--baseline-checkpointing", "on" if c else "off")) for c in choice]
+
+
 def relaunch_sides(args: argparse.Namespace, argv: list[str]) -> int:
     """Each side under torchrun in processes of its own, in turn, each adding itself to the record; a side
-    that fails does not stop the next. Returns the worst exit status."""
-    rest = [a for a in without(argv, "--sides") if a != "--merge"]
+    that fails does not stop the next. Under several ranks each memory option of a side is a launch of its
+    own: ranks do not run out of memory at the same instruction, and one that goes on to the next option
+    while another still waits in the last one's collective hangs both. A rank out of memory ends its launch
+    (`OOM_EXIT`), and the next option starts in fresh processes. Returns the worst exit status."""
+    rest = [a for a in without(without(without(argv, "--sides"), "--recompute"), "--baseline-checkpointing")
+            if a not in ("--merge", "--more-attempts")]
     codes = []
-    for i, side in enumerate(args.sides):
+    launches = 0
+    if not args.merge:  # a new record: nothing of an earlier run's may pass for this one's
+        record_path(args).unlink(missing_ok=True)
+    for side in args.sides:
         print(f"[{time.strftime('%H:%M:%S')}] side {side}: {args.nproc} ranks", flush=True)
-        codes.append(relaunch(args, rest, ("--sides", side, *(("--merge",) if i or args.merge else ()))))
-        if codes[-1]:
-            print(f"[{time.strftime('%H:%M:%S')}] side {side} exited with {codes[-1]}", flush=True)
+        forget_side(args, side)
+        options = side_options(args, side)
+        for j, (key, value, option) in enumerate(options):
+            merge = ("--merge",) if launches or args.merge else ()
+            mark = record_path(args).with_suffix(".oom")
+            mark.unlink(missing_ok=True)
+            os.environ[OOM_MARK] = str(mark)
+            code = relaunch(args, rest, ("--sides", side, *option, *merge, *(("--more-attempts",) if j else ())))
+            launches += 1
+            oom = mark.read_text() if mark.is_file() else None
+            mark.unlink(missing_ok=True)
+            fitted = record_option_outcome(args, side, key, value, code, oom, last=j == len(options) - 1)
+            if fitted is not False:  # it ran (or failed other than by memory): the side is done
+                if code:
+                    print(f"[{time.strftime('%H:%M:%S')}] side {side} exited with {code}", flush=True)
+                codes.append(code)
+                break
+            print(f"[{time.strftime('%H:%M:%S')}] side {side}: out of memory with {key}={value}", flush=True)
+        else:
+            codes.append(0)  # out of memory with every option: recorded, not a failure of the benchmark
     return max(codes)
+
+
+def record_path(args: argparse.Namespace) -> Path:
+    return ROOT / "bench" / "results" / f"{args.name}.json"
+
+
+def forget_side(args: argparse.Namespace, side: str) -> None:
+    """Before a side's first option: a record kept from an earlier run holds nothing of this side, so what
+    the launches add is this run's alone."""
+    out = record_path(args)
+    if not out.is_file():
+        return
+    record = json.loads(out.read_text())
+    for key in ("sides", "attempts"):
+        record.setdefault(key, {}).pop(side, None)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def record_option_outcome(args: argparse.Namespace, side: str, key: str, value: object, code: int,
+                          oom: str | None, *, last: bool) -> bool | None:
+    """After a launch of one option: False where it ran out of memory (the next option follows), True where
+    it ran, None where it failed otherwise. A launch a rank ended out of memory (`oom`: its error) wrote no
+    record of its own (rank 0 may have been the one waiting): the attempt is added here (to the JSON; the next launch, which
+    merges it, writes the markdown)."""
+    out = record_path(args)
+    record = json.loads(out.read_text()) if out.is_file() else {"name": args.name}
+    tries = record.setdefault("attempts", {}).setdefault(side, [])
+    mine = [t for t in tries if t.get(key) == value]
+    if oom is not None and not mine:
+        tries.append({key: value, "oom": True, "error": oom[:600]})
+        sides = record.setdefault("sides", {})
+        sides[side] = {"oom": True, "error": "out of memory with every option"} if last else sides.get(side, {})
+        finish_record(record)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=2) + "\n")
+        return False
+    if mine and mine[-1].get("oom"):
+        return False
+    if code and not mine:  # a rank failed and ended the launch before any record of it
+        record.setdefault("sides", {})[side] = {"error": f"a rank failed (exit {code}); its traceback is in the log"}
+        tries.append({key: value, **record["sides"][side]})
+        finish_record(record)
+        out.write_text(json.dumps(record, indent=2) + "\n")
+    return True if code == 0 and mine else None
 
 
 def log(rank: int, msg: str) -> None:
@@ -427,6 +509,10 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
     times, tokens, flops, half = [], [], [], []
     try:
         for k in range(args.warmup + args.steps):
+            if os.environ.get("STAR_BENCH_OOM") == f"{recompute}:{rank}":  # fault injection (the wrapper's test)
+                import torch
+
+                raise torch.OutOfMemoryError(f"CUDA out of memory (injected on rank {rank})")
             # the whole step's sequences: rl_step packs them and hands each rank its rows
             seqs = step_sequences(args, k, world, engine.lm_config.vocab_size)
             m = rl_step(engine, seqs, eps_low=0.2, eps_high=0.28).metrics
@@ -628,8 +714,9 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
 
 
 def attempt(fn, *a, **kw) -> dict:
-    """Run a side; an out-of-memory is recorded, not fatal (the ranks run the same shapes, so they run
-    out together). A failed option's engine and activations stay alive through the exception's traceback
+    """Run a side; an out-of-memory is recorded, not fatal. Under several ranks it ends the process
+    (`OOM_EXIT`; the ranks need not run out at the same point, and the others may be waiting in a
+    collective): the --nproc wrapper records it and launches the next option. A failed option's engine and activations stay alive through the exception's traceback
     (DeepSpeed's engine in reference cycles besides), so they are collected here, once the exception is
     gone: the next option starts from an empty GPU, not beside the last one's leftovers. `left_gib`: what
     was still allocated after that (a leak shows there)."""
@@ -643,6 +730,14 @@ def attempt(fn, *a, **kw) -> dict:
     if error is None:
         return result
     import torch
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # the other ranks may be waiting in this option's collectives: only a new launch is safe
+        print(f"rank {dist.get_rank()}: {error[:300]}", flush=True)
+        if mark := os.environ.get(OOM_MARK):  # torchrun reports any failed rank as 1: the wrapper reads this
+            Path(mark).write_text(error)
+        os._exit(OOM_EXIT)
 
     on_gpu = torch.cuda.is_available()
     release(on_gpu)
@@ -775,7 +870,7 @@ def run_recipe(args: argparse.Namespace, argv: list[str], model_dir: Path, rank:
     # in these processes Liger's patches of HF's Qwen2 classes would reach every side after it: liger last
     for side in sorted(args.sides, key=lambda x: x == "liger"):
         log(rank, f"side {side}: start")
-        tries: list[dict] = []
+        tries: list[dict] = list(record["attempts"].get(side, [])) if args.more_attempts else []
         result: dict = {}
         try:
             if side == "ours":
@@ -795,6 +890,10 @@ def run_recipe(args: argparse.Namespace, argv: list[str], model_dir: Path, rank:
                 result = {"oom": True, "error": "out of memory with every option"}
         except Exception as exc:  # recorded; the next side still runs
             failed = True
+            if world > 1:  # the other ranks may wait in a collective this one left: end the launch
+                traceback.print_exc()
+                sys.stdout.flush()
+                os._exit(1)
             if rank == 0:
                 traceback.print_exc()
             result = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}

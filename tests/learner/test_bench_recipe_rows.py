@@ -116,3 +116,37 @@ def test_a_failed_option_is_collected_before_the_next_one_starts():
     finally:
         gc.enable()
     assert result["oom"] and "1.16 GiB" in result["error"]
+
+
+@pytest.mark.slow
+def test_a_rank_out_of_memory_alone_ends_its_launch_and_the_next_option_runs_in_new_processes(tmp_path):
+    """Ranks need not run out of memory at the same point: one that went on to the next option while the
+    other waited in the last one's collective hung both (a 2-rank 1.5B run printed nothing for 6 minutes).
+    Injected on rank 1 only, under recompute none: the launch ends, the attempt is recorded with the
+    rank's error, and mlp runs in fresh processes to its figures."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    name = f"test_oom_{os.getpid()}"
+    env = {**os.environ, "STAR_BENCH_OOM": "none:1"}
+    cmd = [sys.executable, "bench/learner_multigpu.py", "--nproc", "2", "--shape", "tiny", "--device", "cpu",
+           "--steps", "1", "--warmup", "0", "--rows", "recipe", "--sides", "ours", "--recompute", "none,mlp",
+           "--row-tokens", "1024", "--length-mean", "300", "--length-min", "64", "--length-max", "900",
+           "--name", name]
+    out = root / "bench" / "results" / f"{name}.json"
+    try:
+        run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        record = json.loads(out.read_text())
+        none, mlp = record["attempts"]["ours"]
+        assert none["recompute"] == "none" and none["oom"] and "injected on rank 1" in none["error"]
+        assert mlp["recompute"] == "mlp" and mlp["tokens_per_s"] > 0
+        assert record["sides"]["ours"]["tokens_per_s"] == mlp["tokens_per_s"]
+        assert not out.with_suffix(".oom").exists()
+    finally:
+        for suffix in (".json", ".md", ".oom"):
+            out.with_suffix(suffix).unlink(missing_ok=True)
