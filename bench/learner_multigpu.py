@@ -146,7 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--profile", action="store_true", help="profile one more step of ours (bench/results/<name>_profile.txt)")
     ap.add_argument("--baseline-checkpointing", choices=["auto", "off", "on"], default="auto",
-                    help="auto: without, then with gradient checkpointing on OOM (in the same processes)")
+                    help="auto: without, then with gradient checkpointing on OOM (in new processes under several ranks)")
     ap.add_argument("--skip-ours", action="store_true", help="measure the baseline alone (in processes of its own, "
                     "so nothing of ours holds memory) and complete the record ours left under --name")
     ap.add_argument("--nproc", type=int, default=None, help="not under torchrun: launch this many ranks under it")
