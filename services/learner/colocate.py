@@ -106,7 +106,8 @@ class ColocatedServers:
 
     def _post_when_up(self, url: str, path: str, body: Any, timeout_s: float) -> Any:
         """`_post`, retried while the server refuses connections: one its supervisor is restarting (after
-        a crash) listens again once its engine is up, within `timeout_s` (placement.sleep_timeout_s)."""
+        a crash) listens again once its engine is up. Retried for the servers' `timeout_s`
+        (placement.sleep_timeout_s); each attempt may take the call's own `timeout_s`."""
         import httpx
 
         deadline = time.monotonic() + self.timeout_s
