@@ -127,11 +127,13 @@ def test_kv_bytes_per_token_follow_the_model_shape():
 
 
 def test_the_episode_budget_derives_from_the_engines_memory_share(tmp_path):
+    from services.rollout.engines.vllm_engine import ENGINE_RESERVE_BYTES
+
     (tmp_path / "config.json").write_text(json.dumps(QWEN7B))
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 1024)
     card = 80 * 2**30
     full = engine_episodes(tmp_path, share=0.9, card_bytes=card, tensor_parallel=1, episode_tokens=30_000)
-    kv = int(0.9 * card) - 1024 - 2 * 2**30
+    kv = int(0.9 * card) - 1024 - ENGINE_RESERVE_BYTES
     assert full == kv // (57344 * 30_000)
     short = engine_episodes(tmp_path, share=0.9, card_bytes=card, tensor_parallel=1, episode_tokens=6_000)
     assert short == kv // (57344 * 6_000) > full
