@@ -256,8 +256,8 @@ def record_option_outcome(args: argparse.Namespace, side: str, key: str, value: 
                           oom: str | None, *, last: bool) -> bool | None:
     """After a launch of one option: False where it ran out of memory (the next option follows), True where
     it ran, None where it failed otherwise. A launch a rank ended out of memory (`oom`: its error) wrote no
-    record of its own (rank 0 may have been the one waiting): the attempt is added here (to the JSON; the next launch, which
-    merges it, writes the markdown)."""
+    record of its own (rank 0 may have been the one waiting): the attempt is added here (to the JSON; the
+    next launch, which merges it, writes the markdown)."""
     out = record_path(args)
     record = json.loads(out.read_text()) if out.is_file() else {"name": args.name}
     tries = record.setdefault("attempts", {}).setdefault(side, [])
@@ -716,7 +716,8 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
 def attempt(fn, *a, **kw) -> dict:
     """Run a side; an out-of-memory is recorded, not fatal. Under several ranks it ends the process
     (`OOM_EXIT`; the ranks need not run out at the same point, and the others may be waiting in a
-    collective): the --nproc wrapper records it and launches the next option. A failed option's engine and activations stay alive through the exception's traceback
+    collective): the --nproc wrapper records it and launches the next option. A failed option's engine
+    and activations stay alive through the exception's traceback
     (DeepSpeed's engine in reference cycles besides), so they are collected here, once the exception is
     gone: the next option starts from an empty GPU, not beside the last one's leftovers. `left_gib`: what
     was still allocated after that (a leak shows there)."""
@@ -848,7 +849,7 @@ def run_recipe(args: argparse.Namespace, argv: list[str], model_dir: Path, rank:
 
     import torch
 
-    out = ROOT / "bench" / "results" / f"{args.name}.json"
+    out = record_path(args)
     record = json.loads(out.read_text()) if args.merge and out.is_file() else {}
     versions = {}
     for package in ("transformers", "deepspeed", "liger_kernel"):
