@@ -1,4 +1,5 @@
-"""Structured logging: one JSON object per line, with service name and any `extra=` fields."""
+"""Structured logging: one JSON object per line, with service name and any `extra=` fields (or, for
+humans, a text line with those fields appended as key=value)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,32 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        payload.update({k: v for k, v in record.__dict__.items() if k not in _RESERVED})
+        payload.update(_fields(record))
         if record.exc_info:
             payload["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(payload, default=str).decode()
+
+
+def _fields(record: logging.LogRecord) -> dict[str, object]:
+    """The `extra=` fields a record carries."""
+    return {k: v for k, v in record.__dict__.items() if k not in _RESERVED}
+
+
+class TextFormatter(logging.Formatter):
+    """`time service LEVEL logger: message key=value …`: the same fields as the JSON lines."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = {k: v for k, v in _fields(record).items() if k != "color_message"}  # uvicorn's coloured copy
+        if not fields:
+            return line
+        head, sep, tail = line.partition("\n")  # a traceback stays below the fields
+        extra = " ".join(f"{k}={orjson.dumps(v, default=str).decode() if not isinstance(v, str) else v}"
+                         for k, v in fields.items())
+        return f"{head} {extra}{sep}{tail}"
 
 
 def configure_logging(service: str, level: str = "INFO", json: bool = True) -> None:
@@ -36,7 +59,7 @@ def configure_logging(service: str, level: str = "INFO", json: bool = True) -> N
     if json:
         handler.setFormatter(JsonFormatter(service))
     else:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter(service))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

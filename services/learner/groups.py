@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 CONSUMED_STEPS_KEPT = 16  # steps whose message ids stay in the checkpoint for de-duplication (at least save_every)
 JOURNAL = "journal.jsonl"
 HELD_CLAIMED_AT_ONCE = 1000  # message ids per XCLAIM when the held messages' claims are renewed
+WAIT_REPORT_S = 60.0  # a step waiting for its groups longer than this says, every as long, what it waits for
 
 Member = tuple[StreamMessage, ScoredTrajectory]
 
@@ -185,6 +186,7 @@ class GroupCollector:
         started = time.monotonic()
         deadline = started + cfg.wait_timeout_s
         plan = self.replay.pop(batch, None)  # a batch trained before the last kill, to train again
+        report_at = started + WAIT_REPORT_S
         while True:
             if self.weights_wanted is not None and self.weights_wanted():
                 if plan is not None:
@@ -213,6 +215,9 @@ class GroupCollector:
                 raise NoData("stopped while waiting for data")
             if time.monotonic() > deadline:
                 raise NoData(f"no complete group arrived within {cfg.wait_timeout_s:.0f} s")
+            if time.monotonic() >= report_at:
+                report_at += WAIT_REPORT_S
+                log.info("a step is waiting for its groups", extra=self.waiting_for(batch, chosen, started))
             self.read_stream()
         # this step's lost groups are settled now (a late copy of one is dropped like a re-run)
         lost = list(plan["lost"]) if plan is not None else [g for g, s in self.lost.items() if s <= batch]
@@ -241,6 +246,18 @@ class GroupCollector:
         for g in dropped_late + dropped_stale:
             messages += [msg for msg, _ in self.groups.pop(g)]
         return StepGroups(messages, trajs, lost, time.perf_counter() - t0, dropped, counts)
+
+    def waiting_for(self, batch: int, chosen: list[str], started: float) -> dict[str, Any]:
+        """What a step that is still waiting has and lacks: its chosen groups, its own step's groups with
+        samples missing (the first few named, with how many arrived), complete groups of later steps
+        (taken once `straggler_wait_s` has passed), and the groups lost."""
+        own_partial = {g: len(m) for g, m in self.groups.items()
+                       if len(m) < self.cfg.group_size and self._step_of(g) <= batch}
+        later = [g for g in self.complete() if self._step_of(g) > batch]
+        return {"batch": batch, "waited_s": round(time.monotonic() - started), "chosen": len(chosen),
+                "wanted": self.cfg.batch_prompts, "own_groups_partial": len(own_partial),
+                "partial_samples": dict(list(own_partial.items())[:5]), "later_groups_complete": len(later),
+                "lost": self._lost_at(batch), "straggler_wait_s": self.cfg.straggler_wait_s}
 
     def stale_surplus(self, batch: int, version: int, seen: list[str]) -> list[str]:
         """Complete groups of earlier steps (over-sampling's surplus) none of whose samples the staleness

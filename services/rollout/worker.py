@@ -390,6 +390,7 @@ class RolloutWorker:
         else:
             _settle(consumer, msg, lambda: consumer.forward(msg, self.names.trajectories, trajectories), self.stop)
             self.handled += 1
+            log.info("group written", extra=group_summary(trajectories))
         finally:
             keeper.release(msg)
 
@@ -400,6 +401,18 @@ class RolloutWorker:
         for t in threads:
             t.start()
         return threads
+
+
+def group_summary(trajectories: list[Trajectory]) -> dict[str, Any]:
+    """A written group in one log line: its id and step, how its episodes ended, the policy versions
+    that sampled them and its slowest episode's seconds (what a stalled step's groups are traced by)."""
+    first = trajectories[0]
+    ends: dict[str, int] = {}
+    for t in trajectories:
+        ends[t.finish_reason] = ends.get(t.finish_reason, 0) + 1
+    slowest = max((t.timings.get("total_s", 0.0) for t in trajectories), default=0.0)
+    return {"group": first.group_id, "step": first.step, "episodes": len(trajectories), "finish": ends,
+            "versions": sorted({t.policy_version for t in trajectories}), "slowest_s": round(slowest, 1)}
 
 
 @dataclass

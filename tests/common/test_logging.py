@@ -26,3 +26,18 @@ def test_info_leaves_out_a_line_per_http_request_and_debug_keeps_it(restore_logg
     logging.getLogger("httpx").setLevel(logging.NOTSET)
     configure_logging("t", "DEBUG", json=False)
     assert logging.getLogger("httpx").isEnabledFor(logging.INFO)
+
+
+def test_text_lines_carry_the_fields_json_lines_carry(restore_logging, capsys):
+    import json
+
+    log = logging.getLogger("services.test")
+    fields = {"group": "r/s00001/p003", "finish": {"answer": 7, "deadline": 1}, "slowest_s": 3.2}
+    configure_logging("t", "INFO", json=False)
+    log.info("group written", extra=fields)
+    text = capsys.readouterr().err.strip()
+    assert text.endswith('group written group=r/s00001/p003 finish={"answer":7,"deadline":1} slowest_s=3.2')
+    configure_logging("t", "INFO", json=True)
+    log.info("group written", extra=fields)
+    line = json.loads(capsys.readouterr().err)
+    assert {k: line[k] for k in fields} == fields

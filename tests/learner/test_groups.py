@@ -114,6 +114,24 @@ def test_a_batch_waits_for_its_own_step_and_takes_later_steps_after_the_straggle
     assert refill.candidates(1, waited_s=0.0) == ["adhoc", "s0", "s1a", "s2"]
 
 
+def test_a_step_waiting_long_says_which_of_its_groups_lack_samples(stream, monkeypatch, caplog):
+    import services.learner.groups as groups_module
+
+    client, prefix, make = stream
+    collector = make(straggler_wait_s=60.0, wait_timeout_s=0.5)
+    monkeypatch.setattr(groups_module, "WAIT_REPORT_S", 0.1)
+    _send(client, prefix, _traj("s1a", 0, step=1), _traj("s1a", 1, step=1), _traj("s1b", 0, step=1),
+          _traj("s2", 0, step=2), _traj("s2", 1, step=2))
+    with caplog.at_level("INFO", logger="services.learner.groups"), pytest.raises(NoData):
+        collector.collect(batch=1, version=1)
+    reports = [r for r in caplog.records if r.getMessage() == "a step is waiting for its groups"]
+    assert reports, "no report while the step waited"
+    last = reports[-1]
+    assert (last.batch, last.chosen, last.wanted) == (1, 1, 2)
+    assert last.own_groups_partial == 1 and last.partial_samples == {"s1b": 1}
+    assert last.later_groups_complete == 1 and last.straggler_wait_s == 60.0
+
+
 def test_refill_reads_past_a_stale_group_until_enough_groups_are_fresh(stream):
     client, prefix, make = stream
     collector = make(batch_prompts=1, filters=FilterConfig(refill=True, max_staleness=0, max_refill_rounds=3))

@@ -73,9 +73,12 @@ def test_a_server_whose_engine_cannot_sleep_says_so(tokenizer, local_tools, tmp_
         assert r.status_code == 409 and "CUDA IPC" in r.text
 
 
-def test_sleep_holds_new_turns_until_the_engine_is_awake_with_the_new_version(tokenizer, local_tools, tmp_path):
+@pytest.mark.parametrize("drains_on_update", [True, False], ids=["draining", "in-place (vLLM)"])
+def test_sleep_holds_new_turns_until_the_engine_is_awake_with_the_new_version(tokenizer, local_tools, tmp_path,
+                                                                              drains_on_update):
     async def go() -> None:
         engine = Sleepy(tokenizer, ["hello"] * 4)
+        engine.drains_on_update = drains_on_update
         svc = service(engine, local_tools, tmp_path)
         reply = await svc.sleep(SleepRequest(level=1, timeout_s=5))
         assert reply["slept"] and reply["asleep"] and engine.events == [("sleep", 1)]
@@ -86,6 +89,8 @@ def test_sleep_holds_new_turns_until_the_engine_is_awake_with_the_new_version(to
         await svc.receive_ipc(IpcWeights(version=1, **CHUNK, first=True))
         out = await svc.receive_ipc(IpcWeights(version=1, last=True))
         assert out["version"] == 1 and svc.weights_info()["version"] == 1
+        await asyncio.sleep(0.05)
+        assert not held.done()  # loaded, but the KV cache still asleep: the turn waits for the wake
         await svc.wake(WakeRequest())
         gen = await asyncio.wait_for(held, 2)
         assert gen.policy_version == 1  # the held turn ran on the new weights

@@ -142,3 +142,16 @@ def test_the_episode_budget_derives_from_the_engines_memory_share(tmp_path):
     assert inflight_budget(config.model_copy(update={"max_inflight_episodes": 7}), str(tmp_path), card) == 7
     assert inflight_budget(config.model_copy(update={"concurrency": 3, "group_size": 8}), str(tmp_path), card) == 24
     assert inflight_budget(config, str(tmp_path), card_bytes=None) >= 1  # no GPU here: the default
+
+
+def test_a_written_group_is_summed_up_in_one_log_line():
+    from services.common.schemas import Trajectory
+    from services.rollout.worker import group_summary
+
+    def traj(i: int, finish: str, version: int, total_s: float) -> Trajectory:
+        return Trajectory(run_id="r", task_id="r/s00002/p007", prompt_id="p", group_id="r/s00002/p007", sample_index=i,
+                          policy_version=version, finish_reason=finish, step=2, timings={"total_s": total_s})
+
+    summary = group_summary([traj(0, "answer", 1, 40.0), traj(1, "deadline", 0, 612.34), traj(2, "answer", 1, 3.0)])
+    assert summary == {"group": "r/s00002/p007", "step": 2, "episodes": 3, "finish": {"answer": 2, "deadline": 1},
+                       "versions": [0, 1], "slowest_s": 612.3}

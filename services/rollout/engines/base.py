@@ -79,6 +79,7 @@ class Engine:
         self.weights_path: str | None = None
         self._open = asyncio.Event()
         self._open.set()
+        self._held = False  # the gate is closed by `hold` (asleep): only `release` reopens it
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -147,7 +148,10 @@ class Engine:
                 self.policy_version = version
                 self.weights_path = label
             finally:
-                self._open.set()
+                # a load into a sleeping engine (CUDA IPC after a colocated sleep) leaves the gate to the
+                # wake: opened now, held turns would queue on an engine whose KV cache is still asleep
+                if not self._held:
+                    self._open.set()
             return {"drain_s": drained - t0, "load_s": loop.time() - drained}
 
     async def _load_weights(self, path: str) -> None:
@@ -165,16 +169,18 @@ class Engine:
         """Close the gate to new turns (their callers wait) and wait for those in flight; returns the
         seconds waited. TimeoutError, with the gate open again, when they outlast `timeout_s`."""
         self._open.clear()
+        self._held = True
         t0 = asyncio.get_running_loop().time()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
-            self._open.set()
+            self.release()
             raise TimeoutError(f"{self._in_flight} turn(s) still in flight after {timeout_s:g} s") from None
         return asyncio.get_running_loop().time() - t0
 
     def release(self) -> None:
         """Reopen the gate `hold` closed: held turns start."""
+        self._held = False
         self._open.set()
 
     async def sleep(self, level: int) -> None:
