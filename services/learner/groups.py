@@ -38,12 +38,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from services.common.schemas import ScoredTrajectory
 from services.common.streams import REDIS_DOWN, StreamConsumer, StreamMessage, StreamNames, decode, until_redis
 from services.learner import algorithms as alg
 from services.learner.config import RLConfig
 
 log = logging.getLogger(__name__)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 CONSUMED_STEPS_KEPT = 16  # steps whose message ids stay in the checkpoint for de-duplication (at least save_every)
 JOURNAL = "journal.jsonl"
@@ -257,7 +263,22 @@ class GroupCollector:
         return {"batch": batch, "waited_s": round(time.monotonic() - started), "chosen": len(chosen),
                 "wanted": self.cfg.batch_prompts, "own_groups_partial": len(own_partial),
                 "partial_samples": dict(list(own_partial.items())[:5]), "later_groups_complete": len(later),
-                "lost": self._lost_at(batch), "straggler_wait_s": self.cfg.straggler_wait_s}
+                "lost": self._lost_at(batch), "straggler_wait_s": self.cfg.straggler_wait_s, **self._stream_state()}
+
+    def _stream_state(self) -> dict[str, Any]:
+        """The scored stream as Redis sees it beside what this collector filed: samples filed and held,
+        messages pending for the learner's group, and whether entries wait undelivered (a sample that
+        is in Redis but neither filed nor undelivered was read and lost on the way)."""
+        state: dict[str, Any] = {"filed": sum(len(m) for m in self.groups.values()), "held": len(self.held)}
+        try:
+            c = self.consumer
+            state["pending"] = int(c.client.xpending(c.stream, c.group)["pending"])
+            info = c.client.xinfo_stream(c.stream)
+            group = next(g for g in c.client.xinfo_groups(c.stream) if _text(g["name"]) == c.group)
+            state["undelivered"] = _text(info["last-generated-id"]) != _text(group["last-delivered-id"])
+        except (*REDIS_DOWN, StopIteration, KeyError, redis.ResponseError):
+            pass  # the report goes without them
+        return state
 
     def stale_surplus(self, batch: int, version: int, seen: list[str]) -> list[str]:
         """Complete groups of earlier steps (over-sampling's surplus) none of whose samples the staleness

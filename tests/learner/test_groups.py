@@ -130,6 +130,8 @@ def test_a_step_waiting_long_says_which_of_its_groups_lack_samples(stream, monke
     assert (last.batch, last.chosen, last.wanted) == (1, 1, 2)
     assert last.own_groups_partial == 1 and last.partial_samples == {"s1b": 1}
     assert last.later_groups_complete == 1 and last.straggler_wait_s == 60.0
+    # Redis beside the collector: every sample sent was delivered, filed and is pending
+    assert (last.filed, last.held, last.pending, last.undelivered) == (5, 0, 5, False)
 
 
 def test_refill_reads_past_a_stale_group_until_enough_groups_are_fresh(stream):
