@@ -213,6 +213,10 @@ def record(args, work: Path, config, output: str, steps: list[dict[str, Any]], r
     # a checkpoint (about 106 GB at 7B with the optimizer state) is not part of the step the time model predicts
     measured = [s["wall_s"] - s.get("checkpoint_s", 0.0) for s in (steps[1:] or steps)]
     measured_s = statistics.mean(measured) if measured else None
+    # idle: the learner waited on nothing the step needed (no episode or score it took arrived meanwhile),
+    # which the time model has no term for; shown apart so a stall is not read as a slow component
+    idle = [s["split_s"]["idle"] for s in (steps[1:] or steps)]
+    busy_s = measured_s - statistics.mean(idle) if measured else None
     predicted_s = prediction["seconds"]["step"]
     ratio = measured_s / predicted_s if measured_s else None
     from bench.gpu_shapes import shape_params
@@ -223,6 +227,7 @@ def record(args, work: Path, config, output: str, steps: list[dict[str, Any]], r
             "measured_step_s": measured_s,
             "measured_over": ("steps after the first" if len(steps) > 1 else "all steps") + ", checkpoints left out",
             "checkpoint_s": sum(s.get("checkpoint_s", 0.0) for s in steps),
+            "measured_busy_s": busy_s, "busy_ratio": busy_s / predicted_s if busy_s else None,
             "prediction": prediction, "predicted_step_s": predicted_s, "ratio": ratio,
             "within_target": ratio is not None and abs(ratio - 1) <= TARGET, "target": TARGET,
             "failures": failures(work / "run", output, rc)}
@@ -263,6 +268,10 @@ def markdown(rec: dict[str, Any]) -> str:
         lines.append(f"Measured {rec['measured_step_s']:.1f} s a step ({rec['measured_over']}) against predicted "
                      f"{rec['predicted_step_s']:.1f} s: ratio {rec['ratio']:.2f}, "
                      f"{'within' if rec['within_target'] else 'outside'} ±{rec['target']:.0%}.")
+        busy = rec.get("measured_busy_s")
+        if busy is not None and busy < rec["measured_step_s"] - 1.0:
+            lines.append(f"Less its idle time (the learner waiting on nothing the step needed): {busy:.1f} s, "
+                         f"ratio {rec['busy_ratio']:.2f}.")
     fail = rec.get("failures") or {}
     if fail.get("learner_restarts") or fail.get("causes"):
         lines += ["", f"The learner was restarted {fail['learner_restarts']} time(s). Errors the logs end with:", ""]
