@@ -14,8 +14,10 @@ the time model's prediction for the same machine from the recorded components (b
 
 What runs: a random-init Qwen2.5-7B folder (bench/gpu_shapes.py, bf16; the real Qwen2.5 tokenizer beside it)
 stands in for the SFT model, since no weights are reachable from the device. `star train` runs stages synth
-and rl only: RL then starts from `model.path` (services.pipeline.train.starting_model), on a small synthetic
-world (the official tables are not on the device) with real Redis, sandbox over HTTP, rollout and reward
+and rl only: RL then starts from `model.path` (services.pipeline.train.starting_model), on a synthetic world
+at the benchmark's scale (`world.synthetic_size=full`: the official tables are not on the device; its tool
+results are as long as the official ones, so ten calls return about 7.6K tokens and an episode comes to
+about 10-11K, the paper's shape; the small world's gave 4.4K) with real Redis, sandbox over HTTP, rollout and reward
 workers and the DeepSpeed learner, placed by the recipe's `placement.mode: auto` (colocated on 4 or 8 GPUs of
 80 GB). A random model neither calls tools nor answers, so the episodes are forced to the paper's shape by
 `rl.sampling.forced_turns` (benchmarking only): 10 tool turns of 120 sampled tokens on the real sandbox and
@@ -82,7 +84,8 @@ def model_folder(work: Path, tokenizer: str | None) -> Path:
 
 
 def overrides(args: argparse.Namespace, model: Path | None) -> list[str]:
-    """The `--set` items of the run: RL from the given model on a synthetic world, few steps, forced episodes."""
+    """The `--set` items of the run: RL from the given model on a synthetic world of the benchmark's scale, few
+    steps, forced episodes."""
     forced = {"tool_calls": args.tool_calls, "turn_tokens": args.turn_tokens, "answer_tokens": args.answer_tokens}
     items = [f"rl.max_steps={args.steps}", "rl.val_every=0", "rl.epochs=1", "synth.sft_queries=0",
              "synth.val_queries=0", "synth.heldout_queries=0", "world.source=synthetic",
@@ -90,7 +93,7 @@ def overrides(args: argparse.Namespace, model: Path | None) -> list[str]:
     if args.smoke:
         items += ["synth.rl_queries=8"]
     else:
-        items += [f"model.path={model}", "world.synthetic_size=small",
+        items += [f"model.path={model}", "world.synthetic_size=full",
                   f"synth.rl_queries={32 * args.steps}",
                   "rl.save_every=16"]  # one checkpoint, the run's last: the steps measured write none
     return items + list(args.set)

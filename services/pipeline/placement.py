@@ -290,7 +290,13 @@ class ModelSize:
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelSize":
-        """From a decoder's config.json (Qwen2/Llama-like: attention with q/k/v biases counted, SwiGLU MLP)."""
+        """From a decoder's config.json (Qwen2/Llama-like: attention with q/k/v biases counted, SwiGLU MLP).
+        PlacementError when it lacks a size the count needs."""
+        needed = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        missing = [k for k in needed if not isinstance(config.get(k), int)]
+        if missing:
+            raise PlacementError(f"the model's config.json has no {', '.join(missing)}: placement cannot size "
+                                 "the model (a decoder's config.json, as Qwen2 or Llama write it, has them)")
         h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
         heads = config["num_attention_heads"]
         kv = config.get("num_key_value_heads") or heads

@@ -104,6 +104,8 @@ class Episode:
     env_closed: bool = True
     started: float = field(default_factory=time.perf_counter)
     query: TravelQuery | str | None = None  # what forced turns read their tool arguments from
+    forced_cities: list[str] = field(default_factory=list)  # a forced multi-city episode's SearchCity result
+    last_tool_output: str | None = None
     deadline: float | None = None  # time.monotonic() at which the episode ends as `deadline`
     turn_timeout_s: float | None = None
 
@@ -255,6 +257,7 @@ class Agent:
         messages when they do not fit the context (kept in the record, not in the tokens), else []."""
         ep.tool_calls += 1
         output = await self._run_tool(ep, turn)
+        ep.last_tool_output = output
         if output is None:
             return []
         ids, new = self.segment(ep.messages, closed, [self.chat.tool_message(output, call_id)])
@@ -281,7 +284,7 @@ class Agent:
             return
         self._append_sampled(ep, gen)
         text = self.chat.decode(gen.token_ids)
-        turn = Turn(kind="answer", answer=text) if answering else forced_call(ep.query, ep.tool_calls)
+        turn = Turn(kind="answer", answer=text) if answering else forced_call(ep.query, ep.tool_calls, ep.forced_cities)
         message, call_id = self.chat.assistant_message(text, turn, ep.tool_calls)
         ep.messages.append({**message, "tokens": len(gen.token_ids), "policy_version": gen.policy_version,
                             "generate_s": gen.stats.get("generate_s", 0.0), "forced": True})
@@ -294,6 +297,8 @@ class Agent:
         closed = bool(gen.token_ids) and gen.token_ids[-1] in self.engine.stop_ids
         if await self._call_tool(ep, turn, call_id, closed, limits):
             ep.finish_reason = "context_limit"
+        elif turn.name == "SearchCity":
+            ep.forced_cities = cities_found(ep.last_tool_output or "")
 
     async def _at_limit(self, ep: Episode, sampling: SamplingParams, limits: Limits, request_id: str, *,
                         pending: tuple[bool, int] | None = None) -> None:
@@ -478,21 +483,38 @@ class Agent:
         return to_trajectory(ep, query if isinstance(query, TravelQuery) else None, **meta)
 
 
-def forced_call(query: TravelQuery | str | None, index: int) -> Turn:
-    """The `index`-th tool call of a forced episode: the tools a planner would use for the query
-    (flights, cities of a state or lodging, restaurants, sights, driving), in turn. A multi-city
-    query's destination is a state, so its city searches answer that nothing matched: still a real
-    call and a real response."""
+def forced_call(query: TravelQuery | str | None, index: int, cities: list[str] | None = None) -> Turn:
+    """The `index`-th tool call of a forced episode: the tools a planner would use for the query, in turn.
+    One city: flights, lodging, restaurants, sights, driving. A state (multi-city): its cities first,
+    then for each city found (`cities`, from that search) flights to it, lodging, restaurants and
+    sights, so the replies are as long as a planner's are; with no city found, the state again."""
     if not isinstance(query, TravelQuery):
         return Turn(kind="tool_call", name="SearchCity", arguments={"state": str(query or "")})
+    if query.visiting_city_number > 1:
+        if index == 0 or not cities:
+            return Turn(kind="tool_call", name="SearchCity", arguments={"state": query.dest})
+        city = cities[((index - 1) // 4) % len(cities)]
+        calls = (("SearchFlight", {"departure": query.org, "destination": city, "date": query.date[0]}),
+                 ("SearchAccommodation", {"city": city}), ("SearchRestaurant", {"city": city}),
+                 ("SearchAttraction", {"city": city}))
+        name, arguments = calls[(index - 1) % len(calls)]
+        return Turn(kind="tool_call", name=name, arguments=arguments)
     calls = (("SearchFlight", {"departure": query.org, "destination": query.dest, "date": query.date[0]}),
-             ("SearchCity", {"state": query.dest}) if query.visiting_city_number > 1
-             else ("SearchAccommodation", {"city": query.dest}),
+             ("SearchAccommodation", {"city": query.dest}),
              ("SearchRestaurant", {"city": query.dest}),
              ("SearchAttraction", {"city": query.dest}),
              ("GoogleDistanceMatrix", {"departure": query.org, "destination": query.dest, "mode": "driving"}))
     name, arguments = calls[index % len(calls)]
     return Turn(kind="tool_call", name=name, arguments=arguments)
+
+
+def cities_found(reply: str) -> list[str]:
+    """The cities a SearchCity reply lists ("… found the following N cities:\nA, B, C"); none when it
+    found nothing or reads otherwise."""
+    head, sep, names = reply.rpartition(":")
+    if not sep or "cit" not in head:
+        return []
+    return [c.strip() for c in names.replace("\n", ",").split(",") if c.strip()]
 
 
 def summary_answer(text: str, tools: list[str]) -> str:

@@ -207,3 +207,9 @@ def test_a_colocated_learner_sleeps_the_workers_and_takes_ipc(tmp_path):
     assert cfg.engine.ranks == 4 == run.learner_ranks  # a rank on every GPU, whatever deployment.learner_ranks says
     with pytest.raises(StageFailed, match="HTTP addresses"):
         rl_config(run, "model", StreamNames("t"), None, 4, [])
+
+
+def test_a_config_without_the_model_sizes_is_refused_with_what_it_lacks():
+    with pytest.raises(PlacementError, match="no hidden_size, num_attention_heads"):
+        ModelSize.from_hf_config({"model_type": "qwen2", "intermediate_size": 11008, "num_hidden_layers": 28,
+                                  "vocab_size": 152064})

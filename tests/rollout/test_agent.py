@@ -296,6 +296,32 @@ def test_forced_turns_take_the_set_shape_with_real_tools_whatever_is_sampled(tok
     assert tool_response(tool_text) in [m["content"] for m in traj.messages if m["role"] != "assistant"]
 
 
+def test_a_forced_multi_city_episode_searches_the_cities_its_state_search_found(tokenizer, local_tools, toolbox):
+    """A state's cities first, then flights, lodging, restaurants and sights for each city found: replies as
+    long as a planner's, not the 'nothing matched' a state name gets from a city search."""
+    from services.common.schemas import ForcedTurns, TravelQuery
+    from services.rollout.agent import cities_found
+
+    query = TravelQuery(org="Sarasota", dest="Texas", days=5, visiting_city_number=2,
+                        date=["2022-03-22", "2022-03-23", "2022-03-24", "2022-03-25", "2022-03-26"],
+                        people_number=1, budget=4000)
+    cities = cities_found(toolbox.call("SearchCity", {"state": "Texas"}).text)
+    assert len(cities) >= 2 and all(c and "," not in c for c in cities)
+    engine = ScriptedEngine(tokenizer, lambda ids, turn: [1] * 8, append_stop=False)
+    sampling = SamplingParams(seed=7, forced_turns=ForcedTurns(tool_calls=6, turn_tokens=8, answer_tokens=8))
+    traj = asyncio.run(Agent(engine, local_tools).run(query, sampling))
+    replies = [m["content"] for m in traj.messages if m["role"] not in ("assistant", "system")][1:]  # after the query
+    assert traj.finish_reason == "answer" and traj.tool_calls == 6
+    assert len(replies) == 6 and "found the following" in replies[0]
+    first, second = cities[0], cities[1]
+    expected = [("SearchFlight", {"departure": "Sarasota", "destination": first, "date": "2022-03-22"}),
+                ("SearchAccommodation", {"city": first}), ("SearchRestaurant", {"city": first}),
+                ("SearchAttraction", {"city": first}), ("SearchFlight", {"departure": "Sarasota",
+                                                                         "destination": second, "date": "2022-03-22"})]
+    assert replies[1:] == [tool_response(toolbox.call(name, args).text) for name, args in expected]
+    assert cities_found("There is no city in Atlantis.") == []
+
+
 def test_without_forced_turns_the_stop_token_ends_the_turn(tokenizer, local_tools):
     agent, engine = make(tokenizer, local_tools, [CITY_CALL, ANSWER])
     run(agent)
