@@ -19,6 +19,13 @@ Components, each by its own benchmark (random-init weights of the Qwen2.5-7B sha
 - scoring: the evaluator's plans/s (`bench/reward.py`, CPU; it runs on CPUs in every deployment).
 - whole steps: `star train` on the same machine with placement, its `time_step_s` per step.
 
+Where the recipe's own path has been measured, the projection uses it (`recipe_path_inputs`): the
+learner's MFU from the 7B recipe's steps through `star train` (bench/recipe_7b.py: packed rows, gradient
+checkpointing), the long tail of trajectory lengths (`tail_factor`: the step waits for its slowest
+trajectory, and the rollout component's agents were of near-equal length), and the weights as the cluster
+moves them (colocated: the run's sleep, wake and CUDA IPC; split across hosts: NCCL over the socket
+transport, bench/weight_sync_hosts.py). The record keeps the components-only projection beside it.
+
 Projection to 16×A100 (stated, not hidden): the learner's time scales with the step's model FLOPs over
 A100's dense bf16 peak at the MFU measured here; decoding is memory-bound, so rollout time scales by
 HBM bandwidth (H100 3.35 → A100 2.0 TB/s); weight sync scales by NVLink bandwidth (900 → 600 GB/s).
@@ -166,14 +173,27 @@ def async_minutes(sec: dict[str, float]) -> float:
     return max(sec["rollout"] + sec["scoring"], sec["training"] + sec["weight_sync"]) / 60
 
 
-def project(c: Components, r: Recipe = Recipe(), *, target: str = "A100") -> dict[str, Any]:
+def project(c: Components, r: Recipe = Recipe(), *, target: str = "A100", tail: float = 1.0,
+            sync_s: dict[str, float] | None = None) -> dict[str, Any]:
     """Minutes per step on `r.gpus` GPUs of `target`: synchronous (colocated: every GPU samples, then
-    every GPU trains) and asynchronous (the best split of the GPUs between engines and learner)."""
+    every GPU trains) and asynchronous (the best split of the GPUs between engines and learner).
+    `tail`: the step's slowest trajectory over the mean one (`tail_factor`): an engine's wall time is
+    its slowest agent's, and the measured agents were of near-equal length. `sync_s`: the weights'
+    seconds the deployment takes per mode ("sync": colocated sleep, wake and CUDA IPC; "async": NCCL
+    between the learner's and the engines' hosts), in place of the NVLink figure scaled."""
     from services.learner.flops import peak_flops
 
     source = card(c.device)
-    colocated = side_seconds(c, r, r.gpus, r.gpus, target=target)
-    splits = {k: side_seconds(c, r, k, r.gpus - k, target=target) for k in range(1, r.gpus)}
+
+    def sides(rollout_gpus: int, learner_gpus: int, mode: str) -> dict[str, float]:
+        sec = side_seconds(c, r, rollout_gpus, learner_gpus, target=target)
+        sec["rollout"] *= tail
+        if sync_s and mode in sync_s:
+            sec["weight_sync"] = sync_s[mode]
+        return sec
+
+    colocated = sides(r.gpus, r.gpus, "sync")
+    splits = {k: sides(k, r.gpus - k, "async") for k in range(1, r.gpus)}
     best = min(splits, key=lambda k: async_minutes(splits[k]))
     split = splits[best]
     async_min = async_minutes(split)
@@ -186,9 +206,67 @@ def project(c: Components, r: Recipe = Recipe(), *, target: str = "A100") -> dic
         "bound_by": "rollout" if split["rollout"] + split["scoring"] >= split["training"] + split["weight_sync"]
         else "training",
         "target_async_met": async_min <= TARGET_ASYNC_MIN,
+        "tail": tail, "sync_s": sync_s or {},
         "ratios": {"bf16_tflops": [peak_flops(source) / 1e12, peak_flops(target) / 1e12], "hbm_tbs": [HBM_TBS[source], HBM_TBS[target]],
                    "nvlink_gbs": [NVLINK_GBS[source], NVLINK_GBS[target]]},
     }
+
+
+def tail_factor(r: Recipe, *, sigma: float = 0.6, low: int = 512, high: int | None = None, draws: int = 400,
+                seed: int = 0, cut_quantile: float | None = None) -> float:
+    """Expected longest trajectory of a step over the mean one, for lengths drawn as the learner benchmark
+    draws the recipe's (log-normal, sigma 0.6, clipped to [512, the context], mean `r.trajectory_tokens`).
+    `cut_quantile`: episodes are cut at a deadline that this share of them ends within (the step then
+    waits for that length at most: `rl.sampling.episode_timeout_s` with `rl.late_groups`)."""
+    import math
+    import random
+
+    from bench.learner_multigpu import length_location
+
+    high = high or r.context
+    mu = length_location(r.trajectory_tokens, sigma, low, high)
+    if math.isnan(mu):
+        return 1.0
+    rng = random.Random(seed)
+    steps = [[min(max(rng.lognormvariate(mu, sigma), low), high) for _ in range(r.trajectories)] for _ in range(draws)]
+    if cut_quantile is not None:
+        pooled = sorted(x for step in steps for x in step)
+        deadline = pooled[int(cut_quantile * (len(pooled) - 1))]
+        steps = [[min(x, deadline) for x in step] for step in steps]
+    return sum(max(step) for step in steps) / len(steps) / r.trajectory_tokens
+
+
+def recipe_run_figures(results: Path = RESULTS) -> dict[str, Any] | None:
+    """The 7B recipe's own steps through `star train` (bench/recipe_7b.py's record), steps after the first:
+    the learner's MFU on its packed rows with the recipe's checkpointing, and the colocated weights'
+    seconds (sleep, wake and CUDA IPC). None without the record."""
+    import statistics
+
+    path = results / "recipe_7b.json"
+    if not path.is_file():
+        return None
+    rec = json.loads(path.read_text())
+    steps = [s for s in rec.get("steps", [])[1:] if s.get("mfu")]
+    if not steps:
+        return None
+    return {"mfu": statistics.median(s["mfu"] for s in steps),
+            "sync_s": statistics.median(s["split_s"]["sync"] for s in steps),
+            "tokens_per_step": statistics.median(s["tokens"] for s in steps),
+            "device": rec["device"], "gpus": rec["gpus"], "steps": len(steps),
+            "trajectory_tokens": rec.get("trajectories", {}).get("mean_tokens"), "source": "bench/results/recipe_7b.json"}
+
+
+def cross_host_sync_s(results: Path = RESULTS) -> dict[str, Any] | None:
+    """NCCL from a learner to an engine on another host (network namespaces, the socket transport:
+    bench/weight_sync_hosts.py) at the 7B shape; None without the record."""
+    path = results / "weight_sync_hosts.json"
+    if not path.is_file():
+        return None
+    rec = json.loads(path.read_text())
+    row = next((s for s in rec.get("shapes", []) if s.get("shape") == "7b" and s.get("nccl")), None)
+    if row is None:
+        return None
+    return {"seconds": row["nccl"]["seconds"], "device": rec.get("device"), "source": "bench/results/weight_sync_hosts.json"}
 
 
 # -- reading the components' own results ------------------------------------------------------------
@@ -343,15 +421,39 @@ def plot_projection(proj: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def recipe_path_inputs(comps: Components, results: Path = RESULTS) -> dict[str, Any] | None:
+    """The components with what the recipe's own runs measured in place (the learner's MFU on packed rows,
+    the weights' seconds as the cluster moves them) and the long tail; None without a 7B recipe run."""
+    run = recipe_run_figures(results)
+    if run is None:
+        return None
+    hosts = cross_host_sync_s(results)
+    sync_s = {"sync": run["sync_s"]}
+    if hosts is not None:
+        sync_s["async"] = hosts["seconds"]
+    from dataclasses import replace
+
+    return {"components": replace(comps, learner_mfu=run["mfu"]), "learner": run, "cross_host_sync": hosts,
+            "tail": tail_factor(Recipe()), "tail_cut_p95": tail_factor(Recipe(), cut_quantile=0.95), "sync_s": sync_s}
+
+
 def write_projection(args: argparse.Namespace) -> dict[str, Any]:
     comps, shapes = components_from_results(args.prefix)
     e2e_path = RESULTS / f"{args.prefix}_e2e.json"
     e2e = json.loads(e2e_path.read_text()) if e2e_path.is_file() else None
-    proj = project(comps)
+    components_only = project(comps)
+    proj, remade = components_only, recipe_path_inputs(comps)
+    if remade is not None:
+        proj = project(remade["components"], tail=remade["tail"], sync_s=remade["sync_s"])
+        cut = project(remade["components"], tail=remade["tail_cut_p95"], sync_s=remade["sync_s"])
+        remade["deadline_p95"] = {"sync": cut["sync"], "async": cut["async"], "async_split": cut["async_split"]}
     record = {
         "device": comps.device, "recipe": asdict(Recipe()), "components": {**asdict(comps), "shapes": shapes},
         "e2e_steps": e2e, "projected_min_per_step_7b_16xA100": {"sync": proj["sync"], "async": proj["async"]},
         "projection": proj, "paper_min_per_step": PAPER_MIN_PER_STEP, "target_async_min": TARGET_ASYNC_MIN,
+        "recipe_path": None if remade is None else {k: v for k, v in remade.items() if k != "components"},
+        "components_only": {"sync": components_only["sync"], "async": components_only["async"],
+                            "seconds": components_only["seconds"]},
     }
     (RESULTS / "time_model.json").write_text(json.dumps(record, indent=1) + "\n")
     secs, split = proj["seconds"], proj["async_split"]
@@ -371,6 +473,24 @@ def write_projection(args: argparse.Namespace) -> dict[str, Any]:
         "", "| component | measured | where |", "|---|---|---|",
         *component_rows(comps, shapes),
     ]
+    if remade is not None:
+        rp = remade
+        lines[4:4] = [
+            "The projection takes the recipe's own path where it has been measured: the learner's MFU from the "
+            f"7B recipe's steps through `star train` ({rp['learner']['gpus']}× {rp['learner']['device']}, packed "
+            f"rows with gradient checkpointing, MFU {rp['learner']['mfu']:.1%} against "
+            f"{comps.learner_mfu:.1%} on unpacked rows), the long tail (a step's slowest of "
+            f"{Recipe().trajectories} trajectories is {rp['tail']:.2f}× the mean one, lengths drawn as the "
+            "learner benchmark draws the recipe's, and an engine's wall time is its slowest agent's; an upper "
+            "bound, as the slowest agent decodes faster once the others have ended), and the "
+            f"weights as the cluster moves them (synchronous: colocated sleep and CUDA IPC, "
+            f"{rp['sync_s']['sync']:.1f} s measured in those steps; asynchronous: NCCL between hosts, "
+            f"{rp['sync_s']['async']:.1f} s at 7B over the socket transport). From the components alone "
+            f"(equal-length agents, the unpacked learner, NVLink sync): {components_only['sync']:.2f} min "
+            f"synchronous, {components_only['async']:.2f} min asynchronous. With episodes cut at a deadline "
+            f"that 95 % of them end within (`rl.sampling.episode_timeout_s`; the slowest then "
+            f"{rp['tail_cut_p95']:.2f}× the mean): {rp['deadline_p95']['sync']:.2f} min synchronous, "
+            f"{rp['deadline_p95']['async']:.2f} min asynchronous.", ""]
     learner_params = shapes["learner"].get("params") or 0
     if learner_params < 0.9 * comps.n_params:
         lines += ["", f"The learner's MFU was measured at {learner_params / 1e9:.1f}B, not at the 7B shape "

@@ -153,3 +153,42 @@ def test_the_7b_record_names_why_a_run_fell_short(tmp_path):
     assert failures(tmp_path, said, 124) == {"learner_restarts": 3,
                                              "causes": {"learner": "[rank2]: torch.OutOfMemoryError: CUDA out of memory."}}
     assert failures(tmp_path, "rl: done in 62 s\n", 0) == {"learner_restarts": 0, "causes": {}}
+
+
+# -- the recipe's own path: packed-row MFU, the long tail, the deployment's sync ---------------------------
+
+def test_the_long_tail_waits_for_the_slowest_trajectory_and_a_deadline_shortens_it():
+    from bench.time_model import tail_factor
+
+    r = Recipe()
+    tail = tail_factor(r, draws=100)
+    assert 2.0 < tail <= r.context / r.trajectory_tokens  # the slowest of 256 is well past the mean, within the context
+    assert tail_factor(r, draws=100, cut_quantile=0.95) < tail
+    assert tail_factor(replace(r, prompts=1, group=1), draws=2000) == pytest.approx(1.0, abs=0.05)  # one: the mean
+    slow = project(comps(), r, tail=tail)
+    assert slow["seconds"]["sync"]["rollout"] == pytest.approx(tail * project(comps(), r)["seconds"]["sync"]["rollout"])
+
+
+def test_the_deployments_sync_replaces_the_nvlink_figure_per_mode():
+    p = project(comps(), Recipe(), sync_s={"sync": 3.4, "async": 3.7})
+    assert (p["seconds"]["sync"]["weight_sync"], p["seconds"]["async"]["weight_sync"]) == (3.4, 3.7)
+
+
+def test_the_recipe_runs_figures_are_its_steps_after_the_first(tmp_path):
+    from bench.time_model import cross_host_sync_s, recipe_path_inputs, recipe_run_figures
+
+    assert recipe_run_figures(tmp_path) is None and cross_host_sync_s(tmp_path) is None
+    steps = [{"step": 1, "mfu": 0.26, "tokens": 1.0e6, "split_s": {"sync": 7.5}},
+             {"step": 2, "mfu": 0.39, "tokens": 1.2e6, "split_s": {"sync": 3.4}},
+             {"step": 3, "mfu": 0.41, "tokens": 1.3e6, "split_s": {"sync": 3.6}}]
+    (tmp_path / "recipe_7b.json").write_text(json.dumps({"device": "NVIDIA H200", "gpus": 4, "steps": steps,
+                                                         "trajectories": {"mean_tokens": 10000}}))
+    (tmp_path / "weight_sync_hosts.json").write_text(json.dumps(
+        {"device": "2× NVIDIA H200", "shapes": [{"shape": "1.5b", "nccl": {"seconds": 0.9}},
+                                               {"shape": "7b", "nccl": {"seconds": 3.7}}]}))
+    run = recipe_run_figures(tmp_path)
+    assert run["mfu"] == pytest.approx(0.40) and run["sync_s"] == pytest.approx(3.5) and run["steps"] == 2
+    inputs = recipe_path_inputs(comps(), tmp_path)
+    assert inputs["components"].learner_mfu == pytest.approx(0.40)
+    assert inputs["sync_s"] == {"sync": pytest.approx(3.5), "async": 3.7}
+    assert inputs["tail_cut_p95"] < inputs["tail"]
