@@ -258,15 +258,18 @@ def recipe_run_figures(results: Path = RESULTS) -> dict[str, Any] | None:
 
 def cross_host_sync_s(results: Path = RESULTS) -> dict[str, Any] | None:
     """NCCL from a learner to an engine on another host (network namespaces, the socket transport:
-    bench/weight_sync_hosts.py) at the 7B shape; None without the record."""
-    path = results / "weight_sync_hosts.json"
-    if not path.is_file():
-        return None
-    rec = json.loads(path.read_text())
-    row = next((s for s in rec.get("shapes", []) if s.get("shape") == "7b" and s.get("nccl")), None)
-    if row is None:
-        return None
-    return {"seconds": row["nccl"]["seconds"], "device": rec.get("device"), "source": "bench/results/weight_sync_hosts.json"}
+    bench/weight_sync_hosts.py) at the 7B shape, as the Helm chart sets it up (4 socket threads × 4
+    sockets, `weight_sync_hosts_4x4`) where that was measured, else with NCCL's defaults; None without."""
+    for name in ("weight_sync_hosts_4x4", "weight_sync_hosts"):
+        path = results / f"{name}.json"
+        if not path.is_file():
+            continue
+        rec = json.loads(path.read_text())
+        row = next((s for s in rec.get("shapes", []) if s.get("shape") == "7b" and s.get("nccl")), None)
+        if row is not None:
+            return {"seconds": row["nccl"]["seconds"], "device": rec.get("device"), "nccl_env": rec.get("nccl_env"),
+                    "source": f"bench/results/{name}.json"}
+    return None
 
 
 # -- reading the components' own results ------------------------------------------------------------
@@ -485,7 +488,8 @@ def write_projection(args: argparse.Namespace) -> dict[str, Any]:
             "bound, as the slowest agent decodes faster once the others have ended), and the "
             f"weights as the cluster moves them (synchronous: colocated sleep and CUDA IPC, "
             f"{rp['sync_s']['sync']:.1f} s measured in those steps; asynchronous: NCCL between hosts, "
-            f"{rp['sync_s']['async']:.1f} s at 7B over the socket transport). From the components alone "
+            f"{rp['sync_s']['async']:.1f} s at 7B over the socket transport as the Helm chart sets it). From the "
+            "components alone "
             f"(equal-length agents, the unpacked learner, NVLink sync): {components_only['sync']:.2f} min "
             f"synchronous, {components_only['async']:.2f} min asynchronous. With episodes cut at a deadline "
             f"that 95 % of them end within (`rl.sampling.episode_timeout_s`; the slowest then "

@@ -295,6 +295,9 @@ class RLConfig(_Strict):
         "host:port rank 0 listens on for the weight group; auto (an external fleet): the address and port the "
         "learner announces (STAR_NCCL_MASTER_ADDR or its address on the route to the first server, STAR_NCCL_PORT)."))
     files_every: int = Field(10, ge=1, description="With weight_sync nccl: also write every N-th version to the store.")
+    nccl_timeout_s: float = Field(120.0, gt=0, description=(
+        "With weight_sync nccl: the longest forming the group or one broadcast may take before rank 0 ends for a "
+        "restart (services.learner.weights.NcclPublisher)."))
     save_every: int = Field(
         4, ge=1, le=16, description="Checkpoint every N steps (and at the end). Resume stays exact: the batches "
         "since the last checkpoint are replayed from the stream, whose messages are acknowledged only at "

@@ -286,7 +286,7 @@ class RLTrainer:
 
                 host, port = resolve_master(cfg.nccl_master, cfg.rollout_servers, settings)
                 nccl = NcclPublisher(cfg.rollout_servers, master_address=host, master_port=port,
-                                     api_token=settings.api_token)
+                                     api_token=settings.api_token, timeout_s=cfg.nccl_timeout_s)
                 if getattr(self, "redis", None) is not None:  # where the servers meet rank 0, for operators
                     self.redis.set(nccl_master_key(cfg.stream_prefix), f"{host}:{port}")
                 log.info("weight sync: nccl", extra={"nccl_master": f"{host}:{port}",

@@ -344,6 +344,10 @@ class DeploymentSpec(_Section):
         "GPU): an embedded fleet's placement, or an external fleet whose every rollout server reports weight_ranks "
         "(vLLM started with weight_transfer: nccl), joining at the address its learner announces. auto: nccl "
         "where that holds, else files."))
+    nccl_timeout_s: float = Field(120.0, gt=0, description=(
+        "With weights over NCCL: how long forming the weight group or one broadcast may take before the learner "
+        "counts a member lost and ends for a restart (a broadcast into a dead rank never returns). Raise it "
+        "where a version crosses slow links between hosts."))
 
 
 PlacementMode = Literal["auto", "split", "colocated"]

@@ -159,7 +159,8 @@ def rl_config(run: Run, model: str, names: StreamNames, redis_url: str | None, t
     external = run.config.deployment.fleet == "external"
     sync = nccl_sync(run, servers or []) if run.nccl and not external else {}
     if run.nccl and external:  # rank 0 announces its address to the fleet's servers (services.learner.nccl_master)
-        sync = {"weight_sync": "nccl", "nccl_master": "auto", "files_every": r.val_every or 10}
+        sync = {"weight_sync": "nccl", "nccl_master": "auto", "files_every": r.val_every or 10,
+                "nccl_timeout_s": run.config.deployment.nccl_timeout_s}
     if run.colocated:
         sync = colocated_sync(run, servers or [])
     cfg = RLConfig(
@@ -191,7 +192,7 @@ def nccl_sync(run: Run, servers: list[str]) -> dict[str, Any]:
         raise StageFailed("weights over NCCL need the rollout workers' HTTP addresses; none were started")
     files_every = run.config.rl.val_every or 10
     return {"weight_sync": "nccl", "rollout_servers": list(servers), "nccl_master": f"127.0.0.1:{free_port()}",
-            "files_every": files_every}
+            "files_every": files_every, "nccl_timeout_s": run.config.deployment.nccl_timeout_s}
 
 
 def colocated_sync(run: Run, servers: list[str]) -> dict[str, Any]:

@@ -400,3 +400,16 @@ def test_forced_turns_are_off_unless_set_and_only_for_rl_sampling():
         load_pipeline_config(CONFIGS / "tiny.yaml", ['rl.sampling.forced_turns={"tool_calls": 5}'])
     with pytest.raises(ConfigError, match="benchmarking"):  # an evaluation of forced answers measures nothing
         load_pipeline_config(CONFIGS / "tiny.yaml", ['eval.sampling.forced_turns={"tool_calls": 2}'])
+
+
+def test_the_nccl_timeout_reaches_the_learner_from_the_recipe(tmp_path):
+    from services.learner.config import RLConfig
+    from services.pipeline.rl import nccl_sync
+    from services.pipeline.train import Run
+
+    config = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["deployment.nccl_timeout_s=900"])
+    sync = nccl_sync(Run(config, tmp_path), ["http://127.0.0.1:1"])
+    assert sync["nccl_timeout_s"] == 900.0
+    assert RLConfig(model="m", output_dir=str(tmp_path), **sync).nccl_timeout_s == 900.0
+    with pytest.raises(ConfigError, match="nccl_timeout_s"):
+        load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["deployment.nccl_timeout_s=0"])
