@@ -64,7 +64,8 @@ recipe7b() {
   # cut short by its timeout: the record of the steps it did train
   [ -f $R/$name.json ] || lane recipe7b_record $gpus python bench/recipe_7b.py --gpus $n --steps ${RECIPE_STEPS:-5} \
     --name $name --record-only ${RECIPE_ARGS:-}
-  mkdir -p /tmp/r7/logs && cp /tmp/recipe-7b/run/rl/metrics.jsonl /tmp/recipe-7b/train.log /tmp/r7/ 2>/dev/null
+  mkdir -p /tmp/r7/logs && cp /tmp/recipe-7b/run/rl/metrics.jsonl /tmp/recipe-7b/run/rl/journal.jsonl \
+    /tmp/recipe-7b/train.log /tmp/r7/ 2>/dev/null
   for f in /tmp/recipe-7b/run/logs/*.log; do [ -f "$f" ] && tail -c 300000 "$f" > /tmp/r7/logs/$(basename "$f"); done
   nvidia-smi > /tmp/r7/nvidia-smi.txt 2>&1
   pack recipe7b $R/$name.* $R/lane/recipe7b_record /tmp/r7
