@@ -120,12 +120,13 @@ def test_a_killed_rank_takes_the_run_down(tmp_path, tiny_model, redis_server_url
 
 @pytest.mark.slow
 def test_ranks_waiting_in_a_broadcast_outlast_the_default_collective_timeout(tmp_path, tiny_model, redis_server_url):
-    """DeepSpeed's process-group timeout cut to 1 minute, rank 0 waiting 75 s for data: rank 1 waits in the
-    step's broadcast all that time, and the run ends on rank 0's NoData, not on a collective timeout."""
-    proc, out = _start(tmp_path, tiny_model, redis_server_url, wait_s=75, env_extra={"DEEPSPEED_TIMEOUT": "1"})
+    """DeepSpeed's process-group timeout cut to 1 minute (its least), rank 0 waiting 66 s for data: rank 1
+    waits in the step's broadcast all that time, and the run ends on rank 0's NoData, not on a collective
+    timeout."""
+    proc, out = _start(tmp_path, tiny_model, redis_server_url, wait_s=66, env_extra={"DEEPSPEED_TIMEOUT": "1"})
     rc = _finish(proc, 600)
     log = (tmp_path / "log.txt").read_text()
     assert rc != 0, log[-3000:]
     status = read_status(out)
-    assert "no complete group arrived within 75 s" in status["metrics"]["error"], log[-3000:]
+    assert "no complete group arrived within 66 s" in status["metrics"]["error"], log[-3000:]
     assert "Timed out" not in log and not _leftover(tmp_path / "rl.json")
