@@ -420,7 +420,8 @@ def _next_id(entry: str) -> str:
     return f"{ms}-{int(seq or 0) + 1}"
 
 
-def _text(value: Any) -> str:
+def as_text(value: Any) -> str:
+    """A Redis reply's bytes (or anything) as text."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -437,16 +438,16 @@ def consumed_below(client: redis.Redis, stream: str) -> str | None:
     if not groups:
         return None
     required = StreamNames.consumer_group(stream)
-    if required and required not in {_text(g.get("name") or g.get(b"name")) for g in groups}:
+    if required and required not in {as_text(g.get("name") or g.get(b"name")) for g in groups}:
         return None  # its consumers have not joined yet: nothing is consumed
     floor: tuple[int, int] | None = None
     for g in groups:
-        name = _text(g.get("name") or g.get(b"name"))
+        name = as_text(g.get("name") or g.get(b"name"))
         oldest = client.xpending(stream, name)["min"] if int(g.get("pending") or 0) else None
         if oldest is not None:
-            needed = _text(oldest)
+            needed = as_text(oldest)
         else:  # nothing pending (or acknowledged since XINFO said otherwise): all it read is done
-            needed = _next_id(_text(g.get("last-delivered-id") or g.get(b"last-delivered-id") or "0-0"))
+            needed = _next_id(as_text(g.get("last-delivered-id") or g.get(b"last-delivered-id") or "0-0"))
         key = tuple(int(x) for x in needed.split("-"))
         floor = key if floor is None or key < floor else floor
     return f"{floor[0]}-{floor[1]}"

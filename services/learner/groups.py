@@ -41,15 +41,12 @@ from typing import Any
 import redis
 
 from services.common.schemas import ScoredTrajectory
-from services.common.streams import REDIS_DOWN, StreamConsumer, StreamMessage, StreamNames, decode, until_redis
+from services.common.streams import (REDIS_DOWN, StreamConsumer, StreamMessage, StreamNames, as_text, decode,
+                                     until_redis)
 from services.learner import algorithms as alg
 from services.learner.config import RLConfig
 
 log = logging.getLogger(__name__)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 CONSUMED_STEPS_KEPT = 16  # steps whose message ids stay in the checkpoint for de-duplication (at least save_every)
 JOURNAL = "journal.jsonl"
@@ -274,8 +271,8 @@ class GroupCollector:
             c = self.consumer
             state["pending"] = int(c.client.xpending(c.stream, c.group)["pending"])
             info = c.client.xinfo_stream(c.stream)
-            group = next(g for g in c.client.xinfo_groups(c.stream) if _text(g["name"]) == c.group)
-            state["undelivered"] = _text(info["last-generated-id"]) != _text(group["last-delivered-id"])
+            group = next(g for g in c.client.xinfo_groups(c.stream) if as_text(g["name"]) == c.group)
+            state["undelivered"] = as_text(info["last-generated-id"]) != as_text(group["last-delivered-id"])
         except (*REDIS_DOWN, StopIteration, KeyError, redis.ResponseError):
             pass  # the report goes without them
         return state

@@ -105,7 +105,7 @@ class Episode:
     started: float = field(default_factory=time.perf_counter)
     query: TravelQuery | str | None = None  # what forced turns read their tool arguments from
     forced_cities: list[str] = field(default_factory=list)  # a forced multi-city episode's SearchCity result
-    last_tool_output: str | None = None
+    last_tool_output: str | None = None  # the last tool call's reply (what a forced episode reads cities from)
     deadline: float | None = None  # time.monotonic() at which the episode ends as `deadline`
     turn_timeout_s: float | None = None
 

@@ -406,6 +406,8 @@ class RolloutWorker:
 def group_summary(trajectories: list[Trajectory]) -> dict[str, Any]:
     """A written group in one log line: its id and step, how its episodes ended, the policy versions
     that sampled them and its slowest episode's seconds (what a stalled step's groups are traced by)."""
+    if not trajectories:
+        return {"episodes": 0}
     first = trajectories[0]
     ends: dict[str, int] = {}
     for t in trajectories:
