@@ -16,8 +16,8 @@ What runs: a random-init Qwen2.5-7B folder (bench/gpu_shapes.py, bf16; the real 
 stands in for the SFT model, since no weights are reachable from the device. `star train` runs stages synth
 and rl only: RL then starts from `model.path` (services.pipeline.train.starting_model), on a synthetic world
 at the benchmark's scale (`world.synthetic_size=full`: the official tables are not on the device; its tool
-results are as long as the official ones, so ten calls return about 7.6K tokens and an episode comes to
-about 10-11K, the paper's shape; the small world's gave 4.4K) with real Redis, sandbox over HTTP, rollout and reward
+results are as long as the official ones, so ten forced calls return about 6.5K tokens and an episode comes
+to about 10K, the paper's shape; the small world's gave 4.4K) with real Redis, sandbox over HTTP, rollout and reward
 workers and the DeepSpeed learner, placed by the recipe's `placement.mode: auto` (colocated on 4 or 8 GPUs of
 80 GB). A random model neither calls tools nor answers, so the episodes are forced to the paper's shape by
 `rl.sampling.forced_turns` (benchmarking only): 10 tool turns of 120 sampled tokens on the real sandbox and

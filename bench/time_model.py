@@ -212,21 +212,18 @@ def project(c: Components, r: Recipe = Recipe(), *, target: str = "A100", tail: 
     }
 
 
-def tail_factor(r: Recipe, *, sigma: float = 0.6, low: int = 512, high: int | None = None, draws: int = 400,
-                seed: int = 0, cut_quantile: float | None = None) -> float:
+def tail_factor(r: Recipe, *, sigma: float = 0.6, draws: int = 400, seed: int = 0,
+                cut_quantile: float | None = None) -> float:
     """Expected longest trajectory of a step over the mean one, for lengths drawn as the learner benchmark
     draws the recipe's (log-normal, sigma 0.6, clipped to [512, the context], mean `r.trajectory_tokens`).
     `cut_quantile`: episodes are cut at a deadline that this share of them ends within (the step then
     waits for that length at most: `rl.sampling.episode_timeout_s` with `rl.late_groups`)."""
-    import math
     import random
 
-    from bench.learner_multigpu import length_location
+    from bench.learner_multigpu import RECIPE_LENGTHS, length_location
 
-    high = high or r.context
+    low, high = RECIPE_LENGTHS["min"], r.context
     mu = length_location(r.trajectory_tokens, sigma, low, high)
-    if math.isnan(mu):
-        return 1.0
     rng = random.Random(seed)
     steps = [[min(max(rng.lognormvariate(mu, sigma), low), high) for _ in range(r.trajectories)] for _ in range(draws)]
     if cut_quantile is not None:
