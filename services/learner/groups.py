@@ -11,7 +11,13 @@ keeps of the batches trained (message and group ids) and what the checkpoint hol
 Over-sampling (`oversample_groups`): the controller publishes more groups a step than it trains, so a
 step takes its first `batch_prompts` complete groups; the surplus is taken by the next steps (oldest
 step first) while fresh enough, and a surplus group too stale to train (every sample older than
-`max_staleness` allows) is dropped before any step takes it. Late groups (episodes cut at their
+`max_staleness` allows) is dropped before any step takes it. A group of a later step taken by an earlier
+batch (after `straggler_wait_s`) counts towards its own step, which then does not wait for it again.
+
+Dead letters are read beside the stream: a rollout task dead-lettered loses its whole group (the step
+goes without it), and a sample dead-lettered before it reached the learner (the scorer could not score
+it, or it is no trajectory) leaves its group complete without it. A step never waits for what cannot
+come. Late groups (episodes cut at their
 deadline, finish_reason `deadline`) go as `late_groups` says: dropped (the step takes another group
 instead), trained with their finished episodes only (partial), or kept whole (mask: the filters
 leave the cut episodes out of the loss). A dropped group is journaled with its step, its messages
@@ -135,7 +141,10 @@ class GroupCollector:
         # Groups whose rollout task was dead-lettered (it failed on every attempt): group id → step.
         # A batch does not wait for them: they can never come, and the fleet would wait with it.
         self.lost: dict[str, int] = {}
-        self._dead_cursor = "0-0"
+        # Samples dead-lettered on their way (scoring failed for good): group id → their sample indexes.
+        self.unscored: dict[str, set[int]] = {}
+        self._dead_cursors: dict[str, str] = {}  # dead-letter stream → the last entry read
+        self.taken_early: dict[int, int] = {}  # step → its groups that earlier batches trained
         self.duplicates = 0  # samples of already trained groups dropped since `take_duplicates`
         self.held: list[str] = []  # ids of the messages handed out since the last acknowledgement
         self._held_kept_at = time.monotonic()  # when the held messages' claims were last renewed
@@ -234,7 +243,10 @@ class GroupCollector:
                   "episodes_cut": float(sum(t.finish_reason == LATE for g in chosen + dropped_late
                                             for _, t in self.groups[g])),
                   "groups_surplus_dropped": float(len(dropped_stale)),
-                  "groups_surplus_trained": float(sum(self._step_of(g) < batch for g in chosen))}
+                  "groups_surplus_trained": float(sum(self._step_of(g) < batch for g in chosen)),
+                  "groups_from_later_steps": float(sum(self._step_of(g) > batch for g in chosen)),
+                  "samples_unscored": float(sum(len(self._unscored_of(g)) for g in chosen))}
+        self._count_taken_early(batch, chosen)
         messages, trajs = [], []
         for g in chosen:
             members = self.groups.pop(g)
@@ -248,6 +260,8 @@ class GroupCollector:
                 counts["groups_dropped_late"] += 1
         for g in dropped_late + dropped_stale:
             messages += [msg for msg, _ in self.groups.pop(g)]
+        for g in chosen + dropped_late + dropped_stale:
+            self.unscored.pop(g, None)
         return StepGroups(messages, trajs, lost, time.perf_counter() - t0, dropped, counts)
 
     def waiting_for(self, batch: int, chosen: list[str], started: float) -> dict[str, Any]:
@@ -255,12 +269,13 @@ class GroupCollector:
         samples missing (the first few named, with how many arrived), complete groups of later steps
         (taken once `straggler_wait_s` has passed), and the groups lost."""
         own_partial = {g: len(m) for g, m in self.groups.items()
-                       if len(m) < self.cfg.group_size and self._step_of(g) <= batch}
+                       if not self._complete(g) and self._step_of(g) <= batch}
         later = [g for g in self.complete() if self._step_of(g) > batch]
         return {"batch": batch, "waited_s": round(time.monotonic() - started), "chosen": len(chosen),
                 "wanted": self.cfg.batch_prompts, "own_groups_partial": len(own_partial),
                 "partial_samples": dict(list(own_partial.items())[:5]), "later_groups_complete": len(later),
-                "lost": self._lost_at(batch), "straggler_wait_s": self.cfg.straggler_wait_s, **self._stream_state()}
+                "lost": self._lost_at(batch), "unscored_samples": sum(map(len, self.unscored.values())),
+                "taken_early": self.taken_early.get(batch, 0), "straggler_wait_s": self.cfg.straggler_wait_s, **self._stream_state()}
 
     def _stream_state(self) -> dict[str, Any]:
         """The scored stream as Redis sees it beside what this collector filed: samples filed and held,
@@ -287,11 +302,28 @@ class GroupCollector:
                 and not alg.split_stale([t.policy_version for _, t in self.groups[g]], version, f.max_staleness)[0]]
 
     def complete(self) -> list[str]:
-        """The groups that have all their samples, in arrival order."""
-        return [g for g, m in self.groups.items() if len(m) >= self.cfg.group_size]
+        """The groups that have all their samples (less those dead-lettered on the way), in arrival order."""
+        return [g for g in self.groups if self._complete(g)]
+
+    def _complete(self, group: str) -> bool:
+        members = self.groups.get(group, [])
+        if not members:
+            return False
+        arrived = {t.sample_index for _, t in members}
+        return len(arrived | self._unscored_of(group)) >= self.cfg.group_size
+
+    def _unscored_of(self, group: str) -> set[int]:
+        return self.unscored.get(group, set())
 
     def _arrived(self, groups: list[str]) -> bool:
-        return all(len(self.groups.get(g, ())) >= self.cfg.group_size for g in groups)
+        return all(self._complete(g) for g in groups)
+
+    def _count_taken_early(self, batch: int, chosen: list[str]) -> None:
+        """Note the later steps' groups this batch took; forget the counts of steps now past."""
+        for g in chosen:
+            if (step := self._step_of(g)) > batch:
+                self.taken_early[step] = self.taken_early.get(step, 0) + 1
+        self.taken_early = {s: n for s, n in self.taken_early.items() if s > batch}
 
     def _step_of(self, group: str) -> int:
         step = self.groups[group][0][1].step
@@ -323,11 +355,13 @@ class GroupCollector:
 
     def enough(self, batch: int, chosen: list[str], useful: int, dropped: int = 0) -> bool:
         """Without refill a step takes the next `batch_prompts` groups (filters may shrink it), less
-        those of its own that were lost or dropped late beyond the over-sampled surplus; with refill it
+        those of its own that were lost, dropped late or trained by an earlier batch beyond the
+        over-sampled surplus; with refill it
         reads on until that many groups survive, at most max_refill_rounds batches more."""
         n, f = self.cfg.batch_prompts, self.cfg.filters
         if not f.refill:
-            missing = max(0, self._lost_at(batch) + dropped - self.cfg.oversample_groups)
+            missing = self._lost_at(batch) + dropped + self.taken_early.get(batch, 0)
+            missing = max(0, missing - self.cfg.oversample_groups)
             return len(chosen) + missing >= n
         if useful >= n:
             return True
@@ -339,23 +373,48 @@ class GroupCollector:
         return sum(1 for s in self.lost.values() if s == step)
 
     def read_lost(self, batch: int) -> None:
-        """Note the training tasks of step `batch` or later dead-lettered since the last look."""
-        dead = StreamNames.dead(self.names.tasks)
-        try:
-            entries = self.redis.xrange(dead, min=f"({self._dead_cursor}", count=1000)
-        except REDIS_DOWN:
-            return
-        for entry, fields in entries:
-            self._dead_cursor = entry.decode() if isinstance(entry, bytes) else entry
-            try:
-                task = decode(fields)["payload"]
-                group, step = task["task_id"], task.get("step")
-            except (KeyError, TypeError, ValueError):
-                continue  # not a task we could have trained
+        """Note what was dead-lettered since the last look: training tasks of step `batch` or later (their
+        groups are lost) and samples that failed on their way here for good (scoring, or not a trajectory):
+        their groups complete without them, and a group with none left is lost."""
+        for task in self._dead_since(self.names.tasks):
+            group, step = task.get("task_id"), task.get("step")
             if isinstance(step, int) and step >= batch and group not in self.groups:
                 self.lost[group] = step
                 log.warning("a rollout task was dead-lettered; its step goes without it",
                             extra={"group": group, "step": step})
+        trained = None
+        for stream in (self.names.trajectories, self.names.scored):
+            for sample in self._dead_since(stream):
+                group, index, step = sample.get("group_id"), sample.get("sample_index"), sample.get("step")
+                if not isinstance(group, str) or not isinstance(index, int):
+                    continue  # not a sample of a group
+                trained = self.trained.group_ids() if trained is None else trained
+                if group in trained:
+                    continue
+                self.unscored.setdefault(group, set()).add(index)
+                log.warning("a sample was dead-lettered on its way; its group goes without it",
+                            extra={"group": group, "sample": index, "stream": stream})
+                gone = len(self.unscored[group]) >= self.cfg.group_size and group not in self.groups
+                if gone and isinstance(step, int) and step >= batch:
+                    self.lost[group] = step
+
+    def _dead_since(self, stream: str) -> list[dict[str, Any]]:
+        """The payloads dead-lettered from `stream` since the last call (none while Redis is down)."""
+        dead = StreamNames.dead(stream)
+        try:
+            entries = self.redis.xrange(dead, min=f"({self._dead_cursors.get(dead, '0-0')}", count=1000)
+        except REDIS_DOWN:
+            return []
+        payloads = []
+        for entry, fields in entries:
+            self._dead_cursors[dead] = as_text(entry)
+            try:
+                payload = decode(fields)["payload"]
+            except (KeyError, TypeError, ValueError):
+                continue
+            if isinstance(payload, dict):
+                payloads.append(payload)
+        return payloads
 
     # -- reading the stream ------------------------------------------------------------------------
 

@@ -178,6 +178,52 @@ def test_a_step_goes_without_its_lost_group_at_once(stream, tmp_path):
     assert last == {"batch": 0, "groups": ["kept"], "lost": ["lost"], "dropped": []}
 
 
+def _dead_letter_sample(client, prefix: str, traj: ScoredTrajectory) -> None:
+    """What the scoring stage does with a trajectory it can never score: dead-letters it."""
+    names = StreamNames(prefix)
+    publish(client, names.trajectories, traj.model_dump(mode="json"))
+    scoring = StreamConsumer(client, names.trajectories, "reward", "s", max_deliveries=1)
+    (msg,) = scoring.read(count=1, block_ms=100)
+    assert scoring.fail(msg, "formatter timeout")
+
+
+def test_a_group_completes_without_a_sample_the_scorer_dead_lettered(stream):
+    client, prefix, make = stream
+    collector = make(batch_prompts=2, straggler_wait_s=600.0, wait_timeout_s=30.0)
+    _dead_letter_sample(client, prefix, _traj("short", 1))
+    _send(client, prefix, _traj("short", 0), _traj("whole", 0), _traj("whole", 1))
+    step = collector.collect(batch=0, version=0)
+    assert step.wait_s < 10  # not the straggler wait for a sample that cannot come
+    assert _groups(step) == ["short", "whole"] and len(step.trajectories) == 3
+    assert step.counts["samples_unscored"] == 1.0 and collector.unscored == {}
+
+
+def test_a_group_whose_every_sample_was_dead_lettered_is_lost(stream):
+    client, prefix, make = stream
+    collector = make(batch_prompts=2, straggler_wait_s=600.0, wait_timeout_s=30.0)
+    for i in range(2):
+        _dead_letter_sample(client, prefix, _traj("gone", i, step=0))
+    _send(client, prefix, _traj("kept", 0), _traj("kept", 1))
+    step = collector.collect(batch=0, version=0)
+    assert _groups(step) == ["kept"] and step.lost == ["gone"] and step.wait_s < 10
+
+
+def test_a_group_taken_by_an_earlier_batch_is_not_waited_for_again(stream):
+    """One group of step 1 never completes. Batch 1 takes a step-2 group after the straggler wait; batch 2
+    then has one group of its own fewer to come, and must not wait the straggler time for it as well
+    (else every later step waits it, each taking one group of the next)."""
+    client, prefix, make = stream
+    collector = make(batch_prompts=2, straggler_wait_s=1.0, wait_timeout_s=30.0)
+    _send(client, prefix, _traj("s1a", 0, step=1), _traj("s1a", 1, step=1), _traj("s1b", 0, step=1),
+          *(_traj(g, i, step=2) for g in ("s2a", "s2b") for i in range(2)))
+    first = collector.collect(batch=1, version=1)
+    assert _groups(first) == ["s1a", "s2a"] and first.wait_s >= 1.0
+    assert first.counts["groups_from_later_steps"] == 1.0
+    second = collector.collect(batch=2, version=2)
+    assert _groups(second) == ["s2b"] and second.wait_s < 0.9
+    assert collector.taken_early == {}
+
+
 def test_a_task_lost_for_a_past_step_is_not_waited_for(stream):
     client, prefix, make = stream
     _dead_letter_task(client, prefix, "gone", step=0)
