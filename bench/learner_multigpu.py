@@ -240,6 +240,11 @@ def record_path(args: argparse.Namespace) -> Path:
     return ROOT / "bench" / "results" / f"{args.name}.json"
 
 
+def write_record(out: Path, record: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+
+
 def forget_side(args: argparse.Namespace, side: str) -> None:
     """Before a side's first option: a record kept from an earlier run holds nothing of this side, so what
     the launches add is this run's alone."""
@@ -249,7 +254,7 @@ def forget_side(args: argparse.Namespace, side: str) -> None:
     record = json.loads(out.read_text())
     for key in ("sides", "attempts"):
         record.setdefault(key, {}).pop(side, None)
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    write_record(out, record)
 
 
 def record_option_outcome(args: argparse.Namespace, side: str, key: str, value: object, code: int,
@@ -267,8 +272,7 @@ def record_option_outcome(args: argparse.Namespace, side: str, key: str, value: 
         sides = record.setdefault("sides", {})
         sides[side] = {"oom": True, "error": "out of memory with every option"} if last else sides.get(side, {})
         finish_record(record)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(record, indent=2) + "\n")
+        write_record(out, record)
         return False
     if mine and mine[-1].get("oom"):
         return False
@@ -276,7 +280,7 @@ def record_option_outcome(args: argparse.Namespace, side: str, key: str, value: 
         record.setdefault("sides", {})[side] = {"error": f"a rank failed (exit {code}); its traceback is in the log"}
         tries.append({key: value, **record["sides"][side]})
         finish_record(record)
-        out.write_text(json.dumps(record, indent=2) + "\n")
+        write_record(out, record)
     return True if code == 0 and mine else None
 
 
@@ -904,8 +908,7 @@ def run_recipe(args: argparse.Namespace, argv: list[str], model_dir: Path, rank:
         record["commands"][side] = command
         if rank == 0:
             finish_record(record)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(record, indent=2) + "\n")
+            write_record(out, record)
             write_markdown(record, out.with_suffix(".md"))
         log(rank, f"side {side}: " + json.dumps({k: result.get(k) for k in ("tokens_per_s", "mfu", "mfu_causal_half",
                                                                                  "peak_gib", "step_s", "error", "skipped")}))
@@ -1023,8 +1026,7 @@ def main(argv: list[str] | None = None) -> int:
                   "command": prev.get("command") or this_command,
                   "baseline_command": this_command if baseline else None,
                   "host": host, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(record, indent=2) + "\n")
+        write_record(out, record)
         print(json.dumps({k: record[k] for k in ("device", "world_size", "tokens_per_s", "mfu", "peak_gib",
                                                  "speedup_tokens_per_s")}), flush=True)
         print(f"wrote {out}", flush=True)
