@@ -309,8 +309,9 @@ def run_worker(consumer: StreamConsumer, handler: Handler, out_stream: str | Non
                until_ready: Callable[[], bool] | None = None) -> int:
     """Consume until `stop` is set. `handler` returns the payload(s) to forward (acknowledged in the
     same transaction), or None to just acknowledge; an exception counts as a failed attempt.
-    While a message is handled its claim is kept fresh (`ClaimKeeper`), and consumed entries of
-    the input stream are trimmed now and then. `until_ready`, where given, runs before every read
+    From its read until it is settled a message's claim is kept fresh (`ClaimKeeper`), so the last
+    message of a batch is not re-claimed by another consumer while the first are handled; consumed
+    entries of the input stream are trimmed now and then. `until_ready`, where given, runs before every read
     and blocks while the worker could not handle a message (a dependency is down), so that nothing
     is claimed meanwhile; it returns False when `stop` ends the wait. Returns the number of
     messages handled."""
@@ -335,9 +336,10 @@ def run_worker(consumer: StreamConsumer, handler: Handler, out_stream: str | Non
                 if on_idle:
                     on_idle()
                 continue
-            for msg in messages:
-                if keeper:
+            if keeper:  # the whole read from now on: the last of a batch waits while the first are handled
+                for msg in messages:
                     keeper.hold(consumer, msg)
+            for msg in messages:
                 try:
                     result = handler(msg)
                 except Exception as exc:  # noqa: BLE001 - any failure is recorded on the message

@@ -104,6 +104,34 @@ def test_claims_are_kept_while_a_slow_handler_works(redis_client):
     assert [m.id for m in thief.read(1, None)] == [msg.id]
 
 
+def test_the_last_messages_of_a_batch_are_kept_while_the_first_are_handled(redis_client):
+    """A scorer reads 8 trajectories at once and scores them in turn. Its claims on those still waiting
+    must stay fresh too: else, the first taking longer than the claim timeout, the last are re-claimed by
+    the other scorers, each time counting a delivery, until they are dead-lettered (their group never
+    completes for the learner)."""
+    client, prefix = redis_client
+    stream = f"{prefix}batch"
+    for n in range(3):
+        publish(client, stream, {"n": n})
+    worker = StreamConsumer(client, stream, "g", "slow-one", claim_idle_ms=300)
+    thief = StreamConsumer(client, stream, "g", "thief", claim_idle_ms=300)
+    stop = threading.Event()
+    stolen, handled = [], []
+
+    def handle(msg):
+        deadline = time.monotonic() + 0.5  # each longer than the claim timeout
+        while time.monotonic() < deadline:
+            stolen.extend(thief.read(1, None))
+            time.sleep(0.05)
+        handled.append(msg.data["n"])
+        if len(handled) == 3:
+            stop.set()
+        return None
+
+    run_worker(worker, handle, None, stop, batch=3, block_ms=50)
+    assert handled == [0, 1, 2] and stolen == []
+
+
 def test_claim_keeper_extends_only_what_it_holds(redis_client):
     client, prefix = redis_client
     stream = f"{prefix}keeper"
