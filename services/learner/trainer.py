@@ -191,17 +191,19 @@ def score_rates(trajs: list[ScoredTrajectory]) -> dict[str, float]:
 
 
 ROLLOUT_TIMINGS = ("total_s", "generate_s", "tool_s", "turns", "sampled_tokens")
+SCORING_TIMINGS = ("score_s",)
 
 
 def rollout_timings(trajs: list[ScoredTrajectory]) -> dict[str, float]:
     """Where a batch's episodes spent their time (mean per episode, and the slowest one, which
-    a synchronous step waits for): tells a slow engine from slow tools."""
+    a synchronous step waits for): tells a slow engine from slow tools, and from slow scoring."""
     out: dict[str, float] = {}
-    for key in ROLLOUT_TIMINGS:
-        values = [t.timings[key] for t in trajs if key in t.timings]
-        if values:
-            s = alg.summarize(values)
-            out[f"rollout/{key}_mean"], out[f"rollout/{key}_max"] = s["mean"], s["max"]
+    for prefix, keys in (("rollout", ROLLOUT_TIMINGS), ("scoring", SCORING_TIMINGS)):
+        for key in keys:
+            values = [t.timings[key] for t in trajs if key in t.timings]
+            if values:
+                s = alg.summarize(values)
+                out[f"{prefix}/{key}_mean"], out[f"{prefix}/{key}_max"] = s["mean"], s["max"]
     return out
 
 

@@ -30,6 +30,7 @@ from services.reward.scoring import ScoreError, Scorer
 log = logging.getLogger(__name__)
 
 GROUP = "reward"
+SLOW_SCORE_S = 10.0  # a trajectory scored slower than this is logged with its seconds
 
 
 class PermanentError(ValueError):
@@ -68,11 +69,20 @@ class ScoreWorker:
         self.dead = 0
 
     def score(self, msg: StreamMessage) -> ScoredTrajectory:
+        """The scored trajectory, its scoring seconds in `timings["score_s"]` (the learner's metrics
+        summarize them; a scoring slower than SLOW_SCORE_S is logged)."""
         trajectory = read_trajectory(msg.data)
+        started = time.monotonic()
         try:
             scored = self.scorer.score_trajectory(trajectory, self.backend)
         except ScoreError as exc:
             raise PermanentError(str(exc)) from None
+        seconds = time.monotonic() - started
+        scored.timings = {**scored.timings, "score_s": round(seconds, 3)}
+        if seconds > SLOW_SCORE_S:
+            log.warning("slow scoring", extra={"task": trajectory.task_id, "sample": trajectory.sample_index,
+                                               "seconds": round(seconds, 1),
+                                               "formatter": scored.score.formatter_status})
         if scored.score.formatter_status in FORMATTER_OUTAGES:
             raise FormatterOutage(f"formatter {scored.score.formatter_status} on {trajectory.task_id}; "
                                   "left pending for a retry")

@@ -32,7 +32,9 @@ def test_rollout_timings_are_episode_means_and_the_slowest_episode():
     out = rollout_timings([a, b, c])
     assert out["rollout/total_s_mean"] == 20.0 and out["rollout/total_s_max"] == 30.0
     assert out["rollout/tool_s_mean"] == 2.0
-    assert "rollout/turns_mean" not in out
+    assert "rollout/turns_mean" not in out and "scoring/score_s_mean" not in out
+    a.timings["score_s"], b.timings["score_s"] = 0.5, 1.5  # the scorer's seconds, beside the episode's
+    assert rollout_timings([a, b])["scoring/score_s_max"] == 1.5
     assert rollout_timings([c]) == {}
 
 

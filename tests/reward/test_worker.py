@@ -62,6 +62,7 @@ def test_trajectories_become_scored_trajectories(names, gold, official):
     assert scored[0].plan is not None and len(scored[0].plan.days) == 3
     assert scored[2].score.formatter_status == "tool_budget"
     assert scored[3].score.formatter_status == "invalid_output" and scored[3].plan is None
+    assert all(0.0 <= s.timings["score_s"] < 60.0 for s in scored)  # each carries its scoring time
     assert stream_depth(client, streams.trajectories, GROUP)["pending"] == 0
     assert worker.scored == 4 and worker.dead == 0
 
