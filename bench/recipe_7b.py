@@ -205,7 +205,8 @@ def placement_mode(lines: list[str]) -> str:
     return "colocated" if "colocated" in text else "split"
 
 
-def record(args, work: Path, config, output: str, steps: list[dict[str, Any]], rc: int) -> dict[str, Any]:
+def record(args, work: Path, config, output: str, steps: list[dict[str, Any]], rc: int | None) -> dict[str, Any]:
+    """The run's record; `rc` None: written from the metrics of a run that was cut short (`--record-only`)."""
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -224,7 +225,7 @@ def record(args, work: Path, config, output: str, steps: list[dict[str, Any]], r
     ratio = measured_s / predicted_s if measured_s else None
     from bench.gpu_shapes import shape_params
 
-    return {"recipe": args.recipe, "command_rc": rc, "device": device, "gpus": args.gpus,
+    return {"recipe": args.recipe, "command_rc": rc, "steps_asked": args.steps, "device": device, "gpus": args.gpus,
             "placement": placed, "placement_mode": mode, "params": None if args.smoke else shape_params("7b"),
             "overrides": overrides(args, Path("MODEL")), "steps": steps, "trajectories": shape,
             "measured_step_s": measured_s,
@@ -236,7 +237,7 @@ def record(args, work: Path, config, output: str, steps: list[dict[str, Any]], r
             "failures": failures(work / "run", output, rc)}
 
 
-def failures(run_dir: Path, output: str, rc: int) -> dict[str, Any]:
+def failures(run_dir: Path, output: str, rc: int | None) -> dict[str, Any]:
     """Why the run's processes failed where they did: how often `star train` restarted the learner and, for
     a run that failed or restarted it, the error each process's log ends with
     (services.pipeline.stage.failure_cause)."""
@@ -265,6 +266,9 @@ def markdown(rec: dict[str, Any]) -> str:
         sp = s["split_s"]
         lines.append(f"| {s['step']} | {s['wall_s']:.1f} | " + " | ".join(f"{sp[k]:.1f}" for k in SPLIT)
                      + f" | {s.get('packed_rows') or 0:.0f} |")
+    if rec["command_rc"] is None:
+        lines += ["", f"Written from the metrics of a run cut short (`--record-only`): {len(rec['steps'])} of "
+                      f"{rec.get('steps_asked', '?')} steps trained."]
     lines += ["", f"| predicted ({rec['prediction']['machine']['placement']}) | {pred['step']:.1f} | {pred['rollout']:.1f} "
               f"| {pred['scoring']:.1f} | {pred['training']:.1f} | {pred['weight_sync']:.1f} | – | – |", ""]
     if rec["ratio"] is not None:
@@ -326,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_pipeline_config(ROOT / args.recipe, items)
     t0 = time.monotonic()
     if args.record_only:
-        rc, output = 0, (work / "train.log").read_text()
+        rc, output = None, (work / "train.log").read_text()
     else:
         rc, output = run_train(args, run_dir, items, env)
         log(f"star train ended with rc {rc} after {time.monotonic() - t0:.0f} s")
@@ -338,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{name}.json").write_text(json.dumps(rec, indent=1) + "\n")
     (out / f"{name}.md").write_text(markdown(rec))
     print(markdown(rec))
-    return 0 if rc == 0 and len(steps) >= args.steps else 1
+    return 0 if rc in (0, None) and len(steps) >= args.steps else 1
 
 
 if __name__ == "__main__":
