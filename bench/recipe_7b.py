@@ -225,7 +225,8 @@ def record(args, work: Path, config, output: str, steps: list[dict[str, Any]], r
     ratio = measured_s / predicted_s if measured_s else None
     from bench.gpu_shapes import shape_params
 
-    return {"recipe": args.recipe, "command_rc": rc, "steps_asked": args.steps, "device": device, "gpus": args.gpus,
+    return {"recipe": args.recipe, "command_rc": rc, "steps_asked": args.steps, "device": device,
+            "gpus": args.gpus,
             "placement": placed, "placement_mode": mode, "params": None if args.smoke else shape_params("7b"),
             "overrides": overrides(args, Path("MODEL")), "steps": steps, "trajectories": shape,
             "measured_step_s": measured_s,

@@ -17,12 +17,13 @@ batch (after `straggler_wait_s`) counts towards its own step, which then does no
 Dead letters are read beside the stream: a rollout task dead-lettered loses its whole group (the step
 goes without it), and a sample dead-lettered before it reached the learner (the scorer could not score
 it, or it is no trajectory) leaves its group complete without it. A step never waits for what cannot
-come. Late groups (episodes cut at their
-deadline, finish_reason `deadline`) go as `late_groups` says: dropped (the step takes another group
-instead), trained with their finished episodes only (partial), or kept whole (mask: the filters
-leave the cut episodes out of the loss). A dropped group is journaled with its step, its messages
-are held and acknowledged with the step's, and it is recorded as settled like a trained one: no
-group is trained twice, and none leaves without a count (`StepGroups.counts`).
+come.
+
+Late groups (episodes cut at their deadline, finish_reason `deadline`) go as `late_groups` says: dropped
+(the step takes another group instead), trained with their finished episodes only (partial), or kept
+whole (mask: the filters leave the cut episodes out of the loss). A dropped group is journaled with its
+step, its messages are held and acknowledged with the step's, and it is recorded as settled like a
+trained one: no group is trained twice, and none leaves without a count (`StepGroups.counts`).
 
 Acknowledging is the trainer's call: the collector holds the messages of the batches it handed out
 until `acknowledge_held`, which the trainer calls once a checkpoint holds those batches. Meanwhile it
@@ -244,9 +245,8 @@ class GroupCollector:
                                             for _, t in self.groups[g])),
                   "groups_surplus_dropped": float(len(dropped_stale)),
                   "groups_surplus_trained": float(sum(self._step_of(g) < batch for g in chosen)),
-                  "groups_from_later_steps": float(sum(self._step_of(g) > batch for g in chosen)),
+                  "groups_from_later_steps": float(self._count_taken_early(batch, chosen)),
                   "samples_unscored": float(sum(len(self._unscored_of(g)) for g in chosen))}
-        self._count_taken_early(batch, chosen)
         messages, trajs = [], []
         for g in chosen:
             members = self.groups.pop(g)
@@ -275,7 +275,8 @@ class GroupCollector:
                 "wanted": self.cfg.batch_prompts, "own_groups_partial": len(own_partial),
                 "partial_samples": dict(list(own_partial.items())[:5]), "later_groups_complete": len(later),
                 "lost": self._lost_at(batch), "unscored_samples": sum(map(len, self.unscored.values())),
-                "taken_early": self.taken_early.get(batch, 0), "straggler_wait_s": self.cfg.straggler_wait_s, **self._stream_state()}
+                "taken_early": self.taken_early.get(batch, 0), "straggler_wait_s": self.cfg.straggler_wait_s,
+                **self._stream_state()}
 
     def _stream_state(self) -> dict[str, Any]:
         """The scored stream as Redis sees it beside what this collector filed: samples filed and held,
@@ -318,12 +319,14 @@ class GroupCollector:
     def _arrived(self, groups: list[str]) -> bool:
         return all(self._complete(g) for g in groups)
 
-    def _count_taken_early(self, batch: int, chosen: list[str]) -> None:
-        """Note the later steps' groups this batch took; forget the counts of steps now past."""
-        for g in chosen:
-            if (step := self._step_of(g)) > batch:
-                self.taken_early[step] = self.taken_early.get(step, 0) + 1
+    def _count_taken_early(self, batch: int, chosen: list[str]) -> int:
+        """Note the later steps' groups this batch took (returns how many); forget the counts of steps
+        now past."""
+        later = [step for g in chosen if (step := self._step_of(g)) > batch]
+        for step in later:
+            self.taken_early[step] = self.taken_early.get(step, 0) + 1
         self.taken_early = {s: n for s, n in self.taken_early.items() if s > batch}
+        return len(later)
 
     def _step_of(self, group: str) -> int:
         step = self.groups[group][0][1].step
@@ -356,8 +359,8 @@ class GroupCollector:
     def enough(self, batch: int, chosen: list[str], useful: int, dropped: int = 0) -> bool:
         """Without refill a step takes the next `batch_prompts` groups (filters may shrink it), less
         those of its own that were lost, dropped late or trained by an earlier batch beyond the
-        over-sampled surplus; with refill it
-        reads on until that many groups survive, at most max_refill_rounds batches more."""
+        over-sampled surplus; with refill it reads on until that many groups survive, at most
+        max_refill_rounds batches more."""
         n, f = self.cfg.batch_prompts, self.cfg.filters
         if not f.refill:
             missing = self._lost_at(batch) + dropped + self.taken_early.get(batch, 0)
