@@ -13,3 +13,11 @@ pack() {  # pack NAME FILES...: the lane's log and files into one archive
   tar -czf $R/lane_$name.tgz $R/lane/$name "$@" 2>/dev/null
   echo "[$(date +%T)] packed lane $name"
 }
+mirror() {  # mirror NAME FILE...: copies the files into the lane's folder every 20 s until `mirror_stop`, so a
+            # poll of 'lane/NAME/*' brings back what a long lane has so far if the machine goes before it ends
+  local name=$1; shift
+  mkdir -p $R/lane/$name
+  ( while sleep 20; do cp "$@" $R/lane/$name/ 2>/dev/null; done ) &
+  MIRROR_PID=$!
+}
+mirror_stop() { [ -n "${MIRROR_PID:-}" ] && kill "$MIRROR_PID" 2>/dev/null; MIRROR_PID=; }
