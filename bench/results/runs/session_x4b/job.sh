@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One 4-GPU device job, a lane per GPU (or pair), each lane archived into bench/results/lane_<name>.tgz as it
 # ends (started by `bench/gpu_device.sh start bash bench/results/runs/session_x4b/job.sh`, fetched by
-# `bench/gpu_device.sh poll 'lane_*.tgz'`):
+# `bench/gpu_device.sh poll 'lane_*.tgz' 'lane/NAME/*'`, the second bringing back a running lane's log and what it
+# mirrors; keep a poll in flight until the job ends, the machine goes back after 30 s without a call):
 #   GPU 0:   the proof recipe (SFT → RL → held-out evaluation), configs/smollm2-proof.yaml as it is now
 #   GPU 1:   Gemma 3 on vLLM against the learner (bench/model_families.py), then bench/rollout_limit.py at
 #            256 agents: the defaults again (run-to-run spread) and engine variants
