@@ -126,6 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "the memory options are chosen as on a card of that size (default 80: A100/H100 80 GB; "
                          "0: the whole card)")
     ap.add_argument("--chunk", type=int, default=4096, help="tokens per chunk of the vocabulary head")
+    ap.add_argument("--liger-compile", choices=["auto", "on", "off"], default="auto",
+                    help="the Liger side's chunked loss under torch.compile (Liger's own default; auto: on GPU), or "
+                         "eager where its compilation fails on the device's torch")
     ap.add_argument("--head-kernels", choices=["auto", "compiled", "eager"], default="auto",
                     help="the fused vocabulary head's element-wise work (auto: compiled on GPU)")
     ap.add_argument("--grad-reduce", choices=["fp32", "bf16"], default="fp32",
@@ -667,7 +670,9 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     module = model
     if side == "liger":
-        module = liger_policy(model, loss_cls, args.chunk, compiled=on_gpu)
+        compiled = on_gpu if args.liger_compile == "auto" else args.liger_compile == "on"
+        extra["liger_compiled"] = compiled
+        module = liger_policy(model, loss_cls, args.chunk, compiled=compiled)
         # the loss reads the head's weight directly, not through lm_head's forward (whose hooks would gather it)
         deepspeed.zero.register_external_parameter(module, model.lm_head.weight)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=ds_cfg)
@@ -837,6 +842,8 @@ def write_markdown(record: dict, path: Path) -> None:
     liger = record["sides"].get("liger") or {}
     if liger.get("liger_missing") or liger.get("skipped"):
         lines += ["", f"Liger side: {liger.get('liger_missing') or liger.get('skipped')}."]
+    if liger.get("liger_compiled") is False:
+        lines += ["", "Liger's chunked loss ran eager (`--liger-compile off`), not under torch.compile."]
     lines += ["", f"Baselines' attention: `{record['baseline_attn']}` from position ids (transformers' [B, 1, T, T] "
                   "block mask; no varlen kernel: `kernels` and flash-attn are not installed).",
               f"torch {record['torch']}, transformers {record['transformers']}, deepspeed {record['deepspeed']}, "

@@ -54,7 +54,11 @@ sync() {
 }
 learner() {
   lane learner ${SYNC_GPUS:-2,3} timeout 420 python bench/learner_multigpu.py --nproc 2 --shape 1.5b --rows recipe --name learner_recipe
-  pack learner $R/learner_recipe*
+  # Liger's compiled loss failed on the device before (InternalTorchDynamoError): then the side again, eager
+  python -c "import json,sys; s=json.load(open('$R/learner_recipe.json'))['sides'].get('liger') or {}; sys.exit(0 if s.get('error') else 1)" \
+    && lane learner_liger_eager ${SYNC_GPUS:-2,3} timeout 240 python bench/learner_multigpu.py --nproc 2 --shape 1.5b \
+      --rows recipe --name learner_recipe --sides liger --liger-compile off --merge
+  pack learner $R/learner_recipe* $R/lane/learner_liger_eager
 }
 sync_learner() { sync; learner; }
 # What this session's device time did not reach (run alone: each takes a whole 4-GPU machine, or its
