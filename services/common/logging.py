@@ -9,7 +9,8 @@ import time
 
 import orjson
 
-_RESERVED = set(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
+_STANDARD = set(vars(logging.LogRecord("", logging.INFO, "", 0, "", (), None)).keys()) | {"message", "asctime"}
+_reserved: dict[object, frozenset[str]] = {}  # record factory -> the attributes its records carry without extra=
 
 
 class JsonFormatter(logging.Formatter):
@@ -32,8 +33,14 @@ class JsonFormatter(logging.Formatter):
 
 
 def _fields(record: logging.LogRecord) -> dict[str, object]:
-    """The `extra=` fields a record carries."""
-    return {k: v for k, v in record.__dict__.items() if k not in _RESERVED}
+    """The `extra=` fields a record carries. A library may install a record factory that adds attributes to
+    every record (vLLM's adds `vllm_process_name` once an engine configures logging): those are not fields."""
+    factory = logging.getLogRecordFactory()
+    reserved = _reserved.get(factory)
+    if reserved is None:
+        reserved = _reserved[factory] = frozenset(
+            _STANDARD | vars(factory("", logging.INFO, "", 0, "", (), None)).keys())
+    return {k: v for k, v in record.__dict__.items() if k not in reserved}
 
 
 class TextFormatter(logging.Formatter):

@@ -41,3 +41,30 @@ def test_text_lines_carry_the_fields_json_lines_carry(restore_logging, capsys):
     log.info("group written", extra=fields)
     line = json.loads(capsys.readouterr().err)
     assert {k: line[k] for k in fields} == fields
+
+
+def test_attributes_a_record_factory_adds_to_every_record_are_not_fields(restore_logging, capsys):
+    """vLLM installs a record factory that adds `vllm_process_name` to every record once an engine configures
+    logging, which is after this module was imported: a worker's lines must not carry it as a field."""
+    import json
+
+    plain = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs):
+        record = plain(*args, **kwargs)
+        record.added_by_a_library = "MainProcess"
+        return record
+
+    log = logging.getLogger("services.test")
+    logging.setLogRecordFactory(factory)
+    try:
+        configure_logging("t", "INFO", json=False)
+        log.info("group written", extra={"group": "g1"})
+        text = capsys.readouterr().err.strip()
+        configure_logging("t", "INFO", json=True)
+        log.info("group written", extra={"group": "g1"})
+        line = json.loads(capsys.readouterr().err)
+    finally:
+        logging.setLogRecordFactory(plain)
+    assert text.endswith("group written group=g1")
+    assert line["group"] == "g1" and "added_by_a_library" not in line
