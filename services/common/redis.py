@@ -22,8 +22,38 @@ import redis
 log = logging.getLogger(__name__)
 
 
+_PORTS_FROM = 20000  # free_port draws from here up to the kernel's ephemeral range
+_given: list[int] = []  # the ports this process was last given, not given again soon
+
+
+def _ephemeral_low() -> int:
+    """Where the kernel's range for bind(0) and outgoing connections starts (Linux's default 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A loopback TCP port nothing is bound to now, for a server that a process (this one or a child) binds
+    next. Until then another process can take it. A port the kernel picked for bind(0) is one it hands out
+    again to any process's bind(0) (gloo and vLLM make many) or outgoing connection, so the port is drawn at
+    random from below the kernel's range, where only callers of this function look: test runs in parallel
+    (pytest-xdist) start servers and rank groups side by side."""
+    low = _ephemeral_low()
+    if low - _PORTS_FROM >= 1000:
+        for _ in range(100):
+            port = _PORTS_FROM + secrets.randbelow(low - _PORTS_FROM)
+            if port in _given:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _given[:] = [*_given[-63:], port]
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the range: the kernel picks
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -11,7 +11,6 @@ import logging
 import os
 import random
 import shutil
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from services.common.redis import free_port
 from services.learner.attention import IMPLEMENTATIONS, PACKED_IMPLEMENTATIONS, packed_kwargs
 from services.learner.batching import PackedRow, lr_lambda
 from services.learner.config import EngineConfig, ScheduleConfig
@@ -34,12 +34,6 @@ if TYPE_CHECKING:  # annotations only
     from services.learner.weights import FlatBucket
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_distributed_env(home: Path | None = None) -> dict[str, str]:

@@ -73,6 +73,22 @@ def test_embedded_redis_aof_survives_restart(tmp_path):
         assert redis_lib.Redis.from_url(server.url).get("k") == b"kept"
 
 
+def test_free_ports_are_bindable_outside_the_kernels_range_and_not_given_twice():
+    """Ports the kernel hands to any bind(0) or outgoing connection are not drawn, so a server started on a
+    free port a little later does not find it taken by a neighbour (parallel test workers start many)."""
+    import socket
+
+    from services.common.redis import _ephemeral_low, free_port
+
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    if _ephemeral_low() >= 21000:
+        assert all(20000 <= p < _ephemeral_low() for p in ports)
+    for port in ports[:3]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
 def test_connect_redis_uses_given_url(redis_server_url):
     client, server = connect_redis(redis_server_url)
     assert server is None and client.ping()
