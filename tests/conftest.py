@@ -7,7 +7,14 @@ import ctypes.util
 import gc
 import os
 import uuid
+from collections import Counter
 from pathlib import Path
+
+# OpenMP threads that finish a parallel region spin, waiting for the next, by default: with test processes
+# side by side (pytest-xdist workers, servers and ranks that tests start) they spin on the CPU the others
+# need. Two copies of a learner test took 174 s each side by side against 51 s alone; sleeping instead,
+# 69 s (and 50 s alone). Set before torch loads its libgomp, here and in every process the tests start.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 import redis as redis_lib
@@ -37,6 +44,10 @@ def _has_data(directory: Path) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{DATA_MARK}: reads TravelPlanner data (the full data or the fixture)")
+    if hasattr(config.option, "loadscopereorder"):
+        # xdist hands files out in the order collected (below: the slow ones first), not by test count,
+        # which would leave the few long end-to-end files for last and one worker running them alone
+        config.option.loadscopereorder = False
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -47,10 +58,18 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test that reads the data, so `-m travelplanner_data` runs exactly those."""
+    """Mark every test that reads the data, so `-m travelplanner_data` runs exactly those. Under xdist,
+    files with more tests marked slow come first (each file in its own order): the long ones start early
+    and the short ones even out the workers' ends."""
     for item in items:
         if {"travelplanner_dir", "full_travelplanner_dir"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(DATA_MARK)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        def file_of(item: pytest.Item) -> str:
+            return item.nodeid.split("::", 1)[0]
+
+        slow = Counter(file_of(item) for item in items if item.get_closest_marker("slow"))
+        items.sort(key=lambda item: -slow[file_of(item)])  # stable: collection order otherwise
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ def sandbox(official_world_url, tmp_path_factory):
     proc.stop()
 
 
+@pytest.mark.slow
 def test_tiny_model_through_vllm_and_sandbox_http(gold, official_world_url, sandbox, tmp_path):
     from services.models import tiny_qwen2
 

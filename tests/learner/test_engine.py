@@ -87,6 +87,7 @@ def test_rl_step_moves_probability_towards_positive_advantages(engine_factory, t
     assert later["clip_fraction"] > 0.0
 
 
+@pytest.mark.slow
 def test_kl_to_the_reference_holds_the_policy_near_its_start(engine_factory, tiny_model):
     trajs = scored_batch(tiny_model, groups=2, group_size=4)
     batch = rl_sequences(trajs, FilterConfig(), learner_version=0)

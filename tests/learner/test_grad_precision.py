@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_bf16_reduction_and_accumulation_lose_gradient_in_order(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "grad_precision.py"), "--micro-batches", "8",
                           "--results", str(tmp_path), "--name", "gp"], capture_output=True, text=True, timeout=600)

@@ -101,6 +101,7 @@ def make_engine(tiny_model):
     return make
 
 
+@pytest.mark.slow
 def test_single_sequence_rows_take_the_unmasked_causal_path(make_engine, monkeypatch):
     from transformers.models.qwen2 import modeling_qwen2
 

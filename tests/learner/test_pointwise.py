@@ -12,6 +12,7 @@ from services.learner.engine import recompute_mlps
 from services.learner.pointwise import fuse_pointwise
 
 
+@pytest.mark.slow
 def test_fused_pointwise_keeps_logits_gradients_and_names(tiny_model, monkeypatch):
     from transformers import AutoModelForCausalLM
 

@@ -118,6 +118,7 @@ def learner_service(tmp_path):
     sup.stop_all()
 
 
+@pytest.mark.slow
 def test_a_learner_that_refuses_or_fails_the_run_fails_the_stage_with_its_words(tmp_path, learner_service):
     from services.pipeline.config import load_pipeline_config
     from services.pipeline.external import ExternalFleet
@@ -183,6 +184,7 @@ def test_rl_progress_is_said_line_by_line_where_there_is_no_terminal(capsys):
                      "rl 1/2 steps trained · published 2/2 · weights v1"]
 
 
+@pytest.mark.slow
 def test_sft_runs_on_the_fleets_learner_to_its_end_or_fails_the_stage_with_its_error(tmp_path, learner_service,
                                                                                        capsys):
     """An external run's SFT goes to the learner service (in the gpu profile, the GPU learner), not the

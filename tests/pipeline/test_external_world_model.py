@@ -61,6 +61,7 @@ def _address(services, reward: str = "reward") -> FleetAddress:
     return FleetAddress(None, services["sandbox"], None, (services["rollout"],), services[reward])
 
 
+@pytest.mark.slow
 def test_the_run_takes_the_fleets_world(services, worlds):
     got = fleet_world(_address(services), WorldSpec(source="synthetic", synthetic_size="tiny"), 0, worlds["tiny"])
     assert got["source"] == "synthetic world tiny (seed 0)" and len(got["world_hash"]) == 16
