@@ -312,7 +312,7 @@ def test_the_proof_fleet_samples_as_many_batches_as_the_staleness_allows_in_one_
     proof = load_pipeline_config(CONFIGS / "smollm2-proof.yaml")
     s, r = proof.services, proof.rl
     assert s.rollout_workers * s.max_inflight_episodes == r.max_staleness * r.batch_prompts * r.group_size
-    assert (s.engine, s.rollout_workers, r.epochs, r.max_steps) == ("vllm", 1, 1, 40)
+    assert (s.engine, s.rollout_workers, r.epochs, r.max_steps) == ("vllm", 1, 1, 80)
     assert proof.synth.rl_queries == r.max_steps * r.batch_prompts  # one epoch: each prompt seen once
 
 

@@ -21,9 +21,9 @@ proof() {
   # the report (written after each evaluation) and the RL metrics, as they grow: `poll 'lane/proof/*'`
   mirror proof /tmp/star-proof-out/gpu_proof.json /tmp/star-proof-out/gpu_proof.md /tmp/star-proof/run/rl/metrics.jsonl
   # PROOF_MIN (the run's deadline, minutes), PROOF_TIMEOUT_S (the lane's) and PROOF_ARGS (e.g. --set rl.max_steps=80)
-  lane proof ${PROOF_GPU:-0} timeout ${PROOF_TIMEOUT_S:-1140} python bench/gpu_proof.py --gguf $GGUF --work /tmp/star-proof \
+  lane proof ${PROOF_GPU:-0} timeout ${PROOF_TIMEOUT_S:-1580} python bench/gpu_proof.py --gguf $GGUF --work /tmp/star-proof \
     --out /tmp/star-proof-out --eval-batch 128 --phases convert,sft,eval_sft,rl_async,eval_rl,report \
-    --finish-within-min ${PROOF_MIN:-18} ${PROOF_ARGS:-}
+    --finish-within-min ${PROOF_MIN:-25.8} ${PROOF_ARGS:-}
   mirror_stop
   mkdir -p /tmp/pp/logs && cp /tmp/star-proof-out/gpu_proof.* /tmp/pp/ 2>/dev/null
   cp /tmp/star-proof/run/rl/metrics.jsonl /tmp/pp/gpu_proof_rl_async.jsonl 2>/dev/null
