@@ -277,6 +277,13 @@ class VllmArgs(BaseModel):
             "capture size (attention backends that allow it, FlashAttention 3 on H100/H200; vLLM falls back to "
             "FULL_DECODE_ONLY elsewhere); the PIECEWISE modes need compile. Default: FULL_DECODE_ONLY without "
             "compile, vLLM's own (FULL_AND_PIECEWISE) with it."))
+    max_cudagraph_capture_size: int | None = Field(None, ge=1, le=16384, description=(
+        "Largest engine step, in tokens, replayed from a CUDA graph. Under the agent load a step mixes the running "
+        "decodes with a new turn's prefill, so it is larger than the batch of sequences; steps above this size run "
+        "without graphs, bound by the host's kernel launches. Default on a GPU where mixed steps are captured "
+        "(compile on, or cudagraph_mode FULL): 2048 tokens (at 1.5B on an H200 with 256 agents: 8,620 agent tokens/s "
+        "against 6,468-7,995 at vLLM's 512, for 10 s more capture and 0.7 GiB more graph memory; "
+        "bench/results/rollout_limit.md); elsewhere vLLM's own."))
     seeded_turns: bool | None = Field(None, description=(
         "Send each turn's seed to the sampler. Seeded requests take vLLM's per-request sampler, slower on a "
         "GPU. Default: on a CPU only (reproducible tests), off on a GPU."))
@@ -304,7 +311,7 @@ class VllmArgs(BaseModel):
     @model_validator(mode="after")
     def _extra_is_not_typed(self) -> "VllmArgs":
         typed = set(type(self).model_fields) - {"extra", "compile", "seeded_turns", "weight_transfer", "inflight_update",
-                                                  "kv_cache_from_share"}
+                                                  "kv_cache_from_share", "max_cudagraph_capture_size"}
         clash = sorted(typed & set(self.extra))
         if clash:
             raise ValueError(f"extra: {', '.join(clash)} has a field of its own; set it there")

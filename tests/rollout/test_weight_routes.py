@@ -105,7 +105,8 @@ def test_engine_kwargs_on_a_gpu_and_on_a_cpu():
     assert gpu["enforce_eager"] is False and gpu["tensor_parallel_size"] == 2
     assert gpu["gpu_memory_utilization"] == 0.4 and gpu["max_num_seqs"] == 128 and gpu["kv_cache_dtype"] == "fp8"
     assert gpu["weight_transfer_config"] == {"backend": "nccl"} and gpu["block_size"] == 32
-    assert "compilation_config" not in gpu and "enable_chunked_prefill" not in gpu
+    # compiled: mixed prefill+decode steps replay piecewise graphs up to 2048 tokens, vLLM's other defaults kept
+    assert gpu["compilation_config"] == {"max_cudagraph_capture_size": 2048} and "enable_chunked_prefill" not in gpu
     assert gpu["performance_mode"] == "interactivity" and gpu["prefix_caching_hash_algo"] == "xxhash"
     balanced = engine_kwargs(VllmArgs(performance_mode="balanced", prefix_caching_hash_algo="sha256"), model="m",
                              max_model_len=8192, dtype="bfloat16", seed=0, on_cpu=False)
@@ -118,7 +119,15 @@ def test_engine_kwargs_on_a_gpu_and_on_a_cpu():
     assert mixed["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL", "max_cudagraph_capture_size": 1024}
     compiled = engine_kwargs(VllmArgs(cudagraph_mode="FULL"), model="m", max_model_len=8192, dtype="bfloat16", seed=0,
                              on_cpu=False)
-    assert compiled["compilation_config"] == {"cudagraph_mode": "FULL"}
+    assert compiled["compilation_config"] == {"cudagraph_mode": "FULL", "max_cudagraph_capture_size": 2048}
+    whole = engine_kwargs(VllmArgs(compile=False, cudagraph_mode="FULL", max_cudagraph_capture_size=4096), model="m",
+                          max_model_len=8192, dtype="bfloat16", seed=0, on_cpu=False)
+    assert whole["compilation_config"] == {"mode": 0, "cudagraph_mode": "FULL", "max_cudagraph_capture_size": 4096}
+    no_graphs = engine_kwargs(VllmArgs(cudagraph_mode="NONE"), model="m", max_model_len=8192, dtype="bfloat16",
+                              seed=0, on_cpu=False)
+    assert no_graphs["compilation_config"] == {"cudagraph_mode": "NONE"}
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size"):
+        VllmArgs(max_cudagraph_capture_size=0)
     with pytest.raises(ValueError, match="PIECEWISE needs compile: true"):
         VllmArgs(compile=False, cudagraph_mode="PIECEWISE")
     cpu = engine_kwargs(VllmArgs(), model="m", max_model_len=8192, dtype="float32", seed=0, on_cpu=True)

