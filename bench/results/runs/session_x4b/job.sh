@@ -48,6 +48,19 @@ limit() {
   pack limit $R/rollout_limit_256_*
 }
 families_limit() { families; limit; }
+# issue 47's whole table with the engine's defaults as they are now: 1.5B at 64, 256 and 512 agents with reloads in
+# both in-flight modes, 7B at 64, 256 and 512, then 1.5B at 256 again for the spread (about 23 minutes on an H200)
+limit_all() {
+  # each part packed as it ends, so a poll brings back what is done if the machine goes
+  lane limit_all ${LIMIT_GPU:-1} timeout 600 python bench/rollout_limit.py --name rollout_limit
+  pack limit_all $R/rollout_limit.*
+  lane limit_7b ${LIMIT_GPU:-1} timeout 720 python bench/rollout_limit.py --runs 7b=64,256,512 --updates '' \
+    --name rollout_limit_7b
+  pack limit_7b $R/rollout_limit_7b.*
+  lane limit_again ${LIMIT_GPU:-1} timeout 330 python bench/rollout_limit.py --runs 1.5b=256 --updates '' \
+    --name rollout_limit_256_again
+  pack limit_again $R/rollout_limit_256_again.*
+}
 sync() {
   lane sync ${SYNC_GPUS:-2,3} timeout 540 python bench/weight_sync_hosts.py --shapes 1.5b,7b --load-seconds ${LOAD_S:-40}
   pack sync $R/weight_sync_hosts.*
