@@ -280,10 +280,11 @@ class VllmArgs(BaseModel):
     max_cudagraph_capture_size: int | None = Field(None, ge=1, le=16384, description=(
         "Largest engine step, in tokens, replayed from a CUDA graph. Under the agent load a step mixes the running "
         "decodes with a new turn's prefill, so it is larger than the batch of sequences; steps above this size run "
-        "without graphs, bound by the host's kernel launches. Default on a GPU where mixed steps are captured "
-        "(compile on, or cudagraph_mode FULL): 2048 tokens (at 1.5B on an H200 with 256 agents: 8,620 agent tokens/s "
-        "against 6,468-7,995 at vLLM's 512, for 10 s more capture and 0.7 GiB more graph memory; "
-        "bench/results/rollout_limit.md); elsewhere vLLM's own."))
+        "without graphs, bound by the host's kernel launches. Default for an engine with a GPU of its own where mixed "
+        "steps are captured (compile on, or cudagraph_mode FULL): 2048 tokens (at 1.5B on an H200 with 256 agents: "
+        "8,620 agent tokens/s against 6,468-7,995 at vLLM's 512, for 10 s more capture and 0.7 GiB more graph memory, "
+        "about 1.6 GiB at 7B by width; docs/gpu.md); elsewhere, engines sharing a GPU with the learner or each "
+        "other included, vLLM's own (512 on an H100 or H200)."))
     seeded_turns: bool | None = Field(None, description=(
         "Send each turn's seed to the sampler. Seeded requests take vLLM's per-request sampler, slower on a "
         "GPU. Default: on a CPU only (reproducible tests), off on a GPU."))

@@ -118,12 +118,15 @@ def engine_kwargs(args: VllmArgs, *, model: str, max_model_len: int, dtype: str,
 
 def capture_size(args: VllmArgs, eager: bool) -> int | None:
     """`max_cudagraph_capture_size` for the engine: the recipe's, else `MIXED_STEP_CAPTURE_TOKENS` where steps that
-    mix prefill with decodes replay graphs (piecewise with compile, whole with FULL), else None (vLLM's default:
-    decode-only graphs never exceed the batch of sequences)."""
+    mix prefill with decodes replay graphs (piecewise with compile, whole with FULL) on a GPU of its own, else None
+    (vLLM's default). An engine sharing its GPU (placement's KV sizing from its share, or colocated and asleep
+    while the learner trains) keeps vLLM's smaller graphs: their memory stays taken even while it sleeps."""
     if eager or args.cudagraph_mode == "NONE":
         return None
     if args.max_cudagraph_capture_size is not None:
         return args.max_cudagraph_capture_size
+    if args.kv_cache_from_share or args.enable_sleep_mode:
+        return None
     mode = args.cudagraph_mode or ("FULL_AND_PIECEWISE" if args.compile else "FULL_DECODE_ONLY")
     return None if mode == "FULL_DECODE_ONLY" else MIXED_STEP_CAPTURE_TOKENS
 
