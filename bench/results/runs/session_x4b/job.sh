@@ -54,7 +54,7 @@ limit_all() {
   # each part packed as it ends, so a poll brings back what is done if the machine goes
   lane limit_all ${LIMIT_GPU:-1} timeout 600 python bench/rollout_limit.py --name rollout_limit
   pack limit_all $R/rollout_limit.*
-  lane limit_7b ${LIMIT_GPU:-1} timeout 720 python bench/rollout_limit.py --runs 7b=64,256,512 --updates '' \
+  lane limit_7b ${LIMIT_GPU:-1} timeout 720 python bench/rollout_limit.py --runs 7b=64,256,512 --updates '' --steady-tokens 0 \
     --name rollout_limit_7b
   pack limit_7b $R/rollout_limit_7b.*
   lane limit_again ${LIMIT_GPU:-1} timeout 330 python bench/rollout_limit.py --runs 1.5b=256 --updates '' \
