@@ -33,7 +33,9 @@ Synchronous (colocated, as the paper's setup runs): all 16 GPUs sample as vLLM e
 train, then the weights are synced: the step is the sum. Asynchronous (max_staleness 1, weights loaded in
 flight): the GPUs are split between engines and learner, and the step is the slower of the two sides;
 the split that makes it shortest is the one reported. An engine serving fewer agents than were measured
-gets no credit for it: its wall time is the slowest trajectory's sequential turns either way.
+gets no credit for it: its wall time is the slowest trajectory's sequential turns either way. At
+max_staleness k the slowest trajectory has k step periods to end in (`async_tail`); the record also gives
+k = 2 and 3 and a 50 % MFU learner beside the recipe's k = 1.
 """
 
 from __future__ import annotations
@@ -173,21 +175,30 @@ def async_minutes(sec: dict[str, float]) -> float:
     return max(sec["rollout"] + sec["scoring"], sec["training"] + sec["weight_sync"]) / 60
 
 
+def async_tail(tail: float, max_staleness: int) -> float:
+    """The long tail's cost to an asynchronous step: step s is published once version s - k exists
+    (`services.pipeline.scheduler.publishable`), so its slowest episode has k step periods to end in
+    while the engines run the next steps' episodes beside it; the period is at least an engine's share
+    of the work (throughput) and at least the slowest episode's time over k."""
+    return max(1.0, tail / max(max_staleness, 1))
+
+
 def project(c: Components, r: Recipe = Recipe(), *, target: str = "A100", tail: float = 1.0,
-            sync_s: dict[str, float] | None = None) -> dict[str, Any]:
+            sync_s: dict[str, float] | None = None, max_staleness: int = 1) -> dict[str, Any]:
     """Minutes per step on `r.gpus` GPUs of `target`: synchronous (colocated: every GPU samples, then
-    every GPU trains) and asynchronous (the best split of the GPUs between engines and learner).
-    `tail`: the step's slowest trajectory over the mean one (`tail_factor`): an engine's wall time is
-    its slowest agent's, and the measured agents were of near-equal length. `sync_s`: the weights'
-    seconds the deployment takes per mode ("sync": colocated sleep, wake and CUDA IPC; "async": NCCL
-    between the learner's and the engines' hosts), in place of the NVLink figure scaled."""
+    every GPU trains) and asynchronous at `max_staleness` (the best split of the GPUs between engines
+    and learner). `tail`: the step's slowest trajectory over the mean one (`tail_factor`): an engine's
+    wall time is its slowest agent's, and the measured agents were of near-equal length; asynchronous
+    steps spread it over the staleness window (`async_tail`). `sync_s`: the weights' seconds the
+    deployment takes per mode ("sync": colocated sleep, wake and CUDA IPC; "async": NCCL between the
+    learner's and the engines' hosts), in place of the NVLink figure scaled."""
     from services.learner.flops import peak_flops
 
     source = card(c.device)
 
     def sides(rollout_gpus: int, learner_gpus: int, mode: str) -> dict[str, float]:
         sec = side_seconds(c, r, rollout_gpus, learner_gpus, target=target)
-        sec["rollout"] *= tail
+        sec["rollout"] *= tail if mode == "sync" else async_tail(tail, max_staleness)
         if sync_s and mode in sync_s:
             sec["weight_sync"] = sync_s[mode]
         return sec
@@ -206,7 +217,7 @@ def project(c: Components, r: Recipe = Recipe(), *, target: str = "A100", tail: 
         "bound_by": "rollout" if split["rollout"] + split["scoring"] >= split["training"] + split["weight_sync"]
         else "training",
         "target_async_met": async_min <= TARGET_ASYNC_MIN,
-        "tail": tail, "sync_s": sync_s or {},
+        "tail": tail, "max_staleness": max_staleness, "sync_s": sync_s or {},
         "ratios": {"bf16_tflops": [peak_flops(source) / 1e12, peak_flops(target) / 1e12], "hbm_tbs": [HBM_TBS[source], HBM_TBS[target]],
                    "nvlink_gbs": [NVLINK_GBS[source], NVLINK_GBS[target]]},
     }
@@ -437,6 +448,21 @@ def recipe_path_inputs(comps: Components, results: Path = RESULTS) -> dict[str, 
             "tail": tail_factor(Recipe()), "tail_cut_p95": tail_factor(Recipe(), cut_quantile=0.95), "sync_s": sync_s}
 
 
+def staleness_variants(remade: dict[str, Any], mfus: tuple[float, ...] = (0.5,)) -> list[dict[str, Any]]:
+    """Asynchronous minutes per step at max_staleness 1-3 (the 7B recipe runs 1), at the recipe run's MFU and at
+    each of `mfus` (issue 45's learner target is 50 %): what the staleness window and the learner each buy."""
+    from dataclasses import replace
+
+    comps = remade["components"]
+    rows = []
+    for mfu in (comps.learner_mfu, *mfus):
+        for k in (1, 2, 3):
+            p = project(replace(comps, learner_mfu=mfu), tail=remade["tail"], sync_s=remade["sync_s"], max_staleness=k)
+            rows.append({"learner_mfu": round(mfu, 4), "max_staleness": k, "async": p["async"],
+                         "async_split": p["async_split"], "bound_by": p["bound_by"]})
+    return rows
+
+
 def write_projection(args: argparse.Namespace) -> dict[str, Any]:
     comps, shapes = components_from_results(args.prefix)
     e2e_path = RESULTS / f"{args.prefix}_e2e.json"
@@ -447,6 +473,7 @@ def write_projection(args: argparse.Namespace) -> dict[str, Any]:
         proj = project(remade["components"], tail=remade["tail"], sync_s=remade["sync_s"])
         cut = project(remade["components"], tail=remade["tail_cut_p95"], sync_s=remade["sync_s"])
         remade["deadline_p95"] = {"sync": cut["sync"], "async": cut["async"], "async_split": cut["async_split"]}
+        remade["async_by_staleness"] = staleness_variants(remade)
     record = {
         "device": comps.device, "recipe": asdict(Recipe()), "components": {**asdict(comps), "shapes": shapes},
         "e2e_steps": e2e, "projected_min_per_step_7b_16xA100": {"sync": proj["sync"], "async": proj["async"]},
@@ -491,7 +518,16 @@ def write_projection(args: argparse.Namespace) -> dict[str, Any]:
             f"synchronous, {components_only['async']:.2f} min asynchronous. With episodes cut at a deadline "
             f"that 95 % of them end within (`rl.sampling.episode_timeout_s`; the slowest then "
             f"{rp['tail_cut_p95']:.2f}× the mean): {rp['deadline_p95']['sync']:.2f} min synchronous, "
-            f"{rp['deadline_p95']['async']:.2f} min asynchronous.", ""]
+            f"{rp['deadline_p95']['async']:.2f} min asynchronous.", "",
+            "Asynchronous step s is published once version s - k exists (k = `rl.max_staleness`, 1 in the 7B "
+            "recipe), so its slowest episode has k step periods to end in while the engines run later steps' "
+            "episodes: the rollout side pays max(1, tail / k) of an engine's share. Minutes per step by k and "
+            "learner MFU (the tail as above, no deadline):", "",
+            "| learner MFU | k = 1 | k = 2 | k = 3 |", "|---|---|---|---|",
+            *(f"| {mfu:.1%} | " + " | ".join(f"{r['async']:.2f} ({r['bound_by']})" for r in rows
+                                              if r["learner_mfu"] == mfu) + " |"
+              for mfu in dict.fromkeys(r["learner_mfu"] for r in rp["async_by_staleness"])
+              for rows in [rp["async_by_staleness"]]), ""]
     learner_params = shapes["learner"].get("params") or 0
     if learner_params < 0.9 * comps.n_params:
         lines += ["", f"The learner's MFU was measured at {learner_params / 1e9:.1f}B, not at the 7B shape "

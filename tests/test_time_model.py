@@ -169,6 +169,18 @@ def test_the_long_tail_waits_for_the_slowest_trajectory_and_a_deadline_shortens_
     assert slow["seconds"]["sync"]["rollout"] == pytest.approx(tail * project(comps(), r)["seconds"]["sync"]["rollout"])
 
 
+def test_an_asynchronous_step_spreads_the_tail_over_its_staleness_window():
+    from bench.time_model import async_tail
+
+    r = Recipe()
+    base = project(comps(), r)["seconds"]
+    one, two = (project(comps(), r, tail=3.0, max_staleness=k)["seconds"] for k in (1, 2))
+    assert one["sync"]["rollout"] == two["sync"]["rollout"] == pytest.approx(3.0 * base["sync"]["rollout"])
+    assert async_tail(3.0, 1) == 3.0 and async_tail(3.0, 2) == 1.5 and async_tail(3.0, 4) == 1.0  # never below the work
+    assert project(comps(), r, tail=3.0, max_staleness=2)["async"] < project(comps(), r, tail=3.0)["async"]
+    assert project(comps(), r, tail=1.0, max_staleness=3)["async"] == project(comps(), r)["async"]
+
+
 def test_the_deployments_sync_replaces_the_nvlink_figure_per_mode():
     p = project(comps(), Recipe(), sync_s={"sync": 3.4, "async": 3.7})
     assert (p["seconds"]["sync"]["weight_sync"], p["seconds"]["async"]["weight_sync"]) == (3.4, 3.7)
