@@ -126,6 +126,9 @@ def test_engine_kwargs_on_a_gpu_and_on_a_cpu():
     no_graphs = engine_kwargs(VllmArgs(cudagraph_mode="NONE"), model="m", max_model_len=8192, dtype="bfloat16",
                               seed=0, on_cpu=False)
     assert no_graphs["compilation_config"] == {"cudagraph_mode": "NONE"}
+    listed = engine_kwargs(VllmArgs(extra={"compilation_config": {"cudagraph_capture_sizes": [1, 8, 64]}}), model="m",
+                           max_model_len=8192, dtype="bfloat16", seed=0, on_cpu=False)
+    assert listed["compilation_config"] == {"cudagraph_capture_sizes": [1, 8, 64]}  # no maximum beside the list
     # engines sharing a GPU keep vLLM's smaller graphs, whose memory stays taken while they sleep
     for shared in (VllmArgs(kv_cache_from_share=True), VllmArgs(enable_sleep_mode=True)):
         assert "compilation_config" not in engine_kwargs(shared, model="m", max_model_len=8192, dtype="bfloat16",

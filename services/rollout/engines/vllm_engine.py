@@ -96,6 +96,9 @@ def engine_kwargs(args: VllmArgs, *, model: str, max_model_len: int, dtype: str,
     elif args.cudagraph_mode is not None and not eager:
         kw["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
     capture = capture_size(args, eager)
+    given = args.extra.get("compilation_config")
+    if isinstance(given, dict) and "cudagraph_capture_sizes" in given and args.max_cudagraph_capture_size is None:
+        capture = None  # the recipe lists its sizes: vLLM refuses a maximum other than the largest of them
     if capture is not None:
         kw.setdefault("compilation_config", {})["max_cudagraph_capture_size"] = capture
     if args.weight_transfer == "nccl":
