@@ -15,6 +15,10 @@ from pathlib import Path
 # need. Two copies of a learner test took 174 s each side by side against 51 s alone; sleeping instead,
 # 69 s (and 50 s alone). Set before torch loads its libgomp, here and in every process the tests start.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# each xdist worker (and what it starts) draws free ports from a slice of its own: no two workers pick the same one
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw") and os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("STAR_PORT_SLICE",
+                          f"{os.environ['PYTEST_XDIST_WORKER'][2:]}/{os.environ['PYTEST_XDIST_WORKER_COUNT']}")
 
 import pytest
 import redis as redis_lib

@@ -34,16 +34,28 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def _port_slice() -> tuple[int, int]:
+    """`STAR_PORT_SLICE` "i/n": this process and its children draw only ports p with p % n == i, so processes
+    given different slices (parallel test workers) never draw the same port. Unset or malformed: (0, 1)."""
+    index, _, count = os.environ.get("STAR_PORT_SLICE", "").partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        return 0, 1
+    return (i, n) if 0 <= i < n <= 64 else (0, 1)
+
+
 def free_port() -> int:
     """A loopback TCP port nothing is bound to now, for a server that a process (this one or a child) binds
     next. Until then another process can take it. A port the kernel picked for bind(0) is one it hands out
     again to any process's bind(0) (gloo and vLLM make many) or outgoing connection, so the port is drawn at
-    random from below the kernel's range, where only callers of this function look: test runs in parallel
-    (pytest-xdist) start servers and rank groups side by side."""
+    random from below the kernel's range, where only callers of this function look, and from this process's
+    slice of it (`_port_slice`): test runs in parallel (pytest-xdist) start servers and rank groups side by side."""
     low = _ephemeral_low()
-    if low - _PORTS_FROM >= 1000:
+    i, n = _port_slice()
+    if (low - _PORTS_FROM) // n >= 1000:
         for _ in range(100):
-            port = _PORTS_FROM + secrets.randbelow(low - _PORTS_FROM)
+            port = _PORTS_FROM + n * secrets.randbelow((low - _PORTS_FROM - i) // n) + i
             if port in _given:
                 continue
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

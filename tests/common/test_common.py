@@ -89,6 +89,21 @@ def test_free_ports_are_bindable_outside_the_kernels_range_and_not_given_twice()
             s.bind(("127.0.0.1", port))
 
 
+def test_processes_given_port_slices_never_draw_the_same_port(monkeypatch):
+    from services.common.redis import _PORTS_FROM, _ephemeral_low, _port_slice, free_port
+
+    drawn = {}
+    for i in range(3):
+        monkeypatch.setenv("STAR_PORT_SLICE", f"{i}/3")
+        drawn[i] = {free_port() for _ in range(30)}
+        if _ephemeral_low() >= 23000:
+            assert {(p - _PORTS_FROM) % 3 for p in drawn[i]} == {i}
+    assert not (drawn[0] & drawn[1] or drawn[1] & drawn[2] or drawn[0] & drawn[2])
+    for bad in ("", "3/3", "x/2", "1", "-1/2"):
+        monkeypatch.setenv("STAR_PORT_SLICE", bad)
+        assert _port_slice() == (0, 1)
+
+
 def test_connect_redis_uses_given_url(redis_server_url):
     client, server = connect_redis(redis_server_url)
     assert server is None and client.ping()
