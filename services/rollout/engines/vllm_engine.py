@@ -96,9 +96,6 @@ def engine_kwargs(args: VllmArgs, *, model: str, max_model_len: int, dtype: str,
     elif args.cudagraph_mode is not None and not eager:
         kw["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
     capture = capture_size(args, eager)
-    given = args.extra.get("compilation_config")
-    if isinstance(given, dict) and "cudagraph_capture_sizes" in given and args.max_cudagraph_capture_size is None:
-        capture = None  # the recipe lists its sizes: vLLM refuses a maximum other than the largest of them
     if capture is not None:
         kw.setdefault("compilation_config", {})["max_cudagraph_capture_size"] = capture
     if args.weight_transfer == "nccl":
@@ -123,12 +120,15 @@ def capture_size(args: VllmArgs, eager: bool) -> int | None:
     """`max_cudagraph_capture_size` for the engine: the recipe's, else `MIXED_STEP_CAPTURE_TOKENS` where steps that
     mix prefill with decodes replay graphs (piecewise with compile, whole with FULL) on a GPU of its own, else None
     (vLLM's default). An engine sharing its GPU (placement's KV sizing from its share, or colocated and asleep
-    while the learner trains) keeps vLLM's smaller graphs: their memory stays taken even while it sleeps."""
+    while the learner trains) keeps vLLM's smaller graphs: their memory stays taken even while it sleeps. A
+    recipe listing its sizes (extra's `cudagraph_capture_sizes`) gets no other maximum: vLLM refuses the pair."""
     if eager or args.cudagraph_mode == "NONE":
         return None
     if args.max_cudagraph_capture_size is not None:
         return args.max_cudagraph_capture_size
-    if args.kv_cache_from_share or args.enable_sleep_mode:
+    given = args.extra.get("compilation_config")
+    listed = isinstance(given, dict) and "cudagraph_capture_sizes" in given
+    if args.kv_cache_from_share or args.enable_sleep_mode or listed:
         return None
     mode = args.cudagraph_mode or ("FULL_AND_PIECEWISE" if args.compile else "FULL_DECODE_ONLY")
     return None if mode == "FULL_DECODE_ONLY" else MIXED_STEP_CAPTURE_TOKENS
