@@ -463,6 +463,14 @@ def staleness_variants(remade: dict[str, Any], mfus: tuple[float, ...] = (0.5,))
     return rows
 
 
+def staleness_table_rows(variants: list[dict[str, Any]]) -> list[str]:
+    """`staleness_variants` as markdown rows: one per learner MFU, a cell per max_staleness."""
+    by_mfu: dict[float, list[str]] = {}
+    for v in variants:
+        by_mfu.setdefault(v["learner_mfu"], []).append(f"{v['async']:.2f} ({v['bound_by']})")
+    return [f"| {mfu:.1%} | " + " | ".join(cells) + " |" for mfu, cells in by_mfu.items()]
+
+
 def write_projection(args: argparse.Namespace) -> dict[str, Any]:
     comps, shapes = components_from_results(args.prefix)
     e2e_path = RESULTS / f"{args.prefix}_e2e.json"
@@ -524,10 +532,7 @@ def write_projection(args: argparse.Namespace) -> dict[str, Any]:
             "episodes: the rollout side pays max(1, tail / k) of an engine's share. Minutes per step by k and "
             "learner MFU (the tail as above, no deadline):", "",
             "| learner MFU | k = 1 | k = 2 | k = 3 |", "|---|---|---|---|",
-            *(f"| {mfu:.1%} | " + " | ".join(f"{r['async']:.2f} ({r['bound_by']})" for r in rows
-                                              if r["learner_mfu"] == mfu) + " |"
-              for mfu in dict.fromkeys(r["learner_mfu"] for r in rp["async_by_staleness"])
-              for rows in [rp["async_by_staleness"]]), ""]
+            *staleness_table_rows(rp["async_by_staleness"]), ""]
     learner_params = shapes["learner"].get("params") or 0
     if learner_params < 0.9 * comps.n_params:
         lines += ["", f"The learner's MFU was measured at {learner_params / 1e9:.1f}B, not at the 7B shape "
