@@ -98,16 +98,23 @@ def device_record(path: Path) -> dict[str, Any]:
 
 
 async def run_agents(engine: Any, plan: list[dict[str, Any]], args, vocab: int, *, updates: Any = None,
-                     keep: int = 0, until: float | None = None, timeline: list | None = None) -> dict[str, Any]:
+                     keep: int = 0, until: float | None = None, timeline: list | None = None,
+                     inflight: int | None = None) -> dict[str, Any]:
     """The closed-loop agent load on `engine` (anything with `generate(ids, TurnParams)`). `until`: a
     perf_counter time after which no agent starts another turn; `timeline` gets (end time, tokens) of
-    every turn."""
+    every turn; `inflight`: at most this many episodes run at once, the others waiting for a slot as a
+    rollout worker's do (None: all at once)."""
     from services.rollout.engines.base import TurnParams
 
     turns: list[dict[str, Any]] = []
     samples: list[dict[str, Any]] = []
+    slots = asyncio.Semaphore(inflight or len(plan) or 1)
 
     async def agent(i: int, spec: dict[str, Any]) -> int:
+        async with slots:
+            return await episode(i, spec)
+
+    async def episode(i: int, spec: dict[str, Any]) -> int:
         rng = random.Random(1000 + i)
         context = [rng.randrange(3, vocab) for _ in range(spec["context"])]
         sampled = 0
@@ -143,7 +150,7 @@ async def run_agents(engine: Any, plan: list[dict[str, Any]], args, vocab: int, 
             "turn_p50_s": pct(0.5), "turn_p99_s": pct(0.99), "short_p50_s": pct(0.5, "short"),
             "short_p99_s": pct(0.99, "short"), "long_p50_s": pct(0.5, "long"), "long_p99_s": pct(0.99, "long"),
             "turns_updated_mid_turn": sum(1 for t in turns if t["mid_update"]), "reloads_s": reloads,
-            "samples": samples}
+            "inflight": min(inflight or len(plan), len(plan)), "samples": samples}
 
 
 def periodic_updates(engine: Any, folder: Path, every: float) -> Any:

@@ -199,8 +199,9 @@ def agent_side(args: argparse.Namespace, folder: Path, loads: list[int], out: di
     t0 = time.perf_counter()
     engine = VllmEngine(folder, max_model_len=max_model_len(args), dtype="bfloat16" if on_gpu else "float32",
                         args=vargs, tokenizer=AutoTokenizer.from_pretrained(folder), kv_cache_gib=4)
-    out.update(start_s=time.perf_counter() - t0, vllm_args=vargs.model_dump(), loads={})
-    log(f"agent: engine up in {out['start_s']:.1f} s")
+    admitted = admitted_episodes(engine, max_model_len(args)) if args.admit == "kv" else None
+    out.update(start_s=time.perf_counter() - t0, vllm_args=vargs.model_dump(), loads={}, admitted=admitted)
+    log(f"agent: engine up in {out['start_s']:.1f} s, episodes in flight at most: {admitted or 'all'}")
     updates_at = parse_runs(args.updates).get(args.shape, [])
 
     async def measure() -> None:
@@ -214,7 +215,7 @@ def agent_side(args: argparse.Namespace, folder: Path, loads: list[int], out: di
             if profiled:  # the job's process starts py-spy on this one when it sees the marker
                 Path(args.result).with_suffix(".profile").write_text(str(agents))
             before = engine_counters()
-            res = await run_agents(engine, plan, la, vocab)
+            res = await run_agents(engine, plan, la, vocab, inflight=admitted)
             res.pop("samples")
             res.update(profiled=profiled, engine=counters_during(before, engine_counters()))
             out["loads"][str(agents)] = res
@@ -225,7 +226,8 @@ def agent_side(args: argparse.Namespace, folder: Path, loads: list[int], out: di
             for mode in [m for m in args.inflight_modes.split(",") if m]:
                 engine.args = engine.args.model_copy(update={"inflight_update": mode})
                 await engine.llm.reset_prefix_cache()
-                busy = await run_agents(engine, plan, la, vocab, updates=periodic_updates(engine, folder, args.update_every))
+                busy = await run_agents(engine, plan, la, vocab, inflight=admitted,
+                                        updates=periodic_updates(engine, folder, args.update_every))
                 busy.pop("samples")
                 busy["loss"] = 1 - busy["tokens_per_s"] / res["tokens_per_s"]
                 res.setdefault("under_updates", {})[mode] = busy
@@ -237,6 +239,16 @@ def agent_side(args: argparse.Namespace, folder: Path, loads: list[int], out: di
         asyncio.run(measure())
     finally:
         asyncio.run(engine.close())
+
+
+def admitted_episodes(engine: Any, episode_tokens: int) -> int:
+    """Episodes a rollout worker keeps in flight on `engine`: the KV cache vLLM allotted (blocks × block
+    size, in tokens) over one episode's context, the rule of `services.rollout.capacity`; more agents than
+    that would evict each other's cached context between turns and prefill it again."""
+    from services.rollout.capacity import episodes_for_kv
+
+    cache = engine.llm.vllm_config.cache_config
+    return episodes_for_kv(cache.num_gpu_blocks * cache.block_size, 1, episode_tokens)
 
 
 def ceiling_side(args: argparse.Namespace, folder: Path, loads: list[int], out: dict[str, Any]) -> None:
@@ -345,7 +357,7 @@ def merged(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
     same = old is not None and all(old.get("args", {}).get(k) == v for k, v in new["args"].items() if k not in PER_JOB)
     if not same:
         return new
-    out = dict(old, config=new["config"], args=new["args"], commands=old.get("commands", []) + new["commands"])
+    out = dict(old, config=new["config"], args=new["args"], commands=list(dict.fromkeys(old.get("commands", []) + new["commands"])))
     out["loads"] = sorted(set(old["loads"]) | set(new["loads"]))
     sides = {k: dict(v, loads=dict(v.get("loads", {}))) for k, v in old["sides"].items()}
     for side, data in new["sides"].items():
@@ -385,6 +397,9 @@ def main() -> None:
                    help="vLLM's gpu_memory_utilization (default: VllmArgs', 0.9); it sets the KV budget")
     p.add_argument("--vllm-set", action="append", default=[], metavar="KEY=VALUE",
                    help="a VllmArgs field for both sides, e.g. 'extra={\"async_scheduling\":false}' (repeatable)")
+    p.add_argument("--admit", choices=("kv", "all"), default="kv",
+                   help="agent side: kv keeps at most as many episodes in flight as the engine's KV cache holds "
+                        "at the context length (a rollout worker's rule; the rest wait for a slot), all starts every one")
     p.add_argument("--update-every", type=float, default=10.0, help="seconds between weight reloads under load")
     p.add_argument("--inflight-modes", default="recompute,keep", help="inflight_update modes measured under reloads")
     p.add_argument("--profile", action="store_true", help="py-spy the agent side at --profile-load")
@@ -447,14 +462,18 @@ def write_markdown(record: dict[str, Any], path: Path) -> None:
              "with the same engine arguments, one batch of the same sequences (context + tool tokens), each sampling "
              "the agent's whole budget (`ignore_eos`), log-prob of the sampled token included. Steady decode: every "
              "sequence decoding at once over cached prompts.", "",
-             "| shape | agents | agent tokens/s | ceiling tokens/s | efficiency | turn p50 s | turn p99 s | "
-             "ceiling prefill s | steady decode tokens/s | ms a step |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "In flight at most: episodes the agent side runs at once, the others waiting for a slot (`--admit kv`: "
+             "as many as its KV cache holds at the context length, as a rollout worker admits them; all: every agent "
+             "at once).", "",
+             "| shape | agents | in flight at most | agent tokens/s | ceiling tokens/s | efficiency | turn p50 s | "
+             "turn p99 s | ceiling prefill s | steady decode tokens/s | ms a step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape, entry in record["shapes"].items():
         agent = entry["sides"].get("agent", {}).get("loads", {})
         ceiling = entry["sides"].get("ceiling", {}).get("loads", {})
         for n in map(str, entry["loads"]):
             a, c = agent.get(n, {}), ceiling.get(n, {})
-            lines.append(f"| {shape} | {n}{' (profiled)' if a.get('profiled') else ''} "
+            lines.append(f"| {shape} | {n}{' (profiled)' if a.get('profiled') else ''} | {f(a.get('inflight'), '{:,}') if a.get('inflight') else 'all'} "
                          f"| {f(a.get('tokens_per_s'), '{:,.0f}')} | {f(c.get('tokens_per_s'), '{:,.0f}')} "
                          f"| {f(entry['efficiency'].get(n))} | {f(a.get('turn_p50_s'))} | {f(a.get('turn_p99_s'))} "
                          f"| {f(c.get('prefill_s'), '{:.1f}')} | {f(c.get('steady_decode_tokens_per_s'), '{:,.0f}')} "

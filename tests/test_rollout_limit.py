@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
-from bench.rollout_limit import efficiency, episode_prompt, merged, parse_runs, profile_summary, sampled_budget
+from bench.rollout_limit import (admitted_episodes, efficiency, episode_prompt, merged, parse_runs, profile_summary,
+                                 sampled_budget)
 from bench.rollout_gpu import run_agents, workload
 from services.rollout.engines.base import Engine, Generation
 
@@ -49,6 +52,43 @@ def test_the_ceilings_sequences_are_the_agents_last_prompts_and_budgets():
     assert res["tokens"] == sum(sampled_budget(spec) for spec in plan)
 
 
+class Episodes(Engine):
+    """Counts the episodes (told apart by their first prompt id) that have started and not yet sampled
+    their last turn, and the most at once."""
+
+    def __init__(self, turns: int) -> None:
+        super().__init__()
+        self.turns, self.seen, self.open, self.most = turns, Counter(), set(), 0
+
+    async def _generate(self, prompt_ids, params, request_id):
+        key = tuple(prompt_ids[:20])
+        self.seen[key] += 1
+        self.open.add(key)
+        self.most = max(self.most, len(self.open))
+        await asyncio.sleep(0.002)
+        if self.seen[key] == self.turns:
+            self.open.discard(key)
+        return Generation(token_ids=[SAMPLED] * params.max_tokens, logprobs=[0.0] * params.max_tokens, finish="length")
+
+
+@pytest.mark.parametrize("inflight, most", [(None, 6), (2, 2)])
+def test_agents_beyond_the_admitted_episodes_wait_for_a_slot(inflight, most):
+    args = argparse.Namespace(agents=6, turns=3, ctx_min=20, ctx_max=40, short=4, long=9, long_share=0.5,
+                              tool_min=5, tool_max=8, seed=1)
+    plan = workload(args)
+    engine = Episodes(turns=3)
+    res = asyncio.run(run_agents(engine, plan, args, VOCAB, inflight=inflight))
+    assert engine.most == most and res["inflight"] == most
+    assert res["tokens"] == sum(sampled_budget(spec) for spec in plan)
+
+
+def test_admitted_episodes_are_the_kv_cache_over_the_context():
+    cache = SimpleNamespace(num_gpu_blocks=1000, block_size=16)
+    engine = SimpleNamespace(llm=SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache)))
+    assert admitted_episodes(engine, 5000) == 3
+    assert admitted_episodes(engine, 50_000) == 1  # one episode at least, as a worker runs
+
+
 def test_efficiency_is_per_load_both_sides_measured():
     entry = {"sides": {"agent": {"loads": {"64": {"tokens_per_s": 50.0}, "256": {"tokens_per_s": 90.0}}},
                        "ceiling": {"loads": {"64": {"tokens_per_s": 100.0}}}}}
@@ -74,5 +114,7 @@ def test_jobs_with_the_same_arguments_merge_their_loads_and_others_replace():
     both = merged(first, job({"256": (80.0, 100.0), "512": (40.0, 80.0)}, runs="y"))
     assert both["loads"] == [64, 256, 512] and both["efficiency"] == {"64": 0.5, "256": 0.8, "512": 0.5}
     assert len(both["commands"]) == 2
+    # the same command run again is listed once
+    assert merged(both, job({"256": (80.0, 100.0), "512": (40.0, 80.0)}, runs="y"))["commands"] == both["commands"]
     other = job({"512": (40.0, 80.0)}, turns=3)
     assert merged(first, other) is other and merged(None, first) is first

@@ -292,8 +292,8 @@ class VllmArgs(BaseModel):
         "What a weight load does to the turns in flight (they are paused in place, never drained): keep the KV "
         "computed so far (no re-prefill; later tokens see old-weight keys and values, as PipelineRL does; the "
         "sampled log-probs are those of what was sampled), or recompute it under the new weights (every later "
-        "token from the new weights alone). At 1.5B with 256 agents and a load every 10 s, keep cost 0.6 % of "
-        "the throughput and recompute 53 % (bench/results/rollout_limit.md)."))
+        "token from the new weights alone). At 1.5B with 256 agents and a load every 10 s, keep cost 0.6-2.2 % of "
+        "the throughput and recompute 53-57 % over two runs (bench/results/rollout_limit.md)."))
     weight_transfer: Literal["files", "nccl"] = Field("files", description=(
         "How new weights arrive: files (a published safetensors folder, any host) or nccl (broadcast by the "
         "learner into the engine's GPUs through vLLM's weight-transfer engine; one host or an NCCL network)."))
