@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from services.common.redis import free_port
 from services.learner.attention import IMPLEMENTATIONS, PACKED_IMPLEMENTATIONS, packed_kwargs
 from services.learner.batching import PackedRow, lr_lambda
+from services.learner.build_locks import clear_stale_build_locks
 from services.learner.config import EngineConfig, ScheduleConfig
 from services.learner.nccl_env import set_learner_protocol
 from services.learner.pointwise import fuse_pointwise
@@ -283,6 +284,7 @@ class PolicyEngine:
             set_learner_protocol(cfg.nccl_protocol)
         timeout = collective_timeout(data_wait_s)
         if not torch.distributed.is_initialized():
+            clear_stale_build_locks()  # else a killed build of DeepSpeed's ops holds every start forever
             deepspeed.init_distributed(dist_backend="nccl" if self.on_gpu else "gloo", timeout=timeout)
         else:
             torch.distributed.group.WORLD.set_timeout(timeout)
