@@ -35,7 +35,8 @@ flight): the GPUs are split between engines and learner, and the step is the slo
 the split that makes it shortest is the one reported. An engine serving fewer agents than were measured
 gets no credit for it: its wall time is the slowest trajectory's sequential turns either way. At
 max_staleness k the slowest trajectory has k step periods to end in (`async_tail`); the record also gives
-k = 2 and 3 and a 50 % MFU learner beside the recipe's k = 1.
+k = 2 and 3 and a 50 % MFU learner beside the recipe's k = 1, and the tail under over-sampling
+(`rl.oversample`: the step waits for its batch's last group among more published).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results"
 
 PAPER_MIN_PER_STEP = 9.0
+OVERSAMPLE_VARIANTS = (0.25, 0.5, 1.0)  # rl.oversample values the projection reports
 TARGET_ASYNC_MIN = 3.0
 # per card (SXM parts): HBM bandwidth in TB/s and NVLink in GB/s; bf16 peaks are services.learner.flops'
 HBM_TBS = {"H100": 3.35, "H200": 4.8, "A100": 2.0}
@@ -224,11 +226,14 @@ def project(c: Components, r: Recipe = Recipe(), *, target: str = "A100", tail: 
 
 
 def tail_factor(r: Recipe, *, sigma: float = 0.6, draws: int = 400, seed: int = 0,
-                cut_quantile: float | None = None) -> float:
+                cut_quantile: float | None = None, oversample: float = 0.0) -> float:
     """Expected longest trajectory of a step over the mean one, for lengths drawn as the learner benchmark
     draws the recipe's (log-normal, sigma 0.6, clipped to [512, the context], mean `r.trajectory_tokens`).
     `cut_quantile`: episodes are cut at a deadline that this share of them ends within (the step then
-    waits for that length at most: `rl.sampling.episode_timeout_s` with `rl.late_groups`)."""
+    waits for that length at most: `rl.sampling.episode_timeout_s` with `rl.late_groups`). `oversample`:
+    ceil(prompts × (1 + oversample)) groups are sampled and the step waits for its `r.prompts`-th group to
+    end, a group ending with its slowest trajectory (`rl.oversample`); 0 gives the longest trajectory."""
+    import math
     import random
 
     from bench.learner_multigpu import RECIPE_LENGTHS, length_location
@@ -236,12 +241,15 @@ def tail_factor(r: Recipe, *, sigma: float = 0.6, draws: int = 400, seed: int = 
     low, high = RECIPE_LENGTHS["min"], r.context
     mu = length_location(r.trajectory_tokens, sigma, low, high)
     rng = random.Random(seed)
-    steps = [[min(max(rng.lognormvariate(mu, sigma), low), high) for _ in range(r.trajectories)] for _ in range(draws)]
+    groups = math.ceil(r.prompts * (1 + oversample) - 1e-9)
+    steps = [[[min(max(rng.lognormvariate(mu, sigma), low), high) for _ in range(r.group)] for _ in range(groups)]
+             for _ in range(draws)]
     if cut_quantile is not None:
-        pooled = sorted(x for step in steps for x in step)
+        pooled = sorted(x for step in steps for group in step for x in group)
         deadline = pooled[int(cut_quantile * (len(pooled) - 1))]
-        steps = [[min(x, deadline) for x in step] for step in steps]
-    return sum(max(step) for step in steps) / len(steps) / r.trajectory_tokens
+        steps = [[[min(x, deadline) for x in group] for group in step] for step in steps]
+    waits = [sorted(max(group) for group in step)[r.prompts - 1] for step in steps]
+    return sum(waits) / len(waits) / r.trajectory_tokens
 
 
 def recipe_run_figures(results: Path = RESULTS) -> dict[str, Any] | None:
@@ -445,7 +453,8 @@ def recipe_path_inputs(comps: Components, results: Path = RESULTS) -> dict[str, 
     from dataclasses import replace
 
     return {"components": replace(comps, learner_mfu=run["mfu"]), "learner": run, "cross_host_sync": hosts,
-            "tail": tail_factor(Recipe()), "tail_cut_p95": tail_factor(Recipe(), cut_quantile=0.95), "sync_s": sync_s}
+            "tail": tail_factor(Recipe()), "tail_cut_p95": tail_factor(Recipe(), cut_quantile=0.95),
+            "tail_oversample": {str(o): tail_factor(Recipe(), oversample=o) for o in OVERSAMPLE_VARIANTS}, "sync_s": sync_s}
 
 
 def staleness_variants(remade: dict[str, Any], mfus: tuple[float, ...] = (0.5,)) -> list[dict[str, Any]]:
@@ -482,6 +491,9 @@ def write_projection(args: argparse.Namespace) -> dict[str, Any]:
         cut = project(remade["components"], tail=remade["tail_cut_p95"], sync_s=remade["sync_s"])
         remade["deadline_p95"] = {"sync": cut["sync"], "async": cut["async"], "async_split": cut["async_split"]}
         remade["async_by_staleness"] = staleness_variants(remade)
+        remade["async_by_oversample"] = {
+            o: project(remade["components"], tail=t, sync_s=remade["sync_s"])["async"]
+            for o, t in remade["tail_oversample"].items()}
     record = {
         "device": comps.device, "recipe": asdict(Recipe()), "components": {**asdict(comps), "shapes": shapes},
         "e2e_steps": e2e, "projected_min_per_step_7b_16xA100": {"sync": proj["sync"], "async": proj["async"]},
@@ -532,7 +544,14 @@ def write_projection(args: argparse.Namespace) -> dict[str, Any]:
             "episodes: the rollout side pays max(1, tail / k) of an engine's share. Minutes per step by k and "
             "learner MFU (the tail as above, no deadline):", "",
             "| learner MFU | k = 1 | k = 2 | k = 3 |", "|---|---|---|---|",
-            *staleness_table_rows(rp["async_by_staleness"]), ""]
+            *staleness_table_rows(rp["async_by_staleness"]), "",
+            "Over-sampling (`rl.oversample`: the controller publishes more groups than a step trains, the step "
+            "takes the first 32 to end and the surplus trains at a later step) shortens the wait less than it "
+            "might seem, as a group ends with the slowest of its 8 trajectories, which often reaches the 30K "
+            "context: "
+            + ", ".join(f"{float(o):.0%} more groups: tail {rp['tail_oversample'][o]:.2f}, "
+                        f"{rp['async_by_oversample'][o]:.2f} min" for o in rp["tail_oversample"])
+            + " asynchronous at k = 1.", ""]
     learner_params = shapes["learner"].get("params") or 0
     if learner_params < 0.9 * comps.n_params:
         lines += ["", f"The learner's MFU was measured at {learner_params / 1e9:.1f}B, not at the 7B shape "

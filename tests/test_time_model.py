@@ -169,6 +169,18 @@ def test_the_long_tail_waits_for_the_slowest_trajectory_and_a_deadline_shortens_
     assert slow["seconds"]["sync"]["rollout"] == pytest.approx(tail * project(comps(), r)["seconds"]["sync"]["rollout"])
 
 
+def test_over_sampling_waits_for_the_batchs_last_group_among_more():
+    from bench.time_model import tail_factor
+
+    r = Recipe()
+    tails = [tail_factor(r, draws=100, oversample=o) for o in (0.0, 0.25, 1.0)]
+    assert tails[0] == tail_factor(r, draws=100)  # none: the slowest trajectory of the step
+    assert tails[0] > tails[1] > tails[2] > 1.0
+    # one trajectory a group, twice the groups: the step waits for the median of 2 × prompts lengths
+    single = replace(r, group=1, prompts=64)
+    assert tail_factor(single, draws=300, oversample=1.0) < 1.0 < tail_factor(single, draws=300)
+
+
 def test_an_asynchronous_step_spreads_the_tail_over_its_staleness_window():
     from bench.time_model import async_tail
 
