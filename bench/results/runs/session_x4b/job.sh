@@ -62,6 +62,18 @@ limit_all() {
     --name rollout_limit_256_again
   pack limit_again $R/rollout_limit_256_again.*
 }
+# 1.5B at 256 agents with the engines sized for 256 sequences and for vLLM's default on the card (1,024 on an
+# H200, what the fleet gets), back to back on one GPU and twice (about 13 minutes on an H200)
+limit_seqs() {
+  local round seqs
+  for round in 1 2; do
+    for seqs in 256 1024; do
+      lane limit_seqs${seqs}_$round ${LIMIT_GPU:-1} timeout 330 python bench/rollout_limit.py --runs 1.5b=256 --updates '' \
+        --vllm-set max_num_seqs=$seqs --name rollout_limit_256_seqs${seqs}_$round
+      pack limit_seqs${seqs}_$round $R/rollout_limit_256_seqs${seqs}_$round.*
+    done
+  done
+}
 sync() {
   lane sync ${SYNC_GPUS:-2,3} timeout 540 python bench/weight_sync_hosts.py --shapes 1.5b,7b --load-seconds ${LOAD_S:-40}
   pack sync $R/weight_sync_hosts.*
