@@ -31,12 +31,13 @@ A100's dense bf16 peak at the MFU measured here; decoding is memory-bound, so ro
 HBM bandwidth (H100 3.35 → A100 2.0 TB/s); weight sync scales by NVLink bandwidth (900 → 600 GB/s).
 Synchronous (colocated, as the paper's setup runs): all 16 GPUs sample as vLLM engines, then all 16
 train, then the weights are synced: the step is the sum. Asynchronous (max_staleness 1, weights loaded in
-flight): the GPUs are split between engines and learner, and the step is the slower of the two sides;
-the split that makes it shortest is the one reported. An engine serving fewer agents than were measured
-gets no credit for it: its wall time is the slowest trajectory's sequential turns either way. At
-max_staleness k the slowest trajectory has k step periods to end in (`async_tail`); the record also gives
-k = 2 and 3 and a 50 % MFU learner beside the recipe's k = 1, and the tail under over-sampling
-(`rl.oversample`: the step waits for its batch's last group among more published).
+flight): the GPUs are split between engines and learner, and a step takes at least the slower side's share;
+at max_staleness k, k + 1 steps also take one slowest trajectory plus one training and sync, as later
+steps' episodes run beside it (`async_period`); the split that makes the step shortest is the one
+reported. An engine serving fewer agents than were measured gets no credit for it: its wall time is the
+slowest trajectory's sequential turns either way. The record also gives k = 2 and 3 and a 50 % MFU learner
+beside the recipe's k = 1, and the tail under over-sampling (`rl.oversample`: the step waits for its
+batch's last group among more published).
 """
 
 from __future__ import annotations
@@ -173,16 +174,16 @@ def predict_step(c: Components, r: Recipe, m: Machine, *, colocate: dict[str, An
     return {**sec, "step": step}
 
 
-def async_minutes(sec: dict[str, float]) -> float:
-    return max(sec["rollout"] + sec["scoring"], sec["training"] + sec["weight_sync"]) / 60
-
-
-def async_tail(tail: float, max_staleness: int) -> float:
-    """The long tail's cost to an asynchronous step: step s is published once version s - k exists
-    (`services.pipeline.scheduler.publishable`), so its slowest episode has k step periods to end in
-    while the engines run the next steps' episodes beside it; the period is at least an engine's share
-    of the work (throughput) and at least the slowest episode's time over k."""
-    return max(1.0, tail / max(max_staleness, 1))
+def async_period(sec: dict[str, float], tail: float, max_staleness: int) -> float:
+    """Seconds from one asynchronous step to the next. `sec["rollout"]` is an engine's share of a step's
+    work (its mean trajectory), `tail` the step's slowest trajectory over the mean one. Step s is published
+    once version s - k exists (`services.pipeline.scheduler`), that is once step s - k - 1 is trained and its
+    weights are out, and it trains once its slowest episode has ended and step s - 1 is trained: k + 1 steps
+    take at least one slowest episode, its scoring, one training and one sync. A step also takes at least an
+    engine's share of the work (throughput) and the learner's training and sync."""
+    learner = sec["training"] + sec["weight_sync"]
+    chain = (tail * sec["rollout"] + sec["scoring"] + learner) / (max_staleness + 1)
+    return max(sec["rollout"] + sec["scoring"], learner, chain)
 
 
 def project(c: Components, r: Recipe = Recipe(), *, target: str = "A100", tail: float = 1.0,
@@ -191,7 +192,7 @@ def project(c: Components, r: Recipe = Recipe(), *, target: str = "A100", tail: 
     every GPU trains) and asynchronous at `max_staleness` (the best split of the GPUs between engines
     and learner). `tail`: the step's slowest trajectory over the mean one (`tail_factor`): an engine's
     wall time is its slowest agent's, and the measured agents were of near-equal length; asynchronous
-    steps spread it over the staleness window (`async_tail`). `sync_s`: the weights' seconds the
+    steps overlap it with later steps' episodes and earlier steps' training (`async_period`). `sync_s`: the weights' seconds the
     deployment takes per mode ("sync": colocated sleep, wake and CUDA IPC; "async": NCCL between the
     learner's and the engines' hosts), in place of the NVLink figure scaled."""
     from services.learner.flops import peak_flops
@@ -200,24 +201,25 @@ def project(c: Components, r: Recipe = Recipe(), *, target: str = "A100", tail: 
 
     def sides(rollout_gpus: int, learner_gpus: int, mode: str) -> dict[str, float]:
         sec = side_seconds(c, r, rollout_gpus, learner_gpus, target=target)
-        sec["rollout"] *= tail if mode == "sync" else async_tail(tail, max_staleness)
         if sync_s and mode in sync_s:
             sec["weight_sync"] = sync_s[mode]
         return sec
 
     colocated = sides(r.gpus, r.gpus, "sync")
+    colocated["rollout"] *= tail  # every engine samples, then every GPU trains: the step waits for the slowest
     splits = {k: sides(k, r.gpus - k, "async") for k in range(1, r.gpus)}
-    best = min(splits, key=lambda k: async_minutes(splits[k]))
-    split = splits[best]
-    async_min = async_minutes(split)
+    periods = {k: async_period(sec, tail, max_staleness) for k, sec in splits.items()}
+    best = min(periods, key=periods.get)
+    split = dict(splits[best], rollout=splits[best]["rollout"] * tail)  # shown: the step's slowest episode
+    async_min = periods[best] / 60
     return {
         "seconds": {"sync": colocated, "async": split},
         "async_split": {"rollout_gpus": best, "learner_gpus": r.gpus - best},
+        "async_period_s": periods[best],
         "step_tflop": step_flops(c, r) / 1e12,
         "sync": round(sum(colocated.values()) / 60, 2),
         "async": round(async_min, 2),
-        "bound_by": "rollout" if split["rollout"] + split["scoring"] >= split["training"] + split["weight_sync"]
-        else "training",
+        "bound_by": "training" if periods[best] <= split["training"] + split["weight_sync"] else "rollout",
         "target_async_met": async_min <= TARGET_ASYNC_MIN,
         "tail": tail, "max_staleness": max_staleness, "sync_s": sync_s or {},
         "ratios": {"bf16_tflops": [peak_flops(source) / 1e12, peak_flops(target) / 1e12], "hbm_tbs": [HBM_TBS[source], HBM_TBS[target]],
@@ -540,9 +542,11 @@ def write_projection(args: argparse.Namespace) -> dict[str, Any]:
             f"{rp['tail_cut_p95']:.2f}× the mean): {rp['deadline_p95']['sync']:.2f} min synchronous, "
             f"{rp['deadline_p95']['async']:.2f} min asynchronous.", "",
             "Asynchronous step s is published once version s - k exists (k = `rl.max_staleness`, 1 in the 7B "
-            "recipe), so its slowest episode has k step periods to end in while the engines run later steps' "
-            "episodes: the rollout side pays max(1, tail / k) of an engine's share. Minutes per step by k and "
-            "learner MFU (the tail as above, no deadline):", "",
+            "recipe), that is once step s - k - 1 is trained and its weights are out, and it trains once its "
+            "slowest episode has ended: k + 1 steps take one slowest episode, its scoring, one training and one "
+            "sync, while the engines run the other steps' episodes; and a step takes at least an engine's share "
+            "of the work and the learner's side (`async_period`). Minutes per step by k and learner MFU (the "
+            "tail as above, no deadline):", "",
             "| learner MFU | k = 1 | k = 2 | k = 3 |", "|---|---|---|---|",
             *staleness_table_rows(rp["async_by_staleness"]), "",
             "Over-sampling (`rl.oversample`: the controller publishes more groups than a step trains, the step "

@@ -181,14 +181,26 @@ def test_over_sampling_waits_for_the_batchs_last_group_among_more():
     assert tail_factor(single, draws=300, oversample=1.0) < 1.0 < tail_factor(single, draws=300)
 
 
-def test_an_asynchronous_step_spreads_the_tail_over_its_staleness_window():
-    from bench.time_model import async_tail
+def test_an_asynchronous_step_overlaps_its_slowest_episode_with_other_steps():
+    from bench.time_model import async_period
 
     r = Recipe()
     base = project(comps(), r)["seconds"]
     one, two = (project(comps(), r, tail=3.0, max_staleness=k)["seconds"] for k in (1, 2))
     assert one["sync"]["rollout"] == two["sync"]["rollout"] == pytest.approx(3.0 * base["sync"]["rollout"])
-    assert async_tail(3.0, 1) == 3.0 and async_tail(3.0, 2) == 1.5 and async_tail(3.0, 4) == 1.0  # never below the work
+    sec = {"rollout": 70.0, "scoring": 0.0, "training": 100.0, "weight_sync": 0.0}
+    # k + 1 steps take one slowest episode (3 × 70 s) and one training: (210 + 100) / 2 at k = 1
+    assert async_period(sec, 3.0, 1) == pytest.approx(155.0)
+    assert async_period(sec, 3.0, 0) == pytest.approx(310.0)  # on-policy: the episode, then the training
+    assert async_period(sec, 3.0, 3) == 100.0  # a long window: the learner's side
+    assert async_period(dict(sec, training=10.0), 1.0, 3) == 70.0  # never below an engine's share of the work
+    # the same schedule stepped through: publish(s) = trained(s - k - 1), trained(s) = max(ended(s), trained(s - 1)) + T
+    for k in (1, 2):
+        trained: list[float] = []
+        for s in range(60):
+            start = trained[s - k - 1] if s - k - 1 >= 0 else 0.0
+            trained.append(max(start + 210.0, trained[-1] if trained else 0.0) + 100.0)
+        assert (trained[-1] - trained[-31]) / 30 == pytest.approx(async_period(sec, 3.0, k))
     assert project(comps(), r, tail=3.0, max_staleness=2)["async"] < project(comps(), r, tail=3.0)["async"]
     assert project(comps(), r, tail=1.0, max_staleness=3)["async"] == project(comps(), r)["async"]
 
