@@ -67,9 +67,10 @@ def test_sigkill_between_checkpoint_and_ack_resumes_exactly(tmp_path, tiny_model
         after = read_metrics(tmp_path / "killed")
         last = after[-1]
         assert last["step"] == 3
-        # same data (step 2's messages skipped by id, not trained twice) and the same loss
+        # same data (step 2's messages skipped by id, not trained twice) and the same loss (up to the roundoff
+        # an on-policy loss cancels to) and gradient
         assert last["samples_in"] == 4
-        assert last["loss"] == pytest.approx(reference[2]["loss"], rel=1e-6, abs=1e-9)
+        assert last["loss"] == pytest.approx(reference[2]["loss"], rel=1e-6, abs=1e-6)
         assert last["grad_norm"] == pytest.approx(reference[2]["grad_norm"], rel=1e-5)
         assert client.xpending(StreamNames(prefixes["killed"]).scored, "learner")["pending"] == 0
         # step 2's weights, checkpointed but never published before the kill, were published on resume
@@ -352,7 +353,9 @@ def test_kill_between_checkpoints_replays_the_batches_since_exactly(tmp_path, ti
         assert [m["step"] for m in after] == [1, 2, 3, 4]  # steps 1 and 2 replayed, not logged twice
         for mine, theirs in zip(after, reference):
             assert mine["samples_in"] == theirs["samples_in"] == 4
-            assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6, abs=1e-9), mine["step"]
+            # an on-policy step's loss cancels to roundoff (about 1e-8), whose last bits follow the order the
+            # CPU's math library sums in under load; the gradient norm is where a different batch would show
+            assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6, abs=1e-6), mine["step"]
             assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), mine["step"]
         assert client.xpending(names.scored, "learner")["pending"] == 0  # acknowledged at the checkpoints
         assert int(client.get(names.learner_batches)) == 4
