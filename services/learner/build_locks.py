@@ -4,7 +4,9 @@ torch builds an extension under a file lock (`torch.utils.file_baton.FileBaton`)
 `<build dir>/lock`, keeps it open while it compiles and removes it at the end, and every other process
 waits for the file to go. A builder killed outright (SIGKILL, an out-of-memory kill) leaves the file behind,
 and every later learner on the machine then waits for it forever, before DeepSpeed's first collective. A
-lock no process holds open is such a leftover; this removes it before DeepSpeed starts.
+lock no process holds open, older than a live lock's brief gaps (created a moment before its builder holds
+it, closed a moment before it is removed; every load of a built op takes it too), is such a leftover; this
+removes it before DeepSpeed starts.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+STALE_AFTER_S = 30.0  # a lock younger than this may be a live one between its creation and its removal
 
 
 def extensions_root() -> Path:
@@ -47,11 +51,20 @@ def open_paths() -> set[Path] | None:
     return held
 
 
-def clear_stale_build_locks(root: Path | None = None) -> list[Path]:
-    """Remove the extension build locks under `root` (default: `extensions_root()`) that no process holds
-    open; returns those removed."""
+def age_s(path: Path, now: float) -> float:
+    """Seconds since `path` was last modified (0 if it is gone)."""
+    try:
+        return now - path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def clear_stale_build_locks(root: Path | None = None, stale_after_s: float = STALE_AFTER_S) -> list[Path]:
+    """Remove the extension build locks under `root` (default: `extensions_root()`) older than
+    `stale_after_s` that no process holds open; returns those removed."""
     root = root or extensions_root()
-    locks = [p for p in root.glob("*/*/lock") if p.is_file()] + [p for p in root.glob("*/lock") if p.is_file()]
+    now = time.time()
+    locks = [p for p in [*root.glob("*/*/lock"), *root.glob("*/lock")] if p.is_file() and age_s(p, now) > stale_after_s]
     if not locks:
         return []
     held = open_paths()
