@@ -473,7 +473,8 @@ def write_markdown(record: dict[str, Any], path: Path) -> None:
         ceiling = entry["sides"].get("ceiling", {}).get("loads", {})
         for n in map(str, entry["loads"]):
             a, c = agent.get(n, {}), ceiling.get(n, {})
-            lines.append(f"| {shape} | {n}{' (profiled)' if a.get('profiled') else ''} | {f(a.get('inflight'), '{:,}') if a.get('inflight') else 'all'} "
+            inflight = f"{a['inflight']:,}" if a.get("inflight") else "all"  # records before admission: all
+            lines.append(f"| {shape} | {n}{' (profiled)' if a.get('profiled') else ''} | {inflight} "
                          f"| {f(a.get('tokens_per_s'), '{:,.0f}')} | {f(c.get('tokens_per_s'), '{:,.0f}')} "
                          f"| {f(entry['efficiency'].get(n))} | {f(a.get('turn_p50_s'))} | {f(a.get('turn_p99_s'))} "
                          f"| {f(c.get('prefill_s'), '{:.1f}')} | {f(c.get('steady_decode_tokens_per_s'), '{:,.0f}')} "
