@@ -615,6 +615,7 @@ def drive(run: Run, f: Fleet | ExternalFleet, client: redis.Redis, names: Stream
                 if not deps.check():
                     publisher.publish_ready(progress, weights_version(client, names))
                 latest_raw = client.get(names.weights_latest)
+                published, version = publisher.next_step(), weights_version(client, names)
                 trim_streams(client, names)
                 if redis_down_since is not None:
                     console.print(f"redis is back after {time.monotonic() - redis_down_since:.0f} s")
@@ -635,8 +636,7 @@ def drive(run: Run, f: Fleet | ExternalFleet, client: redis.Redis, names: Stream
                 time.sleep(poll_s)
                 continue
             validating = f" · validating v{validation.running[0]}" if validation and validation.running else ""
-            info = (f"published {publisher.next_step()}/{total} · weights v{weights_version(client, names)}"
-                    f"{validating}")
+            info = f"published {published}/{total} · weights v{version}{validating}"
             bar.update(task, completed=min(progress, total), info=info)
             said = say_progress(min(progress, total), total, info, said)
             if validation is not None:

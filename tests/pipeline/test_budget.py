@@ -1,6 +1,7 @@
 """`rl.max_minutes`: the controller ends the RL stage once its wall-clock budget is spent, with the
 latest published weights, and otherwise runs every step. Real Redis, a real TaskPublisher and a
-learner process; the learner's progress is what the real learner writes to Redis."""
+learner process; the learner's progress is what the real learner writes to Redis. A Redis that goes
+away between any two of the controller's commands is ridden out."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from services.common.schemas import SamplingParams, TravelQuery
 from services.common.streams import StreamNames
@@ -74,6 +76,39 @@ def test_without_budget_every_step_runs(setup):
                   deadline=time.monotonic() + 60)
     assert ended.reason == "done" and ended.steps == schedule.total_steps == 4
     assert publisher.next_step() == 4
+
+
+class FlakyRedis(redis.Redis):
+    """A client on the real server whose commands fail one at a time as if the server had gone: the
+    n-th failure comes after n commands that pass, so over a run the failures land at every point
+    of the controller's loop."""
+
+    def __init__(self, pool: redis.ConnectionPool) -> None:
+        super().__init__(connection_pool=pool)
+        self.failures = 0
+        self.passed_since = 0
+
+    def execute_command(self, *args, **options):
+        if self.passed_since >= self.failures:
+            self.failures += 1
+            self.passed_since = 0
+            raise redis.ConnectionError("Connection closed by server.")
+        self.passed_since += 1
+        return super().execute_command(*args, **options)
+
+
+@pytest.mark.timeout(60)
+def test_redis_going_away_at_any_command_of_the_loop_is_ridden_out(setup):
+    client, names, schedule, _, fleet, run = setup
+    flaky = FlakyRedis(client.connection_pool)
+    publisher = TaskPublisher(flaky, names, "flaky-test", schedule, SamplingParams(), max_staleness=1)
+    _learner_trains(client, names, schedule.total_steps, 0.3)
+    (run.folder / "rl").mkdir()
+    (run.folder / "rl" / "status.json").write_text(json.dumps({"state": "finished"}))
+    ended = drive(run, fleet, flaky, names, publisher, schedule, poll_s=0.01, deadline=time.monotonic() + 50)
+    assert ended.reason == "done" and ended.steps == schedule.total_steps
+    assert flaky.failures > 20  # the failures did reach every point of the loop
+    assert publisher.next_step() == schedule.total_steps
 
 
 def test_max_minutes_must_be_positive():
