@@ -150,6 +150,9 @@ class RLSpec(_Section):
     fault_rate: float = Field(0.0, ge=0, le=1, description="Tool failure injection during RL (paper: 0, 1, 5, 10%).")
     max_staleness: int = Field(0, ge=0, description="0: synchronous on-policy; k: rollouts may lag k versions.")
     val_every: int = Field(0, ge=0, description="Validate every N steps and keep the best checkpoint (0: off).")
+    keep_validated: Literal["best", "all"] = Field(
+        "best", description="Which validated versions keep their weights in the run folder: the best so far (a "
+        "version's copy is removed once a better one is validated: a 7B version is about 15 GB) or all of them.")
     max_steps: int | None = Field(None, ge=1)
     max_minutes: float | None = Field(
         None, gt=0, description="Wall-clock budget of the RL stage: once spent, the stage ends with the latest "

@@ -399,7 +399,7 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
     names = fleet_streams(run)
     sampling = r.sampling if r.sampling.seed is not None else r.sampling.model_copy(update={"seed": run.config.seed})
     later = bool(run.placement and run.placement.validations_after)
-    validation = (Validation(run, synth["val_queries"], r.val_every, after_fleet=later)
+    validation = (Validation(run, synth["val_queries"], r.val_every, after_fleet=later, keep=r.keep_validated)
                   if r.val_every and synth.get("val_queries") else None)
     try:
         f = open_fleet(run, model, names)
@@ -457,12 +457,15 @@ class Validation:
     versions wait their turn), so that the controller keeps publishing and the fleet never idles
     while a version is evaluated. With `after_fleet` (a colocated placement with no room for a
     validation's engine beside the fleet), the due versions queue until `wait()`, which the stage calls
-    once the fleet has given its GPUs back."""
+    once the fleet has given its GPUs back. With `keep="best"`, a validated version's copy is removed
+    once another version is better, so the run folder holds the best weights and the queue's, not
+    every validated version's; its entry stays in the history, marked pruned."""
 
     run: Run
     split: str
     every: int
     after_fleet: bool = False
+    keep: str = "best"  # "best" | "all": rl.keep_validated
     history: list[dict[str, Any]] = field(default_factory=list)
     waiting: list[tuple[int, str]] = field(default_factory=list)   # (version, model folder)
     running: tuple[int, str, Managed] | None = None
@@ -479,7 +482,7 @@ class Validation:
             except ValueError:
                 kept = []
             self.history = [h for h in kept if isinstance(h, dict) and "version" in h and "success" in h
-                            and Path(h.get("model", "")).exists()]
+                            and (h.get("pruned") or Path(h.get("model", "")).exists())]
 
     @property
     def history_path(self) -> Path:
@@ -536,7 +539,7 @@ class Validation:
     def best(self) -> dict[str, Any] | None:
         """The best RL version (v0, the starting model, is the baseline, not a candidate); ties go to the
         later version: it has trained on more data."""
-        trained = [h for h in self.history if h["version"] > 0]
+        trained = [h for h in self.history if h["version"] > 0 and not h.get("pruned")]
         return max(trained, key=lambda h: (h["success"], h["version"])) if trained else None
 
     def _name(self, version: int) -> str:
@@ -567,8 +570,23 @@ class Validation:
             raise StageFailed(f"{name} exited cleanly but left no success in {out.metrics_path}")
         entry = {"version": version, "model": model, "success": metrics["final_pass_rate"], "metrics": metrics}
         self.history.append(entry)
+        if self.keep == "best":
+            self._prune_all_but_best()
         self.history_path.write_text(json.dumps(self.history, indent=2))
         return entry
+
+    def _prune_all_but_best(self) -> None:
+        """Remove the copies of validated versions that another version beats; the starting model,
+        evaluated where it lies, is never ours to remove."""
+        import shutil
+
+        best = self.best()
+        for h in self.history:
+            ours = self.folder(h["version"]) / "model"
+            if h is best or h.get("pruned") or Path(h["model"]) != ours:
+                continue
+            shutil.rmtree(ours, ignore_errors=True)
+            h["pruned"] = True
 
 
 def print_validations(entries: list[dict[str, Any]]) -> None:

@@ -138,3 +138,28 @@ def test_validations_after_the_fleet_queue_until_it_has_ended(tmp_path, monkeypa
     assert not v.due(2) and not v.due(4)  # queued counts as seen: not submitted twice
     assert [e["version"] for e in v.wait()] == [2, 4]  # the fleet has ended: both run, in order
     assert v.best()["version"] == 4
+
+
+@pytest.mark.parametrize("keep", ["best", "all"])
+def test_validated_versions_beaten_by_another_give_their_disk_back(tmp_path, monkeypatch, keep):
+    gate = tmp_path / "gate"
+    gate.touch()
+    monkeypatch.setattr(stage, "eval_argv", _fake_eval(gate))
+    v = Validation(run=_Run(tmp_path / "run"), split="val.jsonl", every=2, keep=keep)  # type: ignore[arg-type]
+    start = _version(tmp_path, 0, 60.0)
+    v.submit(0, start, keep=False)
+    for version, score in ((2, 40.0), (4, 47.0), (6, 45.0)):
+        v.submit(version, _version(tmp_path, version, score))
+    v.wait()
+    kept = {n: (tmp_path / "run" / "validation" / f"v{n}" / "model").is_dir() for n in (2, 4, 6)}
+    if keep == "best":
+        assert kept == {2: False, 4: True, 6: False}
+        assert [h.get("pruned", False) for h in v.history] == [False, True, False, True]
+    else:
+        assert kept == {2: True, 4: True, 6: True}
+    assert Path(start).is_dir()  # the starting model lies where the user put it
+    assert v.best()["version"] == 4
+    # a restarted controller keeps the whole curve and the same pick
+    again = Validation(run=_Run(tmp_path / "run"), split="val.jsonl", every=2, keep=keep)  # type: ignore[arg-type]
+    assert [h["version"] for h in again.history] == [0, 2, 4, 6]
+    assert again.best()["version"] == 4 and not again.due(6)
