@@ -246,8 +246,9 @@ class VllmArgs(BaseModel):
         "Share of each of its GPUs' memory the engine takes (weights, activations, KV cache). Lower it when "
         "the learner or other engines share the GPU."))
     max_num_seqs: int | None = Field(None, ge=1, description=(
-        "Sequences decoded together. Default: vLLM's batch-inference default for the card (1,024 on "
-        "an H100 or H200, 256 on an A100 or smaller card)."))
+        "Sequences decoded together. Default: on a rollout worker's engine, the worker's episode budget "
+        "(max_inflight_episodes: it never has more turns on its engine at once); elsewhere vLLM's batch-inference "
+        "default for the card (1,024 on an H100 or H200, 256 on an A100 or smaller card)."))
     max_num_batched_tokens: int | None = Field(None, ge=16, description=(
         "Tokens per engine step, prefill chunks included. Default: vLLM's batch-inference default for the card "
         "(16,384 on an H100 or H200, 8,192 on an A100 or smaller card)."))

@@ -81,6 +81,18 @@ def inflight_budget(config: Any, model: str | None, card_bytes: int | None = Non
     return n
 
 
+def engine_for_budget(config: Any, episodes: int) -> Any:
+    """The worker's config with its vLLM engine sized to the worker's episode budget where the recipe
+    leaves `max_num_seqs` to vLLM: the worker never has more than `episodes` requests on its engine at
+    once (one turn per episode), whereas vLLM's default for an H100/H200 is 1,024 sequences, and an
+    engine's per-step work and reserved sampler memory grow with that bound, not with the load."""
+    if config.engine != "vllm" or config.vllm.max_num_seqs is not None:
+        return config
+    tp = config.tensor_parallel_size or config.vllm.tensor_parallel_size
+    seqs = max(episodes, tp)  # vLLM wants at least one sequence per tensor-parallel rank
+    return config.model_copy(update={"vllm": config.vllm.model_copy(update={"max_num_seqs": seqs})})
+
+
 def _card_bytes() -> int | None:
     try:
         import torch

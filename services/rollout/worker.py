@@ -82,7 +82,7 @@ from services.common.schemas import RolloutTask, Trajectory, WeightsUpdate
 from services.common.settings import Settings, get_settings
 from services.common.streams import (REDIS_DOWN, TRIM_EVERY_S, ClaimKeeper, StreamConsumer, StreamMessage, StreamNames,
                                      _settle, trim_consumed, until_redis)
-from services.rollout.capacity import inflight_budget
+from services.rollout.capacity import engine_for_budget, inflight_budget
 from services.rollout.group import EpisodeSlots
 from services.rollout.service import STUCK_EXIT, RolloutConfig, RolloutService, WeightsError
 
@@ -474,6 +474,9 @@ def main(settings: Settings | None = None, config: RolloutConfig | None = None) 
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
 
+    budget = inflight_budget(config, config.model or settings.model)
+    config = engine_for_budget(config, budget)
+
     async def build() -> RolloutService:
         return RolloutService.from_settings(settings, config)
 
@@ -483,7 +486,7 @@ def main(settings: Settings | None = None, config: RolloutConfig | None = None) 
     client, _ = connect_redis(settings.redis_url)
     worker = RolloutWorker(service, client, loop, names=StreamNames(settings.stream_prefix),
                            consumer=os.environ.get("STAR_ROLLOUT_CONSUMER"),
-                           max_inflight_episodes=inflight_budget(config, config.model or settings.model),
+                           max_inflight_episodes=budget,
                            claim_idle_ms=config.claim_idle_ms, max_deliveries=config.max_deliveries)
     http = serve_http(loop, service, settings, config)
     if http is not None:  # the app configured logging as its own service's
@@ -508,7 +511,8 @@ def main(settings: Settings | None = None, config: RolloutConfig | None = None) 
     worker.on_fatal = stop_for_restart
     threads = worker.start()
     log.info("rollout worker running", extra={"consumer": worker.consumer,
-                                              "max_inflight_episodes": worker.slots.capacity})
+                                              "max_inflight_episodes": worker.slots.capacity,
+                                              "max_num_seqs": config.vllm.max_num_seqs})
     loop.run_forever()
     for t in threads:
         t.join(timeout=5)

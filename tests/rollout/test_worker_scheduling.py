@@ -155,3 +155,17 @@ def test_a_written_group_is_summed_up_in_one_log_line():
     summary = group_summary([traj(0, "answer", 1, 40.0), traj(1, "deadline", 0, 612.34), traj(2, "answer", 1, 3.0)])
     assert summary == {"group": "r/s00002/p007", "step": 2, "episodes": 3, "finish": {"answer": 2, "deadline": 1},
                        "versions": [0, 1], "slowest_s": 612.3}
+
+
+def test_a_workers_engine_is_sized_to_its_episode_budget_unless_the_recipe_sizes_it():
+    from services.common.schemas import VllmArgs
+    from services.rollout.capacity import engine_for_budget
+
+    config = RolloutConfig(engine="vllm")
+    assert config.vllm.max_num_seqs is None  # vLLM's card default unless sized
+    assert engine_for_budget(config, 443).vllm.max_num_seqs == 443
+    assert config.vllm.max_num_seqs is None  # a copy: the caller's config is left as it was
+    assert engine_for_budget(config.model_copy(update={"vllm": VllmArgs(max_num_seqs=64)}), 443).vllm.max_num_seqs == 64
+    assert engine_for_budget(config.model_copy(update={"tensor_parallel_size": 4}), 2).vllm.max_num_seqs == 4
+    transformers = RolloutConfig(engine="transformers")
+    assert engine_for_budget(transformers, 443) is transformers
