@@ -267,6 +267,10 @@ def test_compose_shares_weights_between_learner_and_rollout():
     assert "learner" in services["learner-gpu"]["networks"]["default"]["aliases"]
     assert services["sandbox"]["environment"]["STAR_ROLLOUT_URLS"] == "http://rollout:8000"
     assert services["sandbox"]["environment"]["STAR_API_TOKEN"] == "test-token"
+    # a broadcast between containers runs on NCCL's sockets: spread as the chart spreads it
+    for gpu in ("learner-gpu", "rollout-gpu", "rollout-worker-gpu"):
+        env = services[gpu]["environment"]
+        assert (env["NCCL_SOCKET_NTHREADS"], env["NCCL_NSOCKS_PERTHREAD"]) == ("4", "4"), gpu
 
 
 @pytest.mark.parametrize("profile", ["train", "gpu"])
