@@ -64,10 +64,12 @@ limit_all() {
 }
 # 1.5B at 256 agents with the engines sized for 256 sequences and for vLLM's default on the card (1,024 on an
 # H200, what the fleet gets), back to back on one GPU and twice (about 13 minutes on an H200)
+# max_num_seqs at 256 agents: the load itself, a rollout worker's own size on an H200 at 1.5B (its episode
+# budget, 443: services/rollout/capacity.py engine_for_budget) and vLLM's default for the card
 limit_seqs() {
   local round seqs
-  for round in 1 2; do
-    for seqs in 256 1024; do
+  for round in $(seq 1 ${SEQS_ROUNDS:-2}); do
+    for seqs in 256 443 1024; do
       lane limit_seqs${seqs}_$round ${LIMIT_GPU:-1} timeout 330 python bench/rollout_limit.py --runs 1.5b=256 --updates '' \
         --vllm-set max_num_seqs=$seqs --name rollout_limit_256_seqs${seqs}_$round
       pack limit_seqs${seqs}_$round $R/rollout_limit_256_seqs${seqs}_$round.*
