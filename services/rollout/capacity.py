@@ -94,6 +94,16 @@ def engine_for_budget(config: Any, episodes: int) -> Any:
 
 
 def _card_bytes() -> int | None:
+    """The first visible card's memory, read as vLLM reads it (NVML where it can): the worker sizes
+    its engine before starting it, and a CUDA context made here first would take memory on the card
+    and make vLLM spawn its engine process rather than fork it."""
+    try:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cuda():
+            return int(current_platform.get_device_total_memory(0))
+    except Exception:  # noqa: BLE001 - no vLLM, or NVML unusable: ask torch
+        pass
     try:
         import torch
 

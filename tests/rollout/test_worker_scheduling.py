@@ -169,3 +169,24 @@ def test_a_workers_engine_is_sized_to_its_episode_budget_unless_the_recipe_sizes
     assert engine_for_budget(config.model_copy(update={"tensor_parallel_size": 4}), 2).vllm.max_num_seqs == 4
     transformers = RolloutConfig(engine="transformers")
     assert engine_for_budget(transformers, 443) is transformers
+
+
+def test_the_card_is_read_through_vllms_platform_before_torch(monkeypatch):
+    # NVML (vLLM's CUDA platform) reads the card without making a CUDA context in the worker's process
+    import sys
+    import types
+
+    from services.rollout import capacity
+
+    class Platform:
+        @staticmethod
+        def is_cuda() -> bool:
+            return True
+
+        @staticmethod
+        def get_device_total_memory(device_id: int = 0) -> int:
+            assert device_id == 0
+            return 80 * 2**30
+
+    monkeypatch.setitem(sys.modules, "vllm.platforms", types.SimpleNamespace(current_platform=Platform))
+    assert capacity._card_bytes() == 80 * 2**30
