@@ -630,10 +630,12 @@ def drive(run: Run, f: Fleet | ExternalFleet, client: redis.Redis, names: Stream
         while True:
             try:
                 progress = learner_progress(client, names)
-                if not deps.check():
-                    publisher.publish_ready(progress, weights_version(client, names))
+                down = deps.check()
+                version = weights_version(client, names)
+                if not down:
+                    publisher.publish_ready(progress, version)
                 latest_raw = client.get(names.weights_latest)
-                published, version = publisher.next_step(), weights_version(client, names)
+                published = publisher.next_step()
                 trim_streams(client, names)
                 if redis_down_since is not None:
                     console.print(f"redis is back after {time.monotonic() - redis_down_since:.0f} s")
