@@ -12,7 +12,7 @@ import os
 import random
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -136,6 +136,25 @@ class LogprobPolicy(nn.Module):
         return self.lm.get_output_embeddings().weight
 
 
+def sdpa_as_in_forward() -> tuple[AbstractContextManager, AbstractContextManager]:
+    """Activation checkpointing's `context_fn`: nothing around the forward; around the recompute in backward,
+    the SDPA kernels and priority in force when the forward ran (read now, at the forward). The backward runs
+    outside `sdpa_priority`, and a recompute on another kernel saves other tensors (cuDNN's logsumexp is
+    [B, H, T, 1], flash's [B, H, T]): checkpoint refuses the mismatch (CheckpointError)."""
+    try:
+        from torch.nn.attention import _cur_sdpa_kernel_backends, sdpa_kernel
+    except ImportError:  # pragma: no cover - torch without kernel selection
+        return nullcontext(), nullcontext()
+    return nullcontext(), sdpa_kernel(_cur_sdpa_kernel_backends(with_priority=True), set_priority=True)
+
+
+def recompute_layers(lm: nn.Module) -> None:
+    """Whole-layer recomputation (HF's gradient checkpointing, non-reentrant), each layer recomputed under
+    its forward's SDPA kernels."""
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                    "context_fn": sdpa_as_in_forward})
+
+
 def recompute_mlps(lm: nn.Module) -> int:
     """Selective recomputation: each decoder layer's MLP runs under activation checkpointing (its
     gate, up and activation outputs, 3 × intermediate width per token, are recomputed in backward);
@@ -150,7 +169,7 @@ def recompute_mlps(lm: nn.Module) -> int:
 
         def forward(x: torch.Tensor, _plain=plain) -> torch.Tensor:
             if torch.is_grad_enabled() and x.requires_grad:
-                return checkpoint(_plain, x, use_reentrant=False)
+                return checkpoint(_plain, x, use_reentrant=False, context_fn=sdpa_as_in_forward)
             return _plain(x)
 
         mlp.forward = forward
@@ -303,7 +322,7 @@ class PolicyEngine:
         if fuse:
             fuse_pointwise(lm)  # before recompute_mlps, which wraps the MLP forward it finds
         if cfg.gradient_checkpointing:
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            recompute_layers(lm)
         elif cfg.recompute_mlp:
             recompute_mlps(lm)
         self.policy = LogprobPolicy(lm, cfg.logprob_chunk_tokens, cfg.head_kernels)
