@@ -322,8 +322,10 @@ class DeploymentSpec(_Section):
         "embedded: `star train` starts the RL stage's own Redis, sandbox, workers and learner; external: it "
         "drives a running fleet (Compose, Helm) found through STAR_REDIS_URL and the STAR_*_URL settings, "
         "starting only the learner run, on the learner service (`star train --fleet` overrides it)."))
-    learner_ranks: int = Field(1, ge=1, description="Learner processes, under torchrun for more than 1; on a GPU "
-                               "machine one GPU each (the first ones).")
+    learner_ranks: int | None = Field(None, ge=1, description="Learner processes, under torchrun for more than 1; "
+                                      "on a GPU machine one GPU each (the first ones). None: with `placement.mode` "
+                                      "auto, derived with the engines from the GPUs seen and the model's size "
+                                      "(services.pipeline.placement.derive); otherwise 1.")
     engine_tensor_parallel: int = Field(1, ge=1, description="GPUs each rollout engine spans (vLLM tensor "
                                         "parallelism).")
     engine_memory_share: float | None = Field(

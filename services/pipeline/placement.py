@@ -8,6 +8,9 @@ before anything starts. Each process learns its devices through CUDA_VISIBLE_DEV
 learner's ranks then pick theirs by LOCAL_RANK), and DeepSpeed its accelerator through
 DS_ACCELERATOR, which defaults to CPU unless told. Validations during RL run on the first engine's GPUs.
 
+A recipe that leaves `deployment.learner_ranks` unset under `placement.mode: auto` gets its layout from the
+machine (`derive`): the GPUs seen, their memory and the model's size decide the learner's ranks and the engines.
+
 The placement also decides how the RL stage's weights travel (`weight_sync`): over NCCL only where
 every engine is a vLLM engine of the embedded fleet on GPUs of its own, apart from the learner's and
 from each other's, since one NCCL group cannot hold two ranks on one GPU.
@@ -43,6 +46,7 @@ class Placement:
     colocated: bool = False   # engines share every learner GPU in time: asleep while the learner trains
     reason: str = ""          # why this layout (the memory model's numbers), printed with it
     validations_after: bool = False  # no room for a validation's engine beside the fleet: they run after RL
+    derived: bool = False     # ranks and engines derived from the machine: one engine per GPU group, the budget pooled
 
     def learner_env(self) -> dict[str, str]:
         env = {"DS_ACCELERATOR": self.accelerator}
@@ -99,8 +103,8 @@ def plan(spec: DeploymentSpec, engines: int, gpus: list[str], *, validations: bo
     """Devices for the learner and for each of `engines` rollout engines on a machine with `gpus`;
     `validations`: RL validations run beside the first engine, and their engine's memory is counted."""
     if not gpus:
-        return Placement("cpu", spec.learner_ranks, (), tuple(() for _ in range(engines)), None)
-    n, ranks, tp = len(gpus), spec.learner_ranks, spec.engine_tensor_parallel
+        return Placement("cpu", spec.learner_ranks or 1, (), tuple(() for _ in range(engines)), None)
+    n, ranks, tp = len(gpus), spec.learner_ranks or 1, spec.engine_tensor_parallel
     if ranks > n:
         raise PlacementError(f"deployment.learner_ranks {ranks} needs {ranks} GPUs, one per rank; "
                              f"this machine shows {n}")
@@ -459,7 +463,10 @@ def choose(spec: DeploymentSpec, mode: str, size: ModelSize | None, engines: int
                              "(placement.gpu_gib where the GPUs cannot be asked)")
     acts = activation_bytes_override or activation_bytes(size, micro_batch_tokens, checkpointing)
     tp, n = spec.engine_tensor_parallel, len(gpus)
-    split = split_fit(size, spec.learner_ranks, engines, tp, n, card_bytes, acts, min_kv_tokens, reference=reference,
+    if mode == "auto" and spec.learner_ranks is None:
+        return derive(spec, size, gpus, card_bytes, acts, min_kv_tokens, validations=validations, reference=reference,
+                      persistent_bytes=persistent_bytes, fp32_grads=fp32_grads)
+    split = split_fit(size, spec.learner_ranks or 1, engines, tp, n, card_bytes, acts, min_kv_tokens, reference=reference,
                       persistent_bytes=persistent_bytes, fp32_grads=fp32_grads)
     if mode == "split":
         placed = plan(spec, engines, gpus, validations=validations)
@@ -487,6 +494,55 @@ def choose(spec: DeploymentSpec, mode: str, size: ModelSize | None, engines: int
     raise PlacementError(f"placement.mode {mode}: no layout fits {n} GPU(s) of {_gib(card_bytes)} for "
                          f"{size.params / 1e9:.2f} B parameters: {colo.why}"
                          + (f"; {split.why}" if mode == "auto" else ""))
+
+
+def learner_rank_choices(gpus: int, tp: int) -> list[int]:
+    """Learner ranks a split layout may take on `gpus` GPUs, fewest first: powers of two from a quarter of the
+    machine up to what leaves one engine of `tp` GPUs."""
+    ranks, choices = max(1, gpus // 4), []
+    while ranks + tp <= gpus:
+        choices.append(ranks)
+        ranks *= 2
+    return choices
+
+
+def derive(spec: DeploymentSpec, size: ModelSize, gpus: list[str], card_bytes: int, acts: int, min_kv_tokens: int,
+           *, validations: bool = False, reference: bool = False, persistent_bytes: int = 0,
+           fp32_grads: bool = True) -> Placement:
+    """Learner ranks and engines from the machine, for a recipe that leaves `deployment.learner_ranks` unset.
+    Colocated where it fits (one GPU included): a learner rank on every GPU and one engine per
+    `engine_tensor_parallel` GPUs, asleep while the learner trains, so no GPU waits through the other phase.
+    Else split: the fewest learner ranks of `learner_rank_choices` whose ZeRO-3 state and activations fit, an
+    engine on each group of GPUs after them. Else refused with both memory models' numbers. Either way the
+    rollout workers' episode budget is pooled into the engines (`colocated_concurrency`)."""
+    n, tp = len(gpus), spec.engine_tensor_parallel
+    machine = f"{n} GPU(s) of {_gib(card_bytes)} for {size.params / 1e9:.2f} B parameters"
+    colo = colocated_fit(size, n, tp, card_bytes, acts, min_kv_tokens, validations=validations, reference=reference,
+                         persistent_bytes=persistent_bytes, fp32_grads=fp32_grads)
+    later = False
+    if not colo.fits and validations:
+        alone = colocated_fit(size, n, tp, card_bytes, acts, min_kv_tokens, reference=reference,
+                              persistent_bytes=persistent_bytes, fp32_grads=fp32_grads)
+        colo, later = (alone, True) if alone.fits else (colo, False)
+    if colo.fits:
+        why = f"derived from {machine}: {colo.why}"
+        if later:
+            why += "; validations run after the RL steps (no room for their engine beside the fleet)"
+        placed = plan_colocated(spec, gpus, colo.engine_share, validation_share=colo.validation_share)
+        return replace(placed, reason=why, validations_after=later, derived=True)
+    tried = []
+    for ranks in learner_rank_choices(n, tp):
+        engines = (n - ranks) // tp
+        fit = split_fit(size, ranks, engines, tp, n, card_bytes, acts, min_kv_tokens, reference=reference,
+                        persistent_bytes=persistent_bytes, fp32_grads=fp32_grads)
+        if fit.fits:
+            placed = plan(spec.model_copy(update={"learner_ranks": ranks, "share_gpus": False}), engines, gpus,
+                          validations=validations)
+            why = f"derived from {machine}: {ranks} learner rank(s) + {engines} engine(s); {fit.why} (not {colo.why})"
+            return replace(placed, reason=why, derived=True)
+        tried.append(fit.why)
+    raise PlacementError(f"no layout fits {machine}: {colo.why}"
+                         + (f"; {'; '.join(tried)}" if tried else "; split needs at least 2 GPUs"))
 
 
 def _with_reason(placement: Placement, reason: str) -> Placement:

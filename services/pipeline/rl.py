@@ -256,10 +256,12 @@ def _start_workers(run: Run, f: Fleet, model: str, env: dict[str, str], logs: Pa
     sampling = run.config.rl.sampling
     vllm = s.vllm.model_copy(update={"weight_transfer": "nccl"}) if run.nccl else s.vllm
     workers, inflight = s.rollout_workers, inflight_env(run.config)
-    if run.colocated:  # one engine per GPU group, able to sleep, holding the recipe's episode budget pooled
+    if run.colocated:
+        vllm = vllm.model_copy(update={"enable_sleep_mode": True})
+    if run.colocated or (run.placement and run.placement.derived):
+        # one engine per GPU group (able to sleep where colocated), holding the recipe's episode budget pooled
         from services.pipeline.placement import colocated_concurrency
 
-        vllm = vllm.model_copy(update={"enable_sleep_mode": True})
         workers = len(run.placement.engine_devices)
         budget = run.config.inflight_episodes()
         if budget is not None:  # else each engine derives its budget from its own (shared) KV cache

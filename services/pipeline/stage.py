@@ -46,7 +46,7 @@ class Run:
     @property
     def learner_ranks(self) -> int:
         """The learner's ranks on this machine: the placement's (colocated: every GPU), else the recipe's."""
-        return self.placement.learner_ranks if self.placement else self.config.deployment.learner_ranks
+        return self.placement.learner_ranks if self.placement else self.config.deployment.learner_ranks or 1
 
     @property
     def colocated(self) -> bool:

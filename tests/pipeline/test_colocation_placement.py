@@ -67,7 +67,7 @@ def test_the_7b_recipe_fits_80_gb_hosts_colocated(n):
     p = placement_for_recipe(config, gpus(n), CARD_80, ModelSize.from_hf_config(QWEN_7B))
     assert p.colocated and p.learner_ranks == n and p.learner_devices == tuple(gpus(n))
     assert p.engine_devices == tuple((g,) for g in gpus(n))  # one engine per GPU
-    assert "not split" in p.reason and "12 GPUs" in p.reason
+    assert p.derived and p.reason.startswith(f"derived from {n} GPU(s) of 80.0 GiB for 7.62 B parameters: colocated")
     state = learner_state_bytes(ModelSize.from_hf_config(QWEN_7B), n,
                                 persistent_bytes=int(config.learner.persistent_weights_gib * GiB))
     if n == 8:  # awake, engine 0's GPU holds the learner's state, its engine and a validation's, within the card
@@ -86,8 +86,10 @@ def test_the_7b_recipe_fits_80_gb_hosts_colocated(n):
     assert colocated_concurrency(8, 16, n) * n >= 8 * 16
 
 
-def test_the_7b_recipe_splits_where_gpus_of_their_own_exist():
-    p = placement_for_recipe(recipe("qwen2.5-7b-grpo-sum.yaml"), gpus(12), CARD_80, ModelSize.from_hf_config(QWEN_7B))
+def test_the_7b_recipe_with_its_ranks_set_splits_where_gpus_of_their_own_exist():
+    config = recipe("qwen2.5-7b-grpo-sum.yaml")
+    config = config.model_copy(update={"deployment": config.deployment.model_copy(update={"learner_ranks": 4})})
+    p = placement_for_recipe(config, gpus(12), CARD_80, ModelSize.from_hf_config(QWEN_7B))
     assert not p.colocated and not p.shared
     assert p.learner_devices == tuple(gpus(4)) and len(p.engine_devices) == 8
     assert p.reason.startswith("auto → split")
@@ -97,7 +99,9 @@ def test_the_7b_recipe_on_two_gpus_is_refused_with_the_numbers():
     with pytest.raises(PlacementError) as err:
         placement_for_recipe(recipe("qwen2.5-7b-grpo-sum.yaml"), gpus(2), CARD_80, ModelSize.from_hf_config(QWEN_7B))
     msg = str(err.value)
-    assert "ZeRO-3 state over 2 ranks 67.8 GiB, 4.0 GiB of weights kept whole" in msg and "of 73.6 GiB usable" in msg and "12 GPUs" in msg
+    assert msg.startswith("no layout fits 2 GPU(s) of 80.0 GiB for 7.62 B parameters: colocated")
+    assert "ZeRO-3 state over 2 ranks 67.8 GiB, 4.0 GiB of weights kept whole" in msg and "of 73.6 GiB usable" in msg
+    assert "split: a learner rank needs" in msg  # one rank and one engine: the whole state on one GPU
 
 
 def test_a_1_5b_recipe_colocates_on_one_gpu():
@@ -110,7 +114,7 @@ def test_a_1_5b_recipe_colocates_on_one_gpu():
 def test_auto_on_one_gpu_takes_colocated():
     config = recipe("qwen2.5-1.5b-arpo-macro.yaml", mode="auto")
     p = placement_for_recipe(config, gpus(1), CARD_80, ModelSize.from_hf_config(QWEN_1_5B))
-    assert p.colocated and "not split" in p.reason
+    assert p.colocated and p.derived and "derived from 1 GPU(s)" in p.reason
 
 
 def test_activations_beyond_the_card_are_refused_naming_them():

@@ -103,7 +103,8 @@ def test_the_recipe_deployment_reaches_the_learner_launch_and_its_config(tmp_pat
     from services.pipeline.rl import rl_config
     from services.pipeline.train import Run
 
-    config = load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml")
+    # the recipe's ranks set: the deployment's own plan (left unset, the machine decides: test_placement_derived.py)
+    config = load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml", ["deployment.learner_ranks=4"])
     placement = placement_for(config.deployment, config.services.rollout_workers, GPUS8)
     run = Run(config, tmp_path, placement=placement)
     path = rl_config(run, "model", StreamNames("t"), "redis://x", total_steps=4)
