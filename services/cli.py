@@ -13,6 +13,7 @@ from services.sandbox.cli import sandbox_app, tool_command, world_app
 from services.synth.cli import synth_app
 from services.qa.cli import qa_app
 from services.evaluation.cli import eval_app, evaluate_alias
+from services.episodes.cli import episodes_app
 from services.formatter.cli import formatter_app
 from services.learner.cli import learner_app, sft as sft_command
 from services.reward.cli import reward_app, score_command
@@ -47,6 +48,7 @@ app.add_typer(rollout_app, name="rollout", rich_help_panel=TRAIN)
 app.add_typer(sandbox_app, name="sandbox", rich_help_panel=SERVE)
 app.add_typer(formatter_app, name="formatter", rich_help_panel=SERVE)
 app.add_typer(reward_app, name="reward", rich_help_panel=SERVE)
+app.add_typer(episodes_app, name="episodes", rich_help_panel=SERVE)
 
 # old names, hidden: `star eval submission` and `star learner sft` replace them
 app.command("evaluate", hidden=True)(evaluate_alias)

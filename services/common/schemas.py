@@ -534,3 +534,157 @@ class GenerateResult(BaseModel):
     logprobs: list[float] | None
     finish: str
     policy_version: int
+
+
+# ---- the episode API (services/episodes): one TravelPlanner episode behind HTTP, for outside trainers ----
+
+EpisodeStatus = Literal["open", "finished"]
+EpisodeToolFormat = Literal["agent_star", "native"]
+
+
+class EpisodeStart(BaseModel):
+    """`POST /v1/episodes`: a query by its split and id, or given inline."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"query_id": "1", "split": "train"},
+        {"query": {"org": "St. Petersburg", "dest": "Rockford", "days": 3, "visiting_city_number": 1,
+                   "date": ["2022-03-16", "2022-03-17", "2022-03-18"], "people_number": 1, "budget": 1700,
+                   "local_constraint": {"house_rule": None, "cuisine": None, "room_type": None,
+                                        "transportation": None}},
+         "reward": "success", "mode": "strict", "max_tool_calls": 30}]})
+
+    query_id: str | None = Field(None, min_length=1, max_length=128, description="The query's id in `split` "
+                                 "(the benchmark's files: its 1-based position unless the record has an id).")
+    split: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                              description="train | validation | test (the operator's dataset folder), or the name "
+                                          "of a query file in the operator's splits folder (synthetic queries).")
+    query: TravelQuery | None = Field(None, description="The query itself (TravelPlanner fields).")
+    reward: RewardKind = Field("sum", description="The reward kind `finish` reports as `reward`.")
+    mode: EvalMode = Field("strict", description="Which evaluator mode `reward` is computed in (both modes' "
+                                                 "verdicts are always returned).")
+    epoch: int | None = Field(None, ge=1, le=10_000, description="1-based epoch (needed for curriculum).")
+    max_tool_calls: int | None = Field(None, ge=1, description="Tool calls this episode may make; at most the "
+                                       "service's limit, which is also the default.")
+    tool_format: EpisodeToolFormat = Field("agent_star", description=(
+        "agent_star: the system prompt lists the tools and asks for <tool_call> tags (our agent's form); "
+        "native: the trainer passes `tools` to its chat template, and the prompt does not list them."))
+    client: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$", description=(
+        "Who opens the episode, for the open-episodes limit (default: the caller's address)."))
+
+    @model_validator(mode="after")
+    def _one_query(self) -> "EpisodeStart":
+        if self.query is not None and (self.query_id is not None or self.split is not None):
+            raise ValueError("give either query or query_id with split, not both")
+        if self.query is None and (self.query_id is None or self.split is None):
+            raise ValueError("give query, or query_id together with split")
+        if self.reward == "curriculum" and self.epoch is None:
+            raise ValueError("the curriculum reward needs the epoch")
+        return self
+
+
+class EpisodeLimits(BaseModel):
+    max_tool_calls: int = Field(description="Tool calls the episode may make.")
+    idle_expiry_s: float = Field(description="An episode untouched this long is gone (404).")
+
+
+class EpisodeStarted(BaseModel):
+    episode_id: str
+    task: str = Field(description="The user message: the query's own words, or a description of its fields.")
+    system_prompt: str
+    tools: list[dict[str, Any]] = Field(description="The six tools as OpenAI function-tool JSON schemas.")
+    limits: EpisodeLimits
+    query: TravelQuery
+    reward: RewardKind
+    mode: EvalMode
+
+
+class EpisodeToolCall(BaseModel):
+    """`POST /v1/episodes/{id}/tool_calls`: run one of the six tools inside the episode."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"name": "SearchFlight", "arguments": {"departure": "St. Petersburg", "destination": "Rockford",
+                                               "date": "2022-03-16"}},
+        {"name": "SearchAccommodation", "arguments": {"city": "Rockford"}}]})
+
+    name: str = Field(min_length=1, max_length=64)
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class EpisodeToolResult(BaseModel):
+    content: str = Field(description="What the tool printed (the text the agent reads).")
+    ok: bool = Field(description="False when the tool reported an error or found nothing.")
+    tool_calls_used: int
+    tool_calls_left: int
+
+
+class EpisodeFinish(BaseModel):
+    """`POST /v1/episodes/{id}/finish`: the final plan, as the benchmark's JSON plan or as text."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"plan": [{"days": 1, "current_city": "from St. Petersburg to Rockford",
+                   "transportation": "Flight Number: F3573659, from St. Petersburg to Rockford, Departure Time: "
+                                     "15:40, Arrival Time: 17:04", "breakfast": "-", "attraction": "-",
+                   "lunch": "-", "dinner": "Coco Bambu, Rockford",
+                   "accommodation": "Pure luxury one bdrm + sofa bed on Central Park, Rockford"}]},
+        {"answer": "Day 1:\nCurrent City: from St. Petersburg to Rockford\n...", "reward": "macro"}]})
+
+    plan: Any = Field(None, description="Day objects (JSON array) or {\"days\": [...]}.")
+    answer: str | None = Field(None, max_length=200_000, description="The plan as text, read by our formatter.")
+    reward: RewardKind | None = Field(None, description="Override the episode's reward kind.")
+    epoch: int | None = Field(None, ge=1, le=10_000, description="Override the episode's epoch.")
+
+    @model_validator(mode="after")
+    def _one_plan(self) -> "EpisodeFinish":
+        if self.plan is not None and self.answer is not None:
+            raise ValueError("give either plan or answer, not both")
+        return self
+
+
+class ModeVerdicts(BaseModel):
+    commonsense: dict[str, CheckVerdict]
+    hard: dict[str, CheckVerdict]
+
+
+class EpisodeSuccess(BaseModel):
+    official: bool
+    strict: bool
+
+
+class EpisodeScores(BaseModel):
+    cs_micro: float
+    cs_macro: float
+    hard_micro: float
+    hard_macro: float
+    success: float
+    formatter_status: str
+    rewards: dict[str, float] = Field(description="Every reward kind in this mode.")
+    cost: float | None = None
+
+
+class EpisodeResult(BaseModel):
+    """A finished episode: scored once, returned the same to every later finish or read."""
+
+    episode_id: str
+    reward: float = Field(description="The reward kind asked for, in the episode's mode.")
+    reward_kind: RewardKind
+    mode: EvalMode
+    success: EpisodeSuccess
+    verdicts: dict[EvalMode, ModeVerdicts]
+    scores: dict[EvalMode, EpisodeScores]
+    plan: Plan | None = Field(None, description="The plan scored (the formatter's reading of an answer).")
+    tool_calls_used: int
+
+
+class EpisodeState(BaseModel):
+    """`GET /v1/episodes/{id}`."""
+
+    episode_id: str
+    status: EpisodeStatus
+    query: TravelQuery
+    reward: RewardKind
+    mode: EvalMode
+    tool_calls_used: int
+    tool_calls_left: int
+    limits: EpisodeLimits
+    expires_in_s: float = Field(description="Seconds until the episode expires if left untouched.")
+    result: EpisodeResult | None = None

@@ -97,6 +97,18 @@ class Settings(BaseSettings):
     formatter_cache_size: int = Field(default=4096, ge=0, description="Formatted answers kept in memory (0: off).")
     formatter_backend: str = Field(default="auto", description="Default formatter backend: structured | llm | auto.")
 
+    # episode API (services/episodes)
+    episodes_url: str | None = Field(default=None, description="Base URL of the episode API.")
+    episodes_max_tool_calls: int = Field(default=60, ge=1, le=10_000, description="Tool calls an episode may make "
+                                         "(the default and the most a start may ask for).")
+    episodes_idle_expiry_s: float = Field(default=900.0, gt=0, le=7 * 24 * 3600, description="An episode untouched "
+                                          "this long expires; a finished one is kept this long for its result.")
+    episodes_max_open_per_client: int = Field(default=256, ge=1, description="Open episodes one client may hold.")
+    episodes_max_body_bytes: int = Field(default=1024 * 1024, ge=1024, description="Largest request body of the "
+                                         "episode API (a plan is a few KB).")
+    episodes_splits_dir: Path | None = Field(default=None, description="Folder of extra query files an episode may "
+                                             "name as its split (<name>.json or .jsonl: synthetic queries).")
+
     @property
     def world_url(self) -> str:
         return self.db_url or f"sqlite:///{self.home / 'world.sqlite'}"
