@@ -174,6 +174,14 @@ def launched() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
+def one_rank_env() -> None:
+    """The environment of a process group of this process alone (not under torchrun)."""
+    from services.learner.engine import free_port
+
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())})
+
+
 def without(argv: list[str], flag: str) -> list[str]:
     """argv less `flag` and its value (`flag V` or `flag=V`)."""
     return [a for i, a in enumerate(argv) if a != flag and (i == 0 or argv[i - 1] != flag)
@@ -531,23 +539,24 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
                 tokens.append(sum(lens))
                 flops.append(train_flops(n_params, layers, width, lens))
                 half.append(train_flops(n_params, layers, width, lens, causal_half=True))
-        if args.profile:
-            profile_step(engine, world, args, rank, on_gpu)
+        where = profile_step(engine, world, args, rank, on_gpu) if args.profile else None
         out = summary(times, tokens, flops, half, world, peak_flops() if on_gpu else None, peak_gib(on_gpu))
         return {"params": n_params, "recompute": recompute, "chunk": args.chunk, "head_kernels": args.head_kernels,
                 "grad_reduce": args.grad_reduce, "compile_layers": args.compile,
                 "fuse_pointwise": args.fuse_pointwise, "reduce_bucket_m": args.reduce_bucket,
                 "layer_units": args.layer_units, "persistent_weights_gib": cfg.persistent_weights_gib,
-                "packed_attention": cfg.packed_attention, "nccl_proto": os.environ.get("NCCL_PROTO"), **out}
+                "packed_attention": cfg.packed_attention, "sdpa": args.sdpa, "nccl_proto": os.environ.get("NCCL_PROTO"),
+                **({"profile": where} if where else {}), **out}
     finally:
         engine.close()
         del engine
         release(on_gpu)
 
 
-def profile_step(engine, world: int, args: argparse.Namespace, rank: int, on_gpu: bool) -> None:
+def profile_step(engine, world: int, args: argparse.Namespace, rank: int, on_gpu: bool) -> dict:
     """One more step of ours under torch.profiler: where its time goes, by operator (rank 0's view),
-    written to bench/results/<name>_profile.txt."""
+    written to bench/results/<name>_profile.txt; returned: the step's time and its operators of most
+    self time (device time on GPU)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -557,13 +566,28 @@ def profile_step(engine, world: int, args: argparse.Namespace, rank: int, on_gpu
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities) as prof:
         seconds = rl_step(engine, seqs, eps_low=0.2, eps_high=0.28).metrics["time_compute_s"]
+    averages = prof.key_averages()
+    path = ROOT / "bench" / "results" / f"{args.name}_profile.txt"
     if rank == 0:
         key = "cuda_time_total" if on_gpu else "cpu_time_total"
-        table = prof.key_averages().table(sort_by=key, row_limit=45, max_name_column_width=70)
-        path = ROOT / "bench" / "results" / f"{args.name}_profile.txt"
+        table = averages.table(sort_by=key, row_limit=45, max_name_column_width=70)
         path.write_text(f"# one step of ours under torch.profiler ({seconds:.3f} s with the profiler on), "
                         f"shape {args.shape}, rows {args.rows}, {world} ranks, sorted by {key}\n\n{table}\n")
         log(rank, f"profile: {path}")
+    return {"step_s": round(seconds, 4), "file": str(path.relative_to(ROOT)), "top_self": top_operators(averages, on_gpu)}
+
+
+def top_operators(averages, on_gpu: bool, n: int = 12) -> list[dict]:
+    """The `n` operators of most self time in a profile (device time on GPU, host time on CPU), in ms."""
+    def self_us(e) -> float:
+        if not on_gpu:
+            return e.self_cpu_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    events = sorted(averages, key=self_us, reverse=True)[:n]
+    total = sum(self_us(e) for e in averages) or 1.0
+    return [{"op": e.key[:90], "self_ms": round(self_us(e) / 1000, 2), "share": round(self_us(e) / total, 4),
+             "calls": e.count} for e in events]
 
 
 def liger_kernels(on_gpu: bool) -> tuple[object | None, list[str], str | None]:
@@ -600,8 +624,8 @@ def liger_policy(lm, loss_cls, chunk: int, compiled: bool):
             self.loss = loss_cls(beta=0.0, use_ref_model=False, compiled=compiled, chunk_size=chunk,
                                  epsilon_low=0.2, epsilon_high=0.28, loss_type="dapo", temperature=1.0)
 
-        def forward(self, ids, positions, targets, mask, old, adv):
-            hidden = self.lm.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+        def forward(self, ids, positions, targets, mask, old, adv, **bounds):
+            hidden = self.lm.model(input_ids=ids, position_ids=positions, use_cache=False, **bounds).last_hidden_state
             extra = -hidden.shape[0] * hidden.shape[1] % chunk  # masked tokens up to a whole chunk
 
             def one(t):  # [B, T] → one token a row, padded
@@ -615,9 +639,11 @@ def liger_policy(lm, loss_cls, chunk: int, compiled: bool):
     return _Policy()
 
 
-def baseline_ds_config(on_gpu: bool, world: int, micro_batches: int) -> dict:
+def baseline_ds_config(on_gpu: bool, world: int, micro_batches: int, ours: dict | None = None) -> dict:
     """The baselines' plain ZeRO-3 (as ../shared/tools/deepspeed_zero3_probe.py), with DeepSpeed's own
-    gradient accumulation over the rank's `micro_batches` rows of a step."""
+    gradient accumulation over the rank's `micro_batches` rows of a step. `ours`: our engine's DeepSpeed
+    config, whose weight persistence (the ZeRO-3 weights kept whole) and gradient-reduce dtype the baseline
+    then takes, so that neither side differs from the other there."""
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro_batches,
            "train_batch_size": micro_batches * world, "bf16": {"enabled": on_gpu},
            "zero_optimization": {"stage": 3, "overlap_comm": on_gpu, "contiguous_gradients": True,
@@ -626,7 +652,24 @@ def baseline_ds_config(on_gpu: bool, world: int, micro_batches: int) -> dict:
            "steps_per_print": 10**9}
     if on_gpu:
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    if ours:
+        zero = ours.get("zero_optimization", {})
+        cfg["zero_optimization"].update({k: zero[k] for k in PERSISTENCE_KEYS if k in zero})
+        if "communication_data_type" in ours:
+            cfg["communication_data_type"] = ours["communication_data_type"]
     return cfg
+
+
+PERSISTENCE_KEYS = ("stage3_param_persistence_threshold", "stage3_model_persistence_threshold")
+
+
+def ours_ds_config(args: argparse.Namespace, on_gpu: bool, world: int) -> dict:
+    """Our engine's DeepSpeed config for these options (services/learner/engine.py deepspeed_config)."""
+    from services.learner.config import EngineConfig
+    from services.learner.engine import deepspeed_config
+
+    cfg = EngineConfig(zero_stage=3, grad_reduce_dtype=args.grad_reduce, **engine_options(args))
+    return deepspeed_config(cfg, bf16=on_gpu, world_size=world, on_gpu=on_gpu)
 
 
 def hf_labels(batch) -> "object":
@@ -650,8 +693,10 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
     from services.learner.batching import rank_micro_batches
     from services.learner.flops import model_shape, peak_flops, train_flops
 
+    from services.learner.attention import PACKED_IMPLEMENTATIONS, packed_kwargs
+
     bf16 = on_gpu
-    ds_cfg = baseline_ds_config(on_gpu, world, rows_per_rank(args))
+    ds_cfg = baseline_ds_config(on_gpu, world, rows_per_rank(args), ours_ds_config(args, on_gpu, world))
     extra: dict = {}
     if side == "liger":
         loss_cls, kernels, missing = liger_kernels(on_gpu)
@@ -693,11 +738,14 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
                 raise RuntimeError(f"{len(batches)} micro-batches on rank {rank}, DeepSpeed set for {rows_per_rank(args)}")
             for b in batches:
                 ids, pos = b.input_ids.to(device), b.position_ids.to(device)
+                # a varlen attention registered with transformers: the row's boundaries once per row, as
+                # transformers' own flattening collator hands them (cu_seq_lens_q/k, max_length_q/k)
+                bounds = packed_kwargs(pos) if attn in PACKED_IMPLEMENTATIONS else {}
                 if side == "liger":
                     loss = engine(ids, pos, b.targets.to(device), b.mask.to(device), b.old_logp.to(device),
-                                  b.advantages.to(device))
+                                  b.advantages.to(device), **bounds)
                 elif args.rows == "recipe":
-                    loss = engine(input_ids=ids, position_ids=pos, labels=hf_labels(b).to(device)).loss
+                    loss = engine(input_ids=ids, position_ids=pos, labels=hf_labels(b).to(device), **bounds).loss
                 else:
                     loss = engine(input_ids=ids, labels=ids).loss
                 engine.backward(loss)
@@ -714,8 +762,11 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
                 flops.append(train_flops(n_params, layers, width, lens))
                 half.append(train_flops(n_params, layers, width, lens, causal_half=True))
         out = summary(times, tokens, flops, half, world, peak_flops() if on_gpu else None, peak_gib(on_gpu))
+        zero = ds_cfg["zero_optimization"]
         return {"params": n_params, "gradient_checkpointing": checkpointing, "attn_implementation": attn,
-                "nccl_proto": os.environ.get("NCCL_PROTO"), **extra, **out}
+                "nccl_proto": os.environ.get("NCCL_PROTO"),
+                "grad_reduce": ds_cfg.get("communication_data_type"),
+                "persistence": {k: zero[k] for k in PERSISTENCE_KEYS if k in zero}, **extra, **out}
     finally:
         engine.destroy()
         del engine, model, module
@@ -974,10 +1025,7 @@ def main(argv: list[str] | None = None) -> int:
     if not launched():
         if args.nproc:
             return relaunch_sides(args, argv) if args.rows == "recipe" else relaunch(args, argv)
-        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
-        from services.learner.engine import free_port
-
-        os.environ["MASTER_PORT"] = str(free_port())
+        one_rank_env()
     rank, world, on_gpu = setup(args)
     import tempfile
 
