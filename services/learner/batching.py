@@ -6,6 +6,10 @@ attend to each other. Every per-token array is aligned to "predict the next toke
 carries the target token_ids[t+1] and that target's loss mask, behaviour logprob and advantage.
 A micro-batch stacks rows of similar length into [B, T] tensors (`micro_batches`), one forward
 and backward for all of them.
+
+A step's rows are planned from the sequences' lengths alone (`plan_rows`: packed and dealt to ranks and
+micro-batches by their work, balancing.py), the same plan on every rank; each rank then builds only
+its own rows (`rank_micro_batches`), with numpy over whole sequences rather than token by token.
 """
 
 from __future__ import annotations
@@ -13,13 +17,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from services.common.schemas import ScoredTrajectory
 from services.learner import algorithms as alg
+from services.learner.attention import packed_kwargs
+from services.learner.balancing import costed_rows, deal_rounds, even_out
 from services.learner.config import TRUNCATED_FINISHES, FilterConfig, ScheduleConfig
+from services.learner.flops import QWEN25_1P5B_COST, TrajectoryCost
+
+# How a step's sequences become this rank's rows: "work" packs and deals by training FLOPs (the default),
+# "tokens" is first-fit decreasing by tokens, dealt largest first by tokens (the earlier dealing).
+Balance = Literal["work", "tokens"]
 
 
 @dataclass
@@ -50,6 +62,10 @@ class PackedRow:
     advantages: torch.Tensor      # [T] float
     seq_index: torch.Tensor       # [T] long: which sequence a position belongs to (-1: filler)
     weights: torch.Tensor | None = None  # [T] float: loss weight per target, set for the whole step
+    # A micro-batch's sequence boundaries as attention keyword arguments (attention.packed_kwargs of its
+    # position ids), computed on the host as it is stacked; {} when every row is one sequence. Its
+    # cu_seq_lens tensors are on the host: the engine copies them to the device without reading them back.
+    bounds: dict[str, Any] | None = None
 
     @property
     def tokens(self) -> int:
@@ -121,6 +137,94 @@ def filler_row() -> PackedRow:
                      seq_index=torch.full((1,), -1, dtype=torch.long), weights=torch.zeros(1))
 
 
+def sequence_weights(seqs: Sequence[Sequence_], mode: alg.LossAggregation = "token-mean") -> dict[int, float]:
+    """The loss weight of each sequence's loss tokens over the whole step, read from the sequences
+    (`assign_weights` reads the same counts from the packed rows): every rank computes it without
+    building the other ranks' rows. Checks every sequence, so a bad one fails on every rank alike."""
+    counts: dict[int, float] = {}
+    for s in seqs:
+        _check(s)
+        if len(s):
+            counts[s.index] = float(np.asarray(s.loss_mask[1:], dtype=np.float32).sum(dtype=np.float64))
+    return alg.sequence_token_weights(counts, mode, {s.index: s.group for s in seqs if s.group})
+
+
+def _check(seq: Sequence_) -> None:
+    n = len(seq.token_ids)
+    if len(seq.loss_mask) != n:
+        raise ValueError(f"sequence {seq.index}: {n} token ids but {len(seq.loss_mask)} loss-mask entries")
+    if seq.logprobs is not None and len(seq.logprobs) not in (0, n):
+        raise ValueError(f"sequence {seq.index}: {n} token ids but {len(seq.logprobs)} logprobs")
+
+
+def _next(values: np.ndarray, ends: np.ndarray, last: float) -> np.ndarray:
+    """Each position's value at the next position of its sequence; `last` at a sequence's last one."""
+    out = np.empty_like(values)
+    out[:-1] = values[1:]
+    out[ends - 1] = last
+    return out
+
+
+def weighted_row(seqs: Sequence[Sequence_], scale: Mapping[int, float]) -> PackedRow:
+    """One packed row of these sequences with its loss weights (`scale`: `sequence_weights`), built
+    from whole arrays: the same tensors as `pack_sequences` then `assign_weights`."""
+    for s in seqs:
+        _check(s)
+    lens = np.array([len(s) for s in seqs], dtype=np.int64)
+    ends = np.cumsum(lens)
+    ids = np.concatenate([np.asarray(s.token_ids, dtype=np.int64) for s in seqs])
+    loss = np.concatenate([np.asarray(s.loss_mask, dtype=np.float32) for s in seqs])
+    # a missing logprob (None, or none given) reads as NaN here, and as "no rollout logprob" below
+    lps = np.concatenate([np.asarray(s.logprobs, dtype=np.float64) if s.logprobs else np.full(len(s), np.nan)
+                          for s in seqs])
+    behaviour = _next(lps, ends, np.nan)
+    has = ~np.isnan(behaviour)
+    mask = torch.from_numpy(_next(loss, ends, 0.0))
+    per_token = np.repeat(np.array([scale.get(s.index, 0.0) for s in seqs], dtype=np.float64), lens)
+    return PackedRow(
+        input_ids=torch.from_numpy(ids),
+        position_ids=torch.from_numpy(np.arange(ends[-1], dtype=np.int64) - np.repeat(ends - lens, lens)),
+        targets=torch.from_numpy(_next(ids, ends, 0)),
+        mask=mask,
+        old_logp=torch.from_numpy(np.where(has, behaviour, 0.0).astype(np.float32)),
+        has_old=torch.from_numpy(has),
+        advantages=torch.from_numpy(np.repeat(np.array([s.advantage for s in seqs], dtype=np.float64),
+                                              lens).astype(np.float32)),
+        seq_index=torch.from_numpy(np.repeat(np.array([s.index for s in seqs], dtype=np.int64), lens)),
+        weights=mask * torch.from_numpy(per_token.astype(np.float32)),
+    )
+
+
+@dataclass
+class RowPlan:
+    """A step's rows and their dealing, from the sequences' lengths (the same on every rank)."""
+
+    rows: list[list[int]]   # each row's sequences, as positions in the step's list (empty: a filler row)
+    ranks: list[list[int]]  # each rank's rows, in micro-batch order
+    costs: np.ndarray       # each row's work (FLOPs)
+
+    def rank_work(self) -> list[float]:
+        return [float(self.costs[r].sum()) for r in self.ranks]
+
+
+def plan_rows(lengths: Sequence[int], capacity: int, world_size: int,
+              cost: TrajectoryCost | None = None) -> RowPlan:
+    """Rows of at most `capacity` tokens (a longer sequence alone in a row), as many as first-fit
+    decreasing needs rounded up to a multiple of the ranks, filled so that their work (`cost`, default
+    Qwen2.5-1.5B's) is as even as the capacity allows, and dealt to ranks in rounds of neighbouring
+    work (balancing.py). Every rank gets the same number of rows."""
+    n = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    work = (cost or QWEN25_1P5B_COST)(n)
+    fewest = pack_bins(n.tolist(), capacity)
+    count = max(-(-len(fewest) // world_size), 1) * world_size
+    rows = costed_rows(n, work, capacity, count)
+    if rows is None:  # cost order fits worse than first-fit decreasing: start from its rows
+        rows = fewest + [[] for _ in range(count - len(fewest))]
+    rows = even_out(rows, n, work, capacity)
+    costs = np.array([work[r].sum() if r else 0.0 for r in rows])
+    return RowPlan(rows, deal_rounds(costs, world_size), costs)
+
+
 def assign_weights(rows: Sequence[PackedRow], mode: alg.LossAggregation = "token-mean",
                    groups: Mapping[int, Hashable] | None = None) -> None:
     """Loss weights over the whole step: every rank sees the same rows, so no all-reduce is needed.
@@ -171,7 +275,7 @@ def stack_rows(rows: Sequence[PackedRow], pad_to_multiple: int = 1) -> PackedRow
         last = int(r.position_ids[-1])
         return torch.cat([r.position_ids, torch.arange(last + 1, last + 1 + width - r.tokens, dtype=torch.long)])
 
-    return PackedRow(
+    batch = PackedRow(
         input_ids=torch.stack([pad(r.input_ids, 0) for r in rows]),
         position_ids=torch.stack([positions(r) for r in rows]),
         targets=torch.stack([pad(r.targets, 0) for r in rows]),
@@ -182,6 +286,8 @@ def stack_rows(rows: Sequence[PackedRow], pad_to_multiple: int = 1) -> PackedRow
         seq_index=torch.stack([pad(r.seq_index, -1) for r in rows]),
         weights=torch.stack([pad(r.weights, 0.0) for r in rows]),
     )
+    batch.bounds = packed_kwargs(batch.position_ids)
+    return batch
 
 
 def micro_batches(rows: Sequence[PackedRow], rows_per_batch: int, pad_to_multiple: int = 1) -> list[PackedRow]:
@@ -194,13 +300,25 @@ def micro_batches(rows: Sequence[PackedRow], rows_per_batch: int, pad_to_multipl
 
 
 def rank_micro_batches(seqs: Sequence[Sequence_], capacity: int, world_size: int, rank: int, rows_per_batch: int = 1,
-                       pad_to_multiple: int = 1, loss_agg: alg.LossAggregation = "token-mean") -> list[PackedRow]:
+                       pad_to_multiple: int = 1, loss_agg: alg.LossAggregation = "token-mean", *,
+                       cost: TrajectoryCost | None = None, balance: Balance = "work") -> list[PackedRow]:
     """This rank's micro-batches ([B, T] each) of a step's sequences: packed into rows of `capacity`
     tokens, weighted over the whole step, shared out among the ranks and stacked. Every rank passes
-    the whole step's sequences and gets its own share."""
-    rows = pack_sequences(seqs, capacity)
-    assign_weights(rows, loss_agg, {s.index: s.group for s in seqs if s.group})
-    return micro_batches(shard_rows(rows, world_size, rank), rows_per_batch, pad_to_multiple)
+    the whole step's sequences and gets its own share, the same number of micro-batches on every rank.
+
+    balance "work" (default): rows planned and dealt by their work (`plan_rows`, `cost` the model's,
+    `flops.TrajectoryCost`), only this rank's rows built. "tokens": every row built, dealt by tokens."""
+    if balance == "tokens":
+        rows = pack_sequences(seqs, capacity)
+        assign_weights(rows, loss_agg, {s.index: s.group for s in seqs if s.group})
+        return micro_batches(shard_rows(rows, world_size, rank), rows_per_batch, pad_to_multiple)
+    if balance != "work":
+        raise ValueError(f"unknown row balance {balance!r} (work or tokens)")
+    plan = plan_rows([len(s) for s in seqs], capacity, world_size, cost)
+    scale = sequence_weights(seqs, loss_agg)
+    mine = [weighted_row([seqs[i] for i in plan.rows[r]], scale) if plan.rows[r] else filler_row()
+            for r in plan.ranks[rank]]
+    return [stack_rows(mine[i: i + rows_per_batch], pad_to_multiple) for i in range(0, len(mine), rows_per_batch)]
 
 
 # ---- RL: scored trajectories → sequences with advantages -------------------------------------

@@ -16,7 +16,10 @@ Activation recomputation is not model FLOPs and is not counted in either.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s.
 _PEAKS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
@@ -52,3 +55,22 @@ def peak_flops(device_name: str | None = None) -> float | None:
                 return 756e12
             return value
     return None
+
+
+@dataclass(frozen=True)
+class TrajectoryCost:
+    """The PaLM model FLOPs of training one trajectory of each length (`train_flops` per sequence), as the
+    work by which rows are packed and dealt (balancing.py)."""
+
+    n_params: int
+    layers: int
+    attn_width: int
+
+    def __call__(self, lengths: Any) -> np.ndarray:
+        s = np.asarray(lengths, dtype=np.float64)
+        return 6.0 * self.n_params * s + 12.0 * self.layers * self.attn_width * s * s
+
+
+# Qwen2.5-1.5B (tied embedding counted once; 28 layers, 12 query heads x 128): the work of rows whose
+# caller names no model, the recipes' smallest learner.
+QWEN25_1P5B_COST = TrajectoryCost(1_543_714_304, 28, 1536)

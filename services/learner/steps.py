@@ -1,7 +1,8 @@
 """The optimizer steps of an SFT step or an RL batch over packed rows, with its statistics summed over ranks.
 
-Every rank packs the whole step's data identically and then takes its share (`shard_rows`), so
-loss weights need no communication; DeepSpeed averages gradients over ranks, which is why each
+Every rank plans the whole step's rows identically from the sequences' lengths (packed and dealt by
+their work, `batching.plan_rows`) and builds only its own; loss weights come from the whole step's
+sequences, so they need no communication; DeepSpeed averages gradients over ranks, which is why each
 micro-batch loss is multiplied by the world size. A micro-batch is `micro_batch_rows` packed rows
 stacked to [B, T]; its per-token arrays are flattened to match the [B·T] logprobs.
 
@@ -18,10 +19,10 @@ from dataclasses import dataclass, field
 import torch
 
 from services.learner import algorithms as alg
-from services.learner.batching import PackedRow, Sequence_, pack_bins, rank_micro_batches
+from services.learner.batching import Balance, PackedRow, Sequence_, rank_micro_batches
 from services.learner.config import RLConfig
 from services.learner.engine import PolicyEngine
-from services.learner.flops import model_shape, peak_flops, train_flops
+from services.learner.flops import TrajectoryCost, model_shape, peak_flops, train_flops
 
 
 @dataclass
@@ -36,11 +37,39 @@ def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def prepare_rows(engine: PolicyEngine, seqs: Sequence[Sequence_],
-                 loss_agg: alg.LossAggregation = "token-mean") -> list[PackedRow]:
+def trajectory_cost(engine: PolicyEngine) -> TrajectoryCost:
+    """The work of a trajectory on this engine's model (rows are packed and dealt by it)."""
+    return TrajectoryCost(engine.num_parameters(), *model_shape(engine.lm_config))
+
+
+def prepare_rows(engine: PolicyEngine, seqs: Sequence[Sequence_], loss_agg: alg.LossAggregation = "token-mean",
+                 balance: Balance = "work", cost: TrajectoryCost | None = None) -> list[PackedRow]:
     """This rank's micro-batches ([B, T] each) of the step's packed, weighted rows."""
     return rank_micro_batches(seqs, engine.cfg.micro_batch_tokens, engine.world_size, engine.rank,
-                              engine.cfg.micro_batch_rows, engine.cfg.pad_to_multiple, loss_agg)
+                              engine.cfg.micro_batch_rows, engine.cfg.pad_to_multiple, loss_agg,
+                              cost=cost or trajectory_cost(engine), balance=balance)
+
+
+def filled_rows(prepared: Sequence[Sequence[PackedRow]]) -> int:
+    """How many of this rank's rows hold a sequence (filler rows left out)."""
+    return sum(int((b.seq_index.reshape(-1, b.seq_index.shape[-1]) >= 0).any(dim=1).sum())
+               for rows in prepared for b in rows)
+
+
+def on_device(batches: Sequence[PackedRow], device: torch.device):
+    """The micro-batches in turn with their tensors on `device`, the next one's copy issued (pinned,
+    non-blocking) before the current one is handed over, so the host never waits on a copy."""
+    def moved(b: PackedRow) -> PackedRow:
+        weights = None if b.weights is None else _to(b.weights, device)
+        return PackedRow(**{f: _to(getattr(b, f), device) for f in _TENSOR_FIELDS}, weights=weights, bounds=b.bounds)
+
+    ahead = moved(batches[0]) if batches else None
+    for k in range(len(batches)):
+        current, ahead = ahead, (moved(batches[k + 1]) if k + 1 < len(batches) else None)
+        yield current
+
+
+_TENSOR_FIELDS = ("input_ids", "position_ids", "targets", "mask", "old_logp", "has_old", "advantages", "seq_index")
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -75,13 +104,13 @@ def _mfu_metrics(engine: PolicyEngine, seq_lens: list[int], seconds: float) -> d
     return out
 
 
-def sft_step(engine: PolicyEngine, seqs: Sequence[Sequence_]) -> StepOutput:
+def sft_step(engine: PolicyEngine, seqs: Sequence[Sequence_], balance: Balance = "work") -> StepOutput:
     """Cross-entropy on loss tokens, token-mean over the whole step."""
     _sync(engine.device)
     t0 = time.perf_counter()
-    batches = prepare_rows(engine, seqs)
+    batches = prepare_rows(engine, seqs, balance=balance)
     acc = torch.zeros(2, dtype=torch.float64, device=engine.device)  # nll sum, tokens (read once, see rl_step)
-    for batch in batches:
+    for batch in on_device(batches, engine.device):
         logp, _ = engine.logprobs(batch, grad=True, with_entropy=False)
         w = _flat(batch.weights, logp.device)
         loss = -(logp * w).sum()
@@ -169,7 +198,7 @@ def proximal_logprobs(engine: PolicyEngine, prepared: Sequence[Sequence[PackedRo
 def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, eps_high: float,
             bounds: LossBounds = LossBounds(), loss_agg: alg.LossAggregation = "token-mean", use_rollout_logprobs: bool = True, kl_coef: float = 0.0,
             reference: torch.nn.Module | None = None, mini_batches: int = 1,
-            batch_groups: int | None = None) -> StepOutput:
+            batch_groups: int | None = None, balance: Balance = "work") -> StepOutput:
     """The clipped policy-gradient update of one batch: one PPO epoch in `mini_batches` optimizer
     steps.
 
@@ -177,7 +206,8 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
     there is one (so the ratio also bounds inference/training mismatch and staleness), else the
     proximal policy's (the learner before the batch's first update). With it on (tis / mis), the
     proximal policy's for every token, and the gap from the sampler to it is corrected by a
-    token-level importance weight (`alg.importance_weights`)."""
+    token-level importance weight (`alg.importance_weights`). `balance`: how rows are packed and dealt
+    (`batching.rank_micro_batches`); it moves no token's loss weight."""
     _sync(engine.device)
     t0 = time.perf_counter()
     n_loss = len(alg.LOSS_STAT_FIELDS)
@@ -187,13 +217,15 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
     mm_max = torch.zeros((), dtype=torch.float64, device=engine.device)
     shares = split_mini_batches(seqs, mini_batches, batch_groups)
     # each share is normalised on its own tokens, as a batch of that size would be
-    prepared = [prepare_rows(engine, share, loss_agg) for share in shares]
+    cost = trajectory_cost(engine)
+    prepared = [prepare_rows(engine, share, loss_agg, balance, cost) for share in shares]
+    rows_here = filled_rows(prepared)
     proximal = None
     if needs_proximal_forward(len(shares), seqs, bounds, use_rollout_logprobs):
         proximal = proximal_logprobs(engine, prepared)
     norms: list[float] = []
     for s_i, rows in enumerate(prepared):
-        for b_i, batch in enumerate(rows):
+        for b_i, batch in enumerate(on_device(rows, engine.device)):
             logp, ent = engine.logprobs(batch, grad=True)
             dev = logp.device
             mask, w, adv = _flat(batch.mask, dev), _flat(batch.weights, dev), _flat(batch.advantages, dev)
@@ -226,9 +258,9 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
         norms.append(result.grad_norm)
     _sync(engine.device)
     seconds = time.perf_counter() - t0
-    totals = _all_reduce_sum(acc.tolist(), engine.device)
+    totals = _all_reduce_sum(acc.tolist() + [float(rows_here)], engine.device)
     pg_sum, loss_totals = totals[0], alg.LossStats(*totals[1: 1 + n_loss])
-    ent_sum, kl_ref_sum, kl_k3_sum, mm_k1, mm_k3, mm_tokens = totals[1 + n_loss:]
+    ent_sum, kl_ref_sum, kl_k3_sum, mm_k1, mm_k3, mm_tokens = totals[1 + n_loss: -1]
     mm_max_t = mm_max.reshape(1)
     if torch.distributed.is_initialized() and engine.world_size > 1:
         torch.distributed.all_reduce(mm_max_t, op=torch.distributed.ReduceOp.MAX)
@@ -241,8 +273,7 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
         "mismatch_kl_k3": mm_k3 / mm_tokens if mm_tokens else 0.0,
         "mismatch_logp_max_abs": float(mm_max_t.item()), "time_compute_s": seconds,
         # rows of up to micro_batch_tokens the step's sequences were packed into, over all ranks
-        "packed_rows": float(sum(len(pack_bins([len(s) for s in share], engine.cfg.micro_batch_tokens))
-                                 for share in shares)),
+        "packed_rows": totals[-1],
     }
     if kl_coef > 0.0:
         # kl_ref is what the loss saw (capped per token); kl_ref_k3 is the estimate itself, so a
