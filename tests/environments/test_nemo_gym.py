@@ -1,6 +1,7 @@
 """The NeMo Gym adapter against NeMo Gym's own resources-server classes, over real HTTP to our real episode API.
 
-Runs in `.venv-nemogym` (scripts/test-adapters); skipped where NeMo Gym is not installed. The resources
+Runs in `.venv-nemogym` (scripts/test-adapters); skipped where NeMo Gym is not installed. `served` (conftest.py)
+is the live episode API with the fixture's plan cases and their `star score` rewards. The resources
 server is NeMo Gym's `SimpleResourcesServer` (its app, session middleware, verify wrappers) served by
 uvicorn; the client speaks the protocol NeMo Gym's simple agent speaks (seed_session, one POST per tool
 call with the session cookie, verify with a Responses API response).
@@ -12,25 +13,16 @@ import json
 import socket
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-nemo_gym = pytest.importorskip("nemo_gym", reason="NeMo Gym is not installed (its venv: scripts/install adapters)")
+from tests.environments.conftest import library_or_skip
 
-from tests.environments.adapter_server import main_python_problem, served_episodes  # noqa: E402
+library_or_skip("nemo_gym", ".venv-nemogym")
 
-pytestmark = [pytest.mark.integration, pytest.mark.travelplanner_data]
-
-
-@pytest.fixture(scope="module")
-def served(travelplanner_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    problem = main_python_problem()
-    if problem:
-        pytest.skip(problem)
-    with served_episodes(tmp_path_factory.mktemp("nemo-gym-episodes"), travelplanner_dir) as s:
-        yield s
+# starts the episode API (conftest's `served`) and a resources server
+pytestmark = pytest.mark.slow
 
 
 def _free_port() -> int:
