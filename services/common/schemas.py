@@ -354,6 +354,11 @@ class ForcedTurns(BaseModel):
     tool_calls: int = Field(10, ge=0, le=200, description="Tool turns before the answer turn.")
     turn_tokens: int = Field(120, ge=1, description="Tokens each tool turn samples (stop tokens ignored).")
     answer_tokens: int = Field(1000, ge=1, description="Tokens the answer turn samples (stop tokens ignored).")
+    shape: Literal["fixed", "teacher"] = Field("fixed", description=(
+        "fixed: every episode takes the three numbers above. teacher: each episode draws its tool calls and "
+        "answer length, and each tool turn its length, from log-normals fitted to the oracle teacher's "
+        "trajectories (services/rollout/episode_shapes.py, the long tail included), seeded; the numbers above "
+        "are then unused."))
 
 
 class SamplingParams(BaseModel):

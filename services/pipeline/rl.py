@@ -330,6 +330,9 @@ def forced_turns_note(sampling: SamplingParams) -> str | None:
     f = sampling.forced_turns
     if f is None:
         return None
+    if f.shape == "teacher":
+        return ("rl.sampling.forced_turns (benchmarking): each episode's tool calls, turn and answer lengths are drawn "
+                "from the teacher's trajectories, whatever the model samples: the run measures time, not learning")
     return (f"rl.sampling.forced_turns (benchmarking): every episode is {f.tool_calls} tool turns of {f.turn_tokens} "
             f"tokens and an answer of {f.answer_tokens}, whatever the model samples: the run measures time, not learning")
 

@@ -31,7 +31,8 @@ Budgets and how a trajectory ends (`finish_reason`):
 - Forced episodes (`SamplingParams.forced_turns`, benchmarking only): each turn samples a fixed
   number of tokens with stop tokens ignored; the first `tool_calls` turns are read as calls of real
   sandbox tools (`forced_call`: arguments from the query), the next one is the answer, whatever the
-  text says. A random-init model's rollouts then cost what a trained agent's do.
+  text says. A random-init model's rollouts then cost what a trained agent's do. With `shape: teacher` the
+  numbers are drawn per episode (and per turn) from the teacher's trajectories (episode_shapes.py).
 - `deadline`: the episode ran past its wall-clock limit (`Limits.episode_timeout_s`, or its group's
   deadline), or one turn past `Limits.turn_timeout_s`: the turn in flight is cancelled, which aborts
   its request in the engine, and what was sampled before it stays.
@@ -41,14 +42,16 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.schemas import SamplingParams, Trajectory, TravelQuery
+from services.common.schemas import ForcedTurns, SamplingParams, Trajectory, TravelQuery
 from services.rollout.chat import Chat, ChatOptions, ChatTemplateError
 from services.rollout.engines.base import Engine, EngineError, Generation, TurnParams, normalized_entropy
+from services.rollout.episode_shapes import EpisodeShape, draw_episode, draw_turn, shape_rng
 from services.rollout.protocol import FORMAT_ERROR, Turn, parse_turn, system_prompt, tool_response, user_message
 from services.rollout.tools import ToolClient, ToolServiceError
 from services.sandbox.tools.registry import tool_names
@@ -105,6 +108,8 @@ class Episode:
     started: float = field(default_factory=time.perf_counter)
     query: TravelQuery | str | None = None  # what forced turns read their tool arguments from
     forced_cities: list[str] = field(default_factory=list)  # a forced multi-city episode's SearchCity result
+    forced_shape: EpisodeShape | None = None  # a forced episode of the teacher's shape: its draws (episode_shapes)
+    forced_rng: random.Random | None = None
     last_tool_output: str | None = None  # the last tool call's reply (what a forced episode reads cities from)
     deadline: float | None = None  # time.monotonic() at which the episode ends as `deadline`
     turn_timeout_s: float | None = None
@@ -274,8 +279,9 @@ class Agent:
         if room <= 0:
             ep.finish_reason = "context_limit"
             return
-        answering = ep.tool_calls >= forced.tool_calls
-        max_tokens = min(forced.answer_tokens if answering else forced.turn_tokens, limits.max_tokens_per_turn, room)
+        calls, answer_tokens, turn_tokens = self._forced_shape(ep, forced, limits)
+        answering = ep.tool_calls >= calls
+        max_tokens = min(answer_tokens if answering else turn_tokens, limits.max_tokens_per_turn, room)
         params = TurnParams(max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                             top_k=sampling.top_k, seed=turn_seed(ep.seed, ep.turns),
                             top_logprobs=sampling.logprobs_top_k, ignore_stop=True)
@@ -299,6 +305,17 @@ class Agent:
             ep.finish_reason = "context_limit"
         elif turn.name == "SearchCity":
             ep.forced_cities = cities_found(ep.last_tool_output or "")
+
+    def _forced_shape(self, ep: Episode, forced: ForcedTurns, limits: Limits) -> tuple[int, int, int]:
+        """This turn's forced numbers: (tool calls, answer tokens, this tool turn's tokens), the recipe's fixed
+        ones, or the teacher's shape drawn for the episode (its calls and answer once, each turn anew)."""
+        if forced.shape == "fixed":
+            return forced.tool_calls, forced.answer_tokens, forced.turn_tokens
+        if ep.forced_shape is None:
+            query_id = ep.query.id if isinstance(ep.query, TravelQuery) else str(ep.query)
+            ep.forced_rng = shape_rng(ep.seed, query_id, ep.sample_index)
+            ep.forced_shape = draw_episode(ep.forced_rng, limits.max_tool_calls)
+        return ep.forced_shape.tool_calls, ep.forced_shape.answer_tokens, draw_turn(ep.forced_rng)
 
     async def _at_limit(self, ep: Episode, sampling: SamplingParams, limits: Limits, request_id: str, *,
                         pending: tuple[bool, int] | None = None) -> None:
