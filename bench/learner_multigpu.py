@@ -33,12 +33,16 @@ Sides (`--sides`, each in processes of its own under `--nproc`; the record is re
   Liger's LigerFusedLinearGRPOLoss, the same clipped token-level policy loss as ours (eps 0.2 / 0.28, DAPO
   token mean, no KL term) with the head fused in sequence × vocabulary chunks. Its advantages are one per
   row, and a packed row mixes trajectories, so each token is handed over as a row of one. Packed rows go in
-  as transformers takes them: position ids restarting per trajectory, from which it builds the [B, 1, T, T]
-  block mask for SDPA (`--baseline-attn`; varlen kernels through `kernels` / flash-attn are not installed on
-  the devices). Without the Triton kernels (CPU) the side runs the Liger loss alone, marked in the record.
+  as transformers takes them (`--baseline-attn`): position ids restarting per trajectory, from which it builds
+  the [B, 1, T, T] block mask for SDPA or the block mask of flex_attention; or, with a varlen attention
+  registered through transformers' AttentionInterface (star_varlen: services/learner/attention.py's), the
+  row's cu_seq_lens once per row, as transformers' flattening collator hands them (flash-attn and `kernels`
+  are not installed on the devices). Without the Triton kernels (CPU) the side runs the Liger loss alone,
+  marked in the record.
 - plain: HF Qwen2 and HF's loss (cross-entropy over the full logits, labels -100 off the loss tokens).
 Both baselines: random-init weights built under deepspeed.zero.Init, the same plain ZeRO-3 config (bf16, fp32
-gradient accumulation, overlap_comm, AdamW, DeepSpeed's gradient accumulation over the rank's rows), without
+gradient accumulation, overlap_comm, AdamW, DeepSpeed's gradient accumulation over the rank's rows) with ours'
+weight persistence and gradient-reduce dtype (services/learner/engine.py deepspeed_config), without
 gradient checkpointing first and with it where that runs out of memory (`--baseline-checkpointing`, every
 attempt recorded). In-process (under torchrun) liger runs last, since its patches change HF's Qwen2 classes.
 
@@ -574,7 +578,8 @@ def profile_step(engine, world: int, args: argparse.Namespace, rank: int, on_gpu
         path.write_text(f"# one step of ours under torch.profiler ({seconds:.3f} s with the profiler on), "
                         f"shape {args.shape}, rows {args.rows}, {world} ranks, sorted by {key}\n\n{table}\n")
         log(rank, f"profile: {path}")
-    return {"step_s": round(seconds, 4), "file": str(path.relative_to(ROOT)), "top_self": top_operators(averages, on_gpu)}
+    return {"step_s": round(seconds, 4), "file": str(path.relative_to(ROOT)),
+            "top_self": top_operators(averages, on_gpu)}
 
 
 def top_operators(averages, on_gpu: bool, n: int = 12) -> list[dict]:
@@ -708,6 +713,8 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
     config = AutoConfig.from_pretrained(model_dir, attn_implementation=attn)
     # Built as the probe builds it: random init, each parameter partitioned as it is created. (Loaded
     # through from_pretrained instead, the first step's full fp32 logits ran out of memory on 80 GB.)
+    # Seeded: every attention implementation of a baseline starts from the same weights.
+    torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=ds_cfg, dtype=torch.bfloat16 if bf16 else torch.float32):
         model = Qwen2ForCausalLM(config)
     if checkpointing:
@@ -723,7 +730,7 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
     engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=ds_cfg)
     device = engine.device
     pad = 256 if on_gpu else 1
-    times, tokens, flops, half = [], [], [], []
+    times, tokens, flops, half, losses = [], [], [], [], []
     layers, width = model_shape(config)
     log(rank, f"{side}: HF model{' + Liger' if side == 'liger' else ''}, ZeRO-3, checkpointing={checkpointing}, "
               f"attention {attn}{', ' + str(extra) if extra else ''}")
@@ -755,6 +762,7 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
             torch.distributed.all_reduce(dt, op=torch.distributed.ReduceOp.MAX)  # the slowest rank's step
             log(rank, f"{side} step {k}: {dt.item():.3f} s, loss {loss.item():.4f}")
+            losses.append(round(float(loss.item()), 6))
             if k >= args.warmup:
                 lens = [len(q) for q in seqs]
                 times.append(float(dt.item()))
@@ -766,7 +774,7 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
         return {"params": n_params, "gradient_checkpointing": checkpointing, "attn_implementation": attn,
                 "nccl_proto": os.environ.get("NCCL_PROTO"),
                 "grad_reduce": ds_cfg.get("communication_data_type"),
-                "persistence": {k: zero[k] for k in PERSISTENCE_KEYS if k in zero}, **extra, **out}
+                "persistence": {k: zero[k] for k in PERSISTENCE_KEYS if k in zero}, "losses": losses, **extra, **out}
     finally:
         engine.destroy()
         del engine, model, module
@@ -895,8 +903,9 @@ def write_markdown(record: dict, path: Path) -> None:
         lines += ["", f"Liger side: {liger.get('liger_missing') or liger.get('skipped')}."]
     if liger.get("liger_compiled") is False:
         lines += ["", "Liger's chunked loss ran eager (`--liger-compile off`), not under torch.compile."]
-    lines += ["", f"Baselines' attention: `{record['baseline_attn']}` from position ids (transformers' [B, 1, T, T] "
-                  "block mask; no varlen kernel: `kernels` and flash-attn are not installed).",
+    how = ("the rows' cu_seq_lens through transformers' AttentionInterface" if record["baseline_attn"].startswith("star_")
+           else "from position ids (transformers' block mask)")
+    lines += ["", f"Baselines' attention: `{record['baseline_attn']}`, {how}.",
               f"torch {record['torch']}, transformers {record['transformers']}, deepspeed {record['deepspeed']}, "
               f"liger-kernel {record['liger_kernel']}; {record['date']}.", ""]
     path.write_text("\n".join(lines))

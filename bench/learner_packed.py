@@ -297,7 +297,8 @@ def write_markdown(record: dict, path: Path) -> None:
     for side, tries in record["attempts"].items():
         for a in tries:
             option = {k: a[k] for k in ("recompute", "sdpa", "variant", "gradient_checkpointing") if k in a}
-            outcome = (a.get("error") or a.get("skipped") or f"{a.get('tokens_per_s', 0):,.0f} tokens/s").replace("\n", " ")
+            outcome = a.get("error") or a.get("skipped") or f"{a.get('tokens_per_s', 0):,.0f} tokens/s"
+            outcome = outcome.replace("\n", " ")
             lines.append(f"- {side} {option}: {outcome}")
     prof = (record["sides"].get("ours") or {}).get("profile")
     if prof:
@@ -380,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     card = None
     if on_gpu:
         card = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-    record = {"name": args.name, "device": device, "device_gib": card, "card_gib": (args.card_gib or card) if on_gpu else None,
+    record = {"name": args.name, "device": device, "device_gib": card,
+              "card_gib": (args.card_gib or card) if on_gpu else None,
               "shape": args.shape, "world_size": world, "zero_stage": 3, "single_seq": args.single_seq,
               "timed_steps": args.steps, "warmup_steps": args.warmup, "baseline_attn": args.baseline_attn,
               "recipe": str(args.recipe.relative_to(ROOT)) if args.recipe.is_relative_to(ROOT) else str(args.recipe),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +18,8 @@ from bench import learner_packed as lp
 def figures(rates: list[float], tokens: int = 1000, **more) -> dict:
     """A side's result as the runs return it: steps of `tokens` tokens at the given rates."""
     steps = [tokens / r for r in rates]
-    return {"steps_s": steps, "tokens_per_step": [tokens] * len(rates), "tokens_per_s": tokens * len(rates) / sum(steps),
-            **more}
+    return {"steps_s": steps, "tokens_per_step": [tokens] * len(rates),
+            "tokens_per_s": tokens * len(rates) / sum(steps), **more}
 
 
 def test_targets_follow_the_figures():
@@ -37,7 +39,8 @@ def test_targets_follow_the_figures():
 
 
 def test_a_side_that_did_not_run_leaves_its_targets_open():
-    record = {"sides": {"single": figures([100]), "ours": figures([100]), "liger": {"skipped": "liger-kernel unavailable"}}}
+    record = {"sides": {"single": figures([100]), "ours": figures([100]),
+                        "liger": {"skipped": "liger-kernel unavailable"}}}
     lp.finish(record)
     assert record["baseline_tokens_per_s"] is None and record["speedup_vs_baseline"] is None
     assert all(t["pass"] is None for t in record["targets"].values()) and record["targets_missed"] == []
@@ -113,17 +116,16 @@ def test_without_liger_the_side_says_so():
 
 
 @pytest.mark.slow
-def test_the_record_path_on_cpu(tmp_path, monkeypatch):
-    """Tiny shape, 2 timed steps, Liger absent: the job writes its JSON, markdown and PNG with the fields
-    the issue names, every side a figure or a reason."""
-    for key in ("CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "DS_ACCELERATOR"):
-        monkeypatch.setenv(key, os.environ.get(key, ""))  # restored after the run sets them
+def test_the_record_path_on_cpu(tmp_path):
+    """Tiny shape, 2 timed steps, Liger absent: the job (its own process, as the device runs it) writes its
+    JSON, markdown and PNG with the fields the issue names, every side a figure or a reason."""
     name = f"test_learner_packed_{os.getpid()}"
     out = lm.ROOT / "bench" / "results" / f"{name}.json"
+    cmd = [sys.executable, "bench/learner_packed.py", "--shape", "tiny", "--device", "cpu", "--steps", "2", "--warmup",
+           "1", "--row-tokens", "512", "--single-seq", "512", "--name", name, "--workdir", str(tmp_path)]
     try:
-        assert lp.main(["--shape", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", "--row-tokens", "512",
-                        "--single-seq", "512", "--name", name, "--workdir", str(tmp_path)]) == 0
+        run = subprocess.run(cmd, cwd=lm.ROOT, capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         record = json.loads(out.read_text())
         for key in ("single_mfu", "mfu", "baseline_tokens_per_s", "tokens_per_s", "peak_gib", "card_gib",
                     "timed_steps", "device", "targets"):
@@ -146,3 +148,30 @@ def test_the_record_path_on_cpu(tmp_path, monkeypatch):
     finally:
         for suffix in (".json", ".md", ".png"):
             out.with_suffix(suffix).unlink(missing_ok=True)
+
+
+@pytest.mark.slow
+def test_a_baseline_through_the_registered_varlen_attention_trains_what_the_block_mask_trains(tmp_path):
+    """HF's model through star_varlen (the rows' cu_seq_lens handed once per row) and through SDPA's block mask
+    from position ids: the same weights give the same loss on the same packed rows (a baseline whose
+    attention crossed trajectory boundaries would not), and the baseline takes ours' weight persistence."""
+    losses = {}
+    for attn in ("star_varlen", "sdpa"):
+        name = f"test_varlen_baseline_{attn}_{os.getpid()}"
+        out = lm.ROOT / "bench" / "results" / f"{name}.json"
+        cmd = [sys.executable, "bench/learner_multigpu.py", "--shape", "tiny", "--device", "cpu", "--steps", "1",
+               "--warmup", "0", "--rows", "recipe", "--sides", "plain", "--baseline-attn", attn,
+               "--baseline-checkpointing", "off", "--row-tokens", "512", "--name", name,
+               "--workdir", str(tmp_path)]
+        try:
+            run = subprocess.run(cmd, cwd=lm.ROOT, capture_output=True, text=True, timeout=900)
+            assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+            side = json.loads(out.read_text())["sides"]["plain"]
+        finally:
+            for suffix in (".json", ".md"):
+                out.with_suffix(suffix).unlink(missing_ok=True)
+        assert side["attn_implementation"] == attn and side["tokens_per_s"] > 0
+        ours = lm.ours_ds_config(lm.parse_args([]), on_gpu=False, world=1)["zero_optimization"]
+        assert side["persistence"] == {k: ours[k] for k in lm.PERSISTENCE_KEYS if k in ours}
+        losses[attn] = side["losses"][0]
+    assert losses["star_varlen"] == pytest.approx(losses["sdpa"], rel=1e-4, abs=1e-5)

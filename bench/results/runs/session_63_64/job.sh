@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One device job for issues 63 and 64, a lane per GPU (or group), each lane archived into
+# bench/results/lane_<name>.tgz as it ends (started by `bench/gpu_device.sh start bash
+# bench/results/runs/session_63_64/job.sh`, fetched by `bench/gpu_device.sh poll 'lane_*.tgz' 'lane/NAME/*'`; keep
+# a poll in flight until the job ends, the machine goes back after 30 s without a call):
+#   learner63 (LEARNER_GPU, default 0): issue 63 item 6, bench/learner_packed.py on one H200 capped at 80 GiB
+#             (1.5B, ours on one 16K row, ours on the recipe's packed rows, HF + Liger; about 6-8 minutes), then
+#             kernels63 on the same GPU: issue 63 item 2's attention figures and the GPU tests
+#   recipe64  (RECIPE_GPUS): issue 64, the 1.5B recipe (its engineer fills recipe64)
+# On one GPU: LANES="learner63+recipe64" RECIPE_GPUS=0 runs them one after another. LEARNER_ARGS adds
+# bench/learner_packed.py arguments (e.g. --steps 30), LEARNER_TIMEOUT_S bounds the lane (default 600).
+set -u
+source bench/gpu_lanes.sh  # lane, pack, mirror; R=bench/results
+LANES=${LANES:-"learner63 recipe64"}
+# extra wheels beside the vLLM ones: liger-kernel (.diag/whl/liger_kernel-0.8.5-py3-none-any.whl, pure Python;
+# its Triton is the device torch's), onto the PYTHONPATH that `bench/gpu_device.sh start` sets (/tmp/site)
+[ -d .diag/whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .diag/whl/*.whl
+
+learner63() {
+  # the record is rewritten after each side: `poll 'lane/learner63/*'` brings back what is done so far
+  mirror learner63 $R/learner_packed_h200.json $R/learner_packed_h200.md
+  lane learner63 ${LEARNER_GPU:-0} timeout ${LEARNER_TIMEOUT_S:-600} python bench/learner_packed.py \
+    --name learner_packed_h200 ${LEARNER_ARGS:-}
+  mirror_stop
+  nvidia-smi > $R/lane/learner63/nvidia-smi.txt 2>&1
+  pack learner63 $R/learner_packed_h200.* $R/learner_packed_h200_profile.txt
+  kernels63
+}
+
+# ==== kernels63: issue 63 item 2 (packed attention kernels), the lead fills this function ====
+kernels63() {
+  lane kernels63 ${LEARNER_GPU:-0} timeout 600 python bench/packed_attention.py --gpu-default-args
+  # the GPU tests of the kernels, e.g.:
+  # lane kernels63_tests ${LEARNER_GPU:-0} timeout 600 python -m pytest -q -p no:cacheprovider -m gpu \
+  #   tests/learner/test_packed_attention.py
+  pack kernels63 $R/packed_attention* $R/lane/kernels63_tests
+}
+# ==== end of kernels63 ====
+
+# ==== recipe64: issue 64 (the 1.5B recipe), its engineer owns and fills this function ====
+recipe64() {
+  echo "[$(date +%T)] recipe64: not filled in"
+}
+# ==== end of recipe64 ====
+
+nvidia-smi --query-gpu=index,name,memory.total --format=csv
+for group in $LANES; do
+  ( IFS=+; set -- $group; IFS=$' \t\n'; for l in "$@"; do $l; done ) &
+done
+wait
+echo "[$(date +%T)] all lanes ended"
