@@ -19,14 +19,15 @@ def episodes_serve(
     host: str = host_option(),
     port: int = port_option(8007),
     db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world the scorer reads."),
-    sandbox: Optional[str] = typer.Option(None, help="Base URL of the sandbox (default: STAR_SANDBOX_URL)."),
-    redis_url: Optional[str] = typer.Option(None, "--redis", help="Redis URL (default: STAR_REDIS_URL)."),
+    sandbox_url: Optional[str] = typer.Option(None, "--sandbox-url", help="Sandbox service URL (default: "
+                                              "STAR_SANDBOX_URL)."),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help="Redis URL (default: STAR_REDIS_URL)."),
     workers: int = typer.Option(1, min=1, help="Worker processes (episodes live in Redis: any worker serves any)."),
 ) -> None:
     """Serve /v1/episodes: start, tool calls, finish, state, close (OpenAPI docs at /docs)."""
     import uvicorn
 
-    for name, value in (("STAR_DB_URL", db), ("STAR_SANDBOX_URL", sandbox), ("STAR_REDIS_URL", redis_url)):
+    for name, value in (("STAR_DB_URL", db), ("STAR_SANDBOX_URL", sandbox_url), ("STAR_REDIS_URL", redis_url)):
         if value is not None:
             os.environ[name] = value
     get_settings.cache_clear()

@@ -51,6 +51,8 @@ SERVICES: tuple[ServiceSpec, ...] = (
                 env_url="STAR_FORMATTER_URL"),
     ServiceSpec("reward", "services.reward.app", _uvicorn("services.reward.app:create_app"), env_url="STAR_REWARD_URL"),
     ServiceSpec("reward-worker", "services.reward.worker", ("services.cli", "reward", "worker"), http=False),
+    ServiceSpec("episodes", "services.episodes.app", _uvicorn("services.episodes.app:create_app"),
+                env_url="STAR_EPISODES_URL"),
     ServiceSpec("rollout", "services.rollout.app", _uvicorn("services.rollout.app:create_app"), env_url="STAR_ROLLOUT_URLS"),
     ServiceSpec("learner", "services.learner.app", _uvicorn("services.learner.app:create_app"), env_url="STAR_LEARNER_URL"),
 )
