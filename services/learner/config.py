@@ -60,6 +60,12 @@ class EngineConfig(_Strict):
         False, description="Selective recomputation: recompute only each layer's MLP in backward (its "
                            "intermediate-width activations are most of a layer's memory), keep attention's. "
                            "Ignored under gradient_checkpointing, which recomputes whole layers.")
+    activation_memory: Literal["keep", "lean"] = Field(
+        "keep", description="keep: every activation eager PyTorch saves; lean: the SwiGLU MLP saves only its gate "
+                            "and up (the product recomputed in backward) and each RMSNorm's output is rebuilt in "
+                            "backward from its input rather than saved (services/learner/fused_layers.py): about "
+                            "2 x intermediate + 4 x hidden bytes less per token and layer in bf16. Combines with "
+                            "recompute_mlp; under gradient_checkpointing only the SwiGLU part applies.")
     ranks: int | None = Field(
         None, ge=1, description="Learner processes, launched under torchrun, one GPU each on a GPU machine (None: "
                                 "every visible GPU, 1 on CPU). More ranks than visible GPUs is refused.")
@@ -151,6 +157,13 @@ class EngineConfig(_Strict):
         if self.packed_attention != "mask" and self.attn_implementation not in (None, "sdpa"):
             raise ValueError(f"attn_implementation {self.attn_implementation!r} is not used under packed_attention "
                              f"{self.packed_attention}; set packed_attention: mask to use it")
+        return self
+
+    @model_validator(mode="after")
+    def _lean_not_compiled(self) -> "EngineConfig":
+        if self.activation_memory == "lean" and self.compile_layers:
+            raise ValueError("activation_memory lean replaces the layers' MLP and norm code with autograd functions "
+                             "and saved-tensor hooks, which compile_layers would trace; use one of the two")
         return self
 
     @model_validator(mode="after")

@@ -27,6 +27,7 @@ from services.learner.attention import IMPLEMENTATIONS, PACKED_IMPLEMENTATIONS, 
 from services.learner.batching import PackedRow, lr_lambda
 from services.learner.build_locks import clear_stale_build_locks
 from services.learner.config import EngineConfig, ScheduleConfig
+from services.learner.fused_layers import lean_activations
 from services.learner.nccl_env import set_learner_protocol
 from services.learner.pointwise import fuse_pointwise
 from services.learner.vocab_head import HeadKernels, fused_head_fits, model_logprobs, vocab_logprobs
@@ -321,6 +322,11 @@ class PolicyEngine:
         fuse = cfg.fuse_pointwise if cfg.fuse_pointwise is not None else self.on_gpu
         if fuse:
             fuse_pointwise(lm)  # before recompute_mlps, which wraps the MLP forward it finds
+        if cfg.activation_memory == "lean":
+            # after fuse_pointwise, whose MLP and norm forwards these replace; under ZeRO-3 down_proj's weight
+            # is read directly only where each layer is gathered whole
+            lean_activations(lm, recompute_norms=not cfg.gradient_checkpointing, compiled=fuse,
+                             fold_down=cfg.zero_stage < 3 or cfg.zero3_layer_units)
         if cfg.gradient_checkpointing:
             recompute_layers(lm)
         elif cfg.recompute_mlp:

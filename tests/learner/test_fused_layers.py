@@ -1,0 +1,89 @@
+"""Lean activations (services/learner/fused_layers.py): the same forward and gradients as transformers' own
+layers, with fewer bytes saved for backward (counted through saved-tensor hooks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.learner.attention import PER_SEQUENCE_ATTENTION, packed_kwargs
+from services.learner.fused_layers import lean_activations
+
+LENGTH = 48
+
+
+def _model(tiny_model, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=dtype, attn_implementation=PER_SEQUENCE_ATTENTION)
+    lm.config.use_cache = False
+    return lm.train()
+
+
+def _batch(packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(100, 4000, (1, LENGTH), generator=torch.Generator().manual_seed(7))
+    positions = torch.cat([torch.arange(30), torch.arange(LENGTH - 30)]) if packed else torch.arange(LENGTH)
+    return ids, positions[None]
+
+
+def _forward(lm, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    hidden = lm.model(input_ids=ids, position_ids=positions, use_cache=False, **packed_kwargs(positions))
+    return hidden.last_hidden_state
+
+
+def _loss_and_grads(lm, ids, positions) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    out = _forward(lm, ids, positions)
+    (out.square().mean() + out[..., :7].sum() * 1e-2).backward()
+    return out.detach(), {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("fold_down", [True, False], ids=["swiglu+down", "swiglu"])
+@pytest.mark.parametrize("packed", [False, True], ids=["single-sequence", "packed"])
+def test_lean_layers_match_transformers_forward_and_gradients(tiny_model, packed, fold_down):
+    ids, positions = _batch(packed)
+    out, grads = _loss_and_grads(_model(tiny_model), ids, positions)
+    lean = _model(tiny_model)
+    names = [n for n, _ in lean.named_parameters()]
+    counts = lean_activations(lean, fold_down=fold_down)
+    layers = lean.config.num_hidden_layers
+    assert counts == {"swiglu": layers, "rms_norm": 2 * layers + 1, "layers": layers}
+    assert [n for n, _ in lean.named_parameters()] == names
+    lean_out, lean_grads = _loss_and_grads(lean, ids, positions)
+    torch.testing.assert_close(lean_out, out, rtol=1e-6, atol=1e-6)
+    assert lean_grads.keys() == grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(lean_grads[name], g, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def saved_bytes(lm, ids: torch.Tensor, positions: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd keeps for backward after the forward (each counted once, as
+    memory is: a tensor saved by several nodes, or views of one storage, count once)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    params = {p.untyped_storage().data_ptr() for p in lm.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = _forward(lm, ids, positions)
+    out.sum().backward()
+    return sum(n for ptr, n in storages.items() if ptr not in params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lean_layers_save_the_product_and_the_norm_outputs_less(tiny_model, dtype):
+    """Per token and layer the lean layers keep, of the MLP, gate and up only (eager PyTorch also keeps
+    SiLU(gate) and the product), and of the two norms no output (the projections' input) and no
+    normalized copy: at least 2 x intermediate + 4 x hidden elements fewer per token and layer."""
+    ids, positions = _batch(packed=True)
+    plain = saved_bytes(_model(tiny_model, dtype), ids, positions)
+    lean_model = _model(tiny_model, dtype)
+    lean_activations(lean_model)
+    lean = saved_bytes(lean_model, ids, positions)
+    cfg = lean_model.config
+    fewer = LENGTH * cfg.num_hidden_layers * (2 * cfg.intermediate_size + 4 * cfg.hidden_size) * dtype.itemsize
+    assert plain - lean >= fewer, (plain, lean, fewer)
+    only_swiglu = _model(tiny_model, dtype)
+    lean_activations(only_swiglu, recompute_norms=False)
+    assert lean < saved_bytes(only_swiglu, ids, positions) < plain
