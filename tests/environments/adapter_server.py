@@ -81,6 +81,12 @@ class ServedEpisodes:
     token: str
     cases: list[dict[str, Any]]
 
+    def client(self, **options: Any):
+        """An `EpisodeClient` of this server (a context manager)."""
+        from services.episodes.client import EpisodeClient
+
+        return EpisodeClient(self.url, self.token, **options)
+
 
 def main_python_problem() -> str | None:
     """Why the server side cannot start here (None: it can)."""
