@@ -21,8 +21,14 @@ from typing import Any
 from services.episodes.client import AsyncEpisodeClient, EpisodeClient, EpisodeError
 
 # The six tools (the sandbox's names); each becomes a POST route of the resources server.
-TOOL_NAMES = ("SearchFlight", "GoogleDistanceMatrix", "SearchAccommodation", "SearchRestaurant",
-              "SearchAttraction", "SearchCity")
+TOOL_NAMES = (
+    "SearchFlight",
+    "GoogleDistanceMatrix",
+    "SearchAccommodation",
+    "SearchRestaurant",
+    "SearchAttraction",
+    "SearchCity",
+)
 EPISODE_KEY = "star_episode_id"  # where the session cookie keeps the episode's id
 QUERY_FIELDS = ("query_id", "split", "query")
 
@@ -32,13 +38,21 @@ def response_tools(openai_tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for tool in openai_tools:
         fn = tool.get("function", tool)
-        out.append({"type": "function", "name": fn["name"], "description": fn.get("description", ""),
-                    "parameters": fn.get("parameters", {"type": "object", "properties": {}}), "strict": False})
+        out.append(
+            {
+                "type": "function",
+                "name": fn["name"],
+                "description": fn.get("description", ""),
+                "parameters": fn.get("parameters", {"type": "object", "properties": {}}),
+                "strict": False,
+            }
+        )
     return out
 
 
-def dataset_rows(client: EpisodeClient, split: str, query_ids: list[str], *, mode: str = "strict",
-                 reward: str = "sum") -> list[dict[str, Any]]:
+def dataset_rows(
+    client: EpisodeClient, split: str, query_ids: list[str], *, mode: str = "strict", reward: str = "sum"
+) -> list[dict[str, Any]]:
     """One NeMo Gym dataset row per query: the prompt (system prompt, task) and the tools as the episode API
     gives them, and the fields `/seed_session` starts the episode from. Each row's prompt is read from an
     episode started and closed at once."""
@@ -46,14 +60,21 @@ def dataset_rows(client: EpisodeClient, split: str, query_ids: list[str], *, mod
     for query_id in query_ids:
         started = client.start(query_id=query_id, split=split, mode=mode, reward=reward, tool_format="native")
         client.close(started.episode_id)
-        rows.append({
-            "responses_create_params": {
-                "input": [{"role": "system", "content": started.system_prompt},
-                          {"role": "user", "content": started.task}],
-                "tools": response_tools(started.tools),
-            },
-            "query_id": query_id, "split": split, "mode": mode, "reward": reward,
-        })
+        rows.append(
+            {
+                "responses_create_params": {
+                    "input": [
+                        {"role": "system", "content": started.system_prompt},
+                        {"role": "user", "content": started.task},
+                    ],
+                    "tools": response_tools(started.tools),
+                },
+                "query_id": query_id,
+                "split": split,
+                "mode": mode,
+                "reward": reward,
+            }
+        )
     return rows
 
 
@@ -152,8 +173,9 @@ def _classes() -> dict[str, type]:
         def setup_webserver(self):
             app = super().setup_webserver()
             for name in TOOL_NAMES:
-                app.post(f"/{name}", response_class=PlainTextResponse,
-                         summary=f"Run {name} inside this session's episode")(self._tool_route(name))
+                app.post(
+                    f"/{name}", response_class=PlainTextResponse, summary=f"Run {name} inside this session's episode"
+                )(self._tool_route(name))
             return app
 
         def _tool_route(self, name: str):
@@ -170,21 +192,29 @@ def _classes() -> dict[str, type]:
             run_tool.__name__ = name
             return run_tool
 
-        async def seed_session(self, request: Request,
-                               body: TravelPlannerSeedSessionRequest) -> TravelPlannerSeedSessionResponse:
+        async def seed_session(
+            self, request: Request, body: TravelPlannerSeedSessionRequest
+        ) -> TravelPlannerSeedSessionResponse:
             c = self.config
             try:
                 started = await self.episodes().start(
-                    query_id=body.query_id, split=None if body.query is not None else (body.split or c.split),
-                    query=body.query, mode=body.mode or c.mode, reward=body.reward or c.reward, epoch=body.epoch,
-                    max_tool_calls=c.max_tool_calls, tool_format="native")
+                    query_id=body.query_id,
+                    split=None if body.query is not None else (body.split or c.split),
+                    query=body.query,
+                    mode=body.mode or c.mode,
+                    reward=body.reward or c.reward,
+                    epoch=body.epoch,
+                    max_tool_calls=c.max_tool_calls,
+                    tool_format="native",
+                )
             except EpisodeError as exc:
                 from fastapi import HTTPException
 
                 raise HTTPException(exc.status if 400 <= exc.status < 600 else 502, exc.message) from None
             request.session[EPISODE_KEY] = started.episode_id
-            return TravelPlannerSeedSessionResponse(episode_id=started.episode_id, task=started.task,
-                                                    max_tool_calls=started.limits.max_tool_calls)
+            return TravelPlannerSeedSessionResponse(
+                episode_id=started.episode_id, task=started.task, max_tool_calls=started.limits.max_tool_calls
+            )
 
         async def verify(self, request: Request, body: BaseVerifyRequest) -> TravelPlannerVerifyResponse:
             episode_id = request.session.get(EPISODE_KEY)
@@ -194,26 +224,49 @@ def _classes() -> dict[str, type]:
             try:
                 result = await self.episodes().finish(episode_id, **plan_or_answer(final_text(body.response)))
             except EpisodeError as exc:
-                return TravelPlannerVerifyResponse(**base, reward=0.0, episode_id=episode_id, mask_sample=True,
-                                                   failure_reason=f"episode API: HTTP {exc.status}: {exc.message}")
+                return TravelPlannerVerifyResponse(
+                    **base,
+                    reward=0.0,
+                    episode_id=episode_id,
+                    mask_sample=True,
+                    failure_reason=f"episode API: HTTP {exc.status}: {exc.message}",
+                )
             try:
                 await self.episodes().close(episode_id)
             except EpisodeError:
                 pass  # scored already; an episode left open expires on its own
             request.session.pop(EPISODE_KEY, None)
             return TravelPlannerVerifyResponse(
-                **base, reward=result.reward, episode_id=episode_id, reward_kind=result.reward_kind,
-                mode=result.mode, success_official=float(result.success.official),
-                success_strict=float(result.success.strict), tool_calls_used=result.tool_calls_used,
-                verdicts={mode: v.model_dump(mode="json") for mode, v in result.verdicts.items()})
+                **base,
+                reward=result.reward,
+                episode_id=episode_id,
+                reward_kind=result.reward_kind,
+                mode=result.mode,
+                success_official=float(result.success.official),
+                success_strict=float(result.success.strict),
+                tool_calls_used=result.tool_calls_used,
+                verdicts={mode: v.model_dump(mode="json") for mode, v in result.verdicts.items()},
+            )
 
-    return {cls.__name__: cls for cls in (TravelPlannerResourcesServerConfig, TravelPlannerSeedSessionRequest,
-                                          TravelPlannerSeedSessionResponse, TravelPlannerVerifyResponse,
-                                          TravelPlannerResourcesServer)}
+    return {
+        cls.__name__: cls
+        for cls in (
+            TravelPlannerResourcesServerConfig,
+            TravelPlannerSeedSessionRequest,
+            TravelPlannerSeedSessionResponse,
+            TravelPlannerVerifyResponse,
+            TravelPlannerResourcesServer,
+        )
+    }
 
 
-LAZY_NAMES = ("TravelPlannerResourcesServerConfig", "TravelPlannerSeedSessionRequest",
-              "TravelPlannerSeedSessionResponse", "TravelPlannerVerifyResponse", "TravelPlannerResourcesServer")
+LAZY_NAMES = (
+    "TravelPlannerResourcesServerConfig",
+    "TravelPlannerSeedSessionRequest",
+    "TravelPlannerSeedSessionResponse",
+    "TravelPlannerVerifyResponse",
+    "TravelPlannerResourcesServer",
+)
 
 
 def __getattr__(name: str) -> Any:

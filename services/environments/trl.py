@@ -36,10 +36,20 @@ class TravelPlannerEnv:
     returns; a row's own `mode` / `reward` columns override them.
     """
 
-    def __init__(self, base_url: str | None = None, token: str | None = None, *, split: str = "train",
-                 mode: str = "strict", reward: str = "sum", max_tool_calls: int | None = None) -> None:
-        self._client = EpisodeClient(base_url or os.environ.get("STAR_EPISODES_URL", DEFAULT_URL),
-                                     token if token is not None else os.environ.get("STAR_API_TOKEN") or None)
+    def __init__(
+        self,
+        base_url: str | None = None,
+        token: str | None = None,
+        *,
+        split: str = "train",
+        mode: str = "strict",
+        reward: str = "sum",
+        max_tool_calls: int | None = None,
+    ) -> None:
+        self._client = EpisodeClient(
+            base_url or os.environ.get("STAR_EPISODES_URL", DEFAULT_URL),
+            token if token is not None else os.environ.get("STAR_API_TOKEN") or None,
+        )
         self._defaults = {"split": split, "mode": mode, "reward": reward}
         self._max_tool_calls = max_tool_calls
         self.episode_id: str | None = None
@@ -52,9 +62,15 @@ class TravelPlannerEnv:
         query = row.get("query")
         options = {k: row.get(k) or v for k, v in self._defaults.items()}
         started = self._client.start(
-            query_id=None if query else str(row["query_id"]), split=None if query else options["split"],
-            query=query or None, mode=options["mode"], reward=options["reward"], epoch=row.get("epoch"),
-            max_tool_calls=self._max_tool_calls, tool_format="native")
+            query_id=None if query else str(row["query_id"]),
+            split=None if query else options["split"],
+            query=query or None,
+            mode=options["mode"],
+            reward=options["reward"],
+            epoch=row.get("epoch"),
+            max_tool_calls=self._max_tool_calls,
+            tool_format="native",
+        )
         self.episode_id = started.episode_id
         return None
 
@@ -108,8 +124,7 @@ class TravelPlannerEnv:
             destination: City the trip ends in, exactly as the database spells it.
             mode: How to travel: 'driving' (your own car) or 'taxi'.
         """
-        return self._tool("GoogleDistanceMatrix", {"departure": departure, "destination": destination,
-                                                   "mode": mode})
+        return self._tool("GoogleDistanceMatrix", {"departure": departure, "destination": destination, "mode": mode})
 
     def SearchAccommodation(self, city: str) -> str:  # noqa: N802
         """List the places to stay in a city: nightly price, room type, house rules, minimum stay, maximum
@@ -158,8 +173,9 @@ def final_message(completion: Any) -> str:
     return ""
 
 
-def travelplanner_reward(completions: Sequence[Any], environments: Sequence[TravelPlannerEnv],
-                         **kwargs: Any) -> list[float]:
+def travelplanner_reward(
+    completions: Sequence[Any], environments: Sequence[TravelPlannerEnv], **kwargs: Any
+) -> list[float]:
     """A GRPOTrainer reward function: each rollout's episode finished with its final message, scored by the
     episode API (the reward kind and mode its environment chose)."""
     rewards = []
@@ -179,9 +195,11 @@ def close_environments(environments: Sequence[TravelPlannerEnv]) -> None:
         env._close()
 
 
-def environment_factory(base_url: str | None = None, token: str | None = None,
-                        **options: Any) -> Callable[[], TravelPlannerEnv]:
+def environment_factory(
+    base_url: str | None = None, token: str | None = None, **options: Any
+) -> Callable[[], TravelPlannerEnv]:
     """A zero-argument factory for `environment_factory=` with these settings (see `TravelPlannerEnv`)."""
+
     def make() -> TravelPlannerEnv:
         return TravelPlannerEnv(base_url, token, **options)
 
@@ -198,7 +216,15 @@ def travelplanner_dataset(client: EpisodeClient, split: str, query_ids: Sequence
     for query_id in query_ids:
         started = client.start(query_id=str(query_id), split=split, tool_format="native")
         client.close(started.episode_id)
-        rows.append({"prompt": [{"role": "system", "content": started.system_prompt},
-                                {"role": "user", "content": started.task}],
-                     "query_id": str(query_id), "split": split, **columns})
+        rows.append(
+            {
+                "prompt": [
+                    {"role": "system", "content": started.system_prompt},
+                    {"role": "user", "content": started.task},
+                ],
+                "query_id": str(query_id),
+                "split": split,
+                **columns,
+            }
+        )
     return Dataset.from_list(rows)

@@ -101,8 +101,14 @@ def served_episodes(out: Path, travelplanner_dir: Path, *, limit: int = 0) -> It
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "server.log", "w")  # noqa: SIM115 - closed below, after the process
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.Popen([str(MAIN_PYTHON), "-c", _SERVE, str(out), str(travelplanner_dir), str(limit)],
-                            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [str(MAIN_PYTHON), "-c", _SERVE, str(out), str(travelplanner_dir), str(limit)],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         served = _wait_served(out / "served.json", proc, out / "server.log")
         yield ServedEpisodes(served["url"], served["token"], served["cases"])

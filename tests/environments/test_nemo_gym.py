@@ -41,11 +41,18 @@ def gym_url(served):
     from services.environments.nemo_gym import TravelPlannerResourcesServer, TravelPlannerResourcesServerConfig
 
     port = _free_port()
-    config = TravelPlannerResourcesServerConfig(host="127.0.0.1", port=port, entrypoint="app.py",
-                                                name="travelplanner", episodes_url=served.url,
-                                                episodes_token=served.token)
-    client = ServerClient(head_server_config=BaseServerConfig(host="127.0.0.1", port=_free_port()),
-                          global_config_dict=OmegaConf.create({}))
+    config = TravelPlannerResourcesServerConfig(
+        host="127.0.0.1",
+        port=port,
+        entrypoint="app.py",
+        name="travelplanner",
+        episodes_url=served.url,
+        episodes_token=served.token,
+    )
+    client = ServerClient(
+        head_server_config=BaseServerConfig(host="127.0.0.1", port=_free_port()),
+        global_config_dict=OmegaConf.create({}),
+    )
     server = TravelPlannerResourcesServer(config=config, server_client=client)
     app = server.setup_webserver()
     server.setup_liveness(app)
@@ -67,10 +74,24 @@ def gym_url(served):
 
 def _response(text: str) -> dict:
     """A Responses API response whose last output is an assistant message (what a policy model returns)."""
-    return {"id": "resp_1", "created_at": 0.0, "model": "scripted", "object": "response", "parallel_tool_calls": True,
-            "tool_choice": "auto", "tools": [],
-            "output": [{"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
-                        "content": [{"type": "output_text", "text": text, "annotations": []}]}]}
+    return {
+        "id": "resp_1",
+        "created_at": 0.0,
+        "model": "scripted",
+        "object": "response",
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "output": [
+            {
+                "id": "msg_1",
+                "type": "message",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": text, "annotations": []}],
+            }
+        ],
+    }
 
 
 def _seed_body(case: dict, **fields) -> dict:
@@ -93,13 +114,18 @@ def _episode(gym_url: str, case: dict, *, tools: list[tuple[str, dict]] = (), an
 
 def _oracle_tools(case: dict) -> list[tuple[str, dict]]:
     q = case["query"]
-    return [("SearchFlight", {"departure": q["org"], "destination": q["dest"], "date": q["date"][0]}),
-            ("SearchAccommodation", {"city": q["dest"]}), ("SearchRestaurant", {"city": q["dest"]})]
+    return [
+        ("SearchFlight", {"departure": q["org"], "destination": q["dest"], "date": q["date"][0]}),
+        ("SearchAccommodation", {"city": q["dest"]}),
+        ("SearchRestaurant", {"city": q["dest"]}),
+    ]
 
 
 def test_oracle_plan_scores_one_and_a_broken_plan_less(gym_url, served):
     gold = next(c for c in served.cases if c["breaks"] is None)
-    broken = next(c for c in served.cases if c["query_id"] == gold["query_id"] and c["breaks"] == "is_valid_restaurants")
+    broken = next(
+        c for c in served.cases if c["query_id"] == gold["query_id"] and c["breaks"] == "is_valid_restaurants"
+    )
     good = _episode(gym_url, gold, tools=_oracle_tools(gold), answer=json.dumps(gold["plan"]), reward="success")
     assert good["reward"] == 1.0
     assert good["success_strict"] == 1.0 and good["tool_calls_used"] == 3
@@ -123,11 +149,21 @@ def test_tool_routes_return_the_sandbox_text_inside_the_episode(gym_url, served)
 def test_a_text_answer_goes_through_the_formatter(gym_url, served):
     gold = next(c for c in served.cases if c["breaks"] is None)
     text = "\n\n".join(
-        f"Day {d['days']}:\n" + "\n".join(f"{label}: {d[key]}" for label, key in (
-            ("Current City", "current_city"), ("Transportation", "transportation"), ("Breakfast", "breakfast"),
-            ("Attraction", "attraction"), ("Lunch", "lunch"), ("Dinner", "dinner"),
-            ("Accommodation", "accommodation")))
-        for d in gold["plan"])
+        f"Day {d['days']}:\n"
+        + "\n".join(
+            f"{label}: {d[key]}"
+            for label, key in (
+                ("Current City", "current_city"),
+                ("Transportation", "transportation"),
+                ("Breakfast", "breakfast"),
+                ("Attraction", "attraction"),
+                ("Lunch", "lunch"),
+                ("Dinner", "dinner"),
+                ("Accommodation", "accommodation"),
+            )
+        )
+        for d in gold["plan"]
+    )
     result = _episode(gym_url, gold, answer=text, mode="official")
     assert result["reward"] == gold["star_score"]["official"]
 

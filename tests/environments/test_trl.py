@@ -131,13 +131,29 @@ def test_one_grpo_step_of_a_tiny_model_through_the_environment(served, tmp_path,
     with served.client() as client:
         dataset = travelplanner_dataset(client, "train", ["1", "2"])
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=4,
-                      num_generations=2, max_completion_length=12, max_tool_calling_iterations=2,
-                      learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
-                      seed=0, temperature=1.0)
-    trainer = GRPOTrainer(model=model, reward_funcs=[travelplanner_reward], args=args, train_dataset=dataset,
-                          processing_class=tokenizer,
-                          environment_factory=environment_factory(served.url, served.token, reward="sum"))
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        max_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=12,
+        max_tool_calling_iterations=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        temperature=1.0,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[travelplanner_reward],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        environment_factory=environment_factory(served.url, served.token, reward="sum"),
+    )
     trainer.train()
 
     assert trainer.state.global_step == 1
