@@ -11,9 +11,12 @@ forward (`packed_kwargs`) and handed to every layer's attention, which runs one 
 - per sequence: causal SDPA over each sequence in turn, the call transformers makes for the sequence
   alone (SDPA's own flash / cuDNN kernels on GPU; on CPU the only path, exact against unpacked rows).
 
-`PACKED_ATTENTION` takes varlen wherever its kernel runs and SDPA per sequence elsewhere; the other two
-names force one kernel. Micro-batches whose rows hold one sequence each take SDPA's plain causal path.
-All three are registered with transformers' attention interface (`AttentionInterface`).
+`PACKED_ATTENTION` takes varlen wherever its kernel runs and SDPA per sequence elsewhere; the other
+names force one kernel. `VARLEN_GQA_ATTENTION` is varlen with K and V kept at their own head count (grouped-
+query attention native in the kernel), where this torch's varlen_attn would have them repeated to the
+query's heads. `warm_sequence_plans` builds cuDNN's plans for per-sequence SDPA's padded lengths up front.
+Micro-batches whose rows hold one sequence each take SDPA's plain causal path.
+All are registered with transformers' attention interface (`AttentionInterface`).
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 PACKED_ATTENTION = "star_packed"  # varlen where it runs, else per sequence
 VARLEN_ATTENTION = "star_varlen"
+VARLEN_GQA_ATTENTION = "star_varlen_gqa"  # varlen with K/V at their own head count
 PER_SEQUENCE_ATTENTION = "star_per_sequence"
-PACKED_IMPLEMENTATIONS = (PACKED_ATTENTION, VARLEN_ATTENTION, PER_SEQUENCE_ATTENTION)
+PACKED_IMPLEMENTATIONS = (PACKED_ATTENTION, VARLEN_ATTENTION, VARLEN_GQA_ATTENTION, PER_SEQUENCE_ATTENTION)
 # A 32K row's cost per token against its sequences alone (bench/results/packed_attention*.md), 7B width:
 # with the same lengths every pass (cuDNN's plans cached), three of ~11K tokens 1.00x per sequence, 1.12x
 # varlen; eight of 4K 0.95x either way; 64 of 512 0.50x per sequence, 0.34x varlen (H100). With new lengths
@@ -108,6 +112,59 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     return varlen_attn(q, k, v, cu, cu, longest, longest, **kwargs)
 
 
+class FlashVarlenGQA(torch.autograd.Function):
+    """FlashAttention-2's varlen kernels (aten's `_flash_attention_forward` / `_backward`, which varlen_attn
+    wraps) on K and V at their own head count: the kernel shares each K/V head among its group of query heads
+    and sums their K/V gradients itself. For a torch whose varlen_attn takes no `enable_gqa` (2.11), where
+    K and V would otherwise be repeated to the query's heads in every layer."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
+                scale: float | None, window: int | None) -> torch.Tensor:
+        left = window - 1 if window else -1
+        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale, window_size_left=left,
+            window_size_right=0)
+        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
+        ctx.longest, ctx.scale, ctx.left = longest, scale, left
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, cu, cu, ctx.longest, ctx.longest, 0.0, True, seed, offset,
+            scale=ctx.scale, window_size_left=ctx.left, window_size_right=0)
+        return dq, dk, dv, None, None, None, None
+
+
+def _varlen_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
+                scale: float | None, window: int | None = None) -> torch.Tensor:
+    """As `_varlen`, never repeating K/V: varlen_attn's own `enable_gqa` where this torch has it, else
+    `FlashVarlenGQA`."""
+    if k.shape[1] == q.shape[1] or varlen_options()["gqa"]:
+        return _varlen(q, k, v, cu, longest, scale, window)
+    return FlashVarlenGQA.apply(q, k.contiguous(), v.contiguous(), cu, longest, scale, window)
+
+
+def warm_sequence_plans(heads: int, kv_heads: int, head_dim: int, longest: int, device: torch.device,
+                        dtype: torch.dtype, multiple: int = SEQUENCE_MULTIPLE) -> list[int]:
+    """Run causal SDPA forward and backward once at every padded length per-sequence attention can meet
+    (multiples of `multiple` up to `longest`), with the head counts of the model's layers and GQA kept
+    native as transformers calls it, so that cuDNN builds each length's execution plans here, once, and
+    not in the training steps whose trajectories bring new lengths. Under the caller's SDPA priority (the
+    kernels the steps will take). Returns the lengths run."""
+    lengths = list(range(multiple, -(-longest // multiple) * multiple + 1, multiple))
+    with torch.enable_grad():
+        for n in lengths:
+            q = torch.zeros(1, heads, n, head_dim, device=device, dtype=dtype, requires_grad=True)
+            kv = [torch.zeros(1, kv_heads, n, head_dim, device=device, dtype=dtype, requires_grad=True)
+                  for _ in range(2)]
+            out = nn.functional.scaled_dot_product_attention(q, *kv, is_causal=True, enable_gqa=kv_heads != heads)
+            torch.autograd.grad(out.sum(), [q, *kv])
+    return lengths
+
+
 def window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
     """[1, 1, L, L] bool (True: attend) for causal attention within a sliding window, or None where the
     window covers the whole sequence (plain causal)."""
@@ -157,11 +214,13 @@ def _packed(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: to
     if attention_mask is not None or dropout:
         raise ValueError("packed attention takes no attention mask or dropout")
     b, h, t, d = query.shape
-    if mode == "auto" and uses_varlen_kernel(query) and (window is None or varlen_options()["window"]):
-        def tokens(x: torch.Tensor) -> torch.Tensor:
-            return x.transpose(1, 2).reshape(b * t, x.shape[1], d)  # [B·T, heads, D]
+    def tokens(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).reshape(b * t, x.shape[1], d)  # [B·T, heads, D]
 
+    if mode == "auto" and uses_varlen_kernel(query) and (window is None or varlen_options()["window"]):
         out = _varlen(tokens(query), tokens(key), tokens(value), cu, int(longest), scaling, window)
+    elif mode == "varlen-gqa" and uses_varlen_kernel(query):
+        out = _varlen_gqa(tokens(query), tokens(key), tokens(value), cu, int(longest), scaling, window)
     else:
         out = _per_sequence(module, query, key, value, spans, scaling, window)
     return out.view(b, t, h, d), None
@@ -176,6 +235,13 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return _packed(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs, "auto")
 
 
+def varlen_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                         sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """As `packed_attention`, with K and V never repeated to the query's heads in the varlen kernel."""
+    return _packed(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs, "varlen-gqa")
+
+
 def per_sequence_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                            sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -185,7 +251,9 @@ def per_sequence_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
 
 
 # the names `attn_implementation` takes for each `packed_attention` setting of the learner
-IMPLEMENTATIONS = {"auto": PACKED_ATTENTION, "varlen": VARLEN_ATTENTION, "per-sequence": PER_SEQUENCE_ATTENTION}
+IMPLEMENTATIONS = {"auto": PACKED_ATTENTION, "varlen": VARLEN_ATTENTION, "varlen-gqa": VARLEN_GQA_ATTENTION,
+                   "per-sequence": PER_SEQUENCE_ATTENTION}
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
 AttentionInterface.register(VARLEN_ATTENTION, packed_attention)  # `varlen` names the same rule as `auto`
+AttentionInterface.register(VARLEN_GQA_ATTENTION, varlen_gqa_attention)
 AttentionInterface.register(PER_SEQUENCE_ATTENTION, per_sequence_attention)

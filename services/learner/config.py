@@ -110,12 +110,15 @@ class EngineConfig(_Strict):
     attn_implementation: str | None = Field(
         None, description="e.g. sdpa, eager, flash_attention_2; None: transformers' choice. Used where packed_attention "
                           "is mask; otherwise only sdpa (the kernel of unpacked rows) is accepted.")
-    packed_attention: Literal["auto", "varlen", "per-sequence", "mask"] = Field(
+    packed_attention: Literal["auto", "varlen", "varlen-gqa", "per-sequence", "mask"] = Field(
         "auto", description="How the sequences of a packed row are kept apart. By their boundaries, with no [T, T] "
                             "mask (services/learner/attention.py): varlen: FlashAttention's varlen kernel on GPU "
                             "(torch.nn.attention.varlen); per-sequence: causal SDPA over each sequence (on GPU each "
                             "padded to a multiple of 256 tokens, so cuDNN builds few plans); auto (the same as varlen): "
-                            "varlen where its kernel runs, else per-sequence. With new lengths every step, varlen cost "
+                            "varlen where its kernel runs, else per-sequence. varlen-gqa: varlen with K and V at their "
+                            "own head count, never repeated to the query's (FlashAttention's GQA); per-sequence on GPU "
+                            "first builds cuDNN's plans for every padded length up to micro_batch_tokens. With new "
+                            "lengths every step, varlen cost "
                             "0.53x the sequences alone per token, per-sequence 0.97x (7B width, H200, "
                             "bench/results/packed_attention_fresh.md). On CPU all three run per-sequence. mask: transformers builds a [B, 1, T, T] block mask for "
                             "attn_implementation (2.6x the cost of the sequences alone at 7B width, "

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from services.common.redis import free_port
-from services.learner.attention import IMPLEMENTATIONS, PACKED_IMPLEMENTATIONS, packed_kwargs
+from services.learner.attention import IMPLEMENTATIONS, PACKED_IMPLEMENTATIONS, packed_kwargs, warm_sequence_plans
 from services.learner.batching import PackedRow, lr_lambda
 from services.learner.build_locks import clear_stale_build_locks
 from services.learner.config import EngineConfig, ScheduleConfig
@@ -331,6 +331,8 @@ class PolicyEngine:
             recompute_layers(lm)
         elif cfg.recompute_mlp:
             recompute_mlps(lm)
+        if self.on_gpu and cfg.packed_attention == "per-sequence":
+            self._warm_sequence_plans(lm.config)
         self.policy = LogprobPolicy(lm, cfg.logprob_chunk_tokens, cfg.head_kernels)
         if cfg.zero_stage == 3:
             if cfg.zero3_layer_units:
@@ -364,6 +366,17 @@ class PolicyEngine:
         self.engine.train()
         self.device = self.engine.device
         self.step_count = 0
+
+    def _warm_sequence_plans(self, config: Any) -> None:
+        """cuDNN's plans for every padded sequence length of a micro-batch, built before the first step, under
+        the steps' kernel priority."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        with sdpa_priority(self.cfg.sdpa_backends):
+            lengths = warm_sequence_plans(heads, getattr(config, "num_key_value_heads", heads), head_dim,
+                                          self.cfg.micro_batch_tokens, torch.device("cuda", self.local_rank), dtype)
+        log.info("per-sequence attention: plans built for %d padded lengths up to %d", len(lengths), lengths[-1])
 
     # -- compute ---------------------------------------------------------------------------------
 
