@@ -145,7 +145,7 @@ def sequence_weights(seqs: Sequence[Sequence_], mode: alg.LossAggregation = "tok
     for s in seqs:
         _check(s)
         if len(s):
-            counts[s.index] = float(np.asarray(s.loss_mask[1:], dtype=np.float32).sum(dtype=np.float64))
+            counts[s.index] = float(sum(s.loss_mask) - s.loss_mask[0])  # targets are tokens 1..n-1
     return alg.sequence_token_weights(counts, mode, {s.index: s.group for s in seqs if s.group})
 
 
@@ -307,18 +307,47 @@ def rank_micro_batches(seqs: Sequence[Sequence_], capacity: int, world_size: int
     the whole step's sequences and gets its own share, the same number of micro-batches on every rank.
 
     balance "work" (default): rows planned and dealt by their work (`plan_rows`, `cost` the model's,
-    `flops.TrajectoryCost`), only this rank's rows built. "tokens": every row built, dealt by tokens."""
+    `flops.TrajectoryCost`), only this rank's rows built (`RankRows`, all at once here). "tokens": every
+    row built, dealt by tokens."""
     if balance == "tokens":
         rows = pack_sequences(seqs, capacity)
         assign_weights(rows, loss_agg, {s.index: s.group for s in seqs if s.group})
         return micro_batches(shard_rows(rows, world_size, rank), rows_per_batch, pad_to_multiple)
     if balance != "work":
         raise ValueError(f"unknown row balance {balance!r} (work or tokens)")
-    plan = plan_rows([len(s) for s in seqs], capacity, world_size, cost)
-    scale = sequence_weights(seqs, loss_agg)
-    mine = [weighted_row([seqs[i] for i in plan.rows[r]], scale) if plan.rows[r] else filler_row()
-            for r in plan.ranks[rank]]
-    return [stack_rows(mine[i: i + rows_per_batch], pad_to_multiple) for i in range(0, len(mine), rows_per_batch)]
+    return list(RankRows(seqs, capacity, world_size, rank, rows_per_batch, pad_to_multiple, loss_agg, cost=cost))
+
+
+class RankRows(Sequence[PackedRow]):
+    """This rank's micro-batches of a step, rows planned and dealt by work (`plan_rows`) and weighted over
+    the whole step up front; each micro-batch's tensors are built the first time it is asked for and
+    then kept, so a step can start on its first micro-batch and build the next while that one runs."""
+
+    def __init__(self, seqs: Sequence[Sequence_], capacity: int, world_size: int, rank: int, rows_per_batch: int = 1,
+                 pad_to_multiple: int = 1, loss_agg: alg.LossAggregation = "token-mean", *,
+                 cost: TrajectoryCost | None = None) -> None:
+        self.plan = plan_rows([len(s) for s in seqs], capacity, world_size, cost)
+        self._scale = sequence_weights(seqs, loss_agg)
+        self._seqs = seqs
+        mine = self.plan.ranks[rank]
+        self._groups = [mine[i: i + rows_per_batch] for i in range(0, len(mine), rows_per_batch)]
+        self._pad = pad_to_multiple
+        self._built: dict[int, PackedRow] = {}
+        # rows of this rank that hold a sequence (the others are fillers)
+        self.filled = sum(1 for r in mine if self.plan.rows[r])
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __getitem__(self, k: int) -> PackedRow:  # type: ignore[override]
+        if not -len(self) <= k < len(self):
+            raise IndexError(k)
+        k %= len(self)
+        if k not in self._built:
+            rows = [weighted_row([self._seqs[i] for i in self.plan.rows[r]], self._scale) if self.plan.rows[r]
+                    else filler_row() for r in self._groups[k]]
+            self._built[k] = stack_rows(rows, self._pad)
+        return self._built[k]
 
 
 # ---- RL: scored trajectories → sequences with advantages -------------------------------------

@@ -13,13 +13,13 @@ Throughput metrics: `tokens_per_s`, `tflops_per_s` and `mfu` count model FLOPs t
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from services.learner import algorithms as alg
-from services.learner.batching import Balance, PackedRow, Sequence_, rank_micro_batches
+from services.learner.batching import Balance, PackedRow, RankRows, Sequence_, rank_micro_batches
 from services.learner.config import RLConfig
 from services.learner.engine import PolicyEngine
 from services.learner.flops import TrajectoryCost, model_shape, peak_flops, train_flops
@@ -43,30 +43,36 @@ def trajectory_cost(engine: PolicyEngine) -> TrajectoryCost:
 
 
 def prepare_rows(engine: PolicyEngine, seqs: Sequence[Sequence_], loss_agg: alg.LossAggregation = "token-mean",
-                 balance: Balance = "work", cost: TrajectoryCost | None = None) -> list[PackedRow]:
-    """This rank's micro-batches ([B, T] each) of the step's packed, weighted rows."""
-    return rank_micro_batches(seqs, engine.cfg.micro_batch_tokens, engine.world_size, engine.rank,
-                              engine.cfg.micro_batch_rows, engine.cfg.pad_to_multiple, loss_agg,
-                              cost=cost or trajectory_cost(engine), balance=balance)
+                 balance: Balance = "work", cost: TrajectoryCost | None = None) -> Sequence[PackedRow]:
+    """This rank's micro-batches ([B, T] each) of the step's packed, weighted rows; by work, each
+    built when the step first reaches it (`RankRows`)."""
+    args = (seqs, engine.cfg.micro_batch_tokens, engine.world_size, engine.rank, engine.cfg.micro_batch_rows,
+            engine.cfg.pad_to_multiple, loss_agg)
+    if balance == "work":
+        return RankRows(*args, cost=cost or trajectory_cost(engine))
+    return rank_micro_batches(*args, balance=balance)
 
 
 def filled_rows(prepared: Sequence[Sequence[PackedRow]]) -> int:
-    """How many of this rank's rows hold a sequence (filler rows left out)."""
-    return sum(int((b.seq_index.reshape(-1, b.seq_index.shape[-1]) >= 0).any(dim=1).sum())
-               for rows in prepared for b in rows)
+    """How many of this rank's rows hold a sequence (filler rows left out), without building any."""
+    return sum(rows.filled if isinstance(rows, RankRows) else
+               sum(int((b.seq_index.reshape(-1, b.seq_index.shape[-1]) >= 0).any(dim=1).sum()) for b in rows)
+               for rows in prepared)
 
 
-def on_device(batches: Sequence[PackedRow], device: torch.device):
-    """The micro-batches in turn with their tensors on `device`, the next one's copy issued (pinned,
-    non-blocking) before the current one is handed over, so the host never waits on a copy."""
+def on_device(batches: Sequence[PackedRow], device: torch.device) -> Iterator[PackedRow]:
+    """The micro-batches in turn with their tensors on `device` (pinned, non-blocking copies: the host
+    never waits on one). The next micro-batch is built and its copy issued once the caller is done
+    launching the current one, while the device still runs it."""
     def moved(b: PackedRow) -> PackedRow:
         weights = None if b.weights is None else _to(b.weights, device)
         return PackedRow(**{f: _to(getattr(b, f), device) for f in _TENSOR_FIELDS}, weights=weights, bounds=b.bounds)
 
-    ahead = moved(batches[0]) if batches else None
+    ahead = moved(batches[0]) if len(batches) else None
     for k in range(len(batches)):
-        current, ahead = ahead, (moved(batches[k + 1]) if k + 1 < len(batches) else None)
+        current = ahead
         yield current
+        ahead = moved(batches[k + 1]) if k + 1 < len(batches) else None
 
 
 _TENSOR_FIELDS = ("input_ids", "position_ids", "targets", "mask", "old_logp", "has_old", "advantages", "seq_index")

@@ -180,3 +180,19 @@ def test_bad_input_fails_on_every_rank_alike():
             rank_micro_batches(seqs, 48, 2, rank)
     with pytest.raises(ValueError, match="unknown row balance"):
         rank_micro_batches(seqs[:3], 48, 2, 0, balance="flops")
+
+
+def test_rank_rows_build_a_micro_batch_when_first_asked_and_keep_it():
+    from services.learner.batching import RankRows
+
+    seqs = _seqs([23, 40, 17, 9, 31, 12, 44])
+    lazy = RankRows(seqs, 48, 2, 1, 2, 8)
+    assert not lazy._built and lazy.filled == sum(1 for r in lazy.plan.ranks[1] if lazy.plan.rows[r])
+    first = lazy[0]
+    assert lazy[0] is first and len(lazy._built) == 1
+    eager = rank_micro_batches(seqs, 48, 2, 1, 2, 8)
+    assert len(eager) == len(lazy)
+    for a, b in zip(eager, lazy):
+        assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in FIELDS)
+    with pytest.raises(IndexError):
+        lazy[len(lazy)]
