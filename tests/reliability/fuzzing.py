@@ -222,7 +222,7 @@ def campaign(url: str, target: int, *, headers: dict[str, str] | None = None, ma
 
 TOKEN = "fuzz-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-SERVICES = ("sandbox", "reward", "formatter", "rollout", "learner", "qa")
+SERVICES = ("sandbox", "reward", "formatter", "rollout", "learner", "qa", "episodes")
 
 
 def _process(name: str, factory: str, env: dict[str, str], tmp: Any, timeout: float = 120.0):
@@ -272,10 +272,32 @@ def start_service(name: str, tmp: Any, stack: Any, *, world_url: str | None = No
     elif name == "rollout":
         proc = _process(name, "tests.reliability.fuzzing:scripted_rollout_app", {"STAR_DB_URL": world_url or ""},
                         tmp, timeout=180)
+    elif name == "episodes":
+        # the sandbox and the episode service as tests/support/episode_plans.py starts them
+        return _episodes_url(tmp, stack, world_url or "")
     else:
         raise ValueError(f"unknown service {name!r} (use {', '.join(SERVICES)})")
     stack.callback(proc.stop)
     return proc.url
+
+
+def _episodes_url(tmp: Any, stack: Any, world_url: str) -> str:
+    import os
+
+    import redis
+
+    from services.common.redis import EmbeddedRedis
+    from services.common.settings import get_settings
+    from tests.support.episode_plans import running_episode_server
+
+    redis_url = os.environ.get("STAR_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    try:
+        redis.Redis.from_url(redis_url, socket_connect_timeout=0.5).ping()
+    except redis.ConnectionError:
+        redis_url = stack.enter_context(EmbeddedRedis()).url
+    server = stack.enter_context(running_episode_server(world_url, redis_url, tmp / "episodes", token=TOKEN,
+                                                        travelplanner_dir=get_settings().travelplanner_dir))
+    return server.url
 
 
 def scripted_rollout_app():
