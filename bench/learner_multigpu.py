@@ -752,7 +752,10 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
                     loss = engine(ids, pos, b.targets.to(device), b.mask.to(device), b.old_logp.to(device),
                                   b.advantages.to(device), **bounds)
                 elif args.rows == "recipe":
-                    loss = engine(input_ids=ids, position_ids=pos, labels=hf_labels(b).to(device), **bounds).loss
+                    # use_cache=False: with a cache (HF's default outside gradient checkpointing) transformers
+                    # reads no packed sequences from the position ids and attends across trajectories
+                    loss = engine(input_ids=ids, position_ids=pos, labels=hf_labels(b).to(device), use_cache=False,
+                                  **bounds).loss
                 else:
                     loss = engine(input_ids=ids, labels=ids).loss
                 engine.backward(loss)

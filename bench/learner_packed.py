@@ -307,6 +307,8 @@ def write_markdown(record: dict, path: Path) -> None:
                   "| operator | self ms | share | calls |", "|---|---|---|---|"]
         lines += [f"| `{o['op']}` | {o['self_ms']} | {_pct(o['share'])} | {o['calls']} |" for o in prof["top_self"]]
     liger = record["sides"].get("liger") or {}
+    if liger.get("liger_missing"):
+        lines += ["", f"Liger side: {liger['liger_missing']} (its loss alone ran)."]
     lines += ["", f"The Liger side's attention: `{record['baseline_attn']}` through transformers' AttentionInterface "
                   "(the row's cu_seq_lens handed once per row); its loss LigerFusedLinearGRPOLoss (DAPO token mean, "
                   "eps 0.2/0.28, beta 0); our weight persistence and gradient-reduce dtype"
@@ -334,6 +336,7 @@ def plot(record: dict, path: Path) -> None:
         if rates:
             ax.plot(range(1, len(rates) + 1), rates, marker="o", ms=3, label=label)
             drawn += 1
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("timed step")
     ax.set_ylabel("tokens/s")
     ax.set_ylim(bottom=0)
