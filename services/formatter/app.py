@@ -8,11 +8,13 @@ for requests that are malformed, 503 for an LLM backend that is not configured.
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from fastapi import FastAPI, HTTPException
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field
-from services.common.http import Worker, create_app as create_service_app
+
+from services.common.http import GuardedRoute, Worker, create_app as create_service_app
 from services.common.logging import configure_logging
 from services.common.metrics import Metrics
 from services.common.schemas import Plan, TravelQuery
@@ -53,43 +55,64 @@ def to_response(result: FormatResult) -> FormatResponse:
                           attempts=result.attempts, cached=result.cached)
 
 
+@dataclass
+class FormatterApp:
+    """What the routes read from `app.state.formatter`: the settings, the outcome counter, the work threads and,
+    once the lifespan has started, the formatter (`given`: one handed to create_app, not closed here)."""
+
+    settings: Settings
+    outcomes: Any
+    worker: Worker
+    given: Formatter | None = None
+    formatter: Formatter | None = None
+
+
+def formatter_app(request: Request) -> FormatterApp:
+    return request.app.state.formatter
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    state: FormatterApp = app.state.formatter
+    state.formatter = state.given or Formatter.from_settings(state.settings, remote=False)
+    yield
+    if state.given is None:
+        state.formatter.close()
+
+
+router = APIRouter(route_class=GuardedRoute)
+
+
+@router.post("/format", tags=["format"], response_model=FormatResponse, response_model_exclude_none=True,
+             summary="Turn plan text into a plan")
+async def format_plan(request: FormatRequest, state: FormatterApp = Depends(formatter_app)) -> FormatResponse:
+    backend = request.backend or state.settings.formatter_backend
+    try:
+        result = await state.worker.run(state.formatter.format, request.plan_text, request.query, backend)
+    except LLMUnavailable as exc:
+        raise HTTPException(503, str(exc)) from None
+    except ValueError as exc:
+        raise HTTPException(422, str(exc)) from None
+    state.outcomes.labels(result.backend, result.status).inc()
+    return to_response(result)
+
+
 def create_app(settings: Settings | None = None, formatter: Formatter | None = None) -> FastAPI:
     settings = settings or get_settings()
     configure_logging("formatter", settings.log_level, settings.log_json)
     registry = Metrics("formatter")
-    outcomes = registry.counter("format_total", "Formatting outcomes", ("backend", "status"))
-    state: dict[str, Formatter] = {}
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        state["formatter"] = formatter or Formatter.from_settings(settings, remote=False)
-        yield
-        if formatter is None:
-            state["formatter"].close()
-
+    # Parsing 200K characters, or waiting on the LLM, happens off the event loop; as many at once
+    # as the LLM client sends, each bounded by the formatting deadline.
+    state = FormatterApp(settings, registry.counter("format_total", "Formatting outcomes", ("backend", "status")),
+                         Worker(threads=settings.formatter_concurrency, time_limit_s=settings.formatter_deadline_s + 5),
+                         given=formatter)
     app = create_service_app(
         service="formatter", title="STAR formatter", version=VERSION, metrics=registry,
-        ready=lambda: "formatter" in state, max_body_bytes=settings.max_body_bytes,
+        ready=lambda: state.formatter is not None, max_body_bytes=settings.max_body_bytes,
         description="Plan text → TravelPlanner plan: an exact parser of the structured day-by-day form, "
                     "and an LLM backend over any OpenAI-compatible chat API.",
     )
+    app.state.formatter = state
     app.router.lifespan_context = lifespan
-    # Parsing 200K characters, or waiting on the LLM, happens off the event loop; as many at once
-    # as the LLM client sends, each bounded by the formatting deadline.
-    worker = Worker(threads=settings.formatter_concurrency, time_limit_s=settings.formatter_deadline_s + 5)
-
-    @app.post("/format", tags=["format"], response_model=FormatResponse, response_model_exclude_none=True,
-              summary="Turn plan text into a plan")
-    async def format_plan(request: FormatRequest) -> FormatResponse:
-        fmt = state["formatter"]
-        backend = request.backend or settings.formatter_backend
-        try:
-            result = await worker.run(fmt.format, request.plan_text, request.query, backend)
-        except LLMUnavailable as exc:
-            raise HTTPException(503, str(exc)) from None
-        except ValueError as exc:
-            raise HTTPException(422, str(exc)) from None
-        outcomes.labels(result.backend, result.status).inc()
-        return to_response(result)
-
+    app.include_router(router)
     return app

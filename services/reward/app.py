@@ -9,11 +9,11 @@ query, a value that is not a plan, an unknown reward), each with a message.
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-
-import orjson
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from fastapi import FastAPI, HTTPException, Request
+import orjson
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +21,7 @@ from services.common.http import (
     MAX_BATCH_ITEMS,
     REQUEST_TIME_LIMIT_S,
     WORK_THREADS,
+    GuardedRoute,
     Worker,
     create_app as create_service_app,
     problem,
@@ -54,6 +55,8 @@ from services.reward.scoring import (
 from services.sandbox.world import World
 
 VERSION = "0.1.0"
+
+
 class ScoreBatchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"items": [{"query": EXAMPLE_QUERY, "plan": EXAMPLE_PLAN, "mode": "strict", "reward": "sum"},
@@ -98,133 +101,165 @@ class ScorerMetrics:
         self.plans.labels(score.mode, score.formatter_status).inc()
 
 
+@dataclass
+class RewardApp:
+    """What the routes read from `app.state.reward`: the settings, the metrics, the scorer handed to create_app
+    (if any) and, once the lifespan has loaded the world, the scorer (or why there is none) and its work threads."""
+
+    settings: Settings
+    metrics: ScorerMetrics
+    given: Scorer | None = None
+    scorer: Scorer | None = None
+    problem: str | None = None
+    worker: Worker | None = None
+
+
+def reward_app(request: Request) -> RewardApp:
+    return request.app.state.reward
+
+
+def current(state: RewardApp) -> Scorer:
+    """The scorer; 503 with the reason while there is none."""
+    if state.scorer is None:
+        raise HTTPException(503, state.problem or "the travel world is not loaded")
+    return state.scorer
+
+
+def worker(state: RewardApp) -> Worker:
+    return state.worker or Worker()
+
+
+def fail(exc: ScoreError) -> HTTPException:
+    return HTTPException(422, str(exc))
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI):
+    state: RewardApp = app.state.reward
+    settings = state.settings
+    world = None
+    if state.given is not None:
+        state.scorer = state.given
+    else:
+        world = World(settings.world_url)
+        state.problem = world.problem()
+        if state.problem is None:
+            state.scorer = Scorer(Evaluator(world), Formatter.from_settings(settings),
+                                  default_backend=settings.formatter_backend)
+    # Scoring is CPU work off the event loop (so /healthz answers meanwhile), with a time limit
+    # per request; when it may wait on the LLM formatter, as many threads as the LLM client
+    # sends requests, and the formatting deadline on top of the limit.
+    if state.scorer is not None and state.scorer.formatter.blocking:
+        state.worker = Worker(threads=max(WORK_THREADS, settings.formatter_concurrency),
+                              time_limit_s=REQUEST_TIME_LIMIT_S + settings.formatter_deadline_s)
+    else:
+        state.worker = Worker()
+    yield
+    if state.scorer is not None and state.given is None:
+        state.scorer.close()
+    if world is not None:
+        world.close()
+
+
+async def too_deep(_req: Request, _exc: RecursionError) -> JSONResponse:
+    return problem(422, "Invalid request", "the JSON body is nested too deeply")
+
+
+router = APIRouter(route_class=GuardedRoute)
+
+
+@router.post("/score", tags=["score"], response_model=ScoreResponse,
+             summary="Score one plan: per-check verdicts, the five scores, every reward")
+async def score(request: ScoreRequest, state: RewardApp = Depends(reward_app)) -> Response:
+    s = current(state)
+    with state.metrics.latency.labels("score").time():
+        try:
+            out = await worker(state).run(s.score, request)
+        except ScoreError as exc:
+            raise fail(exc) from None
+    state.metrics.observe(out.score)
+    return _json(out)
+
+
+@router.post("/score/batch", tags=["score"], response_model=ScoreBatchResponse,
+             summary=f"Score up to {MAX_BATCH_ITEMS} plans; results in request order, errors per item")
+async def score_batch(request: ScoreBatchRequest, state: RewardApp = Depends(reward_app)) -> Response:
+    s = current(state)
+    with state.metrics.latency.labels("score_batch").time():
+        try:
+            out = await worker(state).run(s.score_batch, request.items, deadline=True)
+        except ScoreError as exc:
+            raise fail(exc) from None
+    for r in out:
+        if isinstance(r, ScoreResponse):
+            state.metrics.observe(r.score)
+    return _json(ScoreBatchResponse(results=out))
+
+
+@router.post("/evaluate", tags=["evaluate"], response_model=SplitMetrics,
+             summary="Leaderboard metrics of a set of (query, plan) items")
+async def evaluate(request: EvaluateRequest, state: RewardApp = Depends(reward_app)) -> SplitMetrics:
+    s = current(state)
+    with state.metrics.latency.labels("evaluate").time():
+        try:
+            return await worker(state).run(s.evaluate_split, request, deadline=True)
+        except ScoreError as exc:
+            raise fail(exc) from None
+
+
+@router.post("/submission", tags=["evaluate"], response_model=SubmissionReport,
+             summary="Score an official submission: leaderboard metrics, per-plan verdicts, tables, costs")
+async def submission(request: SubmissionRequest, state: RewardApp = Depends(reward_app)) -> Response:
+    s = current(state)
+    try:
+        if request.queries is not None:
+            queries = queries_from(request.queries)
+        elif request.split is not None:
+            queries = dataset_split(state.settings.travelplanner_dir, request.split)
+        else:
+            raise SubmissionError("give the split (its queries come from the dataset folder) or the queries")
+    except SubmissionError as exc:
+        raise HTTPException(422, str(exc)) from None
+
+    def run(deadline: Any = None) -> SubmissionReport:
+        return score_submission(s, queries, request.lines, mode=request.mode, split=request.split,
+                                backend=request.backend, allow_synthetic_flights=request.allow_synthetic_flights,
+                                deadline=deadline)
+
+    with state.metrics.latency.labels("submission").time():
+        try:
+            report = await worker(state).run(run, deadline=True)
+        except ScoreError as exc:
+            raise fail(exc) from None
+    return _json(report)
+
+
+@router.get("/world", tags=["evaluate"], summary="Which world the scorer reads: hash, source, kind")
+async def world_info(state: RewardApp = Depends(reward_app)) -> dict:
+    return current(state).world
+
+
+@router.get("/checks", tags=["evaluate"], summary="The checks, their names and the mode differences")
+async def checks() -> dict:
+    from services.reward.evaluator import COMMONSENSE_CHECKS, HARD_CHECKS, MODE_DIFFERENCES
+
+    return {"commonsense": COMMONSENSE_CHECKS, "hard": HARD_CHECKS, "mode_differences": list(MODE_DIFFERENCES)}
+
+
 def create_app(settings: Settings | None = None, scorer: Scorer | None = None) -> FastAPI:
     settings = settings or get_settings()
     configure_logging("reward", settings.log_level, settings.log_json)
-    metrics = ScorerMetrics()
-    state: dict[str, Any] = {}
-
-    def current() -> Scorer:
-        s = state.get("scorer")
-        if s is None:
-            raise HTTPException(503, state.get("problem") or "the travel world is not loaded")
-        return s
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        world = None
-        if scorer is not None:
-            state["scorer"] = scorer
-        else:
-            world = World(settings.world_url)
-            state["problem"] = world.problem()
-            if state["problem"] is None:
-                state["scorer"] = Scorer(Evaluator(world), Formatter.from_settings(settings),
-                                         default_backend=settings.formatter_backend)
-        # Scoring is CPU work off the event loop (so /healthz answers meanwhile), with a time limit
-        # per request; when it may wait on the LLM formatter, as many threads as the LLM client
-        # sends requests, and the formatting deadline on top of the limit.
-        if "scorer" in state and state["scorer"].formatter.blocking:
-            state["worker"] = Worker(threads=max(WORK_THREADS, settings.formatter_concurrency),
-                                     time_limit_s=REQUEST_TIME_LIMIT_S + settings.formatter_deadline_s)
-        else:
-            state["worker"] = Worker()
-        yield
-        if "scorer" in state and scorer is None:
-            state["scorer"].close()
-        if world is not None:
-            world.close()
-
+    state = RewardApp(settings, ScorerMetrics(), given=scorer)
     app = create_service_app(
-        service="reward", title="STAR reward", version=VERSION, metrics=metrics.registry,
-        ready=lambda: "scorer" in state, max_body_bytes=settings.max_body_bytes,
+        service="reward", title="STAR reward", version=VERSION, metrics=state.metrics.registry,
+        ready=lambda: state.scorer is not None, max_body_bytes=settings.max_body_bytes,
         description="The TravelPlanner evaluator (official parity and strict modes) and the RL rewards: "
                     "score a plan (JSON or text), a batch, or a whole split.",
     )
+    app.state.reward = state
     app.router.lifespan_context = lifespan
-
-    @app.exception_handler(RecursionError)
-    async def _too_deep(_req: Request, _exc: RecursionError) -> JSONResponse:
-        return problem(422, "Invalid request", "the JSON body is nested too deeply")
-
-    def worker() -> Worker:
-        return state.get("worker") or Worker()
-
-    def fail(exc: ScoreError) -> HTTPException:
-        return HTTPException(422, str(exc))
-
-    @app.post("/score", tags=["score"], response_model=ScoreResponse,
-              summary="Score one plan: per-check verdicts, the five scores, every reward")
-    async def score(request: ScoreRequest) -> Response:
-        s = current()
-        with metrics.latency.labels("score").time():
-            try:
-                out = await worker().run(s.score, request)
-            except ScoreError as exc:
-                raise fail(exc) from None
-        metrics.observe(out.score)
-        return _json(out)
-
-    @app.post("/score/batch", tags=["score"], response_model=ScoreBatchResponse,
-              summary=f"Score up to {MAX_BATCH_ITEMS} plans; results in request order, errors per item")
-    async def score_batch(request: ScoreBatchRequest) -> Response:
-        s = current()
-        with metrics.latency.labels("score_batch").time():
-            try:
-                out = await worker().run(s.score_batch, request.items, deadline=True)
-            except ScoreError as exc:
-                raise fail(exc) from None
-        for r in out:
-            if isinstance(r, ScoreResponse):
-                metrics.observe(r.score)
-        return _json(ScoreBatchResponse(results=out))
-
-    @app.post("/evaluate", tags=["evaluate"], response_model=SplitMetrics,
-              summary="Leaderboard metrics of a set of (query, plan) items")
-    async def evaluate(request: EvaluateRequest) -> SplitMetrics:
-        s = current()
-        with metrics.latency.labels("evaluate").time():
-            try:
-                return await worker().run(s.evaluate_split, request, deadline=True)
-            except ScoreError as exc:
-                raise fail(exc) from None
-
-    @app.post("/submission", tags=["evaluate"], response_model=SubmissionReport,
-              summary="Score an official submission: leaderboard metrics, per-plan verdicts, tables, costs")
-    async def submission(request: SubmissionRequest) -> Response:
-        s = current()
-        try:
-            if request.queries is not None:
-                queries = queries_from(request.queries)
-            elif request.split is not None:
-                queries = dataset_split(settings.travelplanner_dir, request.split)
-            else:
-                raise SubmissionError("give the split (its queries come from the dataset folder) or the queries")
-        except SubmissionError as exc:
-            raise HTTPException(422, str(exc)) from None
-
-        def run(deadline: Any = None) -> SubmissionReport:
-            return score_submission(s, queries, request.lines, mode=request.mode, split=request.split,
-                                    backend=request.backend, allow_synthetic_flights=request.allow_synthetic_flights,
-                                    deadline=deadline)
-
-        with metrics.latency.labels("submission").time():
-            try:
-                report = await worker().run(run, deadline=True)
-            except ScoreError as exc:
-                raise fail(exc) from None
-        return _json(report)
-
-    @app.get("/world", tags=["evaluate"], summary="Which world the scorer reads: hash, source, kind")
-    async def world_info() -> dict:
-        return current().world
-
-    @app.get("/checks", tags=["evaluate"], summary="The checks, their names and the mode differences")
-    async def checks() -> dict:
-        from services.reward.evaluator import COMMONSENSE_CHECKS, HARD_CHECKS, MODE_DIFFERENCES
-
-        return {"commonsense": COMMONSENSE_CHECKS, "hard": HARD_CHECKS, "mode_differences": list(MODE_DIFFERENCES)}
-
+    app.add_exception_handler(RecursionError, too_deep)
+    app.include_router(router)
     return app
 
 
