@@ -232,16 +232,18 @@ def weight_sync(spec: DeploymentSpec, engine: str, placement: Placement) -> Weig
     return WeightSyncChoice("files", obstacle)
 
 
-def fleet_obstacle(engine: str, infos: dict[str, dict | None]) -> str | None:
+def fleet_obstacle(infos: dict[str, dict | None]) -> str | None:
     """Why an external fleet's rollout servers (`infos`: each one's GET /weights, None when it does not
-    answer) cannot all join the learner's NCCL weight group, or None."""
-    if engine != "vllm":
-        return f"services.engine is {engine}: only vLLM engines receive weights over NCCL"
+    answer) cannot all join the learner's NCCL weight group, or None. Each server's engine is the one it
+    reports running, not the recipe's services.engine (what an embedded fleet would start)."""
     if not infos:
         return "the fleet names no rollout server (STAR_ROLLOUT_URLS)"
     silent = [u for u, i in infos.items() if i is None]
     if silent:
         return f"rollout server(s) {', '.join(silent)} do not answer GET /weights"
+    other = [f"{u} ({i['engine']})" for u, i in infos.items() if i.get("engine", "vllm") != "vllm"]
+    if other:
+        return f"rollout server(s) {', '.join(other)} run another engine: only vLLM engines receive weights over NCCL"
     off = [u for u, i in infos.items() if not (i or {}).get("weight_ranks")]
     if off:
         return (f"the engine of {', '.join(off)} does not take weights over NCCL (start it with the vLLM argument "
@@ -249,13 +251,13 @@ def fleet_obstacle(engine: str, infos: dict[str, dict | None]) -> str | None:
     return None
 
 
-def external_weight_sync(spec: DeploymentSpec, engine: str, infos: dict[str, dict | None]) -> WeightSyncChoice:
+def external_weight_sync(spec: DeploymentSpec, infos: dict[str, dict | None]) -> WeightSyncChoice:
     """`deployment.weight_sync` for an external fleet, from what its rollout servers report: nccl (rank 0
     broadcasts to every engine's tensor-parallel ranks through the address the learner announces) when
     all of them can receive, files otherwise; an explicit nccl that cannot work is refused."""
     if spec.weight_sync == "files":
         return WeightSyncChoice("files", "deployment.weight_sync files")
-    obstacle = fleet_obstacle(engine, infos)
+    obstacle = fleet_obstacle(infos)
     if obstacle is None:
         ranks = sum(int(i["weight_ranks"]) for i in infos.values() if i)
         return WeightSyncChoice("nccl", f"{len(infos)} rollout server(s), {ranks} engine rank(s), join the group at "

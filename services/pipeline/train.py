@@ -69,10 +69,9 @@ def prepare(config: PipelineConfig, folder: Path) -> Run:
         (folder / "world.json").write_text(json.dumps(world, indent=1))  # which world the run trained on
         run.base_model = prepare_model(config)
         engines_take(address, run.base_model)
-        if "rl" in config.stages:  # NCCL when every server's engine can receive; printed when the stage starts
+        if "rl" in config.stages:  # NCCL when the engine every rollout server reports running can receive
             try:
-                run.weight_sync = external_weight_sync(config.deployment, config.services.engine,
-                                                       fleet_weight_states(address))
+                run.weight_sync = external_weight_sync(config.deployment, fleet_weight_states(address))
             except PlacementError as exc:
                 raise StageFailed(f"{exc}") from None
     else:

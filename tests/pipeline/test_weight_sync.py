@@ -194,8 +194,8 @@ def test_the_controller_asks_for_the_newest_version_files_or_not(redis_client):
 
 # ---- an external fleet: decided from what its rollout servers report --------------------------------
 
-NCCL_SERVER = {"version": 0, "weight_ranks": 2, "weight_group": None}
-FILES_SERVER = {"version": 0, "weight_ranks": 0}
+NCCL_SERVER = {"version": 0, "engine": "vllm", "weight_ranks": 2, "weight_group": None}
+FILES_SERVER = {"version": 0, "engine": "vllm", "weight_ranks": 0}
 
 
 @pytest.mark.parametrize("requested", ["auto", "nccl"])
@@ -203,25 +203,27 @@ def test_an_external_fleet_whose_engines_all_receive_takes_nccl(requested):
     from services.pipeline.placement import external_weight_sync
 
     spec = DeploymentSpec(fleet="external", weight_sync=requested)
-    choice = external_weight_sync(spec, "vllm", {"http://a:8080": NCCL_SERVER, "http://b:8080": {**NCCL_SERVER,
-                                                                                                 "weight_ranks": 1}})
+    choice = external_weight_sync(spec, {"http://a:8080": NCCL_SERVER, "http://b:8080": {**NCCL_SERVER,
+                                                                                         "weight_ranks": 1}})
     assert choice.method == "nccl" and "2 rollout server(s), 3 engine rank(s)" in choice.describe()
 
 
-@pytest.mark.parametrize("infos, engine, reason", [
-    ({"http://a:8080": NCCL_SERVER, "http://b:8080": FILES_SERVER}, "vllm", "the engine of http://b:8080"),
-    ({"http://a:8080": NCCL_SERVER, "http://b:8080": None}, "vllm", "http://b:8080 do not answer"),
-    ({}, "vllm", "no rollout server"),
-    ({"http://a:8080": NCCL_SERVER}, "hf", "services.engine is hf"),
+@pytest.mark.parametrize("infos, reason", [
+    ({"http://a:8080": NCCL_SERVER, "http://b:8080": FILES_SERVER}, "the engine of http://b:8080"),
+    ({"http://a:8080": NCCL_SERVER, "http://b:8080": None}, "http://b:8080 do not answer"),
+    ({}, "no rollout server"),
+    # the engine a server reports running decides, whatever the recipe's services.engine says
+    ({"http://a:8080": NCCL_SERVER, "http://b:8080": {**NCCL_SERVER, "engine": "openai"}},
+     "http://b:8080 (openai) run another engine"),
 ])
-def test_an_external_fleet_that_cannot_receive_gets_files_or_refuses_nccl(infos, engine, reason):
+def test_an_external_fleet_that_cannot_receive_gets_files_or_refuses_nccl(infos, reason):
     from services.pipeline.placement import external_weight_sync
 
-    auto = external_weight_sync(DeploymentSpec(fleet="external"), engine, infos)
+    auto = external_weight_sync(DeploymentSpec(fleet="external"), infos)
     assert auto.method == "files" and reason in auto.reason
     with pytest.raises(PlacementError, match="cannot work here"):
-        external_weight_sync(DeploymentSpec(fleet="external", weight_sync="nccl"), engine, infos)
-    files = external_weight_sync(DeploymentSpec(fleet="external", weight_sync="files"), "vllm",
+        external_weight_sync(DeploymentSpec(fleet="external", weight_sync="nccl"), infos)
+    files = external_weight_sync(DeploymentSpec(fleet="external", weight_sync="files"),
                                  {"http://a:8080": NCCL_SERVER})
     assert files.method == "files"
 
