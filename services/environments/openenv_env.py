@@ -1,6 +1,6 @@
 """TravelPlanner behind OpenEnv's environment protocol (its HTTP/WebSocket server), over the episode API.
 
-    python -m services.environments.openenv_env --episodes-url http://127.0.0.1:8006 --split validation --port 8010
+    python -m services.environments.openenv_env --episodes-url http://127.0.0.1:8007 --split validation --port 8010
 
     from services.environments.openenv_env import TravelAction, TravelPlannerClient
     with TravelPlannerClient(base_url="http://127.0.0.1:8010").sync() as env:
@@ -34,7 +34,7 @@ from pydantic import Field
 
 from services.episodes.client import EpisodeClient, EpisodeError
 
-DEFAULT_URL = "http://127.0.0.1:8006"
+DEFAULT_URL = "http://127.0.0.1:8007"
 FINISH = "finish"
 
 

@@ -1,7 +1,7 @@
 """TravelPlanner as a verifiers environment (prime-rl's environment format), over the episode API.
 
     import verifiers as vf
-    env = vf.load_environment("services.environments.verifiers_env", base_url="http://127.0.0.1:8006",
+    env = vf.load_environment("services.environments.verifiers_env", base_url="http://127.0.0.1:8007",
                               split="validation", query_ids=["1", "2"])
     results = env.evaluate_sync(client=AsyncOpenAI(base_url=...), model="my-model")
 
@@ -28,7 +28,7 @@ from datasets import Dataset
 from services.common.schemas import EpisodeResult, EpisodeStarted
 from services.episodes.client import AsyncEpisodeClient, EpisodeClient, EpisodeError
 
-DEFAULT_URL = "http://127.0.0.1:8006"
+DEFAULT_URL = "http://127.0.0.1:8007"
 EPISODE_KEY = "episode_id"  # the argument the environment adds to every tool call (hidden from the model)
 
 
@@ -219,7 +219,7 @@ def load_environment(
     **kwargs: Any,
 ) -> TravelPlannerEnv:
     """The environment for the queries named (a split's ids, or query objects), served by the episode API at
-    `base_url` (default STAR_EPISODES_URL, else 127.0.0.1:8006) with bearer `token` (default STAR_API_TOKEN).
+    `base_url` (default STAR_EPISODES_URL, else 127.0.0.1:8007) with bearer `token` (default STAR_API_TOKEN).
     `reward` (sum | macro | success | curriculum) and `mode` (official | strict) pick the rubric's reward."""
     base_url = base_url or os.environ.get("STAR_EPISODES_URL") or DEFAULT_URL
     token = token or os.environ.get("STAR_API_TOKEN")
