@@ -788,7 +788,7 @@ def test_a100_values_render_valid_kubernetes(a100_docs):
     assert {"name": "STAR_ROLLOUT_HTTP_PORT", "value": "8000"} in worker["env"]
     assert worker["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     assert worker["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    # without InfiniBand the broadcast spreads over 4 × 4 sockets (bench/results/weight_sync_hosts_4x4.md)
+    # without InfiniBand the broadcast spreads over 4 × 4 sockets (docs/lab/results/weight_sync_hosts_4x4.md)
     env = _by_kind(a100_docs, "ConfigMap")["star-env"]["data"]
     assert (env["NCCL_SOCKET_NTHREADS"], env["NCCL_NSOCKS_PERTHREAD"]) == ("4", "4")
     governing = _by_kind(a100_docs, "Service")["star-rollout-worker"]["spec"]
