@@ -65,8 +65,8 @@ def _best_exchange(a: list[int], b: list[int], lengths: np.ndarray, costs: np.nd
 def even_out(rows: list[list[int]], lengths: np.ndarray, costs: np.ndarray, capacity: int,
              max_rounds: int = 120, partners: int = 8) -> list[list[int]]:
     """Rows with their heaviest made lighter: repeatedly the move or swap of trajectories between the
-    heaviest row and one of the `partners` lightest (lightest first) that most lowers the heavier of the two; a row no exchange
-    helps is left as it is and the next heaviest tried, until none is left.
+    heaviest row and one of the `partners` lightest (lightest first) that most lowers the heavier of the
+    two; a row no exchange helps is left as it is and the next heaviest tried, until none is left.
     The rows' count and capacity stay; a row is never emptied."""
     rows = [list(r) for r in rows]
     row_cost = np.array([costs[r].sum() if r else 0.0 for r in rows])
