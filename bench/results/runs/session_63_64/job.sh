@@ -7,11 +7,12 @@
 #             (1.5B, ours on one 16K row, ours on the recipe's packed rows, HF + Liger; about 6-8 minutes), then
 #             kernels63 on the same GPU: issue 63 item 2's attention figures and the GPU tests
 #   recipe64  (RECIPE_GPUS): issue 64, the 1.5B recipe (its engineer fills recipe64)
-# On one GPU: LANES="learner63+recipe64" RECIPE_GPUS=0 runs them one after another. LEARNER_ARGS adds
+# By default both run one after another on GPU 0 (one H200); on two GPUs LANES="learner63 recipe64" RECIPE_GPUS=1
+# runs them side by side. LEARNER_ARGS adds
 # bench/learner_packed.py arguments (e.g. --steps 30), LEARNER_TIMEOUT_S bounds the lane (default 600).
 set -u
 source bench/gpu_lanes.sh  # lane, pack, mirror; R=bench/results
-LANES=${LANES:-"learner63 recipe64"}
+LANES=${LANES:-"learner63+recipe64"}
 # extra wheels beside the vLLM ones: liger-kernel (.diag/whl/liger_kernel-0.8.5-py3-none-any.whl, pure Python;
 # its Triton is the device torch's), onto the PYTHONPATH that `bench/gpu_device.sh start` sets (/tmp/site)
 [ -d .diag/whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .diag/whl/*.whl
