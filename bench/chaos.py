@@ -4,6 +4,7 @@ the NCCL weight path on GPUs.
     .venv/bin/python bench/chaos.py memory [--steps 50]            # + a baseline run with trimming off
     .venv/bin/python bench/chaos.py kill [--kinds learner,redis] [--kills 3] [--steps 10]
     .venv/bin/python bench/chaos.py gpu --smoke --steps 6          # CPU: learner_rank1's plumbing (gloo, files)
+    .venv/bin/python bench/chaos.py episodes [--episodes 24 --kills 2] # the episode API (bench/episodes_chaos.py)
 
     # GPUs (2-4× H100/H200; on 4 about 10 minutes, on 2 the runs go one after another): vLLM 0.26.0 + DeepSpeed and
     # the SmolLM2-135M GGUF from bench/gpu_device.sh (pack here once; put and install on the device), then
@@ -745,6 +746,18 @@ def report(data: dict[str, Any]) -> str:
         lines += ["", "lost: samples of published tasks never trained (dead letters included); trained twice: a "
                   "(task, sample) trained more than once or a group in two steps. Produced/scored above trained "
                   "means a task ran again after a kill and the learner dropped the copy.", ""]
+    e = data.get("episodes")
+    if e:
+        lines += ["## kill -9 of the sandbox and of the episode service mid-episode (`bench/chaos.py episodes`)", "",
+                  f"{e['episodes_per_round']} episodes at once per round, {e['tool_calls']} tool calls each, then two "
+                  f"finishes at once per episode; each round kills the sandbox during the tool calls and the episode "
+                  f"service (the scorer) while finishes hold their claims; {e['kills']['episodes']} rounds.", "",
+                  "| episodes | finished | scored twice | never scored | claims lost to a kill (re-scored) "
+                  "| replies differing | tool calls over- / under-counted | passed |",
+                  "|---:|---:|---:|---:|---:|---:|---|---|",
+                  f"| {e['episodes']} | {e['finished']} | {e['scored_twice']} | {e['never_scored']} | "
+                  f"{e['lapsed_claims']} | {e['differing_replies']} | {e['calls_overcounted']} / "
+                  f"{e['calls_undercounted']} | {e['passed']} |", ""]
     lines.append(f"Machine: {data.get('machine')}.")
     return "\n".join(lines) + "\n"
 
@@ -798,6 +811,12 @@ def main() -> None:
     kill.add_argument("--steps", type=int, default=10)
     kill.add_argument("--seed", type=int, default=0)
     kill.add_argument("--timeout", type=float, default=1200)
+    episodes = sub.add_parser("episodes", help="the episode API: sandbox and episode service killed mid-episode "
+                              "(bench/episodes_chaos.py)")
+    episodes.add_argument("--episodes", type=int, default=24, help="episodes at once per round")
+    episodes.add_argument("--kills", type=int, default=2, help="rounds (each kills the sandbox and the service)")
+    episodes.add_argument("--tool-calls", type=int, default=6)
+    episodes.add_argument("--db", default=None, help="a built world (default: one built from the data)")
     gpu = sub.add_parser("gpu", help="the NCCL weight path's faults, each at its moment, in runs on GPUs")
     gpu.add_argument("--faults", default=",".join(GPU_FAULTS))
     gpu.add_argument("--steps", type=int, default=GPU_STEPS)
@@ -830,6 +849,13 @@ def main() -> None:
         for r in results.values():
             print(json.dumps(r), flush=True)
         sys.exit(0 if all(r.get("passed") for r in results.values()) else 1)
+    if args.what == "episodes":
+        from bench.episodes_chaos import chaos_episodes
+
+        result = chaos_episodes(args.episodes, args.kills, args.tool_calls, args.db)
+        save({"episodes": result})
+        print(json.dumps({k: v for k, v in result.items() if k != "events"}), flush=True)
+        sys.exit(0 if result["passed"] else 1)
     if args.what == "memory":
         result = memory(args.steps, args.timeout, args.baseline_steps)
         save({"redis_memory": result})

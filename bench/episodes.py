@@ -57,7 +57,7 @@ class Connection:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
-    async def open(self) -> "Connection":
+    async def open(self) -> Connection:
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         return self
 

@@ -15,8 +15,9 @@ import redis.asyncio as aioredis
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Request
 from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from redis.exceptions import RedisError
 
-from services.common.http import PROBLEM_EXAMPLES, Worker, bearer_auth, create_app as create_service_app
+from services.common.http import PROBLEM_EXAMPLES, Worker, bearer_auth, create_app as create_service_app, problem
 from services.common.logging import configure_logging
 from services.common.schemas import (
     EpisodeFinish,
@@ -149,7 +150,6 @@ async def close_episode(http: Request, episode_id: str = EPISODE_ID) -> Response
     return Response(status_code=204)
 
 
-
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     configure_logging("episodes", settings.log_level, settings.log_json)
@@ -203,6 +203,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     "size) and are scored exactly once.",
     )
     app.router.lifespan_context = lifespan
+
+    @app.exception_handler(RedisError)
+    async def _redis_away(_req: Request, exc: RedisError) -> Response:
+        # Episodes live in Redis: without it nothing can be answered, but nothing is lost either.
+        response = problem(503, "Service Unavailable", f"the episode store (Redis) did not answer: "
+                                                       f"{type(exc).__name__}; retry shortly")
+        response.headers["Retry-After"] = "1"
+        return response
+
     app.state.episodes_auth = bearer_auth(settings.api_token)
     app.include_router(router)
     return app

@@ -31,5 +31,5 @@ def episodes_serve(
         if value is not None:
             os.environ[name] = value
     get_settings.cache_clear()
-    uvicorn.run("services.episodes.app:create_app", factory=True, host=host, port=port, workers=workers, log_level="warning",
-                access_log=False)
+    uvicorn.run("services.episodes.app:create_app", factory=True, host=host, port=port, workers=workers,
+                log_level="warning", access_log=False)

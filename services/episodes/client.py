@@ -94,7 +94,7 @@ class EpisodeClient:
         self._http = httpx.Client(base_url=self.base_url, headers=_headers(token), timeout=timeout_s,
                                   transport=transport)
 
-    def __enter__(self) -> "EpisodeClient":
+    def __enter__(self) -> EpisodeClient:
         return self
 
     def __exit__(self, *_exc: Any) -> None:
@@ -155,7 +155,7 @@ class AsyncEpisodeClient:
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=_headers(token), timeout=timeout_s,
                                        transport=transport, limits=httpx.Limits(max_connections=max_connections))
 
-    async def __aenter__(self) -> "AsyncEpisodeClient":
+    async def __aenter__(self) -> AsyncEpisodeClient:
         return self
 
     async def __aexit__(self, *_exc: Any) -> None:

@@ -38,7 +38,7 @@ from services.common.schemas import (
 from services.episodes.queries import QueryCatalog, QueryNotFound
 from services.episodes.store import EpisodeStore
 from services.episodes.tools import BadToolCall, SandboxTools, ToolsUnavailable, check_call
-from services.reward.scoring import Scorer, ScoreError, ScoreRequest, ScoreResponse
+from services.reward.scoring import ScoreError, Scorer, ScoreRequest, ScoreResponse
 from services.rollout.protocol import system_prompt, user_message
 from services.sandbox.tools.registry import tool_schemas
 
@@ -154,10 +154,7 @@ class EpisodeService:
         except BadToolCall:
             self.metrics.refused.labels("bad_tool_call").inc()
             raise
-        episode = await self.store.load(episode_id)
-        if episode is None:
-            raise EpisodeNotFound(_not_found(episode_id))
-        reservation = await self.store.reserve(episode_id, episode.spec["client"], self.limits.idle_ms)
+        reservation = await self.store.reserve(episode_id, self.limits.idle_ms)
         if reservation.code == 0:
             raise EpisodeNotFound(_not_found(episode_id))
         if reservation.code == -1:

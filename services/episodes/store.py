@@ -3,7 +3,8 @@ open episodes. Every change that must not race is one Lua script, so two request
 on the last unit of budget, two finishes) see one outcome; the service itself keeps nothing, and an
 episode outlives a restart of the process that serves it.
 
-Keys under `{prefix}:episodes:`: `<id>` (hash: spec, used, max, status, result, active; expires when idle),
+Keys under `{prefix}:episodes:`: `<id>` (hash: spec, used, max, status, result, active, and the ledger of its
+scoring: claims taken, results stored; expires when idle),
 `<id>:lock` (the scoring request's token; short-lived and refreshed while it scores), `client:<name>`
 (open episode ids scored by their expiry time, so expired ones drop out of the count).
 """
@@ -19,31 +20,34 @@ import redis.asyncio as aioredis
 # Redis time in ms, the same clock for every service instance.
 _NOW = "local t = redis.call('TIME'); local now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
 
+# The client's set is named from the episode's own `client` field, so a tool call needs no read before it.
 _TOUCH = """
+local clients = ARGV[3] .. redis.call('HGET', KEYS[1], 'client')
 redis.call('HSET', KEYS[1], 'active', now)
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
-redis.call('ZADD', KEYS[2], 'XX', now + tonumber(ARGV[1]), ARGV[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[1])
+redis.call('ZADD', clients, 'XX', now + tonumber(ARGV[1]), ARGV[2])
+redis.call('PEXPIRE', clients, ARGV[1])
 """
 
-# KEYS: episode, client set. ARGV: idle ms, id, spec JSON, max tool calls, max open.
+# KEYS: episode, client set. ARGV: idle ms, id, spec JSON, max tool calls, max open, client.
 START = _NOW + """
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[5]) then return 0 end
-redis.call('HSET', KEYS[1], 'spec', ARGV[3], 'used', 0, 'max', ARGV[4], 'status', 'open', 'active', now)
+redis.call('HSET', KEYS[1], 'spec', ARGV[3], 'used', 0, 'max', ARGV[4], 'status', 'open', 'active', now,
+           'client', ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[1]), ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
 return 1
 """
 
-# KEYS: episode, client set, lock. ARGV: idle ms, id. → {code, used, max}: 1 reserved, 0 unknown,
+# KEYS: episode, lock. ARGV: idle ms, id, client-set prefix. → {code, used, max}: 1 reserved, 0 unknown,
 # -1 finished or being finished, -2 budget spent.
 RESERVE = _NOW + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0, 0} end
 local used = tonumber(redis.call('HGET', KEYS[1], 'used'))
 local max = tonumber(redis.call('HGET', KEYS[1], 'max'))
-if redis.call('HGET', KEYS[1], 'status') ~= 'open' or redis.call('EXISTS', KEYS[3]) == 1 then
+if redis.call('HGET', KEYS[1], 'status') ~= 'open' or redis.call('EXISTS', KEYS[2]) == 1 then
   return {-1, used, max}
 end
 if used >= max then return {-2, used, max} end
@@ -67,6 +71,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return {'missing'} end
 local result = redis.call('HGET', KEYS[1], 'result')
 if result then return {'done', result} end
 if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  redis.call('HINCRBY', KEYS[1], 'claims', 1)
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return {'claimed'}
 end
@@ -93,6 +98,7 @@ local result = redis.call('HGET', KEYS[1], 'result')
 if not result then
   result = ARGV[2]
   redis.call('HSET', KEYS[1], 'status', 'finished', 'result', result)
+  redis.call('HINCRBY', KEYS[1], 'stores', 1)
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   redis.call('ZREM', KEYS[3], ARGV[4])
 end
@@ -155,7 +161,8 @@ class EpisodeStore:
                      max_open: int) -> bool:
         """False when the client already has `max_open` open episodes."""
         created = await self._start(keys=[self.key(episode_id), self.client_key(spec["client"])],
-                                    args=[idle_ms, episode_id, json.dumps(spec), max_tool_calls, max_open])
+                                    args=[idle_ms, episode_id, json.dumps(spec), max_tool_calls, max_open,
+                                          spec["client"]])
         return bool(created)
 
     async def load(self, episode_id: str) -> StoredEpisode | None:
@@ -170,10 +177,10 @@ class EpisodeStore:
                              int(fields.get(b"max", 0)), fields.get(b"status", b"open").decode(),
                              json.loads(result) if result else None, int(ttl))
 
-    async def reserve(self, episode_id: str, client: str, idle_ms: int) -> Reservation:
-        code, used, max_calls = await self._reserve(
-            keys=[self.key(episode_id), self.client_key(client), self.lock_key(episode_id)],
-            args=[idle_ms, episode_id])
+    async def reserve(self, episode_id: str, idle_ms: int) -> Reservation:
+        """One tool call of the episode's budget, taken atomically; refreshes its idle expiry."""
+        code, used, max_calls = await self._reserve(keys=[self.key(episode_id), self.lock_key(episode_id)],
+                                                    args=[idle_ms, episode_id, self.client_key("")])
         return Reservation(int(code), int(used), int(max_calls))
 
     async def refund(self, episode_id: str) -> None:

@@ -11,7 +11,7 @@ import pytest
 from services.common.schemas import Plan, PlanDay
 from services.episodes.client import EpisodeClient, EpisodeError
 from services.formatter.structured import render_plan
-from tests.support.episode_plans import episode_server, plan_cases  # noqa: F401
+from tests.support.episode_plans import plan_cases
 
 pytestmark = pytest.mark.travelplanner_data
 
@@ -200,3 +200,11 @@ def test_metrics_and_openapi_describe_the_api(episode_server, client):
     assert "201" in start["responses"] and start["security"]
     examples = doc["components"]["schemas"]["EpisodeStart"]["examples"]
     assert {"query_id", "split"} <= set(examples[0])
+
+
+def test_a_finish_without_a_plan_scores_an_undelivered_plan(client):
+    ep = client.start(query_id="2", split="train", reward="sum")
+    result = client.finish(ep.episode_id)
+    assert result.reward == 0.0 and not result.success.official and not result.success.strict
+    assert result.plan is None
+    assert result.verdicts["official"].commonsense["is_not_absent"].passed is False

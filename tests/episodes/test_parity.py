@@ -12,7 +12,7 @@ import pytest
 from services.reward.evaluator import Evaluator
 from services.reward.scoring import Scorer, ScoreRequest
 from services.sandbox.world import World
-from tests.support.episode_plans import episode_server, plan_cases  # noqa: F401
+from tests.support.episode_plans import plan_cases
 
 pytestmark = pytest.mark.travelplanner_data
 MODES = ("official", "strict")

@@ -54,3 +54,21 @@ def test_an_episode_outlives_a_killed_episode_service_and_is_scored_once(server,
         server.processes["episodes"].start()
         assert client.finish(ep.episode_id, plan=gold.plan) == result  # the stored result, not a new score
         assert client.state(ep.episode_id).result == result
+
+
+def test_redis_away_is_a_retryable_503_and_the_service_recovers(official_world_url, travelplanner_dir, tmp_path):
+    from services.common.redis import EmbeddedRedis
+
+    redis = EmbeddedRedis(data_dir=tmp_path / "redis", appendonly=True).start()
+    try:
+        with running_episode_server(official_world_url, redis.url, tmp_path / "servers",
+                                    travelplanner_dir=travelplanner_dir) as server, server.client(retries=0) as client:
+            ep = client.start(query_id="1", split="train")
+            redis.stop()
+            with pytest.raises(EpisodeError) as away:
+                client.call_tool(ep.episode_id, "SearchCity", {"state": "Texas"})
+            assert away.value.status == 503 and "Redis" in away.value.message and away.value.retry_after == 1
+            redis = EmbeddedRedis(data_dir=tmp_path / "redis", port=redis.port, appendonly=True).start()
+            assert client.call_tool(ep.episode_id, "SearchCity", {"state": "Texas"}).tool_calls_used == 1
+    finally:
+        redis.stop()

@@ -31,7 +31,7 @@ SPEC = {"client": "c1", "query": {}, "reward": "sum", "mode": "strict"}
 def test_a_budget_of_three_gives_three_calls_to_twenty_at_once(redis_server_url):
     async def body(store):
         assert await store.create("e1", SPEC, 3, 60_000, 10)
-        results = await asyncio.gather(*(store.reserve("e1", "c1", 60_000) for _ in range(20)))
+        results = await asyncio.gather(*(store.reserve("e1", 60_000) for _ in range(20)))
         return sorted(r.code for r in results), (await store.load("e1")).used
 
     codes, used = run(redis_server_url, body)
@@ -42,11 +42,11 @@ def test_a_budget_of_three_gives_three_calls_to_twenty_at_once(redis_server_url)
 def test_a_refund_gives_a_call_back_and_an_unknown_episode_reserves_nothing(redis_server_url):
     async def body(store):
         await store.create("e1", SPEC, 1, 60_000, 10)
-        first = await store.reserve("e1", "c1", 60_000)
-        spent = await store.reserve("e1", "c1", 60_000)
+        first = await store.reserve("e1", 60_000)
+        spent = await store.reserve("e1", 60_000)
         await store.refund("e1")
-        again = await store.reserve("e1", "c1", 60_000)
-        missing = await store.reserve("nope", "c1", 60_000)
+        again = await store.reserve("e1", 60_000)
+        missing = await store.reserve("nope", 60_000)
         return first.code, spent.code, again.code, missing.code
 
     assert run(redis_server_url, body) == (1, -2, 1, 0)
@@ -60,10 +60,12 @@ def test_one_claim_wins_and_the_first_result_stays(redis_server_url):
         stored = await store.store("e1", "c1", f"t{winner[0]}", {"reward": 1.0}, 60_000)
         late = await store.store("e1", "c1", "someone-else", {"reward": 2.0}, 60_000)
         after = await store.claim("e1", "t-late", 5000, 60_000)
-        during_finish = await store.reserve("e1", "c1", 60_000)
-        return [c.outcome for c in claims], winner, stored, late, after, during_finish.code
+        during_finish = await store.reserve("e1", 60_000)
+        ledger = await store.redis.hmget(store.key("e1"), "claims", "stores")
+        return [c.outcome for c in claims], winner, stored, late, after, during_finish.code, ledger
 
-    outcomes, winner, stored, late, after, reserve = run(redis_server_url, body)
+    outcomes, winner, stored, late, after, reserve, ledger = run(redis_server_url, body)
+    assert ledger == [b"1", b"1"]  # one claim taken, one result stored
     assert len(winner) == 1 and outcomes.count("busy") == 9
     assert stored == late == {"reward": 1.0}
     assert after.outcome == "done" and after.result == {"reward": 1.0}
@@ -103,3 +105,16 @@ def test_open_episodes_per_client_are_bounded_and_freed_by_finishing_or_expiry(r
     assert made == [True, True, False] and other
     assert after_finish and after_close and not full and after_expiry
     assert gone is None
+
+
+def test_a_tool_call_keeps_the_episode_and_its_place_in_the_clients_count(redis_server_url):
+    async def body(store):
+        await store.create("e1", SPEC, 5, 400, 1)
+        await asyncio.sleep(0.25)
+        await store.reserve("e1", 400)
+        await asyncio.sleep(0.25)  # past the first expiry, within the refreshed one
+        alive = await store.load("e1")
+        second = await store.create("e2", SPEC, 5, 400, 1)
+        return alive is not None, second
+
+    assert run(redis_server_url, body) == (True, False)
