@@ -107,8 +107,18 @@ class TravelPlannerEnv(vf.StatefulToolEnv):
         return self._clients[loop]
 
     async def setup_state(self, state: vf.State) -> vf.State:
+        """Starts the row's episode; a refusal ends the rollout with verifiers' error (reward 0), not the run."""
         info = state["info"]
-        started = await self.episodes().start(
+        try:
+            started = await self._start(info)
+        except EpisodeError as exc:
+            raise EpisodeUnavailable(f"the episode API refused the episode: {exc}") from exc
+        state[EPISODE_KEY] = started.episode_id
+        state["tool_defs"] = tool_defs(started)
+        return state
+
+    async def _start(self, info: dict[str, Any]) -> EpisodeStarted:
+        return await self.episodes().start(
             query_id=info.get("query_id"),
             split=info.get("split"),
             query=info.get("query"),
@@ -118,9 +128,6 @@ class TravelPlannerEnv(vf.StatefulToolEnv):
             tool_format="native",
             client="verifiers",
         )
-        state[EPISODE_KEY] = started.episode_id
-        state["tool_defs"] = tool_defs(started)
-        return state
 
     def update_tool_args(
         self, tool_name: str, tool_args: dict, messages: vf.Messages, state: vf.State, **kwargs: Any
@@ -148,13 +155,16 @@ class TravelPlannerEnv(vf.StatefulToolEnv):
         if episode_id is None or "episode_result" in state:
             return
         answer = _last_assistant_text(state.get("completion") or [])
-        result = await self.episodes().finish(episode_id, **finish_arguments(answer))
-        state["episode_result"] = result.model_dump(mode="json")
         try:
+            result = await self.episodes().finish(episode_id, **finish_arguments(answer))
+            state["episode_result"] = result.model_dump(mode="json")
             await self.episodes().close(episode_id)
-        except EpisodeError as exc:
-            if exc.status != 404:
-                raise
+        except EpisodeError as exc:  # the rollout keeps reward 0 and says why; the others go on
+            state["episode_error"] = str(exc)
+
+
+class EpisodeUnavailable(vf.InfraError):
+    """The episode API would not start the rollout's episode (the reason is the service's)."""
 
 
 def _result(state: vf.State) -> EpisodeResult | None:

@@ -151,6 +151,25 @@ def test_rollout_that_never_answers_scores_zero(served) -> None:
     assert [o["reward"] for o in out["outputs"]] == [0.0]
 
 
+def test_refused_episode_ends_its_rollout_not_the_run(served) -> None:
+    """A start the episode API refuses (a tool budget above the service's) is the rollout's error, reward 0."""
+    gold, _ = gold_and_broken(served)
+    env = vf.load_environment(
+        ENV_ID,
+        base_url=served.url,
+        token=served.token,
+        split="train",
+        query_ids=[gold["query_id"]],
+        max_tool_calls=10**6,
+    )
+    with FakeOpenAI(default=lambda body: chat_completion(content=json.dumps(gold["plan"]))) as llm:
+        out = env.evaluate_sync(client=policy_client(llm), model="scripted", num_examples=1)
+        assert llm.requests == []
+    [rollout] = out["outputs"]
+    assert rollout["reward"] == 0.0
+    assert "max_tool_calls" in str(rollout.get("error"))
+
+
 def test_load_environment_names_a_bad_request(served) -> None:
     with pytest.raises(RuntimeError, match="no query"):
         vf.load_environment(ENV_ID, base_url=served.url, token=served.token, split="train", query_ids=["9999"])
