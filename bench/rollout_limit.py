@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import shlex
@@ -50,6 +51,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,6 +183,77 @@ def counters_during(before: dict[str, float], after: dict[str, float]) -> dict[s
     if d.get("prefix_cache_queries"):
         d["prefix_cache_hit_rate"] = d.get("prefix_cache_hits", 0) / d["prefix_cache_queries"]
     return d
+
+
+# -- the closed-loop ceiling: the agents' turn script straight on vLLM's AsyncLLM ---------------------
+
+
+def sandbox_latency(path: Path = RESULTS / "sandbox.json") -> tuple[float, float]:
+    """(p50, p99) seconds of one tool call over HTTP, the slowest of the sandbox's measured loads
+    (bench/results/sandbox.json `http`: its worst p99)."""
+    rows = json.loads(path.read_text())["http"]
+    worst = max(rows, key=lambda r: r["latency_p99_ms"])
+    return worst["latency_p50_ms"] / 1000, worst["latency_p99_ms"] / 1000
+
+
+class ToolLatency:
+    """Seconds each tool call waits: log-normal through the measured p50 and p99 (z of the 99th percentile
+    2.326), seeded."""
+
+    def __init__(self, p50_s: float, p99_s: float, seed: int = 0) -> None:
+        self.mu, self.sigma = math.log(p50_s), max(0.0, math.log(p99_s / p50_s) / 2.326)
+        self.rng = random.Random(seed)
+
+    def __call__(self) -> float:
+        return math.exp(self.rng.gauss(self.mu, self.sigma))
+
+
+class ToolWaits:
+    """An engine whose every turn but an episode's first waits one tool call first (what the agent waits
+    between turns), the episodes told apart by their first prompt ids."""
+
+    def __init__(self, engine: Any, latency: Any) -> None:
+        self.engine, self.latency, self.seen = engine, latency, set()
+
+    async def generate(self, ids: list[int], params: Any) -> Any:
+        key = tuple(ids[:32])
+        if key in self.seen:
+            await asyncio.sleep(self.latency())
+        self.seen.add(key)
+        return await self.engine.generate(ids, params)
+
+
+class DirectVllm:
+    """vLLM's AsyncLLM driven straight, without our engine's turn path: a turn is one request of the agent's
+    `max_tokens` (`ignore_eos`, the sampled token's log-prob), ids in and out."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    async def generate(self, ids: list[int], params: Any) -> Any:
+        import uuid
+
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(max_tokens=params.max_tokens, ignore_eos=True, temperature=params.temperature,
+                            top_p=params.top_p, seed=params.seed, logprobs=0, detokenize=False,
+                            skip_special_tokens=False)
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), sp, request_id=uuid.uuid4().hex):
+            final = out
+        token_ids = list(final.outputs[0].token_ids) if final is not None else []
+        return SimpleNamespace(token_ids=token_ids, logprobs=None, stats={})
+
+
+async def closed_loop(llm: Any, plan: list[dict[str, Any]], args: argparse.Namespace, vocab: int, *,
+                      latency: Any = None, inflight: int | None = None) -> dict[str, Any]:
+    """The closed-loop ceiling of `plan` (run_agents' episodes): the same turns on `llm` (an AsyncLLM) straight,
+    each turn after the first waiting one tool call (`latency`, None: none), at most `inflight` at once."""
+    engine = DirectVllm(llm)
+    res = await run_agents(ToolWaits(engine, latency) if latency else engine, plan, args, vocab, inflight=inflight)
+    res.pop("samples")
+    return res
 
 
 # -- the two sides, each in its own process -----------------------------------------------------

@@ -48,7 +48,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -329,6 +329,46 @@ def components_from_results(prefix: str = "time_model", results: Path = RESULTS)
                     "what": "POST /score/batch, 64 plans a request, official mode, one worker"},
     }
     return comps, shapes
+
+
+def rollout_ceiling_tps(shape: str, results: Path = RESULTS) -> dict[int, float]:
+    """vLLM's open-loop ceiling at `shape` by load (agents → tokens/s), from bench/rollout_limit.py's records."""
+    out: dict[int, float] = {}
+    for path in sorted(results.glob("rollout_limit*.json")):
+        entry = json.loads(path.read_text()).get("shapes", {}).get(shape)
+        for load, row in ((entry or {}).get("sides", {}).get("ceiling", {}).get("loads", {})).items():
+            if row.get("tokens_per_s"):
+                out.setdefault(int(load), row["tokens_per_s"])
+    return out
+
+
+def at_shape(c: Components, shape: str, results: Path = RESULTS) -> tuple[Components, str]:
+    """The 7B components carried to another shape of bench/gpu_shapes.py: its parameters and layers for the
+    training FLOPs (the MFU kept), the rollout's wall time by the engine's measured tokens/s at the two shapes
+    (bench/rollout_limit.py's ceilings at their smallest common load), the NCCL sync by its measured seconds at
+    both shapes. Returns the components and how each was carried."""
+    from services.learner.flops import model_shape
+
+    from bench.gpu_shapes import qwen2_config, shape_params
+
+    if shape == "7b":
+        return c, "measured at 7b"
+    layers, attn_width = model_shape(qwen2_config(shape))
+    big, small = rollout_ceiling_tps("7b", results), rollout_ceiling_tps(shape, results)
+    common = sorted(set(big) & set(small))
+    if not common:
+        raise SystemExit(f"no rollout_limit record has both 7b and {shape} at one load: run bench/rollout_limit.py")
+    speedup = small[common[0]] / big[common[0]]
+    sync = c.sync_s
+    rows = [r for r in _load(results, "weight_sync_gpu")["rows"] if r["method"] == "nccl"]
+    at = {r["shape"]: r["seconds"] for r in rows}
+    if shape in at and "7b" in at:
+        sync = c.sync_s * at[shape] / at["7b"]
+    carried = replace(c, rollout_wall_s=c.rollout_wall_s / speedup, sync_s=sync, n_params=shape_params(shape),
+                      layers=layers, attn_width=attn_width)
+    return carried, (f"carried from 7b: rollout ÷ {speedup:.2f} (vLLM's ceiling at {common[0]} agents, {shape} "
+                     f"{small[common[0]]:,.0f} against 7b {big[common[0]]:,.0f} tokens/s); training by FLOPs at "
+                     f"{shape}'s shape, MFU {c.learner_mfu:.2f} kept; sync by the NCCL seconds at both shapes")
 
 
 def e2e_from_run(run_dir: Path) -> list[dict[str, float]]:

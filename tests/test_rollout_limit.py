@@ -118,3 +118,37 @@ def test_jobs_with_the_same_arguments_merge_their_loads_and_others_replace():
     assert merged(both, job({"256": (80.0, 100.0), "512": (40.0, 80.0)}, runs="y"))["commands"] == both["commands"]
     other = job({"512": (40.0, 80.0)}, turns=3)
     assert merged(first, other) is other and merged(None, first) is first
+
+
+# -- the closed-loop ceiling's parts: tool latency from the sandbox's record, and the waits between turns --------
+
+
+def test_tool_latency_is_drawn_through_the_sandboxs_measured_p50_and_p99():
+    from bench.rollout_limit import ToolLatency, sandbox_latency
+
+    p50, p99 = sandbox_latency()
+    assert 0 < p50 < p99 < 1.0
+    draw = ToolLatency(p50, p99, seed=3)
+    xs = sorted(draw() for _ in range(20_000))
+    assert xs[len(xs) // 2] == pytest.approx(p50, rel=0.05)
+    assert xs[int(0.99 * len(xs))] == pytest.approx(p99, rel=0.1)
+    first, second = ToolLatency(p50, p99, seed=3), ToolLatency(p50, p99, seed=3)
+    assert [first() for _ in range(5)] == [second() for _ in range(5)]  # seeded
+
+
+def test_tool_waits_come_before_every_turn_but_an_episodes_first():
+    from bench.rollout_limit import ToolWaits
+
+    waits = []
+    args = argparse.Namespace(agents=3, turns=4, ctx_min=40, ctx_max=60, short=4, long=9, long_share=0.5,
+                              tool_min=5, tool_max=8, seed=1)
+    plan = workload(args)
+
+    def latency() -> float:
+        waits.append(1)
+        return 0.001
+
+    engine = Recorder()
+    res = asyncio.run(run_agents(ToolWaits(engine, latency), plan, args, VOCAB))
+    assert len(engine.prompts) == 3 * 4 and len(waits) == 3 * 3
+    assert res["tokens"] == sum(sampled_budget(spec) for spec in plan)

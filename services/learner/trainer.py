@@ -207,12 +207,24 @@ def rollout_timings(trajs: list[ScoredTrajectory]) -> dict[str, float]:
     return out
 
 
+TOKEN_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def length_histogram(trajs: list[ScoredTrajectory]) -> dict[str, float]:
+    """How many of a batch's trajectories fall in each length bucket (tokens, at most the bucket's bound)."""
+    out = {f"trajectory_tokens/le_{b}": 0.0 for b in TOKEN_BUCKETS} | {"trajectory_tokens/over": 0.0}
+    for t in trajs:
+        n = len(t.token_ids)
+        out[next((f"trajectory_tokens/le_{b}" for b in TOKEN_BUCKETS if n <= b), "trajectory_tokens/over")] += 1
+    return out
+
+
 def batch_figures(trajs: list[ScoredTrajectory], advantages: list[float], cfg: RLConfig) -> dict[str, float]:
     """A batch's figures beside the loss: benchmark rates, rollout timings, rewards and advantages."""
     rewards = [alg.effective_reward(t.reward, t.finish_reason, cfg.filters.zero_reward_finish_reasons)
                for t in trajs]
     rs, ads = alg.summarize(rewards), alg.summarize(advantages)
-    return {**score_rates(trajs), **rollout_timings(trajs),
+    return {**score_rates(trajs), **rollout_timings(trajs), **length_histogram(trajs),
             "reward_mean": rs["mean"], "reward_std": rs["std"], "reward_max": rs["max"],
             "advantage_mean": ads["mean"], "advantage_std": ads["std"], "advantage_min": ads["min"],
             "advantage_max": ads["max"]}

@@ -193,7 +193,7 @@ class RLSpec(_Section):
     @model_validator(mode="after")
     def _forced_turns_fit(self) -> "RLSpec":
         forced = self.sampling.forced_turns
-        if forced is not None and forced.tool_calls > self.sampling.max_tool_calls:
+        if forced is not None and forced.shape == "fixed" and forced.tool_calls > self.sampling.max_tool_calls:
             raise ValueError(f"rl.sampling.forced_turns.tool_calls {forced.tool_calls} exceeds "
                              f"rl.sampling.max_tool_calls {self.sampling.max_tool_calls}")
         return self
