@@ -87,3 +87,53 @@ def test_lean_layers_save_the_product_and_the_norm_outputs_less(tiny_model, dtyp
     only_swiglu = _model(tiny_model, dtype)
     lean_activations(only_swiglu, recompute_norms=False)
     assert lean < saved_bytes(only_swiglu, ids, positions) < plain
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("width", ["1.5B", "7B"])
+def test_lean_layers_activation_memory_per_layer_on_gpu(width):
+    """Bytes a 32K-token packed row keeps per decoder layer after the forward (bf16, varlen attention, two
+    layers of Qwen2.5's width), as the engine runs them on GPU: `keep` with the compiled point-wise functions
+    (fuse_pointwise), `lean` with the compiled lean pieces, and eager `keep` for reference. Printed for the
+    recipes' choice (pytest -s); lean keeps at least (intermediate + 2 x hidden) x 2 bytes per token and layer
+    less than compiled keep (down_proj's input and the two norm outputs)."""
+    import json
+
+    from transformers import Qwen2Config, Qwen2Model
+
+    from services.learner.attention import PACKED_ATTENTION
+    from services.learner.pointwise import fuse_pointwise
+
+    d, heads, kv, inter = {"1.5B": (1536, 12, 2, 8960), "7B": (3584, 28, 4, 18944)}[width]
+    tokens, layers = 32768, 2
+    lengths = [12000, 9000, tokens - 21000]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+    held = {}
+    for mode in ("keep-eager", "keep-fused", "lean"):
+        cfg = Qwen2Config(hidden_size=d, num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
+                          num_hidden_layers=layers, vocab_size=128, attn_implementation=PACKED_ATTENTION)
+        torch.manual_seed(0)
+        model = Qwen2Model(cfg).to("cuda", torch.bfloat16).train()
+        if mode == "keep-fused":
+            fuse_pointwise(model)
+        elif mode == "lean":
+            lean_activations(model, compiled=True)
+        h = (torch.randn(1, tokens, d, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
+        for _ in range(2):  # the first pass compiles
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            out = model(inputs_embeds=h, position_ids=positions, use_cache=False,
+                        **packed_kwargs(positions)).last_hidden_state
+            torch.cuda.synchronize()
+            kept = torch.cuda.memory_allocated() - before
+            out.float().square().mean().backward()
+            model.zero_grad(set_to_none=True)
+            h.grad = None
+        held[mode] = kept / layers
+        del model, out
+        torch.cuda.empty_cache()
+    per_token = {m: b / tokens for m, b in held.items()}
+    print(json.dumps({"width": width, "tokens": tokens, "bytes_per_token_per_layer": per_token,
+                      "gib_per_layer_at_32k": {m: b / 2**30 for m, b in held.items()}}))
+    assert per_token["keep-fused"] - per_token["lean"] >= 0.9 * 2 * (inter + 2 * d)
+    assert per_token["lean"] < per_token["keep-fused"] < per_token["keep-eager"]
