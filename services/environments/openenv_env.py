@@ -32,6 +32,7 @@ from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
+from services.common.schemas import EpisodeStarted
 from services.episodes.client import EpisodeClient, EpisodeError
 
 DEFAULT_URL = "http://127.0.0.1:8007"
@@ -107,22 +108,20 @@ class TravelPlannerEnvironment(Environment[TravelAction, TravelObservation, Trav
         max_tool_calls: int | None = None,
         **_: Any,
     ) -> TravelObservation:
-        """Starts an episode; `episode_id` and `seed` are OpenEnv's own arguments and pick nothing here."""
+        """Starts an episode; `episode_id` and `seed` are OpenEnv's own arguments and pick nothing here. An episode
+        the API will not start is an observation with `error`, done (OpenEnv's HTTP routes would make an
+        exception a 500)."""
         self._close_episode()
         if query is None and query_id is None:
             if self.next_query_id is None:
-                raise ValueError("reset needs query_id (with split) or query: this server has no query list")
+                return TravelObservation(
+                    done=True, error="reset needs query_id (with split) or query: this server has no query list"
+                )
             query_id = self.next_query_id()
-        started = self.episodes.start(
-            query_id=None if query is not None else str(query_id),
-            split=None if query is not None else (split or self.split),
-            query=query,
-            reward=reward or self.reward,
-            mode=mode or self.mode,
-            max_tool_calls=max_tool_calls or self.max_tool_calls,
-            tool_format="native",
-            client="openenv",
-        )
+        try:
+            started = self._start(query_id, split, query, reward, mode, max_tool_calls)
+        except EpisodeError as exc:
+            return TravelObservation(done=True, error=str(exc))
         self._state = TravelState(
             episode_id=started.episode_id,
             query=started.query.model_dump(mode="json"),
@@ -134,6 +133,26 @@ class TravelPlannerEnvironment(Environment[TravelAction, TravelObservation, Trav
             system_prompt=started.system_prompt,
             tools=started.tools,
             tool_calls_left=started.limits.max_tool_calls,
+        )
+
+    def _start(
+        self,
+        query_id: str | None,
+        split: str | None,
+        query: dict[str, Any] | None,
+        reward: str | None,
+        mode: str | None,
+        max_tool_calls: int | None,
+    ) -> EpisodeStarted:
+        return self.episodes.start(
+            query_id=None if query is not None else str(query_id),
+            split=None if query is not None else (split or self.split),
+            query=query,
+            reward=reward or self.reward,
+            mode=mode or self.mode,
+            max_tool_calls=max_tool_calls or self.max_tool_calls,
+            tool_format="native",
+            client="openenv",
         )
 
     def step(self, action: TravelAction, timeout_s: float | None = None, **_: Any) -> TravelObservation:
@@ -148,13 +167,7 @@ class TravelPlannerEnvironment(Environment[TravelAction, TravelObservation, Trav
         try:
             reply = self.episodes.call_tool(episode_id, action.tool, action.arguments)
         except EpisodeError as exc:
-            if exc.retryable:
-                raise
-            gone = exc.status in (404, 409)  # expired or already finished: nothing more to do in it
-            self._state.finished = self._state.finished or gone
-            return TravelObservation(
-                done=gone, error=exc.message, episode_id=episode_id, tool_calls_left=self._state.tool_calls_left
-            )
+            return self._refused(episode_id, exc)
         self._state.tool_calls_left = reply.tool_calls_left
         return TravelObservation(content=reply.content, episode_id=episode_id, tool_calls_left=reply.tool_calls_left)
 
@@ -162,9 +175,7 @@ class TravelPlannerEnvironment(Environment[TravelAction, TravelObservation, Trav
         try:
             result = self.episodes.finish(episode_id, plan=action.plan, answer=action.answer)
         except EpisodeError as exc:
-            if exc.retryable or exc.status == 404:
-                raise
-            return TravelObservation(error=exc.message, episode_id=episode_id)
+            return self._refused(episode_id, exc)
         self._state.finished = True
         self._state.reward = result.reward
         return TravelObservation(
@@ -175,6 +186,16 @@ class TravelPlannerEnvironment(Environment[TravelAction, TravelObservation, Trav
             scores=_dump(result.scores),
             verdicts=_dump(result.verdicts),
             plan=result.plan.model_dump(mode="json") if result.plan is not None else None,
+        )
+
+    def _refused(self, episode_id: str, exc: EpisodeError) -> TravelObservation:
+        """A step the episode API refused, as an observation whose `error` says why: done when the episode is
+        gone or finished (404, 409); otherwise it stays open (a bad call, a spent budget: finish; a 503: the same
+        step again later)."""
+        gone = exc.status in (404, 409)
+        self._state.finished = self._state.finished or gone
+        return TravelObservation(
+            done=gone, error=str(exc), episode_id=episode_id, tool_calls_left=self._state.tool_calls_left
         )
 
     @property
@@ -190,9 +211,8 @@ class TravelPlannerEnvironment(Environment[TravelAction, TravelObservation, Trav
             return
         try:
             self.episodes.close(self._state.episode_id)
-        except EpisodeError as exc:
-            if exc.status != 404:
-                raise
+        except EpisodeError:
+            pass  # gone already, or the service is away: the episode expires on its own
         self._state = TravelState()
 
 

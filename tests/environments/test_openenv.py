@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from tests.environments.conftest import library_or_skip
@@ -107,6 +108,22 @@ def test_broken_plan_scores_below_the_gold(served, openenv_url: str) -> None:
         result = env.step(TravelAction(tool="finish", plan=broken["plan"]))
     assert result.done and result.reward == 0.0
     assert result.observation.success["strict"] is False
+
+
+def test_bad_requests_are_answered_not_errors(served, openenv_url: str) -> None:
+    """A reset the episode API refuses is a done observation with the reason, over the client's session and over
+    OpenEnv's plain HTTP routes (which make a fresh environment per request, so keep no episode); an action that
+    does not fit the schema is OpenEnv's 422."""
+    with TravelPlannerClient(base_url=openenv_url).sync() as env:
+        refused = env.reset(query_id="9999", split="train")
+        assert refused.done and "no query" in refused.observation.error
+    with httpx.Client(base_url=openenv_url, timeout=30) as http:
+        reply = http.post("/reset", json={"query_id": "9999", "split": "train"})
+        assert reply.status_code == 200 and "no query" in reply.json()["observation"]["error"]
+        reply = http.post("/step", json={"action": {"tool": "finish", "plan": []}})
+        assert reply.status_code == 200 and "call reset first" in reply.json()["observation"]["error"]
+        reply = http.post("/step", json={"action": {"name": "SearchFlight"}})
+        assert reply.status_code == 422
 
 
 @pytest.mark.slow
