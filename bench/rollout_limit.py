@@ -20,7 +20,15 @@ after the other, the prefix cache emptied between loads):
   prefill alone (`max_tokens=1`, cache emptied) and the steady decode rate (`--steady-tokens` for
   every sequence, prompts cached).
 
-Reported per load: tokens/s of each side, efficiency = agent ÷ ceiling, turn p50/p99, the ceiling's
+- **closed-loop ceiling** (in the agent side's process, on its engine's AsyncLLM): the same agents' turns driven
+  straight on vLLM (no chat, no HTTP, not our engine's turn path), each turn after an episode's first waiting one
+  tool call, as the agent side's turns do (`--tool-latency sandbox`: log-normal through the sandbox's measured
+  HTTP p50 and p99, bench/results/sandbox.json). What an agent that must wait for its tools can reach.
+
+Every load runs `--repeats` times on each side (default 3), interleaved (each load once, then again), and the
+figures are the median run's, with every run's tokens/s and their spread.
+
+Reported per load: tokens/s of each side, efficiency = agent ÷ ceiling, and agent ÷ closed-loop ceiling, turn p50/p99, the ceiling's
 prefill seconds and steady decode tokens/s (ms a step), and from vLLM's own counters what each side's
 engine did (tokens prefilled, prefix-cache hit rate, preemptions); with `--updates SHAPE=AGENTS`, the
 agent load again with a weight reload every `--update-every` seconds in each in-flight mode, and its
@@ -185,6 +193,24 @@ def counters_during(before: dict[str, float], after: dict[str, float]) -> dict[s
     return d
 
 
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median tokens/s among `runs` (the lower middle of an even count), with every run's tokens/s
+    and their spread: min, max, and (max - min) over the median."""
+    ordered = sorted(runs, key=lambda x: x["tokens_per_s"])
+    mid = dict(ordered[(len(ordered) - 1) // 2])
+    tps = [x["tokens_per_s"] for x in runs]
+    mid.update(runs_tokens_per_s=tps, spread={"min": min(tps), "max": max(tps),
+                                              "relative": (max(tps) - min(tps)) / mid["tokens_per_s"]
+                                              if mid["tokens_per_s"] else None})
+    return mid
+
+
+def latency(args: argparse.Namespace, rep: int) -> "ToolLatency":
+    """The tool latency of run `rep`: the sandbox's, seeded by the run, the same for both of its sides."""
+    p50, p99 = sandbox_latency()
+    return ToolLatency(p50, p99, seed=args.seed * 1000 + rep)
+
+
 # -- the closed-loop ceiling: the agents' turn script straight on vLLM's AsyncLLM ---------------------
 
 
@@ -234,13 +260,22 @@ class DirectVllm:
         import uuid
 
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
-        sp = SamplingParams(max_tokens=params.max_tokens, ignore_eos=True, temperature=params.temperature,
-                            top_p=params.top_p, seed=params.seed, logprobs=0, detokenize=False,
-                            skip_special_tokens=False)
+        try:  # an engine input already (vLLM 0.26): no prompt preprocessing, as our engine sends it
+            from vllm.inputs.engine import tokens_input
+        except ImportError:
+            from vllm.inputs import TokensPrompt
+
+            def tokens_input(prompt_ids: list[int]) -> Any:
+                return TokensPrompt(prompt_token_ids=prompt_ids)
+
+        # the sampling our engine asks for (unseeded on GPU, the sampled token's log-prob, flat), without its path
+        sp = SamplingParams(n=1, max_tokens=params.max_tokens, ignore_eos=True, temperature=params.temperature,
+                            top_p=params.top_p, logprobs=0, detokenize=False, skip_special_tokens=False,
+                            output_kind=RequestOutputKind.FINAL_ONLY, flat_logprobs=True)
         final = None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), sp, request_id=uuid.uuid4().hex):
+        async for out in self.llm.generate(tokens_input(ids), sp, uuid.uuid4().hex):
             final = out
         token_ids = list(final.outputs[0].token_ids) if final is not None else []
         return SimpleNamespace(token_ids=token_ids, logprobs=None, stats={})
@@ -280,22 +315,37 @@ def agent_side(args: argparse.Namespace, folder: Path, loads: list[int], out: di
     async def measure() -> None:
         warm = at_load(args, min(4, longest))
         await run_agents(engine, [dict(p, turns=p["turns"][:1]) for p in workload(warm)], warm, vocab)
-        for agents in loads:
-            la = at_load(args, agents)
+        agent_runs: dict[str, list[dict[str, Any]]] = {}
+        closed_runs: dict[str, list[dict[str, Any]]] = {}
+        # runs interleaved: every load once, then again, so a drift of the machine spreads over all of them
+        for rep in range(args.repeats):
+            for agents in loads:
+                la = at_load(args, agents)
+                plan = workload(la)
+                await engine.llm.reset_prefix_cache()
+                profiled = args.profile and agents == args.profile_load and rep == 0
+                if profiled:  # the job's process starts py-spy on this one when it sees the marker
+                    Path(args.result).with_suffix(".profile").write_text(str(agents))
+                before = engine_counters()
+                waiting = ToolWaits(engine, latency(args, rep)) if args.tool_latency == "sandbox" else engine
+                res = await run_agents(waiting, plan, la, vocab, inflight=admitted)
+                res.pop("samples")
+                res.update(profiled=profiled, engine=counters_during(before, engine_counters()))
+                agent_runs.setdefault(str(agents), []).append(res)
+                log(f"agent {args.shape} x{agents} run {rep + 1}: {res['tokens_per_s']:,.0f} tokens/s ({res['tokens']} "
+                    f"in {res['wall_s']:.1f} s), turn p50 {res['turn_p50_s']:.2f} s, p99 {res['turn_p99_s']:.2f} s")
+                # the closed-loop ceiling: the same turns straight on this engine's AsyncLLM, the same tool waits
+                await engine.llm.reset_prefix_cache()
+                closed = await closed_loop(engine.llm, plan, la, vocab, inflight=admitted,
+                                           latency=latency(args, rep) if args.tool_latency == "sandbox" else None)
+                closed_runs.setdefault(str(agents), []).append(closed)
+                log(f"closed-loop ceiling {args.shape} x{agents} run {rep + 1}: {closed['tokens_per_s']:,.0f} tokens/s")
+        for n, runs in agent_runs.items():
+            out["loads"][n] = median_run(runs)
+            out.setdefault("closed_loop", {})[n] = median_run(closed_runs[n])
+        for agents in [a for a in loads if a in updates_at]:
+            res, la = out["loads"][str(agents)], at_load(args, agents)
             plan = workload(la)
-            await engine.llm.reset_prefix_cache()
-            profiled = args.profile and agents == args.profile_load
-            if profiled:  # the job's process starts py-spy on this one when it sees the marker
-                Path(args.result).with_suffix(".profile").write_text(str(agents))
-            before = engine_counters()
-            res = await run_agents(engine, plan, la, vocab, inflight=admitted)
-            res.pop("samples")
-            res.update(profiled=profiled, engine=counters_during(before, engine_counters()))
-            out["loads"][str(agents)] = res
-            log(f"agent {args.shape} x{agents}: {res['tokens_per_s']:,.0f} tokens/s ({res['tokens']} in "
-                f"{res['wall_s']:.1f} s), turn p50 {res['turn_p50_s']:.2f} s, p99 {res['turn_p99_s']:.2f} s")
-            if agents not in updates_at:
-                continue
             for mode in [m for m in args.inflight_modes.split(",") if m]:
                 engine.args = engine.args.model_copy(update={"inflight_update": mode})
                 await engine.llm.reset_prefix_cache()
@@ -353,18 +403,23 @@ def ceiling_side(args: argparse.Namespace, folder: Path, loads: list[int], out: 
         return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
 
     batch([[5] * 32] * 4, [4] * 4)  # warm-up
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for rep in range(args.repeats):  # interleaved, as the agent side's
+        for agents in loads:
+            plan = workload(at_load(args, agents))
+            prompts = [episode_prompt(i, spec, vocab) for i, spec in enumerate(plan)]
+            budgets = [sampled_budget(spec) for spec in plan]
+            llm.reset_prefix_cache()
+            before = engine_counters()
+            wall, tokens = batch(prompts, budgets)
+            counters = counters_during(before, engine_counters())
+            runs.setdefault(str(agents), []).append({"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+                                                     "prompt_tokens": sum(map(len, prompts)), "engine": counters})
+            log(f"ceiling {args.shape} x{agents} run {rep + 1}: {tokens / wall:,.0f} tokens/s ({tokens} in {wall:.1f} s)")
     for agents in loads:
         plan = workload(at_load(args, agents))
         prompts = [episode_prompt(i, spec, vocab) for i, spec in enumerate(plan)]
-        budgets = [sampled_budget(spec) for spec in plan]
-        llm.reset_prefix_cache()
-        before = engine_counters()
-        wall, tokens = batch(prompts, budgets)
-        counters = counters_during(before, engine_counters())
-        res = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "prompt_tokens": sum(map(len, prompts)),
-               "engine": counters}
-        out["loads"][str(agents)] = res
-        log(f"ceiling {args.shape} x{agents}: {res['tokens_per_s']:,.0f} tokens/s ({tokens} in {wall:.1f} s)")
+        res = out["loads"][str(agents)] = median_run(runs[str(agents)])
         if args.steady_tokens:
             llm.reset_prefix_cache()
             prefill_s, _ = batch(prompts, [1] * agents)
@@ -417,6 +472,7 @@ def measure_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
             data["profile"] = prof
         entry["sides"][side] = data
     entry["efficiency"] = efficiency(entry)
+    entry["closed_loop_efficiency"] = efficiency(entry, "closed_loop")
     return entry
 
 
@@ -435,16 +491,21 @@ def merged(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
     sides = {k: dict(v, loads=dict(v.get("loads", {}))) for k, v in old["sides"].items()}
     for side, data in new["sides"].items():
         loads = {**sides.get(side, {}).get("loads", {}), **data.get("loads", {})}
-        sides[side] = {**sides.get(side, {}), **data, "loads": loads}
+        closed = {**sides.get(side, {}).get("closed_loop", {}), **data.get("closed_loop", {})}
+        sides[side] = {**sides.get(side, {}), **data, "loads": loads, **({"closed_loop": closed} if closed else {})}
     out["sides"] = sides
     out["efficiency"] = efficiency(out)
+    out["closed_loop_efficiency"] = efficiency(out, "closed_loop")
     return out
 
 
-def efficiency(entry: dict[str, Any]) -> dict[str, float]:
-    """Per load: agent tokens/s ÷ ceiling tokens/s (loads both sides measured)."""
-    agent = entry["sides"].get("agent", {}).get("loads", {})
-    ceiling = entry["sides"].get("ceiling", {}).get("loads", {})
+def efficiency(entry: dict[str, Any], against: str = "ceiling") -> dict[str, float]:
+    """Per load: agent tokens/s ÷ the open-loop ceiling's (`against` ceiling), or ÷ the closed-loop ceiling's
+    (`against` closed_loop, measured in the agent side's process), medians of their runs, loads both measured."""
+    agent_side = entry["sides"].get("agent", {})
+    agent = agent_side.get("loads", {})
+    ceiling = agent_side.get("closed_loop", {}) if against == "closed_loop" else \
+        entry["sides"].get("ceiling", {}).get("loads", {})
     return {n: agent[n]["tokens_per_s"] / ceiling[n]["tokens_per_s"] for n in agent
             if n in ceiling and ceiling[n].get("tokens_per_s")}
 
@@ -473,6 +534,11 @@ def main() -> None:
     p.add_argument("--admit", choices=("kv", "all"), default="kv",
                    help="agent side: kv keeps at most as many episodes in flight as the engine's KV cache holds "
                         "at the context length (a rollout worker's rule; the rest wait for a slot), all starts every one")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of every load on each side, interleaved (load by load, then again); the median reported")
+    p.add_argument("--tool-latency", choices=("sandbox", "none"), default="sandbox",
+                   help="sandbox: each turn after an episode's first waits a tool call drawn from the sandbox's "
+                        "measured HTTP latency (bench/results/sandbox.json), on the agent and closed-loop sides")
     p.add_argument("--update-every", type=float, default=10.0, help="seconds between weight reloads under load")
     p.add_argument("--inflight-modes", default="recompute,keep", help="inflight_update modes measured under reloads")
     p.add_argument("--profile", action="store_true", help="py-spy the agent side at --profile-load")
@@ -538,17 +604,24 @@ def write_markdown(record: dict[str, Any], path: Path) -> None:
              "In flight at most: episodes the agent side runs at once, the others waiting for a slot (`--admit kv`: "
              "as many as its KV cache holds at the context length, as a rollout worker admits them; all: every agent "
              "at once).", "",
-             "| shape | agents | in flight at most | agent tokens/s | ceiling tokens/s | efficiency | turn p50 s | "
+             "Closed loop: the agents' turns straight on the agent side's AsyncLLM (no chat, no engine path), each turn "
+             "after an episode's first waiting the same tool call as the agent's (sandbox latency: "
+             "bench/results/sandbox.json). Figures: the median of the interleaved runs; spread: (max - min) / median.", "",
+             "| shape | agents | in flight at most | agent tokens/s | agent spread | closed-loop tokens/s | "
+             "agent ÷ closed loop | ceiling tokens/s | efficiency | turn p50 s | "
              "turn p99 s | ceiling prefill s | steady decode tokens/s | ms a step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape, entry in record["shapes"].items():
         agent = entry["sides"].get("agent", {}).get("loads", {})
         ceiling = entry["sides"].get("ceiling", {}).get("loads", {})
         for n in map(str, entry["loads"]):
             a, c = agent.get(n, {}), ceiling.get(n, {})
+            closed = entry["sides"].get("agent", {}).get("closed_loop", {}).get(n, {})
             inflight = f"{a['inflight']:,}" if a.get("inflight") else "all"  # records before admission: all
             lines.append(f"| {shape} | {n}{' (profiled)' if a.get('profiled') else ''} | {inflight} "
-                         f"| {f(a.get('tokens_per_s'), '{:,.0f}')} | {f(c.get('tokens_per_s'), '{:,.0f}')} "
+                         f"| {f(a.get('tokens_per_s'), '{:,.0f}')} | {f((a.get('spread') or {}).get('relative'), '{:.1%}')} "
+                         f"| {f(closed.get('tokens_per_s'), '{:,.0f}')} "
+                         f"| {f(entry.get('closed_loop_efficiency', {}).get(n))} | {f(c.get('tokens_per_s'), '{:,.0f}')} "
                          f"| {f(entry['efficiency'].get(n))} | {f(a.get('turn_p50_s'))} | {f(a.get('turn_p99_s'))} "
                          f"| {f(c.get('prefill_s'), '{:.1f}')} | {f(c.get('steady_decode_tokens_per_s'), '{:,.0f}')} "
                          f"| {f(c.get('steady_step_ms'), '{:.1f}')} |")

@@ -152,3 +152,29 @@ def test_tool_waits_come_before_every_turn_but_an_episodes_first():
     res = asyncio.run(run_agents(ToolWaits(engine, latency), plan, args, VOCAB))
     assert len(engine.prompts) == 3 * 4 and len(waits) == 3 * 3
     assert res["tokens"] == sum(sampled_budget(spec) for spec in plan)
+
+
+def test_the_median_run_carries_every_runs_figure_and_their_spread():
+    from bench.rollout_limit import median_run
+
+    runs = [{"tokens_per_s": 90.0, "wall_s": 1}, {"tokens_per_s": 100.0, "wall_s": 2}, {"tokens_per_s": 80.0, "wall_s": 3}]
+    mid = median_run(runs)
+    assert mid["wall_s"] == 1 and mid["tokens_per_s"] == 90.0
+    assert mid["runs_tokens_per_s"] == [90.0, 100.0, 80.0]
+    assert mid["spread"] == {"min": 80.0, "max": 100.0, "relative": pytest.approx(20.0 / 90.0)}
+    assert median_run(runs[:2])["tokens_per_s"] == 90.0  # an even count: the lower middle
+
+
+def test_closed_loop_efficiency_is_against_the_agent_sides_own_ceiling():
+    entry = {"sides": {"agent": {"loads": {"64": {"tokens_per_s": 50.0}, "256": {"tokens_per_s": 90.0}},
+                                 "closed_loop": {"64": {"tokens_per_s": 55.0}}},
+                       "ceiling": {"loads": {"64": {"tokens_per_s": 100.0}}}}}
+    assert efficiency(entry, "closed_loop") == {"64": pytest.approx(50.0 / 55.0)}
+    assert efficiency(entry) == {"64": 0.5}
+    old = job({"64": (50.0, 100.0)})
+    old["sides"]["agent"]["closed_loop"] = {"64": {"tokens_per_s": 60.0}}
+    new = job({"256": (80.0, 100.0)})
+    new["sides"]["agent"]["closed_loop"] = {"256": {"tokens_per_s": 88.0}}
+    both = merged(old, new)
+    assert set(both["sides"]["agent"]["closed_loop"]) == {"64", "256"}
+    assert both["closed_loop_efficiency"] == {"64": pytest.approx(50 / 60), "256": pytest.approx(80 / 88)}
