@@ -753,11 +753,14 @@ def report(data: dict[str, Any]) -> str:
                   f"finishes at once per episode; each round kills the sandbox during the tool calls and the episode "
                   f"service (the scorer) while finishes hold their claims; {e['kills']['episodes']} rounds.", "",
                   "| episodes | finished | scored twice | never scored | claims lost to a kill (re-scored) "
-                  "| replies differing | tool calls over- / under-counted | passed |",
-                  "|---:|---:|---:|---:|---:|---:|---|---|",
+                  "| replies differing | tool calls over- / under-counted | 503s while the sandbox was away | passed |",
+                  "|---:|---:|---:|---:|---:|---:|---|---:|---|",
                   f"| {e['episodes']} | {e['finished']} | {e['scored_twice']} | {e['never_scored']} | "
                   f"{e['lapsed_claims']} | {e['differing_replies']} | {e['calls_overcounted']} / "
-                  f"{e['calls_undercounted']} | {e['passed']} |", ""]
+                  f"{e['calls_undercounted']} | {e.get('calls_503_while_sandbox_away', '-')} | {e['passed']} |", "",
+                  "Scored twice: more than one result stored for an episode; a claim lost to a kill is a scoring the "
+                  "killed service never finished, done again by the next finish after the restart. Every finish "
+                  "reply and the episode's state carry the same result.", ""]
     lines.append(f"Machine: {data.get('machine')}.")
     return "\n".join(lines) + "\n"
 

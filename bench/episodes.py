@@ -240,7 +240,7 @@ def redis_url() -> Any:
 
 def phase(name: str, url: str, token: str | None, args: argparse.Namespace, body) -> dict[str, Any]:
     stats, seconds, errors = asyncio.run(run_clients(url, token, args.concurrency, args.seconds, body))
-    out = {"seconds": round(seconds, 2), "errors": errors,
+    out = {"seconds": round(seconds, 2), "errors": errors, "load_average_1m_after": round(os.getloadavg()[0], 2),
            **{k: summary(v, len(v), seconds) for k, v in sorted(stats.items())}}
     print(f"{name}: " + ", ".join(f"{k} {v['per_s']}/s p99 {v['p99_ms']} ms" for k, v in out.items()
                                   if isinstance(v, dict)) + f"; errors {errors}", flush=True)
@@ -298,7 +298,9 @@ def write_markdown(data: dict[str, Any], path: Path) -> None:
              row("baseline: POST /score (one mode)", score.get("score")),
              row("baseline: sandbox POST /tools/call", tools.get("tool_call")), "",
              f"Errors (a reply that was not the expected success): episodes {ep['errors']}, /score {score['errors']}, "
-             f"tool calls {tools['errors']}."]
+             f"tool calls {tools['errors']}. The machine's 1-minute load average after each phase (other jobs "
+             f"share its cores): /score {score.get('load_average_1m_after')}, tool calls "
+             f"{tools.get('load_average_1m_after')}, episodes {ep.get('load_average_1m_after')}."]
     if ep.get("tool_call") and tools.get("tool_call"):
         lines += ["", f"A tool call inside an episode takes {ep['tool_call']['p50_ms']} ms at the median against "
                       f"{tools['tool_call']['p50_ms']} ms straight to the sandbox (the episode's Redis script and "

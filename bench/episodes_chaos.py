@@ -69,6 +69,7 @@ class Player(threading.Thread):
         self.replies: list[dict] = []
         self.answered_calls = 0
         self.cut_calls = 0  # replies lost to a kill of the episode service (the call may have counted)
+        self.unavailable_calls = 0  # 503s while the sandbox was away (not counted)
         self.error: str | None = None
 
     def run(self) -> None:
@@ -98,7 +99,9 @@ class Player(threading.Thread):
             except EpisodeError as exc:
                 if exc.status == 0:
                     self.cut_calls += 1
-                elif exc.status != 503:
+                elif exc.status == 503:
+                    self.unavailable_calls += 1
+                else:
                     raise
                 if time.monotonic() > self.deadline:
                     raise
@@ -153,7 +156,8 @@ def one_round(server: Any, redis_client: Any, n: int, tool_calls: int, records: 
     with EpisodeClient(server.url, server.token) as client:
         for p in players:
             row: dict[str, Any] = {"episode": p.episode_id, "error": p.error, "replies": len(p.replies),
-                                   "answered_calls": p.answered_calls, "cut_calls": p.cut_calls}
+                                   "answered_calls": p.answered_calls, "cut_calls": p.cut_calls,
+                                   "unavailable_calls": p.unavailable_calls}
             if p.episode_id:
                 row.update(ledger(redis_client, server, p.episode_id))
                 state = client.state(p.episode_id).model_dump(mode="json")
@@ -173,7 +177,8 @@ def verdict(rows: list[dict[str, Any]], tool_calls: int) -> dict[str, Any]:
     undercounted = sum(int(r.get("used", 0)) < tool_calls for r in rows)
     return {"episodes": len(rows), "finished": finished, "scored_twice": scored_twice, "never_scored": never_scored,
             "lapsed_claims": lapsed, "differing_replies": differing, "calls_overcounted": overcounted,
-            "calls_undercounted": undercounted, "errors": [r["error"] for r in rows if r["error"]][:5],
+            "calls_undercounted": undercounted, "calls_503_while_sandbox_away": sum(r["unavailable_calls"] for r in rows),
+            "errors": [r["error"] for r in rows if r["error"]][:5],
             "passed": finished == len(rows) and scored_twice == never_scored == differing == overcounted ==
             undercounted == 0}
 
