@@ -15,7 +15,7 @@ Baselines, with the same clients and plans: the reward service's stateless `POST
 plans (one mode per request: a finish scores two), and the sandbox's `POST /tools/call` of the same calls (what
 a tool call costs without an episode around it).
 
-Results: bench/results/episodes.json and episodes.md.
+Results: bench/results/episodes.json and docs/lab/results/episodes.md.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from services.common.settings import get_settings  # noqa: E402
 from tests.support.episode_plans import gold_plan, query_of, running_episode_server, train_records  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
+REPORTS = ROOT / "docs" / "lab" / "results"  # the readable reports; the figures stay in RESULTS
 WORLD = ROOT / "var" / "bench" / "episodes-world.sqlite"
 TOKEN = "bench-token"
 
@@ -327,7 +328,9 @@ def main() -> int:
     data = {"meta": meta, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    write_markdown(data, args.out.with_suffix(".md"))
+    REPORTS.mkdir(parents=True, exist_ok=True)
+    write_markdown(data, REPORTS / args.out.with_suffix(".md").name if args.out.parent == RESULTS
+                   else args.out.with_suffix(".md"))
     return 0 if all(r["errors"] == 0 for r in results.values()) else 1
 
 
