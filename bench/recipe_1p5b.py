@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=4, help="prompts a step (rl.batch_prompts; the recipe's is 32)")
     ap.add_argument("--variants", default="on,off", help="which variants, in order (on, off)")
     ap.add_argument("--oversample", type=float, default=0.25, help="variant on: rl.oversample")
-    ap.add_argument("--group-timeout-s", type=float, default=40.0, help="variant on: rl.sampling.group_timeout_s")
+    ap.add_argument("--group-timeout-s", type=float, default=60.0, help="variant on: rl.sampling.group_timeout_s")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall seconds the job has: a later variant runs only with the steps that fit what is left")
     ap.add_argument("--min-steps", type=int, default=3, help="fewest steps a later variant is worth running")
