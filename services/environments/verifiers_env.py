@@ -71,6 +71,14 @@ def _last_assistant_text(messages: Sequence[Any]) -> str:
     return ""
 
 
+class EpisodeUnavailable(vf.InfraError):
+    """The episode API would not start the rollout's episode (the reason is the service's)."""
+
+
+class EpisodeGone(vf.InfraError):
+    """The rollout's episode expired or was closed: the rollout stops (a stop error of the environment)."""
+
+
 class TravelPlannerEnv(vf.StatefulToolEnv):
     """One episode of the episode API per rollout: started in `setup_state`, finished and closed in cleanup."""
 
@@ -87,7 +95,14 @@ class TravelPlannerEnv(vf.StatefulToolEnv):
         max_turns: int = 40,
         **kwargs: Any,
     ) -> None:
-        super().__init__(tools=[], eval_dataset=dataset, max_turns=max_turns, rubric=episode_rubric(), **kwargs)
+        super().__init__(
+            tools=[],
+            eval_dataset=dataset,
+            max_turns=max_turns,
+            rubric=episode_rubric(),
+            stop_errors=[EpisodeGone],
+            **kwargs,
+        )
         self.base_url = base_url
         self.token = token
         self._clients: dict[asyncio.AbstractEventLoop, AsyncEpisodeClient] = {}
@@ -142,8 +157,8 @@ class TravelPlannerEnv(vf.StatefulToolEnv):
             reply = await self.episodes().call_tool(episode_id, tool_name, tool_args)
             content = reply.content
         except EpisodeError as exc:
-            if exc.retryable or exc.status == 404:
-                raise
+            if exc.status == 404:
+                raise EpisodeGone(f"the rollout's episode is gone: {exc}") from exc
             content = f"Error: {exc.message}"
         return vf.ToolMessage(role="tool", content=content, tool_call_id=tool_call_id)
 
@@ -161,10 +176,6 @@ class TravelPlannerEnv(vf.StatefulToolEnv):
             await self.episodes().close(episode_id)
         except EpisodeError as exc:  # the rollout keeps reward 0 and says why; the others go on
             state["episode_error"] = str(exc)
-
-
-class EpisodeUnavailable(vf.InfraError):
-    """The episode API would not start the rollout's episode (the reason is the service's)."""
 
 
 def _result(state: vf.State) -> EpisodeResult | None:

@@ -7,6 +7,7 @@ Runs in `.venv-verifiers` (scripts/test-adapters); skips elsewhere.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -168,6 +169,34 @@ def test_refused_episode_ends_its_rollout_not_the_run(served) -> None:
     [rollout] = out["outputs"]
     assert rollout["reward"] == 0.0
     assert "max_tool_calls" in str(rollout.get("error"))
+
+
+def test_tool_calls_of_a_gone_episode_stop_the_rollout(served) -> None:
+    """A refused call is the tool's message for the model; a call into an episode that is gone is the
+    environment's stop error (verifiers ends the rollout with it)."""
+    from services.environments.verifiers_env import EPISODE_KEY, EpisodeGone
+
+    gold, _ = gold_and_broken(served)
+    env = vf.load_environment(
+        ENV_ID, base_url=served.url, token=served.token, split="train", query_ids=[gold["query_id"]]
+    )
+    assert env.stop_errors == [EpisodeGone]
+
+    async def calls() -> tuple[str, BaseException | None]:
+        state = vf.State(input={"info": json.loads(env.get_eval_dataset()[0]["info"])})
+        state["info"] = state["input"]["info"]
+        await env.setup_state(state)
+        refused = await env.call_tool("SearchAccommodation", {"town": "x", EPISODE_KEY: state[EPISODE_KEY]}, "c1")
+        await env.episodes().close(state[EPISODE_KEY])
+        try:
+            await env.call_tool("SearchAccommodation", {"city": "x", EPISODE_KEY: state[EPISODE_KEY]}, "c2")
+        except EpisodeGone as exc:
+            return refused.content, exc
+        return refused.content, None
+
+    content, gone = asyncio.run(calls())
+    assert content.startswith("Error: ") and "town" in content
+    assert gone is not None and "HTTP 404" in str(gone)
 
 
 def test_load_environment_names_a_bad_request(served) -> None:
