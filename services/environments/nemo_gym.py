@@ -104,6 +104,11 @@ def plan_or_answer(text: str) -> dict[str, Any]:
     return {"answer": text}
 
 
+def not_the_policys_fault(error: EpisodeError) -> bool:
+    """Whether a failed finish says nothing of the plan: no reply, an episode gone (expired), a server error."""
+    return error.status in (0, 404) or error.status >= 500
+
+
 @cache
 def _classes() -> dict[str, type]:
     """NeMo Gym's base classes extended with ours; built on first use so the import stays optional."""
@@ -198,7 +203,7 @@ def _classes() -> dict[str, type]:
             c = self.config
             try:
                 started = await self.episodes().start(
-                    query_id=body.query_id,
+                    query_id=None if body.query is not None else body.query_id,
                     split=None if body.query is not None else (body.split or c.split),
                     query=body.query,
                     mode=body.mode or c.mode,
@@ -216,19 +221,29 @@ def _classes() -> dict[str, type]:
                 episode_id=started.episode_id, task=started.task, max_tool_calls=started.limits.max_tool_calls
             )
 
+        async def finish_episode(self, episode_id: str, text: str):
+            """Finish with the final message; JSON the API takes for no plan (422) is read as text instead."""
+            arguments = plan_or_answer(text)
+            try:
+                return await self.episodes().finish(episode_id, **arguments)
+            except EpisodeError as exc:
+                if exc.status != 422 or "plan" not in arguments:
+                    raise
+            return await self.episodes().finish(episode_id, answer=text)
+
         async def verify(self, request: Request, body: BaseVerifyRequest) -> TravelPlannerVerifyResponse:
             episode_id = request.session.get(EPISODE_KEY)
             base = body.model_dump()
             if not episode_id:
                 return TravelPlannerVerifyResponse(**base, reward=0.0, failure_reason="no episode in this session")
             try:
-                result = await self.episodes().finish(episode_id, **plan_or_answer(final_text(body.response)))
+                result = await self.finish_episode(episode_id, final_text(body.response))
             except EpisodeError as exc:
                 return TravelPlannerVerifyResponse(
                     **base,
                     reward=0.0,
                     episode_id=episode_id,
-                    mask_sample=True,
+                    mask_sample=not_the_policys_fault(exc),
                     failure_reason=f"episode API: HTTP {exc.status}: {exc.message}",
                 )
             try:

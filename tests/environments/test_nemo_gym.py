@@ -178,3 +178,20 @@ def test_reward_equals_star_score_on_gold_and_broken_plans(gym_url, served, mode
         if got["reward"] != case["star_score"][mode]:
             mismatches.append((case["name"], got["reward"], case["star_score"][mode]))
     assert not mismatches
+
+
+def test_verify_failures_say_whose_they_are(gym_url, served):
+    """JSON that is no plan scores as text (0, the policy's); an episode gone meanwhile masks the sample."""
+    case = served.cases[0]
+    junk = _episode(gym_url, case, answer="[1, 2]", reward="sum")
+    assert junk["reward"] == 0.0 and junk["mask_sample"] is False
+    with httpx.Client(base_url=gym_url, timeout=60) as http:
+        seeded = http.post("/seed_session", json=_seed_body(case)).json()
+        with served.client() as client:
+            client.close(seeded["episode_id"])
+        gone = http.post("/verify", json={**_seed_body(case), "response": _response(json.dumps(case["plan"]))})
+        assert gone.status_code == 200
+        assert gone.json()["mask_sample"] is True and "404" in gone.json()["failure_reason"]
+    with httpx.Client(base_url=gym_url, timeout=60) as http:  # no seed_session
+        unseeded = http.post("/verify", json={**_seed_body(case), "response": _response("Day 1: ...")}).json()
+        assert unseeded["reward"] == 0.0 and unseeded["failure_reason"] == "no episode in this session"
