@@ -27,8 +27,9 @@ VERSION = "0.1.0"
 
 class FormatRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
-        {"plan_text": "Day 1:\nCurrent City: from Sarasota to Chicago\nTransportation: Flight Number: F3573659, "
-                      "from Sarasota to Chicago, Departure Time: 15:40, Arrival Time: 17:04\nBreakfast: -\n"
+        {"plan_text": "Day 1:\nCurrent City: from Sarasota to Chicago\nTransportation: "
+                      "Flight Number: F3573659, from Sarasota to Chicago, Departure Time: 15:40, "
+                      "Arrival Time: 17:04\nBreakfast: -\n"
                       "Attraction: -\nLunch: -\nDinner: Coco Bambu, Chicago\nAccommodation: Cozy Room, Chicago",
          "backend": "structured"},
         {"plan_text": "On day 1 I fly F3573659 from Sarasota to Chicago and dine at Coco Bambu.", "backend": "llm",
