@@ -247,10 +247,14 @@ def record(args: argparse.Namespace, config: Any, variants: dict[str, Any], ceil
     steps = main.get("steps", [])
     mode = base.placement_mode(placement_text)
     calls = main.get("trajectories", {}).get("mean_tool_calls")
-    prediction = base.predict(config, steps, device, max(args.gpus, 1), mode, tool_calls=calls,
-                                shape="1.5b") if not args.smoke else None
+    prediction = None
+    if not args.smoke and steps:
+        try:
+            prediction = base.predict(config, steps, device, max(args.gpus, 1), mode, tool_calls=calls, shape="1.5b")
+        except (SystemExit, OSError, KeyError) as exc:  # the record keeps why there is no prediction
+            prediction = {"error": str(exc), "seconds": None}
+    predicted = (prediction or {}).get("seconds") and prediction["seconds"]["step"]
     measured = main.get("measured_step_s")
-    predicted = prediction["seconds"]["step"] if prediction else None
     agent = main.get("agent_tokens_per_s")
     ceiling_tps = (ceiling or {}).get("tokens_per_s")
     on, off = variants.get("on", {}).get("measured_step_s"), variants.get("off", {}).get("measured_step_s")
@@ -310,7 +314,7 @@ def markdown(rec: dict[str, Any]) -> str:
               f"tokens/s (rc {c.get('rc', '–')}{', ' + c['error'] if c.get('error') else ''}). Rollout efficiency "
               f"(the run's agent tokens/s over it): {f(rec.get('rollout_efficiency'))} (target 0.85).", ""]
     p = rec.get("prediction")
-    if p:
+    if p and p.get("seconds"):
         pred = p["seconds"]
         lines += ["## Time model", "", f"Predicted ({p['machine']['placement']}, this batch): {pred['step']:.1f} s a "
                   f"step (rollout {pred['rollout']:.1f}, scoring {pred['scoring']:.1f}, training {pred['training']:.1f}, "
@@ -354,9 +358,11 @@ def plot(rec: dict[str, Any], path: Path) -> None:
 
 
 def run_variant(args: argparse.Namespace, work: Path, model: Path | None, name: str, steps: int,
-                env: dict[str, str]) -> dict[str, Any]:
+                env: dict[str, str], minutes: float | None = None) -> dict[str, Any]:
+    """One variant's `star train`; `minutes`: the RL stage's wall-clock budget (rl.max_minutes), so that a slow run
+    still leaves the job its later parts."""
     run_dir = work / f"run-{name}"
-    items = run_items(args, model, name, steps)
+    items = run_items(args, model, name, steps) + ([f"rl.max_minutes={minutes:.2f}"] if minutes else [])
     run_args = argparse.Namespace(**{**vars(args), "recipe": args.recipe})
     t0 = time.monotonic()
     rc, output = base.run_train(run_args, run_dir, items, env)
@@ -366,6 +372,23 @@ def run_variant(args: argparse.Namespace, work: Path, model: Path | None, name: 
             "train_s": time.monotonic() - t0, "steps": figures, **summary(figures),
             "placement": base.placement_lines(output), "failures": base.failures(run_dir, output, rc),
             "trajectories": base.trajectory_shape(run_dir / "rl")}
+
+
+FIRST_SHARE = 0.6  # of the job's budget, the first variant's RL stage at most
+
+
+def write(args: argparse.Namespace, work: Path, config: Any, variants: dict[str, Any], ceiling: dict[str, Any] | None,
+          t_start: float) -> dict[str, Any]:
+    """The record so far, rewritten after each part (a job cut short keeps what was done)."""
+    placement_text = next((v["placement"] for v in variants.values() if v.get("placement")), [])
+    rec = record(args, config, variants, ceiling, placement_text)
+    rec["job_s"] = time.monotonic() - t_start
+    out = work if args.smoke else RESULTS
+    name = f"{args.name}_smoke" if args.smoke else args.name
+    (out / f"{name}.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
+    (out / f"{name}.md").write_text(markdown(rec))
+    plot(rec, out / f"{name}.png")
+    return rec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -432,23 +455,21 @@ def main(argv: list[str] | None = None) -> int:
                     f"{per_step:.0f} s after a {start:.0f} s start fit, fewer than {args.min_steps}")}
                 log(variants[name]["skipped"])
                 continue
-        log(f"variant {name}: {steps} steps")
-        variants[name] = run_variant(args, work, model, name, steps, env)
+        minutes = None
+        if args.budget_s is not None:  # the first run keeps room for the ceiling and the second variant
+            left = args.budget_s - (time.monotonic() - t_start)
+            minutes = max(1.0, (FIRST_SHARE * left if i == 0 and len(names) > 1 else left - 30) / 60)
+        log(f"variant {name}: {steps} steps" + (f", at most {minutes:.1f} minutes of RL" if minutes else ""))
+        variants[name] = run_variant(args, work, model, name, steps, env, minutes)
+        write(args, work, config, variants, ceiling, t_start)
         if i == 0 and args.ceiling and model is not None:
             from services.pipeline.placement import placement_for_recipe
 
             placement = placement_for_recipe(config)  # this machine's, as `star train` derived it
             ceiling = measure_ceiling(args, work, config, placement, model, work / f"run-{name}" / "rl")
             log(f"ceiling: {ceiling.get('tokens_per_s')} tokens/s (rc {ceiling.get('rc')})")
-    placement_text = next((v["placement"] for v in variants.values() if v.get("placement")), [])
-    rec = record(args, config, variants, ceiling, placement_text)
-    rec["job_s"] = time.monotonic() - t_start
-    out = work if args.smoke else RESULTS
-    name = f"{args.name}_smoke" if args.smoke else args.name
-    (out / f"{name}.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
-    (out / f"{name}.md").write_text(markdown(rec))
-    plot(rec, out / f"{name}.png")
-    print(markdown(rec))
+            write(args, work, config, variants, ceiling, t_start)
+    print(markdown(write(args, work, config, variants, ceiling, t_start)))
     first = variants[names[0]]
     return 0 if first.get("rc") == 0 and len(first.get("steps", [])) >= first.get("steps_asked", 1) else 1
 
