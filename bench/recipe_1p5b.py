@@ -387,7 +387,10 @@ def write(args: argparse.Namespace, work: Path, config: Any, variants: dict[str,
     name = f"{args.name}_smoke" if args.smoke else args.name
     (out / f"{name}.json").write_text(json.dumps(rec, indent=1, default=str) + "\n")
     (out / f"{name}.md").write_text(markdown(rec))
-    plot(rec, out / f"{name}.png")
+    try:
+        plot(rec, out / f"{name}.png")
+    except ImportError as exc:  # a machine without matplotlib still gets the JSON and Markdown
+        log(f"no PNG: {exc}")
     return rec
 
 

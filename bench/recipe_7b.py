@@ -195,7 +195,7 @@ def predict(config, steps: list[dict[str, Any]], device: str, gpus: int, placeme
                     gpus=gpus)
     colocated = placement == "colocated"
     engines = gpus if colocated else config.services.rollout_workers
-    learner = gpus if colocated else config.deployment.learner_ranks
+    learner = gpus if colocated else config.deployment.learner_ranks or 1
     try:
         card(device)
         target, note = device, None
