@@ -113,12 +113,16 @@ class LogprobPolicy(nn.Module):
         self.fused_head = fused_head_fits(lm.config)  # else the model's own logits (softcaps, scales)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
-                with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                with_entropy: bool = True, bounds: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # No attention mask: position_ids restarting at 0 mark packed sequences (block-diagonal causal).
         # Under packed attention their boundaries go to every layer's attention as cu_seqlens; under
         # another implementation transformers builds a block mask from them. Where no row of the [B, T]
         # batch restarts (micro-batch padding continues the positions), SDPA runs its plain causal kernel.
-        bounds = packed_kwargs(position_ids) if self.lm.config._attn_implementation in PACKED_IMPLEMENTATIONS else {}
+        # `bounds`: those boundaries computed on the host already (PackedRow.bounds), else read here.
+        if self.lm.config._attn_implementation not in PACKED_IMPLEMENTATIONS:
+            bounds = {}
+        elif bounds is None:
+            bounds = packed_kwargs(position_ids)
         if not self.fused_head:
             logits = self.lm(input_ids=input_ids, position_ids=position_ids, use_cache=False, **bounds).logits
             return model_logprobs(logits.flatten(0, 1), targets.flatten(), temperature=self.temperature,
@@ -176,6 +180,14 @@ def recompute_mlps(lm: nn.Module) -> int:
         mlp.forward = forward
         count += 1
     return count
+
+
+def device_bounds(bounds: dict[str, Any] | None, device: torch.device) -> dict[str, Any] | None:
+    """A micro-batch's host-side attention bounds with their tensors (cumulative lengths) copied to `device`,
+    without a read back to the host."""
+    if bounds is None:
+        return None
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in bounds.items()}
 
 
 def attention_choice(cfg: EngineConfig) -> dict[str, str]:
@@ -398,7 +410,8 @@ class PolicyEngine:
         inputs = [t if t.dim() == 2 else t[None] for t in (row.input_ids, row.position_ids, row.targets)]
         # The attention kernel is chosen in the forward; its backward follows that choice.
         with ctx, sdpa_priority(self.cfg.sdpa_backends if self.on_gpu else None):
-            return self.engine(*(t.to(self.device) for t in inputs), with_entropy)
+            return self.engine(*(t.to(self.device) for t in inputs), with_entropy,
+                               bounds=device_bounds(getattr(row, "bounds", None), self.device))
 
     def reference_policy(self) -> LogprobPolicy:
         """A frozen copy of the starting weights (read again from `model_dir`), for the KL term."""
