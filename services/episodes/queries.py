@@ -46,6 +46,8 @@ class QueryCatalog:
             return load_split(self._extra_split(name))
         except SubmissionError as exc:
             raise QueryNotFound(str(exc)) from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise QueryNotFound(f"split {name!r} cannot be read on this service: {exc}") from None
 
     def _extra_split(self, name: str) -> Path:
         if self.splits_dir is None:
