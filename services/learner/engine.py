@@ -408,7 +408,8 @@ class PolicyEngine:
         """Logprob and entropy of every target of a row ([T]) or micro-batch ([B, T]), flattened to [B·T]."""
         ctx = nullcontext() if grad else torch.no_grad()
         inputs = [t if t.dim() == 2 else t[None] for t in (row.input_ids, row.position_ids, row.targets)]
-        # The attention kernel is chosen in the forward; its backward follows that choice.
+        # The attention kernel is chosen in the forward; its backward follows that choice, and recomputation in
+        # backward runs under the same priority (sdpa_as_in_forward).
         with ctx, sdpa_priority(self.cfg.sdpa_backends if self.on_gpu else None):
             return self.engine(*(t.to(self.device) for t in inputs), with_entropy,
                                bounds=device_bounds(getattr(row, "bounds", None), self.device))
