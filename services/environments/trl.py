@@ -18,11 +18,12 @@ This module never imports TRL (the trainer only calls it); `travelplanner_datase
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from services.common.schemas import EpisodeResult
-from services.environments.nemo_gym import plan_or_answer
+from services.environments.nemo_gym import not_the_policys_fault, plan_or_answer
 from services.episodes.client import EpisodeClient, EpisodeError
 
 DEFAULT_URL = "http://127.0.0.1:8007"
@@ -60,6 +61,8 @@ class TravelPlannerEnv:
         already holds the task, so nothing is appended to it."""
         self._end_episode()
         query = row.get("query")
+        if not query and row.get("query_id") is None:
+            raise ValueError("a TravelPlanner row needs a query_id (with split) or a query")
         options = {k: row.get(k) or v for k, v in self._defaults.items()}
         started = self._client.start(
             query_id=None if query else str(row["query_id"]),
@@ -79,7 +82,14 @@ class TravelPlannerEnv:
         if self.episode_id is None:
             raise RuntimeError("no episode: reset() starts one")
         if self.result is None:
-            self.result = self._client.finish(self.episode_id, **plan_or_answer(final_message))
+            arguments = plan_or_answer(final_message)
+            try:
+                self.result = self._client.finish(self.episode_id, **arguments)
+            except EpisodeError as exc:
+                if exc.status != 422 or "plan" not in arguments:
+                    raise
+                # JSON the API takes for no plan: read it as text instead (an unreadable answer scores 0)
+                self.result = self._client.finish(self.episode_id, answer=final_message)
         return self.result
 
     def _close(self) -> None:
@@ -175,12 +185,19 @@ def final_message(completion: Any) -> str:
 
 def travelplanner_reward(
     completions: Sequence[Any], environments: Sequence[TravelPlannerEnv], **kwargs: Any
-) -> list[float]:
+) -> list[float | None]:
     """A GRPOTrainer reward function: each rollout's episode finished with its final message, scored by the
-    episode API (the reward kind and mode its environment chose)."""
-    rewards = []
+    episode API (the reward kind and mode its environment chose). A rollout the API could not score for no fault
+    of the plan (unreachable, the episode expired) gets None, which TRL leaves out."""
+    rewards: list[float | None] = []
     for completion, env in zip(completions, environments, strict=True):
-        rewards.append(env._finish(final_message(completion)).reward)
+        try:
+            rewards.append(env._finish(final_message(completion)).reward)
+        except EpisodeError as exc:
+            if not not_the_policys_fault(exc):
+                raise
+            warnings.warn(f"TravelPlanner episode {env.episode_id} not scored: {exc}", RuntimeWarning, stacklevel=2)
+            rewards.append(None)  # TRL leaves a reward of None out of the sample's reward
     log_metric = kwargs.get("log_metric")
     if callable(log_metric) and environments:
         for mode in ("official", "strict"):
