@@ -141,16 +141,28 @@ class LogprobPolicy(nn.Module):
         return self.lm.get_output_embeddings().weight
 
 
+def sdpa_kernels_now() -> list:
+    """The SDPA kernels enabled now, in priority order (SDPBackend members)."""
+    from torch.nn.attention import _cur_sdpa_kernel_backends
+
+    enabled = _cur_sdpa_kernel_backends()
+    order = getattr(torch._C, "_get_sdp_priority_order", None)
+    if order is None:
+        return enabled
+    rank = order()
+    return sorted(enabled, key=lambda b: rank.index(int(b)) if int(b) in rank else len(rank))
+
+
 def sdpa_as_in_forward() -> tuple[AbstractContextManager, AbstractContextManager]:
     """Activation checkpointing's `context_fn`: nothing around the forward; around the recompute in backward,
     the SDPA kernels and priority in force when the forward ran (read now, at the forward). The backward runs
     outside `sdpa_priority`, and a recompute on another kernel saves other tensors (cuDNN's logsumexp is
     [B, H, T, 1], flash's [B, H, T]): checkpoint refuses the mismatch (CheckpointError)."""
     try:
-        from torch.nn.attention import _cur_sdpa_kernel_backends, sdpa_kernel
+        from torch.nn.attention import sdpa_kernel
     except ImportError:  # pragma: no cover - torch without kernel selection
         return nullcontext(), nullcontext()
-    return nullcontext(), sdpa_kernel(_cur_sdpa_kernel_backends(with_priority=True), set_priority=True)
+    return nullcontext(), sdpa_kernel(sdpa_kernels_now(), set_priority=True)
 
 
 def recompute_layers(lm: nn.Module) -> None:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.nn.attention import _cur_sdpa_kernel_backends
 from torch.utils.checkpoint import CheckpointError
 
 from services.learner.attention import PACKED_ATTENTION, PER_SEQUENCE_ATTENTION, packed_kwargs
-from services.learner.engine import recompute_layers, sdpa_priority
+from services.learner.engine import recompute_layers, sdpa_kernels_now, sdpa_priority
 
 LENGTH = 40
 
@@ -63,11 +62,11 @@ def test_layer_recompute_keeps_the_forward_kernels_and_gradients(tiny_model, pac
     recompute_layers(lm)
     seen: list[list] = []
     lm.model.layers[0].self_attn.register_forward_pre_hook(
-        lambda *_: seen.append(_cur_sdpa_kernel_backends(with_priority=True)))
+        lambda *_: seen.append(sdpa_kernels_now()))
     _loss_under_math(lm, ids, positions).backward()
 
     assert len(seen) == 2, "the layer ran once forward and once recomputed"
-    assert seen[0] == seen[1] != _cur_sdpa_kernel_backends(with_priority=True)
+    assert seen[0] == seen[1] != sdpa_kernels_now()
     grads = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
     assert grads
     for name, p in lm.named_parameters():
