@@ -74,6 +74,9 @@ from bench.gpu_shapes import SHAPES, qwen2_config  # noqa: E402
 
 
 RECOMPUTE = ("none", "mlp", "layers")
+# the memory options a side may name: RECOMPUTE (the auto order) and the lean activations (activation_memory lean,
+# alone or with each MLP recomputed)
+MEMORY_OPTIONS = (*RECOMPUTE, "lean", "lean+mlp")
 SIDES = ("ours", "liger", "plain")
 RECIPE_ROW_TOKENS = 32768  # configs/qwen2.5-{7b,1.5b}-*.yaml learner.micro_batch_tokens
 RECIPE_LENGTHS = {"mean": 10300, "min": 512, "max": 30000}  # tokens at RECIPE_ROW_TOKENS (bench/time_model.py, rl.sampling)
@@ -92,9 +95,9 @@ def _sides(text: str) -> tuple[str, ...]:
 def _recompute_order(text: str) -> tuple[str, ...]:
     """`--recompute`: the recomputation modes to try, in order, until one fits in memory."""
     order = RECOMPUTE if text == "auto" else tuple(t.strip() for t in text.split(","))
-    bad = [t for t in order if t not in RECOMPUTE]
+    bad = [t for t in order if t not in MEMORY_OPTIONS]
     if bad or not order:
-        raise argparse.ArgumentTypeError(f"{text!r}: give auto or a comma-separated list of {', '.join(RECOMPUTE)}")
+        raise argparse.ArgumentTypeError(f"{text!r}: give auto or a comma-separated list of {', '.join(MEMORY_OPTIONS)}")
     return order
 
 
@@ -514,7 +517,8 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
 
     cfg = EngineConfig(zero_stage=3, precision="auto", micro_batch_tokens=row_capacity(args), micro_batch_rows=1,
                        pad_to_multiple=256 if on_gpu else 1, logprob_chunk_tokens=args.chunk, head_kernels=args.head_kernels,
-                       gradient_checkpointing=recompute == "layers", recompute_mlp=recompute == "mlp",
+                       gradient_checkpointing=recompute == "layers", recompute_mlp=recompute in ("mlp", "lean+mlp"),
+                       activation_memory="lean" if recompute.startswith("lean") else "keep",
                        attn_implementation="sdpa", sdpa_backends=None if args.sdpa == "default" else
                        args.sdpa.split("+"), compile_layers=args.compile, zero_init=True, grad_reduce_dtype=args.grad_reduce,
                        fuse_pointwise={"on": True, "off": False}.get(args.fuse_pointwise),

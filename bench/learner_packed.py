@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--recipe", type=Path, default=RECIPE, help="the recipe whose learner memory option ours runs")
     ap.add_argument("--recompute", default="recipe",
                     help="ours on packed rows: recipe (the recipe's option first, then the others) or a "
-                         "comma-separated order of none, mlp, layers")
+                         "comma-separated order of none, mlp, layers, lean, lean+mlp (lean: activation_memory lean)")
     ap.add_argument("--single-recompute", default="none,mlp,layers", help="the single side's order")
     ap.add_argument("--baseline-attn", default="star_varlen",
                     help="the Liger side's attn_implementation (star_varlen, flex_attention, sdpa, ...)")
@@ -95,7 +95,9 @@ def recipe_recompute(recipe: Path) -> str:
     learner = (yaml.safe_load(recipe.read_text()) or {}).get("learner") or {}
     if learner.get("gradient_checkpointing"):
         return "layers"
-    return "mlp" if learner.get("recompute_mlp") else "none"
+    lean = "lean" if learner.get("activation_memory") == "lean" else ""
+    mlp = "mlp" if learner.get("recompute_mlp") else ""
+    return "+".join(x for x in (lean, mlp) if x) or "none"
 
 
 def recompute_order(args: argparse.Namespace) -> str:
