@@ -39,8 +39,33 @@ kernels63() {
 # ==== end of kernels63 ====
 
 # ==== recipe64: issue 64 (the 1.5B recipe), its engineer owns and fills this function ====
+# `star train configs/qwen2.5-1.5b-arpo-macro.yaml` on one GPU (bench/recipe_1p5b.py): random-init 1.5B, the teacher's
+# episode shapes, 4 prompts x 8 a step, variant on (deadlines + over-sampling) for 10 steps, the closed-loop ceiling,
+# then variant off for the steps the budget leaves (RECIPE_BUDGET_S, default 690 s; RECIPE_ARGS adds arguments).
+# Needs .qwen-tok carried. Brings back bench/results/recipe_1p5b_h200.{json,md,png} and the runs' logs.
 recipe64() {
-  echo "[$(date +%T)] recipe64: not filled in"
+  local w=/tmp/recipe-1p5b
+  mirror recipe64 $R/recipe_1p5b_h200.json $R/recipe_1p5b_h200.md $w/train.log $w/run-on/rl/metrics.jsonl
+  lane recipe64 ${RECIPE_GPUS:-0} timeout ${RECIPE_TIMEOUT_S:-720} python bench/recipe_1p5b.py --tokenizer .qwen-tok \
+    --work $w --budget-s ${RECIPE_BUDGET_S:-690} ${RECIPE_ARGS:-}
+  mirror_stop
+  mkdir -p /tmp/r64/logs
+  for v in on off; do
+    cp $w/train-$v.log /tmp/r64/ 2>/dev/null; cp $w/run-$v/rl/metrics.jsonl /tmp/r64/metrics-$v.jsonl 2>/dev/null
+    cp $w/run-$v/rl/journal.jsonl /tmp/r64/journal-$v.jsonl 2>/dev/null
+    for f in $w/run-$v/logs/{rollout-0,learner,sandbox,reward-0,reward-1}.log; do
+      [ -f "$f" ] && tail -c 200000 "$f" > /tmp/r64/logs/$v-$(basename "$f"); done
+  done
+  cp $w/ceiling.json /tmp/r64/ 2>/dev/null
+  nvidia-smi > /tmp/r64/nvidia-smi.txt 2>&1
+  pack recipe64 $R/recipe_1p5b_h200.* /tmp/r64
+  # LIMIT64=1 (about 5 more minutes): issue 64 item 4, bench/rollout_limit.py at 256 agents, 3 interleaved runs a
+  # side, the closed-loop ceiling beside the open-loop one, tool waits from the sandbox's latency
+  if [ -n "${LIMIT64:-}" ]; then
+    lane limit64 ${RECIPE_GPUS:-0} timeout ${LIMIT64_TIMEOUT_S:-420} python bench/rollout_limit.py --runs 1.5b=256 \
+      --updates '' --repeats 3 --name rollout_limit_256_closed
+    pack limit64 $R/rollout_limit_256_closed.*
+  fi
 }
 # ==== end of recipe64 ====
 
