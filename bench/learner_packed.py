@@ -127,25 +127,29 @@ def error_text(exc: BaseException) -> str:
 
 
 def run_ours(largs: argparse.Namespace, model_dir: Path, on_gpu: bool) -> tuple[dict, list[dict]]:
-    """Ours under each memory option in turn until one fits; where the benchmark's SDPA kernel order fails
-    other than by memory, the same again under PyTorch's order. (result, every attempt)."""
+    """Ours under each memory option in turn until one runs (an option out of memory or failing is recorded and
+    the next one tried); where every option fails under the benchmark's SDPA kernel order other than by
+    memory, the same again under PyTorch's order. (result, every attempt)."""
     attempts: list[dict] = []
     orders = list(dict.fromkeys([largs.sdpa, "default"]))
     error = None
     for sdpa in orders:
         largs.sdpa = sdpa
-        try:
-            for recompute in largs.recompute:
+        failed = False
+        for recompute in largs.recompute:
+            try:
                 r = lm.attempt(lm.run_ours, largs, model_dir, 0, 1, on_gpu, recompute)
-                attempts.append({"recompute": recompute, "sdpa": sdpa, **r})
-                if not r.get("oom"):
-                    return r, attempts
+            except Exception as exc:  # recorded; the next option runs
+                error, failed = error_text(exc), True
+                attempts.append({"recompute": recompute, "sdpa": sdpa, "error": error})
+                lm.log(0, f"ours (recompute {recompute}, sdpa {sdpa}) failed: {error}")
+                lm.release(on_gpu)
+                continue
+            attempts.append({"recompute": recompute, "sdpa": sdpa, **r})
+            if not r.get("oom"):
+                return r, attempts
+        if not failed:
             return {"oom": True, "error": "out of memory with every option"}, attempts
-        except Exception as exc:  # recorded; the next kernel order runs
-            error = error_text(exc)
-            attempts.append({"sdpa": sdpa, "error": error})
-            lm.log(0, f"ours (sdpa {sdpa}) failed: {error}")
-        lm.release(on_gpu)
     return {"error": error}, attempts
 
 

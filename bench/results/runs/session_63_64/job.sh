@@ -12,7 +12,7 @@
 # bench/learner_packed.py arguments (e.g. --steps 30), LEARNER_TIMEOUT_S bounds the lane (default 600).
 set -u
 source bench/gpu_lanes.sh  # lane, pack, mirror; R=bench/results
-LANES=${LANES:-"learner63+recipe64"}
+LANES=${LANES:-"learner63+recipe64+kernels63"}
 # extra wheels beside the vLLM ones: liger-kernel (.diag/whl/liger_kernel-0.8.5-py3-none-any.whl, pure Python;
 # its Triton is the device torch's), onto the PYTHONPATH that `bench/gpu_device.sh start` sets (/tmp/site)
 [ -d .diag/whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .diag/whl/*.whl
@@ -25,16 +25,20 @@ learner63() {
   mirror_stop
   nvidia-smi > $R/lane/learner63/nvidia-smi.txt 2>&1
   pack learner63 $R/learner_packed_h200.* $R/learner_packed_h200_profile.txt
-  kernels63
 }
 
-# ==== kernels63: issue 63 item 2 (packed attention kernels), the lead fills this function ====
+# ==== kernels63: issue 63 items 2-4 on the GPU: packed attention at both widths (50 passes, fresh lengths),
+# and the GPU tests of the recompute fix, the GQA-native varlen and the lean activations ====
 kernels63() {
-  lane kernels63 ${LEARNER_GPU:-0} timeout 600 python bench/packed_attention.py --gpu-default-args
-  # the GPU tests of the kernels, e.g.:
-  # lane kernels63_tests ${LEARNER_GPU:-0} timeout 600 python -m pytest -q -p no:cacheprovider -m gpu \
-  #   tests/learner/test_packed_attention.py
-  pack kernels63 $R/packed_attention* $R/lane/kernels63_tests
+  lane kernels63_tests ${LEARNER_GPU:-0} timeout ${KERNEL_TESTS_TIMEOUT_S:-150} python -m pytest -q -s -p no:cacheprovider \
+    tests/learner/test_engine_recompute.py tests/learner/test_attention_gqa.py tests/learner/test_fused_layers.py \
+    tests/learner/test_packed_attention.py
+  lane kernels63 ${LEARNER_GPU:-0} timeout ${KERNEL_BENCH_TIMEOUT_S:-100} python bench/packed_attention.py --fresh-lengths \
+    --warmup 2 --repeat 50 --hidden 1536 --heads 12 --kv-heads 2 --intermediate 8960 --lengths 12000,9000,11768 \
+    --name packed_attention_gqa_1p5b
+  lane kernels63_7b ${LEARNER_GPU:-0} timeout ${KERNEL_BENCH_TIMEOUT_S:-100} python bench/packed_attention.py --fresh-lengths \
+    --warmup 2 --repeat 50 --name packed_attention_gqa_7b
+  pack kernels63 $R/packed_attention_gqa_* $R/lane/kernels63_tests $R/lane/kernels63_7b
 }
 # ==== end of kernels63 ====
 
