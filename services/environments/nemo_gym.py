@@ -30,7 +30,6 @@ TOOL_NAMES = (
     "SearchCity",
 )
 EPISODE_KEY = "star_episode_id"  # where the session cookie keeps the episode's id
-QUERY_FIELDS = ("query_id", "split", "query")
 
 
 def response_tools(openai_tools: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+FIXTURE_DIR = ROOT / "tests" / "fixtures" / "travelplanner"
 MAIN_PYTHON = Path(os.environ.get("STAR_MAIN_PYTHON", ROOT / ".venv" / "bin" / "python"))
 START_TIMEOUT_S = 600.0
 
@@ -86,6 +87,12 @@ class ServedEpisodes:
         from services.episodes.client import EpisodeClient
 
         return EpisodeClient(self.url, self.token, **options)
+
+
+def fixture_query_ids() -> set[str]:
+    """The train ids the parity cases cover: the fixture's queries (the first STAR_ADAPTER_QUERIES, when set)."""
+    count = len(json.loads((FIXTURE_DIR / "train" / "train.json").read_text()))
+    return {str(i) for i in range(1, min(count, int(os.environ.get("STAR_ADAPTER_QUERIES") or count)) + 1)}
 
 
 def main_python_problem() -> str | None:

@@ -17,9 +17,11 @@ import time
 import httpx
 import pytest
 
+from tests.environments.adapter_server import fixture_query_ids
 from tests.environments.conftest import library_or_skip
 
 library_or_skip("nemo_gym", ".venv-nemogym")
+
 
 # starts the episode API (conftest's `served`) and a resources server
 pytestmark = pytest.mark.slow
@@ -170,6 +172,7 @@ def test_a_text_answer_goes_through_the_formatter(gym_url, served):
 
 @pytest.mark.parametrize("mode", ["official", "strict"])
 def test_reward_equals_star_score_on_gold_and_broken_plans(gym_url, served, mode):
+    assert {c["query_id"] for c in served.cases} == fixture_query_ids()
     assert any(c["breaks"] for c in served.cases) and any(c["breaks"] is None for c in served.cases)
     mismatches = []
     for case in served.cases:
@@ -195,3 +198,22 @@ def test_verify_failures_say_whose_they_are(gym_url, served):
     with httpx.Client(base_url=gym_url, timeout=60) as http:  # no seed_session
         unseeded = http.post("/verify", json={**_seed_body(case), "response": _response("Day 1: ...")}).json()
         assert unseeded["reward"] == 0.0 and unseeded["failure_reason"] == "no episode in this session"
+
+
+def test_dataset_rows_are_what_the_agent_sends(gym_url, served):
+    """`dataset_rows`: the episode API's prompt and tools in the Responses API form, one route per tool, and a row
+    that seeds its own episode."""
+    from services.environments.nemo_gym import TOOL_NAMES, dataset_rows
+
+    with served.client() as client:
+        [row] = dataset_rows(client, "train", ["1"], mode="official", reward="success")
+    params = row["responses_create_params"]
+    assert [m["role"] for m in params["input"]] == ["system", "user"] and params["input"][1]["content"]
+    assert [t["name"] for t in params["tools"]] == list(TOOL_NAMES)
+    assert all(t["type"] == "function" and t["parameters"]["properties"] for t in params["tools"])
+    with httpx.Client(base_url=gym_url, timeout=60) as http:
+        seeded = http.post("/seed_session", json=row).json()
+        assert seeded["task"] == params["input"][1]["content"]
+        with served.client() as client:
+            state = client.state(seeded["episode_id"])
+        assert (state.mode, state.reward, state.tool_calls_used) == ("official", "success", 0)

@@ -12,9 +12,11 @@ import json
 
 import pytest
 
+from tests.environments.adapter_server import fixture_query_ids
 from tests.environments.conftest import library_or_skip
 
 library_or_skip("trl", ".venv-trl")
+
 
 # starts the episode API (conftest's `served`); one GRPO step on CPU
 pytestmark = pytest.mark.slow
@@ -88,6 +90,7 @@ def test_reset_closes_the_episode_before(served):
 def test_reward_equals_star_score_on_gold_and_broken_plans(served, mode):
     from services.environments.trl import travelplanner_reward
 
+    assert {c["query_id"] for c in served.cases} == fixture_query_ids()
     assert any(c["breaks"] for c in served.cases) and any(c["breaks"] is None for c in served.cases)
     env = _env(served, mode=mode, reward="sum")
     mismatches = []
