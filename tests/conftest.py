@@ -6,6 +6,9 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import re
+import socket
+import subprocess
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -32,6 +35,39 @@ FIXTURE_DIR = Path(__file__).resolve().parent / "fixtures" / "travelplanner"
 PG_URL = os.environ.get("STAR_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("STAR_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 DATA_MARK = "travelplanner_data"
+# The unit tier (`scripts/test --fast`): tests that reach no server, start no process and build no model engine
+# (DeepSpeed, vLLM, a tiny model trained or scored), so the tier runs in minutes. A test is in it unless it requests
+# a fixture below (directly or through another fixture), its module's source names a way to start a process, reach
+# a server or build an engine (_OUTSIDE_WORDS), or it is marked slow, gpu, postgres or integration. Under the fast
+# lane (STAR_TEST_TIER=unit) a unit test that starts a subprocess or opens an internet socket fails, naming the
+# fix: mark it (or its module) `integration`.
+UNIT_MARK = "unit"
+TIER_ENV = "STAR_TEST_TIER"
+SERVER_FIXTURES = {"redis_server_url", "redis_client", "pg_url", "loop", "module_loop",
+                   "tiny_model", "encoder", "index", "index_dir"}
+NOT_UNIT_MARKS = ("slow", "gpu", "postgres", "integration")
+# Tests the rules above cannot tell from their source (the code they call starts the process or opens the socket),
+# found by the lane's guard: a module, or one test of it. A test whose module cannot say so itself goes here.
+NOT_UNIT_TESTS = (
+    "tests/common/test_tracking.py",  # wandb's offline run starts its service process
+    "tests/learner/test_fleet_sync.py", "tests/learner/test_nccl_master.py", "tests/learner/test_weights_nccl.py",
+    "tests/learner/test_vocab_head.py::test_compiled_kernels_agree_with_eager",  # torch.compile's worker processes
+    "tests/pipeline/test_colocation_placement.py::test_a_colocated_stage_starts_one_sleeping_engine_a_gpu_serving",
+    "tests/pipeline/test_config.py::test_the_nccl_timeout_reaches_the_learner_from_the_recipe",
+    "tests/pipeline/test_fleet_stop.py", "tests/pipeline/test_validation.py",
+    "tests/pipeline/test_placement.py::test_star_train_refuses_a_layout_the_machine_cannot_hold_before_starting",
+    "tests/pipeline/test_placement.py::test_a_validation_process_gets_its_devices_from_the_placement",
+    "tests/pipeline/test_weight_sync.py::test_rl_config_over_nccl_names_the_workers_and_a_master_port",
+    "tests/pipeline/test_weight_sync.py::test_star_train_refuses_nccl_on_a_one_gpu_box_before_starting",
+    "tests/pipeline/test_weight_sync.py::test_workers_get_an_http_port_and_an_nccl_engine_only_over_nccl",
+    "tests/rollout/test_agent.py::test_unreachable_sandbox_is_an_engine_error_after_retries",
+    "tests/reliability/test_stream_outage.py", "tests/reliability/test_fuzz_short.py",
+)
+_OUTSIDE_WORDS = re.compile(r"\b(subprocess|Popen|uvicorn|multiprocessing|torch\.distributed|torchrun|mp\.spawn|"
+                            r"ServiceProcess|EmbeddedRedis|redis_lib|Redis\.from_url|FakeOpenAI|AsyncLLM|"
+                            r"socket\.socket|create_server|start_server|"
+                            r"deepspeed|LearnerEngine|make_engine|build_engine|from_pretrained|tiny_model|"
+                            r"scored_batch)\b")
 _LIBC_NAME = ctypes.util.find_library("c")
 _MALLOC_TRIM = getattr(ctypes.CDLL(_LIBC_NAME), "malloc_trim", None) if _LIBC_NAME else None  # glibc only
 
@@ -48,6 +84,8 @@ def _has_data(directory: Path) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{DATA_MARK}: reads TravelPlanner data (the full data or the fixture)")
+    config.addinivalue_line("markers", f"{UNIT_MARK}: the unit tier, no servers and no processes (set by conftest)")
+    config.addinivalue_line("markers", "integration: not in the unit tier (starts a process or reaches a server)")
     if hasattr(config.option, "loadscopereorder"):
         # xdist hands files out in the order collected (below: the slow ones first), not by test count,
         # which would leave the few long end-to-end files for last and one worker running them alone
@@ -68,12 +106,64 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if {"travelplanner_dir", "full_travelplanner_dir"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(DATA_MARK)
+        if is_unit(item):
+            item.add_marker(UNIT_MARK)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         def file_of(item: pytest.Item) -> str:
             return item.nodeid.split("::", 1)[0]
 
         slow = Counter(file_of(item) for item in items if item.get_closest_marker("slow"))
         items.sort(key=lambda item: -slow[file_of(item)])  # stable: collection order otherwise
+
+
+_module_reaches_out: dict[str, bool] = {}
+
+
+def _reaches_out(path: Path) -> bool:
+    """Whether a test module's source names a way to start a process or reach a server."""
+    key = str(path)
+    if key not in _module_reaches_out:
+        try:
+            _module_reaches_out[key] = bool(_OUTSIDE_WORDS.search(path.read_text(encoding="utf-8")))
+        except OSError:
+            _module_reaches_out[key] = True
+    return _module_reaches_out[key]
+
+
+def is_unit(item: pytest.Item) -> bool:
+    """Whether a collected test belongs to the unit tier (see UNIT_MARK)."""
+    if any(item.get_closest_marker(mark) for mark in NOT_UNIT_MARKS):
+        return False
+    if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return False
+    if item.nodeid.startswith(NOT_UNIT_TESTS):
+        return False
+    return not _reaches_out(Path(str(item.path)))
+
+
+def _refuse(what: str):
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError(f"a unit-tier test {what}: mark it (or its module, `pytestmark`) "
+                           "`pytest.mark.integration` so the fast lane leaves it to the full suite")
+    return refuse
+
+
+@pytest.fixture(autouse=True)
+def _unit_tier_guard(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Under the fast lane, a unit test that starts a process or opens an internet socket fails: the tier stays
+    what it says. Unix sockets and socket pairs (an asyncio loop's own wake-up) stay allowed."""
+    if os.environ.get(TIER_ENV) == UNIT_MARK and request.node.get_closest_marker(UNIT_MARK):
+        monkeypatch.setattr(subprocess.Popen, "__init__", _refuse("started a subprocess"))
+        for name in ("connect", "connect_ex", "bind"):
+            original = getattr(socket.socket, name)
+
+            def guarded(sock, address, *rest, _original=original, _name=name):
+                if sock.family in (socket.AF_INET, socket.AF_INET6):
+                    _refuse(f"opened an internet socket ({_name} {address!r})")()
+                return _original(sock, address, *rest)
+
+            monkeypatch.setattr(socket.socket, name, guarded)
+    yield
 
 
 @pytest.fixture(scope="session")
