@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -85,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="one more untimed step of ours on packed rows under torch.profiler (auto: on GPU)")
     ap.add_argument("--name", default="learner_packed_h200", help="results file stem under bench/results/")
     ap.add_argument("--workdir", default=None, help="where the random-init model is written (default: a temp dir)")
+    # internal: one side in a process of its own, its result written as JSON (every side starts on an empty GPU)
+    ap.add_argument("--one-side", choices=["single", "ours", "liger"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--side-out", type=Path, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -378,6 +382,8 @@ def versions() -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.one_side:
+        return run_side(argv)
     lm.one_rank_env()
     probe = side_args(args, "ours", on_gpu=False)
     rank, world, on_gpu = lm.setup(probe)
@@ -400,18 +406,13 @@ def main(argv: list[str] | None = None) -> int:
               "host": lm.host_facts(on_gpu), "command": f"python bench/learner_packed.py {' '.join(argv)}",
               **versions(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "sides": {}, "attempts": {}}
+    torch.distributed.destroy_process_group()
+    if on_gpu:
+        torch.cuda.empty_cache()
     started = time.perf_counter()
-    for side in ("single", "ours", "liger"):  # liger last: its patches change HF's Qwen2 classes
+    for side in ("single", "ours", "liger"):
         lm.log(rank, f"side {side}: start")
-        largs = side_args(args, side, on_gpu)
-        try:
-            if side == "liger":
-                result, tries = run_liger(args, largs, model_dir, on_gpu)
-            else:
-                result, tries = run_ours(largs, model_dir, on_gpu)
-        except Exception as exc:  # a side's failure is its cell, never the job's end
-            result, tries = {"error": error_text(exc)}, []
-            lm.release(on_gpu)
+        result, tries = side_in_processes(argv, side, work, side_args(args, side, on_gpu).recompute)
         record["sides"][side] = {**result, **step_rates(result)}
         record["attempts"][side] = tries
         record["wall_s"] = round(time.perf_counter() - started, 1)
@@ -422,6 +423,56 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: record.get(k) for k in ("device", "single_mfu", "mfu", "tokens_per_s", "baseline_tokens_per_s",
                                                  "peak_gib", "targets_missed", "wall_s")}), flush=True)
     print(f"wrote {out}, {out.with_suffix('.md')} and {out.with_suffix('.png')}", flush=True)
+    return 0
+
+
+def side_in_processes(argv: list[str], side: str, work: Path, options: tuple[str, ...]) -> tuple[dict, list[dict]]:
+    """Ours on packed rows: each memory option in a process of its own, in order, until one does not run out of
+    memory (an option that ran out leaves the next one an empty GPU); the other sides in one process each."""
+    if side != "ours":
+        return side_in_process(argv, side, work)
+    attempts: list[dict] = []
+    result: dict = {}
+    for option in options:
+        result, tries = side_in_process([*lm.without(argv, "--recompute"), "--recompute", option], side, work)
+        attempts.extend(tries)
+        if not result.get("oom"):
+            return result, attempts
+    return result, attempts
+
+
+def side_in_process(argv: list[str], side: str, work: Path) -> tuple[dict, list[dict]]:
+    """One side run by a process of its own, so that it starts on an empty GPU whatever the side before it left
+    allocated (an engine kept alive by reference cycles, Liger's patches of HF's classes); a process that dies
+    is that side's error cell. (result, every attempt)."""
+    out = work / f"side-{side}.json"
+    out.unlink(missing_ok=True)
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--one-side", side,
+                           "--side-out", str(out)], cwd=ROOT)
+    if out.is_file():
+        done = json.loads(out.read_text())
+        return done["result"], done["attempts"]
+    return {"error": f"the side's process ended with code {proc.returncode} and no result"}, []
+
+
+def run_side(argv: list[str]) -> int:
+    """`--one-side`: that side alone in this process, its result and attempts written to `--side-out`."""
+    args = parse_args(argv)
+    lm.one_rank_env()
+    largs = side_args(args, args.one_side, on_gpu=False)
+    rank, world, on_gpu = lm.setup(largs)
+    largs = side_args(args, args.one_side, on_gpu)
+    work = Path(args.workdir or tempfile.gettempdir()) / f"star-learner-packed-{args.shape}"
+    try:
+        if args.one_side == "liger":
+            result, tries = run_liger(args, largs, work / "model", on_gpu)
+        else:
+            result, tries = run_ours(largs, work / "model", on_gpu)
+    except Exception as exc:  # a side's failure is its cell, never the job's end
+        result, tries = {"error": error_text(exc)}, []
+    args.side_out.write_text(json.dumps({"result": result, "attempts": tries}, default=str))
+    import torch
+
     torch.distributed.destroy_process_group()
     return 0
 

@@ -30,15 +30,21 @@ learner63() {
 # ==== kernels63: issue 63 items 2-4 on the GPU: packed attention at both widths (50 passes, fresh lengths),
 # and the GPU tests of the recompute fix, the GQA-native varlen and the lean activations ====
 kernels63() {
+  # the tests' tiny models take the Qwen2.5 tokenizer from var/models (the device builds none): the carried .qwen-tok
+  mkdir -p var/models && rm -rf var/models/qwen2.5-tokenizer && cp -r .qwen-tok var/models/qwen2.5-tokenizer
   lane kernels63_tests ${LEARNER_GPU:-0} timeout ${KERNEL_TESTS_TIMEOUT_S:-150} python -m pytest -q -s -p no:cacheprovider \
     tests/learner/test_engine_recompute.py tests/learner/test_attention_gqa.py tests/learner/test_fused_layers.py \
     tests/learner/test_packed_attention.py
-  lane kernels63 ${LEARNER_GPU:-0} timeout ${KERNEL_BENCH_TIMEOUT_S:-100} python bench/packed_attention.py --fresh-lengths \
-    --warmup 2 --repeat 50 --hidden 1536 --heads 12 --kv-heads 2 --intermediate 8960 --lengths 12000,9000,11768 \
-    --name packed_attention_gqa_1p5b
-  lane kernels63_7b ${LEARNER_GPU:-0} timeout ${KERNEL_BENCH_TIMEOUT_S:-100} python bench/packed_attention.py --fresh-lengths \
-    --warmup 2 --repeat 50 --name packed_attention_gqa_7b
-  pack kernels63 $R/packed_attention_gqa_* $R/lane/kernels63_tests $R/lane/kernels63_7b
+  local width
+  for width in ${KERNEL_WIDTHS:-1p5b 7b}; do  # KERNEL_WIDTHS picks the widths, in order
+    case $width in
+      1p5b) set -- --hidden 1536 --heads 12 --kv-heads 2 --intermediate 8960 --lengths 12000,9000,11768 ;;
+      7b) set -- ;;
+    esac
+    lane kernels63_$width ${LEARNER_GPU:-0} timeout ${KERNEL_BENCH_TIMEOUT_S:-240} python bench/packed_attention.py \
+      --fresh-lengths --warmup 2 --repeat 50 --name packed_attention_gqa_$width "$@"
+  done
+  pack kernels63 $R/packed_attention_gqa_* $R/lane/kernels63_tests $R/lane/kernels63_1p5b $R/lane/kernels63_7b
 }
 # ==== end of kernels63 ====
 
