@@ -269,6 +269,8 @@ class LearnerSpec(_Section):
     pad_to_multiple: int = EngineConfig.model_fields["pad_to_multiple"]
     compile_layers: bool = EngineConfig.model_fields["compile_layers"]
     gradient_checkpointing: bool = EngineConfig.model_fields["gradient_checkpointing"]
+    recompute_mlp: bool = EngineConfig.model_fields["recompute_mlp"]
+    activation_memory: Literal["keep", "lean"] = EngineConfig.model_fields["activation_memory"]
     keep_checkpoints: int = EngineConfig.model_fields["keep_checkpoints"]
     offload_optimizer: Literal["none", "cpu"] = EngineConfig.model_fields["offload_optimizer"]
     offload_params: Literal["none", "cpu"] = EngineConfig.model_fields["offload_params"]
@@ -279,7 +281,8 @@ class LearnerSpec(_Section):
     zero3_layer_units: bool = EngineConfig.model_fields["zero3_layer_units"]
     persistent_weights_gib: float = EngineConfig.model_fields["persistent_weights_gib"]
     nccl_protocol: Literal["Simple", "LL128", "LL"] | None = EngineConfig.model_fields["nccl_protocol"]
-    packed_attention: Literal["auto", "varlen", "per-sequence", "mask"] = EngineConfig.model_fields["packed_attention"]
+    packed_attention: Literal["auto", "varlen", "varlen-gqa", "per-sequence", "mask"] = (
+        EngineConfig.model_fields["packed_attention"])
 
     def engine(self, zero_stage: int, seed: int, ranks: int = 1) -> EngineConfig:
         """The learner's EngineConfig for this recipe (`ranks`: deployment.learner_ranks)."""

@@ -334,14 +334,23 @@ def learner_state_bytes(size: ModelSize, ranks: int, reference: bool = False, pe
             + (2 * size.params if reference else 0))
 
 
-def activation_bytes(size: ModelSize, tokens: int, checkpointing: bool) -> int:
+def activation_bytes(size: ModelSize, tokens: int, checkpointing: bool, *, recompute_mlp: bool = False,
+                     lean: bool = False) -> int:
     """A rank's activations for a packed row of `tokens` (bf16): with checkpointing, each layer's input
     kept plus one layer recomputed at a time; without, every layer's. A layer holds about 10 hidden-wide
     and 4 MLP-wide tensors per token (norms, q/k/v/o, the residuals; gate, up, their product, its
-    gradient); the fused vocabulary head adds a few hidden-wide chunks."""
-    layer = tokens * (10 * size.hidden + 4 * size.intermediate) * 2
-    kept = size.layers * tokens * size.hidden * 2 if checkpointing else size.layers * layer
-    return kept + (layer if checkpointing else 0) + 4 * tokens * size.hidden * 4
+    gradient); `lean` (learner.activation_memory) keeps neither the product nor the norms' outputs (8 and 2),
+    `recompute_mlp` none of the MLP-wide ones but for the one layer being recomputed. The fused vocabulary
+    head adds a few hidden-wide chunks."""
+    hidden_wide, mlp_wide = (8, 2) if lean else (10, 4)
+    layer = tokens * (hidden_wide * size.hidden + mlp_wide * size.intermediate) * 2
+    if checkpointing:
+        kept = size.layers * tokens * size.hidden * 2 + layer
+    elif recompute_mlp:
+        kept = size.layers * tokens * hidden_wide * size.hidden * 2 + tokens * mlp_wide * size.intermediate * 2
+    else:
+        kept = size.layers * layer
+    return kept + 4 * tokens * size.hidden * 4
 
 
 @dataclass(frozen=True)
@@ -452,7 +461,7 @@ def colocated_concurrency(workers: int, concurrency: int, engines: int) -> int:
 
 def choose(spec: DeploymentSpec, mode: str, size: ModelSize | None, engines: int, gpus: list[str],
            card_bytes: int | None, *, micro_batch_tokens: int, checkpointing: bool, min_kv_tokens: int,
-           activation_bytes_override: int | None = None, validations: bool = False,
+           recompute_mlp: bool = False, lean: bool = False, activation_bytes_override: int | None = None, validations: bool = False,
            reference: bool = False, persistent_bytes: int = 0, fp32_grads: bool = True) -> Placement:
     """The run's layout: `mode` split (the deployment's own plan), colocated, or auto (split where the
     learner and engines fit GPUs of their own, else colocated where that fits); the placement's `reason`
@@ -463,7 +472,8 @@ def choose(spec: DeploymentSpec, mode: str, size: ModelSize | None, engines: int
     if size is None or card_bytes is None:
         raise PlacementError(f"placement.mode {mode} needs the model's size (its config.json) and the GPUs' memory "
                              "(placement.gpu_gib where the GPUs cannot be asked)")
-    acts = activation_bytes_override or activation_bytes(size, micro_batch_tokens, checkpointing)
+    acts = activation_bytes_override or activation_bytes(size, micro_batch_tokens, checkpointing,
+                                                         recompute_mlp=recompute_mlp, lean=lean)
     tp, n = spec.engine_tensor_parallel, len(gpus)
     if mode == "auto" and spec.learner_ranks is None:
         return derive(spec, size, gpus, card_bytes, acts, min_kv_tokens, validations=validations, reference=reference,
@@ -587,6 +597,7 @@ def placement_for_recipe(config: PipelineConfig, gpus: list[str] | None = None, 
     return choose(config.deployment, mode, size, config.services.rollout_workers, gpus, card_bytes,
                   micro_batch_tokens=config.learner.micro_batch_tokens,
                   checkpointing=config.learner.gradient_checkpointing,
+                  recompute_mlp=config.learner.recompute_mlp, lean=config.learner.activation_memory == "lean",
                   min_kv_tokens=config.rl.sampling.engine_max_len, activation_bytes_override=act,
                   validations=config.validates_during_rl, reference=config.rl.kl_coef > 0,
                   persistent_bytes=int(config.learner.persistent_weights_gib * GiB),
