@@ -83,6 +83,7 @@ KINDS = ("controller", "learner", "rollout", "reward", "sandbox", "redis")
 
 # ---- one run of the tiny recipe ------------------------------------------------------------------
 
+
 class TinyRun:
     """`star train configs/tiny.yaml` (synth → rl) in its own folder, restartable."""
 
@@ -95,14 +96,32 @@ class TinyRun:
         self.folder.mkdir(parents=True)
         self.steps = steps
         epochs = math.ceil(steps * PROMPTS / QUERIES)
-        self.argv = [sys.executable, "-m", "services.cli", "train", str(ROOT / "configs" / "tiny.yaml"),
-                     "--run-dir", str(self.folder / "run"), "--stage", "synth", "--stage", "rl",
-                     "--set", f"rl.max_steps={steps}", "--set", f"rl.epochs={epochs}",
-                     *[a for item in sets for a in ("--set", item)]]
-        self.env = {**os.environ, "STAR_HOME": str(self.folder / "home"), "STAR_LOG_JSON": "false",
-                    "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
-                    "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-                    **(env or {})}
+        self.argv = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "train",
+            str(ROOT / "configs" / "tiny.yaml"),
+            "--run-dir",
+            str(self.folder / "run"),
+            "--stage",
+            "synth",
+            "--stage",
+            "rl",
+            "--set",
+            f"rl.max_steps={steps}",
+            "--set",
+            f"rl.epochs={epochs}",
+            *[a for item in sets for a in ("--set", item)],
+        ]
+        self.env = {
+            **os.environ,
+            "STAR_HOME": str(self.folder / "home"),
+            "STAR_LOG_JSON": "false",
+            "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+            **(env or {}),
+        }
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -164,7 +183,7 @@ class Audit(threading.Thread):
         self.entries: dict[str, dict[str, dict[str, Any]]] = {s: {} for s in self.streams}
         self.halt = threading.Event()
         self.ready = threading.Event()
-        self.batches = 0    # the learner's batches consumed, as last read
+        self.batches = 0  # the learner's batches consumed, as last read
         self.published = 0  # the newest weights version published (services.pipeline.rl.weights_version)
         self.start()
 
@@ -177,7 +196,7 @@ class Audit(threading.Thread):
         for stream in self.streams:
             ensure_group(client, stream, "audit", "0")
             reply = client.xreadgroup("audit", "auditor", {stream: ">"}, count=500)
-            for entry, fields in (reply[0][1] if reply else []):
+            for entry, fields in reply[0][1] if reply else []:
                 if fields is not None:
                     self.entries[stream][entry.decode()] = decode(fields)
                 client.xack(stream, "audit", entry)
@@ -208,6 +227,7 @@ class Audit(threading.Thread):
 
 # ---- memory ----------------------------------------------------------------------------------------
 
+
 def watch_memory(run: TinyRun, timeout_s: float) -> dict[str, Any]:
     run.start()
     samples: dict[int, float] = {}
@@ -230,8 +250,14 @@ def watch_memory(run: TinyRun, timeout_s: float) -> dict[str, Any]:
         run.proc.kill()
     rc = run.proc.wait()
     steps = sorted(samples)
-    return {"steps": len(steps), "used_mb": [round(samples[s], 4) for s in steps], "step_ids": steps,
-            "stream_lengths_at_end": lengths, "exit_code": rc, "completed": run.finished()}
+    return {
+        "steps": len(steps),
+        "used_mb": [round(samples[s], 4) for s in steps],
+        "step_ids": steps,
+        "stream_lengths_at_end": lengths,
+        "exit_code": rc,
+        "completed": run.finished(),
+    }
 
 
 def slope(xs: list[int], ys: list[float]) -> float:
@@ -245,8 +271,7 @@ def slope(xs: list[int], ys: list[float]) -> float:
 def memory(steps: int, timeout_s: float, baseline_steps: int | None = None) -> dict[str, Any]:
     print(f"memory: {steps} steps with trimming, then the baseline without", flush=True)
     trimmed = watch_memory(TinyRun("memory", steps), timeout_s)
-    baseline = watch_memory(TinyRun("memory-baseline", baseline_steps or steps, {"STAR_STREAM_TRIM": "0"}),
-                            timeout_s)
+    baseline = watch_memory(TinyRun("memory-baseline", baseline_steps or steps, {"STAR_STREAM_TRIM": "0"}), timeout_s)
     out: dict[str, Any] = {}
     for name, r in (("trimmed", trimmed), ("baseline", baseline)):
         xs, ys = r["step_ids"], r["used_mb"]
@@ -257,16 +282,26 @@ def memory(steps: int, timeout_s: float, baseline_steps: int | None = None) -> d
         out[name] = r
     t, b = out["trimmed"], out["baseline"]
     in_flight = 3 * PROMPTS * G  # a few steps' worth of entries may be in flight
-    bounded = (t["steps"] >= steps and b["kb_per_step_second_half"] > 0
-               and t["kb_per_step_second_half"] < 0.1 * b["kb_per_step_second_half"]
-               and all(n <= in_flight for n in t["stream_lengths_at_end"].values()))
-    result = {"steps": t["steps"], "first_mb": t["first_mb"], "last_mb": t["last_mb"], "bounded": bounded,
-              "kb_per_step": t["kb_per_step_second_half"], "baseline": {k: b[k] for k in
-                                                                        ("steps", "first_mb", "last_mb",
-                                                                         "kb_per_step_second_half",
-                                                                         "stream_lengths_at_end")},
-              "stream_lengths_at_end": t["stream_lengths_at_end"], "used_mb": t["used_mb"],
-              "baseline_used_mb": b["used_mb"], "completed": t["completed"] and b["completed"]}
+    bounded = (
+        t["steps"] >= steps
+        and b["kb_per_step_second_half"] > 0
+        and t["kb_per_step_second_half"] < 0.1 * b["kb_per_step_second_half"]
+        and all(n <= in_flight for n in t["stream_lengths_at_end"].values())
+    )
+    result = {
+        "steps": t["steps"],
+        "first_mb": t["first_mb"],
+        "last_mb": t["last_mb"],
+        "bounded": bounded,
+        "kb_per_step": t["kb_per_step_second_half"],
+        "baseline": {
+            k: b[k] for k in ("steps", "first_mb", "last_mb", "kb_per_step_second_half", "stream_lengths_at_end")
+        },
+        "stream_lengths_at_end": t["stream_lengths_at_end"],
+        "used_mb": t["used_mb"],
+        "baseline_used_mb": b["used_mb"],
+        "completed": t["completed"] and b["completed"],
+    }
     plot_memory(result)
     return result
 
@@ -289,6 +324,7 @@ def plot_memory(result: dict[str, Any]) -> None:
 
 
 # ---- chaos ---------------------------------------------------------------------------------------------
+
 
 def checkpoint_state(rl: Path) -> dict[str, Any]:
     import torch
@@ -328,10 +364,17 @@ def chaos_kind(kind: str, kills: int, steps: int, rng: random.Random, timeout_s:
     rc = run_end(run, deadline)
     audit.finish()
     ledger = count(run, audit)
-    return {"kills": len(events), "lost": ledger["lost"], "duplicated": ledger["duplicated"],
-            "completed": rc == 0 and run.finished(), "exit_code": rc, "controller_starts": run.starts,
-            "orphans_left_after_controller_kill": orphans_left if kind == "controller" else None,
-            "events": events, **{k: v for k, v in ledger.items() if k not in ("lost", "duplicated")}}
+    return {
+        "kills": len(events),
+        "lost": ledger["lost"],
+        "duplicated": ledger["duplicated"],
+        "completed": rc == 0 and run.finished(),
+        "exit_code": rc,
+        "controller_starts": run.starts,
+        "orphans_left_after_controller_kill": orphans_left if kind == "controller" else None,
+        "events": events,
+        **{k: v for k, v in ledger.items() if k not in ("lost", "duplicated")},
+    }
 
 
 def run_end(run: TinyRun, deadline: float) -> int:
@@ -373,14 +416,21 @@ def count(run: TinyRun, audit: Audit) -> dict[str, Any]:
         except redis.RedisError:
             pass
     unknown = [i for i in consumed if i not in key_of]
-    return {"tasks_published": len(task_ids), "tasks_published_twice": len(task_ids) - len(set(task_ids)),
-            "samples_expected": len(expected), "samples_produced": len(trajs),
-            "samples_produced_unique": len({(d["task_id"], d["sample_index"]) for d in trajs.values()}),
-            "samples_scored": len(scored), "samples_trained": sum(trained.values()),
-            "lost": len(expected - set(trained)),
-            "duplicated": sum(n - 1 for n in trained.values() if n > 1) + sum(n - 1 for n in groups.values() if n > 1),
-            "trained_ids_not_in_audit": len(unknown), "dead_letters": len(dead), "dead_letter_heads": dead[:3],
-            "weights_version": state.get("version")}
+    return {
+        "tasks_published": len(task_ids),
+        "tasks_published_twice": len(task_ids) - len(set(task_ids)),
+        "samples_expected": len(expected),
+        "samples_produced": len(trajs),
+        "samples_produced_unique": len({(d["task_id"], d["sample_index"]) for d in trajs.values()}),
+        "samples_scored": len(scored),
+        "samples_trained": sum(trained.values()),
+        "lost": len(expected - set(trained)),
+        "duplicated": sum(n - 1 for n in trained.values() if n > 1) + sum(n - 1 for n in groups.values() if n > 1),
+        "trained_ids_not_in_audit": len(unknown),
+        "dead_letters": len(dead),
+        "dead_letter_heads": dead[:3],
+        "weights_version": state.get("version"),
+    }
 
 
 # ---- chaos on the NCCL path (GPUs) ---------------------------------------------------------------------
@@ -404,8 +454,12 @@ def gpu_sets(fault: str, model: str | None, smoke: bool = False, share: bool = F
     """The recipe overrides of a fault's run: configs/tiny.yaml with `model` (None: tiny's own policy) on a vLLM
     engine fed over NCCL, the learner's ranks as the fault's layout needs (`share`: the engine beside rank 1),
     episodes of a fixed small shape. `smoke`: the same on CPU (the transformers engine, weights through files)."""
-    sets = [f"deployment.learner_ranks={GPU_FAULTS[fault]}", "rl.val_every=0",
-            f"rl.sampling.forced_turns={json.dumps(FORCED)}", "rl.sampling.max_context_tokens=4096"]
+    sets = [
+        f"deployment.learner_ranks={GPU_FAULTS[fault]}",
+        "rl.val_every=0",
+        f"rl.sampling.forced_turns={json.dumps(FORCED)}",
+        "rl.sampling.max_context_tokens=4096",
+    ]
     if model is not None:
         sets += ["model.tiny=null", f"model.path={model}"]
     if not smoke:
@@ -445,8 +499,11 @@ def learner_rank_pid(run: TinyRun, rank: int, ranks: int) -> int | None:
 
 def fleet_pids(run: TinyRun, ranks: int) -> dict[str, int]:
     """Every fleet process and learner rank alive now, by name."""
-    pids = {c["name"]: c["pid"] for c in run.record().get("children", [])
-            if c.get("pid") and alive(c["pid"], c.get("started"))}
+    pids = {
+        c["name"]: c["pid"]
+        for c in run.record().get("children", [])
+        if c.get("pid") and alive(c["pid"], c.get("started"))
+    }
     if ranks > 1:
         for rank in range(ranks):
             pid = learner_rank_pid(run, rank, ranks)
@@ -525,8 +582,9 @@ class Servers(threading.Thread):
         self.join(10)
 
 
-def inject(fault: str, run: TinyRun, audit: Audit, servers: Servers, after_step: int, until: float
-           ) -> dict[str, Any] | None:
+def inject(
+    fault: str, run: TinyRun, audit: Audit, servers: Servers, after_step: int, until: float
+) -> dict[str, Any] | None:
     """SIGKILL the fault's process at its moment, once `after_step` steps are trained; None if the moment
     did not come before `until` (time.monotonic()) or the run's end. learner_broadcast: the learner's rank 0
     while a server receives its broadcast; rollout_receive: that server's process while it receives;
@@ -550,13 +608,21 @@ def inject(fault: str, run: TinyRun, audit: Audit, servers: Servers, after_step:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:  # restarted since it was looked up: the next moment will do
             return False
-        done.update(killed=name, pid=pid, at=time.monotonic(), step=audit.batches, version=audit.published,
-                    before=ahead["before"], **about)
+        done.update(
+            killed=name,
+            pid=pid,
+            at=time.monotonic(),
+            step=audit.batches,
+            version=audit.published,
+            before=ahead["before"],
+            **about,
+        )
         fired.set()
         return True
 
     look_up()
     if fault in ("learner_broadcast", "rollout_receive"):
+
         def on_receiving(url: str, info: dict[str, Any]) -> bool:
             arriving = info["receiving"]["version"]
             if fault == "learner_broadcast":
@@ -578,8 +644,16 @@ def inject(fault: str, run: TinyRun, audit: Audit, servers: Servers, after_step:
     return done or None
 
 
-def chaos_gpu_fault(fault: str, steps: int, gpus: list[str], model: str | None, timeout_s: float,
-                    after_step: int = 2, smoke: bool = False, share: bool = False) -> dict[str, Any]:
+def chaos_gpu_fault(
+    fault: str,
+    steps: int,
+    gpus: list[str],
+    model: str | None,
+    timeout_s: float,
+    after_step: int = 2,
+    smoke: bool = False,
+    share: bool = False,
+) -> dict[str, Any]:
     """One `star train` RL stage on `gpus` with `fault` injected once at its moment; the run's ledger, how it
     recovered, and every rollout server's state at the end."""
     env = {} if smoke else {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
@@ -591,9 +665,14 @@ def chaos_gpu_fault(fault: str, steps: int, gpus: list[str], model: str | None, 
     deadline = started + timeout_s
     print(f"  {fault}: started on GPU {','.join(gpus) or 'none (CPU)'}", flush=True)
     shot = inject(fault, run, audit, servers, after_step, min(deadline, started + timeout_s / 2))
-    record: dict[str, Any] = {"fault": fault, "learner_ranks": GPU_FAULTS[fault], "gpus": gpus, "steps": steps,
-                              "engine_beside_rank": GPU_FAULTS[fault] - 1 if share else None,
-                              "injected": shot is not None}
+    record: dict[str, Any] = {
+        "fault": fault,
+        "learner_ranks": GPU_FAULTS[fault],
+        "gpus": gpus,
+        "steps": steps,
+        "engine_beside_rank": GPU_FAULTS[fault] - 1 if share else None,
+        "injected": shot is not None,
+    }
     if shot is not None:
         print(f"  {fault}: killed {shot['killed']} (pid {shot['pid']}) at step {shot['step']}", flush=True)
         while time.monotonic() < deadline and run.proc.poll() is None:
@@ -602,23 +681,44 @@ def chaos_gpu_fault(fault: str, steps: int, gpus: list[str], model: str | None, 
                 break
             time.sleep(0.2)
         after = fleet_pids(run, GPU_FAULTS[fault])
-        record.update({"killed": shot["killed"], "injected_s": round(shot["at"] - started, 1),
-                       "injected_at_step": shot["step"], "version_at_kill": shot["version"],
-                       "receiving_version": shot.get("receiving"), "restarted": restarted(shot["before"], after),
-                       "recovery_s": round(shot["recovered_at"] - shot["at"], 1) if "recovered_at" in shot else None,
-                       "recovered_at_step": audit.batches if "recovered_at" in shot else None})
+        record.update(
+            {
+                "killed": shot["killed"],
+                "injected_s": round(shot["at"] - started, 1),
+                "injected_at_step": shot["step"],
+                "version_at_kill": shot["version"],
+                "receiving_version": shot.get("receiving"),
+                "restarted": restarted(shot["before"], after),
+                "recovery_s": round(shot["recovered_at"] - shot["at"], 1) if "recovered_at" in shot else None,
+                "recovered_at_step": audit.batches if "recovered_at" in shot else None,
+            }
+        )
     rc = run_end(run, deadline)
     servers.finish()
     audit.finish()
     ledger = count(run, audit)
     trained = checkpoint_state(run.run / "rl").get("batches")
     problems = server_problems({u: servers.seen.get(u) for u in run.rollout_servers()}, ledger["weights_version"])
-    record.update({"exit_code": rc, "completed": rc == 0 and run.finished(), "steps_trained": trained,
-                   "lost": ledger["lost"], "duplicated": ledger["duplicated"], "servers_at_end": problems or "ok",
-                   "wall_s": round(time.monotonic() - started, 1),
-                   **{k: v for k, v in ledger.items() if k not in ("lost", "duplicated")}})
-    record["passed"] = bool(record["injected"] and record["completed"] and trained == steps and not ledger["lost"]
-                            and not ledger["duplicated"] and not problems)
+    record.update(
+        {
+            "exit_code": rc,
+            "completed": rc == 0 and run.finished(),
+            "steps_trained": trained,
+            "lost": ledger["lost"],
+            "duplicated": ledger["duplicated"],
+            "servers_at_end": problems or "ok",
+            "wall_s": round(time.monotonic() - started, 1),
+            **{k: v for k, v in ledger.items() if k not in ("lost", "duplicated")},
+        }
+    )
+    record["passed"] = bool(
+        record["injected"]
+        and record["completed"]
+        and trained == steps
+        and not ledger["lost"]
+        and not ledger["duplicated"]
+        and not problems
+    )
     return record
 
 
@@ -649,8 +749,13 @@ def visible_gpus() -> list[str]:
 
 def device_name() -> str:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30).stdout.strip().splitlines()
+        out = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+            )
+            .stdout.strip()
+            .splitlines()
+        )
         return out[0] if out else "no GPU"
     except (OSError, subprocess.SubprocessError):
         return "no GPU"
@@ -662,24 +767,28 @@ def smollm_folder(gguf: str | None) -> str:
 
     source = Path(gguf) if gguf else next(iter(sorted(Path("/tmp/star-gguf").glob("*.gguf"))), None)
     if source is None or not source.is_file():
-        raise SystemExit("no SmolLM2 GGUF (bench/gpu_device.sh install puts it in /tmp/star-gguf): give --gguf, "
-                         "or --model PATH|tiny")
+        raise SystemExit(
+            "no SmolLM2 GGUF (bench/gpu_device.sh install puts it in /tmp/star-gguf): give --gguf, or --model PATH|tiny"
+        )
     out = VAR / "smollm2-135m-instruct"
     if not (out / "config.json").is_file():
         convert_gguf(source, out)
     return str(out)
 
 
-def chaos_gpu(faults: list[str], steps: int, model: str | None, timeout_s: float, parallel: bool,
-              smoke: bool = False) -> dict[str, Any]:
+def chaos_gpu(
+    faults: list[str], steps: int, model: str | None, timeout_s: float, parallel: bool, smoke: bool = False
+) -> dict[str, Any]:
     """Each fault in a run of its own, on GPUs of its own; with `parallel` the runs that fit go at once."""
     from concurrent.futures import ThreadPoolExecutor
 
     gpus = [] if smoke else visible_gpus()
     need = {f: gpus_needed(f, len(gpus)) for f in faults}
     if not smoke and max(n for n, _ in need.values()) > len(gpus):
-        raise SystemExit(f"{', '.join(f for f in faults if need[f][0] > len(gpus))} need(s) "
-                         f"{max(n for n, _ in need.values())} GPUs; {len(gpus)} visible")
+        raise SystemExit(
+            f"{', '.join(f for f in faults if need[f][0] > len(gpus))} need(s) "
+            f"{max(n for n, _ in need.values())} GPUs; {len(gpus)} visible"
+        )
     pool = GpuPool(gpus)
 
     def one(fault: str) -> dict[str, Any]:
@@ -698,8 +807,10 @@ def chaos_gpu(faults: list[str], steps: int, model: str | None, timeout_s: float
 
 # ---- results -------------------------------------------------------------------------------------
 
-def save(update: dict[str, Any], name: str = "chaos", render=None, machine: str | None = None,
-         folder: Path = RESULTS) -> dict[str, Any]:
+
+def save(
+    update: dict[str, Any], name: str = "chaos", render=None, machine: str | None = None, folder: Path = RESULTS
+) -> dict[str, Any]:
     """Merge `update` into FOLDER/NAME.json (per-kind and per-fault rows kept across invocations) and
     write NAME.md with `render` (default: the CPU report)."""
     path = folder / f"{name}.json"
@@ -719,62 +830,91 @@ def report(data: dict[str, Any]) -> str:
     m = data.get("redis_memory")
     if m:
         b = m["baseline"]
-        lines += ["## Redis memory over a tiny RL run", "",
-                  f"`star train configs/tiny.yaml` (synth → rl, {m['steps']} steps), used memory at each learner "
-                  "batch; the baseline is the same recipe with trimming off (STAR_STREAM_TRIM=0), same invocation.", "",
-                  "| | steps | first MiB | last MiB | KiB/step (2nd half) | stream lengths at the end |",
-                  "|---|---:|---:|---:|---:|---|",
-                  f"| trimmed once consumed | {m['steps']} | {m['first_mb']:.3f} | {m['last_mb']:.3f} | "
-                  f"{m['kb_per_step']:.2f} | {m['stream_lengths_at_end']} |",
-                  f"| never trimmed (baseline) | {b['steps']} | {b['first_mb']:.3f} | {b['last_mb']:.3f} | "
-                  f"{b['kb_per_step_second_half']:.2f} | {b['stream_lengths_at_end']} |", "",
-                  f"bounded: **{m['bounded']}**  ·  plot: chaos_memory.png", ""]
+        lines += [
+            "## Redis memory over a tiny RL run",
+            "",
+            f"`star train configs/tiny.yaml` (synth → rl, {m['steps']} steps), used memory at each learner "
+            "batch; the baseline is the same recipe with trimming off (STAR_STREAM_TRIM=0), same invocation.",
+            "",
+            "| | steps | first MiB | last MiB | KiB/step (2nd half) | stream lengths at the end |",
+            "|---|---:|---:|---:|---:|---|",
+            f"| trimmed once consumed | {m['steps']} | {m['first_mb']:.3f} | {m['last_mb']:.3f} | "
+            f"{m['kb_per_step']:.2f} | {m['stream_lengths_at_end']} |",
+            f"| never trimmed (baseline) | {b['steps']} | {b['first_mb']:.3f} | {b['last_mb']:.3f} | "
+            f"{b['kb_per_step_second_half']:.2f} | {b['stream_lengths_at_end']} |",
+            "",
+            f"bounded: **{m['bounded']}**  ·  plot: chaos_memory.png",
+            "",
+        ]
         if b["steps"] < m["steps"]:
-            lines += [f"The baseline ran {b['steps']} steps (`--baseline-steps`): enough for its growth per step, "
-                      "which is linear; the trimmed run is the one that must stay flat over the whole run.", ""]
+            lines += [
+                f"The baseline ran {b['steps']} steps (`--baseline-steps`): enough for its growth per step, "
+                "which is linear; the trimmed run is the one that must stay flat over the whole run.",
+                "",
+            ]
     kinds = data.get("kinds")
     if kinds:
-        lines += ["## kill -9 during a tiny run, per process kind", "",
-                  "| kind | kills | lost | trained twice | completed | samples expected / produced / scored / trained "
-                  "| dead letters |", "|---|---:|---:|---:|---|---|---:|"]
+        lines += [
+            "## kill -9 during a tiny run, per process kind",
+            "",
+            "| kind | kills | lost | trained twice | completed | samples expected / produced / scored / trained "
+            "| dead letters |",
+            "|---|---:|---:|---:|---|---|---:|",
+        ]
         for kind in KINDS:
             k = kinds.get(kind)
             if k:
-                lines.append(f"| {kind} | {k['kills']} | {k['lost']} | {k['duplicated']} | {k['completed']} | "
-                             f"{k['samples_expected']} / {k['samples_produced']} / {k['samples_scored']} / "
-                             f"{k['samples_trained']} | {k['dead_letters']} |")
-        lines += ["", "lost: samples of published tasks never trained (dead letters included); trained twice: a "
-                  "(task, sample) trained more than once or a group in two steps. Produced/scored above trained "
-                  "means a task ran again after a kill and the learner dropped the copy.", ""]
+                lines.append(
+                    f"| {kind} | {k['kills']} | {k['lost']} | {k['duplicated']} | {k['completed']} | "
+                    f"{k['samples_expected']} / {k['samples_produced']} / {k['samples_scored']} / "
+                    f"{k['samples_trained']} | {k['dead_letters']} |"
+                )
+        lines += [
+            "",
+            "lost: samples of published tasks never trained (dead letters included); trained twice: a "
+            "(task, sample) trained more than once or a group in two steps. Produced/scored above trained "
+            "means a task ran again after a kill and the learner dropped the copy.",
+            "",
+        ]
     e = data.get("episodes")
     if e:
-        lines += ["## kill -9 of the sandbox and of the episode service mid-episode (`bench/chaos.py episodes`)", "",
-                  f"{e['episodes_per_round']} episodes at once per round, {e['tool_calls']} tool calls each, then two "
-                  f"finishes at once per episode; each round kills the sandbox during the tool calls and the episode "
-                  f"service (the scorer) while finishes hold their claims; {e['kills']['episodes']} rounds.", "",
-                  "| episodes | finished | scored twice | never scored | claims lost to a kill (re-scored) "
-                  "| replies differing | tool calls over- / under-counted | 503s while the sandbox was away | passed |",
-                  "|---:|---:|---:|---:|---:|---:|---|---:|---|",
-                  f"| {e['episodes']} | {e['finished']} | {e['scored_twice']} | {e['never_scored']} | "
-                  f"{e['lapsed_claims']} | {e['differing_replies']} | {e['calls_overcounted']} / "
-                  f"{e['calls_undercounted']} | {e.get('calls_503_while_sandbox_away', '-')} | {e['passed']} |", "",
-                  "Scored twice: more than one result stored for an episode; a claim lost to a kill is a scoring the "
-                  "killed service never finished, done again by the next finish after the restart. Every finish "
-                  "reply and the episode's state carry the same result.", ""]
+        lines += [
+            "## kill -9 of the sandbox and of the episode service mid-episode (`bench/chaos.py episodes`)",
+            "",
+            f"{e['episodes_per_round']} episodes at once per round, {e['tool_calls']} tool calls each, then two "
+            f"finishes at once per episode; each round kills the sandbox during the tool calls and the episode "
+            f"service (the scorer) while finishes hold their claims; {e['kills']['episodes']} rounds.",
+            "",
+            "| episodes | finished | scored twice | never scored | claims lost to a kill (re-scored) "
+            "| replies differing | tool calls over- / under-counted | 503s while the sandbox was away | passed |",
+            "|---:|---:|---:|---:|---:|---:|---|---:|---|",
+            f"| {e['episodes']} | {e['finished']} | {e['scored_twice']} | {e['never_scored']} | "
+            f"{e['lapsed_claims']} | {e['differing_replies']} | {e['calls_overcounted']} / "
+            f"{e['calls_undercounted']} | {e.get('calls_503_while_sandbox_away', '-')} | {e['passed']} |",
+            "",
+            "Scored twice: more than one result stored for an episode; a claim lost to a kill is a scoring the "
+            "killed service never finished, done again by the next finish after the restart. Every finish "
+            "reply and the episode's state carry the same result.",
+            "",
+        ]
     lines.append(f"Machine: {data.get('machine')}.")
     return "\n".join(lines) + "\n"
 
 
 def report_gpu(data: dict[str, Any]) -> str:
-    lines = ["# kill -9 on the NCCL weight path during a `star train` RL stage (bench/chaos.py gpu)", "",
-             f"Recipe: configs/tiny.yaml, stages synth → rl, {data.get('steps')} RL steps of {PROMPTS} prompts × {G} "
-             f"samples, episodes forced to {FORCED}; policy {data.get('model')}; {data.get('engine')}. "
-             "Each fault in a run of its own: one vLLM engine on a GPU of its own, the learner's ranks on "
-             "GPUs of their own, except where a row says the engine shares a rank's GPU (by memory share; never "
-             "rank 0's, which broadcasts the weights).", "",
-             "| fault | learner ranks + engine (GPUs) | killed | at (s, step) | restarted | recovery s | steps trained "
-             "| lost | trained twice | rollout servers at the end | exit | passed |",
-             "|---|---|---|---|---|---:|---:|---:|---:|---|---:|---|"]
+    lines = [
+        "# kill -9 on the NCCL weight path during a `star train` RL stage (bench/chaos.py gpu)",
+        "",
+        f"Recipe: configs/tiny.yaml, stages synth → rl, {data.get('steps')} RL steps of {PROMPTS} prompts × {G} "
+        f"samples, episodes forced to {FORCED}; policy {data.get('model')}; {data.get('engine')}. "
+        "Each fault in a run of its own: one vLLM engine on a GPU of its own, the learner's ranks on "
+        "GPUs of their own, except where a row says the engine shares a rank's GPU (by memory share; never "
+        "rank 0's, which broadcasts the weights).",
+        "",
+        "| fault | learner ranks + engine (GPUs) | killed | at (s, step) | restarted | recovery s | steps trained "
+        "| lost | trained twice | rollout servers at the end | exit | passed |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---|---:|---|",
+    ]
     for fault in GPU_FAULTS:
         r = data.get("faults", {}).get(fault)
         if not r:
@@ -784,19 +924,25 @@ def report_gpu(data: dict[str, Any]) -> str:
             continue
         at = f"{r['injected_s']}, {r['injected_at_step']}" if r.get("injected") else "not injected"
         beside = f", engine beside rank {r['engine_beside_rank']}" if r.get("engine_beside_rank") is not None else ""
-        lines.append(f"| {fault} | {r['learner_ranks']} + 1 ({','.join(r['gpus']) or 'CPU'}{beside}) | {r.get('killed', '')} | "
-                     f"{at} | {', '.join(r.get('restarted') or []) or '-'} | {r.get('recovery_s')} | "
-                     f"{r.get('steps_trained')} / {r['steps']} | {r['lost']} | {r['duplicated']} | "
-                     f"{r['servers_at_end'] if isinstance(r['servers_at_end'], str) else '; '.join(r['servers_at_end'])} "
-                     f"| {r['exit_code']} | {r['passed']} |")
-    lines += ["", "learner_broadcast: SIGKILL of the learner's rank 0 the moment a rollout server's GET /weights "
-              "reports an NCCL receive under way (`receiving`); rollout_receive: SIGKILL of that rollout worker "
-              "then; learner_rank1: SIGKILL of rank 1 of a 2-rank learner while it holds a whole batch. "
-              "recovery: from the kill until the learner trained past the step of the kill and every rollout "
-              "server answered, not broken, not receiving, on the version last published. lost / trained twice: "
-              "the ledger of the CPU chaos runs (chaos.md). rollout servers at the end: each one's last GET "
-              "/weights before the fleet stopped, against the learner's final version.", "",
-              f"Machine: {data.get('machine')}."]
+        lines.append(
+            f"| {fault} | {r['learner_ranks']} + 1 ({','.join(r['gpus']) or 'CPU'}{beside}) | {r.get('killed', '')} | "
+            f"{at} | {', '.join(r.get('restarted') or []) or '-'} | {r.get('recovery_s')} | "
+            f"{r.get('steps_trained')} / {r['steps']} | {r['lost']} | {r['duplicated']} | "
+            f"{r['servers_at_end'] if isinstance(r['servers_at_end'], str) else '; '.join(r['servers_at_end'])} "
+            f"| {r['exit_code']} | {r['passed']} |"
+        )
+    lines += [
+        "",
+        "learner_broadcast: SIGKILL of the learner's rank 0 the moment a rollout server's GET /weights "
+        "reports an NCCL receive under way (`receiving`); rollout_receive: SIGKILL of that rollout worker "
+        "then; learner_rank1: SIGKILL of rank 1 of a 2-rank learner while it holds a whole batch. "
+        "recovery: from the kill until the learner trained past the step of the kill and every rollout "
+        "server answered, not broken, not receiving, on the version last published. lost / trained twice: "
+        "the ledger of the CPU chaos runs (chaos.md). rollout servers at the end: each one's last GET "
+        "/weights before the fleet stopped, against the learner's final version.",
+        "",
+        f"Machine: {data.get('machine')}.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -805,8 +951,12 @@ def main() -> None:
     sub = parser.add_subparsers(dest="what", required=True)
     mem = sub.add_parser("memory")
     mem.add_argument("--steps", type=int, default=50)
-    mem.add_argument("--baseline-steps", type=int, default=None, help="(default: --steps) a shorter baseline "
-                     "still shows its growth per step")
+    mem.add_argument(
+        "--baseline-steps",
+        type=int,
+        default=None,
+        help="(default: --steps) a shorter baseline still shows its growth per step",
+    )
     mem.add_argument("--timeout", type=float, default=3600)
     kill = sub.add_parser("kill")
     kill.add_argument("--kinds", default=",".join(KINDS))
@@ -814,8 +964,9 @@ def main() -> None:
     kill.add_argument("--steps", type=int, default=10)
     kill.add_argument("--seed", type=int, default=0)
     kill.add_argument("--timeout", type=float, default=1200)
-    episodes = sub.add_parser("episodes", help="the episode API: sandbox and episode service killed mid-episode "
-                              "(bench/episodes_chaos.py)")
+    episodes = sub.add_parser(
+        "episodes", help="the episode API: sandbox and episode service killed mid-episode (bench/episodes_chaos.py)"
+    )
     episodes.add_argument("--episodes", type=int, default=24, help="episodes at once per round")
     episodes.add_argument("--kills", type=int, default=2, help="rounds (each kills the sandbox and the service)")
     episodes.add_argument("--tool-calls", type=int, default=6)
@@ -823,13 +974,20 @@ def main() -> None:
     gpu = sub.add_parser("gpu", help="the NCCL weight path's faults, each at its moment, in runs on GPUs")
     gpu.add_argument("--faults", default=",".join(GPU_FAULTS))
     gpu.add_argument("--steps", type=int, default=GPU_STEPS)
-    gpu.add_argument("--model", default="smollm", help="smollm (converted from --gguf), tiny (the recipe's own "
-                     "random policy) or an HF folder")
+    gpu.add_argument(
+        "--model",
+        default="smollm",
+        help="smollm (converted from --gguf), tiny (the recipe's own random policy) or an HF folder",
+    )
     gpu.add_argument("--gguf", default=None, help="SmolLM2-135M-Instruct GGUF (default: /tmp/star-gguf/*.gguf)")
     gpu.add_argument("--parallel", action="store_true", help="runs whose GPUs are free go at once")
     gpu.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    gpu.add_argument("--smoke", action="store_true", help="CPU plumbing check: learner_rank1 on 2 gloo ranks, the "
-                     "tiny policy on the transformers engine, weights through files; written under var/")
+    gpu.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU plumbing check: learner_rank1 on 2 gloo ranks, the "
+        "tiny policy on the transformers engine, weights through files; written under var/",
+    )
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.what == "gpu":
@@ -840,15 +998,28 @@ def main() -> None:
         if args.smoke:
             faults = [f for f in faults if f == "learner_rank1"] or parser.error("--smoke runs learner_rank1 only")
         VAR.mkdir(parents=True, exist_ok=True)
-        model = None if args.smoke or args.model == "tiny" else (
-            smollm_folder(args.gguf) if args.model == "smollm" else args.model)
+        model = (
+            None
+            if args.smoke or args.model == "tiny"
+            else (smollm_folder(args.gguf) if args.model == "smollm" else args.model)
+        )
         results = chaos_gpu(faults, args.steps, model, args.timeout, args.parallel, smoke=args.smoke)
         gpus = visible_gpus() if not args.smoke else []
         machine = f"{len(gpus)}× {device_name()}, {os.cpu_count()} cores" if gpus else f"CPU, {os.cpu_count()} cores"
-        save({"faults": results, "steps": args.steps, "model": model or "tiny.yaml's random Qwen2",
-              "engine": "transformers, weights through files (CPU smoke)" if args.smoke else
-              "vLLM (compile off), deployment.weight_sync nccl"},
-             "chaos_gpu_smoke" if args.smoke else "chaos_gpu", report_gpu, machine, VAR if args.smoke else RESULTS)
+        save(
+            {
+                "faults": results,
+                "steps": args.steps,
+                "model": model or "tiny.yaml's random Qwen2",
+                "engine": "transformers, weights through files (CPU smoke)"
+                if args.smoke
+                else "vLLM (compile off), deployment.weight_sync nccl",
+            },
+            "chaos_gpu_smoke" if args.smoke else "chaos_gpu",
+            report_gpu,
+            machine,
+            VAR if args.smoke else RESULTS,
+        )
         for r in results.values():
             print(json.dumps(r), flush=True)
         sys.exit(0 if all(r.get("passed") for r in results.values()) else 1)

@@ -119,21 +119,31 @@ def sample(host: ServerHost, batch: list[list[int]], tokens: int) -> dict[str, A
     t0 = time.perf_counter()
 
     async def all_turns():
-        return await asyncio.gather(*[engine.generate(p, TurnParams(max_tokens=tokens, temperature=1.0), f"s{i}")
-                                      for i, p in enumerate(batch)])
+        return await asyncio.gather(
+            *[engine.generate(p, TurnParams(max_tokens=tokens, temperature=1.0), f"s{i}") for i, p in enumerate(batch)]
+        )
 
     gens = host.run(all_turns())
     sampled = sum(len(g.token_ids) for g in gens)
-    return {"turns": len(gens), "tokens": sampled, "seconds": time.perf_counter() - t0,
-            "versions": sorted({g.policy_version for g in gens})}
+    return {
+        "turns": len(gens),
+        "tokens": sampled,
+        "seconds": time.perf_counter() - t0,
+        "versions": sorted({g.policy_version for g in gens}),
+    }
 
 
 def learner(model_dir: Path, args):
     from services.learner.config import EngineConfig, ScheduleConfig
     from services.learner.engine import PolicyEngine
 
-    cfg = EngineConfig(zero_stage=args.zero, precision="auto", gradient_checkpointing=True,
-                       micro_batch_tokens=args.row_tokens, attn_implementation="sdpa")
+    cfg = EngineConfig(
+        zero_stage=args.zero,
+        precision="auto",
+        gradient_checkpointing=True,
+        micro_batch_tokens=args.row_tokens,
+        attn_implementation="sdpa",
+    )
     return PolicyEngine(model_dir, cfg, ScheduleConfig(lr=args.lr), total_steps=100)
 
 
@@ -168,8 +178,13 @@ def make_vllm(model_dir: Path, args):
     from services.common.schemas import VllmArgs
     from services.rollout.engines.vllm_engine import VllmEngine
 
-    vllm_args = VllmArgs(gpu_memory_utilization=args.engine_share, kv_cache_from_share=True,
-                         enable_sleep_mode=True, enforce_eager=True, max_num_seqs=64)
+    vllm_args = VllmArgs(
+        gpu_memory_utilization=args.engine_share,
+        kv_cache_from_share=True,
+        enable_sleep_mode=True,
+        enforce_eager=True,
+        max_num_seqs=64,
+    )
     return lambda: VllmEngine(model_dir, max_model_len=args.max_model_len, args=vllm_args)
 
 
@@ -203,9 +218,14 @@ def dry_chunks(tensors, buffer_bytes):
     """No CUDA on CPU: the chunks' layout without handles a process could open."""
     names = [n for n, _ in tensors]
     for i in range(0, len(names), 64):
-        part = names[i:i + 64]
-        yield {"names": part, "dtype_names": ["float32"] * len(part), "shapes": [[1]] * len(part),
-               "tensor_sizes": [4] * len(part), "handles": "ZHJ5"}
+        part = names[i : i + 64]
+        yield {
+            "names": part,
+            "dtype_names": ["float32"] * len(part),
+            "shapes": [[1]] * len(part),
+            "tensor_sizes": [4] * len(part),
+            "handles": "ZHJ5",
+        }
 
 
 def main() -> None:
@@ -248,10 +268,16 @@ def main() -> None:
     else:
         model_dir = model_folder(work / "model", shape)
     log(f"model {shape} at {model_dir}")
-    record: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.node(),
-                              "shape": shape, "level": args.level, "zero_stage": args.zero,
-                              "engine_share": args.engine_share, "row_tokens": args.row_tokens, "dry": args.dry,
-                              "cycles": []}
+    record: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.node(),
+        "shape": shape,
+        "level": args.level,
+        "zero_stage": args.zero,
+        "engine_share": args.engine_share,
+        "row_tokens": args.row_tokens,
+        "dry": args.dry,
+        "cycles": [],
+    }
     settings = Settings(home=work, weights_root=work / "weights", log_json=False, log_level="WARNING")
     host = ServerHost()
     try:
@@ -265,8 +291,10 @@ def main() -> None:
         policy = learner(model_dir, args)
         record["learner_start_s"] = time.perf_counter() - t0
         record["memory_both_up"] = card_memory()
-        log(f"learner up in {record['learner_start_s']:.1f} s ({policy.num_parameters() / 1e9:.2f} B params); "
-            f"{record['memory_both_up']}")
+        log(
+            f"learner up in {record['learner_start_s']:.1f} s ({policy.num_parameters() / 1e9:.2f} B params); "
+            f"{record['memory_both_up']}"
+        )
         zero3 = policy.cfg.zero_stage == 3
         servers = ColocatedServers([host.url], level=args.level, timeout_s=120)
         sync = ColocatedSync(None, servers, files_every=10**9, **({"chunks": dry_chunks} if args.dry else {}))
@@ -274,8 +302,10 @@ def main() -> None:
         batch = prompts(args.turns, 256, vocab, seed=0)
         if not args.dry:
             record["check_before"] = check_weights(host, policy, 0, zero3, args.dry)
-            log(f"before any step: tensors equal {record['check_before']['all_tensors_equal']}, "
-                f"log-prob diff {record['check_before']['logprob_max_abs_diff']:.3f}")
+            log(
+                f"before any step: tensors equal {record['check_before']['all_tensors_equal']}, "
+                f"log-prob diff {record['check_before']['logprob_max_abs_diff']:.3f}"
+            )
         version = 0
         for k in range(args.cycles):
             cycle: dict[str, Any] = {"cycle": k + 1}
@@ -290,10 +320,12 @@ def main() -> None:
             cycle.update(train_step(policy, args, k))
             version += 1
             cycle["memory_trained"] = card_memory()
-            cycle["learner_peak_gib"] = (torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available()
-                                         else None)
-            cycle.update(sync.publish(version, policy.hf_model, zero3=zero3, buckets=lambda: iter(()),
-                                      config=None, source_dir=None))
+            cycle["learner_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+            cycle.update(
+                sync.publish(
+                    version, policy.hf_model, zero3=zero3, buckets=lambda: iter(()), config=None, source_dir=None
+                )
+            )
             cycle["memory_awake"] = card_memory()
             gen = held.result(120)
             cycle["held_turn_version"] = gen.policy_version
@@ -302,16 +334,20 @@ def main() -> None:
             cycle["server_sleep"] = host.service.sleep_state.info()
             record["cycles"].append(cycle)
             ok = cycle["check"].get("all_tensors_equal", cycle["check"].get("version") == version)
-            log(f"cycle {k + 1}: sleep {cycle['colocate_sleep_s']:.2f} s, train {cycle['train_s']:.2f} s, wake "
+            log(
+                f"cycle {k + 1}: sleep {cycle['colocate_sleep_s']:.2f} s, train {cycle['train_s']:.2f} s, wake "
                 f"{cycle['colocate_wake_s']:.2f} s, weights {cycle.get('colocate_weights_s', 0):.2f} s; "
                 f"held turn waited {cycle['held_turn_waited']} and ran on v{gen.policy_version}; weights equal {ok}; "
                 f"free asleep {cycle['memory_asleep'].get('free_gib')} GiB, learner peak "
-                f"{cycle['learner_peak_gib']} GiB")
+                f"{cycle['learner_peak_gib']} GiB"
+            )
         record["passed"] = all(
-            c["held_turn_waited"] and c["held_turn_version"] == c["cycle"]
+            c["held_turn_waited"]
+            and c["held_turn_version"] == c["cycle"]
             and c["check"].get("all_tensors_equal", c["check"].get("version") == c["cycle"])
             and (args.dry or c["check"]["logprob_max_abs_diff"] < 0.25)
-            for c in record["cycles"])
+            for c in record["cycles"]
+        )
         policy.close()
     finally:
         host.stop()

@@ -56,8 +56,10 @@ def log(msg: str) -> None:
 def workload(args) -> list[list[tuple[int, int]]]:
     """Per agent, per turn: (max_tokens, seed). Same for both modes."""
     rng = random.Random(args.seed)
-    return [[(args.long if rng.random() < args.long_share else args.short, rng.randrange(2**31))
-             for _ in range(args.turns)] for _ in range(args.agents)]
+    return [
+        [(args.long if rng.random() < args.long_share else args.short, rng.randrange(2**31)) for _ in range(args.turns)]
+        for _ in range(args.agents)
+    ]
 
 
 async def run_agents(engine: Any, plan: list[list[tuple[int, int]]], args) -> dict[str, Any]:
@@ -72,10 +74,16 @@ async def run_agents(engine: Any, plan: list[list[tuple[int, int]]], args) -> di
         sampled = 0
         for max_tokens, seed in steps:
             t0 = time.perf_counter()
-            gen = await engine.generate(context, TurnParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95,
-                                                            seed=seed))
-            turns.append({"kind": "long" if max_tokens == args.long else "short", "s": time.perf_counter() - t0,
-                          "tokens": len(gen.token_ids)})
+            gen = await engine.generate(
+                context, TurnParams(max_tokens=max_tokens, temperature=1.0, top_p=0.95, seed=seed)
+            )
+            turns.append(
+                {
+                    "kind": "long" if max_tokens == args.long else "short",
+                    "s": time.perf_counter() - t0,
+                    "tokens": len(gen.token_ids),
+                }
+            )
             sampled += len(gen.token_ids)
             context = context + gen.token_ids + [rng.randrange(1000, vocab) for _ in range(args.tool_tokens)]
         return sampled
@@ -88,10 +96,17 @@ async def run_agents(engine: Any, plan: list[list[tuple[int, int]]], args) -> di
         xs = sorted(t["s"] for t in turns if t["kind"] == kind)
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
-    return {"wall_s": wall, "tokens": sum(counts), "tokens_per_s": sum(counts) / wall,
-            "short_p50_s": pct("short", 0.5), "short_p99_s": pct("short", 0.99),
-            "long_p50_s": pct("long", 0.5), "long_p99_s": pct("long", 0.99),
-            "turns": len(turns), "admitted_groups": None}
+    return {
+        "wall_s": wall,
+        "tokens": sum(counts),
+        "tokens_per_s": sum(counts) / wall,
+        "short_p50_s": pct("short", 0.5),
+        "short_p99_s": pct("short", 0.99),
+        "long_p50_s": pct("long", 0.5),
+        "long_p99_s": pct("long", 0.99),
+        "turns": len(turns),
+        "admitted_groups": None,
+    }
 
 
 def main() -> None:
@@ -123,8 +138,13 @@ def main() -> None:
     on_gpu = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if on_gpu else f"CPU ({platform.machine()})"
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
-    folder = Path(args.model) if args.model else tiny_qwen2(
-        Path(tempfile.mkdtemp(prefix="decode-bench-")) / "model", **SIZES[args.size], max_positions=32768)
+    folder = (
+        Path(args.model)
+        if args.model
+        else tiny_qwen2(
+            Path(tempfile.mkdtemp(prefix="decode-bench-")) / "model", **SIZES[args.size], max_positions=32768
+        )
+    )
     # the step probe holds its largest batch at once: one slot per row
     max_batch = max([args.max_batch] + ([int(b) for b in args.probe_batches.split(",")] if args.step_probe else []))
     max_model_len = probe_context(args) if args.step_probe else 32768
@@ -143,14 +163,16 @@ def main() -> None:
         await run_agents(engine, [steps[:1] for steps in plan[:2]], args)
         runs: dict[str, list[dict[str, Any]]] = {"static": [], "continuous": []}
         for r in range(args.repeats):
-            for mode in (("static", "continuous") if r % 2 == 0 else ("continuous", "static")):
+            for mode in ("static", "continuous") if r % 2 == 0 else ("continuous", "static"):
                 engine.continuous = mode == "continuous"
                 before = len(engine.batches)
                 res = await run_agents(engine, plan, args)
                 res["admitted_groups"] = len(engine.batches) - before
                 runs[mode].append(res)
-                log(f"{mode}: {res['tokens_per_s']:.0f} tokens/s, wall {res['wall_s']:.1f} s, short turn p50 "
-                    f"{res['short_p50_s']:.2f} s, long turn p50 {res['long_p50_s'] or float('nan'):.2f} s")
+                log(
+                    f"{mode}: {res['tokens_per_s']:.0f} tokens/s, wall {res['wall_s']:.1f} s, short turn p50 "
+                    f"{res['short_p50_s']:.2f} s, long turn p50 {res['long_p50_s'] or float('nan'):.2f} s"
+                )
         return runs
 
     runs = asyncio.run(run_all())
@@ -161,8 +183,16 @@ def main() -> None:
 
     summary = {mode: {k: med(mode, k) for k in runs[mode][0] if k != "turns"} for mode in runs}
     speedup = summary["continuous"]["tokens_per_s"] / summary["static"]["tokens_per_s"]
-    record = {"device": device, "torch": torch.__version__, "args": vars(args), "params_m": params_m,
-              "dtype": dtype, "runs": runs, "median": summary, "speedup_tokens_per_s": speedup}
+    record = {
+        "device": device,
+        "torch": torch.__version__,
+        "args": vars(args),
+        "params_m": params_m,
+        "dtype": dtype,
+        "runs": runs,
+        "median": summary,
+        "speedup_tokens_per_s": speedup,
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(record, indent=1))
     write_markdown(record, args)
@@ -201,9 +231,14 @@ def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> N
     ticks = max(1, args.probe_steps // STEPS_PER_TICK)
     for n in sizes:
         batch = _Batch()
-        joining = [_Request([rng.randrange(1000, engine.model.config.vocab_size) for _ in range(args.prompt)],
-                            TurnParams(max_tokens=10**6, temperature=1.0, top_p=0.95, seed=i), None)
-                   for i in range(n)]
+        joining = [
+            _Request(
+                [rng.randrange(1000, engine.model.config.vocab_size) for _ in range(args.prompt)],
+                TurnParams(max_tokens=10**6, temperature=1.0, top_p=0.95, seed=i),
+                None,
+            )
+            for i in range(n)
+        ]
         sync()
         t0 = time.perf_counter()
         engine._tick(batch, joining)  # prefill, then the tick's decode steps
@@ -221,23 +256,46 @@ def step_probe(engine: Any, args, device: str, dtype: str, params_m: float) -> N
         engine._reset()
         del batch
         base = dynamic_cache_step_s(engine, n, args.prompt, args.probe_steps, sync)
-        rows.append({"batch": n, "prefill_s": prefill, "step_ms": 1000 * step, "tokens_per_s": n / step,
-                     "dynamic_cache_step_ms": 1000 * base, "speedup": base / step})
-        log(f"batch {n}: admission tick {prefill:.3f} s, {1000 * step:.1f} ms/step, {n / step:,.0f} tokens/s; "
-            f"DynamicCache forward {1000 * base:.1f} ms/step ({base / step:.2f}×)")
+        rows.append(
+            {
+                "batch": n,
+                "prefill_s": prefill,
+                "step_ms": 1000 * step,
+                "tokens_per_s": n / step,
+                "dynamic_cache_step_ms": 1000 * base,
+                "speedup": base / step,
+            }
+        )
+        log(
+            f"batch {n}: admission tick {prefill:.3f} s, {1000 * step:.1f} ms/step, {n / step:,.0f} tokens/s; "
+            f"DynamicCache forward {1000 * base:.1f} ms/step ({base / step:.2f}×)"
+        )
     print(table, flush=True)
-    record = {"device": device, "dtype": dtype, "params_m": params_m, "args": vars(args), "steps": rows,
-              "profile": table}
+    record = {
+        "device": device,
+        "dtype": dtype,
+        "params_m": params_m,
+        "args": vars(args),
+        "steps": rows,
+        "profile": table,
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(record, indent=1))
-    lines = [f"# Decode step probe ({args.name})", "",
-             f"Device: {device}. Model: {'`' + args.model + '`' if args.model else 'random Qwen2'}, `{args.size}` shape ({params_m:.0f} M parameters), {dtype}; "
-             f"{args.prompt}-token context per row; mean of {ticks * STEPS_PER_TICK} steps after one warm-up "
-             f"tick; the admission tick is the prefill plus {STEPS_PER_TICK} decode steps.", "",
-             "| rows | admission tick s | ms / decode step | tokens/s | DynamicCache forward ms / step | speed-up |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['prefill_s']:.3f} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
-              f"{r['dynamic_cache_step_ms']:.1f} | {r['speedup']:.2f}× |" for r in rows]
+    lines = [
+        f"# Decode step probe ({args.name})",
+        "",
+        f"Device: {device}. Model: {'`' + args.model + '`' if args.model else 'random Qwen2'}, `{args.size}` shape ({params_m:.0f} M parameters), {dtype}; "
+        f"{args.prompt}-token context per row; mean of {ticks * STEPS_PER_TICK} steps after one warm-up "
+        f"tick; the admission tick is the prefill plus {STEPS_PER_TICK} decode steps.",
+        "",
+        "| rows | admission tick s | ms / decode step | tokens/s | DynamicCache forward ms / step | speed-up |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['batch']} | {r['prefill_s']:.3f} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+        f"{r['dynamic_cache_step_ms']:.1f} | {r['speedup']:.2f}× |"
+        for r in rows
+    ]
     lines += ["", f"Profile of {2 * STEPS_PER_TICK} steps at {sizes[-1]} rows:", "", "```", table, "```", ""]
     (RESULTS / f"{args.name}.md").write_text("\n".join(lines))
 
@@ -265,8 +323,14 @@ def dynamic_cache_step_s(engine: Any, rows: int, context: int, steps: int, sync:
     from services.rollout.engines.hf import _Request, _Row, attention_backends
 
     model, device = engine.model, engine.device
-    samplers = [_Row(_Request([], TurnParams(max_tokens=10**6, temperature=1.0, top_p=0.95, seed=i), None),
-                     torch.Generator(device=device).manual_seed(i), 10**6) for i in range(rows)]
+    samplers = [
+        _Row(
+            _Request([], TurnParams(max_tokens=10**6, temperature=1.0, top_p=0.95, seed=i), None),
+            torch.Generator(device=device).manual_seed(i),
+            10**6,
+        )
+        for i in range(rows)
+    ]
     with torch.inference_mode(), attention_backends():
         ids = torch.randint(1000, model.config.vocab_size, (rows, context), device=device)
         mask = torch.ones_like(ids)
@@ -276,8 +340,9 @@ def dynamic_cache_step_s(engine: Any, rows: int, context: int, steps: int, sync:
         def step() -> None:
             nonlocal mask, cache, token
             mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=device)], 1)
-            out = model(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True,
-                        logits_to_keep=1)
+            out = model(
+                input_ids=token[:, None], attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1
+            )
             cache, token = out.past_key_values, engine._sample(samplers, out.logits[:, -1])
 
         step()  # warm-up
@@ -300,21 +365,25 @@ def write_markdown(record: dict[str, Any], args) -> None:
         return fmt.format(x) if x is not None else "–"
 
     lines = [
-        f"# Decode benchmark ({args.name})", "",
+        f"# Decode benchmark ({args.name})",
+        "",
         f"Device: {record['device']}; torch {record['torch']}. Model: random Qwen2, `{args.size}` shape "
         f"({record['params_m']:.0f} M parameters, Qwen2.5 vocabulary), {record['dtype']}; the transformers engine, "
         f"at most {args.max_batch} rows decoding at once.",
         f"Load: {args.agents} agents at once, {args.turns} turns each, {args.prompt}-token start context, "
         f"{args.tool_tokens} tool tokens appended per turn; turns of {args.short} tokens, or {args.long} with "
         f"probability {args.long_share}; temperature 1.0, top-p 0.95, same seeds in both modes. "
-        f"Median of {args.repeats} runs per mode, alternating.", "",
+        f"Median of {args.repeats} runs per mode, alternating.",
+        "",
         "| mode | tokens/s | wall s | short turn p50 s | short p99 s | long turn p50 s | long p99 s |",
         "|---|---|---|---|---|---|---|",
     ]
     for mode in ("static", "continuous"):
         r = m[mode]
-        lines.append(f"| {mode} | {r['tokens_per_s']:,.0f} | {f(r['wall_s'], '{:.1f}')} | {f(r['short_p50_s'])} | "
-                     f"{f(r['short_p99_s'])} | {f(r['long_p50_s'])} | {f(r['long_p99_s'])} |")
+        lines.append(
+            f"| {mode} | {r['tokens_per_s']:,.0f} | {f(r['wall_s'], '{:.1f}')} | {f(r['short_p50_s'])} | "
+            f"{f(r['short_p99_s'])} | {f(r['long_p50_s'])} | {f(r['long_p99_s'])} |"
+        )
     lines += ["", f"Continuous batching: **{record['speedup_tokens_per_s']:.2f}×** the static batch's tokens/s.", ""]
     (RESULTS / f"{args.name}.md").write_text("\n".join(lines))
 

@@ -33,12 +33,49 @@ def star(*args: str) -> None:
 
 def teacher_trajectories(work: Path, n: int, seed: int) -> Path:
     db = f"sqlite:///{work / 'world.sqlite'}"
-    star("world", "build", "--from", str(DATA / "database"), "--db", db, "--flight-scale", "0.15",
-         "--ref-info", str(DATA / "train" / "train_ref_info.jsonl"), "--if-missing")
-    star("synth", "queries", "--n", str(n), "--mix", "4:3:3", "--splits", "1:0:0", "--seed", str(seed),
-         "--out", str(work / "queries"), "--workers", "1", "--db", db)
-    star("synth", "teacher", "--queries", str(work / "queries" / "queries.jsonl"), "--out", str(work / "teacher"),
-         "--db", db, "--seed", str(seed))
+    star(
+        "world",
+        "build",
+        "--from",
+        str(DATA / "database"),
+        "--db",
+        db,
+        "--flight-scale",
+        "0.15",
+        "--ref-info",
+        str(DATA / "train" / "train_ref_info.jsonl"),
+        "--if-missing",
+    )
+    star(
+        "synth",
+        "queries",
+        "--n",
+        str(n),
+        "--mix",
+        "4:3:3",
+        "--splits",
+        "1:0:0",
+        "--seed",
+        str(seed),
+        "--out",
+        str(work / "queries"),
+        "--workers",
+        "1",
+        "--db",
+        db,
+    )
+    star(
+        "synth",
+        "teacher",
+        "--queries",
+        str(work / "queries" / "queries.jsonl"),
+        "--out",
+        str(work / "teacher"),
+        "--db",
+        db,
+        "--seed",
+        str(seed),
+    )
     return work / "teacher" / "sft.jsonl"
 
 
@@ -81,13 +118,16 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    numbers = episode_numbers(teacher_trajectories(work, args.queries, args.seed),
-                              AutoTokenizer.from_pretrained(args.tokenizer))
-    record = {"source": f"oracle teacher, {args.queries} synthesized queries (mix 4:3:3, seed {args.seed}) on the "
-                        "official database, Qwen2.5 tokens",
-              "teacher": {k: quantiles(v) for k, v in numbers.items()},
-              "fit": {k: lognormal_fit(numbers[k]) for k in ("tool_calls", "turn_tokens", "answer_tokens")},
-              "paper_teacher": {"tool_calls_mean": 9.2, "tokens_mean": 10300}}
+    numbers = episode_numbers(
+        teacher_trajectories(work, args.queries, args.seed), AutoTokenizer.from_pretrained(args.tokenizer)
+    )
+    record = {
+        "source": f"oracle teacher, {args.queries} synthesized queries (mix 4:3:3, seed {args.seed}) on the "
+        "official database, Qwen2.5 tokens",
+        "teacher": {k: quantiles(v) for k, v in numbers.items()},
+        "fit": {k: lognormal_fit(numbers[k]) for k in ("tool_calls", "turn_tokens", "answer_tokens")},
+        "paper_teacher": {"tool_calls_mean": 9.2, "tokens_mean": 10300},
+    }
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record["fit"], indent=1))
     return 0

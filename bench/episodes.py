@@ -51,6 +51,7 @@ TOKEN = "bench-token"
 
 # -- a small keep-alive HTTP/1.1 client ----------------------------------------------------------------------
 
+
 class Connection:
     def __init__(self, host: str, port: int, token: str | None = None) -> None:
         self.host, self.port = host, port
@@ -70,8 +71,10 @@ class Connection:
 
     async def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         payload = orjson.dumps(body) if body is not None else b""
-        head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{self.auth}"
-                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\nConnection: keep-alive\r\n\r\n")
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{self.auth}"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\nConnection: keep-alive\r\n\r\n"
+        )
         assert self.writer is not None and self.reader is not None
         self.writer.write(head.encode() + payload)
         await self.writer.drain()
@@ -98,19 +101,24 @@ def split_url(url: str) -> tuple[str, int]:
 
 # -- workload ------------------------------------------------------------------------------------------------
 
+
 def episodes_of(travelplanner_dir: Path) -> list[dict[str, Any]]:
     """Per train query: its id, record, gold plan, and a cycle of tool calls on its cities."""
     out = []
     for position, record in enumerate(train_records(travelplanner_dir), 1):
         query = query_of(record, position)
         plan = gold_plan(record)
-        cities = sorted({part.strip() for day in plan for part in day["current_city"].replace("from ", "")
-                         .split(" to ")} - {""})
+        cities = sorted(
+            {part.strip() for day in plan for part in day["current_city"].replace("from ", "").split(" to ")} - {""}
+        )
         dest = [c for c in cities if c != query["org"]] or [query["dest"]]
-        calls = [("SearchFlight", {"departure": query["org"], "destination": dest[0], "date": query["date"][0]}),
-                 ("SearchAccommodation", {"city": dest[0]}), ("SearchRestaurant", {"city": dest[0]}),
-                 ("SearchAttraction", {"city": dest[0]}),
-                 ("GoogleDistanceMatrix", {"departure": query["org"], "destination": dest[0], "mode": "driving"})]
+        calls = [
+            ("SearchFlight", {"departure": query["org"], "destination": dest[0], "date": query["date"][0]}),
+            ("SearchAccommodation", {"city": dest[0]}),
+            ("SearchRestaurant", {"city": dest[0]}),
+            ("SearchAttraction", {"city": dest[0]}),
+            ("GoogleDistanceMatrix", {"departure": query["org"], "destination": dest[0], "mode": "driving"}),
+        ]
         calls += [("SearchAccommodation", {"city": c}) for c in dest[1:]]
         out.append({"query_id": str(position), "query": query, "plan": plan, "calls": calls})
     return out
@@ -124,9 +132,13 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def summary(latencies_ms: list[float], count: int, seconds: float) -> dict[str, Any]:
-    return {"count": count, "per_s": round(count / seconds, 1) if seconds else None,
-            "p50_ms": _round(percentile(latencies_ms, 50)), "p99_ms": _round(percentile(latencies_ms, 99)),
-            "mean_ms": _round(statistics.fmean(latencies_ms) if latencies_ms else None)}
+    return {
+        "count": count,
+        "per_s": round(count / seconds, 1) if seconds else None,
+        "p50_ms": _round(percentile(latencies_ms, 50)),
+        "p99_ms": _round(percentile(latencies_ms, 99)),
+        "mean_ms": _round(statistics.fmean(latencies_ms) if latencies_ms else None),
+    }
 
 
 def _round(value: float | None) -> float | None:
@@ -163,16 +175,18 @@ def episode_body(workload: list[dict[str, Any]], tool_calls: int):
     async def body(conn: Connection, n: int, stats: dict[str, list[float]]) -> bool:
         item = workload[n % len(workload)]
         t0 = time.perf_counter()
-        status, started = await conn.request("POST", "/v1/episodes", {"query_id": item["query_id"], "split": "train",
-                                                                      "max_tool_calls": tool_calls})
+        status, started = await conn.request(
+            "POST", "/v1/episodes", {"query_id": item["query_id"], "split": "train", "max_tool_calls": tool_calls}
+        )
         timed(stats, "start", t0)
         if status != 201:
             return False
         episode = started["episode_id"]
         for name, arguments in itertools.islice(itertools.cycle(item["calls"]), tool_calls):
             t = time.perf_counter()
-            status, _ = await conn.request("POST", f"/v1/episodes/{episode}/tool_calls",
-                                           {"name": name, "arguments": arguments})
+            status, _ = await conn.request(
+                "POST", f"/v1/episodes/{episode}/tool_calls", {"name": name, "arguments": arguments}
+            )
             timed(stats, "tool_call", t)
             if status != 200:
                 return False
@@ -191,8 +205,9 @@ def score_body(workload: list[dict[str, Any]]):
     async def body(conn: Connection, n: int, stats: dict[str, list[float]]) -> bool:
         item = workload[n % len(workload)]
         t = time.perf_counter()
-        status, reply = await conn.request("POST", "/score", {"query": item["query"], "plan": item["plan"],
-                                                              "mode": ("strict", "official")[n % 2]})
+        status, reply = await conn.request(
+            "POST", "/score", {"query": item["query"], "plan": item["plan"], "mode": ("strict", "official")[n % 2]}
+        )
         timed(stats, "score", t)
         return status == 200 and reply["score"]["success"] == 1
 
@@ -213,6 +228,7 @@ def tool_body(workload: list[dict[str, Any]]):
 
 # -- the run -------------------------------------------------------------------------------------------------
 
+
 def world_url(db: str | None, travelplanner_dir: Path) -> str:
     from services.sandbox.world import World
     from services.sandbox.world.build import build_official_world
@@ -222,8 +238,9 @@ def world_url(db: str | None, travelplanner_dir: Path) -> str:
         return url
     WORLD.parent.mkdir(parents=True, exist_ok=True)
     print(f"building the world into {url} ...", flush=True)
-    build_official_world(url, travelplanner_dir / "database", seed=0,
-                         ref_info=[travelplanner_dir / "train" / "train_ref_info.jsonl"])
+    build_official_world(
+        url, travelplanner_dir / "database", seed=0, ref_info=[travelplanner_dir / "train" / "train_ref_info.jsonl"]
+    )
     return url
 
 
@@ -241,10 +258,18 @@ def redis_url() -> Any:
 
 def phase(name: str, url: str, token: str | None, args: argparse.Namespace, body) -> dict[str, Any]:
     stats, seconds, errors = asyncio.run(run_clients(url, token, args.concurrency, args.seconds, body))
-    out = {"seconds": round(seconds, 2), "errors": errors, "load_average_1m_after": round(os.getloadavg()[0], 2),
-           **{k: summary(v, len(v), seconds) for k, v in sorted(stats.items())}}
-    print(f"{name}: " + ", ".join(f"{k} {v['per_s']}/s p99 {v['p99_ms']} ms" for k, v in out.items()
-                                  if isinstance(v, dict)) + f"; errors {errors}", flush=True)
+    out = {
+        "seconds": round(seconds, 2),
+        "errors": errors,
+        "load_average_1m_after": round(os.getloadavg()[0], 2),
+        **{k: summary(v, len(v), seconds) for k, v in sorted(stats.items())},
+    }
+    print(
+        f"{name}: "
+        + ", ".join(f"{k} {v['per_s']}/s p99 {v['p99_ms']} ms" for k, v in out.items() if isinstance(v, dict))
+        + f"; errors {errors}",
+        flush=True,
+    )
     return out
 
 
@@ -255,17 +280,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workload = episodes_of(travelplanner_dir)
     url = world_url(args.db, travelplanner_dir)
     with tempfile.TemporaryDirectory(prefix="star-episodes-bench-") as tmp, redis_url() as redis:
-        reward = ServiceProcess("reward", "services.reward.app:create_app",
-                                {"STAR_DB_URL": url, "STAR_LOG_LEVEL": "WARNING", "STAR_FORMATTER_LLM_URL": "",
-                                 "STAR_API_TOKEN": TOKEN}, Path(tmp)).start(timeout=180)
+        reward = ServiceProcess(
+            "reward",
+            "services.reward.app:create_app",
+            {"STAR_DB_URL": url, "STAR_LOG_LEVEL": "WARNING", "STAR_FORMATTER_LLM_URL": "", "STAR_API_TOKEN": TOKEN},
+            Path(tmp),
+        ).start(timeout=180)
         try:
-            with running_episode_server(url, redis, Path(tmp) / "episodes", travelplanner_dir=travelplanner_dir,
-                                        token=TOKEN, timeout=180) as server:
+            with running_episode_server(
+                url, redis, Path(tmp) / "episodes", travelplanner_dir=travelplanner_dir, token=TOKEN, timeout=180
+            ) as server:
                 results = {
-                    "score_baseline": phase("POST /score (reward service)", reward.url, TOKEN, args,
-                                            score_body(workload)),
-                    "tool_baseline": phase("POST /tools/call (sandbox)", server.sandbox_url, TOKEN, args,
-                                           tool_body(workload)),
+                    "score_baseline": phase(
+                        "POST /score (reward service)", reward.url, TOKEN, args, score_body(workload)
+                    ),
+                    "tool_baseline": phase(
+                        "POST /tools/call (sandbox)", server.sandbox_url, TOKEN, args, tool_body(workload)
+                    ),
                     "episodes": phase("episodes", server.url, TOKEN, args, episode_body(workload, args.tool_calls)),
                 }
         finally:
@@ -282,31 +313,41 @@ def write_markdown(data: dict[str, Any], path: Path) -> None:
             return f"| {name} | - | - | - | - |"
         return f"| {name} | {s['count']} | {s['per_s']} | {s['p50_ms']} | {s['p99_ms']} |"
 
-    lines = ["# Episode API load", "",
-             f"{meta['concurrency']} clients, each on one keep-alive connection, for {meta['seconds']} s per phase; "
-             f"every client runs whole episodes back to back: start a train query by id, {meta['tool_calls']} tool "
-             f"calls, finish with the gold plan (scored in both modes). One uvicorn worker per service, the "
-             f"load generator beside them. Baselines in the same run: the reward service's stateless `POST /score` "
-             f"of the same gold plans (one mode each; a finish scores two) and the sandbox's `POST /tools/call` of "
-             f"the same calls.", "",
-             f"Machine: {meta['machine']}, {meta['cpus']} CPUs; {meta['date']}; `{meta['command']}`; "
-             f"{meta['queries']} train queries.", "",
-             "| what | count | per s | p50 (ms) | p99 (ms) |", "|---|---:|---:|---:|---:|",
-             row("episodes (start → finish)", ep.get("episode")),
-             row("episode starts", ep.get("start")),
-             row("episode tool calls", ep.get("tool_call")),
-             row("episode finishes (both modes)", ep.get("finish")),
-             row("baseline: POST /score (one mode)", score.get("score")),
-             row("baseline: sandbox POST /tools/call", tools.get("tool_call")), "",
-             f"Errors (a reply that was not the expected success): episodes {ep['errors']}, /score {score['errors']}, "
-             f"tool calls {tools['errors']}. The machine's 1-minute load average after each phase (other jobs "
-             f"share its cores): /score {score.get('load_average_1m_after')}, tool calls "
-             f"{tools.get('load_average_1m_after')}, episodes {ep.get('load_average_1m_after')}."]
+    lines = [
+        "# Episode API load",
+        "",
+        f"{meta['concurrency']} clients, each on one keep-alive connection, for {meta['seconds']} s per phase; "
+        f"every client runs whole episodes back to back: start a train query by id, {meta['tool_calls']} tool "
+        f"calls, finish with the gold plan (scored in both modes). One uvicorn worker per service, the "
+        f"load generator beside them. Baselines in the same run: the reward service's stateless `POST /score` "
+        f"of the same gold plans (one mode each; a finish scores two) and the sandbox's `POST /tools/call` of "
+        f"the same calls.",
+        "",
+        f"Machine: {meta['machine']}, {meta['cpus']} CPUs; {meta['date']}; `{meta['command']}`; "
+        f"{meta['queries']} train queries.",
+        "",
+        "| what | count | per s | p50 (ms) | p99 (ms) |",
+        "|---|---:|---:|---:|---:|",
+        row("episodes (start → finish)", ep.get("episode")),
+        row("episode starts", ep.get("start")),
+        row("episode tool calls", ep.get("tool_call")),
+        row("episode finishes (both modes)", ep.get("finish")),
+        row("baseline: POST /score (one mode)", score.get("score")),
+        row("baseline: sandbox POST /tools/call", tools.get("tool_call")),
+        "",
+        f"Errors (a reply that was not the expected success): episodes {ep['errors']}, /score {score['errors']}, "
+        f"tool calls {tools['errors']}. The machine's 1-minute load average after each phase (other jobs "
+        f"share its cores): /score {score.get('load_average_1m_after')}, tool calls "
+        f"{tools.get('load_average_1m_after')}, episodes {ep.get('load_average_1m_after')}.",
+    ]
     if ep.get("tool_call") and tools.get("tool_call"):
-        lines += ["", f"A tool call inside an episode takes {ep['tool_call']['p50_ms']} ms at the median against "
-                      f"{tools['tool_call']['p50_ms']} ms straight to the sandbox (the episode's Redis script and "
-                      f"the extra hop); a finish {ep['finish']['p50_ms']} ms against {score['score']['p50_ms']} ms "
-                      f"for one /score (a finish scores both modes and stores the result once)."]
+        lines += [
+            "",
+            f"A tool call inside an episode takes {ep['tool_call']['p50_ms']} ms at the median against "
+            f"{tools['tool_call']['p50_ms']} ms straight to the sandbox (the episode's Redis script and "
+            f"the extra hop); a finish {ep['finish']['p50_ms']} ms against {score['score']['p50_ms']} ms "
+            f"for one /score (a finish scores both modes and stores the result once).",
+        ]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
@@ -320,17 +361,23 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "episodes.json")
     args = parser.parse_args()
     results = run(args)
-    meta = {"seconds": args.seconds, "concurrency": args.concurrency, "tool_calls": args.tool_calls,
-            "machine": f"{platform.node()} ({platform.processor() or platform.machine()})", "cpus": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": "bench/episodes.py " + " ".join(sys.argv[1:]),
-            "queries": len(train_records(args.data or get_settings().travelplanner_dir))}
+    meta = {
+        "seconds": args.seconds,
+        "concurrency": args.concurrency,
+        "tool_calls": args.tool_calls,
+        "machine": f"{platform.node()} ({platform.processor() or platform.machine()})",
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "bench/episodes.py " + " ".join(sys.argv[1:]),
+        "queries": len(train_records(args.data or get_settings().travelplanner_dir)),
+    }
     data = {"meta": meta, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     REPORTS.mkdir(parents=True, exist_ok=True)
-    write_markdown(data, REPORTS / args.out.with_suffix(".md").name if args.out.parent == RESULTS
-                   else args.out.with_suffix(".md"))
+    write_markdown(
+        data, REPORTS / args.out.with_suffix(".md").name if args.out.parent == RESULTS else args.out.with_suffix(".md")
+    )
     return 0 if all(r["errors"] == 0 for r in results.values()) else 1
 
 

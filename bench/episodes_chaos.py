@@ -35,8 +35,12 @@ from services.common.settings import get_settings  # noqa: E402
 from services.episodes.client import EpisodeClient, EpisodeError  # noqa: E402
 from tests.support.episode_plans import gold_plan, running_episode_server, train_records  # noqa: E402
 
-CALLS = [("SearchCity", {"state": "Texas"}), ("SearchAttraction", {"city": "Chicago"}),
-         ("SearchRestaurant", {"city": "Chicago"}), ("SearchAccommodation", {"city": "Chicago"})]
+CALLS = [
+    ("SearchCity", {"state": "Texas"}),
+    ("SearchAttraction", {"city": "Chicago"}),
+    ("SearchRestaurant", {"city": "Chicago"}),
+    ("SearchAccommodation", {"city": "Chicago"}),
+]
 
 
 def kill(server: Any, name: str) -> float:
@@ -60,8 +64,9 @@ def patient(call, until: float):
 class Player(threading.Thread):
     """One episode: start, tool calls, then two finishes at once."""
 
-    def __init__(self, server: Any, query_id: str, plan: list[dict], tool_calls: int, phase: dict[str, Any],
-                 deadline: float) -> None:
+    def __init__(
+        self, server: Any, query_id: str, plan: list[dict], tool_calls: int, phase: dict[str, Any], deadline: float
+    ) -> None:
         super().__init__(daemon=True)
         self.server, self.query_id, self.plan, self.tool_calls = server, query_id, plan, tool_calls
         self.phase, self.deadline = phase, deadline
@@ -75,8 +80,10 @@ class Player(threading.Thread):
     def run(self) -> None:
         try:
             with EpisodeClient(self.server.url, self.server.token, retries=0, timeout_s=60) as client:
-                self.episode_id = patient(lambda: client.start(query_id=self.query_id, split="train",
-                                                               max_tool_calls=self.tool_calls * 3), self.deadline).episode_id
+                self.episode_id = patient(
+                    lambda: client.start(query_id=self.query_id, split="train", max_tool_calls=self.tool_calls * 3),
+                    self.deadline,
+                ).episode_id
                 for i in range(self.tool_calls):
                     name, arguments = CALLS[i % len(CALLS)]
                     self._call_tool(client, name, arguments)
@@ -131,8 +138,10 @@ def scoring_now(redis_client: Any, server: Any, until: float) -> int:
 def one_round(server: Any, redis_client: Any, n: int, tool_calls: int, records: list[dict]) -> dict[str, Any]:
     phase = {"ready": threading.Event()}
     deadline = time.monotonic() + 300
-    players = [Player(server, str(i % len(records) + 1), gold_plan(records[i % len(records)]), tool_calls, phase,
-                      deadline) for i in range(n)]
+    players = [
+        Player(server, str(i % len(records) + 1), gold_plan(records[i % len(records)]), tool_calls, phase, deadline)
+        for i in range(n)
+    ]
     events = []
     for p in players:
         p.start()
@@ -155,9 +164,14 @@ def one_round(server: Any, redis_client: Any, n: int, tool_calls: int, records: 
     rows = []
     with EpisodeClient(server.url, server.token) as client:
         for p in players:
-            row: dict[str, Any] = {"episode": p.episode_id, "error": p.error, "replies": len(p.replies),
-                                   "answered_calls": p.answered_calls, "cut_calls": p.cut_calls,
-                                   "unavailable_calls": p.unavailable_calls}
+            row: dict[str, Any] = {
+                "episode": p.episode_id,
+                "error": p.error,
+                "replies": len(p.replies),
+                "answered_calls": p.answered_calls,
+                "cut_calls": p.cut_calls,
+                "unavailable_calls": p.unavailable_calls,
+            }
             if p.episode_id:
                 row.update(ledger(redis_client, server, p.episode_id))
                 state = client.state(p.episode_id).model_dump(mode="json")
@@ -175,12 +189,20 @@ def verdict(rows: list[dict[str, Any]], tool_calls: int) -> dict[str, Any]:
     differing = sum(not r.get("same_result") for r in rows)
     overcounted = sum(int(r.get("used", 0)) > tool_calls + r["cut_calls"] for r in rows)
     undercounted = sum(int(r.get("used", 0)) < tool_calls for r in rows)
-    return {"episodes": len(rows), "finished": finished, "scored_twice": scored_twice, "never_scored": never_scored,
-            "lapsed_claims": lapsed, "differing_replies": differing, "calls_overcounted": overcounted,
-            "calls_undercounted": undercounted, "calls_503_while_sandbox_away": sum(r["unavailable_calls"] for r in rows),
-            "errors": [r["error"] for r in rows if r["error"]][:5],
-            "passed": finished == len(rows) and scored_twice == never_scored == differing == overcounted ==
-            undercounted == 0}
+    return {
+        "episodes": len(rows),
+        "finished": finished,
+        "scored_twice": scored_twice,
+        "never_scored": never_scored,
+        "lapsed_claims": lapsed,
+        "differing_replies": differing,
+        "calls_overcounted": overcounted,
+        "calls_undercounted": undercounted,
+        "calls_503_while_sandbox_away": sum(r["unavailable_calls"] for r in rows),
+        "errors": [r["error"] for r in rows if r["error"]][:5],
+        "passed": finished == len(rows)
+        and scored_twice == never_scored == differing == overcounted == undercounted == 0,
+    }
 
 
 def chaos_episodes(episodes: int = 24, kills: int = 2, tool_calls: int = 6, db: str | None = None) -> dict[str, Any]:
@@ -201,8 +223,9 @@ def chaos_episodes(episodes: int = 24, kills: int = 2, tool_calls: int = 6, db: 
             embedded = EmbeddedRedis().start()
             redis_url = embedded.url
         try:
-            with running_episode_server(url, redis_url, Path(tmp) / "servers", travelplanner_dir=data,
-                                        timeout=180) as server:
+            with running_episode_server(
+                url, redis_url, Path(tmp) / "servers", travelplanner_dir=data, timeout=180
+            ) as server:
                 client = redis.Redis.from_url(redis_url)
                 rounds = []
                 for k in range(kills):
@@ -213,9 +236,14 @@ def chaos_episodes(episodes: int = 24, kills: int = 2, tool_calls: int = 6, db: 
             if embedded is not None:
                 embedded.stop()
     rows = [r for rnd in rounds for r in rnd["episodes"]]
-    return {"kills": {"sandbox": kills, "episodes": kills}, "episodes_per_round": episodes, "tool_calls": tool_calls,
-            **verdict(rows, tool_calls), "events": [e for rnd in rounds for e in rnd["events"]],
-            "rewards": sorted({r.get("reward") for r in rows if r.get("reward") is not None})}
+    return {
+        "kills": {"sandbox": kills, "episodes": kills},
+        "episodes_per_round": episodes,
+        "tool_calls": tool_calls,
+        **verdict(rows, tool_calls),
+        "events": [e for rnd in rounds for e in rnd["events"]],
+        "rewards": sorted({r.get("reward") for r in rows if r.get("reward") is not None}),
+    }
 
 
 if __name__ == "__main__":

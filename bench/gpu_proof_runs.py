@@ -52,7 +52,9 @@ def archive_from_history() -> bytes:
     """The newest archive in history: the one in the tree before the last commit that removed it."""
     removed = _git("log", "-1", "--format=%H", "--diff-filter=D", "--", ARCHIVE_PATH).decode().strip()
     if not removed:
-        raise SystemExit(f"{ARCHIVE_PATH} is neither in the tree nor removed in this clone's history (a shallow clone?)")
+        raise SystemExit(
+            f"{ARCHIVE_PATH} is neither in the tree nor removed in this clone's history (a shallow clone?)"
+        )
     return _git("show", f"{removed}^:{ARCHIVE_PATH}")
 
 
@@ -86,7 +88,7 @@ def run_folder(run: str) -> Path:
     with tarfile.open(archive()) as tar:
         members = [m for m in tar.getmembers() if m.isfile() and m.name.startswith(prefix)]
         for m in members:
-            m.name = m.name[len(prefix):]
+            m.name = m.name[len(prefix) :]
         tar.extractall(out, members=members, filter="data")
     return out
 
@@ -113,15 +115,24 @@ def summarize(run: str) -> dict[str, Any]:
     sync = read_steps(sync_file) if sync_file.is_file() else []  # runs that skipped the baseline
     asyn = read_steps(folder / "gpu_proof_rl_async.jsonl")
     s, a = seconds_per_step(sync), seconds_per_step(asyn)
-    return {"run": run, "sync_steps": len(sync), "async_steps": len(asyn), "sync_s": s, "async_s": a,
-            "speedup": s / a if s and a else None, "sync": sync, "async": asyn,
-            "restated": restated_by_step(folder / "gpu_proof_rl_samples.jsonl.gz")}
+    return {
+        "run": run,
+        "sync_steps": len(sync),
+        "async_steps": len(asyn),
+        "sync_s": s,
+        "async_s": a,
+        "speedup": s / a if s and a else None,
+        "sync": sync,
+        "async": asyn,
+        "restated": restated_by_step(folder / "gpu_proof_rl_samples.jsonl.gz"),
+    }
 
 
 def describe(r: dict[str, Any]) -> str:
     def per_step(mode: str) -> str:
         sec = r[f"{mode}_s"]
         return f"{mode} {sec:.1f} s/step ({r[f'{mode}_steps']} steps)" if sec else f"{mode}: none"
+
     speedup = f"speed-up {r['speedup']:.2f}×" if r["speedup"] else "no speed-up (one mode only)"
     return f"run {r['run']}: {per_step('sync')}, {per_step('async')}, {speedup}"
 
@@ -186,11 +197,18 @@ def plot_learning(runs: list[dict[str, Any]], out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="*", help="run numbers, as in bench/results/runs/gpu_proof/run{N}/")
-    ap.add_argument("--restore-archive", action="store_true",
-                    help=f"write the runs' archive from history back to {ARCHIVE_PATH} and stop")
+    ap.add_argument(
+        "--restore-archive",
+        action="store_true",
+        help=f"write the runs' archive from history back to {ARCHIVE_PATH} and stop",
+    )
     ap.add_argument("--out", type=Path, default=None, help="PNG of the per-step wall times")
-    ap.add_argument("--learning", type=Path, default=None,
-                    help="PNG of the per-step training success, grad norm, entropy and restated preferences")
+    ap.add_argument(
+        "--learning",
+        type=Path,
+        default=None,
+        help="PNG of the per-step training success, grad norm, entropy and restated preferences",
+    )
     args = ap.parse_args()
     if args.restore_archive:
         print(f"restored: {restore_archive()}")

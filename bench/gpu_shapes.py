@@ -12,16 +12,51 @@ from pathlib import Path
 
 SHAPES = {
     # SmolLM2-135M-Instruct (the proof's model)
-    "smollm": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                   num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True),
-    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
-    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                 num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
-    "7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-               num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
-    "tiny": dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True),
+    "smollm": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+    ),
+    "0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "1.5b": dict(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "7b": dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
+    "tiny": dict(
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    ),
 }
 STOP_TOKENS = ("<|endoftext|>", "<|im_end|>")  # ids 0 and 1 of the stand-in vocabulary
 
@@ -29,8 +64,14 @@ STOP_TOKENS = ("<|endoftext|>", "<|im_end|>")  # ids 0 and 1 of the stand-in voc
 def qwen2_config(shape: str, max_positions: int = 32768):
     from transformers import Qwen2Config
 
-    return Qwen2Config(max_position_embeddings=max_positions, rope_theta=1_000_000.0, torch_dtype="bfloat16",
-                       bos_token_id=0, eos_token_id=0, **SHAPES[shape])
+    return Qwen2Config(
+        max_position_embeddings=max_positions,
+        rope_theta=1_000_000.0,
+        torch_dtype="bfloat16",
+        bos_token_id=0,
+        eos_token_id=0,
+        **SHAPES[shape],
+    )
 
 
 def shape_params(shape: str) -> int:
@@ -43,8 +84,9 @@ def shape_params(shape: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def model_folder(folder: str | Path, shape: str, *, seed: int = 0, device: str | None = None,
-                 max_positions: int = 32768) -> Path:
+def model_folder(
+    folder: str | Path, shape: str, *, seed: int = 0, device: str | None = None, max_positions: int = 32768
+) -> Path:
     """Build (once) a random `shape` Qwen2 model in bf16 at `folder`; returns the folder."""
     import torch
     from transformers import Qwen2ForCausalLM
@@ -76,6 +118,7 @@ def save_stop_tokenizer(folder: Path) -> None:
     vocab = {t: i for i, t in enumerate(STOP_TOKENS)} | {"<unk>": 2}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", unk_token="<unk>",
-                                   pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", unk_token="<unk>", pad_token="<|endoftext|>"
+    )
     fast.save_pretrained(folder)

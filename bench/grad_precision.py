@@ -55,18 +55,35 @@ def accumulate(args: argparse.Namespace, config: str, out: Path) -> None:
     from services.learner.engine import PolicyEngine
     from services.models import tiny_qwen2
 
-    cfg = EngineConfig(zero_stage=3, precision="bf16", micro_batch_tokens=args.tokens, logprob_chunk_tokens=args.tokens,
-                       **CONFIGS[config])
-    engine = PolicyEngine(tiny_qwen2(tokenizer="travel", hidden=args.hidden, layers=args.layers), cfg,
-                          ScheduleConfig(lr=1e-5), total_steps=10)
+    cfg = EngineConfig(
+        zero_stage=3,
+        precision="bf16",
+        micro_batch_tokens=args.tokens,
+        logprob_chunk_tokens=args.tokens,
+        **CONFIGS[config],
+    )
+    engine = PolicyEngine(
+        tiny_qwen2(tokenizer="travel", hidden=args.hidden, layers=args.layers),
+        cfg,
+        ScheduleConfig(lr=1e-5),
+        total_steps=10,
+    )
     vocab = engine.lm_config.vocab_size
     for k in range(args.micro_batches):
         g = torch.Generator().manual_seed(1000 * k + engine.rank)
         ids = torch.randint(0, vocab, (args.tokens + 1,), generator=g)
         n = args.tokens
         zeros = torch.zeros(n)
-        row = PackedRow(input_ids=ids[:-1], position_ids=torch.arange(n), targets=ids[1:], mask=zeros + 1,
-                        old_logp=zeros, has_old=zeros.bool(), advantages=zeros, seq_index=torch.zeros(n, dtype=torch.long))
+        row = PackedRow(
+            input_ids=ids[:-1],
+            position_ids=torch.arange(n),
+            targets=ids[1:],
+            mask=zeros + 1,
+            old_logp=zeros,
+            has_old=zeros.bool(),
+            advantages=zeros,
+            seq_index=torch.zeros(n, dtype=torch.long),
+        )
         logp, _ = engine.logprobs(row, grad=True, with_entropy=False)
         engine.backward(-logp.float().sum() / (n * args.micro_batches))
     grads = {}
@@ -89,9 +106,12 @@ def compare(ref: dict, other: dict) -> dict:
         big = g_ref.abs() > 1e-3 * g_ref.abs().max()  # elements that carry the gradient
         over += int(((diff.abs() > 0.01 * g_ref.abs()) & big).sum())
         total += int(big.sum())
-    return {"relative_error": (num / den) ** 0.5 if den else None,
-            "elements_over_1pct": over / total if total else None, "elements": total,
-            "max_abs_grad": float(max(g.abs().max() for g in ref.values()).item()) if ref else None}
+    return {
+        "relative_error": (num / den) ** 0.5 if den else None,
+        "elements_over_1pct": over / total if total else None,
+        "elements": total,
+        "max_abs_grad": float(max(g.abs().max() for g in ref.values()).item()) if ref else None,
+    }
 
 
 def main() -> None:
@@ -119,12 +139,30 @@ def main() -> None:
     grads, seconds = {}, {}
     for k, config in enumerate(CONFIGS):
         out = work / f"{k}.pt"
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}",
-               f"--master_port={free_port()}", __file__, "--config", config, "--out", str(out),
-               "--micro-batches", str(args.micro_batches), "--tokens", str(args.tokens),
-               "--hidden", str(args.hidden), "--layers", str(args.layers)]
-        print(f"[{time.strftime('%H:%M:%S')}] {config}: {args.ranks} ranks × {args.micro_batches} micro-batches",
-              flush=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={args.ranks}",
+            f"--master_port={free_port()}",
+            __file__,
+            "--config",
+            config,
+            "--out",
+            str(out),
+            "--micro-batches",
+            str(args.micro_batches),
+            "--tokens",
+            str(args.tokens),
+            "--hidden",
+            str(args.hidden),
+            "--layers",
+            str(args.layers),
+        ]
+        print(
+            f"[{time.strftime('%H:%M:%S')}] {config}: {args.ranks} ranks × {args.micro_batches} micro-batches",
+            flush=True,
+        )
         t0 = time.perf_counter()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         run = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -133,22 +171,36 @@ def main() -> None:
         seconds[config] = round(time.perf_counter() - t0, 1)
         grads[config] = torch.load(out)
     rows = {c: {**compare(grads[REFERENCE], grads[c]), "seconds": seconds[c]} for c in CONFIGS}
-    record = {"bench": "grad_precision", "ranks": args.ranks, "micro_batches": args.micro_batches,
-              "tokens_per_micro_batch": args.tokens, "model": f"tiny Qwen2, hidden {args.hidden}, {args.layers} layers",
-              "zero_stage": 3, "weights": "bf16", "reference": REFERENCE, "configs": rows, "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    record = {
+        "bench": "grad_precision",
+        "ranks": args.ranks,
+        "micro_batches": args.micro_batches,
+        "tokens_per_micro_batch": args.tokens,
+        "model": f"tiny Qwen2, hidden {args.hidden}, {args.layers} layers",
+        "zero_stage": 3,
+        "weights": "bf16",
+        "reference": REFERENCE,
+        "configs": rows,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
     (results / f"{args.name}.json").write_text(json.dumps(record, indent=1) + "\n")
-    lines = [f"# Gradient precision of the learner's reduction and accumulation ({args.name})", "",
-             f"DeepSpeed ZeRO-3, bf16 weights, {args.ranks} ranks over gloo (CPU), {args.micro_batches} micro-batches of "
-             f"{args.tokens} tokens a rank, {record['model']}; the accumulated gradient before the optimizer step "
-             f"against `{REFERENCE}` (`bench/grad_precision.py`).", "",
-             "| configuration | relative error of the gradient | elements off by more than 1 % |", "|---|---|---|"]
+    lines = [
+        f"# Gradient precision of the learner's reduction and accumulation ({args.name})",
+        "",
+        f"DeepSpeed ZeRO-3, bf16 weights, {args.ranks} ranks over gloo (CPU), {args.micro_batches} micro-batches of "
+        f"{args.tokens} tokens a rank, {record['model']}; the accumulated gradient before the optimizer step "
+        f"against `{REFERENCE}` (`bench/grad_precision.py`).",
+        "",
+        "| configuration | relative error of the gradient | elements off by more than 1 % |",
+        "|---|---|---|",
+    ]
     for config, r in rows.items():
         lines.append(f"| {config} | {r['relative_error']:.2e} | {100 * r['elements_over_1pct']:.2f} % |")
     (results / f"{args.name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[-len(rows) - 2:]))
+    print("\n".join(lines[-len(rows) - 2 :]))
 
 
 if __name__ == "__main__":

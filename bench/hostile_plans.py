@@ -22,8 +22,13 @@ sys.path.insert(0, str(ROOT))
 
 from services.common.schemas import TravelQuery  # noqa: E402
 from services.common.settings import get_settings  # noqa: E402
-from services.reward.evaluator import Evaluator  # noqa: E402
-from services.reward.evaluator import commonsense, cost, hard, parsing  # noqa: E402
+from services.reward.evaluator import (  # noqa: E402
+    Evaluator,  # noqa: E402
+    commonsense,
+    cost,
+    hard,
+    parsing,
+)
 from services.sandbox.world import World  # noqa: E402
 from services.sandbox.world.build import build_official_world  # noqa: E402
 
@@ -39,6 +44,7 @@ PATTERNS = {
 
 def regex_parsers():
     """The official regexes, as the evaluator used them before the linear parsers."""
+
     def before_paren(text):
         m = parsing._BEFORE_PAREN.search(text)
         return m.group(1) if m else text
@@ -98,22 +104,31 @@ def main() -> int:
                     row[f"{impl}_{mode}_s"] = round(time.perf_counter() - started, 4)
             use(linear)
             rows.append(row)
-            print(f"{label:22} {size / 1024:6.1f} KB  regex official {row['regex_official_s']:.3f} s  "
-                  f"linear official {row['linear_official_s']:.4f} s  strict {row['regex_strict_s']:.3f} -> "
-                  f"{row['linear_strict_s']:.4f} s", flush=True)
+            print(
+                f"{label:22} {size / 1024:6.1f} KB  regex official {row['regex_official_s']:.3f} s  "
+                f"linear official {row['linear_official_s']:.4f} s  strict {row['regex_strict_s']:.3f} -> "
+                f"{row['linear_strict_s']:.4f} s",
+                flush=True,
+            )
         world.close()
     out = ROOT / "bench" / "results" / "hostile_plans.json"
     out.write_text(json.dumps({"query_days": 7, "field_chars": FIELD, "rows": rows}, indent=2) + "\n")
-    lines = ["# Hostile plans: linear-time parsers against the official regexes", "",
-             f"7-day plans whose every field is the same {FIELD}-character text (the evaluator's limit), "
-             "built to make the official regexes backtrack; each scored once by a fresh evaluator "
-             "(no memoised parse), in both modes. Baseline: the official regexes, same run, same plans. The strict "
-             "mode reads the plan with its own parsers (linear in both columns; its regexes are not swapped).", "",
-             "| pattern | plan KB | regex official (s) | linear official (s) | regex strict (s) | linear strict (s) |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "# Hostile plans: linear-time parsers against the official regexes",
+        "",
+        f"7-day plans whose every field is the same {FIELD}-character text (the evaluator's limit), "
+        "built to make the official regexes backtrack; each scored once by a fresh evaluator "
+        "(no memoised parse), in both modes. Baseline: the official regexes, same run, same plans. The strict "
+        "mode reads the plan with its own parsers (linear in both columns; its regexes are not swapped).",
+        "",
+        "| pattern | plan KB | regex official (s) | linear official (s) | regex strict (s) | linear strict (s) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['pattern']} | {r['plan_bytes'] / 1024:.1f} | {r['regex_official_s']:.3f} | "
-                     f"{r['linear_official_s']:.4f} | {r['regex_strict_s']:.3f} | {r['linear_strict_s']:.4f} |")
+        lines.append(
+            f"| {r['pattern']} | {r['plan_bytes'] / 1024:.1f} | {r['regex_official_s']:.3f} | "
+            f"{r['linear_official_s']:.4f} | {r['regex_strict_s']:.3f} | {r['linear_strict_s']:.4f} |"
+        )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return 0
 

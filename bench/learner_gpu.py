@@ -42,13 +42,21 @@ import torch  # noqa: E402
 
 SIZES = {
     # Qwen2.5-0.5B's shape: 494 M parameters with the tied 151,936-token embedding.
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2),
+    "0.5b": dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2
+    ),
     # SmolLM2-135M's shape (its own 49,152-token vocabulary): the policy of the GPU learning proof.
-    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                 num_key_value_heads=3, vocab_size=49152),
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1),
+    "135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+    ),
+    "tiny": dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+    ),
 }
 
 
@@ -60,8 +68,14 @@ def build_model(size: str, folder: Path, seq: int) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     shape = {"vocab_size": 151936, **SIZES[size]}
-    config = Qwen2Config(max_position_embeddings=max(32768, seq), tie_word_embeddings=True,
-                         rope_theta=1_000_000.0, bos_token_id=0, eos_token_id=1, **shape)
+    config = Qwen2Config(
+        max_position_embeddings=max(32768, seq),
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+        bos_token_id=0,
+        eos_token_id=1,
+        **shape,
+    )
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
@@ -99,10 +113,10 @@ def parse_sdpa(spec: str) -> list[str] | None:
 
 @dataclass(frozen=True)
 class Variant:
-    sdpa: str            # SDPA kernel order ('default' or e.g. 'cudnn+flash')
-    micro_rows: int      # packed rows per forward/backward
-    bucket_m: float      # ZeRO reduce / all-gather bucket, millions of elements
-    pad: int = 1         # each pass's length rounded up to a multiple of this
+    sdpa: str  # SDPA kernel order ('default' or e.g. 'cudnn+flash')
+    micro_rows: int  # packed rows per forward/backward
+    bucket_m: float  # ZeRO reduce / all-gather bucket, millions of elements
+    pad: int = 1  # each pass's length rounded up to a multiple of this
 
     @property
     def label(self) -> str:
@@ -111,9 +125,15 @@ class Variant:
 
 
 def variants(args) -> list[Variant]:
-    return [Variant(sdpa, int(rows), float(bucket), int(pad)) for sdpa, rows, bucket, pad in itertools.product(
-        args.sdpa_variants.split(","), args.micro_rows.split(","), args.reduce_bucket_m.split(","),
-        args.pad_multiple.split(","))]
+    return [
+        Variant(sdpa, int(rows), float(bucket), int(pad))
+        for sdpa, rows, bucket, pad in itertools.product(
+            args.sdpa_variants.split(","),
+            args.micro_rows.split(","),
+            args.reduce_bucket_m.split(","),
+            args.pad_multiple.split(","),
+        )
+    ]
 
 
 def is_oom(e: BaseException) -> bool:
@@ -140,16 +160,28 @@ def bench_engine(args, model_dir: Path, variant: Variant, profile: bool = False)
     from services.learner.engine import PolicyEngine
 
     bucket = int(variant.bucket_m * 1e6)
-    cfg = EngineConfig(zero_stage=args.zero, precision="auto", gradient_checkpointing=args.grad_ckpt,
-                       micro_batch_tokens=args.seq, micro_batch_rows=variant.micro_rows, pad_to_multiple=variant.pad,
-                       logprob_chunk_tokens=args.chunk, head_kernels=args.head_kernels, attn_implementation="sdpa",
-                       compile_layers=args.compile, sdpa_backends=parse_sdpa(variant.sdpa),
-                       reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+    cfg = EngineConfig(
+        zero_stage=args.zero,
+        precision="auto",
+        gradient_checkpointing=args.grad_ckpt,
+        micro_batch_tokens=args.seq,
+        micro_batch_rows=variant.micro_rows,
+        pad_to_multiple=variant.pad,
+        logprob_chunk_tokens=args.chunk,
+        head_kernels=args.head_kernels,
+        attn_implementation="sdpa",
+        compile_layers=args.compile,
+        sdpa_backends=parse_sdpa(variant.sdpa),
+        reduce_bucket_size=bucket,
+        allgather_bucket_size=bucket,
+    )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     engine = PolicyEngine(model_dir, cfg, ScheduleConfig(lr=2e-6), total_steps=100)
-    log(f"engine up ({variant.label}): {engine.num_parameters() / 1e6:.1f} M params, bf16={engine.bf16}, "
-        f"zero={args.zero}")
+    log(
+        f"engine up ({variant.label}): {engine.num_parameters() / 1e6:.1f} M params, bf16={engine.bf16}, "
+        f"zero={args.zero}"
+    )
     try:
         result = measure_engine(args, engine, variant, profile)
     except BaseException:
@@ -165,15 +197,18 @@ def measure_engine(args, engine, variant: Variant, profile: bool) -> dict:
     for k in range(args.warmup + args.steps):
         seqs = sequences(args.rows, args.seq, seed=k, seq_min=args.seq_min, vocab=engine.lm_config.vocab_size)
         m = rl_step(engine, seqs, eps_low=0.2, eps_high=0.28).metrics
-        log(f"rl step {k} ({variant.label}): {m['time_compute_s']:.3f} s, {m['tokens_per_s']:.0f} tok/s, "
+        log(
+            f"rl step {k} ({variant.label}): {m['time_compute_s']:.3f} s, {m['tokens_per_s']:.0f} tok/s, "
             f"mfu {m.get('mfu', float('nan')):.3f} (causal half {m.get('mfu_causal_half', float('nan')):.3f}), "
-            f"loss {m['loss']:.4f}, clip {m['clip_fraction']:.3f}")
+            f"loss {m['loss']:.4f}, clip {m['clip_fraction']:.3f}"
+        )
         if k >= args.warmup:
             steps.append(m)
     peak_mem = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     kernels = profile_step(engine, args) if profile else None
     return {
-        **asdict(variant), "label": variant.label,
+        **asdict(variant),
+        "label": variant.label,
         "kernels": kernels,
         "params_m": engine.num_parameters() / 1e6,
         "tokens_per_step": median(steps, "tokens"),
@@ -183,8 +218,9 @@ def measure_engine(args, engine, variant: Variant, profile: bool) -> dict:
         "mfu": median(steps, "mfu"),
         "mfu_causal_half": median(steps, "mfu_causal_half"),
         "peak_memory_gib": peak_mem,
-        "steps": [{k: s[k] for k in ("time_compute_s", "tokens_per_s", "loss", "clip_fraction", "grad_norm")}
-                  for s in steps],
+        "steps": [
+            {k: s[k] for k in ("time_compute_s", "tokens_per_s", "loss", "clip_fraction", "grad_norm")} for s in steps
+        ],
     }
 
 
@@ -213,8 +249,11 @@ def profile_step(engine, args) -> dict:
         rl_step(engine, batch, eps_low=0.2, eps_high=0.28)
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    rows = [(e.key, e.device_time_total / 1e6, e.count) for e in prof.key_averages()
-            if getattr(e, "device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
+    rows = [
+        (e.key, e.device_time_total / 1e6, e.count)
+        for e in prof.key_averages()
+        if getattr(e, "device_time_total", 0) > 0 and e.device_type.name == "CUDA"
+    ]
     total = sum(t for _, t, _ in rows)
     kinds: dict[str, float] = {}
     for name, t, _ in rows:
@@ -222,8 +261,12 @@ def profile_step(engine, args) -> dict:
         kind = next((k for k, keys in KERNEL_KINDS if any(x in low for x in keys)), "other")
         kinds[kind] = kinds.get(kind, 0.0) + t
     top = sorted(rows, key=lambda r: -r[1])[:15]
-    return {"wall_s": wall, "gpu_busy_s": total, "by_kind_s": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-            "top": [{"kernel": n[:120], "s": t, "calls": c} for n, t, c in top]}
+    return {
+        "wall_s": wall,
+        "gpu_busy_s": total,
+        "by_kind_s": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        "top": [{"kernel": n[:120], "s": t, "calls": c} for n, t, c in top],
+    }
 
 
 def bench_baseline(args, model_dir: Path, micro_rows: int) -> dict:
@@ -253,11 +296,12 @@ def bench_baseline(args, model_dir: Path, micro_rows: int) -> dict:
         if on_gpu:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        groups = [batch[i: i + micro_rows] for i in range(0, len(batch), micro_rows)]
+        groups = [batch[i : i + micro_rows] for i in range(0, len(batch), micro_rows)]
         for group in groups:  # every sequence is args.seq long: no padding
             ids = torch.tensor([s.token_ids for s in group], device=device)
-            labels = torch.tensor([[t if m else -100 for t, m in zip(s.token_ids, s.loss_mask)] for s in group],
-                                  device=device)
+            labels = torch.tensor(
+                [[t if m else -100 for t, m in zip(s.token_ids, s.loss_mask)] for s in group], device=device
+            )
             with torch.autocast(device, dtype=torch.bfloat16, enabled=on_gpu):
                 loss = model(input_ids=ids, labels=labels).loss / len(groups)
             loss.backward()
@@ -275,10 +319,15 @@ def bench_baseline(args, model_dir: Path, micro_rows: int) -> dict:
     flops = train_flops(n_params, layers, attn_width, seq_lens)
     half = train_flops(n_params, layers, attn_width, seq_lens, causal_half=True)
     peak = peak_flops()
-    return {"micro_rows": micro_rows, "step_s_median": step_s, "tokens_per_s": args.rows * args.seq / step_s,
-            "tflops_per_s": flops / step_s / 1e12, "mfu": flops / step_s / peak if peak else None,
-            "mfu_causal_half": half / step_s / peak if peak else None,
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None}
+    return {
+        "micro_rows": micro_rows,
+        "step_s_median": step_s,
+        "tokens_per_s": args.rows * args.seq / step_s,
+        "tflops_per_s": flops / step_s / 1e12,
+        "mfu": flops / step_s / peak if peak else None,
+        "mfu_causal_half": half / step_s / peak if peak else None,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
+    }
 
 
 def bench_weights(args, engine, model_dir: Path) -> dict:
@@ -296,8 +345,12 @@ def bench_weights(args, engine, model_dir: Path) -> dict:
     rounds = []
     for v in range(1, args.publish_rounds + 1):
         t0 = time.perf_counter()
-        res = publisher.publish(v, engine.iter_weight_buckets(bucket_bytes=args.bucket_mb * 2**20, dtype=dtype),
-                                config=engine.lm_config, source_dir=model_dir)
+        res = publisher.publish(
+            v,
+            engine.iter_weight_buckets(bucket_bytes=args.bucket_mb * 2**20, dtype=dtype),
+            config=engine.lm_config,
+            source_dir=model_dir,
+        )
         publish_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         load_into(live, Path(res.update.uri), sha256=res.update.sha256, verify=True)
@@ -309,18 +362,36 @@ def bench_weights(args, engine, model_dir: Path) -> dict:
         if on_gpu:
             torch.cuda.synchronize()
         reload_noverify_s = time.perf_counter() - t2
-        same = all(torch.equal(p.detach().to(dtype).cpu(), q.detach().cpu()) for (_, p), (_, q) in
-                   zip(sorted(engine.hf_model.named_parameters()), sorted(live.named_parameters())) if p.shape == q.shape)
-        r = {"version": v, "gather_s": res.gather_s, "write_s": res.write_s, "publish_s": publish_s,
-             "reload_verified_s": reload_s, "reload_manifest_only_s": reload_noverify_s,
-             "publish_plus_reload_s": publish_s + reload_s, "bytes": res.bytes, "weights_equal": same}
-        log(f"publish v{v}: gather {res.gather_s:.3f} s, write {res.write_s:.3f} s, reload {reload_s:.3f} s "
-            f"(no file hashes {reload_noverify_s:.3f} s), {res.bytes / 2**20:.0f} MiB, equal={same}")
+        same = all(
+            torch.equal(p.detach().to(dtype).cpu(), q.detach().cpu())
+            for (_, p), (_, q) in zip(sorted(engine.hf_model.named_parameters()), sorted(live.named_parameters()))
+            if p.shape == q.shape
+        )
+        r = {
+            "version": v,
+            "gather_s": res.gather_s,
+            "write_s": res.write_s,
+            "publish_s": publish_s,
+            "reload_verified_s": reload_s,
+            "reload_manifest_only_s": reload_noverify_s,
+            "publish_plus_reload_s": publish_s + reload_s,
+            "bytes": res.bytes,
+            "weights_equal": same,
+        }
+        log(
+            f"publish v{v}: gather {res.gather_s:.3f} s, write {res.write_s:.3f} s, reload {reload_s:.3f} s "
+            f"(no file hashes {reload_noverify_s:.3f} s), {res.bytes / 2**20:.0f} MiB, equal={same}"
+        )
         rounds.append(r)
     shutil.rmtree(root, ignore_errors=True)
     keys = [k for k in rounds[0] if k.endswith("_s")]
-    return {"rounds": rounds, "median": {k: statistics.median(r[k] for r in rounds) for k in keys},
-            "bytes": rounds[0]["bytes"], "bucket_mb": args.bucket_mb, "dir": str(args.weights_dir)}
+    return {
+        "rounds": rounds,
+        "median": {k: statistics.median(r[k] for r in rounds) for k in keys},
+        "bytes": rounds[0]["bytes"],
+        "bucket_mb": args.bucket_mb,
+        "dir": str(args.weights_dir),
+    }
 
 
 def write_results(args, record: dict) -> None:
@@ -339,11 +410,14 @@ def write_results(args, record: dict) -> None:
     def row(label: str, r: dict) -> str:
         if "error" in r:
             return f"| {label} | {r['error'][:160]} | | | | | |"
-        return (f"| {label} | {r['tokens_per_s']:,.0f} | {r['tflops_per_s']:.1f} | {pct(r['mfu'])} | "
-                f"{pct(r['mfu_causal_half'])} | {r['step_s_median']:.3f} | {gib(r['peak_memory_gib'])} |")
+        return (
+            f"| {label} | {r['tokens_per_s']:,.0f} | {r['tflops_per_s']:.1f} | {pct(r['mfu'])} | "
+            f"{pct(r['mfu_causal_half'])} | {r['step_s_median']:.3f} | {gib(r['peak_memory_gib'])} |"
+        )
 
     lines = [
-        f"# Learner benchmark ({args.name})", "",
+        f"# Learner benchmark ({args.name})",
+        "",
         f"Device: {record['device']}; torch {record['torch']}, transformers {record['transformers']}, "
         f"deepspeed {record['deepspeed']}.",
         f"Model: Qwen2 architecture, {t['params_m']:.0f} M parameters (random init, size `{args.size}`); "
@@ -351,7 +425,8 @@ def write_results(args, record: dict) -> None:
         f"gradient checkpointing {'on' if args.grad_ckpt else 'off'}; fused logprob head in chunks of {args.chunk} tokens "
         f"({args.head_kernels} kernels); decoder layers "
         f"{'compiled (torch.compile, ours and the baseline)' if args.compile else 'eager'}; median of {args.steps} "
-        f"steps after {args.warmup} warm-up. Same run, same GPU for every row.", "",
+        f"steps after {args.warmup} warm-up. Same run, same GPU for every row.",
+        "",
         "| | tokens/s | TFLOP/s | MFU (PaLM) | MFU (causal ½) | step s | peak GiB |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -366,13 +441,20 @@ def write_results(args, record: dict) -> None:
     profiled = [v for v in record["variants"] if v.get("kernels")]
     if profiled:
         kinds = list(dict.fromkeys(k for v in profiled for k in v["kernels"]["by_kind_s"]))
-        lines += ["Where the GPU time of one profiled step goes, per variant (GPU seconds by kernel kind; the profiler "
-                  "slows the step, so read busy against wall only roughly):", "",
-                  "| variant | wall s | GPU busy s | " + " | ".join(kinds) + " |", "|---" * (3 + len(kinds)) + "|"]
+        lines += [
+            "Where the GPU time of one profiled step goes, per variant (GPU seconds by kernel kind; the profiler "
+            "slows the step, so read busy against wall only roughly):",
+            "",
+            "| variant | wall s | GPU busy s | " + " | ".join(kinds) + " |",
+            "|---" * (3 + len(kinds)) + "|",
+        ]
         for v in profiled:
             prof = v["kernels"]
-            lines.append(f"| {v['label']} | {prof['wall_s']:.3f} | {prof['gpu_busy_s']:.3f} | "
-                         + " | ".join(f"{prof['by_kind_s'].get(k, 0.0):.3f}" for k in kinds) + " |")
+            lines.append(
+                f"| {v['label']} | {prof['wall_s']:.3f} | {prof['gpu_busy_s']:.3f} | "
+                + " | ".join(f"{prof['by_kind_s'].get(k, 0.0):.3f}" for k in kinds)
+                + " |"
+            )
         lines.append("")
     prof = t.get("kernels") or {}
     if prof:
@@ -384,11 +466,15 @@ def write_results(args, record: dict) -> None:
         m = w["median"]
         lines += [
             f"Weight sync, store path ({w['bytes'] / 2**20:.0f} MiB bf16, buckets of {w['bucket_mb']} MiB, written "
-            f"under {w['dir']}; median of {args.publish_rounds}):", "",
+            f"under {w['dir']}; median of {args.publish_rounds}):",
+            "",
             "| gather | write (shards + manifest) | publish total | reload, hashes verified | reload, manifest only | "
-            "publish + reload |", "|---|---|---|---|---|---|",
+            "publish + reload |",
+            "|---|---|---|---|---|---|",
             f"| {m['gather_s']:.3f} s | {m['write_s']:.3f} s | {m['publish_s']:.3f} s | {m['reload_verified_s']:.3f} s "
-            f"| {m['reload_manifest_only_s']:.3f} s | {m['publish_plus_reload_s']:.3f} s |", ""]
+            f"| {m['reload_manifest_only_s']:.3f} s | {m['publish_plus_reload_s']:.3f} s |",
+            "",
+        ]
     lines += [
         "Targets (issue 5): MFU ≥ 40 %, publish + reload ≤ 1 s. MFU counts model FLOPs only (no recomputation) "
         "against the dense bf16 peak. MFU (PaLM) is the PaLM paper's definition (appendix B; also Megatron's and "
@@ -398,7 +484,10 @@ def write_results(args, record: dict) -> None:
     if record.get("nccl"):
         lines += ["", f"NCCL broadcast path: {record['nccl']}"]
     else:
-        lines += ["", "NCCL broadcast path: not timed here (it needs 2 GPUs; the code path is tested on CPU with gloo)."]
+        lines += [
+            "",
+            "NCCL broadcast path: not timed here (it needs 2 GPUs; the code path is tested on CPU with gloo).",
+        ]
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
 
 
@@ -443,15 +532,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="0.5b")
     p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--seq-min", type=int, default=None,
-                   help="draw each sequence's length from [seq-min, seq], new every step (default: all of --seq)")
+    p.add_argument(
+        "--seq-min",
+        type=int,
+        default=None,
+        help="draw each sequence's length from [seq-min, seq], new every step (default: all of --seq)",
+    )
     p.add_argument("--rows", type=int, default=8, help="sequences per optimizer step")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--zero", type=int, default=2)
     p.add_argument("--chunk", type=int, default=8192, help="tokens per logprob chunk")
-    p.add_argument("--head-kernels", choices=["auto", "compiled", "eager"], default="auto",
-                   help="the fused head's element-wise work (auto: compiled on GPU)")
+    p.add_argument(
+        "--head-kernels",
+        choices=["auto", "compiled", "eager"],
+        default="auto",
+        help="the fused head's element-wise work (auto: compiled on GPU)",
+    )
     p.add_argument("--grad-ckpt", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (ours and the baseline)")
     p.add_argument("--publish-rounds", type=int, default=3)
@@ -460,15 +557,24 @@ def main() -> None:
     p.add_argument("--weights-dir", default=tempfile.gettempdir())
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--skip-weights", action="store_true")
-    p.add_argument("--sdpa-variants", default="default",
-                   help="comma-separated SDPA priority lists to measure, e.g. default,cudnn+flash (best one is reported)")
-    p.add_argument("--micro-rows", default="1",
-                   help="comma-separated packed rows per forward/backward to measure, e.g. 1,2,4")
-    p.add_argument("--reduce-bucket-m", default="50",
-                   help="comma-separated ZeRO reduce / all-gather bucket sizes in millions of elements "
-                        "(DeepSpeed counts elements, not bytes; 50 is the engine's default)")
+    p.add_argument(
+        "--sdpa-variants",
+        default="default",
+        help="comma-separated SDPA priority lists to measure, e.g. default,cudnn+flash (best one is reported)",
+    )
+    p.add_argument(
+        "--micro-rows", default="1", help="comma-separated packed rows per forward/backward to measure, e.g. 1,2,4"
+    )
+    p.add_argument(
+        "--reduce-bucket-m",
+        default="50",
+        help="comma-separated ZeRO reduce / all-gather bucket sizes in millions of elements "
+        "(DeepSpeed counts elements, not bytes; 50 is the engine's default)",
+    )
     p.add_argument("--pad-multiple", default="1", help="comma list: round each pass's length up to a multiple")
-    p.add_argument("--profile", action="store_true", help="profile one extra step per variant (GPU time per kernel kind)")
+    p.add_argument(
+        "--profile", action="store_true", help="profile one extra step per variant (GPU time per kernel kind)"
+    )
     p.add_argument("--name", default="learner_gpu")
     args = p.parse_args()
     if args.seq_min and not args.skip_baseline:
@@ -490,16 +596,37 @@ def main() -> None:
     # The baseline stacks as many sequences per pass as our best variant, so the two compare like for like.
     baseline = {} if args.skip_baseline else run_baseline(args, model_dir, train["micro_rows"])
     weights = weights or {"median": {"publish_plus_reload_s": float("nan")}, "rounds": [], "bytes": 0}
-    record = {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
-              "deepspeed": deepspeed.__version__, "args": vars(args), "train": train, "variants": results,
-              "baseline": baseline, "weights": weights, "nccl": None,
-              "targets": {"mfu": 0.40, "publish_plus_reload_s": 1.0},
-              "met": {"mfu": (train["mfu"] or 0) >= 0.40,
-                      "publish_plus_reload_s": weights["median"]["publish_plus_reload_s"] <= 1.0}}
+    record = {
+        "device": device,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "deepspeed": deepspeed.__version__,
+        "args": vars(args),
+        "train": train,
+        "variants": results,
+        "baseline": baseline,
+        "weights": weights,
+        "nccl": None,
+        "targets": {"mfu": 0.40, "publish_plus_reload_s": 1.0},
+        "met": {
+            "mfu": (train["mfu"] or 0) >= 0.40,
+            "publish_plus_reload_s": weights["median"]["publish_plus_reload_s"] <= 1.0,
+        },
+    }
     write_results(args, record)
-    log(json.dumps({"train": {k: train[k] for k in ("label", "tokens_per_s", "mfu", "mfu_causal_half", "step_s_median",
-                                                    "peak_memory_gib")},
-                    "baseline": baseline, "weights": weights["median"]}, default=str))
+    log(
+        json.dumps(
+            {
+                "train": {
+                    k: train[k]
+                    for k in ("label", "tokens_per_s", "mfu", "mfu_causal_half", "step_s_median", "peak_memory_gib")
+                },
+                "baseline": baseline,
+                "weights": weights["median"],
+            },
+            default=str,
+        )
+    )
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -72,14 +72,17 @@ sys.path.insert(0, str(ROOT))
 
 from bench.gpu_shapes import SHAPES, qwen2_config  # noqa: E402
 
-
 RECOMPUTE = ("none", "mlp", "layers")
 # the memory options a side may name: RECOMPUTE (the auto order) and the lean activations (activation_memory lean,
 # alone or with each MLP recomputed)
 MEMORY_OPTIONS = (*RECOMPUTE, "lean", "lean+mlp")
 SIDES = ("ours", "liger", "plain")
 RECIPE_ROW_TOKENS = 32768  # configs/qwen2.5-{7b,1.5b}-*.yaml learner.micro_batch_tokens
-RECIPE_LENGTHS = {"mean": 10300, "min": 512, "max": 30000}  # tokens at RECIPE_ROW_TOKENS (bench/time_model.py, rl.sampling)
+RECIPE_LENGTHS = {
+    "mean": 10300,
+    "min": 512,
+    "max": 30000,
+}  # tokens at RECIPE_ROW_TOKENS (bench/time_model.py, rl.sampling)
 TARGETS = {"speedup_vs_liger_min": 1.15, "mfu_min": 0.5, "peak_gib_max": 80}
 
 
@@ -97,73 +100,150 @@ def _recompute_order(text: str) -> tuple[str, ...]:
     order = RECOMPUTE if text == "auto" else tuple(t.strip() for t in text.split(","))
     bad = [t for t in order if t not in MEMORY_OPTIONS]
     if bad or not order:
-        raise argparse.ArgumentTypeError(f"{text!r}: give auto or a comma-separated list of {', '.join(MEMORY_OPTIONS)}")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give auto or a comma-separated list of {', '.join(MEMORY_OPTIONS)}"
+        )
     return order
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
-    ap.add_argument("--rows", choices=["recipe", "single"], default="recipe",
-                    help="recipe: packed rows of trajectories drawn like the recipe's; single: one --seq row a rank")
+    ap.add_argument(
+        "--rows",
+        choices=["recipe", "single"],
+        default="recipe",
+        help="recipe: packed rows of trajectories drawn like the recipe's; single: one --seq row a rank",
+    )
     ap.add_argument("--seq", type=int, default=16384, help="--rows single: tokens per sequence, one sequence per rank")
-    ap.add_argument("--row-tokens", type=int, default=RECIPE_ROW_TOKENS,
-                    help="--rows recipe: a packed row's capacity (the recipes' micro_batch_tokens)")
+    ap.add_argument(
+        "--row-tokens",
+        type=int,
+        default=RECIPE_ROW_TOKENS,
+        help="--rows recipe: a packed row's capacity (the recipes' micro_batch_tokens)",
+    )
     ap.add_argument("--rows-per-rank", type=int, default=2, help="--rows recipe: packed rows a rank trains per step")
-    ap.add_argument("--length-mean", type=float, default=None,
-                    help=f"trajectory tokens, mean of the clipped log-normal (default {RECIPE_LENGTHS['mean']:,} "
-                         f"scaled by --row-tokens / {RECIPE_ROW_TOKENS:,})")
-    ap.add_argument("--length-min", type=int, default=None, help=f"shortest trajectory (default {RECIPE_LENGTHS['min']} scaled)")
-    ap.add_argument("--length-max", type=int, default=None, help=f"longest trajectory (default {RECIPE_LENGTHS['max']:,} scaled)")
+    ap.add_argument(
+        "--length-mean",
+        type=float,
+        default=None,
+        help=f"trajectory tokens, mean of the clipped log-normal (default {RECIPE_LENGTHS['mean']:,} "
+        f"scaled by --row-tokens / {RECIPE_ROW_TOKENS:,})",
+    )
+    ap.add_argument(
+        "--length-min", type=int, default=None, help=f"shortest trajectory (default {RECIPE_LENGTHS['min']} scaled)"
+    )
+    ap.add_argument(
+        "--length-max", type=int, default=None, help=f"longest trajectory (default {RECIPE_LENGTHS['max']:,} scaled)"
+    )
     ap.add_argument("--length-sigma", type=float, default=0.6, help="the log-normal's sigma (spread of log length)")
-    ap.add_argument("--sides", type=_sides, default=SIDES, help=f"--rows recipe: comma-separated, of {', '.join(SIDES)}")
+    ap.add_argument(
+        "--sides", type=_sides, default=SIDES, help=f"--rows recipe: comma-separated, of {', '.join(SIDES)}"
+    )
     ap.add_argument("--baseline-attn", default="sdpa", help="the baselines' attn_implementation (transformers')")
-    ap.add_argument("--merge", action="store_true", help="add this run's sides to the record under --name "
-                    "(the --nproc wrapper passes it to every side after the first)")
-    ap.add_argument("--more-attempts", action="store_true", help="keep the side's earlier attempts in the record "
-                    "(the --nproc wrapper's later options of a side)")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="add this run's sides to the record under --name "
+        "(the --nproc wrapper passes it to every side after the first)",
+    )
+    ap.add_argument(
+        "--more-attempts",
+        action="store_true",
+        help="keep the side's earlier attempts in the record (the --nproc wrapper's later options of a side)",
+    )
     ap.add_argument("--steps", type=int, default=None, help="timed steps (after --warmup); default 4 recipe, 5 single")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    ap.add_argument("--recompute", type=_recompute_order, default="auto",
-                    help="none, mlp or layers, or several tried in order until one fits (e.g. mlp,layers); auto: "
-                         "none,mlp,layers (every attempt recorded)")
-    ap.add_argument("--card-gib", type=float, default=80.0,
-                    help="GiB of GPU memory each rank may use (torch's per-process cap, where the card has more): "
-                         "the memory options are chosen as on a card of that size (default 80: A100/H100 80 GB; "
-                         "0: the whole card)")
+    ap.add_argument(
+        "--recompute",
+        type=_recompute_order,
+        default="auto",
+        help="none, mlp or layers, or several tried in order until one fits (e.g. mlp,layers); auto: "
+        "none,mlp,layers (every attempt recorded)",
+    )
+    ap.add_argument(
+        "--card-gib",
+        type=float,
+        default=80.0,
+        help="GiB of GPU memory each rank may use (torch's per-process cap, where the card has more): "
+        "the memory options are chosen as on a card of that size (default 80: A100/H100 80 GB; "
+        "0: the whole card)",
+    )
     ap.add_argument("--chunk", type=int, default=4096, help="tokens per chunk of the vocabulary head")
-    ap.add_argument("--liger-compile", choices=["auto", "on", "off"], default="auto",
-                    help="the Liger side's chunked loss under torch.compile (Liger's own default; auto: on GPU), or "
-                         "eager where its compilation fails on the device's torch")
-    ap.add_argument("--head-kernels", choices=["auto", "compiled", "eager"], default="auto",
-                    help="the fused vocabulary head's element-wise work (auto: compiled on GPU)")
-    ap.add_argument("--grad-reduce", choices=["fp32", "bf16"], default="fp32",
-                    help="ours: the gradient reduction's dtype, accumulation staying fp32 (fp32: the learner's default)")
-    ap.add_argument("--fuse-pointwise", choices=["auto", "on", "off"], default="auto",
-                    help="ours: RMSNorm, rotary and SwiGLU as compiled functions (services/learner/pointwise.py); "
-                         "auto: on GPU")
-    ap.add_argument("--layer-units", choices=["on", "off"], default="on",
-                    help="ours: each decoder layer one ZeRO-3 unit (DeepSpeed leaf module; EngineConfig.zero3_layer_units)")
-    ap.add_argument("--persist-gib", type=float, default=None,
-                    help="ours: GiB per rank of weights ZeRO-3 keeps whole (EngineConfig.persistent_weights_gib; "
-                         "default: the learner's; 0: shard all)")
-    ap.add_argument("--nccl-proto", default=None, help="ours: NCCL_PROTO (EngineConfig.nccl_protocol; default: the "
-                    "learner's; 'nccl': NCCL's own choice). The baseline keeps NCCL's choice.")
+    ap.add_argument(
+        "--liger-compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the Liger side's chunked loss under torch.compile (Liger's own default; auto: on GPU), or "
+        "eager where its compilation fails on the device's torch",
+    )
+    ap.add_argument(
+        "--head-kernels",
+        choices=["auto", "compiled", "eager"],
+        default="auto",
+        help="the fused vocabulary head's element-wise work (auto: compiled on GPU)",
+    )
+    ap.add_argument(
+        "--grad-reduce",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="ours: the gradient reduction's dtype, accumulation staying fp32 (fp32: the learner's default)",
+    )
+    ap.add_argument(
+        "--fuse-pointwise",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="ours: RMSNorm, rotary and SwiGLU as compiled functions (services/learner/pointwise.py); auto: on GPU",
+    )
+    ap.add_argument(
+        "--layer-units",
+        choices=["on", "off"],
+        default="on",
+        help="ours: each decoder layer one ZeRO-3 unit (DeepSpeed leaf module; EngineConfig.zero3_layer_units)",
+    )
+    ap.add_argument(
+        "--persist-gib",
+        type=float,
+        default=None,
+        help="ours: GiB per rank of weights ZeRO-3 keeps whole (EngineConfig.persistent_weights_gib; "
+        "default: the learner's; 0: shard all)",
+    )
+    ap.add_argument(
+        "--nccl-proto",
+        default=None,
+        help="ours: NCCL_PROTO (EngineConfig.nccl_protocol; default: the "
+        "learner's; 'nccl': NCCL's own choice). The baseline keeps NCCL's choice.",
+    )
     ap.add_argument("--reduce-bucket", type=float, default=50, help="ours: ZeRO reduce bucket, millions of elements")
     ap.add_argument("--sdpa", default="cudnn+flash", help="SDPA kernel order on GPU ('default': PyTorch's)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (ours)")
     ap.add_argument("--skip-baseline", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="profile one more step of ours (bench/results/<name>_profile.txt)")
-    ap.add_argument("--baseline-checkpointing", choices=["auto", "off", "on"], default="auto",
-                    help="auto: without, then with gradient checkpointing on OOM (in new processes under several ranks)")
-    ap.add_argument("--skip-ours", action="store_true", help="measure the baseline alone (in processes of its own, "
-                    "so nothing of ours holds memory) and complete the record ours left under --name")
+    ap.add_argument(
+        "--profile", action="store_true", help="profile one more step of ours (bench/results/<name>_profile.txt)"
+    )
+    ap.add_argument(
+        "--baseline-checkpointing",
+        choices=["auto", "off", "on"],
+        default="auto",
+        help="auto: without, then with gradient checkpointing on OOM (in new processes under several ranks)",
+    )
+    ap.add_argument(
+        "--skip-ours",
+        action="store_true",
+        help="measure the baseline alone (in processes of its own, "
+        "so nothing of ours holds memory) and complete the record ours left under --name",
+    )
     ap.add_argument("--nproc", type=int, default=None, help="not under torchrun: launch this many ranks under it")
     ap.add_argument("--name", default="learner_multigpu", help="results file stem under bench/results/")
-    ap.add_argument("--plot", nargs="+", metavar="LABEL=JSON", default=None,
-                    help="draw bench/results/<name>.png and exit: the first record with its baseline, then other runs "
-                         "of ours from the same machine, each labelled")
+    ap.add_argument(
+        "--plot",
+        nargs="+",
+        metavar="LABEL=JSON",
+        default=None,
+        help="draw bench/results/<name>.png and exit: the first record with its baseline, then other runs "
+        "of ours from the same machine, each labelled",
+    )
     ap.add_argument("--workdir", default=None, help="where the random-init model is written (default: a temp dir)")
     args = ap.parse_args(argv)
     if args.steps is None:
@@ -185,23 +265,36 @@ def one_rank_env() -> None:
     """The environment of a process group of this process alone (not under torchrun)."""
     from services.learner.engine import free_port
 
-    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(free_port())})
+    os.environ.update(
+        {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    )
 
 
 def without(argv: list[str], flag: str) -> list[str]:
     """argv less `flag` and its value (`flag V` or `flag=V`)."""
-    return [a for i, a in enumerate(argv) if a != flag and (i == 0 or argv[i - 1] != flag)
-            and not a.startswith(flag + "=")]
+    return [
+        a for i, a in enumerate(argv) if a != flag and (i == 0 or argv[i - 1] != flag) and not a.startswith(flag + "=")
+    ]
 
 
 def relaunch(args: argparse.Namespace, argv: list[str], extra: tuple[str, ...] = ()) -> int:
     """Run this script under torchrun with --nproc ranks (the wrapper form of the single command)."""
     from services.learner.engine import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), str(Path(__file__).resolve()),
-           *without(argv, "--nproc"), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(args.nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(Path(__file__).resolve()),
+        *without(argv, "--nproc"),
+        *extra,
+    ]
     return subprocess.call(cmd)
 
 
@@ -223,8 +316,11 @@ def relaunch_sides(args: argparse.Namespace, argv: list[str]) -> int:
     own: ranks do not run out of memory at the same instruction, and one that goes on to the next option
     while another still waits in the last one's collective hangs both. A rank out of memory ends its launch
     (`OOM_EXIT`), and the next option starts in fresh processes. Returns the worst exit status."""
-    rest = [a for a in without(without(without(argv, "--sides"), "--recompute"), "--baseline-checkpointing")
-            if a not in ("--merge", "--more-attempts")]
+    rest = [
+        a
+        for a in without(without(without(argv, "--sides"), "--recompute"), "--baseline-checkpointing")
+        if a not in ("--merge", "--more-attempts")
+    ]
     codes = []
     launches = 0
     if not args.merge:  # a new record: nothing of an earlier run's may pass for this one's
@@ -275,8 +371,9 @@ def forget_side(args: argparse.Namespace, side: str) -> None:
     write_record(out, record)
 
 
-def record_option_outcome(args: argparse.Namespace, side: str, key: str, value: object, code: int,
-                          oom: str | None, *, last: bool) -> bool | None:
+def record_option_outcome(
+    args: argparse.Namespace, side: str, key: str, value: object, code: int, oom: str | None, *, last: bool
+) -> bool | None:
     """After a launch of one option: False where it ran out of memory (the next option follows), True where
     it ran, None where it failed otherwise. A launch a rank ended out of memory (`oom`: its error) wrote no
     record of its own (rank 0 may have been the one waiting): the attempt is added here (to the JSON; the
@@ -363,8 +460,11 @@ def build_model(args: argparse.Namespace, folder: Path, rank: int, on_gpu: bool)
 def host_facts(on_gpu: bool) -> dict:
     """What differs between machines of one kind and moves a host-bound step: the CPU model, the GPUs'
     clocks and power limit (nvidia-smi), NCCL settings from the environment."""
-    facts: dict = {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                   "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}}
+    facts: dict = {
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+    }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -375,10 +475,16 @@ def host_facts(on_gpu: bool) -> dict:
     if on_gpu:
         query = "clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu,pstate"
         try:
-            done = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
-                                  capture_output=True, text=True, timeout=20)
-            facts["gpus"] = [dict(zip(query.split(","), (v.strip() for v in line.split(","))))
-                             for line in done.stdout.strip().splitlines()]
+            done = subprocess.run(
+                ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+            facts["gpus"] = [
+                dict(zip(query.split(","), (v.strip() for v in line.split(","))))
+                for line in done.stdout.strip().splitlines()
+            ]
         except (OSError, subprocess.SubprocessError):
             pass
     return facts
@@ -411,8 +517,15 @@ def release(on_gpu: bool) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def summary(step_s: list[float], tokens: list[int], flops: list[float], flops_half: list[float], world: int,
-            peak: float | None, mem: float | None) -> dict:
+def summary(
+    step_s: list[float],
+    tokens: list[int],
+    flops: list[float],
+    flops_half: list[float],
+    world: int,
+    peak: float | None,
+    mem: float | None,
+) -> dict:
     """A side's figures from its timed steps (`tokens`, `flops`: each step's). Steps of equal work: the median
     step; steps of different work (recipe rows): the timed steps' work over their time. tokens_per_s_min/max:
     the spread of the steps' own rates."""
@@ -422,16 +535,23 @@ def summary(step_s: list[float], tokens: list[int], flops: list[float], flops_ha
     else:
         time_, tok, fl, half = sum(step_s), sum(tokens), sum(flops), sum(flops_half)
     rates = [t / x for t, x in zip(tokens, step_s)]
-    return {"step_s": round(s, 4), "tokens_per_s": round(tok / time_, 1),
-            "tokens_per_s_min": round(min(rates), 1), "tokens_per_s_max": round(max(rates), 1),
-            "mfu": round(fl / time_ / (peak * world), 4) if peak else None,
-            "mfu_causal_half": round(half / time_ / (peak * world), 4) if peak else None,
-            "peak_gib": mem, "steps_s": [round(x, 4) for x in step_s], "tokens_per_step": tokens}
+    return {
+        "step_s": round(s, 4),
+        "tokens_per_s": round(tok / time_, 1),
+        "tokens_per_s_min": round(min(rates), 1),
+        "tokens_per_s_max": round(max(rates), 1),
+        "mfu": round(fl / time_ / (peak * world), 4) if peak else None,
+        "mfu_causal_half": round(half / time_ / (peak * world), 4) if peak else None,
+        "peak_gib": mem,
+        "steps_s": [round(x, 4) for x in step_s],
+        "tokens_per_step": tokens,
+    }
 
 
 def length_location(mean: float, sigma: float, low: float, high: float) -> float:
     """The log-normal's mu whose draws, clipped to [low, high], average `mean` (bisection on the closed form
     E[clip(X, low, high)] = low·P(X<low) + high·P(X>high) + e^(mu+sigma²/2)·[Φ(b-sigma) - Φ(a-sigma)])."""
+
     def phi(x: float) -> float:
         return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
 
@@ -508,27 +628,42 @@ def engine_options(args: argparse.Namespace) -> dict:
     return out
 
 
-def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, on_gpu: bool,
-             recompute: str) -> dict:
+def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, on_gpu: bool, recompute: str) -> dict:
     from services.learner.config import EngineConfig, ScheduleConfig
     from services.learner.engine import PolicyEngine
     from services.learner.flops import model_shape, peak_flops, train_flops
     from services.learner.steps import rl_step
 
-    cfg = EngineConfig(zero_stage=3, precision="auto", micro_batch_tokens=row_capacity(args), micro_batch_rows=1,
-                       pad_to_multiple=256 if on_gpu else 1, logprob_chunk_tokens=args.chunk, head_kernels=args.head_kernels,
-                       gradient_checkpointing=recompute == "layers", recompute_mlp=recompute in ("mlp", "lean+mlp"),
-                       activation_memory="lean" if recompute.startswith("lean") else "keep",
-                       attn_implementation="sdpa", sdpa_backends=None if args.sdpa == "default" else
-                       args.sdpa.split("+"), compile_layers=args.compile, zero_init=True, grad_reduce_dtype=args.grad_reduce,
-                       fuse_pointwise={"on": True, "off": False}.get(args.fuse_pointwise),
-                       overlap_comm=on_gpu, reduce_bucket_size=int(args.reduce_bucket * 1e6),
-                       zero3_layer_units=args.layer_units == "on", **engine_options(args))
+    cfg = EngineConfig(
+        zero_stage=3,
+        precision="auto",
+        micro_batch_tokens=row_capacity(args),
+        micro_batch_rows=1,
+        pad_to_multiple=256 if on_gpu else 1,
+        logprob_chunk_tokens=args.chunk,
+        head_kernels=args.head_kernels,
+        gradient_checkpointing=recompute == "layers",
+        recompute_mlp=recompute in ("mlp", "lean+mlp"),
+        activation_memory="lean" if recompute.startswith("lean") else "keep",
+        attn_implementation="sdpa",
+        sdpa_backends=None if args.sdpa == "default" else args.sdpa.split("+"),
+        compile_layers=args.compile,
+        zero_init=True,
+        grad_reduce_dtype=args.grad_reduce,
+        fuse_pointwise={"on": True, "off": False}.get(args.fuse_pointwise),
+        overlap_comm=on_gpu,
+        reduce_bucket_size=int(args.reduce_bucket * 1e6),
+        zero3_layer_units=args.layer_units == "on",
+        **engine_options(args),
+    )
     engine = PolicyEngine(model_dir, cfg, ScheduleConfig(lr=2e-6), total_steps=100)
     n_params = engine.num_parameters()
     layers, width = model_shape(engine.lm_config)
-    log(rank, f"ours: {n_params / 1e9:.3f} B params, {world} ranks, ZeRO-3, bf16={engine.bf16}, "
-              f"recompute={recompute}, packed attention {cfg.packed_attention}")
+    log(
+        rank,
+        f"ours: {n_params / 1e9:.3f} B params, {world} ranks, ZeRO-3, bf16={engine.bf16}, "
+        f"recompute={recompute}, packed attention {cfg.packed_attention}",
+    )
     times, tokens, flops, half = [], [], [], []
     try:
         for k in range(args.warmup + args.steps):
@@ -539,8 +674,11 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
             # the whole step's sequences: rl_step packs them and hands each rank its rows
             seqs = step_sequences(args, k, world, engine.lm_config.vocab_size)
             m = rl_step(engine, seqs, eps_low=0.2, eps_high=0.28).metrics
-            log(rank, f"ours step {k}: {m['time_compute_s']:.3f} s, {m['tokens_per_s']:.0f} tok/s, "
-                      f"mfu {m.get('mfu', float('nan')):.3f}, loss {m['loss']:.4f}")
+            log(
+                rank,
+                f"ours step {k}: {m['time_compute_s']:.3f} s, {m['tokens_per_s']:.0f} tok/s, "
+                f"mfu {m.get('mfu', float('nan')):.3f}, loss {m['loss']:.4f}",
+            )
             if k >= args.warmup:
                 lens = [len(q) for q in seqs]
                 times.append(m["time_compute_s"])
@@ -549,12 +687,23 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
                 half.append(train_flops(n_params, layers, width, lens, causal_half=True))
         where = profile_step(engine, world, args, rank, on_gpu) if args.profile else None
         out = summary(times, tokens, flops, half, world, peak_flops() if on_gpu else None, peak_gib(on_gpu))
-        return {"params": n_params, "recompute": recompute, "chunk": args.chunk, "head_kernels": args.head_kernels,
-                "grad_reduce": args.grad_reduce, "compile_layers": args.compile,
-                "fuse_pointwise": args.fuse_pointwise, "reduce_bucket_m": args.reduce_bucket,
-                "layer_units": args.layer_units, "persistent_weights_gib": cfg.persistent_weights_gib,
-                "packed_attention": cfg.packed_attention, "sdpa": args.sdpa, "nccl_proto": os.environ.get("NCCL_PROTO"),
-                **({"profile": where} if where else {}), **out}
+        return {
+            "params": n_params,
+            "recompute": recompute,
+            "chunk": args.chunk,
+            "head_kernels": args.head_kernels,
+            "grad_reduce": args.grad_reduce,
+            "compile_layers": args.compile,
+            "fuse_pointwise": args.fuse_pointwise,
+            "reduce_bucket_m": args.reduce_bucket,
+            "layer_units": args.layer_units,
+            "persistent_weights_gib": cfg.persistent_weights_gib,
+            "packed_attention": cfg.packed_attention,
+            "sdpa": args.sdpa,
+            "nccl_proto": os.environ.get("NCCL_PROTO"),
+            **({"profile": where} if where else {}),
+            **out,
+        }
     finally:
         engine.close()
         del engine
@@ -565,7 +714,6 @@ def profile_step(engine, world: int, args: argparse.Namespace, rank: int, on_gpu
     """One more step of ours under torch.profiler: where its time goes, by operator (rank 0's view),
     written to bench/results/<name>_profile.txt; returned: the step's time and its operators of most
     self time (device time on GPU)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from services.learner.steps import rl_step
@@ -579,15 +727,21 @@ def profile_step(engine, world: int, args: argparse.Namespace, rank: int, on_gpu
     if rank == 0:
         key = "cuda_time_total" if on_gpu else "cpu_time_total"
         table = averages.table(sort_by=key, row_limit=45, max_name_column_width=70)
-        path.write_text(f"# one step of ours under torch.profiler ({seconds:.3f} s with the profiler on), "
-                        f"shape {args.shape}, rows {args.rows}, {world} ranks, sorted by {key}\n\n{table}\n")
+        path.write_text(
+            f"# one step of ours under torch.profiler ({seconds:.3f} s with the profiler on), "
+            f"shape {args.shape}, rows {args.rows}, {world} ranks, sorted by {key}\n\n{table}\n"
+        )
         log(rank, f"profile: {path}")
-    return {"step_s": round(seconds, 4), "file": str(path.relative_to(ROOT)),
-            "top_self": top_operators(averages, on_gpu)}
+    return {
+        "step_s": round(seconds, 4),
+        "file": str(path.relative_to(ROOT)),
+        "top_self": top_operators(averages, on_gpu),
+    }
 
 
 def top_operators(averages, on_gpu: bool, n: int = 12) -> list[dict]:
     """The `n` operators of most self time in a profile (device time on GPU, host time on CPU), in ms."""
+
     def self_us(e) -> float:
         if not on_gpu:
             return e.self_cpu_time_total
@@ -595,8 +749,15 @@ def top_operators(averages, on_gpu: bool, n: int = 12) -> list[dict]:
 
     events = sorted(averages, key=self_us, reverse=True)[:n]
     total = sum(self_us(e) for e in averages) or 1.0
-    return [{"op": e.key[:90], "self_ms": round(self_us(e) / 1000, 2), "share": round(self_us(e) / total, 4),
-             "calls": e.count} for e in events]
+    return [
+        {
+            "op": e.key[:90],
+            "self_ms": round(self_us(e) / 1000, 2),
+            "share": round(self_us(e) / total, 4),
+            "calls": e.count,
+        }
+        for e in events
+    ]
 
 
 def liger_kernels(on_gpu: bool) -> tuple[object | None, list[str], str | None]:
@@ -610,8 +771,9 @@ def liger_kernels(on_gpu: bool) -> tuple[object | None, list[str], str | None]:
         return None, [], f"liger-kernel not importable: {exc}"
     if not on_gpu:
         return LigerFusedLinearGRPOLoss, [], "no CUDA: Liger's Triton kernels (RoPE, RMSNorm, SwiGLU) not applied"
-    apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                fused_linear_cross_entropy=True)
+    apply_liger_kernel_to_qwen2(
+        rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True
+    )
     return LigerFusedLinearGRPOLoss, ["rope", "rms_norm", "swiglu", "fused_linear_cross_entropy"], None
 
 
@@ -630,8 +792,16 @@ def liger_policy(lm, loss_cls, chunk: int, compiled: bool):
         def __init__(self) -> None:
             super().__init__()
             self.lm = lm
-            self.loss = loss_cls(beta=0.0, use_ref_model=False, compiled=compiled, chunk_size=chunk,
-                                 epsilon_low=0.2, epsilon_high=0.28, loss_type="dapo", temperature=1.0)
+            self.loss = loss_cls(
+                beta=0.0,
+                use_ref_model=False,
+                compiled=compiled,
+                chunk_size=chunk,
+                epsilon_low=0.2,
+                epsilon_high=0.28,
+                loss_type="dapo",
+                temperature=1.0,
+            )
 
         def forward(self, ids, positions, targets, mask, old, adv, **bounds):
             hidden = self.lm.model(input_ids=ids, position_ids=positions, use_cache=False, **bounds).last_hidden_state
@@ -641,8 +811,14 @@ def liger_policy(lm, loss_cls, chunk: int, compiled: bool):
                 return F.pad(t.reshape(-1), (0, extra)).reshape(-1, 1)
 
             rows = F.pad(hidden.reshape(-1, hidden.shape[-1]), (0, 0, 0, extra)).unsqueeze(1)
-            loss, _ = self.loss(rows, self.lm.lm_head.weight, one(targets), one(mask),
-                                one(adv).reshape(-1).float(), old_per_token_logps=one(old).float())
+            loss, _ = self.loss(
+                rows,
+                self.lm.lm_head.weight,
+                one(targets),
+                one(mask),
+                one(adv).reshape(-1).float(),
+                old_per_token_logps=one(old).float(),
+            )
             return loss
 
     return _Policy()
@@ -653,12 +829,21 @@ def baseline_ds_config(on_gpu: bool, world: int, micro_batches: int, ours: dict 
     gradient accumulation over the rank's `micro_batches` rows of a step. `ours`: our engine's DeepSpeed
     config, whose weight persistence (the ZeRO-3 weights kept whole) and gradient-reduce dtype the baseline
     then takes, so that neither side differs from the other there."""
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro_batches,
-           "train_batch_size": micro_batches * world, "bf16": {"enabled": on_gpu},
-           "zero_optimization": {"stage": 3, "overlap_comm": on_gpu, "contiguous_gradients": True,
-                                 "stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5},
-           "optimizer": {"type": "AdamW", "params": {"lr": 2e-6, "torch_adam": True, "adam_w_mode": True}},
-           "steps_per_print": 10**9}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": micro_batches,
+        "train_batch_size": micro_batches * world,
+        "bf16": {"enabled": on_gpu},
+        "zero_optimization": {
+            "stage": 3,
+            "overlap_comm": on_gpu,
+            "contiguous_gradients": True,
+            "stage3_prefetch_bucket_size": 5e7,
+            "stage3_param_persistence_threshold": 1e5,
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-6, "torch_adam": True, "adam_w_mode": True}},
+        "steps_per_print": 10**9,
+    }
     if on_gpu:
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if ours:
@@ -681,7 +866,7 @@ def ours_ds_config(args: argparse.Namespace, on_gpu: bool, world: int) -> dict:
     return deepspeed_config(cfg, bf16=on_gpu, world_size=world, on_gpu=on_gpu)
 
 
-def hf_labels(batch) -> "object":
+def hf_labels(batch) -> object:
     """HF's `labels` for a packed micro-batch: HF predicts labels[t + 1] at t, so labels[t + 1] is the learner's
     target at t where it carries loss, and -100 elsewhere (never across a trajectory's boundary)."""
     import torch
@@ -691,18 +876,24 @@ def hf_labels(batch) -> "object":
     return labels
 
 
-def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: int, on_gpu: bool,
-                 checkpointing: bool, side: str = "plain") -> dict:
+def run_baseline(
+    args: argparse.Namespace,
+    model_dir: Path,
+    rank: int,
+    world: int,
+    on_gpu: bool,
+    checkpointing: bool,
+    side: str = "plain",
+) -> dict:
     """A baseline under plain DeepSpeed ZeRO-3 on the rows ours trains: plain (HF's model and loss over the
     full logits) or liger (HF's model with Liger's kernels and fused GRPO loss)."""
     import deepspeed
     import torch
     from transformers import AutoConfig, Qwen2ForCausalLM
 
+    from services.learner.attention import PACKED_IMPLEMENTATIONS, packed_kwargs
     from services.learner.batching import rank_micro_batches
     from services.learner.flops import model_shape, peak_flops, train_flops
-
-    from services.learner.attention import PACKED_IMPLEMENTATIONS, packed_kwargs
 
     bf16 = on_gpu
     ds_cfg = baseline_ds_config(on_gpu, world, rows_per_rank(args), ours_ds_config(args, on_gpu, world))
@@ -711,8 +902,11 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
         loss_cls, kernels, missing = liger_kernels(on_gpu)
         if loss_cls is None:
             return {"skipped": missing}
-        extra = {"liger_kernels": kernels, "liger_loss": "LigerFusedLinearGRPOLoss(loss_type=dapo, beta=0)",
-                 **({"liger_missing": missing} if missing else {})}
+        extra = {
+            "liger_kernels": kernels,
+            "liger_loss": "LigerFusedLinearGRPOLoss(loss_type=dapo, beta=0)",
+            **({"liger_missing": missing} if missing else {}),
+        }
     attn = args.baseline_attn if args.rows == "recipe" else "sdpa"
     config = AutoConfig.from_pretrained(model_dir, attn_implementation=attn)
     # Built as the probe builds it: random init, each parameter partitioned as it is created. (Loaded
@@ -736,8 +930,11 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
     pad = 256 if on_gpu else 1
     times, tokens, flops, half, losses = [], [], [], [], []
     layers, width = model_shape(config)
-    log(rank, f"{side}: HF model{' + Liger' if side == 'liger' else ''}, ZeRO-3, checkpointing={checkpointing}, "
-              f"attention {attn}{', ' + str(extra) if extra else ''}")
+    log(
+        rank,
+        f"{side}: HF model{' + Liger' if side == 'liger' else ''}, ZeRO-3, checkpointing={checkpointing}, "
+        f"attention {attn}{', ' + str(extra) if extra else ''}",
+    )
     try:
         for k in range(args.warmup + args.steps):
             seqs = step_sequences(args, k, world, config.vocab_size)
@@ -746,20 +943,30 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
             t0 = time.perf_counter()
             batches = rank_micro_batches(seqs, row_capacity(args), world, rank, 1, pad)
             if len(batches) != rows_per_rank(args):
-                raise RuntimeError(f"{len(batches)} micro-batches on rank {rank}, DeepSpeed set for {rows_per_rank(args)}")
+                raise RuntimeError(
+                    f"{len(batches)} micro-batches on rank {rank}, DeepSpeed set for {rows_per_rank(args)}"
+                )
             for b in batches:
                 ids, pos = b.input_ids.to(device), b.position_ids.to(device)
                 # a varlen attention registered with transformers: the row's boundaries once per row, as
                 # transformers' own flattening collator hands them (cu_seq_lens_q/k, max_length_q/k)
                 bounds = packed_kwargs(pos) if attn in PACKED_IMPLEMENTATIONS else {}
                 if side == "liger":
-                    loss = engine(ids, pos, b.targets.to(device), b.mask.to(device), b.old_logp.to(device),
-                                  b.advantages.to(device), **bounds)
+                    loss = engine(
+                        ids,
+                        pos,
+                        b.targets.to(device),
+                        b.mask.to(device),
+                        b.old_logp.to(device),
+                        b.advantages.to(device),
+                        **bounds,
+                    )
                 elif args.rows == "recipe":
                     # use_cache=False: with a cache (HF's default outside gradient checkpointing) transformers
                     # reads no packed sequences from the position ids and attends across trajectories
-                    loss = engine(input_ids=ids, position_ids=pos, labels=hf_labels(b).to(device), use_cache=False,
-                                  **bounds).loss
+                    loss = engine(
+                        input_ids=ids, position_ids=pos, labels=hf_labels(b).to(device), use_cache=False, **bounds
+                    ).loss
                 else:
                     loss = engine(input_ids=ids, labels=ids).loss
                 engine.backward(loss)
@@ -778,10 +985,17 @@ def run_baseline(args: argparse.Namespace, model_dir: Path, rank: int, world: in
                 half.append(train_flops(n_params, layers, width, lens, causal_half=True))
         out = summary(times, tokens, flops, half, world, peak_flops() if on_gpu else None, peak_gib(on_gpu))
         zero = ds_cfg["zero_optimization"]
-        return {"params": n_params, "gradient_checkpointing": checkpointing, "attn_implementation": attn,
-                "nccl_proto": os.environ.get("NCCL_PROTO"),
-                "grad_reduce": ds_cfg.get("communication_data_type"),
-                "persistence": {k: zero[k] for k in PERSISTENCE_KEYS if k in zero}, "losses": losses, **extra, **out}
+        return {
+            "params": n_params,
+            "gradient_checkpointing": checkpointing,
+            "attn_implementation": attn,
+            "nccl_proto": os.environ.get("NCCL_PROTO"),
+            "grad_reduce": ds_cfg.get("communication_data_type"),
+            "persistence": {k: zero[k] for k in PERSISTENCE_KEYS if k in zero},
+            "losses": losses,
+            **extra,
+            **out,
+        }
     finally:
         engine.destroy()
         del engine, model, module
@@ -817,8 +1031,11 @@ def attempt(fn, *a, **kw) -> dict:
 
     on_gpu = torch.cuda.is_available()
     release(on_gpu)
-    return {"oom": True, "error": error,
-            "left_gib": round(torch.cuda.memory_allocated() / 2**30, 2) if on_gpu else None}
+    return {
+        "oom": True,
+        "error": error,
+        "left_gib": round(torch.cuda.memory_allocated() / 2**30, 2) if on_gpu else None,
+    }
 
 
 def recipe_rows_facts(args: argparse.Namespace, world: int, on_gpu: bool) -> dict:
@@ -826,16 +1043,33 @@ def recipe_rows_facts(args: argparse.Namespace, world: int, on_gpu: bool) -> dic
     steps = []
     for k in range(args.warmup, args.warmup + args.steps):
         lengths, _ = recipe_lengths(args, k, world)
-        steps.append({"step": k, "trajectories": len(lengths), "tokens": sum(lengths),
-                      "mean": round(sum(lengths) / len(lengths)), "max": max(lengths), "min": min(lengths)})
+        steps.append(
+            {
+                "step": k,
+                "trajectories": len(lengths),
+                "tokens": sum(lengths),
+                "mean": round(sum(lengths) / len(lengths)),
+                "max": max(lengths),
+                "min": min(lengths),
+            }
+        )
     every = [s["tokens"] / s["trajectories"] for s in steps]
-    return {"mode": "recipe", "row_tokens": args.row_tokens, "rows_per_rank": args.rows_per_rank,
-            "pad_to_multiple": 256 if on_gpu else 1,
-            "lengths": {"distribution": "log-normal, clipped", "mean": args.length_mean, "min": args.length_min,
-                        "max": args.length_max, "sigma": args.length_sigma,
-                        "mu": round(length_location(args.length_mean, args.length_sigma, args.length_min,
-                                                    args.length_max), 4)},
-            "drawn_mean": round(statistics.mean(every)), "timed_steps": steps}
+    return {
+        "mode": "recipe",
+        "row_tokens": args.row_tokens,
+        "rows_per_rank": args.rows_per_rank,
+        "pad_to_multiple": 256 if on_gpu else 1,
+        "lengths": {
+            "distribution": "log-normal, clipped",
+            "mean": args.length_mean,
+            "min": args.length_min,
+            "max": args.length_max,
+            "sigma": args.length_sigma,
+            "mu": round(length_location(args.length_mean, args.length_sigma, args.length_min, args.length_max), 4),
+        },
+        "drawn_mean": round(statistics.mean(every)),
+        "timed_steps": steps,
+    }
 
 
 def finish_record(record: dict) -> None:
@@ -844,7 +1078,9 @@ def finish_record(record: dict) -> None:
     ours, liger, plain = (sides.get(k) or {} for k in SIDES)
 
     def ratio(a: dict, b: dict) -> float | None:
-        return round(a["tokens_per_s"] / b["tokens_per_s"], 3) if a.get("tokens_per_s") and b.get("tokens_per_s") else None
+        return (
+            round(a["tokens_per_s"] / b["tokens_per_s"], 3) if a.get("tokens_per_s") and b.get("tokens_per_s") else None
+        )
 
     record["speedup_vs_liger"] = ratio(ours, liger)
     record["speedup_vs_plain"] = ratio(ours, plain)
@@ -852,10 +1088,12 @@ def finish_record(record: dict) -> None:
         record[key] = ours.get(key)
     record["targets"] = TARGETS
     record["targets_met"] = {
-        "speedup_vs_liger": None if record["speedup_vs_liger"] is None
+        "speedup_vs_liger": None
+        if record["speedup_vs_liger"] is None
         else record["speedup_vs_liger"] >= TARGETS["speedup_vs_liger_min"],
         "mfu": None if ours.get("mfu") is None else ours["mfu"] >= TARGETS["mfu_min"],
-        "peak_gib": None if ours.get("peak_gib") is None else ours["peak_gib"] <= TARGETS["peak_gib_max"]}
+        "peak_gib": None if ours.get("peak_gib") is None else ours["peak_gib"] <= TARGETS["peak_gib_max"],
+    }
 
 
 def _pct(x: float | None) -> str:
@@ -866,17 +1104,28 @@ def write_markdown(record: dict, path: Path) -> None:
     """The record as a table: one line per side, then the ratios against the targets and every attempt."""
     rows = record["rows"]
     cap = record.get("card_gib")
-    lines = [f"# The learner on the recipe's rows: {record['world_size']}× {record['device']}, {record['shape']} shape, "
-             f"ZeRO-3", "",
-             *([f"Each rank capped at {cap:g} GiB of GPU memory (as on an {cap:g} GB card): memory options "
-                "are chosen as there.", ""] if cap else []),
-             f"Written by `bench/learner_multigpu.py` (`{record['name']}.json`). Rows: {rows['rows_per_rank']} packed rows "
-             f"of {rows['row_tokens']:,} tokens a rank and step, trajectories of log-normal lengths (sigma "
-             f"{rows['lengths']['sigma']}) clipped to {rows['lengths']['min']:,}-{rows['lengths']['max']:,}, mean "
-             f"{rows['lengths']['mean']:,} (drawn: {rows['drawn_mean']:,}); the same rows for every side. "
-             f"tokens/s: trajectory tokens over the timed steps' time (min-max of the steps' own rates).", "",
-             "| side | tokens/s | min-max | MFU (PaLM) | MFU (causal-half) | peak GiB | step s | memory option |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# The learner on the recipe's rows: {record['world_size']}× {record['device']}, {record['shape']} shape, "
+        f"ZeRO-3",
+        "",
+        *(
+            [
+                f"Each rank capped at {cap:g} GiB of GPU memory (as on an {cap:g} GB card): memory options "
+                "are chosen as there.",
+                "",
+            ]
+            if cap
+            else []
+        ),
+        f"Written by `bench/learner_multigpu.py` (`{record['name']}.json`). Rows: {rows['rows_per_rank']} packed rows "
+        f"of {rows['row_tokens']:,} tokens a rank and step, trajectories of log-normal lengths (sigma "
+        f"{rows['lengths']['sigma']}) clipped to {rows['lengths']['min']:,}-{rows['lengths']['max']:,}, mean "
+        f"{rows['lengths']['mean']:,} (drawn: {rows['drawn_mean']:,}); the same rows for every side. "
+        f"tokens/s: trajectory tokens over the timed steps' time (min-max of the steps' own rates).",
+        "",
+        "| side | tokens/s | min-max | MFU (PaLM) | MFU (causal-half) | peak GiB | step s | memory option |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     names = {"ours": "ours (services.learner)", "liger": "HF + Liger-Kernel", "plain": "plain HF"}
     for side in SIDES:
         r = record["sides"].get(side)
@@ -886,20 +1135,34 @@ def write_markdown(record: dict, path: Path) -> None:
             why = r.get("skipped") or r.get("error") or "out of memory"
             lines.append(f"| {names[side]} | {why} | | | | | | |")
             continue
-        option = (f"recompute {r['recompute']}" if side == "ours" else
-                  "gradient checkpointing" if r.get("gradient_checkpointing") else "none")
-        lines.append(f"| {names[side]} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s_min']:,.0f}-"
-                     f"{r['tokens_per_s_max']:,.0f} | {_pct(r['mfu'])} | {_pct(r['mfu_causal_half'])} | "
-                     f"{r['peak_gib'] if r['peak_gib'] is not None else ''} | {r['step_s']} | {option} |")
+        option = (
+            f"recompute {r['recompute']}"
+            if side == "ours"
+            else "gradient checkpointing"
+            if r.get("gradient_checkpointing")
+            else "none"
+        )
+        lines.append(
+            f"| {names[side]} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s_min']:,.0f}-"
+            f"{r['tokens_per_s_max']:,.0f} | {_pct(r['mfu'])} | {_pct(r['mfu_causal_half'])} | "
+            f"{r['peak_gib'] if r['peak_gib'] is not None else ''} | {r['step_s']} | {option} |"
+        )
     t = record["targets"]
+
     def times(x: float | None) -> str:
         return "n/a" if x is None else f"{x}×"
 
-    lines += ["", f"ours / Liger: **{times(record['speedup_vs_liger'])}** (target ≥ {t['speedup_vs_liger_min']}×); "
-                  f"ours / plain: {times(record['speedup_vs_plain'])}; ours' MFU (PaLM) {_pct(record['mfu']) or 'n/a'} "
-                  f"(target ≥ {_pct(t['mfu_min'])}); peak {record['peak_gib'] or 'n/a'} GiB (target ≤ {t['peak_gib_max']} "
-                  f"at 1.5B). "
-                  f"Targets met: {record['targets_met']}.", "", "Attempts (each side's memory options, in order):", ""]
+    lines += [
+        "",
+        f"ours / Liger: **{times(record['speedup_vs_liger'])}** (target ≥ {t['speedup_vs_liger_min']}×); "
+        f"ours / plain: {times(record['speedup_vs_plain'])}; ours' MFU (PaLM) {_pct(record['mfu']) or 'n/a'} "
+        f"(target ≥ {_pct(t['mfu_min'])}); peak {record['peak_gib'] or 'n/a'} GiB (target ≤ {t['peak_gib_max']} "
+        f"at 1.5B). "
+        f"Targets met: {record['targets_met']}.",
+        "",
+        "Attempts (each side's memory options, in order):",
+        "",
+    ]
     for side, tries in record["attempts"].items():
         for a in tries:
             option = {k: a[k] for k in ("recompute", "gradient_checkpointing") if k in a}
@@ -910,16 +1173,22 @@ def write_markdown(record: dict, path: Path) -> None:
         lines += ["", f"Liger side: {liger.get('liger_missing') or liger.get('skipped')}."]
     if liger.get("liger_compiled") is False:
         lines += ["", "Liger's chunked loss ran eager (`--liger-compile off`), not under torch.compile."]
-    how = ("the rows' cu_seq_lens through transformers' AttentionInterface" if record["baseline_attn"].startswith("star_")
-           else "from position ids (transformers' block mask)")
-    lines += ["", f"Baselines' attention: `{record['baseline_attn']}`, {how}.",
-              f"torch {record['torch']}, transformers {record['transformers']}, deepspeed {record['deepspeed']}, "
-              f"liger-kernel {record['liger_kernel']}; {record['date']}.", ""]
+    how = (
+        "the rows' cu_seq_lens through transformers' AttentionInterface"
+        if record["baseline_attn"].startswith("star_")
+        else "from position ids (transformers' block mask)"
+    )
+    lines += [
+        "",
+        f"Baselines' attention: `{record['baseline_attn']}`, {how}.",
+        f"torch {record['torch']}, transformers {record['transformers']}, deepspeed {record['deepspeed']}, "
+        f"liger-kernel {record['liger_kernel']}; {record['date']}.",
+        "",
+    ]
     path.write_text("\n".join(lines))
 
 
-def run_recipe(args: argparse.Namespace, argv: list[str], model_dir: Path, rank: int, world: int,
-               on_gpu: bool) -> int:
+def run_recipe(args: argparse.Namespace, argv: list[str], model_dir: Path, rank: int, world: int, on_gpu: bool) -> int:
     """The sides on recipe rows, in these processes, the record (JSON and .md) rewritten after each side.
     A side that fails is recorded and the next one runs. Returns 1 where a side failed."""
     import traceback
@@ -937,11 +1206,22 @@ def run_recipe(args: argparse.Namespace, argv: list[str], model_dir: Path, rank:
             mod = sys.modules.get(package)
             versions[package] = getattr(mod, "__version__", None) if mod else None
     device = torch.cuda.get_device_name(0) if on_gpu else f"cpu ({platform.processor() or platform.machine()})"
-    record.update({"name": args.name, "device": device, "world_size": world, "zero_stage": 3, "shape": args.shape,
-                   "rows": recipe_rows_facts(args, world, on_gpu) if rank == 0 else None,
-                   "baseline_attn": args.baseline_attn, "host": host_facts(on_gpu), "card_gib": args.card_gib,
-                   "torch": torch.__version__,
-                   **versions, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
+    record.update(
+        {
+            "name": args.name,
+            "device": device,
+            "world_size": world,
+            "zero_stage": 3,
+            "shape": args.shape,
+            "rows": recipe_rows_facts(args, world, on_gpu) if rank == 0 else None,
+            "baseline_attn": args.baseline_attn,
+            "host": host_facts(on_gpu),
+            "card_gib": args.card_gib,
+            "torch": torch.__version__,
+            **versions,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }
+    )
     for key in ("sides", "attempts", "commands"):
         record.setdefault(key, {})
     command = f"torchrun --nproc_per_node {world} bench/learner_multigpu.py {' '.join(argv)}"
@@ -953,12 +1233,20 @@ def run_recipe(args: argparse.Namespace, argv: list[str], model_dir: Path, rank:
         result: dict = {}
         try:
             if side == "ours":
-                options = [("recompute", r, lambda r=r: attempt(run_ours, args, model_dir, rank, world, on_gpu, r))
-                           for r in args.recompute]
+                options = [
+                    ("recompute", r, lambda r=r: attempt(run_ours, args, model_dir, rank, world, on_gpu, r))
+                    for r in args.recompute
+                ]
             else:
                 choice = {"auto": (False, True), "off": (False,), "on": (True,)}[args.baseline_checkpointing]
-                options = [("gradient_checkpointing", c, lambda c=c, side=side: attempt(
-                    run_baseline, args, model_dir, rank, world, on_gpu, c, side)) for c in choice]
+                options = [
+                    (
+                        "gradient_checkpointing",
+                        c,
+                        lambda c=c, side=side: attempt(run_baseline, args, model_dir, rank, world, on_gpu, c, side),
+                    )
+                    for c in choice
+                ]
             for key, value, run in options:
                 r = run()
                 tries.append({key: value, **r})
@@ -984,11 +1272,34 @@ def run_recipe(args: argparse.Namespace, argv: list[str], model_dir: Path, rank:
             finish_record(record)
             write_record(out, record)
             write_markdown(record, out.with_suffix(".md"))
-        log(rank, f"side {side}: " + json.dumps({k: result.get(k) for k in ("tokens_per_s", "mfu", "mfu_causal_half",
-                                                                                 "peak_gib", "step_s", "error", "skipped")}))
+        log(
+            rank,
+            f"side {side}: "
+            + json.dumps(
+                {
+                    k: result.get(k)
+                    for k in ("tokens_per_s", "mfu", "mfu_causal_half", "peak_gib", "step_s", "error", "skipped")
+                }
+            ),
+        )
     if rank == 0:
-        print(json.dumps({k: record.get(k) for k in ("device", "world_size", "tokens_per_s", "mfu", "peak_gib",
-                                                     "speedup_vs_liger", "speedup_vs_plain")}), flush=True)
+        print(
+            json.dumps(
+                {
+                    k: record.get(k)
+                    for k in (
+                        "device",
+                        "world_size",
+                        "tokens_per_s",
+                        "mfu",
+                        "peak_gib",
+                        "speedup_vs_liger",
+                        "speedup_vs_plain",
+                    )
+                }
+            ),
+            flush=True,
+        )
         print(f"wrote {out} and {out.with_suffix('.md')}", flush=True)
     return 1 if failed else 0
 
@@ -1011,8 +1322,13 @@ def plot_runs(items: list[str], path: Path) -> None:
     bars = [(label, r["tokens_per_s"], r["mfu"]) for label, r in runs]
     if first.get("baseline"):
         base = first["baseline"]
-        bars.append(("plain ZeRO-3 (HF model + loss" + (", checkpointing)" if base.get("gradient_checkpointing")
-                     else ")"), base["tokens_per_s"], base["mfu"]))
+        bars.append(
+            (
+                "plain ZeRO-3 (HF model + loss" + (", checkpointing)" if base.get("gradient_checkpointing") else ")"),
+                base["tokens_per_s"],
+                base["mfu"],
+            )
+        )
     fig, ax = plt.subplots(figsize=(7.5, 0.55 * len(bars) + 1.4))
     ys = list(range(len(bars)))[::-1]
     ax.barh(ys, [b[1] for b in bars], color=["tab:blue"] * len(runs) + ["tab:gray"] * (len(bars) - len(runs)))
@@ -1022,8 +1338,11 @@ def plot_runs(items: list[str], path: Path) -> None:
     ax.set_yticks(ys, [b[0] for b in bars], fontsize=8)
     ax.set_xlabel("tokens/s, both ranks")
     ax.set_xlim(0, max(b[1] for b in bars) * 1.3)
-    ax.set_title(f"Learner, {first['shape']} shape, ZeRO-3, {first['seq']:,} tokens a rank\n"
-                 f"{first['world_size']}× {first['device']}, one job", fontsize=9)
+    ax.set_title(
+        f"Learner, {first['shape']} shape, ZeRO-3, {first['seq']:,} tokens a rank\n"
+        f"{first['world_size']}× {first['device']}, one job",
+        fontsize=9,
+    )
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -1058,14 +1377,29 @@ def main(argv: list[str] | None = None) -> int:
     ours: dict = {}
     ours_attempts = []
     out = ROOT / "bench" / "results" / f"{args.name}.json"
-    kept = ("params", "mfu", "mfu_causal_half", "tokens_per_s", "peak_gib", "step_s", "recompute", "chunk", "head_kernels",
-            "grad_reduce", "compile_layers", "fuse_pointwise", "reduce_bucket_m", "layer_units",
-            "persistent_weights_gib", "nccl_proto")
+    kept = (
+        "params",
+        "mfu",
+        "mfu_causal_half",
+        "tokens_per_s",
+        "peak_gib",
+        "step_s",
+        "recompute",
+        "chunk",
+        "head_kernels",
+        "grad_reduce",
+        "compile_layers",
+        "fuse_pointwise",
+        "reduce_bucket_m",
+        "layer_units",
+        "persistent_weights_gib",
+        "nccl_proto",
+    )
     prev: dict = {}
     if args.skip_ours:
         prev = json.loads(out.read_text())
         ours, ours_attempts = {k: prev.get(k) for k in kept}, prev.get("attempts", [])
-    for recompute in (() if args.skip_ours else args.recompute):
+    for recompute in () if args.skip_ours else args.recompute:
         result = attempt(run_ours, args, model_dir, rank, world, on_gpu, recompute)
         ours_attempts.append({"recompute": recompute, **result})
         if not result.get("oom"):
@@ -1086,20 +1420,36 @@ def main(argv: list[str] | None = None) -> int:
         common = {"device": device, "world_size": world, "zero_stage": 3, "seq": args.seq}
         this_command = f"torchrun --nproc_per_node {world} bench/learner_multigpu.py {' '.join(argv)}"
         host = host_facts(on_gpu)
-        record = {**common, "shape": args.shape, **{k: ours.get(k) for k in kept},
-                  "baseline": {**common, **baseline} if baseline else None,
-                  "attempts": ours_attempts,
-                  "baseline_attempts": attempts,
-                  "speedup_tokens_per_s": (round(ours["tokens_per_s"] / baseline["tokens_per_s"], 3)
-                                           if baseline and ours.get("tokens_per_s") else None),
-                  "targets": {"speedup_min": 1.1, "mfu_min": 0.5, "peak_gib_max": 80},
-                  # each side's own command where they ran apart (--skip-baseline, then --skip-ours)
-                  "command": prev.get("command") or this_command,
-                  "baseline_command": this_command if baseline else None,
-                  "host": host, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        record = {
+            **common,
+            "shape": args.shape,
+            **{k: ours.get(k) for k in kept},
+            "baseline": {**common, **baseline} if baseline else None,
+            "attempts": ours_attempts,
+            "baseline_attempts": attempts,
+            "speedup_tokens_per_s": (
+                round(ours["tokens_per_s"] / baseline["tokens_per_s"], 3)
+                if baseline and ours.get("tokens_per_s")
+                else None
+            ),
+            "targets": {"speedup_min": 1.1, "mfu_min": 0.5, "peak_gib_max": 80},
+            # each side's own command where they ran apart (--skip-baseline, then --skip-ours)
+            "command": prev.get("command") or this_command,
+            "baseline_command": this_command if baseline else None,
+            "host": host,
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }
         write_record(out, record)
-        print(json.dumps({k: record[k] for k in ("device", "world_size", "tokens_per_s", "mfu", "peak_gib",
-                                                 "speedup_tokens_per_s")}), flush=True)
+        print(
+            json.dumps(
+                {
+                    k: record[k]
+                    for k in ("device", "world_size", "tokens_per_s", "mfu", "peak_gib", "speedup_tokens_per_s")
+                }
+            ),
+            flush=True,
+        )
         print(f"wrote {out}", flush=True)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

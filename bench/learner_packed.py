@@ -54,8 +54,11 @@ from bench.gpu_shapes import SHAPES  # noqa: E402
 RECIPE = ROOT / "configs" / "qwen2.5-1.5b-arpo-macro.yaml"
 TARGETS = {"mfu_vs_single_min": 0.9, "mfu_min": 0.48, "speedup_vs_baseline_min": 1.15, "peak_gib_max": 80}
 LIGER_VARIANTS = ("compiled-static", "compiled-dynamic", "eager")
-SIDE_NAMES = {"single": "ours, one unpacked sequence", "ours": "ours, the recipe's packed rows",
-              "liger": "HF + Liger-Kernel, the same packed rows"}
+SIDE_NAMES = {
+    "single": "ours, one unpacked sequence",
+    "ours": "ours, the recipe's packed rows",
+    "liger": "HF + Liger-Kernel, the same packed rows",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,23 +70,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--row-tokens", type=int, default=lm.RECIPE_ROW_TOKENS, help="a packed row's capacity")
     ap.add_argument("--rows-per-rank", type=int, default=1, help="packed rows a step")
     ap.add_argument("--recipe", type=Path, default=RECIPE, help="the recipe whose learner memory option ours runs")
-    ap.add_argument("--recompute", default="recipe",
-                    help="ours on packed rows: recipe (the recipe's option first, then the others) or a "
-                         "comma-separated order of none, mlp, layers, lean, lean+mlp (lean: activation_memory lean)")
+    ap.add_argument(
+        "--recompute",
+        default="recipe",
+        help="ours on packed rows: recipe (the recipe's option first, then the others) or a "
+        "comma-separated order of none, mlp, layers, lean, lean+mlp (lean: activation_memory lean)",
+    )
     ap.add_argument("--single-recompute", default="none,mlp,layers", help="the single side's order")
-    ap.add_argument("--baseline-attn", default="star_varlen",
-                    help="the Liger side's attn_implementation (star_varlen, flex_attention, sdpa, ...)")
-    ap.add_argument("--liger-variants", default="auto",
-                    help=f"comma-separated, of {', '.join(LIGER_VARIANTS)} (auto: all on GPU, eager on CPU); a "
-                         "compiled one runs where no compiled one before it ran, eager always; the fastest is the "
-                         "baseline")
+    ap.add_argument(
+        "--baseline-attn",
+        default="star_varlen",
+        help="the Liger side's attn_implementation (star_varlen, flex_attention, sdpa, ...)",
+    )
+    ap.add_argument(
+        "--liger-variants",
+        default="auto",
+        help=f"comma-separated, of {', '.join(LIGER_VARIANTS)} (auto: all on GPU, eager on CPU); a "
+        "compiled one runs where no compiled one before it ran, eager always; the fastest is the "
+        "baseline",
+    )
     ap.add_argument("--baseline-checkpointing", choices=["auto", "off", "on"], default="auto")
     ap.add_argument("--sdpa", default="cudnn+flash", help="ours: SDPA kernel order ('default': PyTorch's)")
     ap.add_argument("--chunk", type=int, default=4096, help="tokens per chunk of the vocabulary head (both sides)")
     ap.add_argument("--card-gib", type=float, default=80.0, help="GiB the process may use of its GPU (0: all)")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    ap.add_argument("--profile", choices=["auto", "on", "off"], default="auto",
-                    help="one more untimed step of ours on packed rows under torch.profiler (auto: on GPU)")
+    ap.add_argument(
+        "--profile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="one more untimed step of ours on packed rows under torch.profiler (auto: on GPU)",
+    )
     ap.add_argument("--name", default="learner_packed_h200", help="results file stem under bench/results/")
     ap.add_argument("--workdir", default=None, help="where the random-init model is written (default: a temp dir)")
     # internal: one side in a process of its own, its result written as JSON (every side starts on an empty GPU)
@@ -113,11 +129,34 @@ def recompute_order(args: argparse.Namespace) -> str:
 
 def side_args(args: argparse.Namespace, side: str, on_gpu: bool) -> argparse.Namespace:
     """bench/learner_multigpu.py's options for one side of this benchmark."""
-    common = ["--shape", args.shape, "--steps", str(args.steps), "--warmup", str(args.warmup), "--chunk",
-              str(args.chunk), "--card-gib", str(args.card_gib), "--device", args.device, "--sdpa", args.sdpa,
-              "--name", args.name, "--row-tokens", str(args.row_tokens), "--seq", str(args.single_seq),
-              "--rows-per-rank", str(args.rows_per_rank), "--baseline-attn", args.baseline_attn,
-              "--baseline-checkpointing", args.baseline_checkpointing]
+    common = [
+        "--shape",
+        args.shape,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--chunk",
+        str(args.chunk),
+        "--card-gib",
+        str(args.card_gib),
+        "--device",
+        args.device,
+        "--sdpa",
+        args.sdpa,
+        "--name",
+        args.name,
+        "--row-tokens",
+        str(args.row_tokens),
+        "--seq",
+        str(args.single_seq),
+        "--rows-per-rank",
+        str(args.rows_per_rank),
+        "--baseline-attn",
+        args.baseline_attn,
+        "--baseline-checkpointing",
+        args.baseline_checkpointing,
+    ]
     if side == "single":
         out = lm.parse_args([*common, "--rows", "single", "--recompute", args.single_recompute])
     else:
@@ -167,8 +206,10 @@ def loss_compilation(variant: str):
 
     torch._dynamo.reset()
     limit = {"recompile_limit": 64} if hasattr(torch._dynamo.config, "recompile_limit") else {"cache_size_limit": 64}
-    patches = {"compiled-static": {"automatic_dynamic_shapes": False, **limit},
-               "compiled-dynamic": {"assume_static_by_default": False, **limit}}.get(variant, {})
+    patches = {
+        "compiled-static": {"automatic_dynamic_shapes": False, **limit},
+        "compiled-dynamic": {"assume_static_by_default": False, **limit},
+    }.get(variant, {})
     try:
         with torch._dynamo.config.patch(**patches):
             yield
@@ -186,8 +227,9 @@ def liger_variants(args: argparse.Namespace, on_gpu: bool) -> tuple[str, ...]:
     return chosen
 
 
-def run_liger(args: argparse.Namespace, largs: argparse.Namespace, model_dir: Path,
-              on_gpu: bool) -> tuple[dict, list[dict]]:
+def run_liger(
+    args: argparse.Namespace, largs: argparse.Namespace, model_dir: Path, on_gpu: bool
+) -> tuple[dict, list[dict]]:
     """The Liger side compiled (static shapes, else dynamic) and eager, gradient checkpointing only where the
     row does not fit without it (found once, kept for the later variants); a variant that fails is recorded
     with its reason and the next runs. The result: the fastest variant that ran, every variant's figures
@@ -220,8 +262,10 @@ def run_liger(args: argparse.Namespace, largs: argparse.Namespace, model_dir: Pa
         reasons = "; ".join(f"{a['variant']}: {a.get('error') or 'out of memory'}" for a in attempts)
         return {"error": f"no variant ran ({reasons})"[:1200]}, attempts
     best = max(ran, key=lambda a: a["tokens_per_s"])
-    return {**best, "variants": {a["variant"]: {k: a.get(k) for k in ("tokens_per_s", "mfu", "peak_gib")}
-                                 for a in ran}}, attempts
+    return {
+        **best,
+        "variants": {a["variant"]: {k: a.get(k) for k in ("tokens_per_s", "mfu", "peak_gib")} for a in ran},
+    }, attempts
 
 
 def step_rates(result: dict) -> dict:
@@ -232,32 +276,58 @@ def step_rates(result: dict) -> dict:
         return {}
     mean = statistics.mean(rates)
     sd = statistics.stdev(rates) if len(rates) > 1 else 0.0
-    return {"tokens_per_s_by_step": rates, "spread": {"min": min(rates), "max": max(rates), "stdev": round(sd, 1),
-                                                      "cv": round(sd / mean, 4) if mean else None}}
+    return {
+        "tokens_per_s_by_step": rates,
+        "spread": {
+            "min": min(rates),
+            "max": max(rates),
+            "stdev": round(sd, 1),
+            "cv": round(sd / mean, 4) if mean else None,
+        },
+    }
 
 
 def finish(record: dict) -> None:
     """The top-level figures and the targets, from the sides."""
     single, ours, liger = (record["sides"].get(k) or {} for k in ("single", "ours", "liger"))
-    record.update({"single_mfu": single.get("mfu"), "single_tokens_per_s": single.get("tokens_per_s"),
-                   "mfu": ours.get("mfu"), "mfu_causal_half": ours.get("mfu_causal_half"),
-                   "tokens_per_s": ours.get("tokens_per_s"), "peak_gib": ours.get("peak_gib"),
-                   "memory_option": ours.get("recompute"), "baseline_tokens_per_s": liger.get("tokens_per_s"),
-                   "baseline_variant": liger.get("variant")})
+    record.update(
+        {
+            "single_mfu": single.get("mfu"),
+            "single_tokens_per_s": single.get("tokens_per_s"),
+            "mfu": ours.get("mfu"),
+            "mfu_causal_half": ours.get("mfu_causal_half"),
+            "tokens_per_s": ours.get("tokens_per_s"),
+            "peak_gib": ours.get("peak_gib"),
+            "memory_option": ours.get("recompute"),
+            "baseline_tokens_per_s": liger.get("tokens_per_s"),
+            "baseline_variant": liger.get("variant"),
+        }
+    )
     t = TARGETS
-    mfu, single_mfu, tps, base, peak = (record[k] for k in ("mfu", "single_mfu", "tokens_per_s",
-                                                             "baseline_tokens_per_s", "peak_gib"))
+    mfu, single_mfu, tps, base, peak = (
+        record[k] for k in ("mfu", "single_mfu", "tokens_per_s", "baseline_tokens_per_s", "peak_gib")
+    )
     record["speedup_vs_baseline"] = round(tps / base, 3) if tps and base else None
     record["targets"] = {
-        "mfu_vs_single": {"want": f">= {t['mfu_vs_single_min']} x single_mfu",
-                          "value": round(mfu / single_mfu, 3) if mfu and single_mfu else None,
-                          "pass": None if not (mfu and single_mfu) else mfu >= t["mfu_vs_single_min"] * single_mfu},
+        "mfu_vs_single": {
+            "want": f">= {t['mfu_vs_single_min']} x single_mfu",
+            "value": round(mfu / single_mfu, 3) if mfu and single_mfu else None,
+            "pass": None if not (mfu and single_mfu) else mfu >= t["mfu_vs_single_min"] * single_mfu,
+        },
         "mfu": {"want": f">= {t['mfu_min']}", "value": mfu, "pass": None if mfu is None else mfu >= t["mfu_min"]},
-        "speedup_vs_baseline": {"want": f">= {t['speedup_vs_baseline_min']}", "value": record["speedup_vs_baseline"],
-                                "pass": None if record["speedup_vs_baseline"] is None
-                                else record["speedup_vs_baseline"] >= t["speedup_vs_baseline_min"]},
-        "peak_gib": {"want": f"<= {t['peak_gib_max']}", "value": peak,
-                     "pass": None if peak is None else peak <= t["peak_gib_max"]}}
+        "speedup_vs_baseline": {
+            "want": f">= {t['speedup_vs_baseline_min']}",
+            "value": record["speedup_vs_baseline"],
+            "pass": None
+            if record["speedup_vs_baseline"] is None
+            else record["speedup_vs_baseline"] >= t["speedup_vs_baseline_min"],
+        },
+        "peak_gib": {
+            "want": f"<= {t['peak_gib_max']}",
+            "value": peak,
+            "pass": None if peak is None else peak <= t["peak_gib_max"],
+        },
+    }
     record["targets_missed"] = [k for k, v in record["targets"].items() if v["pass"] is False]
 
 
@@ -275,34 +345,43 @@ def side_line(side: str, r: dict) -> str:
         return f"| {SIDE_NAMES[side]} | {why} | | | | | | |"
     spread = r.get("spread") or {}
     if side == "liger":
-        option = f"{r.get('variant')} loss, " + ("gradient checkpointing" if r.get("gradient_checkpointing")
-                                                 else "no checkpointing")
+        option = f"{r.get('variant')} loss, " + (
+            "gradient checkpointing" if r.get("gradient_checkpointing") else "no checkpointing"
+        )
     else:
         option = f"recompute {r.get('recompute')}, SDPA {r.get('sdpa')}"
-    return (f"| {SIDE_NAMES[side]} | {_num(r['tokens_per_s'])} | {_num(spread.get('min'))}-{_num(spread.get('max'))} "
-            f"| {_num(spread.get('stdev'))} | {_pct(r.get('mfu'))} | {r.get('peak_gib') or ''} | "
-            f"{len(r.get('steps_s') or [])} | {option} |")
+    return (
+        f"| {SIDE_NAMES[side]} | {_num(r['tokens_per_s'])} | {_num(spread.get('min'))}-{_num(spread.get('max'))} "
+        f"| {_num(spread.get('stdev'))} | {_pct(r.get('mfu'))} | {r.get('peak_gib') or ''} | "
+        f"{len(r.get('steps_s') or [])} | {option} |"
+    )
 
 
 def write_markdown(record: dict, path: Path) -> None:
     rows = record.get("rows") or {}
-    lines = [f"# The learner on the recipe's packed rows: one {record['device']}, {record['shape']} shape", "",
-             f"Written by `bench/learner_packed.py` (`{record['name']}.json`), all sides in one job"
-             + (f", the process capped at {record['card_gib']:g} GiB of GPU memory" if record.get("card_gib") else "")
-             + f". Packed rows: {rows.get('rows_per_rank')} row(s) of {rows.get('row_tokens', 0):,} tokens a step, "
-             f"trajectories of the recipe's lengths (drawn mean {rows.get('drawn_mean', 0):,}); the single side: one "
-             f"unpacked {record['single_seq']:,}-token sequence a step. tokens/s: trajectory tokens over the timed "
-             "steps' time; min-max and stdev: of the steps' own rates. MFU: PaLM count, a fraction of the card's "
-             "dense bf16 peak.", "",
-             "| side | tokens/s | min-max | stdev | MFU | peak GiB | timed steps | option |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# The learner on the recipe's packed rows: one {record['device']}, {record['shape']} shape",
+        "",
+        f"Written by `bench/learner_packed.py` (`{record['name']}.json`), all sides in one job"
+        + (f", the process capped at {record['card_gib']:g} GiB of GPU memory" if record.get("card_gib") else "")
+        + f". Packed rows: {rows.get('rows_per_rank')} row(s) of {rows.get('row_tokens', 0):,} tokens a step, "
+        f"trajectories of the recipe's lengths (drawn mean {rows.get('drawn_mean', 0):,}); the single side: one "
+        f"unpacked {record['single_seq']:,}-token sequence a step. tokens/s: trajectory tokens over the timed "
+        "steps' time; min-max and stdev: of the steps' own rates. MFU: PaLM count, a fraction of the card's "
+        "dense bf16 peak.",
+        "",
+        "| side | tokens/s | min-max | stdev | MFU | peak GiB | timed steps | option |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for side in ("single", "ours", "liger"):
         if side in record["sides"]:
             lines.append(side_line(side, record["sides"][side]))
     lines += ["", "| target | want | value | pass |", "|---|---|---|---|"]
     for key, t in record["targets"].items():
-        lines.append(f"| {key} | {t['want']} | {'' if t['value'] is None else t['value']} | "
-                     f"{'n/a' if t['pass'] is None else 'yes' if t['pass'] else 'no'} |")
+        lines.append(
+            f"| {key} | {t['want']} | {'' if t['value'] is None else t['value']} | "
+            f"{'n/a' if t['pass'] is None else 'yes' if t['pass'] else 'no'} |"
+        )
     lines += ["", "Attempts, in order:", ""]
     for side, tries in record["attempts"].items():
         for a in tries:
@@ -312,20 +391,29 @@ def write_markdown(record: dict, path: Path) -> None:
             lines.append(f"- {side} {option}: {outcome}")
     prof = (record["sides"].get("ours") or {}).get("profile")
     if prof:
-        lines += ["", f"Where a step of ours on packed rows spends its time (one more step under the profiler, "
-                      f"{prof['step_s']} s; `{prof['file']}`), operators of most self time:", "",
-                  "| operator | self ms | share | calls |", "|---|---|---|---|"]
+        lines += [
+            "",
+            f"Where a step of ours on packed rows spends its time (one more step under the profiler, "
+            f"{prof['step_s']} s; `{prof['file']}`), operators of most self time:",
+            "",
+            "| operator | self ms | share | calls |",
+            "|---|---|---|---|",
+        ]
         lines += [f"| `{o['op']}` | {o['self_ms']} | {_pct(o['share'])} | {o['calls']} |" for o in prof["top_self"]]
     liger = record["sides"].get("liger") or {}
     if liger.get("liger_missing"):
         lines += ["", f"Liger side: {liger['liger_missing']} (its loss alone ran)."]
-    lines += ["", f"The Liger side's attention: `{record['baseline_attn']}` through transformers' AttentionInterface "
-                  "(the row's cu_seq_lens handed once per row); its loss LigerFusedLinearGRPOLoss (DAPO token mean, "
-                  "eps 0.2/0.28, beta 0); our weight persistence and gradient-reduce dtype"
-                  + (f" ({liger.get('persistence')}, {liger.get('grad_reduce')})" if liger.get("persistence") else "")
-                  + ".",
-              f"torch {record['torch']}, transformers {record['transformers']}, deepspeed {record['deepspeed']}, "
-              f"liger-kernel {record['liger_kernel']}; {record['date']}.", ""]
+    lines += [
+        "",
+        f"The Liger side's attention: `{record['baseline_attn']}` through transformers' AttentionInterface "
+        "(the row's cu_seq_lens handed once per row); its loss LigerFusedLinearGRPOLoss (DAPO token mean, "
+        "eps 0.2/0.28, beta 0); our weight persistence and gradient-reduce dtype"
+        + (f" ({liger.get('persistence')}, {liger.get('grad_reduce')})" if liger.get("persistence") else "")
+        + ".",
+        f"torch {record['torch']}, transformers {record['transformers']}, deepspeed {record['deepspeed']}, "
+        f"liger-kernel {record['liger_kernel']}; {record['date']}.",
+        "",
+    ]
     path.write_text("\n".join(lines))
 
 
@@ -338,8 +426,11 @@ def plot(record: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.2))
     lines = [(SIDE_NAMES[s], record["sides"].get(s) or {}) for s in ("single", "ours")]
-    lines += [(f"HF + Liger, {a['variant']} loss", step_rates(a)) for a in record["attempts"].get("liger", [])
-              if a.get("tokens_per_s")]
+    lines += [
+        (f"HF + Liger, {a['variant']} loss", step_rates(a))
+        for a in record["attempts"].get("liger", [])
+        if a.get("tokens_per_s")
+    ]
     drawn = 0
     for label, r in lines:
         rates = r.get("tokens_per_s_by_step")
@@ -350,8 +441,11 @@ def plot(record: dict, path: Path) -> None:
     ax.set_xlabel("timed step")
     ax.set_ylabel("tokens/s")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"Learner, {record['shape']} shape, one {record['device']}"
-                 + (f" capped at {record['card_gib']:g} GiB" if record.get("card_gib") else ""), fontsize=9)
+    ax.set_title(
+        f"Learner, {record['shape']} shape, one {record['device']}"
+        + (f" capped at {record['card_gib']:g} GiB" if record.get("card_gib") else ""),
+        fontsize=9,
+    )
     if drawn:
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -391,21 +485,33 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(args.workdir or tempfile.gettempdir()) / f"star-learner-packed-{args.shape}"
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = lm.build_model(probe, work / "model", rank, on_gpu)
+    lm.build_model(probe, work / "model", rank, on_gpu)
     device = torch.cuda.get_device_name(0) if on_gpu else "cpu"
     card = None
     if on_gpu:
         card = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-    record = {"name": args.name, "device": device, "device_gib": card,
-              "card_gib": (args.card_gib or card) if on_gpu else None,
-              "shape": args.shape, "world_size": world, "zero_stage": 3, "single_seq": args.single_seq,
-              "timed_steps": args.steps, "warmup_steps": args.warmup, "baseline_attn": args.baseline_attn,
-              "recipe": str(args.recipe.relative_to(ROOT)) if args.recipe.is_relative_to(ROOT) else str(args.recipe),
-              "recipe_memory_option": recipe_recompute(args.recipe),
-              "rows": lm.recipe_rows_facts(side_args(args, "ours", on_gpu), world, on_gpu),
-              "host": lm.host_facts(on_gpu), "command": f"python bench/learner_packed.py {' '.join(argv)}",
-              **versions(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "sides": {}, "attempts": {}}
+    record = {
+        "name": args.name,
+        "device": device,
+        "device_gib": card,
+        "card_gib": (args.card_gib or card) if on_gpu else None,
+        "shape": args.shape,
+        "world_size": world,
+        "zero_stage": 3,
+        "single_seq": args.single_seq,
+        "timed_steps": args.steps,
+        "warmup_steps": args.warmup,
+        "baseline_attn": args.baseline_attn,
+        "recipe": str(args.recipe.relative_to(ROOT)) if args.recipe.is_relative_to(ROOT) else str(args.recipe),
+        "recipe_memory_option": recipe_recompute(args.recipe),
+        "rows": lm.recipe_rows_facts(side_args(args, "ours", on_gpu), world, on_gpu),
+        "host": lm.host_facts(on_gpu),
+        "command": f"python bench/learner_packed.py {' '.join(argv)}",
+        **versions(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "sides": {},
+        "attempts": {},
+    }
     torch.distributed.destroy_process_group()
     if on_gpu:
         torch.cuda.empty_cache()
@@ -417,11 +523,30 @@ def main(argv: list[str] | None = None) -> int:
         record["attempts"][side] = tries
         record["wall_s"] = round(time.perf_counter() - started, 1)
         write(record)
-        lm.log(rank, f"side {side}: " + json.dumps({k: result.get(k) for k in ("tokens_per_s", "mfu", "peak_gib",
-                                                                                 "error", "skipped")}))
+        lm.log(
+            rank,
+            f"side {side}: "
+            + json.dumps({k: result.get(k) for k in ("tokens_per_s", "mfu", "peak_gib", "error", "skipped")}),
+        )
     out = lm.record_path(args)
-    print(json.dumps({k: record.get(k) for k in ("device", "single_mfu", "mfu", "tokens_per_s", "baseline_tokens_per_s",
-                                                 "peak_gib", "targets_missed", "wall_s")}), flush=True)
+    print(
+        json.dumps(
+            {
+                k: record.get(k)
+                for k in (
+                    "device",
+                    "single_mfu",
+                    "mfu",
+                    "tokens_per_s",
+                    "baseline_tokens_per_s",
+                    "peak_gib",
+                    "targets_missed",
+                    "wall_s",
+                )
+            }
+        ),
+        flush=True,
+    )
     print(f"wrote {out}, {out.with_suffix('.md')} and {out.with_suffix('.png')}", flush=True)
     return 0
 
@@ -447,8 +572,9 @@ def side_in_process(argv: list[str], side: str, work: Path) -> tuple[dict, list[
     is that side's error cell. (result, every attempt)."""
     out = work / f"side-{side}.json"
     out.unlink(missing_ok=True)
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--one-side", side,
-                           "--side-out", str(out)], cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), *argv, "--one-side", side, "--side-out", str(out)], cwd=ROOT
+    )
     if out.is_file():
         done = json.loads(out.read_text())
         return done["result"], done["attempts"]

@@ -32,16 +32,42 @@ class LoadResult:
 
 
 @contextmanager
-def serve_app(factory: str, port: int, env: dict[str, str], *, workers: int = 1, timeout: float = 120.0,
-              host: str = "127.0.0.1", wrap: Sequence[str] = ()) -> Iterator[subprocess.Popen]:
+def serve_app(
+    factory: str,
+    port: int,
+    env: dict[str, str],
+    *,
+    workers: int = 1,
+    timeout: float = 120.0,
+    host: str = "127.0.0.1",
+    wrap: Sequence[str] = (),
+) -> Iterator[subprocess.Popen]:
     """Run `factory` (e.g. services.reward.app:create_app) under uvicorn on `host`:`port` until the
     block ends; returns (the process) once /readyz answers 200. `wrap`: a command the server runs
     under (e.g. one entering another network namespace)."""
     import httpx
 
-    proc = subprocess.Popen([*wrap, sys.executable, "-m", "uvicorn", "--factory", factory, "--host", host,
-                             "--port", str(port), "--workers", str(workers), "--log-level", "warning",
-                             "--no-access-log"], env={**os.environ, **env}, cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            *wrap,
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--factory",
+            factory,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--workers",
+            str(workers),
+            "--log-level",
+            "warning",
+            "--no-access-log",
+        ],
+        env={**os.environ, **env},
+        cwd=ROOT,
+    )
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -64,8 +90,10 @@ def serve_app(factory: str, port: int, env: dict[str, str], *, workers: int = 1,
 
 
 def post_request(host: str, port: int, path: str, body: bytes) -> bytes:
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: keep-alive\r\n\r\n")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: keep-alive\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -85,8 +113,9 @@ async def _read_response(reader: asyncio.StreamReader) -> int:
     return status
 
 
-async def _worker(host: str, port: int, requests: Sequence[bytes], offset: int, deadline: float,
-                  out: LoadResult) -> None:
+async def _worker(
+    host: str, port: int, requests: Sequence[bytes], offset: int, deadline: float, out: LoadResult
+) -> None:
     reader, writer = await asyncio.open_connection(host, port)
     i = offset
     try:

@@ -76,9 +76,17 @@ def save(result: dict[str, Any]) -> None:
 
 # -- CPU checks ------------------------------------------------------------------------------------
 
+
 def cpu_checks() -> None:
-    from services.model_families import (FAMILIES, FamilyUnavailable, engine_report, learner_report,
-                                         scripted_conversation, sft_report, tito_report)
+    from services.model_families import (
+        FAMILIES,
+        FamilyUnavailable,
+        engine_report,
+        learner_report,
+        scripted_conversation,
+        sft_report,
+        tito_report,
+    )
 
     started = time.perf_counter()
     rows = {}
@@ -99,12 +107,18 @@ def cpu_checks() -> None:
             rows[name] = row
             print(name, json.dumps(row), flush=True)
     result = load()
-    result |= {"python": platform.python_version(), "device": "cpu", "dtype": "float32",
-               "seconds": round(time.perf_counter() - started, 1), "families": rows}
+    result |= {
+        "python": platform.python_version(),
+        "device": "cpu",
+        "dtype": "float32",
+        "seconds": round(time.perf_counter() - started, 1),
+        "families": rows,
+    }
     save(result)
 
 
 # -- vLLM against the learner ------------------------------------------------------------------------
+
 
 def sample_child(names: list[str], model: str, dtype: str, into: str, max_tokens: int) -> None:
     """In its own process: one vLLM engine on `model` samples each family's turns."""
@@ -113,8 +127,13 @@ def sample_child(names: list[str], model: str, dtype: str, into: str, max_tokens
 
     async def run() -> dict[str, Any]:
         t0 = time.perf_counter()
-        engine = VllmEngine(model, max_model_len=4096, dtype=dtype, kv_cache_gib=1,
-                            args={"enforce_eager": True, "gpu_memory_utilization": 0.3, "compile": False})
+        engine = VllmEngine(
+            model,
+            max_model_len=4096,
+            dtype=dtype,
+            kv_cache_gib=1,
+            args={"enforce_eager": True, "gpu_memory_utilization": 0.3, "compile": False},
+        )
         up = time.perf_counter() - t0
         try:
             out = {}
@@ -129,8 +148,9 @@ def sample_child(names: list[str], model: str, dtype: str, into: str, max_tokens
     Path(into).write_text(json.dumps(asyncio.run(run())))
 
 
-def sample_group(names: list[str], size: dict[str, int], dtype: str, max_tokens: int,
-                 child_timeout: int) -> tuple[Path | None, dict[str, Any], dict[str, str] | None]:
+def sample_group(
+    names: list[str], size: dict[str, int], dtype: str, max_tokens: int, child_timeout: int
+) -> tuple[Path | None, dict[str, Any], dict[str, str] | None]:
     """The group's tiny model, and what one vLLM subprocess sampled on it: (folder, samples, failure)."""
     from services.model_families import FamilyUnavailable, tiny_family_model
 
@@ -144,12 +164,26 @@ def sample_group(names: list[str], size: dict[str, int], dtype: str, max_tokens:
         return None, {}, {"error": f"model: {type(exc).__name__}: {exc}"}
     with tempfile.TemporaryDirectory() as tmp:
         into, log = Path(tmp) / "sampled.json", Path(tmp) / "child.log"
-        cmd = [sys.executable, __file__, "--sample", ",".join(names), "--model", str(folder), "--dtype", dtype,
-               "--into", str(into), "--max-tokens", str(max_tokens)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--sample",
+            ",".join(names),
+            "--model",
+            str(folder),
+            "--dtype",
+            dtype,
+            "--into",
+            str(into),
+            "--max-tokens",
+            str(max_tokens),
+        ]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         with log.open("w") as out:
             try:
-                code = subprocess.run(cmd, env=env, timeout=child_timeout, stdout=out, stderr=subprocess.STDOUT).returncode
+                code = subprocess.run(
+                    cmd, env=env, timeout=child_timeout, stdout=out, stderr=subprocess.STDOUT
+                ).returncode
             except subprocess.TimeoutExpired:
                 return folder, {}, {"error": f"vLLM did not sample within {child_timeout} s"}
         if code != 0 or not into.exists():
@@ -203,9 +237,16 @@ def engine_checks(gpu: bool, families: list[str] | None, max_tokens: int, child_
     earlier = {name: {"device": before.get("device"), **row} for name, row in before.get("families", {}).items()}
     rows = {name: {"device": device, **row} for name, row in rows.items()}
     result["engine_checks"][key] = {  # the families run now replace their earlier rows; the others stay
-        "device": device, "engine": "vllm", "engine_dtype": dtype, "model_size": size or "tiny_config defaults",
-        "max_tokens_per_turn": max_tokens, "turns": 3, "temperature": 1.0,
-        "seconds": round(time.perf_counter() - started, 1), "families": {**earlier, **rows}}
+        "device": device,
+        "engine": "vllm",
+        "engine_dtype": dtype,
+        "model_size": size or "tiny_config defaults",
+        "max_tokens_per_turn": max_tokens,
+        "turns": 3,
+        "temperature": 1.0,
+        "seconds": round(time.perf_counter() - started, 1),
+        "families": {**earlier, **rows},
+    }
     save(result)
     write_table(result)
 
@@ -225,37 +266,55 @@ def _engine_cell(check: dict[str, Any] | None, name: str) -> str:
         return "not run"
     if "error" in row or "unavailable" in row:
         return "failed: " + (row.get("error") or row["unavailable"])[:80]
-    cell = (f"max {row['logprob_max_abs_diff']:.1e}, mean {row['logprob_mean_abs_diff']:.1e} "
-            f"({row['compared_tokens']} tokens, learner {row['learner_precision']})")
+    cell = (
+        f"max {row['logprob_max_abs_diff']:.1e}, mean {row['logprob_mean_abs_diff']:.1e} "
+        f"({row['compared_tokens']} tokens, learner {row['learner_precision']})"
+    )
     # a row measured before a fix that changes it says so until the check runs again
     return cell + (f"; **stale**: {row['stale']}" if row.get("stale") else "")
 
 
 def table(result: dict[str, Any]) -> str:
     checks = result.get("engine_checks", {})
-    head = ("| family | template | tokenizer (vocabulary) | tool format (style, tool output role) | TITO exact | "
-            "SFT = rollout / = template | learner vs the model's own (CPU fp32) | learner vs transformers engine "
-            "(CPU fp32) | learner vs vLLM (CPU fp32) | learner vs vLLM (GPU bf16) | fused point-wise / head |")
+    head = (
+        "| family | template | tokenizer (vocabulary) | tool format (style, tool output role) | TITO exact | "
+        "SFT = rollout / = template | learner vs the model's own (CPU fp32) | learner vs transformers engine "
+        "(CPU fp32) | learner vs vLLM (CPU fp32) | learner vs vLLM (GPU bf16) | fused point-wise / head |"
+    )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for name, row in result["families"].items():
         if "unavailable" in row:
-            lines.append(f"| {name} | {row['template_source']} | {row['tokenizer_source']} | unavailable here |"
-                         + " |" * 7)
+            lines.append(
+                f"| {name} | {row['template_source']} | {row['tokenizer_source']} | unavailable here |" + " |" * 7
+            )
             continue
         turns = row["template_equal_per_turn"]
-        tito = "yes" if row["tito_exact"] else (
-            f"prompt = tokens so far on every turn; equals a re-render on {sum(turns)}/{len(turns)}"
-            if row["turns_prefix_exact"] else "no")
-        sft = "not run" if "sft_equals_rollout" not in row else \
-            f"{'yes' if row['sft_equals_rollout'] else 'no'} / {'yes' if row['sft_equals_template'] else 'no'}"
+        tito = (
+            "yes"
+            if row["tito_exact"]
+            else (
+                f"prompt = tokens so far on every turn; equals a re-render on {sum(turns)}/{len(turns)}"
+                if row["turns_prefix_exact"]
+                else "no"
+            )
+        )
+        sft = (
+            "not run"
+            if "sft_equals_rollout" not in row
+            else f"{'yes' if row['sft_equals_rollout'] else 'no'} / {'yes' if row['sft_equals_template'] else 'no'}"
+        )
         fused = "on" if row["fused_pointwise"].get("rotary") else "off"
-        engine = _diff(row.get("engine_logprob_max_abs_diff")) + f" ({row['engine_tokens']} tokens)" \
-            if "engine_tokens" in row else "not run (vLLM serves it)"
+        engine = (
+            _diff(row.get("engine_logprob_max_abs_diff")) + f" ({row['engine_tokens']} tokens)"
+            if "engine_tokens" in row
+            else "not run (vLLM serves it)"
+        )
         lines.append(
             f"| {name} | {row['template_source']} | {row['tokenizer_source']} | {row['tool_format']} "
             f"({row['chat_style']}, `{row['tool_role']}`) | {tito} | {sft} | {_diff(row['logprob_max_abs_diff'])} | "
             f"{engine} | {_engine_cell(checks.get('cpu-vllm'), name)} | {_engine_cell(checks.get('gpu-vllm'), name)} | "
-            f"{fused} / {'on' if row['fused_head'] else 'off'} (`{row['model_type']}`) |")
+            f"{fused} / {'on' if row['fused_head'] else 'off'} (`{row['model_type']}`) |"
+        )
     gpu = checks.get("gpu-vllm")
     note = ""
     if gpu:
@@ -279,6 +338,7 @@ def write_table(result: dict[str, Any]) -> None:
 
 
 # -- tokenizers for a machine without the packages ----------------------------------------------------
+
 
 def pack_tokenizers(path: Path) -> None:
     from services.model_families import FAMILIES, family_tokenizer

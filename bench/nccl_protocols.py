@@ -35,11 +35,13 @@ def measure(sizes_m: list[float], dtype_name: str, iters: int) -> list[dict]:
         whole = torch.ones(n, dtype=dtype, device="cuda")
         shard = torch.ones(n // world, dtype=dtype, device="cuda")
         for op in ("all_gather", "reduce_scatter"):
+
             def once() -> None:
                 if op == "all_gather":
                     dist.all_gather_into_tensor(whole, shard)
                 else:
                     dist.reduce_scatter_tensor(shard, whole)
+
             for _ in range(3):
                 once()
             torch.cuda.synchronize()
@@ -48,8 +50,15 @@ def measure(sizes_m: list[float], dtype_name: str, iters: int) -> list[dict]:
                 once()
             torch.cuda.synchronize()
             s = (time.perf_counter() - t0) / iters
-            rows.append({"op": op, "elements_m": size_m, "dtype": dtype_name, "ms": round(s * 1e3, 3),
-                         "algbw_gb_s": round(whole.numel() * whole.element_size() / s / 1e9, 1)})
+            rows.append(
+                {
+                    "op": op,
+                    "elements_m": size_m,
+                    "dtype": dtype_name,
+                    "ms": round(s * 1e3, 3),
+                    "algbw_gb_s": round(whole.numel() * whole.element_size() / s / 1e9, 1),
+                }
+            )
     return rows
 
 
@@ -68,8 +77,12 @@ def worker(args: argparse.Namespace) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--sizes", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 12.0, 47.0],
-                    help="millions of elements (47: one 1.5B-shape decoder layer)")
+    ap.add_argument(
+        "--sizes",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[1.0, 12.0, 47.0],
+        help="millions of elements (47: one 1.5B-shape decoder layer)",
+    )
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -86,17 +99,34 @@ def main() -> int:
         if setting != "default":
             env["NCCL_PROTO"] = setting
         out = Path(f"/tmp/nccl-proto-{os.getpid()}.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port",
-               str(free_port()), __file__, "--worker", "--out", str(out), "--iters", str(args.iters),
-               "--sizes", ",".join(str(s) for s in args.sizes)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(args.nproc),
+            "--master_port",
+            str(free_port()),
+            __file__,
+            "--worker",
+            "--out",
+            str(out),
+            "--iters",
+            str(args.iters),
+            "--sizes",
+            ",".join(str(s) for s in args.sizes),
+        ]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             print(f"{setting}: failed\n{done.stderr[-2000:]}", flush=True)
             continue
         for row in json.loads(out.read_text()):
             record["rows"].append({"protocol": setting, **row})
-            print(f"{setting:8} {row['op']:15} {row['dtype']:9} {row['elements_m']:6.1f}M  {row['ms']:8.3f} ms  "
-                  f"{row['algbw_gb_s']:7.1f} GB/s", flush=True)
+            print(
+                f"{setting:8} {row['op']:15} {row['dtype']:9} {row['elements_m']:6.1f}M  {row['ms']:8.3f} ms  "
+                f"{row['algbw_gb_s']:7.1f} GB/s",
+                flush=True,
+            )
     import torch
 
     record["device"] = torch.cuda.get_device_name(0)

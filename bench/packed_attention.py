@@ -54,9 +54,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.learner.attention import (PACKED_ATTENTION, PER_SEQUENCE_ATTENTION, VARLEN_ATTENTION,  # noqa: E402
-                                       VARLEN_GQA_ATTENTION, packed_kwargs, uses_varlen_kernel, varlen_options,
-                                       warm_sequence_plans)
+from services.learner.attention import (  # noqa: E402
+    PACKED_ATTENTION,
+    PER_SEQUENCE_ATTENTION,
+    VARLEN_ATTENTION,
+    VARLEN_GQA_ATTENTION,
+    packed_kwargs,
+    uses_varlen_kernel,
+    varlen_options,
+    warm_sequence_plans,
+)
 from services.learner.engine import sdpa_priority  # noqa: E402
 
 FA4_ATTENTION = "bench_fa4_varlen"
@@ -71,13 +78,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--intermediate", type=int, default=18944)
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--lengths", default="12000,9000,11768",
-                    help="the packed row's sequences, in tokens (default: 32,768 in three)")
+    ap.add_argument(
+        "--lengths", default="12000,9000,11768", help="the packed row's sequences, in tokens (default: 32,768 in three)"
+    )
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--fresh-lengths", action="store_true", help="new lengths every pass (see above)")
-    ap.add_argument("--sdpa", default="cudnn,flash",
-                    help="SDPA kernels in priority order on GPU (the learner's sdpa_backends); 'default': PyTorch's")
+    ap.add_argument(
+        "--sdpa",
+        default="cudnn,flash",
+        help="SDPA kernels in priority order on GPU (the learner's sdpa_backends); 'default': PyTorch's",
+    )
     ap.add_argument("--name", default="packed_attention")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
@@ -98,15 +109,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_layers(args: argparse.Namespace, impl: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2Model
 
-    config = Qwen2Config(hidden_size=args.hidden, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                         intermediate_size=args.intermediate, num_hidden_layers=args.layers, vocab_size=1024,
-                         max_position_embeddings=max(32768, max(args.lengths)), attn_implementation=impl)
+    config = Qwen2Config(
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        vocab_size=1024,
+        max_position_embeddings=max(32768, max(args.lengths)),
+        attn_implementation=impl,
+    )
     torch.manual_seed(0)
     return Qwen2Model(config).to(device=device, dtype=dtype).train()
 
 
-def timed_pass(model: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor, packed: bool,
-               device: torch.device) -> float:
+def timed_pass(
+    model: torch.nn.Module, hidden: torch.Tensor, positions: torch.Tensor, packed: bool, device: torch.device
+) -> float:
     """One forward and backward; seconds."""
     kwargs = packed_kwargs(positions) if packed else {}
     if device.type == "cuda":
@@ -119,8 +138,9 @@ def timed_pass(model: torch.nn.Module, hidden: torch.Tensor, positions: torch.Te
     return time.perf_counter() - t0
 
 
-def measure(model: torch.nn.Module, batches, packed: bool, args: argparse.Namespace,
-            device: torch.device) -> dict[str, float]:
+def measure(
+    model: torch.nn.Module, batches, packed: bool, args: argparse.Namespace, device: torch.device
+) -> dict[str, float]:
     """Median seconds of running every batch once, and peak GiB over a pass. `batches`: a list of
     (hidden, positions), or a function of the pass's index giving that list and its real tokens."""
     times, per_token = [], []
@@ -136,8 +156,12 @@ def measure(model: torch.nn.Module, batches, packed: bool, args: argparse.Namesp
             per_token.append(total / tokens)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     seconds = statistics.median(times)
-    return {"seconds": seconds, "ms_per_1k_tokens": statistics.median(per_token) * 1e6, "peak_gib": peak,
-            "tokens": tokens}
+    return {
+        "seconds": seconds,
+        "ms_per_1k_tokens": statistics.median(per_token) * 1e6,
+        "peak_gib": peak,
+        "tokens": tokens,
+    }
 
 
 def fresh_lengths(base: list[int], i: int) -> list[int]:
@@ -149,13 +173,16 @@ def fresh_lengths(base: list[int], i: int) -> list[int]:
 def fresh_batches(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, packed: bool):
     """The pass-index → (batches, real tokens) function of --fresh-lengths: one packed row, or each sequence
     alone padded to a multiple of 256 with positions continuing (the learner's unpacked rows)."""
+
     def make(i: int):
         lengths = fresh_lengths(args.lengths, i)
         g = torch.Generator().manual_seed(i)
         seqs = [torch.randn(1, n, args.hidden, generator=g) * 0.02 for n in lengths]
         if packed:
-            row = (torch.cat(seqs, dim=1).to(device, dtype),
-                   torch.cat([torch.arange(n) for n in lengths])[None].to(device))
+            row = (
+                torch.cat(seqs, dim=1).to(device, dtype),
+                torch.cat([torch.arange(n) for n in lengths])[None].to(device),
+            )
             return [row], sum(lengths)
         alone = []
         for s in seqs:
@@ -163,6 +190,7 @@ def fresh_batches(args: argparse.Namespace, device: torch.device, dtype: torch.d
             h = torch.nn.functional.pad(s, (0, 0, 0, width - s.shape[1]))
             alone.append((h.to(device, dtype), torch.arange(width, device=device)[None]))
         return alone, sum(lengths)
+
     return make
 
 
@@ -176,14 +204,18 @@ def run(args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randn(1, n, args.hidden, generator=g) * 0.02 for n in args.lengths]
     alone = [(s.to(device, dtype), torch.arange(s.shape[1], device=device)[None]) for s in seqs]
-    row = (torch.cat(seqs, dim=1).to(device, dtype),
-           torch.cat([torch.arange(n) for n in args.lengths])[None].to(device))
+    row = (
+        torch.cat(seqs, dim=1).to(device, dtype),
+        torch.cat([torch.arange(n) for n in args.lengths])[None].to(device),
+    )
     variants = {"alone": measure(model, alone, False, args, device)}
     varlen = uses_varlen_kernel(row[0])
     kernel = "varlen_attn" if varlen else "SDPA per sequence"
-    for name, impl, used in (("packed varlen", VARLEN_ATTENTION, kernel),
-                             ("packed varlen, GQA native", VARLEN_GQA_ATTENTION, kernel),
-                             ("packed per-sequence", PER_SEQUENCE_ATTENTION, "SDPA per sequence")):
+    for name, impl, used in (
+        ("packed varlen", VARLEN_ATTENTION, kernel),
+        ("packed varlen, GQA native", VARLEN_GQA_ATTENTION, kernel),
+        ("packed per-sequence", PER_SEQUENCE_ATTENTION, "SDPA per sequence"),
+    ):
         model.config._attn_implementation = impl
         variants[name] = {**measure(model, [row], True, args, device), "kernel": used}
     model.config._attn_implementation = "sdpa"
@@ -194,8 +226,9 @@ def run(args: argparse.Namespace) -> dict:
     return record_of(args, device, dtype, variants, "packed varlen" if varlen else "packed per-sequence")
 
 
-def record_of(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, variants: dict, auto_picks: str,
-              **extra) -> dict:
+def record_of(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, variants: dict, auto_picks: str, **extra
+) -> dict:
     """The run's record: each variant's cost per token against `alone`, and whether it meets the target."""
     base = variants["alone"]["ms_per_1k_tokens"]
     for v in variants.values():
@@ -203,13 +236,29 @@ def record_of(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
             v["per_token_vs_alone"] = v["ms_per_1k_tokens"] / base
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "transformers": __import__("transformers").__version__, "dtype": str(dtype),
-        "shape": {"hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
-                  "intermediate": args.intermediate, "layers": args.layers},
-        "lengths": args.lengths, **extra, "warmup": args.warmup, "repeat": args.repeat, "variants": variants,
-        "varlen_options": varlen_options(), "auto_picks": auto_picks, "target_per_token_vs_alone": TARGET,
-        "meets_target": {name: v["per_token_vs_alone"] <= TARGET for name, v in variants.items()
-                         if name != "alone" and "per_token_vs_alone" in v},
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "dtype": str(dtype),
+        "shape": {
+            "hidden": args.hidden,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "intermediate": args.intermediate,
+            "layers": args.layers,
+        },
+        "lengths": args.lengths,
+        **extra,
+        "warmup": args.warmup,
+        "repeat": args.repeat,
+        "variants": variants,
+        "varlen_options": varlen_options(),
+        "auto_picks": auto_picks,
+        "target_per_token_vs_alone": TARGET,
+        "meets_target": {
+            name: v["per_token_vs_alone"] <= TARGET
+            for name, v in variants.items()
+            if name != "alone" and "per_token_vs_alone" in v
+        },
     }
 
 
@@ -228,12 +277,22 @@ def fa4_varlen():
         cu, longest = kwargs.pop("cu_seq_lens_q", None), kwargs.pop("max_length_q", None)
         kwargs.pop("sequence_spans", None)
         if cu is None:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                          scaling=scaling, **kwargs)
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
         b, h, t, d = query.shape
         q, k, v = (x.transpose(1, 2).reshape(b * t, x.shape[1], d) for x in (query, key, value))
-        out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=int(longest),
-                                     max_seqlen_k=int(longest), softmax_scale=scaling, causal=True)
+        out = flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu,
+            cu_seqlens_k=cu,
+            max_seqlen_q=int(longest),
+            max_seqlen_k=int(longest),
+            softmax_scale=scaling,
+            causal=True,
+        )
         out = out[0] if isinstance(out, tuple) else out
         return out.view(b, t, h, d), None
 
@@ -254,8 +313,9 @@ def exactness(model: torch.nn.Module, args: argparse.Namespace, device: torch.de
         outs, grads = [], []
         for h, p in batches:
             h = h.clone().requires_grad_()
-            out = model(inputs_embeds=h, position_ids=p, use_cache=False,
-                        **(packed_kwargs(p) if packed else {})).last_hidden_state
+            out = model(
+                inputs_embeds=h, position_ids=p, use_cache=False, **(packed_kwargs(p) if packed else {})
+            ).last_hidden_state
             (out.float().square().sum() * 1e-3).backward()  # the same weight per token packed or alone
             outs.append(out.detach().float())
             grads.append(h.grad.float())
@@ -267,8 +327,10 @@ def exactness(model: torch.nn.Module, args: argparse.Namespace, device: torch.de
     model.config._attn_implementation = "sdpa"
     alone = run([(s, torch.arange(s.shape[1], device=device)[None]) for s in seqs], False)
     model.config._attn_implementation = impl
-    out = {name: float((p - a).abs().max() / a.abs().max())
-           for name, p, a in zip(("output", "input_grad", "param_grad"), packed, alone)}
+    out = {
+        name: float((p - a).abs().max() / a.abs().max())
+        for name, p, a in zip(("output", "input_grad", "param_grad"), packed, alone)
+    }
     model.zero_grad(set_to_none=True)
     return out
 
@@ -284,10 +346,13 @@ def fresh_run(args: argparse.Namespace, model: torch.nn.Module, device: torch.de
     kept = attention.SEQUENCE_MULTIPLE
     longest = max(max(ls) for ls in (fresh_lengths(args.lengths, i) for i in range(args.warmup + args.repeat)))
     variants, tolerance = {}, {}
-    runs = [("packed varlen", VARLEN_ATTENTION, kept), ("packed varlen, GQA native", VARLEN_GQA_ATTENTION, kept),
-            ("packed per-sequence, unpadded", PER_SEQUENCE_ATTENTION, 1),
-            ("packed per-sequence, plans as met", PER_SEQUENCE_ATTENTION, kept),
-            ("packed per-sequence, plans at start", PER_SEQUENCE_ATTENTION, kept)]
+    runs = [
+        ("packed varlen", VARLEN_ATTENTION, kept),
+        ("packed varlen, GQA native", VARLEN_GQA_ATTENTION, kept),
+        ("packed per-sequence, unpadded", PER_SEQUENCE_ATTENTION, 1),
+        ("packed per-sequence, plans as met", PER_SEQUENCE_ATTENTION, kept),
+        ("packed per-sequence, plans at start", PER_SEQUENCE_ATTENTION, kept),
+    ]
     fa4 = fa4_varlen() if device.type == "cuda" else None
     if fa4:
         runs.append(("packed FlashAttention-4 varlen", fa4, kept))
@@ -299,12 +364,22 @@ def fresh_run(args: argparse.Namespace, model: torch.nn.Module, device: torch.de
             if name.endswith("plans at start") and device.type == "cuda":
                 t0 = time.perf_counter()
                 cfg = model.config
-                built = warm_sequence_plans(cfg.num_attention_heads, cfg.num_key_value_heads,
-                                            cfg.hidden_size // cfg.num_attention_heads, longest, device, dtype)
+                built = warm_sequence_plans(
+                    cfg.num_attention_heads,
+                    cfg.num_key_value_heads,
+                    cfg.hidden_size // cfg.num_attention_heads,
+                    longest,
+                    device,
+                    dtype,
+                )
                 torch.cuda.synchronize(device)
                 extra = {"plans_built": len(built), "plans_seconds": time.perf_counter() - t0}
-            variants[name] = {**measure(model, row, True, args, device), "kernel": impl, **extra,
-                              "exactness": exactness(model, args, device, dtype)}
+            variants[name] = {
+                **measure(model, row, True, args, device),
+                "kernel": impl,
+                **extra,
+                "exactness": exactness(model, args, device, dtype),
+            }
         except Exception as e:  # noqa: BLE001 - a kernel this GPU or torch does not run: recorded, the rest still run
             variants[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         finally:
@@ -315,22 +390,32 @@ def fresh_run(args: argparse.Namespace, model: torch.nn.Module, device: torch.de
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4  # fp32: rounding of matmuls of other shapes
     exact = {n: max(v["exactness"].values()) <= tolerance for n, v in variants.items() if "exactness" in v}
     timed = {n: v["ms_per_1k_tokens"] for n, v in variants.items() if n != "alone" and exact.get(n)}
-    return record_of(args, device, dtype, variants, "packed varlen" if varlen else "packed per-sequence",
-                     fresh_lengths=[fresh_lengths(args.lengths, i) for i in range(args.warmup + args.repeat)],
-                     exactness_tolerance=tolerance, exact=exact,
-                     fastest_exact=min(timed, key=timed.get) if timed else None,
-                     fa4=fa4 is not None, sdpa_backends=args.sdpa if device.type == "cuda" else None)
+    return record_of(
+        args,
+        device,
+        dtype,
+        variants,
+        "packed varlen" if varlen else "packed per-sequence",
+        fresh_lengths=[fresh_lengths(args.lengths, i) for i in range(args.warmup + args.repeat)],
+        exactness_tolerance=tolerance,
+        exact=exact,
+        fastest_exact=min(timed, key=timed.get) if timed else None,
+        fa4=fa4 is not None,
+        sdpa_backends=args.sdpa if device.type == "cuda" else None,
+    )
 
 
 def markdown(record: dict, command: str) -> str:
     s = record["shape"]
     lines = [
-        f"# Packed rows against their sequences alone ({record['device']})", "",
+        f"# Packed rows against their sequences alone ({record['device']})",
+        "",
         f"torch {record['torch']}, transformers {record['transformers']}, {record['dtype']}. Qwen2 decoder layers at "
         f"hidden {s['hidden']}, {s['heads']} heads ({s['kv_heads']} KV), MLP {s['intermediate']}, {s['layers']} layers; "
         f"one row of {len(record['lengths'])} sequences ({', '.join(f'{n:,}' for n in record['lengths'])} tokens, "
         f"{sum(record['lengths']):,} in all{'; new lengths every pass, each 0.8-1.2× these' if record.get('fresh_lengths') else ''}); "
-        f"forward + backward, median of {record['repeat']} after {record['warmup']} warm-up.", "",
+        f"forward + backward, median of {record['repeat']} after {record['warmup']} warm-up.",
+        "",
         "| | fwd+bwd ms | ms per 1K tokens | per token vs alone | peak GiB | largest difference from unpacked "
         "(output / input grad / weight grad, relative) |",
         "|---|---|---|---|---|---|",
@@ -344,18 +429,28 @@ def markdown(record: dict, command: str) -> str:
             label += f"; {v['plans_built']} plans built in {v['plans_seconds']:.1f} s"
         peak = "n/a" if v["peak_gib"] is None else f"{v['peak_gib']:.2f}"
         diff = " / ".join(f"{x:.1e}" for x in v["exactness"].values()) if "exactness" in v else ""
-        lines.append(f"| {label} | {v['seconds'] * 1e3:.1f} | {v['ms_per_1k_tokens']:.2f} | "
-                     f"{v['per_token_vs_alone']:.3f}× | {peak} | {diff} |")
-    verdicts = ", ".join(f"{name} {'met' if ok else 'NOT met'} ({record['variants'][name]['per_token_vs_alone']:.3f}×)"
-                         for name, ok in record["meets_target"].items())
-    lines += ["", f"Target: packed per-token cost ≤ {record['target_per_token_vs_alone']}× the sequences alone: "
-              f"{verdicts}. The learner's default (`packed_attention: auto`) runs {record['auto_picks']} here."]
+        lines.append(
+            f"| {label} | {v['seconds'] * 1e3:.1f} | {v['ms_per_1k_tokens']:.2f} | "
+            f"{v['per_token_vs_alone']:.3f}× | {peak} | {diff} |"
+        )
+    verdicts = ", ".join(
+        f"{name} {'met' if ok else 'NOT met'} ({record['variants'][name]['per_token_vs_alone']:.3f}×)"
+        for name, ok in record["meets_target"].items()
+    )
+    lines += [
+        "",
+        f"Target: packed per-token cost ≤ {record['target_per_token_vs_alone']}× the sequences alone: "
+        f"{verdicts}. The learner's default (`packed_attention: auto`) runs {record['auto_picks']} here.",
+    ]
     if "exact" in record:
-        lines += ["", f"Within {record['exactness_tolerance']:g} of the unpacked rows: "
-                  f"{', '.join(n for n, ok in record['exact'].items() if ok) or 'none'}; the fastest of them: "
-                  f"{record['fastest_exact']}. SDPA priority: {record['sdpa_backends'] or 'PyTorch order'}; "
-                  f"FlashAttention-4 {'measured' if record['fa4'] else 'not installed (left out)'}; no "
-                  "FlashAttention-3 wheel is published on PyPI."]
+        lines += [
+            "",
+            f"Within {record['exactness_tolerance']:g} of the unpacked rows: "
+            f"{', '.join(n for n, ok in record['exact'].items() if ok) or 'none'}; the fastest of them: "
+            f"{record['fastest_exact']}. SDPA priority: {record['sdpa_backends'] or 'PyTorch order'}; "
+            f"FlashAttention-4 {'measured' if record['fa4'] else 'not installed (left out)'}; no "
+            "FlashAttention-3 wheel is published on PyPI.",
+        ]
     lines += ["", f"Command: `{command}`", ""]
     return "\n".join(lines)
 

@@ -43,7 +43,6 @@ import asyncio
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -66,8 +65,11 @@ def variant_items(name: str, args: argparse.Namespace) -> list[str]:
     """The variant's `--set` items: deadlines and over-sampling on (a short group deadline, partial groups trained,
     surplus prompts) or off (none, the recipe's deadlines)."""
     if name == "on":
-        return [f"rl.oversample={args.oversample}", f"rl.sampling.group_timeout_s={args.group_timeout_s}",
-                "rl.late_groups=partial"]
+        return [
+            f"rl.oversample={args.oversample}",
+            f"rl.sampling.group_timeout_s={args.group_timeout_s}",
+            "rl.late_groups=partial",
+        ]
     return ["rl.oversample=0"]
 
 
@@ -98,15 +100,23 @@ def step_figures(rl_dir: Path) -> list[dict[str, Any]]:
     for step, row in zip(steps, rows):
         wall = step["wall_s"] or 1.0
         step["split_share"] = {k: step["split_s"][k] / wall for k in SPLIT}
-        step["length_histogram"] = {k[len(HIST):]: int(v) for k, v in row.items() if k.startswith(HIST)}
+        step["length_histogram"] = {k[len(HIST) :]: int(v) for k, v in row.items() if k.startswith(HIST)}
         sampled = (row.get("rollout/sampled_tokens_mean") or 0.0) * (row.get("samples_trained") or 0.0)
         step["sampled_tokens"] = sampled
         rollout = step["split_s"]["rollout"]
         step["agent_tokens_per_s"] = sampled / rollout if rollout > 1.0 else None
         step["longest_episode_s"] = row.get("rollout/total_s_max")
-        step["groups"] = {k: row.get(k, 0.0) for k in ("groups_late", "groups_partial", "groups_dropped_late",
-                                                          "episodes_cut", "groups_surplus_trained",
-                                                          "groups_surplus_dropped")}
+        step["groups"] = {
+            k: row.get(k, 0.0)
+            for k in (
+                "groups_late",
+                "groups_partial",
+                "groups_dropped_late",
+                "episodes_cut",
+                "groups_surplus_trained",
+                "groups_surplus_dropped",
+            )
+        }
     return steps
 
 
@@ -119,9 +129,12 @@ def summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
     wall = sum(s["wall_s"] - s.get("checkpoint_s", 0.0) for s in later)
     rollout = sum(s["split_s"]["rollout"] for s in later)
     sampled = sum(s["sampled_tokens"] for s in later)
-    return {"measured_step_s": wall / len(later), "idle_share": sum(s["split_s"]["idle"] for s in later) / wall,
-            "agent_tokens_per_s": sampled / rollout if rollout > 1.0 else None,
-            "measured_over": "steps after the first" if len(steps) > 1 else "all steps"}
+    return {
+        "measured_step_s": wall / len(later),
+        "idle_share": sum(s["split_s"]["idle"] for s in later) / wall,
+        "agent_tokens_per_s": sampled / rollout if rollout > 1.0 else None,
+        "measured_over": "steps after the first" if len(steps) > 1 else "all steps",
+    }
 
 
 # -- the closed-loop ceiling ---------------------------------------------------------------------------
@@ -168,8 +181,14 @@ def worker_env(config: Any, placement: Any, model: Path) -> dict[str, str]:
     if (placement.colocated or placement.derived) and budget is not None:
         pooled = str(colocated_concurrency(s.rollout_workers, budget, len(placement.engine_devices)))
         env.update(STAR_ROLLOUT_MAX_INFLIGHT_EPISODES=pooled, STAR_ROLLOUT_MAX_BATCH=pooled)
-    return {**env, **placement.engine_env(0), "STAR_MODEL": str(model), "STAR_ROLLOUT_ENGINE": s.engine,
-            "STAR_ROLLOUT_VLLM": vllm.model_dump_json(), "STAR_ROLLOUT_MAX_MODEL_LEN": str(config.rl.sampling.engine_max_len)}
+    return {
+        **env,
+        **placement.engine_env(0),
+        "STAR_MODEL": str(model),
+        "STAR_ROLLOUT_ENGINE": s.engine,
+        "STAR_ROLLOUT_VLLM": vllm.model_dump_json(),
+        "STAR_ROLLOUT_MAX_MODEL_LEN": str(config.rl.sampling.engine_max_len),
+    }
 
 
 def ceiling_child(args: argparse.Namespace) -> None:
@@ -177,7 +196,7 @@ def ceiling_child(args: argparse.Namespace) -> None:
     AsyncLLM; the result as JSON at `args.ceiling_out`."""
     from transformers import AutoTokenizer
 
-    from bench.rollout_limit import ToolLatency, closed_loop, engine_counters, counters_during, sandbox_latency
+    from bench.rollout_limit import ToolLatency, closed_loop, counters_during, engine_counters, sandbox_latency
     from services.common.settings import get_settings
     from services.rollout.capacity import engine_for_budget, inflight_budget
     from services.rollout.service import RolloutConfig, make_engine
@@ -201,20 +220,35 @@ def ceiling_child(args: argparse.Namespace) -> None:
             warm = [dict(plan[0], turns=plan[0]["turns"][:1])]
             await closed_loop(engine.llm, warm, loop_args, tokenizer.vocab_size)
             before = engine_counters()
-            res = await closed_loop(engine.llm, plan, loop_args, tokenizer.vocab_size,
-                                    latency=ToolLatency(p50, p99, seed=1), inflight=budget)
+            res = await closed_loop(
+                engine.llm,
+                plan,
+                loop_args,
+                tokenizer.vocab_size,
+                latency=ToolLatency(p50, p99, seed=1),
+                inflight=budget,
+            )
             res["engine"] = counters_during(before, engine_counters())
         finally:
             await engine.close()
-        return {**res, "start_s": started, "episodes": len(plan), "inflight": budget,
-                "max_num_seqs": config.vllm.max_num_seqs, "tool_latency_p50_s": p50, "tool_latency_p99_s": p99,
-                "vllm_args": config.vllm.model_dump(), "gpu_memory_utilization": config.gpu_memory_utilization}
+        return {
+            **res,
+            "start_s": started,
+            "episodes": len(plan),
+            "inflight": budget,
+            "max_num_seqs": config.vllm.max_num_seqs,
+            "tool_latency_p50_s": p50,
+            "tool_latency_p99_s": p99,
+            "vllm_args": config.vllm.model_dump(),
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+        }
 
     Path(args.ceiling_out).write_text(json.dumps(asyncio.run(measure()), indent=1))
 
 
-def measure_ceiling(args: argparse.Namespace, work: Path, config: Any, placement: Any, model: Path,
-                    rl_dir: Path) -> dict[str, Any]:
+def measure_ceiling(
+    args: argparse.Namespace, work: Path, config: Any, placement: Any, model: Path, rl_dir: Path
+) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     scripts = episode_scripts(rl_dir, AutoTokenizer.from_pretrained(model))
@@ -238,8 +272,13 @@ def measure_ceiling(args: argparse.Namespace, work: Path, config: Any, placement
 # -- the record -----------------------------------------------------------------------------------
 
 
-def record(args: argparse.Namespace, config: Any, variants: dict[str, Any], ceiling: dict[str, Any] | None,
-           placement_text: list[str]) -> dict[str, Any]:
+def record(
+    args: argparse.Namespace,
+    config: Any,
+    variants: dict[str, Any],
+    ceiling: dict[str, Any] | None,
+    placement_text: list[str],
+) -> dict[str, Any]:
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -260,71 +299,118 @@ def record(args: argparse.Namespace, config: Any, variants: dict[str, Any], ceil
     on, off = variants.get("on", {}).get("measured_step_s"), variants.get("off", {}).get("measured_step_s")
     from bench.gpu_shapes import shape_params
 
-    return {"recipe": RECIPE if not args.smoke else "configs/tiny.yaml", "device": device, "gpus": args.gpus,
-            "placement": placement_text, "placement_mode": mode,
-            "params": None if args.smoke else shape_params("1.5b"),
-            "batch": {"prompts": args.prompts, "group": GROUP, "recipe_prompts": 32,
-                      "published_on": published(args.prompts, args.oversample)},
-            "episode_shape": "teacher (services/rollout/episode_shapes.py)",
-            "steps": steps, "idle_share": main.get("idle_share"), "measured_step_s": measured,
-            "measured_over": main.get("measured_over"),
-            "agent_tokens_per_s": agent, "ceiling": ceiling, "ceiling_tokens_per_s": ceiling_tps,
-            "rollout_efficiency": agent / ceiling_tps if agent and ceiling_tps else None,
-            "prediction": prediction, "predicted_step_s": predicted,
-            "ratio": measured / predicted if measured and predicted else None,
-            "within_target": bool(measured and predicted and abs(measured / predicted - 1) <= TARGET),
-            "target": TARGET, "variants": variants,
-            "deadlines_effect": {"on_step_s": on, "off_step_s": off,
-                                 "on_over_off": on / off if on and off else None}}
+    return {
+        "recipe": RECIPE if not args.smoke else "configs/tiny.yaml",
+        "device": device,
+        "gpus": args.gpus,
+        "placement": placement_text,
+        "placement_mode": mode,
+        "params": None if args.smoke else shape_params("1.5b"),
+        "batch": {
+            "prompts": args.prompts,
+            "group": GROUP,
+            "recipe_prompts": 32,
+            "published_on": published(args.prompts, args.oversample),
+        },
+        "episode_shape": "teacher (services/rollout/episode_shapes.py)",
+        "steps": steps,
+        "idle_share": main.get("idle_share"),
+        "measured_step_s": measured,
+        "measured_over": main.get("measured_over"),
+        "agent_tokens_per_s": agent,
+        "ceiling": ceiling,
+        "ceiling_tokens_per_s": ceiling_tps,
+        "rollout_efficiency": agent / ceiling_tps if agent and ceiling_tps else None,
+        "prediction": prediction,
+        "predicted_step_s": predicted,
+        "ratio": measured / predicted if measured and predicted else None,
+        "within_target": bool(measured and predicted and abs(measured / predicted - 1) <= TARGET),
+        "target": TARGET,
+        "variants": variants,
+        "deadlines_effect": {"on_step_s": on, "off_step_s": off, "on_over_off": on / off if on and off else None},
+    }
 
 
 def markdown(rec: dict[str, Any]) -> str:
     def f(x: Any, fmt: str = "{:.2f}") -> str:
         return "–" if x is None else fmt.format(x)
 
-    lines = [f"# `star train {rec['recipe']}` on {rec['gpus']}× {rec['device']}", "",
-             "`python bench/recipe_1p5b.py` (method in its docstring). Placement as printed:", "", "```",
-             *rec["placement"], "```", "",
-             f"Batch: {rec['batch']['prompts']} prompts × {rec['batch']['group']} a step (the recipe's "
-             f"{rec['batch']['recipe_prompts']}; with over-sampling {rec['batch']['published_on']} published); "
-             f"episodes of the teacher's shape.", ""]
+    lines = [
+        f"# `star train {rec['recipe']}` on {rec['gpus']}× {rec['device']}",
+        "",
+        "`python bench/recipe_1p5b.py` (method in its docstring). Placement as printed:",
+        "",
+        "```",
+        *rec["placement"],
+        "```",
+        "",
+        f"Batch: {rec['batch']['prompts']} prompts × {rec['batch']['group']} a step (the recipe's "
+        f"{rec['batch']['recipe_prompts']}; with over-sampling {rec['batch']['published_on']} published); "
+        f"episodes of the teacher's shape.",
+        "",
+    ]
     for name, v in rec["variants"].items():
         lines += [f"## Variant {name}: {' '.join(v.get('settings', [])) or 'the recipe'}", ""]
         if v.get("skipped"):
             lines += [f"Not run: {v['skipped']}", ""]
             continue
-        lines += ["| step | wall (s) | rollout | scoring | training | sync | idle | packed rows | agent tokens/s | "
-                  "late / partial / cut | lengths (≤1K/2K/4K/8K/16K/32K/over) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "| step | wall (s) | rollout | scoring | training | sync | idle | packed rows | agent tokens/s | "
+            "late / partial / cut | lengths (≤1K/2K/4K/8K/16K/32K/over) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for s in v["steps"]:
             sp, g, h = s["split_s"], s.get("groups", {}), s.get("length_histogram", {})
-            hist = "/".join(str(h.get(k, 0)) for k in ("le_1024", "le_2048", "le_4096", "le_8192", "le_16384",
-                                                        "le_32768", "over"))
-            lines.append(f"| {s['step']} | {s['wall_s']:.1f} | " + " | ".join(f"{sp[k]:.1f}" for k in SPLIT)
-                         + f" | {s.get('packed_rows') or 0:.0f} | {f(s.get('agent_tokens_per_s'), '{:,.0f}')} | "
-                         f"{g.get('groups_late', 0):.0f} / {g.get('groups_partial', 0):.0f} / "
-                         f"{g.get('episodes_cut', 0):.0f} | {hist} |")
-        lines += ["", f"Mean step {f(v.get('measured_step_s'), '{:.1f}')} s ({v.get('measured_over')}), idle "
-                      f"{f(v.get('idle_share'), '{:.1%}')} of it; agent {f(v.get('agent_tokens_per_s'), '{:,.0f}')} "
-                      f"tokens/s during rollout; `star train` rc {v.get('rc')}.", ""]
+            hist = "/".join(
+                str(h.get(k, 0)) for k in ("le_1024", "le_2048", "le_4096", "le_8192", "le_16384", "le_32768", "over")
+            )
+            lines.append(
+                f"| {s['step']} | {s['wall_s']:.1f} | "
+                + " | ".join(f"{sp[k]:.1f}" for k in SPLIT)
+                + f" | {s.get('packed_rows') or 0:.0f} | {f(s.get('agent_tokens_per_s'), '{:,.0f}')} | "
+                f"{g.get('groups_late', 0):.0f} / {g.get('groups_partial', 0):.0f} / "
+                f"{g.get('episodes_cut', 0):.0f} | {hist} |"
+            )
+        lines += [
+            "",
+            f"Mean step {f(v.get('measured_step_s'), '{:.1f}')} s ({v.get('measured_over')}), idle "
+            f"{f(v.get('idle_share'), '{:.1%}')} of it; agent {f(v.get('agent_tokens_per_s'), '{:,.0f}')} "
+            f"tokens/s during rollout; `star train` rc {v.get('rc')}.",
+            "",
+        ]
     c = rec.get("ceiling") or {}
-    lines += ["## Closed-loop ceiling", "",
-              f"{c.get('episodes', '–')} episodes from {c.get('scripts', '–')} trained scripts, at most "
-              f"{c.get('inflight', '–')} in flight, tool calls waiting {f(c.get('tool_latency_p50_s'), '{:.3f}')} s "
-              f"(p50) to {f(c.get('tool_latency_p99_s'), '{:.3f}')} s (p99): {f(c.get('tokens_per_s'), '{:,.0f}')} "
-              f"tokens/s (rc {c.get('rc', '–')}{', ' + c['error'] if c.get('error') else ''}). Rollout efficiency "
-              f"(the run's agent tokens/s over it): {f(rec.get('rollout_efficiency'))} (target 0.85).", ""]
+    lines += [
+        "## Closed-loop ceiling",
+        "",
+        f"{c.get('episodes', '–')} episodes from {c.get('scripts', '–')} trained scripts, at most "
+        f"{c.get('inflight', '–')} in flight, tool calls waiting {f(c.get('tool_latency_p50_s'), '{:.3f}')} s "
+        f"(p50) to {f(c.get('tool_latency_p99_s'), '{:.3f}')} s (p99): {f(c.get('tokens_per_s'), '{:,.0f}')} "
+        f"tokens/s (rc {c.get('rc', '–')}{', ' + c['error'] if c.get('error') else ''}). Rollout efficiency "
+        f"(the run's agent tokens/s over it): {f(rec.get('rollout_efficiency'))} (target 0.85).",
+        "",
+    ]
     p = rec.get("prediction")
     if p and p.get("seconds"):
         pred = p["seconds"]
-        lines += ["## Time model", "", f"Predicted ({p['machine']['placement']}, this batch): {pred['step']:.1f} s a "
-                  f"step (rollout {pred['rollout']:.1f}, scoring {pred['scoring']:.1f}, training {pred['training']:.1f}, "
-                  f"sync {pred['weight_sync']:.1f}); measured {f(rec['measured_step_s'], '{:.1f}')} s: ratio "
-                  f"{f(rec['ratio'])} ({'within' if rec['within_target'] else 'outside'} ±{rec['target']:.0%}).", ""]
+        lines += [
+            "## Time model",
+            "",
+            f"Predicted ({p['machine']['placement']}, this batch): {pred['step']:.1f} s a "
+            f"step (rollout {pred['rollout']:.1f}, scoring {pred['scoring']:.1f}, training {pred['training']:.1f}, "
+            f"sync {pred['weight_sync']:.1f}); measured {f(rec['measured_step_s'], '{:.1f}')} s: ratio "
+            f"{f(rec['ratio'])} ({'within' if rec['within_target'] else 'outside'} ±{rec['target']:.0%}).",
+            "",
+        ]
         if p.get("note"):
             lines += [p["note"], ""]
     d = rec["deadlines_effect"]
-    lines += ["## Deadlines and over-sampling", "", f"Mean step with them {f(d['on_step_s'], '{:.1f}')} s, without "
-              f"{f(d['off_step_s'], '{:.1f}')} s (ratio {f(d['on_over_off'])}).", ""]
+    lines += [
+        "## Deadlines and over-sampling",
+        "",
+        f"Mean step with them {f(d['on_step_s'], '{:.1f}')} s, without "
+        f"{f(d['off_step_s'], '{:.1f}')} s (ratio {f(d['on_over_off'])}).",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -357,8 +443,15 @@ def plot(rec: dict[str, Any], path: Path) -> None:
 # -- the job --------------------------------------------------------------------------------------
 
 
-def run_variant(args: argparse.Namespace, work: Path, model: Path | None, name: str, steps: int,
-                env: dict[str, str], minutes: float | None = None) -> dict[str, Any]:
+def run_variant(
+    args: argparse.Namespace,
+    work: Path,
+    model: Path | None,
+    name: str,
+    steps: int,
+    env: dict[str, str],
+    minutes: float | None = None,
+) -> dict[str, Any]:
     """One variant's `star train`; `minutes`: the RL stage's wall-clock budget (rl.max_minutes), so that a slow run
     still leaves the job its later parts."""
     run_dir = work / f"run-{name}"
@@ -368,17 +461,31 @@ def run_variant(args: argparse.Namespace, work: Path, model: Path | None, name: 
     rc, output = base.run_train(run_args, run_dir, items, env)
     (work / f"train-{name}.log").write_text(output)
     figures = step_figures(run_dir / "rl")
-    return {"settings": variant_items(name, args), "overrides": items, "steps_asked": steps, "rc": rc,
-            "train_s": time.monotonic() - t0, "steps": figures, **summary(figures),
-            "placement": base.placement_lines(output), "failures": base.failures(run_dir, output, rc),
-            "trajectories": base.trajectory_shape(run_dir / "rl")}
+    return {
+        "settings": variant_items(name, args),
+        "overrides": items,
+        "steps_asked": steps,
+        "rc": rc,
+        "train_s": time.monotonic() - t0,
+        "steps": figures,
+        **summary(figures),
+        "placement": base.placement_lines(output),
+        "failures": base.failures(run_dir, output, rc),
+        "trajectories": base.trajectory_shape(run_dir / "rl"),
+    }
 
 
 FIRST_SHARE = 0.6  # of the job's budget, the first variant's RL stage at most
 
 
-def write(args: argparse.Namespace, work: Path, config: Any, variants: dict[str, Any], ceiling: dict[str, Any] | None,
-          t_start: float) -> dict[str, Any]:
+def write(
+    args: argparse.Namespace,
+    work: Path,
+    config: Any,
+    variants: dict[str, Any],
+    ceiling: dict[str, Any] | None,
+    t_start: float,
+) -> dict[str, Any]:
     """The record so far, rewritten after each part (a job cut short keeps what was done)."""
     placement_text = next((v["placement"] for v in variants.values() if v.get("placement")), [])
     rec = record(args, config, variants, ceiling, placement_text)
@@ -402,8 +509,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="on,off", help="which variants, in order (on, off)")
     ap.add_argument("--oversample", type=float, default=0.25, help="variant on: rl.oversample")
     ap.add_argument("--group-timeout-s", type=float, default=60.0, help="variant on: rl.sampling.group_timeout_s")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="wall seconds the job has: a later variant runs only with the steps that fit what is left")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall seconds the job has: a later variant runs only with the steps that fit what is left",
+    )
     ap.add_argument("--min-steps", type=int, default=3, help="fewest steps a later variant is worth running")
     ap.add_argument("--no-ceiling", dest="ceiling", action="store_false", help="skip the closed-loop ceiling")
     ap.add_argument("--ceiling-timeout-s", type=float, default=240)
@@ -453,9 +564,13 @@ def main(argv: list[str] | None = None) -> int:
             left = args.budget_s - (time.monotonic() - t_start) - 30
             steps = min(args.steps, int((left - start) // per_step)) if per_step > 0 else 0
             if steps < args.min_steps:
-                variants[name] = {"settings": variant_items(name, args), "skipped": (
-                    f"{left:.0f} s left of --budget-s {args.budget_s:.0f}: {max(steps, 0)} steps of "
-                    f"{per_step:.0f} s after a {start:.0f} s start fit, fewer than {args.min_steps}")}
+                variants[name] = {
+                    "settings": variant_items(name, args),
+                    "skipped": (
+                        f"{left:.0f} s left of --budget-s {args.budget_s:.0f}: {max(steps, 0)} steps of "
+                        f"{per_step:.0f} s after a {start:.0f} s start fit, fewer than {args.min_steps}"
+                    ),
+                }
                 log(variants[name]["skipped"])
                 continue
         minutes = None

@@ -66,9 +66,18 @@ def model_folder(work: Path, tokenizer: str | None, shape: str = "7b") -> Path:
 
     # built in a child process: a CUDA context left in this one would hold GPU 0's memory through the run
     folder = work / f"qwen2.5-{shape}-random"
-    subprocess.run([sys.executable, "-c", "import sys; from bench.gpu_shapes import model_folder; "
-                    "model_folder(sys.argv[1], sys.argv[2], max_positions=32768)", str(folder), shape],
-                   cwd=ROOT, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from bench.gpu_shapes import model_folder; "
+            "model_folder(sys.argv[1], sys.argv[2], max_positions=32768)",
+            str(folder),
+            shape,
+        ],
+        cwd=ROOT,
+        check=True,
+    )
     if tokenizer:
         tok = AutoTokenizer.from_pretrained(tokenizer)
     else:
@@ -76,7 +85,10 @@ def model_folder(work: Path, tokenizer: str | None, shape: str = "7b") -> Path:
 
         tok = qwen_tokenizer()
     tok.save_pretrained(folder)
-    ids = {"eos_token_id": tok.convert_tokens_to_ids("<|im_end|>"), "bos_token_id": tok.convert_tokens_to_ids("<|endoftext|>")}
+    ids = {
+        "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>"),
+        "bos_token_id": tok.convert_tokens_to_ids("<|endoftext|>"),
+    }
     for name in ("config.json", "generation_config.json"):
         path = folder / name
         if path.is_file():
@@ -84,34 +96,59 @@ def model_folder(work: Path, tokenizer: str | None, shape: str = "7b") -> Path:
     return folder
 
 
-def overrides(args: argparse.Namespace, model: Path | None, forced: dict[str, Any] | None = None,
-              prompts: int = 32) -> list[str]:
+def overrides(
+    args: argparse.Namespace, model: Path | None, forced: dict[str, Any] | None = None, prompts: int = 32
+) -> list[str]:
     """The `--set` items of the run: RL from the given model on a synthetic world of the benchmark's scale, few
     steps, forced episodes (`forced`: rl.sampling.forced_turns, else the fixed shape of `args`); `prompts`: the
     prompts a step publishes (over-sampled ones included), for the RL queries synthesized."""
     if forced is None:
         forced = {"tool_calls": args.tool_calls, "turn_tokens": args.turn_tokens, "answer_tokens": args.answer_tokens}
-    items = [f"rl.max_steps={args.steps}", "rl.val_every=0", "rl.epochs=1", "synth.sft_queries=0",
-             "synth.val_queries=0", "synth.heldout_queries=0", "world.source=synthetic",
-             f"rl.sampling.forced_turns={json.dumps(forced)}"]
+    items = [
+        f"rl.max_steps={args.steps}",
+        "rl.val_every=0",
+        "rl.epochs=1",
+        "synth.sft_queries=0",
+        "synth.val_queries=0",
+        "synth.heldout_queries=0",
+        "world.source=synthetic",
+        f"rl.sampling.forced_turns={json.dumps(forced)}",
+    ]
     if args.smoke:
         items += ["synth.rl_queries=8"]
     else:
-        items += [f"model.path={model}", "world.synthetic_size=full",
-                  f"synth.rl_queries={prompts * args.steps}",
-                  "rl.save_every=16"]  # one checkpoint, the run's last: the steps measured write none
+        items += [
+            f"model.path={model}",
+            "world.synthetic_size=full",
+            f"synth.rl_queries={prompts * args.steps}",
+            "rl.save_every=16",
+        ]  # one checkpoint, the run's last: the steps measured write none
     return items + list(args.set)
 
 
 def run_train(args: argparse.Namespace, run_dir: Path, items: list[str], env: dict[str, str]) -> tuple[int, str]:
     """`star train` as a person runs it (services.cli), its output teed into WORK/train.log."""
-    argv = [sys.executable, "-m", "services.cli", "train", args.recipe, "--run-dir", str(run_dir),
-            "--stage", "synth", "--stage", "rl", *[a for item in items for a in ("--set", item)]]
+    argv = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "train",
+        args.recipe,
+        "--run-dir",
+        str(run_dir),
+        "--stage",
+        "synth",
+        "--stage",
+        "rl",
+        *[a for item in items for a in ("--set", item)],
+    ]
     log("+ " + " ".join(argv))
     out: list[str] = []
     restarts, stopping = 0, False
-    with open(run_dir.parent / "train.log", "w") as f, subprocess.Popen(
-            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    with (
+        open(run_dir.parent / "train.log", "w") as f,
+        subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc,
+    ):
         for line in proc.stdout:
             print(line, end="", flush=True)
             f.write(line)
@@ -137,7 +174,7 @@ def placement_lines(output: str) -> list[str]:
     for i, line in enumerate(lines):
         if line.lower().startswith("placement"):
             block = [line.rstrip()]
-            for more in lines[i + 1:]:
+            for more in lines[i + 1 :]:
                 if not more.startswith(" ") or not more.strip():
                     break
                 block.append(more.rstrip())
@@ -153,13 +190,19 @@ def steps_from_metrics(rl_dir: Path) -> list[dict[str, Any]]:
     for row in read_metrics(rl_dir):
         if row.get("phase", "rl") != "rl" or "time_step_wall_s" not in row:
             continue
-        steps.append({"step": row.get("step"), "wall_s": row["time_step_wall_s"],
-                      "split_s": {k: row.get(f"split_{k}_s", 0.0) for k in SPLIT},
-                      "packed_rows": row.get("packed_rows"), "tokens": row.get("tokens"),
-                      "samples": row.get("samples_trained"), "mfu": row.get("mfu"),
-                      "checkpoint_s": row.get("time_checkpoint_s", 0.0),
-                      **{k: row[k] for k in ("colocate_sleep_s", "colocate_wake_s", "colocate_weights_s")
-                         if k in row}})
+        steps.append(
+            {
+                "step": row.get("step"),
+                "wall_s": row["time_step_wall_s"],
+                "split_s": {k: row.get(f"split_{k}_s", 0.0) for k in SPLIT},
+                "packed_rows": row.get("packed_rows"),
+                "tokens": row.get("tokens"),
+                "samples": row.get("samples_trained"),
+                "mfu": row.get("mfu"),
+                "checkpoint_s": row.get("time_checkpoint_s", 0.0),
+                **{k: row[k] for k in ("colocate_sleep_s", "colocate_wake_s", "colocate_weights_s") if k in row},
+            }
+        )
     return steps
 
 
@@ -174,12 +217,22 @@ def trajectory_shape(rl_dir: Path) -> dict[str, float]:
             tokens.append(row["tokens"])
         if isinstance(row.get("tool_calls"), (int, float)):
             calls.append(row["tool_calls"])
-    return {"mean_tokens": statistics.mean(tokens) if tokens else None,
-            "mean_tool_calls": statistics.mean(calls) if calls else None, "samples_read": len(tokens)}
+    return {
+        "mean_tokens": statistics.mean(tokens) if tokens else None,
+        "mean_tool_calls": statistics.mean(calls) if calls else None,
+        "samples_read": len(tokens),
+    }
 
 
-def predict(config, steps: list[dict[str, Any]], device: str, gpus: int, placement: str,
-            tool_calls: float | None = None, shape: str = "7b") -> dict[str, Any]:
+def predict(
+    config,
+    steps: list[dict[str, Any]],
+    device: str,
+    gpus: int,
+    placement: str,
+    tool_calls: float | None = None,
+    shape: str = "7b",
+) -> dict[str, Any]:
     """The time model's step for this machine and placement, at the measured steps' shape (`tool_calls`: the
     episodes' mean, where they are drawn rather than fixed) and the model's (`shape`, bench/gpu_shapes.py)."""
     comps, _ = components_from_results()
@@ -189,10 +242,19 @@ def predict(config, steps: list[dict[str, Any]], device: str, gpus: int, placeme
     trained = [s for s in steps if s.get("tokens") and s.get("samples")]
     tokens = statistics.mean(s["tokens"] / s["samples"] for s in trained) if trained else Recipe().trajectory_tokens
     r = config.rl
-    recipe = Recipe(prompts=r.batch_prompts, group=r.group_size, trajectory_tokens=int(tokens),
-                    tool_calls=(round(tool_calls) if tool_calls else r.sampling.forced_turns.tool_calls
-                                if r.sampling.forced_turns else Recipe().tool_calls),
-                    gpus=gpus)
+    recipe = Recipe(
+        prompts=r.batch_prompts,
+        group=r.group_size,
+        trajectory_tokens=int(tokens),
+        tool_calls=(
+            round(tool_calls)
+            if tool_calls
+            else r.sampling.forced_turns.tool_calls
+            if r.sampling.forced_turns
+            else Recipe().tool_calls
+        ),
+        gpus=gpus,
+    )
     colocated = placement == "colocated"
     engines = gpus if colocated else config.services.rollout_workers
     learner = gpus if colocated else config.deployment.learner_ranks or 1
@@ -201,11 +263,24 @@ def predict(config, steps: list[dict[str, Any]], device: str, gpus: int, placeme
         target, note = device, None
     except SystemExit:
         target, note = comps.device, f"no figures for {device}: predicted for {comps.device}, the components' card"
-    machine = Machine(device=target, gpus=gpus, placement=placement, engines=engines, learner_gpus=learner,
-                      max_staleness=r.max_staleness)
+    machine = Machine(
+        device=target,
+        gpus=gpus,
+        placement=placement,
+        engines=engines,
+        learner_gpus=learner,
+        max_staleness=r.max_staleness,
+    )
     seconds = predict_step(comps, recipe, machine, colocate=colocate if colocated else None)
-    return {"seconds": seconds, "machine": machine.__dict__, "recipe": recipe.__dict__, "note": note,
-            "components_device": comps.device, "components_shape": carried, "colocate_source": "bench/results/colocate_gpu.json" if colocate else None}
+    return {
+        "seconds": seconds,
+        "machine": machine.__dict__,
+        "recipe": recipe.__dict__,
+        "note": note,
+        "components_device": comps.device,
+        "components_shape": carried,
+        "colocate_source": "bench/results/colocate_gpu.json" if colocate else None,
+    }
 
 
 def placement_mode(lines: list[str]) -> str:
@@ -233,17 +308,30 @@ def record(args, work: Path, config, output: str, steps: list[dict[str, Any]], r
     ratio = measured_s / predicted_s if measured_s else None
     from bench.gpu_shapes import shape_params
 
-    return {"recipe": args.recipe, "command_rc": rc, "steps_asked": args.steps, "device": device,
-            "gpus": args.gpus,
-            "placement": placed, "placement_mode": mode, "params": None if args.smoke else shape_params("7b"),
-            "overrides": overrides(args, Path("MODEL")), "steps": steps, "trajectories": shape,
-            "measured_step_s": measured_s,
-            "measured_over": ("steps after the first" if len(steps) > 1 else "all steps") + ", checkpoints left out",
-            "checkpoint_s": sum(s.get("checkpoint_s", 0.0) for s in steps),
-            "measured_busy_s": busy_s, "busy_ratio": busy_s / predicted_s if busy_s else None,
-            "prediction": prediction, "predicted_step_s": predicted_s, "ratio": ratio,
-            "within_target": ratio is not None and abs(ratio - 1) <= TARGET, "target": TARGET,
-            "failures": failures(work / "run", output, rc)}
+    return {
+        "recipe": args.recipe,
+        "command_rc": rc,
+        "steps_asked": args.steps,
+        "device": device,
+        "gpus": args.gpus,
+        "placement": placed,
+        "placement_mode": mode,
+        "params": None if args.smoke else shape_params("7b"),
+        "overrides": overrides(args, Path("MODEL")),
+        "steps": steps,
+        "trajectories": shape,
+        "measured_step_s": measured_s,
+        "measured_over": ("steps after the first" if len(steps) > 1 else "all steps") + ", checkpoints left out",
+        "checkpoint_s": sum(s.get("checkpoint_s", 0.0) for s in steps),
+        "measured_busy_s": busy_s,
+        "busy_ratio": busy_s / predicted_s if busy_s else None,
+        "prediction": prediction,
+        "predicted_step_s": predicted_s,
+        "ratio": ratio,
+        "within_target": ratio is not None and abs(ratio - 1) <= TARGET,
+        "target": TARGET,
+        "failures": failures(work / "run", output, rc),
+    }
 
 
 def failures(run_dir: Path, output: str, rc: int | None) -> dict[str, Any]:
@@ -264,30 +352,53 @@ def failures(run_dir: Path, output: str, rc: int | None) -> dict[str, Any]:
 
 def markdown(rec: dict[str, Any]) -> str:
     pred = rec["prediction"]["seconds"]
-    lines = [f"# `star train {rec['recipe']}` on {rec['gpus']}× {rec['device']}", "",
-             "`python bench/recipe_7b.py` (method in its docstring). Placement as printed:", "", "```",
-             *rec["placement"], "```", "",
-             f"Parameters: {rec['params'] or 'tiny'}; trajectories: {rec['trajectories']['mean_tokens'] or 0:,.0f} "
-             f"tokens and {rec['trajectories']['mean_tool_calls'] or 0:.1f} tool calls on average "
-             f"({rec['trajectories']['samples_read']} samples read).", "",
-             "| step | wall (s) | rollout | scoring | training | sync | idle | packed rows |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# `star train {rec['recipe']}` on {rec['gpus']}× {rec['device']}",
+        "",
+        "`python bench/recipe_7b.py` (method in its docstring). Placement as printed:",
+        "",
+        "```",
+        *rec["placement"],
+        "```",
+        "",
+        f"Parameters: {rec['params'] or 'tiny'}; trajectories: {rec['trajectories']['mean_tokens'] or 0:,.0f} "
+        f"tokens and {rec['trajectories']['mean_tool_calls'] or 0:.1f} tool calls on average "
+        f"({rec['trajectories']['samples_read']} samples read).",
+        "",
+        "| step | wall (s) | rollout | scoring | training | sync | idle | packed rows |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for s in rec["steps"]:
         sp = s["split_s"]
-        lines.append(f"| {s['step']} | {s['wall_s']:.1f} | " + " | ".join(f"{sp[k]:.1f}" for k in SPLIT)
-                     + f" | {s.get('packed_rows') or 0:.0f} |")
+        lines.append(
+            f"| {s['step']} | {s['wall_s']:.1f} | "
+            + " | ".join(f"{sp[k]:.1f}" for k in SPLIT)
+            + f" | {s.get('packed_rows') or 0:.0f} |"
+        )
     if rec["command_rc"] is None:
-        lines += ["", f"Written from the metrics of a run cut short (`--record-only`): {len(rec['steps'])} of "
-                      f"{rec.get('steps_asked', '?')} steps trained."]
-    lines += ["", f"| predicted ({rec['prediction']['machine']['placement']}) | {pred['step']:.1f} | {pred['rollout']:.1f} "
-              f"| {pred['scoring']:.1f} | {pred['training']:.1f} | {pred['weight_sync']:.1f} | – | – |", ""]
+        lines += [
+            "",
+            f"Written from the metrics of a run cut short (`--record-only`): {len(rec['steps'])} of "
+            f"{rec.get('steps_asked', '?')} steps trained.",
+        ]
+    lines += [
+        "",
+        f"| predicted ({rec['prediction']['machine']['placement']}) | {pred['step']:.1f} | {pred['rollout']:.1f} "
+        f"| {pred['scoring']:.1f} | {pred['training']:.1f} | {pred['weight_sync']:.1f} | – | – |",
+        "",
+    ]
     if rec["ratio"] is not None:
-        lines.append(f"Measured {rec['measured_step_s']:.1f} s a step ({rec['measured_over']}) against predicted "
-                     f"{rec['predicted_step_s']:.1f} s: ratio {rec['ratio']:.2f}, "
-                     f"{'within' if rec['within_target'] else 'outside'} ±{rec['target']:.0%}.")
+        lines.append(
+            f"Measured {rec['measured_step_s']:.1f} s a step ({rec['measured_over']}) against predicted "
+            f"{rec['predicted_step_s']:.1f} s: ratio {rec['ratio']:.2f}, "
+            f"{'within' if rec['within_target'] else 'outside'} ±{rec['target']:.0%}."
+        )
         busy = rec.get("measured_busy_s")
         if busy is not None and busy < rec["measured_step_s"] - 1.0:
-            lines.append(f"Less its idle time (the learner waiting on nothing the step needed): {busy:.1f} s, "
-                         f"ratio {rec['busy_ratio']:.2f}.")
+            lines.append(
+                f"Less its idle time (the learner waiting on nothing the step needed): {busy:.1f} s, "
+                f"ratio {rec['busy_ratio']:.2f}."
+            )
     fail = rec.get("failures") or {}
     if fail.get("learner_restarts") or fail.get("causes"):
         lines += ["", f"The learner was restarted {fail['learner_restarts']} time(s). Errors the logs end with:", ""]
@@ -304,17 +415,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tool-calls", type=int, default=10, help="forced tool turns an episode takes")
     ap.add_argument("--turn-tokens", type=int, default=120, help="tokens each forced tool turn samples")
     ap.add_argument("--answer-tokens", type=int, default=1000, help="tokens the forced answer samples")
-    ap.add_argument("--max-learner-restarts", type=int, default=2,
-                    help="stop the run once `star train` has restarted its learner this many times (0: never)")
+    ap.add_argument(
+        "--max-learner-restarts",
+        type=int,
+        default=2,
+        help="stop the run once `star train` has restarted its learner this many times (0: never)",
+    )
     ap.add_argument("--tokenizer", default=None, help="a saved Qwen2.5 tokenizer folder (default: built here)")
     ap.add_argument("--work", default="/tmp/recipe-7b")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="more recipe overrides")
     ap.add_argument("--smoke", action="store_true", help="CPU: configs/tiny.yaml, 2 steps, short forced turns")
-    ap.add_argument("--name", default=None,
-                    help="the record's name under bench/results (default recipe_7b; another for a machine or shape "
-                         "that is not the recipe's own, e.g. fewer GPUs or a smaller batch)")
-    ap.add_argument("--record-only", action="store_true",
-                    help="write the record from WORK's finished run (its train.log and metrics) without training")
+    ap.add_argument(
+        "--name",
+        default=None,
+        help="the record's name under bench/results (default recipe_7b; another for a machine or shape "
+        "that is not the recipe's own, e.g. fewer GPUs or a smaller batch)",
+    )
+    ap.add_argument(
+        "--record-only",
+        action="store_true",
+        help="write the record from WORK's finished run (its train.log and metrics) without training",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.recipe, args.gpus, args.steps = "configs/tiny.yaml", 0, 2

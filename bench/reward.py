@@ -72,8 +72,9 @@ def _days(plan: list[dict]) -> list[dict]:
     return [d for d in plan if d]
 
 
-def _perturb(plan: list[dict], query: TravelQuery, rng: random.Random, pool: dict[str, list[str]]
-             ) -> tuple[list[dict], TravelQuery]:
+def _perturb(
+    plan: list[dict], query: TravelQuery, rng: random.Random, pool: dict[str, list[str]]
+) -> tuple[list[dict], TravelQuery]:
     """One random change that makes one or more checks fail (or, sometimes, still pass)."""
     plan = copy.deepcopy(plan)
     days = _days(plan)
@@ -114,15 +115,23 @@ def _perturb(plan: list[dict], query: TravelQuery, rng: random.Random, pool: dic
     elif kind == 10:  # a budget the plan cannot meet
         query = query.model_copy(update={"budget": max(0, query.budget // 3)})
     else:  # a constraint the query did not have
-        lc = query.local_constraint.model_copy(update=rng.choice([
-            {"cuisine": ["Mexican", "French"]}, {"room_type": "shared room"}, {"house_rule": "pets"},
-            {"transportation": "no flight"}]))
+        lc = query.local_constraint.model_copy(
+            update=rng.choice(
+                [
+                    {"cuisine": ["Mexican", "French"]},
+                    {"room_type": "shared room"},
+                    {"house_rule": "pets"},
+                    {"transportation": "no flight"},
+                ]
+            )
+        )
         query = query.model_copy(update={"local_constraint": lc})
     return plan, query
 
 
-def plan_set(queries: list[TravelQuery], plans: list[list[dict]], per_gold: int, seed: int = 0
-             ) -> tuple[list[TravelQuery], list[list[dict]]]:
+def plan_set(
+    queries: list[TravelQuery], plans: list[list[dict]], per_gold: int, seed: int = 0
+) -> tuple[list[TravelQuery], list[list[dict]]]:
     rng = random.Random(seed)
     pool: dict[str, list[str]] = {"meals": [], "attractions": [], "cities": []}
     for p in plans:
@@ -158,9 +167,15 @@ def in_process(world: World, queries, plans, rounds: int) -> dict[str, Any]:
                 per_plan.append(time.perf_counter() - s)
         ms = np.asarray(per_plan) * 1000
         successes = sum(ev.score(q, p).success for q, p in zip(queries, plans))
-        out[mode] = {"plans": len(plans), "rounds": rounds, "cold_plans_per_s": round(len(plans) / cold, 1),
-                     "plans_per_s": round(1000 / float(ms.mean()), 1), "p50_ms": round(float(np.percentile(ms, 50)), 4),
-                     "p99_ms": round(float(np.percentile(ms, 99)), 4), "passing_plans": int(successes)}
+        out[mode] = {
+            "plans": len(plans),
+            "rounds": rounds,
+            "cold_plans_per_s": round(len(plans) / cold, 1),
+            "plans_per_s": round(1000 / float(ms.mean()), 1),
+            "p50_ms": round(float(np.percentile(ms, 50)), 4),
+            "p99_ms": round(float(np.percentile(ms, 99)), 4),
+            "passing_plans": int(successes),
+        }
     return out
 
 
@@ -171,16 +186,23 @@ class PandasLookups:
 
     def __init__(self, world: World) -> None:
         with world.engine.connect() as conn:
+
             def table(sql: str) -> pd.DataFrame:
                 return pd.read_sql(text(sql), conn)
 
-            self.flights = table("select flight_number as \"Flight Number\", price as \"Price\", "
-                                 "origin as \"OriginCityName\", dest as \"DestCityName\" from flights where visible")
-            self.acc = table("select name as \"NAME\", price, room_type, house_rules, minimum_nights, "
-                             "maximum_occupancy, city from accommodations where visible")
-            self.rest = table("select name as \"Name\", average_cost as \"Average Cost\", cuisines as \"Cuisines\", "
-                              "city as \"City\" from restaurants where visible")
-            self.attr = table("select name as \"Name\", city as \"City\" from attractions where visible")
+            self.flights = table(
+                'select flight_number as "Flight Number", price as "Price", '
+                'origin as "OriginCityName", dest as "DestCityName" from flights where visible'
+            )
+            self.acc = table(
+                'select name as "NAME", price, room_type, house_rules, minimum_nights, '
+                "maximum_occupancy, city from accommodations where visible"
+            )
+            self.rest = table(
+                'select name as "Name", average_cost as "Average Cost", cuisines as "Cuisines", '
+                'city as "City" from restaurants where visible'
+            )
+            self.attr = table('select name as "Name", city as "City" from attractions where visible')
             self.dist = table("select origin, destination, duration, distance from distances")
 
     def venue(self, df: pd.DataFrame, name_col: str, city_col: str, value: str) -> int:
@@ -224,8 +246,13 @@ def baseline(world: World, queries, plans, sample: int) -> dict[str, Any]:
         base.plan(queries[i], plans[i])
         per_plan.append(time.perf_counter() - s)
     ms = np.asarray(per_plan) * 1000
-    return {"plans": len(idx), "table_load_s": round(load_s, 1), "plans_per_s": round(1000 / float(ms.mean()), 2),
-            "p50_ms": round(float(np.percentile(ms, 50)), 2), "p99_ms": round(float(np.percentile(ms, 99)), 2)}
+    return {
+        "plans": len(idx),
+        "table_load_s": round(load_s, 1),
+        "plans_per_s": round(1000 / float(ms.mean()), 2),
+        "p50_ms": round(float(np.percentile(ms, 50)), 2),
+        "p99_ms": round(float(np.percentile(ms, 99)), 2),
+    }
 
 
 # --- over HTTP ----------------------------------------------------------------------------------
@@ -237,19 +264,33 @@ def http(db_url: str, records: list[dict], queries, plans, *, seconds: float, ba
         items = [{"query": q.model_dump(mode="json"), "plan": p} for q, p in zip(queries, plans)]
         for mode in ("official", "strict"):
             singles = [post_request("127.0.0.1", port, "/score", orjson.dumps({**it, "mode": mode})) for it in items]
-            batches = [post_request("127.0.0.1", port, "/score/batch",
-                                    orjson.dumps({"items": [{**it, "mode": mode} for it in items[i:i + batch]]}))
-                       for i in range(0, len(items) - batch + 1, batch)]
+            batches = [
+                post_request(
+                    "127.0.0.1",
+                    port,
+                    "/score/batch",
+                    orjson.dumps({"items": [{**it, "mode": mode} for it in items[i : i + batch]]}),
+                )
+                for i in range(0, len(items) - batch + 1, batch)
+            ]
             asyncio.run(run_load("127.0.0.1", port, singles, connections=4, seconds=1.5))  # warm-up
             one = asyncio.run(run_load("127.0.0.1", port, singles, connections=4, seconds=seconds))
             many = asyncio.run(run_load("127.0.0.1", port, batches, connections=2, seconds=seconds))
             out[mode] = {
-                "score": {"plans_per_s": round(one.rps, 1), "requests": one.requests, "errors": one.errors,
-                          "p50_ms": round(float(np.percentile(one.latencies_ms, 50)), 2),
-                          "p99_ms": round(float(np.percentile(one.latencies_ms, 99)), 2)},
-                "score_batch": {"batch": batch, "plans_per_s": round(many.rps * batch, 1), "requests": many.requests,
-                                "errors": many.errors,
-                                "p50_ms": round(float(np.percentile(many.latencies_ms, 50)), 2)},
+                "score": {
+                    "plans_per_s": round(one.rps, 1),
+                    "requests": one.requests,
+                    "errors": one.errors,
+                    "p50_ms": round(float(np.percentile(one.latencies_ms, 50)), 2),
+                    "p99_ms": round(float(np.percentile(one.latencies_ms, 99)), 2),
+                },
+                "score_batch": {
+                    "batch": batch,
+                    "plans_per_s": round(many.rps * batch, 1),
+                    "requests": many.requests,
+                    "errors": many.errors,
+                    "p50_ms": round(float(np.percentile(many.latencies_ms, 50)), 2),
+                },
             }
         return out
 
@@ -264,8 +305,11 @@ def plot(result: dict, path: Path) -> None:
     labels, values, colors = [], [], []
     for mode in ("official", "strict"):
         labels += [f"in-process\n{mode}", f"HTTP /score\n{mode}", f"HTTP batch\n{mode}"]
-        values += [result["in_process"][mode]["plans_per_s"], result["http"][mode]["score"]["plans_per_s"],
-                   result["http"][mode]["score_batch"]["plans_per_s"]]
+        values += [
+            result["in_process"][mode]["plans_per_s"],
+            result["http"][mode]["score"]["plans_per_s"],
+            result["http"][mode]["score_batch"]["plans_per_s"],
+        ]
         colors += ["tab:blue", "tab:green", "tab:olive"]
     labels.append("pandas\nbaseline")
     values.append(result["baseline_pandas"]["plans_per_s"])
@@ -286,31 +330,49 @@ def plot(result: dict, path: Path) -> None:
 def report(r: dict) -> str:
     ip, b = r["in_process"], r["baseline_pandas"]
     lines = [
-        f"# Reward benchmark ({r['measured_at']})", "",
+        f"# Reward benchmark ({r['measured_at']})",
+        "",
         f"Machine: {r['machine']}, load average before the run {r['loadavg'][0]:.2f}. World: {r['world']}.",
         f"Plans: {r['plans']} = 45 gold + {r['plans'] - 45} perturbed ({r['passing']['official']} pass in official "
-        f"mode, {r['passing']['strict']} in strict). Single-threaded timings, so plans/s is per core.", "",
-        "| path | mode | plans/s/core | p50 ms | p99 ms | vs baseline |", "|---|---|---:|---:|---:|---:|"]
+        f"mode, {r['passing']['strict']} in strict). Single-threaded timings, so plans/s is per core.",
+        "",
+        "| path | mode | plans/s/core | p50 ms | p99 ms | vs baseline |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for mode in ("official", "strict"):
         m = ip[mode]
-        lines.append(f"| in-process (warm) | {mode} | {m['plans_per_s']:,.0f} | {m['p50_ms']} | {m['p99_ms']} | "
-                     f"{m['plans_per_s'] / b['plans_per_s']:,.0f}× |")
+        lines.append(
+            f"| in-process (warm) | {mode} | {m['plans_per_s']:,.0f} | {m['p50_ms']} | {m['p99_ms']} | "
+            f"{m['plans_per_s'] / b['plans_per_s']:,.0f}× |"
+        )
         lines.append(f"| in-process (cold caches) | {mode} | {m['cold_plans_per_s']:,.0f} | | | |")
     for mode in ("official", "strict"):
         h = r["http"][mode]
-        lines.append(f"| HTTP POST /score, 1 worker | {mode} | {h['score']['plans_per_s']:,.0f} | {h['score']['p50_ms']} | "
-                     f"{h['score']['p99_ms']} | {h['score']['plans_per_s'] / b['plans_per_s']:,.0f}× |")
-        lines.append(f"| HTTP POST /score/batch ({h['score_batch']['batch']}/request), 1 worker | {mode} | "
-                     f"{h['score_batch']['plans_per_s']:,.0f} | | | {h['score_batch']['plans_per_s'] / b['plans_per_s']:,.0f}× |")
-    lines.append(f"| baseline: pandas lookups ({b['plans']} plans; tables load in {b['table_load_s']} s) | official | "
-                 f"{b['plans_per_s']:,.2f} | {b['p50_ms']} | {b['p99_ms']} | 1× |")
+        lines.append(
+            f"| HTTP POST /score, 1 worker | {mode} | {h['score']['plans_per_s']:,.0f} | {h['score']['p50_ms']} | "
+            f"{h['score']['p99_ms']} | {h['score']['plans_per_s'] / b['plans_per_s']:,.0f}× |"
+        )
+        lines.append(
+            f"| HTTP POST /score/batch ({h['score_batch']['batch']}/request), 1 worker | {mode} | "
+            f"{h['score_batch']['plans_per_s']:,.0f} | | | {h['score_batch']['plans_per_s'] / b['plans_per_s']:,.0f}× |"
+        )
+    lines.append(
+        f"| baseline: pandas lookups ({b['plans']} plans; tables load in {b['table_load_s']} s) | official | "
+        f"{b['plans_per_s']:,.2f} | {b['p50_ms']} | {b['p99_ms']} | 1× |"
+    )
     t = r["target"]
-    lines += ["", f"Target ≥ {t['plans_per_s']:,.0f} plans/s/core in-process, official mode: "
-                  f"**{'MET' if t['met'] else 'MISSED'}** ({ip['official']['plans_per_s']:,.0f}).", "",
-              "The baseline times only the database lookups the official evaluator makes per plan (pandas masks "
-              "over whole tables, flight numbers over all flights), no verdict logic: it is an upper bound on the "
-              "official evaluator's rate, so each speed-up is a lower bound. HTTP runs share the machine's cores "
-              "with the load generator.", "", "![throughput](reward.png)"]
+    lines += [
+        "",
+        f"Target ≥ {t['plans_per_s']:,.0f} plans/s/core in-process, official mode: "
+        f"**{'MET' if t['met'] else 'MISSED'}** ({ip['official']['plans_per_s']:,.0f}).",
+        "",
+        "The baseline times only the database lookups the official evaluator makes per plan (pandas masks "
+        "over whole tables, flight numbers over all flights), no verdict logic: it is an upper bound on the "
+        "official evaluator's rate, so each speed-up is a lower bound. HTTP runs share the machine's cores "
+        "with the load generator.",
+        "",
+        "![throughput](reward.png)",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -332,18 +394,21 @@ def main() -> None:
     records, queries, gold = gold_plans(settings.travelplanner_dir)
     qs, ps = plan_set(queries, gold, args.perturbed_per_gold)
     result: dict[str, Any] = {
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "loadavg": loadavg,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "loadavg": loadavg,
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "world": f"{counts['flights']:,} flights, {counts['restaurants']:,} restaurants, "
-                 f"{counts['accommodations']:,} accommodations",
+        f"{counts['accommodations']:,} accommodations",
         "plans": len(ps),
     }
     result["in_process"] = in_process(world, qs, ps, args.rounds)
     result["passing"] = {m: result["in_process"][m]["passing_plans"] for m in ("official", "strict")}
     result["baseline_pandas"] = baseline(world, qs, ps, args.baseline_plans)
     result["http"] = http(world.url, records, qs, ps, seconds=args.seconds, batch=64)
-    result["target"] = {"plans_per_s": TARGET_PLANS_PER_S,
-                        "met": result["in_process"]["official"]["plans_per_s"] >= TARGET_PLANS_PER_S}
+    result["target"] = {
+        "plans_per_s": TARGET_PLANS_PER_S,
+        "met": result["in_process"]["official"]["plans_per_s"] >= TARGET_PLANS_PER_S,
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "reward.json").write_text(json.dumps(result, indent=2))
     plot(result, RESULTS / "reward.png")

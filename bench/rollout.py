@@ -62,9 +62,19 @@ def load_queries(n: int) -> list[TravelQuery]:
         rows = json.loads(path.read_text())
         rows = rows if isinstance(rows, list) else list(rows.values())
         return [TravelQuery.model_validate(r) for r in rows[:n]]
-    return [TravelQuery(org="Sarasota", dest="Chicago", days=3, visiting_city_number=1, people_number=1, budget=1900,
-                        date=["2022-03-22", "2022-03-23", "2022-03-24"], query=f"Plan trip number {i}.")
-            for i in range(n)]
+    return [
+        TravelQuery(
+            org="Sarasota",
+            dest="Chicago",
+            days=3,
+            visiting_city_number=1,
+            people_number=1,
+            budget=1900,
+            date=["2022-03-22", "2022-03-23", "2022-03-24"],
+            query=f"Plan trip number {i}.",
+        )
+        for i in range(n)
+    ]
 
 
 def make_tools(db_url: str | None):
@@ -79,8 +89,9 @@ def make_tools(db_url: str | None):
     return LocalToolClient(ToolBox(world, cache_size=0))
 
 
-async def measure(engine: Any, tools: Any, queries: list[TravelQuery], group: int, max_tokens: int,
-                  repeats: int) -> dict[str, Any]:
+async def measure(
+    engine: Any, tools: Any, queries: list[TravelQuery], group: int, max_tokens: int, repeats: int
+) -> dict[str, Any]:
     from services.rollout.agent import Agent
     from services.rollout.group import GroupMeta, sample_group
 
@@ -91,8 +102,9 @@ async def measure(engine: Any, tools: Any, queries: list[TravelQuery], group: in
     async def agent_run() -> tuple[float, list]:
         rec.calls.clear()
         t0 = time.perf_counter()
-        groups = await asyncio.gather(*(sample_group(agent, q, group, sampling, meta=GroupMeta(prompt_id=str(i)))
-                                        for i, q in enumerate(queries)))
+        groups = await asyncio.gather(
+            *(sample_group(agent, q, group, sampling, meta=GroupMeta(prompt_id=str(i))) for i, q in enumerate(queries))
+        )
         return time.perf_counter() - t0, [t for g in groups for t in g]
 
     async def raw_run(chains: list[list[tuple[list[int], Any]]]) -> tuple[float, int]:
@@ -128,11 +140,20 @@ async def measure(engine: Any, tools: Any, queries: list[TravelQuery], group: in
     for t in trajectories:
         finish[t.finish_reason] = finish.get(t.finish_reason, 0) + 1
     return {
-        "trajectories": len(trajectories), "turns": sum(len(c) for c in rec.calls.values()),
-        "sampled_tokens": sampled, "raw_tokens": raw_tokens, "same_tokens": raw_tokens == sampled,
-        "agent_s": agent_s, "raw_s": raw_s, "agent_runs_s": agent_times, "raw_runs_s": raw_times,
-        "trajectories_per_min": len(trajectories) / agent_s * 60, "tokens_per_s": sampled / agent_s,
-        "raw_tokens_per_s": raw_tokens / raw_s, "overhead": agent_s / raw_s - 1.0, "finish_reasons": finish,
+        "trajectories": len(trajectories),
+        "turns": sum(len(c) for c in rec.calls.values()),
+        "sampled_tokens": sampled,
+        "raw_tokens": raw_tokens,
+        "same_tokens": raw_tokens == sampled,
+        "agent_s": agent_s,
+        "raw_s": raw_s,
+        "agent_runs_s": agent_times,
+        "raw_runs_s": raw_times,
+        "trajectories_per_min": len(trajectories) / agent_s * 60,
+        "tokens_per_s": sampled / agent_s,
+        "raw_tokens_per_s": raw_tokens / raw_s,
+        "overhead": agent_s / raw_s - 1.0,
+        "finish_reasons": finish,
     }
 
 
@@ -156,8 +177,9 @@ def run_engine(kind: str, model: Path, args) -> dict[str, Any]:
     engine = on(build())
     startup = time.perf_counter() - t0
     try:
-        result = on(measure(engine, make_tools(args.db), load_queries(args.queries), args.group, args.max_tokens,
-                            args.repeats))
+        result = on(
+            measure(engine, make_tools(args.db), load_queries(args.queries), args.group, args.max_tokens, args.repeats)
+        )
     finally:
         on(engine.close())
         loop.call_soon_threadsafe(loop.stop)
@@ -175,8 +197,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
     x = range(len(engines))
     axes[0].bar([i - 0.2 for i in x], [result["engines"][e]["tokens_per_s"] for e in engines], 0.4, label="agent loop")
-    axes[0].bar([i + 0.2 for i in x], [result["engines"][e]["raw_tokens_per_s"] for e in engines], 0.4,
-                label="raw engine")
+    axes[0].bar(
+        [i + 0.2 for i in x], [result["engines"][e]["raw_tokens_per_s"] for e in engines], 0.4, label="raw engine"
+    )
     axes[0].set_xticks(list(x), engines)
     axes[0].set_ylabel("sampled tokens / s")
     axes[0].legend()
@@ -192,23 +215,34 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def report(r: dict[str, Any]) -> str:
     c = r["config"]
-    lines = ["# Rollout benchmark", "",
-             f"{r['machine']['cpus']} CPUs, load average before {r['machine']['load_before']}, "
-             f"after {r['machine']['load_after']}; tiny random Qwen2 ({c['model']}); {c['queries']} queries × "
-             f"G={c['group']}, ≤{c['max_tokens']} tokens per turn, median of {c['repeats']} runs "
-             "(agent and raw replay alternating in order).", "",
-             "| engine | start-up s | trajectories/min | tokens/s (agent) | tokens/s (raw) | agent s | raw s | overhead | same tokens |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Rollout benchmark",
+        "",
+        f"{r['machine']['cpus']} CPUs, load average before {r['machine']['load_before']}, "
+        f"after {r['machine']['load_after']}; tiny random Qwen2 ({c['model']}); {c['queries']} queries × "
+        f"G={c['group']}, ≤{c['max_tokens']} tokens per turn, median of {c['repeats']} runs "
+        "(agent and raw replay alternating in order).",
+        "",
+        "| engine | start-up s | trajectories/min | tokens/s (agent) | tokens/s (raw) | agent s | raw s | overhead | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, e in r["engines"].items():
-        lines.append(f"| {name} | {e['startup_s']:.1f} | {e['trajectories_per_min']:.1f} | {e['tokens_per_s']:.1f} | "
-                     f"{e['raw_tokens_per_s']:.1f} | {e['agent_s']:.2f} | {e['raw_s']:.2f} | "
-                     f"{100 * e['overhead']:+.1f}% | {e['same_tokens']} |")
-    lines += ["", "Overhead target: ≤ 15% (agent wall time over the raw replay of the same generate calls).",
-              "Random weights: every trajectory is three format-error turns, no tool calls; the loop's own work "
-              "(decode, parse, segment tokenization, bookkeeping) is what is measured.",
-              "Per-run wall times (agent / raw), to judge the noise of a shared machine:"]
+        lines.append(
+            f"| {name} | {e['startup_s']:.1f} | {e['trajectories_per_min']:.1f} | {e['tokens_per_s']:.1f} | "
+            f"{e['raw_tokens_per_s']:.1f} | {e['agent_s']:.2f} | {e['raw_s']:.2f} | "
+            f"{100 * e['overhead']:+.1f}% | {e['same_tokens']} |"
+        )
+    lines += [
+        "",
+        "Overhead target: ≤ 15% (agent wall time over the raw replay of the same generate calls).",
+        "Random weights: every trajectory is three format-error turns, no tool calls; the loop's own work "
+        "(decode, parse, segment tokenization, bookkeeping) is what is measured.",
+        "Per-run wall times (agent / raw), to judge the noise of a shared machine:",
+    ]
     for name, e in r["engines"].items():
-        lines.append(f"- {name}: " + ", ".join(f"{a:.1f}/{b:.1f} s" for a, b in zip(e["agent_runs_s"], e["raw_runs_s"])))
+        lines.append(
+            f"- {name}: " + ", ".join(f"{a:.1f}/{b:.1f} s" for a, b in zip(e["agent_runs_s"], e["raw_runs_s"]))
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -238,12 +272,23 @@ def main() -> None:
     for kind in tqdm(args.engines.split(","), desc="engines"):
         engines[kind] = run_engine(kind.strip(), model, args)
         print(kind, json.dumps({k: v for k, v in engines[kind].items() if not k.endswith("runs_s")}, indent=1))
-    result = {"config": {"group": args.group, "queries": args.queries, "max_tokens": args.max_tokens,
-                         "repeats": args.repeats, "model": model.name},
-              "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                          "load_before": [round(x, 2) for x in load_before],
-                          "load_after": [round(x, 2) for x in os.getloadavg()]},
-              "engines": engines, "target_overhead": 0.15}
+    result = {
+        "config": {
+            "group": args.group,
+            "queries": args.queries,
+            "max_tokens": args.max_tokens,
+            "repeats": args.repeats,
+            "model": model.name,
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_before": [round(x, 2) for x in load_before],
+            "load_after": [round(x, 2) for x in os.getloadavg()],
+        },
+        "engines": engines,
+        "target_overhead": 0.15,
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "rollout.json").write_text(json.dumps(result, indent=1))
     (RESULTS / "rollout.md").write_text(report(result))

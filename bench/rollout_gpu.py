@@ -53,8 +53,14 @@ def workload(args) -> list[dict[str, Any]]:
     rng = random.Random(args.seed)
     plan = []
     for _ in range(args.agents):
-        turns = [(args.long if rng.random() < args.long_share else args.short, rng.randint(args.tool_min, args.tool_max),
-                  rng.randrange(2**31)) for _ in range(args.turns)]
+        turns = [
+            (
+                args.long if rng.random() < args.long_share else args.short,
+                rng.randint(args.tool_min, args.tool_max),
+                rng.randrange(2**31),
+            )
+            for _ in range(args.turns)
+        ]
         plan.append({"context": rng.randint(args.ctx_min, args.ctx_max), "turns": turns})
     return plan
 
@@ -97,9 +103,18 @@ def device_record(path: Path) -> dict[str, Any]:
     return record
 
 
-async def run_agents(engine: Any, plan: list[dict[str, Any]], args, vocab: int, *, updates: Any = None,
-                     keep: int = 0, until: float | None = None, timeline: list | None = None,
-                     inflight: int | None = None) -> dict[str, Any]:
+async def run_agents(
+    engine: Any,
+    plan: list[dict[str, Any]],
+    args,
+    vocab: int,
+    *,
+    updates: Any = None,
+    keep: int = 0,
+    until: float | None = None,
+    timeline: list | None = None,
+    inflight: int | None = None,
+) -> dict[str, Any]:
     """The closed-loop agent load on `engine` (anything with `generate(ids, TurnParams)`). `until`: a
     perf_counter time after which no agent starts another turn; `timeline` gets (end time, tokens) of
     every turn; `inflight`: at most this many episodes run at once, the others waiting for a slot as a
@@ -122,10 +137,17 @@ async def run_agents(engine: Any, plan: list[dict[str, Any]], args, vocab: int, 
             if until is not None and time.perf_counter() >= until:
                 break
             t0 = time.perf_counter()
-            gen = await engine.generate(context, TurnParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0,
-                                                            seed=seed))
-            turns.append({"kind": "long" if max_tokens == args.long else "short", "s": time.perf_counter() - t0,
-                          "tokens": len(gen.token_ids), "mid_update": gen.stats.get("updated_mid_turn", 0.0)})
+            gen = await engine.generate(
+                context, TurnParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0, seed=seed)
+            )
+            turns.append(
+                {
+                    "kind": "long" if max_tokens == args.long else "short",
+                    "s": time.perf_counter() - t0,
+                    "tokens": len(gen.token_ids),
+                    "mid_update": gen.stats.get("updated_mid_turn", 0.0),
+                }
+            )
             if timeline is not None:
                 timeline.append((time.perf_counter(), len(gen.token_ids)))
             if k == 0 and i < keep and gen.logprobs is not None:
@@ -146,11 +168,22 @@ async def run_agents(engine: Any, plan: list[dict[str, Any]], args, vocab: int, 
         xs = sorted(t["s"] for t in turns if kind is None or t["kind"] == kind)
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
-    return {"wall_s": wall, "tokens": sum(counts), "tokens_per_s": sum(counts) / wall, "turns": len(turns),
-            "turn_p50_s": pct(0.5), "turn_p99_s": pct(0.99), "short_p50_s": pct(0.5, "short"),
-            "short_p99_s": pct(0.99, "short"), "long_p50_s": pct(0.5, "long"), "long_p99_s": pct(0.99, "long"),
-            "turns_updated_mid_turn": sum(1 for t in turns if t["mid_update"]), "reloads_s": reloads,
-            "inflight": min(inflight or len(plan), len(plan)), "samples": samples}
+    return {
+        "wall_s": wall,
+        "tokens": sum(counts),
+        "tokens_per_s": sum(counts) / wall,
+        "turns": len(turns),
+        "turn_p50_s": pct(0.5),
+        "turn_p99_s": pct(0.99),
+        "short_p50_s": pct(0.5, "short"),
+        "short_p99_s": pct(0.99, "short"),
+        "long_p50_s": pct(0.5, "long"),
+        "long_p99_s": pct(0.99, "long"),
+        "turns_updated_mid_turn": sum(1 for t in turns if t["mid_update"]),
+        "reloads_s": reloads,
+        "inflight": min(inflight or len(plan), len(plan)),
+        "samples": samples,
+    }
 
 
 def periodic_updates(engine: Any, folder: Path, every: float) -> Any:
@@ -187,16 +220,33 @@ def child(args) -> None:
         from services.common.schemas import VllmArgs
         from services.rollout.engines.vllm_engine import VllmEngine
 
-        vargs = VllmArgs.model_validate({"compile": args.vllm_compile, "gpu_memory_utilization": args.gpu_memory,
-                                         "max_num_seqs": max(args.agents, 8), **vllm_settings(args.vllm_set)})
-        engine = VllmEngine(folder, max_model_len=max_model_len(args), dtype="bfloat16" if on_gpu else "float32",
-                            args=vargs, tokenizer=tok, kv_cache_gib=4)
+        vargs = VllmArgs.model_validate(
+            {
+                "compile": args.vllm_compile,
+                "gpu_memory_utilization": args.gpu_memory,
+                "max_num_seqs": max(args.agents, 8),
+                **vllm_settings(args.vllm_set),
+            }
+        )
+        engine = VllmEngine(
+            folder,
+            max_model_len=max_model_len(args),
+            dtype="bfloat16" if on_gpu else "float32",
+            args=vargs,
+            tokenizer=tok,
+            kv_cache_gib=4,
+        )
         out["vllm_args"] = vargs.model_dump()
     else:
         from services.rollout.engines.hf import TransformersEngine
 
-        engine = TransformersEngine(folder, max_model_len=max_model_len(args), max_batch=args.agents,
-                                    dtype="bfloat16" if on_gpu else "float32", tokenizer=tok)
+        engine = TransformersEngine(
+            folder,
+            max_model_len=max_model_len(args),
+            max_batch=args.agents,
+            dtype="bfloat16" if on_gpu else "float32",
+            tokenizer=tok,
+        )
     out["start_s"] = time.perf_counter() - t0
     log(f"{args.child}: started in {out['start_s']:.1f} s")
 
@@ -204,8 +254,10 @@ def child(args) -> None:
         await run_agents(engine, [dict(p, turns=p["turns"][:1]) for p in plan[:4]], args, vocab)  # warm-up
         res = await run_agents(engine, plan, args, vocab, keep=args.keep_samples if args.child == "vllm" else 0)
         out.update(res)
-        log(f"{args.child}: {res['tokens_per_s']:.0f} tokens/s, turn p50 {res['turn_p50_s']:.2f} s, "
-            f"p99 {res['turn_p99_s']:.2f} s")
+        log(
+            f"{args.child}: {res['tokens_per_s']:.0f} tokens/s, turn p50 {res['turn_p50_s']:.2f} s, "
+            f"p99 {res['turn_p99_s']:.2f} s"
+        )
         if args.child != "vllm":
             return
         idle = []
@@ -219,12 +271,16 @@ def child(args) -> None:
         modes = [m for m in args.inflight_modes.split(",") if m]
         for mode in modes:
             engine.args = engine.args.model_copy(update={"inflight_update": mode})
-            busy = await run_agents(engine, plan, args, vocab, updates=periodic_updates(engine, folder, args.update_every))
+            busy = await run_agents(
+                engine, plan, args, vocab, updates=periodic_updates(engine, folder, args.update_every)
+            )
             busy.pop("samples")
             out.setdefault("under_updates_by_mode", {})[mode] = busy
-            log(f"vllm under updates ({mode}): {busy['tokens_per_s']:.0f} tokens/s, {len(busy['reloads_s'])} reloads "
+            log(
+                f"vllm under updates ({mode}): {busy['tokens_per_s']:.0f} tokens/s, {len(busy['reloads_s'])} reloads "
                 f"(median {statistics.median(busy['reloads_s']) if busy['reloads_s'] else float('nan'):.2f} s), "
-                f"{busy['turns_updated_mid_turn']} turns updated mid-turn")
+                f"{busy['turns_updated_mid_turn']} turns updated mid-turn"
+            )
         if modes:
             out["under_updates"] = out["under_updates_by_mode"][modes[0]]
 
@@ -249,16 +305,21 @@ def logprob_agreement(folder: Path, samples: list[dict[str, Any]]) -> dict[str, 
     for s in samples:
         ids = torch.tensor([s["prompt"] + s["ids"]], device=device)
         with torch.no_grad():
-            logits = model(ids).logits[0, len(s["prompt"]) - 1:-1].float()
+            logits = model(ids).logits[0, len(s["prompt"]) - 1 : -1].float()
         lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s["ids"], device=device)[:, None])[:, 0]
         sampler = torch.tensor(s["logprobs"], device=device)
         r = (lp - sampler).double()
         diffs += r.abs().tolist()
         k3 += (torch.exp(r) - 1 - r).tolist()
     del model
-    return {"tokens": len(diffs), "sequences": len(samples), "mean_abs_diff": statistics.fmean(diffs) if diffs else None,
-            "max_abs_diff": max(diffs) if diffs else None, "mismatch_kl_k3": statistics.fmean(k3) if k3 else None,
-            "learner_dtype": str(dtype).removeprefix("torch.")}
+    return {
+        "tokens": len(diffs),
+        "sequences": len(samples),
+        "mean_abs_diff": statistics.fmean(diffs) if diffs else None,
+        "max_abs_diff": max(diffs) if diffs else None,
+        "mismatch_kl_k3": statistics.fmean(k3) if k3 else None,
+        "learner_dtype": str(dtype).removeprefix("torch."),
+    }
 
 
 def measure_shape(shape: str, args) -> dict[str, Any]:
@@ -274,8 +335,19 @@ def measure_shape(shape: str, args) -> dict[str, Any]:
     for engine in args.engines.split(","):
         result = work / f"{shape}-{engine}.json"
         result.unlink(missing_ok=True)
-        cmd = [sys.executable, __file__, "--child", engine, "--shape", shape, "--folder", str(folder),
-               "--result", str(result), *sys.argv[1:]]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            engine,
+            "--shape",
+            shape,
+            "--folder",
+            str(folder),
+            "--result",
+            str(result),
+            *sys.argv[1:],
+        ]
         log(f"{shape}: {engine} …")
         try:
             rc = subprocess.run(cmd, timeout=args.child_timeout).returncode
@@ -318,10 +390,17 @@ def main() -> None:
     p.add_argument("--tool-max", type=int, default=300)
     p.add_argument("--vllm-compile", action="store_true", help="torch.compile vLLM's model (minutes of start-up)")
     p.add_argument("--gpu-memory", type=float, default=0.6, help="vLLM's gpu_memory_utilization")
-    p.add_argument("--vllm-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a VllmArgs field for the vLLM engine, e.g. max_num_batched_tokens=2048 (repeatable)")
+    p.add_argument(
+        "--vllm-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a VllmArgs field for the vLLM engine, e.g. max_num_batched_tokens=2048 (repeatable)",
+    )
     p.add_argument("--update-every", type=float, default=10.0, help="seconds between weight loads under load")
-    p.add_argument("--inflight-modes", default="recompute,keep", help="vLLM inflight_update modes measured under load ('': none)")
+    p.add_argument(
+        "--inflight-modes", default="recompute,keep", help="vLLM inflight_update modes measured under load ('': none)"
+    )
     p.add_argument("--keep-samples", type=int, default=8, help="first turns kept for the log-prob check")
     p.add_argument("--child-timeout", type=float, default=420)
     p.add_argument("--seed", type=int, default=0)
@@ -346,9 +425,29 @@ def main() -> None:
         return
     path = RESULTS / f"{args.name}.json"
     record = device_record(path)
-    record.update({"load": {k: getattr(args, k) for k in ("agents", "turns", "ctx_min", "ctx_max", "short", "long",
-                                                          "long_share", "tool_min", "tool_max", "vllm_compile",
-                                                          "gpu_memory", "vllm_set", "update_every", "inflight_modes")}})
+    record.update(
+        {
+            "load": {
+                k: getattr(args, k)
+                for k in (
+                    "agents",
+                    "turns",
+                    "ctx_min",
+                    "ctx_max",
+                    "short",
+                    "long",
+                    "long_share",
+                    "tool_min",
+                    "tool_max",
+                    "vllm_compile",
+                    "gpu_memory",
+                    "vllm_set",
+                    "update_every",
+                    "inflight_modes",
+                )
+            }
+        }
+    )
     record.setdefault("shapes", {})
     for shape in args.shapes.split(","):
         record["shapes"][shape] = measure_shape(shape, args)
@@ -363,29 +462,43 @@ def write_markdown(record: dict[str, Any], path: Path) -> None:
     def f(x: Any, fmt: str = "{:.2f}") -> str:
         return "–" if x is None else fmt.format(x)
 
-    lines = [f"# Rollout engines on one GPU ({record['device']}, vLLM {record['vllm_version']})", "",
-             "Agent-shaped load (`bench/rollout_gpu.py`): " + ", ".join(f"{k} {v}" for k, v in record["load"].items()),
-             "", "| shape | params | engine | start s | tokens/s | turn p50 s | turn p99 s | reload s (idle) | "
-             "tokens/s under updates | reloads under load, median s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Rollout engines on one GPU ({record['device']}, vLLM {record['vllm_version']})",
+        "",
+        "Agent-shaped load (`bench/rollout_gpu.py`): " + ", ".join(f"{k} {v}" for k, v in record["load"].items()),
+        "",
+        "| shape | params | engine | start s | tokens/s | turn p50 s | turn p99 s | reload s (idle) | "
+        "tokens/s under updates | reloads under load, median s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for shape, entry in record["shapes"].items():
         for name, e in entry["engines"].items():
             modes = e.get("under_updates_by_mode") or {"": e.get("under_updates") or {}}
             for mode, busy in modes.items():
                 reloads = busy.get("reloads_s") or []
-                label = name + (f" ({e['decode']})" if e.get("decode") else "") + (f", in flight: {mode}" if mode else "")
-                lines.append(f"| {shape} | {entry['params'] / 1e6:.0f} M | {label} "
-                             f"| {f(e.get('start_s'), '{:.1f}')} | {f(e.get('tokens_per_s'), '{:,.0f}')} | {f(e.get('turn_p50_s'))} "
-                             f"| {f(e.get('turn_p99_s'))} | {f(e.get('reload_s'))} | {f(busy.get('tokens_per_s'), '{:,.0f}')} "
-                             f"| {f(statistics.median(reloads) if reloads else None)} |")
+                label = (
+                    name + (f" ({e['decode']})" if e.get("decode") else "") + (f", in flight: {mode}" if mode else "")
+                )
+                lines.append(
+                    f"| {shape} | {entry['params'] / 1e6:.0f} M | {label} "
+                    f"| {f(e.get('start_s'), '{:.1f}')} | {f(e.get('tokens_per_s'), '{:,.0f}')} | {f(e.get('turn_p50_s'))} "
+                    f"| {f(e.get('turn_p99_s'))} | {f(e.get('reload_s'))} | {f(busy.get('tokens_per_s'), '{:,.0f}')} "
+                    f"| {f(statistics.median(reloads) if reloads else None)} |"
+                )
     notes = [f"- {shape}: {entry['note']}" for shape, entry in record["shapes"].items() if entry.get("note")]
     lines += ["", *notes] if notes else []
-    lines += ["", "| shape | vLLM / transformers tokens/s | log-prob tokens | mean abs diff | max abs diff | mismatch KL (k3) |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| shape | vLLM / transformers tokens/s | log-prob tokens | mean abs diff | max abs diff | mismatch KL (k3) |",
+        "|---|---|---|---|---|---|",
+    ]
     for shape, entry in record["shapes"].items():
         a = entry.get("logprob_agreement") or {}
-        lines.append(f"| {shape} | {f(entry.get('vllm_over_transformers'))}× | {a.get('tokens', '–')} | "
-                     f"{f(a.get('mean_abs_diff'), '{:.4f}')} | {f(a.get('max_abs_diff'), '{:.3f}')} | "
-                     f"{f(a.get('mismatch_kl_k3'), '{:.2e}')} |")
+        lines.append(
+            f"| {shape} | {f(entry.get('vllm_over_transformers'))}× | {a.get('tokens', '–')} | "
+            f"{f(a.get('mean_abs_diff'), '{:.4f}')} | {f(a.get('max_abs_diff'), '{:.3f}')} | "
+            f"{f(a.get('mismatch_kl_k3'), '{:.2e}')} |"
+        )
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -112,8 +112,9 @@ def engine_args(args: argparse.Namespace, max_agents: int) -> Any:
     from services.common.schemas import VllmArgs
 
     given = {"gpu_memory_utilization": args.gpu_memory} if args.gpu_memory is not None else {}
-    return VllmArgs.model_validate({"compile": args.vllm_compile, "max_num_seqs": max(max_agents, 8), **given,
-                                    **vllm_settings(args.vllm_set)})
+    return VllmArgs.model_validate(
+        {"compile": args.vllm_compile, "max_num_seqs": max(max_agents, 8), **given, **vllm_settings(args.vllm_set)}
+    )
 
 
 def find_py_spy() -> str | None:
@@ -163,15 +164,20 @@ def profile_summary(collapsed: Path, top: int = 25) -> dict[str, list[tuple[str,
     return out
 
 
-COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "prompt_tokens_cached",
-            "generation_tokens")
+COUNTERS = (
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_preemptions",
+    "prompt_tokens",
+    "prompt_tokens_cached",
+    "generation_tokens",
+)
 
 
 def engine_counters() -> dict[str, float]:
     """vLLM's own counters in this process (its Prometheus registry; {} where it keeps none)."""
     try:
-        from vllm.v1.metrics.reader import Counter as VllmCounter
-        from vllm.v1.metrics.reader import get_metrics_snapshot
+        from vllm.v1.metrics.reader import Counter as VllmCounter, get_metrics_snapshot
     except ImportError:
         return {}
     out: dict[str, float] = {}
@@ -199,13 +205,18 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ordered = sorted(runs, key=lambda x: x["tokens_per_s"])
     mid = dict(ordered[(len(ordered) - 1) // 2])
     tps = [x["tokens_per_s"] for x in runs]
-    mid.update(runs_tokens_per_s=tps, spread={"min": min(tps), "max": max(tps),
-                                              "relative": (max(tps) - min(tps)) / mid["tokens_per_s"]
-                                              if mid["tokens_per_s"] else None})
+    mid.update(
+        runs_tokens_per_s=tps,
+        spread={
+            "min": min(tps),
+            "max": max(tps),
+            "relative": (max(tps) - min(tps)) / mid["tokens_per_s"] if mid["tokens_per_s"] else None,
+        },
+    )
     return mid
 
 
-def latency(args: argparse.Namespace, rep: int) -> "ToolLatency":
+def latency(args: argparse.Namespace, rep: int) -> ToolLatency:
     """The tool latency of run `rep`: the sandbox's, seeded by the run, the same for both of its sides."""
     p50, p99 = sandbox_latency()
     return ToolLatency(p50, p99, seed=args.seed * 1000 + rep)
@@ -271,9 +282,18 @@ class DirectVllm:
                 return TokensPrompt(prompt_token_ids=prompt_ids)
 
         # the sampling our engine asks for (unseeded on GPU, the sampled token's log-prob, flat), without its path
-        sp = SamplingParams(n=1, max_tokens=params.max_tokens, ignore_eos=True, temperature=params.temperature,
-                            top_p=params.top_p, logprobs=0, detokenize=False, skip_special_tokens=False,
-                            output_kind=RequestOutputKind.FINAL_ONLY, flat_logprobs=True)
+        sp = SamplingParams(
+            n=1,
+            max_tokens=params.max_tokens,
+            ignore_eos=True,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            logprobs=0,
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            flat_logprobs=True,
+        )
         final = None
         async for out in self.llm.generate(tokens_input(ids), sp, uuid.uuid4().hex):
             final = out
@@ -281,8 +301,15 @@ class DirectVllm:
         return SimpleNamespace(token_ids=token_ids, logprobs=None, stats={})
 
 
-async def closed_loop(llm: Any, plan: list[dict[str, Any]], args: argparse.Namespace, vocab: int, *,
-                      latency: Any = None, inflight: int | None = None) -> dict[str, Any]:
+async def closed_loop(
+    llm: Any,
+    plan: list[dict[str, Any]],
+    args: argparse.Namespace,
+    vocab: int,
+    *,
+    latency: Any = None,
+    inflight: int | None = None,
+) -> dict[str, Any]:
     """The closed-loop ceiling of `plan` (run_agents' episodes): the same turns on `llm` (an AsyncLLM) straight,
     each turn after the first waiting one tool call (`latency`, None: none), at most `inflight` at once."""
     engine = DirectVllm(llm)
@@ -305,8 +332,14 @@ def agent_side(args: argparse.Namespace, folder: Path, loads: list[int], out: di
     on_gpu = torch.cuda.is_available()
     longest = max(loads)
     t0 = time.perf_counter()
-    engine = VllmEngine(folder, max_model_len=max_model_len(args), dtype="bfloat16" if on_gpu else "float32",
-                        args=vargs, tokenizer=AutoTokenizer.from_pretrained(folder), kv_cache_gib=4)
+    engine = VllmEngine(
+        folder,
+        max_model_len=max_model_len(args),
+        dtype="bfloat16" if on_gpu else "float32",
+        args=vargs,
+        tokenizer=AutoTokenizer.from_pretrained(folder),
+        kv_cache_gib=4,
+    )
     admitted = admitted_episodes(engine, max_model_len(args)) if args.admit == "kv" else None
     out.update(start_s=time.perf_counter() - t0, vllm_args=vargs.model_dump(), loads={}, admitted=admitted)
     log(f"agent: engine up in {out['start_s']:.1f} s, episodes in flight at most: {admitted or 'all'}")
@@ -332,12 +365,20 @@ def agent_side(args: argparse.Namespace, folder: Path, loads: list[int], out: di
                 res.pop("samples")
                 res.update(profiled=profiled, engine=counters_during(before, engine_counters()))
                 agent_runs.setdefault(str(agents), []).append(res)
-                log(f"agent {args.shape} x{agents} run {rep + 1}: {res['tokens_per_s']:,.0f} tokens/s ({res['tokens']} "
-                    f"in {res['wall_s']:.1f} s), turn p50 {res['turn_p50_s']:.2f} s, p99 {res['turn_p99_s']:.2f} s")
+                log(
+                    f"agent {args.shape} x{agents} run {rep + 1}: {res['tokens_per_s']:,.0f} tokens/s ({res['tokens']} "
+                    f"in {res['wall_s']:.1f} s), turn p50 {res['turn_p50_s']:.2f} s, p99 {res['turn_p99_s']:.2f} s"
+                )
                 # the closed-loop ceiling: the same turns straight on this engine's AsyncLLM, the same tool waits
                 await engine.llm.reset_prefix_cache()
-                closed = await closed_loop(engine.llm, plan, la, vocab, inflight=admitted,
-                                           latency=latency(args, rep) if args.tool_latency == "sandbox" else None)
+                closed = await closed_loop(
+                    engine.llm,
+                    plan,
+                    la,
+                    vocab,
+                    inflight=admitted,
+                    latency=latency(args, rep) if args.tool_latency == "sandbox" else None,
+                )
                 closed_runs.setdefault(str(agents), []).append(closed)
                 log(f"closed-loop ceiling {args.shape} x{agents} run {rep + 1}: {closed['tokens_per_s']:,.0f} tokens/s")
         for n, runs in agent_runs.items():
@@ -349,13 +390,21 @@ def agent_side(args: argparse.Namespace, folder: Path, loads: list[int], out: di
             for mode in [m for m in args.inflight_modes.split(",") if m]:
                 engine.args = engine.args.model_copy(update={"inflight_update": mode})
                 await engine.llm.reset_prefix_cache()
-                busy = await run_agents(engine, plan, la, vocab, inflight=admitted,
-                                        updates=periodic_updates(engine, folder, args.update_every))
+                busy = await run_agents(
+                    engine,
+                    plan,
+                    la,
+                    vocab,
+                    inflight=admitted,
+                    updates=periodic_updates(engine, folder, args.update_every),
+                )
                 busy.pop("samples")
                 busy["loss"] = 1 - busy["tokens_per_s"] / res["tokens_per_s"]
                 res.setdefault("under_updates", {})[mode] = busy
-                log(f"agent {args.shape} x{agents}, reload every {args.update_every:g} s ({mode}): "
-                    f"{busy['tokens_per_s']:,.0f} tokens/s ({busy['loss']:.0%} lost), {len(busy['reloads_s'])} reloads")
+                log(
+                    f"agent {args.shape} x{agents}, reload every {args.update_every:g} s ({mode}): "
+                    f"{busy['tokens_per_s']:,.0f} tokens/s ({busy['loss']:.0%} lost), {len(busy['reloads_s'])} reloads"
+                )
             engine.args = vargs
 
     try:
@@ -387,8 +436,14 @@ def ceiling_side(args: argparse.Namespace, folder: Path, loads: list[int], out: 
     vargs = engine_args(args, max(loads))
     if vargs.kv_cache_from_share or vargs.weight_transfer != "files":
         raise SystemExit("the ceiling side takes neither kv_cache_from_share nor weight_transfer")
-    kw = engine_kwargs(vargs, model=str(folder), max_model_len=max_model_len(args),
-                       dtype="bfloat16" if torch.cuda.is_available() else "float32", seed=0, on_cpu=on_cpu_platform())
+    kw = engine_kwargs(
+        vargs,
+        model=str(folder),
+        max_model_len=max_model_len(args),
+        dtype="bfloat16" if torch.cuda.is_available() else "float32",
+        seed=0,
+        on_cpu=on_cpu_platform(),
+    )
     t0 = time.perf_counter()
     kw.setdefault("disable_log_stats", False)  # stats on, as in the agent side's AsyncLLM (and its counters)
     llm = LLM(**kw)
@@ -396,8 +451,19 @@ def ceiling_side(args: argparse.Namespace, folder: Path, loads: list[int], out: 
     log(f"ceiling: engine up in {out['start_s']:.1f} s")
 
     def batch(prompts: list[list[int]], budgets: list[int]) -> tuple[float, int]:
-        params = [SamplingParams(max_tokens=b, ignore_eos=True, temperature=1.0, top_p=1.0, logprobs=0,
-                                 flat_logprobs=True, detokenize=False, skip_special_tokens=False) for b in budgets]
+        params = [
+            SamplingParams(
+                max_tokens=b,
+                ignore_eos=True,
+                temperature=1.0,
+                top_p=1.0,
+                logprobs=0,
+                flat_logprobs=True,
+                detokenize=False,
+                skip_special_tokens=False,
+            )
+            for b in budgets
+        ]
         t = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
@@ -413,9 +479,18 @@ def ceiling_side(args: argparse.Namespace, folder: Path, loads: list[int], out: 
             before = engine_counters()
             wall, tokens = batch(prompts, budgets)
             counters = counters_during(before, engine_counters())
-            runs.setdefault(str(agents), []).append({"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-                                                     "prompt_tokens": sum(map(len, prompts)), "engine": counters})
-            log(f"ceiling {args.shape} x{agents} run {rep + 1}: {tokens / wall:,.0f} tokens/s ({tokens} in {wall:.1f} s)")
+            runs.setdefault(str(agents), []).append(
+                {
+                    "wall_s": wall,
+                    "tokens": tokens,
+                    "tokens_per_s": tokens / wall,
+                    "prompt_tokens": sum(map(len, prompts)),
+                    "engine": counters,
+                }
+            )
+            log(
+                f"ceiling {args.shape} x{agents} run {rep + 1}: {tokens / wall:,.0f} tokens/s ({tokens} in {wall:.1f} s)"
+            )
     for agents in loads:
         plan = workload(at_load(args, agents))
         prompts = [episode_prompt(i, spec, vocab) for i, spec in enumerate(plan)]
@@ -424,10 +499,15 @@ def ceiling_side(args: argparse.Namespace, folder: Path, loads: list[int], out: 
             llm.reset_prefix_cache()
             prefill_s, _ = batch(prompts, [1] * agents)
             steady_s, steady_tokens = batch(prompts, [args.steady_tokens] * agents)  # prompts now cached
-            res.update(prefill_s=prefill_s, steady_decode_tokens_per_s=steady_tokens / steady_s,
-                       steady_step_ms=1000 * steady_s / args.steady_tokens)
-            log(f"ceiling {args.shape} x{agents}: prefill {prefill_s:.1f} s, steady decode "
-                f"{res['steady_decode_tokens_per_s']:,.0f} tokens/s ({res['steady_step_ms']:.1f} ms a step)")
+            res.update(
+                prefill_s=prefill_s,
+                steady_decode_tokens_per_s=steady_tokens / steady_s,
+                steady_step_ms=1000 * steady_s / args.steady_tokens,
+            )
+            log(
+                f"ceiling {args.shape} x{agents}: prefill {prefill_s:.1f} s, steady decode "
+                f"{res['steady_decode_tokens_per_s']:,.0f} tokens/s ({res['steady_step_ms']:.1f} ms a step)"
+            )
     del llm
 
 
@@ -450,8 +530,19 @@ def measure_shape(shape: str, args: argparse.Namespace) -> dict[str, Any]:
     for side in args.sides.split(","):
         result = work / f"{shape}-{side}.json"
         result.unlink(missing_ok=True)
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", side, "--shape", shape, "--folder", str(folder),
-               "--result", str(result)]
+        cmd = [
+            sys.executable,
+            __file__,
+            *sys.argv[1:],
+            "--child",
+            side,
+            "--shape",
+            shape,
+            "--folder",
+            str(folder),
+            "--result",
+            str(result),
+        ]
         marker = result.with_suffix(".profile")
         marker.unlink(missing_ok=True)
         log(f"{shape}: {side} …")
@@ -486,7 +577,12 @@ def merged(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
     same = old is not None and all(old.get("args", {}).get(k) == v for k, v in new["args"].items() if k not in PER_JOB)
     if not same:
         return new
-    out = dict(old, config=new["config"], args=new["args"], commands=list(dict.fromkeys(old.get("commands", []) + new["commands"])))
+    out = dict(
+        old,
+        config=new["config"],
+        args=new["args"],
+        commands=list(dict.fromkeys(old.get("commands", []) + new["commands"])),
+    )
     out["loads"] = sorted(set(old["loads"]) | set(new["loads"]))
     sides = {k: dict(v, loads=dict(v.get("loads", {}))) for k, v in old["sides"].items()}
     for side, data in new["sides"].items():
@@ -504,16 +600,24 @@ def efficiency(entry: dict[str, Any], against: str = "ceiling") -> dict[str, flo
     (`against` closed_loop, measured in the agent side's process), medians of their runs, loads both measured."""
     agent_side = entry["sides"].get("agent", {})
     agent = agent_side.get("loads", {})
-    ceiling = agent_side.get("closed_loop", {}) if against == "closed_loop" else \
-        entry["sides"].get("ceiling", {}).get("loads", {})
-    return {n: agent[n]["tokens_per_s"] / ceiling[n]["tokens_per_s"] for n in agent
-            if n in ceiling and ceiling[n].get("tokens_per_s")}
+    ceiling = (
+        agent_side.get("closed_loop", {})
+        if against == "closed_loop"
+        else entry["sides"].get("ceiling", {}).get("loads", {})
+    )
+    return {
+        n: agent[n]["tokens_per_s"] / ceiling[n]["tokens_per_s"]
+        for n in agent
+        if n in ceiling and ceiling[n].get("tokens_per_s")
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", default="1.5b=64,256,512", help="SHAPE=AGENTS,…;SHAPE=… (shapes of bench/gpu_shapes.py)")
-    p.add_argument("--updates", default="1.5b=256", help="SHAPE=AGENTS,… measured again under periodic reloads ('': none)")
+    p.add_argument(
+        "--updates", default="1.5b=256", help="SHAPE=AGENTS,… measured again under periodic reloads ('': none)"
+    )
     p.add_argument("--sides", default="agent,ceiling", help="which sides to run (agent, ceiling)")
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--ctx-min", type=int, default=3000)
@@ -523,22 +627,51 @@ def main() -> None:
     p.add_argument("--long-share", type=float, default=0.25)
     p.add_argument("--tool-min", type=int, default=100)
     p.add_argument("--tool-max", type=int, default=300)
-    p.add_argument("--steady-tokens", type=int, default=256,
-                   help="tokens per sequence of the steady-decode pass (0: no prefill-only and steady passes)")
-    p.add_argument("--no-compile", dest="vllm_compile", action="store_false",
-                   help="no torch.compile (VllmArgs.compile false: engines up sooner; mixed steps without piecewise graphs)")
-    p.add_argument("--gpu-memory", type=float, default=None,
-                   help="vLLM's gpu_memory_utilization (default: VllmArgs', 0.9); it sets the KV budget")
-    p.add_argument("--vllm-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a VllmArgs field for both sides, e.g. 'extra={\"async_scheduling\":false}' (repeatable)")
-    p.add_argument("--admit", choices=("kv", "all"), default="kv",
-                   help="agent side: kv keeps at most as many episodes in flight as the engine's KV cache holds "
-                        "at the context length (a rollout worker's rule; the rest wait for a slot), all starts every one")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="runs of every load on each side, interleaved (load by load, then again); the median reported")
-    p.add_argument("--tool-latency", choices=("sandbox", "none"), default="sandbox",
-                   help="sandbox: each turn after an episode's first waits a tool call drawn from the sandbox's "
-                        "measured HTTP latency (bench/results/sandbox.json), on the agent and closed-loop sides")
+    p.add_argument(
+        "--steady-tokens",
+        type=int,
+        default=256,
+        help="tokens per sequence of the steady-decode pass (0: no prefill-only and steady passes)",
+    )
+    p.add_argument(
+        "--no-compile",
+        dest="vllm_compile",
+        action="store_false",
+        help="no torch.compile (VllmArgs.compile false: engines up sooner; mixed steps without piecewise graphs)",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=None,
+        help="vLLM's gpu_memory_utilization (default: VllmArgs', 0.9); it sets the KV budget",
+    )
+    p.add_argument(
+        "--vllm-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a VllmArgs field for both sides, e.g. 'extra={\"async_scheduling\":false}' (repeatable)",
+    )
+    p.add_argument(
+        "--admit",
+        choices=("kv", "all"),
+        default="kv",
+        help="agent side: kv keeps at most as many episodes in flight as the engine's KV cache holds "
+        "at the context length (a rollout worker's rule; the rest wait for a slot), all starts every one",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of every load on each side, interleaved (load by load, then again); the median reported",
+    )
+    p.add_argument(
+        "--tool-latency",
+        choices=("sandbox", "none"),
+        default="sandbox",
+        help="sandbox: each turn after an episode's first waits a tool call drawn from the sandbox's "
+        "measured HTTP latency (bench/results/sandbox.json), on the agent and closed-loop sides",
+    )
     p.add_argument("--update-every", type=float, default=10.0, help="seconds between weight reloads under load")
     p.add_argument("--inflight-modes", default="recompute,keep", help="inflight_update modes measured under reloads")
     p.add_argument("--profile", action="store_true", help="py-spy the agent side at --profile-load")
@@ -595,22 +728,28 @@ def write_markdown(record: dict[str, Any], path: Path) -> None:
     def f(x: Any, fmt: str = "{:.2f}") -> str:
         return "–" if x is None else fmt.format(x)
 
-    lines = [f"# The agent load against vLLM's own ceiling ({record['device']}, vLLM {record['vllm_version']}, "
-             f"torch {record['torch']})", "",
-             "Agent: closed-loop agents through `VllmEngine`, each turn re-sending the episode. Ceiling: vLLM's `LLM` "
-             "with the same engine arguments, one batch of the same sequences (context + tool tokens), each sampling "
-             "the agent's whole budget (`ignore_eos`), log-prob of the sampled token included. Steady decode: every "
-             "sequence decoding at once over cached prompts.", "",
-             "In flight at most: episodes the agent side runs at once, the others waiting for a slot (`--admit kv`: "
-             "as many as its KV cache holds at the context length, as a rollout worker admits them; all: every agent "
-             "at once).", "",
-             "Closed loop: the agents' turns straight on the agent side's AsyncLLM (no chat, no engine path), each turn "
-             "after an episode's first waiting the same tool call as the agent's (sandbox latency: "
-             "bench/results/sandbox.json). Figures: the median of the interleaved runs; spread: (max - min) / median.", "",
-             "| shape | agents | in flight at most | agent tokens/s | agent spread | closed-loop tokens/s | "
-             "agent ÷ closed loop | ceiling tokens/s | efficiency | turn p50 s | "
-             "turn p99 s | ceiling prefill s | steady decode tokens/s | ms a step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# The agent load against vLLM's own ceiling ({record['device']}, vLLM {record['vllm_version']}, "
+        f"torch {record['torch']})",
+        "",
+        "Agent: closed-loop agents through `VllmEngine`, each turn re-sending the episode. Ceiling: vLLM's `LLM` "
+        "with the same engine arguments, one batch of the same sequences (context + tool tokens), each sampling "
+        "the agent's whole budget (`ignore_eos`), log-prob of the sampled token included. Steady decode: every "
+        "sequence decoding at once over cached prompts.",
+        "",
+        "In flight at most: episodes the agent side runs at once, the others waiting for a slot (`--admit kv`: "
+        "as many as its KV cache holds at the context length, as a rollout worker admits them; all: every agent "
+        "at once).",
+        "",
+        "Closed loop: the agents' turns straight on the agent side's AsyncLLM (no chat, no engine path), each turn "
+        "after an episode's first waiting the same tool call as the agent's (sandbox latency: "
+        "bench/results/sandbox.json). Figures: the median of the interleaved runs; spread: (max - min) / median.",
+        "",
+        "| shape | agents | in flight at most | agent tokens/s | agent spread | closed-loop tokens/s | "
+        "agent ÷ closed loop | ceiling tokens/s | efficiency | turn p50 s | "
+        "turn p99 s | ceiling prefill s | steady decode tokens/s | ms a step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for shape, entry in record["shapes"].items():
         agent = entry["sides"].get("agent", {}).get("loads", {})
         ceiling = entry["sides"].get("ceiling", {}).get("loads", {})
@@ -618,43 +757,66 @@ def write_markdown(record: dict[str, Any], path: Path) -> None:
             a, c = agent.get(n, {}), ceiling.get(n, {})
             closed = entry["sides"].get("agent", {}).get("closed_loop", {}).get(n, {})
             inflight = f"{a['inflight']:,}" if a.get("inflight") else "all"  # records before admission: all
-            lines.append(f"| {shape} | {n}{' (profiled)' if a.get('profiled') else ''} | {inflight} "
-                         f"| {f(a.get('tokens_per_s'), '{:,.0f}')} | {f((a.get('spread') or {}).get('relative'), '{:.1%}')} "
-                         f"| {f(closed.get('tokens_per_s'), '{:,.0f}')} "
-                         f"| {f(entry.get('closed_loop_efficiency', {}).get(n))} | {f(c.get('tokens_per_s'), '{:,.0f}')} "
-                         f"| {f(entry['efficiency'].get(n))} | {f(a.get('turn_p50_s'))} | {f(a.get('turn_p99_s'))} "
-                         f"| {f(c.get('prefill_s'), '{:.1f}')} | {f(c.get('steady_decode_tokens_per_s'), '{:,.0f}')} "
-                         f"| {f(c.get('steady_step_ms'), '{:.1f}')} |")
-    lines += ["", "What the engine did during each measurement (vLLM's own counters): tokens prefilled (prompt tokens "
-              "not served from the prefix cache), prefix-cache hit rate, preemptions.", "",
-              "| shape | agents | agent prefilled | ceiling prefilled | agent hit rate | ceiling hit rate | "
-              "agent preemptions | ceiling preemptions |", "|---|---|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {shape} | {n}{' (profiled)' if a.get('profiled') else ''} | {inflight} "
+                f"| {f(a.get('tokens_per_s'), '{:,.0f}')} | {f((a.get('spread') or {}).get('relative'), '{:.1%}')} "
+                f"| {f(closed.get('tokens_per_s'), '{:,.0f}')} "
+                f"| {f(entry.get('closed_loop_efficiency', {}).get(n))} | {f(c.get('tokens_per_s'), '{:,.0f}')} "
+                f"| {f(entry['efficiency'].get(n))} | {f(a.get('turn_p50_s'))} | {f(a.get('turn_p99_s'))} "
+                f"| {f(c.get('prefill_s'), '{:.1f}')} | {f(c.get('steady_decode_tokens_per_s'), '{:,.0f}')} "
+                f"| {f(c.get('steady_step_ms'), '{:.1f}')} |"
+            )
+    lines += [
+        "",
+        "What the engine did during each measurement (vLLM's own counters): tokens prefilled (prompt tokens "
+        "not served from the prefix cache), prefix-cache hit rate, preemptions.",
+        "",
+        "| shape | agents | agent prefilled | ceiling prefilled | agent hit rate | ceiling hit rate | "
+        "agent preemptions | ceiling preemptions |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for shape, entry in record["shapes"].items():
         agent = entry["sides"].get("agent", {}).get("loads", {})
         ceiling = entry["sides"].get("ceiling", {}).get("loads", {})
         for n in map(str, entry["loads"]):
             a, c = agent.get(n, {}).get("engine", {}), ceiling.get(n, {}).get("engine", {})
-            lines.append(f"| {shape} | {n} | {f(a.get('prefilled_tokens'), '{:,.0f}')} "
-                         f"| {f(c.get('prefilled_tokens'), '{:,.0f}')} | {f(a.get('prefix_cache_hit_rate'), '{:.1%}')} "
-                         f"| {f(c.get('prefix_cache_hit_rate'), '{:.1%}')} | {f(a.get('num_preemptions'), '{:.0f}')} "
-                         f"| {f(c.get('num_preemptions'), '{:.0f}')} |")
-    rows = [(shape, n, mode, busy, entry["args"]["update_every"])
-            for shape, entry in record["shapes"].items()
-            for n, a in entry["sides"].get("agent", {}).get("loads", {}).items()
-            for mode, busy in (a.get("under_updates") or {}).items()]
+            lines.append(
+                f"| {shape} | {n} | {f(a.get('prefilled_tokens'), '{:,.0f}')} "
+                f"| {f(c.get('prefilled_tokens'), '{:,.0f}')} | {f(a.get('prefix_cache_hit_rate'), '{:.1%}')} "
+                f"| {f(c.get('prefix_cache_hit_rate'), '{:.1%}')} | {f(a.get('num_preemptions'), '{:.0f}')} "
+                f"| {f(c.get('num_preemptions'), '{:.0f}')} |"
+            )
+    rows = [
+        (shape, n, mode, busy, entry["args"]["update_every"])
+        for shape, entry in record["shapes"].items()
+        for n, a in entry["sides"].get("agent", {}).get("loads", {}).items()
+        for mode, busy in (a.get("under_updates") or {}).items()
+    ]
     if rows:
-        lines += ["", "| shape | agents | in-flight mode | reload every s | tokens/s | loss against no reloads | "
-                  "reloads | turns updated mid-turn |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| shape | agents | in-flight mode | reload every s | tokens/s | loss against no reloads | "
+            "reloads | turns updated mid-turn |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for shape, n, mode, busy, every in rows:
-            lines.append(f"| {shape} | {n} | {mode} | {every:g} | {busy['tokens_per_s']:,.0f} | {busy['loss']:.1%} "
-                         f"| {len(busy['reloads_s'])} | {busy['turns_updated_mid_turn']} |")
+            lines.append(
+                f"| {shape} | {n} | {mode} | {every:g} | {busy['tokens_per_s']:,.0f} | {busy['loss']:.1%} "
+                f"| {len(busy['reloads_s'])} | {busy['turns_updated_mid_turn']} |"
+            )
     lines += ["", "Commands:", ""] + [f"    {c}" for entry in record["shapes"].values() for c in entry["commands"]]
-    failed = [f"- {shape} {side}: exit {d.get('rc')}" for shape, entry in record["shapes"].items()
-              for side, d in entry["sides"].items() if d.get("rc") != 0]
+    failed = [
+        f"- {shape} {side}: exit {d.get('rc')}"
+        for shape, entry in record["shapes"].items()
+        for side, d in entry["sides"].items()
+        if d.get("rc") != 0
+    ]
     lines += ["", *failed] if failed else []
-    profiles = [f"- {shape}: py-spy {prof.get('stacks', '')} {prof.get('error', '')}".rstrip()
-                for shape, entry in record["shapes"].items()
-                if (prof := entry["sides"].get("agent", {}).get("profile"))]
+    profiles = [
+        f"- {shape}: py-spy {prof.get('stacks', '')} {prof.get('error', '')}".rstrip()
+        for shape, entry in record["shapes"].items()
+        if (prof := entry["sides"].get("agent", {}).get("profile"))
+    ]
     lines += ["", *profiles] if profiles else []
     path.write_text("\n".join(lines) + "\n")
 

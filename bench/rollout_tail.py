@@ -43,9 +43,16 @@ from services.rollout.service import RolloutService  # noqa: E402
 from services.rollout.worker import GROUP, RolloutWorker, SandboxCheck  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rollout_tail.json"
-QUERY = TravelQuery(org="Sarasota", dest="Chicago", days=3, visiting_city_number=1,
-                    date=["2022-03-22", "2022-03-23", "2022-03-24"], people_number=1, budget=1900,
-                    query="A 3-day trip from Sarasota to Chicago.")
+QUERY = TravelQuery(
+    org="Sarasota",
+    dest="Chicago",
+    days=3,
+    visiting_city_number=1,
+    date=["2022-03-22", "2022-03-23", "2022-03-24"],
+    people_number=1,
+    budget=1900,
+    query="A 3-day trip from Sarasota to Chicago.",
+)
 
 
 class NoTools:
@@ -69,21 +76,44 @@ def episode_seconds(seed: int | None, args: argparse.Namespace) -> float:
     return base * args.tail_factor if rng.random() < args.tail_share else base
 
 
-def scenario(name: str, args: argparse.Namespace, tokenizer: Any, client: redis.Redis, *, oversample: float,
-             episode_timeout: float | None) -> dict[str, Any]:
+def scenario(
+    name: str,
+    args: argparse.Namespace,
+    tokenizer: Any,
+    client: redis.Redis,
+    *,
+    oversample: float,
+    episode_timeout: float | None,
+) -> dict[str, Any]:
     names = StreamNames(f"tail-{uuid.uuid4().hex[:8]}")
     ensure_group(client, names.tasks, GROUP)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    engine = ScriptedEngine(tokenizer, lambda ids, turn: format_answer("Day 1:\nCurrent City: Chicago"),
-                            delay_s=lambda params, _r: episode_seconds(params.seed, args))
-    worker = RolloutWorker(RolloutService(engine, NoTools()), client, loop, names=names, consumer=name,
-                           max_inflight_episodes=args.budget, block_ms=20, sandbox=SandboxCheck(lambda: True))
+    engine = ScriptedEngine(
+        tokenizer,
+        lambda ids, turn: format_answer("Day 1:\nCurrent City: Chicago"),
+        delay_s=lambda params, _r: episode_seconds(params.seed, args),
+    )
+    worker = RolloutWorker(
+        RolloutService(engine, NoTools()),
+        client,
+        loop,
+        names=names,
+        consumer=name,
+        max_inflight_episodes=args.budget,
+        block_ms=20,
+        sandbox=SandboxCheck(lambda: True),
+    )
     threads = worker.start()
     extra = math.ceil(args.batch * oversample - 1e-9)
-    sampling = SamplingParams(max_tokens_per_turn=64, max_context_tokens=4096, episode_timeout_s=episode_timeout,
-                              group_timeout_s=None, turn_timeout_s=None)
+    sampling = SamplingParams(
+        max_tokens_per_turn=64,
+        max_context_tokens=4096,
+        episode_timeout_s=episode_timeout,
+        group_timeout_s=None,
+        turn_timeout_s=None,
+    )
     groups: dict[str, list[dict]] = {}
     cursor = "0-0"
     steps: list[dict[str, float]] = []
@@ -92,9 +122,15 @@ def scenario(name: str, args: argparse.Namespace, tokenizer: Any, client: redis.
             t0 = time.perf_counter()
             pipe = client.pipeline(transaction=True)
             for slot in range(args.batch + extra):
-                task = RolloutTask(run_id=name, task_id=f"{name}/s{step:03d}/p{slot:03d}", prompt_id=f"p{slot}",
-                                   query=QUERY, group_size=args.group_size, step=step,
-                                   sampling=sampling.model_copy(update={"seed": (step * 1000 + slot) * 1000}))
+                task = RolloutTask(
+                    run_id=name,
+                    task_id=f"{name}/s{step:03d}/p{slot:03d}",
+                    prompt_id=f"p{slot}",
+                    query=QUERY,
+                    group_size=args.group_size,
+                    step=step,
+                    sampling=sampling.model_copy(update={"seed": (step * 1000 + slot) * 1000}),
+                )
                 pipe.xadd(names.tasks, {b"payload": task.model_dump_json().encode()})
             pipe.execute()
             taken: list[str] = []
@@ -126,9 +162,15 @@ def scenario(name: str, args: argparse.Namespace, tokenizer: Any, client: redis.
         for stream in (names.tasks, names.trajectories, StreamNames.dead(names.tasks)):
             client.delete(stream)
     waits = [s["wait_s"] for s in steps]
-    return {"scenario": name, "oversample": oversample, "episode_timeout_s": episode_timeout,
-            "median_wait_s": statistics.median(waits), "mean_wait_s": statistics.fmean(waits),
-            "mean_step_s": statistics.fmean(s["step_s"] for s in steps), "steps": steps}
+    return {
+        "scenario": name,
+        "oversample": oversample,
+        "episode_timeout_s": episode_timeout,
+        "median_wait_s": statistics.median(waits),
+        "mean_wait_s": statistics.fmean(waits),
+        "mean_step_s": statistics.fmean(s["step_s"] for s in steps),
+        "steps": steps,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,15 +198,21 @@ def main(argv: list[str] | None = None) -> int:
     client = redis.Redis.from_url(args.redis_url)
     client.ping()
     runs = []
-    for name, oversample, deadline in (("baseline", 0.0, None), ("oversample", args.oversample, None),
-                                       ("deadline", 0.0, timeout), ("oversample+deadline", args.oversample, timeout)):
+    for name, oversample, deadline in (
+        ("baseline", 0.0, None),
+        ("oversample", args.oversample, None),
+        ("deadline", 0.0, timeout),
+        ("oversample+deadline", args.oversample, timeout),
+    ):
         print(f"{name}: oversample {oversample:g}, episode deadline {deadline or 'none'}", flush=True)
         runs.append(scenario(name, args, tokenizer, client, oversample=oversample, episode_timeout=deadline))
     base = runs[0]["mean_wait_s"]
     print(f"\n{'scenario':>22} {'median wait s':>14} {'mean wait s':>12} {'mean step s':>12} {'vs baseline':>12}")
     for r in runs:
-        print(f"{r['scenario']:>22} {r['median_wait_s']:14.2f} {r['mean_wait_s']:12.2f} {r['mean_step_s']:12.2f} "
-              f"{r['mean_wait_s'] / base:11.2f}×")
+        print(
+            f"{r['scenario']:>22} {r['median_wait_s']:14.2f} {r['mean_wait_s']:12.2f} {r['mean_step_s']:12.2f} "
+            f"{r['mean_wait_s'] / base:11.2f}×"
+        )
     settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"settings": {**settings, "episode_timeout": timeout}, "runs": runs}, indent=2))

@@ -37,12 +37,20 @@ from bench.loadgen import post_request, run_load, serve_app  # noqa: E402
 from services.common.redis import free_port  # noqa: E402
 from services.common.settings import get_settings  # noqa: E402
 from services.sandbox.tools.toolbox import ToolBox  # noqa: E402
-from services.sandbox.world import World  # noqa: E402
-from services.sandbox.world import build  # noqa: E402
+from services.sandbox.world import (
+    World,  # noqa: E402
+    build,  # noqa: E402
+)
 
 RESULTS = ROOT / "bench" / "results"
-TOOLS = ["SearchCity", "SearchFlight", "GoogleDistanceMatrix", "SearchAccommodation", "SearchRestaurant",
-         "SearchAttraction"]
+TOOLS = [
+    "SearchCity",
+    "SearchFlight",
+    "GoogleDistanceMatrix",
+    "SearchAccommodation",
+    "SearchRestaurant",
+    "SearchAttraction",
+]
 
 
 # --- the world ------------------------------------------------------------------------------
@@ -73,8 +81,9 @@ def workload(world: World, n: int, seed: int = 0) -> list[tuple[str, dict]]:
         max_id = conn.execute(text("select max(id) from flights")).scalar_one()
         triples = []
         for _ in range(n):
-            row = conn.execute(text("select origin, dest, flight_date from flights where id = :i"),
-                               {"i": rng.randrange(max_id + 1)}).first()
+            row = conn.execute(
+                text("select origin, dest, flight_date from flights where id = :i"), {"i": rng.randrange(max_id + 1)}
+            ).first()
             if row:
                 triples.append(tuple(row))
         pairs = [tuple(r) for r in conn.execute(text("select origin, destination from distances")).all()]
@@ -104,16 +113,25 @@ class PandasTools:
 
     def __init__(self, world: World) -> None:
         with world.engine.connect() as conn:
+
             def table(sql: str) -> pd.DataFrame:
                 return pd.read_sql(text(sql), conn)
 
-            self.flights = table("select flight_number, price, dep_time, arr_time, elapsed, flight_date, origin, dest,"
-                                 " distance from flights where visible order by id")
-            self.acc = table("select name, price, room_type, house_rules, minimum_nights, maximum_occupancy,"
-                             " review_rate, city from accommodations where visible order by id")
-            self.rest = table("select name, average_cost, cuisines, rating, city from restaurants where visible order by id")
-            self.attr = table("select name, latitude, longitude, address, phone, website, city from attractions"
-                              " where visible order by id")
+            self.flights = table(
+                "select flight_number, price, dep_time, arr_time, elapsed, flight_date, origin, dest,"
+                " distance from flights where visible order by id"
+            )
+            self.acc = table(
+                "select name, price, room_type, house_rules, minimum_nights, maximum_occupancy,"
+                " review_rate, city from accommodations where visible order by id"
+            )
+            self.rest = table(
+                "select name, average_cost, cuisines, rating, city from restaurants where visible order by id"
+            )
+            self.attr = table(
+                "select name, latitude, longitude, address, phone, website, city from attractions"
+                " where visible order by id"
+            )
             self.dist = table("select origin, destination, duration, distance from distances order by id")
             self.cities = table("select city, state from cities order by id")
 
@@ -124,34 +142,49 @@ class PandasTools:
         f = self.flights
         rows = f[(f["origin"] == departure) & (f["dest"] == destination) & (f["flight_date"] == date)]
         if len(rows) == 0:
-            return (f"There is no available flight from {departure} to {destination} on {date}. "
-                    "Please rethink your flight search and try again.")
-        lines = [f"{i + 1}. [{r[0]}] ${r[1]}. Departure: {r[2]}, Arrival: {r[3]}, Actual Elapsed Time: {r[4]}, "
-                 f"Distance: {r[8]} miles\n" for i, r in enumerate(rows.itertuples(index=False))]
-        return f"A SearchFlight for {departure} to {destination} on {date} found the following {len(rows)} flights:\n" + "\n".join(lines)
+            return (
+                f"There is no available flight from {departure} to {destination} on {date}. "
+                "Please rethink your flight search and try again."
+            )
+        lines = [
+            f"{i + 1}. [{r[0]}] ${r[1]}. Departure: {r[2]}, Arrival: {r[3]}, Actual Elapsed Time: {r[4]}, "
+            f"Distance: {r[8]} miles\n"
+            for i, r in enumerate(rows.itertuples(index=False))
+        ]
+        return (
+            f"A SearchFlight for {departure} to {destination} on {date} found the following {len(rows)} flights:\n"
+            + "\n".join(lines)
+        )
 
     def SearchAccommodation(self, city: str) -> str:  # noqa: N802
         rows = self.acc[self.acc["city"] == city]
         if len(rows) == 0:
             return f"There is no accommodation in {city}. Please rethink your accommodation search and try again."
-        lines = [f"{i + 1}. [{r[0]}] ${r[1]}. Room Type: {r[2]}, House Rules: {r[3]}, Minimum Nights: {r[4]}, "
-                 f"Maximum Occupancy: {r[5]}, Review Rate Number: {r[6]}\n" for i, r in enumerate(rows.itertuples(index=False))]
+        lines = [
+            f"{i + 1}. [{r[0]}] ${r[1]}. Room Type: {r[2]}, House Rules: {r[3]}, Minimum Nights: {r[4]}, "
+            f"Maximum Occupancy: {r[5]}, Review Rate Number: {r[6]}\n"
+            for i, r in enumerate(rows.itertuples(index=False))
+        ]
         return f"A SearchAccommodation for {city} found the following {len(lines)} accommodations:\n" + "\n".join(lines)
 
     def SearchRestaurant(self, city: str) -> str:  # noqa: N802
         rows = self.rest[self.rest["city"] == city]
         if len(rows) == 0:
             return f"There is no restaurant in {city}. Please rethink your restaurant search and try again."
-        lines = [f"{i + 1}. [{r[0]}] Avg. Cost ${r[1]}. Cuisines: {r[2]}. Rating: {r[3]}\n"
-                 for i, r in enumerate(rows.itertuples(index=False))]
+        lines = [
+            f"{i + 1}. [{r[0]}] Avg. Cost ${r[1]}. Cuisines: {r[2]}. Rating: {r[3]}\n"
+            for i, r in enumerate(rows.itertuples(index=False))
+        ]
         return f"A SearchRestaurant for city {city} found the following {len(lines)} restaurants:\n" + "\n".join(lines)
 
     def SearchAttraction(self, city: str) -> str:  # noqa: N802
         rows = self.attr[self.attr["city"] == city]
         if len(rows) == 0:
             return f"There is no attraction in {city}. Please rethink your attraction search and try again."
-        lines = [f"{i + 1}. [{r[0]}]({r[5]}) Address: {r[3]}. Contact: {r[4]}\n"
-                 for i, r in enumerate(rows.itertuples(index=False))]
+        lines = [
+            f"{i + 1}. [{r[0]}]({r[5]}) Address: {r[3]}. Contact: {r[4]}\n"
+            for i, r in enumerate(rows.itertuples(index=False))
+        ]
         return f"A SearchAttraction for city {city} found the following {len(lines)} attractions:\n" + "\n".join(lines)
 
     def SearchCity(self, state: str) -> str:  # noqa: N802
@@ -171,10 +204,14 @@ class PandasTools:
         km = float(distance.replace("km", "").replace(",", "").strip())
         cost = int(km * 0.05) if "driving" in mode else int(km)
         if "day" in duration:
-            return ("The required time exceeds a single day, we cannot provide the cost. "
-                    "Please consider an alternative transportation instead.")
-        return (f"A GoogleDistanceMatrix found the following information:\n{mode}, from {departure} to {destination}, "
-                f"duration: {duration}, distance: {distance}, cost: ${cost}")
+            return (
+                "The required time exceeds a single day, we cannot provide the cost. "
+                "Please consider an alternative transportation instead."
+            )
+        return (
+            f"A GoogleDistanceMatrix found the following information:\n{mode}, from {departure} to {destination}, "
+            f"duration: {duration}, distance: {distance}, cost: ${cost}"
+        )
 
 
 # --- measurements ---------------------------------------------------------------------------
@@ -189,24 +226,37 @@ def latencies(fn, calls: list[tuple[str, dict]], desc: str) -> dict[str, list[fl
 
 def summary(ms: list[float]) -> dict[str, float]:
     a = np.asarray(ms)
-    return {"n": int(a.size), "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
-            "mean_ms": float(a.mean())}
+    return {
+        "n": int(a.size),
+        "p50_ms": float(np.percentile(a, 50)),
+        "p99_ms": float(np.percentile(a, 99)),
+        "mean_ms": float(a.mean()),
+    }
 
 
-def http_throughput(db_url: str, calls: list[tuple[str, dict]], *, workers: int, cache: int, seconds: float,
-                    connections: int) -> dict:
+def http_throughput(
+    db_url: str, calls: list[tuple[str, dict]], *, workers: int, cache: int, seconds: float, connections: int
+) -> dict:
     port = free_port()
     env = {"STAR_DB_URL": db_url, "STAR_TOOL_CACHE_SIZE": str(cache), "STAR_LOG_LEVEL": "WARNING"}
     with serve_app("services.sandbox.app:create_app", port, env, workers=workers):
-        requests = [post_request("127.0.0.1", port, "/tools/call", orjson.dumps({"name": n, "arguments": a}))
-                    for n, a in calls]
+        requests = [
+            post_request("127.0.0.1", port, "/tools/call", orjson.dumps({"name": n, "arguments": a})) for n, a in calls
+        ]
         asyncio.run(run_load("127.0.0.1", port, requests, connections=connections, seconds=2.0))  # warm-up
         res = asyncio.run(run_load("127.0.0.1", port, requests, connections=connections, seconds=seconds))
         lat = np.asarray(res.latencies_ms)
-        return {"workers": workers, "tool_cache": cache, "connections": connections, "seconds": round(res.seconds, 2),
-                "requests": res.requests, "errors": res.errors, "calls_per_s": round(res.rps, 1),
-                "latency_p50_ms": round(float(np.percentile(lat, 50)), 3),
-                "latency_p99_ms": round(float(np.percentile(lat, 99)), 3)}
+        return {
+            "workers": workers,
+            "tool_cache": cache,
+            "connections": connections,
+            "seconds": round(res.seconds, 2),
+            "requests": res.requests,
+            "errors": res.errors,
+            "calls_per_s": round(res.rps, 1),
+            "latency_p50_ms": round(float(np.percentile(lat, 50)), 3),
+            "latency_p99_ms": round(float(np.percentile(lat, 99)), 3),
+        }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -224,7 +274,7 @@ def plot(result: dict, path: Path) -> None:
     ax1.bar(x, ours99, 0.27, label="SQL p99")
     ax1.bar(x + 0.27, base, 0.27, label="pandas baseline p50")
     ax1.set_yscale("log")
-    ax1.set_xticks(x, [t.replace("Search", "") .replace("GoogleDistanceMatrix", "Distance") for t in TOOLS], rotation=20)
+    ax1.set_xticks(x, [t.replace("Search", "").replace("GoogleDistanceMatrix", "Distance") for t in TOOLS], rotation=20)
     ax1.set_ylabel("ms per call (log)")
     ax1.axhline(1.0, color="grey", ls="--", lw=0.8)
     ax1.set_title("In-process tool latency (cache off)")
@@ -254,10 +304,17 @@ def main() -> None:
     print(f"world: {world.url}  " + ", ".join(f"{k} {v:,}" for k, v in counts.items()))
     calls = workload(world, n)
 
-    result: dict = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                "platform": platform.platform(), "loadavg_at_start": os.getloadavg()},
-                    "world": {"url": world.url, "counts": counts, "meta": world.meta()},
-                    "in_process": {}, "targets": {"in_process_p99_ms": 1.0, "flight_speedup": 100, "http_calls_per_s": 1500}}
+    result: dict = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "loadavg_at_start": os.getloadavg(),
+        },
+        "world": {"url": world.url, "counts": counts, "meta": world.meta()},
+        "in_process": {},
+        "targets": {"in_process_p99_ms": 1.0, "flight_speedup": 100, "http_calls_per_s": 1500},
+    }
     for dialect in ("star", "official"):
         box = ToolBox(world, dialect=dialect, cache_size=0)
         for name, a in calls[:60]:
@@ -274,8 +331,9 @@ def main() -> None:
     result["baseline_mismatches"] = len(mismatches)
     base = latencies(pandas_tools.call, sample, "pandas baseline")
     result["baseline_pandas"] = {t: summary(v) for t, v in base.items()}
-    result["speedup_p50"] = {t: round(result["baseline_pandas"][t]["p50_ms"] / result["in_process"]["star"][t]["p50_ms"], 1)
-                             for t in TOOLS}
+    result["speedup_p50"] = {
+        t: round(result["baseline_pandas"][t]["p50_ms"] / result["in_process"]["star"][t]["p50_ms"], 1) for t in TOOLS
+    }
 
     result["http"] = []
     for workers, cache in ((1, 4096), (2, 4096), (2, 0)):
@@ -286,9 +344,12 @@ def main() -> None:
     worst_p99 = max(v["p99_ms"] for v in result["in_process"]["star"].values())
     best_http = max(r["calls_per_s"] for r in result["http"])
     result["verdict"] = {
-        "in_process_p99_ms_worst_tool": round(worst_p99, 3), "in_process_ok": worst_p99 <= 1.0,
-        "flight_speedup": result["speedup_p50"]["SearchFlight"], "flight_ok": result["speedup_p50"]["SearchFlight"] >= 100,
-        "http_calls_per_s_best": best_http, "http_ok": best_http >= 1500,
+        "in_process_p99_ms_worst_tool": round(worst_p99, 3),
+        "in_process_ok": worst_p99 <= 1.0,
+        "flight_speedup": result["speedup_p50"]["SearchFlight"],
+        "flight_ok": result["speedup_p50"]["SearchFlight"] >= 100,
+        "http_calls_per_s_best": best_http,
+        "http_ok": best_http >= 1500,
         "baseline_outputs_equal": not mismatches,
     }
     result["machine"]["loadavg_at_end"] = os.getloadavg()  # other work on the box skews every figure
@@ -303,25 +364,37 @@ def main() -> None:
 
 def report(r: dict) -> str:
     load = r["machine"].get("loadavg_at_start", ["?"])[0]
-    lines = [f"# Sandbox benchmark ({r['measured_at']}, {r['machine']['cpus']} CPUs, load {load} at start)", "",
-             f"World: {r['world']['counts']['flights']:,} flights, {r['world']['meta'].get('flights', '')}", "",
-             "| tool | star p50 ms | star p99 ms | official p99 ms | pandas p50 ms | speed-up (p50) |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# Sandbox benchmark ({r['measured_at']}, {r['machine']['cpus']} CPUs, load {load} at start)",
+        "",
+        f"World: {r['world']['counts']['flights']:,} flights, {r['world']['meta'].get('flights', '')}",
+        "",
+        "| tool | star p50 ms | star p99 ms | official p99 ms | pandas p50 ms | speed-up (p50) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for t in TOOLS:
         s, o, b = r["in_process"]["star"][t], r["in_process"]["official"][t], r["baseline_pandas"][t]
-        lines.append(f"| {t} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | {o['p99_ms']:.3f} | {b['p50_ms']:.2f} | "
-                     f"{r['speedup_p50'][t]}× |")
+        lines.append(
+            f"| {t} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | {o['p99_ms']:.3f} | {b['p50_ms']:.2f} | "
+            f"{r['speedup_p50'][t]}× |"
+        )
     lines += ["", "| HTTP | calls/s | p50 ms | p99 ms | errors |", "|---|---:|---:|---:|---:|"]
     for h in r["http"]:
-        lines.append(f"| {h['workers']} worker(s), tool cache {'on' if h['tool_cache'] else 'off'}, "
-                     f"{h['connections']} conns | {h['calls_per_s']:,.0f} | {h['latency_p50_ms']} | {h['latency_p99_ms']} | "
-                     f"{h['errors']} |")
+        lines.append(
+            f"| {h['workers']} worker(s), tool cache {'on' if h['tool_cache'] else 'off'}, "
+            f"{h['connections']} conns | {h['calls_per_s']:,.0f} | {h['latency_p50_ms']} | {h['latency_p99_ms']} | "
+            f"{h['errors']} |"
+        )
     v = r["verdict"]
-    lines += ["", f"Verdict: in-process worst p99 {v['in_process_p99_ms_worst_tool']} ms (target ≤ 1): "
-              f"{'OK' if v['in_process_ok'] else 'MISSED'}; SearchFlight {v['flight_speedup']}× the baseline "
-              f"(target ≥ 100): {'OK' if v['flight_ok'] else 'MISSED'}; HTTP {v['http_calls_per_s_best']:,.0f} calls/s "
-              f"(target ≥ 1,500): {'OK' if v['http_ok'] else 'MISSED'}; baseline outputs identical: "
-              f"{v['baseline_outputs_equal']} (baseline load {r['baseline_load_s']} s).", ""]
+    lines += [
+        "",
+        f"Verdict: in-process worst p99 {v['in_process_p99_ms_worst_tool']} ms (target ≤ 1): "
+        f"{'OK' if v['in_process_ok'] else 'MISSED'}; SearchFlight {v['flight_speedup']}× the baseline "
+        f"(target ≥ 100): {'OK' if v['flight_ok'] else 'MISSED'}; HTTP {v['http_calls_per_s_best']:,.0f} calls/s "
+        f"(target ≥ 1,500): {'OK' if v['http_ok'] else 'MISSED'}; baseline outputs identical: "
+        f"{v['baseline_outputs_equal']} (baseline load {r['baseline_load_s']} s).",
+        "",
+    ]
     return "\n".join(lines)
 
 

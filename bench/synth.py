@@ -85,8 +85,10 @@ def main() -> None:
     naive_costs, naive_ms = timed(lambda q: naive_cheapest(index, q), small, "naive")
     fresh = Oracle(index)  # no warm caches from the big run
     oracle_small, oracle_small_ms = timed(fresh.cheapest, small, "oracle (sample)")
-    agree = sum((r.cost if r.feasible else float("inf")) == c or (r.feasible and abs(r.cost - c) < 1e-6)
-                for r, c in zip(oracle_small, naive_costs))
+    agree = sum(
+        (r.cost if r.feasible else float("inf")) == c or (r.feasible and abs(r.cost - c) < 1e-6)
+        for r, c in zip(oracle_small, naive_costs)
+    )
 
     t0 = time.perf_counter()
     synth = QuerySynthesizer(Oracle(index), seed=args.seed, workers=2)
@@ -94,22 +96,36 @@ def main() -> None:
     e2e_s = time.perf_counter() - t0
 
     result = {
-        "world": world.meta().get("flights"), "flight_legs": len(index.flights), "loadavg": os.getloadavg(),
-        "cpus": os.cpu_count(), "index_build_s": round(build_s, 2),
-        "oracle": {"candidates": len(cands), "feasible": feasible, "seconds": round(float(ms_arr.sum() / 1000), 2),
-                   "queries_per_s": round(float(len(cands) / (ms_arr.sum() / 1000)), 1),
-                   "p50_ms": round(float(np.percentile(ms_arr, 50)), 3),
-                   "p99_ms": round(float(np.percentile(ms_arr, 99)), 3),
-                   "mean_ms_by_days": {d: round(float(np.mean(v)), 3) for d, v in by_days.items() if v}},
-        "baseline": {"sample": len(small), "naive_mean_ms": round(float(np.mean(naive_ms)), 2),
-                     "naive_max_ms": round(float(np.max(naive_ms)), 2),
-                     "oracle_mean_ms": round(float(np.mean(oracle_small_ms)), 3),
-                     "speedup": round(float(np.mean(naive_ms)) / float(np.mean(oracle_small_ms)), 1),
-                     "same_cost": f"{agree}/{len(small)}"},
-        "end_to_end": {"feasible_queries": len(queries), "workers": 2, "seconds": round(e2e_s, 2),
-                       "candidates_tried": sum(report.attempts.values()),
-                       "feasibility": round(report.feasibility(), 3),
-                       "candidates_per_s": round(sum(report.attempts.values()) / e2e_s, 1)},
+        "world": world.meta().get("flights"),
+        "flight_legs": len(index.flights),
+        "loadavg": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "index_build_s": round(build_s, 2),
+        "oracle": {
+            "candidates": len(cands),
+            "feasible": feasible,
+            "seconds": round(float(ms_arr.sum() / 1000), 2),
+            "queries_per_s": round(float(len(cands) / (ms_arr.sum() / 1000)), 1),
+            "p50_ms": round(float(np.percentile(ms_arr, 50)), 3),
+            "p99_ms": round(float(np.percentile(ms_arr, 99)), 3),
+            "mean_ms_by_days": {d: round(float(np.mean(v)), 3) for d, v in by_days.items() if v},
+        },
+        "baseline": {
+            "sample": len(small),
+            "naive_mean_ms": round(float(np.mean(naive_ms)), 2),
+            "naive_max_ms": round(float(np.max(naive_ms)), 2),
+            "oracle_mean_ms": round(float(np.mean(oracle_small_ms)), 3),
+            "speedup": round(float(np.mean(naive_ms)) / float(np.mean(oracle_small_ms)), 1),
+            "same_cost": f"{agree}/{len(small)}",
+        },
+        "end_to_end": {
+            "feasible_queries": len(queries),
+            "workers": 2,
+            "seconds": round(e2e_s, 2),
+            "candidates_tried": sum(report.attempts.values()),
+            "feasibility": round(report.feasibility(), 3),
+            "candidates_per_s": round(sum(report.attempts.values()) / e2e_s, 1),
+        },
         "target": "thousands of candidate queries in minutes on 2 cores",
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -119,9 +135,12 @@ def main() -> None:
     (out / "synth.json").write_text(json.dumps(result, indent=2) + "\n")
     o, b, e = result["oracle"], result["baseline"], result["end_to_end"]
     lines = [
-        f"# Synthesis benchmark ({result['measured_at']}, {result['cpus']} CPUs, load {result['loadavg'][0]:.2f})", "",
-        f"World: {result['world']}; {result['flight_legs']:,} flight legs. Index built once in {result['index_build_s']} s.", "",
-        "| what | queries | seconds | queries/s | mean ms | p99 ms |", "|---|---:|---:|---:|---:|---:|",
+        f"# Synthesis benchmark ({result['measured_at']}, {result['cpus']} CPUs, load {result['loadavg'][0]:.2f})",
+        "",
+        f"World: {result['world']}; {result['flight_legs']:,} flight legs. Index built once in {result['index_build_s']} s.",
+        "",
+        "| what | queries | seconds | queries/s | mean ms | p99 ms |",
+        "|---|---:|---:|---:|---:|---:|",
         f"| oracle (1 process, all candidates) | {o['candidates']:,} | {o['seconds']} | {o['queries_per_s']:,} | "
         f"{o['seconds'] * 1000 / o['candidates']:.2f} | {o['p99_ms']} |",
         f"| naive enumeration (baseline, sample) | {b['sample']} | {b['naive_mean_ms'] * b['sample'] / 1000:.2f} | "
@@ -129,7 +148,8 @@ def main() -> None:
         f"| oracle on the same sample | {b['sample']} | {b['oracle_mean_ms'] * b['sample'] / 1000:.3f} | "
         f"{1000 / b['oracle_mean_ms']:.1f} | {b['oracle_mean_ms']} | |",
         f"| synthesis end to end (2 workers) | {e['candidates_tried']:,} tried → {e['feasible_queries']:,} kept | "
-        f"{e['seconds']} | {e['candidates_per_s']:,} | | |", "",
+        f"{e['seconds']} | {e['candidates_per_s']:,} | | |",
+        "",
         f"Oracle vs naive on the sample: {b['speedup']}× faster, same least cost on {b['same_cost']}. "
         f"Mean oracle ms by trip length: {o['mean_ms_by_days']}. Feasible candidates: {o['feasible']:,} of "
         f"{o['candidates']:,}. Target (thousands of candidates in minutes on 2 cores): "

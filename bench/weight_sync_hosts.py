@@ -42,10 +42,11 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -53,8 +54,14 @@ RESULTS = ROOT / "bench" / "results"
 
 HOST_IF, PEER_IF = "starh0", "starp0"  # the veth pair: this side, the rollout server's side
 HOST_ADDR, PEER_ADDR = "10.231.0.1", "10.231.0.2"
-SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1", "NCCL_NET": "Socket",
-              "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
+SOCKET_ENV = {
+    "NCCL_P2P_DISABLE": "1",
+    "NCCL_SHM_DISABLE": "1",
+    "NCCL_IB_DISABLE": "1",
+    "NCCL_NET": "Socket",
+    "NCCL_DEBUG": "INFO",
+    "NCCL_DEBUG_SUBSYS": "INIT,NET",
+}
 MAX_MODEL_LEN = 32768
 
 
@@ -78,6 +85,7 @@ def log(msg: str) -> None:
 
 # ---- a network namespace of the rollout server's own ---------------------------------------------
 
+
 def enter(ns_path: str) -> None:
     """Move this process into the network namespace at `ns_path` (setns(2); needs CAP_SYS_ADMIN)."""
     fd = os.open(ns_path, os.O_RDONLY)
@@ -97,8 +105,11 @@ def configure(ifname: str, address: str, gateway: str | None) -> None:
     """Give `ifname` (in this process's namespace) `address`/24 and bring it and loopback up; a default
     route through `gateway` (vLLM finds its own address by the route out)."""
     if shutil.which("ip"):
-        cmds = [["ip", "addr", "add", f"{address}/24", "dev", ifname], ["ip", "link", "set", ifname, "up"],
-                ["ip", "link", "set", "lo", "up"]]
+        cmds = [
+            ["ip", "addr", "add", f"{address}/24", "dev", ifname],
+            ["ip", "link", "set", ifname, "up"],
+            ["ip", "link", "set", "lo", "up"],
+        ]
         if gateway:
             cmds.append(["ip", "route", "add", "default", "via", gateway])
         for cmd in cmds:
@@ -134,29 +145,56 @@ def peer_namespace() -> Iterator[dict[str, Any]]:
     (then loopback in this namespace)."""
     holder, net = None, None
     try:
-        holder = subprocess.Popen([sys.executable, "-c", (
-            "import ctypes,sys\n"
-            "if ctypes.CDLL(None, use_errno=True).unshare(0x40000000): sys.exit(f'unshare: errno {ctypes.get_errno()}')\n"
-            "print('ok', flush=True); sys.stdin.read()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True)
+        holder = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                (
+                    "import ctypes,sys\n"
+                    "if ctypes.CDLL(None, use_errno=True).unshare(0x40000000): sys.exit(f'unshare: errno {ctypes.get_errno()}')\n"
+                    "print('ok', flush=True); sys.stdin.read()"
+                ),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         if holder.stdout.readline().strip() != "ok":
             raise OSError(f"no network namespace: {holder.stderr.read().strip()[-300:]}")
         ns = f"/proc/{holder.pid}/ns/net"
         _veth(holder.pid)
         configure(HOST_IF, HOST_ADDR, None)
-        subprocess.run([sys.executable, __file__, "--enter", ns, "--configure", f"{PEER_IF},{PEER_ADDR},{HOST_ADDR}"],
-                       check=True, capture_output=True, text=True, timeout=60)
+        subprocess.run(
+            [sys.executable, __file__, "--enter", ns, "--configure", f"{PEER_IF},{PEER_ADDR},{HOST_ADDR}"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         log(f"rollout server's network namespace: {ns}, veth {HOST_IF} {HOST_ADDR} <-> {PEER_IF} {PEER_ADDR}")
-        net = {"namespace": True, "how": "unshare(CLONE_NEWNET) + veth pair " + ("(iproute2)" if shutil.which("ip")
-                                                                                  else "(pyroute2)"),
-               "wrap": [sys.executable, __file__, "--enter", ns, "--"], "server_host": PEER_ADDR,
-               "master": HOST_ADDR, "learner_if": HOST_IF, "server_if": PEER_IF}
+        net = {
+            "namespace": True,
+            "how": "unshare(CLONE_NEWNET) + veth pair " + ("(iproute2)" if shutil.which("ip") else "(pyroute2)"),
+            "wrap": [sys.executable, __file__, "--enter", ns, "--"],
+            "server_host": PEER_ADDR,
+            "master": HOST_ADDR,
+            "learner_if": HOST_IF,
+            "server_if": PEER_IF,
+        }
     except Exception as exc:  # noqa: BLE001 - recorded; the run goes on over loopback
         why = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else str(exc)
         log(f"no separate network namespace ({type(exc).__name__}: {str(why).strip()[-300:]}): loopback in this one")
         _drop_veth()
-        net = {"namespace": False, "why_not": f"{type(exc).__name__}: {str(why).strip()[-300:]}", "wrap": [],
-               "server_host": "127.0.0.1", "master": "127.0.0.1", "learner_if": "lo", "server_if": "lo"}
+        net = {
+            "namespace": False,
+            "why_not": f"{type(exc).__name__}: {str(why).strip()[-300:]}",
+            "wrap": [],
+            "server_host": "127.0.0.1",
+            "master": "127.0.0.1",
+            "learner_if": "lo",
+            "server_if": "lo",
+        }
     try:  # the body's own errors are its own: only the set-up above falls back to loopback
         yield net
     finally:
@@ -169,10 +207,13 @@ def peer_namespace() -> Iterator[dict[str, Any]]:
 def _veth(pid: int) -> None:
     _drop_veth()
     if shutil.which("ip"):
-        subprocess.run(["ip", "link", "add", HOST_IF, "type", "veth", "peer", "name", PEER_IF], check=True,
-                       capture_output=True, timeout=20)
-        subprocess.run(["ip", "link", "set", PEER_IF, "netns", str(pid)], check=True, capture_output=True,
-                       timeout=20)
+        subprocess.run(
+            ["ip", "link", "add", HOST_IF, "type", "veth", "peer", "name", PEER_IF],
+            check=True,
+            capture_output=True,
+            timeout=20,
+        )
+        subprocess.run(["ip", "link", "set", PEER_IF, "netns", str(pid)], check=True, capture_output=True, timeout=20)
         return
     from pyroute2 import IPRoute
 
@@ -198,6 +239,7 @@ def _drop_veth() -> None:
 
 
 # ---- phases ----------------------------------------------------------------------------------------
+
 
 @contextmanager
 def deadline(what: str, seconds: float) -> Iterator[None]:
@@ -236,14 +278,24 @@ class HttpEngine:
     def __init__(self, url: str, connections: int) -> None:
         import httpx
 
-        self.client = httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(
-            max_connections=connections, max_keepalive_connections=connections))
+        self.client = httpx.AsyncClient(
+            base_url=url,
+            timeout=600,
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        )
         self.versions: dict[int, int] = {}
 
     async def generate(self, ids: list[int], params: Any) -> SimpleNamespace:
-        r = await self.client.post("/generate", json={"prompt_ids": ids, "max_tokens": params.max_tokens,
-                                                      "temperature": params.temperature, "top_p": params.top_p,
-                                                      "seed": params.seed})
+        r = await self.client.post(
+            "/generate",
+            json={
+                "prompt_ids": ids,
+                "max_tokens": params.max_tokens,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "seed": params.seed,
+            },
+        )
         r.raise_for_status()
         out = r.json()
         self.versions[out["policy_version"]] = self.versions.get(out["policy_version"], 0) + 1
@@ -266,8 +318,12 @@ def sync_once(method: str, version: int, model, folder: Path, ctx: SimpleNamespa
         timing = ctx.pub.publish(version, ctx.layout, iter_full_parameters(model, zero3=ctx.zero3))
     else:
         store = StorePublisher(ctx.weights_root, servers=[ctx.url], keep=1, timeout_s=600)
-        result = store.publish(version, iter_weight_buckets(model, zero3=ctx.zero3, dtype=torch.bfloat16,
-                                                            device="cpu"), config=model.config, source_dir=folder)
+        result = store.publish(
+            version,
+            iter_weight_buckets(model, zero3=ctx.zero3, dtype=torch.bfloat16, device="cpu"),
+            config=model.config,
+            source_dir=folder,
+        )
         if any(v != "ok" for v in result.servers.values()):
             raise RuntimeError(f"file publish failed: {result.servers}")
         timing = result.metrics()
@@ -282,17 +338,38 @@ def verify(model, version: int, ctx: SimpleNamespace, what: str) -> dict[str, An
     with deadline(f"{what}: every-tensor check", ctx.args.phase_timeout):
         verdict = check(ctx.url, model, ctx.zero3, version, ctx.before, form=ctx.form)
     ctx.before = verdict.pop("digests_after")
-    log(f"{what}: {verdict['tensors_equal']}/{verdict['tensors_checked']} tensors equal, "
-        f"{verdict['tensors_changed']} changed by the step, log-prob max diff {verdict['logprob_max_abs_diff']:.3f}")
-    keep = ("all_tensors_equal", "tensors_checked", "tensors_equal", "tensors_changed", "differ", "missing",
-            "unexpected", "unverifiable", "logprob_max_abs_diff")
+    log(
+        f"{what}: {verdict['tensors_equal']}/{verdict['tensors_checked']} tensors equal, "
+        f"{verdict['tensors_changed']} changed by the step, log-prob max diff {verdict['logprob_max_abs_diff']:.3f}"
+    )
+    keep = (
+        "all_tensors_equal",
+        "tensors_checked",
+        "tensors_equal",
+        "tensors_changed",
+        "differ",
+        "missing",
+        "unexpected",
+        "unverifiable",
+        "logprob_max_abs_diff",
+    )
     return {k: verdict[k] for k in keep}
 
 
 def load_args(args) -> argparse.Namespace:
     """The agent load's shape (`bench/rollout_gpu.py`'s workload fields)."""
-    return argparse.Namespace(agents=args.agents, turns=args.turns, ctx_min=512, ctx_max=1024, short=32, long=128,
-                              long_share=0.2, tool_min=16, tool_max=48, seed=0)
+    return argparse.Namespace(
+        agents=args.agents,
+        turns=args.turns,
+        ctx_min=512,
+        ctx_max=1024,
+        short=32,
+        long=128,
+        long_share=0.2,
+        tool_min=16,
+        tool_max=48,
+        seed=0,
+    )
 
 
 def under_load(model, ctx: SimpleNamespace, version: int, vocab: int) -> tuple[dict[str, Any], int]:
@@ -302,15 +379,26 @@ def under_load(model, ctx: SimpleNamespace, version: int, vocab: int) -> tuple[d
 
     args, largs = ctx.args, load_args(ctx.args)
     plan = workload(largs)
-    out: dict[str, Any] = {"agents": args.agents, "load_seconds": args.load_seconds,
-                           "update_every_s": args.update_every, "workload": vars(largs)}
+    out: dict[str, Any] = {
+        "agents": args.agents,
+        "load_seconds": args.load_seconds,
+        "update_every_s": args.update_every,
+        "workload": vars(largs),
+    }
 
     async def phase(updates: Any) -> tuple[dict[str, Any], list]:
         engine = HttpEngine(ctx.url, args.agents + 8)
         timeline: list = []
         try:
-            res = await run_agents(engine, plan, largs, vocab, updates=updates,
-                                   until=time.perf_counter() + args.load_seconds, timeline=timeline)
+            res = await run_agents(
+                engine,
+                plan,
+                largs,
+                vocab,
+                updates=updates,
+                until=time.perf_counter() + args.load_seconds,
+                timeline=timeline,
+            )
         finally:
             await engine.client.aclose()
         res.pop("samples", None)
@@ -337,10 +425,10 @@ def under_load(model, ctx: SimpleNamespace, version: int, vocab: int) -> tuple[d
         return [w["sync_s"] for w in windows]
 
     def timed_publish(v: int) -> tuple[float, dict]:
+        import torch
+
         from bench.weight_sync_gpu import take_step
         from services.learner.weights import iter_full_parameters
-
-        import torch
 
         take_step(model, ctx.zero3, v)
         if ctx.cuda:
@@ -356,14 +444,17 @@ def under_load(model, ctx: SimpleNamespace, version: int, vocab: int) -> tuple[d
     out["without_updates"] = {k: v for k, v in base.items() if k != "reloads_s"}
     out["with_updates"] = {k: v for k, v in loaded.items() if k != "reloads_s"}
     out.update(update_costs(base["tokens_per_s"], loaded, timeline, windows))
-    log(f"load with {len(windows)} updates: {loaded['tokens_per_s']:.0f} tokens/s "
-        f"({out['throughput_lost_pct']:.1f} % lost; {out['lost_engine_s_per_update']:.2f} s of sampling per update)")
+    log(
+        f"load with {len(windows)} updates: {loaded['tokens_per_s']:.0f} tokens/s "
+        f"({out['throughput_lost_pct']:.1f} % lost; {out['lost_engine_s_per_update']:.2f} s of sampling per update)"
+    )
     out["check_after_load"] = verify(model, version, ctx, "after the load phase")
     return out, version
 
 
-def update_costs(rate0: float, loaded: dict[str, Any], timeline: list, windows: list[dict[str, Any]],
-                 tail_s: float = 1.0) -> dict[str, Any]:
+def update_costs(
+    rate0: float, loaded: dict[str, Any], timeline: list, windows: list[dict[str, Any]], tail_s: float = 1.0
+) -> dict[str, Any]:
     """What the updates cost the sampling: in all (tokens/s against `rate0` without updates, spread over
     the updates), and per update from the turns that ended in its window (publish start to end + `tail_s`)."""
     n = len(windows)
@@ -372,13 +463,22 @@ def update_costs(rate0: float, loaded: dict[str, Any], timeline: list, windows: 
     for w in windows:
         span = w["end"] - w["start"] + tail_s
         tokens = sum(k for t, k in timeline if w["start"] <= t < w["end"] + tail_s)
-        per.append({k: v for k, v in w.items() if k not in ("start", "end")} | {
-            "window_s": round(span, 3), "tokens_per_s_in_window": round(tokens / span, 1),
-            "tokens_lost_in_window": round(max(0.0, rate0 * span - tokens), 1)})
-    return {"updates": per, "tokens_per_s_without": rate0, "tokens_per_s_with": loaded["tokens_per_s"],
-            "throughput_lost_pct": 100.0 * (1 - loaded["tokens_per_s"] / rate0) if rate0 else 0.0,
-            "lost_tokens_per_update": lost / n if n else 0.0,
-            "lost_engine_s_per_update": (lost / n / rate0) if n and rate0 else 0.0}
+        per.append(
+            {k: v for k, v in w.items() if k not in ("start", "end")}
+            | {
+                "window_s": round(span, 3),
+                "tokens_per_s_in_window": round(tokens / span, 1),
+                "tokens_lost_in_window": round(max(0.0, rate0 * span - tokens), 1),
+            }
+        )
+    return {
+        "updates": per,
+        "tokens_per_s_without": rate0,
+        "tokens_per_s_with": loaded["tokens_per_s"],
+        "throughput_lost_pct": 100.0 * (1 - loaded["tokens_per_s"] / rate0) if rate0 else 0.0,
+        "lost_tokens_per_update": lost / n if n else 0.0,
+        "lost_engine_s_per_update": (lost / n / rate0) if n and rate0 else 0.0,
+    }
 
 
 def measure_shape(shape: str, index: int, args, net: dict[str, Any]) -> dict[str, Any]:
@@ -396,40 +496,67 @@ def measure_shape(shape: str, index: int, args, net: dict[str, Any]) -> dict[str
     weights_root = work / "weights"
     weights_root.mkdir(parents=True, exist_ok=True)
     methods = args.methods.split(",")
-    vargs = {"weight_transfer": "nccl" if "nccl" in methods else "files", "compile": False,
-             "gpu_memory_utilization": args.gpu_memory}
-    env = {"CUDA_VISIBLE_DEVICES": physical_gpu(1) if args.cuda else "", "STAR_MODEL": str(folder),
-           "STAR_ROLLOUT_ENGINE": "vllm", "STAR_ROLLOUT_VLLM": json.dumps(vargs),
-           "STAR_ROLLOUT_MAX_MODEL_LEN": str(MAX_MODEL_LEN), "STAR_SANDBOX_URL": "http://127.0.0.1:9",
-           "STAR_WEIGHTS_ROOT": str(weights_root), "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-           "STAR_LOG_LEVEL": "WARNING", "NCCL_SOCKET_IFNAME": net["server_if"], "VLLM_HOST_IP": net["server_host"],
-           **socket_env(args)}
+    vargs = {
+        "weight_transfer": "nccl" if "nccl" in methods else "files",
+        "compile": False,
+        "gpu_memory_utilization": args.gpu_memory,
+    }
+    env = {
+        "CUDA_VISIBLE_DEVICES": physical_gpu(1) if args.cuda else "",
+        "STAR_MODEL": str(folder),
+        "STAR_ROLLOUT_ENGINE": "vllm",
+        "STAR_ROLLOUT_VLLM": json.dumps(vargs),
+        "STAR_ROLLOUT_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+        "STAR_SANDBOX_URL": "http://127.0.0.1:9",
+        "STAR_WEIGHTS_ROOT": str(weights_root),
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        "STAR_LOG_LEVEL": "WARNING",
+        "NCCL_SOCKET_IFNAME": net["server_if"],
+        "VLLM_HOST_IP": net["server_host"],
+        **socket_env(args),
+    }
     host, port = net["server_host"], args.port + index
     t = time.perf_counter()
-    with serve_app("services.rollout.app:create_app", port, env, timeout=args.start_timeout, host=host,
-                   wrap=net["wrap"]):
+    with serve_app(
+        "services.rollout.app:create_app", port, env, timeout=args.start_timeout, host=host, wrap=net["wrap"]
+    ):
         url = f"http://{host}:{port}"
         log(f"{shape}: rollout server up at {url} ({time.perf_counter() - t:.0f} s)")
         with deadline(f"{shape}: learner model", args.phase_timeout):
             model, ds_engine = learner_model(folder, args.zero3)
         layout = parameter_layout(model)
-        entry.update(params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
-                     gib=round(sum(torch.Size(s).numel() * 2 for s in layout["shapes"]) / 2**30, 2),
-                     learner="deepspeed zero-3" if args.zero3 else "torch")
-        ctx = SimpleNamespace(args=args, url=url, zero3=args.zero3, cuda=args.cuda, layout=layout, folder=folder,
-                              weights_root=weights_root, pub=None, before={}, form=None)
+        entry.update(
+            params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
+            gib=round(sum(torch.Size(s).numel() * 2 for s in layout["shapes"]) / 2**30, 2),
+            learner="deepspeed zero-3" if args.zero3 else "torch",
+        )
+        ctx = SimpleNamespace(
+            args=args,
+            url=url,
+            zero3=args.zero3,
+            cuda=args.cuda,
+            layout=layout,
+            folder=folder,
+            weights_root=weights_root,
+            pub=None,
+            before={},
+            form=None,
+        )
         with deadline(f"{shape}: start check", args.phase_timeout):
             form = engine_digests(url)
             start = check_engine_weights(model, form, zero3=args.zero3)
         if start["differ"] or start["missing"] or start["unexpected"]:
-            raise RuntimeError(f"the engine does not start on the learner's weights: "
-                               f"{ {k: v for k, v in start.items() if k != 'digests'} }")
+            raise RuntimeError(
+                f"the engine does not start on the learner's weights: "
+                f"{ {k: v for k, v in start.items() if k != 'digests'} }"
+            )
         ctx.form = {"packed": form["packed"], "dtype": form["dtype"]}
         ctx.before = start["digests"]
         if "nccl" in methods:
             # the address the learner announces, a fixed port: how an external fleet's servers join
-            ctx.pub = NcclPublisher([url], master_address=net["master"], master_port=args.nccl_port + index,
-                                    timeout_s=args.phase_timeout)
+            ctx.pub = NcclPublisher(
+                [url], master_address=net["master"], master_port=args.nccl_port + index, timeout_s=args.phase_timeout
+            )
             with deadline(f"{shape}: NCCL group", args.phase_timeout):
                 entry["nccl_connect_s"] = ctx.pub.connect()["sync_connect_s"]
             entry["nccl_master"] = f"{net['master']}:{args.nccl_port + index}"
@@ -447,13 +574,16 @@ def measure_shape(shape: str, index: int, args, net: dict[str, Any]) -> dict[str
                 row["timings"].append(timing)
                 row["checks"].append(verify(model, version, ctx, f"{shape}: {method} v{version}"))
                 row["seconds"] = statistics.median(row["rounds_s"])
-                row["all_tensors_equal"] = all(c["all_tensors_equal"] and c["tensors_changed"] == c["tensors_checked"]
-                                               for c in row["checks"])
+                row["all_tensors_equal"] = all(
+                    c["all_tensors_equal"] and c["tensors_changed"] == c["tensors_checked"] for c in row["checks"]
+                )
                 save_shape(entry, args)
         if "nccl" in entry and "files" in entry:
             entry["speedup"] = entry["files"]["seconds"] / entry["nccl"]["seconds"]
-            log(f"{shape}: files {entry['files']['seconds']:.2f} s / nccl {entry['nccl']['seconds']:.2f} s = "
-                f"{entry['speedup']:.1f}×")
+            log(
+                f"{shape}: files {entry['files']['seconds']:.2f} s / nccl {entry['nccl']['seconds']:.2f} s = "
+                f"{entry['speedup']:.1f}×"
+            )
         if shape == args.load_shape and args.load_seconds > 0 and ctx.pub is not None:
             save_shape(entry, args)
             entry["load"], version = under_load(model, ctx, version, SHAPES[shape]["vocab_size"])
@@ -485,8 +615,12 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sync_arguments(p, "1.5b,7b")
-    p.add_argument("--no-namespace", dest="namespace", action="store_false",
-                   help="the rollout server in this network namespace (loopback)")
+    p.add_argument(
+        "--no-namespace",
+        dest="namespace",
+        action="store_false",
+        help="the rollout server in this network namespace (loopback)",
+    )
     p.add_argument("--socket-threads", type=int, default=None, help="NCCL_SOCKET_NTHREADS (1-16)")
     p.add_argument("--socks-per-thread", type=int, default=None, help="NCCL_NSOCKS_PERTHREAD (threads × this ≤ 64)")
     p.add_argument("--load-shape", default="1.5b")
@@ -507,21 +641,29 @@ def main() -> None:
     import bench.weight_sync_gpu as ws
 
     ws.DEVICE = "cuda" if args.cuda else "cpu"
-    device = f"{torch.cuda.device_count()}× {torch.cuda.get_device_name()}" if args.cuda \
-        else f"CPU ({platform.machine()})"
+    device = (
+        f"{torch.cuda.device_count()}× {torch.cuda.get_device_name()}" if args.cuda else f"CPU ({platform.machine()})"
+    )
     import vllm
 
-    record: dict[str, Any] = {"device": device, "vllm_version": vllm.__version__, "torch": torch.__version__,
-                              "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-                              "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                              "learner_gpu": physical_gpu(0), "engine_gpu": physical_gpu(1),
-                              "target": "nccl ≥ 5× faster than files at 7B", "shapes": []}
+    record: dict[str, Any] = {
+        "device": device,
+        "vllm_version": vllm.__version__,
+        "torch": torch.__version__,
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "learner_gpu": physical_gpu(0),
+        "engine_gpu": physical_gpu(1),
+        "target": "nccl ≥ 5× faster than files at 7B",
+        "shapes": [],
+    }
     STATE.update(record=record, args=args)
     with peer_namespace() if args.namespace else _loopback() as net:
         env = {**socket_env(args), "NCCL_SOCKET_IFNAME": net["learner_if"]}
         os.environ.update(env)
-        os.environ["NO_PROXY"] = ",".join(filter(None, [os.environ.get("NO_PROXY"), HOST_ADDR, PEER_ADDR,
-                                                        "127.0.0.1", "localhost"]))
+        os.environ["NO_PROXY"] = ",".join(
+            filter(None, [os.environ.get("NO_PROXY"), HOST_ADDR, PEER_ADDR, "127.0.0.1", "localhost"])
+        )
         record["network"] = {k: v for k, v in net.items() if k != "wrap"}
         record["nccl_env"] = {"learner": env, "server": {**env, "NCCL_SOCKET_IFNAME": net["server_if"]}}
         save(record, args)
@@ -541,50 +683,77 @@ def main() -> None:
 
 @contextmanager
 def _loopback() -> Iterator[dict[str, Any]]:
-    yield {"namespace": False, "why_not": "--no-namespace", "wrap": [], "server_host": "127.0.0.1",
-           "master": "127.0.0.1", "learner_if": "lo", "server_if": "lo"}
+    yield {
+        "namespace": False,
+        "why_not": "--no-namespace",
+        "wrap": [],
+        "server_host": "127.0.0.1",
+        "master": "127.0.0.1",
+        "learner_if": "lo",
+        "server_if": "lo",
+    }
 
 
 def write_markdown(record: dict[str, Any], path: Path) -> None:
     net = record.get("network", {})
-    where = (f"rollout server in its own network namespace ({net.get('how')}; learner {net.get('master')} on "
-             f"{net.get('learner_if')}, server {net.get('server_host')} on {net.get('server_if')})"
-             if net.get("namespace") else f"one network namespace, loopback ({net.get('why_not')})")
+    where = (
+        f"rollout server in its own network namespace ({net.get('how')}; learner {net.get('master')} on "
+        f"{net.get('learner_if')}, server {net.get('server_host')} on {net.get('server_if')})"
+        if net.get("namespace")
+        else f"one network namespace, loopback ({net.get('why_not')})"
+    )
     env = record.get("nccl_env", {}).get("learner", {})
-    lines = [f"# Weight sync as between hosts ({record['device']}, vLLM {record['vllm_version']})", "",
-             f"`bench/weight_sync_hosts.py`: learner (GPU {record.get('learner_gpu')}) and rollout server (GPU "
-             f"{record.get('engine_gpu')}) in separate processes; {where}. NCCL: "
-             f"{' '.join(f'{k}={v}' for k, v in env.items() if k != 'NCCL_DEBUG_SUBSYS')}.", "",
-             "Seconds from \"step done\" to \"the engine samples with the new version\". After every sync, a sha256 "
-             "of every parameter on the engine against the learner's (equal / checked; changed: by that step).", "",
-             "| shape | params | GiB | nccl s (median) | nccl rounds | files s | speed-up | tensors equal after each sync |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Weight sync as between hosts ({record['device']}, vLLM {record['vllm_version']})",
+        "",
+        f"`bench/weight_sync_hosts.py`: learner (GPU {record.get('learner_gpu')}) and rollout server (GPU "
+        f"{record.get('engine_gpu')}) in separate processes; {where}. NCCL: "
+        f"{' '.join(f'{k}={v}' for k, v in env.items() if k != 'NCCL_DEBUG_SUBSYS')}.",
+        "",
+        'Seconds from "step done" to "the engine samples with the new version". After every sync, a sha256 '
+        "of every parameter on the engine against the learner's (equal / checked; changed: by that step).",
+        "",
+        "| shape | params | GiB | nccl s (median) | nccl rounds | files s | speed-up | tensors equal after each sync |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for e in record.get("shapes", []):
         n, f = e.get("nccl", {}), e.get("files", {})
         checks = [c for m in ("nccl", "files") for c in e.get(m, {}).get("checks", [])]
         eq = ", ".join(f"{c['tensors_equal']}/{c['tensors_checked']} (changed {c['tensors_changed']})" for c in checks)
-        lines.append(f"| {e['shape']} | {e.get('params', 0) / 1e9:.2f} B | {e.get('gib', '-')} | "
-                     f"{n.get('seconds', float('nan')):.3f} | {', '.join(f'{x:.3f}' for x in n.get('rounds_s', []))} | "
-                     f"{f.get('seconds', float('nan')):.3f} | {e.get('speedup', float('nan')):.1f}× | {eq} |")
+        lines.append(
+            f"| {e['shape']} | {e.get('params', 0) / 1e9:.2f} B | {e.get('gib', '-')} | "
+            f"{n.get('seconds', float('nan')):.3f} | {', '.join(f'{x:.3f}' for x in n.get('rounds_s', []))} | "
+            f"{f.get('seconds', float('nan')):.3f} | {e.get('speedup', float('nan')):.1f}× | {eq} |"
+        )
     for e in record.get("shapes", []):
         load = e.get("load")
         if not load:
             continue
-        lines += ["", f"## Under load: {load['agents']} agents sampling on the engine ({e['shape']})", "",
-                  f"{load['load_seconds']:.0f} s without updates, then {load['load_seconds']:.0f} s with an NCCL sync "
-                  f"every {load['update_every_s']:g} s (`bench/rollout_gpu.py`'s agent load over HTTP).", "",
-                  f"- tokens/s without updates: {load['tokens_per_s_without']:.0f}; with updates: "
-                  f"{load['tokens_per_s_with']:.0f} ({load['throughput_lost_pct']:.1f} % lost)",
-                  f"- per update: {load['lost_tokens_per_update']:.0f} tokens lost, "
-                  f"{load['lost_engine_s_per_update']:.2f} s of the engine's sampling",
-                  f"- turn p50/p99 without: {load['without_updates']['turn_p50_s']:.2f}/"
-                  f"{load['without_updates']['turn_p99_s']:.2f} s; with: {load['with_updates']['turn_p50_s']:.2f}/"
-                  f"{load['with_updates']['turn_p99_s']:.2f} s",
-                  f"- after the load: {load['check_after_load']['tensors_equal']}/"
-                  f"{load['check_after_load']['tensors_checked']} tensors equal", "",
-                  "| version | sync s | tokens/s in window (sync + 1 s) | tokens lost in window |", "|---|---|---|---|"]
-        lines += [f"| {u['version']} | {u['sync_s']:.3f} | {u['tokens_per_s_in_window']:.0f} | "
-                  f"{u['tokens_lost_in_window']:.0f} |" for u in load["updates"]]
+        lines += [
+            "",
+            f"## Under load: {load['agents']} agents sampling on the engine ({e['shape']})",
+            "",
+            f"{load['load_seconds']:.0f} s without updates, then {load['load_seconds']:.0f} s with an NCCL sync "
+            f"every {load['update_every_s']:g} s (`bench/rollout_gpu.py`'s agent load over HTTP).",
+            "",
+            f"- tokens/s without updates: {load['tokens_per_s_without']:.0f}; with updates: "
+            f"{load['tokens_per_s_with']:.0f} ({load['throughput_lost_pct']:.1f} % lost)",
+            f"- per update: {load['lost_tokens_per_update']:.0f} tokens lost, "
+            f"{load['lost_engine_s_per_update']:.2f} s of the engine's sampling",
+            f"- turn p50/p99 without: {load['without_updates']['turn_p50_s']:.2f}/"
+            f"{load['without_updates']['turn_p99_s']:.2f} s; with: {load['with_updates']['turn_p50_s']:.2f}/"
+            f"{load['with_updates']['turn_p99_s']:.2f} s",
+            f"- after the load: {load['check_after_load']['tensors_equal']}/"
+            f"{load['check_after_load']['tensors_checked']} tensors equal",
+            "",
+            "| version | sync s | tokens/s in window (sync + 1 s) | tokens lost in window |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {u['version']} | {u['sync_s']:.3f} | {u['tokens_per_s_in_window']:.0f} | "
+            f"{u['tokens_lost_in_window']:.0f} |"
+            for u in load["updates"]
+        ]
     if record.get("errors"):
         lines += ["", "Errors: " + "; ".join(record["errors"])]
     path.write_text("\n".join(lines) + "\n")

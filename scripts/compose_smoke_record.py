@@ -46,9 +46,11 @@ def checks(work: Path) -> tuple[dict, list[str]]:
     config = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").is_file() else {}
     max_steps = (config.get("rl") or {}).get("max_steps")
     log = (work / "train.log").read_text(errors="replace") if (work / "train.log").is_file() else ""
-    world = {"controller": _json(run / "world.json").get("world_hash"),
-             "sandbox": _json(work / "sandbox-world.json").get("world_hash"),
-             "scorer": _json(work / "reward-world.json").get("world_hash")}
+    world = {
+        "controller": _json(run / "world.json").get("world_hash"),
+        "sandbox": _json(work / "sandbox-world.json").get("world_hash"),
+        "scorer": _json(work / "reward-world.json").get("world_hash"),
+    }
     found = {
         "stages": {name: s.get("state") for name, s in stages.items()},
         "rl": {k: rl.get(k) for k in ("ended", "steps_trained", "learner_run")},
@@ -58,8 +60,11 @@ def checks(work: Path) -> tuple[dict, list[str]]:
         "results_on_host": sorted(p.name for p in run.iterdir()) if run.is_dir() else [],
         "progress_lines": [line for line in log.splitlines() if line.startswith("rl ") and "steps trained" in line],
         # where the model work ran: SFT on the learner service, eval on the rollout servers
-        "placed": [line for line in log.splitlines() if "started on the learner at" in line
-                   or line.startswith("eval on the fleet's rollout servers")],
+        "placed": [
+            line
+            for line in log.splitlines()
+            if "started on the learner at" in line or line.startswith("eval on the fleet's rollout servers")
+        ],
         "controller_log_tail": log.splitlines()[-40:],
         "services": (work / "ps.txt").read_text().splitlines() if (work / "ps.txt").is_file() else [],
         "redis": (work / "redis-version.txt").read_text().strip() if (work / "redis-version.txt").is_file() else "",
@@ -89,15 +94,24 @@ def main() -> int:
     status = env.get("SMOKE_STATUS", "ok")
     passed = status == "ok" and not failed
     record = {
-        "commit": env.get("SMOKE_COMMIT"), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "passed": passed, "status": status, "failed": failed,
-        "commands": ["scripts/compose-env", "docker compose up -d", "docker compose --profile train up -d",
-                     "docker compose logs -f train"],
+        "commit": env.get("SMOKE_COMMIT"),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "passed": passed,
+        "status": status,
+        "failed": failed,
+        "commands": [
+            "scripts/compose-env",
+            "docker compose up -d",
+            "docker compose --profile train up -d",
+            "docker compose logs -f train",
+        ],
         "recipe": "configs/tiny.yaml",
-        "seconds": {k: int(v) for k, v in (kv.split("=") for kv in env.get("SMOKE_SECONDS", "").split(",") if kv)
-                    if v},
-        "base_image": env.get("SMOKE_BASE"), "docker": env.get("SMOKE_DOCKER"), "compose": env.get("SMOKE_COMPOSE"),
-        "cores": os.cpu_count(), **found,
+        "seconds": {k: int(v) for k, v in (kv.split("=") for kv in env.get("SMOKE_SECONDS", "").split(",") if kv) if v},
+        "base_image": env.get("SMOKE_BASE"),
+        "docker": env.get("SMOKE_DOCKER"),
+        "compose": env.get("SMOKE_COMPOSE"),
+        "cores": os.cpu_count(),
+        **found,
         "tested_files": watched_digests(Path(env.get("SMOKE_TESTED", repo))),
     }
     if not passed and (work / "logs.txt").is_file():

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import typer
 
-from services.pipeline.cli import down_command, status_command, train_command, up_command
-from services.sandbox.cli import sandbox_app, tool_command, world_app
-from services.synth.cli import synth_app
-from services.qa.cli import qa_app
-from services.evaluation.cli import eval_app, evaluate_alias
 from services.episodes.cli import episodes_app
+from services.evaluation.cli import eval_app, evaluate_alias
 from services.formatter.cli import formatter_app
 from services.learner.cli import learner_app, sft as sft_command
+from services.pipeline.cli import down_command, status_command, train_command, up_command
+from services.qa.cli import qa_app
 from services.reward.cli import reward_app, score_command
 from services.rollout.cli import rollout_app
+from services.sandbox.cli import sandbox_app, tool_command, world_app
+from services.synth.cli import synth_app
 
 RUN = "Run the recipe"
 DATA = "World and data"
@@ -25,16 +25,20 @@ SCORE = "Score and evaluate"
 TRAIN = "Train by hand"
 SERVE = "Services and workers"
 
-app = typer.Typer(help="The STAR training system: synthesis → SFT → RL on TravelPlanner.", no_args_is_help=True,
-                  pretty_exceptions_enable=False)
+app = typer.Typer(
+    help="The STAR training system: synthesis → SFT → RL on TravelPlanner.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
 app.command("train", rich_help_panel=RUN)(train_command)
 app.command("up", rich_help_panel=RUN)(up_command)
 app.command("status", rich_help_panel=RUN)(status_command)
 app.command("down", rich_help_panel=RUN)(down_command)
 
 app.add_typer(world_app, name="world", rich_help_panel=DATA)
-app.command("tool", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-            rich_help_panel=DATA)(tool_command)
+app.command("tool", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, rich_help_panel=DATA)(
+    tool_command
+)
 app.add_typer(synth_app, name="synth", rich_help_panel=DATA)
 
 app.command("score", rich_help_panel=SCORE)(score_command)

@@ -36,10 +36,25 @@ class ServiceProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 60.0) -> "ServiceProcess":
-        self.proc = spawn([sys.executable, "-m", "uvicorn", "--factory", self.factory, "--host", "127.0.0.1",
-                           "--port", str(self.port), "--log-level", "warning", "--no-access-log"],
-                          env=self.env, log_path=self.log_path)
+    def start(self, timeout: float = 60.0) -> ServiceProcess:
+        self.proc = spawn(
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "--factory",
+                self.factory,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                "--no-access-log",
+            ],
+            env=self.env,
+            log_path=self.log_path,
+        )
         try:
             wait_ready(self.name, self.proc, self.url, self.log_path, timeout)
         except RuntimeError:

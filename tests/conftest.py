@@ -20,8 +20,9 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # each xdist worker (and what it starts) draws free ports from a slice of its own: no two workers pick the same one
 if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw") and os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    os.environ.setdefault("STAR_PORT_SLICE",
-                          f"{os.environ['PYTEST_XDIST_WORKER'][2:]}/{os.environ['PYTEST_XDIST_WORKER_COUNT']}")
+    os.environ.setdefault(
+        "STAR_PORT_SLICE", f"{os.environ['PYTEST_XDIST_WORKER'][2:]}/{os.environ['PYTEST_XDIST_WORKER_COUNT']}"
+    )
 
 import pytest
 import redis as redis_lib
@@ -43,31 +44,46 @@ DATA_MARK = "travelplanner_data"
 # fix: mark it (or its module) `integration`.
 UNIT_MARK = "unit"
 TIER_ENV = "STAR_TEST_TIER"
-SERVER_FIXTURES = {"redis_server_url", "redis_client", "pg_url", "loop", "module_loop",
-                   "tiny_model", "encoder", "index", "index_dir"}
+SERVER_FIXTURES = {
+    "redis_server_url",
+    "redis_client",
+    "pg_url",
+    "loop",
+    "module_loop",
+    "tiny_model",
+    "encoder",
+    "index",
+    "index_dir",
+}
 NOT_UNIT_MARKS = ("slow", "gpu", "postgres", "integration")
 # Tests the rules above cannot tell from their source (the code they call starts the process or opens the socket),
 # found by the lane's guard: a module, or one test of it. A test whose module cannot say so itself goes here.
 NOT_UNIT_TESTS = (
     "tests/common/test_tracking.py",  # wandb's offline run starts its service process
-    "tests/learner/test_fleet_sync.py", "tests/learner/test_nccl_master.py", "tests/learner/test_weights_nccl.py",
+    "tests/learner/test_fleet_sync.py",
+    "tests/learner/test_nccl_master.py",
+    "tests/learner/test_weights_nccl.py",
     "tests/learner/test_vocab_head.py::test_compiled_kernels_agree_with_eager",  # torch.compile's worker processes
     "tests/pipeline/test_colocation_placement.py::test_a_colocated_stage_starts_one_sleeping_engine_a_gpu_serving",
     "tests/pipeline/test_config.py::test_the_nccl_timeout_reaches_the_learner_from_the_recipe",
-    "tests/pipeline/test_fleet_stop.py", "tests/pipeline/test_validation.py",
+    "tests/pipeline/test_fleet_stop.py",
+    "tests/pipeline/test_validation.py",
     "tests/pipeline/test_placement.py::test_star_train_refuses_a_layout_the_machine_cannot_hold_before_starting",
     "tests/pipeline/test_placement.py::test_a_validation_process_gets_its_devices_from_the_placement",
     "tests/pipeline/test_weight_sync.py::test_rl_config_over_nccl_names_the_workers_and_a_master_port",
     "tests/pipeline/test_weight_sync.py::test_star_train_refuses_nccl_on_a_one_gpu_box_before_starting",
     "tests/pipeline/test_weight_sync.py::test_workers_get_an_http_port_and_an_nccl_engine_only_over_nccl",
     "tests/rollout/test_agent.py::test_unreachable_sandbox_is_an_engine_error_after_retries",
-    "tests/reliability/test_stream_outage.py", "tests/reliability/test_fuzz_short.py",
+    "tests/reliability/test_stream_outage.py",
+    "tests/reliability/test_fuzz_short.py",
 )
-_OUTSIDE_WORDS = re.compile(r"\b(subprocess|Popen|uvicorn|multiprocessing|torch\.distributed|torchrun|mp\.spawn|"
-                            r"ServiceProcess|EmbeddedRedis|redis_lib|Redis\.from_url|FakeOpenAI|AsyncLLM|"
-                            r"socket\.socket|create_server|start_server|"
-                            r"deepspeed|LearnerEngine|make_engine|build_engine|from_pretrained|tiny_model|"
-                            r"scored_batch)\b")
+_OUTSIDE_WORDS = re.compile(
+    r"\b(subprocess|Popen|uvicorn|multiprocessing|torch\.distributed|torchrun|mp\.spawn|"
+    r"ServiceProcess|EmbeddedRedis|redis_lib|Redis\.from_url|FakeOpenAI|AsyncLLM|"
+    r"socket\.socket|create_server|start_server|"
+    r"deepspeed|LearnerEngine|make_engine|build_engine|from_pretrained|tiny_model|"
+    r"scored_batch)\b"
+)
 _LIBC_NAME = ctypes.util.find_library("c")
 _MALLOC_TRIM = getattr(ctypes.CDLL(_LIBC_NAME), "malloc_trim", None) if _LIBC_NAME else None  # glibc only
 
@@ -95,8 +111,10 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> str:
     if _has_data(TRAVELPLANNER_DIR):
         return f"TravelPlanner data: {TRAVELPLANNER_DIR}"
-    return (f"TravelPlanner data: the test fixture {FIXTURE_DIR} (no data at {TRAVELPLANNER_DIR}; "
-            "the full-data checks skip)")
+    return (
+        f"TravelPlanner data: the test fixture {FIXTURE_DIR} (no data at {TRAVELPLANNER_DIR}; "
+        "the full-data checks skip)"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -109,6 +127,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if is_unit(item):
             item.add_marker(UNIT_MARK)
     if os.environ.get("PYTEST_XDIST_WORKER"):
+
         def file_of(item: pytest.Item) -> str:
             return item.nodeid.split("::", 1)[0]
 
@@ -143,8 +162,11 @@ def is_unit(item: pytest.Item) -> bool:
 
 def _refuse(what: str):
     def refuse(*_args, **_kwargs):
-        raise RuntimeError(f"a unit-tier test {what}: mark it (or its module, `pytestmark`) "
-                           "`pytest.mark.integration` so the fast lane leaves it to the full suite")
+        raise RuntimeError(
+            f"a unit-tier test {what}: mark it (or its module, `pytestmark`) "
+            "`pytest.mark.integration` so the fast lane leaves it to the full suite"
+        )
+
     return refuse
 
 
@@ -177,8 +199,10 @@ def travelplanner_dir() -> Path:
 def full_travelplanner_dir() -> Path:
     """The full data, for the checks the fixture cannot make (every city, the whole validation file)."""
     if not _has_data(TRAVELPLANNER_DIR):
-        pytest.skip(f"needs the full TravelPlanner data, not found at {TRAVELPLANNER_DIR}: set "
-                    "STAR_TRAVELPLANNER_DIR to a copy of the benchmark's files (docs/development.md#data)")
+        pytest.skip(
+            f"needs the full TravelPlanner data, not found at {TRAVELPLANNER_DIR}: set "
+            "STAR_TRAVELPLANNER_DIR to a copy of the benchmark's files (docs/development.md#data)"
+        )
     return TRAVELPLANNER_DIR
 
 
@@ -209,8 +233,9 @@ def official_world_url(travelplanner_dir: Path, tmp_path_factory: pytest.TempPat
     from services.sandbox.world.build import build_official_world
 
     url = f"sqlite:///{tmp_path_factory.mktemp('world') / 'official.sqlite'}"
-    build_official_world(url, travelplanner_dir / "database", seed=0,
-                         ref_info=[travelplanner_dir / "train" / "train_ref_info.jsonl"])
+    build_official_world(
+        url, travelplanner_dir / "database", seed=0, ref_info=[travelplanner_dir / "train" / "train_ref_info.jsonl"]
+    )
     return url
 
 

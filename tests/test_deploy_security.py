@@ -20,8 +20,12 @@ def test_redis_requires_a_password_from_the_secret():
     assert "--requirepass" in redis["command"] and "$(STAR_REDIS_PASSWORD)" in redis["command"]
     assert "--protected-mode" not in redis["command"]  # on, Redis's default
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis["env"] + exporter["env"]}
-    assert refs["STAR_REDIS_PASSWORD"] == refs["REDISCLI_AUTH"] == refs["REDIS_PASSWORD"] == \
-        {"name": "star-secrets", "key": "STAR_REDIS_PASSWORD"}
+    assert (
+        refs["STAR_REDIS_PASSWORD"]
+        == refs["REDISCLI_AUTH"]
+        == refs["REDIS_PASSWORD"]
+        == {"name": "star-secrets", "key": "STAR_REDIS_PASSWORD"}
+    )
     generated = _by_kind(docs, "Secret")["star-secrets"]["stringData"]["STAR_REDIS_PASSWORD"]
     assert len(generated) >= 32
     # every service gets it through the shared Secret; the URL in the ConfigMap carries none
@@ -39,7 +43,9 @@ def test_an_existing_secret_replaces_the_generated_password():
     assert validation_problems(docs) == []
     assert "STAR_REDIS_PASSWORD" not in _by_kind(docs, "Secret")["star-secrets"]["stringData"]
     redis, _ = _redis(docs)
-    assert {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in redis["env"]}["STAR_REDIS_PASSWORD"] == "my-redis"
+    assert {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in redis["env"]}[
+        "STAR_REDIS_PASSWORD"
+    ] == "my-redis"
     sandbox = _by_kind(docs, "Deployment")["star-sandbox"]["spec"]["template"]["spec"]["containers"][0]
     assert {"secretRef": {"name": "my-redis"}} in sandbox["envFrom"]
 
@@ -50,8 +56,13 @@ def test_existing_secrets_reach_every_pod_and_make_renders_repeatable():
     every pod of ours, the controller Job's and a multi-node learner's included, reads both Secrets."""
     from tests.test_deploy_files import _pod_specs
 
-    values = {"redis": {"auth": {"existingSecret": "my-redis"}}, "auth": {"existingSecret": "my-token"},
-              "postgresql": {"auth": {"password": "pg-pw"}}, "train": {"enabled": True}, "learner": {"nodes": 2}}
+    values = {
+        "redis": {"auth": {"existingSecret": "my-redis"}},
+        "auth": {"existingSecret": "my-token"},
+        "postgresql": {"auth": {"password": "pg-pw"}},
+        "train": {"enabled": True},
+        "learner": {"nodes": 2},
+    }
     first, second = render_chart(values), render_chart(values)
     assert first == second
     assert validation_problems(first) == []

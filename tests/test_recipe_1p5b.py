@@ -17,13 +17,29 @@ from services.pipeline.config import load_pipeline_config
 from services.pipeline.placement import GiB, ModelSize, placement_for_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-QWEN_1_5B = {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-             "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True}
+QWEN_1_5B = {
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
 
 
 def args(**kw) -> argparse.Namespace:
-    base = dict(smoke=False, steps=10, prompts=4, oversample=0.25, group_timeout_s=40.0, set=[], tool_calls=10,
-                turn_tokens=120, answer_tokens=1000)
+    base = dict(
+        smoke=False,
+        steps=10,
+        prompts=4,
+        oversample=0.25,
+        group_timeout_s=40.0,
+        set=[],
+        tool_calls=10,
+        turn_tokens=120,
+        answer_tokens=1000,
+    )
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -53,16 +69,32 @@ def test_the_rollout_workers_environment_is_the_fleets(tmp_path):
 
 
 def metrics_row(step: int, rollout: float, idle: float, hist: dict[str, int]) -> dict:
-    return {"step": step, "time_step_wall_s": rollout + idle + 20.0, "split_rollout_s": rollout,
-            "split_scoring_s": 0.1, "split_training_s": 18.0, "split_sync_s": 1.9, "split_idle_s": idle,
-            "packed_rows": 7, "tokens": 200_000, "samples_trained": 32, "rollout/sampled_tokens_mean": 1000.0,
-            "rollout/total_s_max": 33.0, "groups_late": 1, "groups_partial": 1, "episodes_cut": 2,
-            **{f"trajectory_tokens/{k}": v for k, v in hist.items()}}
+    return {
+        "step": step,
+        "time_step_wall_s": rollout + idle + 20.0,
+        "split_rollout_s": rollout,
+        "split_scoring_s": 0.1,
+        "split_training_s": 18.0,
+        "split_sync_s": 1.9,
+        "split_idle_s": idle,
+        "packed_rows": 7,
+        "tokens": 200_000,
+        "samples_trained": 32,
+        "rollout/sampled_tokens_mean": 1000.0,
+        "rollout/total_s_max": 33.0,
+        "groups_late": 1,
+        "groups_partial": 1,
+        "episodes_cut": 2,
+        **{f"trajectory_tokens/{k}": v for k, v in hist.items()},
+    }
 
 
 def test_step_figures_and_the_summary_from_a_runs_metrics(tmp_path):
-    rows = [metrics_row(1, 90.0, 0.0, {"le_8192": 30, "le_16384": 2}), metrics_row(2, 16.0, 4.0, {"le_8192": 32}),
-            metrics_row(3, 0.5, 0.0, {"le_4096": 1, "le_8192": 31})]
+    rows = [
+        metrics_row(1, 90.0, 0.0, {"le_8192": 30, "le_16384": 2}),
+        metrics_row(2, 16.0, 4.0, {"le_8192": 32}),
+        metrics_row(3, 0.5, 0.0, {"le_4096": 1, "le_8192": 31}),
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
     steps = r.step_figures(tmp_path)
     assert [s["step"] for s in steps] == [1, 2, 3]
@@ -86,10 +118,15 @@ class Words:
 
 
 def test_episode_scripts_are_the_trained_turns_and_what_the_environment_added(tmp_path):
-    messages = [{"role": "system", "content": "a b c"}, {"role": "user", "content": "d e"},
-                {"role": "assistant", "content": "x", "tokens": 71}, {"role": "user", "content": "r " * 10},
-                {"role": "assistant", "content": "y", "tokens": 60}, {"role": "user", "content": "s " * 4},
-                {"role": "assistant", "content": "plan", "tokens": 400}]
+    messages = [
+        {"role": "system", "content": "a b c"},
+        {"role": "user", "content": "d e"},
+        {"role": "assistant", "content": "x", "tokens": 71},
+        {"role": "user", "content": "r " * 10},
+        {"role": "assistant", "content": "y", "tokens": 60},
+        {"role": "user", "content": "s " * 4},
+        {"role": "assistant", "content": "plan", "tokens": 400},
+    ]
     rows = [{"messages": messages}, {"messages": [{"role": "system", "content": "a"}]}, {"messages": messages}]
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
     scripts = r.episode_scripts(tmp_path, Words())
@@ -101,10 +138,23 @@ def test_episode_scripts_are_the_trained_turns_and_what_the_environment_added(tm
 
 
 def test_the_record_its_markdown_and_its_plot(tmp_path):
-    steps = [{"step": i, "wall_s": 40.0, "split_s": {k: 8.0 for k in r.SPLIT}, "packed_rows": 6, "sampled_tokens": 9e3,
-              "agent_tokens_per_s": 1100.0, "length_histogram": {"le_8192": 32}, "groups": {}} for i in (1, 2)]
-    variants = {"on": {"settings": r.variant_items("on", args()), "steps": steps, **r.summary(steps), "rc": 0},
-                "off": {"settings": r.variant_items("off", args()), "skipped": "no time left"}}
+    steps = [
+        {
+            "step": i,
+            "wall_s": 40.0,
+            "split_s": {k: 8.0 for k in r.SPLIT},
+            "packed_rows": 6,
+            "sampled_tokens": 9e3,
+            "agent_tokens_per_s": 1100.0,
+            "length_histogram": {"le_8192": 32},
+            "groups": {},
+        }
+        for i in (1, 2)
+    ]
+    variants = {
+        "on": {"settings": r.variant_items("on", args()), "steps": steps, **r.summary(steps), "rc": 0},
+        "off": {"settings": r.variant_items("off", args()), "skipped": "no time left"},
+    }
     ceiling = {"tokens_per_s": 1250.0, "episodes": 80, "scripts": 20, "inflight": 80, "rc": 0}
     rec = r.record(args(smoke=True, gpus=0), None, variants, ceiling, ["placement: CPU"])
     assert rec["rollout_efficiency"] == pytest.approx(rec["agent_tokens_per_s"] / 1250.0)

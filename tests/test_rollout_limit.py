@@ -9,9 +9,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.rollout_limit import (admitted_episodes, efficiency, episode_prompt, merged, parse_runs, profile_summary,
-                                 sampled_budget)
 from bench.rollout_gpu import run_agents, workload
+from bench.rollout_limit import (
+    admitted_episodes,
+    efficiency,
+    episode_prompt,
+    merged,
+    parse_runs,
+    profile_summary,
+    sampled_budget,
+)
 from services.rollout.engines.base import Engine, Generation
 
 VOCAB = 500
@@ -21,8 +28,13 @@ SAMPLED = 10_000  # ids the fake engine samples: outside the vocabulary, so they
 def test_runs_parse_and_bad_ones_are_refused():
     assert parse_runs("1.5b=64,256; 7b=64") == {"1.5b": [64, 256], "7b": [64]}
     assert parse_runs("") == {}
-    for bad, said in [("13b=64", "SHAPE one of"), ("1.5b", "SHAPE=AGENTS"), ("1.5b=x", "integers"),
-                      ("1.5b=0", "1 or more"), ("1.5b=", "at least one")]:
+    for bad, said in [
+        ("13b=64", "SHAPE one of"),
+        ("1.5b", "SHAPE=AGENTS"),
+        ("1.5b=x", "integers"),
+        ("1.5b=0", "1 or more"),
+        ("1.5b=", "at least one"),
+    ]:
         with pytest.raises(ValueError, match=said):
             parse_runs(bad)
 
@@ -40,14 +52,17 @@ class Recorder(Engine):
 
 
 def test_the_ceilings_sequences_are_the_agents_last_prompts_and_budgets():
-    args = argparse.Namespace(agents=3, turns=3, ctx_min=20, ctx_max=40, short=4, long=9, long_share=0.5,
-                              tool_min=5, tool_max=8, seed=1)
+    args = argparse.Namespace(
+        agents=3, turns=3, ctx_min=20, ctx_max=40, short=4, long=9, long_share=0.5, tool_min=5, tool_max=8, seed=1
+    )
     plan = workload(args)
     engine = Recorder()
     res = asyncio.run(run_agents(engine, plan, args, VOCAB))
     for i, spec in enumerate(plan):
-        last = max((p for p in engine.prompts if p[:spec["context"]] == episode_prompt(i, spec, VOCAB)[:spec["context"]]),
-                   key=len)
+        last = max(
+            (p for p in engine.prompts if p[: spec["context"]] == episode_prompt(i, spec, VOCAB)[: spec["context"]]),
+            key=len,
+        )
         assert [t for t in last if t != SAMPLED] == episode_prompt(i, spec, VOCAB)
     assert res["tokens"] == sum(sampled_budget(spec) for spec in plan)
 
@@ -73,8 +88,9 @@ class Episodes(Engine):
 
 @pytest.mark.parametrize("inflight, most", [(None, 6), (2, 2)])
 def test_agents_beyond_the_admitted_episodes_wait_for_a_slot(inflight, most):
-    args = argparse.Namespace(agents=6, turns=3, ctx_min=20, ctx_max=40, short=4, long=9, long_share=0.5,
-                              tool_min=5, tool_max=8, seed=1)
+    args = argparse.Namespace(
+        agents=6, turns=3, ctx_min=20, ctx_max=40, short=4, long=9, long_share=0.5, tool_min=5, tool_max=8, seed=1
+    )
     plan = workload(args)
     engine = Episodes(turns=3)
     res = asyncio.run(run_agents(engine, plan, args, VOCAB, inflight=inflight))
@@ -90,23 +106,35 @@ def test_admitted_episodes_are_the_kv_cache_over_the_context():
 
 
 def test_efficiency_is_per_load_both_sides_measured():
-    entry = {"sides": {"agent": {"loads": {"64": {"tokens_per_s": 50.0}, "256": {"tokens_per_s": 90.0}}},
-                       "ceiling": {"loads": {"64": {"tokens_per_s": 100.0}}}}}
+    entry = {
+        "sides": {
+            "agent": {"loads": {"64": {"tokens_per_s": 50.0}, "256": {"tokens_per_s": 90.0}}},
+            "ceiling": {"loads": {"64": {"tokens_per_s": 100.0}}},
+        }
+    }
     assert efficiency(entry) == {"64": 0.5}
 
 
 def test_profile_summary_shares_self_time_by_leaf_frame(tmp_path):
     stacks = tmp_path / "p.txt"
-    stacks.write_text('process 1:"agent";main;step;hash 6\nprocess 1:"agent";main;step;decode 3\n'
-                      'process 1:"agent";main;other;hash 1\nprocess 1:"agent";process 2:"VLLM::EngineCore";loop;step 2\n')
+    stacks.write_text(
+        'process 1:"agent";main;step;hash 6\nprocess 1:"agent";main;step;decode 3\n'
+        'process 1:"agent";main;other;hash 1\nprocess 1:"agent";process 2:"VLLM::EngineCore";loop;step 2\n'
+    )
     assert profile_summary(stacks) == {"agent": [("hash", 0.7), ("decode", 0.3)], "VLLM::EngineCore": [("step", 1.0)]}
 
 
 def job(loads: dict[str, tuple[float, float]], **args) -> dict:
-    return {"config": {}, "loads": [int(n) for n in loads], "commands": [f"job {sorted(loads)}"],
-            "args": {"turns": 6, "runs": "x", **args},
-            "sides": {"agent": {"loads": {n: {"tokens_per_s": a} for n, (a, _) in loads.items()}},
-                      "ceiling": {"loads": {n: {"tokens_per_s": c} for n, (_, c) in loads.items()}}}}
+    return {
+        "config": {},
+        "loads": [int(n) for n in loads],
+        "commands": [f"job {sorted(loads)}"],
+        "args": {"turns": 6, "runs": "x", **args},
+        "sides": {
+            "agent": {"loads": {n: {"tokens_per_s": a} for n, (a, _) in loads.items()}},
+            "ceiling": {"loads": {n: {"tokens_per_s": c} for n, (_, c) in loads.items()}},
+        },
+    }
 
 
 def test_jobs_with_the_same_arguments_merge_their_loads_and_others_replace():
@@ -140,8 +168,9 @@ def test_tool_waits_come_before_every_turn_but_an_episodes_first():
     from bench.rollout_limit import ToolWaits
 
     waits = []
-    args = argparse.Namespace(agents=3, turns=4, ctx_min=40, ctx_max=60, short=4, long=9, long_share=0.5,
-                              tool_min=5, tool_max=8, seed=1)
+    args = argparse.Namespace(
+        agents=3, turns=4, ctx_min=40, ctx_max=60, short=4, long=9, long_share=0.5, tool_min=5, tool_max=8, seed=1
+    )
     plan = workload(args)
 
     def latency() -> float:
@@ -157,7 +186,11 @@ def test_tool_waits_come_before_every_turn_but_an_episodes_first():
 def test_the_median_run_carries_every_runs_figure_and_their_spread():
     from bench.rollout_limit import median_run
 
-    runs = [{"tokens_per_s": 90.0, "wall_s": 1}, {"tokens_per_s": 100.0, "wall_s": 2}, {"tokens_per_s": 80.0, "wall_s": 3}]
+    runs = [
+        {"tokens_per_s": 90.0, "wall_s": 1},
+        {"tokens_per_s": 100.0, "wall_s": 2},
+        {"tokens_per_s": 80.0, "wall_s": 3},
+    ]
     mid = median_run(runs)
     assert mid["wall_s"] == 1 and mid["tokens_per_s"] == 90.0
     assert mid["runs_tokens_per_s"] == [90.0, 100.0, 80.0]
@@ -166,9 +199,15 @@ def test_the_median_run_carries_every_runs_figure_and_their_spread():
 
 
 def test_closed_loop_efficiency_is_against_the_agent_sides_own_ceiling():
-    entry = {"sides": {"agent": {"loads": {"64": {"tokens_per_s": 50.0}, "256": {"tokens_per_s": 90.0}},
-                                 "closed_loop": {"64": {"tokens_per_s": 55.0}}},
-                       "ceiling": {"loads": {"64": {"tokens_per_s": 100.0}}}}}
+    entry = {
+        "sides": {
+            "agent": {
+                "loads": {"64": {"tokens_per_s": 50.0}, "256": {"tokens_per_s": 90.0}},
+                "closed_loop": {"64": {"tokens_per_s": 55.0}},
+            },
+            "ceiling": {"loads": {"64": {"tokens_per_s": 100.0}}},
+        }
+    }
     assert efficiency(entry, "closed_loop") == {"64": pytest.approx(50.0 / 55.0)}
     assert efficiency(entry) == {"64": 0.5}
     old = job({"64": (50.0, 100.0)})
@@ -191,16 +230,24 @@ def test_the_closed_loop_ceiling_drives_vllms_async_engine_straight(tmp_path):
     from services.rollout.engines.vllm_engine import VllmEngine
 
     folder = model_folder(tmp_path / "tiny", "tiny")
-    args = argparse.Namespace(agents=3, turns=3, ctx_min=40, ctx_max=60, short=4, long=8, long_share=0.3,
-                              tool_min=5, tool_max=9, seed=0)
+    args = argparse.Namespace(
+        agents=3, turns=3, ctx_min=40, ctx_max=60, short=4, long=8, long_share=0.3, tool_min=5, tool_max=9, seed=0
+    )
     plan = workload(args)
 
     async def scenario():
-        engine = VllmEngine(folder, max_model_len=1024, dtype="float32", tokenizer=AutoTokenizer.from_pretrained(folder),
-                            kv_cache_gib=1)
+        engine = VllmEngine(
+            folder, max_model_len=1024, dtype="float32", tokenizer=AutoTokenizer.from_pretrained(folder), kv_cache_gib=1
+        )
         try:
-            return await closed_loop(engine.llm, plan, args, SHAPES["tiny"]["vocab_size"],
-                                     latency=ToolLatency(*sandbox_latency()), inflight=2)
+            return await closed_loop(
+                engine.llm,
+                plan,
+                args,
+                SHAPES["tiny"]["vocab_size"],
+                latency=ToolLatency(*sandbox_latency()),
+                inflight=2,
+            )
         finally:
             await engine.close()
 

@@ -16,8 +16,15 @@ SEVEN_B = dict(n_params=7_615_616_512, layers=28, attn_width=3584)
 
 
 def comps(**kw) -> Components:
-    base = dict(device="NVIDIA H100 80GB HBM3", rollout_wall_s=60.0, rollout_agents=32, learner_mfu=0.45,
-                sync_s=0.21, score_plans_per_s=700.0, **SEVEN_B)
+    base = dict(
+        device="NVIDIA H100 80GB HBM3",
+        rollout_wall_s=60.0,
+        rollout_agents=32,
+        learner_mfu=0.45,
+        sync_s=0.21,
+        score_plans_per_s=700.0,
+        **SEVEN_B,
+    )
     return Components(**{**base, **kw})
 
 
@@ -57,24 +64,47 @@ def test_asynchronous_is_the_slower_side_and_never_slower_than_synchronous():
     r = Recipe()
     for k in range(1, 16):
         sec = side_seconds(comps(rollout_wall_s=300.0), r, k, 16 - k)
-        assert slow_rollout["async"] <= round(max(sec["rollout"] + sec["scoring"],
-                                                  sec["training"] + sec["weight_sync"]) / 60, 2) + 0.01
+        assert (
+            slow_rollout["async"]
+            <= round(max(sec["rollout"] + sec["scoring"], sec["training"] + sec["weight_sync"]) / 60, 2) + 0.01
+        )
     assert project(comps(rollout_wall_s=60.0))["target_async_met"]
     assert not project(comps(rollout_wall_s=200.0))["target_async_met"]
 
 
 def test_components_are_read_from_the_benchmarks_results(tmp_path):
     cfg = {**SHAPES["7b"]}
-    (tmp_path / "tm_rollout.json").write_text(json.dumps({
-        "device": "NVIDIA H100 80GB HBM3", "load": {"agents": 32},
-        "shapes": {"7b": {"params": SEVEN_B["n_params"], "config": cfg,
-                          "engines": {"vllm": {"wall_s": 48.0, "tokens_per_s": 2000.0, "turn_p99_s": 9.0}}}}}))
+    (tmp_path / "tm_rollout.json").write_text(
+        json.dumps(
+            {
+                "device": "NVIDIA H100 80GB HBM3",
+                "load": {"agents": 32},
+                "shapes": {
+                    "7b": {
+                        "params": SEVEN_B["n_params"],
+                        "config": cfg,
+                        "engines": {"vllm": {"wall_s": 48.0, "tokens_per_s": 2000.0, "turn_p99_s": 9.0}},
+                    }
+                },
+            }
+        )
+    )
     (tmp_path / "tm_learner.json").write_text(json.dumps({"device": "H100", "mfu": 0.33, "tokens_per_s": 9000.0}))
-    (tmp_path / "tm_sync.json").write_text(json.dumps({"rows": [
-        {"shape": "7b", "method": "nccl", "seconds": 0.25}, {"shape": "7b", "method": "nccl", "seconds": 0.21},
-        {"shape": "7b", "method": "files", "seconds": 14.7}, {"shape": "1.5b", "method": "nccl", "seconds": 0.1}]}))
-    (tmp_path / "reward.json").write_text(json.dumps(
-        {"machine": "2 cores", "http": {"official": {"score_batch": {"plans_per_s": 759.1}}}}))
+    (tmp_path / "tm_sync.json").write_text(
+        json.dumps(
+            {
+                "rows": [
+                    {"shape": "7b", "method": "nccl", "seconds": 0.25},
+                    {"shape": "7b", "method": "nccl", "seconds": 0.21},
+                    {"shape": "7b", "method": "files", "seconds": 14.7},
+                    {"shape": "1.5b", "method": "nccl", "seconds": 0.1},
+                ]
+            }
+        )
+    )
+    (tmp_path / "reward.json").write_text(
+        json.dumps({"machine": "2 cores", "http": {"official": {"score_batch": {"plans_per_s": 759.1}}}})
+    )
     c, shapes = components_from_results("tm", tmp_path)
     assert c == replace(comps(), rollout_wall_s=48.0, learner_mfu=0.33, sync_s=0.21, score_plans_per_s=759.1)
     assert [row["seconds"] for row in shapes["weight_sync"]["rows"]] == [0.25, 0.21]
@@ -99,6 +129,7 @@ def test_missing_results_say_how_to_make_them(tmp_path):
 
 
 # -- the prediction for a given machine (bench/recipe_7b.py compares it with `star train`'s steps) ----------
+
 
 def test_a_colocated_step_is_the_sum_of_its_parts_on_the_machines_own_card():
     from bench.time_model import Machine, predict_step
@@ -130,9 +161,15 @@ def test_a_split_asynchronous_step_is_its_slower_side_and_a_synchronous_one_the_
 def test_a_colocated_sync_is_the_measured_cycle_scaled_by_parameters():
     from bench.time_model import Machine, colocated_sync_s, predict_step
 
-    colocate = {"shape": "1.5b", "params": 1_000_000_000,
-                "cycles": [{"colocate_sleep_s": 1.0, "time_sync_s": 0.5}, {"colocate_sleep_s": 3.0, "time_sync_s": 0.5},
-                           {"colocate_sleep_s": 2.0, "time_sync_s": 0.5}]}
+    colocate = {
+        "shape": "1.5b",
+        "params": 1_000_000_000,
+        "cycles": [
+            {"colocate_sleep_s": 1.0, "time_sync_s": 0.5},
+            {"colocate_sleep_s": 3.0, "time_sync_s": 0.5},
+            {"colocate_sleep_s": 2.0, "time_sync_s": 0.5},
+        ],
+    }
     assert colocated_sync_s(comps(), colocate) == pytest.approx(2.5 * 7.615616512)
     m = Machine(device="NVIDIA H200", gpus=4, placement="colocated", engines=4, learner_gpus=4)
     sec = predict_step(comps(), Recipe(), m, colocate=colocate)
@@ -150,12 +187,15 @@ def test_the_7b_record_names_why_a_run_fell_short(tmp_path):
     (tmp_path / "logs" / "learner.log").write_text("step 0\n[rank2]: torch.OutOfMemoryError: CUDA out of memory.\n")
     (tmp_path / "logs" / "rollout-0.log").write_text("INFO ready\n")
     said = "learner exited (1, failed); resuming from its checkpoint\n" * 3
-    assert failures(tmp_path, said, 124) == {"learner_restarts": 3,
-                                             "causes": {"learner": "[rank2]: torch.OutOfMemoryError: CUDA out of memory."}}
+    assert failures(tmp_path, said, 124) == {
+        "learner_restarts": 3,
+        "causes": {"learner": "[rank2]: torch.OutOfMemoryError: CUDA out of memory."},
+    }
     assert failures(tmp_path, "rl: done in 62 s\n", 0) == {"learner_restarts": 0, "causes": {}}
 
 
 # -- the recipe's own path: packed-row MFU, the long tail, the deployment's sync ---------------------------
+
 
 def test_the_long_tail_waits_for_the_slowest_trajectory_and_a_deadline_shortens_it():
     from bench.time_model import tail_factor
@@ -214,14 +254,22 @@ def test_the_recipe_runs_figures_are_its_steps_after_the_first(tmp_path):
     from bench.time_model import cross_host_sync_s, recipe_path_inputs, recipe_run_figures
 
     assert recipe_run_figures(tmp_path) is None and cross_host_sync_s(tmp_path) is None
-    steps = [{"step": 1, "mfu": 0.26, "tokens": 1.0e6, "split_s": {"sync": 7.5}},
-             {"step": 2, "mfu": 0.39, "tokens": 1.2e6, "split_s": {"sync": 3.4}},
-             {"step": 3, "mfu": 0.41, "tokens": 1.3e6, "split_s": {"sync": 3.6}}]
-    (tmp_path / "recipe_7b.json").write_text(json.dumps({"device": "NVIDIA H200", "gpus": 4, "steps": steps,
-                                                         "trajectories": {"mean_tokens": 10000}}))
-    (tmp_path / "weight_sync_hosts.json").write_text(json.dumps(
-        {"device": "2× NVIDIA H200", "shapes": [{"shape": "1.5b", "nccl": {"seconds": 0.9}},
-                                               {"shape": "7b", "nccl": {"seconds": 3.7}}]}))
+    steps = [
+        {"step": 1, "mfu": 0.26, "tokens": 1.0e6, "split_s": {"sync": 7.5}},
+        {"step": 2, "mfu": 0.39, "tokens": 1.2e6, "split_s": {"sync": 3.4}},
+        {"step": 3, "mfu": 0.41, "tokens": 1.3e6, "split_s": {"sync": 3.6}},
+    ]
+    (tmp_path / "recipe_7b.json").write_text(
+        json.dumps({"device": "NVIDIA H200", "gpus": 4, "steps": steps, "trajectories": {"mean_tokens": 10000}})
+    )
+    (tmp_path / "weight_sync_hosts.json").write_text(
+        json.dumps(
+            {
+                "device": "2× NVIDIA H200",
+                "shapes": [{"shape": "1.5b", "nccl": {"seconds": 0.9}}, {"shape": "7b", "nccl": {"seconds": 3.7}}],
+            }
+        )
+    )
     run = recipe_run_figures(tmp_path)
     assert run["mfu"] == pytest.approx(0.40) and run["sync_s"] == pytest.approx(3.5) and run["steps"] == 2
     inputs = recipe_path_inputs(comps(), tmp_path)

@@ -24,7 +24,9 @@ def _digests(directory: Path) -> dict[str, Path]:
 def test_the_fixture_keeps_part_of_the_train_split_covering_the_tests():
     records = _train(FIXTURE_DIR)
     assert 0 < len(records) < TRAIN_SIZE
-    assert {(r["level"], r["days"]) for r in records} == {(lv, d) for lv in ("easy", "medium", "hard") for d in (3, 5, 7)}
+    assert {(r["level"], r["days"]) for r in records} == {
+        (lv, d) for lv in ("easy", "medium", "hard") for d in (3, 5, 7)
+    }
     asked = {k for r in records for k, v in ast.literal_eval(r["local_constraint"]).items() if v}
     assert asked == {"house rule", "cuisine", "room type", "transportation"}
     with open(FIXTURE_DIR / "train" / "train_ref_info.jsonl", encoding="utf-8") as fh:

@@ -29,6 +29,7 @@ def read_text(path: Path) -> str:
 
 # Options that several commands share, so that one thing has one flag name and one help text everywhere.
 
+
 def host_option() -> Any:
     return typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: every interface).")
 
@@ -42,8 +43,9 @@ def temperature_option(default: float) -> Any:
 
 
 def top_p_option(default: float) -> Any:
-    return typer.Option(default, "--top-p", help="Nucleus sampling: the smallest token set holding this much "
-                                                  "probability.")
+    return typer.Option(
+        default, "--top-p", help="Nucleus sampling: the smallest token set holding this much probability."
+    )
 
 
 def max_context_option(default: int) -> Any:

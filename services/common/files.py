@@ -19,8 +19,9 @@ def sha256_file(path: str | Path, chunk: int = 8 * 2**20) -> str:
     return h.hexdigest()
 
 
-def iter_jsonl(path: str | Path, error: type[Exception] = ValueError, *,
-               skip_bad: bool = False) -> Iterator[tuple[int, Any]]:
+def iter_jsonl(
+    path: str | Path, error: type[Exception] = ValueError, *, skip_bad: bool = False
+) -> Iterator[tuple[int, Any]]:
     """(1-based line number, value) of each non-blank line. A line that is not JSON raises
     `error` naming the file and line, or is skipped with `skip_bad` (a line cut by a crash).
     A `.gz` file is read through gzip (the proof's samples come back from the GPU compressed)."""

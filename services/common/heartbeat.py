@@ -42,8 +42,9 @@ def beats_key(stream: str, group: str) -> str:
 class Heartbeat:
     """One consumer's beat, written at most every `every_s`; a Redis that does not answer skips it."""
 
-    def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str,
-                 every_s: float = BEAT_EVERY_S) -> None:
+    def __init__(
+        self, client: redis.Redis, stream: str, group: str, consumer: str, every_s: float = BEAT_EVERY_S
+    ) -> None:
         self.client = client
         self.key = beats_key(stream, group)
         self.consumer = consumer
@@ -64,8 +65,10 @@ class Heartbeat:
 def live_consumers(client: redis.Redis, stream: str, group: str, alive_s: float = ALIVE_S) -> list[str]:
     """The consumers of `group` on `stream` that beat within `alive_s`, by the server's clock."""
     now = client.time()[0]
-    return [m.decode() if isinstance(m, bytes) else m
-            for m in client.zrangebyscore(beats_key(stream, group), now - alive_s, "+inf")]
+    return [
+        m.decode() if isinstance(m, bytes) else m
+        for m in client.zrangebyscore(beats_key(stream, group), now - alive_s, "+inf")
+    ]
 
 
 def last_beat_age(client: redis.Redis, stream: str, group: str) -> float | None:

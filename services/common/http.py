@@ -60,20 +60,37 @@ class Problem(BaseModel):
     title: str = Field(description="The HTTP reason, e.g. 'Invalid request'.")
     status: int
     detail: str | list[dict[str, Any]] | None = Field(
-        None, description="What was wrong: a message, or for 422 one {loc, msg, input} entry per error.")
+        None, description="What was wrong: a message, or for 422 one {loc, msg, input} entry per error."
+    )
 
 
 PROBLEM_EXAMPLES: dict[str, dict[str, Any]] = {
     "400": {"type": "about:blank", "title": "Bad Request", "status": 400, "detail": "the request is malformed"},
-    "401": {"type": "about:blank", "title": "Unauthorized", "status": 401,
-            "detail": "a valid bearer token is required for this endpoint"},
+    "401": {
+        "type": "about:blank",
+        "title": "Unauthorized",
+        "status": 401,
+        "detail": "a valid bearer token is required for this endpoint",
+    },
     "404": {"type": "about:blank", "title": "Not Found", "status": 404, "detail": "Not Found"},
-    "413": {"type": "about:blank", "title": "Request body too large", "status": 413,
-            "detail": f"the limit is {MAX_BODY_BYTES} bytes"},
-    "422": {"type": "about:blank", "title": "Invalid request", "status": 422,
-            "detail": [{"loc": ["body", "query", "days"], "msg": "Input should be 3, 5 or 7", "input": 4}]},
-    "503": {"type": "about:blank", "title": "Service Unavailable", "status": 503,
-            "detail": "the travel world is not loaded"},
+    "413": {
+        "type": "about:blank",
+        "title": "Request body too large",
+        "status": 413,
+        "detail": f"the limit is {MAX_BODY_BYTES} bytes",
+    },
+    "422": {
+        "type": "about:blank",
+        "title": "Invalid request",
+        "status": 422,
+        "detail": [{"loc": ["body", "query", "days"], "msg": "Input should be 3, 5 or 7", "input": 4}],
+    },
+    "503": {
+        "type": "about:blank",
+        "title": "Service Unavailable",
+        "status": 503,
+        "detail": "the travel world is not loaded",
+    },
 }
 
 
@@ -161,8 +178,11 @@ class _GuardedRequest(Request):
             body = await self.body()
             try:
                 # A large body takes a while to parse and check: off the event loop.
-                self._json = read_json(body) if len(body) < _PARSE_IN_THREAD_BYTES else \
-                    await anyio.to_thread.run_sync(read_json, body)
+                self._json = (
+                    read_json(body)
+                    if len(body) < _PARSE_IN_THREAD_BYTES
+                    else await anyio.to_thread.run_sync(read_json, body)
+                )
             except InputError as exc:
                 raise HTTPException(422, [{"loc": ["body", *exc.loc], "msg": exc.msg, "input": None}]) from None
         return self._json
@@ -218,12 +238,16 @@ class Worker:
             # abandon_on_cancel: the reply goes out at the limit; a call that cannot stop finishes
             # in its thread, its result dropped (a `deadline` call stops at its next item).
             return await asyncio.wait_for(
-                anyio.to_thread.run_sync(call, limiter=self._limiter, abandon_on_cancel=True), self.time_limit_s)
-        except (asyncio.TimeoutError, RequestTimeout):
+                anyio.to_thread.run_sync(call, limiter=self._limiter, abandon_on_cancel=True), self.time_limit_s
+            )
+        except (TimeoutError, RequestTimeout):
             if stop is not None:
                 stop.cancel()
-            raise HTTPException(503, f"the request needed more than the {self.time_limit_s:g} s time limit; "
-                                     "send fewer or smaller items", headers={"Retry-After": "1"}) from None
+            raise HTTPException(
+                503,
+                f"the request needed more than the {self.time_limit_s:g} s time limit; send fewer or smaller items",
+                headers={"Retry-After": "1"},
+            ) from None
 
 
 class BodyLimit:
@@ -295,8 +319,7 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [
-            {"loc": list(e.get("loc", ())), "msg": _message(e), "input": _short(e.get("input"))}
-            for e in exc.errors()
+            {"loc": list(e.get("loc", ())), "msg": _message(e), "input": _short(e.get("input"))} for e in exc.errors()
         ]
         return problem(422, "Invalid request", errors)
 
@@ -320,7 +343,9 @@ def create_app(
     @app.get("/readyz", tags=["ops"], summary="Readiness: dependencies are usable")
     async def readyz() -> JSONResponse:
         ok = ready()
-        return JSONResponse({"status": "ready" if ok else "not ready", "service": service}, status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ready" if ok else "not ready", "service": service}, status_code=200 if ok else 503
+        )
 
     @app.get("/metrics", tags=["ops"], summary="Prometheus metrics")
     async def prometheus() -> Response:
@@ -354,8 +379,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 codes += ["413", "422"]
             elif "parameters" in operation:
                 codes.append("422")
-            if any(p.get("in") == "header" for p in operation.get("parameters", ())) or \
-                    operation.get("security"):
+            if any(p.get("in") == "header" for p in operation.get("parameters", ())) or operation.get("security"):
                 codes.append("401")
             for code in codes:
                 responses[code] = _problem_response(code)
@@ -369,9 +393,12 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 
 def _problem_response(code: str) -> dict[str, Any]:
     example = PROBLEM_EXAMPLES.get(code, {"type": "about:blank", "title": reason(int(code)), "status": int(code)})
-    return {"description": str(example["title"]),
-            "content": {"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"},
-                                                     "example": example}}}
+    return {
+        "description": str(example["title"]),
+        "content": {
+            "application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}, "example": example}
+        },
+    }
 
 
 def reason(status: int) -> str:
@@ -394,7 +421,8 @@ def bearer_auth(token: str | None) -> Callable:
         # Bytes, not str: compare_digest refuses non-ASCII text, and a header may hold any byte.
         given = credentials.credentials.encode("utf-8", "surrogateescape") if credentials else b""
         if credentials is None or not secrets.compare_digest(given, token.encode("utf-8")):
-            raise HTTPException(401, "a valid bearer token is required for this endpoint",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401, "a valid bearer token is required for this endpoint", headers={"WWW-Authenticate": "Bearer"}
+            )
 
     return check

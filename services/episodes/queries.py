@@ -29,8 +29,10 @@ class QueryCatalog:
         queries = self.split(split)
         found = queries.get(query_id)
         if found is None:
-            raise QueryNotFound(f"split {split!r} has no query {query_id!r} (its ids run "
-                                f"{next(iter(queries))}..{next(reversed(queries))})")
+            raise QueryNotFound(
+                f"split {split!r} has no query {query_id!r} (its ids run "
+                f"{next(iter(queries))}..{next(reversed(queries))})"
+            )
         return found
 
     def split(self, name: str) -> dict[str, TravelQuery]:
@@ -51,12 +53,16 @@ class QueryCatalog:
 
     def _extra_split(self, name: str) -> Path:
         if self.splits_dir is None:
-            raise QueryNotFound(f"unknown split {name!r}: use {', '.join(SPLITS)} (no splits folder is configured "
-                                "for other query files: STAR_EPISODES_SPLITS_DIR)")
+            raise QueryNotFound(
+                f"unknown split {name!r}: use {', '.join(SPLITS)} (no splits folder is configured "
+                "for other query files: STAR_EPISODES_SPLITS_DIR)"
+            )
         for suffix in (".json", ".jsonl"):
             path = self.splits_dir / f"{name}{suffix}"
             # The name is checked by the request schema; resolve() keeps it inside the folder regardless.
             if path.resolve().parent == self.splits_dir.resolve() and path.is_file():
                 return path
-        raise QueryNotFound(f"unknown split {name!r}: no {name}.json or {name}.jsonl in the splits folder, "
-                            f"and it is not one of {', '.join(SPLITS)}")
+        raise QueryNotFound(
+            f"unknown split {name!r}: no {name}.json or {name}.jsonl in the splits folder, "
+            f"and it is not one of {', '.join(SPLITS)}"
+        )

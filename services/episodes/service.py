@@ -76,8 +76,18 @@ class ScoringBusy(RuntimeError):
     """Another request is scoring this episode and has not finished yet (503, retry)."""
 
 
-__all__ = ["BadToolCall", "EpisodeFinished", "EpisodeNotFound", "EpisodeService", "InvalidRequest", "QueryNotFound",
-           "ScoringBusy", "ToolBudgetSpent", "ToolsUnavailable", "TooManyEpisodes"]
+__all__ = [
+    "BadToolCall",
+    "EpisodeFinished",
+    "EpisodeNotFound",
+    "EpisodeService",
+    "InvalidRequest",
+    "QueryNotFound",
+    "ScoringBusy",
+    "ToolBudgetSpent",
+    "ToolsUnavailable",
+    "TooManyEpisodes",
+]
 
 
 @dataclass(frozen=True)
@@ -109,9 +119,17 @@ def _to_thread(fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
 
 
 class EpisodeService:
-    def __init__(self, store: EpisodeStore, catalog: QueryCatalog, tools: SandboxTools, scorer: Scorer,
-                 limits: EpisodeLimitsConfig, *, metrics: EpisodeMetrics | None = None,
-                 run_blocking: RunBlocking = _to_thread) -> None:
+    def __init__(
+        self,
+        store: EpisodeStore,
+        catalog: QueryCatalog,
+        tools: SandboxTools,
+        scorer: Scorer,
+        limits: EpisodeLimitsConfig,
+        *,
+        metrics: EpisodeMetrics | None = None,
+        run_blocking: RunBlocking = _to_thread,
+    ) -> None:
         self.store = store
         self.catalog = catalog
         self.tools = tools
@@ -130,18 +148,35 @@ class EpisodeService:
         query = request.query or await self.run_blocking(self.catalog.query, request.split, request.query_id)
         episode_id = secrets.token_urlsafe(16)
         client = request.client or caller
-        spec = {"query": query.model_dump(mode="json"), "reward": request.reward, "mode": request.mode,
-                "epoch": request.epoch, "tool_format": request.tool_format, "client": client,
-                "split": request.split, "query_id": request.query_id}
-        if not await self.store.create(episode_id, spec, max_calls, self.limits.idle_ms,
-                                       self.limits.max_open_per_client):
+        spec = {
+            "query": query.model_dump(mode="json"),
+            "reward": request.reward,
+            "mode": request.mode,
+            "epoch": request.epoch,
+            "tool_format": request.tool_format,
+            "client": client,
+            "split": request.split,
+            "query_id": request.query_id,
+        }
+        if not await self.store.create(
+            episode_id, spec, max_calls, self.limits.idle_ms, self.limits.max_open_per_client
+        ):
             self.metrics.refused.labels("open_episodes").inc()
-            raise TooManyEpisodes(f"client {client!r} already holds {self.limits.max_open_per_client} open "
-                                  "episodes; finish or close some first")
+            raise TooManyEpisodes(
+                f"client {client!r} already holds {self.limits.max_open_per_client} open "
+                "episodes; finish or close some first"
+            )
         self.metrics.started.labels("inline" if request.query is not None else "split").inc()
-        return EpisodeStarted(episode_id=episode_id, task=user_message(query),
-                              system_prompt=prompt_for(request.tool_format), tools=tool_schemas("openai"),
-                              limits=self._limits(max_calls), query=query, reward=request.reward, mode=request.mode)
+        return EpisodeStarted(
+            episode_id=episode_id,
+            task=user_message(query),
+            system_prompt=prompt_for(request.tool_format),
+            tools=tool_schemas("openai"),
+            limits=self._limits(max_calls),
+            query=query,
+            reward=request.reward,
+            mode=request.mode,
+        )
 
     def _limits(self, max_calls: int) -> EpisodeLimits:
         return EpisodeLimits(max_tool_calls=max_calls, idle_expiry_s=self.limits.idle_expiry_s)
@@ -161,8 +196,9 @@ class EpisodeService:
             raise EpisodeFinished(f"episode {episode_id} is finished; it takes no more tool calls")
         if reservation.code == -2:
             self.metrics.refused.labels("tool_budget").inc()
-            raise ToolBudgetSpent(f"episode {episode_id} has made all its {reservation.max_tool_calls} tool calls; "
-                                  "finish it")
+            raise ToolBudgetSpent(
+                f"episode {episode_id} has made all its {reservation.max_tool_calls} tool calls; finish it"
+            )
         started = time.perf_counter()
         try:
             result = await self.tools.call(name, call.arguments)
@@ -172,8 +208,12 @@ class EpisodeService:
             raise
         self.metrics.tool_latency.observe(time.perf_counter() - started)
         self.metrics.tool_calls.labels(name, "ok" if result.ok else "error").inc()
-        return EpisodeToolResult(content=result.text, ok=result.ok, tool_calls_used=reservation.used,
-                                 tool_calls_left=max(0, reservation.max_tool_calls - reservation.used))
+        return EpisodeToolResult(
+            content=result.text,
+            ok=result.ok,
+            tool_calls_used=reservation.used,
+            tool_calls_left=max(0, reservation.max_tool_calls - reservation.used),
+        )
 
     # -- finish --------------------------------------------------------------------------------
 
@@ -200,8 +240,9 @@ class EpisodeService:
             started = time.perf_counter()
             result = await self.run_blocking(self.score, episode_id, episode.spec, episode.used, request)
             self.metrics.score_latency.observe(time.perf_counter() - started)
-            stored = await self.store.store(episode_id, episode.spec["client"], token, result.model_dump(mode="json"),
-                                            self.limits.idle_ms)
+            stored = await self.store.store(
+                episode_id, episode.spec["client"], token, result.model_dump(mode="json"), self.limits.idle_ms
+            )
             if stored is None:
                 raise EpisodeNotFound(f"episode {episode_id} was closed while it was scored")
             final = EpisodeResult.model_validate(stored)
@@ -226,18 +267,28 @@ class EpisodeService:
         replies: dict[str, ScoreResponse] = {}
         for mode in MODES:
             try:
-                replies[mode] = self.scorer.score(ScoreRequest(query=query, plan=request.plan, plan_text=request.answer,
-                                                               mode=mode, reward=kind, epoch=epoch))
+                replies[mode] = self.scorer.score(
+                    ScoreRequest(
+                        query=query, plan=request.plan, plan_text=request.answer, mode=mode, reward=kind, epoch=epoch
+                    )
+                )
             except ScoreError as exc:
                 raise InvalidRequest(str(exc)) from None
         mode = spec["mode"]
         plan = replies["strict"].plan if request.answer is not None else json_plan(request.plan)
         return EpisodeResult(
-            episode_id=episode_id, reward=replies[mode].reward, reward_kind=kind, mode=mode,
-            success=EpisodeSuccess(official=replies["official"].score.success == 1,
-                                   strict=replies["strict"].score.success == 1),
+            episode_id=episode_id,
+            reward=replies[mode].reward,
+            reward_kind=kind,
+            mode=mode,
+            success=EpisodeSuccess(
+                official=replies["official"].score.success == 1, strict=replies["strict"].score.success == 1
+            ),
             verdicts={m: ModeVerdicts(commonsense=r.score.commonsense, hard=r.score.hard) for m, r in replies.items()},
-            scores={m: scores_of(r) for m, r in replies.items()}, plan=plan, tool_calls_used=used)
+            scores={m: scores_of(r) for m, r in replies.items()},
+            plan=plan,
+            tool_calls_used=used,
+        )
 
     # -- state and close -----------------------------------------------------------------------
 
@@ -247,11 +298,17 @@ class EpisodeService:
             raise EpisodeNotFound(_not_found(episode_id))
         spec = episode.spec
         return EpisodeState(
-            episode_id=episode_id, status="finished" if episode.result else "open",
-            query=TravelQuery.model_validate(spec["query"]), reward=spec["reward"], mode=spec["mode"],
-            tool_calls_used=episode.used, tool_calls_left=max(0, episode.max_tool_calls - episode.used),
-            limits=self._limits(episode.max_tool_calls), expires_in_s=max(0.0, episode.ttl_ms / 1000),
-            result=EpisodeResult.model_validate(episode.result) if episode.result else None)
+            episode_id=episode_id,
+            status="finished" if episode.result else "open",
+            query=TravelQuery.model_validate(spec["query"]),
+            reward=spec["reward"],
+            mode=spec["mode"],
+            tool_calls_used=episode.used,
+            tool_calls_left=max(0, episode.max_tool_calls - episode.used),
+            limits=self._limits(episode.max_tool_calls),
+            expires_in_s=max(0.0, episode.ttl_ms / 1000),
+            result=EpisodeResult.model_validate(episode.result) if episode.result else None,
+        )
 
     async def close(self, episode_id: str) -> None:
         episode = await self.store.load(episode_id)
@@ -275,8 +332,16 @@ def prompt_for(tool_format: str) -> str:
 
 def scores_of(reply: ScoreResponse) -> EpisodeScores:
     s = reply.score
-    return EpisodeScores(cs_micro=s.cs_micro, cs_macro=s.cs_macro, hard_micro=s.hard_micro, hard_macro=s.hard_macro,
-                         success=s.success, formatter_status=s.formatter_status, rewards=reply.rewards, cost=reply.cost)
+    return EpisodeScores(
+        cs_micro=s.cs_micro,
+        cs_macro=s.cs_macro,
+        hard_micro=s.hard_micro,
+        hard_macro=s.hard_macro,
+        success=s.success,
+        formatter_status=s.formatter_status,
+        rewards=reply.rewards,
+        cost=reply.cost,
+    )
 
 
 def json_plan(value: Any) -> Plan | None:

@@ -30,7 +30,9 @@ redis.call('PEXPIRE', clients, ARGV[1])
 """
 
 # KEYS: episode, client set. ARGV: idle ms, id, spec JSON, max tool calls, max open, client.
-START = _NOW + """
+START = (
+    _NOW
+    + """
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[5]) then return 0 end
 redis.call('HSET', KEYS[1], 'spec', ARGV[3], 'used', 0, 'max', ARGV[4], 'status', 'open', 'active', now,
@@ -40,10 +42,13 @@ redis.call('ZADD', KEYS[2], now + tonumber(ARGV[1]), ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
 return 1
 """
+)
 
 # KEYS: episode, lock. ARGV: idle ms, id, client-set prefix. → {code, used, max}: 1 reserved, 0 unknown,
 # -1 finished or being finished, -2 budget spent.
-RESERVE = _NOW + """
+RESERVE = (
+    _NOW
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0, 0, 0} end
 local used = tonumber(redis.call('HGET', KEYS[1], 'used'))
 local max = tonumber(redis.call('HGET', KEYS[1], 'max'))
@@ -52,9 +57,12 @@ if redis.call('HGET', KEYS[1], 'status') ~= 'open' or redis.call('EXISTS', KEYS[
 end
 if used >= max then return {-2, used, max} end
 used = redis.call('HINCRBY', KEYS[1], 'used', 1)
-""" + _TOUCH + """
+"""
+    + _TOUCH
+    + """
 return {1, used, max}
 """
+)
 
 # KEYS: episode. Gives back a reserved call that never ran (the sandbox was away).
 REFUND = """
@@ -157,12 +165,14 @@ class EpisodeStore:
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
 
-    async def create(self, episode_id: str, spec: dict[str, Any], max_tool_calls: int, idle_ms: int,
-                     max_open: int) -> bool:
+    async def create(
+        self, episode_id: str, spec: dict[str, Any], max_tool_calls: int, idle_ms: int, max_open: int
+    ) -> bool:
         """False when the client already has `max_open` open episodes."""
-        created = await self._start(keys=[self.key(episode_id), self.client_key(spec["client"])],
-                                    args=[idle_ms, episode_id, json.dumps(spec), max_tool_calls, max_open,
-                                          spec["client"]])
+        created = await self._start(
+            keys=[self.key(episode_id), self.client_key(spec["client"])],
+            args=[idle_ms, episode_id, json.dumps(spec), max_tool_calls, max_open, spec["client"]],
+        )
         return bool(created)
 
     async def load(self, episode_id: str) -> StoredEpisode | None:
@@ -173,22 +183,30 @@ class EpisodeStore:
         if not fields or b"spec" not in fields:
             return None
         result = fields.get(b"result")
-        return StoredEpisode(episode_id, json.loads(fields[b"spec"]), int(fields.get(b"used", 0)),
-                             int(fields.get(b"max", 0)), fields.get(b"status", b"open").decode(),
-                             json.loads(result) if result else None, int(ttl))
+        return StoredEpisode(
+            episode_id,
+            json.loads(fields[b"spec"]),
+            int(fields.get(b"used", 0)),
+            int(fields.get(b"max", 0)),
+            fields.get(b"status", b"open").decode(),
+            json.loads(result) if result else None,
+            int(ttl),
+        )
 
     async def reserve(self, episode_id: str, idle_ms: int) -> Reservation:
         """One tool call of the episode's budget, taken atomically; refreshes its idle expiry."""
-        code, used, max_calls = await self._reserve(keys=[self.key(episode_id), self.lock_key(episode_id)],
-                                                    args=[idle_ms, episode_id, self.client_key("")])
+        code, used, max_calls = await self._reserve(
+            keys=[self.key(episode_id), self.lock_key(episode_id)], args=[idle_ms, episode_id, self.client_key("")]
+        )
         return Reservation(int(code), int(used), int(max_calls))
 
     async def refund(self, episode_id: str) -> None:
         await self._refund(keys=[self.key(episode_id)])
 
     async def claim(self, episode_id: str, token: str, lock_ms: int, idle_ms: int) -> Claim:
-        reply = await self._claim(keys=[self.key(episode_id), self.lock_key(episode_id)],
-                                  args=[token, lock_ms, idle_ms])
+        reply = await self._claim(
+            keys=[self.key(episode_id), self.lock_key(episode_id)], args=[token, lock_ms, idle_ms]
+        )
         outcome = reply[0].decode()
         return Claim(outcome, json.loads(reply[1]) if outcome == "done" else None)
 
@@ -198,11 +216,14 @@ class EpisodeStore:
     async def release(self, episode_id: str, token: str) -> None:
         await self._release(keys=[self.lock_key(episode_id)], args=[token])
 
-    async def store(self, episode_id: str, client: str, token: str, result: dict[str, Any],
-                    keep_ms: int) -> dict[str, Any] | None:
+    async def store(
+        self, episode_id: str, client: str, token: str, result: dict[str, Any], keep_ms: int
+    ) -> dict[str, Any] | None:
         """The episode's result: `result`, or the one stored before it; None when the episode is gone."""
-        reply = await self._store(keys=[self.key(episode_id), self.lock_key(episode_id), self.client_key(client)],
-                                  args=[token, json.dumps(result), keep_ms, episode_id])
+        reply = await self._store(
+            keys=[self.key(episode_id), self.lock_key(episode_id), self.client_key(client)],
+            args=[token, json.dumps(result), keep_ms, episode_id],
+        )
         return json.loads(reply[1]) if reply[0] == b"done" else None
 
     async def delete(self, episode_id: str, client: str) -> None:

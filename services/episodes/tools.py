@@ -37,8 +37,11 @@ def check_call(name: str, arguments: dict[str, Any]) -> str:
         if len(value) > MAX_ARGUMENT_CHARS:
             raise BadToolCall(f"{spec.name}: argument {key!r} is longer than {MAX_ARGUMENT_CHARS} characters")
     given = set(arguments)
-    missing = [r for r in spec.required
-               if r not in given and not ({a for p in spec.params if p.name == r for a in p.aliases} & given)]
+    missing = [
+        r
+        for r in spec.required
+        if r not in given and not ({a for p in spec.params if p.name == r for a in p.aliases} & given)
+    ]
     if missing:
         raise BadToolCall(f"{spec.name} needs {', '.join(missing)}")
     return spec.name
@@ -47,18 +50,35 @@ def check_call(name: str, arguments: dict[str, Any]) -> str:
 class SandboxTools:
     """`POST {sandbox}/tools/call`, retrying transport errors and 5xx replies with backoff."""
 
-    def __init__(self, base_url: str, token: str | None = None, *, timeout_s: float = 30.0, retries: int = 2,
-                 backoff_s: float = 0.1, max_connections: int = 64) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout_s: float = 30.0,
+        retries: int = 2,
+        backoff_s: float = 0.1,
+        max_connections: int = 64,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.retries = retries
         self.backoff_s = backoff_s
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=httpx.Timeout(timeout_s),
-                                         limits=httpx.Limits(max_connections=max_connections))
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(max_connections=max_connections),
+        )
 
     async def call(self, name: str, arguments: dict[str, Any]) -> ToolResult:
-        reply, last = await post_retrying(self._client, "/tools/call", {"name": name, "arguments": arguments},
-                                          retries=self.retries, backoff_s=self.backoff_s)
+        reply, last = await post_retrying(
+            self._client,
+            "/tools/call",
+            {"name": name, "arguments": arguments},
+            retries=self.retries,
+            backoff_s=self.backoff_s,
+        )
         if reply is None:
             raise ToolsUnavailable(f"the sandbox did not answer ({last}); retry shortly")
         if reply.status_code != 200:

@@ -17,9 +17,17 @@ class AgentUnavailable(RuntimeError):
     pass
 
 
-def rollout_agent(model: str, sampling: SamplingParams, *, engine: str = "vllm", sandbox_url: str | None = None,
-                  world_url: str | None = None, base_url: str | None = None, run_id: str = "eval",
-                  engine_options: dict[str, Any] | None = None) -> tuple[Callable[[TravelQuery], Trajectory], Callable[[], None]]:
+def rollout_agent(
+    model: str,
+    sampling: SamplingParams,
+    *,
+    engine: str = "vllm",
+    sandbox_url: str | None = None,
+    world_url: str | None = None,
+    base_url: str | None = None,
+    run_id: str = "eval",
+    engine_options: dict[str, Any] | None = None,
+) -> tuple[Callable[[TravelQuery], Trajectory], Callable[[], None]]:
     """(agent, close). `model` is an HF folder, or `openai:NAME` for an OpenAI-compatible server
     at `base_url`. Tools come from the sandbox at `sandbox_url`, else in-process from the world."""
     try:
@@ -27,8 +35,9 @@ def rollout_agent(model: str, sampling: SamplingParams, *, engine: str = "vllm",
         from services.rollout.engines import build_engine
         from services.rollout.tools import HttpToolClient, LocalToolClient
     except ImportError as exc:
-        raise AgentUnavailable(f"the rollout service's agent is not available ({exc}); "
-                               "score existing plans with --predictions FILE") from None
+        raise AgentUnavailable(
+            f"the rollout service's agent is not available ({exc}); score existing plans with --predictions FILE"
+        ) from None
     options = dict(engine_options or {})
     if model.startswith("openai:"):
         engine, model = "openai", model.split(":", 1)[1]
@@ -43,17 +52,19 @@ def rollout_agent(model: str, sampling: SamplingParams, *, engine: str = "vllm",
     if sandbox_url:
         tools = HttpToolClient(sandbox_url)
     else:
+        from services.common.settings import get_settings
         from services.sandbox.tools.toolbox import ToolBox
         from services.sandbox.world import World
 
-        from services.common.settings import get_settings
-
         tools = LocalToolClient(ToolBox(World(world_url or get_settings().world_url)))
-    return agent_function(Agent(policy, tools), sampling, run_id=run_id, closers=[tools.close, getattr(policy, "close", None)])
+    return agent_function(
+        Agent(policy, tools), sampling, run_id=run_id, closers=[tools.close, getattr(policy, "close", None)]
+    )
 
 
-def agent_function(agent: Any, sampling: SamplingParams, *, run_id: str = "eval",
-                   closers: list[Any] | None = None) -> tuple[Callable[[TravelQuery], Trajectory], Callable[[], None]]:
+def agent_function(
+    agent: Any, sampling: SamplingParams, *, run_id: str = "eval", closers: list[Any] | None = None
+) -> tuple[Callable[[TravelQuery], Trajectory], Callable[[], None]]:
     """A rollout `Agent` (async) as the runner's plain function, and its `close`. Every call runs
     on one event loop in a thread of its own, so the function may be called from several threads
     at once: N callers keep N episodes in flight on one engine, which batches their turns."""
@@ -94,8 +105,13 @@ def agent_function(agent: Any, sampling: SamplingParams, *, run_id: str = "eval"
     return run, close
 
 
-def fleet_agent(sampling: SamplingParams, rollout_urls: list[str], api_token: str | None = None,
-                run_id: str = "eval", timeout_s: float = 3600.0) -> Callable[[TravelQuery], Trajectory]:
+def fleet_agent(
+    sampling: SamplingParams,
+    rollout_urls: list[str],
+    api_token: str | None = None,
+    run_id: str = "eval",
+    timeout_s: float = 3600.0,
+) -> Callable[[TravelQuery], Trajectory]:
     """Each episode on a deployed fleet's rollout servers (POST /rollouts, in turn): on their engines and the
     weights they hold, where the fleet's accelerators are, not on this machine."""
     import itertools
@@ -111,8 +127,12 @@ def fleet_agent(sampling: SamplingParams, rollout_urls: list[str], api_token: st
     def agent(query: TravelQuery) -> Trajectory:
         with lock:
             url = next(turn)
-        body = {"query": query.model_dump(mode="json"), "group_size": 1, "sampling": sampling.model_dump(mode="json"),
-                "run_id": run_id}
+        body = {
+            "query": query.model_dump(mode="json"),
+            "group_size": 1,
+            "sampling": sampling.model_dump(mode="json"),
+            "run_id": run_id,
+        }
         r = httpx.post(f"{url}/rollouts", json=body, headers=headers, timeout=timeout_s)
         if r.status_code != 200:
             raise RuntimeError(f"the rollout server at {url} answered {r.status_code}: {r.text[:500]}")

@@ -33,8 +33,17 @@ def constraint_table(records: Sequence[QueryRecord]) -> list[dict[str, Any]]:
                 else:
                     failed += 1
             applicable = passed + failed
-            rows.append({"group": group, "check": key, "name": name, "passed": passed, "failed": failed,
-                         "not_applicable": na, "pass_rate": 100.0 * passed / applicable if applicable else None})
+            rows.append(
+                {
+                    "group": group,
+                    "check": key,
+                    "name": name,
+                    "passed": passed,
+                    "failed": failed,
+                    "not_applicable": na,
+                    "pass_rate": 100.0 * passed / applicable if applicable else None,
+                }
+            )
     return rows
 
 
@@ -49,8 +58,13 @@ NO_PLAN_CATEGORIES = {
 }
 # formatter statuses that mean there was no plan to format (not a formatting failure)
 NO_ANSWER_STATUSES = ("no_answer", "empty_answer", "no_plan")
-HARD_CATEGORIES = {"valid_cost": "budget", "valid_room_rule": "room rule", "valid_room_type": "room type",
-                   "valid_cuisine": "cuisine", "valid_transportation": "transport preference"}
+HARD_CATEGORIES = {
+    "valid_cost": "budget",
+    "valid_room_rule": "room rule",
+    "valid_room_type": "room type",
+    "valid_cuisine": "cuisine",
+    "valid_transportation": "transport preference",
+}
 COMMONSENSE_CATEGORIES = {
     "is_valid_restaurants": "repeated restaurant",
     "is_valid_attractions": "repeated attraction",
@@ -121,8 +135,9 @@ def failure_table(records: Sequence[QueryRecord]) -> list[dict[str, Any]]:
     show several categories, so shares add up to more than 100%)."""
     failed = [r for r in records if not r.success]
     counts = Counter(c for r in failed for c in failure_categories(r))
-    return [{"category": c, "queries": n, "share_of_failures": 100.0 * n / len(failed)}
-            for c, n in counts.most_common()]
+    return [
+        {"category": c, "queries": n, "share_of_failures": 100.0 * n / len(failed)} for c, n in counts.most_common()
+    ]
 
 
 def failure_examples(records: Sequence[QueryRecord], limit: int = 10) -> list[dict[str, Any]]:
@@ -133,8 +148,15 @@ def failure_examples(records: Sequence[QueryRecord], limit: int = 10) -> list[di
             continue
         verdicts = [*r.score.commonsense.values(), *r.score.hard.values()]
         reason = next((v.reason for v in verdicts if v.passed is False), "") or r.score.formatter_status
-        out.append({"query_id": r.query_id, "level": r.query.level, "days": r.query.days,
-                    "categories": failure_categories(r), "reason": reason[:200]})
+        out.append(
+            {
+                "query_id": r.query_id,
+                "level": r.query.level,
+                "days": r.query.days,
+                "categories": failure_categories(r),
+                "reason": reason[:200],
+            }
+        )
         if len(out) >= limit:
             break
     return out
@@ -142,11 +164,19 @@ def failure_examples(records: Sequence[QueryRecord], limit: int = 10) -> list[di
 
 # ---- cohorts --------------------------------------------------------------------------------
 
+
 def constraint_types(record: QueryRecord) -> list[str]:
     lc = record.query.local_constraint
-    kinds = [name for name, value in (("house rule", lc.house_rule), ("cuisine", lc.cuisine),
-                                      ("room type", lc.room_type), ("transportation", lc.transportation))
-             if value]
+    kinds = [
+        name
+        for name, value in (
+            ("house rule", lc.house_rule),
+            ("cuisine", lc.cuisine),
+            ("room type", lc.room_type),
+            ("transportation", lc.transportation),
+        )
+        if value
+    ]
     return kinds or ["none"]
 
 
@@ -168,18 +198,32 @@ def cohort_table(records: Sequence[QueryRecord], mode: Mode) -> list[dict[str, A
         for key in sorted(members):
             m = split_metrics(members[key], mode, None)
             steps = [r.trajectory.steps for r in members[key] if r.trajectory is not None]
-            rows.append({"cohort": cohort, "value": key, "n": len(members[key]),
-                         **{k: getattr(m, k) for k in METRIC_KEYS},
-                         "steps_p50": percentile(steps, 50), "steps_p99": percentile(steps, 99)})
+            rows.append(
+                {
+                    "cohort": cohort,
+                    "value": key,
+                    "n": len(members[key]),
+                    **{k: getattr(m, k) for k in METRIC_KEYS},
+                    "steps_p50": percentile(steps, 50),
+                    "steps_p99": percentile(steps, 99),
+                }
+            )
     return rows
 
 
 METRIC_KEYS = ("delivery_rate", "cs_micro", "cs_macro", "hard_micro", "hard_macro", "final_pass_rate")
-METRIC_NAMES = {"delivery_rate": "Delivery Rate", "cs_micro": "Commonsense Micro", "cs_macro": "Commonsense Macro",
-                "hard_micro": "Hard Micro", "hard_macro": "Hard Macro", "final_pass_rate": "Final Pass Rate"}
+METRIC_NAMES = {
+    "delivery_rate": "Delivery Rate",
+    "cs_micro": "Commonsense Micro",
+    "cs_macro": "Commonsense Macro",
+    "hard_micro": "Hard Micro",
+    "hard_macro": "Hard Macro",
+    "final_pass_rate": "Final Pass Rate",
+}
 
 
 # ---- trajectory signals ----------------------------------------------------------------------
+
 
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
@@ -203,11 +247,15 @@ def trajectory_stats(records: Sequence[QueryRecord]) -> dict[str, Any]:
         "trajectories": len(with_traj),
         "task_completion": 100.0 * finish.get("answer", 0) / len(with_traj),
         "finish_reasons": dict(finish),
-        "steps_p50": percentile(steps, 50), "steps_p99": percentile(steps, 99), "steps_mean": statistics.fmean(steps),
-        "tool_calls_p50": percentile(calls, 50), "tool_calls_p99": percentile(calls, 99),
+        "steps_p50": percentile(steps, 50),
+        "steps_p99": percentile(steps, 99),
+        "steps_mean": statistics.fmean(steps),
+        "tool_calls_p50": percentile(calls, 50),
+        "tool_calls_p99": percentile(calls, 99),
         "tool_calls_mean": statistics.fmean(calls),
         "tokens_mean": statistics.fmean(tokens) if tokens else None,
-        "tokens_p50": percentile(tokens, 50), "tokens_p99": percentile(tokens, 99),
+        "tokens_p50": percentile(tokens, 50),
+        "tokens_p99": percentile(tokens, 99),
         "steps_histogram": dict(sorted(Counter(steps).items())),
     }
 
@@ -224,6 +272,9 @@ def group_reward_variance(records: Sequence[QueryRecord]) -> dict[str, Any]:
     if not sized:
         return {"groups": 0}
     variances = [statistics.pvariance(v) for v in sized.values()]
-    return {"groups": len(sized), "mean_variance": statistics.fmean(variances),
-            "zero_variance_share": 100.0 * sum(v == 0 for v in variances) / len(variances),
-            "per_group": {g: statistics.pvariance(v) for g, v in sorted(sized.items())}}
+    return {
+        "groups": len(sized),
+        "mean_variance": statistics.fmean(variances),
+        "zero_variance_share": 100.0 * sum(v == 0 for v in variances) / len(variances),
+        "per_group": {g: statistics.pvariance(v) for g, v in sorted(sized.items())},
+    }

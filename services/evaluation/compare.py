@@ -26,11 +26,27 @@ def per_query_counts(records: list[QueryRecord]) -> dict[str, np.ndarray]:
     rows = []
     for r in records:
         e = to_evaluation(r)
-        rows.append((e.delivered, e.cs_passed if e.delivered else 0, 8, e.cs_all and e.hard_evaluated,
-                     e.hard_passed, e.hard_total, e.hard_all, e.cs_all and e.hard_all))
+        rows.append(
+            (
+                e.delivered,
+                e.cs_passed if e.delivered else 0,
+                8,
+                e.cs_all and e.hard_evaluated,
+                e.hard_passed,
+                e.hard_total,
+                e.hard_all,
+                e.cs_all and e.hard_all,
+            )
+        )
     a = np.array(rows, dtype=float).reshape(-1, 8)
-    return {"delivery_rate": (a[:, 0], None), "cs_micro": (a[:, 1], a[:, 2]), "cs_macro": (a[:, 3], None),
-            "hard_micro": (a[:, 4], a[:, 5]), "hard_macro": (a[:, 6], None), "final_pass_rate": (a[:, 7], None)}
+    return {
+        "delivery_rate": (a[:, 0], None),
+        "cs_micro": (a[:, 1], a[:, 2]),
+        "cs_macro": (a[:, 3], None),
+        "hard_micro": (a[:, 4], a[:, 5]),
+        "hard_macro": (a[:, 6], None),
+        "final_pass_rate": (a[:, 7], None),
+    }
 
 
 def _metric(num: np.ndarray, den: np.ndarray | None, idx: np.ndarray) -> np.ndarray:
@@ -51,12 +67,19 @@ class MetricDelta:
     p_b_better: float  # share of resamples where B > A
 
     def row(self) -> list[str]:
-        return [METRIC_NAMES[self.metric], f"{self.a:.2f}", f"{self.b:.2f}", f"{self.delta:+.2f}",
-                f"[{self.low:+.2f}, {self.high:+.2f}]", f"{self.p_b_better:.3f}"]
+        return [
+            METRIC_NAMES[self.metric],
+            f"{self.a:.2f}",
+            f"{self.b:.2f}",
+            f"{self.delta:+.2f}",
+            f"[{self.low:+.2f}, {self.high:+.2f}]",
+            f"{self.p_b_better:.3f}",
+        ]
 
 
-def compare_records(a: list[QueryRecord], b: list[QueryRecord], *, resamples: int = 2000, confidence: float = 0.95,
-                    seed: int = 0) -> tuple[list[MetricDelta], dict[str, Any]]:
+def compare_records(
+    a: list[QueryRecord], b: list[QueryRecord], *, resamples: int = 2000, confidence: float = 0.95, seed: int = 0
+) -> tuple[list[MetricDelta], dict[str, Any]]:
     by_a = {r.query_id: r for r in a}
     by_b = {r.query_id: r for r in b}
     common = sorted(set(by_a) & set(by_b), key=lambda q: by_a[q].index)
@@ -78,8 +101,9 @@ def compare_records(a: list[QueryRecord], b: list[QueryRecord], *, resamples: in
         va, vb = _metric(*ca[key], full)[0], _metric(*cb[key], full)[0]
         deltas = _metric(*cb[key], idx) - _metric(*ca[key], idx)
         low, high = np.quantile(deltas, [alpha, 1 - alpha])
-        out.append(MetricDelta(key, float(va), float(vb), float(vb - va), float(low), float(high),
-                               float((deltas > 0).mean())))
+        out.append(
+            MetricDelta(key, float(va), float(vb), float(vb - va), float(low), float(high), float((deltas > 0).mean()))
+        )
     return out, info
 
 

@@ -52,8 +52,9 @@ class ServiceFormatter:
 
             settings = settings or get_settings()
             if not settings.formatter_llm_url:
-                raise FormatterUnavailable(f"--formatter {backend} needs an LLM: set STAR_FORMATTER_LLM_URL "
-                                           "and STAR_FORMATTER_LLM_MODEL")
+                raise FormatterUnavailable(
+                    f"--formatter {backend} needs an LLM: set STAR_FORMATTER_LLM_URL and STAR_FORMATTER_LLM_MODEL"
+                )
             self._formatter = Formatter.from_settings(settings, remote=False)
         self.config: dict[str, Any] = {
             "kind": "structured-parser" if backend == "structured" else "formatter-llm",
@@ -64,9 +65,11 @@ class ServiceFormatter:
             from services.formatter.prompt import PROMPT_VERSION
 
             llm = self._formatter.llm
-            self.config |= {"llm_model": llm.model if llm is not None else None,
-                            "prompt_version": PROMPT_VERSION,
-                            "prompt_sha256": _source_sha256("services.formatter.prompt")}
+            self.config |= {
+                "llm_model": llm.model if llm is not None else None,
+                "prompt_version": PROMPT_VERSION,
+                "prompt_sha256": _source_sha256("services.formatter.prompt"),
+            }
 
     def format(self, query: TravelQuery, text: str) -> tuple[list[dict[str, Any]] | None, str]:
         result = self._formatter.format(text, query, self.backend)  # type: ignore[arg-type]

@@ -16,8 +16,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from services.common.schemas import Score, Trajectory, TravelQuery
-from services.reward.evaluator import Evaluation, SplitMetrics, aggregate
-from services.reward.evaluator import hard as hard_checks
+from services.reward.evaluator import Evaluation, SplitMetrics, aggregate, hard as hard_checks
 from services.reward.evaluator.aggregate import Mode, Split
 
 GATES = ("is_not_absent", "is_valid_information_in_sandbox")
@@ -36,9 +35,16 @@ class TrajectorySummary(BaseModel):
     @classmethod
     def of(cls, trajectory: Trajectory, reward: float | None = None) -> TrajectorySummary:
         steps = sum(m.get("role") == "assistant" for m in trajectory.messages)
-        return cls(finish_reason=trajectory.finish_reason, steps=steps, tool_calls=trajectory.tool_calls,
-                   tokens=len(trajectory.token_ids), group_id=trajectory.group_id,
-                   sample_index=trajectory.sample_index, reward=reward, policy_version=trajectory.policy_version)
+        return cls(
+            finish_reason=trajectory.finish_reason,
+            steps=steps,
+            tool_calls=trajectory.tool_calls,
+            tokens=len(trajectory.token_ids),
+            group_id=trajectory.group_id,
+            sample_index=trajectory.sample_index,
+            reward=reward,
+            policy_version=trajectory.policy_version,
+        )
 
 
 class QueryRecord(BaseModel):
@@ -70,8 +76,8 @@ def to_evaluation(record: QueryRecord) -> Evaluation:
         delivered=record.delivered,
         commonsense=dict(score.commonsense),
         hard=dict(score.hard),
-        hard_evaluated=record.delivered and all(score.commonsense.get(g) is not None
-                                                and score.commonsense[g].passed is True for g in GATES),
+        hard_evaluated=record.delivered
+        and all(score.commonsense.get(g) is not None and score.commonsense[g].passed is True for g in GATES),
         applicable=hard_checks.applicable(SimpleNamespace(query=record.query)),
         cost=record.cost,
         formatter_status=score.formatter_status,
@@ -105,5 +111,7 @@ def read_records(path: Path) -> list[QueryRecord]:
 def append_jsonl(path: Path, items: Iterable[BaseModel | dict]) -> None:
     with open(path, "a", encoding="utf-8") as fh:
         for item in items:
-            fh.write((item.model_dump_json() if isinstance(item, BaseModel) else json.dumps(item, ensure_ascii=False)) + "\n")
+            fh.write(
+                (item.model_dump_json() if isinstance(item, BaseModel) else json.dumps(item, ensure_ascii=False)) + "\n"
+            )
         fh.flush()

@@ -103,22 +103,58 @@ def write_report(path: Path, result: dict[str, Any], manifest: dict[str, Any], p
         "",
         "## Constraints",
         "",
-        _table([[r["name"], r["group"], str(r["passed"]), str(r["failed"]), str(r["not_applicable"]), _pct(r["pass_rate"])]
-                for r in result["constraints"]], ["check", "group", "passed", "failed", "n/a", "pass %"]),
+        _table(
+            [
+                [
+                    r["name"],
+                    r["group"],
+                    str(r["passed"]),
+                    str(r["failed"]),
+                    str(r["not_applicable"]),
+                    _pct(r["pass_rate"]),
+                ]
+                for r in result["constraints"]
+            ],
+            ["check", "group", "passed", "failed", "n/a", "pass %"],
+        ),
         "",
         "## Failure categories",
         "",
-        _table([[f["category"], str(f["queries"]), f"{f['share_of_failures']:.1f}"] for f in result["failures"]],
-               ["category", "failed queries", "% of failures"]) if result["failures"] else "No failed queries.",
+        _table(
+            [[f["category"], str(f["queries"]), f"{f['share_of_failures']:.1f}"] for f in result["failures"]],
+            ["category", "failed queries", "% of failures"],
+        )
+        if result["failures"]
+        else "No failed queries.",
         "",
-        *(["Examples:", "", _table([[e["query_id"], str(e["level"]), str(e["days"]), ", ".join(e["categories"]),
-                                      e["reason"].replace("|", "/")] for e in result.get("failure_examples", [])],
-                                    ["query", "level", "days", "categories", "first reason"]), ""]
-          if result.get("failure_examples") else []),
+        *(
+            [
+                "Examples:",
+                "",
+                _table(
+                    [
+                        [
+                            e["query_id"],
+                            str(e["level"]),
+                            str(e["days"]),
+                            ", ".join(e["categories"]),
+                            e["reason"].replace("|", "/"),
+                        ]
+                        for e in result.get("failure_examples", [])
+                    ],
+                    ["query", "level", "days", "categories", "first reason"],
+                ),
+                "",
+            ]
+            if result.get("failure_examples")
+            else []
+        ),
         "## Cohorts",
         "",
-        _table([[c["cohort"], c["value"], str(c["n"]), *(f"{c[k]:.1f}" for k in METRIC_KEYS)] for c in result["cohorts"]],
-               ["cohort", "value", "n", *(METRIC_NAMES[k] for k in METRIC_KEYS)]),
+        _table(
+            [[c["cohort"], c["value"], str(c["n"]), *(f"{c[k]:.1f}" for k in METRIC_KEYS)] for c in result["cohorts"]],
+            ["cohort", "value", "n", *(METRIC_NAMES[k] for k in METRIC_KEYS)],
+        ),
         "",
     ]
     t = result["trajectory"]
@@ -139,8 +175,10 @@ def write_report(path: Path, result: dict[str, Any], manifest: dict[str, Any], p
         ]
         g = result["group_reward_variance"]
         if g.get("groups"):
-            parts.append(f"- reward variance per group: mean {g['mean_variance']:.4f} over {g['groups']} groups;"
-                         f" zero-variance groups {g['zero_variance_share']:.1f}%")
+            parts.append(
+                f"- reward variance per group: mean {g['mean_variance']:.4f} over {g['groups']} groups;"
+                f" zero-variance groups {g['zero_variance_share']:.1f}%"
+            )
         parts.append("")
     if plots:
         parts += ["## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]

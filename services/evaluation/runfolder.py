@@ -67,11 +67,14 @@ class RunFolder:
         digest = config_hash(scoring)
         old = self.manifest()
         if old is not None and old.get("config_hash") != digest:
-            changed = sorted(k for k in set(scoring) | set(old.get("scoring", {}))
-                             if scoring.get(k) != old.get("scoring", {}).get(k))
-            raise RunMismatch(f"{self.path} holds a run with another scoring setup (config hash "
-                              f"{old.get('config_hash', '?')[:12]} ≠ {digest[:12]}; changed: {', '.join(changed)}); "
-                              "use a new --out folder")
+            changed = sorted(
+                k for k in set(scoring) | set(old.get("scoring", {})) if scoring.get(k) != old.get("scoring", {}).get(k)
+            )
+            raise RunMismatch(
+                f"{self.path} holds a run with another scoring setup (config hash "
+                f"{old.get('config_hash', '?')[:12]} ≠ {digest[:12]}; changed: {', '.join(changed)}); "
+                "use a new --out folder"
+            )
         if old is None:
             manifest = {"version": MANIFEST_VERSION, "config_hash": digest, "scoring": scoring, **(extra or {})}
             self.manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True), encoding="utf-8")

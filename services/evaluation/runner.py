@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.files import sha256_file as file_sha256
 from services.common.schemas import SamplingParams, Trajectory, TravelQuery
 from services.evaluation import analysis, trajectories as traj_diag
 from services.evaluation.formatting import PlanFormatter
-from services.common.files import sha256_file as file_sha256
 from services.evaluation.records import QueryRecord, TrajectorySummary, append_jsonl, split_metrics
 from services.evaluation.runfolder import RunFolder, evaluator_code_sha256
+from services.reward.evaluator import Evaluator, PlanError, hard as hard_checks
+from services.reward.evaluator.aggregate import OFFICIAL_DENOMINATORS, Mode, Split, hard_denominator, not_delivered
 from services.reward.submission import (
     Prediction,
     SplitQuery,
@@ -28,9 +30,6 @@ from services.reward.submission import (
     read_predictions,
     write_submission,
 )
-from services.reward.evaluator import Evaluator, PlanError
-from services.reward.evaluator import hard as hard_checks
-from services.reward.evaluator.aggregate import OFFICIAL_DENOMINATORS, Mode, Split, hard_denominator, not_delivered
 
 Agent = Callable[[TravelQuery], Trajectory]
 
@@ -74,17 +73,20 @@ class EvalRun:
     out: Path
     evaluator: Evaluator
     formatter: PlanFormatter
-    source: dict[str, Any]                  # what produced the plans (model or predictions file)
+    source: dict[str, Any]  # what produced the plans (model or predictions file)
     limit: int | None = None
     official_split: Split | None | str = "auto"
     sampling: SamplingParams = field(default_factory=lambda: EVAL_SAMPLING)
-    concurrency: int = 1                    # episodes in flight at once (an agent's calls from that many threads)
+    concurrency: int = 1  # episodes in flight at once (an agent's calls from that many threads)
 
     def scoring(self, queries: list[SplitQuery]) -> dict[str, Any]:
         world = self.evaluator.index.world
         return {
-            "evaluator": {"mode": self.evaluator.mode, "parties_typo": self.evaluator.parties_typo,
-                          "code_sha256": evaluator_code_sha256()},
+            "evaluator": {
+                "mode": self.evaluator.mode,
+                "parties_typo": self.evaluator.parties_typo,
+                "code_sha256": evaluator_code_sha256(),
+            },
             "formatter": self.formatter.config,
             "split": {"sha256": file_sha256(self.split_path), "queries": len(queries), "limit": self.limit},
             "world": world_identity(world),
@@ -94,22 +96,38 @@ class EvalRun:
     def split_name(self, queries: list[SplitQuery]) -> Split | None:
         if self.official_split != "auto":
             return self.official_split  # type: ignore[return-value]
-        return official_split_of(self.split_path, [q.query for q in queries], self.evaluator.mode,
-                                 self.limit is not None)
+        return official_split_of(
+            self.split_path, [q.query for q in queries], self.evaluator.mode, self.limit is not None
+        )
 
 
-def score_query(evaluator: Evaluator, sq: SplitQuery, plan: list[dict[str, Any]] | None, status: str,
-                plan_text: str | None, trajectory: Trajectory | None) -> QueryRecord:
+def score_query(
+    evaluator: Evaluator,
+    sq: SplitQuery,
+    plan: list[dict[str, Any]] | None,
+    status: str,
+    plan_text: str | None,
+    trajectory: Trajectory | None,
+) -> QueryRecord:
     try:
         evaluation = evaluator.evaluate(sq.query, plan, formatter_status=status)
     except PlanError as exc:  # not a plan at all: delivered, fails everywhere (evaluate_many does the same)
         applicable = hard_checks.applicable(_QueryOnly(sq.query))
-        evaluation = not_delivered(evaluator.mode, applicable, f"invalid plan: {exc}", delivered=True,
-                                   formatter_status=status)
+        evaluation = not_delivered(
+            evaluator.mode, applicable, f"invalid plan: {exc}", delivered=True, formatter_status=status
+        )
     reward = getattr(trajectory, "reward", None)
-    return QueryRecord(index=sq.index, query_id=sq.query_id, query=sq.query, plan=plan, plan_text=plan_text,
-                       delivered=evaluation.delivered, score=evaluation.to_score(), cost=evaluation.cost,
-                       trajectory=TrajectorySummary.of(trajectory, reward) if trajectory is not None else None)
+    return QueryRecord(
+        index=sq.index,
+        query_id=sq.query_id,
+        query=sq.query,
+        plan=plan,
+        plan_text=plan_text,
+        delivered=evaluation.delivered,
+        score=evaluation.to_score(),
+        cost=evaluation.cost,
+        trajectory=TrajectorySummary.of(trajectory, reward) if trajectory is not None else None,
+    )
 
 
 class _QueryOnly:
@@ -117,8 +135,9 @@ class _QueryOnly:
         self.query = query
 
 
-def plan_of(formatter: PlanFormatter, query: TravelQuery, prediction: Prediction | None
-            ) -> tuple[list[dict[str, Any]] | None, str, str | None]:
+def plan_of(
+    formatter: PlanFormatter, query: TravelQuery, prediction: Prediction | None
+) -> tuple[list[dict[str, Any]] | None, str, str | None]:
     """(day dicts, formatter status, plan text) of one prediction."""
     if prediction is None:
         return None, "no_answer", None
@@ -128,8 +147,14 @@ def plan_of(formatter: PlanFormatter, query: TravelQuery, prediction: Prediction
     return plan, status, prediction.plan_text
 
 
-def run_eval(run: EvalRun, *, agent: Agent | None = None, predictions_path: Path | None = None,
-             progress: bool = True, stop_after: int | None = None) -> dict[str, Any]:
+def run_eval(
+    run: EvalRun,
+    *,
+    agent: Agent | None = None,
+    predictions_path: Path | None = None,
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
     """Evaluate every unfinished query, then write the whole run folder. `stop_after` ends the
     loop after that many new queries (for tests of resumption) without finalising."""
     from tqdm import tqdm
@@ -138,8 +163,9 @@ def run_eval(run: EvalRun, *, agent: Agent | None = None, predictions_path: Path
         raise EvalError("give either an agent or a predictions file")
     queries = load_split(run.split_path, run.limit)
     folder = RunFolder(run.out)
-    finished = folder.open(run.scoring(queries), extra={"split_path": str(run.split_path),
-                                                        "sampling": run.sampling.model_dump()})
+    finished = folder.open(
+        run.scoring(queries), extra={"split_path": str(run.split_path), "sampling": run.sampling.model_dump()}
+    )
     done = {r.query_id for r in finished}
     predictions = read_predictions(predictions_path, queries) if predictions_path is not None else {}
     todo = [q for q in queries if q.query_id not in done]
@@ -151,8 +177,10 @@ def run_eval(run: EvalRun, *, agent: Agent | None = None, predictions_path: Path
                 text = trajectory.answer if trajectory.finish_reason == "answer" else None
                 plan, status = run.formatter.format(sq.query, text) if text else (None, "no_answer")
                 plan_text = text
-                append_jsonl(folder.trajectories_path, [{"query_id": sq.query_id,
-                                                         "trajectory": trajectory.model_dump(mode="json")}])
+                append_jsonl(
+                    folder.trajectories_path,
+                    [{"query_id": sq.query_id, "trajectory": trajectory.model_dump(mode="json")}],
+                )
             else:
                 plan, status, plan_text = plan_of(run.formatter, sq.query, predictions.get(sq.query_id))
             append_jsonl(folder.scores_path, [score_query(run.evaluator, sq, plan, status, plan_text, trajectory)])
@@ -161,12 +189,16 @@ def run_eval(run: EvalRun, *, agent: Agent | None = None, predictions_path: Path
     finally:
         bar.close()
         pairs.close()  # a stopped or failed run leaves no episode threads behind
-    return finalize(folder, run.evaluator.mode, run.split_name(queries), expected=len(queries),
-                    city_state=run.evaluator.index.city_state)
+    return finalize(
+        folder,
+        run.evaluator.mode,
+        run.split_name(queries),
+        expected=len(queries),
+        city_state=run.evaluator.index.city_state,
+    )
 
 
-def episodes(agent: Agent, queries: list[SplitQuery], concurrency: int = 1
-             ) -> Iterator[tuple[SplitQuery, Trajectory]]:
+def episodes(agent: Agent, queries: list[SplitQuery], concurrency: int = 1) -> Iterator[tuple[SplitQuery, Trajectory]]:
     """Each query with its trajectory, as episodes finish (in order when `concurrency` is 1). The
     run folder sorts records by index, and each one is written as it comes, so an interrupted run
     resumes with whatever finished. A failed episode ends the run at once, as it does one at a time."""
@@ -190,8 +222,9 @@ def episodes(agent: Agent, queries: list[SplitQuery], concurrency: int = 1
         pool.shutdown(wait=not failed, cancel_futures=True)
 
 
-def analyse(folder: RunFolder, mode: Mode, split: Split | None, city_state: dict[str, str] | None = None
-            ) -> dict[str, Any]:
+def analyse(
+    folder: RunFolder, mode: Mode, split: Split | None, city_state: dict[str, str] | None = None
+) -> dict[str, Any]:
     records = folder.records()
     metrics = split_metrics(records, mode, split)
     trajectories = folder.trajectories()
@@ -223,8 +256,13 @@ def analyse(folder: RunFolder, mode: Mode, split: Split | None, city_state: dict
     }
 
 
-def finalize(folder: RunFolder, mode: Mode, split: Split | None, expected: int | None = None,
-             city_state: dict[str, str] | None = None) -> dict[str, Any]:
+def finalize(
+    folder: RunFolder,
+    mode: Mode,
+    split: Split | None,
+    expected: int | None = None,
+    city_state: dict[str, str] | None = None,
+) -> dict[str, Any]:
     from services.evaluation.report import write_plots, write_report
 
     records = folder.records()

@@ -36,9 +36,16 @@ def read_scored(path: str | Path) -> list[tuple[QueryRecord, ScoredTrajectory]]:
             raise ScoredFileError(f"{path}:{lineno}: the trajectory carries no query, so it cannot be analysed")
         qid = f"{st.task_id}#{st.sample_index}"
         plan = [d.model_dump() for d in st.plan.days] if st.plan is not None else None
-        record = QueryRecord(index=len(out), query_id=qid, query=st.query, plan=plan, plan_text=st.answer,
-                             delivered=plan is not None, score=st.score,
-                             trajectory=TrajectorySummary.of(st, st.reward))
+        record = QueryRecord(
+            index=len(out),
+            query_id=qid,
+            query=st.query,
+            plan=plan,
+            plan_text=st.answer,
+            delivered=plan is not None,
+            score=st.score,
+            trajectory=TrajectorySummary.of(st, st.reward),
+        )
         out.append((record, st))
     if not out:
         raise ScoredFileError(f"{path}: no scored trajectories")
@@ -53,8 +60,11 @@ def scored_to_folder(path: str | Path, out: str | Path) -> RunFolder:
     modes = {st.score.mode for _, st in items}
     if len(modes) != 1:
         raise ScoredFileError(f"{path}: trajectories scored in several modes ({', '.join(sorted(modes))})")
-    manifest = {"version": 1, "config_hash": "", "scoring": {"evaluator": {"mode": modes.pop()},
-                                                              "source": {"kind": "scored", "path": str(path)}}}
+    manifest = {
+        "version": 1,
+        "config_hash": "",
+        "scoring": {"evaluator": {"mode": modes.pop()}, "source": {"kind": "scored", "path": str(path)}},
+    }
     folder.manifest_path.write_text(json.dumps(manifest, indent=2), encoding="utf-8")
     with open(folder.scores_path, "w", encoding="utf-8") as fh:
         for record, _ in items:

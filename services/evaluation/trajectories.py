@@ -29,9 +29,14 @@ _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _RESPONSE = re.compile(r"^<tool_response>\n?(.*?)</tool_response>\s*$", re.DOTALL)
 _PAREN = re.compile(r"\(.*?\)")
 
-REQUIRED = {"SearchFlight": ("departure", "destination", "date"), "GoogleDistanceMatrix": ("departure", "destination"),
-            "SearchAccommodation": ("city",), "SearchRestaurant": ("city",), "SearchAttraction": ("city",),
-            "SearchCity": ("state",)}
+REQUIRED = {
+    "SearchFlight": ("departure", "destination", "date"),
+    "GoogleDistanceMatrix": ("departure", "destination"),
+    "SearchAccommodation": ("city",),
+    "SearchRestaurant": ("city",),
+    "SearchAttraction": ("city",),
+    "SearchCity": ("state",),
+}
 CITY_TOOLS = ("SearchAccommodation", "SearchRestaurant", "SearchAttraction")
 
 # "nothing found" texts of both tool dialects (spec travelplanner.md §3.3; services/sandbox/tools)
@@ -42,8 +47,8 @@ _NO_ROUTE = ("No valid information", "no valid information", "cannot find the di
 
 @dataclass
 class Call:
-    step: int                      # 1-based model turn that made the call
-    name: str | None               # None: the JSON did not parse
+    step: int  # 1-based model turn that made the call
+    name: str | None  # None: the JSON did not parse
     arguments: dict[str, Any]
     response: str | None = None
     error: str | None = None
@@ -84,8 +89,10 @@ def _city(value: Any) -> str:
 
 # ---- tool selection --------------------------------------------------------------------------
 
-def tool_selection(query: TravelQuery, calls: Sequence[Call], city_state: dict[str, str] | None = None
-                   ) -> dict[str, Any]:
+
+def tool_selection(
+    query: TravelQuery, calls: Sequence[Call], city_state: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Per-call accuracy against what a plan for this query needs (what the oracle planner looks
     up): well-formed (known tool, required arguments) and needed (not a repeat of an earlier
     identical call; a flight's date is one of the trip's dates; every city is the origin or the
@@ -94,8 +101,11 @@ def tool_selection(query: TravelQuery, calls: Sequence[Call], city_state: dict[s
     seen: set[str] = set()
     well_formed = needed = 0
     for call in calls:
-        ok = call.error is None and call.name in REQUIRED and all(
-            isinstance(call.arguments.get(p), str) and call.arguments[p].strip() for p in REQUIRED[call.name])
+        ok = (
+            call.error is None
+            and call.name in REQUIRED
+            and all(isinstance(call.arguments.get(p), str) and call.arguments[p].strip() for p in REQUIRED[call.name])
+        )
         well_formed += ok
         if not ok:
             continue
@@ -116,17 +126,22 @@ def tool_selection(query: TravelQuery, calls: Sequence[Call], city_state: dict[s
             useful = useful and args["state"].strip() == query.dest
         needed += useful
     n = len(calls)
-    return {"calls": n, "well_formed": well_formed, "needed": needed,
-            "well_formed_rate": 100.0 * well_formed / n if n else None,
-            "accuracy": 100.0 * needed / n if n else None}
+    return {
+        "calls": n,
+        "well_formed": well_formed,
+        "needed": needed,
+        "well_formed_rate": 100.0 * well_formed / n if n else None,
+        "accuracy": 100.0 * needed / n if n else None,
+    }
 
 
 # ---- backtracking ----------------------------------------------------------------------------
 
+
 @dataclass
 class DeadEnd:
-    kind: str          # "city" (no accommodation) | "flight" (no flight that day) | "driving" (no route)
-    key: str           # the city, or "A -> B [date]"
+    kind: str  # "city" (no accommodation) | "flight" (no flight that day) | "driving" (no route)
+    key: str  # the city, or "A -> B [date]"
     observed_step: int
     committed_step: int | None  # first earlier step that committed to it; None: first sight
     revised: bool
@@ -175,8 +190,11 @@ def _committed(calls: Sequence[Call]) -> tuple[dict[str, int], dict[tuple[str, s
         args = call.arguments
         if call.name in CITY_TOOLS and isinstance(args.get("city"), str):
             cities.setdefault(_city(args["city"]), call.step)
-        elif call.name in ("SearchFlight", "GoogleDistanceMatrix") and isinstance(args.get("destination"), str) \
-                and isinstance(args.get("departure"), str):
+        elif (
+            call.name in ("SearchFlight", "GoogleDistanceMatrix")
+            and isinstance(args.get("destination"), str)
+            and isinstance(args.get("departure"), str)
+        ):
             a, b = _city(args["departure"]), _city(args["destination"])
             cities.setdefault(b, call.step)
             legs.setdefault((a, b), call.step)
@@ -197,11 +215,17 @@ def dead_ends(query: TravelQuery, calls: Sequence[Call], plan: Sequence[dict[str
                 continue
             seen.add(("city", city))
             first = committed_cities.get(city)
-            later = [c for c in calls if c.step > call.step and c.name in CITY_TOOLS
-                     and _city(c.arguments.get("city", "")) not in (city, query.org)]
+            later = [
+                c
+                for c in calls
+                if c.step > call.step
+                and c.name in CITY_TOOLS
+                and _city(c.arguments.get("city", "")) not in (city, query.org)
+            ]
             revised = (city not in shape.cities) if shape is not None else bool(later)
-            out.append(DeadEnd("city", city, call.step, first if first is not None and first < call.step else None,
-                               revised))
+            out.append(
+                DeadEnd("city", city, call.step, first if first is not None and first < call.step else None, revised)
+            )
         elif call.name in ("SearchFlight", "GoogleDistanceMatrix"):
             empty = text.startswith(_NO_FLIGHT) if call.name == "SearchFlight" else text.startswith(_NO_ROUTE)
             if not empty:
@@ -212,13 +236,19 @@ def dead_ends(query: TravelQuery, calls: Sequence[Call], plan: Sequence[dict[str
             if (kind, key) in seen:
                 continue
             seen.add((kind, key))
-            first = min((s for s in (committed_legs.get((a, b)), committed_cities.get(b)) if s is not None
-                         and s < call.step), default=None)
+            first = min(
+                (s for s in (committed_legs.get((a, b)), committed_cities.get(b)) if s is not None and s < call.step),
+                default=None,
+            )
             if shape is not None:
                 revised = not shape.uses(a, b, kind, str(args.get("date", "")).strip() if kind == "flight" else None)
             else:
-                revised = any(c.step > call.step and c.name in ("SearchFlight", "GoogleDistanceMatrix")
-                              and (c.name != call.name or c.arguments != call.arguments) for c in calls)
+                revised = any(
+                    c.step > call.step
+                    and c.name in ("SearchFlight", "GoogleDistanceMatrix")
+                    and (c.name != call.name or c.arguments != call.arguments)
+                    for c in calls
+                )
             out.append(DeadEnd(kind, key, call.step, first, revised))
     return out
 
@@ -235,8 +265,13 @@ def backtracking_summary(items: Sequence[tuple[bool, list[DeadEnd]]]) -> dict[st
         "dead_ends": len(all_ends),
         "dead_ends_of_earlier_choices": len(earlier),
         "revised_rate": 100.0 * sum(e.revised for e in earlier) / len(earlier) if earlier else None,
-        "first_sight_revised_rate": (100.0 * sum(e.revised for e in all_ends if not e.earlier_choice)
-                                     / max(1, sum(not e.earlier_choice for e in all_ends))) if all_ends else None,
+        "first_sight_revised_rate": (
+            100.0
+            * sum(e.revised for e in all_ends if not e.earlier_choice)
+            / max(1, sum(not e.earlier_choice for e in all_ends))
+        )
+        if all_ends
+        else None,
         "failed_trajectories": len(failed),
         "failed_with_earlier_dead_end": sum(any(e.earlier_choice for e in d) for d in failed),
         "failed_with_unrevised_dead_end": sum(any(not e.revised for e in d) for d in failed),

@@ -6,15 +6,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from services.common.cli import fail as _fail, host_option, port_option, read_text as _read
 from services.common.settings import get_settings
 
-formatter_app = typer.Typer(help="Plan text → TravelPlanner plan (structured parser, or an LLM).",
-                            no_args_is_help=True)
+formatter_app = typer.Typer(help="Plan text → TravelPlanner plan (structured parser, or an LLM).", no_args_is_help=True)
 
 
 @formatter_app.command("serve")
@@ -22,8 +20,8 @@ def formatter_serve(
     host: str = host_option(),
     port: int = port_option(8002),
     workers: int = typer.Option(1, help="Worker processes."),
-    llm_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL (STAR_FORMATTER_LLM_URL)."),
-    llm_model: Optional[str] = typer.Option(None, help="Model name (STAR_FORMATTER_LLM_MODEL)."),
+    llm_url: str | None = typer.Option(None, help="OpenAI-compatible base URL (STAR_FORMATTER_LLM_URL)."),
+    llm_model: str | None = typer.Option(None, help="Model name (STAR_FORMATTER_LLM_MODEL)."),
 ) -> None:
     """Serve POST /format over HTTP (OpenAPI docs at /docs)."""
     import uvicorn
@@ -32,14 +30,21 @@ def formatter_serve(
         if value is not None:
             os.environ[key] = value
     get_settings.cache_clear()
-    uvicorn.run("services.formatter.app:create_app", factory=True, host=host, port=port, workers=workers,
-                log_level="warning", access_log=False)
+    uvicorn.run(
+        "services.formatter.app:create_app",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        log_level="warning",
+        access_log=False,
+    )
 
 
 @formatter_app.command("format")
 def formatter_format(
     text_file: Path = typer.Argument(..., help="The plan text ('-' reads standard input)."),
-    query: Optional[Path] = typer.Option(None, help="The query as JSON (a TravelPlanner record)."),
+    query: Path | None = typer.Option(None, help="The query as JSON (a TravelPlanner record)."),
     backend: str = typer.Option("auto", help="structured | llm | auto"),
 ) -> None:
     """Print the plan read from a text as JSON (exit 1 when no plan could be read)."""
@@ -62,7 +67,16 @@ def formatter_format(
         _fail(str(exc))
     finally:
         fmt.close()
-    print(json.dumps({"status": result.status, "backend": result.backend, "error": result.error,
-                      "plan": [d.model_dump() for d in result.plan.days] if result.plan else None},
-                     indent=2, ensure_ascii=False))
+    print(
+        json.dumps(
+            {
+                "status": result.status,
+                "backend": result.backend,
+                "error": result.error,
+                "plan": [d.model_dump() for d in result.plan.days] if result.plan else None,
+            },
+            indent=2,
+            ensure_ascii=False,
+        )
+    )
     raise typer.Exit(0 if result.ok else 1)

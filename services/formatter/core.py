@@ -62,14 +62,19 @@ class Formatter:
             return RemoteFormatter(settings.formatter_url, timeout_s=settings.formatter_deadline_s + 5)
         if not settings.formatter_llm_url:
             return cls(None)
-        return cls(LLMFormatter(
-            # Compose passes unset variables as empty strings: an empty model or key means the default.
-            settings.formatter_llm_url, settings.formatter_llm_model or "deepseek-chat",
-            api_key=settings.formatter_llm_api_key or None,
-            max_attempts=settings.formatter_max_attempts, request_timeout_s=settings.formatter_timeout_s,
-            deadline_s=settings.formatter_deadline_s, concurrency=settings.formatter_concurrency,
-            cache_size=settings.formatter_cache_size,
-        ))
+        return cls(
+            LLMFormatter(
+                # Compose passes unset variables as empty strings: an empty model or key means the default.
+                settings.formatter_llm_url,
+                settings.formatter_llm_model or "deepseek-chat",
+                api_key=settings.formatter_llm_api_key or None,
+                max_attempts=settings.formatter_max_attempts,
+                request_timeout_s=settings.formatter_timeout_s,
+                deadline_s=settings.formatter_deadline_s,
+                concurrency=settings.formatter_concurrency,
+                cache_size=settings.formatter_cache_size,
+            )
+        )
 
     @property
     def blocking(self) -> bool:
@@ -80,14 +85,17 @@ class Formatter:
         if self.llm is not None:
             self.llm.close()
 
-    def format(self, plan_text: str | None, query: TravelQuery | None = None, backend: Backend = "auto") -> FormatResult:
+    def format(
+        self, plan_text: str | None, query: TravelQuery | None = None, backend: Backend = "auto"
+    ) -> FormatResult:
         """The plan in `plan_text`. Raises `LLMUnavailable` only for backend="llm" without an LLM;
         `ValueError` for an unknown backend. Every other outcome is a status."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown formatter backend {backend!r} (use {', '.join(BACKENDS)})")
         if backend == "llm" and self.llm is None:
-            raise LLMUnavailable("no LLM formatter is configured (set STAR_FORMATTER_LLM_URL and "
-                                 "STAR_FORMATTER_LLM_MODEL)")
+            raise LLMUnavailable(
+                "no LLM formatter is configured (set STAR_FORMATTER_LLM_URL and STAR_FORMATTER_LLM_MODEL)"
+            )
         if plan_text is None or not plan_text.strip():
             return FormatResult("empty_answer", "rule", error="the answer is empty")
         if _NOT_FOUND.search(plan_text):
@@ -128,7 +136,9 @@ class RemoteFormatter(Formatter):
     def close(self) -> None:
         self._http.close()
 
-    def format(self, plan_text: str | None, query: TravelQuery | None = None, backend: Backend = "auto") -> FormatResult:
+    def format(
+        self, plan_text: str | None, query: TravelQuery | None = None, backend: Backend = "auto"
+    ) -> FormatResult:
         import httpx
 
         if backend not in BACKENDS:
@@ -141,14 +151,21 @@ class RemoteFormatter(Formatter):
             local = self._structured(plan_text, query)
             if local.ok or backend == "structured":
                 return local
-        body = {"plan_text": plan_text, "backend": "llm",
-                "query": query.model_dump(mode="json") if query is not None else None}
+        body = {
+            "plan_text": plan_text,
+            "backend": "llm",
+            "query": query.model_dump(mode="json") if query is not None else None,
+        }
         try:
             response = self._http.post("/format", json=body)
         except httpx.TimeoutException:
-            return FormatResult("timeout", "llm", error=f"the formatter service at {self.base_url} did not answer in time")
+            return FormatResult(
+                "timeout", "llm", error=f"the formatter service at {self.base_url} did not answer in time"
+            )
         except httpx.HTTPError as exc:
-            return FormatResult("llm_error", "llm", error=f"cannot reach the formatter service at {self.base_url}: {exc}")
+            return FormatResult(
+                "llm_error", "llm", error=f"cannot reach the formatter service at {self.base_url}: {exc}"
+            )
         if response.status_code == 503:
             detail = _detail(response)
             if "no llm formatter is configured" in detail.lower():
@@ -157,12 +174,19 @@ class RemoteFormatter(Formatter):
                 raise LLMUnavailable(f"the formatter service at {self.base_url}: {detail}")
             return FormatResult("llm_error", "llm", error=f"formatter service: {detail}")
         if response.status_code != 200:
-            return FormatResult("llm_error", "llm", error=f"formatter service answered {response.status_code}: "
-                                                           f"{_detail(response)}")
+            return FormatResult(
+                "llm_error", "llm", error=f"formatter service answered {response.status_code}: {_detail(response)}"
+            )
         data = response.json()
         plan = Plan(**data["plan"]) if data.get("plan") else None
-        return FormatResult(data["status"], data.get("backend", "llm"), plan, data.get("error"),
-                            data.get("attempts", 0), data.get("cached", False))
+        return FormatResult(
+            data["status"],
+            data.get("backend", "llm"),
+            plan,
+            data.get("error"),
+            data.get("attempts", 0),
+            data.get("cached", False),
+        )
 
 
 def _detail(response) -> str:

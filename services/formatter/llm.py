@@ -63,7 +63,7 @@ def read_plan_json(content: str | None) -> Plan | None:
         start, end = text.find("["), text.rfind("]")
         if start < 0 or end < start:
             raise OutputError("the reply holds no JSON array")
-        text = text[start:end + 1]
+        text = text[start : end + 1]
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -85,7 +85,7 @@ def _day(raw: Any, number: int) -> PlanDay:
     if not isinstance(raw, dict):
         raise OutputError(f"item {number} of the array is a {type(raw).__name__}, not a day object")
     if "current_city" not in raw:
-        raise OutputError(f"day {number} has no \"current_city\"")
+        raise OutputError(f'day {number} has no "current_city"')
     fields: dict[str, Any] = {"day": number}
     for key in _DAY_KEYS:
         value = raw.get(key, "-")
@@ -94,7 +94,7 @@ def _day(raw: Any, number: int) -> PlanDay:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = str(value)
         if not isinstance(value, str):
-            raise OutputError(f"day {number} \"{key}\" is a {type(value).__name__}, not a string")
+            raise OutputError(f'day {number} "{key}" is a {type(value).__name__}, not a string')
         fields[key] = _as_written(value)
     try:
         return PlanDay(**fields)
@@ -122,10 +122,21 @@ class LLMFormatter:
 
     Thread-safe: the scorer calls it from worker threads and from the HTTP app's thread pool."""
 
-    def __init__(self, base_url: str, model: str, *, api_key: str | None = None, max_attempts: int = 3,
-                 request_timeout_s: float = 60.0, deadline_s: float = 180.0, concurrency: int = 8,
-                 cache_size: int = 4096, temperature: float = 0.0, max_tokens: int = 4096,
-                 backoff_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        max_attempts: int = 3,
+        request_timeout_s: float = 60.0,
+        deadline_s: float = 180.0,
+        concurrency: int = 8,
+        cache_size: int = 4096,
+        temperature: float = 0.0,
+        max_tokens: int = 4096,
+        backoff_s: float = 0.2,
+    ) -> None:
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         if concurrency < 1:
@@ -139,8 +150,12 @@ class LLMFormatter:
         self.max_tokens = max_tokens
         self.backoff_s = backoff_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=request_timeout_s,
-                                  limits=httpx.Limits(max_connections=concurrency))
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=request_timeout_s,
+            limits=httpx.Limits(max_connections=concurrency),
+        )
         self._slots = threading.BoundedSemaphore(concurrency)
         self._cache: OrderedDict[str, LLMResult] = OrderedDict()
         self._cache_size = cache_size
@@ -206,12 +221,22 @@ class LLMFormatter:
                 except OutputError as exc:
                     history.append(f"attempt {attempt}: {exc}")
                     last = "invalid_output"
-                    chat = [*chat, {"role": "assistant", "content": (content or "")[:8000]},
-                            {"role": "user", "content": prompt.repair_message(str(exc))}]
+                    chat = [
+                        *chat,
+                        {"role": "assistant", "content": (content or "")[:8000]},
+                        {"role": "user", "content": prompt.repair_message(str(exc))},
+                    ]
                     continue  # a repair needs no back-off
                 status = "ok" if plan is not None else "no_plan"
-                return LLMResult(status, plan, None if plan else "the model found no plan in the text",
-                                 attempt, False, time.monotonic() - started, history)
+                return LLMResult(
+                    status,
+                    plan,
+                    None if plan else "the model found no plan in the text",
+                    attempt,
+                    False,
+                    time.monotonic() - started,
+                    history,
+                )
             if attempt < self.max_attempts:
                 time.sleep(min(self.backoff_s * 2 ** (attempt - 1), max(0.0, deadline - time.monotonic())))
         error = f"{last} after {len(history)} attempt(s): " + "; ".join(history[-3:])
@@ -219,8 +244,7 @@ class LLMFormatter:
         return LLMResult(last, None, error, len(history), False, time.monotonic() - started, history)
 
     def _complete(self, chat: list[dict[str, str]], *, timeout: float) -> str | None:
-        body = {"model": self.model, "messages": chat, "temperature": self.temperature,
-                "max_tokens": self.max_tokens}
+        body = {"model": self.model, "messages": chat, "temperature": self.temperature, "max_tokens": self.max_tokens}
         with self._slots:
             self.calls += 1
             try:
@@ -236,8 +260,9 @@ class LLMFormatter:
             message = data["choices"][0]["message"]
             content = message.get("content")
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-            raise _CallError(f"the API answered 200 with a body that is not a chat completion: "
-                             f"{response.text[:200]!r}") from None
+            raise _CallError(
+                f"the API answered 200 with a body that is not a chat completion: {response.text[:200]!r}"
+            ) from None
         if content is not None and not isinstance(content, str):
             raise _CallError(f"message content is a {type(content).__name__}, not text")
         return content

@@ -40,8 +40,9 @@ How values are written:
 
 Reply with the JSON array only: no explanation, no markdown fences, nothing before "[" or after "]"."""
 
-EXAMPLE_QUERY = ("A 3-day trip for 2 people from Dallas to Peoria, March 4th to 6th 2022, budget $1,900, "
-                 "no flights please.")
+EXAMPLE_QUERY = (
+    "A 3-day trip for 2 people from Dallas to Peoria, March 4th to 6th 2022, budget $1,900, no flights please."
+)
 EXAMPLE_PLAN = """\
 Here's what I put together for you.
 Day 1 (March 4): Drive from Dallas to Peoria (self-driving, about 12 hours 30 mins, 1,345 km, cost $67).
@@ -51,17 +52,36 @@ Glen Oak Park. Lunch at Taco Loco, Peoria; dinner at Nonna's Kitchen, Peoria. Sa
 Day 3: Breakfast somewhere near the hotel, see the Wildlife Prairie Park, Peoria, then drive back
 to Dallas (self-driving, 12 hours 31 mins, 1,346 km, cost $67)."""
 EXAMPLE_JSON = [
-    {"day": 1, "current_city": "from Dallas to Peoria",
-     "transportation": "Self-driving, from Dallas to Peoria, duration: 12 hours 30 mins, distance: 1,345 km, cost: 67",
-     "breakfast": "-", "attraction": "-", "lunch": "-", "dinner": "Tandoor Palace, Peoria",
-     "accommodation": "Lakeview Studio Apartment, Peoria"},
-    {"day": 2, "current_city": "Peoria", "transportation": "-", "breakfast": "Sunrise Bagels, Peoria",
-     "attraction": "Peoria Riverfront Museum, Peoria;Glen Oak Park, Peoria;", "lunch": "Taco Loco, Peoria",
-     "dinner": "Nonna's Kitchen, Peoria", "accommodation": "Lakeview Studio Apartment, Peoria"},
-    {"day": 3, "current_city": "from Peoria to Dallas",
-     "transportation": "Self-driving, from Peoria to Dallas, duration: 12 hours 31 mins, distance: 1,346 km, cost: 67",
-     "breakfast": "-", "attraction": "Wildlife Prairie Park, Peoria;", "lunch": "-", "dinner": "-",
-     "accommodation": "-"},
+    {
+        "day": 1,
+        "current_city": "from Dallas to Peoria",
+        "transportation": "Self-driving, from Dallas to Peoria, duration: 12 hours 30 mins, distance: 1,345 km, cost: 67",
+        "breakfast": "-",
+        "attraction": "-",
+        "lunch": "-",
+        "dinner": "Tandoor Palace, Peoria",
+        "accommodation": "Lakeview Studio Apartment, Peoria",
+    },
+    {
+        "day": 2,
+        "current_city": "Peoria",
+        "transportation": "-",
+        "breakfast": "Sunrise Bagels, Peoria",
+        "attraction": "Peoria Riverfront Museum, Peoria;Glen Oak Park, Peoria;",
+        "lunch": "Taco Loco, Peoria",
+        "dinner": "Nonna's Kitchen, Peoria",
+        "accommodation": "Lakeview Studio Apartment, Peoria",
+    },
+    {
+        "day": 3,
+        "current_city": "from Peoria to Dallas",
+        "transportation": "Self-driving, from Peoria to Dallas, duration: 12 hours 31 mins, distance: 1,346 km, cost: 67",
+        "breakfast": "-",
+        "attraction": "Wildlife Prairie Park, Peoria;",
+        "lunch": "-",
+        "dinner": "-",
+        "accommodation": "-",
+    },
 ]
 
 EXAMPLE2_QUERY = "A 2-day trip from Sarasota to Chicago on March 16th-17th 2022 for one person, budget $1,200."
@@ -71,21 +91,35 @@ Sleep at Cozy Room in Wicker Park, Chicago.
 **Day 2** — Chicago. Lunch at Flying Mango, Chicago. Return flight F3573120 from Chicago to Sarasota at 19:00,
 arriving 22:43."""
 EXAMPLE2_JSON = [
-    {"day": 1, "current_city": "from Sarasota to Chicago",
-     "transportation": "Flight Number: F3573659, from Sarasota to Chicago, Departure Time: 08:04, Arrival Time: 10:20",
-     "breakfast": "-", "attraction": "-", "lunch": "-", "dinner": "Coco Bambu, Chicago",
-     "accommodation": "Cozy Room in Wicker Park, Chicago"},
-    {"day": 2, "current_city": "from Chicago to Sarasota",
-     "transportation": "Flight Number: F3573120, from Chicago to Sarasota, Departure Time: 19:00, Arrival Time: 22:43",
-     "breakfast": "-", "attraction": "-", "lunch": "Flying Mango, Chicago", "dinner": "-", "accommodation": "-"},
+    {
+        "day": 1,
+        "current_city": "from Sarasota to Chicago",
+        "transportation": "Flight Number: F3573659, from Sarasota to Chicago, Departure Time: 08:04, Arrival Time: 10:20",
+        "breakfast": "-",
+        "attraction": "-",
+        "lunch": "-",
+        "dinner": "Coco Bambu, Chicago",
+        "accommodation": "Cozy Room in Wicker Park, Chicago",
+    },
+    {
+        "day": 2,
+        "current_city": "from Chicago to Sarasota",
+        "transportation": "Flight Number: F3573120, from Chicago to Sarasota, Departure Time: 19:00, Arrival Time: 22:43",
+        "breakfast": "-",
+        "attraction": "-",
+        "lunch": "Flying Mango, Chicago",
+        "dinner": "-",
+        "accommodation": "-",
+    },
 ]
 
 
 def describe_query(query: TravelQuery | None) -> str:
     if query is None:
         return "(not given)"
-    text = query.query.strip() or (f"A {query.days}-day trip from {query.org} to {query.dest} "
-                                   f"for {query.people_number}, budget {query.budget}.")
+    text = query.query.strip() or (
+        f"A {query.days}-day trip from {query.org} to {query.dest} for {query.people_number}, budget {query.budget}."
+    )
     return f"{text}\nDates: {', '.join(query.date)}"
 
 
@@ -107,6 +141,8 @@ def messages(query: TravelQuery | None, plan_text: str) -> list[dict[str, str]]:
 
 def repair_message(problem: str) -> str:
     """What we tell the model after a reply we could not use."""
-    return (f"That reply could not be used: {problem}. Send the plan again as a JSON array of day objects "
-            "with the keys day, current_city, transportation, breakfast, attraction, lunch, dinner, "
-            "accommodation (string values, \"-\" for nothing), and nothing else.")
+    return (
+        f"That reply could not be used: {problem}. Send the plan again as a JSON array of day objects "
+        "with the keys day, current_city, transportation, breakfast, attraction, lunch, dinner, "
+        'accommodation (string values, "-" for nothing), and nothing else.'
+    )

@@ -46,8 +46,14 @@ FIELDS: tuple[tuple[str, str], ...] = (
     ("Accommodation", "accommodation"),
 )
 _LABEL_TO_FIELD = {label.lower(): name for label, name in FIELDS}
-_LABEL_TO_FIELD.update({"attractions": "attraction", "accommodations": "accommodation",
-                        "current_city": "current_city", "currentcity": "current_city"})
+_LABEL_TO_FIELD.update(
+    {
+        "attractions": "attraction",
+        "accommodations": "accommodation",
+        "current_city": "current_city",
+        "currentcity": "current_city",
+    }
+)
 _FIELD_TO_LABEL = {name: label for label, name in FIELDS}
 # Fields that hold one entry. A ";" after it is the attraction line's separator carried over, not part
 # of the city: a policy can drift to "Breakfast: Castell's Kitchen, Ostmore;", which the evaluator would
@@ -135,10 +141,14 @@ def parse_plan(text: str, days: int | None = None) -> Plan:
             if complete:
                 continue  # prose after a complete day: a closing remark, a cost summary
             if field is None:
-                raise PlanTextError(f"line {lineno}: expected a labelled line of Day {number} "
-                                    f"({_FIELD_TO_LABEL[_next_missing(current)]}: ...), got {_clip(line)!r}")
-            raise PlanTextError(f"line {lineno}: unknown field {_clip(field[1])!r} in Day {number}; the fields are "
-                                + ", ".join(label for label, _ in FIELDS))
+                raise PlanTextError(
+                    f"line {lineno}: expected a labelled line of Day {number} "
+                    f"({_FIELD_TO_LABEL[_next_missing(current)]}: ...), got {_clip(line)!r}"
+                )
+            raise PlanTextError(
+                f"line {lineno}: unknown field {_clip(field[1])!r} in Day {number}; the fields are "
+                + ", ".join(label for label, _ in FIELDS)
+            )
         name, value = field
         if name in current:
             raise PlanTextError(f"line {lineno}: Day {number} has a second {_FIELD_TO_LABEL[name]} line")
@@ -158,7 +168,7 @@ def _answer_body(text: str) -> str:
     start = None
     for m in _ANSWER_OPEN.finditer(text):
         line_start = text.rfind("\n", 0, m.start()) + 1
-        field = _field(text[line_start:m.start()].strip() + "x")
+        field = _field(text[line_start : m.start()].strip() + "x")
         if field is None or field[0] is None:
             start = m.end()
     if start is None:
@@ -184,7 +194,7 @@ def _field(line: str) -> tuple[str | None, str] | None:
         # "**Current City: Chicago**": the closing marker sits after the value.
         value = value[: -len(emph)].rstrip()
     elif emph and len(value) > 2 * len(emph) and value.startswith(emph) and value.endswith(emph):
-        value = value[len(emph):-len(emph)].strip()  # "**Dinner**: **Coco Bambu, Chicago**"
+        value = value[len(emph) : -len(emph)].strip()  # "**Dinner**: **Coco Bambu, Chicago**"
     if name in ONE_ENTRY_FIELDS:
         value = value.rstrip(";").rstrip()
     return name, value or "-"

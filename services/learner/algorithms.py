@@ -41,8 +41,9 @@ def effective_reward(reward: float, finish_reason: str, zero_reasons: Iterable[s
     return float(reward)
 
 
-def group_advantages(rewards: Sequence[float], groups: Sequence[Hashable], *, std_normalize: bool = True,
-                     eps: float = 1e-6) -> list[float]:
+def group_advantages(
+    rewards: Sequence[float], groups: Sequence[Hashable], *, std_normalize: bool = True, eps: float = 1e-6
+) -> list[float]:
     """One advantage per sample, normalized inside its group (all samples count, masked or not)."""
     if len(rewards) != len(groups):
         raise ValueError(f"{len(rewards)} rewards but {len(groups)} group ids")
@@ -72,6 +73,7 @@ def scale_negative_advantages(advantages: Sequence[float], scale: float) -> list
 
 # ---- which groups and samples train ------------------------------------------------------------
 
+
 def reward_spread(rewards: Sequence[float]) -> float:
     return max(rewards) - min(rewards) if rewards else 0.0
 
@@ -84,16 +86,24 @@ def is_flat(rewards: Sequence[float], eps: float = 1e-6) -> bool:
 @dataclass
 class GroupSelection:
     kept: list[Hashable]
-    dropped_flat: list[Hashable] = field(default_factory=list)        # DAPO: zero-variance groups
+    dropped_flat: list[Hashable] = field(default_factory=list)  # DAPO: zero-variance groups
     dropped_low_spread: list[Hashable] = field(default_factory=list)  # StarPO-S: below the kept fraction
 
     def counts(self) -> dict[str, int]:
-        return {"groups_kept": len(self.kept), "groups_dropped_flat": len(self.dropped_flat),
-                "groups_dropped_low_spread": len(self.dropped_low_spread)}
+        return {
+            "groups_kept": len(self.kept),
+            "groups_dropped_flat": len(self.dropped_flat),
+            "groups_dropped_low_spread": len(self.dropped_low_spread),
+        }
 
 
-def select_groups(group_rewards: dict[Hashable, Sequence[float]], *, dynamic_sampling: bool = False,
-                  keep_fraction: float = 1.0, eps: float = 1e-6) -> GroupSelection:
+def select_groups(
+    group_rewards: dict[Hashable, Sequence[float]],
+    *,
+    dynamic_sampling: bool = False,
+    keep_fraction: float = 1.0,
+    eps: float = 1e-6,
+) -> GroupSelection:
     """DAPO dynamic sampling (drop groups with max - min <= eps: they carry no gradient) and
     StarPO-S filtering (keep the top `keep_fraction` of groups by reward spread, at least one).
 
@@ -117,8 +127,9 @@ def select_groups(group_rewards: dict[Hashable, Sequence[float]], *, dynamic_sam
     return GroupSelection(kept=order, dropped_flat=flat, dropped_low_spread=low)
 
 
-def split_stale(versions: Sequence[int], learner_version: int, max_staleness: int,
-                groups: Sequence[Hashable] | None = None) -> tuple[list[int], list[int]]:
+def split_stale(
+    versions: Sequence[int], learner_version: int, max_staleness: int, groups: Sequence[Hashable] | None = None
+) -> tuple[list[int], list[int]]:
     """Indices of samples fresh enough to train on, and of those too old (learner - sampled > max).
 
     With `groups`, a group is judged whole by its oldest sample: dropping samples one by one would
@@ -140,14 +151,17 @@ def split_stale(versions: Sequence[int], learner_version: int, max_staleness: in
 
 LossAggregation = Literal["token-mean", "group-token-mean", "seq-mean-token-mean"]
 LOG_RATIO_CLAMP = 20.0  # verl's: exp(±20) is finite in fp32 with room to spare (exp(89) is not)
-DUAL_CLIP_C = 3.0       # verl's clip_ratio_c: a negative advantage costs at most c·|A| per token
+DUAL_CLIP_C = 3.0  # verl's clip_ratio_c: a negative advantage costs at most c·|A| per token
 IS_LOW, IS_HIGH = 0.5, 2.0  # token-level importance-weight bounds (verl's rollout_is threshold 2, lower 1/2)
 ImportanceMode = Literal["off", "tis", "mis"]
 IMPORTANCE_MODES: tuple[str, ...] = get_args(ImportanceMode)
 
 
-def sequence_token_weights(counts: Mapping[Hashable, float], mode: LossAggregation = "token-mean",
-                           groups: Mapping[Hashable, Hashable] | None = None) -> dict[Hashable, float]:
+def sequence_token_weights(
+    counts: Mapping[Hashable, float],
+    mode: LossAggregation = "token-mean",
+    groups: Mapping[Hashable, Hashable] | None = None,
+) -> dict[Hashable, float]:
     """The loss weight of each loss token of each sequence, from every sequence's loss-token count
     over the whole step (all groups, all ranks' data).
 
@@ -172,8 +186,9 @@ def sequence_token_weights(counts: Mapping[Hashable, float], mode: LossAggregati
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
-def token_weights(masks: Sequence[torch.Tensor], mode: LossAggregation = "token-mean",
-                  groups: Sequence[Hashable] | None = None) -> list[torch.Tensor]:
+def token_weights(
+    masks: Sequence[torch.Tensor], mode: LossAggregation = "token-mean", groups: Sequence[Hashable] | None = None
+) -> list[torch.Tensor]:
     """Per-token loss weights for the whole step, one mask per sequence (`sequence_token_weights`)."""
     if groups is not None and len(groups) != len(masks):
         raise ValueError(f"{len(masks)} masks but {len(groups)} group ids")
@@ -187,16 +202,16 @@ class LossStats:
     """Token counts of one step's loss (sums over loss tokens; divide by `tokens` for fractions)."""
 
     tokens: float
-    clipped_high: float   # tokens where the upper bound cut the gradient (A > 0, ratio > 1 + eps_high)
-    clipped_low: float    # tokens where the lower bound cut it (A < 0, ratio < 1 - eps_low)
-    dual_clipped: float   # A < 0 tokens held at c·|A|
+    clipped_high: float  # tokens where the upper bound cut the gradient (A > 0, ratio > 1 + eps_high)
+    clipped_low: float  # tokens where the lower bound cut it (A < 0, ratio < 1 - eps_low)
+    dual_clipped: float  # A < 0 tokens held at c·|A|
     ratio_sum: float
     log_ratio_clamped: float = 0.0  # |log ratio| beyond the clamp
-    is_truncated: float = 0.0       # TIS: importance weights cut down to the upper bound
-    is_masked: float = 0.0          # MIS: tokens whose importance weight left the bounds (weight 0)
-    is_weight_sum: float = 0.0      # the importance weights applied (1 per token when off)
+    is_truncated: float = 0.0  # TIS: importance weights cut down to the upper bound
+    is_masked: float = 0.0  # MIS: tokens whose importance weight left the bounds (weight 0)
+    is_weight_sum: float = 0.0  # the importance weights applied (1 per token when off)
 
-    def merge(self, other: "LossStats") -> "LossStats":
+    def merge(self, other: LossStats) -> LossStats:
         return LossStats(*(a + b for a, b in zip(self.astuple(), other.astuple())))
 
     def astuple(self) -> tuple[float, ...]:
@@ -206,9 +221,16 @@ class LossStats:
 LOSS_STAT_FIELDS = tuple(LossStats.__dataclass_fields__)
 
 
-def importance_weights(proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor, has_behaviour: torch.Tensor,
-                       mode: ImportanceMode, *, low: float = IS_LOW, high: float = IS_HIGH,
-                       log_ratio_clamp: float | None = LOG_RATIO_CLAMP) -> tuple[torch.Tensor, torch.Tensor]:
+def importance_weights(
+    proximal_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    has_behaviour: torch.Tensor,
+    mode: ImportanceMode,
+    *,
+    low: float = IS_LOW,
+    high: float = IS_HIGH,
+    log_ratio_clamp: float | None = LOG_RATIO_CLAMP,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level importance weights π_prox / π_behaviour correcting for the sampler (inference /
     training mismatch and staleness), with no gradient, and which tokens a bound touched.
 
@@ -234,28 +256,56 @@ def importance_weights(proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor
         return torch.where(touched, torch.zeros_like(w), w), touched
 
 
-def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                        weights: torch.Tensor, *, eps_low: float, eps_high: float,
-                        dual_clip_c: float | None = DUAL_CLIP_C, log_ratio_clamp: float | None = LOG_RATIO_CLAMP,
-                        is_weights: torch.Tensor | None = None, is_touched: torch.Tensor | None = None,
-                        is_mode: ImportanceMode = "off") -> tuple[torch.Tensor, LossStats]:
+def clipped_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip_c: float | None = DUAL_CLIP_C,
+    log_ratio_clamp: float | None = LOG_RATIO_CLAMP,
+    is_weights: torch.Tensor | None = None,
+    is_touched: torch.Tensor | None = None,
+    is_mode: ImportanceMode = "off",
+) -> tuple[torch.Tensor, LossStats]:
     """PPO's clipped surrogate with asymmetric bounds, summed with per-token `weights`.
 
     per token: max(-A·ρ, -A·clip(ρ, 1-eps_low, 1+eps_high)), and with dual clip for A < 0 at most
     -A·c; ρ = exp(clamp(logp - old, ±log_ratio_clamp)). `is_weights` (from `importance_weights`)
     multiply each token's term. `weights` is 0 off the loss mask, so padding and tool tokens
     contribute nothing."""
-    loss, sums = clipped_policy_terms(logp, old_logp, advantages, weights, eps_low=eps_low, eps_high=eps_high,
-                                      dual_clip_c=dual_clip_c, log_ratio_clamp=log_ratio_clamp,
-                                      is_weights=is_weights, is_touched=is_touched, is_mode=is_mode)
+    loss, sums = clipped_policy_terms(
+        logp,
+        old_logp,
+        advantages,
+        weights,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip_c=dual_clip_c,
+        log_ratio_clamp=log_ratio_clamp,
+        is_weights=is_weights,
+        is_touched=is_touched,
+        is_mode=is_mode,
+    )
     return loss, LossStats(*sums.tolist())
 
 
-def clipped_policy_terms(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                         weights: torch.Tensor, *, eps_low: float, eps_high: float,
-                         dual_clip_c: float | None = DUAL_CLIP_C, log_ratio_clamp: float | None = LOG_RATIO_CLAMP,
-                         is_weights: torch.Tensor | None = None, is_touched: torch.Tensor | None = None,
-                         is_mode: ImportanceMode = "off") -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_policy_terms(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    dual_clip_c: float | None = DUAL_CLIP_C,
+    log_ratio_clamp: float | None = LOG_RATIO_CLAMP,
+    is_weights: torch.Tensor | None = None,
+    is_touched: torch.Tensor | None = None,
+    is_mode: ImportanceMode = "off",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`clipped_policy_loss` with its statistics left on the device, in `LossStats` field order
     (float64): the training step sums them over micro-batches and reads them once, so the GPU
     never waits for the host between micro-batches.
@@ -284,18 +334,23 @@ def clipped_policy_terms(logp: torch.Tensor, old_logp: torch.Tensor, advantages:
         live = weights != 0
         zero = torch.zeros_like(ratio)
         touched = is_touched.bool() if is_touched is not None else torch.zeros_like(live)
-        sums = torch.stack([
-            live.sum(),
-            (live & (advantages > 0) & (ratio > 1.0 + eps_high)).sum(),
-            (live & (advantages < 0) & (ratio < 1.0 - eps_low)).sum(),
-            (live & dual).sum(),
-            torch.where(live, ratio, zero).sum(),
-            (live & clamped).sum(),
-            (live & touched).sum() if is_mode == "tis" else live.new_zeros(()).sum(),
-            (live & touched).sum() if is_mode == "mis" else live.new_zeros(()).sum(),
-            torch.where(live, is_weights.detach().to(ratio.dtype) if is_weights is not None else torch.ones_like(ratio),
-                        zero).sum(),
-        ]).double()
+        sums = torch.stack(
+            [
+                live.sum(),
+                (live & (advantages > 0) & (ratio > 1.0 + eps_high)).sum(),
+                (live & (advantages < 0) & (ratio < 1.0 - eps_low)).sum(),
+                (live & dual).sum(),
+                torch.where(live, ratio, zero).sum(),
+                (live & clamped).sum(),
+                (live & touched).sum() if is_mode == "tis" else live.new_zeros(()).sum(),
+                (live & touched).sum() if is_mode == "mis" else live.new_zeros(()).sum(),
+                torch.where(
+                    live,
+                    is_weights.detach().to(ratio.dtype) if is_weights is not None else torch.ones_like(ratio),
+                    zero,
+                ).sum(),
+            ]
+        ).double()
     return loss, sums
 
 
@@ -320,9 +375,9 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 class MismatchKL:
     """Train/inference mismatch between the rollout's logprobs and the learner's recomputation."""
 
-    k1: float          # mean(log b - log π): plain estimate of KL(b || π)
-    k3: float          # mean of the non-negative k3 estimator
-    max_abs: float     # largest |log b - log π| over loss tokens
+    k1: float  # mean(log b - log π): plain estimate of KL(b || π)
+    k3: float  # mean of the non-negative k3 estimator
+    max_abs: float  # largest |log b - log π| over loss tokens
     tokens: int
 
 

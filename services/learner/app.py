@@ -41,8 +41,9 @@ def runs(request: Request) -> RunManager:
     return learner_app(request).manager
 
 
-async def admin(request: Request,
-                credentials: HTTPAuthorizationCredentials | None = Depends(HTTPBearer(auto_error=False))) -> None:
+async def admin(
+    request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(HTTPBearer(auto_error=False))
+) -> None:
     """The app's bearer check, so the router can sit at module level."""
     await learner_app(request).admin(credentials)
 
@@ -57,8 +58,13 @@ def describe(manager: RunManager, run_id: str) -> dict:
 router = APIRouter(route_class=GuardedRoute)
 
 
-@router.post("/runs", status_code=201, dependencies=[Depends(admin)], tags=["runs"],
-             summary="Start a run (sft | rl) from a config")
+@router.post(
+    "/runs",
+    status_code=201,
+    dependencies=[Depends(admin)],
+    tags=["runs"],
+    summary="Start a run (sft | rl) from a config",
+)
 async def start_run(request: RunRequest, state: LearnerApp = Depends(learner_app)) -> dict:
     try:
         run = state.manager.start(request)
@@ -70,8 +76,13 @@ async def start_run(request: RunRequest, state: LearnerApp = Depends(learner_app
     return state.manager.describe(run.id)
 
 
-@router.post("/runs/{run_id}/join", status_code=201, dependencies=[Depends(admin)], tags=["runs"],
-             summary="Multi-node learner, node 1..: start this node's ranks of a run node 0 started")
+@router.post(
+    "/runs/{run_id}/join",
+    status_code=201,
+    dependencies=[Depends(admin)],
+    tags=["runs"],
+    summary="Multi-node learner, node 1..: start this node's ranks of a run node 0 started",
+)
 async def join_run(run_id: str, request: JoinRequest, manager: RunManager = Depends(runs)) -> dict:
     try:
         run = manager.join(run_id, request.kind, request.max_steps)
@@ -92,8 +103,12 @@ async def get_run(run_id: str, manager: RunManager = Depends(runs)) -> dict:
     return describe(manager, run_id)
 
 
-@router.post("/runs/{run_id}/stop", dependencies=[Depends(admin)], tags=["runs"],
-             summary="Stop after the current step (it checkpoints and can resume)")
+@router.post(
+    "/runs/{run_id}/stop",
+    dependencies=[Depends(admin)],
+    tags=["runs"],
+    summary="Stop after the current step (it checkpoints and can resume)",
+)
 async def stop_run(run_id: str, manager: RunManager = Depends(runs)) -> dict:
     describe(manager, run_id)
     return manager.stop(run_id)
@@ -103,13 +118,23 @@ def create_app(settings: Settings | None = None, runs_root: Path | None = None) 
     settings = settings or get_settings()
     configure_logging("learner", settings.log_level, settings.log_json)
     peers = [u.strip() for u in (settings.learner_peer_urls or "").split(",") if u.strip()]
-    manager = RunManager(runs_root or Path(settings.home) / "runs", Nodes.from_settings(settings), peers,
-                         settings.api_token)
+    manager = RunManager(
+        runs_root or Path(settings.home) / "runs", Nodes.from_settings(settings), peers, settings.api_token
+    )
     metrics = Metrics("learner")
-    app = create_service_app(service="learner", title="STAR learner", version=VERSION, metrics=metrics,
-                             ready=lambda: True, max_body_bytes=settings.max_body_bytes,
-                             description="SFT and GRPO/DAPO training runs on DeepSpeed, with weight publication.")
-    app.state.learner = LearnerApp(manager, metrics.counter("runs_started_total", "Training runs started", ("kind",)),
-                                   bearer_auth(settings.api_token))
+    app = create_service_app(
+        service="learner",
+        title="STAR learner",
+        version=VERSION,
+        metrics=metrics,
+        ready=lambda: True,
+        max_body_bytes=settings.max_body_bytes,
+        description="SFT and GRPO/DAPO training runs on DeepSpeed, with weight publication.",
+    )
+    app.state.learner = LearnerApp(
+        manager,
+        metrics.counter("runs_started_total", "Training runs started", ("kind",)),
+        bearer_auth(settings.api_token),
+    )
     app.include_router(router)
     return app

@@ -71,8 +71,13 @@ def packed_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
     width = pos.shape[1]
     spans = tuple((a // width, a % width, (b - 1) % width + 1) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()))
     cu = cu.to(position_ids.device, non_blocking=True)
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest,
-            "sequence_spans": spans}
+    return {
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": longest,
+        "max_length_k": longest,
+        "sequence_spans": spans,
+    }
 
 
 @cache
@@ -91,14 +96,23 @@ def uses_varlen_kernel(query: torch.Tensor) -> bool:
     return query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and varlen_options() is not None
 
 
-def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
-            scale: float | None, window: int | None = None) -> torch.Tensor:
+def _varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    longest: int,
+    scale: float | None,
+    window: int | None = None,
+) -> torch.Tensor:
     """Causal varlen attention of [N, H, D] tokens split at `cu`; `window`: each token sees itself and the
     `window - 1` before it (transformers' sliding_window)."""
     from torch.nn.attention.varlen import varlen_attn
 
     opts = varlen_options()
-    kwargs: dict[str, Any] = {"window_size": (window - 1 if window else -1, 0)} if opts["window"] else {"is_causal": True}
+    kwargs: dict[str, Any] = (
+        {"window_size": (window - 1 if window else -1, 0)} if opts["window"] else {"is_causal": True}
+    )
     if k.shape[1] != q.shape[1]:
         if opts["gqa"]:
             kwargs["enable_gqa"] = True
@@ -119,12 +133,20 @@ class FlashVarlenGQA(torch.autograd.Function):
     K and V would otherwise be repeated to the query's heads in every layer."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
-                scale: float | None, window: int | None) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu: torch.Tensor,
+        longest: int,
+        scale: float | None,
+        window: int | None,
+    ) -> torch.Tensor:
         left = window - 1 if window else -1
         out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale, window_size_left=left,
-            window_size_right=0)
+            q, k, v, cu, cu, longest, longest, 0.0, True, False, scale=scale, window_size_left=left, window_size_right=0
+        )
         ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
         ctx.longest, ctx.scale, ctx.left = longest, scale, left
         return out
@@ -133,13 +155,36 @@ class FlashVarlenGQA(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, cu, cu, ctx.longest, ctx.longest, 0.0, True, seed, offset,
-            scale=ctx.scale, window_size_left=ctx.left, window_size_right=0)
+            grad.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu,
+            cu,
+            ctx.longest,
+            ctx.longest,
+            0.0,
+            True,
+            seed,
+            offset,
+            scale=ctx.scale,
+            window_size_left=ctx.left,
+            window_size_right=0,
+        )
         return dq, dk, dv, None, None, None, None
 
 
-def _varlen_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
-                scale: float | None, window: int | None = None) -> torch.Tensor:
+def _varlen_gqa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    longest: int,
+    scale: float | None,
+    window: int | None = None,
+) -> torch.Tensor:
     """As `_varlen`, never repeating K/V: varlen_attn's own `enable_gqa` where this torch has it, else
     `FlashVarlenGQA`."""
     if k.shape[1] == q.shape[1] or varlen_options()["gqa"]:
@@ -147,8 +192,15 @@ def _varlen_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Ten
     return FlashVarlenGQA.apply(q, k.contiguous(), v.contiguous(), cu, longest, scale, window)
 
 
-def warm_sequence_plans(heads: int, kv_heads: int, head_dim: int, longest: int, device: torch.device,
-                        dtype: torch.dtype, multiple: int = SEQUENCE_MULTIPLE) -> list[int]:
+def warm_sequence_plans(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    longest: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    multiple: int = SEQUENCE_MULTIPLE,
+) -> list[int]:
     """Run causal SDPA forward and backward once at every padded length per-sequence attention can meet
     (multiples of `multiple` up to `longest`), with the head counts of the model's layers and GQA kept
     native as transformers calls it, so that cuDNN builds each length's execution plans here, once, and
@@ -158,8 +210,9 @@ def warm_sequence_plans(heads: int, kv_heads: int, head_dim: int, longest: int, 
     with torch.enable_grad():
         for n in lengths:
             q = torch.zeros(1, heads, n, head_dim, device=device, dtype=dtype, requires_grad=True)
-            kv = [torch.zeros(1, kv_heads, n, head_dim, device=device, dtype=dtype, requires_grad=True)
-                  for _ in range(2)]
+            kv = [
+                torch.zeros(1, kv_heads, n, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(2)
+            ]
             out = nn.functional.scaled_dot_product_attention(q, *kv, is_causal=True, enable_gqa=kv_heads != heads)
             torch.autograd.grad(out.sum(), [q, *kv])
     return lengths
@@ -181,8 +234,15 @@ def pad_multiple(query: torch.Tensor, window: int | None) -> int:
     return SEQUENCE_MULTIPLE if query.is_cuda and window is None else 1
 
 
-def _per_sequence(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  spans: tuple[tuple[int, int, int], ...], scale: float | None, window: int | None = None) -> torch.Tensor:
+def _per_sequence(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    spans: tuple[tuple[int, int, int], ...],
+    scale: float | None,
+    window: int | None = None,
+) -> torch.Tensor:
     """Causal SDPA of each sequence alone (within `window` on sliding-window layers), sliced from
     [B, heads, T, D] as transformers hands an unpacked row to SDPA → [B·T, H, D]."""
     parts = []
@@ -198,9 +258,18 @@ def _per_sequence(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
     return torch.cat(parts)
 
 
-def _packed(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-            attention_mask: torch.Tensor | None, dropout: float, scaling: float | None, sliding_window: int | None,
-            kwargs: dict[str, Any], mode: str) -> tuple[torch.Tensor, None]:
+def _packed(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+    kwargs: dict[str, Any],
+    mode: str,
+) -> tuple[torch.Tensor, None]:
     spans = kwargs.pop("sequence_spans", None)
     cu, longest = kwargs.pop("cu_seq_lens_q", None), kwargs.pop("max_length_q", None)
     # a sliding-window layer (Gemma 3, Mistral's early releases): transformers hands attention functions
@@ -209,11 +278,13 @@ def _packed(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: to
     if spans is None:
         if attention_mask is None and query.shape[2] == key.shape[2]:
             attention_mask = window_mask(query.shape[2], window, query.device)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if attention_mask is not None or dropout:
         raise ValueError("packed attention takes no attention mask or dropout")
     b, h, t, d = query.shape
+
     def tokens(x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2).reshape(b * t, x.shape[1], d)  # [B·T, heads, D]
 
@@ -226,33 +297,60 @@ def _packed(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: to
     return out.view(b, t, h, d), None
 
 
-def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def packed_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B, H, T, D], key and value [B, H_kv, T, D]
     → ([B, T, H, D], no weights). Packed rows: FlashAttention's varlen kernel where it runs, else causal
     SDPA per sequence."""
     return _packed(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs, "auto")
 
 
-def varlen_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                         sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def varlen_gqa_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """As `packed_attention`, with K and V never repeated to the query's heads in the varlen kernel."""
     return _packed(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs, "varlen-gqa")
 
 
-def per_sequence_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                           sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def per_sequence_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """As `packed_attention`, with packed rows as causal SDPA over each sequence on every device."""
-    return _packed(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs,
-                   "per-sequence")
+    return _packed(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs, "per-sequence")
 
 
 # the names `attn_implementation` takes for each `packed_attention` setting of the learner
-IMPLEMENTATIONS = {"auto": PACKED_ATTENTION, "varlen": VARLEN_ATTENTION, "varlen-gqa": VARLEN_GQA_ATTENTION,
-                   "per-sequence": PER_SEQUENCE_ATTENTION}
+IMPLEMENTATIONS = {
+    "auto": PACKED_ATTENTION,
+    "varlen": VARLEN_ATTENTION,
+    "varlen-gqa": VARLEN_GQA_ATTENTION,
+    "per-sequence": PER_SEQUENCE_ATTENTION,
+}
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
 AttentionInterface.register(VARLEN_ATTENTION, packed_attention)  # `varlen` names the same rule as `auto`
 AttentionInterface.register(VARLEN_GQA_ATTENTION, varlen_gqa_attention)

@@ -44,8 +44,17 @@ def costed_rows(lengths: np.ndarray, costs: np.ndarray, capacity: int, count: in
     return rows
 
 
-def _best_exchange(a: list[int], b: list[int], lengths: np.ndarray, costs: np.ndarray, capacity: int,
-                   cost_a: float, cost_b: float, tok_a: int, tok_b: int) -> tuple[float, int, int] | None:
+def _best_exchange(
+    a: list[int],
+    b: list[int],
+    lengths: np.ndarray,
+    costs: np.ndarray,
+    capacity: int,
+    cost_a: float,
+    cost_b: float,
+    tok_a: int,
+    tok_b: int,
+) -> tuple[float, int, int] | None:
     """The move of one trajectory from row a to row b, or swap of one of each, that most lowers the
     heavier of the two (strictly), within the capacity: (new max, index in a, index in b or -1)."""
     ca, la = costs[a], lengths[a]
@@ -62,8 +71,14 @@ def _best_exchange(a: list[int], b: list[int], lengths: np.ndarray, costs: np.nd
     return float(worst[i, j]), i, (j if j < len(b) else -1)
 
 
-def even_out(rows: list[list[int]], lengths: np.ndarray, costs: np.ndarray, capacity: int,
-             max_rounds: int = 120, partners: int = 8) -> list[list[int]]:
+def even_out(
+    rows: list[list[int]],
+    lengths: np.ndarray,
+    costs: np.ndarray,
+    capacity: int,
+    max_rounds: int = 120,
+    partners: int = 8,
+) -> list[list[int]]:
     """Rows with their heaviest made lighter: repeatedly the move or swap of trajectories between the
     heaviest row and one of the `partners` lightest (lightest first) that most lowers the heavier of the
     two; a row no exchange helps is left as it is and the next heaviest tried, until none is left.
@@ -79,12 +94,21 @@ def even_out(rows: list[list[int]], lengths: np.ndarray, costs: np.ndarray, capa
         if len(rows[h]) < 2:  # a lone trajectory cannot get lighter
             stuck[h] = True
             continue
-        for o in np.argsort(row_cost, kind="stable")[:partners + 1]:
+        for o in np.argsort(row_cost, kind="stable")[: partners + 1]:
             o = int(o)
             if o == h:
                 continue
-            found = _best_exchange(rows[h], rows[o], lengths, costs, capacity, row_cost[h], row_cost[o],
-                                   int(row_tokens[h]), int(row_tokens[o]))
+            found = _best_exchange(
+                rows[h],
+                rows[o],
+                lengths,
+                costs,
+                capacity,
+                row_cost[h],
+                row_cost[o],
+                int(row_tokens[h]),
+                int(row_tokens[o]),
+            )
             if found is None:
                 continue
             _, i, j = found
@@ -115,7 +139,7 @@ def deal_rounds(row_costs: Sequence[float], world_size: int) -> list[list[int]]:
     dealt: list[list[int]] = [[] for _ in range(world_size)]
     for start in range(0, len(order), world_size):
         # the round's rows costliest first, the ranks least loaded first
-        for row, rank in zip(order[start: start + world_size], np.lexsort((np.arange(world_size), load))):
+        for row, rank in zip(order[start : start + world_size], np.lexsort((np.arange(world_size), load))):
             dealt[int(rank)].append(int(row))
         for rank in range(world_size):
             load[rank] = costs[dealt[rank]].sum()

@@ -53,14 +53,14 @@ class Sequence_:
 class PackedRow:
     """One packed row ([T] tensors), or a micro-batch of rows ([B, T], from `micro_batches`)."""
 
-    input_ids: torch.Tensor       # [T] long
-    position_ids: torch.Tensor    # [T] long, restarting at each sequence
-    targets: torch.Tensor         # [T] long: the next token (0 at a sequence's last position)
-    mask: torch.Tensor            # [T] float: 1 where the target carries loss
-    old_logp: torch.Tensor        # [T] float: behaviour logprob of the target (0 where unknown)
-    has_old: torch.Tensor         # [T] bool: the rollout gave a logprob for this target
-    advantages: torch.Tensor      # [T] float
-    seq_index: torch.Tensor       # [T] long: which sequence a position belongs to (-1: filler)
+    input_ids: torch.Tensor  # [T] long
+    position_ids: torch.Tensor  # [T] long, restarting at each sequence
+    targets: torch.Tensor  # [T] long: the next token (0 at a sequence's last position)
+    mask: torch.Tensor  # [T] float: 1 where the target carries loss
+    old_logp: torch.Tensor  # [T] float: behaviour logprob of the target (0 where unknown)
+    has_old: torch.Tensor  # [T] bool: the rollout gave a logprob for this target
+    advantages: torch.Tensor  # [T] float
+    seq_index: torch.Tensor  # [T] long: which sequence a position belongs to (-1: filler)
     weights: torch.Tensor | None = None  # [T] float: loss weight per target, set for the whole step
     # A micro-batch's sequence boundaries as attention keyword arguments (attention.packed_kwargs of its
     # position ids), computed on the host as it is stacked; {} when every row is one sequence. Its
@@ -84,8 +84,16 @@ def _aligned(seq: Sequence_) -> dict[str, list]:
     mask = [float(m) for m in seq.loss_mask[1:]] + [0.0]
     old = [lp if lp is not None else 0.0 for lp in lps[1:]] + [0.0]
     has = [lp is not None for lp in lps[1:]] + [False]
-    return {"input_ids": ids, "position_ids": list(range(n)), "targets": targets, "mask": mask,
-            "old_logp": old, "has_old": has, "advantages": [seq.advantage] * n, "seq_index": [seq.index] * n}
+    return {
+        "input_ids": ids,
+        "position_ids": list(range(n)),
+        "targets": targets,
+        "mask": mask,
+        "old_logp": old,
+        "has_old": has,
+        "advantages": [seq.advantage] * n,
+        "seq_index": [seq.index] * n,
+    }
 
 
 def pack_sequences(seqs: Sequence[Sequence_], capacity: int) -> list[PackedRow]:
@@ -131,10 +139,17 @@ def _row(seqs: Sequence[Sequence_]) -> PackedRow:
 
 def filler_row() -> PackedRow:
     """A one-token row with no loss: keeps ranks at the same micro-batch count (ZeRO reduces per backward)."""
-    return PackedRow(input_ids=torch.zeros(1, dtype=torch.long), position_ids=torch.zeros(1, dtype=torch.long),
-                     targets=torch.zeros(1, dtype=torch.long), mask=torch.zeros(1), old_logp=torch.zeros(1),
-                     has_old=torch.zeros(1, dtype=torch.bool), advantages=torch.zeros(1),
-                     seq_index=torch.full((1,), -1, dtype=torch.long), weights=torch.zeros(1))
+    return PackedRow(
+        input_ids=torch.zeros(1, dtype=torch.long),
+        position_ids=torch.zeros(1, dtype=torch.long),
+        targets=torch.zeros(1, dtype=torch.long),
+        mask=torch.zeros(1),
+        old_logp=torch.zeros(1),
+        has_old=torch.zeros(1, dtype=torch.bool),
+        advantages=torch.zeros(1),
+        seq_index=torch.full((1,), -1, dtype=torch.long),
+        weights=torch.zeros(1),
+    )
 
 
 def sequence_weights(seqs: Sequence[Sequence_], mode: alg.LossAggregation = "token-mean") -> dict[int, float]:
@@ -175,8 +190,9 @@ def weighted_row(seqs: Sequence[Sequence_], scale: Mapping[int, float]) -> Packe
     ids = np.concatenate([np.asarray(s.token_ids, dtype=np.int64) for s in seqs])
     loss = np.concatenate([np.asarray(s.loss_mask, dtype=np.float32) for s in seqs])
     # a missing logprob (None, or none given) reads as NaN here, and as "no rollout logprob" below
-    lps = np.concatenate([np.asarray(s.logprobs, dtype=np.float64) if s.logprobs else np.full(len(s), np.nan)
-                          for s in seqs])
+    lps = np.concatenate(
+        [np.asarray(s.logprobs, dtype=np.float64) if s.logprobs else np.full(len(s), np.nan) for s in seqs]
+    )
     behaviour = _next(lps, ends, np.nan)
     has = ~np.isnan(behaviour)
     mask = torch.from_numpy(_next(loss, ends, 0.0))
@@ -188,8 +204,9 @@ def weighted_row(seqs: Sequence[Sequence_], scale: Mapping[int, float]) -> Packe
         mask=mask,
         old_logp=torch.from_numpy(np.where(has, behaviour, 0.0).astype(np.float32)),
         has_old=torch.from_numpy(has),
-        advantages=torch.from_numpy(np.repeat(np.array([s.advantage for s in seqs], dtype=np.float64),
-                                              lens).astype(np.float32)),
+        advantages=torch.from_numpy(
+            np.repeat(np.array([s.advantage for s in seqs], dtype=np.float64), lens).astype(np.float32)
+        ),
         seq_index=torch.from_numpy(np.repeat(np.array([s.index for s in seqs], dtype=np.int64), lens)),
         weights=mask * torch.from_numpy(per_token.astype(np.float32)),
     )
@@ -199,16 +216,15 @@ def weighted_row(seqs: Sequence[Sequence_], scale: Mapping[int, float]) -> Packe
 class RowPlan:
     """A step's rows and their dealing, from the sequences' lengths (the same on every rank)."""
 
-    rows: list[list[int]]   # each row's sequences, as positions in the step's list (empty: a filler row)
+    rows: list[list[int]]  # each row's sequences, as positions in the step's list (empty: a filler row)
     ranks: list[list[int]]  # each rank's rows, in micro-batch order
-    costs: np.ndarray       # each row's work (FLOPs)
+    costs: np.ndarray  # each row's work (FLOPs)
 
     def rank_work(self) -> list[float]:
         return [float(self.costs[r].sum()) for r in self.ranks]
 
 
-def plan_rows(lengths: Sequence[int], capacity: int, world_size: int,
-              cost: TrajectoryCost | None = None) -> RowPlan:
+def plan_rows(lengths: Sequence[int], capacity: int, world_size: int, cost: TrajectoryCost | None = None) -> RowPlan:
     """Rows of at most `capacity` tokens (a longer sequence alone in a row), as many as first-fit
     decreasing needs rounded up to a multiple of the ranks, filled so that their work (`cost`, default
     Qwen2.5-1.5B's) is as even as the capacity allows, and dealt to ranks in rounds of neighbouring
@@ -225,8 +241,9 @@ def plan_rows(lengths: Sequence[int], capacity: int, world_size: int,
     return RowPlan(rows, deal_rounds(costs, world_size), costs)
 
 
-def assign_weights(rows: Sequence[PackedRow], mode: alg.LossAggregation = "token-mean",
-                   groups: Mapping[int, Hashable] | None = None) -> None:
+def assign_weights(
+    rows: Sequence[PackedRow], mode: alg.LossAggregation = "token-mean", groups: Mapping[int, Hashable] | None = None
+) -> None:
     """Loss weights over the whole step: every rank sees the same rows, so no all-reduce is needed.
     `groups` maps a sequence's index to its GRPO group (group-token-mean)."""
     counts: dict[int, float] = {}
@@ -295,13 +312,23 @@ def micro_batches(rows: Sequence[PackedRow], rows_per_batch: int, pad_to_multipl
     neighbours in length share a batch, so little of it is padding. Every rank holds the same
     number of rows (`shard_rows`), so every rank runs the same number of micro-batches."""
     ordered = sorted(rows, key=lambda r: -r.tokens)
-    return [stack_rows(ordered[i: i + rows_per_batch], pad_to_multiple)
-            for i in range(0, len(ordered), rows_per_batch)]
+    return [
+        stack_rows(ordered[i : i + rows_per_batch], pad_to_multiple) for i in range(0, len(ordered), rows_per_batch)
+    ]
 
 
-def rank_micro_batches(seqs: Sequence[Sequence_], capacity: int, world_size: int, rank: int, rows_per_batch: int = 1,
-                       pad_to_multiple: int = 1, loss_agg: alg.LossAggregation = "token-mean", *,
-                       cost: TrajectoryCost | None = None, balance: Balance = "work") -> list[PackedRow]:
+def rank_micro_batches(
+    seqs: Sequence[Sequence_],
+    capacity: int,
+    world_size: int,
+    rank: int,
+    rows_per_batch: int = 1,
+    pad_to_multiple: int = 1,
+    loss_agg: alg.LossAggregation = "token-mean",
+    *,
+    cost: TrajectoryCost | None = None,
+    balance: Balance = "work",
+) -> list[PackedRow]:
     """This rank's micro-batches ([B, T] each) of a step's sequences: packed into rows of `capacity`
     tokens, weighted over the whole step, shared out among the ranks and stacked. Every rank passes
     the whole step's sequences and gets its own share, the same number of micro-batches on every rank.
@@ -323,14 +350,23 @@ class RankRows(Sequence[PackedRow]):
     the whole step up front; each micro-batch's tensors are built the first time it is asked for and
     then kept, so a step can start on its first micro-batch and build the next while that one runs."""
 
-    def __init__(self, seqs: Sequence[Sequence_], capacity: int, world_size: int, rank: int, rows_per_batch: int = 1,
-                 pad_to_multiple: int = 1, loss_agg: alg.LossAggregation = "token-mean", *,
-                 cost: TrajectoryCost | None = None) -> None:
+    def __init__(
+        self,
+        seqs: Sequence[Sequence_],
+        capacity: int,
+        world_size: int,
+        rank: int,
+        rows_per_batch: int = 1,
+        pad_to_multiple: int = 1,
+        loss_agg: alg.LossAggregation = "token-mean",
+        *,
+        cost: TrajectoryCost | None = None,
+    ) -> None:
         self.plan = plan_rows([len(s) for s in seqs], capacity, world_size, cost)
         self._scale = sequence_weights(seqs, loss_agg)
         self._seqs = seqs
         mine = self.plan.ranks[rank]
-        self._groups = [mine[i: i + rows_per_batch] for i in range(0, len(mine), rows_per_batch)]
+        self._groups = [mine[i : i + rows_per_batch] for i in range(0, len(mine), rows_per_batch)]
         self._pad = pad_to_multiple
         self._built: dict[int, PackedRow] = {}
         # rows of this rank that hold a sequence (the others are fillers)
@@ -344,13 +380,18 @@ class RankRows(Sequence[PackedRow]):
             raise IndexError(k)
         k %= len(self)
         if k not in self._built:
-            rows = [weighted_row([self._seqs[i] for i in self.plan.rows[r]], self._scale) if self.plan.rows[r]
-                    else filler_row() for r in self._groups[k]]
+            rows = [
+                weighted_row([self._seqs[i] for i in self.plan.rows[r]], self._scale)
+                if self.plan.rows[r]
+                else filler_row()
+                for r in self._groups[k]
+            ]
             self._built[k] = stack_rows(rows, self._pad)
         return self._built[k]
 
 
 # ---- RL: scored trajectories → sequences with advantages -------------------------------------
+
 
 @dataclass
 class RLBatch:
@@ -384,12 +425,19 @@ def answered_groups(trajs: Sequence[ScoredTrajectory]) -> tuple[list[int], int]:
     return sorted(kept), dropped
 
 
-def rl_sequences(trajs: Sequence[ScoredTrajectory], filters: FilterConfig, *, learner_version: int,
-                 std_normalize: bool = True, negative_scale: float = 1.0) -> RLBatch:
+def rl_sequences(
+    trajs: Sequence[ScoredTrajectory],
+    filters: FilterConfig,
+    *,
+    learner_version: int,
+    std_normalize: bool = True,
+    negative_scale: float = 1.0,
+) -> RLBatch:
     """Staleness (per group) → engine errors out → effective rewards → group selection (DAPO /
     StarPO-S) → advantages (negative ones times `negative_scale`) → loss masks."""
-    fresh, stale = alg.split_stale([t.policy_version for t in trajs], learner_version, filters.max_staleness,
-                                   groups=[t.group_id for t in trajs])
+    fresh, stale = alg.split_stale(
+        [t.policy_version for t in trajs], learner_version, filters.max_staleness, groups=[t.group_id for t in trajs]
+    )
     trajs = [trajs[i] for i in fresh]
     n_errors = sum(t.finish_reason in alg.ERROR_FINISHES for t in trajs)
     answered, dropped_errors = answered_groups(trajs)
@@ -398,12 +446,17 @@ def rl_sequences(trajs: Sequence[ScoredTrajectory], filters: FilterConfig, *, le
     by_group: dict[str, list[float]] = {}
     for t, r in zip(trajs, rewards):
         by_group.setdefault(t.group_id, []).append(r)
-    selection = alg.select_groups(by_group, dynamic_sampling=filters.dynamic_sampling,
-                                  keep_fraction=filters.variance_keep_fraction, eps=filters.zero_variance_eps)
+    selection = alg.select_groups(
+        by_group,
+        dynamic_sampling=filters.dynamic_sampling,
+        keep_fraction=filters.variance_keep_fraction,
+        eps=filters.zero_variance_eps,
+    )
     kept = set(selection.kept)
     chosen = [i for i, t in enumerate(trajs) if t.group_id in kept]
-    advantages = alg.group_advantages([rewards[i] for i in chosen], [trajs[i].group_id for i in chosen],
-                                      std_normalize=std_normalize)
+    advantages = alg.group_advantages(
+        [rewards[i] for i in chosen], [trajs[i].group_id for i in chosen], std_normalize=std_normalize
+    )
     advantages = alg.scale_negative_advantages(advantages, negative_scale)
     masked_reasons = set(filters.mask_finish_reasons)
     seqs: list[Sequence_] = []
@@ -415,24 +468,33 @@ def rl_sequences(trajs: Sequence[ScoredTrajectory], filters: FilterConfig, *, le
         n_masked += masked
         mask = [0] * len(t.token_ids) if masked else list(t.loss_mask)
         if len(t.loss_mask) != len(t.token_ids):
-            raise ValueError(f"trajectory {t.task_id}/{t.sample_index}: {len(t.token_ids)} token ids but "
-                             f"{len(t.loss_mask)} loss-mask entries")
+            raise ValueError(
+                f"trajectory {t.task_id}/{t.sample_index}: {len(t.token_ids)} token ids but "
+                f"{len(t.loss_mask)} loss-mask entries"
+            )
         lps = list(t.logprobs) if t.logprobs else None
         if lps is not None and len(lps) != len(t.token_ids):
-            raise ValueError(f"trajectory {t.task_id}/{t.sample_index}: {len(t.token_ids)} token ids but "
-                             f"{len(lps)} logprobs")
+            raise ValueError(
+                f"trajectory {t.task_id}/{t.sample_index}: {len(t.token_ids)} token ids but {len(lps)} logprobs"
+            )
         if not masked and any(m and (lps is None or lps[j] is None) for j, m in enumerate(mask)):
             missing_logprobs += 1
         seqs.append(Sequence_(list(t.token_ids), mask, lps, adv, index=k, group=t.group_id))
     n_groups = len(by_group) + dropped_errors
-    stats = {"samples_in": float(len(fresh) + len(stale)), "samples_stale": float(len(stale)),
-             "samples_trained": float(len(seqs) - n_masked), "samples_masked_overlength": float(n_masked),
-             "samples_engine_error": float(n_errors), "groups_dropped_errors": float(dropped_errors),
-             "samples_format_error": float(sum(t.finish_reason == "format_error" for t in trajs)),
-             # out of context or tool calls, whether masked or trained as failures (rl.truncated)
-             "samples_truncated": float(sum(t.finish_reason in TRUNCATED_FINISHES for t in trajs)),
-             "groups_in": float(n_groups), "samples_missing_logprobs": float(missing_logprobs),
-             **{k: float(v) for k, v in selection.counts().items()}}
+    stats = {
+        "samples_in": float(len(fresh) + len(stale)),
+        "samples_stale": float(len(stale)),
+        "samples_trained": float(len(seqs) - n_masked),
+        "samples_masked_overlength": float(n_masked),
+        "samples_engine_error": float(n_errors),
+        "groups_dropped_errors": float(dropped_errors),
+        "samples_format_error": float(sum(t.finish_reason == "format_error" for t in trajs)),
+        # out of context or tool calls, whether masked or trained as failures (rl.truncated)
+        "samples_truncated": float(sum(t.finish_reason in TRUNCATED_FINISHES for t in trajs)),
+        "groups_in": float(n_groups),
+        "samples_missing_logprobs": float(missing_logprobs),
+        **{k: float(v) for k, v in selection.counts().items()},
+    }
     # measured whether or not flat groups are dropped: under GRPO they stay in the batch with zero
     # advantage, and a batch of flat groups trains nothing
     flat = sum(alg.is_flat(rs, filters.zero_variance_eps) for rs in by_group.values())
@@ -442,8 +504,10 @@ def rl_sequences(trajs: Sequence[ScoredTrajectory], filters: FilterConfig, *, le
 
 # ---- SFT: chats → sequences with assistant-only loss -----------------------------------------
 
-def chat_to_sequence(tokenizer: Any, messages: list[dict[str, Any]], max_len: int | None = None,
-                     index: int = 0, *, chat: Any = None) -> Sequence_:
+
+def chat_to_sequence(
+    tokenizer: Any, messages: list[dict[str, Any]], max_len: int | None = None, index: int = 0, *, chat: Any = None
+) -> Sequence_:
     """Token ids and loss mask for an SFT chat, in the model's own format by the rollout's path
     (`services.rollout.chat.Chat.supervised`): 1 on each assistant turn as the model writes it and its
     end-of-turn token, 0 on the system, user and tool text, role headers and what the template writes
@@ -464,6 +528,7 @@ def chat_to_sequence(tokenizer: Any, messages: list[dict[str, Any]], max_len: in
 
 
 # ---- learning-rate schedule --------------------------------------------------------------------
+
 
 def lr_lambda(cfg: ScheduleConfig, total_steps: int) -> Callable[[int], float]:
     """Multiplier of the base lr at optimizer step `step` (0-based): linear warmup to 1, then

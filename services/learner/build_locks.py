@@ -78,7 +78,8 @@ def clear_stale_build_locks(root: Path | None = None, stale_after_s: float = STA
             lock.unlink()
         except FileNotFoundError:  # its builder finished meanwhile
             continue
-        log.warning("removed a stale extension build lock that no process held (a build was killed)",
-                    extra={"lock": str(lock)})
+        log.warning(
+            "removed a stale extension build lock that no process held (a build was killed)", extra={"lock": str(lock)}
+        )
         removed.append(lock)
     return removed

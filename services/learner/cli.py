@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
-from services.common.cli import fail as _fail, host_option, port_option
 from rich.console import Console
+
+from services.common.cli import fail as _fail, host_option, port_option
 
 console = Console(stderr=True)
 learner_app = typer.Typer(help="Train the policy: RL runs and the learner service.", no_args_is_help=True)
@@ -24,14 +24,18 @@ def serve(host: str = host_option(), port: int = port_option(8005)) -> None:
 
 
 @learner_app.command("rl")
-def rl(config: Path = typer.Argument(..., help="RLConfig as JSON or YAML."),
-       max_steps: Optional[int] = typer.Option(None, help="Stop after this many optimizer steps.")) -> None:
+def rl(
+    config: Path = typer.Argument(..., help="RLConfig as JSON or YAML."),
+    max_steps: int | None = typer.Option(None, help="Stop after this many optimizer steps."),
+) -> None:
     """Run GRPO/DAPO on the scored stream (engine.ranks > 1: that many ranks under torchrun)."""
     _run("rl", config, max_steps)
 
 
-def sft(config: Path = typer.Argument(..., help="SFTConfig as JSON or YAML."),
-        max_steps: Optional[int] = typer.Option(None, help="Override the number of optimizer steps.")) -> None:
+def sft(
+    config: Path = typer.Argument(..., help="SFTConfig as JSON or YAML."),
+    max_steps: int | None = typer.Option(None, help="Override the number of optimizer steps."),
+) -> None:
     """Supervised fine-tuning on chat trajectories (loss on assistant turns only)."""
     _run("sft", config, max_steps)
 
@@ -70,8 +74,7 @@ def _run(kind: str, config: Path, max_steps: int | None) -> None:
     from services.learner.worker import run_file
 
     result = run_file(kind, Path(fh.name), steps)
-    console.print(json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in result.items()
-                              if k != "metrics"}))
+    console.print(json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in result.items() if k != "metrics"}))
     if result["state"] == "failed":
         raise typer.Exit(1)
 

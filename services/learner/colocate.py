@@ -50,9 +50,16 @@ class ColocationError(RuntimeError):
 class ColocatedServers:
     """Rank 0's HTTP client of the colocated rollout servers."""
 
-    def __init__(self, servers: Iterable[str], *, level: int = 1, timeout_s: float = 300.0,
-                 api_token: str | None = None, post: Callable[[str, str, Any, float], Any] | None = None,
-                 get: Callable[[str, str], Any] | None = None) -> None:
+    def __init__(
+        self,
+        servers: Iterable[str],
+        *,
+        level: int = 1,
+        timeout_s: float = 300.0,
+        api_token: str | None = None,
+        post: Callable[[str, str, Any, float], Any] | None = None,
+        get: Callable[[str, str], Any] | None = None,
+    ) -> None:
         self.servers = [s.rstrip("/") for s in servers]
         if not self.servers:
             raise ValueError("colocation needs the rollout servers' addresses")
@@ -71,8 +78,7 @@ class ColocatedServers:
             raise ColocationError(f"{url}{path}: HTTP {r.status_code}: {r.text[:300]}")
         return r.json()
 
-    def _all(self, path: str, body: Any, timeout_s: float, post: Callable[..., Any] | None = None
-             ) -> dict[str, Any]:
+    def _all(self, path: str, body: Any, timeout_s: float, post: Callable[..., Any] | None = None) -> dict[str, Any]:
         """`path` on every server at once: url → its reply, or the exception it raised."""
         futures = {url: self.pool.submit(post or self._post, url, path, body, timeout_s) for url in self.servers}
         out: dict[str, Any] = {}
@@ -87,8 +93,9 @@ class ColocatedServers:
         """Every server asleep, or ColocationError (those that slept are woken again)."""
         t0 = time.perf_counter()
         # the server drains within timeout_s; the request itself gets a little longer to answer
-        replies = self._all("/sleep", {"level": self.level, "timeout_s": self.timeout_s}, self.timeout_s + 30,
-                            post=self._post_when_up)
+        replies = self._all(
+            "/sleep", {"level": self.level, "timeout_s": self.timeout_s}, self.timeout_s + 30, post=self._post_when_up
+        )
         failed = {u: r for u, r in replies.items() if isinstance(r, Exception)}
         if failed:
             slept = [u for u, r in replies.items() if not isinstance(r, Exception)]
@@ -100,7 +107,8 @@ class ColocatedServers:
             raise ColocationError(
                 f"refusing to train: {len(failed)} of {len(self.servers)} colocated rollout server(s) did not free "
                 f"their GPU within {self.timeout_s:g} s (placement.sleep_timeout_s): "
-                + "; ".join(f"{u}: {e}" for u, e in failed.items()))
+                + "; ".join(f"{u}: {e}" for u, e in failed.items())
+            )
         drain = max(float(r.get("drain_s", 0.0)) for r in replies.values())
         return {"colocate_sleep_s": time.perf_counter() - t0, "colocate_drain_s": drain}
 
@@ -153,8 +161,10 @@ class ColocatedServers:
         replies = self._all("/weights/ipc", body, 600.0)
         failed = {u: r for u, r in replies.items() if isinstance(r, Exception)}
         if failed:
-            raise ColocationError(f"version {body['version']} did not load on {', '.join(failed)}: "
-                                  + "; ".join(map(str, failed.values())))
+            raise ColocationError(
+                f"version {body['version']} did not load on {', '.join(failed)}: "
+                + "; ".join(map(str, failed.values()))
+            )
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
@@ -190,8 +200,13 @@ def ipc_chunks(tensors: Iterator[tuple[str, torch.Tensor]], buffer_bytes: int) -
     uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
     for chunk in packed_ipc_producer(tensors, uuid, lambda item: item[1], buffer_bytes):
         handles = gather_handles(chunk.ipc_handle)
-        yield {"names": chunk.names, "dtype_names": chunk.dtype_names, "shapes": chunk.shapes,
-               "tensor_sizes": chunk.tensor_sizes, "handles": base64.b64encode(pickle.dumps(handles)).decode()}
+        yield {
+            "names": chunk.names,
+            "dtype_names": chunk.dtype_names,
+            "shapes": chunk.shapes,
+            "tensor_sizes": chunk.tensor_sizes,
+            "handles": base64.b64encode(pickle.dumps(handles)).decode(),
+        }
 
 
 def buffer_bytes_for(model: torch.nn.Module) -> int:
@@ -205,9 +220,14 @@ class ColocatedSync:
     ipc): sleep before the step, wake with the new version by CUDA IPC after it, files every
     `files_every`-th version. Every rank calls `publish` and `write_files`; `servers` only on rank 0."""
 
-    def __init__(self, store: StorePublisher | None, servers: ColocatedServers | None, *, files_every: int = 10,
-                 chunks: Callable[[Iterator[tuple[str, torch.Tensor]], int], Iterator[dict[str, Any]]] = ipc_chunks
-                 ) -> None:
+    def __init__(
+        self,
+        store: StorePublisher | None,
+        servers: ColocatedServers | None,
+        *,
+        files_every: int = 10,
+        chunks: Callable[[Iterator[tuple[str, torch.Tensor]], int], Iterator[dict[str, Any]]] = ipc_chunks,
+    ) -> None:
         self.store = store
         self.servers = servers
         self.files_every = files_every
@@ -232,8 +252,9 @@ class ColocatedSync:
         self.asleep = True
         return metrics
 
-    def wake(self, version: int | None, model: torch.nn.Module | None = None, *, zero3: bool = False
-             ) -> dict[str, float]:
+    def wake(
+        self, version: int | None, model: torch.nn.Module | None = None, *, zero3: bool = False
+    ) -> dict[str, float]:
         """Wake the servers; with `version`, loading it from `model` by CUDA IPC between the weights and
         the KV cache (without, only after a level-1 sleep: level 2 discarded the weights). Every rank
         calls it (the gathers and the handle gathers are collective)."""
@@ -270,8 +291,9 @@ class ColocatedSync:
         self.asleep = False
         return {"colocate_wake_s": woke + time.perf_counter() - t2, "colocate_weights_s": weights}
 
-    def publish(self, version: int, model: torch.nn.Module, *, zero3: bool, buckets: Any, config: Any,
-                source_dir: Path | None) -> dict[str, float]:
+    def publish(
+        self, version: int, model: torch.nn.Module, *, zero3: bool, buckets: Any, config: Any, source_dir: Path | None
+    ) -> dict[str, float]:
         """The new version into the engines (waking them), and to the store when due."""
         t0 = time.perf_counter()
         metrics = self.wake(version, model, zero3=zero3)

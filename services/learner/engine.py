@@ -112,8 +112,14 @@ class LogprobPolicy(nn.Module):
         self.temperature = 1.0  # log-probs of softmax(logits / T): the distribution a sampler at T draws from
         self.fused_head = fused_head_fits(lm.config)  # else the model's own logits (softcaps, scales)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, targets: torch.Tensor,
-                with_entropy: bool = True, bounds: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        targets: torch.Tensor,
+        with_entropy: bool = True,
+        bounds: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # No attention mask: position_ids restarting at 0 mark packed sequences (block-diagonal causal).
         # Under packed attention their boundaries go to every layer's attention as cu_seqlens; under
         # another implementation transformers builds a block mask from them. Where no row of the [B, T]
@@ -125,14 +131,22 @@ class LogprobPolicy(nn.Module):
             bounds = packed_kwargs(position_ids)
         if not self.fused_head:
             logits = self.lm(input_ids=input_ids, position_ids=position_ids, use_cache=False, **bounds).logits
-            return model_logprobs(logits.flatten(0, 1), targets.flatten(), temperature=self.temperature,
-                                  with_entropy=with_entropy)
-        hidden = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                       **bounds).last_hidden_state
+            return model_logprobs(
+                logits.flatten(0, 1), targets.flatten(), temperature=self.temperature, with_entropy=with_entropy
+            )
+        hidden = self.lm.get_decoder()(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, **bounds
+        ).last_hidden_state
         # The head's chunks run over all B·T tokens, whatever row they come from.
-        return vocab_logprobs(hidden.flatten(0, 1), self.head_weight, targets.flatten(), chunk=self.chunk_tokens,
-                              temperature=self.temperature, with_entropy=with_entropy,
-                              head_kernels=self.head_kernels)
+        return vocab_logprobs(
+            hidden.flatten(0, 1),
+            self.head_weight,
+            targets.flatten(),
+            chunk=self.chunk_tokens,
+            temperature=self.temperature,
+            with_entropy=with_entropy,
+            head_kernels=self.head_kernels,
+        )
 
     @property
     def head_weight(self) -> nn.Parameter:
@@ -168,8 +182,9 @@ def sdpa_as_in_forward() -> tuple[AbstractContextManager, AbstractContextManager
 def recompute_layers(lm: nn.Module) -> None:
     """Whole-layer recomputation (HF's gradient checkpointing, non-reentrant), each layer recomputed under
     its forward's SDPA kernels."""
-    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
-                                                                    "context_fn": sdpa_as_in_forward})
+    lm.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": sdpa_as_in_forward}
+    )
 
 
 def recompute_mlps(lm: nn.Module) -> int:
@@ -219,8 +234,12 @@ def sdpa_priority(backends: list[str] | None) -> Iterator[None]:
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    names = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    names = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
     with sdpa_kernel([names[b] for b in backends], set_priority=True):
         yield
 
@@ -245,20 +264,31 @@ def zero3_persistence(cfg: EngineConfig, bytes_per_weight: int) -> dict[str, int
     budget = int(cfg.persistent_weights_gib * 2**30) // bytes_per_weight
     if budget <= 0:
         return {"stage3_param_persistence_threshold": cfg.param_persistence_threshold}
-    return {"stage3_param_persistence_threshold": max(budget, cfg.param_persistence_threshold),
-            "stage3_model_persistence_threshold": budget}
+    return {
+        "stage3_param_persistence_threshold": max(budget, cfg.param_persistence_threshold),
+        "stage3_model_persistence_threshold": budget,
+    }
 
 
 def deepspeed_config(cfg: EngineConfig, *, bf16: bool, world_size: int, on_gpu: bool = False) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": cfg.zero_stage}
     if cfg.zero_stage >= 2:
         overlap = cfg.overlap_comm if cfg.overlap_comm is not None else on_gpu
-        zero.update({"overlap_comm": overlap, "contiguous_gradients": True,
-                     "reduce_bucket_size": cfg.reduce_bucket_size,
-                     "allgather_bucket_size": cfg.allgather_bucket_size})
+        zero.update(
+            {
+                "overlap_comm": overlap,
+                "contiguous_gradients": True,
+                "reduce_bucket_size": cfg.reduce_bucket_size,
+                "allgather_bucket_size": cfg.allgather_bucket_size,
+            }
+        )
     if cfg.zero_stage == 3:
-        zero.update({"stage3_gather_16bit_weights_on_model_save": False,
-                     **zero3_persistence(cfg, bytes_per_weight=2 if bf16 else 4)})
+        zero.update(
+            {
+                "stage3_gather_16bit_weights_on_model_save": False,
+                **zero3_persistence(cfg, bytes_per_weight=2 if bf16 else 4),
+            }
+        )
     if cfg.offload_optimizer == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
     if cfg.offload_params == "cpu":
@@ -313,8 +343,15 @@ class StepResult:
 class PolicyEngine:
     """One DeepSpeed engine around a HF causal LM, for SFT and RL alike."""
 
-    def __init__(self, model_dir: str | Path, cfg: EngineConfig, schedule: ScheduleConfig, total_steps: int,
-                 home: Path | None = None, data_wait_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: EngineConfig,
+        schedule: ScheduleConfig,
+        total_steps: int,
+        home: Path | None = None,
+        data_wait_s: float = 0.0,
+    ) -> None:
         """`data_wait_s`: the longest rank 0 may wait for data while the other ranks wait in a collective."""
         ensure_distributed_env(home)
         import deepspeed
@@ -349,8 +386,12 @@ class PolicyEngine:
         if cfg.activation_memory == "lean":
             # after fuse_pointwise, whose MLP and norm forwards these replace; under ZeRO-3 down_proj's weight
             # is read directly only where each layer is gathered whole
-            lean_activations(lm, recompute_norms=not cfg.gradient_checkpointing, compiled=fuse,
-                             fold_down=cfg.zero_stage < 3 or cfg.zero3_layer_units)
+            lean_activations(
+                lm,
+                recompute_norms=not cfg.gradient_checkpointing,
+                compiled=fuse,
+                fold_down=cfg.zero_stage < 3 or cfg.zero3_layer_units,
+            )
         if cfg.gradient_checkpointing:
             recompute_layers(lm)
         elif cfg.recompute_mlp:
@@ -374,14 +415,27 @@ class PolicyEngine:
             # ZeRO-Offload steps Adam on the host with DeepSpeed's vectorized CPU Adam
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            optimizer = DeepSpeedCPUAdam(params, lr=schedule.lr, betas=cfg.betas, eps=cfg.adam_eps,
-                                         weight_decay=cfg.weight_decay, adamw_mode=True)
+            optimizer = DeepSpeedCPUAdam(
+                params,
+                lr=schedule.lr,
+                betas=cfg.betas,
+                eps=cfg.adam_eps,
+                weight_decay=cfg.weight_decay,
+                adamw_mode=True,
+            )
         else:
-            optimizer = torch.optim.AdamW(params, lr=schedule.lr, betas=cfg.betas, eps=cfg.adam_eps,
-                                          weight_decay=cfg.weight_decay, foreach=self.on_gpu)
+            optimizer = torch.optim.AdamW(
+                params,
+                lr=schedule.lr,
+                betas=cfg.betas,
+                eps=cfg.adam_eps,
+                weight_decay=cfg.weight_decay,
+                foreach=self.on_gpu,
+            )
         factor = lr_lambda(schedule, total_steps)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=self.policy, optimizer=optimizer,
+            model=self.policy,
+            optimizer=optimizer,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),
             config=ds_config,
         )
@@ -398,8 +452,14 @@ class PolicyEngine:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         dtype = torch.bfloat16 if self.bf16 else torch.float32
         with sdpa_priority(self.cfg.sdpa_backends):
-            lengths = warm_sequence_plans(heads, getattr(config, "num_key_value_heads", heads), head_dim,
-                                          self.cfg.micro_batch_tokens, torch.device("cuda", self.local_rank), dtype)
+            lengths = warm_sequence_plans(
+                heads,
+                getattr(config, "num_key_value_heads", heads),
+                head_dim,
+                self.cfg.micro_batch_tokens,
+                torch.device("cuda", self.local_rank),
+                dtype,
+            )
         log.info("per-sequence attention: plans built for %d padded lengths up to %d", len(lengths), lengths[-1])
 
     # -- compute ---------------------------------------------------------------------------------
@@ -423,15 +483,19 @@ class PolicyEngine:
         # The attention kernel is chosen in the forward; its backward follows that choice, and recomputation in
         # backward runs under the same priority (sdpa_as_in_forward).
         with ctx, sdpa_priority(self.cfg.sdpa_backends if self.on_gpu else None):
-            return self.engine(*(t.to(self.device) for t in inputs), with_entropy,
-                               bounds=device_bounds(getattr(row, "bounds", None), self.device))
+            return self.engine(
+                *(t.to(self.device) for t in inputs),
+                with_entropy,
+                bounds=device_bounds(getattr(row, "bounds", None), self.device),
+            )
 
     def reference_policy(self) -> LogprobPolicy:
         """A frozen copy of the starting weights (read again from `model_dir`), for the KL term."""
         from transformers import AutoModelForCausalLM
 
-        lm = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.bfloat16 if self.bf16 else torch.float32,
-                                                  **attention_choice(self.cfg))
+        lm = AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=torch.bfloat16 if self.bf16 else torch.float32, **attention_choice(self.cfg)
+        )
         ref = LogprobPolicy(lm, self.cfg.logprob_chunk_tokens, self.cfg.head_kernels).to(self.device).eval()
         for p in ref.parameters():
             p.requires_grad_(False)
@@ -476,8 +540,9 @@ class PolicyEngine:
     def load_checkpoint(self, folder: Path) -> dict[str, Any] | None:
         if not (folder / "latest").is_file():
             return None
-        path, state = self.engine.load_checkpoint(str(folder), load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
+        path, state = self.engine.load_checkpoint(
+            str(folder), load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         if path is None:
             return None
         self.step_count = int(state["step"])
@@ -486,8 +551,9 @@ class PolicyEngine:
 
     # -- full weights, bucket by bucket ----------------------------------------------------------
 
-    def iter_weight_buckets(self, bucket_bytes: int = 256 * 2**20, dtype: torch.dtype | None = None,
-                            device: str = "cpu") -> Iterator["FlatBucket"]:
+    def iter_weight_buckets(
+        self, bucket_bytes: int = 256 * 2**20, dtype: torch.dtype | None = None, device: str = "cpu"
+    ) -> Iterator[FlatBucket]:
         """Full (unsharded) HF-named weights, one flat byte buffer per bucket of about `bucket_bytes`.
 
         Under ZeRO-3 each bucket is gathered with GatheredParameters and released before the
@@ -496,8 +562,14 @@ class PolicyEngine:
         if not hasattr(self, "_pinned"):
             self._pinned: list[torch.Tensor] = []
         pinned = self._pinned if (self.on_gpu and device == "cpu") else None
-        yield from iter_weight_buckets(self.hf_model, bucket_bytes=bucket_bytes, dtype=dtype,
-                                       zero3=self.cfg.zero_stage == 3, device=device, pinned=pinned)
+        yield from iter_weight_buckets(
+            self.hf_model,
+            bucket_bytes=bucket_bytes,
+            dtype=dtype,
+            zero3=self.cfg.zero_stage == 3,
+            device=device,
+            pinned=pinned,
+        )
 
 
 def prune_checkpoints(folder: Path, keep: int) -> list[str]:
@@ -520,9 +592,15 @@ def _gathered(params: list[nn.Parameter], zero3: bool):
     return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
 
-def iter_weight_buckets(model: nn.Module, *, bucket_bytes: int = 256 * 2**20, dtype: torch.dtype | None = None,
-                        zero3: bool = False, device: str | torch.device = "cpu",
-                        pinned: list[torch.Tensor] | None = None) -> Iterator["FlatBucket"]:
+def iter_weight_buckets(
+    model: nn.Module,
+    *,
+    bucket_bytes: int = 256 * 2**20,
+    dtype: torch.dtype | None = None,
+    zero3: bool = False,
+    device: str | torch.device = "cpu",
+    pinned: list[torch.Tensor] | None = None,
+) -> Iterator[FlatBucket]:
     from services.learner.weights import flatten, parameter_groups
 
     named = list(model.named_parameters(remove_duplicate=True))

@@ -22,12 +22,22 @@ from typing import Any
 import numpy as np
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s.
-_PEAKS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
-          "A10G": 125e12, "L4": 121e12, "B200": 2250e12}
+_PEAKS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+    "B200": 2250e12,
+}
 
 
-def train_flops(n_params: int, layers: int, attn_width: int, seq_lens: Iterable[int], *,
-                causal_half: bool = False) -> float:
+def train_flops(
+    n_params: int, layers: int, attn_width: int, seq_lens: Iterable[int], *, causal_half: bool = False
+) -> float:
     """Forward + backward model FLOPs of one step over sequences of these lengths."""
     attn = 6.0 if causal_half else 12.0
     return float(sum(6.0 * n_params * s + attn * layers * attn_width * s * s for s in seq_lens))

@@ -18,15 +18,16 @@ model types (`FUSED_MODEL_TYPES`); parameter names stay transformers' (forwards 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from services.learner.pointwise import FUSED_MODEL_TYPES, _is_rms_norm, _is_swiglu, compile_once, model_type, say_once
 
-
 # -- SwiGLU ---------------------------------------------------------------------------------------------
+
 
 def swiglu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
@@ -45,8 +46,9 @@ class SwiGLUDown(torch.autograd.Function):
     """down_proj(SiLU(gate) · up) with down_proj's weight [d, I] (no bias); saves gate and up."""
 
     @staticmethod
-    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
-                kernels: tuple[Callable, Callable]) -> torch.Tensor:
+    def forward(
+        ctx: Any, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, kernels: tuple[Callable, Callable]
+    ) -> torch.Tensor:
         product, _ = kernels
         ctx.save_for_backward(gate, up)
         # the parameter itself, not a saved tensor: under ZeRO-3 its data is gathered again for the backward
@@ -84,6 +86,7 @@ class SwiGLU(torch.autograd.Function):
 
 # -- RMSNorm ----------------------------------------------------------------------------------------------
 
+
 def norm_scale(hidden: torch.Tensor, eps: float) -> torch.Tensor:
     """1/rms of each token, fp32 [..., 1]."""
     return torch.rsqrt(hidden.float().pow(2).mean(-1, keepdim=True) + eps)
@@ -94,8 +97,9 @@ def norm_output(hidden: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) 
     return weight * (hidden.float() * rstd).to(hidden.dtype)
 
 
-def norm_grads(grad: torch.Tensor, hidden: torch.Tensor, rstd: torch.Tensor,
-               weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_grads(
+    grad: torch.Tensor, hidden: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     normed = hidden.float() * rstd
     grad_weight = (grad * normed.to(hidden.dtype)).flatten(0, -2).sum(0)
     grad_normed = (grad * weight).float()
@@ -124,8 +128,9 @@ _made = threading.local()  # the norm outputs of the decoder layer now running f
 
 class RMSNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, eps: float,
-                kernels: tuple[Callable, Callable, Callable]) -> torch.Tensor:
+    def forward(
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, eps: float, kernels: tuple[Callable, Callable, Callable]
+    ) -> torch.Tensor:
         scale, output, _ = kernels
         rstd = scale(hidden, eps)
         ctx.save_for_backward(hidden, rstd)
@@ -174,6 +179,7 @@ def _norm_hooks(made: dict[int, tuple[torch.Tensor, _Recipe]]) -> tuple[Callable
 
 def _recomputing_norms(forward: Callable) -> Callable:
     """A decoder layer's forward under which its norms' outputs are saved as recipes, not tensors."""
+
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or getattr(_made, "outputs", None) is not None:
             return forward(*args, **kwargs)
@@ -184,19 +190,21 @@ def _recomputing_norms(forward: Callable) -> Callable:
         finally:
             _made.outputs.clear()  # the outputs held during the forward
             _made.outputs = None
+
     return run
 
 
 # -- patching a model -------------------------------------------------------------------------------------
 
+
 def _kernels(compiled: bool) -> dict[str, tuple[Callable, ...]]:
     fn = compile_once if compiled else (lambda f: f)
-    return {"swiglu": (fn(swiglu_product), fn(swiglu_grads)),
-            "norm": (fn(norm_scale), fn(norm_output), fn(norm_grads))}
+    return {"swiglu": (fn(swiglu_product), fn(swiglu_grads)), "norm": (fn(norm_scale), fn(norm_output), fn(norm_grads))}
 
 
-def lean_activations(lm: nn.Module, *, recompute_norms: bool = True, fold_down: bool = True,
-                     compiled: bool = False) -> dict[str, int]:
+def lean_activations(
+    lm: nn.Module, *, recompute_norms: bool = True, fold_down: bool = True, compiled: bool = False
+) -> dict[str, int]:
     """Route `lm`'s SwiGLU MLPs through `SwiGLUDown` (`fold_down`: down_proj's weight read directly, which
     under ZeRO-3 needs each decoder layer to be one unit; else `SwiGLU`, down_proj kept) and its RMSNorms
     through `RMSNormFn`; `recompute_norms`: each decoder layer saves its norms' outputs as recipes (not under
@@ -210,11 +218,13 @@ def lean_activations(lm: nn.Module, *, recompute_norms: bool = True, fold_down: 
     for module in lm.modules():
         if _is_swiglu(module) and getattr(module.down_proj, "bias", None) is None:
             if fold_down:
-                module.forward = lambda x, _m=module: SwiGLUDown.apply(_m.gate_proj(x), _m.up_proj(x),
-                                                                       _m.down_proj.weight, kernels["swiglu"])
+                module.forward = lambda x, _m=module: SwiGLUDown.apply(
+                    _m.gate_proj(x), _m.up_proj(x), _m.down_proj.weight, kernels["swiglu"]
+                )
             else:
-                module.forward = lambda x, _m=module: _m.down_proj(SwiGLU.apply(_m.gate_proj(x), _m.up_proj(x),
-                                                                                kernels["swiglu"]))
+                module.forward = lambda x, _m=module: _m.down_proj(
+                    SwiGLU.apply(_m.gate_proj(x), _m.up_proj(x), kernels["swiglu"])
+                )
             counts["swiglu"] += 1
         elif _is_rms_norm(module):
             module.forward = lambda x, _m=module: RMSNormFn.apply(x, _m.weight, _m.variance_epsilon, kernels["norm"])

@@ -48,8 +48,7 @@ from typing import Any
 import redis
 
 from services.common.schemas import ScoredTrajectory
-from services.common.streams import (REDIS_DOWN, StreamConsumer, StreamMessage, StreamNames, as_text, decode,
-                                     until_redis)
+from services.common.streams import REDIS_DOWN, StreamConsumer, StreamMessage, StreamNames, as_text, decode, until_redis
 from services.learner import algorithms as alg
 from services.learner.config import RLConfig
 
@@ -88,7 +87,7 @@ class TrainedRecord:
         return max(CONSUMED_STEPS_KEPT, save_every + 1)
 
     def add(self, message_ids: list[str], groups: list[str]) -> None:
-        self.consumed = (self.consumed + [list(message_ids)])[-self.keep:]
+        self.consumed = (self.consumed + [list(message_ids)])[-self.keep :]
         self.groups = self.groups + [list(groups)]
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -128,15 +127,22 @@ def is_late(members: list[Member]) -> bool:
 class GroupCollector:
     """Rank 0's reader of the scored stream: `collect(batch, version)` returns the step's groups."""
 
-    def __init__(self, cfg: RLConfig, redis_client: Any, trained: TrainedRecord,
-                 stop: threading.Event | None = None) -> None:
+    def __init__(
+        self, cfg: RLConfig, redis_client: Any, trained: TrainedRecord, stop: threading.Event | None = None
+    ) -> None:
         self.cfg = cfg
         self.redis = redis_client
         self.trained = trained
         self.stop = stop or threading.Event()
         self.names = StreamNames(cfg.stream_prefix)
-        self.consumer = StreamConsumer(redis_client, self.names.scored, cfg.consumer_group, cfg.consumer_name,
-                                       claim_idle_ms=600_000, max_deliveries=10)
+        self.consumer = StreamConsumer(
+            redis_client,
+            self.names.scored,
+            cfg.consumer_group,
+            cfg.consumer_name,
+            claim_idle_ms=600_000,
+            max_deliveries=10,
+        )
         self.journal = Path(cfg.output_dir) / JOURNAL
         self.groups: OrderedDict[str, list[Member]] = OrderedDict()  # arrived, not yet in a batch
         # Groups whose rollout task was dead-lettered (it failed on every attempt): group id → step.
@@ -214,8 +220,12 @@ class GroupCollector:
             else:
                 dropped_stale += self.stale_surplus(batch, version, chosen + dropped_stale)
                 for g in self.candidates(batch, time.monotonic() - started):
-                    if g in chosen or g in dropped_late or g in dropped_stale or self.enough(
-                            batch, chosen, useful, len(dropped_late)):
+                    if (
+                        g in chosen
+                        or g in dropped_late
+                        or g in dropped_stale
+                        or self.enough(batch, chosen, useful, len(dropped_late))
+                    ):
                         continue
                     if cfg.late_groups == "drop" and is_late(self.groups[g]):
                         dropped_late.append(g)
@@ -239,14 +249,18 @@ class GroupCollector:
         dropped = dropped_late + dropped_stale  # and below, late groups with no finished episode
         if plan is None:
             self._write_journal(batch, chosen, lost, dropped)
-        counts = {"groups_late": float(len(dropped_late) + sum(is_late(self.groups[g]) for g in chosen)),
-                  "groups_dropped_late": float(len(dropped_late)), "groups_partial": 0.0,
-                  "episodes_cut": float(sum(t.finish_reason == LATE for g in chosen + dropped_late
-                                            for _, t in self.groups[g])),
-                  "groups_surplus_dropped": float(len(dropped_stale)),
-                  "groups_surplus_trained": float(sum(self._step_of(g) < batch for g in chosen)),
-                  "groups_from_later_steps": float(self._count_taken_early(batch, chosen)),
-                  "samples_unscored": float(sum(len(self._unscored_of(g)) for g in chosen))}
+        counts = {
+            "groups_late": float(len(dropped_late) + sum(is_late(self.groups[g]) for g in chosen)),
+            "groups_dropped_late": float(len(dropped_late)),
+            "groups_partial": 0.0,
+            "episodes_cut": float(
+                sum(t.finish_reason == LATE for g in chosen + dropped_late for _, t in self.groups[g])
+            ),
+            "groups_surplus_dropped": float(len(dropped_stale)),
+            "groups_surplus_trained": float(sum(self._step_of(g) < batch for g in chosen)),
+            "groups_from_later_steps": float(self._count_taken_early(batch, chosen)),
+            "samples_unscored": float(sum(len(self._unscored_of(g)) for g in chosen)),
+        }
         messages, trajs = [], []
         for g in chosen:
             members = self.groups.pop(g)
@@ -268,15 +282,22 @@ class GroupCollector:
         """What a step that is still waiting has and lacks: its chosen groups, its own step's groups with
         samples missing (the first few named, with how many arrived), complete groups of later steps
         (taken once `straggler_wait_s` has passed), and the groups lost."""
-        own_partial = {g: len(m) for g, m in self.groups.items()
-                       if not self._complete(g) and self._step_of(g) <= batch}
+        own_partial = {g: len(m) for g, m in self.groups.items() if not self._complete(g) and self._step_of(g) <= batch}
         later = [g for g in self.complete() if self._step_of(g) > batch]
-        return {"batch": batch, "waited_s": round(time.monotonic() - started), "chosen": len(chosen),
-                "wanted": self.cfg.batch_prompts, "own_groups_partial": len(own_partial),
-                "partial_samples": dict(list(own_partial.items())[:5]), "later_groups_complete": len(later),
-                "lost": self._lost_at(batch), "unscored_samples": sum(map(len, self.unscored.values())),
-                "taken_early": self.taken_early.get(batch, 0), "straggler_wait_s": self.cfg.straggler_wait_s,
-                **self._stream_state()}
+        return {
+            "batch": batch,
+            "waited_s": round(time.monotonic() - started),
+            "chosen": len(chosen),
+            "wanted": self.cfg.batch_prompts,
+            "own_groups_partial": len(own_partial),
+            "partial_samples": dict(list(own_partial.items())[:5]),
+            "later_groups_complete": len(later),
+            "lost": self._lost_at(batch),
+            "unscored_samples": sum(map(len, self.unscored.values())),
+            "taken_early": self.taken_early.get(batch, 0),
+            "straggler_wait_s": self.cfg.straggler_wait_s,
+            **self._stream_state(),
+        }
 
     def _stream_state(self) -> dict[str, Any]:
         """The scored stream as Redis sees it beside what this collector filed: samples filed and held,
@@ -299,8 +320,13 @@ class GroupCollector:
         if not self.cfg.oversample_groups:
             return []
         f = self.cfg.filters
-        return [g for g in self.complete() if g not in seen and self._step_of(g) < batch
-                and not alg.split_stale([t.policy_version for _, t in self.groups[g]], version, f.max_staleness)[0]]
+        return [
+            g
+            for g in self.complete()
+            if g not in seen
+            and self._step_of(g) < batch
+            and not alg.split_stale([t.policy_version for _, t in self.groups[g]], version, f.max_staleness)[0]
+        ]
 
     def complete(self) -> list[str]:
         """The groups that have all their samples (less those dead-lettered on the way), in arrival order."""
@@ -383,8 +409,9 @@ class GroupCollector:
             group, step = task.get("task_id"), task.get("step")
             if isinstance(step, int) and step >= batch and group not in self.groups:
                 self.lost[group] = step
-                log.warning("a rollout task was dead-lettered; its step goes without it",
-                            extra={"group": group, "step": step})
+                log.warning(
+                    "a rollout task was dead-lettered; its step goes without it", extra={"group": group, "step": step}
+                )
         trained = None
         for stream in (self.names.trajectories, self.names.scored):
             for sample in self._dead_since(stream):
@@ -395,8 +422,10 @@ class GroupCollector:
                 if group in trained:
                     continue
                 self.unscored.setdefault(group, set()).add(index)
-                log.warning("a sample was dead-lettered on its way; its group goes without it",
-                            extra={"group": group, "sample": index, "stream": stream})
+                log.warning(
+                    "a sample was dead-lettered on its way; its group goes without it",
+                    extra={"group": group, "sample": index, "stream": stream},
+                )
                 gone = len(self.unscored[group]) >= self.cfg.group_size and group not in self.groups
                 if gone and isinstance(step, int) and step >= batch:
                     self.lost[group] = step
@@ -492,8 +521,14 @@ class GroupCollector:
             return 0
         c = self.consumer
         for i in range(0, len(kept), HELD_CLAIMED_AT_ONCE):
-            c.client.xclaim(c.stream, c.group, c.consumer, min_idle_time=0,
-                            message_ids=kept[i:i + HELD_CLAIMED_AT_ONCE], justid=True)
+            c.client.xclaim(
+                c.stream,
+                c.group,
+                c.consumer,
+                min_idle_time=0,
+                message_ids=kept[i : i + HELD_CLAIMED_AT_ONCE],
+                justid=True,
+            )
         self._held_kept_at = time.monotonic()
         return len(kept)
 
@@ -506,8 +541,10 @@ class GroupCollector:
         learner that dies waiting for Redis here skips them by id on resume)."""
         if self.held:
             held = self.held
-            until_redis(lambda: self.consumer.client.xack(self.consumer.stream, self.consumer.group, *held),
-                        what="acknowledging the messages since the last checkpoint")
+            until_redis(
+                lambda: self.consumer.client.xack(self.consumer.stream, self.consumer.group, *held),
+                what="acknowledging the messages since the last checkpoint",
+            )
         self.held = []
 
 
@@ -516,5 +553,5 @@ class _Seen:
     """What the messages of one read are de-duplicated against."""
 
     messages: set[str]  # ids of messages in trained batches
-    groups: set[str]    # ids of trained (or lost) groups
-    held: set[str]      # ids of our messages handed out and not yet acknowledged
+    groups: set[str]  # ids of trained (or lost) groups
+    held: set[str]  # ids of our messages handed out and not yet acknowledged

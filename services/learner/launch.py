@@ -54,8 +54,10 @@ def resolve_ranks(requested: int | None, gpus: int | None = None) -> int:
     if gpus and requested > gpus:
         shown = os.environ.get("CUDA_VISIBLE_DEVICES")
         where = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
-        raise RankError(f"the learner asks for {requested} ranks, one GPU each, but this machine shows "
-                        f"{gpus} GPU{'s' if gpus != 1 else ''}{where}")
+        raise RankError(
+            f"the learner asks for {requested} ranks, one GPU each, but this machine shows "
+            f"{gpus} GPU{'s' if gpus != 1 else ''}{where}"
+        )
     return requested
 
 
@@ -75,12 +77,13 @@ class Nodes:
             raise ValueError(f"a learner of {self.count} nodes needs STAR_LEARNER_RENDEZVOUS (host:port of node 0)")
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "Nodes":
+    def from_settings(cls, settings: Settings) -> Nodes:
         return cls(settings.learner_nodes, settings.learner_node_rank, settings.learner_rendezvous)
 
 
-def worker_argv(kind: str, config: str | Path, ranks: int, max_steps: int | None = None,
-                nodes: Nodes = Nodes(), run_id: str = "") -> list[str]:
+def worker_argv(
+    kind: str, config: str | Path, ranks: int, max_steps: int | None = None, nodes: Nodes = Nodes(), run_id: str = ""
+) -> list[str]:
     """The command that runs `python -m services.learner.worker KIND CONFIG [MAX_STEPS]` as `ranks` ranks
     on this node; on a multi-node learner, as this node's part of run `run_id` (every node names the same)."""
     tail = [kind, str(config), *([str(max_steps)] if max_steps else [])]
@@ -93,10 +96,31 @@ def worker_argv(kind: str, config: str | Path, ranks: int, max_steps: int | None
         # the static backend); node 0 hosts the store, so no node guesses from DNS whether it is the host.
         if not run_id:
             raise ValueError("a multi-node run needs the run id its nodes share")
-        where = ["--nnodes", str(nodes.count), "--rdzv_backend", "c10d", "--rdzv_endpoint", str(nodes.rendezvous),
-                 "--rdzv_id", run_id, "--rdzv_conf", f"is_host={int(nodes.rank == 0)}"]
-    return [sys.executable, "-m", "services.learner.launch", *where, "--nproc_per_node", str(ranks),
-            "--max_restarts", "0", "-m", "services.learner.worker", *tail]
+        where = [
+            "--nnodes",
+            str(nodes.count),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            str(nodes.rendezvous),
+            "--rdzv_id",
+            run_id,
+            "--rdzv_conf",
+            f"is_host={int(nodes.rank == 0)}",
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "services.learner.launch",
+        *where,
+        "--nproc_per_node",
+        str(ranks),
+        "--max_restarts",
+        "0",
+        "-m",
+        "services.learner.worker",
+        *tail,
+    ]
 
 
 def worker_env(ranks: int, nodes: Nodes = Nodes()) -> dict[str, str]:
@@ -139,8 +163,11 @@ class RankStopper:
             time.sleep(0.5)
         left = child_pids(os.getpid())
         if left:
-            print(f"learner launcher: ranks {sorted(left)} did not stop within {self.grace_s:.0f} s; killing them",
-                  file=sys.stderr, flush=True)
+            print(
+                f"learner launcher: ranks {sorted(left)} did not stop within {self.grace_s:.0f} s; killing them",
+                file=sys.stderr,
+                flush=True,
+            )
         for pid in left:
             _signal(pid, signal.SIGKILL)
 

@@ -44,8 +44,10 @@ def announced_master(configured: str | None, port: int, servers: list[str]) -> t
     address = route_address(servers[0])
     remote = any(not _loopback(urlsplit(u).hostname or "") for u in servers)
     if _loopback(address) and remote:
-        raise ValueError(f"the route to {servers[0]} leaves through loopback ({address}); set STAR_NCCL_MASTER_ADDR "
-                         "to an address the rollout servers reach this learner at")
+        raise ValueError(
+            f"the route to {servers[0]} leaves through loopback ({address}); set STAR_NCCL_MASTER_ADDR "
+            "to an address the rollout servers reach this learner at"
+        )
     return address, port
 
 

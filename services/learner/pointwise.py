@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from functools import cache
-from typing import Callable
 
 import torch
 from torch import nn
@@ -41,8 +41,12 @@ def say_once(what: str, kind: str) -> None:
     """Log once per process and model type that a fused path is off (the model's own code runs)."""
     if (what, kind) not in _said:
         _said.add((what, kind))
-        log.info("%s off for model type %r (not one of %s): the model's own code runs", what, kind,
-                 ", ".join(sorted(FUSED_MODEL_TYPES)))
+        log.info(
+            "%s off for model type %r (not one of %s): the model's own code runs",
+            what,
+            kind,
+            ", ".join(sorted(FUSED_MODEL_TYPES)),
+        )
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,8 +66,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' apply_rotary_pos_emb."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -77,8 +82,11 @@ def compile_once(fn: Callable) -> Callable:
 
 
 def _is_rms_norm(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and \
-        isinstance(getattr(module, "weight", None), torch.Tensor)
+    return (
+        type(module).__name__.endswith("RMSNorm")
+        and hasattr(module, "variance_epsilon")
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+    )
 
 
 def _is_swiglu(module: nn.Module) -> bool:

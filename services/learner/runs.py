@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
-
 import httpx
+from pydantic import BaseModel, Field, ValidationError
 
 from services.common.supervisor import alive, process_start_time, spawn, stop_process
 from services.learner.config import RLConfig, SFTConfig, load_config
@@ -74,8 +73,9 @@ class Run:
 
 
 class RunManager:
-    def __init__(self, root: Path, nodes: Nodes = Nodes(), peers: list[str] | None = None,
-                 token: str | None = None) -> None:
+    def __init__(
+        self, root: Path, nodes: Nodes = Nodes(), peers: list[str] | None = None, token: str | None = None
+    ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.runs: dict[str, Run] = {}
@@ -83,8 +83,10 @@ class RunManager:
         self.peers = list(peers or [])  # node 0: the other nodes' base URLs, in node order
         self.token = token
         if nodes.rank == 0 and len(self.peers) != nodes.count - 1:
-            raise ValueError(f"a learner of {nodes.count} nodes needs {nodes.count - 1} peer URLs "
-                             f"(STAR_LEARNER_PEER_URLS), got {len(self.peers)}")
+            raise ValueError(
+                f"a learner of {nodes.count} nodes needs {nodes.count - 1} peer URLs "
+                f"(STAR_LEARNER_PEER_URLS), got {len(self.peers)}"
+            )
 
     def start(self, request: RunRequest, env: dict[str, str] | None = None) -> Run:
         if self.nodes.rank != 0:
@@ -111,10 +113,19 @@ class RunManager:
         process = self._launch(run_id, request.kind, folder, ranks, request.max_steps, env, folder / "log.txt")
         run = Run(run_id, request.kind, folder, Path(model.output_dir), process, pid=process.pid, created=created)
         self.runs[run_id] = run
-        (folder / "run.json").write_text(json.dumps({"id": run_id, "kind": request.kind, "pid": process.pid,
-                                                     "ranks": ranks, "nodes": self.nodes.count,
-                                                     "started": process_start_time(process.pid),
-                                                     "created": created}))
+        (folder / "run.json").write_text(
+            json.dumps(
+                {
+                    "id": run_id,
+                    "kind": request.kind,
+                    "pid": process.pid,
+                    "ranks": ranks,
+                    "nodes": self.nodes.count,
+                    "started": process_start_time(process.pid),
+                    "created": created,
+                }
+            )
+        )
         try:
             self._join_peers(run_id, request)
         except JoinError:
@@ -142,21 +153,39 @@ class RunManager:
         self.runs[run_id] = run
         return run
 
-    def _launch(self, run_id: str, kind: str, folder: Path, ranks: int, max_steps: int | None,
-                env: dict[str, str] | None, log: Path) -> subprocess.Popen:
+    def _launch(
+        self,
+        run_id: str,
+        kind: str,
+        folder: Path,
+        ranks: int,
+        max_steps: int | None,
+        env: dict[str, str] | None,
+        log: Path,
+    ) -> subprocess.Popen:
         cmd = worker_argv(kind, folder / "config.json", ranks, max_steps, nodes=self.nodes, run_id=run_id)
         # Its own process group (a torchrun's ranks stop with it). Not tied to the API process's
         # life: requests run on pool threads that come and go, and a run is its folder's, so it
         # may outlive an API restart; run.json names it (pid and start time) for whoever stops it.
-        return spawn(cmd, env={**os.environ, **worker_env(ranks, self.nodes), **(env or {})}, log_path=log,
-                     group=0, die_with_parent=False, cwd=Path(__file__).resolve().parents[2])
+        return spawn(
+            cmd,
+            env={**os.environ, **worker_env(ranks, self.nodes), **(env or {})},
+            log_path=log,
+            group=0,
+            die_with_parent=False,
+            cwd=Path(__file__).resolve().parents[2],
+        )
 
     def _join_peers(self, run_id: str, request: RunRequest) -> None:
         headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
         for rank, url in enumerate(self.peers, start=1):
             try:
-                r = httpx.post(f"{url.rstrip('/')}/runs/{run_id}/join", headers=headers, timeout=30,
-                               json=JoinRequest(kind=request.kind, max_steps=request.max_steps).model_dump())
+                r = httpx.post(
+                    f"{url.rstrip('/')}/runs/{run_id}/join",
+                    headers=headers,
+                    timeout=30,
+                    json=JoinRequest(kind=request.kind, max_steps=request.max_steps).model_dump(),
+                )
             except httpx.HTTPError as exc:
                 raise JoinError(f"learner node {rank} ({url}) did not answer: {exc}") from None
             if r.status_code != 201:
@@ -189,9 +218,17 @@ class RunManager:
             # e.g. before its pod restarted) is no longer there: its checkpoints stay for a resumed run.
             state = "failed"
         metrics = read_metrics(run.output)
-        out = {"id": run.id, "kind": run.kind, "state": state, "step": status.get("step", 0),
-               "version": status.get("version"), "folder": str(run.folder), "exit_code": exit_code,
-               "metrics": metrics[-1] if metrics else {}, "steps_logged": len(metrics)}
+        out = {
+            "id": run.id,
+            "kind": run.kind,
+            "state": state,
+            "step": status.get("step", 0),
+            "version": status.get("version"),
+            "folder": str(run.folder),
+            "exit_code": exit_code,
+            "metrics": metrics[-1] if metrics else {},
+            "steps_logged": len(metrics),
+        }
         if state == "failed":
             out["error"] = status.get("error") or (GONE if run.gone else _tail(run.folder / "log.txt"))
         if status.get("export"):

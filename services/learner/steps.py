@@ -42,12 +42,24 @@ def trajectory_cost(engine: PolicyEngine) -> TrajectoryCost:
     return TrajectoryCost(engine.num_parameters(), *model_shape(engine.lm_config))
 
 
-def prepare_rows(engine: PolicyEngine, seqs: Sequence[Sequence_], loss_agg: alg.LossAggregation = "token-mean",
-                 balance: Balance = "work", cost: TrajectoryCost | None = None) -> Sequence[PackedRow]:
+def prepare_rows(
+    engine: PolicyEngine,
+    seqs: Sequence[Sequence_],
+    loss_agg: alg.LossAggregation = "token-mean",
+    balance: Balance = "work",
+    cost: TrajectoryCost | None = None,
+) -> Sequence[PackedRow]:
     """This rank's micro-batches ([B, T] each) of the step's packed, weighted rows; by work, each
     built when the step first reaches it (`RankRows`)."""
-    args = (seqs, engine.cfg.micro_batch_tokens, engine.world_size, engine.rank, engine.cfg.micro_batch_rows,
-            engine.cfg.pad_to_multiple, loss_agg)
+    args = (
+        seqs,
+        engine.cfg.micro_batch_tokens,
+        engine.world_size,
+        engine.rank,
+        engine.cfg.micro_batch_rows,
+        engine.cfg.pad_to_multiple,
+        loss_agg,
+    )
     if balance == "work":
         return RankRows(*args, cost=cost or trajectory_cost(engine))
     return rank_micro_batches(*args, balance=balance)
@@ -55,15 +67,19 @@ def prepare_rows(engine: PolicyEngine, seqs: Sequence[Sequence_], loss_agg: alg.
 
 def filled_rows(prepared: Sequence[Sequence[PackedRow]]) -> int:
     """How many of this rank's rows hold a sequence (filler rows left out), without building any."""
-    return sum(rows.filled if isinstance(rows, RankRows) else
-               sum(int((b.seq_index.reshape(-1, b.seq_index.shape[-1]) >= 0).any(dim=1).sum()) for b in rows)
-               for rows in prepared)
+    return sum(
+        rows.filled
+        if isinstance(rows, RankRows)
+        else sum(int((b.seq_index.reshape(-1, b.seq_index.shape[-1]) >= 0).any(dim=1).sum()) for b in rows)
+        for rows in prepared
+    )
 
 
 def on_device(batches: Sequence[PackedRow], device: torch.device) -> Iterator[PackedRow]:
     """The micro-batches in turn with their tensors on `device` (pinned, non-blocking copies: the host
     never waits on one). The next micro-batch is built and its copy issued once the caller is done
     launching the current one, while the device still runs it."""
+
     def moved(b: PackedRow) -> PackedRow:
         weights = None if b.weights is None else _to(b.weights, device)
         return PackedRow(**{f: _to(getattr(b, f), device) for f in _TENSOR_FIELDS}, weights=weights, bounds=b.bounds)
@@ -100,8 +116,11 @@ def _mfu_metrics(engine: PolicyEngine, seq_lens: list[int], seconds: float) -> d
     n_params = engine.num_parameters()
     flops = train_flops(n_params, layers, attn_width, seq_lens)
     tokens = sum(seq_lens)
-    out = {"tokens": float(tokens), "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-           "tflops_per_s": flops / seconds / 1e12 if seconds > 0 else 0.0}
+    out = {
+        "tokens": float(tokens),
+        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "tflops_per_s": flops / seconds / 1e12 if seconds > 0 else 0.0,
+    }
     peak = peak_flops()
     if peak and seconds > 0:
         out["mfu"] = flops / seconds / (peak * engine.world_size)
@@ -127,8 +146,13 @@ def sft_step(engine: PolicyEngine, seqs: Sequence[Sequence_], balance: Balance =
     _sync(engine.device)
     seconds = time.perf_counter() - t0
     nll_sum, tokens = _all_reduce_sum(acc.tolist(), engine.device)
-    metrics = {"loss": nll_sum / max(tokens, 1.0), "loss_tokens": tokens, "grad_norm": result.grad_norm,
-               "lr": result.lr, "time_compute_s": seconds}
+    metrics = {
+        "loss": nll_sum / max(tokens, 1.0),
+        "loss_tokens": tokens,
+        "grad_norm": result.grad_norm,
+        "lr": result.lr,
+        "time_compute_s": seconds,
+    }
     metrics.update(_mfu_metrics(engine, [len(s) for s in seqs], seconds))
     return StepOutput(metrics)
 
@@ -170,9 +194,13 @@ class LossBounds:
 
 def loss_bounds(cfg: RLConfig) -> LossBounds:
     """The policy-loss bounds of an RL recipe."""
-    return LossBounds(dual_clip_c=cfg.dual_clip_c,
-                              log_ratio_clamp=cfg.log_ratio_clamp, importance_sampling=cfg.importance_sampling,
-                              is_low=cfg.is_low, is_high=cfg.is_high)
+    return LossBounds(
+        dual_clip_c=cfg.dual_clip_c,
+        log_ratio_clamp=cfg.log_ratio_clamp,
+        importance_sampling=cfg.importance_sampling,
+        is_low=cfg.is_low,
+        is_high=cfg.is_high,
+    )
 
 
 def lacks_rollout_logprobs(seqs: Sequence[Sequence_]) -> bool:
@@ -181,8 +209,9 @@ def lacks_rollout_logprobs(seqs: Sequence[Sequence_]) -> bool:
     return any(m and (not s.logprobs or s.logprobs[j] is None) for s in seqs for j, m in enumerate(s.loss_mask))
 
 
-def needs_proximal_forward(shares: int, seqs: Sequence[Sequence_], bounds: LossBounds,
-                           use_rollout_logprobs: bool) -> bool:
+def needs_proximal_forward(
+    shares: int, seqs: Sequence[Sequence_], bounds: LossBounds, use_rollout_logprobs: bool
+) -> bool:
     """Whether the batch needs the learner's log-probs from before its first update.
 
     With one optimizer step, the update's own forward is that policy (its detached log-probs are
@@ -197,14 +226,24 @@ def needs_proximal_forward(shares: int, seqs: Sequence[Sequence_], bounds: LossB
 
 def proximal_logprobs(engine: PolicyEngine, prepared: Sequence[Sequence[PackedRow]]) -> list[list[torch.Tensor]]:
     """One no-grad forward over every micro-batch of the batch before its first update."""
-    return [[engine.logprobs(batch, grad=False, with_entropy=False)[0].detach() for batch in rows]
-            for rows in prepared]
+    return [[engine.logprobs(batch, grad=False, with_entropy=False)[0].detach() for batch in rows] for rows in prepared]
 
 
-def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, eps_high: float,
-            bounds: LossBounds = LossBounds(), loss_agg: alg.LossAggregation = "token-mean", use_rollout_logprobs: bool = True, kl_coef: float = 0.0,
-            reference: torch.nn.Module | None = None, mini_batches: int = 1,
-            batch_groups: int | None = None, balance: Balance = "work") -> StepOutput:
+def rl_step(
+    engine: PolicyEngine,
+    seqs: Sequence[Sequence_],
+    *,
+    eps_low: float,
+    eps_high: float,
+    bounds: LossBounds = LossBounds(),
+    loss_agg: alg.LossAggregation = "token-mean",
+    use_rollout_logprobs: bool = True,
+    kl_coef: float = 0.0,
+    reference: torch.nn.Module | None = None,
+    mini_batches: int = 1,
+    batch_groups: int | None = None,
+    balance: Balance = "work",
+) -> StepOutput:
     """The clipped policy-gradient update of one batch: one PPO epoch in `mini_batches` optimizer
     steps.
 
@@ -219,7 +258,9 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
     n_loss = len(alg.LOSS_STAT_FIELDS)
     # Statistics stay on the device and are read once after the last optimizer step: a host read
     # per micro-batch would make the GPU idle while Python launches the next forward.
-    acc = torch.zeros(1 + n_loss + 6, dtype=torch.float64, device=engine.device)  # pg, LossStats, ent, kl_ref(2), mismatch(3)
+    acc = torch.zeros(
+        1 + n_loss + 6, dtype=torch.float64, device=engine.device
+    )  # pg, LossStats, ent, kl_ref(2), mismatch(3)
     mm_max = torch.zeros((), dtype=torch.float64, device=engine.device)
     shares = split_mini_batches(seqs, mini_batches, batch_groups)
     # each share is normalised on its own tokens, as a batch of that size would be
@@ -238,46 +279,68 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
             behaviour = _flat(batch.old_logp, dev)
             has_old = _flat(batch.has_old, dev) & use_rollout_logprobs
             prox = proximal[s_i][b_i] if proximal is not None else logp.detach()
-            is_w, is_touched = alg.importance_weights(prox, behaviour, has_old, bounds.importance_sampling,
-                                                      low=bounds.is_low, high=bounds.is_high,
-                                                      log_ratio_clamp=bounds.log_ratio_clamp)
+            is_w, is_touched = alg.importance_weights(
+                prox,
+                behaviour,
+                has_old,
+                bounds.importance_sampling,
+                low=bounds.is_low,
+                high=bounds.is_high,
+                log_ratio_clamp=bounds.log_ratio_clamp,
+            )
             old = prox if bounds.importance_sampling != "off" else torch.where(has_old, behaviour, prox)
             loss, loss_sums = alg.clipped_policy_terms(
-                logp, old, adv, w, eps_low=eps_low, eps_high=eps_high,
-                dual_clip_c=bounds.dual_clip_c, log_ratio_clamp=bounds.log_ratio_clamp,
-                is_weights=is_w, is_touched=is_touched, is_mode=bounds.importance_sampling)
+                logp,
+                old,
+                adv,
+                w,
+                eps_low=eps_low,
+                eps_high=eps_high,
+                dual_clip_c=bounds.dual_clip_c,
+                log_ratio_clamp=bounds.log_ratio_clamp,
+                is_weights=is_w,
+                is_touched=is_touched,
+                is_mode=bounds.importance_sampling,
+            )
             kl_ref = torch.zeros(2, dtype=torch.float64, device=dev)  # the loss term (capped), k3 uncapped
             if kl_coef > 0.0 and reference is not None:
                 with torch.no_grad():
-                    ref_logp, _ = reference(_to(batch.input_ids, dev), _to(batch.position_ids, dev),
-                                            _to(batch.targets, dev), False)
+                    ref_logp, _ = reference(
+                        _to(batch.input_ids, dev), _to(batch.position_ids, dev), _to(batch.targets, dev), False
+                    )
                 kl = alg.kl_penalty(logp, ref_logp)
                 loss = loss + kl_coef * (kl * w).sum()
                 uncapped = alg.kl_low_var(logp.detach(), ref_logp)
                 kl_ref = torch.stack([(kl.detach() * mask).sum(), (uncapped * mask).sum()]).double()
             engine.backward(loss * engine.world_size)
             mm = alg.mismatch_terms(behaviour, prox, mask.bool() & has_old)
-            acc += torch.cat([loss.detach().double()[None], loss_sums, (ent * mask).sum().double()[None],
-                              kl_ref, mm[:3]])
+            acc += torch.cat(
+                [loss.detach().double()[None], loss_sums, (ent * mask).sum().double()[None], kl_ref, mm[:3]]
+            )
             mm_max = torch.maximum(mm_max, mm[3])
         result = engine.step()
         norms.append(result.grad_norm)
     _sync(engine.device)
     seconds = time.perf_counter() - t0
     totals = _all_reduce_sum(acc.tolist() + [float(rows_here)], engine.device)
-    pg_sum, loss_totals = totals[0], alg.LossStats(*totals[1: 1 + n_loss])
-    ent_sum, kl_ref_sum, kl_k3_sum, mm_k1, mm_k3, mm_tokens = totals[1 + n_loss: -1]
+    pg_sum, loss_totals = totals[0], alg.LossStats(*totals[1 : 1 + n_loss])
+    ent_sum, kl_ref_sum, kl_k3_sum, mm_k1, mm_k3, mm_tokens = totals[1 + n_loss : -1]
     mm_max_t = mm_max.reshape(1)
     if torch.distributed.is_initialized() and engine.world_size > 1:
         torch.distributed.all_reduce(mm_max_t, op=torch.distributed.ReduceOp.MAX)
     metrics = {
         # per mini-batch means: the loss of each share is already normalised on its tokens
-        "loss": pg_sum / len(shares), "grad_norm": sum(norms) / len(norms),
-        "lr": result.lr, "optimizer_steps": float(len(shares)), "proximal_forward": float(proximal is not None),
-        **loss_metrics(loss_totals), "entropy": ent_sum / max(loss_totals.tokens, 1.0),
+        "loss": pg_sum / len(shares),
+        "grad_norm": sum(norms) / len(norms),
+        "lr": result.lr,
+        "optimizer_steps": float(len(shares)),
+        "proximal_forward": float(proximal is not None),
+        **loss_metrics(loss_totals),
+        "entropy": ent_sum / max(loss_totals.tokens, 1.0),
         "mismatch_kl_k1": mm_k1 / mm_tokens if mm_tokens else 0.0,
         "mismatch_kl_k3": mm_k3 / mm_tokens if mm_tokens else 0.0,
-        "mismatch_logp_max_abs": float(mm_max_t.item()), "time_compute_s": seconds,
+        "mismatch_logp_max_abs": float(mm_max_t.item()),
+        "time_compute_s": seconds,
         # rows of up to micro_batch_tokens the step's sequences were packed into, over all ranks
         "packed_rows": totals[-1],
     }
@@ -294,9 +357,15 @@ def rl_step(engine: PolicyEngine, seqs: Sequence[Sequence_], *, eps_low: float, 
 def loss_metrics(stats: alg.LossStats) -> dict[str, float]:
     """The step's loss-token counts as fractions of its loss tokens: how many tokens each bound touched."""
     n = max(stats.tokens, 1.0)
-    return {"loss_tokens": stats.tokens,
-            "clip_fraction": (stats.clipped_high + stats.clipped_low) / n, "clip_fraction_high": stats.clipped_high / n,
-            "clip_fraction_low": stats.clipped_low / n, "dual_clip_fraction": stats.dual_clipped / n,
-            "ratio_mean": stats.ratio_sum / n, "log_ratio_clamp_fraction": stats.log_ratio_clamped / n,
-            "is_truncated_fraction": stats.is_truncated / n, "is_masked_fraction": stats.is_masked / n,
-            "is_weight_mean": stats.is_weight_sum / n}
+    return {
+        "loss_tokens": stats.tokens,
+        "clip_fraction": (stats.clipped_high + stats.clipped_low) / n,
+        "clip_fraction_high": stats.clipped_high / n,
+        "clip_fraction_low": stats.clipped_low / n,
+        "dual_clip_fraction": stats.dual_clipped / n,
+        "ratio_mean": stats.ratio_sum / n,
+        "log_ratio_clamp_fraction": stats.log_ratio_clamped / n,
+        "is_truncated_fraction": stats.is_truncated / n,
+        "is_masked_fraction": stats.is_masked / n,
+        "is_weight_mean": stats.is_weight_sum / n,
+    }

@@ -22,8 +22,16 @@ def stream_seconds(message_id: str) -> float | None:
     return int(ms) / 1000 if ms.isdigit() else None
 
 
-def step_split(*, wall_s: float, wait_s: float, waited_until: float, episode_ends: Iterable[float],
-               scored_at: Iterable[float], training_s: float, sync_s: float) -> dict[str, float]:
+def step_split(
+    *,
+    wall_s: float,
+    wait_s: float,
+    waited_until: float,
+    episode_ends: Iterable[float],
+    scored_at: Iterable[float],
+    training_s: float,
+    sync_s: float,
+) -> dict[str, float]:
     """The step's wall time in five parts that add up to `wall_s`. `waited_until` is the wall-clock
     second the wait for data ended; `episode_ends` and `scored_at` are the step's episodes' end stamps
     and their scores' arrival stamps (either may be empty: that part is then 0 and its time idle)."""
@@ -33,6 +41,11 @@ def step_split(*, wall_s: float, wait_s: float, waited_until: float, episode_end
     rollout = min(max(max(ends) - start, 0.0), wait_s) if ends else 0.0
     scoring = min(max(max(scored) - (start + rollout), 0.0), wait_s - rollout) if scored else 0.0
     idle = max(wall_s - rollout - scoring - training_s - sync_s, 0.0)
-    return {"split_rollout_s": rollout, "split_scoring_s": scoring, "split_training_s": training_s,
-            "split_sync_s": sync_s, "split_idle_s": idle, "time_step_wall_s": rollout + scoring + training_s
-            + sync_s + idle}
+    return {
+        "split_rollout_s": rollout,
+        "split_scoring_s": scoring,
+        "split_training_s": training_s,
+        "split_sync_s": sync_s,
+        "split_idle_s": idle,
+        "time_step_wall_s": rollout + scoring + training_s + sync_s + idle,
+    }

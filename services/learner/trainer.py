@@ -80,6 +80,7 @@ def stop_agreed(stop: threading.Event, engine: PolicyEngine) -> bool:
 
 # ---- SFT ---------------------------------------------------------------------------------------
 
+
 def load_chats(path: Path) -> list[list[dict[str, Any]]]:
     from services.common.files import iter_jsonl
 
@@ -106,11 +107,13 @@ class SFTTrainer:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         chats = load_chats(Path(cfg.data))
         chat = Chat.for_agent(tokenizer, cfg.chat)  # the rollout's format: SFT and RL train on the same one
-        self.sequences = [chat_to_sequence(tokenizer, c, cfg.max_seq_len, index=i, chat=chat)
-                          for i, c in enumerate(chats)]
+        self.sequences = [
+            chat_to_sequence(tokenizer, c, cfg.max_seq_len, index=i, chat=chat) for i, c in enumerate(chats)
+        ]
         self.total_steps = cfg.max_steps or math.ceil(len(self.sequences) * cfg.epochs / cfg.batch_size)
-        self.engine = PolicyEngine(cfg.model, cfg.engine, cfg.schedule_config(), self.total_steps,
-                                   home=get_settings().home)
+        self.engine = PolicyEngine(
+            cfg.model, cfg.engine, cfg.schedule_config(), self.total_steps, home=get_settings().home
+        )
         self.runlog = RunLog(self.out, enabled=self.engine.rank == 0)
 
     def batch_indices(self, step: int) -> list[int]:
@@ -144,16 +147,23 @@ class SFTTrainer:
             if (every and self.engine.step_count % every == 0) or self.engine.step_count == self.total_steps:
                 self.engine.save_checkpoint(ckpt, {"kind": "sft"})
             if self.engine.rank == 0:
-                write_status(self.out, state="running", step=self.engine.step_count, total_steps=self.total_steps,
-                             metrics=last)
+                write_status(
+                    self.out, state="running", step=self.engine.step_count, total_steps=self.total_steps, metrics=last
+                )
         bar.close()
         export = None
         if self.engine.step_count >= self.total_steps:
             export = export_model(self.engine, self.out / "export", self.engine.step_count)
         state = "finished" if self.engine.step_count >= self.total_steps else "stopped"
         if self.engine.rank == 0:
-            write_status(self.out, state=state, step=self.engine.step_count, total_steps=self.total_steps,
-                         metrics=last, export=str(export) if export else None)
+            write_status(
+                self.out,
+                state=state,
+                step=self.engine.step_count,
+                total_steps=self.total_steps,
+                metrics=last,
+                export=str(export) if export else None,
+            )
         self.runlog.close()
         return {"state": state, "step": self.engine.step_count, "export": export, "metrics": last}
 
@@ -171,14 +181,17 @@ def export_model(engine: PolicyEngine, root: Path, version: int) -> Path | None:
 
 # ---- RL ----------------------------------------------------------------------------------------
 
+
 def score_rates(trajs: list[ScoredTrajectory]) -> dict[str, float]:
     """The benchmark's view of a batch: mean scores and each check's pass rate (where it applies),
     so learning curves show success and constraints, not only the shaped reward."""
     if not trajs:
         return {}
     n = len(trajs)
-    out = {f"{k}_rate": sum(getattr(t.score, k) for t in trajs) / n
-           for k in ("success", "cs_micro", "cs_macro", "hard_micro", "hard_macro")}
+    out = {
+        f"{k}_rate": sum(getattr(t.score, k) for t in trajs) / n
+        for k in ("success", "cs_micro", "cs_macro", "hard_micro", "hard_macro")
+    }
     out["answered_rate"] = sum(t.finish_reason == "answer" for t in trajs) / n
     for family in ("commonsense", "hard"):
         names = sorted({c for t in trajs for c in getattr(t.score, family)})
@@ -221,13 +234,20 @@ def length_histogram(trajs: list[ScoredTrajectory]) -> dict[str, float]:
 
 def batch_figures(trajs: list[ScoredTrajectory], advantages: list[float], cfg: RLConfig) -> dict[str, float]:
     """A batch's figures beside the loss: benchmark rates, rollout timings, rewards and advantages."""
-    rewards = [alg.effective_reward(t.reward, t.finish_reason, cfg.filters.zero_reward_finish_reasons)
-               for t in trajs]
+    rewards = [alg.effective_reward(t.reward, t.finish_reason, cfg.filters.zero_reward_finish_reasons) for t in trajs]
     rs, ads = alg.summarize(rewards), alg.summarize(advantages)
-    return {**score_rates(trajs), **rollout_timings(trajs), **length_histogram(trajs),
-            "reward_mean": rs["mean"], "reward_std": rs["std"], "reward_max": rs["max"],
-            "advantage_mean": ads["mean"], "advantage_std": ads["std"], "advantage_min": ads["min"],
-            "advantage_max": ads["max"]}
+    return {
+        **score_rates(trajs),
+        **rollout_timings(trajs),
+        **length_histogram(trajs),
+        "reward_mean": rs["mean"],
+        "reward_std": rs["std"],
+        "reward_max": rs["max"],
+        "advantage_mean": ads["mean"],
+        "advantage_std": ads["std"],
+        "advantage_min": ads["min"],
+        "advantage_max": ads["max"],
+    }
 
 
 def step_samples(trajs: list[ScoredTrajectory], limit: int) -> list[dict[str, Any]]:
@@ -237,13 +257,25 @@ def step_samples(trajs: list[ScoredTrajectory], limit: int) -> list[dict[str, An
     for t in trajs:
         if t.group_id not in firsts or t.sample_index < firsts[t.group_id].sample_index:
             firsts[t.group_id] = t
-    return [{"group_id": t.group_id, "prompt_id": t.prompt_id, "sample_index": t.sample_index,
-             "policy_version": t.policy_version, "reward": t.reward, "rewards": t.rewards,
-             # which of `rewards` is `reward`: a curriculum changes it by epoch or step
-             "reward_kind": t.reward_kind, "epoch": t.epoch, "finish_reason": t.finish_reason,
-             "tokens": len(t.token_ids), "tool_calls": t.tool_calls,
-             "query": t.query.model_dump(mode="json") if t.query else None,
-             "messages": t.messages} for t in list(firsts.values())[:limit]]
+    return [
+        {
+            "group_id": t.group_id,
+            "prompt_id": t.prompt_id,
+            "sample_index": t.sample_index,
+            "policy_version": t.policy_version,
+            "reward": t.reward,
+            "rewards": t.rewards,
+            # which of `rewards` is `reward`: a curriculum changes it by epoch or step
+            "reward_kind": t.reward_kind,
+            "epoch": t.epoch,
+            "finish_reason": t.finish_reason,
+            "tokens": len(t.token_ids),
+            "tool_calls": t.tool_calls,
+            "query": t.query.model_dump(mode="json") if t.query else None,
+            "messages": t.messages,
+        }
+        for t in list(firsts.values())[:limit]
+    ]
 
 
 def old_policy_from_rollouts(cfg: RLConfig) -> bool:
@@ -261,8 +293,14 @@ class RLTrainer:
         settings = get_settings()
         # the schedule counts optimizer steps: mini_batches of them per batch
         # ranks 1..n wait in the step's first broadcast while rank 0 waits for the stream's data
-        self.engine = PolicyEngine(cfg.model, cfg.engine, cfg.schedule_config(), cfg.total_steps * cfg.mini_batches,
-                                   home=settings.home, data_wait_s=cfg.wait_timeout_s)
+        self.engine = PolicyEngine(
+            cfg.model,
+            cfg.engine,
+            cfg.schedule_config(),
+            cfg.total_steps * cfg.mini_batches,
+            home=settings.home,
+            data_wait_s=cfg.wait_timeout_s,
+        )
         self.rank0 = self.engine.rank == 0
         self.runlog = RunLog(self.out, enabled=self.rank0)
         self.version = 0
@@ -289,9 +327,14 @@ class RLTrainer:
             self.collector = GroupCollector(cfg, redis_client, self.trained, self.stop)
             if cfg.publish_weights:
                 root = Path(cfg.weights_dir) if cfg.weights_dir else settings.weights_dir
-                self.publisher = StorePublisher(root, redis_client=redis_client, key_prefix=cfg.stream_prefix,
-                                                servers=cfg.rollout_servers, keep=cfg.keep_versions,
-                                                api_token=settings.api_token)
+                self.publisher = StorePublisher(
+                    root,
+                    redis_client=redis_client,
+                    key_prefix=cfg.stream_prefix,
+                    servers=cfg.rollout_servers,
+                    keep=cfg.keep_versions,
+                    api_token=settings.api_token,
+                )
         self.fleet_sync = None
         if cfg.publish_weights and cfg.weight_sync == "nccl":
             nccl = None
@@ -299,20 +342,34 @@ class RLTrainer:
                 from services.learner.nccl_master import nccl_master_key, resolve_master
 
                 host, port = resolve_master(cfg.nccl_master, cfg.rollout_servers, settings)
-                nccl = NcclPublisher(cfg.rollout_servers, master_address=host, master_port=port,
-                                     api_token=settings.api_token, timeout_s=cfg.nccl_timeout_s)
+                nccl = NcclPublisher(
+                    cfg.rollout_servers,
+                    master_address=host,
+                    master_port=port,
+                    api_token=settings.api_token,
+                    timeout_s=cfg.nccl_timeout_s,
+                )
                 if getattr(self, "redis", None) is not None:  # where the servers meet rank 0, for operators
                     self.redis.set(nccl_master_key(cfg.stream_prefix), f"{host}:{port}")
-                log.info("weight sync: nccl", extra={"nccl_master": f"{host}:{port}",
-                                                     "servers": len(cfg.rollout_servers)})
+                log.info(
+                    "weight sync: nccl", extra={"nccl_master": f"{host}:{port}", "servers": len(cfg.rollout_servers)}
+                )
             self.fleet_sync = FleetSync(self.publisher, nccl, files_every=cfg.files_every)
             if self.collector is not None:
                 self.collector.weights_wanted = self._weights_wanted
         if cfg.publish_weights and cfg.weight_sync == "ipc":  # engines colocated on this learner's GPUs
             from services.learner.colocate import ColocatedServers, ColocatedSync
 
-            servers = (ColocatedServers(cfg.rollout_servers, level=cfg.sleep_level, timeout_s=cfg.sleep_timeout_s,
-                                        api_token=settings.api_token) if self.rank0 else None)
+            servers = (
+                ColocatedServers(
+                    cfg.rollout_servers,
+                    level=cfg.sleep_level,
+                    timeout_s=cfg.sleep_timeout_s,
+                    api_token=settings.api_token,
+                )
+                if self.rank0
+                else None
+            )
             self.fleet_sync = ColocatedSync(self.publisher, servers, files_every=cfg.files_every)
         self._resent_at = -math.inf  # when a server's request for the weights was last answered
 
@@ -358,12 +415,21 @@ class RLTrainer:
         step = self._gather()
         waited_until = time.time()
         trajs = step.trajectories
-        batch = rl_sequences(trajs, cfg.filters, learner_version=self.version, std_normalize=cfg.std_normalize,
-                             negative_scale=cfg.negative_scale)
+        batch = rl_sequences(
+            trajs,
+            cfg.filters,
+            learner_version=self.version,
+            std_normalize=cfg.std_normalize,
+            negative_scale=cfg.negative_scale,
+        )
         duplicates = self.collector.take_duplicates() if self.collector else 0
-        metrics: dict[str, Any] = {"time_wait_s": step.wait_s, **batch.stats,
-                                   "samples_duplicate": float(_broadcast(duplicates, self.engine)),
-                                   "groups_lost": float(len(step.lost)), **step.counts}
+        metrics: dict[str, Any] = {
+            "time_wait_s": step.wait_s,
+            **batch.stats,
+            "samples_duplicate": float(_broadcast(duplicates, self.engine)),
+            "groups_lost": float(len(step.lost)),
+            **step.counts,
+        }
         metrics.update(batch_figures(trajs, batch.advantages, cfg))
         metrics.update(renumbered)
         colocated = cfg.publish_weights and cfg.weight_sync == "ipc"
@@ -380,16 +446,22 @@ class RLTrainer:
         if trainable and cfg.publish_weights and self.version > self.published:
             metrics.update(self.publish())
         if colocated:  # slept but published nothing new (a batch replayed after a resume): the current version
-            metrics.update(self.fleet_sync.wake(self.version, self.engine.hf_model,
-                                                zero3=self.engine.cfg.zero_stage == 3))
+            metrics.update(
+                self.fleet_sync.wake(self.version, self.engine.hf_model, zero3=self.engine.cfg.zero_stage == 3)
+            )
         if final:
             metrics.update(self._keep_last_version())
-        metrics.update(step_split(
-            wall_s=time.perf_counter() - began, wait_s=step.wait_s, waited_until=waited_until,
-            episode_ends=[t.timings.get("ended_at") for t in trajs],
-            scored_at=[stream_seconds(m.id) for m in step.messages],
-            training_s=metrics.get("time_compute_s", 0.0) + metrics.get("time_checkpoint_s", 0.0),
-            sync_s=metrics.get("time_sync_s", 0.0) + metrics.get("colocate_sleep_s", 0.0)))
+        metrics.update(
+            step_split(
+                wall_s=time.perf_counter() - began,
+                wait_s=step.wait_s,
+                waited_until=waited_until,
+                episode_ends=[t.timings.get("ended_at") for t in trajs],
+                scored_at=[stream_seconds(m.id) for m in step.messages],
+                training_s=metrics.get("time_compute_s", 0.0) + metrics.get("time_checkpoint_s", 0.0),
+                sync_s=metrics.get("time_sync_s", 0.0) + metrics.get("colocate_sleep_s", 0.0),
+            )
+        )
         self._log_step(metrics, trajs, replaying)
         if self.rank0:
             until_redis(self._count_batches, what="counting batches")
@@ -415,11 +487,14 @@ class RLTrainer:
                 except WeightsWanted:
                     wanted = True
             payload, lost, dropped, counts, no_data, wanted = _broadcast(
-                (payload, step.lost, step.dropped, step.counts, no_data, wanted), self.engine)
+                (payload, step.lost, step.dropped, step.counts, no_data, wanted), self.engine
+            )
             if not wanted:
                 break
-            log.info("a rollout server asked for the weights: sending the current version again",
-                     extra={"version": self.version})
+            log.info(
+                "a rollout server asked for the weights: sending the current version again",
+                extra={"version": self.version},
+            )
             self.publish()
         if no_data is not None:
             raise NoData(no_data)
@@ -436,11 +511,19 @@ class RLTrainer:
         if not any(sum(s.loss_mask) > 0 for s in batch.sequences):
             metrics["skipped"] = 1.0
             return False
-        out = rl_step(self.engine, batch.sequences, eps_low=cfg.eps_low, eps_high=cfg.eps_high,
-                      bounds=loss_bounds(cfg), loss_agg=cfg.loss_agg,
-                      use_rollout_logprobs=old_policy_from_rollouts(cfg),
-                      kl_coef=cfg.kl_coef, reference=self.reference, mini_batches=cfg.mini_batches,
-                      batch_groups=cfg.batch_prompts)
+        out = rl_step(
+            self.engine,
+            batch.sequences,
+            eps_low=cfg.eps_low,
+            eps_high=cfg.eps_high,
+            bounds=loss_bounds(cfg),
+            loss_agg=cfg.loss_agg,
+            use_rollout_logprobs=old_policy_from_rollouts(cfg),
+            kl_coef=cfg.kl_coef,
+            reference=self.reference,
+            mini_batches=cfg.mini_batches,
+            batch_groups=cfg.batch_prompts,
+        )
         metrics.update(out.metrics)
         self.version += 1
         return True
@@ -458,15 +541,17 @@ class RLTrainer:
     def _log_step(self, metrics: dict[str, Any], trajs: list[ScoredTrajectory], replaying: bool) -> None:
         """The step's metrics and samples. `step` is the version (a skipped batch repeats it), `batch`
         counts every batch, so curves of rollout figures have one point per batch."""
-        metrics["time_step_s"] = (metrics.get("time_wait_s", 0.0) + metrics.get("time_compute_s", 0.0)
-                                  + metrics.get("time_sync_s", 0.0))
+        metrics["time_step_s"] = (
+            metrics.get("time_wait_s", 0.0) + metrics.get("time_compute_s", 0.0) + metrics.get("time_sync_s", 0.0)
+        )
         metrics["version"] = self.version
         metrics["batch"] = self.batches
         if replaying:  # a replayed batch's line is in metrics.jsonl from before the kill
             return
         self.runlog.write(self.version, metrics)  # a step is a trained batch, whatever its optimizer steps
-        self.runlog.write_samples(self.version, [{"batch": self.batches, **r}
-                                                 for r in step_samples(trajs, self.cfg.samples_per_step)])
+        self.runlog.write_samples(
+            self.version, [{"batch": self.batches, **r} for r in step_samples(trajs, self.cfg.samples_per_step)]
+        )
 
     def _checkpoint(self, last_id: str | None = None) -> bool:
         """Every rank: save a checkpoint of the batches consumed so far, then (rank 0) acknowledge the
@@ -476,11 +561,22 @@ class RLTrainer:
         if not _broadcast(held, self.engine):
             return False
         tag = f"step{self.engine.step_count:07d}-b{self.batches:07d}"
-        self.engine.save_checkpoint(self.out / "checkpoints", {
-            "kind": "rl", "version": self.version, "consumed": self.trained.consumed,
-            "groups": self.trained.groups, "batches": self.batches,
-            "stream": {"name": self.collector.stream if self.collector else None,
-                       "group": self.cfg.consumer_group, "last_id": last_id}}, tag=tag)
+        self.engine.save_checkpoint(
+            self.out / "checkpoints",
+            {
+                "kind": "rl",
+                "version": self.version,
+                "consumed": self.trained.consumed,
+                "groups": self.trained.groups,
+                "batches": self.batches,
+                "stream": {
+                    "name": self.collector.stream if self.collector else None,
+                    "group": self.cfg.consumer_group,
+                    "last_id": last_id,
+                },
+            },
+            tag=tag,
+        )
         if os.environ.get("STAR_LEARNER_CRASH_AFTER_CHECKPOINT") == str(self.version):
             # Fault injection for the resume test: die between checkpoint and acknowledgement.
             os.kill(os.getpid(), 9)
@@ -531,9 +627,11 @@ class RLTrainer:
         """Rank 0: note (`published`) and return the highest version number this run has published by
         any path and process: the store's and Redis' records (`StorePublisher.highest_version`) and
         the versions the NCCL fleet's engines report (0 when none)."""
-        self.published = max(0, until_redis(self.publisher.highest_version,
-                                            what="reading the highest published weights version"),
-                             self._engines_highest())
+        self.published = max(
+            0,
+            until_redis(self.publisher.highest_version, what="reading the highest published weights version"),
+            self._engines_highest(),
+        )
         return self.published
 
     def _engines_highest(self) -> int:
@@ -555,8 +653,10 @@ class RLTrainer:
         Every rank calls it (the publication gathers)."""
         if replayed or self.version >= self.published or not self.cfg.publish_weights:
             return {}
-        log.warning("publishing the current weights under a number above the fleet's", extra={
-            "version": self.version, "highest_published": self.published, "as": self.published + 1})
+        log.warning(
+            "publishing the current weights under a number above the fleet's",
+            extra={"version": self.version, "highest_published": self.published, "as": self.published + 1},
+        )
         self.version = self.published + 1
         return self.publish()
 
@@ -601,13 +701,17 @@ class RLTrainer:
         in bf16; a callable, as the buckets are gathered only when files are written), the model's
         config and the folder its tokenizer comes from."""
         dtype = torch.bfloat16 if self.engine.bf16 else None
-        return {"buckets": lambda: self.engine.iter_weight_buckets(dtype=dtype), "config": self.engine.lm_config,
-                "source_dir": self.engine.model_dir}
+        return {
+            "buckets": lambda: self.engine.iter_weight_buckets(dtype=dtype),
+            "config": self.engine.lm_config,
+            "source_dir": self.engine.model_dir,
+        }
 
     def publish(self) -> dict[str, float]:
         if self.fleet_sync is not None:
-            metrics = self.fleet_sync.publish(self.version, self.engine.hf_model,
-                                              zero3=self.engine.cfg.zero_stage == 3, **self._store_args())
+            metrics = self.fleet_sync.publish(
+                self.version, self.engine.hf_model, zero3=self.engine.cfg.zero_stage == 3, **self._store_args()
+            )
             if self.rank0:  # every server has this version now, or was sent its files: requests are answered
                 until_redis(lambda: self.redis.delete(self.names.weights_wanted), what="clearing weight requests")
             return metrics
@@ -652,8 +756,7 @@ class RLTrainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{last.get('loss', float('nan')):.4f}", reward=f"{last['reward_mean']:.3f}")
                 if self.rank0:
-                    write_status(self.out, state="running", step=self.version, version=self.version,
-                                 metrics=last)
+                    write_status(self.out, state="running", step=self.version, version=self.version, metrics=last)
             if self.batches < limit:
                 state = "stopped"
                 self._checkpoint()  # what was trained since the last checkpoint is kept and acknowledged
@@ -673,4 +776,3 @@ class RLTrainer:
                 write_status(self.out, state=state, step=self.version, version=self.version, metrics=last)
             self.runlog.close()
         return {"state": state, "step": self.version, "version": self.version, "metrics": last}
-

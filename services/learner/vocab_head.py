@@ -23,7 +23,8 @@ each into a few kernels); elsewhere they run eagerly, with the same arithmetic.
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 
@@ -37,8 +38,9 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def chunk_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temp: float,
-                with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chunk_stats(
+    logits: torch.Tensor, targets: torch.Tensor, inv_temp: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-partition, target log-prob and entropy ([n] each, at least fp32) of a chunk's logits ([n, V])."""
     x = logits.to(stats_dtype(logits.dtype)) * inv_temp
     logz = torch.logsumexp(x, dim=-1)
@@ -50,8 +52,9 @@ def chunk_stats(logits: torch.Tensor, targets: torch.Tensor, inv_temp: float,
     return logz, logp, entropy
 
 
-def chunk_logit_grad(logits: torch.Tensor, targets: torch.Tensor, logz: torch.Tensor, grad_logp: torch.Tensor,
-                     inv_temp: float) -> torch.Tensor:
+def chunk_logit_grad(
+    logits: torch.Tensor, targets: torch.Tensor, logz: torch.Tensor, grad_logp: torch.Tensor, inv_temp: float
+) -> torch.Tensor:
     """d(Σ g·logp)/d(logits) for a chunk, in the logits' dtype: g · (onehot(target) − softmax) / T."""
     x = logits.to(stats_dtype(logits.dtype)) * inv_temp
     softmax = torch.exp(x - logz[:, None])
@@ -72,15 +75,19 @@ def fused_head_fits(config) -> bool:
     """Whether the model's logits are exactly its hidden states times the output embedding (said
     once in the log when they are not)."""
     kind = str(getattr(config, "model_type", None))
-    plain = kind in FUSED_MODEL_TYPES and not getattr(config, "final_logit_softcapping", None) and \
-        getattr(config, "logit_scale", None) in (None, 1.0)
+    plain = (
+        kind in FUSED_MODEL_TYPES
+        and not getattr(config, "final_logit_softcapping", None)
+        and getattr(config, "logit_scale", None) in (None, 1.0)
+    )
     if not plain:
         say_once("the fused vocabulary head", kind)
     return plain
 
 
-def model_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                   with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def model_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target ([n]) and the entropy (no gradient) from the model's own logits ([n, V]),
     read in at least fp32: the head for models the fused head does not fit."""
     x = logits.to(stats_dtype(logits.dtype)) / temperature
@@ -99,8 +106,16 @@ def use_compiled(choice: HeadKernels, device: torch.device) -> bool:
 
 class _VocabLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                inv_temp: float, with_entropy: bool, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        chunk: int,
+        inv_temp: float,
+        with_entropy: bool,
+        compiled: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         stats, _ = kernels(compiled)
         n = hidden.shape[0]
         logz = torch.empty(n, dtype=stats_dtype(hidden.dtype), device=hidden.device)
@@ -110,7 +125,8 @@ class _VocabLogprob(torch.autograd.Function):
             end = min(start + chunk, n)
             logits = hidden[start:end] @ weight.t()
             logz[start:end], logp[start:end], entropy[start:end] = stats(
-                logits, targets[start:end], inv_temp, with_entropy)
+                logits, targets[start:end], inv_temp, with_entropy
+            )
         ctx.save_for_backward(hidden, weight, targets, logz)
         ctx.chunk, ctx.inv_temp, ctx.compiled = chunk, inv_temp, compiled
         ctx.mark_non_differentiable(entropy)
@@ -122,14 +138,16 @@ class _VocabLogprob(torch.autograd.Function):
         _, logit_grad = kernels(ctx.compiled)
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        grad_weight = (torch.zeros(weight.shape, dtype=stats_dtype(weight.dtype), device=weight.device)
-                       if want_weight else None)
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=stats_dtype(weight.dtype), device=weight.device) if want_weight else None
+        )
         grad_logp = grad_logp.contiguous()
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = min(start + ctx.chunk, hidden.shape[0])
             h = hidden[start:end]
-            grad_logits = logit_grad(h @ weight.t(), targets[start:end], logz[start:end], grad_logp[start:end],
-                                     ctx.inv_temp)
+            grad_logits = logit_grad(
+                h @ weight.t(), targets[start:end], logz[start:end], grad_logp[start:end], ctx.inv_temp
+            )
             if want_hidden:
                 grad_hidden[start:end] = grad_logits @ weight
             if want_weight:
@@ -139,9 +157,16 @@ class _VocabLogprob(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def vocab_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, chunk: int,
-                   temperature: float = 1.0, with_entropy: bool = True,
-                   head_kernels: HeadKernels = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk: int,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    head_kernels: HeadKernels = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target ([n]) under softmax(hidden @ weightᵀ / temperature), and the entropy of
     that distribution (no gradient), for hidden states [n, d] and a head weight [V, d]."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:

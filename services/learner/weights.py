@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from services.common.schemas import WeightsUpdate
 from services.common.files import sha256_file
+from services.common.schemas import WeightsUpdate
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +69,34 @@ class PublishResult:
     write_s: float = 0.0
     notify_s: float = 0.0
     bytes: int = 0
-    servers: dict[str, str] = field(default_factory=dict)   # url → "ok" or the error
+    servers: dict[str, str] = field(default_factory=dict)  # url → "ok" or the error
 
     def metrics(self) -> dict[str, float]:
         ok = sum(v == "ok" for v in self.servers.values())
-        return {"sync_gather_s": self.gather_s, "sync_write_s": self.write_s, "sync_fleet_load_s": self.notify_s,
-                "sync_bytes": float(self.bytes), "sync_servers_ok": float(ok),
-                "sync_servers_failed": float(len(self.servers) - ok)}
+        return {
+            "sync_gather_s": self.gather_s,
+            "sync_write_s": self.write_s,
+            "sync_fleet_load_s": self.notify_s,
+            "sync_bytes": float(self.bytes),
+            "sync_servers_ok": float(ok),
+            "sync_servers_failed": float(len(self.servers) - ok),
+        }
 
 
 # ---- writing a version --------------------------------------------------------------------------
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL"}
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 _ALIGN = 64  # every tensor starts on a 64-byte boundary inside a shard's data
 
 
@@ -90,8 +104,8 @@ _ALIGN = 64  # every tensor starts on a 64-byte boundary inside a shard's data
 class FlatBucket:
     """Several tensors laid out in one byte buffer: one device→host copy, one write, one broadcast."""
 
-    entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]]   # name, dtype, shape, start, end
-    data: torch.Tensor                                                  # uint8, 1-D
+    entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]]  # name, dtype, shape, start, end
+    data: torch.Tensor  # uint8, 1-D
 
     @property
     def nbytes(self) -> int:
@@ -112,8 +126,9 @@ def layout(named: list[tuple[str, torch.dtype, tuple[int, ...], int]]) -> tuple[
     return entries, pos
 
 
-def flatten(named: list[tuple[str, torch.Tensor]], *, dtype: torch.dtype | None = None,
-            out: torch.Tensor | None = None) -> FlatBucket:
+def flatten(
+    named: list[tuple[str, torch.Tensor]], *, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+) -> FlatBucket:
     """Copy tensors (any device) into one uint8 buffer `out` (e.g. pinned host memory) or a new one
     on the tensors' device."""
     entries, total = layout([(n, dtype or t.dtype, tuple(t.shape), t.numel()) for n, t in named])
@@ -153,13 +168,25 @@ def write_safetensors(path: Path, bucket: FlatBucket) -> tuple[str, int]:
 def copy_model_files(source: Path, target: Path) -> None:
     """Tokenizer and generation files from the starting model (everything but weights and config)."""
     for item in Path(source).iterdir():
-        if item.is_file() and not item.name.endswith(WEIGHT_FILES) and item.name not in (
-                "config.json", INDEX, MANIFEST) and not item.name.startswith("."):
+        if (
+            item.is_file()
+            and not item.name.endswith(WEIGHT_FILES)
+            and item.name not in ("config.json", INDEX, MANIFEST)
+            and not item.name.startswith(".")
+        ):
             shutil.copy2(item, target / item.name)
 
 
-def write_version(root: Path, version: int, buckets: Iterable["FlatBucket"], *, config: Any, source_dir: Path | None,
-                  threads: int = 4, fsync: bool = False) -> tuple[Path, str, float, float, int]:
+def write_version(
+    root: Path,
+    version: int,
+    buckets: Iterable[FlatBucket],
+    *,
+    config: Any,
+    source_dir: Path | None,
+    threads: int = 4,
+    fsync: bool = False,
+) -> tuple[Path, str, float, float, int]:
     """Write v{version}; returns (folder, manifest sha256, gather seconds, write seconds, bytes).
 
     Each bucket becomes one shard, written by a thread while the next bucket is gathered."""
@@ -282,11 +309,22 @@ def _tied(model: torch.nn.Module, name: str) -> bool:
 
 # ---- the store publisher --------------------------------------------------------------------------
 
+
 class StorePublisher:
     """Shared-storage weights + Redis version key + POST /weights to each rollout server."""
 
-    def __init__(self, root: Path, *, redis_client: Any = None, key_prefix: str = "star", servers: Iterable[str] = (),
-                 keep: int = 3, api_token: str | None = None, timeout_s: float = 300.0, threads: int = 4) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        redis_client: Any = None,
+        key_prefix: str = "star",
+        servers: Iterable[str] = (),
+        keep: int = 3,
+        api_token: str | None = None,
+        timeout_s: float = 300.0,
+        threads: int = 4,
+    ) -> None:
         if keep < 1:
             raise ValueError("keep must be at least 1")
         self.root = Path(root)
@@ -300,10 +338,12 @@ class StorePublisher:
         self.timeout_s = timeout_s
         self.threads = threads
 
-    def publish(self, version: int, buckets: Iterable[FlatBucket], *, config: Any, source_dir: Path | None = None
-                ) -> PublishResult:
-        folder, digest, gather_s, write_s, size = write_version(self.root, version, buckets, config=config,
-                                                                source_dir=source_dir, threads=self.threads)
+    def publish(
+        self, version: int, buckets: Iterable[FlatBucket], *, config: Any, source_dir: Path | None = None
+    ) -> PublishResult:
+        folder, digest, gather_s, write_s, size = write_version(
+            self.root, version, buckets, config=config, source_dir=source_dir, threads=self.threads
+        )
         update = WeightsUpdate(version=version, uri=str(folder.resolve()), sha256=digest)
         t0 = time.perf_counter()
         if self.redis is not None:
@@ -335,8 +375,10 @@ class StorePublisher:
             results = dict(zip(self.servers, pool.map(post, self.servers)))
         for url, outcome in results.items():
             if outcome != "ok":
-                log.warning("rollout server did not load the weights", extra={"server": url, "error": outcome,
-                                                                              "version": update.version})
+                log.warning(
+                    "rollout server did not load the weights",
+                    extra={"server": url, "error": outcome, "version": update.version},
+                )
         return results
 
     def prune(self, latest: int) -> list[int]:
@@ -381,8 +423,9 @@ class StorePublisher:
         """`weights:highest` becomes `version` where that is higher (atomically: never lowered)."""
         from services.common.streams import until_redis
 
-        until_redis(lambda: self.redis.eval(RAISE_TO, 1, self.highest_key, version),
-                    what="recording the highest version")
+        until_redis(
+            lambda: self.redis.eval(RAISE_TO, 1, self.highest_key, version), what="recording the highest version"
+        )
 
     def highest_version(self) -> int:
         """The highest number this run has published by any path, as far as the store and Redis say: the
@@ -406,8 +449,10 @@ return redis.call('GET', KEYS[1])
 
 # ---- weights over NCCL into live vLLM engines ---------------------------------------------------
 
-def parameter_groups(named: list[tuple[str, torch.nn.Parameter]], limit_bytes: int,
-                     dtype: torch.dtype | None = None) -> list[list[tuple[str, torch.nn.Parameter]]]:
+
+def parameter_groups(
+    named: list[tuple[str, torch.nn.Parameter]], limit_bytes: int, dtype: torch.dtype | None = None
+) -> list[list[tuple[str, torch.nn.Parameter]]]:
     """Consecutive groups of about `limit_bytes` (full sizes, as `dtype` when given): what one ZeRO-3
     gather holds at a time."""
     groups: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
@@ -426,8 +471,9 @@ def sent_parameters(model: torch.nn.Module, skip_tied: bool = True) -> list[tupl
     return [(n, p) for n, p in model.named_parameters(remove_duplicate=True) if not (skip_tied and _tied(model, n))]
 
 
-def iter_full_parameters(model: torch.nn.Module, *, zero3: bool = False, group_bytes: int = 512 * 2**20,
-                         skip_tied: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_parameters(
+    model: torch.nn.Module, *, zero3: bool = False, group_bytes: int = 512 * 2**20, skip_tied: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) for every parameter, in a fixed order. Under ZeRO-3 the parameters are
     gathered a group of about `group_bytes` at a time: every rank must iterate (the gather is a
     collective). Tied output heads are skipped (`skip_tied`): the engine ties them itself."""
@@ -448,9 +494,11 @@ def iter_full_parameters(model: torch.nn.Module, *, zero3: bool = False, group_b
 def parameter_layout(model: torch.nn.Module, *, skip_tied: bool = True) -> dict[str, list]:
     """Names, dtype names and full shapes of what `iter_full_parameters` yields (no gather needed)."""
     named = sent_parameters(model, skip_tied)
-    return {"names": [n for n, _ in named],
-            "dtype_names": [str(p.dtype).removeprefix("torch.") for _, p in named],
-            "shapes": [list(getattr(p, "ds_shape", p.shape)) for _, p in named]}
+    return {
+        "names": [n for n, _ in named],
+        "dtype_names": [str(p.dtype).removeprefix("torch.") for _, p in named],
+        "shapes": [list(getattr(p, "ds_shape", p.shape)) for _, p in named],
+    }
 
 
 def check_engine_weights(model: torch.nn.Module, engine: dict[str, Any], *, zero3: bool = False) -> dict[str, Any]:
@@ -460,8 +508,9 @@ def check_engine_weights(model: torch.nn.Module, engine: dict[str, Any], *, zero
     return compare_engine_digests(learner_digests(model, engine["packed"], engine["dtype"], zero3=zero3), engine)
 
 
-def learner_digests(model: torch.nn.Module, packed: dict[str, list[str]], dtype: str, *,
-                    zero3: bool = False) -> dict[str, str]:
+def learner_digests(
+    model: torch.nn.Module, packed: dict[str, list[str]], dtype: str, *, zero3: bool = False
+) -> dict[str, str]:
     """The learner's side of `check_engine_weights`: a sha256 of every parameter in an engine's fused
     layout (`packed`) and dtype (its name), without asking the engine (it may hash at the same time)."""
     from services.common.weight_digests import engine_layout_digests
@@ -477,8 +526,13 @@ def compare_engine_digests(ours: dict[str, str], engine: dict[str, Any]) -> dict
     wrong = digest_mismatches(ours, engine["digests"])
     wrong["missing"] = [n for n in wrong["missing"] if n not in opaque]
     wrong["unverifiable"] = sorted(opaque)
-    return {"tensors_checked": len(ours), "tensors_equal": len(ours) - len(wrong["differ"]) - len(wrong["missing"])
-            - len(opaque), "equal": not any(wrong.values()), **{k: v[:10] for k, v in wrong.items()}, "digests": ours}
+    return {
+        "tensors_checked": len(ours),
+        "tensors_equal": len(ours) - len(wrong["differ"]) - len(wrong["missing"]) - len(opaque),
+        "equal": not any(wrong.values()),
+        **{k: v[:10] for k, v in wrong.items()},
+        "digests": ours,
+    }
 
 
 # The learner's exit status when an NCCL call of the weight sync outlives its deadline.
@@ -514,9 +568,17 @@ class NcclPublisher:
     the connection broke) cannot end either, so `on_stuck` is called then, after `member_grace_s`, rather
     than at the deadline."""
 
-    def __init__(self, servers: Iterable[str], *, master_address: str = "127.0.0.1", master_port: int = 29731,
-                 api_token: str | None = None, timeout_s: float = 120.0, member_grace_s: float = 5.0,
-                 on_stuck: Callable[[str], None] = end_stuck_learner) -> None:
+    def __init__(
+        self,
+        servers: Iterable[str],
+        *,
+        master_address: str = "127.0.0.1",
+        master_port: int = 29731,
+        api_token: str | None = None,
+        timeout_s: float = 120.0,
+        member_grace_s: float = 5.0,
+        on_stuck: Callable[[str], None] = end_stuck_learner,
+    ) -> None:
         self.servers = [s.rstrip("/") for s in servers]
         if not self.servers:
             raise ValueError("NCCL weight sync needs at least one rollout server")
@@ -578,8 +640,10 @@ class NcclPublisher:
             end = time.monotonic() + self.timeout_s
             while not done.wait(min(0.5, max(0.0, end - time.monotonic()))):
                 if time.monotonic() >= end:
-                    self.on_stuck(f"{what} did not finish within {self.timeout_s:g} s (a member of the weight "
-                                  f"group died or stopped answering: {', '.join(self.members) or 'none formed yet'})")
+                    self.on_stuck(
+                        f"{what} did not finish within {self.timeout_s:g} s (a member of the weight "
+                        f"group died or stopped answering: {', '.join(self.members) or 'none formed yet'})"
+                    )
                     return
                 gone = failed_member()
                 if gone is not None:
@@ -600,8 +664,9 @@ class NcclPublisher:
         from services.learner.nccl_env import peer_protocol
 
         with peer_protocol():  # the engines' workers pick NCCL's own protocol; so must rank 0
-            return NCCLWeightTransferEngine.trainer_init(dict(master_address=self.master_address, master_port=port,
-                                                              world_size=world_size))
+            return NCCLWeightTransferEngine.trainer_init(
+                dict(master_address=self.master_address, master_port=port, world_size=world_size)
+            )
 
     def _next_port(self) -> int:
         """The configured port for the first group; on a loopback master a free port for each later one,
@@ -635,9 +700,21 @@ class NcclPublisher:
         offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         group_id, port = uuid.uuid4().hex, self._next_port()
         self.formed += 1
-        joins = [self.pool.submit(self._post, url, "/weights/group", {
-            "master_address": self.master_address, "master_port": port, "rank_offset": off,
-            "world_size": world, "group_id": group_id}) for url, off in zip(members, offsets)]
+        joins = [
+            self.pool.submit(
+                self._post,
+                url,
+                "/weights/group",
+                {
+                    "master_address": self.master_address,
+                    "master_port": port,
+                    "rank_offset": off,
+                    "world_size": world,
+                    "group_id": group_id,
+                },
+            )
+            for url, off in zip(members, offsets)
+        ]
         with self._deadline(f"forming the NCCL weight group of {world} ranks"):
             group = self._trainer_init(port, world)
         for f in joins:
@@ -648,11 +725,15 @@ class NcclPublisher:
     def stale(self, infos: dict[str, dict[str, Any] | None]) -> bool:
         """Whether the group no longer matches the servers that answer (or there is none)."""
         up = [u for u, info in infos.items() if info is not None]
-        return (self.group is None or set(up) != set(self.members)
-                or any(infos[u].get("weight_group") != self.group_id or infos[u].get("broken") for u in up))
+        return (
+            self.group is None
+            or set(up) != set(self.members)
+            or any(infos[u].get("weight_group") != self.group_id or infos[u].get("broken") for u in up)
+        )
 
-    def publish(self, version: int, layout: dict[str, list], tensors: Iterable[tuple[str, torch.Tensor]]
-                ) -> dict[str, float]:
+    def publish(
+        self, version: int, layout: dict[str, list], tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> dict[str, float]:
         """Send `tensors` (in `layout`'s order) as `version` to every member of the group, formed
         again first when it is stale. `tensors` may be left unconsumed when nothing is sent."""
         infos = self.survey()
@@ -660,8 +741,7 @@ class NcclPublisher:
         if ahead:
             # a learner resumed from a checkpoint older than what it published: those servers keep their
             # newer version (a number is never given other weights) and the others get this one
-            log.warning("servers ahead of this version are left out of it", extra={"version": version,
-                                                                                     "ahead": ahead})
+            log.warning("servers ahead of this version are left out of it", extra={"version": version, "ahead": ahead})
             infos = {u: i for u, i in infos.items() if u not in ahead}
         self.missed = [u for u in self.servers if u not in ahead]
         metrics: dict[str, float] = {}
@@ -681,8 +761,9 @@ class NcclPublisher:
         self.missed = [u for u in self.servers if u not in self.members and u not in ahead]
         return metrics
 
-    def _send(self, version: int, layout: dict[str, list], tensors: Iterable[tuple[str, torch.Tensor]],
-              ahead: dict[str, Any]) -> dict[str, float]:
+    def _send(
+        self, version: int, layout: dict[str, list], tensors: Iterable[tuple[str, torch.Tensor]], ahead: dict[str, Any]
+    ) -> dict[str, float]:
         """One broadcast to the members; on any failure the group is dropped and the members that did
         not load the version are named."""
         t0 = time.perf_counter()
@@ -726,8 +807,9 @@ class FleetSync:
         self.files_every = files_every
         self.files_version = -1  # the newest version this process wrote to the store (the same on every rank)
 
-    def publish(self, version: int, model: torch.nn.Module, *, zero3: bool, buckets: Any, config: Any,
-                source_dir: Path | None) -> dict[str, float]:
+    def publish(
+        self, version: int, model: torch.nn.Module, *, zero3: bool, buckets: Any, config: Any, source_dir: Path | None
+    ) -> dict[str, float]:
         """`buckets`: a callable giving the store's buckets (called only when files are written)."""
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
@@ -760,8 +842,10 @@ class FleetSync:
         try:
             metrics.update(self.nccl.publish(version, parameter_layout(model), tensors))
         except WeightsError as exc:
-            log.error("NCCL weight sync failed; those servers get the version from the store", extra={
-                "version": version, "error": str(exc)})
+            log.error(
+                "NCCL weight sync failed; those servers get the version from the store",
+                extra={"version": version, "error": str(exc)},
+            )
             metrics["sync_nccl_failed"] = 1.0
         finally:
             for _ in tensors:  # what a send that stopped early left of the gathers
@@ -769,15 +853,23 @@ class FleetSync:
         metrics["sync_nccl_missed"] = float(len(self.nccl.missed))
         return list(self.nccl.missed)
 
-    def _write(self, version: int, buckets: Any, config: Any, source_dir: Path | None,
-               missed: list[str]) -> dict[str, float]:
+    def _write(
+        self, version: int, buckets: Any, config: Any, source_dir: Path | None, missed: list[str]
+    ) -> dict[str, float]:
         """The store's copy of `version`, posted to the `missed` servers (every rank gathers)."""
         self.files_version = version
         return publish_files(self.store, version, buckets, config=config, source_dir=source_dir, servers=missed)
 
 
-def publish_files(store: StorePublisher | None, version: int, buckets: Any, *, config: Any, source_dir: Path | None,
-                  servers: list[str]) -> dict[str, float]:
+def publish_files(
+    store: StorePublisher | None,
+    version: int,
+    buckets: Any,
+    *,
+    config: Any,
+    source_dir: Path | None,
+    servers: list[str],
+) -> dict[str, float]:
     """`version`'s files in the weights store, posted to `servers` alone (the others have it already).
     Every rank calls it: ranks without the store (`None`) take their share of rank 0's gathers."""
     if store is None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -14,7 +13,7 @@ from services.common.settings import get_settings
 console = Console(stderr=True)
 
 
-def up_command(only: Optional[list[str]] = typer.Option(None, "--only", help="Start just these services.")) -> None:
+def up_command(only: list[str] | None = typer.Option(None, "--only", help="Start just these services.")) -> None:
     """Start Redis and every service as local processes on 127.0.0.1 (embedded mode)."""
     from services.embedded import ensure_world
     from services.pipeline import fleet
@@ -22,14 +21,18 @@ def up_command(only: Optional[list[str]] = typer.Option(None, "--only", help="St
     settings = get_settings()
     ensure_world(settings.world_url)
     try:
-        state = fleet.up(settings, only=only, on_start=lambda p: console.print(f"[green]up[/] {p.name:<14} {p.url or ''}"))
+        state = fleet.up(
+            settings, only=only, on_start=lambda p: console.print(f"[green]up[/] {p.name:<14} {p.url or ''}")
+        )
     except RuntimeError as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(1) from None
     from services.common.redis import redact
 
-    console.print(f"redis {redact(state.redis_url)} (password in {settings.home / 'redis' / 'redis.password'}); "
-                  f"state in {fleet.state_path(settings)}")
+    console.print(
+        f"redis {redact(state.redis_url)} (password in {settings.home / 'redis' / 'redis.password'}); "
+        f"state in {fleet.state_path(settings)}"
+    )
     console.print("clients: " + " ".join(f"{k}={redact(v)}" for k, v in state.env().items()))
 
 
@@ -68,12 +71,15 @@ def status_command(as_json: bool = typer.Option(False, "--json", help="Machine-r
 
 def train_command(
     config: str = typer.Argument(..., help="Recipe file, e.g. configs/tiny.yaml."),
-    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="Run folder (default: STAR_HOME/runs/<name>)."),
-    stage: Optional[list[str]] = typer.Option(None, "--stage", help="Run only these stages (synth, sft, rl, eval)."),
-    override: Optional[list[str]] = typer.Option(None, "--set", help="Override a recipe value: section.key=value."),
-    fleet: Optional[str] = typer.Option(
-        None, "--fleet", help="embedded: start the RL stage's own fleet; external: drive a running one (Compose, "
-        "Helm) through STAR_REDIS_URL and the STAR_*_URL settings. Default: the recipe's deployment.fleet."),
+    run_dir: str | None = typer.Option(None, "--run-dir", help="Run folder (default: STAR_HOME/runs/<name>)."),
+    stage: list[str] | None = typer.Option(None, "--stage", help="Run only these stages (synth, sft, rl, eval)."),
+    override: list[str] | None = typer.Option(None, "--set", help="Override a recipe value: section.key=value."),
+    fleet: str | None = typer.Option(
+        None,
+        "--fleet",
+        help="embedded: start the RL stage's own fleet; external: drive a running one (Compose, "
+        "Helm) through STAR_REDIS_URL and the STAR_*_URL settings. Default: the recipe's deployment.fleet.",
+    ),
 ) -> None:
     """Run the STAR pipeline (synthesis → SFT → RL → eval) as configured; rerun to resume."""
     from pathlib import Path

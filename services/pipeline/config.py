@@ -8,18 +8,25 @@ everything to finish on a laptop CPU in minutes.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
-
-import math
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from services.common.schemas import ArpoParams, EvalMode, PreferencePenalty, RewardKind, SamplingParams, VllmArgs
 from services.evaluation.runner import MODEL_CONCURRENCY
-from services.learner.config import EngineConfig, FilterConfig, LateGroupPolicy, RLConfig, TruncationPolicy, \
-    late_masked_finishes, masked_finishes, zero_reward_finishes
+from services.learner.config import (
+    EngineConfig,
+    FilterConfig,
+    LateGroupPolicy,
+    RLConfig,
+    TruncationPolicy,
+    late_masked_finishes,
+    masked_finishes,
+    zero_reward_finishes,
+)
 from services.reward.rewards import Curriculum, CurriculumUnit
 from services.rollout.chat import ChatOptions
 
@@ -40,7 +47,8 @@ class TinyModel(_Section):
     kv_heads: int = Field(1, description="Key/value heads (grouped-query attention); heads must be a multiple.")
     seed: int = Field(0, description="Seed of the random weights: same arguments, same weights.")
     tokenizer: Literal["travel", "qwen"] = Field(
-        "travel", description="travel: our 4K BPE (fast on CPU); qwen: the Qwen2.5 vocabulary (152K rows).")
+        "travel", description="travel: our 4K BPE (fast on CPU); qwen: the Qwen2.5 vocabulary (152K rows)."
+    )
 
 
 class ModelSpec(_Section):
@@ -48,7 +56,7 @@ class ModelSpec(_Section):
     tiny: TinyModel | None = Field(None, description="Build a tiny random policy instead of loading `path`.")
 
     @model_validator(mode="after")
-    def _one_source(self) -> "ModelSpec":
+    def _one_source(self) -> ModelSpec:
         if (self.path is None) == (self.tiny is None):
             raise ValueError("model: give exactly one of `path` or `tiny`")
         return self
@@ -56,33 +64,55 @@ class ModelSpec(_Section):
 
 class WorldSpec(_Section):
     source: Literal["official", "synthetic"] = Field(
-        "official", description="official: the real TravelPlanner tables (STAR_TRAVELPLANNER_DIR) with generated "
-        "flights; synthetic: a generated world of synthetic_size.")
+        "official",
+        description="official: the real TravelPlanner tables (STAR_TRAVELPLANNER_DIR) with generated "
+        "flights; synthetic: a generated world of synthetic_size.",
+    )
     synthetic_size: Literal["tiny", "small", "medium", "full"] = Field(
-        "small", description="Size of a synthetic world (full: the benchmark's scale).")
+        "small", description="Size of a synthetic world (full: the benchmark's scale)."
+    )
     db_url: str | None = Field(None, description="World database; default STAR_DB_URL or STAR_HOME/world.sqlite.")
 
 
 class SynthSpec(_Section):
     sft_queries: int = Field(1200, ge=0, description="Queries whose teacher trajectories train SFT.")
     rl_queries: int = Field(1000, ge=0, description="RL prompts; an RL epoch is rl_queries / rl.batch_prompts steps.")
-    val_queries: int = Field(180, ge=0, description="Validation queries: RL's best-checkpoint selection (rl.val_every), "
-                             "and the eval stage's default where no held-out queries are made.")
-    heldout_queries: int = Field(0, ge=0, description="Queries for the eval stage alone, apart from the validation "
-                                 "set that picks the RL checkpoint (the benchmark's test split plays this part).")
+    val_queries: int = Field(
+        180,
+        ge=0,
+        description="Validation queries: RL's best-checkpoint selection (rl.val_every), "
+        "and the eval stage's default where no held-out queries are made.",
+    )
+    heldout_queries: int = Field(
+        0,
+        ge=0,
+        description="Queries for the eval stage alone, apart from the validation "
+        "set that picks the RL checkpoint (the benchmark's test split plays this part).",
+    )
     mix: tuple[int, int, int] = Field((4, 3, 3), description="easy:medium:hard")
-    rl_mix: tuple[int, int, int] | None = Field(None, description="easy:medium:hard of the RL prompts alone (the "
-                                                "paper's RL set is 4:3:3); default: mix. A level the SFT model never "
-                                                "solves only makes flat groups under the success reward.")
-    days: list[Literal[3, 5, 7]] = Field([3, 5, 7], min_length=1, description="Trip lengths drawn (the benchmark's 3, 5, 7).")
-    flight_share: float = Field(0.9, ge=0, le=1, description="Share of flight trips; a hard query forbids self-driving "
-                                "on a flight trip and flights on a road trip.")
+    rl_mix: tuple[int, int, int] | None = Field(
+        None,
+        description="easy:medium:hard of the RL prompts alone (the "
+        "paper's RL set is 4:3:3); default: mix. A level the SFT model never "
+        "solves only makes flat groups under the success reward.",
+    )
+    days: list[Literal[3, 5, 7]] = Field(
+        [3, 5, 7], min_length=1, description="Trip lengths drawn (the benchmark's 3, 5, 7)."
+    )
+    flight_share: float = Field(
+        0.9,
+        ge=0,
+        le=1,
+        description="Share of flight trips; a hard query forbids self-driving "
+        "on a flight trip and flights on a road trip.",
+    )
     teacher: Literal["oracle", "openai"] = Field(
-        "oracle", description="Who writes the SFT trajectories: the oracle planner, or an OpenAI-compatible model.")
+        "oracle", description="Who writes the SFT trajectories: the oracle planner, or an OpenAI-compatible model."
+    )
     seed: int = Field(0, description="Seed of query synthesis and the teacher.")
 
     @model_validator(mode="after")
-    def _mixes_are_ratios(self) -> "SynthSpec":
+    def _mixes_are_ratios(self) -> SynthSpec:
         from services.synth.queries import parse_ratio  # the rule `star synth queries` applies to --mix
 
         for name in ("mix", "rl_mix"):
@@ -119,8 +149,12 @@ class RLSpec(_Section):
     batch_prompts: int = Field(32, ge=1)
     group_size: int = Field(8, ge=1)
     lr: float = Field(2e-6, gt=0)
-    mini_batches: int = Field(1, ge=1, description="Optimizer steps per full batch of batch_prompts × group_size, each "
-                              "on whole groups; a batch that DAPO or staleness shrank makes fewer.")
+    mini_batches: int = Field(
+        1,
+        ge=1,
+        description="Optimizer steps per full batch of batch_prompts × group_size, each "
+        "on whole groups; a batch that DAPO or staleness shrank makes fewer.",
+    )
     eps_low: float = Field(0.2, ge=0)
     eps_high: float = Field(0.28, ge=0)
     # The policy loss's bounds and corrections, one definition in RLConfig (docs/rl-numerics.md).
@@ -132,43 +166,70 @@ class RLSpec(_Section):
     loss_agg: Literal["token-mean", "group-token-mean", "seq-mean-token-mean"] = RLConfig.model_fields["loss_agg"]
     reward: RewardKind = "sum"
     # before `curriculum`, whose validator reads it
-    curriculum_unit: CurriculumUnit = Field("epoch", description=(
-        "What the curriculum's stage numbers count: epochs (the paper's) or RL steps, for runs of an epoch or two."))
+    curriculum_unit: CurriculumUnit = Field(
+        "epoch",
+        description=(
+            "What the curriculum's stage numbers count: epochs (the paper's) or RL steps, for runs of an epoch or two."
+        ),
+    )
     curriculum: str = Field("sum:1-2,macro:3-4,success:5", description="Reward schedule when reward is curriculum.")
     preference_penalty: PreferencePenalty = 0.0
     # Not the paper's (it trains KL-free): a brake on RL unlearning what SFT taught. The reference is
     # the stage's starting model, usually the SFT export.
     kl_coef: float = RLConfig.model_fields["kl_coef"]
     negative_scale: float = RLConfig.model_fields["negative_scale"]
-    truncated: TruncationPolicy = Field("mask", description=(
-        "Episodes that ran out of context or tool calls: mask leaves them out of the loss (the STAR code's "
-        "overlong filter), fail trains them as reward-0 failures (the paper calls them failures)."))
+    truncated: TruncationPolicy = Field(
+        "mask",
+        description=(
+            "Episodes that ran out of context or tool calls: mask leaves them out of the loss (the STAR code's "
+            "overlong filter), fail trains them as reward-0 failures (the paper calls them failures)."
+        ),
+    )
     eval_mode: EvalMode = Field("strict", description="Evaluator mode of the training reward.")
-    sampling: SamplingParams = Field(default_factory=SamplingParams, description=(
-        "Rollout sampling. The learner's log-probs are taken at this temperature; top_p < 1 or a top_k makes the "
-        "samples off-policy (the learner trains the whole distribution)."))
+    sampling: SamplingParams = Field(
+        default_factory=SamplingParams,
+        description=(
+            "Rollout sampling. The learner's log-probs are taken at this temperature; top_p < 1 or a top_k makes the "
+            "samples off-policy (the learner trains the whole distribution)."
+        ),
+    )
     fault_rate: float = Field(0.0, ge=0, le=1, description="Tool failure injection during RL (paper: 0, 1, 5, 10%).")
     max_staleness: int = Field(0, ge=0, description="0: synchronous on-policy; k: rollouts may lag k versions.")
     val_every: int = Field(0, ge=0, description="Validate every N steps and keep the best checkpoint (0: off).")
     keep_validated: Literal["best", "all"] = Field(
-        "best", description="Which validated versions keep their weights in the run folder: the best so far (a "
-        "version's copy is removed once a better one is validated: a 7B version is about 15 GB) or all of them.")
+        "best",
+        description="Which validated versions keep their weights in the run folder: the best so far (a "
+        "version's copy is removed once a better one is validated: a 7B version is about 15 GB) or all of them.",
+    )
     max_steps: int | None = Field(None, ge=1)
     max_minutes: float | None = Field(
-        None, gt=0, description="Wall-clock budget of the RL stage: once spent, the stage ends with the latest "
-        "published weights and the steps not yet trained are left out (default: no budget).")
+        None,
+        gt=0,
+        description="Wall-clock budget of the RL stage: once spent, the stage ends with the latest "
+        "published weights and the steps not yet trained are left out (default: no budget).",
+    )
     samples_per_step: int = RLConfig.model_fields["samples_per_step"]
     save_every: int = RLConfig.model_fields["save_every"]
-    oversample: float = Field(0.0, ge=0, le=4, description=(
-        "Over-sampling: the controller publishes ceil(batch_prompts × (1 + oversample)) prompts a step and the "
-        "step trains the first batch_prompts groups to complete, so it does not wait for its slowest groups; the "
-        "surplus trains at a later step while within max_staleness, else it is dropped (groups_surplus_dropped). "
-        "With max_staleness 0 every surplus group is dropped: sampled work traded for step time."))
-    late_groups: LateGroupPolicy = Field("partial", description=(
-        "A group with episodes cut at their deadline (rl.sampling's turn_timeout_s, episode_timeout_s, "
-        "group_timeout_s; finish_reason deadline): drop leaves the whole group out; partial trains its finished "
-        "episodes, normalized among themselves; mask keeps every episode in the group's normalization with the "
-        "cut ones out of the loss. Counted as groups_late, groups_dropped_late, groups_partial, episodes_cut."))
+    oversample: float = Field(
+        0.0,
+        ge=0,
+        le=4,
+        description=(
+            "Over-sampling: the controller publishes ceil(batch_prompts × (1 + oversample)) prompts a step and the "
+            "step trains the first batch_prompts groups to complete, so it does not wait for its slowest groups; the "
+            "surplus trains at a later step while within max_staleness, else it is dropped (groups_surplus_dropped). "
+            "With max_staleness 0 every surplus group is dropped: sampled work traded for step time."
+        ),
+    )
+    late_groups: LateGroupPolicy = Field(
+        "partial",
+        description=(
+            "A group with episodes cut at their deadline (rl.sampling's turn_timeout_s, episode_timeout_s, "
+            "group_timeout_s; finish_reason deadline): drop leaves the whole group out; partial trains its finished "
+            "episodes, normalized among themselves; mask keeps every episode in the group's normalization with the "
+            "cut ones out of the loss. Counted as groups_late, groups_dropped_late, groups_partial, episodes_cut."
+        ),
+    )
 
     @field_validator("importance_sampling", mode="before")
     @classmethod
@@ -184,22 +245,24 @@ class RLSpec(_Section):
         return text
 
     @model_validator(mode="after")
-    def _samples_are_drawn(self) -> "RLSpec":
+    def _samples_are_drawn(self) -> RLSpec:
         # the learner's log-probs are of logits / T: greedy decoding (T = 0) has no policy to train
         if self.sampling.temperature <= 0:
             raise ValueError("rl.sampling.temperature must be above 0: RL trains on sampled turns, not greedy ones")
         return self
 
     @model_validator(mode="after")
-    def _forced_turns_fit(self) -> "RLSpec":
+    def _forced_turns_fit(self) -> RLSpec:
         forced = self.sampling.forced_turns
         if forced is not None and forced.shape == "fixed" and forced.tool_calls > self.sampling.max_tool_calls:
-            raise ValueError(f"rl.sampling.forced_turns.tool_calls {forced.tool_calls} exceeds "
-                             f"rl.sampling.max_tool_calls {self.sampling.max_tool_calls}")
+            raise ValueError(
+                f"rl.sampling.forced_turns.tool_calls {forced.tool_calls} exceeds "
+                f"rl.sampling.max_tool_calls {self.sampling.max_tool_calls}"
+            )
         return self
 
     @model_validator(mode="after")
-    def _stale_cut_samples_are_corrected(self) -> "RLSpec":
+    def _stale_cut_samples_are_corrected(self) -> RLSpec:
         # Under a cut the recorded log-probs are not of the policy trained, so the clip ratio's old policy is
         # the learner's own forward before the update; the gap from the policy that sampled, up to
         # max_staleness versions behind, is then weighed only by an importance correction.
@@ -208,18 +271,21 @@ class RLSpec(_Section):
             raise ValueError(
                 f"max_staleness {self.max_staleness} with rl.sampling's {' and '.join(cuts)} needs an importance "
                 "correction: set rl.importance_sampling to tis or mis (or sample without the cut: top_p 1.0, "
-                "top_k -1; or train on-policy: max_staleness 0)")
+                "top_k -1; or train on-policy: max_staleness 0)"
+            )
         return self
 
     @model_validator(mode="after")
-    def _penalty_can_bite(self) -> "RLSpec":
+    def _penalty_can_bite(self) -> RLSpec:
         # A plan that breaks a stated preference fails, so its success reward is already 0, and
         # rewards are floored at 0: under success alone the penalty changes no reward at all.
         schedule = self.schedule()
         kinds = {k for _, k in schedule.stages} if schedule else {self.reward}
         if self.preference_penalty and kinds == {"success"}:
-            raise ValueError(f"preference_penalty {self.preference_penalty:g} has no effect under the success reward "
-                             "(a plan that breaks a preference already scores 0); use sum, macro or a curriculum")
+            raise ValueError(
+                f"preference_penalty {self.preference_penalty:g} has no effect under the success reward "
+                "(a plan that breaks a preference already scores 0); use sum, macro or a curriculum"
+            )
         return self
 
     def schedule(self) -> Curriculum | None:
@@ -228,9 +294,11 @@ class RLSpec(_Section):
 
     def filters(self) -> FilterConfig:
         """Which samples reach the learner's loss, and with what reward."""
-        return FilterConfig(max_staleness=self.max_staleness,
-                            mask_finish_reasons=masked_finishes(self.truncated) + late_masked_finishes(self.late_groups),
-                            zero_reward_finish_reasons=zero_reward_finishes(self.truncated))
+        return FilterConfig(
+            max_staleness=self.max_staleness,
+            mask_finish_reasons=masked_finishes(self.truncated) + late_masked_finishes(self.late_groups),
+            zero_reward_finish_reasons=zero_reward_finishes(self.truncated),
+        )
 
     @property
     def oversample_groups(self) -> int:
@@ -241,20 +309,28 @@ class RLSpec(_Section):
 class EvalSpec(_Section):
     mode: EvalMode = Field("official", description="Evaluator mode: official (leaderboard parity) or strict.")
     split: str | None = Field(None, description="Query file; default: the synthesized validation set.")
-    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=0.6, top_p=0.95,
-                                                                            max_context_tokens=32768),
-                                        description="Decoding of the evaluated model (the paper's: 0.6, 0.95, 32K).")
+    sampling: SamplingParams = Field(
+        default_factory=lambda: SamplingParams(temperature=0.6, top_p=0.95, max_context_tokens=32768),
+        description="Decoding of the evaluated model (the paper's: 0.6, 0.95, 32K).",
+    )
     limit: int | None = Field(None, ge=1, description="Only the first N queries of the split.")
-    concurrency: int = Field(MODEL_CONCURRENCY, ge=1, description=(
-        "Episodes in flight at once in an evaluation (the eval stage and rl.val_every's validations); one engine "
-        "batches their turns."))
+    concurrency: int = Field(
+        MODEL_CONCURRENCY,
+        ge=1,
+        description=(
+            "Episodes in flight at once in an evaluation (the eval stage and rl.val_every's validations); one engine "
+            "batches their turns."
+        ),
+    )
 
     @model_validator(mode="after")
-    def _not_forced(self) -> "EvalSpec":
+    def _not_forced(self) -> EvalSpec:
         # forced episodes answer with whatever was sampled: a score of them measures nothing
         if self.sampling.forced_turns is not None:
-            raise ValueError("eval.sampling.forced_turns is for benchmarking rollouts (rl.sampling) only: an "
-                             "evaluation of forced episodes scores text the model was made to produce")
+            raise ValueError(
+                "eval.sampling.forced_turns is for benchmarking rollouts (rl.sampling) only: an "
+                "evaluation of forced episodes scores text the model was made to produce"
+            )
         return self
 
 
@@ -281,8 +357,9 @@ class LearnerSpec(_Section):
     zero3_layer_units: bool = EngineConfig.model_fields["zero3_layer_units"]
     persistent_weights_gib: float = EngineConfig.model_fields["persistent_weights_gib"]
     nccl_protocol: Literal["Simple", "LL128", "LL"] | None = EngineConfig.model_fields["nccl_protocol"]
-    packed_attention: Literal["auto", "varlen", "varlen-gqa", "per-sequence", "mask"] = (
-        EngineConfig.model_fields["packed_attention"])
+    packed_attention: Literal["auto", "varlen", "varlen-gqa", "per-sequence", "mask"] = EngineConfig.model_fields[
+        "packed_attention"
+    ]
 
     def engine(self, zero_stage: int, seed: int, ranks: int = 1) -> EngineConfig:
         """The learner's EngineConfig for this recipe (`ranks`: deployment.learner_ranks)."""
@@ -293,22 +370,41 @@ class ServicesSpec(_Section):
     engine: Literal["vllm", "transformers"] = "vllm"
     vllm: VllmArgs = Field(default_factory=VllmArgs, description="How each vLLM engine starts (services.engine vllm).")
     rollout_workers: int = Field(1, ge=1)
-    max_inflight_episodes: int | None = Field(None, ge=1, description=(
-        "Episodes each rollout worker keeps in flight on its engine, over all its groups (a group's finished "
-        "episodes free their slots for other groups). None: derived per worker from its vLLM engine's KV cache "
-        "(its memory share less the weights) over episode_tokens (docs/configuration.md); 16 without a GPU."))
-    episode_tokens: int | None = Field(None, ge=64, description=(
-        "The context an episode is expected to reach, for the derived max_inflight_episodes (None: "
-        "rl.sampling.max_context_tokens, the safe bound; a fleet whose episodes end well short of it runs more "
-        "at once by saying how long they get)."))
-    rollout_concurrency: int | None = Field(None, ge=1, description=(
-        "Deprecated (use max_inflight_episodes): groups each rollout worker samples at once; maps to "
-        "rollout_concurrency × rl.group_size episodes."))
+    max_inflight_episodes: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Episodes each rollout worker keeps in flight on its engine, over all its groups (a group's finished "
+            "episodes free their slots for other groups). None: derived per worker from its vLLM engine's KV cache "
+            "(its memory share less the weights) over episode_tokens (docs/configuration.md); 16 without a GPU."
+        ),
+    )
+    episode_tokens: int | None = Field(
+        None,
+        ge=64,
+        description=(
+            "The context an episode is expected to reach, for the derived max_inflight_episodes (None: "
+            "rl.sampling.max_context_tokens, the safe bound; a fleet whose episodes end well short of it runs more "
+            "at once by saying how long they get)."
+        ),
+    )
+    rollout_concurrency: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Deprecated (use max_inflight_episodes): groups each rollout worker samples at once; maps to "
+            "rollout_concurrency × rl.group_size episodes."
+        ),
+    )
     reward_workers: int = Field(1, ge=1)
     zero_stage: Literal[0, 1, 2, 3] = 2
-    chat: ChatOptions = Field(default_factory=ChatOptions, description=(
-        "How the rollout agent talks to the model: its chat template or ChatML, the tool-call format, "
-        "the thinking mode (docs/models.md)."))
+    chat: ChatOptions = Field(
+        default_factory=ChatOptions,
+        description=(
+            "How the rollout agent talks to the model: its chat template or ChatML, the tool-call format, "
+            "the thinking mode (docs/models.md)."
+        ),
+    )
 
 
 FleetMode = Literal["embedded", "external"]
@@ -321,41 +417,71 @@ class DeploymentSpec(_Section):
     `services.rollout_workers`), each over `engine_tensor_parallel` GPUs. On a machine without GPUs
     everything runs on CPU and `learner_ranks` counts gloo processes."""
 
-    fleet: FleetMode = Field("embedded", description=(
-        "embedded: `star train` starts the RL stage's own Redis, sandbox, workers and learner; external: it "
-        "drives a running fleet (Compose, Helm) found through STAR_REDIS_URL and the STAR_*_URL settings, "
-        "starting only the learner run, on the learner service (`star train --fleet` overrides it)."))
-    learner_ranks: int | None = Field(None, ge=1, description="Learner processes, under torchrun for more than 1; "
-                                      "on a GPU machine one GPU each (the first ones). None: with `placement.mode` "
-                                      "auto, derived with the engines from the GPUs seen and the model's size "
-                                      "(services.pipeline.placement.derive); otherwise 1.")
-    engine_tensor_parallel: int = Field(1, ge=1, description="GPUs each rollout engine spans (vLLM tensor "
-                                        "parallelism).")
+    fleet: FleetMode = Field(
+        "embedded",
+        description=(
+            "embedded: `star train` starts the RL stage's own Redis, sandbox, workers and learner; external: it "
+            "drives a running fleet (Compose, Helm) found through STAR_REDIS_URL and the STAR_*_URL settings, "
+            "starting only the learner run, on the learner service (`star train --fleet` overrides it)."
+        ),
+    )
+    learner_ranks: int | None = Field(
+        None,
+        ge=1,
+        description="Learner processes, under torchrun for more than 1; "
+        "on a GPU machine one GPU each (the first ones). None: with `placement.mode` "
+        "auto, derived with the engines from the GPUs seen and the model's size "
+        "(services.pipeline.placement.derive); otherwise 1.",
+    )
+    engine_tensor_parallel: int = Field(
+        1, ge=1, description="GPUs each rollout engine spans (vLLM tensor parallelism)."
+    )
     engine_memory_share: float | None = Field(
-        None, gt=0, le=1, description="Share of each of its GPUs' memory an engine may take (vLLM "
+        None,
+        gt=0,
+        le=1,
+        description="Share of each of its GPUs' memory an engine may take (vLLM "
         "gpu_memory_utilization). None: 0.9 on GPUs of their own; beside the learner or other engines, what "
-        "is left divided among the engines of the fullest GPU.")
-    learner_memory_share: float = Field(0.4, gt=0, lt=1, description="Share of a GPU's memory kept for the "
-                                        "learner where engines share its GPU.")
+        "is left divided among the engines of the fullest GPU.",
+    )
+    learner_memory_share: float = Field(
+        0.4, gt=0, lt=1, description="Share of a GPU's memory kept for the learner where engines share its GPU."
+    )
     validation_memory_share: float | None = Field(
-        None, gt=0, le=1, description="Share of its GPUs' memory the engine of a validation during RL "
+        None,
+        gt=0,
+        le=1,
+        description="Share of its GPUs' memory the engine of a validation during RL "
         "(`rl.val_every`) takes, beside the first rollout engine. None: the engines' share, the validation "
-        "counted as one more engine on those GPUs.")
-    share_gpus: bool | None = Field(None, description="Engines beside the learner (and each other) on the same GPUs, "
-                                    "by memory share. None: only when the machine has too few GPUs to give each "
-                                    "process its own.")
-    weight_sync: WeightSync = Field("auto", description=(
-        "How the RL stage's rollout engines get each new policy version. files: the learner writes every version to "
-        "the weights store and the engines load it from there. nccl: the learner's rank 0 broadcasts it into every "
-        "vLLM engine's GPUs, and the store gets only every rl.val_every-th version (else every 10th), the last, and "
-        "any a broadcast missed; it needs vLLM engines on GPUs of their own (NCCL cannot put two ranks on one "
-        "GPU): an embedded fleet's placement, or an external fleet whose every rollout server reports weight_ranks "
-        "(vLLM started with weight_transfer: nccl), joining at the address its learner announces. auto: nccl "
-        "where that holds, else files."))
-    nccl_timeout_s: float = Field(120.0, gt=0, description=(
-        "With weights over NCCL: how long forming the weight group or one broadcast may take before the learner "
-        "counts a member lost and ends for a restart (a broadcast into a dead rank never returns). Raise it "
-        "where a version crosses slow links between hosts."))
+        "counted as one more engine on those GPUs.",
+    )
+    share_gpus: bool | None = Field(
+        None,
+        description="Engines beside the learner (and each other) on the same GPUs, "
+        "by memory share. None: only when the machine has too few GPUs to give each "
+        "process its own.",
+    )
+    weight_sync: WeightSync = Field(
+        "auto",
+        description=(
+            "How the RL stage's rollout engines get each new policy version. files: the learner writes every version to "
+            "the weights store and the engines load it from there. nccl: the learner's rank 0 broadcasts it into every "
+            "vLLM engine's GPUs, and the store gets only every rl.val_every-th version (else every 10th), the last, and "
+            "any a broadcast missed; it needs vLLM engines on GPUs of their own (NCCL cannot put two ranks on one "
+            "GPU): an embedded fleet's placement, or an external fleet whose every rollout server reports weight_ranks "
+            "(vLLM started with weight_transfer: nccl), joining at the address its learner announces. auto: nccl "
+            "where that holds, else files."
+        ),
+    )
+    nccl_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description=(
+            "With weights over NCCL: how long forming the weight group or one broadcast may take before the learner "
+            "counts a member lost and ends for a restart (a broadcast into a dead rank never returns). Raise it "
+            "where a version crosses slow links between hosts."
+        ),
+    )
 
 
 PlacementMode = Literal["auto", "split", "colocated"]
@@ -366,31 +492,58 @@ class PlacementSpec(_Section):
     (services.pipeline.placement): colocated, every GPU holds a learner rank and engines, and the engines
     sleep (vLLM sleep mode) while the learner trains, then wake with the new weights (CUDA IPC)."""
 
-    mode: PlacementMode = Field("split", description=(
-        "split: engines on GPUs of their own (or beside the learner by memory share, `deployment.share_gpus`); "
-        "colocated: a learner rank on every GPU and the engines beside it, asleep while it trains; auto: split "
-        "where the learner and the engines fit GPUs of their own, else colocated where that fits, else refused "
-        "with the numbers. auto and colocated read the model's size from its config.json."))
-    sleep_level: Literal[1, 2] = Field(1, description=(
-        "Colocated engines' vLLM sleep level: 1 offloads weights to host memory and drops the KV cache; 2 "
-        "discards both (faster to sleep; the buffers that are not weights, the rotary caches, are restored "
-        "after each load and checked)."))
-    sleep_timeout_s: float = Field(300.0, gt=0, description=(
-        "How long the learner waits for every colocated engine to finish its turns in flight and sleep before "
-        "it refuses to train the step (rather than run out of memory)."))
-    activation_gib: float | None = Field(None, gt=0, description=(
-        "A learner rank's activation memory at `learner.micro_batch_tokens`, GiB. None: estimated from the "
-        "model's shape (docs/gpu.md)."))
-    gpu_gib: float | None = Field(None, gt=0, description=(
-        "Memory of each GPU, GiB. None: what the first visible GPU reports."))
+    mode: PlacementMode = Field(
+        "split",
+        description=(
+            "split: engines on GPUs of their own (or beside the learner by memory share, `deployment.share_gpus`); "
+            "colocated: a learner rank on every GPU and the engines beside it, asleep while it trains; auto: split "
+            "where the learner and the engines fit GPUs of their own, else colocated where that fits, else refused "
+            "with the numbers. auto and colocated read the model's size from its config.json."
+        ),
+    )
+    sleep_level: Literal[1, 2] = Field(
+        1,
+        description=(
+            "Colocated engines' vLLM sleep level: 1 offloads weights to host memory and drops the KV cache; 2 "
+            "discards both (faster to sleep; the buffers that are not weights, the rotary caches, are restored "
+            "after each load and checked)."
+        ),
+    )
+    sleep_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description=(
+            "How long the learner waits for every colocated engine to finish its turns in flight and sleep before "
+            "it refuses to train the step (rather than run out of memory)."
+        ),
+    )
+    activation_gib: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "A learner rank's activation memory at `learner.micro_batch_tokens`, GiB. None: estimated from the "
+            "model's shape (docs/gpu.md)."
+        ),
+    )
+    gpu_gib: float | None = Field(
+        None, gt=0, description=("Memory of each GPU, GiB. None: what the first visible GPU reports.")
+    )
 
 
 class PipelineConfig(_Section):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
-                      description="The run's name: its folder is STAR_HOME/runs/NAME unless --run-dir says otherwise.")
-    seed: int = Field(0, description="Seed of the run: learner, RL prompt order and sampling, tool faults, a synthetic world.")
-    stages: list[Stage] = Field(default_factory=lambda: list(STAGES), description=(
-        "Stages to run, in order; a stage left out starts from what earlier runs of the folder made."))
+    name: str = Field(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="The run's name: its folder is STAR_HOME/runs/NAME unless --run-dir says otherwise.",
+    )
+    seed: int = Field(
+        0, description="Seed of the run: learner, RL prompt order and sampling, tool faults, a synthetic world."
+    )
+    stages: list[Stage] = Field(
+        default_factory=lambda: list(STAGES),
+        description=("Stages to run, in order; a stage left out starts from what earlier runs of the folder made."),
+    )
     model: ModelSpec
     world: WorldSpec = Field(default_factory=WorldSpec)
     synth: SynthSpec = Field(default_factory=SynthSpec)
@@ -403,24 +556,28 @@ class PipelineConfig(_Section):
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
 
     @model_validator(mode="after")
-    def _stages_in_order(self) -> "PipelineConfig":
+    def _stages_in_order(self) -> PipelineConfig:
         order = [STAGES.index(s) for s in self.stages]
         if order != sorted(set(order)):
             raise ValueError(f"stages must be distinct and in the order {', '.join(STAGES)}; got {self.stages}")
         if self.rl.eps_high < self.rl.eps_low:
             raise ValueError("rl: clip-higher needs eps_high >= eps_low")
         if self._selects_on_its_eval_set():
-            raise ValueError("rl.val_every picks the best checkpoint on the synthesized validation queries, and the "
-                             "eval stage would report its success on those same queries: set synth.heldout_queries "
-                             "(queries for the eval stage alone) or eval.split")
+            raise ValueError(
+                "rl.val_every picks the best checkpoint on the synthesized validation queries, and the "
+                "eval stage would report its success on those same queries: set synth.heldout_queries "
+                "(queries for the eval stage alone) or eval.split"
+            )
         return self
 
     @model_validator(mode="after")
-    def _one_concurrency(self) -> "PipelineConfig":
+    def _one_concurrency(self) -> PipelineConfig:
         s = self.services
         if s.max_inflight_episodes is not None and s.rollout_concurrency is not None:
-            raise ValueError("services: set max_inflight_episodes (episodes per worker) or the deprecated "
-                             "rollout_concurrency (groups per worker), not both")
+            raise ValueError(
+                "services: set max_inflight_episodes (episodes per worker) or the deprecated "
+                "rollout_concurrency (groups per worker), not both"
+            )
         return self
 
     def inflight_episodes(self) -> int | None:

@@ -14,8 +14,9 @@ import argparse
 import sys
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
 from pydantic import BaseModel
@@ -73,8 +74,14 @@ def type_name(annotation: Any) -> str:
 
 def bounds(field: FieldInfo) -> str:
     """The field's numeric and length bounds, as `≥ 0`, `< 1`, `length ≥ 1`."""
-    signs = {Ge: ("≥", "ge"), Gt: (">", "gt"), Le: ("≤", "le"), Lt: ("<", "lt"),
-             MinLen: ("length ≥", "min_length"), MaxLen: ("length ≤", "max_length")}
+    signs = {
+        Ge: ("≥", "ge"),
+        Gt: (">", "gt"),
+        Le: ("≤", "le"),
+        Lt: ("<", "lt"),
+        MinLen: ("length ≥", "min_length"),
+        MaxLen: ("length ≤", "max_length"),
+    }
     parts = []
     for item in field.metadata:
         for kind, (sign, attr) in signs.items():
@@ -117,8 +124,10 @@ def sections(cls: type[BaseModel], instance: BaseModel | None, key: str) -> Iter
             rows.append(f"| `{name}` | [{optional}](#{anchor(dotted)}) | | | {cell(field.description or '')} |")
             nested.append((sub, value if isinstance(value, sub) else None, dotted))
         else:
-            rows.append(f"| `{name}` | {cell(type_name(field.annotation))} | {cell(shown(value))} | "
-                        f"{cell(bounds(field))} | {cell(field.description or '')} |")
+            rows.append(
+                f"| `{name}` | {cell(type_name(field.annotation))} | {cell(shown(value))} | "
+                f"{cell(bounds(field))} | {cell(field.description or '')} |"
+            )
     yield key, (cls.__doc__ or "").strip() if cls.__doc__ != BaseModel.__doc__ else "", rows
     for sub, value, dotted in nested:
         yield from sections(sub, value, dotted)
@@ -143,16 +152,27 @@ def settings_reference(cls: type[BaseSettings], title: str) -> list[str]:
     prefix = cls.model_config.get("env_prefix", "")
     lines = [title, "", "| variable | type | default | bounds | description |", "|---|---|---|---|---|"]
     for name, field in cls.model_fields.items():
-        lines.append(f"| `{prefix}{name.upper()}` | {cell(type_name(field.annotation))} | "
-                     f"{cell(shown(default_of(field)))} | {cell(bounds(field))} | {cell(field.description or '')} |")
+        lines.append(
+            f"| `{prefix}{name.upper()}` | {cell(type_name(field.annotation))} | "
+            f"{cell(shown(default_of(field)))} | {cell(bounds(field))} | {cell(field.description or '')} |"
+        )
     return lines + [""]
 
 
 def render() -> str:
-    return "\n".join([HEADER, *recipe_reference(),
-                      *settings_reference(Settings, "## Settings (`STAR_*` environment variables)"),
-                      *settings_reference(RolloutConfig, "## Rollout settings (`STAR_ROLLOUT_*`: rollout servers and workers)"),
-                      ]).rstrip() + "\n"
+    return (
+        "\n".join(
+            [
+                HEADER,
+                *recipe_reference(),
+                *settings_reference(Settings, "## Settings (`STAR_*` environment variables)"),
+                *settings_reference(
+                    RolloutConfig, "## Rollout settings (`STAR_ROLLOUT_*`: rollout servers and workers)"
+                ),
+            ]
+        ).rstrip()
+        + "\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,13 +58,19 @@ class FleetAddress:
     stream_prefix: str = "star"
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "FleetAddress":
+    def from_settings(cls, settings: Settings) -> FleetAddress:
         def base(url: str | None) -> str | None:
             return url.rstrip("/") if url else None
 
-        return cls(settings.redis_url, base(settings.sandbox_url), base(settings.learner_url),
-                   tuple(settings.rollout_url_list), base(settings.reward_url), settings.api_token,
-                   settings.stream_prefix)
+        return cls(
+            settings.redis_url,
+            base(settings.sandbox_url),
+            base(settings.learner_url),
+            tuple(settings.rollout_url_list),
+            base(settings.reward_url),
+            settings.api_token,
+            settings.stream_prefix,
+        )
 
     @property
     def names(self) -> StreamNames:
@@ -72,8 +78,10 @@ class FleetAddress:
 
     def services(self) -> dict[str, str | None]:
         """The HTTP services the RL stage needs (None: not configured) and those it checks when set."""
-        out: dict[str, str | None] = {"sandbox (STAR_SANDBOX_URL)": self.sandbox_url,
-                                      "learner (STAR_LEARNER_URL)": self.learner_url}
+        out: dict[str, str | None] = {
+            "sandbox (STAR_SANDBOX_URL)": self.sandbox_url,
+            "learner (STAR_LEARNER_URL)": self.learner_url,
+        }
         out.update({f"rollout server (STAR_ROLLOUT_URLS) {i}": url for i, url in enumerate(self.rollout_urls)})
         if self.reward_url:
             out["reward (STAR_REWARD_URL)"] = self.reward_url
@@ -101,16 +109,23 @@ def problems(address: FleetAddress) -> list[str]:
             client = redis.Redis.from_url(address.redis_url, socket_connect_timeout=2, socket_timeout=2)
             client.ping()
         except redis.RedisError as exc:
-            why = ("refused the credentials" if isinstance(exc, redis.AuthenticationError)
-                   else f"does not answer ({type(exc).__name__})")
+            why = (
+                "refused the credentials"
+                if isinstance(exc, redis.AuthenticationError)
+                else f"does not answer ({type(exc).__name__})"
+            )
             found.append(f"redis (STAR_REDIS_URL) at {redact(address.redis_url)}: {why}")
         else:
             names = address.names
-            for stream, group, what in ((names.tasks, "rollout", "rollout workers"),
-                                        (names.trajectories, "reward", "reward workers")):
+            for stream, group, what in (
+                (names.tasks, "rollout", "rollout workers"),
+                (names.trajectories, "reward", "reward workers"),
+            ):
                 if not live_consumers(client, stream, group):
-                    found.append(f"{what}: none has read {stream} (group {group}) at {redact(address.redis_url)} "
-                                 f"within {ALIVE_S:.0f} s")
+                    found.append(
+                        f"{what}: none has read {stream} (group {group}) at {redact(address.redis_url)} "
+                        f"within {ALIVE_S:.0f} s"
+                    )
     for name, url in address.services().items():
         if not url:
             found.append(f"{name}: not set")
@@ -139,6 +154,7 @@ def check_reachable(address: FleetAddress, wait_s: float = FLEET_WAIT_S, poll_s:
 
 
 # -- one world and one model for a run --------------------------------------------------------
+
 
 def _get_json(url: str, wait_s: float = FLEET_WAIT_S) -> dict[str, Any]:
     """GET `url`'s JSON, waiting up to `wait_s` for a service still starting; StageFailed after."""
@@ -180,17 +196,27 @@ def fleet_world(address: FleetAddress, world: WorldSpec, seed: int, world_url: s
     if address.reward_url:
         scored = _get_json(f"{address.reward_url}/world")
         if scored.get("world_hash") != fleet["world_hash"]:
-            raise StageFailed(f"the fleet's services read different worlds: {where}, the scorer at "
-                              f"{address.reward_url} {scored.get('source')}, hash {scored.get('world_hash')}; "
-                              "give both the same STAR_DB_URL")
+            raise StageFailed(
+                f"the fleet's services read different worlds: {where}, the scorer at "
+                f"{address.reward_url} {scored.get('source')}, hash {scored.get('world_hash')}; "
+                "give both the same STAR_DB_URL"
+            )
     wrong = recipe_world_mismatch(world, seed, fleet)
     if wrong:
-        recipe = (f"synthetic world {world.synthetic_size} (seed {seed})" if world.source == "synthetic"
-                  else "the official tables")
-        fix = (f"--set world.source=synthetic --set world.synthetic_size={fleet['size']}" if fleet["kind"] == "synthetic"
-               else "--set world.source=official")
-        raise StageFailed(f"the recipe's world is not the fleet's: the recipe names {recipe}; {where} ({wrong}). "
-                          f"Train on the fleet's world ({fix}), or rebuild the fleet's world to the recipe's")
+        recipe = (
+            f"synthetic world {world.synthetic_size} (seed {seed})"
+            if world.source == "synthetic"
+            else "the official tables"
+        )
+        fix = (
+            f"--set world.source=synthetic --set world.synthetic_size={fleet['size']}"
+            if fleet["kind"] == "synthetic"
+            else "--set world.source=official"
+        )
+        raise StageFailed(
+            f"the recipe's world is not the fleet's: the recipe names {recipe}; {where} ({wrong}). "
+            f"Train on the fleet's world ({fix}), or rebuild the fleet's world to the recipe's"
+        )
     own = World(world_url)
     try:
         ours = own.identity() if own.problem() is None else None
@@ -198,8 +224,10 @@ def fleet_world(address: FleetAddress, world: WorldSpec, seed: int, world_url: s
         own.close()
     if ours is None or ours["world_hash"] != fleet["world_hash"]:
         mine = f"{ours['source']}, hash {ours['world_hash']}" if ours else "no world"
-        raise StageFailed(f"the controller's world database (STAR_DB_URL) holds {mine}, but {where}: "
-                          "give the controller the fleet's STAR_DB_URL")
+        raise StageFailed(
+            f"the controller's world database (STAR_DB_URL) holds {mine}, but {where}: "
+            "give the controller the fleet's STAR_DB_URL"
+        )
     return fleet
 
 
@@ -220,7 +248,8 @@ def engines_take(address: FleetAddress, base_model: str) -> None:
                 f"the fleet's engines cannot load this run's model: the rollout server at {url} runs "
                 f"{info.get('model')}, and the run starts from {base_model} ({'; '.join(wrong)}). Train the "
                 f"fleet's model (--set model.path={info.get('model')} --set model.tiny=null), or start the fleet "
-                "with STAR_MODEL of the recipe's shape")
+                "with STAR_MODEL of the recipe's shape"
+            )
 
 
 def fleet_weight_states(address: FleetAddress) -> dict[str, dict[str, Any] | None]:
@@ -324,8 +353,10 @@ class ExternalFleet:
         attached = self.recorded_run()
         if attached is not None:
             self.run_id = attached["id"]
-            console.print(f"re-attached to learner run {self.run_id} at {self.address.learner_url} "
-                          f"({attached['state']}, step {attached.get('step', 0)})")
+            console.print(
+                f"re-attached to learner run {self.run_id} at {self.address.learner_url} "
+                f"({attached['state']}, step {attached.get('step', 0)})"
+            )
             return self.run_id
         # The fleet's rollout workers run the model they were started with: the learner announces the run's
         # starting weights as version 0 before the controller sends any task, and the workers load them.
@@ -339,8 +370,9 @@ class ExternalFleet:
         if r.status_code == 401:
             raise StageFailed(f"the learner at {self.address.learner_url} refused the token (STAR_API_TOKEN)")
         if r.status_code != 201:
-            raise StageFailed(f"the learner at {self.address.learner_url} refused the run "
-                              f"({r.status_code}): {_detail(r)}")
+            raise StageFailed(
+                f"the learner at {self.address.learner_url} refused the run ({r.status_code}): {_detail(r)}"
+            )
         self.run_id = r.json()["id"]
         tmp = self.record.with_suffix(".tmp")  # whole or absent, however the controller ends
         tmp.write_text(json.dumps({"id": self.run_id, "url": self.address.learner_url}))
@@ -355,14 +387,17 @@ class ExternalFleet:
             return LearnerReport("unknown", running=True)
         if run is None:
             return LearnerReport("lost", running=False, error=f"the learner service no longer knows run {self.run_id}")
-        return LearnerReport(run["state"], running=run["state"] in ACTIVE, exit_code=run.get("exit_code"),
-                             error=run.get("error"))
+        return LearnerReport(
+            run["state"], running=run["state"] in ACTIVE, exit_code=run.get("exit_code"), error=run.get("error")
+        )
 
     def learner_ended(self, report: LearnerReport) -> None:
         """A learner run that ended before every step was trained fails the stage with its error."""
         error = (report.error or "").strip()
-        raise StageFailed(f"learner run {self.run_id} at {self.address.learner_url} ended {report.state}"
-                          + (f": {error[-2000:]}" if error else ""))
+        raise StageFailed(
+            f"learner run {self.run_id} at {self.address.learner_url} ended {report.state}"
+            + (f": {error[-2000:]}" if error else "")
+        )
 
     def stop_learner(self, timeout_s: float = LEARNER_STOP_S) -> None:
         """POST /runs/{id}/stop and wait (bounded) for it to checkpoint and end."""
@@ -396,19 +431,26 @@ class ExternalFleet:
             client = self._client or redis.Redis.from_url(self.redis_url, socket_timeout=5, socket_connect_timeout=5)
             self._client = client
             lines = []
-            for stream, group, what in ((self.address.names.tasks, "rollout", "rollout workers"),
-                                        (self.address.names.trajectories, "reward", "reward workers")):
+            for stream, group, what in (
+                (self.address.names.tasks, "rollout", "rollout workers"),
+                (self.address.names.trajectories, "reward", "reward workers"),
+            ):
                 if not live_consumers(client, stream, group):
                     age = last_beat_age(client, stream, group)
-                    lines.append(f"{what}: none has read {stream} for {age:.0f} s (they cannot work: see their logs)"
-                                 if age is not None else f"{what}: none has joined {stream} (group {group})")
+                    lines.append(
+                        f"{what}: none has read {stream} for {age:.0f} s (they cannot work: see their logs)"
+                        if age is not None
+                        else f"{what}: none has joined {stream} (group {group})"
+                    )
                 dead = StreamNames.dead(stream)
                 count = client.xlen(dead)
                 if count > self.dead_seen.get(dead, 0):
                     newest = client.xrevrange(dead, count=1)
                     error = str(decode(newest[0][1]).get("error", "")) if newest else ""
-                    lines.append(f"{count - self.dead_seen.get(dead, 0)} message(s) of {stream} failed for good "
-                                 f"({dead}); the last: {error[:500]}")
+                    lines.append(
+                        f"{count - self.dead_seen.get(dead, 0)} message(s) of {stream} failed for good "
+                        f"({dead}); the last: {error[:500]}"
+                    )
                     self.dead_seen[dead] = count
             return lines
         except redis.RedisError:
@@ -427,11 +469,15 @@ def train_on_learner(address: FleetAddress, kind: str, config: dict[str, Any], p
     Stopping the controller stops the run."""
     headers = address.headers()
     try:
-        r = httpx.post(f"{address.learner_url}/runs", json={"kind": kind, "config": config}, headers=headers, timeout=60)
+        r = httpx.post(
+            f"{address.learner_url}/runs", json={"kind": kind, "config": config}, headers=headers, timeout=60
+        )
     except httpx.HTTPError as exc:
         raise StageFailed(f"the learner at {address.learner_url} did not take the {kind} run: {exc}") from None
     if r.status_code != 201:
-        raise StageFailed(f"the learner at {address.learner_url} refused the {kind} run ({r.status_code}): {_detail(r)}")
+        raise StageFailed(
+            f"the learner at {address.learner_url} refused the {kind} run ({r.status_code}): {_detail(r)}"
+        )
     run_id = r.json()["id"]
     console.print(f"{kind} run {run_id} started on the learner at {address.learner_url}")
     said = None
@@ -448,8 +494,10 @@ def train_on_learner(address: FleetAddress, kind: str, config: dict[str, Any], p
             if run.get("state") == "finished":
                 return run
             if run.get("state") not in ACTIVE:
-                raise StageFailed(f"{kind} run {run_id} on the learner at {address.learner_url} ended "
-                                  f"{run.get('state')}: {str(run.get('error') or '')[-2000:]}")
+                raise StageFailed(
+                    f"{kind} run {run_id} on the learner at {address.learner_url} ended "
+                    f"{run.get('state')}: {str(run.get('error') or '')[-2000:]}"
+                )
             time.sleep(poll_s)
     except BaseException:
         if said is None or said[0] in ACTIVE:
@@ -465,9 +513,11 @@ def connect(address: FleetAddress, names: StreamNames, record: Path) -> External
     if not record.is_file():  # progress of a run this folder started is its own
         found = foreign_progress(redis.Redis.from_url(address.redis_url), names)
         if found:
-            raise StageFailed(f"the fleet's Redis at {redact(address.redis_url)} holds another run's RL progress "
-                              f"({found}); its rollout workers would not load this run's weights: start the "
-                              "fleet afresh, or give it another STAR_STREAM_PREFIX")
+            raise StageFailed(
+                f"the fleet's Redis at {redact(address.redis_url)} holds another run's RL progress "
+                f"({found}); its rollout workers would not load this run's weights: start the "
+                "fleet afresh, or give it another STAR_STREAM_PREFIX"
+            )
     return fleet
 
 

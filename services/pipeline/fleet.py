@@ -23,9 +23,8 @@ import httpx
 import redis
 
 from services.common.redis import free_port, local_url, redact, redis_argv, redis_password, wait_for_redis
-from services.common.supervisor import alive as _alive_since
-from services.common.supervisor import spawn, stop_pid, wait_ready
 from services.common.settings import Settings, get_settings
+from services.common.supervisor import alive as _alive_since, spawn, stop_pid, wait_ready
 
 
 @dataclass(frozen=True)
@@ -40,21 +39,42 @@ class ServiceSpec:
 
 
 def _uvicorn(factory: str) -> tuple[str, ...]:
-    return ("uvicorn", "--factory", factory, "--host", "127.0.0.1", "--port", "{port}", "--log-level", "warning",
-            "--no-access-log")
+    return (
+        "uvicorn",
+        "--factory",
+        factory,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--log-level",
+        "warning",
+        "--no-access-log",
+    )
 
 
 # Start order matters: each service may need the ones above it.
 SERVICES: tuple[ServiceSpec, ...] = (
-    ServiceSpec("sandbox", "services.sandbox.app", _uvicorn("services.sandbox.app:create_app"), env_url="STAR_SANDBOX_URL"),
-    ServiceSpec("formatter", "services.formatter.app", _uvicorn("services.formatter.app:create_app"),
-                env_url="STAR_FORMATTER_URL"),
+    ServiceSpec(
+        "sandbox", "services.sandbox.app", _uvicorn("services.sandbox.app:create_app"), env_url="STAR_SANDBOX_URL"
+    ),
+    ServiceSpec(
+        "formatter",
+        "services.formatter.app",
+        _uvicorn("services.formatter.app:create_app"),
+        env_url="STAR_FORMATTER_URL",
+    ),
     ServiceSpec("reward", "services.reward.app", _uvicorn("services.reward.app:create_app"), env_url="STAR_REWARD_URL"),
     ServiceSpec("reward-worker", "services.reward.worker", ("services.cli", "reward", "worker"), http=False),
-    ServiceSpec("episodes", "services.episodes.app", _uvicorn("services.episodes.app:create_app"),
-                env_url="STAR_EPISODES_URL"),
-    ServiceSpec("rollout", "services.rollout.app", _uvicorn("services.rollout.app:create_app"), env_url="STAR_ROLLOUT_URLS"),
-    ServiceSpec("learner", "services.learner.app", _uvicorn("services.learner.app:create_app"), env_url="STAR_LEARNER_URL"),
+    ServiceSpec(
+        "episodes", "services.episodes.app", _uvicorn("services.episodes.app:create_app"), env_url="STAR_EPISODES_URL"
+    ),
+    ServiceSpec(
+        "rollout", "services.rollout.app", _uvicorn("services.rollout.app:create_app"), env_url="STAR_ROLLOUT_URLS"
+    ),
+    ServiceSpec(
+        "learner", "services.learner.app", _uvicorn("services.learner.app:create_app"), env_url="STAR_LEARNER_URL"
+    ),
 )
 
 
@@ -85,20 +105,35 @@ class FleetState:
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(json.dumps({"redis_url": self.redis_url, "processes": rows, "supervisor": self.supervisor,
-                                "ready": self.ready, "error": self.error}, indent=2))
+            f.write(
+                json.dumps(
+                    {
+                        "redis_url": self.redis_url,
+                        "processes": rows,
+                        "supervisor": self.supervisor,
+                        "ready": self.ready,
+                        "error": self.error,
+                    },
+                    indent=2,
+                )
+            )
         tmp.replace(path)
 
     @classmethod
-    def load(cls, path: Path) -> "FleetState | None":
+    def load(cls, path: Path) -> FleetState | None:
         if not path.is_file():
             return None
         try:
             data = json.loads(path.read_text())
         except ValueError:
             return None
-        return cls(data["redis_url"], [Process(**p) for p in data["processes"]], data.get("supervisor"),
-                   bool(data.get("ready")), data.get("error"))
+        return cls(
+            data["redis_url"],
+            [Process(**p) for p in data["processes"]],
+            data.get("supervisor"),
+            bool(data.get("ready")),
+            data.get("error"),
+        )
 
     def env(self) -> dict[str, str]:
         """The STAR_* variables that point a client (or another service) at this fleet."""
@@ -130,8 +165,13 @@ def start_redis_at(data: Path, log_dir: Path, port: int | None = None, group: in
     port = port or free_port()
     password = redis_password(data)
     log = log_dir / "redis.log"
-    proc = spawn(redis_argv(data, port, password, appendonly=True), env=dict(os.environ), log_path=log, group=group,
-                 die_with_parent=False)
+    proc = spawn(
+        redis_argv(data, port, password, appendonly=True),
+        env=dict(os.environ),
+        log_path=log,
+        group=group,
+        die_with_parent=False,
+    )
     wait_for_redis(local_url(port, password), proc, 10, f"; see {log}")
     return Process("redis", proc.pid, port, str(log), password=password)
 
@@ -140,8 +180,9 @@ def service_argv(spec: ServiceSpec, port: int | None) -> list[str]:
     return [sys.executable, "-m", *(a.replace("{port}", str(port)) for a in spec.argv)]
 
 
-def start_service(spec: ServiceSpec, env: dict[str, str], log_dir: Path, timeout: float = 120.0,
-                  group: int | None = 0) -> Process:
+def start_service(
+    spec: ServiceSpec, env: dict[str, str], log_dir: Path, timeout: float = 120.0, group: int | None = 0
+) -> Process:
     port = free_port() if spec.http else None
     log = log_dir / f"{spec.name}.log"
     proc = spawn(service_argv(spec, port), env={**os.environ, **env}, log_path=log, group=group, die_with_parent=False)
@@ -154,15 +195,21 @@ def available(spec: ServiceSpec) -> bool:
     return find_spec(spec.module) is not None
 
 
-def up(settings: Settings | None = None, only: list[str] | None = None, extra_env: dict[str, str] | None = None,
-       on_start=None, timeout: float = 300.0) -> FleetState:
+def up(
+    settings: Settings | None = None,
+    only: list[str] | None = None,
+    extra_env: dict[str, str] | None = None,
+    on_start=None,
+    timeout: float = 300.0,
+) -> FleetState:
     """Start the fleet's supervisor (detached) and wait until every service is ready, unless a
     fleet is running."""
     settings = settings or get_settings()
     path = state_path(settings)
     existing = FleetState.load(path)
-    if existing and (existing.supervisor and alive(existing.supervisor)
-                     or any(alive(p.pid) for p in existing.processes)):
+    if existing and (
+        existing.supervisor and alive(existing.supervisor) or any(alive(p.pid) for p in existing.processes)
+    ):
         raise RuntimeError(f"a fleet is already running (see {path}); run `star down` first")
     path.unlink(missing_ok=True)
     log_dir = settings.home / "logs"
@@ -181,14 +228,20 @@ def up(settings: Settings | None = None, only: list[str] | None = None, extra_en
                     on_start(p)
             return state
         if proc.poll() is not None:
-            raise RuntimeError(f"the fleet's supervisor exited with {proc.returncode}; see {log_dir / 'supervisor.log'}")
+            raise RuntimeError(
+                f"the fleet's supervisor exited with {proc.returncode}; see {log_dir / 'supervisor.log'}"
+            )
         time.sleep(0.2)
     down(settings)
     raise RuntimeError(f"the fleet was not ready within {timeout:.0f} s; see {log_dir}")
 
 
-def supervise(settings: Settings | None = None, only: list[str] | None = None,
-              extra_env: dict[str, str] | None = None, poll_s: float = 0.5) -> None:
+def supervise(
+    settings: Settings | None = None,
+    only: list[str] | None = None,
+    extra_env: dict[str, str] | None = None,
+    poll_s: float = 0.5,
+) -> None:
     """The fleet's supervisor process: start Redis and the services, keep them running, stop them
     all on SIGTERM/SIGINT/SIGHUP. Its children die with it even if it is killed."""
     from services.common.supervisor import Supervisor, SupervisorError
@@ -211,14 +264,19 @@ def supervise(settings: Settings | None = None, only: list[str] | None = None,
     state = FleetState(local_url(port, password), supervisor=os.getpid())
     ports: dict[str, int | None] = {"redis": port}
     try:
-        redis_child = sup.add("redis", redis_argv(data, port, password, appendonly=True), log=log_dir / "redis.log",
-                              stop_timeout=10)
+        redis_child = sup.add(
+            "redis", redis_argv(data, port, password, appendonly=True), log=log_dir / "redis.log", stop_timeout=10
+        )
         wait_for_redis(state.redis_url, redis_child.proc, 10, f"; see {redis_child.log}")
         for spec in SERVICES:
             if (only and spec.name not in only) or not available(spec) or stop["now"]:
                 continue
-            env = {**_service_env(state, ports), "STAR_DB_URL": settings.world_url,
-                   "STAR_HOME": str(settings.home), **(extra_env or {})}
+            env = {
+                **_service_env(state, ports),
+                "STAR_DB_URL": settings.world_url,
+                "STAR_HOME": str(settings.home),
+                **(extra_env or {}),
+            }
             ports[spec.name] = free_port() if spec.http else None
             child = sup.add(spec.name, service_argv(spec, ports[spec.name]), env, log_dir / f"{spec.name}.log")
             if spec.http:
@@ -298,8 +356,14 @@ def status(settings: Settings | None = None) -> dict:
         weights = json.loads(raw) if raw else None
     except redis.RedisError as exc:
         streams = {"error": str(exc)}
-    return {"running": True, "redis_url": redact(state.redis_url),
-            "redis_password_file": str(settings.home / "redis" / "redis.password"), "processes": rows, "streams": streams, "weights": weights}
+    return {
+        "running": True,
+        "redis_url": redact(state.redis_url),
+        "redis_password_file": str(settings.home / "redis" / "redis.password"),
+        "processes": rows,
+        "streams": streams,
+        "weights": weights,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,8 +25,8 @@ from typing import Literal
 
 from services.pipeline.config import DeploymentSpec, PipelineConfig
 
-DEDICATED_MEMORY_SHARE = 0.9   # an engine alone on its GPUs (vLLM's own default)
-MIN_ENGINE_SHARE = 0.05        # below this an engine holds its weights and hardly any KV cache
+DEDICATED_MEMORY_SHARE = 0.9  # an engine alone on its GPUs (vLLM's own default)
+MIN_ENGINE_SHARE = 0.05  # below this an engine holds its weights and hardly any KV cache
 
 
 class PlacementError(ValueError):
@@ -35,18 +35,18 @@ class PlacementError(ValueError):
 
 @dataclass(frozen=True)
 class Placement:
-    accelerator: str                          # "cuda" or "cpu"
+    accelerator: str  # "cuda" or "cpu"
     learner_ranks: int
-    learner_devices: tuple[str, ...]          # GPU ids (empty on CPU)
+    learner_devices: tuple[str, ...]  # GPU ids (empty on CPU)
     engine_devices: tuple[tuple[str, ...], ...]
-    engine_memory_share: float | None         # None on CPU
+    engine_memory_share: float | None  # None on CPU
     tensor_parallel: int = 1
     shared: bool = False
     validation_memory_share: float | None = None  # None: no validations beside the fleet, or on CPU
-    colocated: bool = False   # engines share every learner GPU in time: asleep while the learner trains
-    reason: str = ""          # why this layout (the memory model's numbers), printed with it
+    colocated: bool = False  # engines share every learner GPU in time: asleep while the learner trains
+    reason: str = ""  # why this layout (the memory model's numbers), printed with it
     validations_after: bool = False  # no room for a validation's engine beside the fleet: they run after RL
-    derived: bool = False     # ranks and engines derived from the machine: one engine per GPU group, the budget pooled
+    derived: bool = False  # ranks and engines derived from the machine: one engine per GPU group, the budget pooled
 
     def learner_env(self) -> dict[str, str]:
         env = {"DS_ACCELERATOR": self.accelerator}
@@ -58,9 +58,11 @@ class Placement:
         """Rollout worker `index`'s devices, and the memory share and tensor parallelism of its engine."""
         if self.accelerator != "cuda":
             return {}
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(self.engine_devices[index]),
-               "STAR_ROLLOUT_GPU_MEMORY_UTILIZATION": f"{self.engine_memory_share:.2f}",
-               "STAR_ROLLOUT_TENSOR_PARALLEL_SIZE": str(self.tensor_parallel)}
+        env = {
+            "CUDA_VISIBLE_DEVICES": ",".join(self.engine_devices[index]),
+            "STAR_ROLLOUT_GPU_MEMORY_UTILIZATION": f"{self.engine_memory_share:.2f}",
+            "STAR_ROLLOUT_TENSOR_PARALLEL_SIZE": str(self.tensor_parallel),
+        }
         if self.shared:  # beside the learner or other engines: the KV cache from the share, not measured
             env["STAR_ROLLOUT_KV_CACHE_FROM_SHARE"] = "true"
         return env
@@ -78,14 +80,23 @@ class Placement:
         if self.accelerator != "cuda":
             return f"placement: CPU; learner {self.learner_ranks} rank(s), {len(self.engine_devices)} engine(s)"
         engines = ", ".join("+".join(d) for d in self.engine_devices) or "none"
-        validations = ("; validations after the RL steps, on the freed GPUs" if self.validations_after else
-                       "" if self.validation_memory_share is None else
-                       f"; validations beside engine 0 at {self.validation_memory_share:.2f}")
-        sharing = " (colocated: asleep while the learner trains)" if self.colocated else (
-            " (sharing GPUs)" if self.shared else "")
+        validations = (
+            "; validations after the RL steps, on the freed GPUs"
+            if self.validations_after
+            else ""
+            if self.validation_memory_share is None
+            else f"; validations beside engine 0 at {self.validation_memory_share:.2f}"
+        )
+        sharing = (
+            " (colocated: asleep while the learner trains)"
+            if self.colocated
+            else (" (sharing GPUs)" if self.shared else "")
+        )
         why = f"\n  why: {self.reason}" if self.reason else ""
-        return (f"placement: learner on GPU {'+'.join(self.learner_devices)}; engines on GPU {engines} "
-                f"at {self.engine_memory_share:.2f} of memory each{sharing}{validations}{why}")
+        return (
+            f"placement: learner on GPU {'+'.join(self.learner_devices)}; engines on GPU {engines} "
+            f"at {self.engine_memory_share:.2f} of memory each{sharing}{validations}{why}"
+        )
 
 
 def visible_gpu_ids() -> list[str]:
@@ -106,11 +117,13 @@ def plan(spec: DeploymentSpec, engines: int, gpus: list[str], *, validations: bo
         return Placement("cpu", spec.learner_ranks or 1, (), tuple(() for _ in range(engines)), None)
     n, ranks, tp = len(gpus), spec.learner_ranks or 1, spec.engine_tensor_parallel
     if ranks > n:
-        raise PlacementError(f"deployment.learner_ranks {ranks} needs {ranks} GPUs, one per rank; "
-                             f"this machine shows {n}")
+        raise PlacementError(
+            f"deployment.learner_ranks {ranks} needs {ranks} GPUs, one per rank; this machine shows {n}"
+        )
     if engines and tp > n:
-        raise PlacementError(f"deployment.engine_tensor_parallel {tp} needs {tp} GPUs per engine; "
-                             f"this machine shows {n}")
+        raise PlacementError(
+            f"deployment.engine_tensor_parallel {tp} needs {tp} GPUs per engine; this machine shows {n}"
+        )
     need = ranks + engines * tp
     shared = spec.share_gpus if spec.share_gpus is not None else need > n
     learner = tuple(gpus[:ranks])
@@ -119,10 +132,11 @@ def plan(spec: DeploymentSpec, engines: int, gpus: list[str], *, validations: bo
             raise PlacementError(
                 f"deployment needs {ranks} learner GPU(s) + {engines} engine(s) × {tp} GPU(s) = {need} GPUs; "
                 f"this machine shows {n} (deployment.share_gpus: true puts engines beside the learner by "
-                "memory share)")
-        devices = tuple(tuple(gpus[ranks + i * tp: ranks + (i + 1) * tp]) for i in range(engines))
+                "memory share)"
+            )
+        devices = tuple(tuple(gpus[ranks + i * tp : ranks + (i + 1) * tp]) for i in range(engines))
     else:
-        groups = [tuple(gpus[g * tp: (g + 1) * tp]) for g in range(n // tp)]
+        groups = [tuple(gpus[g * tp : (g + 1) * tp]) for g in range(n // tp)]
         # engines go first where the learner is not, then beside ranks other than rank 0 (which broadcasts
         # the weights: an engine on its GPU could not join that NCCL group), then round the groups again
         groups.sort(key=lambda group: (any(d in learner for d in group), learner[0] in group))
@@ -131,9 +145,14 @@ def plan(spec: DeploymentSpec, engines: int, gpus: list[str], *, validations: bo
     return Placement("cuda", ranks, learner, devices, share, tp, shared=shared, validation_memory_share=val_share)
 
 
-def _memory_shares(spec: DeploymentSpec, gpus: list[str], learner: tuple[str, ...],
-                   devices: tuple[tuple[str, ...], ...], validations: bool, shared: bool
-                   ) -> tuple[float, float | None]:
+def _memory_shares(
+    spec: DeploymentSpec,
+    gpus: list[str],
+    learner: tuple[str, ...],
+    devices: tuple[tuple[str, ...], ...],
+    validations: bool,
+    shared: bool,
+) -> tuple[float, float | None]:
     """The engines' memory share and a validation's, such that no GPU is asked for more than it has:
     on each GPU the learner keeps `learner_memory_share` (where engines share its GPU), a validation
     beside the first engine keeps its own share (or counts as one more engine), and the engines
@@ -159,7 +178,8 @@ def _memory_shares(spec: DeploymentSpec, gpus: list[str], learner: tuple[str, ..
             raise PlacementError(
                 f"deployment puts {load[worst]} engine(s) on GPU {worst}, leaving each {share:.2f} of its memory "
                 f"({held[worst] or 'nothing else'} kept); an engine needs at least {MIN_ENGINE_SHARE:.2f}: "
-                "fewer rollout workers, smaller shares, or more GPUs")
+                "fewer rollout workers, smaller shares, or more GPUs"
+            )
     else:
         for d in used:
             total = load[d] * share + kept[d]
@@ -168,13 +188,15 @@ def _memory_shares(spec: DeploymentSpec, gpus: list[str], learner: tuple[str, ..
                 raise PlacementError(
                     f"GPU {d} would hold {load[d]} engine(s) × {share:.2f}{beside} = {total:.2f} of its memory "
                     f"(at most 1.00): lower deployment.engine_memory_share to {(1.0 - kept[d]) / load[d]:.2f} "
-                    "or run fewer engines")
+                    "or run fewer engines"
+                )
     val_share = (share if val_fixed is None else val_fixed) if validations else None
     return share, val_share
 
 
-def placement_for(spec: DeploymentSpec, engines: int, gpus: list[str] | None = None, *,
-                  validations: bool = False) -> Placement:
+def placement_for(
+    spec: DeploymentSpec, engines: int, gpus: list[str] | None = None, *, validations: bool = False
+) -> Placement:
     """The run's placement on this machine (its visible GPUs unless `gpus` is given)."""
     return plan(spec, engines, visible_gpu_ids() if gpus is None else gpus, validations=validations)
 
@@ -204,11 +226,15 @@ def nccl_obstacle(spec: DeploymentSpec, engine: str, placement: Placement) -> st
     for index, devices in enumerate(placement.engine_devices):
         for device in devices:
             if device == rank0:
-                return (f"engine {index} shares GPU {device} with the learner's rank 0, and one NCCL group cannot "
-                        "hold two ranks on one GPU")
+                return (
+                    f"engine {index} shares GPU {device} with the learner's rank 0, and one NCCL group cannot "
+                    "hold two ranks on one GPU"
+                )
             if device in seen:
-                return (f"engines {seen[device]} and {index} share GPU {device}, and one NCCL group cannot hold two "
-                        "ranks on one GPU")
+                return (
+                    f"engines {seen[device]} and {index} share GPU {device}, and one NCCL group cannot hold two "
+                    "ranks on one GPU"
+                )
             seen[device] = index
     return None
 
@@ -218,8 +244,10 @@ def weight_sync(spec: DeploymentSpec, engine: str, placement: Placement) -> Weig
     otherwise; an explicit nccl that cannot work is refused (PlacementError) with the reason."""
     if placement.colocated:
         if spec.fleet != "embedded" or engine != "vllm":
-            raise PlacementError("colocated placement needs vLLM engines (services.engine vllm) of an embedded fleet: "
-                                 "they sleep while the learner trains and take its weights by CUDA IPC")
+            raise PlacementError(
+                "colocated placement needs vLLM engines (services.engine vllm) of an embedded fleet: "
+                "they sleep while the learner trains and take its weights by CUDA IPC"
+            )
         return WeightSyncChoice("ipc", "engines colocated on the learner's GPUs: CUDA IPC on waking")
     if spec.weight_sync == "files":
         return WeightSyncChoice("files", "deployment.weight_sync files")
@@ -227,8 +255,10 @@ def weight_sync(spec: DeploymentSpec, engine: str, placement: Placement) -> Weig
     if obstacle is None:
         return WeightSyncChoice("nccl", "vLLM engines on GPUs of their own")
     if spec.weight_sync == "nccl":
-        raise PlacementError(f"deployment.weight_sync nccl cannot work here: {obstacle} "
-                             "(weight_sync auto or files sends versions through the weights store)")
+        raise PlacementError(
+            f"deployment.weight_sync nccl cannot work here: {obstacle} "
+            "(weight_sync auto or files sends versions through the weights store)"
+        )
     return WeightSyncChoice("files", obstacle)
 
 
@@ -246,8 +276,10 @@ def fleet_obstacle(infos: dict[str, dict | None]) -> str | None:
         return f"rollout server(s) {', '.join(other)} run another engine: only vLLM engines receive weights over NCCL"
     off = [u for u, i in infos.items() if not (i or {}).get("weight_ranks")]
     if off:
-        return (f"the engine of {', '.join(off)} does not take weights over NCCL (start it with the vLLM argument "
-                "weight_transfer: nccl)")
+        return (
+            f"the engine of {', '.join(off)} does not take weights over NCCL (start it with the vLLM argument "
+            "weight_transfer: nccl)"
+        )
     return None
 
 
@@ -260,26 +292,31 @@ def external_weight_sync(spec: DeploymentSpec, infos: dict[str, dict | None]) ->
     obstacle = fleet_obstacle(infos)
     if obstacle is None:
         ranks = sum(int(i["weight_ranks"]) for i in infos.values() if i)
-        return WeightSyncChoice("nccl", f"{len(infos)} rollout server(s), {ranks} engine rank(s), join the group at "
-                                        "the address the learner announces; files for restarts and stragglers")
+        return WeightSyncChoice(
+            "nccl",
+            f"{len(infos)} rollout server(s), {ranks} engine rank(s), join the group at "
+            "the address the learner announces; files for restarts and stragglers",
+        )
     if spec.weight_sync == "nccl":
-        raise PlacementError(f"deployment.weight_sync nccl cannot work here: {obstacle} "
-                             "(weight_sync auto or files sends versions through the weights store)")
+        raise PlacementError(
+            f"deployment.weight_sync nccl cannot work here: {obstacle} "
+            "(weight_sync auto or files sends versions through the weights store)"
+        )
     return WeightSyncChoice("files", obstacle)
 
 
 # ---- memory model: split or colocated ---------------------------------------------------------
 
 GiB = 2**30
-CARD_USABLE = 0.92          # of a card's memory: CUDA contexts, NCCL buffers and allocator fragments take the rest
+CARD_USABLE = 0.92  # of a card's memory: CUDA contexts, NCCL buffers and allocator fragments take the rest
 # Measured at 7B on two H200s (docs/gpu.md, "Colocation's memory"): a learner rank held 6.2 GiB beyond its
 # ZeRO-3 state before its first step; an engine 2.5 GiB beyond weights and KV cache that its sleep freed and
 # 1.9 GiB it kept asleep.
-LEARNER_RESERVE = 6 * GiB   # a rank's ZeRO-3 gather and reduce buckets, NCCL buffers, CUDA context, allocator cache
+LEARNER_RESERVE = 6 * GiB  # a rank's ZeRO-3 gather and reduce buckets, NCCL buffers, CUDA context, allocator cache
 ENGINE_RESERVE = int(4.5 * GiB)  # an awake engine besides weights and KV (vllm_engine.ENGINE_RESERVE_BYTES)
-SLEEP_RESIDUE = 2 * GiB     # an asleep engine: CUDA context, CUDA graphs' pools, the allocator's bookkeeping
+SLEEP_RESIDUE = 2 * GiB  # an asleep engine: CUDA context, CUDA graphs' pools, the allocator's bookkeeping
 ZERO3_BYTES_PER_PARAM = 2 + 2 + 12  # bf16 weights and gradients, fp32 Adam moments and master weights
-FP32_GRADS_EXTRA = 2        # gradients accumulated in fp32 partitions (learner.fp32_grad_accum, the default)
+FP32_GRADS_EXTRA = 2  # gradients accumulated in fp32 partitions (learner.fp32_grad_accum, the default)
 
 
 @dataclass(frozen=True)
@@ -295,14 +332,16 @@ class ModelSize:
     vocab: int
 
     @classmethod
-    def from_hf_config(cls, config: dict) -> "ModelSize":
+    def from_hf_config(cls, config: dict) -> ModelSize:
         """From a decoder's config.json (Qwen2/Llama-like: attention with q/k/v biases counted, SwiGLU MLP).
         PlacementError when it lacks a size the count needs."""
         needed = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
         missing = [k for k in needed if not isinstance(config.get(k), int)]
         if missing:
-            raise PlacementError(f"the model's config.json has no {', '.join(missing)}: placement cannot size "
-                                 "the model (a decoder's config.json, as Qwen2 or Llama write it, has them)")
+            raise PlacementError(
+                f"the model's config.json has no {', '.join(missing)}: placement cannot size "
+                "the model (a decoder's config.json, as Qwen2 or Llama write it, has them)"
+            )
         h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
         heads = config["num_attention_heads"]
         kv = config.get("num_key_value_heads") or heads
@@ -322,20 +361,25 @@ class ModelSize:
         return 2 * self.layers * self.kv_heads * self.head_dim * 2  # keys and values, bf16
 
 
-def learner_state_bytes(size: ModelSize, ranks: int, reference: bool = False, persistent_bytes: int = 0,
-                        fp32_grads: bool = True) -> int:
+def learner_state_bytes(
+    size: ModelSize, ranks: int, reference: bool = False, persistent_bytes: int = 0, fp32_grads: bool = True
+) -> int:
     """A ZeRO-3 rank's share of weights, gradients (fp32 with `fp32_grads`) and Adam state (allocated at the
     first step, so counted from the start: the engines wake beside it); the weights ZeRO-3 keeps whole on every
     rank (`learner.persistent_weights_gib`, at most the model's bf16 weights); with `reference` (a KL term),
     the frozen reference policy beside it, which every rank holds whole in bf16
     (`PolicyEngine.reference_policy`)."""
     per_param = ZERO3_BYTES_PER_PARAM + (FP32_GRADS_EXTRA if fp32_grads else 0)
-    return (per_param * size.params // ranks + min(persistent_bytes, size.weights_bytes)
-            + (2 * size.params if reference else 0))
+    return (
+        per_param * size.params // ranks
+        + min(persistent_bytes, size.weights_bytes)
+        + (2 * size.params if reference else 0)
+    )
 
 
-def activation_bytes(size: ModelSize, tokens: int, checkpointing: bool, *, recompute_mlp: bool = False,
-                     lean: bool = False) -> int:
+def activation_bytes(
+    size: ModelSize, tokens: int, checkpointing: bool, *, recompute_mlp: bool = False, lean: bool = False
+) -> int:
     """A rank's activations for a packed row of `tokens` (bf16): with checkpointing, each layer's input
     kept plus one layer recomputed at a time; without, every layer's. A layer holds about 10 hidden-wide
     and 4 MLP-wide tensors per token (norms, q/k/v/o, the residuals; gate, up, their product, its
@@ -364,36 +408,68 @@ class Fit:
     validation_share: float | None = None  # colocated: a validation's engine beside engine 0
 
 
-def split_fit(size: ModelSize, ranks: int, engines: int, tp: int, gpus: int, card: int, activations: int,
-              min_kv_tokens: int, *, reference: bool = False, persistent_bytes: int = 0, fp32_grads: bool = True
-              ) -> Fit:
+def split_fit(
+    size: ModelSize,
+    ranks: int,
+    engines: int,
+    tp: int,
+    gpus: int,
+    card: int,
+    activations: int,
+    min_kv_tokens: int,
+    *,
+    reference: bool = False,
+    persistent_bytes: int = 0,
+    fp32_grads: bool = True,
+) -> Fit:
     """Learner ranks and engines on GPUs of their own."""
     usable = int(CARD_USABLE * card)
     need = ranks + engines * tp
     if need > gpus:
-        return Fit("split", False, f"split needs {ranks} learner GPU(s) + {engines} engine(s) × {tp} = {need} GPUs; "
-                                   f"this machine shows {gpus}")
+        return Fit(
+            "split",
+            False,
+            f"split needs {ranks} learner GPU(s) + {engines} engine(s) × {tp} = {need} GPUs; this machine shows {gpus}",
+        )
     state = learner_state_bytes(size, ranks, reference, persistent_bytes, fp32_grads)
     learner = state + activations + LEARNER_RESERVE
     if learner > usable:
-        return Fit("split", False, f"split: a learner rank needs {_gib(learner)} (ZeRO-3 state "
-                                   f"{_gib(state)}{_persistent_note(size, persistent_bytes)}"
-                                   f"{_reference_note(reference)} + "
-                                   f"activations {_gib(activations)} + "
-                                   f"{_gib(LEARNER_RESERVE)}) of {_gib(usable)} usable")
+        return Fit(
+            "split",
+            False,
+            f"split: a learner rank needs {_gib(learner)} (ZeRO-3 state "
+            f"{_gib(state)}{_persistent_note(size, persistent_bytes)}"
+            f"{_reference_note(reference)} + "
+            f"activations {_gib(activations)} + "
+            f"{_gib(LEARNER_RESERVE)}) of {_gib(usable)} usable",
+        )
     kv = int(DEDICATED_MEMORY_SHARE * card) - size.weights_bytes // tp - ENGINE_RESERVE
     if kv < min_kv_tokens * size.kv_bytes_per_token // tp:
         return Fit("split", False, f"split: an engine's KV cache of {_gib(kv)} holds fewer than {min_kv_tokens} tokens")
-    return Fit("split", True, f"split: learner rank {_gib(learner)} of {_gib(usable)}; each engine alone on "
-                              f"{tp} GPU(s), KV {_gib(kv)} ({kv * tp // size.kv_bytes_per_token:,} tokens)")
+    return Fit(
+        "split",
+        True,
+        f"split: learner rank {_gib(learner)} of {_gib(usable)}; each engine alone on "
+        f"{tp} GPU(s), KV {_gib(kv)} ({kv * tp // size.kv_bytes_per_token:,} tokens)",
+    )
 
 
 VALIDATION_SEQUENCES = 2  # max-length sequences a validation's engine beside colocated training holds
 
 
-def colocated_fit(size: ModelSize, gpus: int, tp: int, card: int, activations: int, min_kv_tokens: int, *,
-                  validations: bool = False, reference: bool = False, persistent_bytes: int = 0,
-                  fp32_grads: bool = True) -> Fit:
+def colocated_fit(
+    size: ModelSize,
+    gpus: int,
+    tp: int,
+    card: int,
+    activations: int,
+    min_kv_tokens: int,
+    *,
+    validations: bool = False,
+    reference: bool = False,
+    persistent_bytes: int = 0,
+    fp32_grads: bool = True,
+) -> Fit:
     """A learner rank on every GPU and one engine per tensor-parallel group of GPUs, asleep while the
     learner trains. Training: the rank's state, activations and reserve beside the asleep engine's
     residue. Rollout: the rank's state and reserve (activations freed) beside the awake engine's
@@ -407,23 +483,36 @@ def colocated_fit(size: ModelSize, gpus: int, tp: int, card: int, activations: i
     training = state + activations + LEARNER_RESERVE + SLEEP_RESIDUE + validation
     beside = f" + a validation's engine {_gib(validation)}" if validation else ""
     if training > usable:
-        return Fit("colocated", False, f"colocated: training needs {_gib(training)} a GPU (ZeRO-3 state over {gpus} "
-                                       f"ranks {_gib(state)}{_persistent_note(size, persistent_bytes)}"
-                                       f"{_reference_note(reference)} + activations {_gib(activations)} + "
-                                       f"{_gib(LEARNER_RESERVE)} + an asleep engine {_gib(SLEEP_RESIDUE)}{beside}) "
-                                       f"of {_gib(usable)} usable")
+        return Fit(
+            "colocated",
+            False,
+            f"colocated: training needs {_gib(training)} a GPU (ZeRO-3 state over {gpus} "
+            f"ranks {_gib(state)}{_persistent_note(size, persistent_bytes)}"
+            f"{_reference_note(reference)} + activations {_gib(activations)} + "
+            f"{_gib(LEARNER_RESERVE)} + an asleep engine {_gib(SLEEP_RESIDUE)}{beside}) "
+            f"of {_gib(usable)} usable",
+        )
     engine = usable - state - LEARNER_RESERVE - validation
     kv = engine - weights - ENGINE_RESERVE
     if kv < need_kv:
-        return Fit("colocated", False, f"colocated: an engine beside a learner rank's {_gib(state)}{beside} keeps "
-                                       f"{_gib(max(kv, 0))} of KV cache, less than one {min_kv_tokens}-token "
-                                       f"sequence ({_gib(need_kv)})")
+        return Fit(
+            "colocated",
+            False,
+            f"colocated: an engine beside a learner rank's {_gib(state)}{beside} keeps "
+            f"{_gib(max(kv, 0))} of KV cache, less than one {min_kv_tokens}-token "
+            f"sequence ({_gib(need_kv)})",
+        )
     share = math.floor(engine / card * 100) / 100
     val_share = math.ceil(validation / card * 100) / 100 if validation else None
-    return Fit("colocated", True, f"colocated: training {_gib(training)} of {_gib(usable)} a GPU with the engine "
-                                  f"asleep{beside}; awake, the engine takes {share:.2f} of its GPUs, KV {_gib(kv)} "
-                                  f"({kv * tp // size.kv_bytes_per_token:,} tokens)",
-               engine_share=share, validation_share=val_share)
+    return Fit(
+        "colocated",
+        True,
+        f"colocated: training {_gib(training)} of {_gib(usable)} a GPU with the engine "
+        f"asleep{beside}; awake, the engine takes {share:.2f} of its GPUs, KV {_gib(kv)} "
+        f"({kv * tp // size.kv_bytes_per_token:,} tokens)",
+        engine_share=share,
+        validation_share=val_share,
+    )
 
 
 def _persistent_note(size: ModelSize, persistent_bytes: int) -> str:
@@ -439,18 +528,29 @@ def _gib(n: int | float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def plan_colocated(spec: DeploymentSpec, gpus: list[str], share: float, *,
-                   validation_share: float | None = None) -> Placement:
+def plan_colocated(
+    spec: DeploymentSpec, gpus: list[str], share: float, *, validation_share: float | None = None
+) -> Placement:
     """Every GPU holds a learner rank and one engine per tensor-parallel group of GPUs (the rollout
     workers' episode budget is pooled into them: `colocated_concurrency`), each taking `share` of its GPUs
     while awake; a validation during RL runs beside engine 0 at `validation_share`."""
     tp = spec.engine_tensor_parallel
     if tp > len(gpus):
-        raise PlacementError(f"deployment.engine_tensor_parallel {tp} needs {tp} GPUs per engine; "
-                             f"this machine shows {len(gpus)}")
-    devices = tuple(tuple(gpus[g * tp: (g + 1) * tp]) for g in range(len(gpus) // tp))
-    return Placement("cuda", len(gpus), tuple(gpus), devices, share, tp, shared=True,
-                     validation_memory_share=validation_share, colocated=True)
+        raise PlacementError(
+            f"deployment.engine_tensor_parallel {tp} needs {tp} GPUs per engine; this machine shows {len(gpus)}"
+        )
+    devices = tuple(tuple(gpus[g * tp : (g + 1) * tp]) for g in range(len(gpus) // tp))
+    return Placement(
+        "cuda",
+        len(gpus),
+        tuple(gpus),
+        devices,
+        share,
+        tp,
+        shared=True,
+        validation_memory_share=validation_share,
+        colocated=True,
+    )
 
 
 def colocated_concurrency(workers: int, concurrency: int, engines: int) -> int:
@@ -459,10 +559,25 @@ def colocated_concurrency(workers: int, concurrency: int, engines: int) -> int:
     return max(1, math.ceil(workers * concurrency / max(engines, 1)))
 
 
-def choose(spec: DeploymentSpec, mode: str, size: ModelSize | None, engines: int, gpus: list[str],
-           card_bytes: int | None, *, micro_batch_tokens: int, checkpointing: bool, min_kv_tokens: int,
-           recompute_mlp: bool = False, lean: bool = False, activation_bytes_override: int | None = None, validations: bool = False,
-           reference: bool = False, persistent_bytes: int = 0, fp32_grads: bool = True) -> Placement:
+def choose(
+    spec: DeploymentSpec,
+    mode: str,
+    size: ModelSize | None,
+    engines: int,
+    gpus: list[str],
+    card_bytes: int | None,
+    *,
+    micro_batch_tokens: int,
+    checkpointing: bool,
+    min_kv_tokens: int,
+    recompute_mlp: bool = False,
+    lean: bool = False,
+    activation_bytes_override: int | None = None,
+    validations: bool = False,
+    reference: bool = False,
+    persistent_bytes: int = 0,
+    fp32_grads: bool = True,
+) -> Placement:
     """The run's layout: `mode` split (the deployment's own plan), colocated, or auto (split where the
     learner and engines fit GPUs of their own, else colocated where that fits); the placement's `reason`
     says why. A mode whose memory cannot fit is refused (PlacementError) with the numbers, before anything
@@ -470,31 +585,76 @@ def choose(spec: DeploymentSpec, mode: str, size: ModelSize | None, engines: int
     if not gpus or (mode == "split" and (size is None or card_bytes is None)):
         return plan(spec, engines, gpus, validations=validations)
     if size is None or card_bytes is None:
-        raise PlacementError(f"placement.mode {mode} needs the model's size (its config.json) and the GPUs' memory "
-                             "(placement.gpu_gib where the GPUs cannot be asked)")
-    acts = activation_bytes_override or activation_bytes(size, micro_batch_tokens, checkpointing,
-                                                         recompute_mlp=recompute_mlp, lean=lean)
+        raise PlacementError(
+            f"placement.mode {mode} needs the model's size (its config.json) and the GPUs' memory "
+            "(placement.gpu_gib where the GPUs cannot be asked)"
+        )
+    acts = activation_bytes_override or activation_bytes(
+        size, micro_batch_tokens, checkpointing, recompute_mlp=recompute_mlp, lean=lean
+    )
     tp, n = spec.engine_tensor_parallel, len(gpus)
     if mode == "auto" and spec.learner_ranks is None:
-        return derive(spec, size, gpus, card_bytes, acts, min_kv_tokens, validations=validations, reference=reference,
-                      persistent_bytes=persistent_bytes, fp32_grads=fp32_grads)
-    split = split_fit(size, spec.learner_ranks or 1, engines, tp, n, card_bytes, acts, min_kv_tokens, reference=reference,
-                      persistent_bytes=persistent_bytes, fp32_grads=fp32_grads)
+        return derive(
+            spec,
+            size,
+            gpus,
+            card_bytes,
+            acts,
+            min_kv_tokens,
+            validations=validations,
+            reference=reference,
+            persistent_bytes=persistent_bytes,
+            fp32_grads=fp32_grads,
+        )
+    split = split_fit(
+        size,
+        spec.learner_ranks or 1,
+        engines,
+        tp,
+        n,
+        card_bytes,
+        acts,
+        min_kv_tokens,
+        reference=reference,
+        persistent_bytes=persistent_bytes,
+        fp32_grads=fp32_grads,
+    )
     if mode == "split":
         placed = plan(spec, engines, gpus, validations=validations)
         if split.fits or placed.shared:  # memory sharing by share: plan()'s own checks
             return _with_reason(placed, split.why if split.fits else "split by memory share (deployment.share_gpus)")
         raise PlacementError(f"placement.mode split does not fit: {split.why}")
-    colo = colocated_fit(size, n, tp, card_bytes, acts, min_kv_tokens, validations=validations, reference=reference,
-                         persistent_bytes=persistent_bytes, fp32_grads=fp32_grads)
+    colo = colocated_fit(
+        size,
+        n,
+        tp,
+        card_bytes,
+        acts,
+        min_kv_tokens,
+        validations=validations,
+        reference=reference,
+        persistent_bytes=persistent_bytes,
+        fp32_grads=fp32_grads,
+    )
     if mode == "auto" and split.fits:
-        return _with_reason(plan(spec.model_copy(update={"share_gpus": False}), engines, gpus,
-                                 validations=validations), f"auto → {split.why}")
+        return _with_reason(
+            plan(spec.model_copy(update={"share_gpus": False}), engines, gpus, validations=validations),
+            f"auto → {split.why}",
+        )
     later = False
     if not colo.fits and validations:
         # no room for a validation's engine beside the colocated ones: the validations wait for the fleet to end
-        alone = colocated_fit(size, n, tp, card_bytes, acts, min_kv_tokens, reference=reference,
-                              persistent_bytes=persistent_bytes, fp32_grads=fp32_grads)
+        alone = colocated_fit(
+            size,
+            n,
+            tp,
+            card_bytes,
+            acts,
+            min_kv_tokens,
+            reference=reference,
+            persistent_bytes=persistent_bytes,
+            fp32_grads=fp32_grads,
+        )
         if alone.fits:
             colo, later = alone, True
     if colo.fits:
@@ -503,9 +663,10 @@ def choose(spec: DeploymentSpec, mode: str, size: ModelSize | None, engines: int
             prefix += "; validations run after the RL steps (no room for their engine beside the fleet)"
         placed = plan_colocated(spec, gpus, colo.engine_share, validation_share=colo.validation_share)
         return _with_reason(replace(placed, validations_after=later), prefix)
-    raise PlacementError(f"placement.mode {mode}: no layout fits {n} GPU(s) of {_gib(card_bytes)} for "
-                         f"{size.params / 1e9:.2f} B parameters: {colo.why}"
-                         + (f"; {split.why}" if mode == "auto" else ""))
+    raise PlacementError(
+        f"placement.mode {mode}: no layout fits {n} GPU(s) of {_gib(card_bytes)} for "
+        f"{size.params / 1e9:.2f} B parameters: {colo.why}" + (f"; {split.why}" if mode == "auto" else "")
+    )
 
 
 def learner_rank_choices(gpus: int, tp: int) -> list[int]:
@@ -518,9 +679,19 @@ def learner_rank_choices(gpus: int, tp: int) -> list[int]:
     return choices
 
 
-def derive(spec: DeploymentSpec, size: ModelSize, gpus: list[str], card_bytes: int, acts: int, min_kv_tokens: int,
-           *, validations: bool = False, reference: bool = False, persistent_bytes: int = 0,
-           fp32_grads: bool = True) -> Placement:
+def derive(
+    spec: DeploymentSpec,
+    size: ModelSize,
+    gpus: list[str],
+    card_bytes: int,
+    acts: int,
+    min_kv_tokens: int,
+    *,
+    validations: bool = False,
+    reference: bool = False,
+    persistent_bytes: int = 0,
+    fp32_grads: bool = True,
+) -> Placement:
     """Learner ranks and engines from the machine, for a recipe that leaves `deployment.learner_ranks` unset.
     Colocated where it fits (one GPU included): a learner rank on every GPU and one engine per
     `engine_tensor_parallel` GPUs, asleep while the learner trains, so no GPU waits through the other phase.
@@ -529,12 +700,31 @@ def derive(spec: DeploymentSpec, size: ModelSize, gpus: list[str], card_bytes: i
     rollout workers' episode budget is pooled into the engines (`colocated_concurrency`)."""
     n, tp = len(gpus), spec.engine_tensor_parallel
     machine = f"{n} GPU(s) of {_gib(card_bytes)} for {size.params / 1e9:.2f} B parameters"
-    colo = colocated_fit(size, n, tp, card_bytes, acts, min_kv_tokens, validations=validations, reference=reference,
-                         persistent_bytes=persistent_bytes, fp32_grads=fp32_grads)
+    colo = colocated_fit(
+        size,
+        n,
+        tp,
+        card_bytes,
+        acts,
+        min_kv_tokens,
+        validations=validations,
+        reference=reference,
+        persistent_bytes=persistent_bytes,
+        fp32_grads=fp32_grads,
+    )
     later = False
     if not colo.fits and validations:
-        alone = colocated_fit(size, n, tp, card_bytes, acts, min_kv_tokens, reference=reference,
-                              persistent_bytes=persistent_bytes, fp32_grads=fp32_grads)
+        alone = colocated_fit(
+            size,
+            n,
+            tp,
+            card_bytes,
+            acts,
+            min_kv_tokens,
+            reference=reference,
+            persistent_bytes=persistent_bytes,
+            fp32_grads=fp32_grads,
+        )
         colo, later = (alone, True) if alone.fits else (colo, False)
     if colo.fits:
         why = f"derived from {machine}: {colo.why}"
@@ -545,16 +735,33 @@ def derive(spec: DeploymentSpec, size: ModelSize, gpus: list[str], card_bytes: i
     tried = []
     for ranks in learner_rank_choices(n, tp):
         engines = (n - ranks) // tp
-        fit = split_fit(size, ranks, engines, tp, n, card_bytes, acts, min_kv_tokens, reference=reference,
-                        persistent_bytes=persistent_bytes, fp32_grads=fp32_grads)
+        fit = split_fit(
+            size,
+            ranks,
+            engines,
+            tp,
+            n,
+            card_bytes,
+            acts,
+            min_kv_tokens,
+            reference=reference,
+            persistent_bytes=persistent_bytes,
+            fp32_grads=fp32_grads,
+        )
         if fit.fits:
-            placed = plan(spec.model_copy(update={"learner_ranks": ranks, "share_gpus": False}), engines, gpus,
-                          validations=validations)
+            placed = plan(
+                spec.model_copy(update={"learner_ranks": ranks, "share_gpus": False}),
+                engines,
+                gpus,
+                validations=validations,
+            )
             why = f"derived from {machine}: {ranks} learner rank(s) + {engines} engine(s); {fit.why} (not {colo.why})"
             return replace(placed, reason=why, derived=True)
         tried.append(fit.why)
-    raise PlacementError(f"no layout fits {machine}: {colo.why}"
-                         + (f"; {'; '.join(tried)}" if tried else "; split needs at least 2 GPUs"))
+    raise PlacementError(
+        f"no layout fits {machine}: {colo.why}"
+        + (f"; {'; '.join(tried)}" if tried else "; split needs at least 2 GPUs")
+    )
 
 
 def _with_reason(placement: Placement, reason: str) -> Placement:
@@ -570,8 +777,13 @@ def gpu_memory_bytes(gpus: list[str]) -> int | None:
     if not gpus:
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     sizes = {i.strip(): int(float(m)) * 2**20 for i, m in (line.split(",") for line in out.strip().splitlines())}
@@ -579,8 +791,9 @@ def gpu_memory_bytes(gpus: list[str]) -> int | None:
     return min(known) if known else None
 
 
-def placement_for_recipe(config: PipelineConfig, gpus: list[str] | None = None, card_bytes: int | None = None,
-                         size: ModelSize | None = None) -> Placement:
+def placement_for_recipe(
+    config: PipelineConfig, gpus: list[str] | None = None, card_bytes: int | None = None, size: ModelSize | None = None
+) -> Placement:
     """The run's placement from its recipe (`placement.mode`, the deployment, the learner's row size, the
     episodes' context) on this machine: its visible GPUs and their memory unless given; the model's size
     from its config.json unless given (unknown for a model not built yet: split as the deployment says)."""
@@ -594,11 +807,21 @@ def placement_for_recipe(config: PipelineConfig, gpus: list[str] | None = None, 
         raw = model_config(config.model.path)
         size = ModelSize.from_hf_config(raw) if raw else None
     act = int(config.placement.activation_gib * GiB) if config.placement.activation_gib else None
-    return choose(config.deployment, mode, size, config.services.rollout_workers, gpus, card_bytes,
-                  micro_batch_tokens=config.learner.micro_batch_tokens,
-                  checkpointing=config.learner.gradient_checkpointing,
-                  recompute_mlp=config.learner.recompute_mlp, lean=config.learner.activation_memory == "lean",
-                  min_kv_tokens=config.rl.sampling.engine_max_len, activation_bytes_override=act,
-                  validations=config.validates_during_rl, reference=config.rl.kl_coef > 0,
-                  persistent_bytes=int(config.learner.persistent_weights_gib * GiB),
-                  fp32_grads=config.learner.fp32_grad_accum)
+    return choose(
+        config.deployment,
+        mode,
+        size,
+        config.services.rollout_workers,
+        gpus,
+        card_bytes,
+        micro_batch_tokens=config.learner.micro_batch_tokens,
+        checkpointing=config.learner.gradient_checkpointing,
+        recompute_mlp=config.learner.recompute_mlp,
+        lean=config.learner.activation_memory == "lean",
+        min_kv_tokens=config.rl.sampling.engine_max_len,
+        activation_bytes_override=act,
+        validations=config.validates_during_rl,
+        reference=config.rl.kl_coef > 0,
+        persistent_bytes=int(config.learner.persistent_weights_gib * GiB),
+        fp32_grads=config.learner.fp32_grad_accum,
+    )

@@ -17,8 +17,16 @@ CURVES: tuple[tuple[tuple[str, ...], str], ...] = (
     (("entropy",), "entropy"),
     (("clip_fraction", "clip_fraction_low", "clip_fraction_high"), "clipped tokens"),
     (("mismatch_kl",), "train/inference mismatch KL"),
-    (("samples_stale", "samples_duplicate", "samples_masked_overlength", "samples_format_error", "samples_truncated"),
-     "samples dropped, masked or truncated"),
+    (
+        (
+            "samples_stale",
+            "samples_duplicate",
+            "samples_masked_overlength",
+            "samples_format_error",
+            "samples_truncated",
+        ),
+        "samples dropped, masked or truncated",
+    ),
     (("time_wait_s", "time_compute_s", "time_sync_s"), "step time split (s)"),
     (("grad_norm",), "gradient norm"),
 )
@@ -64,8 +72,14 @@ def plot_curves(rows: list[dict[str, Any]], title: str, out: Path) -> list[Path]
 
 def write_report(run: Run) -> Path:
     records = run.stage_records()
-    lines = [f"# Run {run.config.name}", "", f"Folder: `{run.folder}`", "", "| stage | state | seconds |",
-             "|---|---|---|"]
+    lines = [
+        f"# Run {run.config.name}",
+        "",
+        f"Folder: `{run.folder}`",
+        "",
+        "| stage | state | seconds |",
+        "|---|---|---|",
+    ]
     for stage in run.config.stages:
         rec = records.get(stage, {})
         lines.append(f"| {stage} | {rec.get('state', 'not run')} | {rec.get('seconds', '')} |")
@@ -76,11 +90,29 @@ def write_report(run: Run) -> Path:
             continue
         lines += ["", f"## {stage.upper()} ({len(rows)} logged steps)", ""]
         last = rows[-1]
-        keys = [k for k in ("loss", "reward_mean", "success_rate", "entropy", "clip_fraction", "mismatch_kl", "grad_norm",
-                            "tokens_per_s", "mfu", "version") if isinstance(last.get(k), (int, float))]
+        keys = [
+            k
+            for k in (
+                "loss",
+                "reward_mean",
+                "success_rate",
+                "entropy",
+                "clip_fraction",
+                "mismatch_kl",
+                "grad_norm",
+                "tokens_per_s",
+                "mfu",
+                "version",
+            )
+            if isinstance(last.get(k), (int, float))
+        ]
         if keys:
-            lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys),
-                      "| " + " | ".join(f"{last[k]:.4g}" for k in keys) + " |", ""]
+            lines += [
+                "| " + " | ".join(keys) + " |",
+                "|" + "---|" * len(keys),
+                "| " + " | ".join(f"{last[k]:.4g}" for k in keys) + " |",
+                "",
+            ]
         for png in plot_curves(rows, stage, plots):
             lines.append(f"![{png.stem}](plots/{png.name})")
     ev = (records.get("eval", {}).get("outputs") or {}).get("metrics")

@@ -30,15 +30,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from services.common.redis import free_port, local_url, redact, redis_argv, redis_password, wait_for_redis
 from services.common.schemas import SamplingParams
-from services.common.streams import StreamNames, ensure_group, trim_consumed
-from services.common.supervisor import (Child, Supervisor, SupervisorError, spawn, stop_orphans, stop_process,
-                                        wait_ready)
 from services.common.settings import get_settings
-from services.pipeline import fleet
+from services.common.streams import StreamNames, ensure_group, trim_consumed
+from services.common.supervisor import Child, Supervisor, SupervisorError, spawn, stop_orphans, stop_process, wait_ready
+from services.pipeline import fleet, stage
 from services.pipeline.config import PipelineConfig, sampling_cuts
 from services.pipeline.external import ExternalFleet, FleetAddress, LearnerReport, connect, ready
 from services.pipeline.scheduler import Schedule, TaskPublisher
-from services.pipeline import stage
 from services.pipeline.stage import Run, StageFailed, check_exit, console, failure_cause, log_tail
 from services.reward.rewards import Curriculum
 from services.synth.queries import load_queries
@@ -52,7 +50,7 @@ class Managed(Child):
     """A process of the stage outside the fleet's supervisor (a validation's `star eval`), started
     and stopped the same way: output to its log, dies with the controller."""
 
-    def start(self) -> "Managed":
+    def start(self) -> Managed:
         self.proc = spawn(self.argv, env={**os.environ, **self.env}, log_path=self.log)
         self.started_at = time.monotonic()
         return self
@@ -90,8 +88,13 @@ class Fleet:
         # the Redis URL (it holds the password) travels in the environment, not in rl.json
         argv, learner_env = run.learner_launch("rl", config)
         self.status_path = run.folder / "rl" / "status.json"
-        self.learner = self.sup.add("learner", argv, {**run.env, **learner_env, "STAR_REDIS_URL": self.redis_url},
-                                    run.log("learner"), stop_timeout=120)
+        self.learner = self.sup.add(
+            "learner",
+            argv,
+            {**run.env, **learner_env, "STAR_REDIS_URL": self.redis_url},
+            run.log("learner"),
+            stop_timeout=120,
+        )
 
     def keep_alive(self) -> list[str]:
         """Restart what died (Redis, the sandbox, workers; not the learner, whose end `drive` reads
@@ -120,11 +123,14 @@ class Fleet:
         except SupervisorError as exc:
             log = self.learner.log
             tail = log_tail(log, 8) if log else []
-            raise StageFailed(f"the learner keeps failing: {exc}"
-                              + (f"; see {log}\n  " + "\n  ".join(tail) if tail else "")) from None
+            raise StageFailed(
+                f"the learner keeps failing: {exc}" + (f"; see {log}\n  " + "\n  ".join(tail) if tail else "")
+            ) from None
         cause = failure_cause(self.learner.log) if self.learner.log else None
-        console.print(f"[yellow]learner exited ({report.exit_code}, {report.state}); resuming from its checkpoint[/]"
-                      + (f"\n  [dim]{escape(cause)} (see {self.learner.log})[/]" if cause else ""))
+        console.print(
+            f"[yellow]learner exited ({report.exit_code}, {report.state}); resuming from its checkpoint[/]"
+            + (f"\n  [dim]{escape(cause)} (see {self.learner.log})[/]" if cause else "")
+        )
         self.sup.restart(self.learner)
 
     def stop_learner(self) -> None:
@@ -146,8 +152,9 @@ class Fleet:
         self.sup.stop_all(order)
 
 
-def rl_config(run: Run, model: str, names: StreamNames, redis_url: str | None, total_steps: int,
-              servers: list[str] | None = None) -> Path:
+def rl_config(
+    run: Run, model: str, names: StreamNames, redis_url: str | None, total_steps: int, servers: list[str] | None = None
+) -> Path:
     """The learner's RLConfig for this run, written to rl.json. An embedded fleet keeps its weights in
     the run folder; an external one in its own store (the learner service's STAR_WEIGHTS_ROOT, which
     its rollout workers read), and its rollout servers (STAR_ROLLOUT_URLS) are told of each version.
@@ -159,25 +166,47 @@ def rl_config(run: Run, model: str, names: StreamNames, redis_url: str | None, t
     external = run.config.deployment.fleet == "external"
     sync = nccl_sync(run, servers or []) if run.nccl and not external else {}
     if run.nccl and external:  # rank 0 announces its address to the fleet's servers (services.learner.nccl_master)
-        sync = {"weight_sync": "nccl", "nccl_master": "auto", "files_every": r.val_every or 10,
-                "nccl_timeout_s": run.config.deployment.nccl_timeout_s}
+        sync = {
+            "weight_sync": "nccl",
+            "nccl_master": "auto",
+            "files_every": r.val_every or 10,
+            "nccl_timeout_s": run.config.deployment.nccl_timeout_s,
+        }
     if run.colocated:
         sync = colocated_sync(run, servers or [])
     cfg = RLConfig(
-        model=model, output_dir=str(run.folder / "rl"), algorithm="dapo" if r.algorithm == "dapo" else "grpo",
-        group_size=r.group_size, batch_prompts=r.batch_prompts, lr=r.lr, total_steps=total_steps,
-        mini_batches=r.mini_batches, kl_coef=r.kl_coef, negative_scale=r.negative_scale,
-        samples_per_step=r.samples_per_step, save_every=r.save_every, loss_agg=r.loss_agg, dual_clip_c=r.dual_clip_c,
-        log_ratio_clamp=r.log_ratio_clamp, importance_sampling=r.importance_sampling, is_low=r.is_low,
-        is_high=r.is_high, temperature=r.sampling.temperature,
+        model=model,
+        output_dir=str(run.folder / "rl"),
+        algorithm="dapo" if r.algorithm == "dapo" else "grpo",
+        group_size=r.group_size,
+        batch_prompts=r.batch_prompts,
+        lr=r.lr,
+        total_steps=total_steps,
+        mini_batches=r.mini_batches,
+        kl_coef=r.kl_coef,
+        negative_scale=r.negative_scale,
+        samples_per_step=r.samples_per_step,
+        save_every=r.save_every,
+        loss_agg=r.loss_agg,
+        dual_clip_c=r.dual_clip_c,
+        log_ratio_clamp=r.log_ratio_clamp,
+        importance_sampling=r.importance_sampling,
+        is_low=r.is_low,
+        is_high=r.is_high,
+        temperature=r.sampling.temperature,
         sampling_cut=bool(sampling_cuts(r.sampling)),
-        eps_low=r.eps_low, eps_high=r.eps_high, filters=r.filters(),
-        oversample_groups=r.oversample_groups, late_groups=r.late_groups,
-        engine=run.config.learner.engine(run.config.services.zero_stage, run.config.seed,
-                                         ranks=run.learner_ranks),
-        redis_url=redis_url, stream_prefix=names.prefix,
+        eps_low=r.eps_low,
+        eps_high=r.eps_high,
+        filters=r.filters(),
+        oversample_groups=r.oversample_groups,
+        late_groups=r.late_groups,
+        engine=run.config.learner.engine(run.config.services.zero_stage, run.config.seed, ranks=run.learner_ranks),
+        redis_url=redis_url,
+        stream_prefix=names.prefix,
         weights_dir=None if external else str(run.folder / "weights"),
-        rollout_servers=get_settings().rollout_url_list if external else [], wait_timeout_s=24 * 3600)
+        rollout_servers=get_settings().rollout_url_list if external else [],
+        wait_timeout_s=24 * 3600,
+    )
     cfg = cfg.model_copy(update=sync)
     path = run.folder / "rl.json"
     path.write_text(cfg.model_dump_json(indent=2))
@@ -191,8 +220,13 @@ def nccl_sync(run: Run, servers: list[str]) -> dict[str, Any]:
     if not servers:
         raise StageFailed("weights over NCCL need the rollout workers' HTTP addresses; none were started")
     files_every = run.config.rl.val_every or 10
-    return {"weight_sync": "nccl", "rollout_servers": list(servers), "nccl_master": f"127.0.0.1:{free_port()}",
-            "files_every": files_every, "nccl_timeout_s": run.config.deployment.nccl_timeout_s}
+    return {
+        "weight_sync": "nccl",
+        "rollout_servers": list(servers),
+        "nccl_master": f"127.0.0.1:{free_port()}",
+        "files_every": files_every,
+        "nccl_timeout_s": run.config.deployment.nccl_timeout_s,
+    }
 
 
 def colocated_sync(run: Run, servers: list[str]) -> dict[str, Any]:
@@ -201,8 +235,13 @@ def colocated_sync(run: Run, servers: list[str]) -> dict[str, Any]:
     if not servers:
         raise StageFailed("colocation needs the rollout workers' HTTP addresses; none were started")
     p = run.config.placement
-    return {"weight_sync": "ipc", "rollout_servers": list(servers), "files_every": run.config.rl.val_every or 10,
-            "sleep_level": p.sleep_level, "sleep_timeout_s": p.sleep_timeout_s}
+    return {
+        "weight_sync": "ipc",
+        "rollout_servers": list(servers),
+        "files_every": run.config.rl.val_every or 10,
+        "sleep_level": p.sleep_level,
+        "sleep_timeout_s": p.sleep_timeout_s,
+    }
 
 
 def fleet_record(run: Run) -> Path:
@@ -222,21 +261,27 @@ def start_fleet(run: Run, model: str, names: StreamNames) -> Fleet:
     port = free_port()
     redis_url = local_url(port, password)
     sup.info = {"redis_port": port}
-    redis_child = sup.add("redis", redis_argv(data, port, password, appendonly=True), log=logs / "redis.log",
-                          stop_timeout=10)
+    redis_child = sup.add(
+        "redis", redis_argv(data, port, password, appendonly=True), log=logs / "redis.log", stop_timeout=10
+    )
     f = Fleet(sup, redis_url)
     try:
         wait_for_redis(redis_url, redis_child.proc, 10, f"; see {redis_child.log}")
         client = redis.Redis.from_url(redis_url)
         for stream in (names.tasks, names.trajectories, names.scored):  # before any entry exists
             ensure_group(client, stream, StreamNames.consumer_group(stream))
-        env = {**run.env, "STAR_REDIS_URL": redis_url, "STAR_STREAM_PREFIX": names.prefix,
-               "STAR_WEIGHTS_ROOT": str(run.folder / "weights")}
+        env = {
+            **run.env,
+            "STAR_REDIS_URL": redis_url,
+            "STAR_STREAM_PREFIX": names.prefix,
+            "STAR_WEIGHTS_ROOT": str(run.folder / "weights"),
+        }
         sandbox_spec = next(s for s in fleet.SERVICES if s.name == "sandbox")
         fault = {"STAR_FAULT_RATE": str(run.config.rl.fault_rate), "STAR_FAULT_SEED": str(run.config.seed)}
         port = free_port()
-        sandbox = sup.add("sandbox", fleet.service_argv(sandbox_spec, port), {**env, **fault}, logs / "sandbox.log",
-                          stop_timeout=10)
+        sandbox = sup.add(
+            "sandbox", fleet.service_argv(sandbox_spec, port), {**env, **fault}, logs / "sandbox.log", stop_timeout=10
+        )
         f.sandbox_url = f"http://127.0.0.1:{port}"
         wait_ready("sandbox", sandbox.proc, f.sandbox_url, sandbox.log, 120)
         _start_workers(run, f, model, env, logs)
@@ -267,10 +312,16 @@ def _start_workers(run: Run, f: Fleet, model: str, env: dict[str, str], logs: Pa
         if budget is not None:  # else each engine derives its budget from its own (shared) KV cache
             pooled = str(colocated_concurrency(s.rollout_workers, budget, workers))
             inflight.update(STAR_ROLLOUT_MAX_INFLIGHT_EPISODES=pooled, STAR_ROLLOUT_MAX_BATCH=pooled)
-    rollout_env = {**env, "STAR_MODEL": model, "STAR_ROLLOUT_ENGINE": s.engine,
-                   "STAR_ROLLOUT_VLLM": vllm.model_dump_json(), "STAR_ROLLOUT_CHAT": s.chat.model_dump_json(),
-                   "STAR_ROLLOUT_MAX_MODEL_LEN": str(sampling.engine_max_len),
-                   "STAR_ROLLOUT_CLAIM_IDLE_MS": "30000", **inflight}
+    rollout_env = {
+        **env,
+        "STAR_MODEL": model,
+        "STAR_ROLLOUT_ENGINE": s.engine,
+        "STAR_ROLLOUT_VLLM": vllm.model_dump_json(),
+        "STAR_ROLLOUT_CHAT": s.chat.model_dump_json(),
+        "STAR_ROLLOUT_MAX_MODEL_LEN": str(sampling.engine_max_len),
+        "STAR_ROLLOUT_CLAIM_IDLE_MS": "30000",
+        **inflight,
+    }
     if run.colocated:
         rollout_env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the IPC load runs through collective_rpc
     for i in range(workers):
@@ -280,13 +331,33 @@ def _start_workers(run: Run, f: Fleet, model: str, env: dict[str, str], logs: Pa
             url = next(u for u in iter(lambda: f"http://127.0.0.1:{free_port()}", None) if u not in f.rollout_urls)
             http = {"STAR_ROLLOUT_HTTP_PORT": url.rsplit(":", 1)[1]}
             f.rollout_urls.append(url)
-        f.workers.append(f.sup.add(f"rollout-{i}", [sys.executable, "-m", "services.rollout.worker"],
-                                   {**rollout_env, **devices, **http, "STAR_ROLLOUT_CONSUMER": f"rollout-{i}"},
-                                   logs / f"rollout-{i}.log"))
+        f.workers.append(
+            f.sup.add(
+                f"rollout-{i}",
+                [sys.executable, "-m", "services.rollout.worker"],
+                {**rollout_env, **devices, **http, "STAR_ROLLOUT_CONSUMER": f"rollout-{i}"},
+                logs / f"rollout-{i}.log",
+            )
+        )
     for i in range(s.reward_workers):
-        f.workers.append(f.sup.add(f"reward-{i}", [sys.executable, "-m", "services.cli", "reward", "worker",
-                                                   "--consumer", f"reward-{i}", "--db", run.world_url],
-                                   env, logs / f"reward-{i}.log"))
+        f.workers.append(
+            f.sup.add(
+                f"reward-{i}",
+                [
+                    sys.executable,
+                    "-m",
+                    "services.cli",
+                    "reward",
+                    "worker",
+                    "--consumer",
+                    f"reward-{i}",
+                    "--db",
+                    run.world_url,
+                ],
+                env,
+                logs / f"reward-{i}.log",
+            )
+        )
 
 
 def inflight_env(config: PipelineConfig) -> dict[str, str]:
@@ -321,8 +392,10 @@ def off_policy_note(sampling: SamplingParams) -> str | None:
     cuts = sampling_cuts(sampling)
     if not cuts:
         return None
-    return (f"rl.sampling samples with {' and '.join(cuts)}: the learner trains the whole distribution, so these "
-            "samples are off-policy for it (top_p 1.0 and no top_k keep them on-policy)")
+    return (
+        f"rl.sampling samples with {' and '.join(cuts)}: the learner trains the whole distribution, so these "
+        "samples are off-policy for it (top_p 1.0 and no top_k keep them on-policy)"
+    )
 
 
 def forced_turns_note(sampling: SamplingParams) -> str | None:
@@ -331,10 +404,14 @@ def forced_turns_note(sampling: SamplingParams) -> str | None:
     if f is None:
         return None
     if f.shape == "teacher":
-        return ("rl.sampling.forced_turns (benchmarking): each episode's tool calls, turn and answer lengths are drawn "
-                "from the teacher's trajectories, whatever the model samples: the run measures time, not learning")
-    return (f"rl.sampling.forced_turns (benchmarking): every episode is {f.tool_calls} tool turns of {f.turn_tokens} "
-            f"tokens and an answer of {f.answer_tokens}, whatever the model samples: the run measures time, not learning")
+        return (
+            "rl.sampling.forced_turns (benchmarking): each episode's tool calls, turn and answer lengths are drawn "
+            "from the teacher's trajectories, whatever the model samples: the run measures time, not learning"
+        )
+    return (
+        f"rl.sampling.forced_turns (benchmarking): every episode is {f.tool_calls} tool turns of {f.turn_tokens} "
+        f"tokens and an answer of {f.answer_tokens}, whatever the model samples: the run measures time, not learning"
+    )
 
 
 def unreached_stages_note(curriculum: Curriculum | None, epochs: int, steps: int) -> str | None:
@@ -351,8 +428,10 @@ def unreached_stages_note(curriculum: Curriculum | None, epochs: int, steps: int
     if not late:
         return None
     reached = [kind for start, kind in curriculum.stages if start <= last]
-    return (f"rl.curriculum stages {', '.join(late)} start after {length}: this run's reward is "
-            f"{' then '.join(reached)} ({hint})")
+    return (
+        f"rl.curriculum stages {', '.join(late)} start after {length}: this run's reward is "
+        f"{' then '.join(reached)} ({hint})"
+    )
 
 
 def external_fleet_note(config: PipelineConfig) -> str | None:
@@ -360,8 +439,10 @@ def external_fleet_note(config: PipelineConfig) -> str | None:
     faults its own settings say."""
     if config.deployment.fleet != "external" or not config.rl.fault_rate:
         return None
-    return (f"rl.fault_rate {config.rl.fault_rate:g} is not applied to an external fleet: its sandbox's "
-            "STAR_FAULT_RATE decides")
+    return (
+        f"rl.fault_rate {config.rl.fault_rate:g} is not applied to an external fleet: its sandbox's "
+        "STAR_FAULT_RATE decides"
+    )
 
 
 def fleet_streams(run: Run) -> StreamNames:
@@ -396,16 +477,23 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
         console.print(f"reward: curriculum {curriculum.describe()} (by {curriculum.unit})")
     if run.weight_sync is not None:
         console.print(run.weight_sync.describe())
-    for note in (forced_turns_note(r.sampling), off_policy_note(r.sampling), unreached_stages_note(curriculum, r.epochs, schedule.total_steps),
-                 external_fleet_note(run.config)):
+    for note in (
+        forced_turns_note(r.sampling),
+        off_policy_note(r.sampling),
+        unreached_stages_note(curriculum, r.epochs, schedule.total_steps),
+        external_fleet_note(run.config),
+    ):
         if note:
             console.print(f"[yellow]{note}[/]")
     deadline = time.monotonic() + r.max_minutes * 60 if r.max_minutes else None  # the fleet's start counts
     names = fleet_streams(run)
     sampling = r.sampling if r.sampling.seed is not None else r.sampling.model_copy(update={"seed": run.config.seed})
     later = bool(run.placement and run.placement.validations_after)
-    validation = (Validation(run, synth["val_queries"], r.val_every, after_fleet=later, keep=r.keep_validated)
-                  if r.val_every and synth.get("val_queries") else None)
+    validation = (
+        Validation(run, synth["val_queries"], r.val_every, after_fleet=later, keep=r.keep_validated)
+        if r.val_every and synth.get("val_queries")
+        else None
+    )
     try:
         f = open_fleet(run, model, names)
         try:
@@ -414,12 +502,21 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
             servers = f.rollout_urls if isinstance(f, Fleet) else []
             f.start_learner(run, rl_config(run, model, names, None, schedule.total_steps, servers))
             client = redis.Redis.from_url(f.redis_url)
-            publisher = TaskPublisher(client, names, run.config.name, schedule, sampling, reward_kind=r.reward,
-                                      preference_penalty=r.preference_penalty, curriculum=curriculum,
-                                      eval_mode=r.eval_mode, max_staleness=r.max_staleness,
-                                      arpo=r.arpo if r.algorithm == "arpo" else None,
-                                      oversample_groups=r.oversample_groups,
-                                      await_start_weights=isinstance(f, ExternalFleet))
+            publisher = TaskPublisher(
+                client,
+                names,
+                run.config.name,
+                schedule,
+                sampling,
+                reward_kind=r.reward,
+                preference_penalty=r.preference_penalty,
+                curriculum=curriculum,
+                eval_mode=r.eval_mode,
+                max_staleness=r.max_staleness,
+                arpo=r.arpo if r.algorithm == "arpo" else None,
+                oversample_groups=r.oversample_groups,
+                await_start_weights=isinstance(f, ExternalFleet),
+            )
             ended = drive(run, f, client, names, publisher, schedule, validation=validation, deadline=deadline)
             if ended.reason == "budget":
                 # the learner may publish once more while it stops: read the weights after it has
@@ -442,13 +539,25 @@ def stage_rl(run: Run, model: str, synth: dict[str, Any]) -> dict[str, Any]:
     if isinstance(f, ExternalFleet):
         ending["learner_run"] = f.run_id
     if best:
-        return {"model": best["model"], "version": best["version"], "best_success": best["success"],
-                "last_version": update["version"] if update else 0, "steps": schedule.total_steps, **ending,
-                "metrics": str(run.folder / "rl" / "metrics.jsonl"), "validation": str(run.folder / "validation")}
-    return {"model": update["uri"] if update else model, "version": update["version"] if update else 0,
-            "steps": schedule.total_steps, **ending, "metrics": str(run.folder / "rl" / "metrics.jsonl"),
-            "learner_restarts": f.learner.restarts if f.learner else 0,
-            "worker_restarts": {w.name: w.restarts for w in f.workers if w.restarts}}
+        return {
+            "model": best["model"],
+            "version": best["version"],
+            "best_success": best["success"],
+            "last_version": update["version"] if update else 0,
+            "steps": schedule.total_steps,
+            **ending,
+            "metrics": str(run.folder / "rl" / "metrics.jsonl"),
+            "validation": str(run.folder / "validation"),
+        }
+    return {
+        "model": update["uri"] if update else model,
+        "version": update["version"] if update else 0,
+        "steps": schedule.total_steps,
+        **ending,
+        "metrics": str(run.folder / "rl" / "metrics.jsonl"),
+        "learner_restarts": f.learner.restarts if f.learner else 0,
+        "worker_restarts": {w.name: w.restarts for w in f.workers if w.restarts},
+    }
 
 
 @dataclass
@@ -472,7 +581,7 @@ class Validation:
     after_fleet: bool = False
     keep: str = "best"  # "best" | "all": rl.keep_validated
     history: list[dict[str, Any]] = field(default_factory=list)
-    waiting: list[tuple[int, str]] = field(default_factory=list)   # (version, model folder)
+    waiting: list[tuple[int, str]] = field(default_factory=list)  # (version, model folder)
     running: tuple[int, str, Managed] | None = None
 
     def __post_init__(self) -> None:
@@ -486,8 +595,14 @@ class Validation:
                 kept = json.loads(path.read_text())
             except ValueError:
                 kept = []
-            self.history = [h for h in kept if isinstance(h, dict) and "version" in h and "success" in h
-                            and (h.get("pruned") or Path(h.get("model", "")).exists())]
+            self.history = [
+                h
+                for h in kept
+                if isinstance(h, dict)
+                and "version" in h
+                and "success" in h
+                and (h.get("pruned") or Path(h.get("model", "")).exists())
+            ]
 
     @property
     def history_path(self) -> Path:
@@ -495,8 +610,11 @@ class Validation:
 
     def seen(self, version: int) -> bool:
         """Validated, under way or queued."""
-        return (any(h["version"] == version for h in self.history) or any(v == version for v, _ in self.waiting)
-                or (self.running is not None and self.running[0] == version))
+        return (
+            any(h["version"] == version for h in self.history)
+            or any(v == version for v, _ in self.waiting)
+            or (self.running is not None and self.running[0] == version)
+        )
 
     def due(self, version: int) -> bool:
         return self.every > 0 and version > 0 and version % self.every == 0 and not self.seen(version)
@@ -555,8 +673,9 @@ class Validation:
             return
         version, model = self.waiting.pop(0)
         share = self.run.placement.validation_memory_share if self.run.placement else None
-        argv = stage.eval_argv(self.run, model, self.split, self.folder(version) / "eval", self.run.config.eval.limit,
-                               memory_share=share)
+        argv = stage.eval_argv(
+            self.run, model, self.split, self.folder(version) / "eval", self.run.config.eval.limit, memory_share=share
+        )
         name = self._name(version)
         devices = self.run.placement.validation_env() if self.run.placement else {}
         self.running = (version, model, Managed(name, argv, {**self.run.env, **devices}, self.run.log(name)).start())
@@ -617,16 +736,29 @@ class Ending:
     steps: int
 
 
-def drive(run: Run, f: Fleet | ExternalFleet, client: redis.Redis, names: StreamNames, publisher: TaskPublisher,
-          schedule: Schedule, poll_s: float = 0.5, validation: Validation | None = None,
-          deadline: float | None = None) -> Ending:
+def drive(
+    run: Run,
+    f: Fleet | ExternalFleet,
+    client: redis.Redis,
+    names: StreamNames,
+    publisher: TaskPublisher,
+    schedule: Schedule,
+    poll_s: float = 0.5,
+    validation: Validation | None = None,
+    deadline: float | None = None,
+) -> Ending:
     """Publish, watch, restart, until the learner has consumed every step (it counts a step once
     that step's weights are out) or, past `deadline` (time.monotonic()), at once: the steps under
     way are dropped and the latest published weights are the stage's result. The fleet says how its
     learner is doing and what it restarts; the loop is the same for an embedded and an external one."""
     total = schedule.total_steps
-    columns = (TextColumn("[bold]rl"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-               TimeElapsedColumn())
+    columns = (
+        TextColumn("[bold]rl"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("rl", total=total, info="")
         redis_down_since: float | None = None
@@ -651,12 +783,12 @@ def drive(run: Run, f: Fleet | ExternalFleet, client: redis.Redis, names: Stream
                 now = time.monotonic()
                 if redis_down_since is None:
                     redis_down_since = now
-                    console.print(f"[yellow]redis at {redact(f.redis_url)} unavailable; "
-                                  "waiting for it to come back[/]")
+                    console.print(f"[yellow]redis at {redact(f.redis_url)} unavailable; waiting for it to come back[/]")
                 elif now - redis_down_since > REDIS_DOWN_LIMIT_S:
                     log = f"; see {f.redis_log}" if f.redis_log else ""
-                    raise StageFailed(f"redis at {redact(f.redis_url)} unreachable for "
-                                      f"{now - redis_down_since:.0f} s{log}")
+                    raise StageFailed(
+                        f"redis at {redact(f.redis_url)} unreachable for {now - redis_down_since:.0f} s{log}"
+                    )
                 f.keep_alive()
                 time.sleep(poll_s)
                 continue
@@ -760,4 +892,3 @@ def _read_json(path: Path | None) -> dict[str, Any]:
         return json.loads(path.read_text()) if path else {}
     except (OSError, ValueError):
         return {}
-

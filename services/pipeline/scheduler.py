@@ -113,11 +113,23 @@ class TaskPublisher:
         for slot, (index, query) in enumerate(self.schedule.batch(step, self.oversample_groups)):
             task_id = f"{self.run_id}/s{step:05d}/p{slot:03d}"
             sampling = self.sampling.model_copy(update={"seed": base_seed + (step * 1000 + slot) * 1000})
-            out.append(RolloutTask(
-                run_id=self.run_id, task_id=task_id, prompt_id=query.id or f"prompt-{index}", query=query,
-                group_size=self.schedule.group_size, sampling=sampling, epoch=epoch, step=step, reward_kind=kind,
-                preference_penalty=self.preference_penalty, eval_mode=self.eval_mode, arpo=self.arpo,
-                min_policy_version=max(0, step - self.max_staleness) if min_version is None else min_version))
+            out.append(
+                RolloutTask(
+                    run_id=self.run_id,
+                    task_id=task_id,
+                    prompt_id=query.id or f"prompt-{index}",
+                    query=query,
+                    group_size=self.schedule.group_size,
+                    sampling=sampling,
+                    epoch=epoch,
+                    step=step,
+                    reward_kind=kind,
+                    preference_penalty=self.preference_penalty,
+                    eval_mode=self.eval_mode,
+                    arpo=self.arpo,
+                    min_policy_version=max(0, step - self.max_staleness) if min_version is None else min_version,
+                )
+            )
         return out
 
     def publish_ready(self, progress: int, version: int | None = None) -> list[int]:

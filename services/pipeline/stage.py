@@ -124,13 +124,15 @@ def check_exit(run: Run, name: str, rc: int) -> None:
         raise StageFailed(f"{name} exited with {rc}; see {log}\n  " + "\n  ".join(log_tail(log, 5)))
 
 
-def run_process(run: Run, name: str, argv: list[str], *, env: dict[str, str] | None = None,
-                timeout: float | None = None) -> None:
+def run_process(
+    run: Run, name: str, argv: list[str], *, env: dict[str, str] | None = None, timeout: float | None = None
+) -> None:
     """Run one stage process to completion, its output in logs/<name>.log."""
     log = run.log(name)
     with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, env={**os.environ, **run.env, **(env or {})}, stdout=out, stderr=out,
-                                stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            argv, env={**os.environ, **run.env, **(env or {})}, stdout=out, stderr=out, stdin=subprocess.DEVNULL
+        )
         try:
             rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -143,18 +145,38 @@ def run_process(run: Run, name: str, argv: list[str], *, env: dict[str, str] | N
     check_exit(run, name, rc)
 
 
-def eval_argv(run: Run, model: str | None, split: str | Path, out: Path, limit: int | None, *,
-              memory_share: float | None = None) -> list[str]:
+def eval_argv(
+    run: Run, model: str | None, split: str | Path, out: Path, limit: int | None, *, memory_share: float | None = None
+) -> list[str]:
     """`star eval` of one model on one split into `out`, with the recipe's evaluation settings;
     `memory_share`: the share of its GPUs a vLLM engine beside others may take."""
     e = run.config.eval
     # `model` None: the weights an external fleet's rollout servers hold, on their engines
     source = ["--model", model, "--engine", run.config.services.engine] if model else ["--fleet"]
-    argv = star_argv("eval", *source, "--split", str(split), "--mode", e.mode, "--out", str(out), "--db", run.world_url,
-                     "--temperature", str(e.sampling.temperature), "--top-p", str(e.sampling.top_p),
-                     "--max-context", str(e.sampling.max_context_tokens),
-                     "--max-tokens", str(e.sampling.max_tokens_per_turn),
-                     "--max-tool-calls", str(e.sampling.max_tool_calls), "--concurrency", str(e.concurrency))
+    argv = star_argv(
+        "eval",
+        *source,
+        "--split",
+        str(split),
+        "--mode",
+        e.mode,
+        "--out",
+        str(out),
+        "--db",
+        run.world_url,
+        "--temperature",
+        str(e.sampling.temperature),
+        "--top-p",
+        str(e.sampling.top_p),
+        "--max-context",
+        str(e.sampling.max_context_tokens),
+        "--max-tokens",
+        str(e.sampling.max_tokens_per_turn),
+        "--max-tool-calls",
+        str(e.sampling.max_tool_calls),
+        "--concurrency",
+        str(e.concurrency),
+    )
     if model and run.config.services.engine == "vllm":
         vllm = run.config.services.vllm
         if memory_share is not None:

@@ -27,22 +27,31 @@ from typing import Any
 from services.common.settings import get_settings
 from services.common.supervisor import RunLock, SupervisorError
 from services.pipeline.config import STAGES, EvalSpec, PipelineConfig, dump_config
-from services.pipeline.external import (FleetAddress, check_reachable, engines_take, fleet_weight_states,
-                                        fleet_weights, fleet_world, train_on_learner)
-from services.pipeline.rl import stage_rl
-from services.pipeline.report import write_report
-from services.pipeline.stage import Run, StageFailed, console, eval_argv, run_process, star_argv
+from services.pipeline.external import (
+    FleetAddress,
+    check_reachable,
+    engines_take,
+    fleet_weight_states,
+    fleet_weights,
+    fleet_world,
+    train_on_learner,
+)
 from services.pipeline.placement import PlacementError, external_weight_sync, placement_for_recipe, weight_sync
+from services.pipeline.report import write_report
+from services.pipeline.rl import stage_rl
+from services.pipeline.stage import Run, StageFailed, console, eval_argv, run_process, star_argv
 
 # ---- preparation -------------------------------------------------------------------------------
+
 
 def recipe_identity(config: PipelineConfig) -> PipelineConfig:
     """What must match for a run folder to be resumed: the recipe without which stages run
     (--stage), the RL stage's time budget, who runs its fleet (--fleet) and how its weights travel,
     all of which may change between invocations."""
     deployment = config.deployment.model_copy(update={"fleet": "embedded", "weight_sync": "auto"})
-    return config.model_copy(update={"stages": [], "rl": config.rl.model_copy(update={"max_minutes": None}),
-                                     "deployment": deployment})
+    return config.model_copy(
+        update={"stages": [], "rl": config.rl.model_copy(update={"max_minutes": None}), "deployment": deployment}
+    )
 
 
 def prepare(config: PipelineConfig, folder: Path) -> Run:
@@ -80,8 +89,12 @@ def prepare(config: PipelineConfig, folder: Path) -> Run:
     resolved.write_text(dump_config(config))  # once the recipe is taken: a refused one can be mended and rerun
     settings = get_settings()
     # DeepSpeed's accelerator defaults to CPU unless told: follow the hardware unless the caller chose
-    run.env = {"STAR_HOME": str(settings.home), "STAR_DB_URL": run.world_url, "STAR_LOG_JSON": "false",
-               "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", placement.accelerator)}
+    run.env = {
+        "STAR_HOME": str(settings.home),
+        "STAR_DB_URL": run.world_url,
+        "STAR_LOG_JSON": "false",
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", placement.accelerator),
+    }
     console.print(placement.describe())
     return run
 
@@ -111,29 +124,72 @@ def prepare_model(config: PipelineConfig) -> str:
     from services.models import tiny_qwen2
 
     t = config.model.tiny
-    return str(tiny_qwen2(hidden=t.hidden, layers=t.layers, heads=t.heads, kv_heads=t.kv_heads, seed=t.seed,
-                          tokenizer=t.tokenizer))
+    return str(
+        tiny_qwen2(
+            hidden=t.hidden, layers=t.layers, heads=t.heads, kv_heads=t.kv_heads, seed=t.seed, tokenizer=t.tokenizer
+        )
+    )
 
 
 # ---- stages ------------------------------------------------------------------------------------
+
 
 def stage_synth(run: Run) -> dict[str, Any]:
     s = run.config.synth
     data = run.folder / "data"
     total = s.sft_queries + s.rl_queries + s.val_queries + s.heldout_queries
-    run_process(run, "synth-queries", star_argv(
-        "synth", "queries", "--n", str(total), "--mix", ":".join(map(str, s.mix)),
-        "--splits", f"{s.sft_queries}:{s.rl_queries}:{s.val_queries}:{s.heldout_queries}", "--out", str(data),
-        "--seed", str(s.seed), "--days", ",".join(map(str, s.days)), "--flight-share", str(s.flight_share),
-        "--db", run.world_url, *(["--rl-mix", ":".join(map(str, s.rl_mix))] if s.rl_mix else [])))
-    outputs = {"queries": str(data), "sft_queries": str(data / "sft.jsonl"), "rl_queries": str(data / "rl.jsonl"),
-               "val_queries": str(data / "validation.jsonl")}
+    run_process(
+        run,
+        "synth-queries",
+        star_argv(
+            "synth",
+            "queries",
+            "--n",
+            str(total),
+            "--mix",
+            ":".join(map(str, s.mix)),
+            "--splits",
+            f"{s.sft_queries}:{s.rl_queries}:{s.val_queries}:{s.heldout_queries}",
+            "--out",
+            str(data),
+            "--seed",
+            str(s.seed),
+            "--days",
+            ",".join(map(str, s.days)),
+            "--flight-share",
+            str(s.flight_share),
+            "--db",
+            run.world_url,
+            *(["--rl-mix", ":".join(map(str, s.rl_mix))] if s.rl_mix else []),
+        ),
+    )
+    outputs = {
+        "queries": str(data),
+        "sft_queries": str(data / "sft.jsonl"),
+        "rl_queries": str(data / "rl.jsonl"),
+        "val_queries": str(data / "validation.jsonl"),
+    }
     if s.heldout_queries:
         outputs["heldout_queries"] = str(data / "heldout.jsonl")
     if s.sft_queries:
-        run_process(run, "synth-teacher", star_argv(
-            "synth", "teacher", "--queries", str(data / "sft.jsonl"), "--teacher", s.teacher,
-            "--out", str(data / "teacher"), "--seed", str(s.seed), "--db", run.world_url))
+        run_process(
+            run,
+            "synth-teacher",
+            star_argv(
+                "synth",
+                "teacher",
+                "--queries",
+                str(data / "sft.jsonl"),
+                "--teacher",
+                s.teacher,
+                "--out",
+                str(data / "teacher"),
+                "--seed",
+                str(s.seed),
+                "--db",
+                run.world_url,
+            ),
+        )
         outputs["sft_data"] = str(data / "teacher" / "sft.jsonl")
     return outputs
 
@@ -144,10 +200,19 @@ def stage_sft(run: Run, synth: dict[str, Any]) -> dict[str, Any]:
 
     s = run.config.sft
     out = run.folder / "sft"
-    cfg = SFTConfig(model=run.base_model, data=synth["sft_data"], output_dir=str(out), lr=s.lr, epochs=s.epochs,
-                    batch_size=s.batch_size, warmup_ratio=s.warmup_ratio, max_seq_len=s.max_seq_len,
-                    max_steps=s.max_steps, chat=run.config.services.chat, engine=run.config.learner.engine(
-                        run.config.services.zero_stage, run.config.seed, ranks=run.learner_ranks))
+    cfg = SFTConfig(
+        model=run.base_model,
+        data=synth["sft_data"],
+        output_dir=str(out),
+        lr=s.lr,
+        epochs=s.epochs,
+        batch_size=s.batch_size,
+        warmup_ratio=s.warmup_ratio,
+        max_seq_len=s.max_seq_len,
+        max_steps=s.max_steps,
+        chat=run.config.services.chat,
+        engine=run.config.learner.engine(run.config.services.zero_stage, run.config.seed, ranks=run.learner_ranks),
+    )
     path = run.folder / "sft.json"
     path.write_text(cfg.model_dump_json(indent=2))
     if run.config.deployment.fleet == "external":  # on the fleet's learner, where its accelerators are
@@ -161,7 +226,9 @@ def stage_sft(run: Run, synth: dict[str, Any]) -> dict[str, Any]:
     return {"model": status["export"], "steps": status.get("step"), "metrics": str(out / "metrics.jsonl")}
 
 
-def evaluate_model(run: Run, model: str | None, split: str | Path, out: Path, name: str, limit: int | None) -> dict[str, Any]:
+def evaluate_model(
+    run: Run, model: str | None, split: str | Path, out: Path, name: str, limit: int | None
+) -> dict[str, Any]:
     """`star eval` of one model on one split into `out`; returns its metrics.json (or {})."""
     from services.evaluation.runfolder import RunFolder
 
@@ -182,8 +249,10 @@ def stage_eval(run: Run, model: str, synth: dict[str, Any] | None, rl: dict[str,
         raise StageFailed("eval needs eval.split or a synth stage that wrote held-out or validation queries")
     if (rl or {}).get("best_success") is not None and split == (synth or {}).get("val_queries"):
         # the load-time check reads the recipe; a folder synthesized without held-out queries gets here
-        raise StageFailed(f"the RL checkpoint was picked on {split}, and eval would report on the same queries: "
-                          "set synth.heldout_queries and run the synth stage again, or set eval.split")
+        raise StageFailed(
+            f"the RL checkpoint was picked on {split}, and eval would report on the same queries: "
+            "set synth.heldout_queries and run the synth stage again, or set eval.split"
+        )
     out = run.folder / "eval"
     address = FleetAddress.from_settings(get_settings())
     # on the fleet's engines, which hold RL's last version: unless validation picked another one
@@ -194,8 +263,11 @@ def stage_eval(run: Run, model: str, synth: dict[str, Any] | None, rl: dict[str,
         result = evaluate_model(run, None, split, out, "eval", e.limit)
         return {"folder": str(out), "model": held, "metrics": result or None}
     if run.config.deployment.fleet == "external":
-        why = "validation picked a version the fleet no longer holds" if picked else \
-            "the fleet names no rollout server (STAR_ROLLOUT_URLS)"
+        why = (
+            "validation picked a version the fleet no longer holds"
+            if picked
+            else "the fleet names no rollout server (STAR_ROLLOUT_URLS)"
+        )
         console.print(f"[yellow]{why}: eval runs here[/]")
     result = evaluate_model(run, model, split, out, "eval", e.limit)
     return {"folder": str(out), "model": model, "metrics": result or None}
@@ -238,8 +310,9 @@ def check_fleet(config: PipelineConfig, folder: Path) -> None:
 def _train(config: PipelineConfig, folder: Path) -> Run:
     check_fleet(config, folder)
     run = prepare(config, folder)
-    outputs: dict[str, Any] = {name: rec.get("outputs") for name, rec in run.stage_records().items()
-                               if rec.get("state") == "done"}
+    outputs: dict[str, Any] = {
+        name: rec.get("outputs") for name, rec in run.stage_records().items() if rec.get("state") == "done"
+    }
     model = starting_model(run.base_model, outputs, config.stages)
     from services.common.tracking import Trackers
 
@@ -292,4 +365,3 @@ def _run_stages(run: Run, config: PipelineConfig, outputs: dict[str, Any], model
         run.record(stage, state="done", outputs=result, seconds=round(time.monotonic() - t0, 1))
         trackers.log({**stage_metrics(stage, result), f"{stage}/seconds": time.monotonic() - t0}, index)
         console.print(f"{stage}: done in {time.monotonic() - t0:.0f} s")
-

@@ -29,8 +29,9 @@ class SearchToolClient:
         return None
 
 
-def qa_agent(engine: Any, tool_client: Any, sampling: SamplingParams, *, run_id: str = "qa"
-             ) -> tuple[Callable[[QAItem, Any], str | None], Callable[[], None]]:
+def qa_agent(
+    engine: Any, tool_client: Any, sampling: SamplingParams, *, run_id: str = "qa"
+) -> tuple[Callable[[QAItem, Any], str | None], Callable[[], None]]:
     """(answer function, close). The function runs one episode per question and returns the
     agent's answer text (None when it never answered)."""
     from services.rollout.agent import Agent
@@ -39,8 +40,9 @@ def qa_agent(engine: Any, tool_client: Any, sampling: SamplingParams, *, run_id:
     loop = asyncio.new_event_loop()
 
     def answer(item: QAItem, _tools: Any = None) -> str | None:
-        trajectory = loop.run_until_complete(agent.run(f"Question: {item.question}", sampling, run_id=run_id,
-                                                       task_id=f"{item.dataset}/{item.id}"))
+        trajectory = loop.run_until_complete(
+            agent.run(f"Question: {item.question}", sampling, run_id=run_id, task_id=f"{item.dataset}/{item.id}")
+        )
         return trajectory.answer if trajectory.finish_reason == "answer" else None
 
     def close() -> None:
@@ -55,9 +57,15 @@ def qa_agent(engine: Any, tool_client: Any, sampling: SamplingParams, *, run_id:
     return answer, close
 
 
-def rollout_qa_agent(model: str, sampling: SamplingParams, *, engine: str = "vllm", search_url: str | None = None,
-                     tools: SearchToolSet | None = None, base_url: str | None = None
-                     ) -> tuple[Callable[[QAItem, Any], str | None], Callable[[], None]]:
+def rollout_qa_agent(
+    model: str,
+    sampling: SamplingParams,
+    *,
+    engine: str = "vllm",
+    search_url: str | None = None,
+    tools: SearchToolSet | None = None,
+    base_url: str | None = None,
+) -> tuple[Callable[[QAItem, Any], str | None], Callable[[], None]]:
     from services.rollout.engines import build_engine
     from services.rollout.tools import HttpToolClient
 

@@ -107,9 +107,11 @@ async def search(request: SearchRequest, state: QaApp = Depends(qa_app)) -> Sear
     with state.latency.time():
         hits = await run_in_threadpool(t.index.search, request.query.strip(), k)
 
-    return SearchResponse(query=request.query, text=render_hits(hits),
-                          hits=[SearchHit(id=h.passage.id, title=h.passage.title, text=h.passage.text,
-                                          score=h.score) for h in hits])
+    return SearchResponse(
+        query=request.query,
+        text=render_hits(hits),
+        hits=[SearchHit(id=h.passage.id, title=h.passage.title, text=h.passage.text, score=h.score) for h in hits],
+    )
 
 
 @router.post("/tools/call", tags=["tools"], response_model=ToolResult, summary="Run one tool ({name, arguments})")
@@ -128,8 +130,12 @@ def create_app(settings: Settings | None = None, index: PassageIndex | None = No
     metrics = Metrics("qa")
     state = QaApp(settings, metrics.histogram("search_seconds", "Search latency (encode + scan)", ()), given=index)
     app = create_service_app(
-        service="qa", title="STAR OOD search", version=VERSION, metrics=metrics,
-        ready=lambda: state.tools is not None, max_body_bytes=settings.max_body_bytes,
+        service="qa",
+        title="STAR OOD search",
+        version=VERSION,
+        metrics=metrics,
+        ready=lambda: state.tools is not None,
+        max_body_bytes=settings.max_body_bytes,
         description="Dense passage search over a local corpus: the tool set of the OOD QA evaluation.",
     )
     app.state.qa = state

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
 
-from services.common.cli import fail as _fail, host_option, max_context_option, max_tool_calls_option, port_option, \
-    temperature_option, top_p_option
+from services.common.cli import (
+    fail as _fail,
+    host_option,
+    max_context_option,
+    max_tool_calls_option,
+    port_option,
+    temperature_option,
+    top_p_option,
+)
 from services.common.settings import get_settings
 
 console = Console(stderr=True, soft_wrap=True)
@@ -25,9 +31,9 @@ def _index_dir(index: Path | None) -> Path:
 @qa_app.command("index")
 def qa_index(
     corpus: Path = typer.Argument(..., help="JSONL corpus: {id, contents} (wiki-18 form) or {id, title, text}."),
-    out: Optional[Path] = typer.Option(None, help="Index folder (default: STAR_QA_INDEX or STAR_HOME/qa/index)."),
+    out: Path | None = typer.Option(None, help="Index folder (default: STAR_QA_INDEX or STAR_HOME/qa/index)."),
     encoder: str = typer.Option("minilm", help="minilm (offline) or e5 (production; query:/passage: prefixes)."),
-    model: Optional[str] = typer.Option(None, help="Encoder path or hub name overriding the preset's."),
+    model: str | None = typer.Option(None, help="Encoder path or hub name overriding the preset's."),
     batch_size: int = typer.Option(64, min=1, help="Passages encoded per batch."),
 ) -> None:
     """Encode a passage corpus into an index folder (progress bar)."""
@@ -44,9 +50,11 @@ def qa_index(
 
 
 @qa_app.command("search")
-def qa_search(query: str = typer.Argument(..., help="The search query."),
-              index: Optional[Path] = typer.Option(None, help="Index folder (default: STAR_QA_INDEX or STAR_HOME/qa/index)."),
-              k: int = typer.Option(5, min=1, help="Passages to return.")) -> None:
+def qa_search(
+    query: str = typer.Argument(..., help="The search query."),
+    index: Path | None = typer.Option(None, help="Index folder (default: STAR_QA_INDEX or STAR_HOME/qa/index)."),
+    k: int = typer.Option(5, min=1, help="Passages to return."),
+) -> None:
     """Run one Search call against an index and print the tool text."""
     from services.qa.retriever import PassageIndex, RetrieverError, render_hits
 
@@ -58,8 +66,11 @@ def qa_search(query: str = typer.Argument(..., help="The search query."),
 
 
 @qa_app.command("serve")
-def qa_serve(host: str = host_option(), port: int = port_option(8006),
-             index: Optional[Path] = typer.Option(None, help="Index folder (default: STAR_QA_INDEX or STAR_HOME/qa/index).")) -> None:
+def qa_serve(
+    host: str = host_option(),
+    port: int = port_option(8006),
+    index: Path | None = typer.Option(None, help="Index folder (default: STAR_QA_INDEX or STAR_HOME/qa/index)."),
+) -> None:
     """Serve Search over HTTP (POST /search, POST /tools/call)."""
     import os
 
@@ -74,17 +85,19 @@ def qa_serve(host: str = host_option(), port: int = port_option(8006),
 @qa_app.command("eval")
 def qa_eval(
     data: list[Path] = typer.Option(..., "--data", help="QA files (repeat); dataset from the file name or NAME=FILE."),
-    predictions: Optional[Path] = typer.Option(None, help="JSONL of {id, [dataset], prediction} replies to score."),
-    agent: Optional[str] = typer.Option(None, help="package.module:function answering (item, tools) → reply."),
-    model: Optional[str] = typer.Option(None, help="Run the search agent: HF model folder or openai:NAME."),
+    predictions: Path | None = typer.Option(None, help="JSONL of {id, [dataset], prediction} replies to score."),
+    agent: str | None = typer.Option(None, help="package.module:function answering (item, tools) → reply."),
+    model: str | None = typer.Option(None, help="Run the search agent: HF model folder or openai:NAME."),
     engine: str = typer.Option("vllm", help="Engine for --model: vllm | transformers."),
-    base_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL for openai:NAME."),
-    search_url: Optional[str] = typer.Option(None, help="Search service URL (default: the index in-process)."),
-    temperature: float = temperature_option(0.6), top_p: float = top_p_option(0.95),
-    max_tool_calls: int = max_tool_calls_option(10), max_context: int = max_context_option(8192),
-    index: Optional[Path] = typer.Option(None, help="Passage index for the agent's Search tool."),
-    out: Optional[Path] = typer.Option(None, help="Run folder for predictions.jsonl, metrics.json, report.md."),
-    n: Optional[int] = typer.Option(None, "-n", help="At most this many questions per dataset."),
+    base_url: str | None = typer.Option(None, help="OpenAI-compatible base URL for openai:NAME."),
+    search_url: str | None = typer.Option(None, help="Search service URL (default: the index in-process)."),
+    temperature: float = temperature_option(0.6),
+    top_p: float = top_p_option(0.95),
+    max_tool_calls: int = max_tool_calls_option(10),
+    max_context: int = max_context_option(8192),
+    index: Path | None = typer.Option(None, help="Passage index for the agent's Search tool."),
+    out: Path | None = typer.Option(None, help="Run folder for predictions.jsonl, metrics.json, report.md."),
+    n: int | None = typer.Option(None, "-n", help="At most this many questions per dataset."),
 ) -> None:
     """Score answers on the QA sets: EM / F1 per dataset and the average."""
     from services.qa.datasets import QADataError, load_qa
@@ -109,19 +122,31 @@ def qa_eval(
             from services.common.schemas import SamplingParams
             from services.qa.agent import rollout_qa_agent
 
-            sampling = SamplingParams(temperature=temperature, top_p=top_p, max_tool_calls=max_tool_calls,
-                                      max_context_tokens=max_context)
-            run_agent, close = rollout_qa_agent(model, sampling, engine=engine, search_url=search_url, tools=tools,
-                                                base_url=base_url)
-        table, rows = evaluate_qa(items, predictions=read_predictions(predictions) if predictions else None,
-                                  agent=run_agent, tools=tools)
+            sampling = SamplingParams(
+                temperature=temperature, top_p=top_p, max_tool_calls=max_tool_calls, max_context_tokens=max_context
+            )
+            run_agent, close = rollout_qa_agent(
+                model, sampling, engine=engine, search_url=search_url, tools=tools, base_url=base_url
+            )
+        table, rows = evaluate_qa(
+            items, predictions=read_predictions(predictions) if predictions else None, agent=run_agent, tools=tools
+        )
     except (QADataError, QAPredictionError, ValueError, ImportError, OSError) as exc:
         _fail(str(exc))
     finally:
         if close is not None:
             close()
     if out is not None:
-        write_qa_run(out, table, rows, {"data": [str(d) for d in data], "predictions": str(predictions or ""),
-                                        "agent": agent or "", "model": model or ""})
+        write_qa_run(
+            out,
+            table,
+            rows,
+            {
+                "data": [str(d) for d in data],
+                "predictions": str(predictions or ""),
+                "agent": agent or "",
+                "model": model or "",
+            },
+        )
         console.print(f"run written to {out}")
     typer.echo(table.markdown())

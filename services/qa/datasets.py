@@ -28,9 +28,18 @@ from typing import Any
 
 DATASETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wiki", "musique", "bamboogle")
 # Substrings of a file name (lower-cased) that name its dataset; longest match first.
-_NAME_HINTS = (("2wikimultihop", "2wiki"), ("2wiki", "2wiki"), ("triviaqa", "triviaqa"), ("trivia", "triviaqa"),
-               ("hotpot", "hotpotqa"), ("popqa", "popqa"), ("musique", "musique"), ("bamboogle", "bamboogle"),
-               ("nq", "nq"), ("natural_questions", "nq"))
+_NAME_HINTS = (
+    ("2wikimultihop", "2wiki"),
+    ("2wiki", "2wiki"),
+    ("triviaqa", "triviaqa"),
+    ("trivia", "triviaqa"),
+    ("hotpot", "hotpotqa"),
+    ("popqa", "popqa"),
+    ("musique", "musique"),
+    ("bamboogle", "bamboogle"),
+    ("nq", "nq"),
+    ("natural_questions", "nq"),
+)
 
 
 class QADataError(ValueError):
@@ -96,8 +105,9 @@ def record_to_item(record: dict[str, Any], dataset: str, position: int) -> QAIte
         answers += _as_list(record.get(key))
     answers = list(dict.fromkeys(a.strip() for a in answers if a.strip()))
     if not answers:
-        raise QADataError(f"record {position} ({question[:60]!r}) has no gold answer "
-                          f"(looked for {', '.join(_ANSWER_KEYS)})")
+        raise QADataError(
+            f"record {position} ({question[:60]!r}) has no gold answer (looked for {', '.join(_ANSWER_KEYS)})"
+        )
     rid = next((str(record[k]) for k in _ID_KEYS if record.get(k) not in (None, "")), f"{dataset}-{position}")
     return QAItem(dataset=dataset, id=rid, question=question.strip(), answers=tuple(answers))
 
@@ -131,8 +141,7 @@ def load_qa(path: str | Path, dataset: str | None = None, limit: int | None = No
         raise QADataError(f"{path}: no such file")
     dataset = dataset or dataset_from_name(path)
     if dataset is None:
-        raise QADataError(f"{path}: cannot tell the dataset from the file name; name it "
-                          f"({', '.join(DATASETS)})")
+        raise QADataError(f"{path}: cannot tell the dataset from the file name; name it ({', '.join(DATASETS)})")
     items = []
     for position, record in enumerate(_records(path)):
         if limit is not None and len(items) >= limit:

@@ -65,8 +65,14 @@ def load_agent(spec: str) -> QAAgent:
         raise QAPredictionError(f"cannot load agent {spec!r}: {exc}") from None
 
 
-def evaluate_qa(items: Sequence[QAItem], *, predictions: dict | None = None, agent: QAAgent | None = None,
-                tools: Any = None, progress: bool = True) -> tuple[QATable, list[dict[str, Any]]]:
+def evaluate_qa(
+    items: Sequence[QAItem],
+    *,
+    predictions: dict | None = None,
+    agent: QAAgent | None = None,
+    tools: Any = None,
+    progress: bool = True,
+) -> tuple[QATable, list[dict[str, Any]]]:
     """Score every item; returns the table and one row per question (for predictions.jsonl)."""
     from tqdm import tqdm
 
@@ -79,9 +85,18 @@ def evaluate_qa(items: Sequence[QAItem], *, predictions: dict | None = None, age
         else:
             reply = predictions.get((item.dataset, item.id), predictions.get(item.id))
         answer = final_answer(reply)
-        rows.append({"dataset": item.dataset, "id": item.id, "question": item.question, "answers": list(item.answers),
-                     "prediction": answer, "em": exact_match(answer, item.answers),
-                     "f1": f1_score(answer, item.answers), "cover_em": cover_em(answer, item.answers)})
+        rows.append(
+            {
+                "dataset": item.dataset,
+                "id": item.id,
+                "question": item.question,
+                "answers": list(item.answers),
+                "prediction": answer,
+                "em": exact_match(answer, item.answers),
+                "f1": f1_score(answer, item.answers),
+                "cover_em": cover_em(answer, item.answers),
+            }
+        )
     table = score_table((r["dataset"], r["prediction"], r["answers"]) for r in rows)
     return table, rows
 
@@ -93,6 +108,7 @@ def write_qa_run(out_dir: str | Path, table: QATable, rows: list[dict[str, Any]]
         for row in rows:
             fh.write(json.dumps(row, ensure_ascii=False) + "\n")
     (out / "metrics.json").write_text(json.dumps({"ood_qa": table.to_dict(), "meta": meta}, indent=2), encoding="utf-8")
-    (out / "report.md").write_text("# OOD QA (out of domain; reported apart from TravelPlanner)\n\n"
-                                   + table.markdown() + "\n", encoding="utf-8")
+    (out / "report.md").write_text(
+        "# OOD QA (out of domain; reported apart from TravelPlanner)\n\n" + table.markdown() + "\n", encoding="utf-8"
+    )
     return out

@@ -72,8 +72,8 @@ def f1_score(prediction: str | None, answers: Sequence[str]) -> float:
 class DatasetScore:
     dataset: str
     n: int = 0
-    em: float = 0.0      # in %
-    f1: float = 0.0      # in %
+    em: float = 0.0  # in %
+    f1: float = 0.0  # in %
     cover_em: float = 0.0  # in %
     answered: float = 0.0  # share of questions with any answer, in %
 

@@ -33,8 +33,10 @@ def search_system_prompt() -> str:
 
 def search_messages(question: str) -> list[dict[str, str]]:
     """The opening chat of one question."""
-    return [{"role": "system", "content": search_system_prompt()},
-            {"role": "user", "content": f"Question: {question.strip()}"}]
+    return [
+        {"role": "system", "content": search_system_prompt()},
+        {"role": "user", "content": f"Question: {question.strip()}"},
+    ]
 
 
 _ANSWER = re.compile(r"<answer>(.*)</answer>", re.DOTALL | re.IGNORECASE)
@@ -50,5 +52,5 @@ def extract_answer(text: str | None) -> str | None:
         return match.group(1).strip()
     start = text.lower().find("<answer>")
     if start >= 0:
-        return text[start + len("<answer>"):].strip()
+        return text[start + len("<answer>") :].strip()
     return None

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from services.common.files import sha256_file as _sha256
 
 INDEX_VERSION = 1
@@ -73,8 +74,13 @@ class Encoder:
         self.dim = int(dimension())
 
     def _encode(self, texts: Sequence[str]) -> np.ndarray:
-        vectors = self.model.encode(list(texts), batch_size=self.config.batch_size, normalize_embeddings=True,
-                                    convert_to_numpy=True, show_progress_bar=False)
+        vectors = self.model.encode(
+            list(texts),
+            batch_size=self.config.batch_size,
+            normalize_embeddings=True,
+            convert_to_numpy=True,
+            show_progress_bar=False,
+        )
         return np.asarray(vectors, dtype=np.float32)
 
     def queries(self, texts: Sequence[str]) -> np.ndarray:
@@ -131,12 +137,18 @@ def read_corpus(path: str | Path) -> list[Passage]:
 
 def _batches(items: Sequence[Passage], size: int) -> Iterator[Sequence[Passage]]:
     for start in range(0, len(items), size):
-        yield items[start:start + size]
+        yield items[start : start + size]
 
 
-def build_index(corpus: str | Path, out_dir: str | Path, config: EncoderConfig, *,
-                encoder: Encoder | None = None, progress: bool = True,
-                on_batch: Callable[[int], None] | None = None) -> Path:
+def build_index(
+    corpus: str | Path,
+    out_dir: str | Path,
+    config: EncoderConfig,
+    *,
+    encoder: Encoder | None = None,
+    progress: bool = True,
+    on_batch: Callable[[int], None] | None = None,
+) -> Path:
     """Encode every passage of `corpus` into `out_dir` (progress bar on stderr)."""
     from tqdm import tqdm
 
@@ -148,7 +160,7 @@ def build_index(corpus: str | Path, out_dir: str | Path, config: EncoderConfig, 
     row = 0
     with tqdm(total=len(passages), desc="encoding passages", unit="psg", disable=not progress) as bar:
         for batch in _batches(passages, config.batch_size):
-            vectors[row:row + len(batch)] = encoder.passages([p.contents for p in batch])
+            vectors[row : row + len(batch)] = encoder.passages([p.contents for p in batch])
             row += len(batch)
             bar.update(len(batch))
             if on_batch:
@@ -160,8 +172,14 @@ def build_index(corpus: str | Path, out_dir: str | Path, config: EncoderConfig, 
     with open(out / "passages.jsonl", "w", encoding="utf-8") as fh:
         for p in passages:
             fh.write(json.dumps(asdict(p), ensure_ascii=False) + "\n")
-    meta = {"version": INDEX_VERSION, "encoder": asdict(config), "count": len(passages), "dim": encoder.dim,
-            "corpus": str(Path(corpus).resolve()), "corpus_sha256": _sha256(Path(corpus))}
+    meta = {
+        "version": INDEX_VERSION,
+        "encoder": asdict(config),
+        "count": len(passages),
+        "dim": encoder.dim,
+        "corpus": str(Path(corpus).resolve()),
+        "corpus_sha256": _sha256(Path(corpus)),
+    }
     (out / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
     return out
 
@@ -175,8 +193,14 @@ class Hit:
 class PassageIndex:
     """A loaded index: exact cosine top-k over the saved vectors."""
 
-    def __init__(self, vectors: np.ndarray, passages: list[Passage], config: EncoderConfig,
-                 encoder: Encoder | None = None, meta: dict | None = None) -> None:
+    def __init__(
+        self,
+        vectors: np.ndarray,
+        passages: list[Passage],
+        config: EncoderConfig,
+        encoder: Encoder | None = None,
+        meta: dict | None = None,
+    ) -> None:
         if len(vectors) != len(passages):
             raise RetrieverError(f"the index has {len(vectors)} vectors but {len(passages)} passages")
         self.vectors = vectors

@@ -21,10 +21,12 @@ SEARCH_SCHEMA: dict[str, Any] = {
     "function": {
         "name": "Search",
         "description": "Look up passages of the local encyclopedia that are most relevant to a query. "
-                       "Returns the top passages, each with its title.",
+        "Returns the top passages, each with its title.",
         "parameters": {
             "type": "object",
-            "properties": {"query": {"type": "string", "description": "What to look up, as a short question or phrase."}},
+            "properties": {
+                "query": {"type": "string", "description": "What to look up, as a short question or phrase."}
+            },
             "required": ["query"],
         },
     },

@@ -1,8 +1,8 @@
 """Reward: the TravelPlanner evaluator (official-compatible and strict) and reward shaping.
 
-    from services.reward import Evaluator, reward
-    score = Evaluator(world, mode="strict").score(query, plan)
-    r = reward(score, "curriculum", epoch=3)
+from services.reward import Evaluator, reward
+score = Evaluator(world, mode="strict").score(query, plan)
+r = reward(score, "curriculum", epoch=3)
 """
 
 from services.reward.evaluator import (

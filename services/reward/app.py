@@ -30,15 +30,6 @@ from services.common.logging import configure_logging
 from services.common.metrics import Metrics
 from services.common.schemas import EvalMode, Score, TravelQuery
 from services.common.settings import Settings, get_settings
-from services.reward.submission import (
-    MAX_LINES,
-    SubmissionError,
-    SubmissionLine,
-    SubmissionReport,
-    dataset_split,
-    queries_from,
-    score_submission,
-)
 from services.formatter.core import Formatter
 from services.reward.evaluator import Evaluator, SplitMetrics
 from services.reward.scoring import (
@@ -52,43 +43,80 @@ from services.reward.scoring import (
     ScoreRequest,
     ScoreResponse,
 )
+from services.reward.submission import (
+    MAX_LINES,
+    SubmissionError,
+    SubmissionLine,
+    SubmissionReport,
+    dataset_split,
+    queries_from,
+    score_submission,
+)
 from services.sandbox.world import World
 
 VERSION = "0.1.0"
 
 
 class ScoreBatchRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
-        {"items": [{"query": EXAMPLE_QUERY, "plan": EXAMPLE_PLAN, "mode": "strict", "reward": "sum"},
-                   {"query": EXAMPLE_QUERY, "plan": None}]}]})
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "items": [
+                        {"query": EXAMPLE_QUERY, "plan": EXAMPLE_PLAN, "mode": "strict", "reward": "sum"},
+                        {"query": EXAMPLE_QUERY, "plan": None},
+                    ]
+                }
+            ]
+        },
+    )
 
     items: list[ScoreRequest] = Field(min_length=1, max_length=MAX_BATCH_ITEMS)
 
 
 class ScoreBatchResponse(BaseModel):
     results: list[ScoreResponse | BatchItemError] = Field(
-        description="One per item, in request order: a score, or why that item alone could not be scored.")
+        description="One per item, in request order: a score, or why that item alone could not be scored."
+    )
 
 
 class SubmissionRequest(BaseModel):
     """The official submission lines and the split they answer."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
-        {"lines": [{"idx": 1, "query": "A 3-day trip from St. Petersburg to Rockford ...", "plan": EXAMPLE_PLAN}],
-         "queries": [EXAMPLE_QUERY], "mode": "official"},
-        {"lines": [{"idx": 1, "query": "...", "plan": EXAMPLE_PLAN}], "split": "train"}]})
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "lines": [
+                        {"idx": 1, "query": "A 3-day trip from St. Petersburg to Rockford ...", "plan": EXAMPLE_PLAN}
+                    ],
+                    "queries": [EXAMPLE_QUERY],
+                    "mode": "official",
+                },
+                {"lines": [{"idx": 1, "query": "...", "plan": EXAMPLE_PLAN}], "split": "train"},
+            ]
+        },
+    )
 
-    lines: list[SubmissionLine] = Field(min_length=1, max_length=MAX_LINES,
-                                        description="The submission JSONL, one object per line, in split order.")
+    lines: list[SubmissionLine] = Field(
+        min_length=1, max_length=MAX_LINES, description="The submission JSONL, one object per line, in split order."
+    )
     split: Literal["train", "validation", "test"] | None = Field(
-        None, description="The split: its queries come from the operator's dataset folder unless `queries` are "
-                          "given, and official mode uses its fixed denominators.")
-    queries: list[TravelQuery] | None = Field(None, min_length=1, max_length=MAX_LINES,
-                                              description="The split's queries with their structured fields.")
+        None,
+        description="The split: its queries come from the operator's dataset folder unless `queries` are "
+        "given, and official mode uses its fixed denominators.",
+    )
+    queries: list[TravelQuery] | None = Field(
+        None, min_length=1, max_length=MAX_LINES, description="The split's queries with their structured fields."
+    )
     mode: EvalMode = "official"
     backend: FormatterBackend | None = None
-    allow_synthetic_flights: bool = Field(False, description="Score validation/test on a world whose flights are "
-                                                             "not the real ones (refused otherwise); marked.")
+    allow_synthetic_flights: bool = Field(
+        False,
+        description="Score validation/test on a world whose flights are not the real ones (refused otherwise); marked.",
+    )
 
 
 class ScorerMetrics:
@@ -144,14 +172,17 @@ async def lifespan(app: FastAPI):
         world = World(settings.world_url)
         state.problem = world.problem()
         if state.problem is None:
-            state.scorer = Scorer(Evaluator(world), Formatter.from_settings(settings),
-                                  default_backend=settings.formatter_backend)
+            state.scorer = Scorer(
+                Evaluator(world), Formatter.from_settings(settings), default_backend=settings.formatter_backend
+            )
     # Scoring is CPU work off the event loop (so /healthz answers meanwhile), with a time limit
     # per request; when it may wait on the LLM formatter, as many threads as the LLM client
     # sends requests, and the formatting deadline on top of the limit.
     if state.scorer is not None and state.scorer.formatter.blocking:
-        state.worker = Worker(threads=max(WORK_THREADS, settings.formatter_concurrency),
-                              time_limit_s=REQUEST_TIME_LIMIT_S + settings.formatter_deadline_s)
+        state.worker = Worker(
+            threads=max(WORK_THREADS, settings.formatter_concurrency),
+            time_limit_s=REQUEST_TIME_LIMIT_S + settings.formatter_deadline_s,
+        )
     else:
         state.worker = Worker()
     yield
@@ -168,8 +199,12 @@ async def too_deep(_req: Request, _exc: RecursionError) -> JSONResponse:
 router = APIRouter(route_class=GuardedRoute)
 
 
-@router.post("/score", tags=["score"], response_model=ScoreResponse,
-             summary="Score one plan: per-check verdicts, the five scores, every reward")
+@router.post(
+    "/score",
+    tags=["score"],
+    response_model=ScoreResponse,
+    summary="Score one plan: per-check verdicts, the five scores, every reward",
+)
 async def score(request: ScoreRequest, state: RewardApp = Depends(reward_app)) -> Response:
     s = current(state)
     with state.metrics.latency.labels("score").time():
@@ -181,8 +216,12 @@ async def score(request: ScoreRequest, state: RewardApp = Depends(reward_app)) -
     return _json(out)
 
 
-@router.post("/score/batch", tags=["score"], response_model=ScoreBatchResponse,
-             summary=f"Score up to {MAX_BATCH_ITEMS} plans; results in request order, errors per item")
+@router.post(
+    "/score/batch",
+    tags=["score"],
+    response_model=ScoreBatchResponse,
+    summary=f"Score up to {MAX_BATCH_ITEMS} plans; results in request order, errors per item",
+)
 async def score_batch(request: ScoreBatchRequest, state: RewardApp = Depends(reward_app)) -> Response:
     s = current(state)
     with state.metrics.latency.labels("score_batch").time():
@@ -196,8 +235,12 @@ async def score_batch(request: ScoreBatchRequest, state: RewardApp = Depends(rew
     return _json(ScoreBatchResponse(results=out))
 
 
-@router.post("/evaluate", tags=["evaluate"], response_model=SplitMetrics,
-             summary="Leaderboard metrics of a set of (query, plan) items")
+@router.post(
+    "/evaluate",
+    tags=["evaluate"],
+    response_model=SplitMetrics,
+    summary="Leaderboard metrics of a set of (query, plan) items",
+)
 async def evaluate(request: EvaluateRequest, state: RewardApp = Depends(reward_app)) -> SplitMetrics:
     s = current(state)
     with state.metrics.latency.labels("evaluate").time():
@@ -207,8 +250,12 @@ async def evaluate(request: EvaluateRequest, state: RewardApp = Depends(reward_a
             raise fail(exc) from None
 
 
-@router.post("/submission", tags=["evaluate"], response_model=SubmissionReport,
-             summary="Score an official submission: leaderboard metrics, per-plan verdicts, tables, costs")
+@router.post(
+    "/submission",
+    tags=["evaluate"],
+    response_model=SubmissionReport,
+    summary="Score an official submission: leaderboard metrics, per-plan verdicts, tables, costs",
+)
 async def submission(request: SubmissionRequest, state: RewardApp = Depends(reward_app)) -> Response:
     s = current(state)
     try:
@@ -222,9 +269,16 @@ async def submission(request: SubmissionRequest, state: RewardApp = Depends(rewa
         raise HTTPException(422, str(exc)) from None
 
     def run(deadline: Any = None) -> SubmissionReport:
-        return score_submission(s, queries, request.lines, mode=request.mode, split=request.split,
-                                backend=request.backend, allow_synthetic_flights=request.allow_synthetic_flights,
-                                deadline=deadline)
+        return score_submission(
+            s,
+            queries,
+            request.lines,
+            mode=request.mode,
+            split=request.split,
+            backend=request.backend,
+            allow_synthetic_flights=request.allow_synthetic_flights,
+            deadline=deadline,
+        )
 
     with state.metrics.latency.labels("submission").time():
         try:
@@ -251,10 +305,14 @@ def create_app(settings: Settings | None = None, scorer: Scorer | None = None) -
     configure_logging("reward", settings.log_level, settings.log_json)
     state = RewardApp(settings, ScorerMetrics(), given=scorer)
     app = create_service_app(
-        service="reward", title="STAR reward", version=VERSION, metrics=state.metrics.registry,
-        ready=lambda: state.scorer is not None, max_body_bytes=settings.max_body_bytes,
+        service="reward",
+        title="STAR reward",
+        version=VERSION,
+        metrics=state.metrics.registry,
+        ready=lambda: state.scorer is not None,
+        max_body_bytes=settings.max_body_bytes,
         description="The TravelPlanner evaluator (official parity and strict modes) and the RL rewards: "
-                    "score a plan (JSON or text), a batch, or a whole split.",
+        "score a plan (JSON or text), a batch, or a whole split.",
     )
     app.state.reward = state
     app.router.lifespan_context = lifespan

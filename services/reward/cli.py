@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -52,7 +52,9 @@ def _scorer(db: str | None, backend: str | None = None):
     problem = world.problem()
     if problem is not None:
         _fail(f"the travel world at {url} cannot be used: {problem} (build it with `star world build`)")
-    return Scorer(Evaluator(world), Formatter.from_settings(settings), default_backend=backend or settings.formatter_backend)
+    return Scorer(
+        Evaluator(world), Formatter.from_settings(settings), default_backend=backend or settings.formatter_backend
+    )
 
 
 def _mode(mode: str) -> str:
@@ -67,17 +69,19 @@ def _mark(passed: bool | None) -> str:
 
 # --- star score ---------------------------------------------------------------------------------
 
+
 def score_command(
     query: Path = typer.Option(..., "--query", help="The query as JSON (a TravelPlanner record)."),
-    plan: Path = typer.Option(..., "--plan", help="The plan: JSON (day list or {\"days\": [...]}) or plan text."),
+    plan: Path = typer.Option(..., "--plan", help='The plan: JSON (day list or {"days": [...]}) or plan text.'),
     mode: str = typer.Option("official", help="official (leaderboard parity) or strict."),
     reward: str = typer.Option("sum", help="sum | macro | success | curriculum"),
-    epoch: Optional[int] = typer.Option(None, min=1, help="1-based epoch (for curriculum)."),
+    epoch: int | None = typer.Option(None, min=1, help="1-based epoch (for curriculum)."),
     # bounds come from the request schema (PreferencePenalty), checked below like every other field
-    preference_penalty: float = typer.Option(0.0, help="Points off the reward per broken stated preference, "
-                                             "0-5 (our own shaping; 0: the paper's rewards)."),
-    backend: Optional[str] = typer.Option(None, help="Formatter backend for plan text: structured | llm | auto."),
-    db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world (default: settings)."),
+    preference_penalty: float = typer.Option(
+        0.0, help="Points off the reward per broken stated preference, 0-5 (our own shaping; 0: the paper's rewards)."
+    ),
+    backend: str | None = typer.Option(None, help="Formatter backend for plan text: structured | llm | auto."),
+    db: str | None = typer.Option(None, help="SQLAlchemy URL of the world (default: settings)."),
     as_json: bool = typer.Option(False, "--json", help="Print the full response as JSON."),
 ) -> None:
     """Score one plan: every check's verdict with its reason, the five scores and the rewards."""
@@ -90,8 +94,14 @@ def score_command(
     except json.JSONDecodeError as exc:
         _fail(f"{query}: not JSON: {exc.msg} (line {exc.lineno})")
     raw = _read(plan)
-    body: dict[str, Any] = {"query": q, "mode": _mode(mode), "reward": reward, "epoch": epoch, "backend": backend,
-                            "preference_penalty": preference_penalty}
+    body: dict[str, Any] = {
+        "query": q,
+        "mode": _mode(mode),
+        "reward": reward,
+        "epoch": epoch,
+        "backend": backend,
+        "preference_penalty": preference_penalty,
+    }
     try:
         value = json.loads(raw)
         body["plan_text" if isinstance(value, str) else "plan"] = value
@@ -122,21 +132,27 @@ def score_command(
     if result.formatter is not None:
         f = result.formatter
         out.print(f"formatter: {f.status} ({f.backend})" + (f" — {f.error}" if f.error else ""))
-    out.print(f"cs_micro {s.cs_micro:.3f}  cs_macro {s.cs_macro:.0f}  hard_micro {s.hard_micro:.3f}  "
-              f"hard_macro {s.hard_macro:.0f}  success {s.success:.0f}" +
-              (f"  cost {result.cost:g}" if result.cost is not None else ""))
-    out.print("rewards: " + "  ".join(f"{k} {v:g}" for k, v in result.rewards.items()) +
-              f"   → {reward}: [bold]{result.reward:g}[/bold]")
+    out.print(
+        f"cs_micro {s.cs_micro:.3f}  cs_macro {s.cs_macro:.0f}  hard_micro {s.hard_micro:.3f}  "
+        f"hard_macro {s.hard_macro:.0f}  success {s.success:.0f}"
+        + (f"  cost {result.cost:g}" if result.cost is not None else "")
+    )
+    out.print(
+        "rewards: "
+        + "  ".join(f"{k} {v:g}" for k, v in result.rewards.items())
+        + f"   → {reward}: [bold]{result.reward:g}[/bold]"
+    )
 
 
 # --- star reward serve | worker -----------------------------------------------------------------
+
 
 @reward_app.command("serve")
 def reward_serve(
     host: str = host_option(),
     port: int = port_option(8003),
     workers: int = typer.Option(1, help="Worker processes (scoring is CPU-bound: one per core)."),
-    db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world."),
+    db: str | None = typer.Option(None, help="SQLAlchemy URL of the world."),
 ) -> None:
     """Serve POST /score, /score/batch and /evaluate (OpenAPI docs at /docs)."""
     import uvicorn
@@ -144,17 +160,25 @@ def reward_serve(
     if db is not None:
         os.environ["STAR_DB_URL"] = db
     get_settings.cache_clear()
-    uvicorn.run("services.reward.app:create_app", factory=True, host=host, port=port, workers=workers,
-                log_level="warning", access_log=False)
+    uvicorn.run(
+        "services.reward.app:create_app",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        log_level="warning",
+        access_log=False,
+    )
 
 
 @reward_app.command("worker")
 def reward_worker(
-    db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world."),
-    consumer: Optional[str] = typer.Option(None, help="Consumer name (default: host and pid)."),
+    db: str | None = typer.Option(None, help="SQLAlchemy URL of the world."),
+    consumer: str | None = typer.Option(None, help="Consumer name (default: host and pid)."),
     batch: int = typer.Option(8, min=1, help="Trajectories read per round."),
-    threads: int = typer.Option(1, min=1, max=64, help="Consumers in this process (more when an LLM formats: "
-                                                        "each waits on the API)."),
+    threads: int = typer.Option(
+        1, min=1, max=64, help="Consumers in this process (more when an LLM formats: each waits on the API)."
+    ),
 ) -> None:
     """Score the trajectories stream into the scored stream until interrupted."""
     import signal
@@ -178,11 +202,13 @@ def reward_worker(
         signal.signal(sig, lambda *_: stop.set())
     names = StreamNames(settings.stream_prefix)
     base = consumer or f"reward-{socket.gethostname()}-{os.getpid()}"
-    workers = [ScoreWorker(scorer, client, names, consumer=base if threads == 1 else f"{base}-{i}")
-               for i in range(threads)]
+    workers = [
+        ScoreWorker(scorer, client, names, consumer=base if threads == 1 else f"{base}-{i}") for i in range(threads)
+    ]
     console.print(f"scoring {names.trajectories} → {names.scored} as {', '.join(w.consumer.consumer for w in workers)}")
-    pool = [threading.Thread(target=w.run, args=(stop,), kwargs={"batch": batch}, name=w.consumer.consumer)
-            for w in workers]
+    pool = [
+        threading.Thread(target=w.run, args=(stop,), kwargs={"batch": batch}, name=w.consumer.consumer) for w in workers
+    ]
     try:
         for t in pool:
             t.start()

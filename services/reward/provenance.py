@@ -14,9 +14,11 @@ from services.common.schemas import Provenance
 from services.sandbox.world.store import world_hash
 
 REAL_FLIGHTS_SPLITS = ("validation", "test")
-LOAD_REAL_FLIGHTS = ("load the real flights file (clean_Flights_2022.csv of the official TravelPlanner "
-                     "database) with `star world build --flights-csv PATH` and serve that world "
-                     "(STAR_DB_URL), or insist with allow_synthetic_flights (the reply is then marked)")
+LOAD_REAL_FLIGHTS = (
+    "load the real flights file (clean_Flights_2022.csv of the official TravelPlanner "
+    "database) with `star world build --flights-csv PATH` and serve that world "
+    "(STAR_DB_URL), or insist with allow_synthetic_flights (the reply is then marked)"
+)
 
 
 def flights_kind(meta: dict[str, Any]) -> str:
@@ -40,14 +42,20 @@ def world_provenance(meta: dict[str, Any], mode: str) -> Provenance:
         source = f"synthetic world {meta.get('size', '?')} (seed {meta.get('seed', '?')})"
     else:
         source = str(meta.get("flights", "unknown"))
-    return Provenance(mode=mode, world=kind if kind in ("official", "synthetic") else "unknown",  # type: ignore[arg-type]
-                      flights=flights_kind(meta), flights_source=source,  # type: ignore[arg-type]
-                      world_hash=world_hash(meta))
+    return Provenance(
+        mode=mode,
+        world=kind if kind in ("official", "synthetic") else "unknown",  # type: ignore[arg-type]
+        flights=flights_kind(meta),
+        flights_source=source,  # type: ignore[arg-type]
+        world_hash=world_hash(meta),
+    )
 
 
 def refusal(provenance: Provenance, split: str | None) -> str | None:
     """Why a split cannot be scored on this world (None when it can)."""
     if split not in REAL_FLIGHTS_SPLITS or provenance.flights == "real":
         return None
-    return (f"the {split} split names real flights, but this world's flights are {provenance.flights} "
-            f"({provenance.flights_source}), so its flight legs would fail the sandbox check; {LOAD_REAL_FLIGHTS}")
+    return (
+        f"the {split} split names real flights, but this world's flights are {provenance.flights} "
+        f"({provenance.flights_source}), so its flight legs would fail the sandbox check; {LOAD_REAL_FLIGHTS}"
+    )

@@ -85,8 +85,10 @@ class Curriculum:
             start = int(at if at is not None else first)
             if at is None:
                 if expected == math.inf:
-                    raise ValueError(f"curriculum stage {part!r} follows {previous!r}, which has no last {unit} "
-                                     f"(write {previous}-N, or kind@first for every stage)")
+                    raise ValueError(
+                        f"curriculum stage {part!r} follows {previous!r}, which has no last {unit} "
+                        f"(write {previous}-N, or kind@first for every stage)"
+                    )
                 if start != expected:
                     raise ValueError(f"curriculum stage {part!r} starts at {start}, expected {unit} {expected:g}")
                 expected = int(last) + 1 if last else math.inf
@@ -120,9 +122,15 @@ def broken_preferences(score: Score) -> int:
     return sum(1 for name in PREFERENCE_CHECKS if name in score.hard and score.hard[name].passed is False)
 
 
-def reward(score: Score | None, kind: RewardKind = "sum", epoch: int | None = None, *,
-           curriculum: Curriculum = DEFAULT_CURRICULUM, finish_reason: str | None = None,
-           preference_penalty: float = 0.0) -> float:
+def reward(
+    score: Score | None,
+    kind: RewardKind = "sum",
+    epoch: int | None = None,
+    *,
+    curriculum: Curriculum = DEFAULT_CURRICULUM,
+    finish_reason: str | None = None,
+    preference_penalty: float = 0.0,
+) -> float:
     """The scalar reward of one trajectory. `epoch` (1-based) is required for "curriculum".
     `finish_reason` other than "answer", a missing score, or a formatter failure give 0.
     `preference_penalty` (default 0: the paper's rewards) is taken off per broken preference."""
@@ -144,8 +152,13 @@ def reward(score: Score | None, kind: RewardKind = "sum", epoch: int | None = No
     return float(value)
 
 
-def all_rewards(score: Score | None, epoch: int | None = None, *, curriculum: Curriculum = DEFAULT_CURRICULUM,
-                finish_reason: str | None = None) -> dict[str, float]:
+def all_rewards(
+    score: Score | None,
+    epoch: int | None = None,
+    *,
+    curriculum: Curriculum = DEFAULT_CURRICULUM,
+    finish_reason: str | None = None,
+) -> dict[str, float]:
     """Every reward kind at once (curriculum only when the epoch is known)."""
     out = {k: reward(score, k, finish_reason=finish_reason) for k in BASE_KINDS}
     if epoch is not None:

@@ -25,15 +25,14 @@ from services.common.schemas import (
     Trajectory,
     TravelQuery,
 )
-from services.formatter.core import Formatter, FormatResult, LLMUnavailable
+from services.formatter.core import FormatResult, Formatter, LLMUnavailable
 from services.formatter.structured import MAX_TEXT_CHARS
-from services.reward.evaluator import Evaluation, Evaluator, PlanError, SplitMetrics, aggregate
-from services.reward.evaluator import hard as hard_checks
+from services.reward.evaluator import Evaluation, Evaluator, PlanError, SplitMetrics, aggregate, hard as hard_checks
 from services.reward.evaluator.aggregate import Split, not_delivered
 from services.reward.evaluator.context import Context
 from services.reward.provenance import refusal, world_provenance
-from services.sandbox.world.store import world_identity
 from services.reward.rewards import all_rewards, reward
+from services.sandbox.world.store import world_identity
 
 FormatterBackend = Literal["structured", "llm", "auto"]
 MAX_BATCH = 1000  # the test split; the same as services.common.http.MAX_BATCH_ITEMS
@@ -46,25 +45,50 @@ class Deadline(Protocol):
     def check(self) -> None: ...
 
 
-EXAMPLE_QUERY = {"org": "St. Petersburg", "dest": "Rockford", "days": 3, "visiting_city_number": 1,
-                 "date": ["2022-03-16", "2022-03-17", "2022-03-18"], "people_number": 1, "budget": 1700,
-                 "local_constraint": {"house_rule": None, "cuisine": None, "room_type": None, "transportation": None},
-                 "level": "easy"}
+EXAMPLE_QUERY = {
+    "org": "St. Petersburg",
+    "dest": "Rockford",
+    "days": 3,
+    "visiting_city_number": 1,
+    "date": ["2022-03-16", "2022-03-17", "2022-03-18"],
+    "people_number": 1,
+    "budget": 1700,
+    "local_constraint": {"house_rule": None, "cuisine": None, "room_type": None, "transportation": None},
+    "level": "easy",
+}
 EXAMPLE_PLAN = [
-    {"days": 1, "current_city": "from St. Petersburg to Rockford",
-     "transportation": "Flight Number: F3573659, from St. Petersburg to Rockford, Departure Time: 15:40, "
-                       "Arrival Time: 17:04",
-     "breakfast": "-", "attraction": "-", "lunch": "-", "dinner": "Coco Bambu, Rockford",
-     "accommodation": "Pure luxury one bdrm + sofa bed on Central Park, Rockford"},
-    {"days": 2, "current_city": "Rockford", "transportation": "-", "breakfast": "Dial A Cake, Rockford",
-     "attraction": "Burpee Museum of Natural History, Rockford;Midway Village Museum, Rockford;",
-     "lunch": "Flying Mango, Rockford", "dinner": "Cafe Southall, Rockford",
-     "accommodation": "Pure luxury one bdrm + sofa bed on Central Park, Rockford"},
-    {"days": 3, "current_city": "from Rockford to St. Petersburg",
-     "transportation": "Flight Number: F3573120, from Rockford to St. Petersburg, Departure Time: 19:00, "
-                       "Arrival Time: 22:43",
-     "breakfast": "Subway, Rockford", "attraction": "Klehm Arboretum & Botanic Garden, Rockford;",
-     "lunch": "Gajalee Sea Food, Rockford", "dinner": "-", "accommodation": "-"},
+    {
+        "days": 1,
+        "current_city": "from St. Petersburg to Rockford",
+        "transportation": "Flight Number: F3573659, from St. Petersburg to Rockford, Departure Time: 15:40, "
+        "Arrival Time: 17:04",
+        "breakfast": "-",
+        "attraction": "-",
+        "lunch": "-",
+        "dinner": "Coco Bambu, Rockford",
+        "accommodation": "Pure luxury one bdrm + sofa bed on Central Park, Rockford",
+    },
+    {
+        "days": 2,
+        "current_city": "Rockford",
+        "transportation": "-",
+        "breakfast": "Dial A Cake, Rockford",
+        "attraction": "Burpee Museum of Natural History, Rockford;Midway Village Museum, Rockford;",
+        "lunch": "Flying Mango, Rockford",
+        "dinner": "Cafe Southall, Rockford",
+        "accommodation": "Pure luxury one bdrm + sofa bed on Central Park, Rockford",
+    },
+    {
+        "days": 3,
+        "current_city": "from Rockford to St. Petersburg",
+        "transportation": "Flight Number: F3573120, from Rockford to St. Petersburg, Departure Time: 19:00, "
+        "Arrival Time: 22:43",
+        "breakfast": "Subway, Rockford",
+        "attraction": "Klehm Arboretum & Botanic Garden, Rockford;",
+        "lunch": "Gajalee Sea Food, Rockford",
+        "dinner": "-",
+        "accommodation": "-",
+    },
 ]
 
 
@@ -78,7 +102,7 @@ class PlanInput(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     query: TravelQuery
-    plan: Any = Field(None, description="Day objects (JSON array) or {\"days\": [...]}; null: no plan delivered.")
+    plan: Any = Field(None, description='Day objects (JSON array) or {"days": [...]}; null: no plan delivered.')
     plan_text: str | None = Field(None, max_length=MAX_TEXT_CHARS, description="The plan as text, for the formatter.")
 
     @model_validator(mode="after")
@@ -89,10 +113,22 @@ class PlanInput(BaseModel):
 
 
 class ScoreRequest(PlanInput):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
-        {"query": EXAMPLE_QUERY, "plan": EXAMPLE_PLAN, "mode": "official", "reward": "sum"},
-        {"query": EXAMPLE_QUERY, "plan_text": "Day 1:\nCurrent City: from St. Petersburg to Rockford\n...",
-         "mode": "strict", "reward": "curriculum", "epoch": 1, "backend": "structured"}]})
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {"query": EXAMPLE_QUERY, "plan": EXAMPLE_PLAN, "mode": "official", "reward": "sum"},
+                {
+                    "query": EXAMPLE_QUERY,
+                    "plan_text": "Day 1:\nCurrent City: from St. Petersburg to Rockford\n...",
+                    "mode": "strict",
+                    "reward": "curriculum",
+                    "epoch": 1,
+                    "backend": "structured",
+                },
+            ]
+        },
+    )
 
     mode: EvalMode = Field("official", description="official: leaderboard parity; strict: quirks fixed.")
     reward: RewardKind = Field("sum", description="The reward to report as `reward`.")
@@ -132,17 +168,27 @@ class BatchItemError(BaseModel):
 
 
 class EvaluateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
-        {"items": [{"query": EXAMPLE_QUERY, "plan": EXAMPLE_PLAN}, {"query": EXAMPLE_QUERY, "plan": None}],
-         "mode": "official"}]})
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "items": [{"query": EXAMPLE_QUERY, "plan": EXAMPLE_PLAN}, {"query": EXAMPLE_QUERY, "plan": None}],
+                    "mode": "official",
+                }
+            ]
+        },
+    )
 
     items: list[PlanInput] = Field(min_length=1, max_length=MAX_EVALUATE)
     split: Split | None = Field(None, description="Official split name: its fixed denominators (official mode).")
     mode: EvalMode = "official"
     backend: FormatterBackend | None = None
     allow_synthetic_flights: bool = Field(
-        False, description="Score a validation or test split even though the world's flights are not the real "
-                           "ones (refused otherwise); the reply's provenance is then marked.")
+        False,
+        description="Score a validation or test split even though the world's flights are not the real "
+        "ones (refused otherwise); the reply's provenance is then marked.",
+    )
 
 
 @dataclass
@@ -155,7 +201,9 @@ class Scored:
 class Scorer:
     """The evaluator in both modes over one world, plus the formatter."""
 
-    def __init__(self, evaluator: Evaluator, formatter: Formatter | None = None, *, default_backend: str = "auto") -> None:
+    def __init__(
+        self, evaluator: Evaluator, formatter: Formatter | None = None, *, default_backend: str = "auto"
+    ) -> None:
         self.evaluators = {"official": evaluator.with_mode("official"), "strict": evaluator.with_mode("strict")}
         self.formatter = formatter or Formatter(None)
         self.default_backend = default_backend
@@ -209,12 +257,19 @@ class Scorer:
         if scored.formatted is not None:
             f = scored.formatted
             outcome = FormatterOutcome(status=f.status, backend=f.backend, error=f.error)
-        return ScoreResponse(score=score, reward=chosen, rewards=all_rewards(score, request.epoch),
-                             cost=scored.evaluation.cost, plan=scored.plan, formatter=outcome,
-                             provenance=self.provenance[request.mode])
+        return ScoreResponse(
+            score=score,
+            reward=chosen,
+            rewards=all_rewards(score, request.epoch),
+            cost=scored.evaluation.cost,
+            plan=scored.plan,
+            formatter=outcome,
+            provenance=self.provenance[request.mode],
+        )
 
-    def score_batch(self, requests: Sequence[ScoreRequest], *, parallel: int = 8,
-                    deadline: Deadline | None = None) -> list[ScoreResponse | BatchItemError]:
+    def score_batch(
+        self, requests: Sequence[ScoreRequest], *, parallel: int = 8, deadline: Deadline | None = None
+    ) -> list[ScoreResponse | BatchItemError]:
         """Results in request order; an item that cannot be scored is a `BatchItemError` in its
         place. When formatting may wait on an LLM, up to `parallel` requests are in flight at once
         (the LLM client's own concurrency limit still applies)."""
@@ -248,8 +303,9 @@ class Scorer:
             raise ScoreError(why)
         return provenance.model_copy(update={"synthetic_flights_insisted": True})
 
-    def evaluate_items(self, items: Sequence[PlanInput], mode: str, backend: str | None = None,
-                       deadline: Deadline | None = None) -> list[Scored]:
+    def evaluate_items(
+        self, items: Sequence[PlanInput], mode: str, backend: str | None = None, deadline: Deadline | None = None
+    ) -> list[Scored]:
         out = []
         for item in items:
             if deadline is not None:
@@ -259,8 +315,9 @@ class Scorer:
 
     def evaluate_split(self, request: EvaluateRequest, deadline: Deadline | None = None) -> SplitMetrics:
         provenance = self.split_provenance(request.mode, request.split, request.allow_synthetic_flights)
-        evaluations = [s.evaluation for s in self.evaluate_items(request.items, request.mode, request.backend,
-                                                                   deadline)]
+        evaluations = [
+            s.evaluation for s in self.evaluate_items(request.items, request.mode, request.backend, deadline)
+        ]
         try:
             metrics = aggregate([i.query for i in request.items], evaluations, mode=request.mode, split=request.split)
         except ValueError as exc:
@@ -285,13 +342,19 @@ class Scorer:
             scored = Scored(evaluation, None, None)
         score = scored.evaluation.to_score()
         try:
-            chosen = reward(score, trajectory.reward_kind, trajectory.epoch,  # type: ignore[arg-type]
-                            finish_reason=trajectory.finish_reason, preference_penalty=trajectory.preference_penalty)
+            chosen = reward(
+                score,
+                trajectory.reward_kind,
+                trajectory.epoch,  # type: ignore[arg-type]
+                finish_reason=trajectory.finish_reason,
+                preference_penalty=trajectory.preference_penalty,
+            )
         except ValueError as exc:
             raise ScoreError(str(exc)) from None
         # The paper's curriculum only when the trajectory asked for it: a recipe's own schedule arrives
         # resolved to its stage's kind (services/pipeline/scheduler.py), and the default would misname it.
         curriculum_epoch = trajectory.epoch if trajectory.reward_kind == "curriculum" else None
         rewards = all_rewards(score, curriculum_epoch, finish_reason=trajectory.finish_reason)
-        return ScoredTrajectory(**trajectory.model_dump(), score=score, reward=chosen, rewards=rewards,
-                                plan=scored.plan)
+        return ScoredTrajectory(
+            **trajectory.model_dump(), score=score, reward=chosen, rewards=rewards, plan=scored.plan
+        )

@@ -69,8 +69,10 @@ def load_split(path: str | Path, limit: int | None = None) -> list[SplitQuery]:
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first.get("loc", ()))
-            raise SubmissionError(f"{path}: record {i + 1} is not a TravelPlanner query ({where}: {first['msg']}); "
-                                  "a split needs the structured fields (org, dest, days, date, …)") from None
+            raise SubmissionError(
+                f"{path}: record {i + 1} is not a TravelPlanner query ({where}: {first['msg']}); "
+                "a split needs the structured fields (org, dest, days, date, …)"
+            ) from None
         qid = str(record.get("id") or record.get("idx") or i + 1)
         out.append(SplitQuery(i, qid, query.model_copy(update={"id": qid})))
     if not out:
@@ -84,7 +86,7 @@ def load_split(path: str | Path, limit: int | None = None) -> list[SplitQuery]:
 @dataclass(frozen=True)
 class Prediction:
     plan: list[dict[str, Any]] | None  # day dicts, as submitted
-    plan_text: str | None              # text still to be formatted
+    plan_text: str | None  # text still to be formatted
 
 
 def read_predictions(path: str | Path, queries: Sequence[SplitQuery]) -> dict[str, Prediction]:
@@ -120,7 +122,9 @@ def read_predictions(path: str | Path, queries: Sequence[SplitQuery]) -> dict[st
 
 def submission_lines(records: Sequence[Any]) -> list[dict[str, Any]]:
     """Official submission lines, in dataset order, from run records."""
-    return [{"idx": r.index + 1, "query": r.query.query, "plan": r.plan} for r in sorted(records, key=lambda r: r.index)]
+    return [
+        {"idx": r.index + 1, "query": r.query.query, "plan": r.plan} for r in sorted(records, key=lambda r: r.index)
+    ]
 
 
 def write_submission(path: Path, records: Sequence[Any]) -> None:
@@ -141,10 +145,16 @@ class SubmissionLine(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    idx: int | None = Field(None, description="1-based line number as the official tools write it (ignored: "
-                                              "lines pair with queries by order, as in the official evaluator).")
-    query: str | None = Field(None, max_length=MAX_QUERY_TEXT, description="The query text (checked against the "
-                                                                          "split's, a mismatch is a warning).")
+    idx: int | None = Field(
+        None,
+        description="1-based line number as the official tools write it (ignored: "
+        "lines pair with queries by order, as in the official evaluator).",
+    )
+    query: str | None = Field(
+        None,
+        max_length=MAX_QUERY_TEXT,
+        description="The query text (checked against the split's, a mismatch is a warning).",
+    )
     plan: Any = Field(None, description="Day objects, the plan as text, or null (not delivered).")
     plan_text: str | None = Field(None, max_length=200_000, description="The plan as text, for the formatter.")
 
@@ -208,26 +218,36 @@ def dataset_split(directory: str | Path, split: str) -> list[SplitQuery]:
     if split not in SPLITS:
         raise SubmissionError(f"unknown split {split!r} (use {', '.join(SPLITS)})")
     root = Path(directory)
-    candidates = [root / split / f"{split}.json", root / split / f"{split}.jsonl",
-                  root / f"{split}.json", root / f"{split}.jsonl"]
+    candidates = [
+        root / split / f"{split}.json",
+        root / split / f"{split}.jsonl",
+        root / f"{split}.json",
+        root / f"{split}.jsonl",
+    ]
     for path in candidates:
         if path.is_file():
             return load_split(path)
-    raise SubmissionError(f"the dataset folder {root} has no {split} queries (looked for "
-                          f"{', '.join(str(c.relative_to(root)) for c in candidates)}); put them there "
-                          "(STAR_TRAVELPLANNER_DIR) or send the queries with the submission")
+    raise SubmissionError(
+        f"the dataset folder {root} has no {split} queries (looked for "
+        f"{', '.join(str(c.relative_to(root)) for c in candidates)}); put them there "
+        "(STAR_TRAVELPLANNER_DIR) or send the queries with the submission"
+    )
 
 
 def queries_from(records: Sequence[TravelQuery]) -> list[SplitQuery]:
     """Queries given in a request, ids defaulting to their 1-based position."""
-    out = [SplitQuery(i, str(q.id or i + 1), q.model_copy(update={"id": str(q.id or i + 1)}))
-           for i, q in enumerate(records)]
+    out = [
+        SplitQuery(i, str(q.id or i + 1), q.model_copy(update={"id": str(q.id or i + 1)}))
+        for i, q in enumerate(records)
+    ]
     if len({q.query_id for q in out}) != len(out):
         raise SubmissionError("query ids repeat; give every query a distinct id")
     return out
 
 
-def pair_lines(queries: Sequence[SplitQuery], lines: Sequence[SubmissionLine]) -> tuple[list[Prediction | None], list[str]]:
+def pair_lines(
+    queries: Sequence[SplitQuery], lines: Sequence[SubmissionLine]
+) -> tuple[list[Prediction | None], list[str]]:
     """Line i → query i (the official pairing); lines past the split are ignored, missing lines
     are undelivered plans. Also the warnings: query texts that differ from the split's."""
     predictions: list[Prediction | None] = []
@@ -250,32 +270,45 @@ def pair_lines(queries: Sequence[SplitQuery], lines: Sequence[SubmissionLine]) -
     return predictions, warnings
 
 
-def score_submission(scorer: Any, queries: Sequence[SplitQuery], lines: Sequence[SubmissionLine], *,
-                     mode: EvalMode = "official", split: Split | None = None, backend: str | None = None,
-                     allow_synthetic_flights: bool = False, deadline: Any = None) -> SubmissionReport:
+def score_submission(
+    scorer: Any,
+    queries: Sequence[SplitQuery],
+    lines: Sequence[SubmissionLine],
+    *,
+    mode: EvalMode = "official",
+    split: Split | None = None,
+    backend: str | None = None,
+    allow_synthetic_flights: bool = False,
+    deadline: Any = None,
+) -> SubmissionReport:
     """Score a submission against its split with a `services.reward.scoring.Scorer`. Raises the
     scorer's `ScoreError` for a split this world cannot score or a split of the wrong size."""
     from services.reward.scoring import PlanInput, ScoreError
 
     provenance = scorer.split_provenance(mode, split, allow_synthetic_flights)
     predictions, warnings = pair_lines(queries, lines)
-    items = [PlanInput(query=sq.query, plan=p.plan if p else None, plan_text=p.plan_text if p else None)
-             for sq, p in zip(queries, predictions)]
+    items = [
+        PlanInput(query=sq.query, plan=p.plan if p else None, plan_text=p.plan_text if p else None)
+        for sq, p in zip(queries, predictions)
+    ]
     evaluations = [s.evaluation for s in scorer.evaluate_items(items, mode, backend, deadline)]
     try:
         metrics = aggregate([sq.query for sq in queries], evaluations, mode=mode, split=split)
     except ValueError as exc:
         raise ScoreError(str(exc)) from None
     metrics = metrics.model_copy(update={"provenance": provenance})
-    return SubmissionReport(metrics=metrics,
-                            by_level=cohort_rows(queries, evaluations, mode, lambda q: q.level or "unknown"),
-                            by_trip_length=cohort_rows(queries, evaluations, mode, lambda q: f"{q.days} days"),
-                            costs=_costs(queries, evaluations), provenance=provenance, warnings=warnings,
-                            plans=[_verdict(i, sq, e) for i, (sq, e) in enumerate(zip(queries, evaluations))])
+    return SubmissionReport(
+        metrics=metrics,
+        by_level=cohort_rows(queries, evaluations, mode, lambda q: q.level or "unknown"),
+        by_trip_length=cohort_rows(queries, evaluations, mode, lambda q: f"{q.days} days"),
+        costs=_costs(queries, evaluations),
+        provenance=provenance,
+        warnings=warnings,
+        plans=[_verdict(i, sq, e) for i, (sq, e) in enumerate(zip(queries, evaluations))],
+    )
 
 
-def cohort_rows(queries: Sequence[SplitQuery], evaluations: Sequence[Any], mode: EvalMode,
-                key: Any) -> list[CohortRow]:
+def cohort_rows(queries: Sequence[SplitQuery], evaluations: Sequence[Any], mode: EvalMode, key: Any) -> list[CohortRow]:
     """The six metrics per cohort of queries (`key` of a query), with computed denominators: a cohort
     is not an official split."""
     members: dict[str, list[int]] = {}
@@ -285,21 +318,40 @@ def cohort_rows(queries: Sequence[SplitQuery], evaluations: Sequence[Any], mode:
     for value in sorted(members):
         idx = members[value]
         m = aggregate([queries[i].query for i in idx], [evaluations[i] for i in idx], mode=mode, split=None)
-        rows.append(CohortRow(value=value, n=len(idx), **{k: getattr(m, k) for k in CohortRow.model_fields
-                                                           if k not in ("value", "n")}))
+        rows.append(
+            CohortRow(
+                value=value, n=len(idx), **{k: getattr(m, k) for k in CohortRow.model_fields if k not in ("value", "n")}
+            )
+        )
     return rows
 
 
 def _verdict(i: int, sq: SplitQuery, e: Any) -> PlanVerdict:
     score = e.to_score()
-    failed = [FailedCheck(check=k, name=COMMONSENSE_CHECKS[k], reason=v.reason or "")
-              for k, v in score.commonsense.items() if v.passed is False]
-    failed += [FailedCheck(check=k, name=HARD_CHECKS[k], reason=v.reason or "")
-               for k, v in score.hard.items() if v.passed is False]
-    return PlanVerdict(idx=i + 1, query_id=sq.query_id, level=sq.query.level, days=sq.query.days,
-                       delivered=e.delivered, formatter_status=e.formatter_status, success=score.success >= 1.0,
-                       cs_micro=score.cs_micro, hard_micro=score.hard_micro, cost=e.cost,
-                       budget=sq.query.budget, failed=failed)
+    failed = [
+        FailedCheck(check=k, name=COMMONSENSE_CHECKS[k], reason=v.reason or "")
+        for k, v in score.commonsense.items()
+        if v.passed is False
+    ]
+    failed += [
+        FailedCheck(check=k, name=HARD_CHECKS[k], reason=v.reason or "")
+        for k, v in score.hard.items()
+        if v.passed is False
+    ]
+    return PlanVerdict(
+        idx=i + 1,
+        query_id=sq.query_id,
+        level=sq.query.level,
+        days=sq.query.days,
+        delivered=e.delivered,
+        formatter_status=e.formatter_status,
+        success=score.success >= 1.0,
+        cs_micro=score.cs_micro,
+        hard_micro=score.hard_micro,
+        cost=e.cost,
+        budget=sq.query.budget,
+        failed=failed,
+    )
 
 
 def _costs(queries: Sequence[SplitQuery], evaluations: Sequence[Any]) -> CostSummary:
@@ -307,8 +359,11 @@ def _costs(queries: Sequence[SplitQuery], evaluations: Sequence[Any]) -> CostSum
 
     costed = [(sq.query.budget, e.cost) for sq, e in zip(queries, evaluations) if e.delivered and e.cost is not None]
     values = [c for _, c in costed]
-    return CostSummary(costed=len(values), total=float(sum(values)),
-                       mean=statistics.fmean(values) if values else None,
-                       median=statistics.median(values) if values else None,
-                       max=max(values) if values else None,
-                       over_budget=sum(c > b for b, c in costed))
+    return CostSummary(
+        costed=len(values),
+        total=float(sum(values)),
+        mean=statistics.fmean(values) if values else None,
+        median=statistics.median(values) if values else None,
+        max=max(values) if values else None,
+        over_budget=sum(c > b for b, c in costed),
+    )

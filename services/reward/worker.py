@@ -56,15 +56,29 @@ class FormatterOutage(RuntimeError):
 
 
 class ScoreWorker:
-    def __init__(self, scorer: Scorer, client: redis.Redis, names: StreamNames, *, group: str = GROUP,
-                 consumer: str | None = None, claim_idle_ms: int = 60_000, max_deliveries: int = 3,
-                 backend: str | None = None) -> None:
+    def __init__(
+        self,
+        scorer: Scorer,
+        client: redis.Redis,
+        names: StreamNames,
+        *,
+        group: str = GROUP,
+        consumer: str | None = None,
+        claim_idle_ms: int = 60_000,
+        max_deliveries: int = 3,
+        backend: str | None = None,
+    ) -> None:
         self.scorer = scorer
         self.names = names
         self.backend = backend
-        self.consumer = StreamConsumer(client, names.trajectories, group,
-                                       consumer or f"reward-{socket.gethostname()}-{os.getpid()}",
-                                       claim_idle_ms=claim_idle_ms, max_deliveries=max_deliveries)
+        self.consumer = StreamConsumer(
+            client,
+            names.trajectories,
+            group,
+            consumer or f"reward-{socket.gethostname()}-{os.getpid()}",
+            claim_idle_ms=claim_idle_ms,
+            max_deliveries=max_deliveries,
+        )
         self.scored = 0
         self.dead = 0
 
@@ -80,12 +94,19 @@ class ScoreWorker:
         seconds = time.monotonic() - started
         scored.timings = {**scored.timings, "score_s": round(seconds, 3)}
         if seconds > SLOW_SCORE_S:
-            log.warning("slow scoring", extra={"task": trajectory.task_id, "sample": trajectory.sample_index,
-                                               "seconds": round(seconds, 1),
-                                               "formatter": scored.score.formatter_status})
+            log.warning(
+                "slow scoring",
+                extra={
+                    "task": trajectory.task_id,
+                    "sample": trajectory.sample_index,
+                    "seconds": round(seconds, 1),
+                    "formatter": scored.score.formatter_status,
+                },
+            )
         if scored.score.formatter_status in FORMATTER_OUTAGES:
-            raise FormatterOutage(f"formatter {scored.score.formatter_status} on {trajectory.task_id}; "
-                                  "left pending for a retry")
+            raise FormatterOutage(
+                f"formatter {scored.score.formatter_status} on {trajectory.task_id}; left pending for a retry"
+            )
         return scored
 
     def handle(self, msg: StreamMessage) -> ScoredTrajectory | None:
@@ -106,8 +127,9 @@ class ScoreWorker:
         handled = 0
         while not stop.is_set():
             try:
-                handled += run_worker(self.consumer, self.handle, self.names.scored, stop, batch=batch,
-                                      block_ms=block_ms)
+                handled += run_worker(
+                    self.consumer, self.handle, self.names.scored, stop, batch=batch, block_ms=block_ms
+                )
             except redis.ResponseError as exc:
                 # The stream or its group was deleted under us (a reset of the run): recreate the
                 # group and go on reading, rather than dying with a traceback.
@@ -116,6 +138,13 @@ class ScoreWorker:
                 log.warning("trajectories stream or group vanished; recreating", extra={"error": str(exc)})
                 stop.wait(0.5)
                 ensure_group(self.consumer.client, self.consumer.stream, self.consumer.group)
-        log.info("scoring worker stopped", extra={"handled": handled, "scored": self.scored, "dead": self.dead,
-                                                  "seconds": round(time.monotonic() - started, 1)})
+        log.info(
+            "scoring worker stopped",
+            extra={
+                "handled": handled,
+                "scored": self.scored,
+                "dead": self.dead,
+                "seconds": round(time.monotonic() - started, 1),
+            },
+        )
         return handled

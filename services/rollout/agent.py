@@ -57,7 +57,9 @@ from services.rollout.tools import ToolClient, ToolServiceError
 from services.sandbox.tools.registry import tool_names
 
 # The public STAR agent's words when the conversation outgrows its context (spec/agent-star.md §1.2).
-SUMMARY_REQUEST = "The conversation has reached the token limit. Please summarize the conversation to generate a travel plan."
+SUMMARY_REQUEST = (
+    "The conversation has reached the token limit. Please summarize the conversation to generate a travel plan."
+)
 
 
 @dataclass(frozen=True)
@@ -72,9 +74,15 @@ class Limits:
 
     @classmethod
     def from_sampling(cls, sampling: SamplingParams, max_format_errors: int = 3) -> Limits:
-        return cls(sampling.max_tool_calls, sampling.max_context_tokens, sampling.max_tokens_per_turn,
-                   max_format_errors, sampling.summarize_at_limit, sampling.turn_timeout_s,
-                   sampling.episode_timeout_s)
+        return cls(
+            sampling.max_tool_calls,
+            sampling.max_context_tokens,
+            sampling.max_tokens_per_turn,
+            max_format_errors,
+            sampling.summarize_at_limit,
+            sampling.turn_timeout_s,
+            sampling.episode_timeout_s,
+        )
 
 
 @dataclass
@@ -152,9 +160,17 @@ def turn_seed(seed: int | None, turn: int) -> int | None:
 class Agent:
     """Runs episodes of one policy (engine) against one sandbox (tool client)."""
 
-    def __init__(self, engine: Engine, tools: ToolClient, *, tokenizer: Any = None,
-                 system: str | None = None, tool_names_: list[str] | None = None,
-                 fault_keys: bool = True, chat: ChatOptions | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tools: ToolClient,
+        *,
+        tokenizer: Any = None,
+        system: str | None = None,
+        tool_names_: list[str] | None = None,
+        fault_keys: bool = True,
+        chat: ChatOptions | None = None,
+    ) -> None:
         self.engine = engine
         self.tools = tools
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
@@ -176,11 +192,20 @@ class Agent:
         if self.chat is not None:
             messages = self.chat.opening(self.system, user_message(query))
             ids = self.chat.prompt_ids(messages)
-        return Episode(sample_index=sample_index, seed=seed, token_ids=ids, loss_mask=[0] * len(ids),
-                       logprobs=[None] * len(ids), messages=messages, prompt_len=len(ids), query=query)
+        return Episode(
+            sample_index=sample_index,
+            seed=seed,
+            token_ids=ids,
+            loss_mask=[0] * len(ids),
+            logprobs=[None] * len(ids),
+            messages=messages,
+            prompt_len=len(ids),
+            query=query,
+        )
 
-    def segment(self, messages: list[dict[str, Any]], closed: bool,
-                new: list[dict[str, Any]]) -> tuple[list[int], list[dict[str, Any]]]:
+    def segment(
+        self, messages: list[dict[str, Any]], closed: bool, new: list[dict[str, Any]]
+    ) -> tuple[list[int], list[dict[str, Any]]]:
         """What follows a sampled turn (the last of `messages`), with the messages it carries: the
         `new` environment messages, or, where the template cannot render two assistant turns in a row
         (roles must alternate), a user message saying the turn had no call and no answer."""
@@ -196,8 +221,9 @@ class Agent:
 
     # -- one turn ----------------------------------------------------------------------------
 
-    async def step(self, ep: Episode, sampling: SamplingParams, limits: Limits, request_id: str,
-                   top_logprobs: int | None = None) -> None:
+    async def step(
+        self, ep: Episode, sampling: SamplingParams, limits: Limits, request_id: str, top_logprobs: int | None = None
+    ) -> None:
         """Sample one model turn, act on it, and append what the environment returns."""
         if ep.done:
             return
@@ -215,15 +241,21 @@ class Agent:
         except ChatTemplateError as exc:  # a conversation the model's template refuses ends the episode
             ep.finish_reason, ep.error = "engine_error", f"chat template: {exc}"
 
-    async def _step_tokens(self, ep: Episode, sampling: SamplingParams, limits: Limits, request_id: str,
-                           top_logprobs: int | None) -> None:
+    async def _step_tokens(
+        self, ep: Episode, sampling: SamplingParams, limits: Limits, request_id: str, top_logprobs: int | None
+    ) -> None:
         room = self.context_limit(limits) - len(ep.token_ids)
         if room <= 0:
             return await self._at_limit(ep, sampling, limits, request_id)
         max_tokens = min(limits.max_tokens_per_turn, room)
-        params = TurnParams(max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                            top_k=sampling.top_k, seed=turn_seed(ep.seed, ep.turns),
-                            top_logprobs=sampling.logprobs_top_k if top_logprobs is None else top_logprobs)
+        params = TurnParams(
+            max_tokens=max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=turn_seed(ep.seed, ep.turns),
+            top_logprobs=sampling.logprobs_top_k if top_logprobs is None else top_logprobs,
+        )
         gen = await self._sample(ep, params, request_id)
         if gen is None:
             return
@@ -232,8 +264,14 @@ class Agent:
         text = self.chat.decode(gen.token_ids)
         turn = self.chat.parse(text, self.tool_names)
         message, call_id = self.chat.assistant_message(text, turn, ep.tool_calls)
-        ep.messages.append({**message, "tokens": len(gen.token_ids), "policy_version": gen.policy_version,
-                            "generate_s": gen.stats.get("generate_s", 0.0)})
+        ep.messages.append(
+            {
+                **message,
+                "tokens": len(gen.token_ids),
+                "policy_version": gen.policy_version,
+                "generate_s": gen.stats.get("generate_s", 0.0),
+            }
+        )
         cut_by_context = gen.finish == "length" and max_tokens == room
         if turn.kind == "answer":
             ep.finish_reason, ep.answer = "answer", turn.answer
@@ -256,8 +294,9 @@ class Agent:
         if left:
             await self._at_limit(ep, sampling, limits, request_id, pending=(closed, len(ep.messages) - len(left)))
 
-    async def _call_tool(self, ep: Episode, turn: Turn, call_id: str | None, closed: bool,
-                         limits: Limits) -> list[dict[str, Any]]:
+    async def _call_tool(
+        self, ep: Episode, turn: Turn, call_id: str | None, closed: bool, limits: Limits
+    ) -> list[dict[str, Any]]:
         """Counts the turn's tool call, runs it and appends its reply (loss mask 0). Returns the reply's
         messages when they do not fit the context (kept in the record, not in the tokens), else []."""
         ep.tool_calls += 1
@@ -282,9 +321,15 @@ class Agent:
         calls, answer_tokens, turn_tokens = self._forced_shape(ep, forced, limits)
         answering = ep.tool_calls >= calls
         max_tokens = min(answer_tokens if answering else turn_tokens, limits.max_tokens_per_turn, room)
-        params = TurnParams(max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
-                            top_k=sampling.top_k, seed=turn_seed(ep.seed, ep.turns),
-                            top_logprobs=sampling.logprobs_top_k, ignore_stop=True)
+        params = TurnParams(
+            max_tokens=max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=turn_seed(ep.seed, ep.turns),
+            top_logprobs=sampling.logprobs_top_k,
+            ignore_stop=True,
+        )
         gen = await self._sample(ep, params, request_id)
         if gen is None:
             return
@@ -292,8 +337,15 @@ class Agent:
         text = self.chat.decode(gen.token_ids)
         turn = Turn(kind="answer", answer=text) if answering else forced_call(ep.query, ep.tool_calls, ep.forced_cities)
         message, call_id = self.chat.assistant_message(text, turn, ep.tool_calls)
-        ep.messages.append({**message, "tokens": len(gen.token_ids), "policy_version": gen.policy_version,
-                            "generate_s": gen.stats.get("generate_s", 0.0), "forced": True})
+        ep.messages.append(
+            {
+                **message,
+                "tokens": len(gen.token_ids),
+                "policy_version": gen.policy_version,
+                "generate_s": gen.stats.get("generate_s", 0.0),
+                "forced": True,
+            }
+        )
         if answering:
             ep.finish_reason, ep.answer = "answer", text
             return
@@ -317,8 +369,15 @@ class Agent:
             ep.forced_shape = draw_episode(ep.forced_rng, limits.max_tool_calls)
         return ep.forced_shape.tool_calls, ep.forced_shape.answer_tokens, draw_turn(ep.forced_rng)
 
-    async def _at_limit(self, ep: Episode, sampling: SamplingParams, limits: Limits, request_id: str, *,
-                        pending: tuple[bool, int] | None = None) -> None:
+    async def _at_limit(
+        self,
+        ep: Episode,
+        sampling: SamplingParams,
+        limits: Limits,
+        request_id: str,
+        *,
+        pending: tuple[bool, int] | None = None,
+    ) -> None:
         """The context is full. Without `summarize_at_limit` the episode ends as context_limit;
         with it, the last message becomes `SUMMARY_REQUEST` and one more turn answers it.
 
@@ -350,16 +409,28 @@ class Agent:
         ep.logprobs += [None] * len(ids)
         ep.timings["summarized_at_limit"] = 1.0
         room = cap - len(ep.token_ids)
-        params = TurnParams(max_tokens=min(limits.max_tokens_per_turn, room), temperature=sampling.temperature,
-                            top_p=sampling.top_p, top_k=sampling.top_k, seed=turn_seed(ep.seed, ep.turns),
-                            top_logprobs=sampling.logprobs_top_k)
+        params = TurnParams(
+            max_tokens=min(limits.max_tokens_per_turn, room),
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=turn_seed(ep.seed, ep.turns),
+            top_logprobs=sampling.logprobs_top_k,
+        )
         gen = await self._sample(ep, params, request_id)
         if gen is None:
             return
         self._append_sampled(ep, gen)
         text = self.chat.decode(gen.token_ids)
-        ep.messages.append({"role": "assistant", "content": text, "tokens": len(gen.token_ids),
-                            "policy_version": gen.policy_version, "generate_s": gen.stats.get("generate_s", 0.0)})
+        ep.messages.append(
+            {
+                "role": "assistant",
+                "content": text,
+                "tokens": len(gen.token_ids),
+                "policy_version": gen.policy_version,
+                "generate_s": gen.stats.get("generate_s", 0.0),
+            }
+        )
         ep.finish_reason, ep.answer = "answer", summary_answer(text, self.tool_names)
 
     async def _sample(self, ep: Episode, params: TurnParams, request_id: str) -> Generation | None:
@@ -371,7 +442,7 @@ class Agent:
         try:
             # a turn past its budget is cancelled: the engine aborts its request (vLLM does on cancel)
             gen = await asyncio.wait_for(self.engine.generate(ep.token_ids, params, request_id=request_id), budget)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             ep.cut(f"a turn ran past its {budget:.1f} s budget and was aborted")
             return None
         except (EngineError, Exception) as exc:  # noqa: BLE001 - any engine failure ends the episode
@@ -396,8 +467,7 @@ class Agent:
         else:
             ep.logprobs += [None] * len(gen.token_ids)
 
-    def _append_env(self, ep: Episode, ids: list[int], new: list[dict[str, Any]], limits: Limits,
-                    closed: bool) -> bool:
+    def _append_env(self, ep: Episode, ids: list[int], new: list[dict[str, Any]], limits: Limits, closed: bool) -> bool:
         """Append what the environment says after a turn; False (nothing appended) when it does
         not fit or leaves no room to reply to it."""
         if len(ep.token_ids) + len(ids) >= self.context_limit(limits):
@@ -441,8 +511,13 @@ class Agent:
         if room <= 0:
             ep.finish_reason = "context_limit"
             return
-        params = TurnParams(max_tokens=min(limits.max_tokens_per_turn, room), temperature=sampling.temperature,
-                            top_p=sampling.top_p, top_k=sampling.top_k, seed=turn_seed(ep.seed, ep.turns))
+        params = TurnParams(
+            max_tokens=min(limits.max_tokens_per_turn, room),
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=turn_seed(ep.seed, ep.turns),
+        )
         t0 = time.perf_counter()
         chat = [{"role": m["role"], "content": m["content"]} for m in ep.messages]
         try:
@@ -476,13 +551,17 @@ class Agent:
         if self.tokenizer is None:
             return sum(len(m["content"]) // 4 for m in messages)  # no tokenizer: a rough 4 chars/token
         chat = [{"role": m["role"], "content": m["content"]} for m in messages]
-        return len(self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=True)["input_ids"])
+        return len(
+            self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
 
     # -- whole episodes ----------------------------------------------------------------------
 
-    async def run_episode(self, ep: Episode, sampling: SamplingParams, limits: Limits,
-                          request_id: str | None = None) -> Episode:
+    async def run_episode(
+        self, ep: Episode, sampling: SamplingParams, limits: Limits, request_id: str | None = None
+    ) -> Episode:
         request_id = request_id or uuid.uuid4().hex
         if ep.deadline is None:
             ep.arm(limits)
@@ -490,8 +569,15 @@ class Agent:
             await self.step(ep, sampling, limits, f"{request_id}-{ep.sample_index}")
         return ep
 
-    async def run(self, query: TravelQuery | str, sampling: SamplingParams | None = None,
-                  limits: Limits | None = None, *, sample_index: int = 0, **meta: Any) -> Trajectory:
+    async def run(
+        self,
+        query: TravelQuery | str,
+        sampling: SamplingParams | None = None,
+        limits: Limits | None = None,
+        *,
+        sample_index: int = 0,
+        **meta: Any,
+    ) -> Trajectory:
         sampling = sampling or SamplingParams()
         limits = limits or Limits.from_sampling(sampling)
         seed = None if sampling.seed is None else sampling.seed + sample_index
@@ -511,16 +597,21 @@ def forced_call(query: TravelQuery | str | None, index: int, cities: list[str] |
         if index == 0 or not cities:
             return Turn(kind="tool_call", name="SearchCity", arguments={"state": query.dest})
         city = cities[((index - 1) // 4) % len(cities)]
-        calls = (("SearchFlight", {"departure": query.org, "destination": city, "date": query.date[0]}),
-                 ("SearchAccommodation", {"city": city}), ("SearchRestaurant", {"city": city}),
-                 ("SearchAttraction", {"city": city}))
+        calls = (
+            ("SearchFlight", {"departure": query.org, "destination": city, "date": query.date[0]}),
+            ("SearchAccommodation", {"city": city}),
+            ("SearchRestaurant", {"city": city}),
+            ("SearchAttraction", {"city": city}),
+        )
         name, arguments = calls[(index - 1) % len(calls)]
         return Turn(kind="tool_call", name=name, arguments=arguments)
-    calls = (("SearchFlight", {"departure": query.org, "destination": query.dest, "date": query.date[0]}),
-             ("SearchAccommodation", {"city": query.dest}),
-             ("SearchRestaurant", {"city": query.dest}),
-             ("SearchAttraction", {"city": query.dest}),
-             ("GoogleDistanceMatrix", {"departure": query.org, "destination": query.dest, "mode": "driving"}))
+    calls = (
+        ("SearchFlight", {"departure": query.org, "destination": query.dest, "date": query.date[0]}),
+        ("SearchAccommodation", {"city": query.dest}),
+        ("SearchRestaurant", {"city": query.dest}),
+        ("SearchAttraction", {"city": query.dest}),
+        ("GoogleDistanceMatrix", {"departure": query.org, "destination": query.dest, "mode": "driving"}),
+    )
     name, arguments = calls[index % len(calls)]
     return Turn(kind="tool_call", name=name, arguments=arguments)
 
@@ -541,10 +632,21 @@ def summary_answer(text: str, tools: list[str]) -> str:
     return turn.answer if turn.kind == "answer" and turn.answer is not None else text.strip()
 
 
-def to_trajectory(ep: Episode, query: TravelQuery | None = None, *, run_id: str = "adhoc", task_id: str = "adhoc",
-                  prompt_id: str = "adhoc", group_id: str | None = None, epoch: int = 1, step: int | None = None,
-                  reward_kind: str = "sum", preference_penalty: float = 0.0, eval_mode: str = "strict",
-                  policy_version: int | None = None) -> Trajectory:
+def to_trajectory(
+    ep: Episode,
+    query: TravelQuery | None = None,
+    *,
+    run_id: str = "adhoc",
+    task_id: str = "adhoc",
+    prompt_id: str = "adhoc",
+    group_id: str | None = None,
+    epoch: int = 1,
+    step: int | None = None,
+    reward_kind: str = "sum",
+    preference_penalty: float = 0.0,
+    eval_mode: str = "strict",
+    policy_version: int | None = None,
+) -> Trajectory:
     timings = dict(ep.timings)
     timings["total_s"] = time.perf_counter() - ep.started
     timings["ended_at"] = time.time()  # wall clock: the learner splits a step's wait by it (timesplit.py)
@@ -558,9 +660,26 @@ def to_trajectory(ep: Episode, query: TravelQuery | None = None, *, run_id: str 
         timings["arpo_branch_token"] = float(ep.branch_token or 0)
     # The oldest weights that sampled any turn: what staleness is measured against.
     version = min(ep.versions) if ep.versions else (policy_version or 0)
-    return Trajectory(run_id=run_id, task_id=task_id, prompt_id=prompt_id, group_id=group_id or prompt_id,
-                      sample_index=ep.sample_index, policy_version=version, messages=ep.messages,
-                      token_ids=ep.token_ids, loss_mask=ep.loss_mask, logprobs=ep.logprobs,
-                      finish_reason=ep.finish_reason or "engine_error", tool_calls=ep.tool_calls,
-                      answer=ep.answer, timings=timings, query=query, epoch=epoch, step=step, reward_kind=reward_kind,
-                      preference_penalty=preference_penalty, eval_mode=eval_mode, error=ep.error)
+    return Trajectory(
+        run_id=run_id,
+        task_id=task_id,
+        prompt_id=prompt_id,
+        group_id=group_id or prompt_id,
+        sample_index=ep.sample_index,
+        policy_version=version,
+        messages=ep.messages,
+        token_ids=ep.token_ids,
+        loss_mask=ep.loss_mask,
+        logprobs=ep.logprobs,
+        finish_reason=ep.finish_reason or "engine_error",
+        tool_calls=ep.tool_calls,
+        answer=ep.answer,
+        timings=timings,
+        query=query,
+        epoch=epoch,
+        step=step,
+        reward_kind=reward_kind,
+        preference_penalty=preference_penalty,
+        eval_mode=eval_mode,
+        error=ep.error,
+    )

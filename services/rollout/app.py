@@ -22,11 +22,26 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from services.common.http import GuardedRoute, bearer_auth, create_app as create_service_app, problem, reason
 from services.common.logging import configure_logging
-from services.common.schemas import (GenerateRequest, GenerateResult, IpcWeights, SleepRequest, Trajectory,
-                                     WakeRequest, WeightsBroadcast, WeightsGroup, WeightsUpdate)
+from services.common.schemas import (
+    GenerateRequest,
+    GenerateResult,
+    IpcWeights,
+    SleepRequest,
+    Trajectory,
+    WakeRequest,
+    WeightsBroadcast,
+    WeightsGroup,
+    WeightsUpdate,
+)
 from services.common.settings import Settings, get_settings
-from services.rollout.service import (STUCK_EXIT, RolloutConfig, RolloutMetrics, RolloutRequest, RolloutService,
-                                     WeightsError)
+from services.rollout.service import (
+    STUCK_EXIT,
+    RolloutConfig,
+    RolloutMetrics,
+    RolloutRequest,
+    RolloutService,
+    WeightsError,
+)
 
 VERSION = "0.1.0"
 
@@ -57,8 +72,9 @@ def svc(request: Request) -> RolloutService:
     return s
 
 
-async def auth(request: Request,
-               credentials: HTTPAuthorizationCredentials | None = Depends(HTTPBearer(auto_error=False))) -> None:
+async def auth(
+    request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(HTTPBearer(auto_error=False))
+) -> None:
     """The app's bearer check, so the router can sit at module level."""
     await rollout_app(request).admin(credentials)
 
@@ -71,8 +87,13 @@ async def lifespan(app: FastAPI):
         from services.rollout.service import make_engine, make_tools
 
         cfg = state.config or RolloutConfig()
-        service = RolloutService(make_engine(state.settings, cfg), make_tools(state.settings, cfg),
-                                 settings=state.settings, config=cfg, metrics=state.metrics)
+        service = RolloutService(
+            make_engine(state.settings, cfg),
+            make_tools(state.settings, cfg),
+            settings=state.settings,
+            config=cfg,
+            metrics=state.metrics,
+        )
         service.on_fatal = end_soon
     state.service = service
     yield
@@ -88,56 +109,92 @@ async def weights_error(_request: Any, exc: WeightsError) -> Any:
 router = APIRouter(route_class=GuardedRoute)
 
 
-@router.post("/rollouts", tags=["rollout"], dependencies=[Depends(auth)],
-             summary="Run one query G times; returns the trajectories")
+@router.post(
+    "/rollouts",
+    tags=["rollout"],
+    dependencies=[Depends(auth)],
+    summary="Run one query G times; returns the trajectories",
+)
 async def rollouts(request: RolloutRequest, http: Request) -> dict[str, list[Trajectory]]:
     return {"trajectories": await svc(http).rollout(request)}
 
 
-@router.post("/weights", tags=["weights"], dependencies=[Depends(auth)],
-             summary="Load a published weight version (pause, load, reset prefix cache, resume)")
+@router.post(
+    "/weights",
+    tags=["weights"],
+    dependencies=[Depends(auth)],
+    summary="Load a published weight version (pause, load, reset prefix cache, resume)",
+)
 async def load_weights(update: WeightsUpdate, http: Request) -> dict[str, Any]:
     return await svc(http).update_weights(update)
 
 
-@router.post("/weights/group", tags=["weights"], dependencies=[Depends(auth)],
-             summary="Join the learner's NCCL group for weight broadcasts (vLLM with weight_transfer: nccl)")
+@router.post(
+    "/weights/group",
+    tags=["weights"],
+    dependencies=[Depends(auth)],
+    summary="Join the learner's NCCL group for weight broadcasts (vLLM with weight_transfer: nccl)",
+)
 async def join_weight_group(group: WeightsGroup, http: Request) -> dict[str, Any]:
     return await svc(http).join_weight_group(group)
 
 
-@router.post("/weights/broadcast", tags=["weights"], dependencies=[Depends(auth)],
-             summary="Receive a version from the learner's NCCL broadcast (pause in place, load, resume)")
+@router.post(
+    "/weights/broadcast",
+    tags=["weights"],
+    dependencies=[Depends(auth)],
+    summary="Receive a version from the learner's NCCL broadcast (pause in place, load, resume)",
+)
 async def receive_weights(broadcast: WeightsBroadcast, request: Request) -> dict[str, Any]:
     return await svc(request).receive_weights(broadcast, sender_gone=request.is_disconnected)
 
 
-@router.post("/sleep", tags=["colocation"], dependencies=[Depends(auth)],
-             summary="Hold new turns, finish those in flight, free the GPU memory (vLLM sleep mode)")
+@router.post(
+    "/sleep",
+    tags=["colocation"],
+    dependencies=[Depends(auth)],
+    summary="Hold new turns, finish those in flight, free the GPU memory (vLLM sleep mode)",
+)
 async def sleep(request: SleepRequest, http: Request) -> dict[str, Any]:
     return await svc(http).sleep(request)
 
 
-@router.post("/wake", tags=["colocation"], dependencies=[Depends(auth)],
-             summary="Bring back the weights or the KV cache (all: the held turns run again)")
+@router.post(
+    "/wake",
+    tags=["colocation"],
+    dependencies=[Depends(auth)],
+    summary="Bring back the weights or the KV cache (all: the held turns run again)",
+)
 async def wake(request: WakeRequest, http: Request) -> dict[str, Any]:
     return await svc(http).wake(request)
 
 
-@router.post("/weights/ipc", tags=["colocation"], dependencies=[Depends(auth)],
-             summary="Load one chunk of a version from the learner's CUDA buffer on this GPU (CUDA IPC)")
+@router.post(
+    "/weights/ipc",
+    tags=["colocation"],
+    dependencies=[Depends(auth)],
+    summary="Load one chunk of a version from the learner's CUDA buffer on this GPU (CUDA IPC)",
+)
 async def receive_ipc(chunk: IpcWeights, http: Request) -> dict[str, Any]:
     return await svc(http).receive_ipc(chunk)
 
 
-@router.get("/weights/digests", tags=["weights"], dependencies=[Depends(auth)],
-            summary="A sha256 of every parameter as the engine holds it, with its fused layout and dtype")
+@router.get(
+    "/weights/digests",
+    tags=["weights"],
+    dependencies=[Depends(auth)],
+    summary="A sha256 of every parameter as the engine holds it, with its fused layout and dtype",
+)
 async def digests(http: Request) -> dict[str, Any]:
     return await svc(http).parameter_digests()
 
 
-@router.post("/generate", tags=["rollout"], dependencies=[Depends(auth)],
-             summary="One model turn: token ids in, sampled ids and their log-probs out")
+@router.post(
+    "/generate",
+    tags=["rollout"],
+    dependencies=[Depends(auth)],
+    summary="One model turn: token ids in, sampled ids and their log-probs out",
+)
 async def generate(request: GenerateRequest, http: Request) -> GenerateResult:
     return await svc(http).generate(request)
 
@@ -147,14 +204,23 @@ async def weights(http: Request) -> dict[str, Any]:
     return svc(http).weights_info()
 
 
-def create_app(settings: Settings | None = None, service: RolloutService | None = None,
-               config: RolloutConfig | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, service: RolloutService | None = None, config: RolloutConfig | None = None
+) -> FastAPI:
     settings = settings or get_settings()
     configure_logging("rollout", settings.log_level, settings.log_json)
-    state = RolloutApp(settings, service.metrics if service else RolloutMetrics(), bearer_auth(settings.api_token),
-                       given=service, config=config)
+    state = RolloutApp(
+        settings,
+        service.metrics if service else RolloutMetrics(),
+        bearer_auth(settings.api_token),
+        given=service,
+        config=config,
+    )
     app = create_service_app(
-        service="rollout", title="STAR rollout", version=VERSION, metrics=state.metrics.registry,
+        service="rollout",
+        title="STAR rollout",
+        version=VERSION,
+        metrics=state.metrics.registry,
         # not ready, and not alive, once the engine reports itself broken or a weight transfer left it
         # stuck: it will not recover in this process, so Kubernetes' liveness probe restarts the pod
         ready=lambda: state.service is not None and state.service.healthy,
@@ -194,6 +260,7 @@ def embedded_server(service: RolloutService, settings: Settings, host: str, port
     """The rollout API on `service` (already built, with its engine), for `await server.serve()` on
     the event loop the engine lives on; the caller stops it by setting `should_exit`."""
     app = create_app(settings, service=service)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", log_config=None, lifespan="on",
-                            access_log=False)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", log_config=None, lifespan="on", access_log=False
+    )
     return _Embedded(config)

@@ -39,8 +39,15 @@ def episodes_for_kv(kv_cache_bytes: int, per_token: int, episode_tokens: int) ->
     return max(1, kv_cache_bytes // (per_token * episode_tokens))
 
 
-def engine_episodes(model: str | Path, *, share: float, card_bytes: int, tensor_parallel: int, episode_tokens: int,
-                    kv_cache_dtype: str = "auto") -> int:
+def engine_episodes(
+    model: str | Path,
+    *,
+    share: float,
+    card_bytes: int,
+    tensor_parallel: int,
+    episode_tokens: int,
+    kv_cache_dtype: str = "auto",
+) -> int:
     """The episode budget of a vLLM engine of `model` taking `share` of each of its `tensor_parallel`
     cards of `card_bytes`: each card's KV cache holds its slice (kv_heads / tp) of every token."""
     from services.rollout.engines.vllm_engine import kv_cache_bytes_from_share, weights_bytes
@@ -71,11 +78,19 @@ def inflight_budget(config: Any, model: str | None, card_bytes: int | None = Non
     tp = config.tensor_parallel_size or config.vllm.tensor_parallel_size
     tokens = config.episode_tokens or config.max_model_len
     try:
-        n = engine_episodes(model, share=share, card_bytes=card_bytes, tensor_parallel=tp, episode_tokens=tokens,
-                            kv_cache_dtype=config.vllm.kv_cache_dtype)
+        n = engine_episodes(
+            model,
+            share=share,
+            card_bytes=card_bytes,
+            tensor_parallel=tp,
+            episode_tokens=tokens,
+            kv_cache_dtype=config.vllm.kv_cache_dtype,
+        )
     except (OSError, ValueError) as exc:
-        log.warning("episode budget not derivable; using the default",
-                    extra={"error": str(exc), "default": DEFAULT_INFLIGHT_EPISODES})
+        log.warning(
+            "episode budget not derivable; using the default",
+            extra={"error": str(exc), "default": DEFAULT_INFLIGHT_EPISODES},
+        )
         return DEFAULT_INFLIGHT_EPISODES
     log.info("episode budget from the KV cache", extra={"episodes": n, "episode_tokens": tokens, "share": share})
     return n

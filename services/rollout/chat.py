@@ -61,16 +61,28 @@ class ChatOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    style: ChatStyle = Field("auto", description=(
-        "template: prompts and turns from the tokenizer's chat template, tools passed to it; chatml: the "
-        "Agent-STAR protocol in ChatML by hand; auto: chatml for a tokenizer without a template or with a "
-        "ChatML template that has no tools, else template."))
-    tool_format: Literal["auto", "hermes", "llama3_json", "mistral", "react"] = Field("auto", description=(
-        "How the model writes a tool call: hermes `<tool_call>` JSON (Qwen), llama3_json (Llama-3.x), mistral "
-        "`[TOOL_CALLS]`, react (Action / Action Input lines); auto: from the chat template (hermes for chatml)."))
-    thinking: bool | None = Field(None, description=(
-        "Thinking models' mode (Qwen3's enable_thinking): true thinks, false prompts an empty thought; "
-        "unset: the template's default."))
+    style: ChatStyle = Field(
+        "auto",
+        description=(
+            "template: prompts and turns from the tokenizer's chat template, tools passed to it; chatml: the "
+            "Agent-STAR protocol in ChatML by hand; auto: chatml for a tokenizer without a template or with a "
+            "ChatML template that has no tools, else template."
+        ),
+    )
+    tool_format: Literal["auto", "hermes", "llama3_json", "mistral", "react"] = Field(
+        "auto",
+        description=(
+            "How the model writes a tool call: hermes `<tool_call>` JSON (Qwen), llama3_json (Llama-3.x), mistral "
+            "`[TOOL_CALLS]`, react (Action / Action Input lines); auto: from the chat template (hermes for chatml)."
+        ),
+    )
+    thinking: bool | None = Field(
+        None,
+        description=(
+            "Thinking models' mode (Qwen3's enable_thinking): true thinks, false prompts an empty thought; "
+            "unset: the template's default."
+        ),
+    )
 
 
 def end_of_turn_ids(tokenizer: Any) -> set[int]:
@@ -112,8 +124,14 @@ class Chat:
     stop_ids: set[int] = field(default_factory=set)
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, options: ChatOptions | None = None, *,
-                      tools: list[dict[str, Any]] | None = None, stop_ids: set[int] | None = None) -> Chat:
+    def for_tokenizer(
+        cls,
+        tokenizer: Any,
+        options: ChatOptions | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        stop_ids: set[int] | None = None,
+    ) -> Chat:
         options = options or ChatOptions()
         style = resolve_style(tokenizer, options.style)
         template = getattr(tokenizer, "chat_template", None)
@@ -125,24 +143,35 @@ class Chat:
         return cls(tokenizer, style, fmt, templated_tools, options.thinking, set(stop_ids or ()))
 
     @classmethod
-    def for_agent(cls, tokenizer: Any, options: ChatOptions | None = None, *, tool_names: list[str] | None = None,
-                  stop_ids: set[int] | None = None) -> Chat:
+    def for_agent(
+        cls,
+        tokenizer: Any,
+        options: ChatOptions | None = None,
+        *,
+        tool_names: list[str] | None = None,
+        stop_ids: set[int] | None = None,
+    ) -> Chat:
         """The agent's format for this tokenizer: the sandbox's tools (those named) passed to the template.
         The rollout and SFT both build it here, so both train on the same format."""
         from services.sandbox.tools.registry import tool_schemas
 
         names = set(tool_names) if tool_names is not None else None
         schemas = [s for s in tool_schemas("openai") if names is None or s["function"]["name"] in names]
-        return cls.for_tokenizer(tokenizer, options, tools=schemas or None,
-                                 stop_ids=end_of_turn_ids(tokenizer) if stop_ids is None else stop_ids)
+        return cls.for_tokenizer(
+            tokenizer,
+            options,
+            tools=schemas or None,
+            stop_ids=end_of_turn_ids(tokenizer) if stop_ids is None else stop_ids,
+        )
 
     def system_prompt(self) -> str:
         """The agent's system message in this format: the Agent-STAR one for ChatML; otherwise the
         family's call syntax, and no tool list where the template lists the tools."""
         if self.style == "chatml":
             return system_prompt()
-        return system_prompt(call=tool_formats.call_instructions(self.tool_format),
-                             tools_listed_elsewhere=self.tools_in_template)
+        return system_prompt(
+            call=tool_formats.call_instructions(self.tool_format), tools_listed_elsewhere=self.tools_in_template
+        )
 
     # -- what the model is told ----------------------------------------------------------------
 
@@ -162,8 +191,9 @@ class Chat:
         """The template's text for `messages` (only the fields a template reads)."""
         clean = [{k: m[k] for k in _TEMPLATE_FIELDS if k in m} for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(clean, tools=self.tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **self._kwargs())
+            return self.tokenizer.apply_chat_template(
+                clean, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt, **self._kwargs()
+            )
         except Exception as exc:  # noqa: BLE001 - jinja raises its own types; the caller decides
             raise ChatTemplateError(f"the chat template cannot render this conversation: {exc}") from exc
 
@@ -179,8 +209,11 @@ class Chat:
         if self.style == "template":
             return self.ids(self.render(messages, True))
         if getattr(self.tokenizer, "chat_template", None):  # a ChatML template without tools
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                           return_dict=True)["input_ids"])
+            return list(
+                self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=True
+                )["input_ids"]
+            )
         ids: list[int] = []
         for m in messages:
             ids += self._chatml_message(m["role"], m["content"])
@@ -220,7 +253,7 @@ class Chat:
         at = text.rfind(MARKER)
         if at < 0:
             raise ChatTemplateError("the chat template drops the last assistant message; its turns cannot be appended")
-        suffix = text[at + len(MARKER):]
+        suffix = text[at + len(MARKER) :]
         if closed:
             suffix = self._without_end_of_turn(suffix)
         return self.ids(suffix)
@@ -230,7 +263,7 @@ class Chat:
         for tid in self.stop_ids:
             token = self.tokenizer.convert_ids_to_tokens(tid)
             if isinstance(token, str) and token and suffix.startswith(token):
-                return suffix[len(token):]
+                return suffix[len(token) :]
         return suffix
 
     # -- supervised turns (SFT) --------------------------------------------------------------------
@@ -251,7 +284,7 @@ class Chat:
         whole = self.render([*messages, message], False)
         if not whole.startswith(prompt):
             raise ChatTemplateError("the chat template rewrites the prompt when an assistant turn follows it")
-        ids = self.ids(whole[len(prompt):])
+        ids = self.ids(whole[len(prompt) :])
         end = next((i for i, t in enumerate(ids) if t in self.stop_ids), None)
         if end is None:
             raise ChatTemplateError("the chat template ends an assistant turn with no end-of-turn token")
@@ -265,7 +298,7 @@ class Chat:
         at = text.rfind(MARKER)
         if at < 0:
             raise ChatTemplateError("the chat template drops the last assistant message")
-        return self.ids(self._without_end_of_turn(text[at + len(MARKER):]))
+        return self.ids(self._without_end_of_turn(text[at + len(MARKER) :]))
 
     def from_agent_star(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """An Agent-STAR chat (SFT data: the system prompt, `<think>` + `<tool_call>` turns, tool output
@@ -288,7 +321,7 @@ class Chat:
                 calls += last_call is not None
                 out.append(message)
             elif m["role"] == "user" and last_call is not None and _wrapped(m["content"]):
-                inner = m["content"][len(TOOL_RESPONSE_OPEN): -len(TOOL_RESPONSE_CLOSE)]
+                inner = m["content"][len(TOOL_RESPONSE_OPEN) : -len(TOOL_RESPONSE_CLOSE)]
                 out.append(self.tool_message(inner, last_call))
                 last_call = None
             else:
@@ -326,7 +359,7 @@ class Chat:
             if following is None:  # what follows the last turn trains nothing
                 tail = self.closing_ids(chat[: at + 1])
                 return ids + tail, mask + [0] * len(tail)
-            new = chat[at + 1: following]
+            new = chat[at + 1 : following]
             if not new and not self.renders_turns_in_a_row:
                 # as the agent does: a template whose roles must alternate hears why no tool ran
                 new = [{"role": "user", "content": FORMAT_ERROR}]
@@ -342,8 +375,11 @@ class Chat:
         refuse: roles must alternate)."""
         if self.style == "chatml":
             return True
-        turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a"},
-                 {"role": "assistant", "content": "b"}]
+        turns = [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "a"},
+            {"role": "assistant", "content": "b"},
+        ]
         try:
             self.render(turns, False)
         except ChatTemplateError:
@@ -373,7 +409,9 @@ class Chat:
         if turn.kind != "tool_call" or self.tool_format not in ("llama3_json", "mistral"):
             return message, (tool_formats.call_id(call_index) if turn.kind == "tool_call" else None)
         given = _given_id(text) if self.tool_format == "mistral" else None
-        call = tool_formats.ToolCall(turn.name or "unreadable", turn.arguments, given or tool_formats.call_id(call_index))
+        call = tool_formats.ToolCall(
+            turn.name or "unreadable", turn.arguments, given or tool_formats.call_id(call_index)
+        )
         message["tool_calls"] = [call.message_entry()]
         return message, call.id
 
@@ -415,8 +453,12 @@ class Chat:
         return [self._special(IM_START)] + self.text_ids(role + "\n")
 
     def _chatml_message(self, role: str, content: str) -> list[int]:
-        return [self._special(IM_START)] + self.text_ids(f"{role}\n{content}") + [self._special(IM_END)] + \
-            self.text_ids("\n")
+        return (
+            [self._special(IM_START)]
+            + self.text_ids(f"{role}\n{content}")
+            + [self._special(IM_END)]
+            + self.text_ids("\n")
+        )
 
     def _chatml_segment(self, closed: bool, user_content: str | None) -> list[int]:
         """`<|im_end|>` if the engine did not sample it, then (with a user message) the user turn,
@@ -436,7 +478,7 @@ def _thought(content: str) -> str:
     """The reasoning of an Agent-STAR turn (its `<think>` block), stripped."""
     start = content.find(THINK_OPEN)
     end = content.find(THINK_CLOSE, start + 1)
-    return content[start + len(THINK_OPEN): end].strip() if 0 <= start < end else ""
+    return content[start + len(THINK_OPEN) : end].strip() if 0 <= start < end else ""
 
 
 def _given_id(text: str) -> str | None:

@@ -1,8 +1,8 @@
 """`star rollout`: run G trajectories of one query and print them; `serve` and `worker` subcommands.
 
-    star rollout --model DIR --query q.json -G 8 [--engine vllm|transformers|openai]
-    star rollout serve --port 8004
-    star rollout worker
+star rollout --model DIR --query q.json -G 8 [--engine vllm|transformers|openai]
+star rollout serve --port 8004
+star rollout worker
 """
 
 from __future__ import annotations
@@ -10,18 +10,27 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.panel import Panel
-from services.common.cli import fail as _fail, host_option, max_context_option, max_tool_calls_option, port_option, \
-    seed_option, temperature_option, top_p_option
 from rich.table import Table
 
+from services.common.cli import (
+    fail as _fail,
+    host_option,
+    max_context_option,
+    max_tool_calls_option,
+    port_option,
+    seed_option,
+    temperature_option,
+    top_p_option,
+)
+
 console = Console()
-rollout_app = typer.Typer(help="ReAct agents on an inference engine (token-in/token-out).",
-                          invoke_without_command=True, no_args_is_help=False)
+rollout_app = typer.Typer(
+    help="ReAct agents on an inference engine (token-in/token-out).", invoke_without_command=True, no_args_is_help=False
+)
 
 
 def load_query(path: Path):
@@ -56,27 +65,33 @@ def load_query(path: Path):
 @rollout_app.callback()
 def rollout(
     ctx: typer.Context,
-    model: Optional[str] = typer.Option(None, "--model", help="HF model folder (vllm, transformers) or served model name (openai)."),
-    query: Optional[Path] = typer.Option(None, "--query", help="JSON file with one TravelQuery."),
+    model: str | None = typer.Option(
+        None, "--model", help="HF model folder (vllm, transformers) or served model name (openai)."
+    ),
+    query: Path | None = typer.Option(None, "--query", help="JSON file with one TravelQuery."),
     group: int = typer.Option(1, "-G", "--group", min=1, max=256, help="Samples of the query."),
     engine: str = typer.Option("vllm", "--engine", help="vllm | transformers | openai"),
-    base_url: Optional[str] = typer.Option(None, "--base-url", help="openai: the API's base URL (…/v1)."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="openai: bearer key."),
-    sandbox_url: Optional[str] = typer.Option(None, "--sandbox-url", help="Sandbox service URL; default "
-                                              "STAR_SANDBOX_URL, else the local world in-process."),
+    base_url: str | None = typer.Option(None, "--base-url", help="openai: the API's base URL (…/v1)."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", help="openai: bearer key."),
+    sandbox_url: str | None = typer.Option(
+        None, "--sandbox-url", help="Sandbox service URL; default STAR_SANDBOX_URL, else the local world in-process."
+    ),
     temperature: float = temperature_option(0.6),
     top_p: float = top_p_option(0.95),
-    seed: Optional[int] = seed_option(0),
+    seed: int | None = seed_option(0),
     max_tokens: int = typer.Option(8192, "--max-tokens", help="Cap on one model turn's tokens."),
     max_context: int = max_context_option(30000),
     max_tool_calls: int = max_tool_calls_option(60),
-    max_model_len: int = typer.Option(32768, "--max-model-len", help="The engine's context window (vllm, transformers)."),
-    sandbox: Optional[str] = typer.Option(None, "--sandbox", hidden=True, help="Deprecated name of --sandbox-url."),
-    context: Optional[int] = typer.Option(None, "--context", hidden=True, help="Deprecated name of --max-context."),
-    tool_budget: Optional[int] = typer.Option(None, "--tool-budget", hidden=True,
-                                              help="Deprecated name of --max-tool-calls."),
+    max_model_len: int = typer.Option(
+        32768, "--max-model-len", help="The engine's context window (vllm, transformers)."
+    ),
+    sandbox: str | None = typer.Option(None, "--sandbox", hidden=True, help="Deprecated name of --sandbox-url."),
+    context: int | None = typer.Option(None, "--context", hidden=True, help="Deprecated name of --max-context."),
+    tool_budget: int | None = typer.Option(
+        None, "--tool-budget", hidden=True, help="Deprecated name of --max-tool-calls."
+    ),
     arpo: bool = typer.Option(False, help="ARPO branching (initial G/2, beam 2)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Also write the trajectories as JSON lines."),
+    out: Path | None = typer.Option(None, "--out", help="Also write the trajectories as JSON lines."),
     full: bool = typer.Option(False, help="Print every message in full."),
 ) -> None:
     """Run G trajectories of one query and print them."""
@@ -93,13 +108,19 @@ def rollout(
     from services.common.schemas import SamplingParams
 
     try:
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens_per_turn=max_tokens,
-                                  max_context_tokens=max_context if context is None else context,
-                                  max_tool_calls=max_tool_calls if tool_budget is None else tool_budget)
+        sampling = SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            max_tokens_per_turn=max_tokens,
+            max_context_tokens=max_context if context is None else context,
+            max_tool_calls=max_tool_calls if tool_budget is None else tool_budget,
+        )
     except ValueError as exc:
         _fail(str(exc))
-    trajectories = asyncio.run(_run(model, engine, base_url, api_key, sandbox or sandbox_url, q, group, sampling,
-                                    max_model_len, arpo))
+    trajectories = asyncio.run(
+        _run(model, engine, base_url, api_key, sandbox or sandbox_url, q, group, sampling, max_model_len, arpo)
+    )
     for t in trajectories:
         show(t, full)
     summary(trajectories)
@@ -117,7 +138,9 @@ async def _run(model, engine_kind, base_url, api_key, sandbox, query, group, sam
     from services.rollout.group import ArpoConfig, sample_group
     from services.rollout.tools import HttpToolClient
 
-    options = {"base_url": base_url, "api_key": api_key} if engine_kind == "openai" else {"max_model_len": max_model_len}
+    options = (
+        {"base_url": base_url, "api_key": api_key} if engine_kind == "openai" else {"max_model_len": max_model_len}
+    )
     try:
         with console.status(f"starting the {engine_kind} engine…"):
             engine = build_engine(engine_kind, model, **options)
@@ -150,8 +173,13 @@ def _local_tools(settings):
     return LocalToolClient(ToolBox.from_settings(world, settings))
 
 
-COLORS = {"answer": "green", "format_error": "red", "context_limit": "yellow", "tool_budget": "yellow",
-          "engine_error": "magenta"}
+COLORS = {
+    "answer": "green",
+    "format_error": "red",
+    "context_limit": "yellow",
+    "tool_budget": "yellow",
+    "engine_error": "magenta",
+}
 
 
 def show(t, full: bool = False) -> None:
@@ -165,9 +193,11 @@ def show(t, full: bool = False) -> None:
         lines.append(f"[green bold]answer[/green bold] {t.answer if full else _clip(t.answer, 600)}")
     if t.error:
         lines.append(f"[magenta]error[/magenta] {t.error}")
-    title = (f"sample {t.sample_index} · [{colour}]{t.finish_reason}[/{colour}] · {t.tool_calls} tool calls · "
-             f"{len(t.token_ids)} tokens ({int(sum(t.loss_mask))} sampled) · v{t.policy_version} · "
-             f"{t.timings.get('total_s', 0):.1f}s")
+    title = (
+        f"sample {t.sample_index} · [{colour}]{t.finish_reason}[/{colour}] · {t.tool_calls} tool calls · "
+        f"{len(t.token_ids)} tokens ({int(sum(t.loss_mask))} sampled) · v{t.policy_version} · "
+        f"{t.timings.get('total_s', 0):.1f}s"
+    )
     console.print(Panel("\n".join(lines) or "(no turns)", title=title, title_align="left"))
 
 
@@ -176,9 +206,16 @@ def summary(trajectories) -> None:
     for col in ("sample", "finish", "tool calls", "tokens", "sampled", "turns", "generate s", "tool s"):
         table.add_column(col)
     for t in trajectories:
-        table.add_row(str(t.sample_index), t.finish_reason, str(t.tool_calls), str(len(t.token_ids)),
-                      str(sum(t.loss_mask)), f"{t.timings.get('turns', 0):.0f}", f"{t.timings.get('generate_s', 0):.2f}",
-                      f"{t.timings.get('tool_s', 0):.3f}")
+        table.add_row(
+            str(t.sample_index),
+            t.finish_reason,
+            str(t.tool_calls),
+            str(len(t.token_ids)),
+            str(sum(t.loss_mask)),
+            f"{t.timings.get('turns', 0):.0f}",
+            f"{t.timings.get('generate_s', 0):.2f}",
+            f"{t.timings.get('tool_s', 0):.3f}",
+        )
     console.print(table)
 
 

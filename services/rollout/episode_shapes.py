@@ -37,8 +37,8 @@ class LogNormal:
 
 
 # The fit to the oracle teacher's 300 trajectories (bench/results/episode_shapes.json, `fit`).
-TOOL_CALLS = LogNormal(2.0849, 0.4362)     # median 8.0 calls an episode
-TURN_TOKENS = LogNormal(4.2586, 0.2564)    # median 71 tokens a tool turn (thought and call)
+TOOL_CALLS = LogNormal(2.0849, 0.4362)  # median 8.0 calls an episode
+TURN_TOKENS = LogNormal(4.2586, 0.2564)  # median 71 tokens a tool turn (thought and call)
 ANSWER_TOKENS = LogNormal(6.0303, 0.3251)  # median 416 tokens the answer (the structured plan)
 
 

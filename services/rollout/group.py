@@ -32,10 +32,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-
 from services.common.schemas import ArpoParams, SamplingParams, Trajectory, TravelQuery
 from services.rollout.agent import Agent, Episode, Limits, to_trajectory
-
 
 # The task payload carries it, so it lives with the other stream contracts.
 ArpoConfig = ArpoParams
@@ -53,11 +51,19 @@ class GroupMeta:
     eval_mode: str = "strict"
 
     def fields(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "task_id": self.task_id, "prompt_id": self.prompt_id,
-                # One group per task: the same prompt rolled out at two steps (or twice in one
-                # wrapped-around batch) must never merge into one group at the learner.
-                "group_id": self.task_id, "epoch": self.epoch, "step": self.step, "reward_kind": self.reward_kind,
-                "preference_penalty": self.preference_penalty, "eval_mode": self.eval_mode}
+        return {
+            "run_id": self.run_id,
+            "task_id": self.task_id,
+            "prompt_id": self.prompt_id,
+            # One group per task: the same prompt rolled out at two steps (or twice in one
+            # wrapped-around batch) must never merge into one group at the learner.
+            "group_id": self.task_id,
+            "epoch": self.epoch,
+            "step": self.step,
+            "reward_kind": self.reward_kind,
+            "preference_penalty": self.preference_penalty,
+            "eval_mode": self.eval_mode,
+        }
 
 
 class EpisodeSlots:
@@ -105,9 +111,17 @@ def sample_seed(sampling: SamplingParams, index: int) -> int | None:
     return None if sampling.seed is None else sampling.seed + index
 
 
-async def sample_group(agent: Agent, query: TravelQuery | str, group_size: int, sampling: SamplingParams,
-                       limits: Limits | None = None, *, arpo: ArpoConfig | None = None,
-                       meta: GroupMeta | None = None, slots: EpisodeSlots | None = None) -> list[Trajectory]:
+async def sample_group(
+    agent: Agent,
+    query: TravelQuery | str,
+    group_size: int,
+    sampling: SamplingParams,
+    limits: Limits | None = None,
+    *,
+    arpo: ArpoConfig | None = None,
+    meta: GroupMeta | None = None,
+    slots: EpisodeSlots | None = None,
+) -> list[Trajectory]:
     """G trajectories of `query`, ordered by sample index."""
     limits = limits or Limits.from_sampling(sampling)
     meta = meta or GroupMeta()
@@ -138,8 +152,16 @@ async def _slot(slots: EpisodeSlots | None, n: int) -> AsyncIterator[None]:
             yield
 
 
-async def _arpo(agent: Agent, query: TravelQuery | str, group_size: int, sampling: SamplingParams,
-                limits: Limits, cfg: ArpoConfig, request: str, group_deadline: float | None = None) -> list[Episode]:
+async def _arpo(
+    agent: Agent,
+    query: TravelQuery | str,
+    group_size: int,
+    sampling: SamplingParams,
+    limits: Limits,
+    cfg: ArpoConfig,
+    request: str,
+    group_deadline: float | None = None,
+) -> list[Episode]:
     rng = random.Random(cfg.seed if cfg.seed is not None else sampling.seed)
     initial = min(group_size, cfg.initial_rollouts or max(1, group_size // 2))
     episodes = [agent.start(query, i, sample_seed(sampling, i)) for i in range(initial)]
@@ -158,8 +180,12 @@ async def _arpo(agent: Agent, query: TravelQuery | str, group_size: int, samplin
             episodes[-1].arm(limits, group_deadline)
             continue
         before = {id(ep): ep.tool_calls for ep in active}
-        await asyncio.gather(*(agent.step(ep, sampling, limits, f"{request}-{ep.sample_index}",
-                                          top_logprobs=cfg.top_logprobs) for ep in active))
+        await asyncio.gather(
+            *(
+                agent.step(ep, sampling, limits, f"{request}-{ep.sample_index}", top_logprobs=cfg.top_logprobs)
+                for ep in active
+            )
+        )
         for ep in active:
             if ep.done or ep.tool_calls == before[id(ep)]:
                 continue

@@ -114,22 +114,30 @@ _HERMES_CALL = """<think>what you know so far and what you need next</think>
 </tool_call>"""
 
 
-def system_prompt(tools: Sequence[dict[str, Any]] | None = None, *, call: str | None = None,
-                  tools_listed_elsewhere: bool = False) -> str:
+def system_prompt(
+    tools: Sequence[dict[str, Any]] | None = None, *, call: str | None = None, tools_listed_elsewhere: bool = False
+) -> str:
     """The system message. `tools`: schemas in the plain `{name, description, parameters}` form
     (default: the sandbox's six tools), embedded one JSON object per line. `call`: how a tool call
     is written (default: the Agent-STAR `<think>` + `<tool_call>` form); `tools_listed_elsewhere`:
     the chat template lists the tools itself (then the prompt does not)."""
     schemas = list(tools) if tools is not None else tool_schemas("plain")
     rendered = "\n".join(json.dumps(_plain(t), ensure_ascii=False) for t in schemas)
-    section = "" if tools_listed_elsewhere else \
-        f"# Tools\nThe tools are described as JSON schemas:\n<tools>\n{rendered}\n</tools>\n\n"
+    section = (
+        ""
+        if tools_listed_elsewhere
+        else f"# Tools\nThe tools are described as JSON schemas:\n<tools>\n{rendered}\n</tools>\n\n"
+    )
     agent_star = call is None
     return _SYSTEM_TEMPLATE.format(
-        call=_HERMES_CALL if agent_star else call, tools_section=section, example=PLAN_FORM_EXAMPLE,
+        call=_HERMES_CALL if agent_star else call,
+        tools_section=section,
+        example=PLAN_FORM_EXAMPLE,
         answer_think="<think>why this plan satisfies every requirement</think>\n" if agent_star else "",
-        result_note="the result comes back to you inside <tool_response></tool_response>" if agent_star
-        else "the result comes back to you in the next message")
+        result_note="the result comes back to you inside <tool_response></tool_response>"
+        if agent_star
+        else "the result comes back to you in the next message",
+    )
 
 
 def _plain(schema: dict[str, Any]) -> dict[str, Any]:
@@ -151,8 +159,10 @@ def describe_query(query: TravelQuery) -> str:
     dates = ", ".join(query.date)
     people = "1 person" if query.people_number == 1 else f"{query.people_number} people"
     cities = "1 city" if query.visiting_city_number == 1 else f"{query.visiting_city_number} cities"
-    parts = [f"Please plan a {query.days}-day trip for {people} from {query.org} to {query.dest} "
-             f"({cities} to visit), on {dates}, with a budget of ${query.budget}."]
+    parts = [
+        f"Please plan a {query.days}-day trip for {people} from {query.org} to {query.dest} "
+        f"({cities} to visit), on {dates}, with a budget of ${query.budget}."
+    ]
     c = query.local_constraint
     if c.house_rule:
         parts.append(f"The accommodation must allow {c.house_rule}.")
@@ -200,7 +210,7 @@ def parse_turn(text: str, tools: Iterable[str] | None = None) -> Turn:
         # A `</answer>` before the first `<answer>` leaves nothing between them.
         return Turn("answer", answer=text[start:end].strip() if end >= start else "")
     if ANSWER_OPEN in text:
-        return Turn("answer", answer=text[text.index(ANSWER_OPEN) + len(ANSWER_OPEN):].strip())
+        return Turn("answer", answer=text[text.index(ANSWER_OPEN) + len(ANSWER_OPEN) :].strip())
     return Turn("format_error", error=FORMAT_ERROR)
 
 
@@ -221,8 +231,11 @@ def _tool_call(body: str, known: set[str]) -> Turn:
     if not isinstance(name, str) or name not in known:
         return Turn("tool_call", name=str(name), error=unknown_tool(name))
     if not isinstance(arguments, dict):
-        return Turn("tool_call", name=name,
-                    error=call_error(TypeError(f"arguments must be a JSON object, got {type(arguments).__name__}")))
+        return Turn(
+            "tool_call",
+            name=name,
+            error=call_error(TypeError(f"arguments must be a JSON object, got {type(arguments).__name__}")),
+        )
     return Turn("tool_call", name=name, arguments=arguments)
 
 

@@ -13,9 +13,15 @@ def server_fault(reply: httpx.Response) -> bool:
     return reply.status_code >= 500
 
 
-async def post_retrying(client: httpx.AsyncClient, path: str, body: dict[str, Any], *, retries: int,
-                        backoff_s: float, transient: Callable[[httpx.Response], bool] = server_fault,
-                        ) -> tuple[httpx.Response | None, str]:
+async def post_retrying(
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict[str, Any],
+    *,
+    retries: int,
+    backoff_s: float,
+    transient: Callable[[httpx.Response], bool] = server_fault,
+) -> tuple[httpx.Response | None, str]:
     """POST `body` up to `retries` + 1 times, backing off exponentially after a transport error
     or a `transient` reply. Returns the first other reply, or (None, the last failure) when the
     attempts run out; what a final reply means is the caller's to decide."""

@@ -23,22 +23,37 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.common.files import sha256_file as file_sha256
 from services.common.metrics import Metrics
 from services.common.model_shape import model_shape
-from services.common.schemas import (EvalMode, IpcWeights, PreferencePenalty, RewardKind, RolloutTask,
-                                     SamplingParams, GenerateRequest, GenerateResult, SleepRequest, ToolResult,
-                                     Trajectory, TravelQuery, VllmArgs, WakeRequest, WeightsBroadcast, WeightsGroup,
-                                     WeightsUpdate)
+from services.common.schemas import (
+    EvalMode,
+    GenerateRequest,
+    GenerateResult,
+    IpcWeights,
+    PreferencePenalty,
+    RewardKind,
+    RolloutTask,
+    SamplingParams,
+    SleepRequest,
+    ToolResult,
+    Trajectory,
+    TravelQuery,
+    VllmArgs,
+    WakeRequest,
+    WeightsBroadcast,
+    WeightsGroup,
+    WeightsUpdate,
+)
 from services.common.settings import Settings, get_settings
+from services.rollout import sleep as sleep_mode
 from services.rollout.agent import Agent
-from services.rollout.engines import Engine, TurnParams, build_engine
 from services.rollout.chat import ChatOptions
+from services.rollout.engines import Engine, TurnParams, build_engine
 from services.rollout.engines.base import EngineError, OlderVersion
 from services.rollout.group import ArpoConfig, EpisodeSlots, GroupMeta, sample_group
-from services.rollout import sleep as sleep_mode
 from services.rollout.sleep import SleepError, SleepState
 from services.rollout.tools import HttpToolClient, LocalToolClient, ToolClient
-from services.common.files import sha256_file as file_sha256
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 10.0  # an abort of the requests in flight that takes longer is given up (they are refused anyway)
@@ -57,45 +72,93 @@ class RolloutConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="STAR_ROLLOUT_", extra="ignore")
 
     engine: Literal["vllm", "transformers", "openai"] = "vllm"
-    model: str | None = Field(None, description="HF folder (vllm/transformers) or served name (openai); default STAR_MODEL.")
+    model: str | None = Field(
+        None, description="HF folder (vllm/transformers) or served name (openai); default STAR_MODEL."
+    )
     max_model_len: int = Field(32768, ge=256)
     dtype: str | None = Field(None, description="Model dtype; default bfloat16 for vllm, float32 for transformers.")
     max_batch: int = Field(16, ge=1, description="transformers: requests decoded together.")
-    vllm: VllmArgs = Field(default_factory=VllmArgs, description="vllm: engine arguments (JSON), as a recipe's services.vllm.")
-    gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0, description=(
-        "vllm: this engine's share of its GPUs' memory (set per worker by the recipe's placement); overrides vllm's."))
-    tensor_parallel_size: int | None = Field(None, ge=1, description="vllm: GPUs this engine shards over; overrides vllm's.")
-    kv_cache_from_share: bool | None = Field(None, description=(
-        "vllm: size the KV cache from the memory share (set per worker by placement where GPUs are shared); "
-        "overrides vllm's."))
-    rehash_weights: bool = Field(False, description="Re-hash every file of a published version before loading it "
-                                 "(the manifest's own hash and the file sizes are always checked).")
+    vllm: VllmArgs = Field(
+        default_factory=VllmArgs, description="vllm: engine arguments (JSON), as a recipe's services.vllm."
+    )
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "vllm: this engine's share of its GPUs' memory (set per worker by the recipe's placement); overrides vllm's."
+        ),
+    )
+    tensor_parallel_size: int | None = Field(
+        None, ge=1, description="vllm: GPUs this engine shards over; overrides vllm's."
+    )
+    kv_cache_from_share: bool | None = Field(
+        None,
+        description=(
+            "vllm: size the KV cache from the memory share (set per worker by placement where GPUs are shared); "
+            "overrides vllm's."
+        ),
+    )
+    rehash_weights: bool = Field(
+        False,
+        description="Re-hash every file of a published version before loading it "
+        "(the manifest's own hash and the file sizes are always checked).",
+    )
     openai_base_url: str | None = None
     openai_api_key: str | None = None
     tools: Literal["http", "local"] = Field("http", description="Sandbox over HTTP (STAR_SANDBOX_URL) or in-process.")
     tool_timeout_s: float = Field(30.0, gt=0)
     tool_retries: int = Field(3, ge=0)
-    max_inflight_episodes: int | None = Field(None, ge=1, description=(
-        "Worker: episodes in flight at once on its engine, over all its groups. None: derived from a vLLM "
-        "engine's KV cache (its memory share) over episode_tokens (services/rollout/capacity.py); 16 without one."))
-    episode_tokens: int | None = Field(None, ge=64, description=(
-        "Worker: the context one episode is expected to reach, for the derived max_inflight_episodes "
-        "(None: max_model_len)."))
-    concurrency: int | None = Field(None, ge=1, description=(
-        "Worker (deprecated: use max_inflight_episodes): groups in flight at once; maps to concurrency × "
-        "group_size episodes."))
+    max_inflight_episodes: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Worker: episodes in flight at once on its engine, over all its groups. None: derived from a vLLM "
+            "engine's KV cache (its memory share) over episode_tokens (services/rollout/capacity.py); 16 without one."
+        ),
+    )
+    episode_tokens: int | None = Field(
+        None,
+        ge=64,
+        description=(
+            "Worker: the context one episode is expected to reach, for the derived max_inflight_episodes "
+            "(None: max_model_len)."
+        ),
+    )
+    concurrency: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Worker (deprecated: use max_inflight_episodes): groups in flight at once; maps to concurrency × "
+            "group_size episodes."
+        ),
+    )
     group_size: int = Field(8, ge=1, description="Worker: the group size the deprecated concurrency multiplies.")
-    claim_idle_ms: int = Field(120_000, ge=100, description="Worker: reclaim a dead worker's task after this idle time.")
+    claim_idle_ms: int = Field(
+        120_000, ge=100, description="Worker: reclaim a dead worker's task after this idle time."
+    )
     max_deliveries: int = Field(3, ge=1, description="Worker: attempts before a task is dead-lettered.")
-    http_port: int | None = Field(None, ge=1, le=65535, description=(
-        "Worker: also serve the rollout HTTP API (health, weights, NCCL weight group) on this port, on the worker's "
-        "engine; unset: no server. The embedded fleet sets it when weights travel over NCCL."))
+    http_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description=(
+            "Worker: also serve the rollout HTTP API (health, weights, NCCL weight group) on this port, on the worker's "
+            "engine; unset: no server. The embedded fleet sets it when weights travel over NCCL."
+        ),
+    )
     http_host: str = Field("127.0.0.1", description="Worker: the address its HTTP API (http_port) listens on.")
     max_format_errors: int = Field(3, ge=1)
-    chat: ChatOptions = Field(default_factory=ChatOptions, description=(
-        "The conversation format (JSON): chat template or ChatML, tool-call format, thinking mode; as a recipe's "
-        "services.chat."))
-    weights_timeout_s: float = Field(120.0, gt=0, description="A weight group join or broadcast that takes longer fails.")
+    chat: ChatOptions = Field(
+        default_factory=ChatOptions,
+        description=(
+            "The conversation format (JSON): chat template or ChatML, tool-call format, thinking mode; as a recipe's "
+            "services.chat."
+        ),
+    )
+    weights_timeout_s: float = Field(
+        120.0, gt=0, description="A weight group join or broadcast that takes longer fails."
+    )
 
 
 class RolloutRequest(BaseModel):
@@ -126,12 +189,15 @@ class WeightsError(Exception):
 class RolloutMetrics:
     def __init__(self) -> None:
         m = self.registry = Metrics("rollout")
-        self.trajectories = m.counter("trajectories_total", "Finished trajectories by finish reason", ("finish_reason",))
+        self.trajectories = m.counter(
+            "trajectories_total", "Finished trajectories by finish reason", ("finish_reason",)
+        )
         self.sampled_tokens = m.counter("sampled_tokens_total", "Tokens sampled by the engine")
         self.tokens_per_second = m.gauge("tokens_per_second", "Sampled tokens per second over the last minute")
         self.in_flight = m.gauge("in_flight_trajectories", "Trajectories being sampled now")
-        self.tool_seconds = m.histogram("tool_seconds", "Sandbox call latency seen by the agent", ("tool",),
-                                        buckets=TOOL_BUCKETS)
+        self.tool_seconds = m.histogram(
+            "tool_seconds", "Sandbox call latency seen by the agent", ("tool",), buckets=TOOL_BUCKETS
+        )
         self.tool_calls = m.counter("tool_calls_total", "Tool calls by outcome", ("tool", "outcome"))
         self.weight_version = m.gauge("weight_version", "Policy version of the loaded weights")
         self.weight_updates = m.counter("weight_updates_total", "Weight updates by outcome", ("outcome",))
@@ -178,8 +244,15 @@ class TimedTools:
 
 
 class RolloutService:
-    def __init__(self, engine: Engine, tools: ToolClient, *, settings: Settings | None = None,
-                 config: RolloutConfig | None = None, metrics: RolloutMetrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tools: ToolClient,
+        *,
+        settings: Settings | None = None,
+        config: RolloutConfig | None = None,
+        metrics: RolloutMetrics | None = None,
+    ) -> None:
         self.settings = settings or get_settings()
         self.config = config or RolloutConfig()
         self.metrics = metrics or RolloutMetrics()
@@ -213,7 +286,9 @@ class RolloutService:
         config = config or RolloutConfig()
         return cls(make_engine(settings, config), make_tools(settings, config), settings=settings, config=config)
 
-    async def rollout(self, request: RolloutRequest | RolloutTask, slots: EpisodeSlots | None = None) -> list[Trajectory]:
+    async def rollout(
+        self, request: RolloutRequest | RolloutTask, slots: EpisodeSlots | None = None
+    ) -> list[Trajectory]:
         """The group's G trajectories; `slots`: the worker's episode budget its episodes wait for."""
         if self._broken:
             raise WeightsError(503, self._broken)
@@ -225,22 +300,33 @@ class RolloutService:
             group, arpo = request.group_size, request.arpo
             task_id = request.task_id or f"{request.run_id}-{int(time.time() * 1000)}"
         prompt_id = getattr(request, "prompt_id", None) or request.query.id or task_id
-        meta = GroupMeta(run_id=request.run_id, task_id=task_id, prompt_id=prompt_id, epoch=request.epoch,
-                         step=getattr(request, "step", None), reward_kind=request.reward_kind,
-                         preference_penalty=request.preference_penalty, eval_mode=request.eval_mode)
+        meta = GroupMeta(
+            run_id=request.run_id,
+            task_id=task_id,
+            prompt_id=prompt_id,
+            epoch=request.epoch,
+            step=getattr(request, "step", None),
+            reward_kind=request.reward_kind,
+            preference_penalty=request.preference_penalty,
+            eval_mode=request.eval_mode,
+        )
         self.metrics.in_flight.inc(group)
         try:
             from services.rollout.agent import Limits
 
             limits = Limits.from_sampling(request.sampling, self.config.max_format_errors)
-            trajectories = await sample_group(self.agent, request.query, group, request.sampling, limits,
-                                              arpo=arpo, meta=meta, slots=slots)
+            trajectories = await sample_group(
+                self.agent, request.query, group, request.sampling, limits, arpo=arpo, meta=meta, slots=slots
+            )
         finally:
             self.metrics.in_flight.dec(group)
         if self._failed_loads != failed_loads:
             # a load failed while the group ran: some of its tokens may come from half-updated weights
-            raise WeightsError(503, f"a weight load failed while this group was sampled: "
-                                    f"{self._broken or 'mixed weights'}; the group is not kept")
+            raise WeightsError(
+                503,
+                f"a weight load failed while this group was sampled: "
+                f"{self._broken or 'mixed weights'}; the group is not kept",
+            )
         self.metrics.observe(trajectories)
         return trajectories
 
@@ -307,13 +393,23 @@ class RolloutService:
             self.receiving = None
 
     def weights_info(self) -> dict[str, Any]:
-        return {"version": self.engine.policy_version, "path": self.engine.weights_path, "sha256": self._weights_sha,
-                "engine": self.engine.name, "loaded_at": self.loaded_at, "in_flight": self.engine.in_flight,
-                "receiving": self.receiving,
-                # NCCL ranks this engine takes in the learner's weight group (0: it cannot join one)
-                "weight_ranks": weight_ranks(self.engine), "weight_group": self._weight_group,
-                "broken": self._broken, "model": self.base_model, "shape": self.base_shape,
-                "can_sleep": self.engine.supports_sleep, "sleep": self.sleep_state.info()}
+        return {
+            "version": self.engine.policy_version,
+            "path": self.engine.weights_path,
+            "sha256": self._weights_sha,
+            "engine": self.engine.name,
+            "loaded_at": self.loaded_at,
+            "in_flight": self.engine.in_flight,
+            "receiving": self.receiving,
+            # NCCL ranks this engine takes in the learner's weight group (0: it cannot join one)
+            "weight_ranks": weight_ranks(self.engine),
+            "weight_group": self._weight_group,
+            "broken": self._broken,
+            "model": self.base_model,
+            "shape": self.base_shape,
+            "can_sleep": self.engine.supports_sleep,
+            "sleep": self.sleep_state.info(),
+        }
 
     async def update_weights(self, update: WeightsUpdate) -> dict[str, Any]:
         if not self.engine.token_level:
@@ -321,7 +417,9 @@ class RolloutService:
         self._refuse_asleep()
         try:
             # off the event loop: hashing a version's files takes long enough to stall every agent
-            folder = await asyncio.to_thread(check_weights, update, self.settings.weights_dir, self.config.rehash_weights)
+            folder = await asyncio.to_thread(
+                check_weights, update, self.settings.weights_dir, self.config.rehash_weights
+            )
         except WeightsError:
             self.metrics.weight_updates.labels("rejected").inc()
             raise
@@ -339,15 +437,19 @@ class RolloutService:
             await self._load_failed(reason)
             if not self.engine.healthy:  # it cannot load a whole version again in this process
                 self._end_process(reason)
-            raise WeightsError(422, f"could not load {folder}: {type(exc).__name__}: {exc}; this server will "
-                                    "not sample until a full version loads") from exc
+            raise WeightsError(
+                422,
+                f"could not load {folder}: {type(exc).__name__}: {exc}; this server will "
+                "not sample until a full version loads",
+            ) from exc
         return self._loaded(update.version, update.sha256, timing)
 
     def _refuse_asleep(self) -> None:
         if self.sleep_state.asleep:
             self.metrics.weight_updates.labels("rejected").inc()
-            raise WeightsError(409, "the engine is asleep (colocated with the learner): its weights arrive with "
-                                    "the wake, by CUDA IPC")
+            raise WeightsError(
+                409, "the engine is asleep (colocated with the learner): its weights arrive with the wake, by CUDA IPC"
+            )
 
     def _refuse_older(self, version: int) -> None:
         if version < self.engine.policy_version:
@@ -372,21 +474,30 @@ class RolloutService:
         self._weight_group = None  # whatever group it was in is left now
         with self._watchdog(f"joining the weight group at {group.master_address}:{group.master_port}"):
             try:
-                await within(join(group.master_address, group.master_port, group.rank_offset, group.world_size),
-                             self.config.weights_timeout_s)
+                await within(
+                    join(group.master_address, group.master_port, group.rank_offset, group.world_size),
+                    self.config.weights_timeout_s,
+                )
             except TimeoutError:
-                reason = (f"the learner's group at {group.master_address}:{group.master_port} did not form within "
-                          f"{self.config.weights_timeout_s:g} s")
+                reason = (
+                    f"the learner's group at {group.master_address}:{group.master_port} did not form within "
+                    f"{self.config.weights_timeout_s:g} s"
+                )
                 self._end_process(f"{reason}; the engine may still wait for it")  # its core is blocked in the join
                 raise WeightsError(504, f"{reason}; this server ends and restarts") from None
             except Exception as exc:  # noqa: BLE001 - reported to the learner, which falls back to files
                 raise WeightsError(422, f"could not join the weight group: {type(exc).__name__}: {exc}") from exc
         self._weight_group = group.group_id or f"{group.master_address}:{group.master_port}"
-        return {"joined": True, "rank_offset": group.rank_offset, "world_size": group.world_size,
-                "weight_group": self._weight_group}
+        return {
+            "joined": True,
+            "rank_offset": group.rank_offset,
+            "world_size": group.world_size,
+            "weight_group": self._weight_group,
+        }
 
-    async def receive_weights(self, broadcast: WeightsBroadcast,
-                              sender_gone: Callable[[], Awaitable[bool]] | None = None) -> dict[str, Any]:
+    async def receive_weights(
+        self, broadcast: WeightsBroadcast, sender_gone: Callable[[], Awaitable[bool]] | None = None
+    ) -> dict[str, Any]:
         """Receive `broadcast.version` from the learner's NCCL broadcast and load it in place. `sender_gone`
         (the learner's request was disconnected: its process died) ends the receive at once, as a failure:
         NCCL would wait for the dead sender until the deadline."""
@@ -395,15 +506,19 @@ class RolloutService:
         if receive is None:
             raise WeightsError(409, f"the {self.engine.name} engine cannot receive weights over NCCL")
         self._refuse_older(broadcast.version)
-        with (self._watchdog(f"a broadcast of version {broadcast.version}"),
-              self._receiving(broadcast.version, "nccl")):
+        with self._watchdog(f"a broadcast of version {broadcast.version}"), self._receiving(broadcast.version, "nccl"):
             try:
-                timing = await within(receive(broadcast.names, broadcast.dtype_names, broadcast.shapes,
-                                              broadcast.version), self.config.weights_timeout_s,
-                                      gone=sender_gone)
+                timing = await within(
+                    receive(broadcast.names, broadcast.dtype_names, broadcast.shapes, broadcast.version),
+                    self.config.weights_timeout_s,
+                    gone=sender_gone,
+                )
             except Exception as exc:  # noqa: BLE001 - the engine may hold part of a version, or be stuck receiving
-                what = (f"did not finish within {self.config.weights_timeout_s:g} s" if isinstance(exc, TimeoutError)
-                        else f"failed: {type(exc).__name__}: {exc}")
+                what = (
+                    f"did not finish within {self.config.weights_timeout_s:g} s"
+                    if isinstance(exc, TimeoutError)
+                    else f"failed: {type(exc).__name__}: {exc}"
+                )
                 reason = f"a broadcast of version {broadcast.version} {what}"
                 self._weight_group = None  # the group's state is unknown: the learner forms a new one
                 await self._load_failed(reason)
@@ -436,16 +551,19 @@ class RolloutService:
     async def receive_ipc(self, chunk: IpcWeights) -> dict[str, Any]:
         """One chunk of a version by CUDA IPC; the last one makes the version the engine's."""
         self._refuse_older(chunk.version)
-        with (self._watchdog(f"a CUDA IPC load of version {chunk.version}"),
-              self._receiving(chunk.version, "ipc")):
+        with self._watchdog(f"a CUDA IPC load of version {chunk.version}"), self._receiving(chunk.version, "ipc"):
             try:
-                out = await within(sleep_mode.receive_ipc(self.engine, self.sleep_state, chunk),
-                                   self.config.weights_timeout_s)
+                out = await within(
+                    sleep_mode.receive_ipc(self.engine, self.sleep_state, chunk), self.config.weights_timeout_s
+                )
             except SleepError as exc:
                 raise WeightsError(exc.status, exc.message) from None
             except Exception as exc:  # noqa: BLE001 - some tensors may have loaded: mixed weights
-                what = (f"did not finish within {self.config.weights_timeout_s:g} s" if isinstance(exc, TimeoutError)
-                        else f"failed: {type(exc).__name__}: {exc}")
+                what = (
+                    f"did not finish within {self.config.weights_timeout_s:g} s"
+                    if isinstance(exc, TimeoutError)
+                    else f"failed: {type(exc).__name__}: {exc}"
+                )
                 reason = f"a CUDA IPC load of version {chunk.version} {what}"
                 self.sleep_state.loading = None
                 await self._load_failed(reason)
@@ -461,10 +579,15 @@ class RolloutService:
             raise WeightsError(409, f"the {self.engine.name} engine takes chat messages, not token ids")
         if self._broken:
             raise WeightsError(503, self._broken)
-        gen = await self.engine.generate(request.prompt_ids, TurnParams(
-            max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed))
-        return GenerateResult(token_ids=gen.token_ids, logprobs=gen.logprobs, finish=gen.finish,
-                              policy_version=gen.policy_version)
+        gen = await self.engine.generate(
+            request.prompt_ids,
+            TurnParams(
+                max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p, seed=request.seed
+            ),
+        )
+        return GenerateResult(
+            token_ids=gen.token_ids, logprobs=gen.logprobs, finish=gen.finish, policy_version=gen.policy_version
+        )
 
     async def parameter_digests(self) -> dict[str, Any]:
         digests = getattr(self.engine, "parameter_digests", None)
@@ -484,8 +607,9 @@ class SenderGone(Exception):
     """The other side of a transfer went away while it ran."""
 
 
-async def within(work: Awaitable[Any], timeout_s: float, *, gone: Callable[[], Awaitable[bool]] | None = None,
-                 poll_s: float = 1.0) -> Any:
+async def within(
+    work: Awaitable[Any], timeout_s: float, *, gone: Callable[[], Awaitable[bool]] | None = None, poll_s: float = 1.0
+) -> Any:
     """`work`'s result, or TimeoutError after `timeout_s` (SenderGone as soon as `gone()` says so, asked
     every `poll_s`) without waiting for `work` to wind down: a weight transfer cancelled while the engine
     core is blocked in a collective would wait on that core for ever in its clean-up (`asyncio.wait_for`
@@ -565,8 +689,11 @@ def check_weights(update: WeightsUpdate, root: Path, rehash: bool = False) -> Pa
 def write_manifest(folder: Path, version: int) -> str:
     """Write `manifest.json` in the learner's form (version; sha256 and size of every file) and
     return its sha256: what the publisher does after saving a version (tests and benchmark use it)."""
-    files = {p.name: {"sha256": file_sha256(p), "bytes": p.stat().st_size} for p in sorted(folder.iterdir())
-             if p.is_file() and p.name != "manifest.json" and not p.name.startswith(".")}
+    files = {
+        p.name: {"sha256": file_sha256(p), "bytes": p.stat().st_size}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != "manifest.json" and not p.name.startswith(".")
+    }
     raw = json.dumps({"version": version, "files": files}, indent=1, sort_keys=True).encode()
     (folder / "manifest.json").write_bytes(raw)
     return hashlib.sha256(raw).hexdigest()
@@ -582,9 +709,15 @@ def make_engine(settings: Settings, config: RolloutConfig) -> Engine:
     if config.engine == "transformers":
         options["max_batch"] = config.max_batch
     if config.engine == "vllm":
-        placed = {k: v for k, v in (("gpu_memory_utilization", config.gpu_memory_utilization),
-                                    ("tensor_parallel_size", config.tensor_parallel_size),
-                                    ("kv_cache_from_share", config.kv_cache_from_share)) if v is not None}
+        placed = {
+            k: v
+            for k, v in (
+                ("gpu_memory_utilization", config.gpu_memory_utilization),
+                ("tensor_parallel_size", config.tensor_parallel_size),
+                ("kv_cache_from_share", config.kv_cache_from_share),
+            )
+            if v is not None
+        }
         options["args"] = config.vllm.model_copy(update=placed)
     return build_engine(config.engine, model, **options)
 

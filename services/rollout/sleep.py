@@ -41,10 +41,10 @@ class SleepError(Exception):
 class SleepState:
     """What a colocated server is doing with its GPU memory, and how long its last changes took."""
 
-    level: int = 0                    # 0: awake
+    level: int = 0  # 0: awake
     awake: set[str] = field(default_factory=set)  # tags woken since the last sleep
-    loading: int | None = None        # the version whose IPC chunks are arriving
-    loaded: bool = False              # a whole version arrived since the last sleep
+    loading: int | None = None  # the version whose IPC chunks are arriving
+    loaded: bool = False  # a whole version arrived since the last sleep
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -52,15 +52,23 @@ class SleepState:
         return self.level > 0
 
     def info(self) -> dict[str, Any]:
-        return {"asleep": self.asleep, "level": self.level, "awake_tags": sorted(self.awake),
-                "loading": self.loading, **self.timings}
+        return {
+            "asleep": self.asleep,
+            "level": self.level,
+            "awake_tags": sorted(self.awake),
+            "loading": self.loading,
+            **self.timings,
+        }
 
 
 async def sleep(engine: Engine, state: SleepState, request: SleepRequest) -> dict[str, Any]:
     """Hold new turns, drain those in flight, free the engine's GPU memory."""
     if not engine.supports_sleep:
-        raise SleepError(409, f"the {engine.name} engine cannot sleep (vLLM on a GPU started with "
-                              "enable_sleep_mode: colocated placement sets it)")
+        raise SleepError(
+            409,
+            f"the {engine.name} engine cannot sleep (vLLM on a GPU started with "
+            "enable_sleep_mode: colocated placement sets it)",
+        )
     if state.asleep:
         return {**state.info(), "slept": False}
     t0 = time.perf_counter()
@@ -93,8 +101,9 @@ async def wake(engine: Engine, state: SleepState, request: WakeRequest) -> dict[
     if {"weights", "kv_cache"} <= state.awake:
         if state.level == 2 and not state.loaded:
             # level 2 discarded the weights: woken without a version, the engine holds garbage
-            raise SleepError(503, "woken from a level-2 sleep without new weights: the engine's weights are gone",
-                             fatal=True)
+            raise SleepError(
+                503, "woken from a level-2 sleep without new weights: the engine's weights are gone", fatal=True
+            )
         state.level = 0
         engine.release()
     return {**state.info(), "woke": True}
@@ -106,12 +115,11 @@ async def receive_ipc(engine: Engine, state: SleepState, chunk: IpcWeights) -> d
     if receive is None or not engine.supports_sleep:
         raise SleepError(409, f"the {engine.name} engine cannot take weights by CUDA IPC")
     if state.asleep and "weights" not in state.awake:
-        raise SleepError(409, "the engine's weights are asleep: POST /wake {\"tags\": [\"weights\"]} first")
+        raise SleepError(409, 'the engine\'s weights are asleep: POST /wake {"tags": ["weights"]} first')
     if chunk.first:
         state.loading = chunk.version
     elif state.loading != chunk.version:
-        raise SleepError(409, f"a chunk of version {chunk.version} without its first chunk "
-                              f"(loading: {state.loading})")
+        raise SleepError(409, f"a chunk of version {chunk.version} without its first chunk (loading: {state.loading})")
     t0 = time.perf_counter()
     body = chunk.model_dump(include={"names", "dtype_names", "shapes", "tensor_sizes", "handles"})
     out = await receive(body, first=chunk.first, last=chunk.last, version=chunk.version)

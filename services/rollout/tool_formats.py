@@ -94,8 +94,11 @@ def _checked(found: dict[str, Any] | Exception, known: set[str] | None) -> Turn:
     if not isinstance(name, str) or (known is not None and name not in known):
         return Turn("tool_call", name=str(name), error=unknown_tool(name))
     if not isinstance(arguments, dict):
-        return Turn("tool_call", name=name, error=call_error(
-            TypeError(f"arguments must be a JSON object, got {type(arguments).__name__}")))
+        return Turn(
+            "tool_call",
+            name=name,
+            error=call_error(TypeError(f"arguments must be a JSON object, got {type(arguments).__name__}")),
+        )
     return Turn("tool_call", name=name, arguments=arguments)
 
 
@@ -133,12 +136,12 @@ def _react_call(reply: str) -> dict[str, Any] | Exception | None:
     action = _ACTION.search(reply)
     if action is None:
         return None
-    rest = reply[action.end():]
+    rest = reply[action.end() :]
     given = _ACTION_INPUT.search(rest)
     if given is None:
         return {"name": action.group("name"), "arguments": {}}
     try:
-        return {"name": action.group("name"), "arguments": _json_prefix(rest[given.end():])}
+        return {"name": action.group("name"), "arguments": _json_prefix(rest[given.end() :])}
     except ValueError as exc:
         return exc
 
@@ -161,7 +164,7 @@ def call_instructions(fmt: str) -> str:
     """How the system prompt tells a model of this format to call a tool (the tool list itself
     comes from the chat template where it has one)."""
     if fmt == "hermes":
-        return ('<tool_call>\n{"name": "<tool name>", "arguments": {"<parameter>": "<value>"}}\n</tool_call>')
+        return '<tool_call>\n{"name": "<tool name>", "arguments": {"<parameter>": "<value>"}}\n</tool_call>'
     if fmt == "llama3_json":
         return '{"name": "<tool name>", "parameters": {"<parameter>": "<value>"}}'
     if fmt == "mistral":

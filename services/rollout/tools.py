@@ -18,7 +18,6 @@ from services.common.schemas import ToolResult
 from services.rollout.protocol import call_error
 from services.rollout.retry import post_retrying
 
-
 READY_TIMEOUT_S = 2.0  # a sandbox slower than this to say it is ready counts as down
 
 
@@ -39,23 +38,39 @@ class ToolClient(Protocol):
 class HttpToolClient:
     """`POST {base_url}/tools/call` with timeouts and retries."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.2,
-                 dialect: str | None = None, fault_rate: float | None = None, fault_seed: int | None = None,
-                 max_connections: int = 64) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 30.0,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+        dialect: str | None = None,
+        fault_rate: float | None = None,
+        fault_seed: int | None = None,
+        max_connections: int = 64,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.retries = retries
         self.backoff_s = backoff_s
-        self.options = {k: v for k, v in {"dialect": dialect, "fault_rate": fault_rate,
-                                          "fault_seed": fault_seed}.items() if v is not None}
-        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout_s),
-                                         limits=httpx.Limits(max_connections=max_connections))
+        self.options = {
+            k: v
+            for k, v in {"dialect": dialect, "fault_rate": fault_rate, "fault_seed": fault_seed}.items()
+            if v is not None
+        }
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(max_connections=max_connections),
+        )
 
     async def call(self, name: str, arguments: dict[str, Any], *, fault_key: str | None = None) -> ToolResult:
         body = {"name": name, "arguments": arguments, **self.options}
         if fault_key is not None and "fault_seed" in self.options:
             body["fault_key"] = fault_key[:256]
-        reply, last = await post_retrying(self._client, "/tools/call", body, retries=self.retries,
-                                          backoff_s=self.backoff_s)
+        reply, last = await post_retrying(
+            self._client, "/tools/call", body, retries=self.retries, backoff_s=self.backoff_s
+        )
         if reply is None:
             raise ToolServiceError(f"sandbox at {self.base_url} failed {self.retries + 1} times; last: {last}")
         if reply.status_code == 200:
@@ -89,8 +104,14 @@ class LocalToolClient:
     """A ToolBox in this process. Calls run on a worker thread: a slow query must not hold the event
     loop, which serves every agent and the health checks."""
 
-    def __init__(self, toolbox: Any, *, dialect: str | None = None, fault_rate: float | None = None,
-                 fault_seed: int | None = None) -> None:
+    def __init__(
+        self,
+        toolbox: Any,
+        *,
+        dialect: str | None = None,
+        fault_rate: float | None = None,
+        fault_seed: int | None = None,
+    ) -> None:
         self.toolbox = toolbox
         self.dialect = dialect
         self.fault_rate = fault_rate
@@ -100,8 +121,15 @@ class LocalToolClient:
         from services.sandbox.tools.toolbox import BackendError
 
         try:
-            return await asyncio.to_thread(self.toolbox.call, name, arguments, dialect=self.dialect,
-                                           fault_rate=self.fault_rate, fault_seed=self.fault_seed, fault_key=fault_key)
+            return await asyncio.to_thread(
+                self.toolbox.call,
+                name,
+                arguments,
+                dialect=self.dialect,
+                fault_rate=self.fault_rate,
+                fault_seed=self.fault_seed,
+                fault_key=fault_key,
+            )
         except BackendError as exc:
             raise ToolServiceError(f"world database: {exc}") from exc
 

@@ -80,8 +80,17 @@ from pydantic import ValidationError
 
 from services.common.schemas import RolloutTask, Trajectory, WeightsUpdate
 from services.common.settings import Settings, get_settings
-from services.common.streams import (REDIS_DOWN, TRIM_EVERY_S, ClaimKeeper, StreamConsumer, StreamMessage, StreamNames,
-                                     _settle, trim_consumed, until_redis)
+from services.common.streams import (
+    REDIS_DOWN,
+    TRIM_EVERY_S,
+    ClaimKeeper,
+    StreamConsumer,
+    StreamMessage,
+    StreamNames,
+    _settle,
+    trim_consumed,
+    until_redis,
+)
 from services.rollout.capacity import engine_for_budget, inflight_budget
 from services.rollout.group import EpisodeSlots
 from services.rollout.service import STUCK_EXIT, RolloutConfig, RolloutService, WeightsError
@@ -101,8 +110,9 @@ class SandboxCheck:
     """Whether the sandbox can serve tool calls, asked at most once per `ttl_s` however many consumer
     threads ask, and a wait that backs off (`backoff_s` doubling up to `max_backoff_s`) while it cannot."""
 
-    def __init__(self, probe: Callable[[], bool], *, ttl_s: float = 2.0, backoff_s: float = 0.5,
-                 max_backoff_s: float = 10.0) -> None:
+    def __init__(
+        self, probe: Callable[[], bool], *, ttl_s: float = 2.0, backoff_s: float = 0.5, max_backoff_s: float = 10.0
+    ) -> None:
         self.probe = probe
         self.ttl_s = ttl_s
         self.backoff_s = backoff_s
@@ -144,10 +154,20 @@ class SandboxCheck:
 
 
 class RolloutWorker:
-    def __init__(self, service: RolloutService, client: redis.Redis, loop: asyncio.AbstractEventLoop, *,
-                 names: StreamNames | None = None, consumer: str | None = None, max_inflight_episodes: int = 16,
-                 claim_idle_ms: int = 120_000, max_deliveries: int = 3, block_ms: int = 500,
-                 sandbox: SandboxCheck | None = None) -> None:
+    def __init__(
+        self,
+        service: RolloutService,
+        client: redis.Redis,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        names: StreamNames | None = None,
+        consumer: str | None = None,
+        max_inflight_episodes: int = 16,
+        claim_idle_ms: int = 120_000,
+        max_deliveries: int = 3,
+        block_ms: int = 500,
+        sandbox: SandboxCheck | None = None,
+    ) -> None:
         self.service = service
         self.client = client
         self.loop = loop
@@ -178,17 +198,20 @@ class RolloutWorker:
         it is no task (dead-lettered at once: no retry can make it one)."""
         try:
             task = RolloutTask.model_validate(msg.data)
-        except ValidationError as exc:
+        except ValidationError:
             msg.deliveries = max(msg.deliveries, consumer.max_deliveries)
             _settle(consumer, msg, lambda: consumer.fail(msg, f"not a RolloutTask: {exc.errors()[:3]}"), self.stop)
             return None
         announced = self.sync_weights()
         if announced is not None and self.service.loaded_version is None:
-            raise TaskFailed(f"weights v{announced.version} are announced but not loaded: this worker holds only "
-                             "the model it was started with")
+            raise TaskFailed(
+                f"weights v{announced.version} are announced but not loaded: this worker holds only "
+                "the model it was started with"
+            )
         if self.service.engine.policy_version < task.min_policy_version:
-            raise TaskFailed(f"task needs policy version ≥ {task.min_policy_version}; "
-                             f"loaded {self.service.engine.policy_version}")
+            raise TaskFailed(
+                f"task needs policy version ≥ {task.min_policy_version}; loaded {self.service.engine.policy_version}"
+            )
         return task
 
     async def _rollout(self, task: RolloutTask) -> list[Trajectory]:
@@ -208,8 +231,10 @@ class RolloutWorker:
         """A finished group, or TaskFailed when every sample failed (stopping a broken engine's worker)."""
         if trajectories and all(t.finish_reason == "engine_error" for t in trajectories):
             if not self.service.engine.healthy:
-                log.error("the engine is broken; stopping the worker for a restart",
-                          extra={"error": (trajectories[0].error or "")[:500]})
+                log.error(
+                    "the engine is broken; stopping the worker for a restart",
+                    extra={"error": (trajectories[0].error or "")[:500]},
+                )
                 self._stop_for_restart()
             raise TaskFailed(f"every sample failed: {trajectories[0].error}")
         return trajectories
@@ -271,8 +296,10 @@ class RolloutWorker:
         """Whether the engine can serve the fleet's tasks: whole (no broadcast failed halfway) and
         holding the newest version, after loading newer files where some exist."""
         if not self.service.healthy:
-            log.error("the engine cannot serve again; stopping the worker for a restart",
-                      extra={"error": (self.service.fatal or "engine unhealthy")[:500]})
+            log.error(
+                "the engine cannot serve again; stopping the worker for a restart",
+                extra={"error": (self.service.fatal or "engine unhealthy")[:500]},
+            )
             self._stop_for_restart()
             return False
         needed = self.newest_version()
@@ -282,8 +309,10 @@ class RolloutWorker:
         if ready and self.waiting_for is not None:
             log.info("weights in place; taking tasks", extra={"version": self.service.engine.policy_version})
         elif not ready and self.waiting_for is None:
-            log.warning("taking no task until the learner's weights arrive", extra={
-                "loaded": self.service.engine.policy_version, "needed": needed, "broken": self.service.broken})
+            log.warning(
+                "taking no task until the learner's weights arrive",
+                extra={"loaded": self.service.engine.policy_version, "needed": needed, "broken": self.service.broken},
+            )
         self.waiting_for = None if ready else needed
         if not ready:
             self._ask_for_weights(needed)
@@ -322,9 +351,18 @@ class RolloutWorker:
 
     def _consume(self) -> None:
         try:
-            consumer = until_redis(lambda: StreamConsumer(
-                self.client, self.names.tasks, GROUP, f"{self.consumer}-0", claim_idle_ms=self.claim_idle_ms,
-                max_deliveries=self.max_deliveries), self.stop, "joining the rollout group")
+            consumer = until_redis(
+                lambda: StreamConsumer(
+                    self.client,
+                    self.names.tasks,
+                    GROUP,
+                    f"{self.consumer}-0",
+                    claim_idle_ms=self.claim_idle_ms,
+                    max_deliveries=self.max_deliveries,
+                ),
+                self.stop,
+                "joining the rollout group",
+            )
             if consumer is not None:
                 self._claim_loop(consumer)
         except Exception:
@@ -361,8 +399,9 @@ class RolloutWorker:
             keeper.close()
             settling.shutdown(wait=False)
 
-    def _start_task(self, consumer: StreamConsumer, keeper: ClaimKeeper, settling: ThreadPoolExecutor,
-                    msg: StreamMessage) -> None:
+    def _start_task(
+        self, consumer: StreamConsumer, keeper: ClaimKeeper, settling: ThreadPoolExecutor, msg: StreamMessage
+    ) -> None:
         keeper.hold(consumer, msg)
         try:
             task = self.accept(consumer, msg)
@@ -379,8 +418,7 @@ class RolloutWorker:
         group = asyncio.run_coroutine_threadsafe(self._rollout(task), self.loop)
         group.add_done_callback(lambda done: settling.submit(self._settle_task, consumer, keeper, msg, done))
 
-    def _settle_task(self, consumer: StreamConsumer, keeper: ClaimKeeper, msg: StreamMessage,
-                     group: Future) -> None:
+    def _settle_task(self, consumer: StreamConsumer, keeper: ClaimKeeper, msg: StreamMessage, group: Future) -> None:
         """Write a finished group and acknowledge its task in one transaction, or record the failure."""
         try:
             trajectories = self.checked(group.result())
@@ -413,8 +451,14 @@ def group_summary(trajectories: list[Trajectory]) -> dict[str, Any]:
     for t in trajectories:
         ends[t.finish_reason] = ends.get(t.finish_reason, 0) + 1
     slowest = max((t.timings.get("total_s", 0.0) for t in trajectories), default=0.0)
-    return {"group": first.group_id, "step": first.step, "episodes": len(trajectories), "finish": ends,
-            "versions": sorted({t.policy_version for t in trajectories}), "slowest_s": round(slowest, 1)}
+    return {
+        "group": first.group_id,
+        "step": first.step,
+        "episodes": len(trajectories),
+        "finish": ends,
+        "versions": sorted({t.policy_version for t in trajectories}),
+        "slowest_s": round(slowest, 1),
+    }
 
 
 @dataclass
@@ -434,8 +478,9 @@ class HttpFace:
             self.task.cancel()
 
 
-def serve_http(loop: asyncio.AbstractEventLoop, service: RolloutService, settings: Settings,
-               config: RolloutConfig) -> HttpFace | None:
+def serve_http(
+    loop: asyncio.AbstractEventLoop, service: RolloutService, settings: Settings, config: RolloutConfig
+) -> HttpFace | None:
     """Serve the rollout API on `service` when `config.http_port` is set, returning once it listens
     (a port that cannot be bound ends the process, as uvicorn does); None when no port is set."""
     if config.http_port is None:
@@ -484,10 +529,16 @@ def main(settings: Settings | None = None, config: RolloutConfig | None = None) 
     if not settings.redis_url:
         raise SystemExit("STAR_REDIS_URL is not set: a worker joins the fleet's Redis")
     client, _ = connect_redis(settings.redis_url)
-    worker = RolloutWorker(service, client, loop, names=StreamNames(settings.stream_prefix),
-                           consumer=os.environ.get("STAR_ROLLOUT_CONSUMER"),
-                           max_inflight_episodes=budget,
-                           claim_idle_ms=config.claim_idle_ms, max_deliveries=config.max_deliveries)
+    worker = RolloutWorker(
+        service,
+        client,
+        loop,
+        names=StreamNames(settings.stream_prefix),
+        consumer=os.environ.get("STAR_ROLLOUT_CONSUMER"),
+        max_inflight_episodes=budget,
+        claim_idle_ms=config.claim_idle_ms,
+        max_deliveries=config.max_deliveries,
+    )
     http = serve_http(loop, service, settings, config)
     if http is not None:  # the app configured logging as its own service's
         configure_logging("rollout-worker", settings.log_level, settings.log_json)
@@ -510,9 +561,14 @@ def main(settings: Settings | None = None, config: RolloutConfig | None = None) 
     signal.signal(signal.SIGINT, shutdown)
     worker.on_fatal = stop_for_restart
     threads = worker.start()
-    log.info("rollout worker running", extra={"consumer": worker.consumer,
-                                              "max_inflight_episodes": worker.slots.capacity,
-                                              "max_num_seqs": config.vllm.max_num_seqs})
+    log.info(
+        "rollout worker running",
+        extra={
+            "consumer": worker.consumer,
+            "max_inflight_episodes": worker.slots.capacity,
+            "max_num_seqs": config.vllm.max_num_seqs,
+        },
+    )
     loop.run_forever()
     for t in threads:
         t.join(timeout=5)

@@ -35,8 +35,9 @@ VERSION = "0.1.0"
 class FaultConfig(BaseModel):
     """The run-level failure injection: every call without its own override draws from this."""
 
-    model_config = ConfigDict(json_schema_extra={"examples": [{"rate": 0.05, "seed": 7,
-                                                                "per_tool": {"SearchFlight": 0.2}}]})
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"rate": 0.05, "seed": 7, "per_tool": {"SearchFlight": 0.2}}]}
+    )
 
     rate: float = Field(0.0, ge=0.0, le=1.0)
     seed: int = 0
@@ -88,8 +89,9 @@ def toolbox(state: SandboxApp) -> ToolBox:
     return state.toolbox
 
 
-async def admin(request: Request,
-                credentials: HTTPAuthorizationCredentials | None = Depends(HTTPBearer(auto_error=False))) -> None:
+async def admin(
+    request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(HTTPBearer(auto_error=False))
+) -> None:
     """The app's bearer check, so the router can sit at module level."""
     await sandbox_app(request).admin(credentials)
 
@@ -102,8 +104,13 @@ async def lifespan(app: FastAPI):
     state.problem = w.problem()
     if state.problem is None:
         state.world = w
-        state.toolbox = ToolBox(w, dialect=settings.tool_dialect, fault_rate=settings.fault_rate,
-                                fault_seed=settings.fault_seed, cache_size=settings.tool_cache_size)
+        state.toolbox = ToolBox(
+            w,
+            dialect=settings.tool_dialect,
+            fault_rate=settings.fault_rate,
+            fault_seed=settings.fault_seed,
+            cache_size=settings.tool_cache_size,
+        )
         # Off-thread only where a query waits on the network; SQLite reads are pure CPU.
         state.blocking = not w.url.startswith("sqlite")
     yield
@@ -113,8 +120,9 @@ async def lifespan(app: FastAPI):
 
 async def run_call(state: SandboxApp, call: ToolCall) -> Response:
     box = toolbox(state)
-    kwargs = dict(dialect=call.dialect, fault_rate=call.fault_rate, fault_seed=call.fault_seed,
-                  fault_key=call.fault_key)
+    kwargs = dict(
+        dialect=call.dialect, fault_rate=call.fault_rate, fault_seed=call.fault_seed, fault_key=call.fault_key
+    )
     try:
         if state.blocking:
             result = await run_in_threadpool(box.call, call.name, call.arguments, **kwargs)
@@ -152,8 +160,14 @@ async def call_named_tool(
     state: SandboxApp = Depends(sandbox_app),
 ) -> Response:
     try:
-        call = ToolCall(name=name, arguments=arguments, dialect=dialect, fault_rate=fault_rate,
-                        fault_seed=fault_seed, fault_key=fault_key)
+        call = ToolCall(
+            name=name,
+            arguments=arguments,
+            dialect=dialect,
+            fault_rate=fault_rate,
+            fault_seed=fault_seed,
+            fault_key=fault_key,
+        )
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
     return await run_call(state, call)
@@ -164,8 +178,13 @@ async def get_faults(state: SandboxApp = Depends(sandbox_app)) -> FaultConfig:
     return FaultConfig(**toolbox(state).fault_config())
 
 
-@router.put("/faults", tags=["faults"], response_model=FaultConfig, dependencies=[Depends(admin)],
-            summary="Set run-level failure injection (bearer token when configured)")
+@router.put(
+    "/faults",
+    tags=["faults"],
+    response_model=FaultConfig,
+    dependencies=[Depends(admin)],
+    summary="Set run-level failure injection (bearer token when configured)",
+)
 async def put_faults(config: FaultConfig, state: SandboxApp = Depends(sandbox_app)) -> FaultConfig:
     box = toolbox(state)
     unknown = sorted(set(config.per_tool) - set(box.names()))
@@ -181,9 +200,15 @@ async def world_info(state: SandboxApp = Depends(sandbox_app)) -> dict:
     w = state.world
     if state.counts is None:  # counting millions of flights takes a while: once, off the loop
         state.meta, state.counts = await state.worker.run(lambda: (w.meta(), w.counts()))
-    return {"url": _redact(w.url), **world_identity(state.meta), "meta": state.meta,
-            "counts": state.counts, "dialect": box.dialect,
-            "cache": box.cache_info(), "stats": box.stats_snapshot()}
+    return {
+        "url": _redact(w.url),
+        **world_identity(state.meta),
+        "meta": state.meta,
+        "counts": state.counts,
+        "dialect": box.dialect,
+        "cache": box.cache_info(),
+        "stats": box.stats_snapshot(),
+    }
 
 
 def create_app(settings: Settings | None = None, world: World | None = None) -> FastAPI:
@@ -191,8 +216,12 @@ def create_app(settings: Settings | None = None, world: World | None = None) -> 
     configure_logging("sandbox", settings.log_level, settings.log_json)
     state = SandboxApp(settings, SandboxMetrics(), bearer_auth(settings.api_token), Worker(), given=world)
     app = create_service_app(
-        service="sandbox", title="STAR sandbox", version=VERSION, metrics=state.metrics.registry,
-        ready=lambda: state.toolbox is not None, max_body_bytes=settings.max_body_bytes,
+        service="sandbox",
+        title="STAR sandbox",
+        version=VERSION,
+        metrics=state.metrics.registry,
+        ready=lambda: state.toolbox is not None,
+        max_body_bytes=settings.max_body_bytes,
         description="The TravelPlanner travel world and its six tools (dialects: star, official).",
     )
     app.state.sandbox = state

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -27,15 +26,23 @@ def _db_url(db: str | None) -> str:
 
 @world_app.command("build")
 def world_build(
-    source: Optional[Path] = typer.Option(None, "--from", help="Official database directory (TravelPlanner or flat Agent-STAR layout)."),
-    synthetic: Optional[str] = typer.Option(None, help="Build a synthetic world of this size (tiny|small|medium|full)."),
-    db: Optional[str] = typer.Option(None, help="SQLAlchemy URL (default: SQLite under STAR_HOME)."),
+    source: Path | None = typer.Option(
+        None, "--from", help="Official database directory (TravelPlanner or flat Agent-STAR layout)."
+    ),
+    synthetic: str | None = typer.Option(None, help="Build a synthetic world of this size (tiny|small|medium|full)."),
+    db: str | None = typer.Option(None, help="SQLAlchemy URL (default: SQLite under STAR_HOME)."),
     seed: int = typer.Option(0, help="Seed for generated flights / synthetic worlds."),
-    flights_csv: Optional[Path] = typer.Option(None, help="A real flights CSV in the official schema."),
-    flight_scale: Optional[float] = typer.Option(None, help="Generated flight density (1.0 = official size, ~3.8 M rows)."),
+    flights_csv: Path | None = typer.Option(None, help="A real flights CSV in the official schema."),
+    flight_scale: float | None = typer.Option(
+        None, help="Generated flight density (1.0 = official size, ~3.8 M rows)."
+    ),
     ref_info: list[Path] = typer.Option([], help="*_ref_info.jsonl files whose real flight rows are merged."),
-    if_missing: bool = typer.Option(False, "--if-missing", help="Keep a complete world already in the database "
-                                    "(a deployment's one-shot job, started again under live services)."),
+    if_missing: bool = typer.Option(
+        False,
+        "--if-missing",
+        help="Keep a complete world already in the database "
+        "(a deployment's one-shot job, started again under live services).",
+    ),
 ) -> None:
     """Build the world from the official tables (default: ../shared/travelplanner) or synthetically."""
     from services.sandbox.world import World, build
@@ -69,8 +76,9 @@ def world_build(
                 if not refs and source is None and default_ref.is_file():
                     refs = [default_ref]
                 kwargs = {"flight_scale": flight_scale} if flight_scale is not None else {}
-                meta = build.build_official_world(url, directory, seed=seed, flights_csv=flights_csv,
-                                                  ref_info=refs, progress=progress, **kwargs)
+                meta = build.build_official_world(
+                    url, directory, seed=seed, flights_csv=flights_csv, ref_info=refs, progress=progress, **kwargs
+                )
         except (ValueError, FileNotFoundError) as exc:
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from None
@@ -79,7 +87,7 @@ def world_build(
 
 
 @world_app.command("info")
-def world_info(db: Optional[str] = typer.Option(None, help="SQLAlchemy URL.")) -> None:
+def world_info(db: str | None = typer.Option(None, help="SQLAlchemy URL.")) -> None:
     """Show what a world database holds."""
     _print_world(_db_url(db))
 
@@ -102,8 +110,13 @@ def _print_world(url: str) -> None:
 
 
 def _progress() -> Progress:
-    return Progress(TextColumn("[bold]{task.fields[stage]:<15}"), BarColumn(), TextColumn("{task.completed:,.0f} rows"),
-                    TimeElapsedColumn(), console=console)
+    return Progress(
+        TextColumn("[bold]{task.fields[stage]:<15}"),
+        BarColumn(),
+        TextColumn("{task.completed:,.0f} rows"),
+        TimeElapsedColumn(),
+        console=console,
+    )
 
 
 @sandbox_app.command("serve")
@@ -111,38 +124,50 @@ def sandbox_serve(
     host: str = host_option(),
     port: int = port_option(8001),
     workers: int = typer.Option(1, help="Worker processes."),
-    db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world."),
-    dialect: Optional[str] = typer.Option(None, help="Default tool dialect: star | official."),
-    fault_rate: Optional[float] = typer.Option(None, help="Run-level tool failure probability."),
-    fault_seed: Optional[int] = typer.Option(None, help="Seed of the run-level failure draws."),
+    db: str | None = typer.Option(None, help="SQLAlchemy URL of the world."),
+    dialect: str | None = typer.Option(None, help="Default tool dialect: star | official."),
+    fault_rate: float | None = typer.Option(None, help="Run-level tool failure probability."),
+    fault_seed: int | None = typer.Option(None, help="Seed of the run-level failure draws."),
 ) -> None:
     """Serve the tools over HTTP (OpenAPI docs at /docs)."""
     import uvicorn
 
     # Settings travel to worker processes through the environment.
-    for key, value in (("STAR_DB_URL", db), ("STAR_TOOL_DIALECT", dialect), ("STAR_FAULT_RATE", fault_rate),
-                       ("STAR_FAULT_SEED", fault_seed)):
+    for key, value in (
+        ("STAR_DB_URL", db),
+        ("STAR_TOOL_DIALECT", dialect),
+        ("STAR_FAULT_RATE", fault_rate),
+        ("STAR_FAULT_SEED", fault_seed),
+    ):
         if value is not None:
             os.environ[key] = str(value)
     get_settings.cache_clear()
-    uvicorn.run("services.sandbox.app:create_app", factory=True, host=host, port=port, workers=workers,
-                log_level="warning", access_log=False)
+    uvicorn.run(
+        "services.sandbox.app:create_app",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        log_level="warning",
+        access_log=False,
+    )
 
 
 def tool_command(
     ctx: typer.Context,
     name: str = typer.Argument(..., help="Tool name, e.g. SearchFlight."),
-    url: Optional[str] = typer.Option(None, help="Call a running sandbox at this URL instead of in-process."),
-    db: Optional[str] = typer.Option(None, help="SQLAlchemy URL of the world (in-process)."),
-    dialect: Optional[str] = typer.Option(None, help="star | official."),
+    url: str | None = typer.Option(None, help="Call a running sandbox at this URL instead of in-process."),
+    db: str | None = typer.Option(None, help="SQLAlchemy URL of the world (in-process)."),
+    dialect: str | None = typer.Option(None, help="star | official."),
 ) -> None:
     """Run one tool: `star tool SearchFlight --departure "St. Petersburg" --destination Rockford --date 2022-03-16`."""
     arguments = _parse_tool_args(ctx.args)
     if url:
         import httpx
 
-        resp = httpx.post(f"{url.rstrip('/')}/tools/call", json={"name": name, "arguments": arguments, "dialect": dialect},
-                          timeout=30)
+        resp = httpx.post(
+            f"{url.rstrip('/')}/tools/call", json={"name": name, "arguments": arguments, "dialect": dialect}, timeout=30
+        )
         if resp.status_code != 200:
             console.print(f"[red]error {resp.status_code}:[/red] {resp.json().get('detail', resp.text)}")
             raise typer.Exit(2)

@@ -14,8 +14,8 @@ import math
 
 from services.common.schemas import TravelQuery
 from services.synth import meals as meal_choice
-from services.synth.oracle import INF, ROOM_OK, RULE_TEXT, night_splits
 from services.synth.index import SynthIndex
+from services.synth.oracle import INF, ROOM_OK, RULE_TEXT, night_splits
 
 MODES = ("flight", "taxi", "self-driving")
 
@@ -68,10 +68,13 @@ def naive_cheapest(index: SynthIndex, q: TravelQuery) -> float:
                     if len(info.sights) < n - 1 or len(info.eateries) < 3 * (n - 1):
                         city_costs = None
                         break
-                    stays = [s.night_cost(P) * n for s in info.stays
-                             if s.min_nights <= n
-                             and not (lc.room_type and not ROOM_OK[lc.room_type](s.room_type))
-                             and not (lc.house_rule and RULE_TEXT[lc.house_rule] in s.house_rules)]
+                    stays = [
+                        s.night_cost(P) * n
+                        for s in info.stays
+                        if s.min_nights <= n
+                        and not (lc.room_type and not ROOM_OK[lc.room_type](s.room_type))
+                        and not (lc.house_rule and RULE_TEXT[lc.house_rule] in s.house_rules)
+                    ]
                     if not stays:
                         city_costs = None
                         break
@@ -79,9 +82,12 @@ def naive_cheapest(index: SynthIndex, q: TravelQuery) -> float:
                 if city_costs is None:
                     continue
                 if lc.cuisine:
-                    tables = [meal_choice.coverage(index.cities[c].eateries, 3 * (n - 1),
-                                                   3 + (3 if i == k - 1 else 0), lc.cuisine)
-                              for i, (c, n) in enumerate(zip(route, split))]
+                    tables = [
+                        meal_choice.coverage(
+                            index.cities[c].eateries, 3 * (n - 1), 3 + (3 if i == k - 1 else 0), lc.cuisine
+                        )
+                        for i, (c, n) in enumerate(zip(route, split))
+                    ]
                     combined = meal_choice.combine(tables, len(lc.cuisine))
                     if combined is None:
                         continue

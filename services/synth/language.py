@@ -42,10 +42,22 @@ def _join(items: list[str]) -> str:
 # --- pools ---------------------------------------------------------------------------------------
 
 _OPENERS = {
-    "solo": ["Please plan a trip for me.", "I need a travel itinerary.", "Could you put together a trip plan for me?",
-             "Help me plan a journey.", "I'd like an itinerary, please.", ""],
-    "group": ["Please plan a trip for our group.", "We need a travel itinerary.", "Could you organise a trip for us?",
-              "Help us plan a journey.", "Our group would like an itinerary.", ""],
+    "solo": [
+        "Please plan a trip for me.",
+        "I need a travel itinerary.",
+        "Could you put together a trip plan for me?",
+        "Help me plan a journey.",
+        "I'd like an itinerary, please.",
+        "",
+    ],
+    "group": [
+        "Please plan a trip for our group.",
+        "We need a travel itinerary.",
+        "Could you organise a trip for us?",
+        "Help us plan a journey.",
+        "Our group would like an itinerary.",
+        "",
+    ],
 }
 _TRIPS = [
     "{who_cap} {will} leave from {org} for a {days}-day trip to {where}, from {start} to {end}, 2022.",
@@ -55,37 +67,62 @@ _TRIPS = [
     "Plan {days} days in {where}, starting and ending in {org}, between {start} and {end}, 2022.",
 ]
 _BUDGETS = [
-    "The whole trip must stay within {budget}.", "Our budget is {budget} in total.",
-    "Please keep the total cost under {budget}.", "{budget} is all we can spend.",
+    "The whole trip must stay within {budget}.",
+    "Our budget is {budget} in total.",
+    "Please keep the total cost under {budget}.",
+    "{budget} is all we can spend.",
     "The budget for everything is {budget}.",
 ]
 _SOLO_BUDGETS = [
-    "The whole trip must stay within {budget}.", "My budget is {budget} in total.",
-    "Please keep the total cost under {budget}.", "{budget} is all I can spend.",
+    "The whole trip must stay within {budget}.",
+    "My budget is {budget} in total.",
+    "Please keep the total cost under {budget}.",
+    "{budget} is all I can spend.",
     "The budget for everything is {budget}.",
 ]
 _RULES = {
-    "pets": ["{we} travel with pets, so the place must accept them.", "Pets come along; the accommodation has to allow pets."],
-    "smoking": ["The accommodation must allow smoking.", "{we} smoke, so please pick places where smoking is permitted."],
-    "parties": ["{we} plan to host a small party, so the accommodation must allow parties.",
-                "Parties must be allowed where {we} stay."],
-    "children under 10": ["{we} bring children under 10, so the place must welcome them.",
-                          "The accommodation must allow children under 10."],
-    "visitors": ["{we} expect visitors, so the accommodation must allow them.",
-                 "Visitors must be allowed where {we} stay."],
+    "pets": [
+        "{we} travel with pets, so the place must accept them.",
+        "Pets come along; the accommodation has to allow pets.",
+    ],
+    "smoking": [
+        "The accommodation must allow smoking.",
+        "{we} smoke, so please pick places where smoking is permitted.",
+    ],
+    "parties": [
+        "{we} plan to host a small party, so the accommodation must allow parties.",
+        "Parties must be allowed where {we} stay.",
+    ],
+    "children under 10": [
+        "{we} bring children under 10, so the place must welcome them.",
+        "The accommodation must allow children under 10.",
+    ],
+    "visitors": [
+        "{we} expect visitors, so the accommodation must allow them.",
+        "Visitors must be allowed where {we} stay.",
+    ],
 }
 _ROOMS = {
     "shared room": ["A shared room is fine and preferred.", "{we_cap} would like to stay in a shared room."],
     "not shared room": ["{we_cap} do not want to share a room.", "No shared rooms, please."],
     "private room": ["{we_cap} would like a private room.", "Please book private rooms."],
-    "entire room": ["{we_cap} want an entire home or apartment to ourselves.", "Please book entire homes or apartments."],
+    "entire room": [
+        "{we_cap} want an entire home or apartment to ourselves.",
+        "Please book entire homes or apartments.",
+    ],
 }
-_CUISINES = ["{we_cap} would like to try {cuisines} food.", "Meals should include {cuisines} cuisine.",
-             "Please include restaurants serving {cuisines} food."]
+_CUISINES = [
+    "{we_cap} would like to try {cuisines} food.",
+    "Meals should include {cuisines} cuisine.",
+    "Please include restaurants serving {cuisines} food.",
+]
 _TRANSPORT = {
     "no flight": ["{we_cap} do not want to fly.", "Please avoid flights.", "No flights, please."],
-    "no self-driving": ["{we_cap} will not drive ourselves.", "Please do not plan any self-driving.",
-                        "Self-driving is not an option."],
+    "no self-driving": [
+        "{we_cap} will not drive ourselves.",
+        "Please do not plan any self-driving.",
+        "Self-driving is not an option.",
+    ],
 }
 
 
@@ -95,9 +132,17 @@ def template_text(q: TravelQuery, rng: random.Random) -> str:
     who = "I" if solo else f"the {NUMBER_WORDS.get(q.people_number, str(q.people_number))} of us"
     we = "I" if solo else "we"
     fill = {
-        "org": q.org, "days": q.days, "start": spoken_date(q.date[0]), "end": spoken_date(q.date[-1]),
-        "who": who, "who_cap": who[0].upper() + who[1:], "will": "will", "want": "want" if not solo else "want",
-        "budget": money(q.budget), "we": we, "we_cap": we[0].upper() + we[1:],
+        "org": q.org,
+        "days": q.days,
+        "start": spoken_date(q.date[0]),
+        "end": spoken_date(q.date[-1]),
+        "who": who,
+        "who_cap": who[0].upper() + who[1:],
+        "will": "will",
+        "want": "want" if not solo else "want",
+        "budget": money(q.budget),
+        "we": we,
+        "we_cap": we[0].upper() + we[1:],
     }
     fill["where"] = q.dest if q.days == 3 else f"{NUMBER_WORDS[q.visiting_city_number]} cities in {q.dest}"
     parts = [rng.choice(_OPENERS["solo" if solo else "group"]), rng.choice(_TRIPS).format(**fill)]
@@ -142,9 +187,19 @@ class BackTranslationError(RuntimeError):
 class BackTranslator:
     """Back-translation through an OpenAI-compatible `/chat/completions` endpoint."""
 
-    def __init__(self, base_url: str, model: str, *, api_key: str | None = None, temperature: float = 0.7,
-                 top_p: float = 0.95, max_tokens: int = 512, attempts: int = 3, timeout: float = 60.0,
-                 client: httpx.Client | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        temperature: float = 0.7,
+        top_p: float = 0.95,
+        max_tokens: int = 512,
+        attempts: int = 3,
+        timeout: float = 60.0,
+        client: httpx.Client | None = None,
+    ) -> None:
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
         self.params = {"temperature": temperature, "top_p": top_p, "max_tokens": max_tokens}
@@ -154,9 +209,14 @@ class BackTranslator:
 
     def __call__(self, q: TravelQuery) -> str:
         record = json.dumps(record_of(q, with_text=False), ensure_ascii=False)
-        body = {"model": self.model, **self.params, "messages": [
-            {"role": "system", "content": BACKTRANSLATE_SYSTEM},
-            {"role": "user", "content": BACKTRANSLATE_PROMPT.replace("{record}", record)}]}
+        body = {
+            "model": self.model,
+            **self.params,
+            "messages": [
+                {"role": "system", "content": BACKTRANSLATE_SYSTEM},
+                {"role": "user", "content": BACKTRANSLATE_PROMPT.replace("{record}", record)},
+            ],
+        }
         last = "no attempt made"
         for attempt in range(self.attempts):
             try:
@@ -188,10 +248,16 @@ def record_of(q: TravelQuery, *, with_text: bool = True, layout: str = "json") -
         date, constraint = repr(date), repr(constraint)
     elif layout != "json":
         raise ValueError(f"layout must be 'json' or 'official', not {layout!r}")
-    out: dict[str, Any] = {"org": q.org, "dest": q.dest, "days": q.days,
-                           "visiting_city_number": q.visiting_city_number, "date": date,
-                           "people_number": q.people_number, "local_constraint": constraint,
-                           "budget": q.budget}
+    out: dict[str, Any] = {
+        "org": q.org,
+        "dest": q.dest,
+        "days": q.days,
+        "visiting_city_number": q.visiting_city_number,
+        "date": date,
+        "people_number": q.people_number,
+        "local_constraint": constraint,
+        "budget": q.budget,
+    }
     if with_text:
         out["query"] = q.query
         out["level"] = q.level

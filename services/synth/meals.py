@@ -12,6 +12,7 @@ cuisines the subsets are few (2^4 = 16), so both steps are exact and small.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 from services.synth.index import Eatery
 
 INF = float("inf")
@@ -22,8 +23,7 @@ def cuisine_mask(eatery: Eatery, required: Sequence[str]) -> int:
     return sum(1 << i for i, c in enumerate(required) if c in eatery.cuisines)
 
 
-def coverage(eateries: Sequence[Eatery], required_meals: int, extra: int,
-             cuisines: Sequence[str]) -> dict[int, Choice]:
+def coverage(eateries: Sequence[Eatery], required_meals: int, extra: int, cuisines: Sequence[str]) -> dict[int, Choice]:
     """For each cuisine mask m (bit i = cuisines[i]): the cheapest selection of between
     `required_meals` and `required_meals + extra` distinct eateries whose cuisines cover m.
     Masks no selection can cover are absent. `eateries` must be sorted by cost."""

@@ -47,16 +47,31 @@ ROOM_OK = {
     "private room": lambda t: t == "Private room",
     "entire room": lambda t: t == "Entire home/apt",
 }
-RULE_TEXT = {"smoking": "No smoking", "parties": "No parties", "children under 10": "No children under 10",
-             "visitors": "No visitors", "pets": "No pets"}
+RULE_TEXT = {
+    "smoking": "No smoking",
+    "parties": "No parties",
+    "children under 10": "No children under 10",
+    "visitors": "No visitors",
+    "pets": "No pets",
+}
 # The constraint names an infeasibility reason can carry, in the order they are added back.
-CONSTRAINTS = ("route", "accommodation", "attractions", "restaurants", "transportation", "room type",
-               "house rule", "cuisine", "budget")
+CONSTRAINTS = (
+    "route",
+    "accommodation",
+    "attractions",
+    "restaurants",
+    "transportation",
+    "room type",
+    "house rule",
+    "cuisine",
+    "budget",
+)
 
 
 # =============================================================================================
 # results
 # =============================================================================================
+
 
 @dataclass
 class Leg:
@@ -73,11 +88,15 @@ class Leg:
         """The transportation value, in the benchmark's conventions (spec §5)."""
         if self.mode == "flight":
             f = self.flight
-            return (f"Flight Number: {f.flight_number}, from {self.origin} to {self.dest}, "
-                    f"Departure Time: {f.dep_time}, Arrival Time: {f.arr_time}")
+            return (
+                f"Flight Number: {f.flight_number}, from {self.origin} to {self.dest}, "
+                f"Departure Time: {f.dep_time}, Arrival Time: {f.arr_time}"
+            )
         label, cost = ("Self-driving", self.road.drive) if self.mode == "self-driving" else ("Taxi", self.road.taxi)
-        return (f"{label}, from {self.origin} to {self.dest}, duration: {self.road.duration}, "
-                f"distance: {self.road.distance}, cost: {cost}")
+        return (
+            f"{label}, from {self.origin} to {self.dest}, duration: {self.road.duration}, "
+            f"distance: {self.road.distance}, cost: {cost}"
+        )
 
 
 @dataclass
@@ -116,8 +135,16 @@ class Solution:
         days: list[dict[str, Any]] = []
         for t in range(q.days):
             stop = self._stop_on(t)
-            day = {"day": t + 1, "current_city": "", "transportation": "-", "breakfast": "-", "attraction": "-",
-                   "lunch": "-", "dinner": "-", "accommodation": "-"}
+            day = {
+                "day": t + 1,
+                "current_city": "",
+                "transportation": "-",
+                "breakfast": "-",
+                "attraction": "-",
+                "lunch": "-",
+                "dinner": "-",
+                "accommodation": "-",
+            }
             if t in by_day:
                 leg = by_day[t]
                 day["current_city"] = f"from {leg.origin} to {leg.dest}"
@@ -132,7 +159,7 @@ class Solution:
             else:
                 k = t - stop.arrive - 1  # the k-th stay day in this city
                 day["current_city"] = stop.city
-                for slot, e in zip(MEAL_SLOTS, stop.meals[3 * k: 3 * k + 3]):
+                for slot, e in zip(MEAL_SLOTS, stop.meals[3 * k : 3 * k + 3]):
                     day[slot] = f"{e.name}, {e.city}"
                 day["attraction"] = "".join(f"{name}, {stop.city};" for name in stop.sights[k])
             if stop is not None and t < q.days - 1:
@@ -167,9 +194,16 @@ class OracleResult:
         return self.solution.cost if self.solution else None
 
     def summary(self) -> dict[str, Any]:
-        return {"feasible": self.feasible, "cost": self.cost, "constraint": self.constraint, "reason": self.reason,
-                "route": self.solution.route if self.solution else None, "routes": self.routes,
-                "evaluated": self.evaluated, "seconds": round(self.seconds, 4)}
+        return {
+            "feasible": self.feasible,
+            "cost": self.cost,
+            "constraint": self.constraint,
+            "reason": self.reason,
+            "route": self.solution.route if self.solution else None,
+            "routes": self.routes,
+            "evaluated": self.evaluated,
+            "seconds": round(self.seconds, 4),
+        }
 
 
 class NoPlan(Exception):
@@ -205,6 +239,7 @@ RELAXATIONS: tuple[tuple[str, Active], ...] = (
 # the solver
 # =============================================================================================
 
+
 def night_splits(days: int, cities: int, even_only: bool = False) -> list[tuple[int, ...]]:
     """Nights per city: compositions of days − 1 into `cities` parts ≥ 1 (the gold plans' even
     two-nights-each split first)."""
@@ -238,8 +273,9 @@ class Oracle:
     city has enough).
     """
 
-    def __init__(self, index: SynthIndex, *, even_nights: bool = False, single_unit: bool = False,
-                 sights_per_day: int = 2) -> None:
+    def __init__(
+        self, index: SynthIndex, *, even_nights: bool = False, single_unit: bool = False, sights_per_day: int = 2
+    ) -> None:
         self.index = index
         self.even_nights = even_nights
         self.single_unit = single_unit
@@ -295,9 +331,13 @@ class Oracle:
     @staticmethod
     def _applies(query: TravelQuery, name: str) -> bool:
         lc = query.local_constraint
-        return {"route": True, "transportation": lc.transportation is not None,
-                "room type": lc.room_type is not None, "house rule": lc.house_rule is not None,
-                "cuisine": bool(lc.cuisine)}[name]
+        return {
+            "route": True,
+            "transportation": lc.transportation is not None,
+            "room type": lc.room_type is not None,
+            "house rule": lc.house_rule is not None,
+            "cuisine": bool(lc.cuisine),
+        }[name]
 
     # --- search -------------------------------------------------------------------------------
     def _route_cities(self, q: TravelQuery) -> list[str]:
@@ -455,8 +495,13 @@ class Oracle:
         return out
 
     @staticmethod
-    def _route_bounds(split: tuple[int, ...], out_leg: np.ndarray, home_leg: np.ndarray,
-                      mid: dict[int, np.ndarray], block: dict[int, np.ndarray]) -> np.ndarray:
+    def _route_bounds(
+        split: tuple[int, ...],
+        out_leg: np.ndarray,
+        home_leg: np.ndarray,
+        mid: dict[int, np.ndarray],
+        block: dict[int, np.ndarray],
+    ) -> np.ndarray:
         """Lower bound (exact without cuisines) of every route for one split, as an array with
         one axis per city of the route; routes repeating a city are inf."""
         k = len(split)
@@ -467,8 +512,13 @@ class Oracle:
         if k == 2:
             return first[:, None] + mid[t1] + (block[split[1]] + home_leg)[None, :]
         t2 = split[0] + split[1]
-        total = (first[:, None, None] + mid[t1][:, :, None] + block[split[1]][None, :, None]
-                 + mid[t2][None, :, :] + (block[split[2]] + home_leg)[None, None, :])
+        total = (
+            first[:, None, None]
+            + mid[t1][:, :, None]
+            + block[split[1]][None, :, None]
+            + mid[t2][None, :, :]
+            + (block[split[2]] + home_leg)[None, None, :]
+        )
         m = out_leg.size
         eye = np.eye(m, dtype=bool)
         total[eye[:, None, :].repeat(m, axis=1)] = INF  # c1 == c3 (c1 == c2 and c2 == c3 are inf legs)
@@ -478,8 +528,9 @@ class Oracle:
         """Travel-day meal slots per city: its arrival day, and the trip home for the last one."""
         return [3 + (3 if i == len(split) - 1 else 0) for i in range(len(split))]
 
-    def _city_coverage(self, city: str, required: int, extra: int,
-                       cuisines: Sequence[str]) -> dict[int, meal_choice.Choice]:
+    def _city_coverage(
+        self, city: str, required: int, extra: int, cuisines: Sequence[str]
+    ) -> dict[int, meal_choice.Choice]:
         key = (city, required, extra, tuple(cuisines))
         table = self._coverage_cache.get(key)
         if table is None:
@@ -489,8 +540,9 @@ class Oracle:
             self._coverage_cache[key] = table
         return table
 
-    def _meal_picks(self, q: TravelQuery, cities: list[str], split: tuple[int, ...], route: tuple[int, ...],
-                    cuisines: list[str]) -> tuple[float, list[meal_choice.Choice]] | None:
+    def _meal_picks(
+        self, q: TravelQuery, cities: list[str], split: tuple[int, ...], route: tuple[int, ...], cuisines: list[str]
+    ) -> tuple[float, list[meal_choice.Choice]] | None:
         """(extra cost per person over the cheapest meals, one choice per city) covering the
         cuisines; None when this route cannot cover them."""
         need = [3 * (n - 1) for n in split]
@@ -502,8 +554,9 @@ class Oracle:
                 covered |= e.cuisines
         if all(c in covered for c in cuisines):
             return 0.0, [meal_choice.cheapest(info.eateries, r) for info, r in zip(infos, need)]
-        tables = [self._city_coverage(info.city, r, x, cuisines)
-                  for info, r, x in zip(infos, need, self._extra_slots(split))]
+        tables = [
+            self._city_coverage(info.city, r, x, cuisines) for info, r, x in zip(infos, need, self._extra_slots(split))
+        ]
         combined = meal_choice.combine(tables, len(cuisines))
         if combined is None:
             return None
@@ -512,9 +565,16 @@ class Oracle:
         return cost - base, choice
 
     # --- building the solution ----------------------------------------------------------------
-    def _build(self, q: TravelQuery, cities: list[str], family: Family, split: tuple[int, ...],
-               route: tuple[int, ...], stay_of: dict[tuple[int, int], Stay],
-               choice: list[meal_choice.Choice] | None) -> Solution:
+    def _build(
+        self,
+        q: TravelQuery,
+        cities: list[str],
+        family: Family,
+        split: tuple[int, ...],
+        route: tuple[int, ...],
+        stay_of: dict[tuple[int, int], Stay],
+        choice: list[meal_choice.Choice] | None,
+    ) -> Solution:
         P = q.people_number
         names = [cities[j] for j in route]
         days_of_legs = [0] + list(itertools.accumulate(split))
@@ -523,9 +583,18 @@ class Oracle:
         for i, t in enumerate(days_of_legs):
             o, d = stops_seq[i], stops_seq[i + 1]
             cost, mode = self._leg(family, o, d, q.date[t], P)
-            legs.append(Leg(day=t, origin=o, dest=d, date=q.date[t], mode=mode, cost=cost,
-                            flight=self.index.flight(o, d, q.date[t]) if mode == "flight" else None,
-                            road=self.index.road(o, d) if mode != "flight" else None))
+            legs.append(
+                Leg(
+                    day=t,
+                    origin=o,
+                    dest=d,
+                    date=q.date[t],
+                    mode=mode,
+                    cost=cost,
+                    flight=self.index.flight(o, d, q.date[t]) if mode == "flight" else None,
+                    road=self.index.road(o, d) if mode != "flight" else None,
+                )
+            )
         stops: list[CityStop] = []
         for i, (j, n) in enumerate(zip(route, split)):
             info = self.index.cities[cities[j]]
@@ -535,9 +604,18 @@ class Oracle:
             stay_meals, extras = chosen[:need], chosen[need:]
             stay_days = n - 1
             per_day = min(self.sights_per_day, len(info.sights) // stay_days) if stay_days else 0
-            sights = [info.sights[d * per_day:(d + 1) * per_day] for d in range(stay_days)]
-            stops.append(CityStop(city=info.city, arrive=days_of_legs[i], nights=n, stay=stay_of[(j, n)],
-                                  meals=stay_meals, extras=extras, sights=sights))
+            sights = [info.sights[d * per_day : (d + 1) * per_day] for d in range(stay_days)]
+            stops.append(
+                CityStop(
+                    city=info.city,
+                    arrive=days_of_legs[i],
+                    nights=n,
+                    stay=stay_of[(j, n)],
+                    meals=stay_meals,
+                    extras=extras,
+                    sights=sights,
+                )
+            )
         travel_meals: dict[int, list[Eatery]] = {}
         for i, stop in enumerate(stops):
             travel_meals.setdefault(stop.arrive, []).extend(stop.extras[:3])
@@ -549,7 +627,7 @@ class Oracle:
             "transport": sum(leg.cost for leg in legs),
             "accommodation": sum(s.nights * s.stay.night_cost(P) for s in stops),
             "meals": P * sum(e.cost for s in stops for e in s.meals)
-                     + P * sum(e.cost for day in solution.travel_meals.values() for e in day),
+            + P * sum(e.cost for day in solution.travel_meals.values() for e in day),
         }
         solution.cost = sum(solution.breakdown.values())
         return solution
@@ -603,8 +681,9 @@ class Oracle:
         return best
 
     # --- reasons ------------------------------------------------------------------------------
-    def _venue_reason(self, q: TravelQuery, cities: list[str], usable: int, why: dict[str, int],
-                      active: Active) -> tuple[str, str]:
+    def _venue_reason(
+        self, q: TravelQuery, cities: list[str], usable: int, why: dict[str, int], active: Active
+    ) -> tuple[str, str]:
         where = cities[0] if q.days == 3 else f"the cities of {q.dest}"
         lc = q.local_constraint
         kind = max(("accommodation", "attractions", "restaurants"), key=lambda k: why[k])
@@ -617,10 +696,14 @@ class Oracle:
             if self.single_unit:
                 wanted.append(f"for {q.people_number} people")
             what = f"an accommodation ({', '.join(wanted)})" if wanted else "an accommodation"
-            return kind, (f"only {usable} of {len(cities)} candidate cities ({where}) offer {what} "
-                          f"whose minimum stay fits the nights; the trip needs {q.visiting_city_number}")
-        return kind, (f"only {usable} of {len(cities)} candidate cities ({where}) have enough {kind} "
-                      f"for the stay days; the trip needs {q.visiting_city_number}")
+            return kind, (
+                f"only {usable} of {len(cities)} candidate cities ({where}) offer {what} "
+                f"whose minimum stay fits the nights; the trip needs {q.visiting_city_number}"
+            )
+        return kind, (
+            f"only {usable} of {len(cities)} candidate cities ({where}) have enough {kind} "
+            f"for the stay days; the trip needs {q.visiting_city_number}"
+        )
 
     def _transport_reason(self, q: TravelQuery, cities: list[str], active: Active) -> str:
         fams = self._families(q, active)
@@ -629,10 +712,10 @@ class Oracle:
         how = " or ".join(modes[f] for f in fams)
         if not any(self._leg(f, q.org, c, q.date[0], q.people_number)[1] for f in fams for c in cities):
             where = cities[0] if q.days == 3 else f"any city of {q.dest}"
-            return (f"no way from {q.org} to {where} on {q.date[0]} by {how}"
-                    + (f" ({pref})" if pref else ""))
+            return f"no way from {q.org} to {where} on {q.date[0]} by {how}" + (f" ({pref})" if pref else "")
         if not any(self._leg(f, c, q.org, q.date[-1], q.people_number)[1] for f in fams for c in cities):
             where = cities[0] if q.days == 3 else f"any city of {q.dest}"
             return f"no way back from {where} to {q.org} on {q.date[-1]} by {how}" + (f" ({pref})" if pref else "")
-        return (f"no route through {q.dest} connects every leg on its day by {how} (with a consistent mode)"
-                + (f" ({pref})" if pref else ""))
+        return f"no route through {q.dest} connects every leg on its day by {how} (with a consistent mode)" + (
+            f" ({pref})" if pref else ""
+        )

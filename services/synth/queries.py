@@ -68,10 +68,14 @@ def parse_ratio(text: str, parts: int, what: str, optional: int = 0) -> tuple[fl
         values = tuple(float(x) for x in text.split(":"))
     except ValueError:
         raise ValueError(f"{what} must be {count} numbers separated by ':', e.g. 4:3:3; got {text!r}") from None
-    if not parts - optional <= len(values) <= parts or any(v < 0 or not math.isfinite(v) for v in values) \
-            or sum(values) <= 0:
-        raise ValueError(f"{what} must be {count} non-negative numbers separated by ':' with a positive sum; "
-                         f"got {text!r}")
+    if (
+        not parts - optional <= len(values) <= parts
+        or any(v < 0 or not math.isfinite(v) for v in values)
+        or sum(values) <= 0
+    ):
+        raise ValueError(
+            f"{what} must be {count} non-negative numbers separated by ':' with a positive sum; got {text!r}"
+        )
     return values + (0.0,) * (parts - len(values))
 
 
@@ -91,6 +95,7 @@ def allocate(total: int, weights: Sequence[float]) -> list[int]:
 # element sampling
 # =============================================================================================
 
+
 @dataclass
 class Trip:
     org: str
@@ -103,8 +108,9 @@ class Trip:
 class ElementSampler:
     """Draws trips and constraints over the index's city graph."""
 
-    def __init__(self, index: SynthIndex, rng: random.Random, *, flight_share: float = 0.9,
-                 trip_days: Sequence[int] = TRIP_DAYS) -> None:
+    def __init__(
+        self, index: SynthIndex, rng: random.Random, *, flight_share: float = 0.9, trip_days: Sequence[int] = TRIP_DAYS
+    ) -> None:
         self.index = index
         self.rng = rng
         self.flight_share = flight_share
@@ -112,10 +118,10 @@ class ElementSampler:
         self.dates = index.flight_dates
         # flights out of each city per date: date → origin → destinations
         self.out: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
-        for (o, d, date) in sorted(index.flights):
+        for o, d, date in sorted(index.flights):
             self.out[date][o].append(d)
         self.roads: dict[str, list[str]] = defaultdict(list)
-        for (o, d) in sorted(index.roads):
+        for o, d in sorted(index.roads):
             if (d, o) in index.roads:
                 self.roads[o].append(d)
         self.multi_city_states = sorted(s for s, cities in index.state_cities.items() if len(cities) >= 3)
@@ -170,8 +176,11 @@ class ElementSampler:
         return 2 if self.rng.random() < 0.5 else self.rng.randint(3, 8)
 
     def room_type(self, people: int) -> str:
-        pool = ["shared room", "not shared room", "private room", "entire room"] if people <= 2 else \
-               ["private room", "entire room"]
+        pool = (
+            ["shared room", "not shared room", "private room", "entire room"]
+            if people <= 2
+            else ["private room", "entire room"]
+        )
         return self.rng.choice(pool)
 
     def cuisines(self, n: int) -> list[str]:
@@ -197,8 +206,17 @@ class ElementSampler:
                     lc[kind] = self.room_type(people)
                 else:
                     lc[kind] = self.cuisines(2 if level == "medium" or self.rng.random() < 0.6 else 3)
-        return TravelQuery(org=trip.org, dest=trip.dest, days=days, visiting_city_number={3: 1, 5: 2, 7: 3}[days],
-                           date=trip.dates, people_number=people, local_constraint=lc, budget=0, level=level)
+        return TravelQuery(
+            org=trip.org,
+            dest=trip.dest,
+            days=days,
+            visiting_city_number={3: 1, 5: 2, 7: 3}[days],
+            date=trip.dates,
+            people_number=people,
+            local_constraint=lc,
+            budget=0,
+            level=level,
+        )
 
 
 def _weighted_sample(rng: random.Random, items: list[str], weights: list[float], k: int) -> list[str]:
@@ -213,13 +231,23 @@ def _weighted_sample(rng: random.Random, items: list[str], weights: list[float],
 
 def dedupe_key(q: TravelQuery) -> tuple:
     lc = q.local_constraint
-    return (q.org, q.dest, q.days, tuple(q.date), q.people_number, lc.house_rule,
-            tuple(lc.cuisine or ()), lc.room_type, lc.transportation)
+    return (
+        q.org,
+        q.dest,
+        q.days,
+        tuple(q.date),
+        q.people_number,
+        lc.house_rule,
+        tuple(lc.cuisine or ()),
+        lc.room_type,
+        lc.transportation,
+    )
 
 
 # =============================================================================================
 # synthesis
 # =============================================================================================
+
 
 @dataclass
 class SynthesisReport:
@@ -244,15 +272,28 @@ class SynthesisReport:
         if not values:
             return {}
         q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-        return {"min": values[0], "p25": q[0], "median": q[1], "p75": q[2], "max": values[-1],
-                "mean": round(statistics.fmean(values), 1)}
+        return {
+            "min": values[0],
+            "p25": q[0],
+            "median": q[1],
+            "p75": q[2],
+            "max": values[-1],
+            "mean": round(statistics.fmean(values), 1),
+        }
 
     def to_dict(self) -> dict[str, Any]:
-        return {"requested": self.requested, "accepted": self.accepted, "attempts": self.attempts,
-                "feasibility": {lv: round(self.feasibility(lv), 4) for lv in LEVELS} | {"all": round(self.feasibility(), 4)},
-                "duplicates": self.duplicates, "rejections": dict(self.rejections.most_common()),
-                "budget": {lv: self.budget_stats(lv) for lv in LEVELS}, "oracle_seconds": round(self.oracle_seconds, 2),
-                "splits": self.splits}
+        return {
+            "requested": self.requested,
+            "accepted": self.accepted,
+            "attempts": self.attempts,
+            "feasibility": {lv: round(self.feasibility(lv), 4) for lv in LEVELS}
+            | {"all": round(self.feasibility(), 4)},
+            "duplicates": self.duplicates,
+            "rejections": dict(self.rejections.most_common()),
+            "budget": {lv: self.budget_stats(lv) for lv in LEVELS},
+            "oracle_seconds": round(self.oracle_seconds, 2),
+            "splits": self.splits,
+        }
 
 
 # Worker processes get the oracle by fork (built once in the parent; no pickling of the index).
@@ -265,9 +306,18 @@ def _solve_cheapest(q: TravelQuery) -> tuple[bool, float | None, str | None, flo
 
 
 class QuerySynthesizer:
-    def __init__(self, oracle: Oracle, *, seed: int = 0, budget_factors: dict[str, float] | None = None,
-                 describe: Callable[[TravelQuery, random.Random], str] = template_text, workers: int = 1,
-                 flight_share: float = 0.9, batch: int = 64, trip_days: Sequence[int] = TRIP_DAYS) -> None:
+    def __init__(
+        self,
+        oracle: Oracle,
+        *,
+        seed: int = 0,
+        budget_factors: dict[str, float] | None = None,
+        describe: Callable[[TravelQuery, random.Random], str] = template_text,
+        workers: int = 1,
+        flight_share: float = 0.9,
+        batch: int = 64,
+        trip_days: Sequence[int] = TRIP_DAYS,
+    ) -> None:
         self.oracle = oracle
         self.trip_days = tuple(check_trip_days(trip_days))
         self.seed = seed
@@ -280,15 +330,17 @@ class QuerySynthesizer:
     def budget_for(self, cost: float, level: str) -> int:
         return int(math.ceil(cost * self.factors[level] / 100.0 - 1e-9) * 100)
 
-    def generate(self, counts: dict[str, int], *, progress: Callable[[int], None] | None = None,
-                 max_attempts: int | None = None) -> tuple[list[TravelQuery], SynthesisReport]:
+    def generate(
+        self, counts: dict[str, int], *, progress: Callable[[int], None] | None = None, max_attempts: int | None = None
+    ) -> tuple[list[TravelQuery], SynthesisReport]:
         """`counts[level]` feasible, distinct queries per level (levels in LEVELS order)."""
         report = SynthesisReport(requested={lv: counts.get(lv, 0) for lv in LEVELS})
         out: list[TravelQuery] = []
         seen: set[tuple] = set()
         rng = random.Random(self.seed)
-        sampler = ElementSampler(self.oracle.index, random.Random(rng.random()), flight_share=self.flight_share,
-                                 trip_days=self.trip_days)
+        sampler = ElementSampler(
+            self.oracle.index, random.Random(rng.random()), flight_share=self.flight_share, trip_days=self.trip_days
+        )
         text_rng = random.Random(rng.random())
         pool = self._pool()
         try:
@@ -297,9 +349,13 @@ class QuerySynthesizer:
                 limit = max_attempts or max(200, 50 * want)
                 while report.accepted[level] < want:
                     if report.attempts[level] >= limit:
-                        raise RuntimeError(f"only {report.accepted[level]} of {want} {level} queries were feasible in "
-                                           f"{limit} attempts (rejections: {dict(report.rejections)})")
-                    batch = [sampler.query(level) for _ in range(min(self.batch, 2 * (want - report.accepted[level]) + 4))]
+                        raise RuntimeError(
+                            f"only {report.accepted[level]} of {want} {level} queries were feasible in "
+                            f"{limit} attempts (rejections: {dict(report.rejections)})"
+                        )
+                    batch = [
+                        sampler.query(level) for _ in range(min(self.batch, 2 * (want - report.accepted[level]) + 4))
+                    ]
                     results = pool.map(_solve_cheapest, batch) if pool else [_solve_cheapest(q) for q in batch]
                     for q, (feasible, cost, constraint, seconds) in zip(batch, results):
                         if report.accepted[level] >= want:
@@ -357,8 +413,10 @@ def split_table(level_sizes: dict[str, int], ratios: Sequence[float]) -> dict[st
         if not short:
             return table
         to, frm = short[0], over[0]
-        level = max((lv for lv in table if table[lv][frm] > 0),
-                    key=lambda lv: (ideal[lv][to] - table[lv][to]) - (ideal[lv][frm] - table[lv][frm]))
+        level = max(
+            (lv for lv in table if table[lv][frm] > 0),
+            key=lambda lv: (ideal[lv][to] - table[lv][to]) - (ideal[lv][frm] - table[lv][frm]),
+        )
         table[level][to] += 1
         table[level][frm] -= 1
 
@@ -371,8 +429,9 @@ def mixed_split_table(total: int, ratios: Sequence[float], mixes: Sequence[Seque
     return {level: [counts[i] for counts in per_split] for i, level in enumerate(LEVELS)}
 
 
-def split_queries(queries: Sequence[TravelQuery], ratios: Sequence[float], seed: int,
-                  table: dict[str, list[int]] | None = None) -> dict[str, list[TravelQuery]]:
+def split_queries(
+    queries: Sequence[TravelQuery], ratios: Sequence[float], seed: int, table: dict[str, list[int]] | None = None
+) -> dict[str, list[TravelQuery]]:
     """Disjoint SFT / RL / validation / held-out sets; each level is divided by the ratios on its own, so
     every split keeps the mixture (up to rounding), and each split's size is exact. A `table`
     (`mixed_split_table`) fixes each split's count per level instead; it must add up to the queries."""
@@ -387,7 +446,7 @@ def split_queries(queries: Sequence[TravelQuery], ratios: Sequence[float], seed:
         rng.shuffle(items)
         start = 0
         for split, n in zip(SPLITS, table[level]):
-            out[split].extend(items[start:start + n])
+            out[split].extend(items[start : start + n])
             start += n
     for split in SPLITS:
         out[split].sort(key=lambda q: q.id or "")
@@ -398,8 +457,14 @@ def split_queries(queries: Sequence[TravelQuery], ratios: Sequence[float], seed:
 # files
 # =============================================================================================
 
-def write_jsonl(path: Path, queries: Iterable[TravelQuery], *, layout: str = "official",
-                extra: Callable[[TravelQuery], dict] | None = None) -> int:
+
+def write_jsonl(
+    path: Path,
+    queries: Iterable[TravelQuery],
+    *,
+    layout: str = "official",
+    extra: Callable[[TravelQuery], dict] | None = None,
+) -> int:
     """One record per line in the benchmark's layout (default: the HF dataset's string forms of
     `date` and `local_constraint`, which HF `datasets` loads without guessing types)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -477,4 +542,4 @@ def _first_line(exc: Exception) -> str:
 
 def iter_chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
     for i in range(0, len(items), size):
-        yield items[i:i + size]
+        yield items[i : i + size]

@@ -35,8 +35,14 @@ import httpx
 from services.common.schemas import LocalConstraint, Score, TravelQuery
 from services.formatter.structured import PlanTextError, parse_plan, render_plan
 from services.reward import Evaluator
-from services.rollout.protocol import (format_answer, format_tool_call, parse_turn, system_prompt, tool_response,
-                                       user_message)
+from services.rollout.protocol import (
+    format_answer,
+    format_tool_call,
+    parse_turn,
+    system_prompt,
+    tool_response,
+    user_message,
+)
 from services.synth.index import Eatery, Stay
 from services.synth.language import money, record_of
 from services.synth.oracle import Leg, Oracle, Solution
@@ -49,6 +55,7 @@ class TeacherError(RuntimeError):
 # =============================================================================================
 # tools
 # =============================================================================================
+
 
 class ToolRunner(Protocol):
     def __call__(self, name: str, arguments: dict[str, Any]) -> str: ...
@@ -88,6 +95,7 @@ class HttpTools:
 # oracle teacher
 # =============================================================================================
 
+
 @dataclass
 class TeacherSample:
     """One kept trajectory: the chat, its tool calls, and the evaluator's verdict."""
@@ -101,9 +109,16 @@ class TeacherSample:
     cost: float | None = None
 
     def record(self) -> dict[str, Any]:
-        return {"id": self.id, "teacher": self.teacher, "messages": self.messages,
-                "query": {"id": self.query.id, **record_of(self.query)}, "tool_calls": len(self.calls),
-                "cost": self.cost, "success": self.score.success, "score": self.score.model_dump()}
+        return {
+            "id": self.id,
+            "teacher": self.teacher,
+            "messages": self.messages,
+            "query": {"id": self.query.id, **record_of(self.query)},
+            "tool_calls": len(self.calls),
+            "cost": self.cost,
+            "success": self.score.success,
+            "score": self.score.model_dump(),
+        }
 
 
 def _think(rng: random.Random, options: Sequence[str], **facts: Any) -> str:
@@ -114,38 +129,56 @@ _T_START = [
     "{who} from {org} to {where}, {start} to {end}, budget {budget}{extras}. {first}",
     "The request: {days} days from {org} to {where} ({start}–{end}) for {who_short}, at most {budget}{extras}. {first}",
 ]
-_T_STATE = ["First I need the cities of {state} to choose {k} of them.",
-            "Let me see which cities {state} offers before picking {k}."]
-_T_FIRST_CITY = ["First I check how to get from {o} to {d} on {date}{how}.",
-                 "I start with the way from {o} to {d} on {date}{how}."]
-_T_CITIES = ["{state} has {n} cities. I will try {route}, which keeps the legs short and the stays cheap; "
-             "now the way from {o} to {d} on {date}{how}.",
-             "Candidates in {state}: {n} cities. My route: {route}. Next, travel from {o} to {d} on {date}{how}."]
-_T_FLIGHT_TAXI = ["{flight_note} A taxi may be cheaper for {people}; let me check the road from {o} to {d}.",
-                  "{flight_note} I compare with a taxi from {o} to {d}."]
-_T_AFTER_LEG = ["{leg_note} Now places to stay in {city} for {nights} night(s){room}.",
-                "{leg_note} Next I look for accommodation in {city} ({nights} night(s){room})."]
+_T_STATE = [
+    "First I need the cities of {state} to choose {k} of them.",
+    "Let me see which cities {state} offers before picking {k}.",
+]
+_T_FIRST_CITY = [
+    "First I check how to get from {o} to {d} on {date}{how}.",
+    "I start with the way from {o} to {d} on {date}{how}.",
+]
+_T_CITIES = [
+    "{state} has {n} cities. I will try {route}, which keeps the legs short and the stays cheap; "
+    "now the way from {o} to {d} on {date}{how}.",
+    "Candidates in {state}: {n} cities. My route: {route}. Next, travel from {o} to {d} on {date}{how}.",
+]
+_T_FLIGHT_TAXI = [
+    "{flight_note} A taxi may be cheaper for {people}; let me check the road from {o} to {d}.",
+    "{flight_note} I compare with a taxi from {o} to {d}.",
+]
+_T_AFTER_LEG = [
+    "{leg_note} Now places to stay in {city} for {nights} night(s){room}.",
+    "{leg_note} Next I look for accommodation in {city} ({nights} night(s){room}).",
+]
 _T_REST = ["{stay_note} Now restaurants in {city}{cuisine}.", "{stay_note} Next, where to eat in {city}{cuisine}."]
 _T_SIGHTS = ["{meal_note} Now the attractions of {city}.", "{meal_note} Let me find things to see in {city}."]
-_T_NEXT_LEG = ["{sight_note} Then I move on: from {o} to {d} on {date}{how}.",
-               "{sight_note} Next leg: {o} to {d} on {date}{how}."]
+_T_NEXT_LEG = [
+    "{sight_note} Then I move on: from {o} to {d} on {date}{how}.",
+    "{sight_note} Next leg: {o} to {d} on {date}{how}.",
+]
 # The transport preference, restated where the agent decides how to travel. With the bare
 # two-word constraint in the request, the 135 M SFT model flew on "no flight" trips; with these, it
 # drove on half of them (docs/results.md).
-_TRANSPORT_RULE = {"no flight": "No flights are allowed, so every leg goes by road.",
-                   "no self-driving": "Self-driving is not allowed, so I fly or take a taxi."}
-_TRAVEL_BY = {"no flight": ", by road since flights are ruled out",
-              "no self-driving": ", by air or taxi since I may not drive"}
-_T_ANSWER = ["All parts are found. Transport {transport}, stays {stays}, meals {meals}: total {total}, within {budget}.",
-             "Everything is booked: transport {transport} + accommodation {stays} + meals {meals} = {total} "
-             "(budget {budget})."]
+_TRANSPORT_RULE = {
+    "no flight": "No flights are allowed, so every leg goes by road.",
+    "no self-driving": "Self-driving is not allowed, so I fly or take a taxi.",
+}
+_TRAVEL_BY = {
+    "no flight": ", by road since flights are ruled out",
+    "no self-driving": ", by air or taxi since I may not drive",
+}
+_T_ANSWER = [
+    "All parts are found. Transport {transport}, stays {stays}, meals {meals}: total {total}, within {budget}.",
+    "Everything is booked: transport {transport} + accommodation {stays} + meals {meals} = {total} (budget {budget}).",
+]
 
 
 class OracleTeacher:
     """Oracle plans → checked ReAct trajectories."""
 
-    def __init__(self, oracle: Oracle, tools: ToolRunner, evaluator: Evaluator, *, seed: int = 0,
-                 system: str | None = None) -> None:
+    def __init__(
+        self, oracle: Oracle, tools: ToolRunner, evaluator: Evaluator, *, seed: int = 0, system: str | None = None
+    ) -> None:
         if evaluator.mode != "strict":
             evaluator = evaluator.with_mode("strict")
         self.oracle = oracle
@@ -167,12 +200,26 @@ class OracleTeacher:
         plan = sol.plan()
         text = render_plan(plan)
         b = sol.breakdown
-        final = _think(rng, _T_ANSWER, transport=money_f(b["transport"]), stays=money_f(b["accommodation"]),
-                       meals=money_f(b["meals"]), total=money_f(sol.cost), budget=money(q.budget))
+        final = _think(
+            rng,
+            _T_ANSWER,
+            transport=money_f(b["transport"]),
+            stays=money_f(b["accommodation"]),
+            meals=money_f(b["meals"]),
+            total=money_f(sol.cost),
+            budget=money(q.budget),
+        )
         episode.messages.append({"role": "assistant", "content": format_answer(text, final)})
         score = self.check(q, text)
-        return TeacherSample(id=sample_id or f"{q.id or 'query'}-oracle", query=q, messages=episode.messages,
-                             calls=episode.calls, score=score, teacher="oracle", cost=sol.cost)
+        return TeacherSample(
+            id=sample_id or f"{q.id or 'query'}-oracle",
+            query=q,
+            messages=episode.messages,
+            calls=episode.calls,
+            score=score,
+            teacher="oracle",
+            cost=sol.cost,
+        )
 
     def check(self, q: TravelQuery, answer_text: str) -> Score:
         """Parse the answer as the scorer does and require strict success."""
@@ -203,21 +250,42 @@ class OracleTeacher:
             extras.append(lc.transportation)
         extra_text = ("; wants " + ", ".join(extras)) if extras else ""
         first_leg = sol.legs[0]
-        facts = dict(org=q.org, where=where, start=q.date[0], end=q.date[-1], budget=money(q.budget), days=q.days,
-                     who=who, who_short="1 person" if P == 1 else f"{P} people", extras=extra_text)
+        facts = dict(
+            org=q.org,
+            where=where,
+            start=q.date[0],
+            end=q.date[-1],
+            budget=money(q.budget),
+            days=q.days,
+            who=who,
+            who_short="1 person" if P == 1 else f"{P} people",
+            extras=extra_text,
+        )
         route = " → ".join([q.org, *sol.route, q.org])
         rule = _TRANSPORT_RULE.get(lc.transportation or "", "")
         how = _TRAVEL_BY.get(lc.transportation or "", "")
-        first = (_think(rng, _T_FIRST_CITY, o=first_leg.origin, d=first_leg.dest, date=first_leg.date, how=how)
-                 if q.days == 3 else _think(rng, _T_STATE, state=q.dest, k=q.visiting_city_number))
+        first = (
+            _think(rng, _T_FIRST_CITY, o=first_leg.origin, d=first_leg.dest, date=first_leg.date, how=how)
+            if q.days == 3
+            else _think(rng, _T_STATE, state=q.dest, k=q.visiting_city_number)
+        )
         facts["first"] = f"{rule} {first}" if rule else first
         if q.days == 3:
             pending = _think(rng, _T_START, **facts)
         else:
             yield "SearchCity", {"state": q.dest}, _think(rng, _T_START, **facts)
             n_cities = len(self.oracle.index.state_cities.get(q.dest, []))
-            pending = _think(rng, _T_CITIES, state=q.dest, n=n_cities, route=route, o=first_leg.origin,
-                             d=first_leg.dest, date=first_leg.date, how=how)
+            pending = _think(
+                rng,
+                _T_CITIES,
+                state=q.dest,
+                n=n_cities,
+                route=route,
+                o=first_leg.origin,
+                d=first_leg.dest,
+                date=first_leg.date,
+                how=how,
+            )
         for i, leg in enumerate(sol.legs):
             for name, arguments, note in self._leg_calls(q, leg, rng):
                 yield name, arguments, pending
@@ -228,50 +296,84 @@ class OracleTeacher:
             room = f", {lc.room_type}" if lc.room_type else ""
             if lc.house_rule:
                 room += f", allowing {lc.house_rule}"
-            yield "SearchAccommodation", {"city": stop.city}, _think(
-                rng, _T_AFTER_LEG, leg_note=pending, city=stop.city, nights=stop.nights, room=room)
-            stay_note = (f"{stop.stay.name}{_stay_fit(stop.stay, lc)} costs {money_f(stop.stay.price)} a night"
-                         + (f" ({stop.stay.units(P)} units for {P})" if stop.stay.units(P) > 1 else "")
-                         + f" and allows {stop.nights} night(s).")
+            yield (
+                "SearchAccommodation",
+                {"city": stop.city},
+                _think(rng, _T_AFTER_LEG, leg_note=pending, city=stop.city, nights=stop.nights, room=room),
+            )
+            stay_note = (
+                f"{stop.stay.name}{_stay_fit(stop.stay, lc)} costs {money_f(stop.stay.price)} a night"
+                + (f" ({stop.stay.units(P)} units for {P})" if stop.stay.units(P) > 1 else "")
+                + f" and allows {stop.nights} night(s)."
+            )
             cuisine = f", looking for {', '.join(lc.cuisine)}" if lc.cuisine else ""
-            yield "SearchRestaurant", {"city": stop.city}, _think(rng, _T_REST, stay_note=stay_note, city=stop.city,
-                                                                  cuisine=cuisine)
+            yield (
+                "SearchRestaurant",
+                {"city": stop.city},
+                _think(rng, _T_REST, stay_note=stay_note, city=stop.city, cuisine=cuisine),
+            )
             meals = [*stop.meals, *stop.extras]
-            meal_note = (f"I pick {len(meals)} different places, e.g. {meals[0].name} ({money_f(meals[0].cost)})."
-                         if meals else "No meal is needed here besides travel days.") + _cuisine_fit(meals, lc)
+            meal_note = (
+                f"I pick {len(meals)} different places, e.g. {meals[0].name} ({money_f(meals[0].cost)})."
+                if meals
+                else "No meal is needed here besides travel days."
+            ) + _cuisine_fit(meals, lc)
             if stop.stay_days or any(c == stop.city for day in sol.travel_sights.values() for _, c in day):
-                yield "SearchAttraction", {"city": stop.city}, _think(rng, _T_SIGHTS, meal_note=meal_note, city=stop.city)
+                yield (
+                    "SearchAttraction",
+                    {"city": stop.city},
+                    _think(rng, _T_SIGHTS, meal_note=meal_note, city=stop.city),
+                )
                 sights = [n for day in stop.sights for n in day]
                 sight_note = f"I will visit {', '.join(sights[:3])}." if sights else "Few sights are needed here."
             else:
                 sight_note = meal_note
             nxt = sol.legs[i + 1]
-            pending = _think(rng, _T_NEXT_LEG, sight_note=sight_note, o=nxt.origin, d=nxt.dest, date=nxt.date,
-                             how=how)
+            pending = _think(rng, _T_NEXT_LEG, sight_note=sight_note, o=nxt.origin, d=nxt.dest, date=nxt.date, how=how)
 
     def _leg_calls(self, q: TravelQuery, leg: Leg, rng: random.Random):
         """(tool, arguments, what was learnt) for one leg."""
         P = q.people_number
         if leg.mode == "self-driving":
-            note = (f"Driving {leg.origin} → {leg.dest} costs {money_f(leg.road.drive)} per car"
-                    + (f", {-(-P // 5)} cars for {P}" if P > 5 else "") + ".")
+            note = (
+                f"Driving {leg.origin} → {leg.dest} costs {money_f(leg.road.drive)} per car"
+                + (f", {-(-P // 5)} cars for {P}" if P > 5 else "")
+                + "."
+            )
             yield "GoogleDistanceMatrix", {"departure": leg.origin, "destination": leg.dest, "mode": "driving"}, note
             return
         flight = self.oracle.index.flight(leg.origin, leg.dest, leg.date)
         if leg.mode == "flight":
-            note = (f"Cheapest flight: {leg.flight.flight_number} at {money_f(leg.flight.price)} per person, "
-                    f"{leg.flight.dep_time}–{leg.flight.arr_time}.")
+            note = (
+                f"Cheapest flight: {leg.flight.flight_number} at {money_f(leg.flight.price)} per person, "
+                f"{leg.flight.dep_time}–{leg.flight.arr_time}."
+            )
             yield "SearchFlight", {"departure": leg.origin, "destination": leg.dest, "date": leg.date}, note
             return
         # taxi
         if q.local_constraint.transportation != "no flight":
-            flight_note = (f"The cheapest flight is {money_f(flight.price)} per person." if flight
-                           else f"There is no flight from {leg.origin} to {leg.dest} that day.")
-            yield "SearchFlight", {"departure": leg.origin, "destination": leg.dest, "date": leg.date}, \
-                _think(rng, _T_FLIGHT_TAXI, flight_note=flight_note, people=f"{P} people" if P > 1 else "one person",
-                       o=leg.origin, d=leg.dest)
-        note = (f"A taxi {leg.origin} → {leg.dest} costs {money_f(leg.road.taxi)}"
-                + (f" each, {-(-P // 4)} taxis" if P > 4 else "") + "; I take it.")
+            flight_note = (
+                f"The cheapest flight is {money_f(flight.price)} per person."
+                if flight
+                else f"There is no flight from {leg.origin} to {leg.dest} that day."
+            )
+            yield (
+                "SearchFlight",
+                {"departure": leg.origin, "destination": leg.dest, "date": leg.date},
+                _think(
+                    rng,
+                    _T_FLIGHT_TAXI,
+                    flight_note=flight_note,
+                    people=f"{P} people" if P > 1 else "one person",
+                    o=leg.origin,
+                    d=leg.dest,
+                ),
+            )
+        note = (
+            f"A taxi {leg.origin} → {leg.dest} costs {money_f(leg.road.taxi)}"
+            + (f" each, {-(-P // 4)} taxis" if P > 4 else "")
+            + "; I take it."
+        )
         yield "GoogleDistanceMatrix", {"departure": leg.origin, "destination": leg.dest, "mode": "taxi"}, note
 
 
@@ -290,8 +392,10 @@ def _cuisine_fit(meals: Sequence[Eatery], lc: LocalConstraint) -> str:
 class _Episode:
     def __init__(self, teacher: OracleTeacher, q: TravelQuery, rng: random.Random) -> None:
         self.teacher = teacher
-        self.messages: list[dict[str, str]] = [{"role": "system", "content": teacher.system},
-                                               {"role": "user", "content": user_message(q)}]
+        self.messages: list[dict[str, str]] = [
+            {"role": "system", "content": teacher.system},
+            {"role": "user", "content": user_message(q)},
+        ]
         self.calls: list[tuple[str, dict[str, Any]]] = []
 
     def call(self, name: str, arguments: dict[str, Any], think: str) -> None:
@@ -308,6 +412,7 @@ def money_f(amount: float) -> str:
 # =============================================================================================
 # LLM teacher (rejection sampling through the rollout agent loop)
 # =============================================================================================
+
 
 class _AsyncTools:
     """Adapts a synchronous `ToolRunner` to the rollout's `ToolClient`."""
@@ -335,9 +440,21 @@ class LLMTeacherReport:
 class LLMTeacher:
     """Runs an OpenAI-compatible model as the agent; keeps strict successes only."""
 
-    def __init__(self, base_url: str, model: str, tools: ToolRunner, evaluator: Evaluator, *,
-                 api_key: str | None = None, samples: int = 1, temperature: float = 0.6, top_p: float = 0.95,
-                 max_tool_calls: int = 60, max_context_tokens: int = 32_768, concurrency: int = 4) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        tools: ToolRunner,
+        evaluator: Evaluator,
+        *,
+        api_key: str | None = None,
+        samples: int = 1,
+        temperature: float = 0.6,
+        top_p: float = 0.95,
+        max_tool_calls: int = 60,
+        max_context_tokens: int = 32_768,
+        concurrency: int = 4,
+    ) -> None:
         self.base_url, self.model, self.api_key = base_url, model, api_key
         self.tools = tools
         self.evaluator = evaluator if evaluator.mode == "strict" else evaluator.with_mode("strict")
@@ -347,7 +464,9 @@ class LLMTeacher:
         self.concurrency = max(1, concurrency)
         self.report = LLMTeacherReport()
 
-    def run(self, queries: Sequence[TravelQuery], *, on_done: Callable[[bool], None] | None = None) -> list[TeacherSample]:
+    def run(
+        self, queries: Sequence[TravelQuery], *, on_done: Callable[[bool], None] | None = None
+    ) -> list[TeacherSample]:
         return asyncio.run(self._run(queries, on_done))
 
     async def _run(self, queries: Sequence[TravelQuery], on_done) -> list[TeacherSample]:
@@ -357,8 +476,13 @@ class LLMTeacher:
 
         engine = OpenAIEngine(self.base_url, self.model, api_key=self.api_key)
         agent = Agent(engine, _AsyncTools(self.tools))
-        sampling = SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tool_calls=self.max_tool_calls,
-                                  max_context_tokens=self.max_context_tokens, max_tokens_per_turn=4096)
+        sampling = SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tool_calls=self.max_tool_calls,
+            max_context_tokens=self.max_context_tokens,
+            max_tokens_per_turn=4096,
+        )
         gate = asyncio.Semaphore(self.concurrency)
         kept: list[TeacherSample | None] = [None] * (len(queries) * self.samples)
 
@@ -397,9 +521,14 @@ class LLMTeacher:
         self.report.kept += 1
         turns = [parse_turn(m["content"]) for m in traj.messages if m["role"] == "assistant"]
         calls = [(t.name or "", t.arguments) for t in turns if t.kind == "tool_call"]
-        return TeacherSample(id=f"{q.id or 'query'}-{self.model}-{k}", query=q,
-                             messages=[{"role": m["role"], "content": m["content"]} for m in traj.messages],
-                             calls=calls, score=score, teacher=f"openai:{self.model}")
+        return TeacherSample(
+            id=f"{q.id or 'query'}-{self.model}-{k}",
+            query=q,
+            messages=[{"role": m["role"], "content": m["content"]} for m in traj.messages],
+            calls=calls,
+            score=score,
+            teacher=f"openai:{self.model}",
+        )
 
 
 # =============================================================================================
@@ -409,8 +538,13 @@ class LLMTeacher:
 LLAMA_FACTORY_ENTRY = {
     "formatting": "sharegpt",
     "columns": {"messages": "messages"},
-    "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
-             "system_tag": "system"},
+    "tags": {
+        "role_tag": "role",
+        "content_tag": "content",
+        "user_tag": "user",
+        "assistant_tag": "assistant",
+        "system_tag": "system",
+    },
 }
 
 

@@ -6,8 +6,15 @@ from __future__ import annotations
 import threading
 import time
 
-from services.common.streams import (ClaimKeeper, StreamConsumer, StreamNames, consumed_below, publish, run_worker,
-                                     trim_consumed)
+from services.common.streams import (
+    ClaimKeeper,
+    StreamConsumer,
+    StreamNames,
+    consumed_below,
+    publish,
+    run_worker,
+    trim_consumed,
+)
 
 
 def test_trim_keeps_what_any_group_still_needs(redis_client):

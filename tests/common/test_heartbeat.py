@@ -28,8 +28,11 @@ def redis_7_0():
     if not shutil.which(DEBIAN_REDIS):
         pytest.skip(f"no {DEBIAN_REDIS} (apt-get install redis-server)")
     port = free_port()
-    proc = subprocess.Popen([DEBIAN_REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [DEBIAN_REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     client = redis.Redis(port=port)
     until(lambda: _pings(client), 10, "redis 7.0 to answer")
     yield client
@@ -113,8 +116,12 @@ def test_a_worker_held_back_by_a_dependency_stops_beating(client):
             return False
         return True
 
-    t = threading.Thread(target=run_worker, args=(consumer, lambda m: None, None, stop),
-                         kwargs={"block_ms": 100, "until_ready": ready}, daemon=True)
+    t = threading.Thread(
+        target=run_worker,
+        args=(consumer, lambda m: None, None, stop),
+        kwargs={"block_ms": 100, "until_ready": ready},
+        daemon=True,
+    )
     t.start()
     until(lambda: live_consumers(client, stream, group, 1), 5, "the worker's first beat")
     down.set()

@@ -48,6 +48,7 @@ def make_app():
                 deadline.check()
                 sum(range(10_000))
             return seconds
+
         return {"slept": await worker.run(work, deadline=True)}
 
     app.state.stop = stop
@@ -59,8 +60,12 @@ def url(tmp_path_factory):
     """The app in its own uvicorn process, as services run."""
     from services.embedded import ServiceProcess
 
-    proc = ServiceProcess("guards", "tests.common.test_http_guards:make_app", {"STAR_LOG_LEVEL": "WARNING"},
-                          tmp_path_factory.mktemp("logs")).start()
+    proc = ServiceProcess(
+        "guards",
+        "tests.common.test_http_guards:make_app",
+        {"STAR_LOG_LEVEL": "WARNING"},
+        tmp_path_factory.mktemp("logs"),
+    ).start()
     yield proc.url
     proc.stop()
 
@@ -77,17 +82,20 @@ def assert_problem(r: httpx.Response, status: int, needle: str) -> None:
     assert needle in str(body.get("detail")), body
 
 
-@pytest.mark.parametrize("body, needle", [
-    (rb'{"text": "a\ud800b"}', "surrogate"),
-    (rb'{"text": "a\u0000b"}', "NUL"),
-    (rb'{"text": "bell\u0007"}', "control characters"),
-    (rb'{"text": "x", "items": [{"k\u0001": 1}]}', "control characters"),
-    (b'{"text": "x", "items": ' + b"[" * (MAX_JSON_DEPTH + 5) + b"]" * (MAX_JSON_DEPTH + 5) + b"}", "nests more"),
-    (b"[" * 5000 + b"]" * 5000, "JSON decode error"),
-    (b'{"text": NaN}', "JSON decode error"),
-    (b'{"text": 5}', "valid string"),
-    (b'{"text": "x"', "JSON decode error"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        (rb'{"text": "a\ud800b"}', "surrogate"),
+        (rb'{"text": "a\u0000b"}', "NUL"),
+        (rb'{"text": "bell\u0007"}', "control characters"),
+        (rb'{"text": "x", "items": [{"k\u0001": 1}]}', "control characters"),
+        (b'{"text": "x", "items": ' + b"[" * (MAX_JSON_DEPTH + 5) + b"]" * (MAX_JSON_DEPTH + 5) + b"}", "nests more"),
+        (b"[" * 5000 + b"]" * 5000, "JSON decode error"),
+        (b'{"text": NaN}', "JSON decode error"),
+        (b'{"text": 5}', "valid string"),
+        (b'{"text": "x"', "JSON decode error"),
+    ],
+)
 def test_hostile_json_is_a_422_problem(url, body, needle):
     assert_problem(post_raw(url, "/echo", body), 422, needle)
 
@@ -123,7 +131,9 @@ def test_openapi_describes_problem_replies_with_examples(url):
         responses = spec["paths"][path][method]["responses"]
         for code in ("413", "422"):
             content = responses[code]["content"]["application/problem+json"]
-            assert content["schema"] == {"$ref": "#/components/schemas/Problem"} and content["example"]["status"] == int(code)
+            assert content["schema"] == {"$ref": "#/components/schemas/Problem"} and content["example"][
+                "status"
+            ] == int(code)
 
 
 def test_slow_work_runs_off_the_loop_under_a_time_limit(url):

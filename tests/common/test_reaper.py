@@ -32,8 +32,9 @@ def _wait(condition, timeout: float) -> bool:
 
 
 def test_a_child_left_by_a_sigkilled_process_is_ended_by_its_guard():
-    worker = subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()}
+    )
     child = int(worker.stdout.readline())
     try:
         time.sleep(0.5)  # the guard has noted the child

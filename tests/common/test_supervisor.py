@@ -15,8 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from services.common.supervisor import (RestartPolicy, RunLock, Supervisor, SupervisorError, alive,
-                                        process_start_time, stop_orphans)
+from services.common.supervisor import (
+    RestartPolicy,
+    RunLock,
+    Supervisor,
+    SupervisorError,
+    alive,
+    process_start_time,
+    stop_orphans,
+)
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -33,8 +40,9 @@ def wait_until(condition, timeout=10.0, poll=0.05) -> bool:
 def test_restarts_back_off_and_stop_at_the_budget(tmp_path):
     sup = Supervisor(tmp_path / "record.json")
     policy = RestartPolicy(max_restarts=3, window_s=60, backoff_s=0.2, max_backoff_s=10)
-    child = sup.add("crasher", [sys.executable, "-c", "raise SystemExit(3)"], log=tmp_path / "crasher.log",
-                    policy=policy)
+    child = sup.add(
+        "crasher", [sys.executable, "-c", "raise SystemExit(3)"], log=tmp_path / "crasher.log", policy=policy
+    )
     starts = [time.monotonic()]
     try:
         with pytest.raises(SupervisorError, match="crasher keeps dying .*3 restarts"):
@@ -71,12 +79,16 @@ def test_the_budget_is_per_window():
 def test_one_group_and_stop_all_reaches_grandchildren(tmp_path):
     sup = Supervisor(tmp_path / "record.json")
     grandchild_pid = tmp_path / "grandchild.pid"
-    spawner = [sys.executable, "-c", textwrap.dedent(f"""
+    spawner = [
+        sys.executable,
+        "-c",
+        textwrap.dedent(f"""
         import subprocess, sys, time
         p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         open({str(grandchild_pid)!r}, "w").write(str(p.pid))
         time.sleep(60)
-    """)]
+    """),
+    ]
     a = sup.add("a", SLEEP)
     b = sup.add("b", spawner)
     # the spawner creates the file, then writes the pid: wait for the pid itself
@@ -107,8 +119,12 @@ time.sleep(120)
 
 
 def _controller(folder: Path) -> tuple[subprocess.Popen, int]:
-    proc = subprocess.Popen([sys.executable, "-c", CONTROLLER, str(folder)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CONTROLLER, str(folder)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
     return proc, int(proc.stdout.readline())
 
 
@@ -130,8 +146,10 @@ def test_a_rerun_finds_and_stops_orphans(tmp_path):
     orphan = subprocess.Popen(SLEEP, start_new_session=True)
     stranger = subprocess.Popen(SLEEP, start_new_session=True)
     record = json.loads((tmp_path / "fleet.json").read_text())
-    record["children"] += [{"name": "orphan", "pid": orphan.pid, "started": process_start_time(orphan.pid)},
-                           {"name": "reused", "pid": stranger.pid, "started": 1}]
+    record["children"] += [
+        {"name": "orphan", "pid": orphan.pid, "started": process_start_time(orphan.pid)},
+        {"name": "reused", "pid": stranger.pid, "started": 1},
+    ]
     (tmp_path / "fleet.json").write_text(json.dumps(record))
     proc.kill()
     proc.wait(10)

@@ -53,8 +53,11 @@ def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
     deadline = time.monotonic() + 30  # wandb's own process writes the file; complete once it holds the exit
     while time.monotonic() < deadline and "exit" not in {r.WhichOneof("record_type") for r in wandb_records(log_file)}:
         time.sleep(0.2)
-    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-               for r in wandb_records(log_file) if r.WhichOneof("record_type") == "history"]
+    history = [
+        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+        for r in wandb_records(log_file)
+        if r.WhichOneof("record_type") == "history"
+    ]
     assert [(h["_step"], h["loss"]) for h in history] == [(1, 2.0), (2, 1.0)]
 
 
@@ -72,8 +75,8 @@ def wandb_records(path):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk = data[pos + 7:pos + 7 + length]
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 0 and length == 0:
             continue

@@ -29,8 +29,11 @@ def cases(travelplanner_dir):
 
 def metric(server, name: str) -> float:
     text = httpx.get(f"{server.url}/metrics").text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
 
 
 def test_start_by_split_id_gives_the_task_prompt_tools_and_limits(client, cases):
@@ -38,8 +41,14 @@ def test_start_by_split_id_gives_the_task_prompt_tools_and_limits(client, cases)
     assert ep.query.org == cases[0].query["org"] and ep.query.id == "1"
     assert ep.task == cases[0].query["query"]
     assert "<tool_call>" in ep.system_prompt and "SearchFlight" in ep.system_prompt
-    assert {t["function"]["name"] for t in ep.tools} == {"SearchFlight", "GoogleDistanceMatrix", "SearchAccommodation",
-                                                        "SearchRestaurant", "SearchAttraction", "SearchCity"}
+    assert {t["function"]["name"] for t in ep.tools} == {
+        "SearchFlight",
+        "GoogleDistanceMatrix",
+        "SearchAccommodation",
+        "SearchRestaurant",
+        "SearchAttraction",
+        "SearchCity",
+    }
     assert ep.limits.max_tool_calls == 60 and ep.limits.idle_expiry_s == 900
     native = client.start(query=cases[0].query, tool_format="native", max_tool_calls=5)
     assert "<tools>" not in native.system_prompt and native.limits.max_tool_calls == 5
@@ -48,8 +57,10 @@ def test_start_by_split_id_gives_the_task_prompt_tools_and_limits(client, cases)
 
 def test_a_tool_call_returns_the_sandboxs_text_and_counts(client, episode_server):
     ep = client.start(query_id="1", split="train", max_tool_calls=3)
-    direct = httpx.post(f"{episode_server.sandbox_url}/tools/call",
-                        json={"name": "SearchAccommodation", "arguments": {"city": "Rockford"}}).json()
+    direct = httpx.post(
+        f"{episode_server.sandbox_url}/tools/call",
+        json={"name": "SearchAccommodation", "arguments": {"city": "Rockford"}},
+    ).json()
     reply = client.call_tool(ep.episode_id, "SearchAccommodation", {"city": "Rockford"})
     assert reply.content == direct["text"] and reply.ok
     assert (reply.tool_calls_used, reply.tool_calls_left) == (1, 2)
@@ -69,12 +80,15 @@ def test_episodes_are_isolated_and_the_budget_is_enforced(client):
     assert client.state(a.episode_id).tool_calls_left == 0 and client.state(b.episode_id).tool_calls_used == 1
 
 
-@pytest.mark.parametrize("name, arguments, words", [
-    ("BookFlight", {"city": "Rockford"}, "unknown tool"),
-    ("SearchAccommodation", {"town": "Rockford"}, "not town"),
-    ("SearchFlight", {"departure": "Rockford", "destination": "Chicago"}, "needs date"),
-    ("SearchRestaurant", {"city": 7}, "must be a string"),
-])
+@pytest.mark.parametrize(
+    "name, arguments, words",
+    [
+        ("BookFlight", {"city": "Rockford"}, "unknown tool"),
+        ("SearchAccommodation", {"town": "Rockford"}, "not town"),
+        ("SearchFlight", {"departure": "Rockford", "destination": "Chicago"}, "needs date"),
+        ("SearchRestaurant", {"city": 7}, "must be a string"),
+    ],
+)
 def test_a_bad_tool_call_is_a_422_and_costs_nothing(client, name, arguments, words):
     ep = client.start(query_id="1", split="train", max_tool_calls=2)
     with pytest.raises(EpisodeError) as bad:
@@ -145,8 +159,11 @@ def test_unknown_closed_and_invalid_episodes(client, cases):
     assert unknown.value.status == 404 and "never started" in unknown.value.message
     ep = client.start(query_id="1", split="train")
     client.close(ep.episode_id)
-    for call in (lambda: client.state(ep.episode_id), lambda: client.finish(ep.episode_id, plan=cases[0].plan),
-                 lambda: client.close(ep.episode_id)):
+    for call in (
+        lambda: client.state(ep.episode_id),
+        lambda: client.finish(ep.episode_id, plan=cases[0].plan),
+        lambda: client.close(ep.episode_id),
+    ):
         with pytest.raises(EpisodeError) as gone:
             call()
         assert gone.value.status == 404
@@ -157,26 +174,34 @@ def test_unknown_closed_and_invalid_episodes(client, cases):
     assert client.state(ep.episode_id).status == "open"  # a refused finish leaves the episode open
 
 
-@pytest.mark.parametrize("body, status, words", [
-    ({"query_id": "99999", "split": "train"}, 404, "has no query"),
-    ({"query_id": "1", "split": "nonsense"}, 404, "unknown split"),
-    ({"query_id": "1"}, 422, "query_id together with split"),
-    ({"query_id": "1", "split": "train", "reward": "curriculum"}, 422, "needs the epoch"),
-    ({"query_id": "1", "split": "train", "max_tool_calls": 1000}, 422, "at most 60"),
-    ({"query_id": "1", "split": "../etc"}, 422, "String should match pattern"),
-])
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        ({"query_id": "99999", "split": "train"}, 404, "has no query"),
+        ({"query_id": "1", "split": "nonsense"}, 404, "unknown split"),
+        ({"query_id": "1"}, 422, "query_id together with split"),
+        ({"query_id": "1", "split": "train", "reward": "curriculum"}, 422, "needs the epoch"),
+        ({"query_id": "1", "split": "train", "max_tool_calls": 1000}, 422, "at most 60"),
+        ({"query_id": "1", "split": "../etc"}, 422, "String should match pattern"),
+    ],
+)
 def test_a_bad_start_is_a_4xx_with_a_message(episode_server, body, status, words):
-    reply = httpx.post(f"{episode_server.url}/v1/episodes", json=body,
-                       headers={"Authorization": f"Bearer {episode_server.token}"})
+    reply = httpx.post(
+        f"{episode_server.url}/v1/episodes", json=body, headers={"Authorization": f"Bearer {episode_server.token}"}
+    )
     assert reply.status_code == status, reply.text
     assert words in str(reply.json()["detail"])
 
 
 def test_every_episode_route_needs_the_token(episode_server):
     ep = EpisodeClient(episode_server.url, episode_server.token).start(query_id="1", split="train")
-    for method, path in (("POST", "/v1/episodes"), ("POST", f"/v1/episodes/{ep.episode_id}/tool_calls"),
-                         ("POST", f"/v1/episodes/{ep.episode_id}/finish"), ("GET", f"/v1/episodes/{ep.episode_id}"),
-                         ("DELETE", f"/v1/episodes/{ep.episode_id}")):
+    for method, path in (
+        ("POST", "/v1/episodes"),
+        ("POST", f"/v1/episodes/{ep.episode_id}/tool_calls"),
+        ("POST", f"/v1/episodes/{ep.episode_id}/finish"),
+        ("GET", f"/v1/episodes/{ep.episode_id}"),
+        ("DELETE", f"/v1/episodes/{ep.episode_id}"),
+    ):
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             reply = httpx.request(method, episode_server.url + path, json={}, headers=headers)
             assert reply.status_code == 401, (method, path, reply.text)
@@ -186,13 +211,21 @@ def test_every_episode_route_needs_the_token(episode_server):
 def test_metrics_and_openapi_describe_the_api(episode_server, client):
     client.start(query_id="1", split="train")
     text = httpx.get(f"{episode_server.url}/metrics").text
-    for name in ("star_episodes_started_total", "star_episodes_tool_calls_total", "star_episodes_refused_total",
-                 "star_episodes_score_seconds"):
+    for name in (
+        "star_episodes_started_total",
+        "star_episodes_tool_calls_total",
+        "star_episodes_refused_total",
+        "star_episodes_score_seconds",
+    ):
         assert name in text
     doc = httpx.get(f"{episode_server.url}/openapi.json").json()
     paths = doc["paths"]
-    assert set(paths) >= {"/v1/episodes", "/v1/episodes/{episode_id}/tool_calls", "/v1/episodes/{episode_id}/finish",
-                          "/v1/episodes/{episode_id}"}
+    assert set(paths) >= {
+        "/v1/episodes",
+        "/v1/episodes/{episode_id}/tool_calls",
+        "/v1/episodes/{episode_id}/finish",
+        "/v1/episodes/{episode_id}",
+    }
     tool_calls = paths["/v1/episodes/{episode_id}/tool_calls"]["post"]["responses"]
     assert {"200", "401", "404", "409", "422", "429", "503"} <= set(tool_calls)
     assert tool_calls["429"]["content"]["application/problem+json"]["example"]["status"] == 429

@@ -12,14 +12,23 @@ from tests.support.episode_plans import running_episode_server
 
 pytestmark = pytest.mark.travelplanner_data
 
-LIMITS = {"STAR_EPISODES_MAX_OPEN_PER_CLIENT": "2", "STAR_EPISODES_IDLE_EXPIRY_S": "1.5",
-          "STAR_EPISODES_MAX_BODY_BYTES": "4096", "STAR_EPISODES_MAX_TOOL_CALLS": "3"}
+LIMITS = {
+    "STAR_EPISODES_MAX_OPEN_PER_CLIENT": "2",
+    "STAR_EPISODES_IDLE_EXPIRY_S": "1.5",
+    "STAR_EPISODES_MAX_BODY_BYTES": "4096",
+    "STAR_EPISODES_MAX_TOOL_CALLS": "3",
+}
 
 
 @pytest.fixture(scope="module")
 def server(official_world_url, redis_server_url, travelplanner_dir, tmp_path_factory):
-    with running_episode_server(official_world_url, redis_server_url, tmp_path_factory.mktemp("limits"),
-                                travelplanner_dir=travelplanner_dir, env=LIMITS) as s:
+    with running_episode_server(
+        official_world_url,
+        redis_server_url,
+        tmp_path_factory.mktemp("limits"),
+        travelplanner_dir=travelplanner_dir,
+        env=LIMITS,
+    ) as s:
         yield s
 
 
@@ -57,7 +66,10 @@ def test_an_idle_episode_expires_and_activity_keeps_it(server):
 def test_a_body_over_the_limit_is_a_413(server):
     with server.client() as client:
         ep = client.start(query_id="1", split="train", client="body")
-        reply = httpx.post(f"{server.url}/v1/episodes/{ep.episode_id}/finish", json={"answer": "x" * 5000},
-                           headers={"Authorization": f"Bearer {server.token}"})
+        reply = httpx.post(
+            f"{server.url}/v1/episodes/{ep.episode_id}/finish",
+            json={"answer": "x" * 5000},
+            headers={"Authorization": f"Bearer {server.token}"},
+        )
         assert reply.status_code == 413 and "4096 bytes" in reply.json()["detail"]
         assert client.state(ep.episode_id).status == "open"

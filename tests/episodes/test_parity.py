@@ -69,11 +69,30 @@ def test_the_episode_reward_is_star_scores_output(episode_server, cases, officia
         ep = client.start(query_id=case.query_id, split="train", reward="sum", mode="official")
         result = client.finish(ep.episode_id, plan=case.plan)
     for mode in MODES:
-        out = subprocess.run([sys.executable, "-m", "services.cli", "score", "--query", str(tmp_path / "q.json"),
-                              "--plan", str(tmp_path / "p.json"), "--mode", mode, "--db", official_world_url,
-                              "--json"], capture_output=True, text=True, timeout=120, check=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "score",
+                "--query",
+                str(tmp_path / "q.json"),
+                "--plan",
+                str(tmp_path / "p.json"),
+                "--mode",
+                mode,
+                "--db",
+                official_world_url,
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         cli = json.loads(out.stdout)
         assert result.scores[mode].rewards == cli["rewards"]
-        assert {k: v.passed for k, v in result.verdicts[mode].hard.items()} == \
-               {k: v["passed"] for k, v in cli["score"]["hard"].items()}
+        assert {k: v.passed for k, v in result.verdicts[mode].hard.items()} == {
+            k: v["passed"] for k, v in cli["score"]["hard"].items()
+        }
     assert result.reward == result.scores["official"].rewards["sum"] < 5

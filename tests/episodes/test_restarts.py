@@ -16,8 +16,9 @@ pytestmark = [pytest.mark.travelplanner_data, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def server(official_world_url, redis_server_url, travelplanner_dir, tmp_path_factory):
-    with running_episode_server(official_world_url, redis_server_url, tmp_path_factory.mktemp("restarts"),
-                                travelplanner_dir=travelplanner_dir) as s:
+    with running_episode_server(
+        official_world_url, redis_server_url, tmp_path_factory.mktemp("restarts"), travelplanner_dir=travelplanner_dir
+    ) as s:
         yield s
 
 
@@ -61,8 +62,12 @@ def test_redis_away_is_a_retryable_503_and_the_service_recovers(official_world_u
 
     redis = EmbeddedRedis(data_dir=tmp_path / "redis", appendonly=True).start()
     try:
-        with running_episode_server(official_world_url, redis.url, tmp_path / "servers",
-                                    travelplanner_dir=travelplanner_dir) as server, server.client(retries=0) as client:
+        with (
+            running_episode_server(
+                official_world_url, redis.url, tmp_path / "servers", travelplanner_dir=travelplanner_dir
+            ) as server,
+            server.client(retries=0) as client,
+        ):
             ep = client.start(query_id="1", split="train")
             redis.stop()
             with pytest.raises(EpisodeError) as away:

@@ -74,6 +74,7 @@ def test_one_claim_wins_and_the_first_result_stays(redis_server_url):
 
 def test_a_lapsed_claim_can_be_taken_again(redis_server_url):
     """A scorer killed mid-way stops refreshing its claim: it lapses and another request claims."""
+
     async def body(store):
         await store.create("e1", SPEC, 5, 60_000, 10)
         first = await store.claim("e1", "dead", 100, 60_000)

@@ -41,8 +41,8 @@ def mutated_plans(gold: Gold) -> list[list[dict[str, Any]] | None]:
     mutations are in spec travelplanner.md §6.8)."""
     plans: list[list[dict[str, Any]] | None] = [gold.plan(i) for i in range(len(gold.plans))]
     p0 = plans[0]
-    p0[1]["lunch"] = p0[1]["breakfast"]                       # same restaurant twice: Diverse Restaurants False
-    plans[1] = None                                            # not delivered
+    p0[1]["lunch"] = p0[1]["breakfast"]  # same restaurant twice: Diverse Restaurants False
+    plans[1] = None  # not delivered
     p2 = plans[2]
     p2[0]["transportation"] = p2[0]["transportation"].replace("Flight Number: F", "Flight Number: F9")  # unknown flight
     p3 = plans[lowercase_index(gold)]

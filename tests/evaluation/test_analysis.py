@@ -19,8 +19,7 @@ def record(evaluator, gold, i, plan="gold", trajectory=None, status="ok", **quer
 
 
 def traj(finish: str, group: str = "g", sample: int = 0, reward: float | None = None) -> Trajectory:
-    return Trajectory(run_id="r", task_id="t", prompt_id="p", group_id=group, sample_index=sample,
-                      finish_reason=finish)
+    return Trajectory(run_id="r", task_id="t", prompt_id="p", group_id=group, sample_index=sample, finish_reason=finish)
 
 
 def test_failure_categories_from_verdicts(gold, evaluator):
@@ -34,7 +33,9 @@ def test_failure_categories_from_verdicts(gold, evaluator):
         "missing meal/attraction": record(strict, gold, 0, plan=no_lunch),
         "hallucinated venue": record(evaluator, gold, 0, plan=fake_dinner),
         "context budget exhausted": record(evaluator, gold, 0, plan=None, trajectory=traj("context_limit")),
-        "format error (formatter)": record(evaluator, gold, 0, plan=None, status="invalid_output: not a structured plan"),
+        "format error (formatter)": record(
+            evaluator, gold, 0, plan=None, status="invalid_output: not a structured plan"
+        ),
         "no plan delivered": record(evaluator, gold, 0, plan=None),
     }
     for category, rec in cases.items():
@@ -49,8 +50,12 @@ def test_failure_categories_from_verdicts(gold, evaluator):
 
 def test_room_type_and_rule_categories(gold, evaluator):
     i = next(k for k, q in enumerate(gold.queries) if q.local_constraint.room_type is None and q.people_number <= 2)
-    shared = record(evaluator, gold, i, local_constraint=gold.queries[i].local_constraint.model_copy(
-        update={"room_type": "shared room"}))
+    shared = record(
+        evaluator,
+        gold,
+        i,
+        local_constraint=gold.queries[i].local_constraint.model_copy(update={"room_type": "shared room"}),
+    )
     assert shared.score.hard["valid_room_type"].passed is False
     assert "room type" in analysis.failure_categories(shared)
 
@@ -94,10 +99,12 @@ def test_percentile_matches_numpy():
 
 
 def test_group_reward_variance(gold, evaluator):
-    recs = [record(evaluator, gold, 0, trajectory=traj("answer", "g1", 0)),
-            record(evaluator, gold, 0, plan=None, trajectory=traj("format_error", "g1", 1)),
-            record(evaluator, gold, 1, trajectory=traj("answer", "g2", 0)),
-            record(evaluator, gold, 1, trajectory=traj("answer", "g2", 1))]
+    recs = [
+        record(evaluator, gold, 0, trajectory=traj("answer", "g1", 0)),
+        record(evaluator, gold, 0, plan=None, trajectory=traj("format_error", "g1", 1)),
+        record(evaluator, gold, 1, trajectory=traj("answer", "g2", 0)),
+        record(evaluator, gold, 1, trajectory=traj("answer", "g2", 1)),
+    ]
     out = analysis.group_reward_variance(recs)
     assert out["groups"] == 2 and out["per_group"] == {"g1": 0.25, "g2": 0.0}
     assert out["zero_variance_share"] == 50.0 and out["mean_variance"] == pytest.approx(0.125)

@@ -24,8 +24,13 @@ def runs(gold, evaluator, tmp_path):
     bad_sub = write_submission(tmp_path / "bad.jsonl", gold, mutated_plans(gold))
     out = {}
     for name, sub in (("a", bad_sub), ("b", gold_sub), ("c", bad_sub)):
-        run = EvalRun(split_path=gold.split_path, out=tmp_path / name, evaluator=evaluator,
-                      formatter=StructuredParser(), source={"kind": "predictions", "name": name})
+        run = EvalRun(
+            split_path=gold.split_path,
+            out=tmp_path / name,
+            evaluator=evaluator,
+            formatter=StructuredParser(),
+            source={"kind": "predictions", "name": name},
+        )
         run_eval(run, predictions_path=sub, progress=False)
         out[name] = tmp_path / name
     return out
@@ -89,20 +94,33 @@ def test_the_learning_proof_reports_its_success_gain_with_this_interval(runs, go
         shutil.copytree(runs[run], tmp_path / label / "official")
         evals[label] = {"folder": str(tmp_path / label)}
     ci = gpu_proof.success_gain_interval(evals["sft"], evals["rl"])
-    expected = next(d for d in compare_records(RunFolder(runs["a"]).records(), RunFolder(runs["b"]).records())[0]
-                    if d.metric == "final_pass_rate")
-    assert ci == {"points": expected.delta, "low": expected.low, "high": expected.high,
-                  "p_rl_better": expected.p_b_better, "confidence": 0.95, "queries": n}
+    expected = next(
+        d
+        for d in compare_records(RunFolder(runs["a"]).records(), RunFolder(runs["b"]).records())[0]
+        if d.metric == "final_pass_rate"
+    )
+    assert ci == {
+        "points": expected.delta,
+        "low": expected.low,
+        "high": expected.high,
+        "p_rl_better": expected.p_b_better,
+        "confidence": 0.95,
+        "queries": n,
+    }
     assert ci["points"] == pytest.approx(100 * 4 / n)
     # an older state, or folders left on the device: no interval, no error
     assert gpu_proof.success_gain_interval({"model": "m"}, evals["rl"]) is None
     assert gpu_proof.success_gain_interval({"folder": str(tmp_path / "gone")}, evals["rl"]) is None
     decoded = {"queries": n, "decode_s": 1.0, "finish_reasons": {"answer": n}, "tool_calls_mean": 5.0}
     sft = round(100 * (n - 4) / n, 2)
-    state = {label: {**e, **decoded, "official": {"final_pass_rate": p}, "strict": {}}
-             for label, e, p in (("eval_sft", evals["sft"], sft), ("eval_rl", evals["rl"], 100.0))}
+    state = {
+        label: {**e, **decoded, "official": {"final_pass_rate": p}, "strict": {}}
+        for label, e, p in (("eval_sft", evals["sft"], sft), ("eval_rl", evals["rl"], 100.0))
+    }
     gpu_proof.report(state, tmp_path / "out", "proof", "cmd")
     md = (tmp_path / "out" / "proof.md").read_text()
-    assert (f"Success gain of RL over SFT (official): {100 - sft:+.1f} points, 95% CI [{ci['low']:+.1f}, "
-            f"{ci['high']:+.1f}], P(RL > SFT) {ci['p_rl_better']:.2f} (paired bootstrap over the {n} held-out "
-            "queries") in md
+    assert (
+        f"Success gain of RL over SFT (official): {100 - sft:+.1f} points, 95% CI [{ci['low']:+.1f}, "
+        f"{ci['high']:+.1f}], P(RL > SFT) {ci['p_rl_better']:.2f} (paired bootstrap over the {n} held-out "
+        "queries"
+    ) in md

@@ -31,13 +31,38 @@ def test_tiny_model_through_vllm_and_sandbox_http(gold, official_world_url, sand
     model = tiny_qwen2()
     out = tmp_path / "run"
     # A child process, as `star` runs for a user: vLLM's engine core lives and dies with it.
-    r = subprocess.run([sys.executable, "-m", "services.cli", "eval", "--split", str(gold.split_path),
-                        "--model", str(model), "--engine", "vllm", "--sandbox-url", sandbox.url,
-                        "--db", official_world_url, "--out", str(out), "-n", "1",
-                        "--max-context", "1800", "--max-tool-calls", "3", "--seed", "0"],
-                       capture_output=True, text=True, timeout=540, env={"HF_HUB_OFFLINE": "1",
-                                                                          "VLLM_CPU_KVCACHE_SPACE": "1",
-                                                                          **__import__("os").environ})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "eval",
+            "--split",
+            str(gold.split_path),
+            "--model",
+            str(model),
+            "--engine",
+            "vllm",
+            "--sandbox-url",
+            sandbox.url,
+            "--db",
+            official_world_url,
+            "--out",
+            str(out),
+            "-n",
+            "1",
+            "--max-context",
+            "1800",
+            "--max-tool-calls",
+            "3",
+            "--seed",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env={"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **__import__("os").environ},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "1 queries, official mode, computed denominators" in r.stdout
     result = json.loads((out / "metrics.json").read_text())

@@ -59,9 +59,15 @@ def test_eval_through_the_agent_loop_and_sandbox_http(gold, evaluator, sandbox, 
     sampling = SamplingParams(temperature=0.6, top_p=0.95, max_context_tokens=32_768, max_tool_calls=60)
     run_fn, close = agent_function(Agent(scripted_policy(gold, tokenizer), tools), sampling, closers=[tools.close])
     try:
-        run = EvalRun(split_path=gold.split_path, out=tmp_path / "run", evaluator=evaluator,
-                      formatter=StructuredParser(), source={"kind": "test-scripted"}, limit=N,
-                      concurrency=concurrency)
+        run = EvalRun(
+            split_path=gold.split_path,
+            out=tmp_path / "run",
+            evaluator=evaluator,
+            formatter=StructuredParser(),
+            source={"kind": "test-scripted"},
+            limit=N,
+            concurrency=concurrency,
+        )
         result = run_eval(run, agent=run_fn, progress=False)
     finally:
         close()
@@ -128,6 +134,7 @@ def test_the_engine_is_sized_from_the_episodes_context(monkeypatch, engine):
     # a model whose max_position_embeddings is 8192 must not be asked for an engine default of 32K
     assert seen == {"kind": engine, "max_model_len": 6144 + 512}
     with pytest.raises(_Built):
-        agents.rollout_agent("/m", SamplingParams(max_context_tokens=6144), engine=engine,
-                             engine_options={"max_model_len": 4096})
+        agents.rollout_agent(
+            "/m", SamplingParams(max_context_tokens=6144), engine=engine, engine_options={"max_model_len": 4096}
+        )
     assert seen["max_model_len"] == 4096

@@ -11,15 +11,21 @@ from services.common.schemas import Plan, PlanDay, Trajectory
 from services.evaluation.formatting import ServiceFormatter, StructuredParser
 from services.evaluation.runfolder import RunFolder, RunMismatch
 from services.evaluation.runner import EvalRun, run_eval
-from services.reward.submission import SubmissionError, load_split, read_predictions
 from services.formatter.structured import render_plan
 from services.reward.evaluator import COMMONSENSE_CHECKS, HARD_CHECKS, OFFICIAL_DENOMINATORS, hard_denominator
+from services.reward.submission import SubmissionError, load_split, read_predictions
 from tests.evaluation.conftest import lowercase_index, mutated_plans
 
 
 def make_run(gold, evaluator, out, **kw) -> EvalRun:
-    return EvalRun(split_path=gold.split_path, out=out, evaluator=evaluator, formatter=StructuredParser(),
-                   source=kw.pop("source", {"kind": "test"}), **kw)
+    return EvalRun(
+        split_path=gold.split_path,
+        out=out,
+        evaluator=evaluator,
+        formatter=StructuredParser(),
+        source=kw.pop("source", {"kind": "test"}),
+        **kw,
+    )
 
 
 def verdicts(score) -> dict:
@@ -62,8 +68,11 @@ def test_official_submission_round_trips(gold, evaluator, mutated_submission, tm
     original = mutated_submission.read_text(encoding="utf-8").splitlines()
     assert [json.loads(a) for a in written] == [json.loads(b) for b in original]
     # and the written file scores the same when fed back
-    again = run_eval(make_run(gold, evaluator, tmp_path / "again"), predictions_path=tmp_path / "run" / "predictions.jsonl",
-                     progress=False)
+    again = run_eval(
+        make_run(gold, evaluator, tmp_path / "again"),
+        predictions_path=tmp_path / "run" / "predictions.jsonl",
+        progress=False,
+    )
     first = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert again["metrics"] == first["metrics"]
 
@@ -90,8 +99,15 @@ def test_resume_skips_finished_queries(gold, evaluator, tmp_path):
 
     def agent(query):
         calls.append(query.id)
-        return Trajectory(run_id="r", task_id=query.id, prompt_id=query.id, group_id=query.id, sample_index=0,
-                          finish_reason="format_error", messages=[])
+        return Trajectory(
+            run_id="r",
+            task_id=query.id,
+            prompt_id=query.id,
+            group_id=query.id,
+            sample_index=0,
+            finish_reason="format_error",
+            messages=[],
+        )
 
     run = make_run(gold, evaluator, tmp_path / "run", limit=6)
     run_eval(run, agent=agent, progress=False, stop_after=4)
@@ -107,11 +123,17 @@ def test_scoring_setup_is_pinned(gold, evaluator, mutated_submission, tmp_path):
     assert manifest["scoring"]["evaluator"]["mode"] == "official"
     assert manifest["scoring"]["formatter"]["kind"] == "structured-parser"
     with pytest.raises(RunMismatch, match="evaluator"):
-        run_eval(make_run(gold, evaluator.with_mode("strict"), out, limit=3), predictions_path=mutated_submission,
-                 progress=False)
+        run_eval(
+            make_run(gold, evaluator.with_mode("strict"), out, limit=3),
+            predictions_path=mutated_submission,
+            progress=False,
+        )
     with pytest.raises(RunMismatch, match="source"):
-        run_eval(make_run(gold, evaluator, out, limit=3, source={"kind": "other"}), predictions_path=mutated_submission,
-                 progress=False)
+        run_eval(
+            make_run(gold, evaluator, out, limit=3, source={"kind": "other"}),
+            predictions_path=mutated_submission,
+            progress=False,
+        )
 
 
 def test_plan_texts_through_the_parser(gold, evaluator, tmp_path):
@@ -126,7 +148,9 @@ def test_plan_texts_through_the_parser(gold, evaluator, tmp_path):
     result = run_eval(make_run(gold, evaluator, tmp_path / "run", limit=n), predictions_path=path, progress=False)
     records = RunFolder(tmp_path / "run").records()
     assert all(r.success for r in records[:5])
-    assert not records[5].delivered and records[5].score.formatter_status.startswith("invalid_output: not a structured plan")
+    assert not records[5].delivered and records[5].score.formatter_status.startswith(
+        "invalid_output: not a structured plan"
+    )
     assert result["metrics"]["split"] is None  # a part of the split: computed denominators
     assert result["metrics"]["final_pass_rate"] == pytest.approx(100 * 5 / 6)
     assert any(f["category"] == "format error (formatter)" for f in result["failures"])
@@ -142,16 +166,29 @@ def gold_agent(gold, before=None):
         i = int(query.id) - 1
         days = [PlanDay(**d) for d in gold.plan(i) if d]
         messages = [
-            {"role": "system", "content": "sys"}, {"role": "user", "content": query.query},
-            {"role": "assistant", "content": '<think>a</think><tool_call>{"name": "SearchAccommodation", '
-                                             f'"arguments": {{"city": "{query.dest}"}}}}</tool_call>'},
+            {"role": "system", "content": "sys"},
+            {"role": "user", "content": query.query},
+            {
+                "role": "assistant",
+                "content": '<think>a</think><tool_call>{"name": "SearchAccommodation", '
+                f'"arguments": {{"city": "{query.dest}"}}}}</tool_call>',
+            },
             {"role": "user", "content": "<tool_response>\nA SearchAccommodation ...</tool_response>"},
             {"role": "assistant", "content": "<think>b</think><answer>" + render_plan(Plan(days=days)) + "</answer>"},
         ]
         finish = "answer" if i != 2 else "tool_budget"
-        return Trajectory(run_id="r", task_id=query.id, prompt_id=query.id, group_id=f"g{i // 2}", sample_index=i % 2,
-                          finish_reason=finish, messages=messages, tool_calls=1, token_ids=list(range(100 + i)),
-                          answer=render_plan(Plan(days=days)) if finish == "answer" else None)
+        return Trajectory(
+            run_id="r",
+            task_id=query.id,
+            prompt_id=query.id,
+            group_id=f"g{i // 2}",
+            sample_index=i % 2,
+            finish_reason=finish,
+            messages=messages,
+            tool_calls=1,
+            token_ids=list(range(100 + i)),
+            answer=render_plan(Plan(days=days)) if finish == "answer" else None,
+        )
 
     return agent
 
@@ -226,8 +263,11 @@ def test_a_failed_episode_ends_a_concurrent_run_at_once_with_its_error(gold, eva
     t0 = time.monotonic()
     try:
         with pytest.raises(RuntimeError, match="engine lost"):
-            run_eval(make_run(gold, evaluator, tmp_path / "run", limit=8, concurrency=4),
-                     agent=gold_agent(gold, before=fail_first_hold_the_rest), progress=False)
+            run_eval(
+                make_run(gold, evaluator, tmp_path / "run", limit=8, concurrency=4),
+                agent=gold_agent(gold, before=fail_first_hold_the_rest),
+                progress=False,
+            )
         assert time.monotonic() - t0 < 20  # reported now, not after the held episodes
     finally:
         release.set()
@@ -245,11 +285,14 @@ def test_predictions_pair_by_id_or_order(gold, tmp_path):
         read_predictions(path, queries)
 
 
-@pytest.mark.parametrize("content,message", [
-    ('{"plan": 5}\n', "'plan' must be a list"),
-    ('[1, 2]', "line 1 is not a JSON object"),
-    ('{"plan": null}\n{oops\n', "p.jsonl:2: not a JSON line"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ('{"plan": 5}\n', "'plan' must be a list"),
+        ("[1, 2]", "line 1 is not a JSON object"),
+        ('{"plan": null}\n{oops\n', "p.jsonl:2: not a JSON line"),
+    ],
+)
 def test_bad_predictions_say_where(gold, tmp_path, content, message):
     path = tmp_path / "p.jsonl"
     path.write_text(content, encoding="utf-8")
@@ -302,13 +345,22 @@ def test_llm_formatter_over_an_openai_compatible_server(gold, evaluator, tmp_pat
 
     n = 3
     path = tmp_path / "prose.jsonl"
-    path.write_text("".join(json.dumps({"idx": i + 1, "plan_text": f"On day one we fly out ... (trip {i + 1})"}) + "\n"
-                            for i in range(n)), encoding="utf-8")
+    path.write_text(
+        "".join(
+            json.dumps({"idx": i + 1, "plan_text": f"On day one we fly out ... (trip {i + 1})"}) + "\n"
+            for i in range(n)
+        ),
+        encoding="utf-8",
+    )
     with FakeOpenAI(api_key="sk-test") as server:
         for i in range(n):
             server.push(json.dumps([d for d in gold.plan(i) if d]))
-        settings = Settings(formatter_llm_url=server.base_url, formatter_llm_model="fake-model",
-                            formatter_llm_api_key="sk-test", formatter_max_attempts=1)
+        settings = Settings(
+            formatter_llm_url=server.base_url,
+            formatter_llm_model="fake-model",
+            formatter_llm_api_key="sk-test",
+            formatter_max_attempts=1,
+        )
         formatter = ServiceFormatter("llm", settings=settings)
         run = make_run(gold, evaluator, tmp_path / "run", limit=n)
         run.formatter = formatter
@@ -339,6 +391,10 @@ def test_official_denominators_only_for_the_official_split(gold, tmp_path, full_
     assert official_split_of(tmp_path / "mine.json", queries, "official", limited=False) is None
     # a synthetic set of the same size and name but other constraints: the official 105 would be wrong
     easy = queries[0]
-    changed = [easy.model_copy(update={"local_constraint": easy.local_constraint.model_copy(update={"room_type": "private room"})}),
-               *queries[1:]]
+    changed = [
+        easy.model_copy(
+            update={"local_constraint": easy.local_constraint.model_copy(update={"room_type": "private room"})}
+        ),
+        *queries[1:],
+    ]
     assert official_split_of(gold.split_path, changed, "official", limited=False) is None

@@ -17,14 +17,28 @@ def scored_line(gold, evaluator, i, sample, delivered, reward):
     days = [d for d in gold.plan(i) if d] if delivered else None
     score = evaluator.score(query, days)
     plan = Plan(days=[PlanDay(**d) for d in days]) if days else None
-    return ScoredTrajectory(run_id="rl", task_id=f"t{i}", prompt_id=f"p{i}", group_id=f"g{i}", sample_index=sample,
-                            finish_reason="answer" if delivered else "tool_budget", query=query, score=score,
-                            reward=reward, plan=plan, tool_calls=3).model_dump_json()
+    return ScoredTrajectory(
+        run_id="rl",
+        task_id=f"t{i}",
+        prompt_id=f"p{i}",
+        group_id=f"g{i}",
+        sample_index=sample,
+        finish_reason="answer" if delivered else "tool_budget",
+        query=query,
+        score=score,
+        reward=reward,
+        plan=plan,
+        tool_calls=3,
+    ).model_dump_json()
 
 
 def test_scored_trajectories_analysis(gold, evaluator, tmp_path):
-    lines = [scored_line(gold, evaluator, 0, 0, True, 5.0), scored_line(gold, evaluator, 0, 1, False, 0.0),
-             scored_line(gold, evaluator, 1, 0, True, 5.0), scored_line(gold, evaluator, 1, 1, True, 5.0)]
+    lines = [
+        scored_line(gold, evaluator, 0, 0, True, 5.0),
+        scored_line(gold, evaluator, 0, 1, False, 0.0),
+        scored_line(gold, evaluator, 1, 0, True, 5.0),
+        scored_line(gold, evaluator, 1, 1, True, 5.0),
+    ]
     path = tmp_path / "scored.jsonl"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     r = runner.invoke(app, ["eval", "scored", str(path), "--out", str(tmp_path / "out")])

@@ -20,9 +20,15 @@ def chat(toolbox, calls, answer="<answer>plan</answer>"):
     """System + user, then one assistant turn per (name, arguments) and the tool's real reply."""
     messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "plan my trip"}]
     for name, arguments in calls:
-        messages.append({"role": "assistant",
-                         "content": f"<think>next</think><tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"})
-        messages.append({"role": "user", "content": "<tool_response>\n" + toolbox.call(name, arguments).text + "</tool_response>"})
+        messages.append(
+            {
+                "role": "assistant",
+                "content": f"<think>next</think><tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>",
+            }
+        )
+        messages.append(
+            {"role": "user", "content": "<tool_response>\n" + toolbox.call(name, arguments).text + "</tool_response>"}
+        )
     messages.append({"role": "assistant", "content": f"<think>done</think>{answer}"})
     return messages
 
@@ -39,21 +45,36 @@ def test_tool_calls_pair_with_responses(toolbox, gold):
 
 def test_structured_calls_of_llama_and_mistral_records_are_read(toolbox, gold):
     text = toolbox.call("SearchCity", {"state": "Illinois"}).text
-    msgs = [{"role": "user", "content": "plan my trip"},
-            {"role": "assistant", "content": '{"name": "SearchCity", "parameters": {"state": "Illinois"}}',
-             "tool_calls": [{"id": "call00000", "type": "function",
-                             "function": {"name": "SearchCity", "arguments": {"state": "Illinois"}}}]},
-            {"role": "tool", "content": text, "tool_call_id": "call00000"},
-            {"role": "assistant", "content": "<answer>plan</answer>"}]
+    msgs = [
+        {"role": "user", "content": "plan my trip"},
+        {
+            "role": "assistant",
+            "content": '{"name": "SearchCity", "parameters": {"state": "Illinois"}}',
+            "tool_calls": [
+                {
+                    "id": "call00000",
+                    "type": "function",
+                    "function": {"name": "SearchCity", "arguments": {"state": "Illinois"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": text, "tool_call_id": "call00000"},
+        {"role": "assistant", "content": "<answer>plan</answer>"},
+    ]
     calls = tool_calls(msgs)
     assert [(c.name, c.arguments, c.response) for c in calls] == [("SearchCity", {"state": "Illinois"}, text)]
 
 
 def test_city_dead_end_revised_and_not(toolbox, gold):
     q = gold.queries[0]  # St. Petersburg → Rockford, 3 days
-    msgs = chat(toolbox, [("SearchRestaurant", {"city": "Atlantis"}),        # commits to Atlantis
-                          ("SearchAccommodation", {"city": "Atlantis"}),     # nowhere to sleep there
-                          ("SearchAccommodation", {"city": "Rockford"})])
+    msgs = chat(
+        toolbox,
+        [
+            ("SearchRestaurant", {"city": "Atlantis"}),  # commits to Atlantis
+            ("SearchAccommodation", {"city": "Atlantis"}),  # nowhere to sleep there
+            ("SearchAccommodation", {"city": "Rockford"}),
+        ],
+    )
     calls = tool_calls(msgs)
     assert calls[1].response.startswith("There is no accommodation in Atlantis")
     [end] = dead_ends(q, calls, gold.plan(0))
@@ -70,9 +91,14 @@ def test_city_dead_end_revised_and_not(toolbox, gold):
 def test_flight_dead_end_on_a_date(toolbox, gold):
     q = gold.queries[0]
     day1 = q.date[0]
-    msgs = chat(toolbox, [("SearchAttraction", {"city": "Rockford"}),
-                          ("SearchFlight", {"departure": "St. Petersburg", "destination": "Rockford", "date": "2022-07-04"}),
-                          ("SearchFlight", {"departure": "St. Petersburg", "destination": "Rockford", "date": day1})])
+    msgs = chat(
+        toolbox,
+        [
+            ("SearchAttraction", {"city": "Rockford"}),
+            ("SearchFlight", {"departure": "St. Petersburg", "destination": "Rockford", "date": "2022-07-04"}),
+            ("SearchFlight", {"departure": "St. Petersburg", "destination": "Rockford", "date": day1}),
+        ],
+    )
     calls = tool_calls(msgs)
     assert calls[1].response.startswith("There is no available flight")
     assert calls[2].response.startswith("A SearchFlight for St. Petersburg to Rockford")
@@ -83,18 +109,30 @@ def test_flight_dead_end_on_a_date(toolbox, gold):
 
 def test_first_sight_miss_is_not_backtracking(toolbox, gold):
     q = gold.queries[0]
-    calls = tool_calls(chat(toolbox, [("GoogleDistanceMatrix", {"departure": "St. Petersburg", "destination": "Atlantis",
-                                                                "mode": "self-driving"})]))
+    calls = tool_calls(
+        chat(
+            toolbox,
+            [
+                (
+                    "GoogleDistanceMatrix",
+                    {"departure": "St. Petersburg", "destination": "Atlantis", "mode": "self-driving"},
+                )
+            ],
+        )
+    )
     [end] = dead_ends(q, calls, gold.plan(0))
     assert end.kind == "driving" and not end.earlier_choice
     summary = backtracking_summary([(True, [end])])
-    assert summary["dead_ends"] == 1 and summary["dead_ends_of_earlier_choices"] == 0 and summary["revised_rate"] is None
+    assert (
+        summary["dead_ends"] == 1 and summary["dead_ends_of_earlier_choices"] == 0 and summary["revised_rate"] is None
+    )
 
 
 def test_backtracking_summary_rates(toolbox, gold):
     q = gold.queries[0]
-    calls = tool_calls(chat(toolbox, [("SearchRestaurant", {"city": "Atlantis"}),
-                                      ("SearchAccommodation", {"city": "Atlantis"})]))
+    calls = tool_calls(
+        chat(toolbox, [("SearchRestaurant", {"city": "Atlantis"}), ("SearchAccommodation", {"city": "Atlantis"})])
+    )
     stuck = gold.plan(0)
     stuck[1]["current_city"] = "Atlantis"
     items = [(True, dead_ends(q, calls, gold.plan(0))), (False, dead_ends(q, calls, stuck)), (False, [])]
@@ -107,17 +145,36 @@ def test_backtracking_summary_rates(toolbox, gold):
 
 def test_tool_selection_accuracy(toolbox, gold):
     q = gold.queries[0]
-    calls = tool_calls(chat(toolbox, [
-        ("SearchFlight", {"departure": "St. Petersburg", "destination": "Rockford", "date": q.date[0]}),  # needed
-        ("SearchFlight", {"departure": "St. Petersburg", "destination": "Rockford", "date": q.date[0]}),  # repeat
-        ("SearchFlight", {"departure": "St. Petersburg", "destination": "Rockford", "date": "2022-07-04"}),  # off-trip date
-        ("SearchRestaurant", {"city": "Chicago"}),     # not a city of this 3-day trip
-        ("SearchAccommodation", {}),                   # malformed
-        ("SearchRestaurant", {"city": "Rockford"}),    # needed
-    ]))
+    calls = tool_calls(
+        chat(
+            toolbox,
+            [
+                (
+                    "SearchFlight",
+                    {"departure": "St. Petersburg", "destination": "Rockford", "date": q.date[0]},
+                ),  # needed
+                (
+                    "SearchFlight",
+                    {"departure": "St. Petersburg", "destination": "Rockford", "date": q.date[0]},
+                ),  # repeat
+                (
+                    "SearchFlight",
+                    {"departure": "St. Petersburg", "destination": "Rockford", "date": "2022-07-04"},
+                ),  # off-trip date
+                ("SearchRestaurant", {"city": "Chicago"}),  # not a city of this 3-day trip
+                ("SearchAccommodation", {}),  # malformed
+                ("SearchRestaurant", {"city": "Rockford"}),  # needed
+            ],
+        )
+    )
     out = tool_selection(q, calls)
-    assert out == {"calls": 6, "well_formed": 5, "needed": 2, "well_formed_rate": pytest.approx(500 / 6),
-                   "accuracy": pytest.approx(200 / 6)}
+    assert out == {
+        "calls": 6,
+        "well_formed": 5,
+        "needed": 2,
+        "well_formed_rate": pytest.approx(500 / 6),
+        "accuracy": pytest.approx(200 / 6),
+    }
 
 
 def test_tool_selection_cities_of_the_destination_state(toolbox, gold, evaluator):
@@ -125,9 +182,16 @@ def test_tool_selection_cities_of_the_destination_state(toolbox, gold, evaluator
     city_state = evaluator.index.city_state
     inside = next(c for c, s in city_state.items() if s == q.dest)
     outside = next(c for c, s in city_state.items() if s != q.dest and c != q.org)
-    calls = tool_calls(chat(toolbox, [("SearchCity", {"state": q.dest}),
-                                      ("SearchRestaurant", {"city": inside}),
-                                      ("SearchRestaurant", {"city": outside}),
-                                      ("SearchCity", {"state": "Atlantis"})]))
+    calls = tool_calls(
+        chat(
+            toolbox,
+            [
+                ("SearchCity", {"state": q.dest}),
+                ("SearchRestaurant", {"city": inside}),
+                ("SearchRestaurant", {"city": outside}),
+                ("SearchCity", {"state": "Atlantis"}),
+            ],
+        )
+    )
     assert tool_selection(q, calls, city_state)["needed"] == 2
     assert tool_selection(q, calls)["needed"] == 3  # without the city table only the state call is judged

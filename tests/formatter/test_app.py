@@ -12,11 +12,12 @@ from services.embedded import ServiceProcess
 from tests.formatter.samples import DAYS, GOOD, PROSE, QUERY
 from tests.support.fake_openai import FakeOpenAI, Reply
 
-
 STRUCTURED = "\n\n".join(
     f"Day {d['day']}:\nCurrent City: {d['current_city']}\nTransportation: {d['transportation']}\n"
     f"Breakfast: {d['breakfast']}\nAttraction: {d['attraction']}\nLunch: {d['lunch']}\nDinner: {d['dinner']}\n"
-    f"Accommodation: {d['accommodation']}" for d in DAYS)
+    f"Accommodation: {d['accommodation']}"
+    for d in DAYS
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +33,17 @@ def _service(name, env, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(llm_server, tmp_path_factory):
-    proc = _service("formatter", {"STAR_FORMATTER_LLM_URL": llm_server.base_url, "STAR_FORMATTER_LLM_MODEL": "fmt",
-                                  "STAR_FORMATTER_LLM_API_KEY": "sk-app", "STAR_FORMATTER_MAX_ATTEMPTS": "2",
-                                  "STAR_FORMATTER_TIMEOUT_S": "2"}, tmp_path_factory)
+    proc = _service(
+        "formatter",
+        {
+            "STAR_FORMATTER_LLM_URL": llm_server.base_url,
+            "STAR_FORMATTER_LLM_MODEL": "fmt",
+            "STAR_FORMATTER_LLM_API_KEY": "sk-app",
+            "STAR_FORMATTER_MAX_ATTEMPTS": "2",
+            "STAR_FORMATTER_TIMEOUT_S": "2",
+        },
+        tmp_path_factory,
+    )
     with httpx.Client(base_url=proc.url, timeout=30) as c:
         yield c
     proc.stop()
@@ -80,8 +89,13 @@ def test_failures_are_statuses_not_http_errors(client, llm_server):
     body = client.post("/format", json={"query": q(), "plan_text": PROSE + " v2", "backend": "llm"}).json()
     assert body["status"] == "invalid_output" and "plan" not in body and "2 attempt(s)" in body["error"]
     body = client.post("/format", json={"plan_text": "answer not found", "backend": "llm"}).json()
-    assert body == {"status": "no_plan", "backend": "rule", "error": "the answer says 'answer not found'",
-                    "attempts": 0, "cached": False}
+    assert body == {
+        "status": "no_plan",
+        "backend": "rule",
+        "error": "the answer says 'answer not found'",
+        "attempts": 0,
+        "cached": False,
+    }
     body = client.post("/format", json={"plan_text": PROSE, "backend": "structured"}).json()
     assert body["status"] == "invalid_output" and "not a structured plan" in body["error"]
 
@@ -93,14 +107,17 @@ def test_llm_backend_without_configuration_is_503(bare_client):
     assert r.status_code == 200 and r.json()["status"] == "ok"
 
 
-@pytest.mark.parametrize("body, where", [
-    ({}, "plan_text"),
-    ({"plan_text": 5}, "plan_text"),
-    ({"plan_text": "x", "backend": "gpt"}, "backend"),
-    ({"plan_text": "x", "query": {"org": "A"}}, "query"),
-    ({"plan_text": "x", "query": {**QUERY.model_dump(mode="json"), "days": 4}}, "days"),
-    ({"plan_text": "x", "surprise": 1}, "surprise"),
-])
+@pytest.mark.parametrize(
+    "body, where",
+    [
+        ({}, "plan_text"),
+        ({"plan_text": 5}, "plan_text"),
+        ({"plan_text": "x", "backend": "gpt"}, "backend"),
+        ({"plan_text": "x", "query": {"org": "A"}}, "query"),
+        ({"plan_text": "x", "query": {**QUERY.model_dump(mode="json"), "days": 4}}, "days"),
+        ({"plan_text": "x", "surprise": 1}, "surprise"),
+    ],
+)
 def test_bad_requests_are_422_with_the_field(client, body, where):
     r = client.post("/format", json=body)
     assert r.status_code == 422 and r.headers["content-type"].startswith("application/problem+json")
@@ -110,16 +127,26 @@ def test_bad_requests_are_422_with_the_field(client, body, where):
 def test_oversized_and_non_json_bodies(client):
     from services.common.http import MAX_BODY_BYTES
 
-    r = client.post("/format", content=b"{" + b" " * MAX_BODY_BYTES + b"}", headers={"content-type": "application/json"})
+    r = client.post(
+        "/format", content=b"{" + b" " * MAX_BODY_BYTES + b"}", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 413 and str(MAX_BODY_BYTES) in r.json()["detail"]
     r = client.post("/format", content=b"not json", headers={"content-type": "application/json"})
     assert r.status_code == 422
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=30),
-                    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=10), c, max_size=4),
-                    max_leaves=12))
+@given(
+    st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers()
+        | st.floats(allow_nan=False, allow_infinity=False)
+        | st.text(max_size=30),
+        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=10), c, max_size=4),
+        max_leaves=12,
+    )
+)
 def test_any_json_is_never_a_5xx(bare_client, value):
     body = value if not isinstance(value, dict) else {"backend": "structured", **value}
     r = bare_client.post("/format", json=body)

@@ -50,15 +50,18 @@ def test_garbage_gets_a_repair_message_then_succeeds(server):
     assert "could not be used: the reply holds no JSON array" in second[-1]["content"]
 
 
-@pytest.mark.parametrize("reply, why", [
-    (Reply(content=""), "the reply was empty"),
-    (Reply(content=None), "the reply was empty"),
-    (Reply(content="[{\"day\": 1, \"current_city\": "), "not valid JSON"),
-    (Reply(content='[{"day": 1, "transportation": "-"}]'), 'no "current_city"'),
-    (Reply(content='[{"day": 1, "current_city": "X", "lunch": ["a"]}]'), '"lunch" is a list'),
-    (Reply(content='{"note": 1}'), "a JSON object, not an array of days"),
-    (Reply(content='The plan is fine.'), "holds no JSON array"),
-])
+@pytest.mark.parametrize(
+    "reply, why",
+    [
+        (Reply(content=""), "the reply was empty"),
+        (Reply(content=None), "the reply was empty"),
+        (Reply(content='[{"day": 1, "current_city": '), "not valid JSON"),
+        (Reply(content='[{"day": 1, "transportation": "-"}]'), 'no "current_city"'),
+        (Reply(content='[{"day": 1, "current_city": "X", "lunch": ["a"]}]'), '"lunch" is a list'),
+        (Reply(content='{"note": 1}'), "a JSON object, not an array of days"),
+        (Reply(content="The plan is fine."), "holds no JSON array"),
+    ],
+)
 def test_bad_output_ends_after_the_attempt_budget(server, reply, why):
     server.default = reply  # the same bad reply forever: the client must stop by itself
     out = llm(server, max_attempts=4).format(QUERY, PROSE)
@@ -153,6 +156,7 @@ def test_read_plan_json_contract():
 
 # --- the backend choice ----------------------------------------------------------------------
 
+
 def test_auto_uses_the_parser_first_and_the_llm_for_prose(server):
     fmt = Formatter(llm(server))
     structured = render_plan(read_plan_json(GOOD))
@@ -184,14 +188,22 @@ def test_structured_backend_reports_parse_errors_and_llm_needs_configuration():
 
 _json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
-    lambda c: st.lists(c, max_size=4) | st.dictionaries(
-        st.sampled_from(["day", "current_city", "lunch", "plan", "days", "x"]), c, max_size=4),
-    max_leaves=15)
+    lambda c: (
+        st.lists(c, max_size=4)
+        | st.dictionaries(st.sampled_from(["day", "current_city", "lunch", "plan", "days", "x"]), c, max_size=4)
+    ),
+    max_leaves=15,
+)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.one_of(st.text(max_size=200), _json_values.map(json.dumps),
-                 _json_values.map(lambda v: f"```json\n{json.dumps(v)}\n```")))
+@given(
+    st.one_of(
+        st.text(max_size=200),
+        _json_values.map(json.dumps),
+        _json_values.map(lambda v: f"```json\n{json.dumps(v)}\n```"),
+    )
+)
 def test_any_reply_is_a_plan_or_an_output_error(content):
     try:
         plan = read_plan_json(content)

@@ -13,13 +13,21 @@ from services.common.schemas import Plan, PlanDay
 from services.formatter.structured import FIELDS, ONE_ENTRY_FIELDS, PlanTextError, parse_plan, render_plan
 
 DAY1 = PlanDay(
-    day=1, current_city="from Sarasota to Chicago",
+    day=1,
+    current_city="from Sarasota to Chicago",
     transportation="Flight Number: F3573659, from Sarasota to Chicago, Departure Time: 08:04, Arrival Time: 10:20",
-    dinner="Coco Bambu, Chicago", accommodation="Cozy Room in Wicker Park, Chicago",
+    dinner="Coco Bambu, Chicago",
+    accommodation="Cozy Room in Wicker Park, Chicago",
 )
-DAY2 = PlanDay(day=2, current_city="Chicago", breakfast="Dial A Cake, Chicago",
-               attraction="Millennium Park, Chicago;Art Institute of Chicago, Chicago;",
-               lunch="Flying Mango, Chicago", dinner="Cafe Southall, Chicago", accommodation="-")
+DAY2 = PlanDay(
+    day=2,
+    current_city="Chicago",
+    breakfast="Dial A Cake, Chicago",
+    attraction="Millennium Park, Chicago;Art Institute of Chicago, Chicago;",
+    lunch="Flying Mango, Chicago",
+    dinner="Cafe Southall, Chicago",
+    accommodation="-",
+)
 PLAN = Plan(days=[DAY1, DAY2])
 
 
@@ -38,7 +46,8 @@ def test_render_is_the_contract_form():
         "Day 1:\nCurrent City: from Sarasota to Chicago\n"
         "Transportation: Flight Number: F3573659, from Sarasota to Chicago, Departure Time: 08:04, Arrival Time: 10:20\n"
         "Breakfast: -\nAttraction: -\nLunch: -\nDinner: Coco Bambu, Chicago\n"
-        "Accommodation: Cozy Room in Wicker Park, Chicago\n\nDay 2:\nCurrent City: Chicago\n")
+        "Accommodation: Cozy Room in Wicker Park, Chicago\n\nDay 2:\nCurrent City: Chicago\n"
+    )
     assert text.count("\n\n") == 1
 
 
@@ -66,17 +75,22 @@ def test_agent_decorations_are_forgiven():
     assert parse_plan(text, days=2) == PLAN
 
 
-@pytest.mark.parametrize("text, message", [
-    ("", "no 'Day 1:' line"),
-    ("I could not find a plan. Answer not found.", "no 'Day 1:' line"),
-    ("Day 2:\n" + "\n".join(f"{label}: -" for label, _ in FIELDS), "'Day 2' where Day 1 was expected"),
-    ("Day 1:\nCurrent City: Chicago\nTransportation: -", "Day 1 has no Breakfast, Attraction, Lunch, Dinner, "
-                                                         "Accommodation line"),
-    ("Day 1:\nCurrent City: Chicago\nCurrent City: Boston", "second Current City line"),
-    ("Day 1:\nCurrent City: Chicago\nCost: 300", "unknown field 'Cost' in Day 1"),
-    ("Day 1:\nCurrent City: Chicago\nthen we fly home", "expected a labelled line of Day 1 (Transportation: ...)"),
-    ("Day 1:\nCurrent City:\nChicago", "expected a labelled line"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "no 'Day 1:' line"),
+        ("I could not find a plan. Answer not found.", "no 'Day 1:' line"),
+        ("Day 2:\n" + "\n".join(f"{label}: -" for label, _ in FIELDS), "'Day 2' where Day 1 was expected"),
+        (
+            "Day 1:\nCurrent City: Chicago\nTransportation: -",
+            "Day 1 has no Breakfast, Attraction, Lunch, Dinner, Accommodation line",
+        ),
+        ("Day 1:\nCurrent City: Chicago\nCurrent City: Boston", "second Current City line"),
+        ("Day 1:\nCurrent City: Chicago\nCost: 300", "unknown field 'Cost' in Day 1"),
+        ("Day 1:\nCurrent City: Chicago\nthen we fly home", "expected a labelled line of Day 1 (Transportation: ...)"),
+        ("Day 1:\nCurrent City:\nChicago", "expected a labelled line"),
+    ],
+)
 def test_bad_text_is_a_clear_error(text, message):
     with pytest.raises(PlanTextError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_plan(text)
@@ -100,9 +114,12 @@ def test_non_text_and_huge_text_are_refused():
 
 def test_a_stray_separator_after_one_entry_is_dropped():
     # Run 31's drift: the attraction line's ";" after a meal made the evaluator read the city "Chicago;".
-    text = render_plan(PLAN).replace("Coco Bambu, Chicago", "Coco Bambu, Chicago ;").replace(
-        "Dial A Cake, Chicago", "Dial A Cake, Chicago;").replace("Cozy Room in Wicker Park, Chicago",
-                                                                 "Cozy Room in Wicker Park, Chicago;")
+    text = (
+        render_plan(PLAN)
+        .replace("Coco Bambu, Chicago", "Coco Bambu, Chicago ;")
+        .replace("Dial A Cake, Chicago", "Dial A Cake, Chicago;")
+        .replace("Cozy Room in Wicker Park, Chicago", "Cozy Room in Wicker Park, Chicago;")
+    )
     assert parse_plan(text) == PLAN
     # The attraction line keeps its separators: they are the benchmark's own form there.
     assert parse_plan(text).days[1].attraction.endswith("Chicago;")
@@ -119,10 +136,15 @@ def test_render_keeps_values_on_one_line():
 
 # Values as a plan writes them: one line, no surrounding blanks, any printable text (colons,
 # semicolons, parentheses, markdown-like characters and non-ASCII included).
-_value = st.text(
-    alphabet=st.characters(blacklist_categories=("Cc", "Cs", "Zl", "Zp"), blacklist_characters="\x85\x1c\x1d\x1e"),
-    min_size=1, max_size=60,
-).map(str.strip).filter(lambda v: v != "")
+_value = (
+    st.text(
+        alphabet=st.characters(blacklist_categories=("Cc", "Cs", "Zl", "Zp"), blacklist_characters="\x85\x1c\x1d\x1e"),
+        min_size=1,
+        max_size=60,
+    )
+    .map(str.strip)
+    .filter(lambda v: v != "")
+)
 
 
 def _day_fields_of(value: st.SearchStrategy[str]) -> st.SearchStrategy[dict[str, str]]:
@@ -154,17 +176,35 @@ def test_any_text_parses_or_fails_clearly(text):
 
 
 # How agents decorate the form: each label line and day header may get its own markdown.
-_label_styles = st.sampled_from(["{l}: {v}", "**{l}:** {v}", "**{l}**: {v}", "- {l}: {v}", "* **{l}:** {v}",
-                                 "  {l}:   {v}  ", "{L}: {v}", "1. {l}: {v}"])
-_day_styles = st.sampled_from(["Day {n}:", "**Day {n}:**", "### Day {n}", "Day {n} (2022-03-1{n})",
-                               "## **Day {n}**", "Day {n} - Arrival"])
-_plain_value = st.text(alphabet=st.sampled_from("abcdefgh XYZ,;.()'&-0123456789:"), min_size=1, max_size=40).map(
-    str.strip).filter(lambda v: v and not v.startswith(("*", "-", ":")) and not v.endswith("*"))
+_label_styles = st.sampled_from(
+    [
+        "{l}: {v}",
+        "**{l}:** {v}",
+        "**{l}**: {v}",
+        "- {l}: {v}",
+        "* **{l}:** {v}",
+        "  {l}:   {v}  ",
+        "{L}: {v}",
+        "1. {l}: {v}",
+    ]
+)
+_day_styles = st.sampled_from(
+    ["Day {n}:", "**Day {n}:**", "### Day {n}", "Day {n} (2022-03-1{n})", "## **Day {n}**", "Day {n} - Arrival"]
+)
+_plain_value = (
+    st.text(alphabet=st.sampled_from("abcdefgh XYZ,;.()'&-0123456789:"), min_size=1, max_size=40)
+    .map(str.strip)
+    .filter(lambda v: v and not v.startswith(("*", "-", ":")) and not v.endswith("*"))
+)
 
 
 @settings(max_examples=200, deadline=None)
-@given(days=st.lists(_day_fields_of(_plain_value), min_size=1, max_size=5),
-       styles=st.data(), newline=st.sampled_from(["\n", "\r\n"]), prose=st.sampled_from(["", "Here is the plan.\n\n"]))
+@given(
+    days=st.lists(_day_fields_of(_plain_value), min_size=1, max_size=5),
+    styles=st.data(),
+    newline=st.sampled_from(["\n", "\r\n"]),
+    prose=st.sampled_from(["", "Here is the plan.\n\n"]),
+)
 def test_decorated_plans_read_the_same(days, styles, newline, prose):
     plan = Plan(days=[PlanDay(day=i + 1, **fields) for i, fields in enumerate(days)])
     lines = [prose]

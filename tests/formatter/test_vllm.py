@@ -29,9 +29,28 @@ def vllm_server(tmp_path_factory):
     log = open(tmp_path_factory.mktemp("vllm") / "vllm.log", "wb")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-         "--port", str(port), "--served-model-name", "tiny", "--max-model-len", "8192", "--enforce-eager",
-         "--dtype", "bfloat16"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+            "--max-model-len",
+            "8192",
+            "--enforce-eager",
+            "--dtype",
+            "bfloat16",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -59,8 +78,9 @@ def vllm_server(tmp_path_factory):
 def test_random_model_gets_a_clear_status_within_the_budget(vllm_server):
     models = httpx.get(f"{vllm_server}/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
-    llm = LLMFormatter(vllm_server, "tiny", max_attempts=2, max_tokens=48, request_timeout_s=120, deadline_s=300,
-                       backoff_s=0)
+    llm = LLMFormatter(
+        vllm_server, "tiny", max_attempts=2, max_tokens=48, request_timeout_s=120, deadline_s=300, backoff_s=0
+    )
     started = time.monotonic()
     out = Formatter(llm).format(PROSE, QUERY, "llm")
     assert out.backend == "llm"

@@ -54,13 +54,21 @@ class Servers:
 
     def load_chunk(self, body: dict) -> None:
         handles = pickle.loads(base64.b64decode(body["handles"])) if "handles" in body else {}
-        self.calls.append({"call": "load", "names": body.get("names", []), "first": body["first"],
-                           "last": body["last"], "handles": handles})
+        self.calls.append(
+            {
+                "call": "load",
+                "names": body.get("names", []),
+                "first": body["first"],
+                "last": body["last"],
+                "handles": handles,
+            }
+        )
 
 
 def cpu_chunks(tensors, buffer_bytes: int):
     """Packs as vLLM's IPC producer does (tensors in order into a buffer of `buffer_bytes`, a chunk when the next
     would not fit), each chunk's 'handle' the digest of the bytes this rank packed, gathered to rank 0."""
+
     def chunk(items):
         digest = hashlib.sha256(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for _, t in items))
         handles = gather_handles({f"gpu-{dist.get_rank()}": digest.hexdigest()})
@@ -80,17 +88,30 @@ def cpu_chunks(tensors, buffer_bytes: int):
 
 def sequences() -> list[Sequence_]:
     g = torch.Generator().manual_seed(7)
-    return [Sequence_(torch.randint(100, 5000, (n,), generator=g).tolist(), [0, 0] + [1] * (n - 2), None,
-                      advantage=1.0 if i % 2 else -0.5, index=i) for i, n in enumerate([30, 22, 17, 40])]
+    return [
+        Sequence_(
+            torch.randint(100, 5000, (n,), generator=g).tolist(),
+            [0, 0] + [1] * (n - 2),
+            None,
+            advantage=1.0 if i % 2 else -0.5,
+            index=i,
+        )
+        for i, n in enumerate([30, 22, 17, 40])
+    ]
 
 
 def main(out: Path) -> None:
-    engine = PolicyEngine(tiny_qwen2(), EngineConfig(zero_stage=3, micro_batch_tokens=48, persistent_weights_gib=0.0),
-                          ScheduleConfig(lr=0.1), total_steps=10)
+    engine = PolicyEngine(
+        tiny_qwen2(),
+        EngineConfig(zero_stage=3, micro_batch_tokens=48, persistent_weights_gib=0.0),
+        ScheduleConfig(lr=0.1),
+        total_steps=10,
+    )
     rank = engine.rank
     servers = Servers() if rank == 0 else None
-    sync = ColocatedSync(None, servers, files_every=100,
-                         chunks=lambda tensors, _: cpu_chunks(tensors, buffer_bytes=256 * 1024))
+    sync = ColocatedSync(
+        None, servers, files_every=100, chunks=lambda tensors, _: cpu_chunks(tensors, buffer_bytes=256 * 1024)
+    )
     sync.sleep()
     rl_step(engine, sequences(), eps_low=0.2, eps_high=0.28)
     metrics = sync.publish(1, engine.hf_model, zero3=True, buckets=lambda: iter(()), config=None, source_dir=None)
@@ -102,9 +123,15 @@ def main(out: Path) -> None:
     except ColocationError as exc:
         refused = str(exc)
     dist.barrier()
-    result = {"rank": rank, "world": engine.world_size, "metrics": sorted(metrics), "refused": refused,
-              "asleep_after_refusal": sync.asleep, "names": parameter_layout(engine.hf_model)["names"],
-              "calls": servers.calls if servers else None}
+    result = {
+        "rank": rank,
+        "world": engine.world_size,
+        "metrics": sorted(metrics),
+        "refused": refused,
+        "asleep_after_refusal": sync.asleep,
+        "names": parameter_layout(engine.hf_model)["names"],
+        "calls": servers.calls if servers else None,
+    }
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(result))
 
 

@@ -31,9 +31,18 @@ def behaviour_logprobs(model_dir: Path, token_ids: list[list[int]]) -> list[list
     return out
 
 
-def scored_batch(model_dir: Path, groups: int, group_size: int, *, length: int = 24, prompt: int = 6,
-                 seed: int = 0, version: int = 0, run_id: str = "test",
-                 step: int | None = None) -> list[ScoredTrajectory]:
+def scored_batch(
+    model_dir: Path,
+    groups: int,
+    group_size: int,
+    *,
+    length: int = 24,
+    prompt: int = 6,
+    seed: int = 0,
+    version: int = 0,
+    run_id: str = "test",
+    step: int | None = None,
+) -> list[ScoredTrajectory]:
     g = torch.Generator().manual_seed(seed)
     ids = [torch.randint(100, 5000, (length,), generator=g).tolist() for _ in range(groups * group_size)]
     lps = behaviour_logprobs(model_dir, ids)
@@ -42,11 +51,23 @@ def scored_batch(model_dir: Path, groups: int, group_size: int, *, length: int =
     for k, (tok, lp, r) in enumerate(zip(ids, lps, rewards)):
         grp, i = divmod(k, group_size)
         mask = [0] * prompt + [1] * (length - prompt)
-        out.append(ScoredTrajectory(
-            run_id=run_id, task_id=f"task-{seed}-{grp}", prompt_id=f"p-{seed}-{grp}", group_id=f"g-{seed}-{grp}",
-            sample_index=i, policy_version=version, token_ids=tok, loss_mask=mask,
-            logprobs=[None if m == 0 else v for m, v in zip(mask, lp)], finish_reason="answer",
-            score=Score(), reward=r, step=step))
+        out.append(
+            ScoredTrajectory(
+                run_id=run_id,
+                task_id=f"task-{seed}-{grp}",
+                prompt_id=f"p-{seed}-{grp}",
+                group_id=f"g-{seed}-{grp}",
+                sample_index=i,
+                policy_version=version,
+                token_ids=tok,
+                loss_mask=mask,
+                logprobs=[None if m == 0 else v for m, v in zip(mask, lp)],
+                finish_reason="answer",
+                score=Score(),
+                reward=r,
+                step=step,
+            )
+        )
     return out
 
 

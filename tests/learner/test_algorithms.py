@@ -14,6 +14,7 @@ from services.learner.config import FilterConfig, RLConfig, masked_finishes, zer
 
 # ---- advantages ---------------------------------------------------------------------------------
 
+
 def test_group_advantages_by_hand():
     # group a: rewards 1,0,0,1 → mean 0.5, unbiased std sqrt(1/3) → ±0.5·sqrt(3) = ±0.8660
     # group b: one sample → mean 0, std 1 → advantage = reward
@@ -42,10 +43,12 @@ def test_format_error_is_worth_zero_and_nan_rejected():
 
 # ---- clipping -------------------------------------------------------------------------------------
 
+
 def _loss(ratio: float, adv: float, **kw):
     logp = torch.tensor([math.log(ratio)], requires_grad=True)
-    loss, stats = alg.clipped_policy_loss(logp, torch.zeros(1), torch.tensor([adv]), torch.ones(1),
-                                          eps_low=0.2, eps_high=0.28, **kw)
+    loss, stats = alg.clipped_policy_loss(
+        logp, torch.zeros(1), torch.tensor([adv]), torch.ones(1), eps_low=0.2, eps_high=0.28, **kw
+    )
     loss.backward()
     return loss.item(), logp.grad.item(), stats
 
@@ -90,6 +93,7 @@ def test_dual_clip_caps_negative_advantages():
 
 # ---- token-level normalization -------------------------------------------------------------------
 
+
 def test_token_mean_weights_count_every_loss_token_of_the_step():
     masks = [torch.tensor([0, 1, 1, 1.0]), torch.tensor([1, 0, 0.0])]
     w = alg.token_weights(masks, "token-mean")
@@ -113,9 +117,11 @@ def test_token_mean_loss_by_hand():
 
 # ---- filters -------------------------------------------------------------------------------------
 
+
 def test_dynamic_sampling_drops_flat_groups():
-    sel = alg.select_groups({"a": [1, 1, 1], "b": [0, 1, 0], "c": [0, 0, 0], "d": [2.5, 2.5, 2.5000001]},
-                            dynamic_sampling=True)
+    sel = alg.select_groups(
+        {"a": [1, 1, 1], "b": [0, 1, 0], "c": [0, 0, 0], "d": [2.5, 2.5, 2.5000001]}, dynamic_sampling=True
+    )
     assert sel.kept == ["b"]
     assert sel.dropped_flat == ["a", "c", "d"]
 
@@ -169,12 +175,23 @@ def test_kl_penalty_caps_a_token_far_below_the_reference():
 
 # ---- trajectories → sequences --------------------------------------------------------------------
 
+
 def _traj(group: str, i: int, reward: float, finish: str = "answer", version: int = 0, n: int = 6) -> ScoredTrajectory:
     mask = [0, 0] + [1] * (n - 2)
-    return ScoredTrajectory(run_id="r", task_id=f"t-{group}", prompt_id=group, group_id=group, sample_index=i,
-                            policy_version=version, token_ids=list(range(10, 10 + n)), loss_mask=mask,
-                            logprobs=[None if m == 0 else -1.0 for m in mask], finish_reason=finish,
-                            score=Score(), reward=reward)
+    return ScoredTrajectory(
+        run_id="r",
+        task_id=f"t-{group}",
+        prompt_id=group,
+        group_id=group,
+        sample_index=i,
+        policy_version=version,
+        token_ids=list(range(10, 10 + n)),
+        loss_mask=mask,
+        logprobs=[None if m == 0 else -1.0 for m in mask],
+        finish_reason=finish,
+        score=Score(),
+        reward=reward,
+    )
 
 
 def test_rl_sequences_overlength_masked_but_kept_in_normalization():
@@ -189,10 +206,15 @@ def test_rl_sequences_overlength_masked_but_kept_in_normalization():
 
 def test_truncated_samples_train_as_failures_under_the_fail_policy():
     # A context-limit sample the reward worker scored 1 (it never does: the guard here is the learner's own)
-    trajs = [_traj("g", 0, 1.0), _traj("g", 1, 0.0), _traj("g", 2, 1.0, "context_limit"),
-             _traj("g", 3, 0.0, "tool_budget")]
-    filters = FilterConfig(mask_finish_reasons=masked_finishes("fail"),
-                           zero_reward_finish_reasons=zero_reward_finishes("fail"))
+    trajs = [
+        _traj("g", 0, 1.0),
+        _traj("g", 1, 0.0),
+        _traj("g", 2, 1.0, "context_limit"),
+        _traj("g", 3, 0.0, "tool_budget"),
+    ]
+    filters = FilterConfig(
+        mask_finish_reasons=masked_finishes("fail"), zero_reward_finish_reasons=zero_reward_finishes("fail")
+    )
     batch = rl_sequences(trajs, filters, learner_version=0)
     # rewards 1, 0, 0, 0: mean 0.25, std 0.5; both truncated samples are pushed down and trained
     assert batch.rewards == [1.0, 0.0, 0.0, 0.0]
@@ -201,8 +223,9 @@ def test_truncated_samples_train_as_failures_under_the_fail_policy():
     assert batch.stats["samples_masked_overlength"] == 0 and batch.stats["samples_trained"] == 4
     assert batch.stats["samples_truncated"] == 2  # counted under either policy
     assert rl_sequences(trajs, FilterConfig(), learner_version=0).stats["samples_truncated"] == 2
-    engine = rl_sequences([_traj("h", 0, 1.0), _traj("h", 1, 0.0), _traj("h", 2, 0.0, "engine_error")], filters,
-                          learner_version=0)
+    engine = rl_sequences(
+        [_traj("h", 0, 1.0), _traj("h", 1, 0.0), _traj("h", 2, 0.0, "engine_error")], filters, learner_version=0
+    )
     assert len(engine.sequences) == 2  # an engine failure is still left out, under either policy
 
 
@@ -225,9 +248,14 @@ def test_negative_scale_outside_zero_to_one_is_refused():
 
 
 def test_rl_sequences_format_error_zero_stale_and_dapo():
-    trajs = [_traj("a", 0, 3.0, "format_error"), _traj("a", 1, 0.0),          # flat after zeroing → dropped
-             _traj("b", 0, 2.0), _traj("b", 1, 1.0),
-             _traj("c", 0, 2.0, version=0), _traj("c", 1, 1.0, version=0)]
+    trajs = [
+        _traj("a", 0, 3.0, "format_error"),
+        _traj("a", 1, 0.0),  # flat after zeroing → dropped
+        _traj("b", 0, 2.0),
+        _traj("b", 1, 1.0),
+        _traj("c", 0, 2.0, version=0),
+        _traj("c", 1, 1.0, version=0),
+    ]
     trajs[4].policy_version = trajs[5].policy_version = -3  # far behind: stale
     batch = rl_sequences(trajs, FilterConfig(dynamic_sampling=True, max_staleness=1), learner_version=0)
     assert batch.stats["samples_stale"] == 2
@@ -238,8 +266,14 @@ def test_rl_sequences_format_error_zero_stale_and_dapo():
 
 def test_flat_fraction_is_measured_when_flat_groups_are_kept():
     # GRPO keeps flat groups (zero advantage); the metric must still say how many there were
-    trajs = [_traj("a", 0, 5.0), _traj("a", 1, 5.0), _traj("b", 0, 2.0), _traj("b", 1, 2.0),
-             _traj("c", 0, 2.0), _traj("c", 1, 4.0)]
+    trajs = [
+        _traj("a", 0, 5.0),
+        _traj("a", 1, 5.0),
+        _traj("b", 0, 2.0),
+        _traj("b", 1, 2.0),
+        _traj("c", 0, 2.0),
+        _traj("c", 1, 4.0),
+    ]
     batch = rl_sequences(trajs, FilterConfig(), learner_version=0)
     assert batch.stats["groups_flat_fraction"] == pytest.approx(2 / 3)
     assert batch.stats["groups_dropped_flat"] == 0 and len(batch.sequences) == 6
@@ -269,8 +303,15 @@ def test_mismatch_kl_of_no_loss_tokens_is_zero_not_nan():
 
 def test_step_statistics_summed_on_the_device_equal_the_per_micro_batch_floats():
     g = torch.Generator().manual_seed(0)
-    rows = [(torch.randn(7, generator=g), torch.randn(7, generator=g), torch.randn(7, generator=g),
-             (torch.rand(7, generator=g) > 0.3).float()) for _ in range(3)]
+    rows = [
+        (
+            torch.randn(7, generator=g),
+            torch.randn(7, generator=g),
+            torch.randn(7, generator=g),
+            (torch.rand(7, generator=g) > 0.3).float(),
+        )
+        for _ in range(3)
+    ]
     summed = sum(alg.clipped_policy_terms(lp, old, adv, w, eps_low=0.2, eps_high=0.28)[1] for lp, old, adv, w in rows)
     floats = [alg.clipped_policy_loss(lp, old, adv, w, eps_low=0.2, eps_high=0.28)[1] for lp, old, adv, w in rows]
     merged = floats[0].merge(floats[1]).merge(floats[2])
@@ -295,11 +336,13 @@ def test_sdpa_backend_names_are_checked():
 
 # ---- bounded loss: log-ratio clamp, dual clip, token-level importance sampling ----------------------
 
+
 def _outlier(log_ratio: float, adv: float, **kw):
     """One token `log_ratio` nats above its "old" log-prob, with one advantage."""
     logp = torch.tensor([log_ratio], requires_grad=True)
-    loss, stats = alg.clipped_policy_loss(logp, torch.zeros(1), torch.tensor([adv]), torch.ones(1),
-                                          eps_low=0.2, eps_high=0.28, **kw)
+    loss, stats = alg.clipped_policy_loss(
+        logp, torch.zeros(1), torch.tensor([adv]), torch.ones(1), eps_low=0.2, eps_high=0.28, **kw
+    )
     loss.backward()
     return loss.item(), logp.grad.item(), stats
 
@@ -373,10 +416,20 @@ def test_importance_weights_scale_the_loss_and_its_gradient():
     # ratio 1 against the proximal policy (on-policy), A = +1 on both tokens, weights 1/2 each:
     # per token -A·ρ·w → loss = -(2 + 0.25)/2 = -1.125; d/dlogp_i = -A·w_i/2
     logp = torch.zeros(2, requires_grad=True)
-    w, touched = alg.importance_weights(torch.tensor([math.log(3.0), math.log(0.25)]), torch.zeros(2),
-                                        torch.ones(2, dtype=torch.bool), "tis", high=2.0)
-    loss, stats = alg.clipped_policy_loss(logp, logp.detach(), torch.ones(2), torch.full((2,), 0.5),
-                                          eps_low=0.2, eps_high=0.28, is_weights=w, is_touched=touched, is_mode="tis")
+    w, touched = alg.importance_weights(
+        torch.tensor([math.log(3.0), math.log(0.25)]), torch.zeros(2), torch.ones(2, dtype=torch.bool), "tis", high=2.0
+    )
+    loss, stats = alg.clipped_policy_loss(
+        logp,
+        logp.detach(),
+        torch.ones(2),
+        torch.full((2,), 0.5),
+        eps_low=0.2,
+        eps_high=0.28,
+        is_weights=w,
+        is_touched=touched,
+        is_mode="tis",
+    )
     loss.backward()
     assert loss.item() == pytest.approx(-1.125)
     assert logp.grad.tolist() == pytest.approx([-1.0, -0.125])
@@ -384,6 +437,7 @@ def test_importance_weights_scale_the_loss_and_its_gradient():
 
 
 # ---- group statistics: engine errors, staleness per group, group-token-mean ----------------------------
+
 
 def test_engine_errors_leave_the_group_statistics():
     # rewards 1, 0, 0 and an engine error (reward 0): without the error, mean 1/3, std sqrt(1/3)
@@ -397,9 +451,14 @@ def test_engine_errors_leave_the_group_statistics():
 
 
 def test_a_group_errors_leave_with_one_sample_is_dropped():
-    trajs = [_traj("a", 0, 1.0), _traj("a", 1, 0.0, "engine_error"),
-             _traj("b", 0, 0.0, "engine_error"), _traj("b", 1, 0.0, "engine_error"),
-             _traj("c", 0, 2.0), _traj("c", 1, 1.0)]
+    trajs = [
+        _traj("a", 0, 1.0),
+        _traj("a", 1, 0.0, "engine_error"),
+        _traj("b", 0, 0.0, "engine_error"),
+        _traj("b", 1, 0.0, "engine_error"),
+        _traj("c", 0, 2.0),
+        _traj("c", 1, 1.0),
+    ]
     batch = rl_sequences(trajs, FilterConfig(), learner_version=0)
     assert [s.group for s in batch.sequences] == ["c", "c"]
     assert batch.stats["groups_dropped_errors"] == 2 and batch.stats["groups_in"] == 3
@@ -413,8 +472,12 @@ def test_staleness_is_judged_per_group_by_its_oldest_sample():
     assert (fresh, stale) == ([2, 3], [0, 1])
     # one by one, a's fresher sample would have stayed alone
     assert alg.split_stale([4, 2, 4, 3], 5, 2) == ([0, 2, 3], [1])
-    trajs = [_traj("a", 0, 1.0, version=4), _traj("a", 1, 0.0, version=2),
-             _traj("b", 0, 1.0, version=4), _traj("b", 1, 0.0, version=3)]
+    trajs = [
+        _traj("a", 0, 1.0, version=4),
+        _traj("a", 1, 0.0, version=2),
+        _traj("b", 0, 1.0, version=4),
+        _traj("b", 1, 0.0, version=3),
+    ]
     batch = rl_sequences(trajs, FilterConfig(max_staleness=2), learner_version=5)
     assert [s.group for s in batch.sequences] == ["b", "b"] and batch.stats["samples_stale"] == 2
 
@@ -438,8 +501,11 @@ def test_group_token_mean_through_packed_rows():
     from services.learner.batching import Sequence_, assign_weights, pack_sequences
 
     # the loss mask counts targets from position 1: 2 + 2 loss tokens in group a, 4 in group b
-    seqs = [Sequence_([1, 2, 3], [0, 1, 1], index=0, group="a"), Sequence_([1, 2, 3, 4], [0, 0, 1, 1], index=1, group="a"),
-            Sequence_([5, 6, 7, 8, 9], [0, 1, 1, 1, 1], index=2, group="b")]
+    seqs = [
+        Sequence_([1, 2, 3], [0, 1, 1], index=0, group="a"),
+        Sequence_([1, 2, 3, 4], [0, 0, 1, 1], index=1, group="a"),
+        Sequence_([5, 6, 7, 8, 9], [0, 1, 1, 1, 1], index=2, group="b"),
+    ]
     rows = pack_sequences(seqs, 64)
     assign_weights(rows, "group-token-mean", {s.index: s.group for s in seqs})
     by_seq: dict[int, float] = {}

@@ -23,9 +23,21 @@ def client(tmp_path):
 def _chats(path, n=4):
     with open(path, "w") as fh:
         for i in range(n):
-            fh.write(json.dumps({"messages": [
-                {"role": "system", "content": "You plan trips."}, {"role": "user", "content": f"Trip {i}"},
-                {"role": "assistant", "content": f"<think>plan {i}</think><answer>Day 1: city {i}</answer>"}]}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "system", "content": "You plan trips."},
+                            {"role": "user", "content": f"Trip {i}"},
+                            {
+                                "role": "assistant",
+                                "content": f"<think>plan {i}</think><answer>Day 1: city {i}</answer>",
+                            },
+                        ]
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
@@ -45,8 +57,18 @@ def test_bad_requests_are_clear_problems(client, tmp_path, tiny_model):
 @pytest.mark.slow
 def test_sft_run_over_http_finishes_with_metrics_and_export(client, tmp_path, tiny_model):
     data = _chats(tmp_path / "chats.jsonl")
-    body = {"kind": "sft", "config": {"model": str(tiny_model), "data": str(data), "lr": 1e-3, "batch_size": 2,
-                                      "epochs": 1, "warmup_ratio": 0.5, "engine": {"micro_batch_tokens": 128}}}
+    body = {
+        "kind": "sft",
+        "config": {
+            "model": str(tiny_model),
+            "data": str(data),
+            "lr": 1e-3,
+            "batch_size": 2,
+            "epochs": 1,
+            "warmup_ratio": 0.5,
+            "engine": {"micro_batch_tokens": 128},
+        },
+    }
     r = client.post("/runs", json=body)
     assert r.status_code == 201, r.text
     run_id = r.json()["id"]

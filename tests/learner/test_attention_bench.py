@@ -16,9 +16,34 @@ def test_fresh_lengths_bench_records_every_variant_exact_on_cpu(tmp_path):
         import packed_attention as bench
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    assert bench.main(["--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate", "128", "--layers", "1",
-                       "--lengths", "24,16,9", "--fresh-lengths", "--warmup", "0", "--repeat", "2",
-                       "--out", str(tmp_path), "--name", "smoke"]) == 0
+    assert (
+        bench.main(
+            [
+                "--hidden",
+                "64",
+                "--heads",
+                "4",
+                "--kv-heads",
+                "2",
+                "--intermediate",
+                "128",
+                "--layers",
+                "1",
+                "--lengths",
+                "24,16,9",
+                "--fresh-lengths",
+                "--warmup",
+                "0",
+                "--repeat",
+                "2",
+                "--out",
+                str(tmp_path),
+                "--name",
+                "smoke",
+            ]
+        )
+        == 0
+    )
     record = json.loads((tmp_path / "smoke.json").read_text())
     packed = [n for n in record["variants"] if n != "alone"]
     assert {"packed varlen", "packed varlen, GQA native", "packed per-sequence, plans at start"} <= set(packed)

@@ -6,8 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.learner.attention import (IMPLEMENTATIONS, PACKED_IMPLEMENTATIONS, VARLEN_GQA_ATTENTION,
-                                        FlashVarlenGQA, _varlen, packed_kwargs, uses_varlen_kernel, warm_sequence_plans)
+from services.learner.attention import (
+    IMPLEMENTATIONS,
+    PACKED_IMPLEMENTATIONS,
+    VARLEN_GQA_ATTENTION,
+    FlashVarlenGQA,
+    _varlen,
+    packed_kwargs,
+    uses_varlen_kernel,
+    warm_sequence_plans,
+)
 from services.learner.config import EngineConfig
 from services.learner.engine import attention_choice
 
@@ -18,8 +26,15 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 def _layers(impl: str, device: str = "cpu", dtype=torch.float32, heads: int = 8, kv_heads: int = 2):
     from transformers import Qwen2Config, Qwen2Model
 
-    config = Qwen2Config(hidden_size=256, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         intermediate_size=512, num_hidden_layers=2, vocab_size=64, attn_implementation=impl)
+    config = Qwen2Config(
+        hidden_size=256,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        vocab_size=64,
+        attn_implementation=impl,
+    )
     torch.manual_seed(0)
     return Qwen2Model(config).to(device=device, dtype=dtype).train()
 
@@ -31,13 +46,16 @@ def _packed_against_alone(impl: str, device: str, dtype) -> tuple[list, list]:
     seqs = [torch.randn(1, n, 256, generator=g).to(device, dtype) for n in LENGTHS]
     row = torch.cat(seqs, dim=1).requires_grad_()
     positions = torch.cat([torch.arange(n) for n in LENGTHS])[None].to(device)
-    out = model(inputs_embeds=row, position_ids=positions, use_cache=False, **packed_kwargs(positions)).last_hidden_state
+    out = model(
+        inputs_embeds=row, position_ids=positions, use_cache=False, **packed_kwargs(positions)
+    ).last_hidden_state
     out.float().square().sum().backward()
     alone_out, alone_grad = [], []
     for s in seqs:
         s = s.clone().requires_grad_()
-        o = model(inputs_embeds=s, position_ids=torch.arange(s.shape[1], device=device)[None],
-                  use_cache=False).last_hidden_state
+        o = model(
+            inputs_embeds=s, position_ids=torch.arange(s.shape[1], device=device)[None], use_cache=False
+        ).last_hidden_state
         o.float().square().sum().backward()
         alone_out.append(o.detach())
         alone_grad.append(s.grad)
@@ -45,7 +63,9 @@ def _packed_against_alone(impl: str, device: str, dtype) -> tuple[list, list]:
 
 
 def test_varlen_gqa_is_an_option_of_the_learner():
-    assert attention_choice(EngineConfig(packed_attention="varlen-gqa")) == {"attn_implementation": VARLEN_GQA_ATTENTION}
+    assert attention_choice(EngineConfig(packed_attention="varlen-gqa")) == {
+        "attn_implementation": VARLEN_GQA_ATTENTION
+    }
     assert VARLEN_GQA_ATTENTION in PACKED_IMPLEMENTATIONS and IMPLEMENTATIONS["varlen-gqa"] == VARLEN_GQA_ATTENTION
 
 
@@ -61,8 +81,10 @@ def test_varlen_gqa_packed_rows_are_exact_against_unpacked_on_cpu():
 def test_sequence_plans_are_built_for_every_padded_length():
     lengths = warm_sequence_plans(4, 2, 16, longest=10, device=torch.device("cpu"), dtype=torch.float32, multiple=4)
     assert lengths == [4, 8, 12]
-    assert warm_sequence_plans(4, 4, 16, longest=8, device=torch.device("cpu"), dtype=torch.float32,
-                               multiple=4) == [4, 8]
+    assert warm_sequence_plans(4, 4, 16, longest=8, device=torch.device("cpu"), dtype=torch.float32, multiple=4) == [
+        4,
+        8,
+    ]
 
 
 @GPU
@@ -72,8 +94,9 @@ def test_flash_varlen_gqa_matches_repeated_kv_and_sdpa_per_sequence():
     g = torch.Generator(device="cuda").manual_seed(0)
     total, heads, kv, d = sum(LENGTHS), 8, 2, 64
     q = torch.randn(total, heads, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    k, v = (torch.randn(total, kv, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-            for _ in range(2))
+    k, v = (
+        torch.randn(total, kv, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_() for _ in range(2)
+    )
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     grad = torch.randn(total, heads, d, device="cuda", dtype=torch.bfloat16, generator=g)
 
@@ -85,15 +108,21 @@ def test_flash_varlen_gqa_matches_repeated_kv_and_sdpa_per_sequence():
         return [out.detach().float(), *(t.grad.float() for t in (q, k, v))]
 
     native = run(lambda: FlashVarlenGQA.apply(q, k, v, cu, max(LENGTHS), None, None))
-    repeated = run(lambda: _varlen(q, k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1), cu,
-                                   max(LENGTHS), None))
+    repeated = run(
+        lambda: _varlen(
+            q, k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1), cu, max(LENGTHS), None
+        )
+    )
 
     def per_sequence():
         parts = []
         for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
             one = [t[a:b].transpose(0, 1)[None] for t in (q, k, v)]
-            parts.append(torch.nn.functional.scaled_dot_product_attention(*one, is_causal=True,
-                                                                          enable_gqa=True)[0].transpose(0, 1))
+            parts.append(
+                torch.nn.functional.scaled_dot_product_attention(*one, is_causal=True, enable_gqa=True)[0].transpose(
+                    0, 1
+                )
+            )
         return torch.cat(parts)
 
     sdpa = run(per_sequence)

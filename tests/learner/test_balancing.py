@@ -11,9 +11,20 @@ import torch
 from bench.learner_multigpu import RECIPE_LENGTHS, RECIPE_ROW_TOKENS, length_location
 from services.learner.attention import packed_kwargs
 from services.learner.balancing import costed_rows, deal_rounds, even_out, spread
-from services.learner.batching import (PackedRow, RankRows, Sequence_, assign_weights, pack_bins, pack_sequences,
-                                       plan_rows, rank_micro_batches, sequence_weights, shard_rows, stack_rows,
-                                       weighted_row)
+from services.learner.batching import (
+    PackedRow,
+    RankRows,
+    Sequence_,
+    assign_weights,
+    pack_bins,
+    pack_sequences,
+    plan_rows,
+    rank_micro_batches,
+    sequence_weights,
+    shard_rows,
+    stack_rows,
+    weighted_row,
+)
 from services.learner.flops import QWEN25_1P5B_COST, TrajectoryCost, train_flops
 
 RECIPE_STEP = 32 * 8  # configs/qwen2.5-1.5b-arpo-macro.yaml: batch_prompts x group_size trajectories a step
@@ -31,8 +42,9 @@ def token_dealt_work(lengths: np.ndarray, world: int) -> list[float]:
     """Each rank's work under the earlier dealing: first-fit decreasing rows, dealt by tokens."""
     seqs = [Sequence_(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), index=i) for i, n in enumerate(lengths)]
     rows = [weighted_row([seqs[i] for i in b], {}) for b in pack_bins(lengths.tolist(), RECIPE_ROW_TOKENS)]
-    members = [[r.seq_index.unique().tolist() for r in shard_rows(rows, world, k) if r.seq_index[0] >= 0]
-               for k in range(world)]
+    members = [
+        [r.seq_index.unique().tolist() for r in shard_rows(rows, world, k) if r.seq_index[0] >= 0] for k in range(world)
+    ]
     return [float(sum(QWEN25_1P5B_COST(lengths[m]).sum() for m in rank)) for rank in members]
 
 
@@ -51,8 +63,7 @@ def test_recipe_step_work_is_even_across_ranks(world):
         assert sorted(k for r in plan.ranks for k in r) == list(range(len(plan.rows)))
         # no more rows than first-fit decreasing needs, up to the next multiple of the ranks
         assert len(plan.rows) == -(-len(pack_bins(lengths.tolist(), RECIPE_ROW_TOKENS)) // world) * world
-        work = [train_flops(*_shape(QWEN25_1P5B_COST), lengths[sum((plan.rows[k] for k in r), [])])
-                for r in plan.ranks]
+        work = [train_flops(*_shape(QWEN25_1P5B_COST), lengths[sum((plan.rows[k] for k in r), [])]) for r in plan.ranks]
         assert plan.rank_work() == pytest.approx(work, rel=1e-9)  # the plan's work is the MFU's FLOPs
     # the earlier dealing by tokens is several times less even on the same lengths (what the new one is for)
     assert max(spread(token_dealt_work(recipe_lengths(RECIPE_STEP, s), world)) for s in range(4)) > 4 * worst
@@ -100,8 +111,16 @@ def _seqs(lengths, seed=0, groups=3):
     for i, n in enumerate(lengths):
         mask = [0] * min(3, n) + torch.randint(0, 2, (max(n - 3, 0),), generator=g).tolist()
         lps = [None if (m == 0 or j % 7 == 0) else -float(torch.rand(1, generator=g)) for j, m in enumerate(mask)]
-        out.append(Sequence_(torch.randint(1, 900, (n,), generator=g).tolist(), mask, lps if i % 4 else None,
-                             advantage=float(torch.randn(1, generator=g)), index=i, group=f"g{i % groups}"))
+        out.append(
+            Sequence_(
+                torch.randint(1, 900, (n,), generator=g).tolist(),
+                mask,
+                lps if i % 4 else None,
+                advantage=float(torch.randn(1, generator=g)),
+                index=i,
+                group=f"g{i % groups}",
+            )
+        )
     return out
 
 
@@ -127,8 +146,12 @@ def _token_weights(batches: list[PackedRow]) -> dict[tuple[int, int], tuple[floa
     out = {}
     for b in batches:
         real = b.seq_index >= 0
-        for s, p, w, t in zip(b.seq_index[real].tolist(), b.position_ids[real].tolist(), b.weights[real].tolist(),
-                              b.targets[real].tolist()):
+        for s, p, w, t in zip(
+            b.seq_index[real].tolist(),
+            b.position_ids[real].tolist(),
+            b.weights[real].tolist(),
+            b.targets[real].tolist(),
+        ):
             assert (s, p) not in out
             out[(s, p)] = (w, t)
     return out

@@ -25,8 +25,20 @@ def _run(out: Path, balance: str) -> dict:
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(Path(__file__).resolve()), str(out), balance]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(Path(__file__).resolve()),
+        str(out),
+        balance,
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return torch.load(out)
@@ -59,26 +71,47 @@ def main(out: Path, balance: str) -> None:
     from services.learner.engine import PolicyEngine
     from services.learner.steps import prepare_rows, rl_step
     from services.models import tiny_qwen2
+
     sys.path.insert(0, str(HERE))
     from zero_update import full_weights
 
-    engine = PolicyEngine(tiny_qwen2(), EngineConfig(zero_stage=3, micro_batch_tokens=CAPACITY, adam_eps=1.0),
-                          ScheduleConfig(lr=0.1), total_steps=10)
+    engine = PolicyEngine(
+        tiny_qwen2(),
+        EngineConfig(zero_stage=3, micro_batch_tokens=CAPACITY, adam_eps=1.0),
+        ScheduleConfig(lr=0.1),
+        total_steps=10,
+    )
     before = full_weights(engine)
     g = torch.Generator().manual_seed(11)
-    seqs = [Sequence_(torch.randint(100, 5000, (n,), generator=g).tolist(), [0, 0, 0] + [1] * (n - 3), None,
-                      advantage=(1.0 if i % 2 else -0.5) * (1 + i / 10), index=i, group=f"g{i % 3}")
-            for i, n in enumerate(LENGTHS)]
-    mine = sorted({i for b in prepare_rows(engine, seqs, balance=balance) for i in b.seq_index.flatten().tolist()
-                   if i >= 0})
+    seqs = [
+        Sequence_(
+            torch.randint(100, 5000, (n,), generator=g).tolist(),
+            [0, 0, 0] + [1] * (n - 3),
+            None,
+            advantage=(1.0 if i % 2 else -0.5) * (1 + i / 10),
+            index=i,
+            group=f"g{i % 3}",
+        )
+        for i, n in enumerate(LENGTHS)
+    ]
+    mine = sorted(
+        {i for b in prepare_rows(engine, seqs, balance=balance) for i in b.seq_index.flatten().tolist() if i >= 0}
+    )
     ranks: list = [None] * engine.world_size
     torch.distributed.all_gather_object(ranks, mine)
-    metrics = rl_step(engine, seqs, eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean",
-                      balance=balance).metrics
+    metrics = rl_step(engine, seqs, eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean", balance=balance).metrics
     after = full_weights(engine)
     if engine.rank == 0:
-        torch.save({"delta": {n: after[n] - before[n] for n in after}, "loss": metrics["loss"],
-                    "grad_norm": metrics["grad_norm"], "world": engine.world_size, "ranks": ranks}, out)
+        torch.save(
+            {
+                "delta": {n: after[n] - before[n] for n in after},
+                "loss": metrics["loss"],
+                "grad_norm": metrics["grad_norm"],
+                "world": engine.world_size,
+                "ranks": ranks,
+            },
+            out,
+        )
 
 
 if __name__ == "__main__":

@@ -9,8 +9,15 @@ import random
 import pytest
 import torch
 
-from bench.learner_multigpu import (hf_labels, length_location, parse_args, recipe_lengths, recipe_sequences,
-                                    summary, without)
+from bench.learner_multigpu import (
+    hf_labels,
+    length_location,
+    parse_args,
+    recipe_lengths,
+    recipe_sequences,
+    summary,
+    without,
+)
 from services.learner.batching import rank_micro_batches
 from services.learner.flops import train_flops
 
@@ -133,10 +140,36 @@ def test_a_rank_out_of_memory_alone_ends_its_launch_and_the_next_option_runs_in_
     root = Path(__file__).resolve().parents[2]
     name = f"test_oom_{os.getpid()}"
     env = {**os.environ, "STAR_BENCH_OOM": "none:1"}
-    cmd = [sys.executable, "bench/learner_multigpu.py", "--nproc", "2", "--shape", "tiny", "--device", "cpu",
-           "--steps", "1", "--warmup", "0", "--rows", "recipe", "--sides", "ours", "--recompute", "none,mlp",
-           "--row-tokens", "1024", "--length-mean", "300", "--length-min", "64", "--length-max", "900",
-           "--name", name]
+    cmd = [
+        sys.executable,
+        "bench/learner_multigpu.py",
+        "--nproc",
+        "2",
+        "--shape",
+        "tiny",
+        "--device",
+        "cpu",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--rows",
+        "recipe",
+        "--sides",
+        "ours",
+        "--recompute",
+        "none,mlp",
+        "--row-tokens",
+        "1024",
+        "--length-mean",
+        "300",
+        "--length-min",
+        "64",
+        "--length-max",
+        "900",
+        "--name",
+        name,
+    ]
     out = root / "bench" / "results" / f"{name}.json"
     try:
         run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)

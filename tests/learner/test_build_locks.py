@@ -16,8 +16,9 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="op
 
 def hold_open(path) -> subprocess.Popen:
     """A process that creates `path` as torch's FileBaton does and keeps it open, as a builder would."""
-    code = ("import os, sys, time; os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print('held', flush=True); "
-            "time.sleep(60)")
+    code = (
+        "import os, sys, time; os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print('held', flush=True); time.sleep(60)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
     return proc

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from services.learner.colocate import ColocatedSync, buffer_bytes_for, IPC_BUFFER_BYTES
+from services.learner.colocate import IPC_BUFFER_BYTES, ColocatedSync, buffer_bytes_for
 from services.learner.weights import StorePublisher
 
 
@@ -17,8 +17,17 @@ def _model(vocab: int = 64):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+        )
+    )
 
 
 def test_every_nth_version_reaches_the_store_and_no_server_is_told(tmp_path):
@@ -28,8 +37,14 @@ def test_every_nth_version_reaches_the_store_and_no_server_is_told(tmp_path):
     store = StorePublisher(tmp_path / "weights", servers=["http://127.0.0.1:9"], keep=5, timeout_s=2)
     sync = ColocatedSync(store, None, files_every=2)  # awake engines: no wake, no IPC
     for v in (1, 2, 3):
-        metrics = sync.publish(v, model, zero3=False, buckets=lambda: iter_weight_buckets(model, dtype=torch.bfloat16),
-                               config=model.config, source_dir=None)
+        metrics = sync.publish(
+            v,
+            model,
+            zero3=False,
+            buckets=lambda: iter_weight_buckets(model, dtype=torch.bfloat16),
+            config=model.config,
+            source_dir=None,
+        )
         assert "colocate_weights_s" not in metrics
     assert store.versions() == [2]
     assert json.loads((tmp_path / "weights" / "v2" / "manifest.json").read_text())["version"] == 2
@@ -59,9 +74,25 @@ def test_a_colocated_step_on_two_ranks_sleeps_trains_and_loads_every_ranks_chunk
     env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
     script = Path(__file__).resolve().parent / "colocated_ranks.py"
     out = tmp_path / "colocated"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(free_port()), str(script), str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            str(script),
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"colocated.rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world"] for r in ranks] == [2, 2]

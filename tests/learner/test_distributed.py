@@ -18,14 +18,36 @@ from services.learner.engine import free_port
 HERE = Path(__file__).resolve().parent
 
 
-def _torchrun(n: int, out: Path, stage: int = 2, accelerator: str = "cpu", precision: str = "auto",
-              recompute: str = "none", persist_gib: float = 0.0) -> dict:
+def _torchrun(
+    n: int,
+    out: Path,
+    stage: int = 2,
+    accelerator: str = "cpu",
+    precision: str = "auto",
+    recompute: str = "none",
+    persist_gib: float = 0.0,
+) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["DS_ACCELERATOR"] = accelerator
     if accelerator == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(HERE / "zero_update.py"), str(out), str(stage), precision, recompute, str(persist_gib)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(n),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(HERE / "zero_update.py"),
+        str(out),
+        str(stage),
+        precision,
+        recompute,
+        str(persist_gib),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return torch.load(out)
@@ -108,8 +130,16 @@ def test_zero3_on_two_gpus_matches_one_gpu(tmp_path, tiny_model, precision, rel)
     assert (one["world"], two["world"], two["stage"]) == (1, 2, 3)
     assert two["device"].startswith("cuda") and two["bf16"] == (precision == "bf16") and two["partitioned"]
     worst = _same_update(one, two, rel=rel)
-    print(json.dumps({"precision": precision, "loss": [one["loss"], two["loss"]],
-                      "grad_norm": [one["grad_norm"], two["grad_norm"]], "max_rel_weight_change_gap": worst}))
+    print(
+        json.dumps(
+            {
+                "precision": precision,
+                "loss": [one["loss"], two["loss"]],
+                "grad_norm": [one["grad_norm"], two["grad_norm"]],
+                "max_rel_weight_change_gap": worst,
+            }
+        )
+    )
     exported = load_state_dict(Path(two["export"]))
     assert exported.keys() == two["after"].keys()
     for name, tensor in two["after"].items():

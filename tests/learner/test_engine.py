@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from services.learner.batching import Sequence_, chat_to_sequence, lr_lambda, pack_sequences
+from services.learner.batching import Sequence_, chat_to_sequence, lr_lambda, pack_sequences, rl_sequences
 from services.learner.config import EngineConfig, FilterConfig, ScheduleConfig
-from services.learner.batching import rl_sequences
 from services.learner.steps import rl_step, sft_step
 from services.learner.weights import WeightsError, load_into, verify_version, write_version
 
@@ -20,16 +18,19 @@ def engine_factory(tiny_model):
     from services.learner.engine import PolicyEngine
 
     def make(lr: float = 1e-3, **kw) -> PolicyEngine:
-        return PolicyEngine(tiny_model, EngineConfig(micro_batch_tokens=64, **kw), ScheduleConfig(lr=lr),
-                            total_steps=100)
+        return PolicyEngine(
+            tiny_model, EngineConfig(micro_batch_tokens=64, **kw), ScheduleConfig(lr=lr), total_steps=100
+        )
 
     return make
 
 
 def _seqs(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [Sequence_(torch.randint(100, 5000, (n,), generator=g).tolist(), [0, 0] + [1] * (n - 2), index=i)
-            for i, n in enumerate(lengths)]
+    return [
+        Sequence_(torch.randint(100, 5000, (n,), generator=g).tolist(), [0, 0] + [1] * (n - 2), index=i)
+        for i, n in enumerate(lengths)
+    ]
 
 
 def test_packed_rows_score_like_separate_sequences(engine_factory):
@@ -40,7 +41,7 @@ def test_packed_rows_score_like_separate_sequences(engine_factory):
     for s, start in ((seqs[0], 0), (seqs[1], 20)):
         (alone_row,) = pack_sequences([s], 64)
         alone, _ = engine.logprobs(alone_row, grad=False)
-        assert torch.allclose(together[start:start + len(s)], alone, atol=1e-5)
+        assert torch.allclose(together[start : start + len(s)], alone, atol=1e-5)
     # and a packed row of the second sequence is not the same as reading it after the first unpacked
     joined = Sequence_(seqs[0].token_ids + seqs[1].token_ids, [1] * 50)
     (j,) = pack_sequences([joined], 64)
@@ -96,8 +97,12 @@ def test_kl_to_the_reference_holds_the_policy_near_its_start(engine_factory, tin
         engine = engine_factory(lr=1e-3)
         reference = engine.reference_policy()
         assert not any(p.requires_grad for p in reference.parameters())
-        kl = [rl_step(engine, batch.sequences, eps_low=0.2, eps_high=0.28, kl_coef=kl_coef,
-                      reference=reference).metrics.get("kl_ref") for _ in range(4)]
+        kl = [
+            rl_step(
+                engine, batch.sequences, eps_low=0.2, eps_high=0.28, kl_coef=kl_coef, reference=reference
+            ).metrics.get("kl_ref")
+            for _ in range(4)
+        ]
         if kl_coef:
             assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > kl[0]  # it starts at the reference
         else:
@@ -126,11 +131,13 @@ def test_kl_metrics_show_what_the_cap_hides_from_the_loss(engine_factory, tiny_m
     trajs = scored_batch(tiny_model, groups=2, group_size=4)
     batch = rl_sequences(trajs, FilterConfig(), learner_version=0)
     engine = engine_factory(lr=1e-6)
-    same = rl_step(engine, batch.sequences, eps_low=0.2, eps_high=0.28, kl_coef=0.1,
-                   reference=engine.reference_policy()).metrics
+    same = rl_step(
+        engine, batch.sequences, eps_low=0.2, eps_high=0.28, kl_coef=0.1, reference=engine.reference_policy()
+    ).metrics
     assert same["kl_ref_k3"] == pytest.approx(same["kl_ref"], abs=1e-9)  # under the cap they agree
-    far = rl_step(engine, batch.sequences, eps_low=0.2, eps_high=0.28, kl_coef=0.1,
-                  reference=Lowered(engine.reference_policy())).metrics
+    far = rl_step(
+        engine, batch.sequences, eps_low=0.2, eps_high=0.28, kl_coef=0.1, reference=Lowered(engine.reference_policy())
+    ).metrics
     assert far["kl_ref"] == pytest.approx(KL_PENALTY_CAP, rel=1e-6)
     assert far["kl_ref_k3"] == pytest.approx(14.0, abs=0.01)
 
@@ -168,8 +175,9 @@ def test_hf_export_loads_in_transformers(engine_factory, tmp_path):
     engine = engine_factory()
     sft_step(engine, _seqs([30, 12], seed=3))
     buckets = engine.iter_weight_buckets(bucket_bytes=8 * 2**20)  # several shards + an index
-    folder, digest, _, _, size = write_version(tmp_path, 1, buckets, config=engine.lm_config,
-                                               source_dir=engine.model_dir)
+    folder, digest, _, _, size = write_version(
+        tmp_path, 1, buckets, config=engine.lm_config, source_dir=engine.model_dir
+    )
     manifest = verify_version(folder, digest)
     assert manifest["version"] == 1 and size > 0
     assert (folder / "model.safetensors.index.json").is_file()
@@ -195,15 +203,20 @@ def test_chat_loss_mask_covers_assistant_turns_only():
     from services.models import qwen_tokenizer
 
     tok = qwen_tokenizer()
-    chat = [{"role": "system", "content": "You plan trips."}, {"role": "user", "content": "Go to Rockford"},
-            {"role": "assistant", "content": "<think>a</think><tool_call>{\"name\": \"SearchCity\"}</tool_call>"},
-            {"role": "user", "content": "<tool_response>\nRockford</tool_response>"},
-            {"role": "assistant", "content": "<think>b</think><answer>Day 1</answer>"}]
+    chat = [
+        {"role": "system", "content": "You plan trips."},
+        {"role": "user", "content": "Go to Rockford"},
+        {"role": "assistant", "content": '<think>a</think><tool_call>{"name": "SearchCity"}</tool_call>'},
+        {"role": "user", "content": "<tool_response>\nRockford</tool_response>"},
+        {"role": "assistant", "content": "<think>b</think><answer>Day 1</answer>"},
+    ]
     seq = chat_to_sequence(tok, chat)
     assert tok.decode(seq.token_ids) == tok.apply_chat_template(chat, tokenize=False)
     trained = tok.decode([i for i, m in zip(seq.token_ids, seq.loss_mask) if m])
-    assert trained == ("<think>a</think><tool_call>{\"name\": \"SearchCity\"}</tool_call><|im_end|>"
-                       "<think>b</think><answer>Day 1</answer><|im_end|>")
+    assert trained == (
+        '<think>a</think><tool_call>{"name": "SearchCity"}</tool_call><|im_end|>'
+        "<think>b</think><answer>Day 1</answer><|im_end|>"
+    )
     assert len(chat_to_sequence(tok, chat, max_len=10).token_ids) == 10
     with pytest.raises(ValueError, match="'role' and 'content'"):
         chat_to_sequence(tok, [{"role": "user"}])

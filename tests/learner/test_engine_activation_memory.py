@@ -14,13 +14,19 @@ def test_lean_activations_give_the_engine_the_same_logprobs_and_gradient_norm(ti
     from services.learner.engine import PolicyEngine
 
     g = torch.Generator().manual_seed(2)
-    seqs = [Sequence_(torch.randint(100, 5000, (n,), generator=g).tolist(), [0, 0] + [1] * (n - 2), index=i)
-            for i, n in enumerate((20, 30))]
+    seqs = [
+        Sequence_(torch.randint(100, 5000, (n,), generator=g).tolist(), [0, 0] + [1] * (n - 2), index=i)
+        for i, n in enumerate((20, 30))
+    ]
     (row,) = pack_sequences(seqs, 64)
     seen = {}
     for memory in ("keep", "lean"):
-        engine = PolicyEngine(tiny_model, EngineConfig(micro_batch_tokens=64, activation_memory=memory),
-                              ScheduleConfig(lr=1e-3), total_steps=10)
+        engine = PolicyEngine(
+            tiny_model,
+            EngineConfig(micro_batch_tokens=64, activation_memory=memory),
+            ScheduleConfig(lr=1e-3),
+            total_steps=10,
+        )
         down_calls = []  # the lean MLP folds down_proj into its own function, which calls no module
         engine.hf_model.model.layers[0].mlp.down_proj.register_forward_hook(lambda *_: down_calls.append(1))
         logp, _ = engine.logprobs(row, grad=True)

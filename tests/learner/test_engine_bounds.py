@@ -15,8 +15,10 @@ def test_host_bounds_are_the_ones_attention_uses(tiny_model):
     from services.learner.engine import PolicyEngine
 
     g = torch.Generator().manual_seed(4)
-    seqs = [Sequence_(torch.randint(100, 5000, (n,), generator=g).tolist(), [0, 0] + [1] * (n - 2), index=i)
-            for i, n in enumerate((20, 30))]
+    seqs = [
+        Sequence_(torch.randint(100, 5000, (n,), generator=g).tolist(), [0, 0] + [1] * (n - 2), index=i)
+        for i, n in enumerate((20, 30))
+    ]
     (row,) = pack_sequences(seqs, 64)
     engine = PolicyEngine(tiny_model, EngineConfig(micro_batch_tokens=64), ScheduleConfig(lr=1e-3), total_steps=10)
     read_here, _ = engine.logprobs(row, grad=False)

@@ -36,8 +36,9 @@ def _loss_under_math(lm, ids: torch.Tensor, positions: torch.Tensor) -> torch.Te
     """The engine's order: the forward inside the kernel priority (math: not CPU SDPA's default, flash), the
     backward after it."""
     with sdpa_priority(["math"]):
-        hidden = lm.model(input_ids=ids, position_ids=positions, use_cache=False,
-                          **packed_kwargs(positions)).last_hidden_state
+        hidden = lm.model(
+            input_ids=ids, position_ids=positions, use_cache=False, **packed_kwargs(positions)
+        ).last_hidden_state
     return hidden.square().mean()
 
 
@@ -61,8 +62,7 @@ def test_layer_recompute_keeps_the_forward_kernels_and_gradients(tiny_model, pac
     lm = _model(tiny_model, attn)
     recompute_layers(lm)
     seen: list[list] = []
-    lm.model.layers[0].self_attn.register_forward_pre_hook(
-        lambda *_: seen.append(sdpa_kernels_now()))
+    lm.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: seen.append(sdpa_kernels_now()))
     _loss_under_math(lm, ids, positions).backward()
 
     assert len(seen) == 2, "the layer ran once forward and once recomputed"
@@ -78,8 +78,11 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 
 @GPU
-@pytest.mark.parametrize("attn,packed", [("sdpa", False), (PACKED_ATTENTION, True), (PER_SEQUENCE_ATTENTION, True)],
-                         ids=["single-sequence", "packed-auto", "packed-per-sequence"])
+@pytest.mark.parametrize(
+    "attn,packed",
+    [("sdpa", False), (PACKED_ATTENTION, True), (PER_SEQUENCE_ATTENTION, True)],
+    ids=["single-sequence", "packed-auto", "packed-per-sequence"],
+)
 def test_layer_recompute_under_cudnn_priority_on_gpu(tiny_model, attn, packed):
     """The case that crashed, layer by layer: the forward under cuDNN-then-flash, the backward outside; the
     gradients match the model kept whole (bf16)."""
@@ -92,8 +95,9 @@ def test_layer_recompute_under_cudnn_priority_on_gpu(tiny_model, attn, packed):
         if recompute:
             recompute_layers(lm)
         with sdpa_priority(["cudnn", "flash"]):
-            hidden = lm.model(input_ids=ids, position_ids=positions, use_cache=False,
-                              **packed_kwargs(positions)).last_hidden_state
+            hidden = lm.model(
+                input_ids=ids, position_ids=positions, use_cache=False, **packed_kwargs(positions)
+            ).last_hidden_state
         hidden.float().square().mean().backward()
         return {n: p.grad.float() for n, p in lm.named_parameters() if p.grad is not None}
 
@@ -114,8 +118,10 @@ def test_engine_gradient_checkpointing_with_sdpa_backends_on_gpu(tiny_model, pac
 
     g = torch.Generator().manual_seed(0)
     lengths = [700, 500, 800] if packed else [2048]
-    seqs = [Sequence_(torch.randint(100, 5000, (n,), generator=g).tolist(), [0, 0] + [1] * (n - 2), index=i)
-            for i, n in enumerate(lengths)]
+    seqs = [
+        Sequence_(torch.randint(100, 5000, (n,), generator=g).tolist(), [0, 0] + [1] * (n - 2), index=i)
+        for i, n in enumerate(lengths)
+    ]
     (row,) = pack_sequences(seqs, 2048)
     cfg = EngineConfig(micro_batch_tokens=2048, gradient_checkpointing=True, sdpa_backends=["cudnn", "flash"])
     engine = PolicyEngine(tiny_model, cfg, ScheduleConfig(lr=1e-4), total_steps=10)

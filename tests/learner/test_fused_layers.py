@@ -110,8 +110,15 @@ def test_lean_layers_activation_memory_per_layer_on_gpu(width):
     positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
     held = {}
     for mode in ("keep-eager", "keep-fused", "lean"):
-        cfg = Qwen2Config(hidden_size=d, num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
-                          num_hidden_layers=layers, vocab_size=128, attn_implementation=PACKED_ATTENTION)
+        cfg = Qwen2Config(
+            hidden_size=d,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            vocab_size=128,
+            attn_implementation=PACKED_ATTENTION,
+        )
         torch.manual_seed(0)
         model = Qwen2Model(cfg).to("cuda", torch.bfloat16).train()
         if mode == "keep-fused":
@@ -122,8 +129,9 @@ def test_lean_layers_activation_memory_per_layer_on_gpu(width):
         for _ in range(2):  # the first pass compiles
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
-            out = model(inputs_embeds=h, position_ids=positions, use_cache=False,
-                        **packed_kwargs(positions)).last_hidden_state
+            out = model(
+                inputs_embeds=h, position_ids=positions, use_cache=False, **packed_kwargs(positions)
+            ).last_hidden_state
             torch.cuda.synchronize()
             kept = torch.cuda.memory_allocated() - before
             out.float().square().mean().backward()
@@ -133,7 +141,15 @@ def test_lean_layers_activation_memory_per_layer_on_gpu(width):
         del model, out
         torch.cuda.empty_cache()
     per_token = {m: b / tokens for m, b in held.items()}
-    print(json.dumps({"width": width, "tokens": tokens, "bytes_per_token_per_layer": per_token,
-                      "gib_per_layer_at_32k": {m: b / 2**30 for m, b in held.items()}}))
+    print(
+        json.dumps(
+            {
+                "width": width,
+                "tokens": tokens,
+                "bytes_per_token_per_layer": per_token,
+                "gib_per_layer_at_32k": {m: b / 2**30 for m, b in held.items()},
+            }
+        )
+    )
     assert per_token["keep-fused"] - per_token["lean"] >= 0.9 * 2 * (inter + 2 * d)
     assert per_token["lean"] < per_token["keep-fused"] < per_token["keep-eager"]

@@ -15,8 +15,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_bf16_reduction_and_accumulation_lose_gradient_in_order(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "grad_precision.py"), "--micro-batches", "8",
-                          "--results", str(tmp_path), "--name", "gp"], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "grad_precision.py"),
+            "--micro-batches",
+            "8",
+            "--results",
+            str(tmp_path),
+            "--name",
+            "gp",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-12000:]  # the ranks' own errors come before the launcher's summary
     configs = json.loads((tmp_path / "gp.json").read_text())["configs"]
     err = {name: row["relative_error"] for name, row in configs.items()}

@@ -15,11 +15,23 @@ from services.learner.config import FilterConfig, RLConfig
 from services.learner.groups import JOURNAL, GroupCollector, NoData, TrainedRecord
 
 
-def _traj(group: str, index: int, *, step: int | None = 0, version: int = 0, reward: float | None = None
-          ) -> ScoredTrajectory:
-    return ScoredTrajectory(run_id="r", task_id=group, prompt_id=f"p-{group}", group_id=group, sample_index=index,
-                            policy_version=version, token_ids=[1, 2, 3], loss_mask=[0, 1, 1], finish_reason="answer",
-                            score=Score(), reward=float(index) if reward is None else reward, step=step)
+def _traj(
+    group: str, index: int, *, step: int | None = 0, version: int = 0, reward: float | None = None
+) -> ScoredTrajectory:
+    return ScoredTrajectory(
+        run_id="r",
+        task_id=group,
+        prompt_id=f"p-{group}",
+        group_id=group,
+        sample_index=index,
+        policy_version=version,
+        token_ids=[1, 2, 3],
+        loss_mask=[0, 1, 1],
+        finish_reason="answer",
+        score=Score(),
+        reward=float(index) if reward is None else reward,
+        step=step,
+    )
 
 
 @pytest.fixture
@@ -102,9 +114,19 @@ def test_a_batch_waits_for_its_own_step_and_takes_later_steps_after_the_straggle
     client, prefix, make = stream
     collector = make(straggler_wait_s=60.0)
     # arrival order: step 2 complete, step 1 complete, step 1 incomplete, an unscheduled group, step 0
-    _send(client, prefix, _traj("s2", 0, step=2), _traj("s2", 1, step=2), _traj("s1a", 0, step=1),
-          _traj("s1a", 1, step=1), _traj("s1b", 0, step=1), _traj("adhoc", 0, step=None),
-          _traj("adhoc", 1, step=None), _traj("s0", 0, step=0), _traj("s0", 1, step=0))
+    _send(
+        client,
+        prefix,
+        _traj("s2", 0, step=2),
+        _traj("s2", 1, step=2),
+        _traj("s1a", 0, step=1),
+        _traj("s1a", 1, step=1),
+        _traj("s1b", 0, step=1),
+        _traj("adhoc", 0, step=None),
+        _traj("adhoc", 1, step=None),
+        _traj("s0", 0, step=0),
+        _traj("s0", 1, step=0),
+    )
     while collector.read_stream():
         pass
     assert collector.candidates(1, waited_s=0.0) == ["adhoc", "s0", "s1a"]  # oldest first; step 2 waits
@@ -120,8 +142,15 @@ def test_a_step_waiting_long_says_which_of_its_groups_lack_samples(stream, monke
     client, prefix, make = stream
     collector = make(straggler_wait_s=60.0, wait_timeout_s=0.5)
     monkeypatch.setattr(groups_module, "WAIT_REPORT_S", 0.1)
-    _send(client, prefix, _traj("s1a", 0, step=1), _traj("s1a", 1, step=1), _traj("s1b", 0, step=1),
-          _traj("s2", 0, step=2), _traj("s2", 1, step=2))
+    _send(
+        client,
+        prefix,
+        _traj("s1a", 0, step=1),
+        _traj("s1a", 1, step=1),
+        _traj("s1b", 0, step=1),
+        _traj("s2", 0, step=2),
+        _traj("s2", 1, step=2),
+    )
     with caplog.at_level("INFO", logger="services.learner.groups"), pytest.raises(NoData):
         collector.collect(batch=1, version=1)
     reports = [r for r in caplog.records if r.getMessage() == "a step is waiting for its groups"]
@@ -137,8 +166,14 @@ def test_a_step_waiting_long_says_which_of_its_groups_lack_samples(stream, monke
 def test_refill_reads_past_a_stale_group_until_enough_groups_are_fresh(stream):
     client, prefix, make = stream
     collector = make(batch_prompts=1, filters=FilterConfig(refill=True, max_staleness=0, max_refill_rounds=3))
-    _send(client, prefix, _traj("stale", 0, version=1), _traj("stale", 1, version=1),
-          _traj("fresh", 0, version=2), _traj("fresh", 1, version=2))
+    _send(
+        client,
+        prefix,
+        _traj("stale", 0, version=1),
+        _traj("stale", 1, version=1),
+        _traj("fresh", 0, version=2),
+        _traj("fresh", 1, version=2),
+    )
     step = collector.collect(batch=2, version=2)
     assert _groups(step) == ["stale", "fresh"]  # the stale group alone would leave the step empty
     assert not collector.useful([(None, t) for t in step.trajectories[:2]], version=2)
@@ -148,17 +183,36 @@ def test_refill_reads_past_a_stale_group_until_enough_groups_are_fresh(stream):
 def test_dapo_refill_counts_a_flat_group_as_useless(stream):
     client, prefix, make = stream
     collector = make(batch_prompts=1, filters=FilterConfig(refill=True, dynamic_sampling=True))
-    _send(client, prefix, _traj("flat", 0, reward=1.0), _traj("flat", 1, reward=1.0),
-          _traj("mixed", 0, reward=0.0), _traj("mixed", 1, reward=1.0))
+    _send(
+        client,
+        prefix,
+        _traj("flat", 0, reward=1.0),
+        _traj("flat", 1, reward=1.0),
+        _traj("mixed", 0, reward=0.0),
+        _traj("mixed", 1, reward=1.0),
+    )
     assert _groups(collector.collect(batch=0, version=0)) == ["flat", "mixed"]
 
 
 def _dead_letter_task(client, prefix: str, group: str, step: int) -> None:
     names = StreamNames(prefix)
-    query = TravelQuery(org="Sarasota", dest="Chicago", days=3, visiting_city_number=1,
-                        date=["2022-03-22", "2022-03-23", "2022-03-24"], people_number=1, budget=1900, query="A trip.")
-    publish(client, names.tasks, RolloutTask(run_id="r", task_id=group, prompt_id="p", query=query, group_size=2,
-                                             sampling=SamplingParams(), step=step))
+    query = TravelQuery(
+        org="Sarasota",
+        dest="Chicago",
+        days=3,
+        visiting_city_number=1,
+        date=["2022-03-22", "2022-03-23", "2022-03-24"],
+        people_number=1,
+        budget=1900,
+        query="A trip.",
+    )
+    publish(
+        client,
+        names.tasks,
+        RolloutTask(
+            run_id="r", task_id=group, prompt_id="p", query=query, group_size=2, sampling=SamplingParams(), step=step
+        ),
+    )
     tasks = StreamConsumer(client, names.tasks, "rollout", "w", max_deliveries=1)
     (msg,) = tasks.read(count=1, block_ms=100)
     assert tasks.fail(msg, "every sample failed")
@@ -214,8 +268,14 @@ def test_a_group_taken_by_an_earlier_batch_is_not_waited_for_again(stream):
     (else every later step waits it, each taking one group of the next)."""
     client, prefix, make = stream
     collector = make(batch_prompts=2, straggler_wait_s=1.0, wait_timeout_s=30.0)
-    _send(client, prefix, _traj("s1a", 0, step=1), _traj("s1a", 1, step=1), _traj("s1b", 0, step=1),
-          *(_traj(g, i, step=2) for g in ("s2a", "s2b") for i in range(2)))
+    _send(
+        client,
+        prefix,
+        _traj("s1a", 0, step=1),
+        _traj("s1a", 1, step=1),
+        _traj("s1b", 0, step=1),
+        *(_traj(g, i, step=2) for g in ("s2a", "s2b") for i in range(2)),
+    )
     first = collector.collect(batch=1, version=1)
     assert _groups(first) == ["s1a", "s2a"] and first.wait_s >= 1.0
     assert first.counts["groups_from_later_steps"] == 1.0

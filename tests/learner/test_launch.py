@@ -17,8 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_one_rank_is_a_plain_process_several_go_under_torchrun(tmp_path):
-    assert worker_argv("sft", tmp_path / "c.json", 1)[1:] == ["-m", "services.learner.worker", "sft",
-                                                               str(tmp_path / "c.json")]
+    assert worker_argv("sft", tmp_path / "c.json", 1)[1:] == [
+        "-m",
+        "services.learner.worker",
+        "sft",
+        str(tmp_path / "c.json"),
+    ]
     argv = worker_argv("rl", "c.json", 4, max_steps=3)
     assert argv[1:3] == ["-m", "services.learner.launch"]  # torchrun, with the stop signals ours
     assert argv[argv.index("--nproc_per_node") + 1] == "4"
@@ -50,13 +54,17 @@ def test_star_sft_refuses_more_ranks_than_gpus(tmp_path, tiny_model):
     data = tmp_path / "chats.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
     config = tmp_path / "sft.json"
-    config.write_text(f'{{"model": "{tiny_model}", "data": "{data}", "output_dir": "{tmp_path / "out"}", '
-                      '"engine": {"ranks": 2}}')
+    config.write_text(
+        f'{{"model": "{tiny_model}", "data": "{data}", "output_dir": "{tmp_path / "out"}", "engine": {{"ranks": 2}}}}'
+    )
     # this machine has no GPU (CPU ranks are allowed): the CLI runs in a process that sees one
-    code = ("import sys; from services.learner import launch; launch.visible_gpus = lambda: 1; "
-            "from services.cli import app; sys.argv = ['star', 'sft', sys.argv[1]]; app()")
-    done = subprocess.run([sys.executable, "-c", code, str(config)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    code = (
+        "import sys; from services.learner import launch; launch.visible_gpus = lambda: 1; "
+        "from services.cli import app; sys.argv = ['star', 'sft', sys.argv[1]]; app()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(config)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "asks for 2 ranks" in done.stderr and "shows 1 GPU" in done.stderr
     assert "Traceback" not in done.stderr
@@ -70,15 +78,41 @@ def test_star_sft_runs_two_ranks_under_torchrun(tmp_path, tiny_model):
     from services.learner.trainer import read_status
 
     data = tmp_path / "chats.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"plan a trip {i}"},
-                                                     {"role": "assistant", "content": f"day {i}"}]}) + "\n"
-                            for i in range(8)))
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"plan a trip {i}"},
+                        {"role": "assistant", "content": f"day {i}"},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(8)
+        )
+    )
     config = tmp_path / "sft.json"
-    config.write_text(json.dumps({"model": str(tiny_model), "data": str(data), "output_dir": str(tmp_path / "out"),
-                                  "batch_size": 4, "engine": {"ranks": 2, "micro_batch_tokens": 64}}))
+    config.write_text(
+        json.dumps(
+            {
+                "model": str(tiny_model),
+                "data": str(data),
+                "output_dir": str(tmp_path / "out"),
+                "batch_size": 4,
+                "engine": {"ranks": 2, "micro_batch_tokens": 64},
+            }
+        )
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    done = subprocess.run([sys.executable, "-m", "services.cli", "sft", str(config), "--max-steps", "2"], cwd=ROOT,
-                          env={**env, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "sft", str(config), "--max-steps", "2"],
+        cwd=ROOT,
+        env={**env, "DS_ACCELERATOR": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "sft: 2 ranks under torchrun" in done.stderr
     status = read_status(tmp_path / "out")
@@ -90,16 +124,22 @@ def test_star_sft_runs_two_ranks_under_torchrun(tmp_path, tiny_model):
 # A multi-node learner: one torchrun per node at node 0's c10d rendezvous; node 0 asks the others to join.
 # ---------------------------------------------------------------------------------------------
 
+
 def test_a_multi_node_learner_runs_one_torchrun_per_node_at_node_0s_rendezvous():
     from services.learner.launch import Nodes, worker_env
 
     nodes = [Nodes(2, rank, "star-learner-0.star-learner-headless:29400") for rank in (0, 1)]
     argvs = [worker_argv("rl", "c.json", 8, nodes=n, run_id="run-1") for n in nodes]
     for rank, argv in enumerate(argvs):
-        opts = dict(zip(argv[3:argv.index("--max_restarts")][::2], argv[4:argv.index("--max_restarts")][::2]))
-        assert opts == {"--nnodes": "2", "--rdzv_backend": "c10d", "--rdzv_id": "run-1",
-                        "--rdzv_endpoint": "star-learner-0.star-learner-headless:29400",
-                        "--rdzv_conf": f"is_host={int(rank == 0)}", "--nproc_per_node": "8"}
+        opts = dict(zip(argv[3 : argv.index("--max_restarts")][::2], argv[4 : argv.index("--max_restarts")][::2]))
+        assert opts == {
+            "--nnodes": "2",
+            "--rdzv_backend": "c10d",
+            "--rdzv_id": "run-1",
+            "--rdzv_endpoint": "star-learner-0.star-learner-headless:29400",
+            "--rdzv_conf": f"is_host={int(rank == 0)}",
+            "--nproc_per_node": "8",
+        }
         assert "--standalone" not in argv
         assert argv[-3:] == ["services.learner.worker", "rl", "c.json"]
     # one rank per node is still a torchrun (it must meet the other nodes)
@@ -129,9 +169,19 @@ def _two_nodes(tmp_path, monkeypatch, spawned: list, refuse: bool = False):
 
     monkeypatch.setattr(runs, "spawn", fake_spawn)
     monkeypatch.setattr(launch, "visible_gpus", lambda: 0)
-    node1 = TestClient(create_app(Settings(home=tmp_path, log_json=False, api_token="tok", learner_nodes=2,
-                                           learner_node_rank=1, learner_rendezvous="n0:29400"),
-                                  runs_root=tmp_path / "runs"))
+    node1 = TestClient(
+        create_app(
+            Settings(
+                home=tmp_path,
+                log_json=False,
+                api_token="tok",
+                learner_nodes=2,
+                learner_node_rank=1,
+                learner_rendezvous="n0:29400",
+            ),
+            runs_root=tmp_path / "runs",
+        )
+    )
 
     def post(url, json, headers, timeout):
         assert url.startswith("http://n1:8000/runs/")  # node 1's URL, from the peer list
@@ -157,10 +207,18 @@ def test_node_0_starts_a_run_on_every_node(tmp_path, tiny_model, monkeypatch):
             assert cmd[cmd.index("--rdzv_conf") + 1] == f"is_host={int(rank == 0)}"
             assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--nproc_per_node") + 1] == "1"
         # node 1 takes no runs of its own, and joins only runs in the shared folder
-        assert node1.post("/runs", json={"kind": "rl", "config": {"model": str(tiny_model)}},
-                          headers={"authorization": "Bearer tok"}).status_code == 422
-        assert node1.post("/runs/nope/join", json={"kind": "rl"},
-                          headers={"authorization": "Bearer tok"}).status_code == 404
+        assert (
+            node1.post(
+                "/runs",
+                json={"kind": "rl", "config": {"model": str(tiny_model)}},
+                headers={"authorization": "Bearer tok"},
+            ).status_code
+            == 422
+        )
+        assert (
+            node1.post("/runs/nope/join", json={"kind": "rl"}, headers={"authorization": "Bearer tok"}).status_code
+            == 404
+        )
         # a repeated join (a retried request) starts nothing more
         again = node1.post(f"/runs/{run.id}/join", json={"kind": "rl"}, headers={"authorization": "Bearer tok"})
         assert again.status_code == 201 and again.json()["pid"] == spawned[1][2].pid and len(spawned) == 2
@@ -216,21 +274,50 @@ def test_two_learner_nodes_train_one_sft_run_together(tmp_path, tiny_model, monk
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     rendezvous = f"127.0.0.1:{free_port()}"
-    node1 = TestClient(create_app(Settings(home=tmp_path, log_json=False, learner_nodes=2, learner_node_rank=1,
-                                           learner_rendezvous=rendezvous), runs_root=tmp_path / "runs"))
-    monkeypatch.setattr(runs.httpx, "post", lambda url, json, headers, timeout:
-                        node1.post(url.removeprefix("http://node1"), json=json, headers=headers))
+    node1 = TestClient(
+        create_app(
+            Settings(
+                home=tmp_path, log_json=False, learner_nodes=2, learner_node_rank=1, learner_rendezvous=rendezvous
+            ),
+            runs_root=tmp_path / "runs",
+        )
+    )
+    monkeypatch.setattr(
+        runs.httpx,
+        "post",
+        lambda url, json, headers, timeout: node1.post(url.removeprefix("http://node1"), json=json, headers=headers),
+    )
     launched = []
     real_spawn = runs.spawn
     monkeypatch.setattr(runs, "spawn", lambda cmd, **kw: launched.append(real_spawn(cmd, **kw)) or launched[-1])
     manager = runs.RunManager(tmp_path / "runs", Nodes(2, 0, rendezvous), ["http://node1"])
     data = tmp_path / "chats.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"plan a trip {i}"},
-                                                     {"role": "assistant", "content": f"day {i}"}]}) + "\n"
-                            for i in range(8)))
-    run = manager.start(runs.RunRequest(kind="sft", config={
-        "model": str(tiny_model), "data": str(data), "batch_size": 4, "epochs": 1,
-        "engine": {"micro_batch_tokens": 64}}))
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"plan a trip {i}"},
+                        {"role": "assistant", "content": f"day {i}"},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(8)
+        )
+    )
+    run = manager.start(
+        runs.RunRequest(
+            kind="sft",
+            config={
+                "model": str(tiny_model),
+                "data": str(data),
+                "batch_size": 4,
+                "epochs": 1,
+                "engine": {"micro_batch_tokens": 64},
+            },
+        )
+    )
     deadline = time.time() + 600
     while time.time() < deadline and manager.describe(run.id)["state"] in ("starting", "running"):
         time.sleep(2)
@@ -263,10 +350,17 @@ def _stop_two_ranks(tmp_path: Path, mode: str, grace_s: int = 60) -> tuple[int, 
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     argv = worker_argv("rl", "c.json", 2)
-    argv = argv[:argv.index("-m", 3)] + [str(script), mode, str(tmp_path)]
+    argv = argv[: argv.index("-m", 3)] + [str(script), mode, str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    proc = subprocess.Popen(argv, cwd=ROOT, env={**env, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(grace_s)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env={**env, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(grace_s)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not ((tmp_path / "0").exists() and (tmp_path / "1").exists()):

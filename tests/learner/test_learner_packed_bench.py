@@ -11,20 +11,28 @@ from pathlib import Path
 
 import pytest
 
-from bench import learner_multigpu as lm
-from bench import learner_packed as lp
+from bench import learner_multigpu as lm, learner_packed as lp
 
 
 def figures(rates: list[float], tokens: int = 1000, **more) -> dict:
     """A side's result as the runs return it: steps of `tokens` tokens at the given rates."""
     steps = [tokens / r for r in rates]
-    return {"steps_s": steps, "tokens_per_step": [tokens] * len(rates),
-            "tokens_per_s": tokens * len(rates) / sum(steps), **more}
+    return {
+        "steps_s": steps,
+        "tokens_per_step": [tokens] * len(rates),
+        "tokens_per_s": tokens * len(rates) / sum(steps),
+        **more,
+    }
 
 
 def test_targets_follow_the_figures():
-    record = {"sides": {"single": figures([100, 100], mfu=0.54), "ours": figures([90, 110], mfu=0.50, peak_gib=70.0),
-                        "liger": figures([80, 80])}}
+    record = {
+        "sides": {
+            "single": figures([100, 100], mfu=0.54),
+            "ours": figures([90, 110], mfu=0.50, peak_gib=70.0),
+            "liger": figures([80, 80]),
+        }
+    }
     lp.finish(record)
     t = record["targets"]
     assert record["speedup_vs_baseline"] == pytest.approx(record["tokens_per_s"] / 80, abs=1e-3)
@@ -39,8 +47,9 @@ def test_targets_follow_the_figures():
 
 
 def test_a_side_that_did_not_run_leaves_its_targets_open():
-    record = {"sides": {"single": figures([100]), "ours": figures([100]),
-                        "liger": {"skipped": "liger-kernel unavailable"}}}
+    record = {
+        "sides": {"single": figures([100]), "ours": figures([100]), "liger": {"skipped": "liger-kernel unavailable"}}
+    }
     lp.finish(record)
     assert record["baseline_tokens_per_s"] is None and record["speedup_vs_baseline"] is None
     assert all(t["pass"] is None for t in record["targets"].values()) and record["targets_missed"] == []
@@ -54,8 +63,10 @@ def test_step_rates_give_each_step_and_the_spread():
     assert lp.step_rates({"error": "x"}) == {}
 
 
-@pytest.mark.parametrize("learner, option", [("gradient_checkpointing: true", "layers"),
-                                             ("recompute_mlp: true", "mlp"), ("micro_batch_tokens: 32768", "none")])
+@pytest.mark.parametrize(
+    "learner, option",
+    [("gradient_checkpointing: true", "layers"), ("recompute_mlp: true", "mlp"), ("micro_batch_tokens: 32768", "none")],
+)
 def test_ours_runs_the_recipe_memory_option_first(tmp_path, learner, option):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"learner:\n  {learner}\n")
@@ -90,7 +101,11 @@ def test_a_compiled_liger_loss_that_fails_falls_back_to_eager(monkeypatch):
     result, attempts = lp.run_liger(args, largs, Path("."), on_gpu=False)
     assert calls == [("on", False), ("on", True), ("on", True), ("off", True)]
     assert [(a["variant"], a.get("gradient_checkpointing")) for a in attempts] == [
-        ("compiled-static", False), ("compiled-static", None), ("compiled-dynamic", None), ("eager", True)]
+        ("compiled-static", False),
+        ("compiled-static", None),
+        ("compiled-dynamic", None),
+        ("eager", True),
+    ]
     assert "IndexError: list index out of range" in attempts[1]["error"]
     assert result["variant"] == "eager" and result["tokens_per_s"] == pytest.approx(54.5, abs=0.1)
 
@@ -121,14 +136,41 @@ def test_the_record_path_on_cpu(tmp_path):
     JSON, markdown and PNG with the fields the issue names, every side a figure or a reason."""
     name = f"test_learner_packed_{os.getpid()}"
     out = lm.ROOT / "bench" / "results" / f"{name}.json"
-    cmd = [sys.executable, "bench/learner_packed.py", "--shape", "tiny", "--device", "cpu", "--steps", "2", "--warmup",
-           "1", "--row-tokens", "512", "--single-seq", "512", "--name", name, "--workdir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "bench/learner_packed.py",
+        "--shape",
+        "tiny",
+        "--device",
+        "cpu",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--row-tokens",
+        "512",
+        "--single-seq",
+        "512",
+        "--name",
+        name,
+        "--workdir",
+        str(tmp_path),
+    ]
     try:
         run = subprocess.run(cmd, cwd=lm.ROOT, capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         record = json.loads(out.read_text())
-        for key in ("single_mfu", "mfu", "baseline_tokens_per_s", "tokens_per_s", "peak_gib", "card_gib",
-                    "timed_steps", "device", "targets"):
+        for key in (
+            "single_mfu",
+            "mfu",
+            "baseline_tokens_per_s",
+            "tokens_per_s",
+            "peak_gib",
+            "card_gib",
+            "timed_steps",
+            "device",
+            "targets",
+        ):
             assert key in record
         assert record["device"] == "cpu" and record["timed_steps"] == 2 and record["card_gib"] is None
         for side in ("single", "ours"):
@@ -159,10 +201,32 @@ def test_a_baseline_through_the_registered_varlen_attention_trains_what_the_bloc
     for attn in ("star_varlen", "sdpa"):
         name = f"test_varlen_baseline_{attn}_{os.getpid()}"
         out = lm.ROOT / "bench" / "results" / f"{name}.json"
-        cmd = [sys.executable, "bench/learner_multigpu.py", "--shape", "tiny", "--device", "cpu", "--steps", "1",
-               "--warmup", "0", "--rows", "recipe", "--sides", "plain", "--baseline-attn", attn,
-               "--baseline-checkpointing", "off", "--row-tokens", "512", "--name", name,
-               "--workdir", str(tmp_path)]
+        cmd = [
+            sys.executable,
+            "bench/learner_multigpu.py",
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--rows",
+            "recipe",
+            "--sides",
+            "plain",
+            "--baseline-attn",
+            attn,
+            "--baseline-checkpointing",
+            "off",
+            "--row-tokens",
+            "512",
+            "--name",
+            name,
+            "--workdir",
+            str(tmp_path),
+        ]
         try:
             run = subprocess.run(cmd, cwd=lm.ROOT, capture_output=True, text=True, timeout=900)
             assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

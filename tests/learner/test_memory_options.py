@@ -9,8 +9,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from services.learner.config import EngineConfig
 from services.learner import nccl_env
+from services.learner.config import EngineConfig
 from services.learner.engine import deepspeed_config, recompute_mlps
 
 
@@ -21,8 +21,9 @@ def test_fp32_gradient_accumulation_and_reduction_under_bf16_zero():
     # fp32 weights accumulate in fp32 anyway; without ZeRO DeepSpeed has no bf16/fp32 mix
     assert "data_types" not in deepspeed_config(EngineConfig(zero_stage=2), bf16=False, world_size=1)
     assert "data_types" not in deepspeed_config(EngineConfig(zero_stage=0), bf16=True, world_size=1)
-    off = deepspeed_config(EngineConfig(zero_stage=2, fp32_grad_accum=False, overlap_comm=False), bf16=True,
-                           world_size=1, on_gpu=True)
+    off = deepspeed_config(
+        EngineConfig(zero_stage=2, fp32_grad_accum=False, overlap_comm=False), bf16=True, world_size=1, on_gpu=True
+    )
     assert "data_types" not in off and off["zero_optimization"]["overlap_comm"] is False
     wire = deepspeed_config(EngineConfig(zero_stage=3, grad_reduce_dtype="bf16"), bf16=True, world_size=2, on_gpu=True)
     assert wire["data_types"] == {"grad_accum_dtype": "fp32"} and wire["communication_data_type"] == "bf16"
@@ -31,8 +32,9 @@ def test_fp32_gradient_accumulation_and_reduction_under_bf16_zero():
 
 
 def test_offload_options():
-    ds = deepspeed_config(EngineConfig(zero_stage=3, offload_optimizer="cpu", offload_params="cpu"), bf16=True,
-                          world_size=2, on_gpu=True)
+    ds = deepspeed_config(
+        EngineConfig(zero_stage=3, offload_optimizer="cpu", offload_params="cpu"), bf16=True, world_size=2, on_gpu=True
+    )
     assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert ds["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
     with pytest.raises(ValidationError, match="offload_params needs zero_stage 3"):
@@ -72,10 +74,14 @@ def test_zero3_whole_weight_budget():
     assert bf16["zero_optimization"]["stage3_param_persistence_threshold"] == 2 * 2**30
     fp32 = deepspeed_config(EngineConfig(zero_stage=3, persistent_weights_gib=4.0), bf16=False, world_size=2)
     assert fp32["zero_optimization"]["stage3_model_persistence_threshold"] == 2**30
-    off = deepspeed_config(EngineConfig(zero_stage=3, persistent_weights_gib=0), bf16=True, world_size=2)["zero_optimization"]
+    off = deepspeed_config(EngineConfig(zero_stage=3, persistent_weights_gib=0), bf16=True, world_size=2)[
+        "zero_optimization"
+    ]
     assert off["stage3_param_persistence_threshold"] == 10_000 and "stage3_model_persistence_threshold" not in off
-    assert "stage3_param_persistence_threshold" not in deepspeed_config(EngineConfig(zero_stage=2), bf16=True,
-                                                                        world_size=2)["zero_optimization"]
+    assert (
+        "stage3_param_persistence_threshold"
+        not in deepspeed_config(EngineConfig(zero_stage=2), bf16=True, world_size=2)["zero_optimization"]
+    )
 
 
 def test_nccl_protocol_only_where_the_environment_chose_none(monkeypatch):

@@ -8,8 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from services.learner.batching import (Sequence_, assign_weights, micro_batches, pack_sequences, rl_sequences,
-                                       shard_rows)
+from services.learner.batching import Sequence_, assign_weights, micro_batches, pack_sequences, rl_sequences, shard_rows
 from services.learner.config import EngineConfig, FilterConfig, ScheduleConfig
 from services.learner.steps import rl_step, sft_step, split_mini_batches
 
@@ -37,8 +36,10 @@ def _rl_seqs(model_dir) -> list[Sequence_]:
     """Rollout logprobs off the learner's by noise, so ratios vary and some clip."""
     plain = _seqs(LENGTHS)
     g = torch.Generator().manual_seed(1)
-    lps = [[lp + 0.3 * float(torch.randn((), generator=g)) for lp in row]
-           for row in behaviour_logprobs(model_dir, [s.token_ids for s in plain])]
+    lps = [
+        [lp + 0.3 * float(torch.randn((), generator=g)) for lp in row]
+        for row in behaviour_logprobs(model_dir, [s.token_ids for s in plain])
+    ]
     return _seqs(LENGTHS, logprobs=lps)
 
 
@@ -94,8 +95,13 @@ def make_engine(tiny_model):
         # adam_eps 1: Adam's first update is lr·g/(|g| + 1) ≈ lr·g, so the weights show the gradient
         # itself (with the default eps it would be ≈ lr·sign(g), blind to a wrong magnitude); a large
         # lr lifts that update far above the fp32 rounding of the weights it is added to.
-        cfg = EngineConfig(micro_batch_tokens=CAPACITY, micro_batch_rows=rows, pad_to_multiple=pad,
-                           attn_implementation="sdpa", adam_eps=1.0)
+        cfg = EngineConfig(
+            micro_batch_tokens=CAPACITY,
+            micro_batch_rows=rows,
+            pad_to_multiple=pad,
+            attn_implementation="sdpa",
+            adam_eps=1.0,
+        )
         return PolicyEngine(tiny_model, cfg, ScheduleConfig(lr=0.1), total_steps=10)
 
     return make
@@ -122,7 +128,7 @@ def test_single_sequence_rows_take_the_unmasked_causal_path(make_engine, monkeyp
     # padding changed no real token's logprob
     for k, row in enumerate(single):
         alone, _ = engine.logprobs(row, grad=False)
-        assert torch.allclose(together[k * 40: k * 40 + row.tokens], alone, atol=1e-5)
+        assert torch.allclose(together[k * 40 : k * 40 + row.tokens], alone, atol=1e-5)
     # a row holding two sequences keeps them apart by their boundaries (packed attention), with no block mask
     (packed,) = _weighted_rows(seqs[2:])  # 30 + 20 tokens in one row
     (batch,) = micro_batches([packed, single[0]], 2)  # [50 | 40 + 10 padding]
@@ -131,11 +137,10 @@ def test_single_sequence_rows_take_the_unmasked_causal_path(make_engine, monkeyp
     assert masks == [None]
     for s, start in ((seqs[2], 0), (seqs[3], 30), (seqs[0], 50)):
         alone, _ = engine.logprobs(pack_sequences([s], CAPACITY)[0], grad=False)
-        assert torch.allclose(out[start: start + len(s)], alone, atol=1e-5)
+        assert torch.allclose(out[start : start + len(s)], alone, atol=1e-5)
 
 
-def _step(make_engine, rows: int, step, seqs, pad: int = 1,
-          **kw) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+def _step(make_engine, rows: int, step, seqs, pad: int = 1, **kw) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     engine = make_engine(rows, pad)
     before = {n: p.detach().clone() for n, p in engine.hf_model.named_parameters()}
     metrics = step(engine, seqs, **kw).metrics
@@ -157,8 +162,19 @@ def _assert_same(a: tuple[dict, dict], b: tuple[dict, dict], keys: list[str]) ->
     assert moved >= 10  # the step moved the weights, so the comparison means something
 
 
-RL_KEYS = ["loss", "loss_tokens", "grad_norm", "clip_fraction", "clip_fraction_high", "clip_fraction_low",
-           "ratio_mean", "entropy", "mismatch_kl_k1", "mismatch_kl_k3", "mismatch_logp_max_abs"]
+RL_KEYS = [
+    "loss",
+    "loss_tokens",
+    "grad_norm",
+    "clip_fraction",
+    "clip_fraction_high",
+    "clip_fraction_low",
+    "ratio_mean",
+    "entropy",
+    "mismatch_kl_k1",
+    "mismatch_kl_k3",
+    "mismatch_logp_max_abs",
+]
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +228,11 @@ def test_a_group_never_straddles_two_mini_batches():
     # a full batch of 8 groups in 4 updates is 2 groups an update; a shrunken one keeps that size
     assert _share_groups(split_mini_batches(seqs, 4, batch_groups=8)) == [["g0"], ["g1", "g2"]]
     assert _share_groups(split_mini_batches(_grouped([8] * 8), 4, batch_groups=8)) == [
-        ["g0", "g1"], ["g2", "g3"], ["g4", "g5"], ["g6", "g7"]]
+        ["g0", "g1"],
+        ["g2", "g3"],
+        ["g4", "g5"],
+        ["g6", "g7"],
+    ]
     one = split_mini_batches(_grouped([8]), 4, batch_groups=8)
     assert len(one) == 1 and len(one[0]) == 8
     # a group's samples stay together even when they arrive apart, and uneven groups stay whole
@@ -245,12 +265,17 @@ def test_mini_batches_are_optimizer_steps_in_a_row_on_their_shares(make_engine, 
     m = rl_step(engine, seqs, eps_low=0.2, eps_high=0.28, mini_batches=2).metrics
     assert engine.step_count == 2 and m["optimizer_steps"] == 2.0
     tokens = m1["loss_tokens"] + m2["loss_tokens"]
-    expected = {"loss": (m1["loss"] + m2["loss"]) / 2, "loss_tokens": tokens,
-                "grad_norm": (m1["grad_norm"] + m2["grad_norm"]) / 2,
-                "clip_fraction": (m1["clip_fraction"] * m1["loss_tokens"]
-                                  + m2["clip_fraction"] * m2["loss_tokens"]) / tokens}
+    expected = {
+        "loss": (m1["loss"] + m2["loss"]) / 2,
+        "loss_tokens": tokens,
+        "grad_norm": (m1["grad_norm"] + m2["grad_norm"]) / 2,
+        "clip_fraction": (m1["clip_fraction"] * m1["loss_tokens"] + m2["clip_fraction"] * m2["loss_tokens"]) / tokens,
+    }
     metrics = {k: m[k] for k in expected}
-    _assert_same((expected, in_a_row), (metrics, {n: p.detach() - before[n]
-                                                  for n, p in engine.hf_model.named_parameters()}), list(expected))
+    _assert_same(
+        (expected, in_a_row),
+        (metrics, {n: p.detach() - before[n] for n, p in engine.hf_model.named_parameters()}),
+        list(expected),
+    )
     # and not the single update on the whole batch
     assert any((in_a_row[n] - d).norm().item() > 1e-3 * d.norm().item() for n, d in single[1].items())

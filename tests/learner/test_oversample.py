@@ -57,11 +57,19 @@ def test_without_over_sampling_a_stale_group_still_takes_its_place(stream):
     assert _groups(collector.collect(batch=1, version=1)) == ["c", "d"]
 
 
-@pytest.mark.parametrize("policy, groups, samples, counts", [
-    ("drop", ["b", "c"], 4, {"groups_late": 1, "groups_dropped_late": 1, "groups_partial": 0, "episodes_cut": 1}),
-    ("partial", ["a", "b"], 3, {"groups_late": 1, "groups_dropped_late": 0, "groups_partial": 1, "episodes_cut": 1}),
-    ("mask", ["a", "b"], 4, {"groups_late": 1, "groups_dropped_late": 0, "groups_partial": 0, "episodes_cut": 1}),
-])
+@pytest.mark.parametrize(
+    "policy, groups, samples, counts",
+    [
+        ("drop", ["b", "c"], 4, {"groups_late": 1, "groups_dropped_late": 1, "groups_partial": 0, "episodes_cut": 1}),
+        (
+            "partial",
+            ["a", "b"],
+            3,
+            {"groups_late": 1, "groups_dropped_late": 0, "groups_partial": 1, "episodes_cut": 1},
+        ),
+        ("mask", ["a", "b"], 4, {"groups_late": 1, "groups_dropped_late": 0, "groups_partial": 0, "episodes_cut": 1}),
+    ],
+)
 def test_a_late_group_goes_as_the_policy_says(stream, policy, groups, samples, counts):
     client, prefix, make = stream
     collector = make(late_groups=policy, oversample_groups=1)
@@ -120,8 +128,9 @@ def test_the_learner_counts_late_and_surplus_groups_in_its_step_metrics(tmp_path
     try:
         for t in step0 + step1:
             publish(client, StreamNames(prefix).scored, t)
-        config = _config(tmp_path, "tail", tiny_model, redis_server_url, prefix, oversample_groups=1,
-                         late_groups="partial")
+        config = _config(
+            tmp_path, "tail", tiny_model, redis_server_url, prefix, oversample_groups=1, late_groups="partial"
+        )
         done = _run(config, 2)
         assert done.returncode == 0, done.stderr[-3000:]
         metrics = read_metrics(tmp_path / "tail")

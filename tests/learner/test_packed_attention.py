@@ -8,8 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.learner.attention import (PACKED_ATTENTION, PER_SEQUENCE_ATTENTION, VARLEN_ATTENTION,
-                                       packed_kwargs, uses_varlen_kernel)
+from services.learner.attention import (
+    PACKED_ATTENTION,
+    PER_SEQUENCE_ATTENTION,
+    VARLEN_ATTENTION,
+    packed_kwargs,
+    uses_varlen_kernel,
+)
 from services.learner.batching import Sequence_, assign_weights, micro_batches, pack_sequences
 from services.learner.config import EngineConfig, ScheduleConfig
 
@@ -18,8 +23,12 @@ LENGTHS = [20, 33, 11, 27]
 
 def _seqs(lengths, seed=0, vocab=5000):
     g = torch.Generator().manual_seed(seed)
-    return [Sequence_(torch.randint(100, vocab, (n,), generator=g).tolist(), [0, 0] + [1] * (n - 2),
-                      advantage=0.5 + i, index=i) for i, n in enumerate(lengths)]
+    return [
+        Sequence_(
+            torch.randint(100, vocab, (n,), generator=g).tolist(), [0, 0] + [1] * (n - 2), advantage=0.5 + i, index=i
+        )
+        for i, n in enumerate(lengths)
+    ]
 
 
 def _weighted(seqs, capacity):
@@ -30,7 +39,7 @@ def _weighted(seqs, capacity):
 
 def test_boundaries_of_a_padded_micro_batch():
     seqs = _seqs([5, 3, 4])
-    batch, = micro_batches(_weighted(seqs, 8), rows_per_batch=2, pad_to_multiple=4)
+    (batch,) = micro_batches(_weighted(seqs, 8), rows_per_batch=2, pad_to_multiple=4)
     # rows [5, 3] and [4] + 4 padding tokens that continue the last sequence's positions
     assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 7]]
     bounds = packed_kwargs(batch.position_ids)
@@ -43,8 +52,10 @@ def test_auto_is_the_varlen_rule():
     from transformers import AttentionInterface
 
     assert AttentionInterface._global_mapping[PACKED_ATTENTION] is AttentionInterface._global_mapping[VARLEN_ATTENTION]
-    assert AttentionInterface._global_mapping[PER_SEQUENCE_ATTENTION] is not AttentionInterface._global_mapping[
-        PACKED_ATTENTION]
+    assert (
+        AttentionInterface._global_mapping[PER_SEQUENCE_ATTENTION]
+        is not AttentionInterface._global_mapping[PACKED_ATTENTION]
+    )
 
 
 def test_varlen_refuses_another_attention_implementation():
@@ -57,8 +68,9 @@ def test_varlen_refuses_another_attention_implementation():
 def engine(tiny_model):
     from services.learner.engine import PolicyEngine
 
-    return PolicyEngine(tiny_model, EngineConfig(micro_batch_tokens=128, zero_stage=0), ScheduleConfig(lr=1e-3),
-                        total_steps=10)
+    return PolicyEngine(
+        tiny_model, EngineConfig(micro_batch_tokens=128, zero_stage=0), ScheduleConfig(lr=1e-3), total_steps=10
+    )
 
 
 def _loss_and_grads(engine, batch):
@@ -76,14 +88,14 @@ def test_packed_logprobs_and_gradients_equal_each_sequence_alone(engine):
     seqs = _seqs(LENGTHS, seed=3)
     # two rows ([33, 27, 11] and [20]... by first fit) stacked into one padded [2, T] micro-batch
     rows = _weighted(seqs, 80)
-    batch, = micro_batches(rows, rows_per_batch=2, pad_to_multiple=16)
+    (batch,) = micro_batches(rows, rows_per_batch=2, pad_to_multiple=16)
     assert len(packed_kwargs(batch.position_ids)["cu_seq_lens_q"]) - 1 >= len(seqs)
     packed_logp, packed_grads = _loss_and_grads(engine, batch)
 
     alone_grads = None
     flat_index = batch.seq_index.flatten()
     for s in seqs:
-        one, = micro_batches(_weighted([s], 80), rows_per_batch=1)
+        (one,) = micro_batches(_weighted([s], 80), rows_per_batch=1)
         # the same loss weight per token as in the packed batch
         one.weights = batch.weights.flatten()[flat_index == s.index][None]
         logp, grads = _loss_and_grads(engine, one)
@@ -100,7 +112,7 @@ def test_padding_each_sequence_to_a_multiple_changes_no_log_prob_or_gradient(eng
     from services.learner import attention
 
     seqs = _seqs(LENGTHS, seed=5)
-    batch, = micro_batches(_weighted(seqs, 80), rows_per_batch=2, pad_to_multiple=16)
+    (batch,) = micro_batches(_weighted(seqs, 80), rows_per_batch=2, pad_to_multiple=16)
     plain_logp, plain_grads = _loss_and_grads(engine, batch)
     seen = []
 
@@ -123,9 +135,14 @@ def test_packed_rows_match_the_block_mask_path(engine, tiny_model):
     from services.learner.engine import LogprobPolicy, attention_choice
 
     seqs = _seqs(LENGTHS, seed=4)
-    batch, = micro_batches(_weighted(seqs, 128), rows_per_batch=1)
-    masked = LogprobPolicy(AutoModelForCausalLM.from_pretrained(
-        tiny_model, dtype=torch.float32, **attention_choice(EngineConfig(packed_attention="mask"))), 2048, "eager")
+    (batch,) = micro_batches(_weighted(seqs, 128), rows_per_batch=1)
+    masked = LogprobPolicy(
+        AutoModelForCausalLM.from_pretrained(
+            tiny_model, dtype=torch.float32, **attention_choice(EngineConfig(packed_attention="mask"))
+        ),
+        2048,
+        "eager",
+    )
     masked.load_state_dict(engine.module.state_dict())
     with torch.no_grad():
         ours, _ = engine.logprobs(batch, grad=False)
@@ -144,16 +161,23 @@ def test_gpu_packed_equals_alone_within_bf16(implementation):
 
     from services.learner.engine import LogprobPolicy
 
-    config = Qwen2Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
-                         num_hidden_layers=2, vocab_size=1024, initializer_range=0.1,
-                         attn_implementation=implementation)
+    config = Qwen2Config(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        vocab_size=1024,
+        initializer_range=0.1,
+        attn_implementation=implementation,
+    )
     torch.manual_seed(0)
     exact = LogprobPolicy(Qwen2ForCausalLM(config), chunk_tokens=4096, head_kernels="eager").cuda()
     policy = LogprobPolicy(Qwen2ForCausalLM(config), chunk_tokens=4096, head_kernels="eager")
     policy.load_state_dict(exact.state_dict())
     policy = policy.to("cuda", torch.bfloat16)
     seqs = _seqs([700, 300, 513, 129], seed=5, vocab=1024)
-    batch, = micro_batches(_weighted(seqs, 1024), rows_per_batch=2, pad_to_multiple=64)
+    (batch,) = micro_batches(_weighted(seqs, 1024), rows_per_batch=2, pad_to_multiple=64)
     index = batch.seq_index.flatten()
 
     def run(model, b):
@@ -166,7 +190,7 @@ def test_gpu_packed_equals_alone_within_bf16(implementation):
     def alone(model):
         logps, total = [], None
         for s in seqs:
-            one, = micro_batches(_weighted([s], 1024), rows_per_batch=1)
+            (one,) = micro_batches(_weighted([s], 1024), rows_per_batch=1)
             one.weights = batch.weights.flatten()[index == s.index][None]
             logp, grads = run(model, one)
             logps.append((s.index, logp))
@@ -186,10 +210,14 @@ def test_gpu_packed_equals_alone_within_bf16(implementation):
         return max(float((g - r).norm() / r.norm().clamp_min(1e-12)) for g, r in zip(grads, ref_grads))
 
     packed_pairs = [(i, packed_logp[index == i]) for i, _ in ref_logps]
-    assert logp_error(packed_pairs) <= 1.5 * logp_error(bf16_logps) + 1e-3, (logp_error(packed_pairs),
-                                                                             logp_error(bf16_logps))
-    assert grad_error(packed_grads) <= 1.5 * grad_error(bf16_grads) + 1e-2, (grad_error(packed_grads),
-                                                                             grad_error(bf16_grads))
+    assert logp_error(packed_pairs) <= 1.5 * logp_error(bf16_logps) + 1e-3, (
+        logp_error(packed_pairs),
+        logp_error(bf16_logps),
+    )
+    assert grad_error(packed_grads) <= 1.5 * grad_error(bf16_grads) + 1e-2, (
+        grad_error(packed_grads),
+        grad_error(bf16_grads),
+    )
     # what the tolerance must tell apart: the same rows read as one sequence each, attending across
     batch.position_ids = torch.arange(batch.position_ids.shape[1]).expand_as(batch.position_ids).contiguous()
     leaky_logp, _ = run(policy, batch)
@@ -200,10 +228,18 @@ def _sliding_model(implementation: str, window: int = 16):
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.Gemma3TextConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=window,
-                                        layer_types=["sliding_attention", "full_attention"],
-                                        max_position_embeddings=4096)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=500,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=4096,
+    )
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=implementation).eval()
 
 

@@ -39,8 +39,16 @@ def _seqs(tiny_model, with_logprobs: list[bool]) -> list[Sequence_]:
     out = []
     for i, (tok, lps, has) in enumerate(zip(ids, start, with_logprobs)):
         noisy = [None, None] + [lp + 0.05 * float(torch.randn((), generator=g)) for lp in lps[2:]]
-        out.append(Sequence_(tok, [0, 0] + [1] * (len(tok) - 2), noisy if has else None,
-                             advantage=1.0 if i % 2 else -1.0, index=i, group=f"g{i // 2}"))
+        out.append(
+            Sequence_(
+                tok,
+                [0, 0] + [1] * (len(tok) - 2),
+                noisy if has else None,
+                advantage=1.0 if i % 2 else -1.0,
+                index=i,
+                group=f"g{i // 2}",
+            )
+        )
     return out, start
 
 
@@ -59,7 +67,7 @@ def test_the_proximal_forward_is_needed_only_from_the_second_mini_batch(tiny_mod
     seqs, _ = _seqs(tiny_model, [True, True, False, True])
     off = LossBounds()
     assert not needs_proximal_forward(1, seqs, off, use_rollout_logprobs=False)  # one update: its own forward
-    assert needs_proximal_forward(2, seqs, off, use_rollout_logprobs=True)        # one sequence lacks them
+    assert needs_proximal_forward(2, seqs, off, use_rollout_logprobs=True)  # one sequence lacks them
     full, _ = _seqs(tiny_model, [True] * 4)
     assert not needs_proximal_forward(2, full, off, use_rollout_logprobs=True)
     assert needs_proximal_forward(2, full, off, use_rollout_logprobs=False)

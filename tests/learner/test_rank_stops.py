@@ -24,25 +24,40 @@ from services.learner.trainer import read_status
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _start(tmp: Path, model: Path, redis_url: str, wait_s: float,
-           env_extra: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
-    cfg = RLConfig(model=str(model), output_dir=str(tmp / "rl"), group_size=2, batch_prompts=2, total_steps=5,
-                   redis_url=redis_url, stream_prefix=f"test:{uuid.uuid4().hex[:8]}", wait_timeout_s=wait_s,
-                   read_block_ms=200, publish_weights=False, engine=EngineConfig(micro_batch_tokens=64, ranks=2))
+def _start(
+    tmp: Path, model: Path, redis_url: str, wait_s: float, env_extra: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, Path]:
+    cfg = RLConfig(
+        model=str(model),
+        output_dir=str(tmp / "rl"),
+        group_size=2,
+        batch_prompts=2,
+        total_steps=5,
+        redis_url=redis_url,
+        stream_prefix=f"test:{uuid.uuid4().hex[:8]}",
+        wait_timeout_s=wait_s,
+        read_block_ms=200,
+        publish_weights=False,
+        engine=EngineConfig(micro_batch_tokens=64, ranks=2),
+    )
     path = tmp / "rl.json"
     path.write_text(cfg.model_dump_json())
     env = {**os.environ, **worker_env(2), "DS_ACCELERATOR": "cpu", **(env_extra or {})}
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
         env.pop(key, None)
     log = open(tmp / "log.txt", "wb")
-    proc = subprocess.Popen(worker_argv("rl", path, 2), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        worker_argv("rl", path, 2), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     return proc, tmp / "rl"
 
 
 def _ranks(proc: subprocess.Popen) -> list[psutil.Process]:
-    return [c for c in psutil.Process(proc.pid).children(recursive=True) if "services.learner.worker" in
-            " ".join(c.cmdline())]
+    return [
+        c
+        for c in psutil.Process(proc.pid).children(recursive=True)
+        if "services.learner.worker" in " ".join(c.cmdline())
+    ]
 
 
 def _leftover(config: Path) -> list[int]:
@@ -107,8 +122,7 @@ def test_a_killed_rank_takes_the_run_down(tmp_path, tiny_model, redis_server_url
     proc, out = _start(tmp_path, tiny_model, redis_server_url, wait_s=3600)
     _wait_running(proc, out)
     ranks = _ranks(proc)
-    victim = next(r for r in ranks if "RANK=1" in "".join(f"{k}={v}" for k, v in r.environ().items()
-                                                           if k == "RANK"))
+    victim = next(r for r in ranks if "RANK=1" in "".join(f"{k}={v}" for k, v in r.environ().items() if k == "RANK"))
     victim.kill()
     rc = _finish(proc, 200)
     assert rc != 0

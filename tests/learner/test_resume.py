@@ -25,18 +25,36 @@ STEPS = 3
 
 
 def _config(tmp: Path, name: str, model: Path, redis_url: str, prefix: str, **kw) -> Path:
-    cfg = RLConfig(model=str(model), output_dir=str(tmp / name), group_size=2, batch_prompts=2, lr=1e-3,
-                   total_steps=10, redis_url=redis_url, stream_prefix=prefix, wait_timeout_s=60,
-                   read_block_ms=200, weights_dir=str(tmp / name / "weights"), keep_versions=2,
-                   engine=EngineConfig(micro_batch_tokens=64), **kw)
+    cfg = RLConfig(
+        model=str(model),
+        output_dir=str(tmp / name),
+        group_size=2,
+        batch_prompts=2,
+        lr=1e-3,
+        total_steps=10,
+        redis_url=redis_url,
+        stream_prefix=prefix,
+        wait_timeout_s=60,
+        read_block_ms=200,
+        weights_dir=str(tmp / name / "weights"),
+        keep_versions=2,
+        engine=EngineConfig(micro_batch_tokens=64),
+        **kw,
+    )
     path = tmp / f"{name}.json"
     path.write_text(cfg.model_dump_json())
     return path
 
 
 def _run(config: Path, steps: int, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.learner.worker", "rl", str(config), str(steps)],
-                          cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "services.learner.worker", "rl", str(config), str(steps)],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 @pytest.mark.slow
@@ -132,8 +150,13 @@ def test_a_batch_is_counted_only_once_its_weights_are_published(tmp_path, tiny_m
         for t in trajs:
             publish(client, names.scored, t)
         config = _config(tmp_path, "order", tiny_model, redis_server_url, prefix)
-        learner = subprocess.Popen([sys.executable, "-m", "services.learner.worker", "rl", str(config), "2"],
-                                   cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        learner = subprocess.Popen(
+            [sys.executable, "-m", "services.learner.worker", "rl", str(config), "2"],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         seen: dict[int, int] = {}  # batch count → the weights version read right after it
         while True:
             exited = learner.poll() is not None  # one more read after the exit catches the last count
@@ -176,7 +199,11 @@ def test_mini_batches_update_several_times_per_batch_and_count_one_step(tmp_path
         # samples.jsonl: each step's groups, one whole trajectory each (the default keeps up to 4)
         samples = [json.loads(line) for line in (tmp_path / "mini" / "samples.jsonl").read_text().splitlines()]
         assert [(s["step"], s["batch"], s["sample_index"]) for s in samples] == [
-            (1, 1, 0), (1, 1, 0), (2, 2, 0), (2, 2, 0)]
+            (1, 1, 0),
+            (1, 1, 0),
+            (2, 2, 0),
+            (2, 2, 0),
+        ]
         sent = {(t.group_id, t.sample_index): t.reward for t in trajs}
         assert all(s["reward"] == sent[(s["group_id"], 0)] for s in samples)
     finally:
@@ -210,7 +237,8 @@ def test_a_batch_dapo_shrank_makes_fewer_updates_of_whole_groups(tmp_path, tiny_
 
 @pytest.mark.slow
 def test_a_batch_waits_for_its_own_steps_slow_groups_instead_of_taking_a_later_steps(
-        tmp_path, tiny_model, redis_server_url):
+    tmp_path, tiny_model, redis_server_url
+):
     """Asynchronous RL (max_staleness 1): step 2's groups, sampled by version 1, arrive before
     step 1's slow ones, sampled by version 0. Batch 1 waits for step 1's; taking step 2's would
     leave step 1's to batch 2, two versions old by then, and drop them."""
@@ -221,8 +249,7 @@ def test_a_batch_waits_for_its_own_steps_slow_groups_instead_of_taking_a_later_s
         for step, version in arrival:
             for t in scored_batch(tiny_model, 2, 2, seed=step, version=version, step=step):
                 publish(client, StreamNames(prefix).scored, t)
-        config = _config(tmp_path, "order", tiny_model, redis_server_url, prefix,
-                         filters=FilterConfig(max_staleness=1))
+        config = _config(tmp_path, "order", tiny_model, redis_server_url, prefix, filters=FilterConfig(max_staleness=1))
         done = _run(config, 3)
         assert done.returncode == 0, done.stderr[-3000:]
         metrics = read_metrics(tmp_path / "order")
@@ -255,7 +282,8 @@ def test_a_sample_delivered_twice_is_trained_once(tmp_path, tiny_model, redis_se
 
 @pytest.mark.slow
 def test_a_group_rolled_out_again_after_it_was_trained_is_dropped_even_after_a_restart(
-        tmp_path, tiny_model, redis_server_url):
+    tmp_path, tiny_model, redis_server_url
+):
     """A task that ran twice can publish its second copy after the first was trained (new message
     ids): it must not be trained again, nor take a fresh group's place in a batch. The trained
     group ids live in the checkpoint, so a restarted learner still knows them."""
@@ -293,11 +321,25 @@ def test_a_step_goes_without_a_group_whose_rollout_task_was_dead_lettered(tmp_pa
     prefix = f"test:{uuid.uuid4().hex[:8]}"
     names = StreamNames(prefix)
     step0, step1 = (scored_batch(tiny_model, 2, 2, seed=s, version=s, step=s) for s in (0, 1))
-    query = TravelQuery(org="Sarasota", dest="Chicago", days=3, visiting_city_number=1,
-                        date=["2022-03-22", "2022-03-23", "2022-03-24"], people_number=1, budget=1900,
-                        query="A 3-day trip.")
-    lost = RolloutTask(run_id="test", task_id=step0[2].group_id, prompt_id="p", query=query, group_size=2,
-                       sampling=SamplingParams(), step=0)
+    query = TravelQuery(
+        org="Sarasota",
+        dest="Chicago",
+        days=3,
+        visiting_city_number=1,
+        date=["2022-03-22", "2022-03-23", "2022-03-24"],
+        people_number=1,
+        budget=1900,
+        query="A 3-day trip.",
+    )
+    lost = RolloutTask(
+        run_id="test",
+        task_id=step0[2].group_id,
+        prompt_id="p",
+        query=query,
+        group_size=2,
+        sampling=SamplingParams(),
+        step=0,
+    )
     try:
         publish(client, names.tasks, lost)
         tasks = StreamConsumer(client, names.tasks, "rollout", "w", max_deliveries=1)
@@ -305,8 +347,15 @@ def test_a_step_goes_without_a_group_whose_rollout_task_was_dead_lettered(tmp_pa
         assert tasks.fail(msg, "every sample failed: CUDA error")  # dead-lettered
         for t in step0[:2] + step1:  # step 0's other group, then step 1 whole
             publish(client, names.scored, t)
-        config = _config(tmp_path, "lost", tiny_model, redis_server_url, prefix,
-                         filters=FilterConfig(max_staleness=1), straggler_wait_s=600.0)
+        config = _config(
+            tmp_path,
+            "lost",
+            tiny_model,
+            redis_server_url,
+            prefix,
+            filters=FilterConfig(max_staleness=1),
+            straggler_wait_s=600.0,
+        )
         done = _run(config, 2)
         assert done.returncode == 0, done.stderr[-3000:]
         metrics = read_metrics(tmp_path / "lost")

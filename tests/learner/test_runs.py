@@ -21,15 +21,27 @@ def _adopted_run(root, output, argv) -> tuple[str, subprocess.Popen]:
     folder = root / "r1"
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({"output_dir": str(output)}))
-    (folder / "run.json").write_text(json.dumps({"id": "r1", "kind": "rl", "pid": proc.pid, "ranks": 1,
-                                                 "started": process_start_time(proc.pid), "created": time.time()}))
+    (folder / "run.json").write_text(
+        json.dumps(
+            {
+                "id": "r1",
+                "kind": "rl",
+                "pid": proc.pid,
+                "ranks": 1,
+                "started": process_start_time(proc.pid),
+                "created": time.time(),
+            }
+        )
+    )
     return "r1", proc
 
 
 def test_a_run_of_an_earlier_api_process_is_described_from_its_output_and_stopped_by_pid(tmp_path):
     output = tmp_path / "controller" / "rl"
-    script = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
-              "print('ready', flush=True); time.sleep(120)")
+    script = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
+        "print('ready', flush=True); time.sleep(120)"
+    )
     write_status(output, state="stopped", step=1, version=1)  # the run before it, in the same output folder
     run_id, proc = _adopted_run(tmp_path / "runs", output, [sys.executable, "-c", script])
     try:

@@ -45,7 +45,8 @@ def test_logprobs_entropy_and_gradients_equal_the_plain_head(chunk, temperature)
 def test_gradient_check_in_double_precision():
     hidden, weight, targets, _ = case(n=6, d=4, vocab=9)
     assert torch.autograd.gradcheck(
-        lambda h, w: vocab_logprobs(h, w, targets, chunk=4, temperature=0.9)[0], (hidden, weight))
+        lambda h, w: vocab_logprobs(h, w, targets, chunk=4, temperature=0.9)[0], (hidden, weight)
+    )
 
 
 def test_without_grad_and_without_entropy():

@@ -49,11 +49,10 @@ class Fleet:
 def fleet(monkeypatch):
     fleet = Fleet(A, B)
     fleet.inits = []  # world sizes of the groups formed
-    fleet.sent = []   # tensors per broadcast
+    fleet.sent = []  # tensors per broadcast
     monkeypatch.setattr(NcclPublisher, "_info", lambda self, url: fleet.info(url))
     monkeypatch.setattr(NcclPublisher, "_post", lambda self, url, path, body: fleet.post(url, path, body))
-    monkeypatch.setattr(NcclPublisher, "_trainer_init",
-                        lambda self, port, world: fleet.inits.append(world) or object())
+    monkeypatch.setattr(NcclPublisher, "_trainer_init", lambda self, port, world: fleet.inits.append(world) or object())
 
     def send(self, tensors) -> None:
         fleet.sent.append(sum(1 for _ in tensors))
@@ -197,12 +196,22 @@ def test_no_server_answering_sends_nothing(fleet):
 
 # ---- FleetSync: files, Redis records, the gathers ---------------------------------------------------
 
+
 def _model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+        )
+    )
 
 
 @pytest.fixture
@@ -210,15 +219,22 @@ def sync(fleet, redis_client, tmp_path, monkeypatch):
     client, prefix = redis_client
     store = StorePublisher(tmp_path / "weights", redis_client=client, key_prefix=prefix.rstrip(":"), keep=5)
     store.posted = []
-    monkeypatch.setattr(store, "notify", lambda update: store.posted.append((update.version, list(store.servers)))
-                        or {})
+    monkeypatch.setattr(
+        store, "notify", lambda update: store.posted.append((update.version, list(store.servers))) or {}
+    )
     model = _model()
 
     def publish(version: int) -> dict[str, float]:
         from services.learner.engine import iter_weight_buckets
 
-        return fs.publish(version, model, zero3=False, buckets=lambda: iter_weight_buckets(model, dtype=torch.bfloat16),
-                          config=model.config, source_dir=None)
+        return fs.publish(
+            version,
+            model,
+            zero3=False,
+            buckets=lambda: iter_weight_buckets(model, dtype=torch.bfloat16),
+            config=model.config,
+            source_dir=None,
+        )
 
     fs = FleetSync(store, NcclPublisher([A, B], timeout_s=5), files_every=4)
     return fs, store, client, publish, model
@@ -276,8 +292,9 @@ def test_the_last_version_gets_files_once(sync):
     from services.learner.engine import iter_weight_buckets
 
     publish(1)
-    kwargs = dict(buckets=lambda: iter_weight_buckets(model, dtype=torch.bfloat16), config=model.config,
-                  source_dir=None)
+    kwargs = dict(
+        buckets=lambda: iter_weight_buckets(model, dtype=torch.bfloat16), config=model.config, source_dir=None
+    )
     fs.write_files(1, **kwargs)
     assert store.versions() == [1] and json.loads(client.get(store.key))["version"] == 1
     (store.root / "v1" / "manifest.json").unlink()
@@ -287,13 +304,21 @@ def test_the_last_version_gets_files_once(sync):
 
 # ---- a restarted server asks for the weights ----------------------------------------------------------
 
+
 def test_the_collector_stops_waiting_when_a_server_asks_for_the_weights(redis_client, tmp_path):
     from services.learner.config import RLConfig
     from services.learner.groups import GroupCollector, TrainedRecord, WeightsWanted
 
     client, prefix = redis_client
-    cfg = RLConfig(model="m", output_dir=str(tmp_path), stream_prefix=prefix.rstrip(":"), group_size=2,
-                   batch_prompts=1, read_block_ms=50, wait_timeout_s=5.0)
+    cfg = RLConfig(
+        model="m",
+        output_dir=str(tmp_path),
+        stream_prefix=prefix.rstrip(":"),
+        group_size=2,
+        batch_prompts=1,
+        read_block_ms=50,
+        wait_timeout_s=5.0,
+    )
     collector = GroupCollector(cfg, client, TrainedRecord())
     plan = {"groups": ["g"], "lost": []}
     collector.replay[3] = plan  # a journaled batch to replay: still there after the interruption
@@ -320,8 +345,9 @@ def test_the_learner_answers_a_request_for_the_weights_once_in_a_while(redis_cli
     learner._resent_at -= 60
     assert RLTrainer._weights_wanted(learner)
     client.set(names.weights_wanted, 0, ex=60)
-    assert not RLTrainer._weights_wanted(SimpleNamespace(version=0, _resent_at=-float("inf"), redis=client,
-                                                         names=names, retrained=lambda: False))  # nothing trained
+    assert not RLTrainer._weights_wanted(
+        SimpleNamespace(version=0, _resent_at=-float("inf"), redis=client, names=names, retrained=lambda: False)
+    )  # nothing trained
 
 
 def test_a_request_while_collecting_sends_the_weights_then_the_step_is_collected(tmp_path):
@@ -339,8 +365,13 @@ def test_a_request_while_collecting_sends_the_weights_then_the_step_is_collected
                 raise WeightsWanted()
             return StepGroups([], [], ["lost-group"], 0.0)
 
-    learner = SimpleNamespace(collector=Collector(), batches=2, version=5, engine=SimpleNamespace(world_size=1),
-                              publish=lambda: calls.append("publish") or {})
+    learner = SimpleNamespace(
+        collector=Collector(),
+        batches=2,
+        version=5,
+        engine=SimpleNamespace(world_size=1),
+        publish=lambda: calls.append("publish") or {},
+    )
     step = RLTrainer._gather(learner)
     assert calls == ["collect", "publish", "collect"] and step.lost == ["lost-group"]
 
@@ -353,8 +384,14 @@ def test_the_learner_keeps_files_of_its_last_version_and_records_its_own_at_star
     written, recorded = [], []
     fleet_sync = SimpleNamespace(write_files=lambda version, **kw: written.append(version) or {"sync_write_s": 1.0})
     engine = SimpleNamespace(bf16=True, iter_weight_buckets=lambda dtype: iter(()), lm_config=None, model_dir=None)
-    learner = SimpleNamespace(fleet_sync=fleet_sync, cfg=SimpleNamespace(publish_weights=True), version=7,
-                              engine=engine, rank0=True, publisher=SimpleNamespace(record_version=recorded.append))
+    learner = SimpleNamespace(
+        fleet_sync=fleet_sync,
+        cfg=SimpleNamespace(publish_weights=True),
+        version=7,
+        engine=engine,
+        rank0=True,
+        publisher=SimpleNamespace(record_version=recorded.append),
+    )
     learner._store_args = lambda: RLTrainer._store_args(learner)
     assert RLTrainer._keep_last_version(learner) == {"sync_write_s": 1.0} and written == [7]
     learner.version = 0
@@ -384,10 +421,20 @@ def test_a_resumed_learner_never_sends_a_number_an_earlier_process_published(red
     client.set(store.key, WeightsUpdate(version=10, uri="/w/v10", sha256="0" * 64).model_dump_json())
     store.record_version(13)
     published = []
-    learner = SimpleNamespace(rank0=True, publisher=store, fleet_sync=object(), version=12, published=0,
-                              start_version=0, cfg=SimpleNamespace(publish_start=False), engine=SimpleNamespace(
-                                  world_size=1), redis=client, names=names, _resent_at=-float("inf"),
-                              publish=lambda: published.append(learner.version))
+    learner = SimpleNamespace(
+        rank0=True,
+        publisher=store,
+        fleet_sync=object(),
+        version=12,
+        published=0,
+        start_version=0,
+        cfg=SimpleNamespace(publish_start=False),
+        engine=SimpleNamespace(world_size=1),
+        redis=client,
+        names=names,
+        _resent_at=-float("inf"),
+        publish=lambda: published.append(learner.version),
+    )
     _bind(learner, "_record_start", "retrained", "_highest_published", "_engines_highest")
     RLTrainer._publish_unannounced(learner)
     assert published == [] and learner.published == 13 and learner.start_version == 12
@@ -414,10 +461,18 @@ def _resumed_learner(client, store, version: int, *, engines: dict | None = None
     from types import SimpleNamespace
 
     nccl = SimpleNamespace(survey=lambda: engines or {})
-    learner = SimpleNamespace(rank0=True, publisher=store, fleet_sync=SimpleNamespace(nccl=nccl), version=version,
-                              published=0, start_version=0, cfg=SimpleNamespace(publish_start=False,
-                                                                                publish_weights=True),
-                              engine=SimpleNamespace(world_size=1), redis=client, published_as=[])
+    learner = SimpleNamespace(
+        rank0=True,
+        publisher=store,
+        fleet_sync=SimpleNamespace(nccl=nccl),
+        version=version,
+        published=0,
+        start_version=0,
+        cfg=SimpleNamespace(publish_start=False, publish_weights=True),
+        engine=SimpleNamespace(world_size=1),
+        redis=client,
+        published_as=[],
+    )
     learner.publish = lambda: learner.published_as.append(learner.version) or {}
     _bind(learner, "_record_start", "retrained", "_highest_published", "_engines_highest", "_number_past_the_fleet")
     return learner
@@ -451,8 +506,7 @@ def test_versions_only_the_engines_hold_count_as_published(redis_client):
     assert learner.published == 9 and learner.published_as == []
 
 
-def test_a_learner_behind_the_fleet_publishes_its_weights_above_every_number_before_a_new_batch(
-        redis_client, tmp_path):
+def test_a_learner_behind_the_fleet_publishes_its_weights_above_every_number_before_a_new_batch(redis_client, tmp_path):
     """Resumed from a checkpoint (v5) older than what was published (v13: a later checkpoint lost, or
     no journal of those steps): replayed batches keep their numbers and are not sent; before the first
     new batch the learner publishes its weights as v14, so the fleet samples on them again and no number

@@ -22,9 +22,19 @@ from services.pipeline.scheduler import Schedule, TaskPublisher
 
 
 def _queries(n: int) -> tuple[TravelQuery, ...]:
-    return tuple(TravelQuery(id=f"q{i}", org="A", dest="B", days=3, visiting_city_number=1,
-                             date=["2022-03-01", "2022-03-02", "2022-03-03"], people_number=1, budget=1000)
-                 for i in range(n))
+    return tuple(
+        TravelQuery(
+            id=f"q{i}",
+            org="A",
+            dest="B",
+            days=3,
+            visiting_city_number=1,
+            date=["2022-03-01", "2022-03-02", "2022-03-03"],
+            people_number=1,
+            budget=1000,
+        )
+        for i in range(n)
+    )
 
 
 @pytest.fixture
@@ -33,10 +43,17 @@ def setup(redis_client, tmp_path: Path):
     names = StreamNames(prefix.rstrip(":"))
     schedule = Schedule(_queries(8), batch_prompts=2, group_size=2, epochs=1)  # 4 steps
     publisher = TaskPublisher(client, names, "budget-test", schedule, SamplingParams(), max_staleness=1)
-    learner = Managed("learner", [sys.executable, "-c", "import time; time.sleep(60)"], {},
-                      tmp_path / "learner.log").start()
-    run = type("RunStub", (), {"folder": tmp_path, "config": PipelineConfig.model_validate(
-        {"name": "budget-test", "model": {"path": "/nowhere"}})})()
+    learner = Managed(
+        "learner", [sys.executable, "-c", "import time; time.sleep(60)"], {}, tmp_path / "learner.log"
+    ).start()
+    run = type(
+        "RunStub",
+        (),
+        {
+            "folder": tmp_path,
+            "config": PipelineConfig.model_validate({"name": "budget-test", "model": {"path": "/nowhere"}}),
+        },
+    )()
     # what `drive` watches of the controller's fleet: no supervisor, no workers, one learner process
     fleet = Fleet(None, "", learner=learner, status_path=tmp_path / "rl" / "status.json")
     yield client, names, schedule, publisher, fleet, run
@@ -49,6 +66,7 @@ def _learner_trains(client, names: StreamNames, steps: int, every_s: float) -> t
             time.sleep(every_s)
             client.set(names.weights_latest, json.dumps({"version": step, "uri": f"/w/v{step}"}))
             client.set(names.learner_batches, step)
+
     thread = threading.Thread(target=work, daemon=True)
     thread.start()
     return thread
@@ -72,8 +90,7 @@ def test_without_budget_every_step_runs(setup):
     _learner_trains(client, names, schedule.total_steps, 0.1)
     (run.folder / "rl").mkdir()
     (run.folder / "rl" / "status.json").write_text(json.dumps({"state": "finished"}))
-    ended = drive(run, fleet, client, names, publisher, schedule, poll_s=0.05,
-                  deadline=time.monotonic() + 60)
+    ended = drive(run, fleet, client, names, publisher, schedule, poll_s=0.05, deadline=time.monotonic() + 60)
     assert ended.reason == "done" and ended.steps == schedule.total_steps == 4
     assert publisher.next_step() == 4
 

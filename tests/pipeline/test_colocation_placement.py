@@ -8,16 +8,39 @@ from pathlib import Path
 import pytest
 
 from services.pipeline.config import load_pipeline_config
-from services.pipeline.placement import (GiB, ModelSize, PlacementError, activation_bytes, choose,
-                                         colocated_concurrency, colocated_fit, learner_state_bytes,
-                                         placement_for_recipe, weight_sync)
+from services.pipeline.placement import (
+    GiB,
+    ModelSize,
+    PlacementError,
+    activation_bytes,
+    choose,
+    colocated_concurrency,
+    colocated_fit,
+    learner_state_bytes,
+    placement_for_recipe,
+    weight_sync,
+)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # the published config.json shapes of Qwen2.5-7B-Instruct and Qwen2.5-1.5B-Instruct
-QWEN_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-           "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
-QWEN_1_5B = {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-             "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True}
+QWEN_7B = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+}
+QWEN_1_5B = {
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
 CARD_80 = 80 * GiB
 
 
@@ -68,8 +91,9 @@ def test_the_7b_recipe_fits_80_gb_hosts_colocated(n):
     assert p.colocated and p.learner_ranks == n and p.learner_devices == tuple(gpus(n))
     assert p.engine_devices == tuple((g,) for g in gpus(n))  # one engine per GPU
     assert p.derived and p.reason.startswith(f"derived from {n} GPU(s) of 80.0 GiB for 7.62 B parameters: colocated")
-    state = learner_state_bytes(ModelSize.from_hf_config(QWEN_7B), n,
-                                persistent_bytes=int(config.learner.persistent_weights_gib * GiB))
+    state = learner_state_bytes(
+        ModelSize.from_hf_config(QWEN_7B), n, persistent_bytes=int(config.learner.persistent_weights_gib * GiB)
+    )
     if n == 8:  # awake, engine 0's GPU holds the learner's state, its engine and a validation's, within the card
         assert not p.validations_after
         assert state + (p.engine_memory_share + p.validation_memory_share) * CARD_80 <= CARD_80
@@ -135,8 +159,17 @@ def test_kv_too_small_for_one_episode_is_refused():
 def test_colocated_needs_the_model_size_and_gpu_memory():
     config = recipe("qwen2.5-7b-grpo-sum.yaml", mode="colocated")
     with pytest.raises(PlacementError, match="config.json"):
-        choose(config.deployment, "colocated", None, 8, gpus(8), CARD_80, micro_batch_tokens=32768,
-               checkpointing=True, min_kv_tokens=30512)
+        choose(
+            config.deployment,
+            "colocated",
+            None,
+            8,
+            gpus(8),
+            CARD_80,
+            micro_batch_tokens=32768,
+            checkpointing=True,
+            min_kv_tokens=30512,
+        )
 
 
 def test_split_mode_and_cpu_keep_the_deployments_plan():
@@ -157,12 +190,20 @@ def test_colocation_needs_vllm_engines_of_an_embedded_fleet():
 
 # ---- what a colocated RL stage's processes are told ------------------------------------------------
 
+
 def _colocated_run(tmp_path: Path):
     from services.pipeline.placement import plan_colocated
     from services.pipeline.stage import Run
 
-    config = load_pipeline_config(CONFIGS / "tiny.yaml", ["services.engine=vllm", "services.rollout_workers=8",
-                                                          "services.rollout_concurrency=2", "placement.sleep_level=2"])
+    config = load_pipeline_config(
+        CONFIGS / "tiny.yaml",
+        [
+            "services.engine=vllm",
+            "services.rollout_workers=8",
+            "services.rollout_concurrency=2",
+            "placement.sleep_level=2",
+        ],
+    )
     placement = plan_colocated(config.deployment, gpus(4), 0.3)
     return Run(config, tmp_path, placement=placement, weight_sync=weight_sync(config.deployment, "vllm", placement))
 
@@ -215,5 +256,6 @@ def test_a_colocated_learner_sleeps_the_workers_and_takes_ipc(tmp_path):
 
 def test_a_config_without_the_model_sizes_is_refused_with_what_it_lacks():
     with pytest.raises(PlacementError, match="no hidden_size, num_attention_heads"):
-        ModelSize.from_hf_config({"model_type": "qwen2", "intermediate_size": 11008, "num_hidden_layers": 28,
-                                  "vocab_size": 152064})
+        ModelSize.from_hf_config(
+            {"model_type": "qwen2", "intermediate_size": 11008, "num_hidden_layers": 28, "vocab_size": 152064}
+        )

@@ -21,8 +21,10 @@ def test_shipped_recipes_load_and_round_trip(path, tmp_path):
     assert load_pipeline_config(again) == config
 
 
-@pytest.mark.parametrize("scale,algorithm,reward,sft_epochs", [
-    ("1.5b", "arpo", "macro", 6), ("3b", "grpo", "curriculum", 4), ("7b", "grpo", "sum", 4)])
+@pytest.mark.parametrize(
+    "scale,algorithm,reward,sft_epochs",
+    [("1.5b", "arpo", "macro", 6), ("3b", "grpo", "curriculum", 4), ("7b", "grpo", "sum", 4)],
+)
 def test_paper_recipes(scale, algorithm, reward, sft_epochs):
     c = load_pipeline_config(CONFIGS / f"qwen2.5-{scale}-{algorithm}-{reward}.yaml")
     assert (c.rl.algorithm, c.rl.reward, c.sft.epochs) == (algorithm, reward, sft_epochs)
@@ -43,14 +45,17 @@ def test_overrides_apply_and_are_validated():
         load_pipeline_config(CONFIGS / "tiny.yaml", ["nonsense"])
 
 
-@pytest.mark.parametrize("text,message", [
-    ("name: x\n", "model"),
-    ("name: x\nmodel: {path: /m, tiny: {}}\n", "exactly one"),
-    ("name: x\nmodel: {path: /m}\nstages: [rl, sft]\n", "order"),
-    ("name: x\nmodel: {path: /m}\nrl: {bogus: 1}\n", "rl.bogus"),
-    ("[1, 2", "not valid YAML"),
-    ("- a\n- b\n", "mapping"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("name: x\n", "model"),
+        ("name: x\nmodel: {path: /m, tiny: {}}\n", "exactly one"),
+        ("name: x\nmodel: {path: /m}\nstages: [rl, sft]\n", "order"),
+        ("name: x\nmodel: {path: /m}\nrl: {bogus: 1}\n", "rl.bogus"),
+        ("[1, 2", "not valid YAML"),
+        ("- a\n- b\n", "mapping"),
+    ],
+)
 def test_bad_recipes_fail_with_a_message(tmp_path, text, message):
     f = tmp_path / "bad.yaml"
     f.write_text(text)
@@ -71,13 +76,16 @@ def test_the_learner_section_reaches_the_learner_engine_config():
     assert engine.zero_stage == config.services.zero_stage == 2
 
 
-@pytest.mark.parametrize("stages,expected", [
-    (["synth", "sft", "rl", "eval"], "base"),   # a whole run starts from the base model
-    (["rl"], "sft-model"),                      # RL alone, after SFT in the same folder
-    (["rl", "eval"], "sft-model"),
-    (["eval"], "rl-model"),                     # evaluation alone: the newest model
-    (["sft"], "base"),                          # SFT again starts from the base model
-])
+@pytest.mark.parametrize(
+    "stages,expected",
+    [
+        (["synth", "sft", "rl", "eval"], "base"),  # a whole run starts from the base model
+        (["rl"], "sft-model"),  # RL alone, after SFT in the same folder
+        (["rl", "eval"], "sft-model"),
+        (["eval"], "rl-model"),  # evaluation alone: the newest model
+        (["sft"], "base"),  # SFT again starts from the base model
+    ],
+)
 def test_a_stage_run_on_its_own_starts_from_the_model_the_stages_before_it_made(stages, expected):
     from services.pipeline.train import starting_model
 
@@ -120,14 +128,23 @@ def test_the_loss_bounds_and_temperature_reach_the_learner_config(tmp_path):
 
     def learner(overrides: list[str]) -> RLConfig:
         config = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", overrides)
-        return RLConfig.model_validate_json(rl_config(Run(config, tmp_path), "model", StreamNames("t"), "redis://x",
-                                                      total_steps=16).read_text())
+        return RLConfig.model_validate_json(
+            rl_config(Run(config, tmp_path), "model", StreamNames("t"), "redis://x", total_steps=16).read_text()
+        )
 
     shipped = learner([])
     assert (shipped.log_ratio_clamp, shipped.dual_clip_c, shipped.importance_sampling) == (20.0, 3.0, "tis")
     assert shipped.temperature == 1.0
-    chosen = learner(["rl.importance_sampling=mis", "rl.is_low=0.125", "rl.is_high=8", "rl.loss_agg=group-token-mean",
-                      "rl.sampling.temperature=0.7", "rl.dual_clip_c=null"])
+    chosen = learner(
+        [
+            "rl.importance_sampling=mis",
+            "rl.is_low=0.125",
+            "rl.is_high=8",
+            "rl.loss_agg=group-token-mean",
+            "rl.sampling.temperature=0.7",
+            "rl.dual_clip_c=null",
+        ]
+    )
     assert (chosen.importance_sampling, chosen.is_low, chosen.is_high) == ("mis", 0.125, 8.0)
     assert (chosen.loss_agg, chosen.temperature, chosen.dual_clip_c) == ("group-token-mean", 0.7, None)
     on_policy = learner(["rl.importance_sampling=off", "rl.max_staleness=0"])
@@ -153,15 +170,22 @@ def test_stale_samples_under_a_sampling_cut_need_an_importance_correction():
     # the proof recipe samples at top_p 0.95 with max_staleness 3, so it corrects with tis
     proof = CONFIGS / "smollm2-proof.yaml"
     assert load_pipeline_config(proof).rl.importance_sampling == "tis"
-    with pytest.raises(ConfigError, match=r"rl: .*max_staleness 3 with rl.sampling's top_p 0.95 needs an importance "
-                                          r"correction: set rl.importance_sampling to tis or mis"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rl: .*max_staleness 3 with rl.sampling's top_p 0.95 needs an importance "
+        r"correction: set rl.importance_sampling to tis or mis",
+    ):
         load_pipeline_config(proof, ["rl.importance_sampling=off"])
     with pytest.raises(ConfigError, match=r"max_staleness 1 with rl.sampling's top_k 20 needs"):
-        load_pipeline_config(proof, ["rl.importance_sampling=off", "rl.max_staleness=1", "rl.sampling.top_p=1.0",
-                                     "rl.sampling.top_k=20"])
+        load_pipeline_config(
+            proof, ["rl.importance_sampling=off", "rl.max_staleness=1", "rl.sampling.top_p=1.0", "rl.sampling.top_k=20"]
+        )
     # either correction, no cut, or no staleness is accepted
-    for fine in (["rl.importance_sampling=mis"], ["rl.importance_sampling=off", "rl.sampling.top_p=1.0"],
-                 ["rl.importance_sampling=off", "rl.max_staleness=0"]):
+    for fine in (
+        ["rl.importance_sampling=mis"],
+        ["rl.importance_sampling=off", "rl.sampling.top_p=1.0"],
+        ["rl.importance_sampling=off", "rl.max_staleness=0"],
+    ):
         assert load_pipeline_config(proof, fine).rl.max_staleness >= 0
 
 
@@ -193,7 +217,9 @@ def test_a_bad_curriculum_fails_when_the_recipe_loads():
         load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.reward=curriculum", "rl.curriculum=sum:1,success:2"])
     with pytest.raises(ConfigError, match="rl.curriculum: .*unknown reward kind 'bogus'"):
         load_pipeline_config(CONFIGS / "tiny.yaml", ["rl.curriculum=bogus@1"])
-    short = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.reward=curriculum", "rl.curriculum=sum@1,success@2"])
+    short = load_pipeline_config(
+        CONFIGS / "smollm2-proof.yaml", ["rl.reward=curriculum", "rl.curriculum=sum@1,success@2"]
+    )
     assert short.rl.curriculum == "sum@1,success@2"
 
 
@@ -231,7 +257,9 @@ def test_a_top_p_or_top_k_cut_is_called_off_policy_and_a_temperature_is_not():
     whole = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.sampling.top_p=1.0"])
     assert off_policy_note(whole.rl.sampling) is None
     # the learner divides its logits by the rollouts' temperature, so T != 1 stays on-policy
-    sharper = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.sampling.top_p=1.0", "rl.sampling.temperature=0.7"])
+    sharper = load_pipeline_config(
+        CONFIGS / "smollm2-proof.yaml", ["rl.sampling.top_p=1.0", "rl.sampling.temperature=0.7"]
+    )
     assert off_policy_note(sharper.rl.sampling) is None
     note = off_policy_note(load_pipeline_config(CONFIGS / "smollm2-proof.yaml").rl.sampling)  # top_p 0.95
     assert note is not None and "top_p 0.95" in note and "off-policy" in note
@@ -265,8 +293,10 @@ def test_curriculum_stages_a_run_never_reaches_are_named():
     assert unreached_stages_note(paper.rl.schedule(), paper.rl.epochs, steps=100) is None  # 5 epochs
     assert unreached_stages_note(None, 1, steps=1) is None  # not a curriculum reward
     # by step, the run's steps decide: one epoch of 32 steps reaches success@9, not success@40
-    stepped = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", [
-        "rl.reward=curriculum", "rl.curriculum=sum@1,success@9", "rl.curriculum_unit=step"])
+    stepped = load_pipeline_config(
+        CONFIGS / "smollm2-proof.yaml",
+        ["rl.reward=curriculum", "rl.curriculum=sum@1,success@9", "rl.curriculum_unit=step"],
+    )
     assert unreached_stages_note(stepped.rl.schedule(), stepped.rl.epochs, steps=32) is None
     late = unreached_stages_note(Curriculum.parse("sum@1,success@40", unit="step"), 1, steps=32)
     assert late is not None and "success@40 start after the run's 32 steps" in late
@@ -301,8 +331,9 @@ def test_the_checkpoint_is_not_picked_on_the_queries_that_report_its_success(tmp
     # a folder synthesized before held-out queries existed: its picked checkpoint is not scored on validation
     picked = {"model": "m", "best_success": 0.4}
     with pytest.raises(train.StageFailed, match="picked on v.jsonl"):
-        train.stage_eval(train.Run(without, tmp_path, world_url="sqlite:///w.db"), "m", {"val_queries": "v.jsonl"},
-                         picked)
+        train.stage_eval(
+            train.Run(without, tmp_path, world_url="sqlite:///w.db"), "m", {"val_queries": "v.jsonl"}, picked
+        )
     assert not any(name == "eval" for name, _ in calls)  # refused before any evaluation ran
 
 
@@ -355,13 +386,18 @@ def test_the_episode_budget_is_the_recipes_or_derived_by_each_worker(tmp_path):
     assert inflight_env(proof)["STAR_ROLLOUT_MAX_INFLIGHT_EPISODES"] == str(proof.services.max_inflight_episodes)
     groups = load_pipeline_config(CONFIGS / "tiny.yaml", ["services.rollout_concurrency=3"])  # deprecated: groups
     assert groups.inflight_episodes() == 3 * groups.rl.group_size
-    set_ = load_pipeline_config(CONFIGS / "tiny.yaml", ["services.max_inflight_episodes=48",
-                                                         "services.episode_tokens=6000"])
-    assert inflight_env(set_) == {"STAR_ROLLOUT_EPISODE_TOKENS": "6000", "STAR_ROLLOUT_MAX_INFLIGHT_EPISODES": "48",
-                                  "STAR_ROLLOUT_MAX_BATCH": "48"}
+    set_ = load_pipeline_config(
+        CONFIGS / "tiny.yaml", ["services.max_inflight_episodes=48", "services.episode_tokens=6000"]
+    )
+    assert inflight_env(set_) == {
+        "STAR_ROLLOUT_EPISODE_TOKENS": "6000",
+        "STAR_ROLLOUT_MAX_INFLIGHT_EPISODES": "48",
+        "STAR_ROLLOUT_MAX_BATCH": "48",
+    }
     with pytest.raises(ConfigError, match="not both"):
-        load_pipeline_config(CONFIGS / "tiny.yaml", ["services.max_inflight_episodes=48",
-                                                     "services.rollout_concurrency=2"])
+        load_pipeline_config(
+            CONFIGS / "tiny.yaml", ["services.max_inflight_episodes=48", "services.rollout_concurrency=2"]
+        )
 
 
 def test_over_sampling_and_late_groups_reach_the_learner_and_its_filters():
@@ -393,8 +429,9 @@ def test_forced_turns_are_off_unless_set_and_only_for_rl_sampling():
     """rl.sampling.forced_turns (benchmarking: a random-init model's episodes shaped like a trained agent's)."""
     paper = load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml")
     assert paper.rl.sampling.forced_turns is None and paper.eval.sampling.forced_turns is None
-    forced = load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml",
-                                  ['rl.sampling.forced_turns={"tool_calls": 10, "turn_tokens": 120}'])
+    forced = load_pipeline_config(
+        CONFIGS / "qwen2.5-7b-grpo-sum.yaml", ['rl.sampling.forced_turns={"tool_calls": 10, "turn_tokens": 120}']
+    )
     assert forced.rl.sampling.forced_turns.tool_calls == 10 and forced.rl.sampling.forced_turns.answer_tokens == 1000
     with pytest.raises(ConfigError, match="max_tool_calls"):  # more forced calls than the episode may make
         load_pipeline_config(CONFIGS / "tiny.yaml", ['rl.sampling.forced_turns={"tool_calls": 5}'])

@@ -31,8 +31,20 @@ from tests.support.waiting import until
 pytestmark = pytest.mark.slow
 TOKEN = "fleet-token"
 PREFIX = "fleet"
-SMALL = ["--set", "sft.max_steps=1", "--set", "rl.max_steps=2", "--set", "rl.val_every=1",
-         "--set", "synth.heldout_queries=2", "--set", "eval.limit=1", "--set", "eval.sampling.max_tool_calls=2"]
+SMALL = [
+    "--set",
+    "sft.max_steps=1",
+    "--set",
+    "rl.max_steps=2",
+    "--set",
+    "rl.val_every=1",
+    "--set",
+    "synth.heldout_queries=2",
+    "--set",
+    "eval.limit=1",
+    "--set",
+    "eval.sampling.max_tool_calls=2",
+]
 RL = [*SMALL, "--stage", "rl", "--stage", "eval", "--fleet", "external"]
 
 
@@ -40,8 +52,12 @@ def _start_learner_service(f: Fleet, folder: Path, home: Path) -> str:
     """The learner service beside the fleet, as a deployment runs it (its own home, token and weights store)."""
     spec = next(s for s in fleet_module.SERVICES if s.name == "learner")
     port = free_port()
-    env = {**train_env(home), "STAR_REDIS_URL": f.redis_url, "STAR_API_TOKEN": TOKEN,
-           "STAR_WEIGHTS_ROOT": str(folder / "weights")}
+    env = {
+        **train_env(home),
+        "STAR_REDIS_URL": f.redis_url,
+        "STAR_API_TOKEN": TOKEN,
+        "STAR_WEIGHTS_ROOT": str(folder / "weights"),
+    }
     child = f.sup.add("learner-service", fleet_module.service_argv(spec, port), env, folder / "logs" / "learner.log")
     url = f"http://127.0.0.1:{port}"
     wait_ready("learner", child.proc, url, child.log, 120)
@@ -71,8 +87,9 @@ def _running(url: str, run_id: str) -> bool:
 
 
 def _assert_fleet_runs(f: Fleet, learner_url: str) -> None:
-    assert all(child.exited() is None for child in f.sup.children.values()), \
-        {name: child.exited() for name, child in f.sup.children.items()}
+    assert all(child.exited() is None for child in f.sup.children.values()), {
+        name: child.exited() for name, child in f.sup.children.items()
+    }
     assert redis.Redis.from_url(f.redis_url).ping()
     for url in (f.sandbox_url, learner_url):
         assert httpx.get(f"{url}/readyz", timeout=5).status_code == 200
@@ -84,8 +101,12 @@ def _stop_learner_runs(url: str) -> None:
         for run_id, r in _learner_runs(url).items():
             if r["state"] in ("starting", "running"):
                 httpx.post(f"{url}/runs/{run_id}/stop", headers={"authorization": f"Bearer {TOKEN}"}, timeout=10)
-        until(lambda: all(r["state"] not in ("starting", "running") for r in _learner_runs(url).values()), 120,
-              "the learner runs to stop", poll_s=0.5)
+        until(
+            lambda: all(r["state"] not in ("starting", "running") for r in _learner_runs(url).values()),
+            120,
+            "the learner runs to stop",
+            poll_s=0.5,
+        )
     except (httpx.HTTPError, AssertionError):
         pass
 
@@ -104,15 +125,21 @@ def test_star_train_drives_a_fleet_it_did_not_start(tmp_path):
     recipe = load_pipeline_config(run / "config.yaml")
     base_model = prepare_model(recipe)
     assert not _same_weights(base_model, sft_model)
-    deployment = Run(recipe, folder, world_url=world,
-                     env={"STAR_HOME": str(home), "STAR_DB_URL": world, "STAR_LOG_JSON": "false"})
+    deployment = Run(
+        recipe, folder, world_url=world, env={"STAR_HOME": str(home), "STAR_DB_URL": world, "STAR_LOG_JSON": "false"}
+    )
     f = start_fleet(deployment, base_model, StreamNames(PREFIX))
     learner_url = ""
     try:
         learner_url = _start_learner_service(f, folder, tmp_path / "learner-home")
-        env = {"STAR_REDIS_URL": f.redis_url, "STAR_SANDBOX_URL": f.sandbox_url, "STAR_LEARNER_URL": learner_url,
-               "STAR_DB_URL": world,  # the fleet's world, which the controller takes
-               "STAR_STREAM_PREFIX": PREFIX, "STAR_API_TOKEN": TOKEN}
+        env = {
+            "STAR_REDIS_URL": f.redis_url,
+            "STAR_SANDBOX_URL": f.sandbox_url,
+            "STAR_LEARNER_URL": learner_url,
+            "STAR_DB_URL": world,  # the fleet's world, which the controller takes
+            "STAR_STREAM_PREFIX": PREFIX,
+            "STAR_API_TOKEN": TOKEN,
+        }
         password = redis.Redis.from_url(f.redis_url).connection_pool.connection_kwargs["password"]
 
         # SIGTERM: the controller stops the learner run it started, and nothing of the fleet
@@ -123,16 +150,24 @@ def test_star_train_drives_a_fleet_it_did_not_start(tmp_path):
             controller.send_signal(signal.SIGTERM)
             assert controller.wait(300) == 130, (tmp_path / "first.log").read_text()[-3000:]
         # (the controller waits a bounded while for the learner to finish its step and checkpoint)
-        stopped = until(lambda: _learner_runs(learner_url)[first]["state"] not in ("starting", "running"), 300,
-                        "the first learner run to stop", poll_s=0.5)
+        stopped = until(
+            lambda: _learner_runs(learner_url)[first]["state"] not in ("starting", "running"),
+            300,
+            "the first learner run to stop",
+            poll_s=0.5,
+        )
         assert stopped and _learner_runs(learner_url)[first]["state"] == "stopped"
         _assert_fleet_runs(f, learner_url)
 
         # killed outright, a controller leaves its learner run going: the next one re-attaches to it
         with open(tmp_path / "second.log", "w") as log:
             controller = subprocess.Popen(train_argv(run, *RL), env=train_env(home, env), stdout=log, stderr=log)
-            second = until(lambda: _recorded(run) not in (None, first) and _recorded(run), 300,
-                           "the second learner run", poll_s=0.5)
+            second = until(
+                lambda: _recorded(run) not in (None, first) and _recorded(run),
+                300,
+                "the second learner run",
+                poll_s=0.5,
+            )
             until(lambda: _running(learner_url, second), 300, "the second learner run to train", poll_s=0.5)
             controller.kill()
             controller.wait(30)

@@ -17,15 +17,25 @@ from tests.pipeline.test_train_e2e import train_argv, train_env
 
 def _star_train(tmp_path, fleet: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
     env = {**train_env(tmp_path / "home", fleet), "STAR_FLEET_WAIT_S": "0"}
-    return subprocess.run(train_argv(tmp_path / "run", "--fleet", "external", *extra), env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        train_argv(tmp_path / "run", "--fleet", "external", *extra),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_an_unreachable_fleet_is_refused_naming_each_part_with_the_password_redacted(tmp_path):
     redis_port, sandbox_port, learner_port = free_port(), free_port(), free_port()
-    out = _star_train(tmp_path, {"STAR_REDIS_URL": f"redis://:s3cret-pw@127.0.0.1:{redis_port}/0",
-                                 "STAR_SANDBOX_URL": f"http://127.0.0.1:{sandbox_port}",
-                                 "STAR_LEARNER_URL": f"http://127.0.0.1:{learner_port}"})
+    out = _star_train(
+        tmp_path,
+        {
+            "STAR_REDIS_URL": f"redis://:s3cret-pw@127.0.0.1:{redis_port}/0",
+            "STAR_SANDBOX_URL": f"http://127.0.0.1:{sandbox_port}",
+            "STAR_LEARNER_URL": f"http://127.0.0.1:{learner_port}",
+        },
+    )
     assert out.returncode == 1, out.stderr
     text = " ".join(out.stderr.split())  # rich wraps long lines
     assert "external fleet is not reachable" in text
@@ -40,14 +50,22 @@ def test_unset_settings_are_named(tmp_path):
     out = _star_train(tmp_path, {})
     assert out.returncode == 1 and "Traceback" not in out.stderr
     text = " ".join(out.stderr.split())
-    for line in ("redis: STAR_REDIS_URL is not set", "sandbox (STAR_SANDBOX_URL): not set",
-                 "learner (STAR_LEARNER_URL): not set"):
+    for line in (
+        "redis: STAR_REDIS_URL is not set",
+        "sandbox (STAR_SANDBOX_URL): not set",
+        "learner (STAR_LEARNER_URL): not set",
+    ):
         assert line in text
 
 
 def test_a_fleet_mode_that_does_not_exist_is_a_recipe_error(tmp_path):
-    out = subprocess.run(train_argv(tmp_path / "run", "--fleet", "elsewhere"), env=train_env(tmp_path / "home"),
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        train_argv(tmp_path / "run", "--fleet", "elsewhere"),
+        env=train_env(tmp_path / "home"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "deployment.fleet" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -58,10 +76,12 @@ def test_a_fleet_without_workers_or_learner_is_reported_part_by_part(redis_clien
     learner = f"http://127.0.0.1:{free_port()}"
     address = FleetAddress(redis_url, None, learner, stream_prefix=prefix.rstrip(":"))
     found = problems(address)
-    assert found == [f"rollout workers: none has read {prefix}tasks (group rollout) at {redis_url} within 60 s",
-                     f"reward workers: none has read {prefix}trajectories (group reward) at {redis_url} within 60 s",
-                     "sandbox (STAR_SANDBOX_URL): not set",
-                     f"learner (STAR_LEARNER_URL) at {learner}: not ready (GET /readyz)"]
+    assert found == [
+        f"rollout workers: none has read {prefix}tasks (group rollout) at {redis_url} within 60 s",
+        f"reward workers: none has read {prefix}trajectories (group reward) at {redis_url} within 60 s",
+        "sandbox (STAR_SANDBOX_URL): not set",
+        f"learner (STAR_LEARNER_URL) at {learner}: not ready (GET /readyz)",
+    ]
     # a worker that polls its stream counts as live
     names = StreamNames(prefix.rstrip(":"))
     StreamConsumer(client, names.tasks, "rollout", "rollout-0").read(block_ms=10)
@@ -94,8 +114,9 @@ def test_a_fault_rate_the_external_fleet_will_not_apply_is_said():
     from services.pipeline.rl import external_fleet_note
 
     def config(**deployment):
-        return PipelineConfig.model_validate({"name": "x", "model": {"path": "/m"}, "rl": {"fault_rate": 0.05},
-                                              "deployment": deployment})
+        return PipelineConfig.model_validate(
+            {"name": "x", "model": {"path": "/m"}, "rl": {"fault_rate": 0.05}, "deployment": deployment}
+        )
 
     assert "STAR_FAULT_RATE" in external_fleet_note(config(fleet="external"))
     assert external_fleet_note(config()) is None
@@ -131,7 +152,9 @@ def test_a_learner_that_refuses_or_fails_the_run_fails_the_stage_with_its_words(
     run.folder.mkdir()
 
     def fleet(token: str = "fleet-token") -> ExternalFleet:
-        return ExternalFleet(FleetAddress(None, None, learner_service, api_token=token), run.folder / "learner-run.json")
+        return ExternalFleet(
+            FleetAddress(None, None, learner_service, api_token=token), run.folder / "learner-run.json"
+        )
 
     missing = rl_config(run, str(tmp_path / "nowhere"), StreamNames("fleet"), None, 2)
     with pytest.raises(StageFailed, match=r"refused the run \(422\): model folder .*nowhere does not exist"):
@@ -144,8 +167,9 @@ def test_a_learner_that_refuses_or_fails_the_run_fails_the_stage_with_its_words(
     f = fleet()
     run_id = f.start_learner(run, rl_config(run, str(tmp_path / "empty-model"), StreamNames("fleet"), None, 2))
     assert json.loads((run.folder / "learner-run.json").read_text())["id"] == run_id
-    report = until(lambda: (lambda r: r if not r.running else None)(f.learner_report()), 180, "the run to fail",
-                   poll_s=0.5)
+    report = until(
+        lambda: (lambda r: r if not r.running else None)(f.learner_report()), 180, "the run to fail", poll_s=0.5
+    )
     assert report.state == "failed"
     with pytest.raises(StageFailed, match=f"learner run {run_id} at {learner_service} ended failed: .*empty-model"):
         f.learner_ended(report)
@@ -157,19 +181,24 @@ def test_the_controller_says_what_of_the_fleet_cannot_work(redis_client, tmp_pat
 
     client, prefix = redis_client
     kw = client.connection_pool.connection_kwargs
-    address = FleetAddress(f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}", None, None,
-                           stream_prefix=prefix.rstrip(":"))
+    address = FleetAddress(
+        f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}", None, None, stream_prefix=prefix.rstrip(":")
+    )
     names = address.names
     f = ExternalFleet(address, tmp_path / "learner-run.json")
-    assert f.watch() == [f"rollout workers: none has joined {names.tasks} (group rollout)",
-                         f"reward workers: none has joined {names.trajectories} (group reward)"]
+    assert f.watch() == [
+        f"rollout workers: none has joined {names.tasks} (group rollout)",
+        f"reward workers: none has joined {names.trajectories} (group reward)",
+    ]
     worker = StreamConsumer(client, names.tasks, "rollout", "host-0", max_deliveries=1)
     StreamConsumer(client, names.trajectories, "reward", "host-1").read(block_ms=10)
     client.xadd(names.tasks, {b"payload": b'{"n": 1}'})
     [msg] = worker.read(block_ms=10)
     worker.fail(msg, "weights v0 not loadable: size mismatch")  # one delivery allowed: buried
-    assert f.watch() == [f"1 message(s) of {names.tasks} failed for good ({names.tasks}:dead); the last: "
-                         "weights v0 not loadable: size mismatch"]
+    assert f.watch() == [
+        f"1 message(s) of {names.tasks} failed for good ({names.tasks}:dead); the last: "
+        "weights v0 not loadable: size mismatch"
+    ]
     assert f.watch() == []  # said once
 
 
@@ -180,13 +209,14 @@ def test_rl_progress_is_said_line_by_line_where_there_is_no_terminal(capsys):
     said = say_progress(0, 2, "published 1/2 · weights v0", said)
     said = say_progress(1, 2, "published 2/2 · weights v1", said)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rl ")]
-    assert lines == ["rl 0/2 steps trained · published 1/2 · weights v0",
-                     "rl 1/2 steps trained · published 2/2 · weights v1"]
+    assert lines == [
+        "rl 0/2 steps trained · published 1/2 · weights v0",
+        "rl 1/2 steps trained · published 2/2 · weights v1",
+    ]
 
 
 @pytest.mark.slow
-def test_sft_runs_on_the_fleets_learner_to_its_end_or_fails_the_stage_with_its_error(tmp_path, learner_service,
-                                                                                       capsys):
+def test_sft_runs_on_the_fleets_learner_to_its_end_or_fails_the_stage_with_its_error(tmp_path, learner_service, capsys):
     """An external run's SFT goes to the learner service (in the gpu profile, the GPU learner), not the
     controller's own machine; its steps are said as they come."""
     from services.models import tiny_qwen2
@@ -196,20 +226,44 @@ def test_sft_runs_on_the_fleets_learner_to_its_end_or_fails_the_stage_with_its_e
     tiny_model = tiny_qwen2(tmp_path / "model", tokenizer="travel")
     address = FleetAddress(None, None, learner_service, api_token="fleet-token")
     data = tmp_path / "chats.jsonl"
-    data.write_text("".join(json.dumps({"messages": [
-        {"role": "system", "content": "You plan trips."}, {"role": "user", "content": f"Trip {i}"},
-        {"role": "assistant", "content": f"<think>plan {i}</think><answer>Day 1: city {i}</answer>"}]}) + "\n"
-        for i in range(4)))
-    config = {"model": str(tiny_model), "data": str(data), "output_dir": str(tmp_path / "sft"), "lr": 1e-3,
-              "batch_size": 2, "epochs": 1, "engine": {"micro_batch_tokens": 128}}
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "system", "content": "You plan trips."},
+                        {"role": "user", "content": f"Trip {i}"},
+                        {"role": "assistant", "content": f"<think>plan {i}</think><answer>Day 1: city {i}</answer>"},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(4)
+        )
+    )
+    config = {
+        "model": str(tiny_model),
+        "data": str(data),
+        "output_dir": str(tmp_path / "sft"),
+        "lr": 1e-3,
+        "batch_size": 2,
+        "epochs": 1,
+        "engine": {"micro_batch_tokens": 128},
+    }
     run = train_on_learner(address, "sft", config, poll_s=0.5)
     assert run["state"] == "finished" and run["step"] == 2 and (tmp_path / "sft" / "status.json").is_file()
     said = " ".join(capsys.readouterr().err.split())
     assert f"on the learner at {learner_service}" in said and "sft finished · step 2" in said
     (tmp_path / "empty").mkdir()
-    with pytest.raises(StageFailed, match=f"(?s)sft run .* on the learner at {learner_service} ended failed: .*tokenizer"):
-        train_on_learner(address, "sft", {**config, "model": str(tmp_path / "empty"),
-                                          "output_dir": str(tmp_path / "sft2")}, poll_s=0.5)
+    with pytest.raises(
+        StageFailed, match=f"(?s)sft run .* on the learner at {learner_service} ended failed: .*tokenizer"
+    ):
+        train_on_learner(
+            address,
+            "sft",
+            {**config, "model": str(tmp_path / "empty"), "output_dir": str(tmp_path / "sft2")},
+            poll_s=0.5,
+        )
 
 
 def test_a_controller_waiting_for_the_fleet_says_what_it_waits_on(capsys):
@@ -231,14 +285,22 @@ def test_an_external_runs_sft_goes_to_the_learner_service_and_its_eval_to_the_ro
 
     monkeypatch.setenv("STAR_LEARNER_URL", "http://learner:8000")
     get_settings.cache_clear()
-    run = Run(load_pipeline_config(ROOT / "configs" / "tiny.yaml", ["deployment.fleet=external",
-                                                                    "services.chat.tool_format=react"]),
-              tmp_path / "run")
+    run = Run(
+        load_pipeline_config(
+            ROOT / "configs" / "tiny.yaml", ["deployment.fleet=external", "services.chat.tool_format=react"]
+        ),
+        tmp_path / "run",
+    )
     run.folder.mkdir()
     run.base_model = str(tmp_path / "model")
     sent = []
-    monkeypatch.setattr(train_module, "train_on_learner", lambda address, kind, config: sent.append(
-        (address.learner_url, kind, config["output_dir"])) or configs.append(config))
+    monkeypatch.setattr(
+        train_module,
+        "train_on_learner",
+        lambda address, kind, config: (
+            sent.append((address.learner_url, kind, config["output_dir"])) or configs.append(config)
+        ),
+    )
     configs = []
     monkeypatch.setattr(train_module, "run_process", lambda *a, **k: pytest.fail("SFT ran in the controller"))
     monkeypatch.setattr("services.learner.trainer.read_status", lambda out: {"export": str(out / "export")})

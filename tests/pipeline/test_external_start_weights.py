@@ -35,9 +35,17 @@ from tests.support.waiting import until
 
 pytestmark = pytest.mark.slow
 GROUP = 2
-QUERY = TravelQuery(id="q0", org="Sarasota", dest="Chicago", days=3, visiting_city_number=1,
-                    date=["2022-03-22", "2022-03-23", "2022-03-24"], people_number=1, budget=1900,
-                    query="A 3-day trip from Sarasota to Chicago.")
+QUERY = TravelQuery(
+    id="q0",
+    org="Sarasota",
+    dest="Chicago",
+    days=3,
+    visiting_city_number=1,
+    date=["2022-03-22", "2022-03-23", "2022-03-24"],
+    people_number=1,
+    budget=1900,
+    query="A 3-day trip from Sarasota to Chicago.",
+)
 
 
 def fingerprint(folder: Path) -> str:
@@ -77,7 +85,8 @@ class NoTools:
 
 @pytest.mark.timeout(900)
 def test_the_first_step_is_sampled_by_the_runs_starting_model_not_the_workers_own(
-        tmp_path, redis_client, redis_server_url, loop):
+    tmp_path, redis_client, redis_server_url, loop
+):
     from services.models import qwen_tokenizer, tiny_qwen2
 
     fleet_model, start_model = tiny_qwen2(), tiny_qwen2(seed=1)  # A: the fleet's; B: the run's (its SFT model)
@@ -94,8 +103,9 @@ def test_the_first_step_is_sampled_by_the_runs_starting_model_not_the_workers_ow
     with open(log, "w") as out:
         service = subprocess.Popen(fleet_module.service_argv(spec, port), env=env, stdout=out, stderr=out)
     learner_url = f"http://127.0.0.1:{port}"
-    fleet = ExternalFleet(FleetAddress(redis_server_url, None, learner_url, stream_prefix=names.prefix),
-                          tmp_path / "learner-run.json")
+    fleet = ExternalFleet(
+        FleetAddress(redis_server_url, None, learner_url, stream_prefix=names.prefix), tmp_path / "learner-run.json"
+    )
     worker = None
     threads = []
     try:
@@ -108,13 +118,29 @@ def test_the_first_step_is_sampled_by_the_runs_starting_model_not_the_workers_ow
 
         # the controller: the RL stage's learner config starts from model B
         config = tmp_path / "rl.json"
-        config.write_text(RLConfig(
-            model=str(start_model), output_dir=str(tmp_path / "rl"), group_size=GROUP, batch_prompts=1, lr=1e-3,
-            total_steps=1, redis_url=redis_server_url, stream_prefix=names.prefix, wait_timeout_s=600,
-            read_block_ms=200, engine=EngineConfig(micro_batch_tokens=64)).model_dump_json())
-        publisher = TaskPublisher(client, names, "run", Schedule((QUERY,), 1, GROUP, 1),
-                                  SamplingParams(seed=3, max_tokens_per_turn=64, max_context_tokens=4096),
-                                  await_start_weights=True)
+        config.write_text(
+            RLConfig(
+                model=str(start_model),
+                output_dir=str(tmp_path / "rl"),
+                group_size=GROUP,
+                batch_prompts=1,
+                lr=1e-3,
+                total_steps=1,
+                redis_url=redis_server_url,
+                stream_prefix=names.prefix,
+                wait_timeout_s=600,
+                read_block_ms=200,
+                engine=EngineConfig(micro_batch_tokens=64),
+            ).model_dump_json()
+        )
+        publisher = TaskPublisher(
+            client,
+            names,
+            "run",
+            Schedule((QUERY,), 1, GROUP, 1),
+            SamplingParams(seed=3, max_tokens_per_turn=64, max_context_tokens=4096),
+            await_start_weights=True,
+        )
         assert publisher.publish_ready(0) == []  # nothing announced yet: no task may go out
         fleet.start_learner(None, config)
 

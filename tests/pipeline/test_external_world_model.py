@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.supervisor import Supervisor, wait_ready
 from services.common.redis import free_port
+from services.common.supervisor import Supervisor, wait_ready
 from services.pipeline import fleet
 from services.pipeline.config import WorldSpec
 from services.pipeline.external import FleetAddress, engines_take, fleet_world
@@ -39,11 +39,16 @@ def services(worlds, tmp_path_factory):
     specs = {s.name: s for s in fleet.SERVICES}
     sup = Supervisor(None)
     qwen = tiny_qwen2(home / "qwen-vocab", tokenizer="qwen")
-    wanted = {"sandbox": ("sandbox", worlds["tiny"], {}),
-              "reward": ("reward", worlds["tiny"], {}),
-              "reward-small": ("reward", worlds["small"], {}),
-              "rollout": ("rollout", worlds["tiny"], {"STAR_MODEL": str(qwen), "STAR_ROLLOUT_ENGINE": "transformers",
-                                                     "STAR_ROLLOUT_TOOLS": "local"})}
+    wanted = {
+        "sandbox": ("sandbox", worlds["tiny"], {}),
+        "reward": ("reward", worlds["tiny"], {}),
+        "reward-small": ("reward", worlds["small"], {}),
+        "rollout": (
+            "rollout",
+            worlds["tiny"],
+            {"STAR_MODEL": str(qwen), "STAR_ROLLOUT_ENGINE": "transformers", "STAR_ROLLOUT_TOOLS": "local"},
+        ),
+    }
     urls = {}
     for name, (kind, world, extra) in wanted.items():
         port = free_port()
@@ -79,12 +84,19 @@ def test_a_recipe_naming_another_world_is_refused_naming_both(services, worlds):
 
 
 def test_a_scorer_on_another_world_or_a_controller_reading_another_is_refused(services, worlds):
-    with pytest.raises(StageFailed, match=r"read different worlds: .*synthetic world tiny.*the scorer at .* "
-                                          r"synthetic world small"):
-        fleet_world(_address(services, "reward-small"), WorldSpec(source="synthetic", synthetic_size="tiny"), 0,
-                    worlds["tiny"])
-    with pytest.raises(StageFailed, match=r"controller's world database \(STAR_DB_URL\) holds synthetic world "
-                                          r"small .*give the controller the fleet's STAR_DB_URL"):
+    with pytest.raises(
+        StageFailed,
+        match=r"read different worlds: .*synthetic world tiny.*the scorer at .* "
+        r"synthetic world small",
+    ):
+        fleet_world(
+            _address(services, "reward-small"), WorldSpec(source="synthetic", synthetic_size="tiny"), 0, worlds["tiny"]
+        )
+    with pytest.raises(
+        StageFailed,
+        match=r"controller's world database \(STAR_DB_URL\) holds synthetic world "
+        r"small .*give the controller the fleet's STAR_DB_URL",
+    ):
         fleet_world(_address(services), WorldSpec(source="synthetic", synthetic_size="tiny"), 0, worlds["small"])
 
 
@@ -114,22 +126,64 @@ def test_eval_on_the_fleet_runs_each_episode_on_its_rollout_servers(services, wo
 
     env = {**train_env(tmp_path / "home"), "STAR_DB_URL": worlds["tiny"], "STAR_ROLLOUT_URLS": services["rollout"]}
     queries = tmp_path / "queries"
-    made = subprocess.run([sys.executable, "-m", "services.cli", "synth", "queries", "--n", "2", "--splits", "0:0:2:0",
-                           "--out", str(queries), "--db", worlds["tiny"]], env=env, capture_output=True, text=True,
-                          timeout=300)
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "synth",
+            "queries",
+            "--n",
+            "2",
+            "--splits",
+            "0:0:2:0",
+            "--out",
+            str(queries),
+            "--db",
+            worlds["tiny"],
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert made.returncode == 0, made.stderr[-2000:]
     served_before = httpx.get(f"{services['rollout']}/metrics", timeout=10).text.count("\n")
-    out = subprocess.run([sys.executable, "-m", "services.cli", "eval", "--fleet", "--split",
-                          str(queries / "validation.jsonl"), "--out", str(tmp_path / "eval"), "--db", worlds["tiny"],
-                          "--max-tokens", "16", "--max-tool-calls", "2", "--max-context", "4096"],
-                         env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "eval",
+            "--fleet",
+            "--split",
+            str(queries / "validation.jsonl"),
+            "--out",
+            str(tmp_path / "eval"),
+            "--db",
+            worlds["tiny"],
+            "--max-tokens",
+            "16",
+            "--max-tool-calls",
+            "2",
+            "--max-context",
+            "4096",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert metrics, metrics
     source = json.loads((tmp_path / "eval" / "manifest.json").read_text())["scoring"]["source"]
     assert source["kind"] == "fleet" and source["rollout_urls"] == [services["rollout"]]
-    rollouts = [line for line in httpx.get(f"{services['rollout']}/metrics", timeout=10).text.splitlines()
-                if line.startswith("star_rollout_trajectories_total")]
+    rollouts = [
+        line
+        for line in httpx.get(f"{services['rollout']}/metrics", timeout=10).text.splitlines()
+        if line.startswith("star_rollout_trajectories_total")
+    ]
     assert sum(float(line.rsplit(" ", 1)[1]) for line in rollouts) >= 2, rollouts  # the server ran them
     assert served_before > 0
     assert fleet_weights(_address(services)) == f"v0 ({services['qwen-model']})"

@@ -32,14 +32,18 @@ Root Cause (first observed failure):
 def test_the_cause_is_the_ranks_error_not_the_launchers_summary(tmp_path):
     log = tmp_path / "learner.log"
     log.write_text(TORCHRUN_LOG)
-    assert failure_cause(log) == ("[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.16 GiB. "
-                                  "GPU 1 has a total capacity of 139.80 GiB")
+    assert failure_cause(log) == (
+        "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.16 GiB. "
+        "GPU 1 has a total capacity of 139.80 GiB"
+    )
 
 
 def test_a_plain_traceback_and_a_log_without_an_error(tmp_path):
     log = tmp_path / "x.log"
-    log.write_text("loading\nTraceback (most recent call last):\n  File \"a.py\", line 1\n"
-                   "services.learner.colocate.ColocationError: rollout server http://127.0.0.1:9 did not sleep\n")
+    log.write_text(
+        'loading\nTraceback (most recent call last):\n  File "a.py", line 1\n'
+        "services.learner.colocate.ColocationError: rollout server http://127.0.0.1:9 did not sleep\n"
+    )
     assert failure_cause(log).startswith("services.learner.colocate.ColocationError: rollout server")
     log.write_text("step 1\nstep 2\n")
     assert failure_cause(log) is None
@@ -59,8 +63,9 @@ def test_star_train_says_why_the_learner_exited_each_time(tmp_path, capsys):
 
     sup = Supervisor()
     script = "import sys; print('step 0'); sys.exit('RuntimeError: the learner could not sleep its engines')"
-    child = sup.add("learner", [sys.executable, "-c", script], log=tmp_path / "learner.log",
-                    policy=RestartPolicy(backoff_s=0.0))
+    child = sup.add(
+        "learner", [sys.executable, "-c", script], log=tmp_path / "learner.log", policy=RestartPolicy(backoff_s=0.0)
+    )
     try:
         fleet = Fleet(sup=sup, redis_url="redis://unused", learner=child)
         deadline = time.monotonic() + 30

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.slow
 def _star(home, *args, check=True):
     env = {**os.environ, "STAR_HOME": str(home), "STAR_LOG_JSON": "false"}
     env.pop("STAR_REDIS_URL", None)
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], env=env, capture_output=True, text=True,
-                          timeout=300, check=check)
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args], env=env, capture_output=True, text=True, timeout=300, check=check
+    )
 
 
 def test_up_status_down(tmp_path):
@@ -33,7 +34,9 @@ def test_up_status_down(tmp_path):
         by_name = {p["name"]: p for p in report["processes"]}
         assert by_name["sandbox"]["health"] == "ready" and by_name["redis"]["health"] == "up"
         # the services answer for real after `star up` has exited
-        r = httpx.post(by_name["sandbox"]["url"] + "/tools/call", json={"name": "SearchCity", "arguments": {"state": "x"}})
+        r = httpx.post(
+            by_name["sandbox"]["url"] + "/tools/call", json={"name": "SearchCity", "arguments": {"state": "x"}}
+        )
         assert r.status_code == 200
         # the URL is printed without its password, which lives in a file of its own
         assert "***" in report["redis_url"]

@@ -147,8 +147,11 @@ def test_a_validation_process_gets_its_devices_from_the_placement(tmp_path, monk
 
     probe = "import os, sys; open(sys.argv[1], 'w').write(os.environ.get('CUDA_VISIBLE_DEVICES', 'unset'))"
     seen = tmp_path / "devices.txt"
-    monkeypatch.setattr(stage, "eval_argv", lambda run, model, split, out, limit, memory_share=None: [
-        sys.executable, "-c", probe, str(seen)])
+    monkeypatch.setattr(
+        stage,
+        "eval_argv",
+        lambda run, model, split, out, limit, memory_share=None: [sys.executable, "-c", probe, str(seen)],
+    )
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     config = load_pipeline_config(CONFIGS / "tiny.yaml", ["services.rollout_workers=2"])
     run = Run(config, tmp_path / "run", placement=plan(config.deployment, 2, ["0", "1", "2"]))

@@ -9,18 +9,49 @@ from pathlib import Path
 import pytest
 
 from services.pipeline.config import load_pipeline_config
-from services.pipeline.placement import (GiB, ModelSize, PlacementError, derive, learner_rank_choices,
-                                         placement_for_recipe, weight_sync)
+from services.pipeline.placement import (
+    GiB,
+    ModelSize,
+    PlacementError,
+    derive,
+    learner_rank_choices,
+    placement_for_recipe,
+    weight_sync,
+)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-QWEN_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-           "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
-QWEN_3B = {"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
-           "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True}
-QWEN_1_5B = {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-             "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True}
-PAPER = {"qwen2.5-1.5b-arpo-macro.yaml": QWEN_1_5B, "qwen2.5-3b-grpo-curriculum.yaml": QWEN_3B,
-         "qwen2.5-7b-grpo-sum.yaml": QWEN_7B}
+QWEN_7B = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+}
+QWEN_3B = {
+    "hidden_size": 2048,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
+QWEN_1_5B = {
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
+PAPER = {
+    "qwen2.5-1.5b-arpo-macro.yaml": QWEN_1_5B,
+    "qwen2.5-3b-grpo-curriculum.yaml": QWEN_3B,
+    "qwen2.5-7b-grpo-sum.yaml": QWEN_7B,
+}
 
 
 def gpus(n: int) -> list[str]:
@@ -58,8 +89,19 @@ def test_a_bigger_card_gives_the_one_gpu_engine_more_memory():
     assert big.engine_memory_share > small.engine_memory_share and big.engine_memory_share >= 0.5
 
 
-@pytest.mark.parametrize("card,n,fits", [(80, 1, False), (80, 2, False), (80, 4, True), (80, 8, True),
-                                         (141, 1, False), (141, 2, True), (141, 4, True), (141, 8, True)])
+@pytest.mark.parametrize(
+    "card,n,fits",
+    [
+        (80, 1, False),
+        (80, 2, False),
+        (80, 4, True),
+        (80, 8, True),
+        (141, 1, False),
+        (141, 2, True),
+        (141, 4, True),
+        (141, 8, True),
+    ],
+)
 def test_the_7b_recipe_fits_where_its_state_does_and_is_refused_with_the_numbers_elsewhere(card, n, fits):
     config = load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml")
     size = ModelSize.from_hf_config(QWEN_7B)
@@ -83,8 +125,10 @@ def test_the_3b_recipe_fits_both_cards(n):
         assert p.derived and p.colocated and len(p.engine_devices) == n
     # one 80 GB card has no room for a validation's engine beside the fleet: validations wait for its end
     one = placement_for_recipe(config, gpus(1), 80 * GiB, ModelSize.from_hf_config(QWEN_3B))
-    assert one.validations_after and not placement_for_recipe(config, gpus(1), 141 * GiB,
-                                                              ModelSize.from_hf_config(QWEN_3B)).validations_after
+    assert (
+        one.validations_after
+        and not placement_for_recipe(config, gpus(1), 141 * GiB, ModelSize.from_hf_config(QWEN_3B)).validations_after
+    )
 
 
 def test_split_is_derived_where_a_colocated_engine_would_hold_too_little_kv():
@@ -111,8 +155,12 @@ def test_learner_rank_choices_start_at_a_quarter_of_the_machine_and_leave_an_eng
 def test_ranks_set_in_the_recipe_keep_its_own_plan():
     config = load_pipeline_config(CONFIGS / "qwen2.5-1.5b-arpo-macro.yaml", ["deployment.learner_ranks=2"])
     with pytest.raises(PlacementError, match="learner_ranks 2 needs 2 GPUs, one per rank; this machine shows 1"):
-        placement_for_recipe(config.model_copy(update={"placement": config.placement.model_copy(
-            update={"mode": "split"})}), gpus(1), 141 * GiB, ModelSize.from_hf_config(QWEN_1_5B))
+        placement_for_recipe(
+            config.model_copy(update={"placement": config.placement.model_copy(update={"mode": "split"})}),
+            gpus(1),
+            141 * GiB,
+            ModelSize.from_hf_config(QWEN_1_5B),
+        )
     p = placement_for_recipe(config, gpus(4), 141 * GiB, ModelSize.from_hf_config(QWEN_1_5B))
     assert not p.derived
 

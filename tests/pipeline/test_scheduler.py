@@ -11,9 +11,19 @@ from services.reward.rewards import Curriculum
 
 
 def _queries(n):
-    return tuple(TravelQuery(id=f"q{i}", org="A", dest="B", days=3, visiting_city_number=1,
-                             date=["2022-03-01", "2022-03-02", "2022-03-03"], people_number=1, budget=1000)
-                 for i in range(n))
+    return tuple(
+        TravelQuery(
+            id=f"q{i}",
+            org="A",
+            dest="B",
+            days=3,
+            visiting_city_number=1,
+            date=["2022-03-01", "2022-03-02", "2022-03-03"],
+            people_number=1,
+            budget=1000,
+        )
+        for i in range(n)
+    )
 
 
 def test_paper_arithmetic_155_steps():
@@ -38,8 +48,10 @@ def test_small_prompt_set_wraps_and_max_steps_caps():
     assert s.total_steps == 1 and len(s.batch(0)) == 4
 
 
-@pytest.mark.parametrize("step,version,k,ok", [(0, 0, 0, True), (1, 0, 0, False), (1, 1, 0, True),
-                                               (2, 1, 1, True), (3, 1, 1, False), (5, 2, 3, True)])
+@pytest.mark.parametrize(
+    "step,version,k,ok",
+    [(0, 0, 0, True), (1, 0, 0, False), (1, 1, 0, True), (2, 1, 1, True), (3, 1, 1, False), (5, 2, 3, True)],
+)
 def test_publishable(step, version, k, ok):
     assert publishable(step, version, k) is ok
 
@@ -48,13 +60,29 @@ def test_publisher_paces_by_version_and_never_repeats(redis_client):
     client, prefix = redis_client
     names = StreamNames(prefix.rstrip(":"))
     sched = Schedule(_queries(8), batch_prompts=2, group_size=4, epochs=2)  # 8 steps
-    pub = TaskPublisher(client, names, "run1", sched, SamplingParams(seed=7), reward_kind="curriculum",
-                        curriculum=Curriculum.parse("sum:1-1,success:2"), max_staleness=1)
+    pub = TaskPublisher(
+        client,
+        names,
+        "run1",
+        sched,
+        SamplingParams(seed=7),
+        reward_kind="curriculum",
+        curriculum=Curriculum.parse("sum:1-1,success:2"),
+        max_staleness=1,
+    )
     assert pub.publish_ready(0) == [0, 1]
     assert pub.publish_ready(0) == []
     # a restarted controller (new object) continues from Redis
-    again = TaskPublisher(client, names, "run1", sched, SamplingParams(seed=7), reward_kind="curriculum",
-                          curriculum=Curriculum.parse("sum:1-1,success:2"), max_staleness=1)
+    again = TaskPublisher(
+        client,
+        names,
+        "run1",
+        sched,
+        SamplingParams(seed=7),
+        reward_kind="curriculum",
+        curriculum=Curriculum.parse("sum:1-1,success:2"),
+        max_staleness=1,
+    )
     assert again.publish_ready(2, version=1) == [2, 3]
     assert again.publish_ready(10) == [4, 5, 6, 7]
     assert again.done_publishing()
@@ -73,8 +101,16 @@ def test_a_curriculum_by_step_switches_within_an_epoch(redis_client):
     client, prefix = redis_client
     names = StreamNames(prefix.rstrip(":"))
     sched = Schedule(_queries(8), batch_prompts=2, group_size=2, epochs=1)  # 4 steps, one epoch
-    pub = TaskPublisher(client, names, "run-steps", sched, SamplingParams(seed=7), reward_kind="curriculum",
-                        curriculum=Curriculum.parse("sum@1,macro@2,success@4", unit="step"), max_staleness=3)
+    pub = TaskPublisher(
+        client,
+        names,
+        "run-steps",
+        sched,
+        SamplingParams(seed=7),
+        reward_kind="curriculum",
+        curriculum=Curriculum.parse("sum@1,macro@2,success@4", unit="step"),
+        max_staleness=3,
+    )
     assert pub.publish_ready(0) == [0, 1, 2, 3]
     tasks = [RolloutTask.model_validate(d) for _, d in read_all(client, names.tasks)]
     assert {t.epoch for t in tasks} == {1}
@@ -87,8 +123,9 @@ def test_arpo_settings_travel_with_the_tasks(redis_client):
 
     client, prefix = redis_client
     names = StreamNames(prefix.rstrip(":"))
-    pub = TaskPublisher(client, names, "r", Schedule(_queries(2), 2, 4, 1), SamplingParams(),
-                        arpo=ArpoParams(beam_size=3))
+    pub = TaskPublisher(
+        client, names, "r", Schedule(_queries(2), 2, 4, 1), SamplingParams(), arpo=ArpoParams(beam_size=3)
+    )
     pub.publish_ready(0)
     tasks = [RolloutTask.model_validate(d) for _, d in read_all(client, names.tasks)]
     assert [t.arpo.beam_size for t in tasks] == [3, 3]
@@ -111,8 +148,7 @@ def test_a_publisher_awaiting_the_start_weights_sends_no_step_before_they_are_an
     client, prefix = redis_client
     names = StreamNames(prefix.rstrip(":"))
     sched = Schedule(_queries(4), batch_prompts=2, group_size=2, epochs=1)
-    pub = TaskPublisher(client, names, "run1", sched, SamplingParams(seed=7), max_staleness=1,
-                        await_start_weights=True)
+    pub = TaskPublisher(client, names, "run1", sched, SamplingParams(seed=7), max_staleness=1, await_start_weights=True)
     assert pub.publish_ready(0) == [] and client.xlen(names.tasks) == 0
     client.set(names.weights_latest, WeightsUpdate(version=0, uri="/w/v0", sha256="0" * 64).model_dump_json())
     assert pub.publish_ready(0, version=0) == [0, 1]

@@ -47,15 +47,24 @@ def _fake_eval(gate: Path):
     """A `star eval` stand-in: waits for `gate`, then writes the success it finds in the model folder, in
     metrics.json's shape (tests/evaluation/test_cli.py reads the real one with the same reader); a
     negative score fails, None writes nothing."""
-    script = ("import json, pathlib, sys, time\n"
-              "model, out, gate = map(pathlib.Path, sys.argv[1:4])\n"
-              "while not gate.exists(): time.sleep(0.05)\n"
-              "score = json.loads((model / 'score.json').read_text())\n"
-              "if score is not None and score < 0: sys.exit('the model could not be evaluated')\n"
-              "out.mkdir(parents=True, exist_ok=True)\n"
-              "if score is not None:\n"
-              "    (out / 'metrics.json').write_text(json.dumps({'metrics': {'final_pass_rate': score}}))\n")
-    return lambda run, model, split, out, limit, memory_share=None: [sys.executable, "-c", script, model, str(out), str(gate)]
+    script = (
+        "import json, pathlib, sys, time\n"
+        "model, out, gate = map(pathlib.Path, sys.argv[1:4])\n"
+        "while not gate.exists(): time.sleep(0.05)\n"
+        "score = json.loads((model / 'score.json').read_text())\n"
+        "if score is not None and score < 0: sys.exit('the model could not be evaluated')\n"
+        "out.mkdir(parents=True, exist_ok=True)\n"
+        "if score is not None:\n"
+        "    (out / 'metrics.json').write_text(json.dumps({'metrics': {'final_pass_rate': score}}))\n"
+    )
+    return lambda run, model, split, out, limit, memory_share=None: [
+        sys.executable,
+        "-c",
+        script,
+        model,
+        str(out),
+        str(gate),
+    ]
 
 
 def _version(tmp_path: Path, version: int, score: float | None) -> str:

@@ -34,14 +34,17 @@ def test_auto_takes_nccl_when_each_engine_has_gpus_of_its_own():
     assert wide.method == "nccl"
 
 
-@pytest.mark.parametrize("engines, gpus, deployment, engine, reason", [
-    (1, ["0"], {}, "vllm", "engine 0 shares GPU 0 with the learner"),                 # a one-GPU box
-    (4, GPUS4, {"learner_ranks": 2}, "vllm", "shares GPU 0 with the learner"),         # 2 + 4 > 4: shared
-    (3, ["0", "1"], {"share_gpus": True}, "vllm", "engine 1 shares GPU 0 with the learner"),
-    (2, [], {}, "vllm", "no CUDA GPUs"),
-    (2, GPUS4, {"learner_ranks": 2}, "transformers", "services.engine is transformers"),
-    (2, GPUS4, {"learner_ranks": 2, "fleet": "external"}, "vllm", "the fleet is external"),
-])
+@pytest.mark.parametrize(
+    "engines, gpus, deployment, engine, reason",
+    [
+        (1, ["0"], {}, "vllm", "engine 0 shares GPU 0 with the learner"),  # a one-GPU box
+        (4, GPUS4, {"learner_ranks": 2}, "vllm", "shares GPU 0 with the learner"),  # 2 + 4 > 4: shared
+        (3, ["0", "1"], {"share_gpus": True}, "vllm", "engine 1 shares GPU 0 with the learner"),
+        (2, [], {}, "vllm", "no CUDA GPUs"),
+        (2, GPUS4, {"learner_ranks": 2}, "transformers", "services.engine is transformers"),
+        (2, GPUS4, {"learner_ranks": 2, "fleet": "external"}, "vllm", "the fleet is external"),
+    ],
+)
 def test_auto_falls_back_to_files_and_says_why(engines, gpus, deployment, engine, reason):
     choice = _resolve(engines, gpus, engine, **deployment)
     assert choice.method == "files"
@@ -54,12 +57,15 @@ def test_engines_sharing_a_gpu_with_each_other_cannot_join_one_group():
     assert nccl_obstacle(DeploymentSpec(), "vllm", Placement("cuda", 1, ("0",), (("1",), ("2",)), 0.9)) is None
 
 
-@pytest.mark.parametrize("engines, gpus, deployment, engine, reason", [
-    (1, ["0"], {}, "vllm", "shares GPU 0 with the learner"),
-    (2, [], {}, "vllm", "no CUDA GPUs"),
-    (2, GPUS4, {"learner_ranks": 2}, "transformers", "only vLLM engines"),
-    (2, GPUS4, {"learner_ranks": 2, "fleet": "external"}, "vllm", "external"),
-])
+@pytest.mark.parametrize(
+    "engines, gpus, deployment, engine, reason",
+    [
+        (1, ["0"], {}, "vllm", "shares GPU 0 with the learner"),
+        (2, [], {}, "vllm", "no CUDA GPUs"),
+        (2, GPUS4, {"learner_ranks": 2}, "transformers", "only vLLM engines"),
+        (2, GPUS4, {"learner_ranks": 2, "fleet": "external"}, "vllm", "external"),
+    ],
+)
 def test_an_explicit_nccl_that_cannot_work_is_refused_naming_why(engines, gpus, deployment, engine, reason):
     with pytest.raises(PlacementError) as err:
         _resolve(engines, gpus, engine, weight_sync="nccl", **deployment)
@@ -105,12 +111,15 @@ def test_weight_sync_may_change_between_invocations_of_a_run_folder():
 
 # ---- what the RL stage's processes are told ------------------------------------------------------
 
+
 def _run(tmp_path: Path, method: str, overrides: list[str] = ()):
     from services.pipeline.placement import WeightSyncChoice
     from services.pipeline.stage import Run
 
-    config = load_pipeline_config(CONFIGS / "tiny.yaml", ["services.engine=vllm", "deployment.learner_ranks=2",
-                                                          "services.rollout_workers=2", *overrides])
+    config = load_pipeline_config(
+        CONFIGS / "tiny.yaml",
+        ["services.engine=vllm", "deployment.learner_ranks=2", "services.rollout_workers=2", *overrides],
+    )
     placement = plan(config.deployment, 2, GPUS4)
     return Run(config, tmp_path, placement=placement, weight_sync=WeightSyncChoice(method, "test"))
 
@@ -125,15 +134,23 @@ def test_rl_config_over_nccl_names_the_workers_and_a_master_port(tmp_path):
     host, _, port = cfg.nccl_master.rpartition(":")
     assert host == "127.0.0.1" and 0 < int(port) < 65536
     assert cfg.files_every == 10
-    validated = rl_config(_run(tmp_path, "nccl", ["rl.val_every=3", "synth.heldout_queries=2"]), "model", StreamNames("t"), None, 4, servers)
+    validated = rl_config(
+        _run(tmp_path, "nccl", ["rl.val_every=3", "synth.heldout_queries=2"]),
+        "model",
+        StreamNames("t"),
+        None,
+        4,
+        servers,
+    )
     assert RLConfig.model_validate_json(validated.read_text()).files_every == 3  # validations read files
 
 
 def test_rl_config_with_files_sends_nothing_over_nccl(tmp_path):
     from services.pipeline.rl import rl_config
 
-    path = rl_config(_run(tmp_path, "files"), "model", StreamNames("t"), None, total_steps=4,
-                     servers=["http://127.0.0.1:4101"])
+    path = rl_config(
+        _run(tmp_path, "files"), "model", StreamNames("t"), None, total_steps=4, servers=["http://127.0.0.1:4101"]
+    )
     cfg = RLConfig.model_validate_json(path.read_text())
     assert cfg.weight_sync == "files" and cfg.rollout_servers == []
 
@@ -203,19 +220,25 @@ def test_an_external_fleet_whose_engines_all_receive_takes_nccl(requested):
     from services.pipeline.placement import external_weight_sync
 
     spec = DeploymentSpec(fleet="external", weight_sync=requested)
-    choice = external_weight_sync(spec, {"http://a:8080": NCCL_SERVER, "http://b:8080": {**NCCL_SERVER,
-                                                                                         "weight_ranks": 1}})
+    choice = external_weight_sync(
+        spec, {"http://a:8080": NCCL_SERVER, "http://b:8080": {**NCCL_SERVER, "weight_ranks": 1}}
+    )
     assert choice.method == "nccl" and "2 rollout server(s), 3 engine rank(s)" in choice.describe()
 
 
-@pytest.mark.parametrize("infos, reason", [
-    ({"http://a:8080": NCCL_SERVER, "http://b:8080": FILES_SERVER}, "the engine of http://b:8080"),
-    ({"http://a:8080": NCCL_SERVER, "http://b:8080": None}, "http://b:8080 do not answer"),
-    ({}, "no rollout server"),
-    # the engine a server reports running decides, whatever the recipe's services.engine says
-    ({"http://a:8080": NCCL_SERVER, "http://b:8080": {**NCCL_SERVER, "engine": "openai"}},
-     "http://b:8080 (openai) run another engine"),
-])
+@pytest.mark.parametrize(
+    "infos, reason",
+    [
+        ({"http://a:8080": NCCL_SERVER, "http://b:8080": FILES_SERVER}, "the engine of http://b:8080"),
+        ({"http://a:8080": NCCL_SERVER, "http://b:8080": None}, "http://b:8080 do not answer"),
+        ({}, "no rollout server"),
+        # the engine a server reports running decides, whatever the recipe's services.engine says
+        (
+            {"http://a:8080": NCCL_SERVER, "http://b:8080": {**NCCL_SERVER, "engine": "openai"}},
+            "http://b:8080 (openai) run another engine",
+        ),
+    ],
+)
 def test_an_external_fleet_that_cannot_receive_gets_files_or_refuses_nccl(infos, reason):
     from services.pipeline.placement import external_weight_sync
 
@@ -223,8 +246,7 @@ def test_an_external_fleet_that_cannot_receive_gets_files_or_refuses_nccl(infos,
     assert auto.method == "files" and reason in auto.reason
     with pytest.raises(PlacementError, match="cannot work here"):
         external_weight_sync(DeploymentSpec(fleet="external", weight_sync="nccl"), infos)
-    files = external_weight_sync(DeploymentSpec(fleet="external", weight_sync="files"),
-                                 {"http://a:8080": NCCL_SERVER})
+    files = external_weight_sync(DeploymentSpec(fleet="external", weight_sync="files"), {"http://a:8080": NCCL_SERVER})
     assert files.method == "files"
 
 

@@ -48,14 +48,17 @@ def test_tool_schemas(client):
     assert schema["function"]["parameters"]["required"] == ["query"]
 
 
-@pytest.mark.parametrize("path,payload,status,needle", [
-    ("/tools/call", {"name": "SearchFlight", "arguments": {}}, 404, "unknown tool"),
-    ("/search", {"query": ""}, 422, "query"),
-    ("/search", {"query": "   "}, 422, "blank"),
-    ("/search", {"query": "x", "top_k": 0}, 422, "top_k"),
-    ("/search", {"query": "x", "extra": 1}, 422, "extra"),
-    ("/search", {"query": "x" * 1001}, 422, "query"),
-])
+@pytest.mark.parametrize(
+    "path,payload,status,needle",
+    [
+        ("/tools/call", {"name": "SearchFlight", "arguments": {}}, 404, "unknown tool"),
+        ("/search", {"query": ""}, 422, "query"),
+        ("/search", {"query": "   "}, 422, "blank"),
+        ("/search", {"query": "x", "top_k": 0}, 422, "top_k"),
+        ("/search", {"query": "x", "extra": 1}, 422, "extra"),
+        ("/search", {"query": "x" * 1001}, 422, "query"),
+    ],
+)
 def test_bad_requests_are_problems(client, path, payload, status, needle):
     reply = client.post(path, json=payload)
     assert reply.status_code == status
@@ -85,8 +88,8 @@ def test_search_agent_loop_over_http(server):
     searches the question and answers with the top passage's title."""
     import re
 
-    from services.models import qwen_tokenizer
     from services.common.schemas import SamplingParams
+    from services.models import qwen_tokenizer
     from services.qa.agent import qa_agent
     from services.qa.datasets import QAItem
     from services.qa.evaluate import evaluate_qa

@@ -7,13 +7,16 @@ import pytest
 from services.qa.metrics import cover_em, exact_match, f1_score, normalize_answer, score_table
 
 
-@pytest.mark.parametrize("raw,normalised", [
-    ("The Eiffel Tower!", "eiffel tower"),
-    ("  An   apple, a day ", "apple day"),
-    ("Guido van Rossum.", "guido van rossum"),
-    ("U.S.A.", "usa"),
-    ("theater", "theater"),  # 'the' only as a word
-])
+@pytest.mark.parametrize(
+    "raw,normalised",
+    [
+        ("The Eiffel Tower!", "eiffel tower"),
+        ("  An   apple, a day ", "apple day"),
+        ("Guido van Rossum.", "guido van rossum"),
+        ("U.S.A.", "usa"),
+        ("theater", "theater"),  # 'the' only as a word
+    ],
+)
 def test_normalize(raw, normalised):
     assert normalize_answer(raw) == normalised
 
@@ -43,11 +46,16 @@ def test_cover_em_is_substring():
 
 
 def test_table_per_dataset_and_average():
-    table = score_table([
-        ("nq", "Paris", ["Paris"]), ("nq", "Rome", ["Paris"]),         # nq: EM 50
-        ("popqa", "Bonn", ["Bonn"]),                                    # popqa: EM 100
-        ("popqa", None, ["x"]), ("popqa", "x", ["X"]), ("popqa", "y", ["z"]),  # popqa: 2/4 = 50
-    ])
+    table = score_table(
+        [
+            ("nq", "Paris", ["Paris"]),
+            ("nq", "Rome", ["Paris"]),  # nq: EM 50
+            ("popqa", "Bonn", ["Bonn"]),  # popqa: EM 100
+            ("popqa", None, ["x"]),
+            ("popqa", "x", ["X"]),
+            ("popqa", "y", ["z"]),  # popqa: 2/4 = 50
+        ]
+    )
     by_name = {r.dataset: r for r in table.rows}
     assert by_name["nq"].em == pytest.approx(50.0)
     assert by_name["popqa"].em == pytest.approx(50.0)

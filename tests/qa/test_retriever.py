@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 
-from tests.qa.conftest import PASSAGES, QUESTIONS, write_corpus
 from services.qa.retriever import (
     EncoderConfig,
     PassageIndex,
@@ -17,6 +16,7 @@ from services.qa.retriever import (
     render_hits,
 )
 from services.qa.tools import SearchToolSet
+from tests.qa.conftest import PASSAGES, QUESTIONS, write_corpus
 
 
 def test_index_folder_layout(index_dir):
@@ -78,9 +78,14 @@ def test_unfinished_index_refused(tmp_path, corpus_file, encoder):
         PassageIndex.load(out)
 
 
-@pytest.mark.parametrize("content,message", [
-    ("", "empty"), ("{bad\n", "not JSON"), ('{"id": 1, "body": "x"}\n', "neither 'contents' nor 'text'"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("", "empty"),
+        ("{bad\n", "not JSON"),
+        ('{"id": 1, "body": "x"}\n', "neither 'contents' nor 'text'"),
+    ],
+)
 def test_bad_corpus_says_why(tmp_path, content, message):
     path = tmp_path / "c.jsonl"
     path.write_text(content, encoding="utf-8")

@@ -31,17 +31,32 @@ STEPS, PROMPTS, G = 3, 2, 2
 
 def tiny_rl_config(name: str) -> PipelineConfig:
     """The smallest RL stage that still has several steps, groups and a checkpoint to resume."""
-    return PipelineConfig.model_validate({
-        "name": name, "seed": 0, "stages": ["synth", "rl"],
-        "model": {"tiny": {"hidden": 64, "layers": 1, "heads": 1, "kv_heads": 1, "tokenizer": "travel"}},
-        "world": {"source": "synthetic", "synthetic_size": "tiny"},
-        "synth": {"sft_queries": 0, "rl_queries": 6, "val_queries": 0},
-        "rl": {"algorithm": "grpo", "epochs": 1, "batch_prompts": PROMPTS, "group_size": G, "max_steps": STEPS,
-               "lr": 1e-4, "reward": "sum",
-               "sampling": {"temperature": 1.0, "max_tokens_per_turn": 32, "max_context_tokens": 8192,
-                            "max_tool_calls": 3}},
-        "services": {"engine": "transformers", "rollout_workers": 1, "reward_workers": 1, "zero_stage": 0},
-    })
+    return PipelineConfig.model_validate(
+        {
+            "name": name,
+            "seed": 0,
+            "stages": ["synth", "rl"],
+            "model": {"tiny": {"hidden": 64, "layers": 1, "heads": 1, "kv_heads": 1, "tokenizer": "travel"}},
+            "world": {"source": "synthetic", "synthetic_size": "tiny"},
+            "synth": {"sft_queries": 0, "rl_queries": 6, "val_queries": 0},
+            "rl": {
+                "algorithm": "grpo",
+                "epochs": 1,
+                "batch_prompts": PROMPTS,
+                "group_size": G,
+                "max_steps": STEPS,
+                "lr": 1e-4,
+                "reward": "sum",
+                "sampling": {
+                    "temperature": 1.0,
+                    "max_tokens_per_turn": 32,
+                    "max_context_tokens": 8192,
+                    "max_tool_calls": 3,
+                },
+            },
+            "services": {"engine": "transformers", "rollout_workers": 1, "reward_workers": 1, "zero_stage": 0},
+        }
+    )
 
 
 def kill_group(pid: int) -> None:
@@ -100,7 +115,7 @@ class Audit:
         for stream in self.streams:
             for start in starts:
                 reply = self.client.xreadgroup(AUDIT, "auditor", {stream: start}, count=1000)
-                for entry, fields in (reply[0][1] if reply else []):
+                for entry, fields in reply[0][1] if reply else []:
                     if fields is None:
                         continue
                     if (stream, entry) not in self._seen:

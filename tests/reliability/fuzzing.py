@@ -17,10 +17,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import schemathesis
 from hypothesis import HealthCheck, Phase, given, seed as hseed, settings as hsettings
 from hypothesis.errors import Unsatisfiable
-
-import schemathesis
 from schemathesis import GenerationMode
 
 MODES = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
@@ -63,10 +62,18 @@ def _describe(case: Any) -> str:
     return " ".join(parts)
 
 
-def fuzz_schema(schema: schemathesis.BaseSchema, *, base_url: str | None = None,
-                headers: dict[str, str] | None = None, max_examples: int = 20,
-                skip: Iterable[str] = (), timeout: float = 60.0, seed: int | None = None,
-                report: FuzzReport | None = None, stop_at: float | None = None) -> FuzzReport:
+def fuzz_schema(
+    schema: schemathesis.BaseSchema,
+    *,
+    base_url: str | None = None,
+    headers: dict[str, str] | None = None,
+    max_examples: int = 20,
+    skip: Iterable[str] = (),
+    timeout: float = 60.0,
+    seed: int | None = None,
+    report: FuzzReport | None = None,
+    stop_at: float | None = None,
+) -> FuzzReport:
     """Fuzz every operation of `schema` (except `skip`, as "METHOD /path") against the service.
     `seed` None: the same examples every run; a number: another draw (a campaign runs rounds).
     `stop_at`: a time.monotonic() deadline; the run ends there, mid-operation if need be."""
@@ -82,8 +89,14 @@ def fuzz_schema(schema: schemathesis.BaseSchema, *, base_url: str | None = None,
         for mode in MODES:
             strategy = operation.as_strategy(generation_mode=mode)
 
-            @hsettings(max_examples=max_examples, deadline=None, database=None, derandomize=seed is None,
-                       phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+            @hsettings(
+                max_examples=max_examples,
+                deadline=None,
+                database=None,
+                derandomize=seed is None,
+                phases=[Phase.explicit, Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            )
             @given(case=strategy)
             def run(case: Any) -> None:
                 if stop_at is not None and time.monotonic() > stop_at:
@@ -104,8 +117,9 @@ def fuzz_schema(schema: schemathesis.BaseSchema, *, base_url: str | None = None,
                 if status >= 500:
                     report.failures.append(f"{status} for {_describe(case)}: {response.text[:300]}")
                 elif status >= 400 and _problem_message(response) is None:
-                    report.failures.append(f"{status} without a JSON message for {_describe(case)}: "
-                                           f"{response.text[:200]}")
+                    report.failures.append(
+                        f"{status} without a JSON message for {_describe(case)}: {response.text[:200]}"
+                    )
 
             if seed is not None:
                 run = hseed(seed)(run)
@@ -168,8 +182,11 @@ class HealthProbe:
         self._worst = ctx.Value("d", 0.0)
         self._probes = ctx.Value("i", 0)
         self._failures = ctx.Value("i", 0)
-        self._process = ctx.Process(target=_probe, args=(url, every_s, timeout_s, self._stop, self._worst,
-                                                         self._probes, self._failures), daemon=True)
+        self._process = ctx.Process(
+            target=_probe,
+            args=(url, every_s, timeout_s, self._stop, self._worst, self._probes, self._failures),
+            daemon=True,
+        )
 
     @property
     def worst_s(self) -> float:
@@ -197,9 +214,17 @@ class HealthProbe:
         self._process.join(10)
 
 
-def campaign(url: str, target: int, *, headers: dict[str, str] | None = None, max_examples: int = 100,
-             max_rounds: int = 1000, probe_every_s: float = 0.1, max_seconds: float | None = None,
-             progress: Any = None) -> tuple[FuzzReport, HealthProbe]:
+def campaign(
+    url: str,
+    target: int,
+    *,
+    headers: dict[str, str] | None = None,
+    max_examples: int = 100,
+    max_rounds: int = 1000,
+    probe_every_s: float = 0.1,
+    max_seconds: float | None = None,
+    progress: Any = None,
+) -> tuple[FuzzReport, HealthProbe]:
     """Rounds of `fuzz_schema` with fresh seeds until `target` requests were sent (or
     `max_seconds` passed), with /healthz probed throughout. `progress(round, report)` after each."""
     import time
@@ -211,8 +236,15 @@ def campaign(url: str, target: int, *, headers: dict[str, str] | None = None, ma
         for round_ in range(max_rounds):
             if report.calls >= target or (stop_at is not None and time.monotonic() > stop_at):
                 break
-            fuzz_schema(schema, base_url=url, headers=headers, max_examples=max_examples, seed=round_ + 1,
-                        report=report, stop_at=stop_at)
+            fuzz_schema(
+                schema,
+                base_url=url,
+                headers=headers,
+                max_examples=max_examples,
+                seed=round_ + 1,
+                report=report,
+                stop_at=stop_at,
+            )
             if progress is not None:
                 progress(round_ + 1, report)
     return report, probe
@@ -228,8 +260,14 @@ SERVICES = ("sandbox", "reward", "formatter", "rollout", "learner", "qa", "episo
 def _process(name: str, factory: str, env: dict[str, str], tmp: Any, timeout: float = 120.0):
     from services.embedded import ServiceProcess
 
-    env = {"STAR_LOG_LEVEL": "WARNING", "STAR_LOG_JSON": "false", "STAR_API_TOKEN": TOKEN,
-           "STAR_HOME": str(tmp / "home"), "HF_HUB_OFFLINE": "1", **env}
+    env = {
+        "STAR_LOG_LEVEL": "WARNING",
+        "STAR_LOG_JSON": "false",
+        "STAR_API_TOKEN": TOKEN,
+        "STAR_HOME": str(tmp / "home"),
+        "HF_HUB_OFFLINE": "1",
+        **env,
+    }
     return ServiceProcess(name, factory, env, tmp / "logs").start(timeout=timeout)
 
 
@@ -254,10 +292,18 @@ def start_service(name: str, tmp: Any, stack: Any, *, world_url: str | None = No
         replies = [Reply(f"```json\n{GOOD}\n```"), Reply("I could not find a plan."), Reply(status=500)]
         counter = iter(range(10**12))
         llm = stack.enter_context(FakeOpenAI(lambda _body: replies[next(counter) % len(replies)], api_key="sk-fuzz"))
-        proc = _process(name, "services.formatter.app:create_app",
-                        {"STAR_FORMATTER_LLM_URL": llm.base_url, "STAR_FORMATTER_LLM_MODEL": "fmt",
-                         "STAR_FORMATTER_LLM_API_KEY": "sk-fuzz", "STAR_FORMATTER_MAX_ATTEMPTS": "2",
-                         "STAR_FORMATTER_TIMEOUT_S": "5"}, tmp)
+        proc = _process(
+            name,
+            "services.formatter.app:create_app",
+            {
+                "STAR_FORMATTER_LLM_URL": llm.base_url,
+                "STAR_FORMATTER_LLM_MODEL": "fmt",
+                "STAR_FORMATTER_LLM_API_KEY": "sk-fuzz",
+                "STAR_FORMATTER_MAX_ATTEMPTS": "2",
+                "STAR_FORMATTER_TIMEOUT_S": "5",
+            },
+            tmp,
+        )
     elif name == "learner":
         # Fuzzed run configs name no model folder that exists, so no training process starts.
         proc = _process(name, "services.learner.app:create_app", {}, tmp)
@@ -270,8 +316,9 @@ def start_service(name: str, tmp: Any, stack: Any, *, world_url: str | None = No
         index = build_index(corpus, tmp / "qa-index", encoder.config, encoder=encoder, progress=False)
         proc = _process(name, "services.qa.app:create_app", {"STAR_QA_INDEX": str(index)}, tmp, timeout=180)
     elif name == "rollout":
-        proc = _process(name, "tests.reliability.fuzzing:scripted_rollout_app", {"STAR_DB_URL": world_url or ""},
-                        tmp, timeout=180)
+        proc = _process(
+            name, "tests.reliability.fuzzing:scripted_rollout_app", {"STAR_DB_URL": world_url or ""}, tmp, timeout=180
+        )
     elif name == "episodes":
         # the sandbox and the episode service as tests/support/episode_plans.py starts them
         return _episodes_url(tmp, stack, world_url or "")
@@ -295,8 +342,11 @@ def _episodes_url(tmp: Any, stack: Any, world_url: str) -> str:
         redis.Redis.from_url(redis_url, socket_connect_timeout=0.5).ping()
     except redis.ConnectionError:
         redis_url = stack.enter_context(EmbeddedRedis()).url
-    server = stack.enter_context(running_episode_server(world_url, redis_url, tmp / "episodes", token=TOKEN,
-                                                        travelplanner_dir=get_settings().travelplanner_dir))
+    server = stack.enter_context(
+        running_episode_server(
+            world_url, redis_url, tmp / "episodes", token=TOKEN, travelplanner_dir=get_settings().travelplanner_dir
+        )
+    )
     return server.url
 
 
@@ -310,8 +360,8 @@ def scripted_rollout_app():
 
     from transformers import AutoTokenizer
 
-    from services.models import tiny_qwen2
     from services.common.settings import Settings
+    from services.models import tiny_qwen2
     from services.rollout.app import create_app
     from services.rollout.engines.scripted import ScriptedEngine
     from services.rollout.protocol import format_answer, format_tool_call
@@ -329,10 +379,12 @@ def scripted_rollout_app():
         return call if turn == 0 else format_answer("Day 1:\nCurrent City: Chicago")
 
     home = Path(os.environ["STAR_HOME"])
-    settings = Settings(home=home, api_token=TOKEN, weights_root=home / "weights", log_json=False,
-                        log_level="WARNING")
+    settings = Settings(home=home, api_token=TOKEN, weights_root=home / "weights", log_json=False, log_level="WARNING")
     world = World(os.environ["STAR_DB_URL"])
-    service = RolloutService(ScriptedEngine(tokenizer, script, max_model_len=32768),
-                             LocalToolClient(ToolBox(world, dialect="star", cache_size=0)),
-                             settings=settings, config=RolloutConfig(engine="transformers", model=str(model)))
+    service = RolloutService(
+        ScriptedEngine(tokenizer, script, max_model_len=32768),
+        LocalToolClient(ToolBox(world, dialect="star", cache_size=0)),
+        settings=settings,
+        config=RolloutConfig(engine="transformers", model=str(model)),
+    )
     return create_app(settings, service=service)

@@ -33,8 +33,9 @@ def test_on_two_gpus_the_2_rank_fault_puts_its_engine_beside_rank_1_and_keeps_nc
     assert chaos.gpus_needed("learner_rank1", 4) == (3, False)
     assert chaos.gpus_needed("learner_rank1", 2) == (2, True)
     assert chaos.gpus_needed("learner_broadcast", 2) == (2, False)
-    config = load_pipeline_config(ROOT / "configs" / "tiny.yaml",
-                                  chaos.gpu_sets("learner_rank1", "/models/smollm", share=True))
+    config = load_pipeline_config(
+        ROOT / "configs" / "tiny.yaml", chaos.gpu_sets("learner_rank1", "/models/smollm", share=True)
+    )
     placement = plan(config.deployment, config.services.rollout_workers, ["0", "1"])
     assert placement.learner_devices == ("0", "1") and placement.engine_devices == (("1",),)
     assert weight_sync(config.deployment, config.services.engine, placement).method == "nccl"
@@ -72,16 +73,18 @@ def test_server_problems_flag_silent_broken_paused_and_behind_servers():
     assert chaos.server_problems({SERVER: ok}, 5) == []
     assert chaos.server_problems({SERVER: None}, 5) == [f"{SERVER}: never answered"]
     assert "broken" in chaos.server_problems({SERVER: {**ok, "broken": "a broadcast failed"}}, 5)[0]
-    assert "left receiving version 6" in chaos.server_problems(
-        {SERVER: {**ok, "receiving": {"version": 6, "via": "nccl"}}}, 5)[0]
+    assert (
+        "left receiving version 6"
+        in chaos.server_problems({SERVER: {**ok, "receiving": {"version": 6, "via": "nccl"}}}, 5)[0]
+    )
     assert chaos.server_problems({SERVER: ok}, 6) == [f"{SERVER}: on version 5, not 6"]
 
 
 def test_recovered_needs_training_past_the_kill_and_every_server_on_the_published_version():
     ok = {"version": 7, "broken": None, "receiving": None}
     assert chaos.recovered(5, 4, {SERVER: ok}, 7)
-    assert not chaos.recovered(4, 4, {SERVER: ok}, 7)                # no step trained since the kill
-    assert not chaos.recovered(5, 4, {SERVER: None}, 7)              # the server is restarting
+    assert not chaos.recovered(4, 4, {SERVER: ok}, 7)  # no step trained since the kill
+    assert not chaos.recovered(5, 4, {SERVER: None}, 7)  # the server is restarting
     assert not chaos.recovered(5, 4, {SERVER: {**ok, "version": 6}}, 7)  # it lags the learner
 
 
@@ -103,13 +106,38 @@ def test_the_gpu_pool_hands_out_disjoint_sets_and_a_run_waits_for_enough():
 
 
 def test_the_report_has_a_row_per_fault_with_its_verdict():
-    row = {"fault": "rollout_receive", "learner_ranks": 1, "gpus": ["2", "3"], "steps": 12, "injected": True,
-           "killed": "rollout-0", "injected_s": 80.2, "injected_at_step": 3, "restarted": ["learner", "rollout-0"],
-           "recovery_s": 151.0, "steps_trained": 12, "lost": 0, "duplicated": 0, "servers_at_end": "ok",
-           "exit_code": 0, "passed": True}
-    text = chaos.report_gpu({"faults": {"rollout_receive": row, "learner_rank1": {"fault": "learner_rank1",
-                                                                                  "error": "boom", "passed": False}},
-                             "steps": 12, "model": "m", "engine": "vLLM", "machine": "4× H100"})
-    assert "| rollout_receive | 1 + 1 (2,3) | rollout-0 | 80.2, 3 | learner, rollout-0 | 151.0 | 12 / 12 | 0 | 0 | ok" \
+    row = {
+        "fault": "rollout_receive",
+        "learner_ranks": 1,
+        "gpus": ["2", "3"],
+        "steps": 12,
+        "injected": True,
+        "killed": "rollout-0",
+        "injected_s": 80.2,
+        "injected_at_step": 3,
+        "restarted": ["learner", "rollout-0"],
+        "recovery_s": 151.0,
+        "steps_trained": 12,
+        "lost": 0,
+        "duplicated": 0,
+        "servers_at_end": "ok",
+        "exit_code": 0,
+        "passed": True,
+    }
+    text = chaos.report_gpu(
+        {
+            "faults": {
+                "rollout_receive": row,
+                "learner_rank1": {"fault": "learner_rank1", "error": "boom", "passed": False},
+            },
+            "steps": 12,
+            "model": "m",
+            "engine": "vLLM",
+            "machine": "4× H100",
+        }
+    )
+    assert (
+        "| rollout_receive | 1 + 1 (2,3) | rollout-0 | 80.2, 3 | learner, rollout-0 | 151.0 | 12 / 12 | 0 | 0 | ok"
         in text
+    )
     assert "| learner_rank1 |" in text and "boom" in text and "learner_broadcast |" not in text

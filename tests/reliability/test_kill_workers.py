@@ -8,16 +8,24 @@ from __future__ import annotations
 
 import pytest
 
-from tests.reliability.chaos import (ChaosContext, ChaosRun, assert_nothing_lost_or_trained_twice, group_pending,
-                                     kill_group, learner_checkpoint_state, tiny_rl_config)
+from tests.reliability.chaos import (
+    ChaosContext,
+    ChaosRun,
+    assert_nothing_lost_or_trained_twice,
+    group_pending,
+    kill_group,
+    learner_checkpoint_state,
+    tiny_rl_config,
+)
 
 pytestmark = pytest.mark.slow
 
 
 def kill_rollout(ctx: ChaosContext) -> str | None:
     # mid-task: a task delivered to the rollout group and not yet acknowledged, after step 1
-    if not ctx.wait_for(lambda: ctx.version() >= 1 and group_pending(ctx.client, ctx.names.tasks, "rollout") > 0,
-                        timeout=240):
+    if not ctx.wait_for(
+        lambda: ctx.version() >= 1 and group_pending(ctx.client, ctx.names.tasks, "rollout") > 0, timeout=240
+    ):
         return None
     victim = ctx.worker("rollout")
     kill_group(victim.proc.pid)
@@ -25,8 +33,9 @@ def kill_rollout(ctx: ChaosContext) -> str | None:
 
 
 def kill_reward(ctx: ChaosContext) -> str | None:
-    if not ctx.wait_for(lambda: group_pending(ctx.client, ctx.names.trajectories, "reward") > 0, timeout=240,
-                        poll=0.002):
+    if not ctx.wait_for(
+        lambda: group_pending(ctx.client, ctx.names.trajectories, "reward") > 0, timeout=240, poll=0.002
+    ):
         return None
     victim = ctx.worker("reward")
     kill_group(victim.proc.pid)
@@ -35,16 +44,22 @@ def kill_reward(ctx: ChaosContext) -> str | None:
 
 def kill_learner(ctx: ChaosContext) -> str | None:
     # after the first checkpoint, while it holds the next step's scored messages
-    if not ctx.wait_for(lambda: ctx.version() >= 1 and group_pending(ctx.client, ctx.names.scored, "learner") > 0,
-                        timeout=240, poll=0.05):
+    if not ctx.wait_for(
+        lambda: ctx.version() >= 1 and group_pending(ctx.client, ctx.names.scored, "learner") > 0,
+        timeout=240,
+        poll=0.05,
+    ):
         return None
     pid = ctx.fleet.learner.proc.pid
     kill_group(pid)
     return f"killed the learner (pid {pid}) holding step-2 messages at version {ctx.version()}"
 
 
-FAULTS = {"rollout": (kill_rollout, "rollout-0"), "reward": (kill_reward, "reward-0"),
-          "learner": (kill_learner, "learner")}
+FAULTS = {
+    "rollout": (kill_rollout, "rollout-0"),
+    "reward": (kill_reward, "reward-0"),
+    "learner": (kill_learner, "learner"),
+}
 
 
 @pytest.mark.parametrize("kind", list(FAULTS))

@@ -15,8 +15,13 @@ import time
 import pytest
 
 from services.common.supervisor import RestartPolicy
-from tests.reliability.chaos import ChaosContext, ChaosRun, assert_nothing_lost_or_trained_twice, group_pending, \
-    tiny_rl_config
+from tests.reliability.chaos import (
+    ChaosContext,
+    ChaosRun,
+    assert_nothing_lost_or_trained_twice,
+    group_pending,
+    tiny_rl_config,
+)
 
 pytestmark = pytest.mark.slow
 OUTAGE_S = 8.0  # longer than redis-py's own retries (about 4 s): the services' code must ride it out
@@ -25,8 +30,9 @@ OUTAGE_S = 8.0  # longer than redis-py's own retries (about 4 s): the services' 
 def restart_redis(how: str):
     def fault(ctx: ChaosContext) -> str | None:
         # mid-run: step 1 trained and a task in a rollout worker's hands
-        if not ctx.wait_for(lambda: ctx.version() >= 1 and group_pending(ctx.client, ctx.names.tasks, "rollout") > 0,
-                            timeout=240):
+        if not ctx.wait_for(
+            lambda: ctx.version() >= 1 and group_pending(ctx.client, ctx.names.tasks, "rollout") > 0, timeout=240
+        ):
             return None
         old = ctx.fleet.redis_proc
         pid = old.pid

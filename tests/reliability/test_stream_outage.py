@@ -24,8 +24,9 @@ def own_redis(tmp_path):
     state = {"proc": fleet.start_redis_at(tmp_path / "data", tmp_path / "logs")}
     # No client-side retries: redis-py's own (about 4 s of backoff) would hide a short outage here,
     # and a longer real one is what the worker code has to survive.
-    client = redis.Redis(port=state["proc"].port, password=state["proc"].password, socket_timeout=5,
-                         retry=Retry(NoBackoff(), 0))
+    client = redis.Redis(
+        port=state["proc"].port, password=state["proc"].password, socket_timeout=5, retry=Retry(NoBackoff(), 0)
+    )
 
     def stop(how: int = signal.SIGTERM) -> None:
         pid = state["proc"].pid

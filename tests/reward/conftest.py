@@ -71,8 +71,9 @@ def evaluators(official, strict) -> dict[str, Evaluator]:
 
 def verdicts(evaluation) -> dict[str, bool | None]:
     """Every check's verdict, commonsense then hard."""
-    return {k: evaluation.commonsense[k].passed for k in COMMONSENSE_CHECKS} | \
-           {k: evaluation.hard[k].passed for k in HARD_CHECKS}
+    return {k: evaluation.commonsense[k].passed for k in COMMONSENSE_CHECKS} | {
+        k: evaluation.hard[k].passed for k in HARD_CHECKS
+    }
 
 
 @pytest.fixture(scope="session")

@@ -66,8 +66,10 @@ def test_formatter_outages_are_counted_apart(gold, official):
     from services.reward.evaluator import aggregate
 
     evaluations = [official.evaluate(gold.queries[i], gold.plans[i]) for i in range(3)]
-    evaluations += [official.evaluate(gold.queries[3], None, formatter_status="llm_error"),
-                    official.evaluate(gold.queries[4], None, formatter_status="timeout"),
-                    official.evaluate(gold.queries[5], None, formatter_status="no_plan")]
+    evaluations += [
+        official.evaluate(gold.queries[3], None, formatter_status="llm_error"),
+        official.evaluate(gold.queries[4], None, formatter_status="timeout"),
+        official.evaluate(gold.queries[5], None, formatter_status="no_plan"),
+    ]
     m = aggregate(gold.queries[:6], evaluations)
     assert m.counts.delivered == 3 and m.counts.formatter_outages == 2

@@ -15,8 +15,13 @@ from services.formatter.structured import render_plan
 
 @pytest.fixture(scope="module")
 def server(official_world_url, travelplanner_dir, tmp_path_factory):
-    env = {"STAR_DB_URL": official_world_url, "STAR_TRAVELPLANNER_DIR": str(travelplanner_dir), "STAR_LOG_LEVEL": "WARNING", "STAR_FORMATTER_LLM_URL": "",
-           "STAR_MAX_BODY_BYTES": str(2 * 1024 * 1024)}
+    env = {
+        "STAR_DB_URL": official_world_url,
+        "STAR_TRAVELPLANNER_DIR": str(travelplanner_dir),
+        "STAR_LOG_LEVEL": "WARNING",
+        "STAR_FORMATTER_LLM_URL": "",
+        "STAR_MAX_BODY_BYTES": str(2 * 1024 * 1024),
+    }
     proc = ServiceProcess("reward", "services.reward.app:create_app", env, tmp_path_factory.mktemp("logs")).start()
     yield proc
     proc.stop()
@@ -49,8 +54,10 @@ def test_score_matches_in_process(client, gold, official, strict):
 
 def test_score_plan_text_and_batch(client, gold):
     text = render_plan(Plan(days=[PlanDay(**d) for d in gold.plans[7] if d]))
-    r = client.post("/score", json={"query": record(gold, 7), "plan_text": "Here it is:\n" + text,
-                                    "reward": "curriculum", "epoch": 1})
+    r = client.post(
+        "/score",
+        json={"query": record(gold, 7), "plan_text": "Here it is:\n" + text, "reward": "curriculum", "epoch": 1},
+    )
     body = r.json()
     assert r.status_code == 200 and body["reward"] == 5.0 and body["rewards"]["curriculum"] == 5.0
     assert body["formatter"] == {"status": "ok", "backend": "structured", "error": None}
@@ -75,18 +82,21 @@ def test_evaluate_gold_train_split(client, gold, full_travelplanner_dir):
     assert r.status_code == 422 and "official train split has 45 queries" in r.json()["detail"]
 
 
-@pytest.mark.parametrize("body, needle", [
-    ({"plan": []}, "query"),
-    ({"query": {"org": "A"}, "plan": []}, "dest"),
-    ({"query": "Sarasota to Chicago", "plan": []}, "query"),
-    ("QUERY", "plan"),  # replaced below: a plan that is not a plan
-    ({"query": "Q", "plan": [], "plan_text": "Day 1:"}, "either plan or plan_text"),
-    ({"query": "Q", "plan": [], "mode": "lenient"}, "mode"),
-    ({"query": "Q", "plan": [], "reward": "bonus"}, "reward"),
-    ({"query": "Q", "plan": [], "reward": "curriculum"}, "needs the epoch"),
-    ({"query": "Q", "plan": [], "epoch": 0}, "epoch"),
-    ({"query": "Q", "plan_text": "x", "backend": "llm"}, "STAR_FORMATTER_LLM_URL"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"plan": []}, "query"),
+        ({"query": {"org": "A"}, "plan": []}, "dest"),
+        ({"query": "Sarasota to Chicago", "plan": []}, "query"),
+        ("QUERY", "plan"),  # replaced below: a plan that is not a plan
+        ({"query": "Q", "plan": [], "plan_text": "Day 1:"}, "either plan or plan_text"),
+        ({"query": "Q", "plan": [], "mode": "lenient"}, "mode"),
+        ({"query": "Q", "plan": [], "reward": "bonus"}, "reward"),
+        ({"query": "Q", "plan": [], "reward": "curriculum"}, "needs the epoch"),
+        ({"query": "Q", "plan": [], "epoch": 0}, "epoch"),
+        ({"query": "Q", "plan_text": "x", "backend": "llm"}, "STAR_FORMATTER_LLM_URL"),
+    ],
+)
 def test_bad_requests_are_4xx_with_a_message(client, gold, body, needle):
     if body == "QUERY":
         body = {"query": "Q", "plan": {"itinerary": "fly"}}
@@ -104,8 +114,9 @@ def test_plan_with_hostile_values(client, gold):
     assert r.status_code == 422 and "characters" in r.json()["detail"]
     r = client.post("/score", content=b"[" * 50_000 + b"]" * 50_000, headers={"content-type": "application/json"})
     assert r.status_code in (400, 422) and r.json()["detail"]  # nested too deeply to parse
-    r = client.post("/score", content=b'{"query": ' + b" " * (3 * 1024 * 1024) + b"}",
-                    headers={"content-type": "application/json"})
+    r = client.post(
+        "/score", content=b'{"query": ' + b" " * (3 * 1024 * 1024) + b"}", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 413
     r = client.post("/score/batch", json={"items": []})
     assert r.status_code == 422
@@ -118,10 +129,11 @@ def test_openapi_documents_the_routes(client):
     assert "reward_plans_scored_total" in client.get("/metrics").text
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-                     | st.text(max_size=20),
-                     lambda c: st.lists(c, max_size=5) | st.dictionaries(st.text(max_size=12), c, max_size=5),
-                     max_leaves=20)
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    lambda c: st.lists(c, max_size=5) | st.dictionaries(st.text(max_size=12), c, max_size=5),
+    max_leaves=20,
+)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -143,9 +155,14 @@ def test_any_json_body_is_never_a_5xx(client, body):
 
 # --- per-item batch errors, provenance, submissions, health under load ------------------------
 
+
 def test_batch_reports_errors_per_item(client, gold):
-    items = [{"query": record(gold, 0), "plan": gold.plan(0)}, {"query": record(gold, 1), "plan": "not a plan"},
-             {"query": record(gold, 2), "plan_text": "x", "backend": "llm"}, {"query": record(gold, 3), "plan": None}]
+    items = [
+        {"query": record(gold, 0), "plan": gold.plan(0)},
+        {"query": record(gold, 1), "plan": "not a plan"},
+        {"query": record(gold, 2), "plan_text": "x", "backend": "llm"},
+        {"query": record(gold, 3), "plan": None},
+    ]
     r = client.post("/score/batch", json={"items": items})
     assert r.status_code == 200, r.text
     results = r.json()["results"]
@@ -165,8 +182,9 @@ def test_validation_on_synthetic_flights_is_refused_unless_insisted(client, gold
     items = [{"query": record(gold, i), "plan": gold.plan(i)} for i in range(3)]
     r = client.post("/evaluate", json={"items": items, "split": "validation", "mode": "strict"})
     assert r.status_code == 422 and "--flights-csv" in r.json()["detail"] and "synthetic" in r.json()["detail"]
-    r = client.post("/evaluate", json={"items": items, "split": "validation", "mode": "strict",
-                                       "allow_synthetic_flights": True})
+    r = client.post(
+        "/evaluate", json={"items": items, "split": "validation", "mode": "strict", "allow_synthetic_flights": True}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["provenance"]["synthetic_flights_insisted"] is True
     r = client.post("/evaluate", json={"items": items, "mode": "strict"})  # no split named: nothing to refuse
@@ -194,8 +212,9 @@ def test_submission_of_the_train_split_from_the_dataset_folder(client, gold, ful
     assert len(plans) == 45 and plans[0]["success"] and not plans[0]["failed"]
     assert not plans[7]["delivered"] and plans[7]["failed"]
     bad = plans[3]
-    assert not bad["success"] and any(f["check"] == "is_valid_information_in_sandbox" and "Nowhere Inn" in f["reason"]
-                                      for f in bad["failed"])
+    assert not bad["success"] and any(
+        f["check"] == "is_valid_information_in_sandbox" and "Nowhere Inn" in f["reason"] for f in bad["failed"]
+    )
     levels = {row["value"]: row for row in report["by_level"]}
     assert set(levels) == {"easy", "medium", "hard"} and sum(row["n"] for row in levels.values()) == 45
     assert {row["value"] for row in report["by_trip_length"]} == {"3 days", "5 days", "7 days"}
@@ -214,11 +233,14 @@ def test_submission_with_queries_in_the_request(client, gold):
     assert any("line 1" in w for w in report["warnings"])
 
 
-@pytest.mark.parametrize("body, needle", [
-    ({"lines": [{"plan": None}]}, "give the split"),
-    ({"lines": [{"plan": None}], "split": "validation"}, "no validation queries"),
-    ({"lines": [], "split": "train"}, "at least 1"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"lines": [{"plan": None}]}, "give the split"),
+        ({"lines": [{"plan": None}], "split": "validation"}, "no validation queries"),
+        ({"lines": [], "split": "train"}, "at least 1"),
+    ],
+)
 def test_bad_submissions_are_422_with_a_message(client, body, needle):
     r = client.post("/submission", json=body)
     assert r.status_code == 422 and needle in json.dumps(r.json()), r.text

@@ -17,9 +17,13 @@ GATES = ("is_not_absent", "is_valid_information_in_sandbox")
 
 def expected_verdicts(query, target: str) -> dict[str, bool | None]:
     lc = query.local_constraint
-    asked = {"valid_cuisine": bool(lc.cuisine), "valid_room_rule": lc.house_rule is not None,
-             "valid_transportation": lc.transportation is not None, "valid_room_type": lc.room_type is not None,
-             "valid_cost": True}
+    asked = {
+        "valid_cuisine": bool(lc.cuisine),
+        "valid_room_rule": lc.house_rule is not None,
+        "valid_transportation": lc.transportation is not None,
+        "valid_room_type": lc.room_type is not None,
+        "valid_cost": True,
+    }
     out: dict[str, bool | None] = {k: True for k in COMMONSENSE_CHECKS}
     out |= {k: (True if asked[k] else None) for k in HARD_CHECKS}
     out[target] = False
@@ -31,7 +35,9 @@ def expected_verdicts(query, target: str) -> dict[str, bool | None]:
 def assert_fails_only(ev, query, plan, target, all_verdicts):
     e = ev.evaluate(query, plan)
     got = all_verdicts(e)
-    assert got == expected_verdicts(query, target), {k: (v.passed, v.reason) for k, v in (e.commonsense | e.hard).items()}
+    assert got == expected_verdicts(query, target), {
+        k: (v.passed, v.reason) for k, v in (e.commonsense | e.hard).items()
+    }
     verdict = e.commonsense.get(target) or e.hard[target]
     assert verdict.reason and not verdict.reason.startswith("malformed"), verdict.reason
     if target in GATES:
@@ -45,6 +51,7 @@ def assert_fails_only(ev, query, plan, target, all_verdicts):
 
 
 # --- commonsense --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mode", MODES)
 def test_reasonable_city_route(gold, evaluators, mode, all_verdicts):
@@ -109,8 +116,10 @@ def _min_nights_case(gold, world):
                     if lc.room_type is not None or lc.house_rule is not None:
                         continue
                     people = query.people_number
-                    extra = nights * (row.price * math.ceil(people / row.maximum_occupancy)
-                                      - base.price * math.ceil(people / base.maximum_occupancy))
+                    extra = nights * (
+                        row.price * math.ceil(people / row.maximum_occupancy)
+                        - base.price * math.ceil(people / base.maximum_occupancy)
+                    )
                     if extra <= slack:
                         new = [dict(d) for d in plan]
                         for d in new[start:end]:
@@ -148,8 +157,9 @@ def _conflict_case(gold, world):
             row = world.distance(a, b)
             if row and row.duration and row.distance and "day" not in row.duration:
                 new = [dict(d) for d in plan]
-                new[j]["transportation"] = (f"Self-driving, from {a} to {b}, duration: {row.duration}, "
-                                            f"distance: {row.distance}, cost: 0")
+                new[j]["transportation"] = (
+                    f"Self-driving, from {a} to {b}, duration: {row.duration}, distance: {row.distance}, cost: 0"
+                )
                 return i, new
     raise AssertionError("no flying gold plan has a drivable leg")
 
@@ -176,8 +186,7 @@ def test_within_current_city(gold, evaluators, mode, all_verdicts, official_worl
     name = official_world.restaurants("Chicago")[0].name
     plan = gold.plan(0)
     plan[2]["breakfast"] = f"{name}, Chicago"
-    e = assert_fails_only(evaluators[mode], gold.queries[0], plan, "is_valid_information_in_current_city",
-                          all_verdicts)
+    e = assert_fails_only(evaluators[mode], gold.queries[0], plan, "is_valid_information_in_current_city", all_verdicts)
     assert "day 3" in e.commonsense["is_valid_information_in_current_city"].reason
     assert "breakfast" in e.commonsense["is_valid_information_in_current_city"].reason
 
@@ -219,6 +228,7 @@ def test_complete_information_missing_day(gold, evaluators, mode):
 
 # --- hard constraints (the gold plan stays; the query asks for what it does not deliver) -------
 
+
 @pytest.mark.parametrize("mode", MODES)
 def test_cuisine(gold, evaluators, mode, all_verdicts, official_world):
     """Gold #16 asks for American and French; ask for a cuisine none of its meals serves."""
@@ -229,10 +239,12 @@ def test_cuisine(gold, evaluators, mode, all_verdicts, official_world):
         for meal in ("breakfast", "lunch", "dinner"):
             if day[meal] != "-":
                 name, city = name_city(day[meal])
-                served |= {c.strip() for r in official_world.restaurants(city) if name in r.name
-                           for c in r.cuisines.split(",")}
-    missing = next(c for c in ("Chinese", "American", "Italian", "Mexican", "Indian", "Mediterranean", "French")
-                   if c not in served)
+                served |= {
+                    c.strip() for r in official_world.restaurants(city) if name in r.name for c in r.cuisines.split(",")
+                }
+    missing = next(
+        c for c in ("Chinese", "American", "Italian", "Mexican", "Indian", "Mediterranean", "French") if c not in served
+    )
     query = gold.query(i, lc_cuisine=["American", missing])
     e = assert_fails_only(evaluators[mode], query, plan, "valid_cuisine", all_verdicts)
     assert missing in e.hard["valid_cuisine"].reason
@@ -251,8 +263,13 @@ def test_room_rule_parties_typo(gold, official_world):
     from services.reward import Evaluator
 
     query = gold.query(0, lc_house_rule="parties")
-    assert Evaluator(official_world, "official", parties_typo=True).score(query, gold.plan(0)).hard[
-        "valid_room_rule"].passed is True
+    assert (
+        Evaluator(official_world, "official", parties_typo=True)
+        .score(query, gold.plan(0))
+        .hard["valid_room_rule"]
+        .passed
+        is True
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -264,8 +281,12 @@ def test_transportation_no_flight(gold, evaluators, mode, all_verdicts):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_transportation_no_self_driving(gold, evaluators, mode, all_verdicts):
-    i = next(i for i, p in enumerate(gold.plans) if any("Self-driving" in d.get("transportation", "") for d in p)
-             and gold.queries[i].local_constraint.transportation is None)
+    i = next(
+        i
+        for i, p in enumerate(gold.plans)
+        if any("Self-driving" in d.get("transportation", "") for d in p)
+        and gold.queries[i].local_constraint.transportation is None
+    )
     query = gold.query(i, lc_transportation="no self-driving")
     assert_fails_only(evaluators[mode], query, gold.plan(i), "valid_transportation", all_verdicts)
 

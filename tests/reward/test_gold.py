@@ -25,9 +25,13 @@ def test_every_gold_plan_passes_every_check(gold, evaluators, mode):
         assert (score.cs_micro, score.cs_macro, score.hard_micro, score.hard_macro, score.success) == (1, 1, 1, 1, 1)
         # a hard verdict is None exactly when the query does not ask for that constraint
         lc = query.local_constraint
-        asked = {"valid_cuisine": bool(lc.cuisine), "valid_room_rule": lc.house_rule is not None,
-                 "valid_transportation": lc.transportation is not None, "valid_room_type": lc.room_type is not None,
-                 "valid_cost": True}
+        asked = {
+            "valid_cuisine": bool(lc.cuisine),
+            "valid_room_rule": lc.house_rule is not None,
+            "valid_transportation": lc.transportation is not None,
+            "valid_room_type": lc.room_type is not None,
+            "valid_cost": True,
+        }
         assert {k: v.passed is not None for k, v in score.hard.items()} == asked
 
 
@@ -59,8 +63,12 @@ def test_known_costs_and_train_45_verdicts(gold, official, strict):
     e = official.evaluate(gold.queries[last], gold.plans[last])
     assert e.cost == pytest.approx(5036)
     assert {k: v.passed for k, v in e.hard.items()} == {
-        "valid_cuisine": True, "valid_room_rule": True, "valid_transportation": True,
-        "valid_room_type": None, "valid_cost": True}
+        "valid_cuisine": True,
+        "valid_room_rule": True,
+        "valid_transportation": True,
+        "valid_room_type": None,
+        "valid_cost": True,
+    }
 
 
 def test_plan_model_and_padding_forms_are_equivalent(gold, official):

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import time
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from services.reward.evaluator import parsing as P
 
 # Pieces that exercise every branch of the regexes: keywords, whitespace of several kinds
 # (newlines included), commas, parentheses, non-ASCII letters.
-ATOMS = st.sampled_from(["from", "to", "t", "o", "ro", " ", "  ", "\t", "\n", "\u00a0", ",", "(", ")", "a",
-                         "B", "é", ";", "From", "TO"])
+ATOMS = st.sampled_from(
+    ["from", "to", "t", "o", "ro", " ", "  ", "\t", "\n", "\u00a0", ",", "(", ")", "a", "B", "é", ";", "From", "TO"]
+)
 TEXTS = st.lists(ATOMS, max_size=16).map("".join)
 
 
@@ -50,8 +50,14 @@ def test_linear_parsers_agree_with_the_official_regexes(text):
 
 
 def test_long_fields_are_read_in_linear_time():
-    texts = ["from a " * 570, "from a" + " " * 3990 + "x", "a" * 3999 + ",", "(" * 4000,
-             "from " + "a " * 1990 + "to ,", "x, " * 1300 + "(y"]
+    texts = [
+        "from a " * 570,
+        "from a" + " " * 3990 + "x",
+        "a" * 3999 + ",",
+        "(" * 4000,
+        "from " + "a " * 1990 + "to ,",
+        "x, " * 1300 + "(y",
+    ]
     for text in texts:
         # this thread's CPU time: what the scans cost, not how long other processes (parallel test workers)
         # kept the CPU

@@ -100,8 +100,14 @@ def test_d6_transport_keywords(gold, official, strict):
 
 def test_d6_drive_is_costed_and_conflicts_in_strict(gold, official, strict):
     """A self-driving gold plan rewritten with 'Drive': same legs, so strict charges the same."""
-    i = next(i for i, p in enumerate(gold.plans) if all(
-        d["transportation"] == "-" or d["transportation"].startswith("Self-driving") for d in p[: gold.queries[i].days]))
+    i = next(
+        i
+        for i, p in enumerate(gold.plans)
+        if all(
+            d["transportation"] == "-" or d["transportation"].startswith("Self-driving")
+            for d in p[: gold.queries[i].days]
+        )
+    )
     plan = gold.plan(i)
     for day in plan[: gold.queries[i].days]:
         if day["transportation"] != "-":
@@ -112,8 +118,12 @@ def test_d6_drive_is_costed_and_conflicts_in_strict(gold, official, strict):
 
 
 def test_d7_case_sensitive_preferences(gold, official, strict):
-    i = next(i for i, p in enumerate(gold.plans) if any("Self-driving" in d.get("transportation", "") for d in p)
-             and gold.queries[i].local_constraint.transportation is None)
+    i = next(
+        i
+        for i, p in enumerate(gold.plans)
+        if any("Self-driving" in d.get("transportation", "") for d in p)
+        and gold.queries[i].local_constraint.transportation is None
+    )
     plan = gold.plan(i)
     for day in plan:
         if day.get("transportation", "-") != "-":
@@ -187,24 +197,62 @@ def test_d10_minimum_nights_on_duplicates(official, strict, official_world):
     assert [r.minimum_nights for r in official_world.accommodations("Boston") if r.name == name] == [30.0, 30.0]
     from services.common.schemas import TravelQuery
 
-    rest = [r.name for r in official_world.restaurants("Boston")
-            if sum(r.name in x.name for x in official_world.restaurants("Boston")) == 1][:7]
+    rest = [
+        r.name
+        for r in official_world.restaurants("Boston")
+        if sum(r.name in x.name for x in official_world.restaurants("Boston")) == 1
+    ][:7]
     sights = [a.name for a in official_world.attractions("Boston")][:3]
-    org = next(c for c in ("New York", "Philadelphia", "Portland", "Hartford")
-               if (d := official_world.distance(c, "Boston")) and d.duration and "day" not in d.duration
-               and (b := official_world.distance("Boston", c)) and b.duration and "day" not in b.duration)
-    query = TravelQuery(org=org, dest="Boston", days=3, visiting_city_number=1, people_number=1, budget=100_000,
-                        date=["2022-03-10", "2022-03-11", "2022-03-12"])
+    org = next(
+        c
+        for c in ("New York", "Philadelphia", "Portland", "Hartford")
+        if (d := official_world.distance(c, "Boston"))
+        and d.duration
+        and "day" not in d.duration
+        and (b := official_world.distance("Boston", c))
+        and b.duration
+        and "day" not in b.duration
+    )
+    query = TravelQuery(
+        org=org,
+        dest="Boston",
+        days=3,
+        visiting_city_number=1,
+        people_number=1,
+        budget=100_000,
+        date=["2022-03-10", "2022-03-11", "2022-03-12"],
+    )
     plan = [
-        {"day": 1, "current_city": f"from {org} to Boston", "transportation": f"Self-driving, from {org} to Boston",
-         "breakfast": "-", "attraction": "-", "lunch": "-", "dinner": f"{rest[0]}, Boston",
-         "accommodation": f"{name}, Boston"},
-        {"day": 2, "current_city": "Boston", "transportation": "-", "breakfast": f"{rest[1]}, Boston",
-         "attraction": f"{sights[0]}, Boston;{sights[1]}, Boston;", "lunch": f"{rest[2]}, Boston",
-         "dinner": f"{rest[3]}, Boston", "accommodation": f"{name}, Boston"},
-        {"day": 3, "current_city": f"from Boston to {org}", "transportation": f"Self-driving, from Boston to {org}",
-         "breakfast": f"{rest[4]}, Boston", "attraction": f"{sights[2]}, Boston;", "lunch": f"{rest[5]}, Boston",
-         "dinner": f"{rest[6]}, Boston", "accommodation": "-"},
+        {
+            "day": 1,
+            "current_city": f"from {org} to Boston",
+            "transportation": f"Self-driving, from {org} to Boston",
+            "breakfast": "-",
+            "attraction": "-",
+            "lunch": "-",
+            "dinner": f"{rest[0]}, Boston",
+            "accommodation": f"{name}, Boston",
+        },
+        {
+            "day": 2,
+            "current_city": "Boston",
+            "transportation": "-",
+            "breakfast": f"{rest[1]}, Boston",
+            "attraction": f"{sights[0]}, Boston;{sights[1]}, Boston;",
+            "lunch": f"{rest[2]}, Boston",
+            "dinner": f"{rest[3]}, Boston",
+            "accommodation": f"{name}, Boston",
+        },
+        {
+            "day": 3,
+            "current_city": f"from Boston to {org}",
+            "transportation": f"Self-driving, from Boston to {org}",
+            "breakfast": f"{rest[4]}, Boston",
+            "attraction": f"{sights[2]}, Boston;",
+            "lunch": f"{rest[5]}, Boston",
+            "dinner": f"{rest[6]}, Boston",
+            "accommodation": "-",
+        },
     ]
     o, s = disagree(official, strict, query, plan, "is_valid_accommodation")
     assert all(v.passed for v in o.commonsense.values())  # the plan is otherwise sound
@@ -221,7 +269,8 @@ def test_d10_runs_split_on_spelling(gold, official, strict):
 def test_d11_transport_route_direction(gold, official, strict):
     plan = gold.plan(0)
     plan[0]["transportation"] = plan[0]["transportation"].replace(
-        "from St. Petersburg to Rockford", "from Rockford to St. Petersburg")
+        "from St. Petersburg to Rockford", "from Rockford to St. Petersburg"
+    )
     disagree(official, strict, gold.queries[0], plan, CURRENT)
 
 
@@ -277,8 +326,10 @@ def test_d18_a_plan_that_names_nothing(gold, official, strict):
     the sum reward is 0 instead of 0.625."""
     from services.reward.rewards import reward
 
-    plan = [dict(day, **{k: "-" for k in ("transportation", "breakfast", "attraction", "lunch", "dinner",
-                                          "accommodation")}) for day in gold.plan(0)]
+    plan = [
+        dict(day, **{k: "-" for k in ("transportation", "breakfast", "attraction", "lunch", "dinner", "accommodation")})
+        for day in gold.plan(0)
+    ]
     o, s = disagree(official, strict, gold.queries[0], plan, "is_valid_restaurants")
     assert o.to_score().cs_micro > 0 and reward(o.to_score(), "sum") > 0
     assert s.delivered and s.to_score().cs_micro == 0 and reward(s.to_score(), "sum") == 0.0

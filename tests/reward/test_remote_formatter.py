@@ -25,9 +25,13 @@ def llm_server():
 
 @pytest.fixture(scope="module")
 def formatter_url(llm_server, tmp_path_factory):
-    env = {"STAR_LOG_LEVEL": "WARNING", "STAR_FORMATTER_LLM_URL": llm_server.base_url, "STAR_FORMATTER_LLM_MODEL": "m",
-           "STAR_FORMATTER_MAX_ATTEMPTS": "2",
-           "STAR_FORMATTER_URL": "http://127.0.0.1:9"}  # the service must not call itself
+    env = {
+        "STAR_LOG_LEVEL": "WARNING",
+        "STAR_FORMATTER_LLM_URL": llm_server.base_url,
+        "STAR_FORMATTER_LLM_MODEL": "m",
+        "STAR_FORMATTER_MAX_ATTEMPTS": "2",
+        "STAR_FORMATTER_URL": "http://127.0.0.1:9",
+    }  # the service must not call itself
     proc = ServiceProcess("formatter", "services.formatter.app:create_app", env, tmp_path_factory.mktemp("f")).start()
     yield proc.url
     proc.stop()
@@ -56,9 +60,12 @@ def test_service_down_or_without_llm(gold, tmp_path_factory):
     down = RemoteFormatter("http://127.0.0.1:9", timeout_s=2)
     result = down.format("some prose", gold.queries[0], "auto")
     assert result.status == "llm_error" and "cannot reach the formatter service" in result.error
-    proc = ServiceProcess("formatter-bare", "services.formatter.app:create_app",
-                          {"STAR_LOG_LEVEL": "WARNING", "STAR_FORMATTER_LLM_URL": ""},
-                          tmp_path_factory.mktemp("g")).start()
+    proc = ServiceProcess(
+        "formatter-bare",
+        "services.formatter.app:create_app",
+        {"STAR_LOG_LEVEL": "WARNING", "STAR_FORMATTER_LLM_URL": ""},
+        tmp_path_factory.mktemp("g"),
+    ).start()
     try:
         bare = RemoteFormatter(proc.url)
         result = bare.format("some prose", gold.queries[0], "auto")
@@ -82,8 +89,9 @@ def test_batches_format_with_the_llm_in_parallel_and_keep_order(gold, official):
 
         server.default = reply
         scorer = Scorer(official, Formatter(LLMFormatter(server.base_url, "m", concurrency=4, backoff_s=0)))
-        requests = [ScoreRequest(query=gold.queries[i], plan_text=f"This is trip number {i}.", backend="llm")
-                    for i in range(4)]
+        requests = [
+            ScoreRequest(query=gold.queries[i], plan_text=f"This is trip number {i}.", backend="llm") for i in range(4)
+        ]
         started = time.monotonic()
         out = scorer.score_batch(requests)
         elapsed = time.monotonic() - started

@@ -9,8 +9,14 @@ from services.reward import DEFAULT_CURRICULUM, Curriculum, all_rewards, reward
 
 
 def make_score(cs_micro=0.75, cs_macro=0.0, hard_micro=0.5, hard_macro=0.0, success=0.0, status="ok") -> Score:
-    return Score(cs_micro=cs_micro, cs_macro=cs_macro, hard_micro=hard_micro, hard_macro=hard_macro,
-                 success=success, formatter_status=status)
+    return Score(
+        cs_micro=cs_micro,
+        cs_macro=cs_macro,
+        hard_micro=hard_micro,
+        hard_macro=hard_macro,
+        success=success,
+        formatter_status=status,
+    )
 
 
 PARTIAL = make_score(cs_micro=7 / 8, cs_macro=0, hard_micro=2 / 3, hard_macro=0, success=0)
@@ -37,8 +43,9 @@ def test_success():
     assert reward(PERFECT, "success") == 1.0
 
 
-@pytest.mark.parametrize("epoch,kind", [(1, "sum"), (2, "sum"), (3, "macro"), (4, "macro"), (5, "success"),
-                                        (6, "success"), (100, "success")])
+@pytest.mark.parametrize(
+    "epoch,kind", [(1, "sum"), (2, "sum"), (3, "macro"), (4, "macro"), (5, "success"), (6, "success"), (100, "success")]
+)
 def test_default_curriculum_boundaries(epoch, kind):
     assert DEFAULT_CURRICULUM.kind_at(epoch) == kind
     for score in (PARTIAL, HARD_ONLY, PERFECT):
@@ -47,7 +54,8 @@ def test_default_curriculum_boundaries(epoch, kind):
 
 def test_curriculum_values_across_stages():
     assert [reward(HARD_ONLY, "curriculum", e) for e in range(1, 7)] == pytest.approx(
-        [2.875, 2.875, 1.0, 1.0, 0.0, 0.0])
+        [2.875, 2.875, 1.0, 1.0, 0.0, 0.0]
+    )
 
 
 def test_curriculum_is_configurable():
@@ -114,7 +122,11 @@ def test_rewards_of_real_scores(gold, official):
     """Gold passes everything; a sandbox failure gates the hard checks off (hard terms 0)."""
     last = gold.at("Minneapolis", "Ohio")
     assert all_rewards(official.score(gold.queries[last], gold.plans[last]), epoch=3) == {
-        "sum": 5.0, "macro": 3.0, "success": 1.0, "curriculum": 3.0}
+        "sum": 5.0,
+        "macro": 3.0,
+        "success": 1.0,
+        "curriculum": 3.0,
+    }
     plan = gold.plan(0)
     plan[1]["lunch"] = "Nonexistent Diner, Rockford"
     s = official.score(gold.queries[0], plan)
@@ -125,11 +137,13 @@ def test_rewards_of_real_scores(gold, official):
 def _with_hard(**verdicts) -> Score:
     """A plan that passes commonsense and breaks the hard checks given as False."""
     from services.common.schemas import CheckVerdict
+
     hard = {name: CheckVerdict(passed=ok) for name, ok in verdicts.items()}
     applicable = [ok for ok in verdicts.values() if ok is not None]
     share = sum(applicable) / len(applicable)
-    return Score(cs_micro=1, cs_macro=1, hard=hard, hard_micro=share, hard_macro=float(share == 1),
-                 success=float(share == 1))
+    return Score(
+        cs_micro=1, cs_macro=1, hard=hard, hard_micro=share, hard_macro=float(share == 1), success=float(share == 1)
+    )
 
 
 def test_preference_penalty_ranks_a_broken_preference_below_a_broken_budget():

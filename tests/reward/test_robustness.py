@@ -6,16 +6,14 @@ from __future__ import annotations
 import copy
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from services.common.schemas import Score
 from services.reward import COMMONSENSE_CHECKS, PlanError
 from services.reward.evaluator.plan import MAX_FIELD_CHARS
 
 MODES = ("official", "strict")
-KEYS = ("day", "days", "current_city", "transportation", "breakfast", "attraction", "lunch", "dinner",
-        "accommodation")
+KEYS = ("day", "days", "current_city", "transportation", "breakfast", "attraction", "lunch", "dinner", "accommodation")
 SANDBOX = "is_valid_information_in_sandbox"
 
 
@@ -46,8 +44,11 @@ CRASHES = {
     "missing transportation": (1, lambda d: d.pop("transportation"), SANDBOX),
     "from without to": (1, lambda d: d.update(current_city="from Rockford"), "is_reasonable_visiting_city"),
     "lower-case flight number": (0, lambda d: d.update(transportation=d["transportation"].lower()), SANDBOX),
-    "flight without 'Flight Number: '": (0, lambda d: d.update(transportation="Flight number F3573659, from St. "
-                                                               "Petersburg to Rockford"), SANDBOX),
+    "flight without 'Flight Number: '": (
+        0,
+        lambda d: d.update(transportation="Flight number F3573659, from St. Petersburg to Rockford"),
+        SANDBOX,
+    ),
     "flight with no route anywhere": (1, lambda d: d.update(transportation="Flight Number: F3573659"), SANDBOX),
     "None accommodation": (0, lambda d: d.update(accommodation=None), "is_valid_accommodation"),
     "number as a meal": (1, lambda d: d.update(lunch=42), SANDBOX),
@@ -125,16 +126,36 @@ json_values = st.recursive(
 )
 texts = st.one_of(
     st.text(max_size=60),
-    st.sampled_from(["-", "", "from", "from  to ", "to ", ",", ";", "Flight Number: ", "flight number: F1",
-                     "Self-driving", "taxi, from Rockford to", "(", ")(", "from A to B, from C to D",
-                     "Coco Bambu, Rockford", "Rockford(Illinois)", "x;", ";;;"]),
+    st.sampled_from(
+        [
+            "-",
+            "",
+            "from",
+            "from  to ",
+            "to ",
+            ",",
+            ";",
+            "Flight Number: ",
+            "flight number: F1",
+            "Self-driving",
+            "taxi, from Rockford to",
+            "(",
+            ")(",
+            "from A to B, from C to D",
+            "Coco Bambu, Rockford",
+            "Rockford(Illinois)",
+            "x;",
+            ";;;",
+        ]
+    ),
     st.text(alphabet=st.characters(codec="utf-8"), min_size=200, max_size=MAX_FIELD_CHARS),
 )
 field_values = st.one_of(texts, json_values)
 day_dicts = st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=8), field_values, max_size=10)
 plans = st.one_of(json_values, st.lists(st.one_of(day_dicts, json_values), max_size=9))
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                            HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -148,9 +169,19 @@ def test_any_json_value(gold, evaluators, mode, plan, which):
 @st.composite
 def damaged_gold(draw):
     which = draw(st.integers(0, 44))
-    return which, draw(st.lists(st.tuples(
-        st.sampled_from(["set", "delete", "drop_day", "dup_day", "truncate", "wrong_type_day", "swap"]),
-        st.integers(0, 7), st.sampled_from(KEYS), field_values, st.integers(0, 400)), min_size=1, max_size=4))
+    return which, draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["set", "delete", "drop_day", "dup_day", "truncate", "wrong_type_day", "swap"]),
+                st.integers(0, 7),
+                st.sampled_from(KEYS),
+                field_values,
+                st.integers(0, 400),
+            ),
+            min_size=1,
+            max_size=4,
+        )
+    )
 
 
 def apply_damage(plan, damage):
@@ -172,7 +203,7 @@ def apply_damage(plan, damage):
         elif op == "wrong_type_day":
             plan[day] = value
         elif op == "swap" and isinstance(target, dict) and isinstance(target.get(key), str):
-            target[key] = target[key][cut % 7:] + target[key][: cut % 7]
+            target[key] = target[key][cut % 7 :] + target[key][: cut % 7]
     return plan
 
 

@@ -22,8 +22,9 @@ def gold_text(gold, i: int) -> str:
 def test_gold_plans_as_json_and_as_text_score_full_marks(gold, scorer, mode):
     for i in range(0, len(gold.plans), 4):
         by_json = scorer.score(ScoreRequest(query=gold.queries[i], plan=gold.plan(i), mode=mode))
-        by_text = scorer.score(ScoreRequest(query=gold.queries[i], plan_text=gold_text(gold, i), mode=mode,
-                                            backend="structured"))
+        by_text = scorer.score(
+            ScoreRequest(query=gold.queries[i], plan_text=gold_text(gold, i), mode=mode, backend="structured")
+        )
         for out in (by_json, by_text):
             s = out.score
             assert (s.cs_micro, s.cs_macro, s.hard_micro, s.hard_macro, s.success) == (1, 1, 1, 1, 1), i
@@ -96,9 +97,19 @@ def test_evaluate_split_official_denominators(gold, scorer, full_travelplanner_d
 
 
 def _trajectory(gold, i: int, **kw) -> Trajectory:
-    base = dict(run_id="r", task_id="t", prompt_id="p", group_id="g", sample_index=0, finish_reason="answer",
-                answer=f"<think>done</think><answer>\n{gold_text(gold, i)}</answer>", query=gold.queries[i],
-                epoch=5, reward_kind="curriculum", eval_mode="strict")
+    base = dict(
+        run_id="r",
+        task_id="t",
+        prompt_id="p",
+        group_id="g",
+        sample_index=0,
+        finish_reason="answer",
+        answer=f"<think>done</think><answer>\n{gold_text(gold, i)}</answer>",
+        query=gold.queries[i],
+        epoch=5,
+        reward_kind="curriculum",
+        eval_mode="strict",
+    )
     return Trajectory(**(base | kw))
 
 
@@ -111,8 +122,12 @@ def test_trajectory_scoring(gold, scorer):
     resolved = scorer.score_trajectory(_trajectory(gold, 3, reward_kind="macro"))
     assert resolved.reward == 3 and resolved.rewards == {"sum": 5, "macro": 3, "success": 1}
 
-    for kw in ({"finish_reason": "tool_budget", "answer": None}, {"finish_reason": "format_error"},
-               {"answer": "I could not finish. answer not found"}, {"answer": None}):
+    for kw in (
+        {"finish_reason": "tool_budget", "answer": None},
+        {"finish_reason": "format_error"},
+        {"answer": "I could not finish. answer not found"},
+        {"answer": None},
+    ):
         out = scorer.score_trajectory(_trajectory(gold, 3, **kw))
         assert out.reward == 0 and set(out.rewards.values()) == {0.0}, kw
         assert out.score.formatter_status != "ok"
@@ -122,8 +137,12 @@ def test_trajectory_scoring(gold, scorer):
 
 def test_trajectory_preference_penalty_reaches_the_reward(gold, scorer):
     # a gold plan scored against its query with a transport rule the plan breaks
-    i = next(i for i in range(45) if gold.queries[i].local_constraint.transportation is None
-             and any("Self-driving" in str(d.get("transportation")) for d in gold.plan(i)))
+    i = next(
+        i
+        for i in range(45)
+        if gold.queries[i].local_constraint.transportation is None
+        and any("Self-driving" in str(d.get("transportation")) for d in gold.plan(i))
+    )
     query = gold.queries[i].model_copy(deep=True)
     query.local_constraint.transportation = "no self-driving"
     plain = scorer.score_trajectory(_trajectory(gold, i, query=query, reward_kind="sum"))

@@ -22,9 +22,19 @@ def names(redis_client):
 
 def trajectory(gold, i: int, **kw) -> Trajectory:
     text = render_plan(Plan(days=[PlanDay(**d) for d in gold.plans[i] if d]))
-    base = dict(run_id="run", task_id=f"task-{i}", prompt_id=f"p{i}", group_id=f"g{i}", sample_index=0,
-                finish_reason="answer", answer=f"<answer>{text}</answer>", query=gold.queries[i], epoch=1,
-                reward_kind="sum", eval_mode="official")
+    base = dict(
+        run_id="run",
+        task_id=f"task-{i}",
+        prompt_id=f"p{i}",
+        group_id=f"g{i}",
+        sample_index=0,
+        finish_reason="answer",
+        answer=f"<answer>{text}</answer>",
+        query=gold.queries[i],
+        epoch=1,
+        reward_kind="sum",
+        eval_mode="official",
+    )
     return Trajectory(**(base | kw))
 
 
@@ -99,8 +109,13 @@ class FlakyScorer:
 def test_a_failed_attempt_is_not_acknowledged_and_is_retried(names, gold, official):
     client, streams = names
     publish(client, streams.trajectories, trajectory(gold, 5))
-    flaky = ScoreWorker(FlakyScorer(Scorer(official), 1), client, streams, consumer="w1",  # type: ignore[arg-type]
-                        claim_idle_ms=60_000)
+    flaky = ScoreWorker(
+        FlakyScorer(Scorer(official), 1),
+        client,
+        streams,
+        consumer="w1",  # type: ignore[arg-type]
+        claim_idle_ms=60_000,
+    )
     msg = flaky.consumer.read(1, 100)[0]
     with pytest.raises(RuntimeError):
         flaky.handle(msg)
@@ -149,10 +164,21 @@ def test_star_reward_worker_process(redis_server_url, names, gold, official_worl
     client, streams = names
     for i in range(4):
         publish(client, streams.trajectories, trajectory(gold, i))
-    env = {**os.environ, "STAR_REDIS_URL": redis_server_url, "STAR_STREAM_PREFIX": streams.prefix,
-           "STAR_DB_URL": official_world_url, "STAR_LOG_JSON": "false", "STAR_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "reward", "worker", "--threads", "2"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        "STAR_REDIS_URL": redis_server_url,
+        "STAR_STREAM_PREFIX": streams.prefix,
+        "STAR_DB_URL": official_world_url,
+        "STAR_LOG_JSON": "false",
+        "STAR_LOG_LEVEL": "WARNING",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "reward", "worker", "--threads", "2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while len(read_all(client, streams.scored)) < 4:
@@ -164,8 +190,9 @@ def test_star_reward_worker_process(redis_server_url, names, gold, official_worl
         output = proc.communicate(timeout=30)[0]
     assert proc.returncode == 0, output
     assert "stopped: 4 scored, 0 dead-lettered" in output and "Traceback" not in output
-    assert sorted(ScoredTrajectory(**d).task_id for _, d in read_all(client, streams.scored)) == \
-        [f"task-{i}" for i in range(4)]
+    assert sorted(ScoredTrajectory(**d).task_id for _, d in read_all(client, streams.scored)) == [
+        f"task-{i}" for i in range(4)
+    ]
 
 
 def test_a_formatter_outage_is_retried_never_a_sample(names, gold, official):
@@ -179,8 +206,11 @@ def test_a_formatter_outage_is_retried_never_a_sample(names, gold, official):
     client, streams = names
     publish(client, streams.trajectories, trajectory(gold, 3, answer="I fly to Chicago and sleep at Cozy Room."))
     with FakeOpenAI(lambda _body: Reply(status=500), api_key="sk-x") as llm:
-        formatter = Formatter(LLMFormatter(llm.base_url, "fmt", api_key="sk-x", max_attempts=1,
-                                           request_timeout_s=5, deadline_s=10, backoff_s=0.01))
+        formatter = Formatter(
+            LLMFormatter(
+                llm.base_url, "fmt", api_key="sk-x", max_attempts=1, request_timeout_s=5, deadline_s=10, backoff_s=0.01
+            )
+        )
         down = ScoreWorker(Scorer(official, formatter), client, streams, consumer="w1", claim_idle_ms=60_000)
         msg = down.consumer.read(1, 100)[0]
         with pytest.raises(FormatterOutage, match="llm_error"):

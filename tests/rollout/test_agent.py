@@ -46,7 +46,7 @@ def test_tool_call_then_answer_keeps_sampled_ids_mask_and_logprobs(tokenizer, lo
     assert all(traj.logprobs[i] is None for i, m in enumerate(traj.loss_mask) if not m)
     # What the environment appended (mask 0) is the ChatML user turn with the real tool text.
     tool_text = toolbox.call("SearchCity", {"state": "Illinois"}).text
-    env = [t for t, m in zip(traj.token_ids[first["prompt_len"]:], traj.loss_mask[first["prompt_len"]:]) if not m]
+    env = [t for t, m in zip(traj.token_ids[first["prompt_len"] :], traj.loss_mask[first["prompt_len"] :]) if not m]
     assert tokenizer.decode(env) == f"\n<|im_start|>user\n{tool_response(tool_text)}<|im_end|>\n<|im_start|>assistant\n"
     assert [m["role"] for m in traj.messages] == ["system", "user", "assistant", "user", "assistant"]
     assert traj.messages[3]["content"] == tool_response(tool_text)
@@ -81,7 +81,7 @@ def test_non_canonical_sampled_ids_are_kept_where_re_rendering_would_change_them
     traj = run(agent)
     assert traj.finish_reason == "answer" and traj.tool_calls == 1  # the call was understood
     start = engine.calls[0]["prompt_len"]
-    assert traj.token_ids[start: start + len(odd)] == odd
+    assert traj.token_ids[start : start + len(odd)] == odd
     chat = [{"role": m["role"], "content": m["content"]} for m in traj.messages]
     rendered = tokenizer.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
     assert rendered[: len(traj.token_ids)] != traj.token_ids  # re-rendering would have trained on other tokens
@@ -93,10 +93,12 @@ def test_format_error_burns_the_turn_and_three_in_a_row_end_the_trajectory(token
     assert traj.finish_reason == "format_error" and traj.answer is None and traj.tool_calls == 0
     # Burned turn: nothing fed back, just a new assistant turn after the closed one.
     a, b = engine.calls[0], engine.calls[1]
-    appended = b["prompt_ids"][a["prompt_len"]:]
-    said = tokenizer.encode("I think I will plan.", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    appended = b["prompt_ids"][a["prompt_len"] :]
+    said = tokenizer.encode("I think I will plan.", add_special_tokens=False) + [
+        tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ]
     assert appended[: len(said)] == said
-    assert tokenizer.decode(appended[len(said):]) == "\n<|im_start|>assistant\n"
+    assert tokenizer.decode(appended[len(said) :]) == "\n<|im_start|>assistant\n"
     assert [m["role"] for m in traj.messages[2:]] == ["assistant"] * 3
 
 
@@ -114,15 +116,21 @@ def test_unknown_tool_and_bad_json_answer_with_errors_and_count_as_calls(tokeniz
             calls.append(name)
             return toolbox.call(name, arguments)
 
-    script = ['<think>x</think><tool_call>{"name": "BookHotel", "arguments": {}}</tool_call>',
-              "<think>x</think><tool_call>{oops}</tool_call>", ANSWER]
+    script = [
+        '<think>x</think><tool_call>{"name": "BookHotel", "arguments": {}}</tool_call>',
+        "<think>x</think><tool_call>{oops}</tool_call>",
+        ANSWER,
+    ]
     agent, _ = make(tokenizer, Recording(), script)
     traj = run(agent)
     assert calls == [] and traj.tool_calls == 2 and traj.finish_reason == "answer"
     responses = [m["content"] for m in traj.messages if m["role"] == "user"][1:]
-    assert responses == [tool_response("Tool BookHotel not found, please rethink your tool call and try again."),
-                         tool_response("Error calling tool: Expecting property name enclosed in double quotes: "
-                                       "line 1 column 2 (char 1)")]
+    assert responses == [
+        tool_response("Tool BookHotel not found, please rethink your tool call and try again."),
+        tool_response(
+            "Error calling tool: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+        ),
+    ]
 
 
 def test_tool_budget_stops_before_running_the_call_over_budget(tokenizer, local_tools):
@@ -162,14 +170,15 @@ def test_at_the_limit_the_reference_ending_asks_for_a_summary_and_scores_its_ans
     assert [m["role"] for m in traj.messages[2:]] == ["assistant", "user", "assistant"]
     assert traj.messages[3]["content"] == SUMMARY_REQUEST
     second = engine.calls[1]
-    env = tokenizer.decode(second["prompt_ids"][engine.calls[0]["prompt_len"]:])
+    env = tokenizer.decode(second["prompt_ids"][engine.calls[0]["prompt_len"] :])
     assert env.endswith(f"<|im_end|>\n<|im_start|>user\n{SUMMARY_REQUEST}<|im_end|>\n<|im_start|>assistant\n")
     assert second["params"].max_tokens == limit - second["prompt_len"]
     # the summary's tokens are the policy's: mask 1, with their log-probs; the request's are not
     answer_ids = tokenizer.encode(ANSWER, add_special_tokens=False)
-    assert traj.token_ids[second["prompt_len"]: second["prompt_len"] + len(answer_ids)] == answer_ids
-    assert all(traj.loss_mask[second["prompt_len"]:]) and not any(traj.loss_mask[second["prompt_len"] - 10:
-                                                                                   second["prompt_len"]])
+    assert traj.token_ids[second["prompt_len"] : second["prompt_len"] + len(answer_ids)] == answer_ids
+    assert all(traj.loss_mask[second["prompt_len"] :]) and not any(
+        traj.loss_mask[second["prompt_len"] - 10 : second["prompt_len"]]
+    )
     # off (the default), the same episode ends with no answer
     agent, engine = make(tokenizer, local_tools, [REST_CALL, ANSWER])
     traj = run(agent, SamplingParams(max_context_tokens=limit, seed=3))
@@ -181,15 +190,17 @@ def test_a_cut_turn_goes_with_the_message_before_it_and_an_untagged_summary_is_t
     agent, engine = make(tokenizer, local_tools, [CITY_CALL, "<think>" + "long " * 3000, plan])
     prompt_len = len(agent.start(QUERY).token_ids)
     limit = prompt_len + 350
-    traj = run(agent, SamplingParams(max_context_tokens=limit, max_tokens_per_turn=300, seed=3,
-                                     summarize_at_limit=True))
+    traj = run(
+        agent, SamplingParams(max_context_tokens=limit, max_tokens_per_turn=300, seed=3, summarize_at_limit=True)
+    )
     assert traj.finish_reason == "answer" and traj.answer == plan  # no tags: the whole reply, as the reference
     assert len(engine.calls) == 3
     # the city list and the cut turn are gone: the request follows the tool call directly
     third = tokenizer.decode(engine.calls[2]["prompt_ids"])
     assert "long long" not in third and "Rockford" not in third
     assert third.endswith(
-        f"</tool_call><|im_end|>\n<|im_start|>user\n{SUMMARY_REQUEST}<|im_end|>\n<|im_start|>assistant\n")
+        f"</tool_call><|im_end|>\n<|im_start|>user\n{SUMMARY_REQUEST}<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert len(traj.token_ids) <= limit
     assert [m["role"] for m in traj.messages[2:]] == ["assistant", "user", "assistant"]
 
@@ -279,8 +290,15 @@ def test_forced_turns_take_the_set_shape_with_real_tools_whatever_is_sampled(tok
     from services.common.schemas import ForcedTurns, TravelQuery
     from services.rollout.agent import forced_call
 
-    query = TravelQuery(org="Sarasota", dest="Chicago", days=3, visiting_city_number=1,
-                        date=["2022-03-22", "2022-03-23", "2022-03-24"], people_number=1, budget=1900)
+    query = TravelQuery(
+        org="Sarasota",
+        dest="Chicago",
+        days=3,
+        visiting_city_number=1,
+        date=["2022-03-22", "2022-03-23", "2022-03-24"],
+        people_number=1,
+        budget=1900,
+    )
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     engine = ScriptedEngine(tokenizer, lambda ids, turn: [im_end] * 50, append_stop=False)
     agent = Agent(engine, local_tools)
@@ -302,9 +320,15 @@ def test_a_forced_multi_city_episode_searches_the_cities_its_state_search_found(
     from services.common.schemas import ForcedTurns, TravelQuery
     from services.rollout.agent import cities_found
 
-    query = TravelQuery(org="Sarasota", dest="Texas", days=5, visiting_city_number=2,
-                        date=["2022-03-22", "2022-03-23", "2022-03-24", "2022-03-25", "2022-03-26"],
-                        people_number=1, budget=4000)
+    query = TravelQuery(
+        org="Sarasota",
+        dest="Texas",
+        days=5,
+        visiting_city_number=2,
+        date=["2022-03-22", "2022-03-23", "2022-03-24", "2022-03-25", "2022-03-26"],
+        people_number=1,
+        budget=4000,
+    )
     cities = cities_found(toolbox.call("SearchCity", {"state": "Texas"}).text)
     assert len(cities) >= 2 and all(c and "," not in c for c in cities)
     engine = ScriptedEngine(tokenizer, lambda ids, turn: [1] * 8, append_stop=False)
@@ -314,10 +338,13 @@ def test_a_forced_multi_city_episode_searches_the_cities_its_state_search_found(
     assert traj.finish_reason == "answer" and traj.tool_calls == 6
     assert len(replies) == 6 and "found the following" in replies[0]
     first, second = cities[0], cities[1]
-    expected = [("SearchFlight", {"departure": "Sarasota", "destination": first, "date": "2022-03-22"}),
-                ("SearchAccommodation", {"city": first}), ("SearchRestaurant", {"city": first}),
-                ("SearchAttraction", {"city": first}), ("SearchFlight", {"departure": "Sarasota",
-                                                                         "destination": second, "date": "2022-03-22"})]
+    expected = [
+        ("SearchFlight", {"departure": "Sarasota", "destination": first, "date": "2022-03-22"}),
+        ("SearchAccommodation", {"city": first}),
+        ("SearchRestaurant", {"city": first}),
+        ("SearchAttraction", {"city": first}),
+        ("SearchFlight", {"departure": "Sarasota", "destination": second, "date": "2022-03-22"}),
+    ]
     assert replies[1:] == [tool_response(toolbox.call(name, args).text) for name, args in expected]
     assert cities_found("There is no city in Atlantis.") == []
 

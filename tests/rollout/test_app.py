@@ -11,9 +11,16 @@ from services.embedded import ServiceProcess
 from services.rollout.service import write_manifest
 
 TOKEN = "rollout-token"
-QUERY = {"org": "Sarasota", "dest": "Chicago", "days": 3, "visiting_city_number": 1,
-         "date": ["2022-03-22", "2022-03-23", "2022-03-24"], "people_number": 1, "budget": 1900,
-         "query": "A 3-day trip from Sarasota to Chicago for one person, budget $1900."}
+QUERY = {
+    "org": "Sarasota",
+    "dest": "Chicago",
+    "days": 3,
+    "visiting_city_number": 1,
+    "date": ["2022-03-22", "2022-03-23", "2022-03-24"],
+    "people_number": 1,
+    "budget": 1900,
+    "query": "A 3-day trip from Sarasota to Chicago for one person, budget $1900.",
+}
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -25,11 +32,22 @@ def weights_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(official_world_url, tiny_model, weights_root, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    sandbox = ServiceProcess("sandbox", "services.sandbox.app:create_app",
-                             {"STAR_DB_URL": official_world_url, "STAR_LOG_LEVEL": "WARNING"}, logs).start()
-    env = {"STAR_SANDBOX_URL": sandbox.url, "STAR_MODEL": str(tiny_model), "STAR_ROLLOUT_ENGINE": "transformers",
-           "STAR_ROLLOUT_MAX_MODEL_LEN": "4096", "STAR_API_TOKEN": TOKEN, "STAR_WEIGHTS_ROOT": str(weights_root),
-           "STAR_LOG_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
+    sandbox = ServiceProcess(
+        "sandbox",
+        "services.sandbox.app:create_app",
+        {"STAR_DB_URL": official_world_url, "STAR_LOG_LEVEL": "WARNING"},
+        logs,
+    ).start()
+    env = {
+        "STAR_SANDBOX_URL": sandbox.url,
+        "STAR_MODEL": str(tiny_model),
+        "STAR_ROLLOUT_ENGINE": "transformers",
+        "STAR_ROLLOUT_MAX_MODEL_LEN": "4096",
+        "STAR_API_TOKEN": TOKEN,
+        "STAR_WEIGHTS_ROOT": str(weights_root),
+        "STAR_LOG_LEVEL": "WARNING",
+        "HF_HUB_OFFLINE": "1",
+    }
     try:
         rollout = ServiceProcess("rollout", "services.rollout.app:create_app", env, logs).start(timeout=180)
     except Exception:
@@ -47,12 +65,20 @@ def client(server):
 
 
 def test_rollouts_returns_g_trajectories_and_metrics_count_them(client):
-    body = {"query": QUERY, "group_size": 2, "run_id": "r1", "task_id": "t1", "prompt_id": "p1",
-            "sampling": {"seed": 4, "max_tokens_per_turn": 16, "max_context_tokens": 2048}}
+    body = {
+        "query": QUERY,
+        "group_size": 2,
+        "run_id": "r1",
+        "task_id": "t1",
+        "prompt_id": "p1",
+        "sampling": {"seed": 4, "max_tokens_per_turn": 16, "max_context_tokens": 2048},
+    }
     reply = client.post("/rollouts", json=body, headers=AUTH)
     assert reply.status_code == 200, reply.text
     trajs = reply.json()["trajectories"]
-    assert [t["sample_index"] for t in trajs] == [0, 1] and {(t["group_id"], t["prompt_id"]) for t in trajs} == {("t1", "p1")}
+    assert [t["sample_index"] for t in trajs] == [0, 1] and {(t["group_id"], t["prompt_id"]) for t in trajs} == {
+        ("t1", "p1")
+    }
     for t in trajs:
         assert len(t["token_ids"]) == len(t["loss_mask"]) == len(t["logprobs"]) <= 2048
         assert t["query"]["dest"] == "Chicago" and t["finish_reason"] in {"format_error", "context_limit"}
@@ -63,17 +89,21 @@ def test_rollouts_returns_g_trajectories_and_metrics_count_them(client):
 
 def test_mutating_endpoints_need_the_token(client):
     assert client.post("/rollouts", json={"query": QUERY}).status_code == 401
-    wrong = client.post("/weights", json={"version": 1, "uri": "/x", "sha256": "0" * 64},
-                        headers={"Authorization": "Bearer nope"})
+    wrong = client.post(
+        "/weights", json={"version": 1, "uri": "/x", "sha256": "0" * 64}, headers={"Authorization": "Bearer nope"}
+    )
     assert wrong.status_code == 401 and wrong.headers["content-type"].startswith("application/problem+json")
 
 
-@pytest.mark.parametrize("body,where", [
-    ({"query": {**QUERY, "days": 4}}, "days"),
-    ({"query": QUERY, "group_size": 0}, "group_size"),
-    ({"query": QUERY, "sampling": {"temperature": -1}}, "temperature"),
-    ({"query": QUERY, "surprise": 1}, "surprise"),
-])
+@pytest.mark.parametrize(
+    "body,where",
+    [
+        ({"query": {**QUERY, "days": 4}}, "days"),
+        ({"query": QUERY, "group_size": 0}, "group_size"),
+        ({"query": QUERY, "sampling": {"temperature": -1}}, "temperature"),
+        ({"query": QUERY, "surprise": 1}, "surprise"),
+    ],
+)
 def test_bad_rollout_requests_are_422_problems(client, body, where):
     reply = client.post("/rollouts", json=body, headers=AUTH)
     assert reply.status_code == 422 and where in reply.text and "Traceback" not in reply.text
@@ -86,8 +116,9 @@ def test_weights_are_checked_then_loaded(client, weights_root, tiny_model, tmp_p
     sha = write_manifest(outside, 1)
     reply = client.post("/weights", json={"version": 1, "uri": str(outside), "sha256": sha}, headers=AUTH)
     assert reply.status_code == 403 and "outside the weights root" in reply.json()["detail"]
-    sneaky = client.post("/weights", json={"version": 1, "uri": str(weights_root / ".." / outside.name),
-                                           "sha256": sha}, headers=AUTH)
+    sneaky = client.post(
+        "/weights", json={"version": 1, "uri": str(weights_root / ".." / outside.name), "sha256": sha}, headers=AUTH
+    )
     assert sneaky.status_code in (403, 404)
     v1 = weights_root / "v1"
     shutil.copytree(tiny_model, v1)

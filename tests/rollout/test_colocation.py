@@ -19,8 +19,13 @@ from services.rollout.engines.scripted import ScriptedEngine
 from services.rollout.engines.vllm_engine import engine_kwargs
 from services.rollout.service import RolloutService
 
-CHUNK = {"names": ["model.norm.weight"], "dtype_names": ["bfloat16"], "shapes": [[64]], "tensor_sizes": [128],
-         "handles": "aGFuZGxl"}
+CHUNK = {
+    "names": ["model.norm.weight"],
+    "dtype_names": ["bfloat16"],
+    "shapes": [[64]],
+    "tensor_sizes": [128],
+    "handles": "aGFuZGxl",
+}
 
 
 class Sleepy(ScriptedEngine):
@@ -74,8 +79,9 @@ def test_a_server_whose_engine_cannot_sleep_says_so(tokenizer, local_tools, tmp_
 
 
 @pytest.mark.parametrize("drains_on_update", [True, False], ids=["draining", "in-place (vLLM)"])
-def test_sleep_holds_new_turns_until_the_engine_is_awake_with_the_new_version(tokenizer, local_tools, tmp_path,
-                                                                              drains_on_update):
+def test_sleep_holds_new_turns_until_the_engine_is_awake_with_the_new_version(
+    tokenizer, local_tools, tmp_path, drains_on_update
+):
     async def go() -> None:
         engine = Sleepy(tokenizer, ["hello"] * 4)
         engine.drains_on_update = drains_on_update
@@ -94,8 +100,13 @@ def test_sleep_holds_new_turns_until_the_engine_is_awake_with_the_new_version(to
         await svc.wake(WakeRequest())
         gen = await asyncio.wait_for(held, 2)
         assert gen.policy_version == 1  # the held turn ran on the new weights
-        assert engine.events == [("sleep", 1), ("wake", ("weights",)), ("ipc", 1, True, False, ("model.norm.weight",)),
-                                 ("ipc", 1, False, True, ()), ("wake", ("kv_cache",))]
+        assert engine.events == [
+            ("sleep", 1),
+            ("wake", ("weights",)),
+            ("ipc", 1, True, False, ("model.norm.weight",)),
+            ("ipc", 1, False, True, ()),
+            ("wake", ("kv_cache",)),
+        ]
         assert not svc.sleep_state.asleep
 
     asyncio.run(go())
@@ -128,8 +139,9 @@ def test_an_asleep_server_refuses_other_weight_loads_and_out_of_order_chunks(tok
         assert client.post("/sleep", json={"level": 1, "timeout_s": 5}).status_code == 200
         r = client.post("/weights", json={"version": 1, "uri": "v1", "sha256": "0" * 64})
         assert r.status_code == 409 and "asleep" in r.text  # never loaded into freed memory
-        r = client.post("/weights/broadcast", json={"version": 1, "names": ["a"], "dtype_names": ["bfloat16"],
-                                                     "shapes": [[1]]})
+        r = client.post(
+            "/weights/broadcast", json={"version": 1, "names": ["a"], "dtype_names": ["bfloat16"], "shapes": [[1]]}
+        )
         assert r.status_code == 409 and "asleep" in r.text
         r = client.post("/weights/ipc", json={"version": 1, **CHUNK, "first": True})
         assert r.status_code == 409 and "weights are asleep" in r.text
@@ -172,8 +184,12 @@ def two_servers(tokenizer, local_tools, tmp_path):
         settings = Settings(home=tmp_path, weights_root=tmp_path / "weights", log_json=False, log_level="WARNING")
         engines = [Sleepy(tokenizer, ["x"] * 4), (Sleepy if second_sleeps else ScriptedEngine)(tokenizer, ["x"] * 4)]
         services = [RolloutService(e, local_tools, settings=settings) for e in engines]
-        return engines, services, {f"http://s{i}": TestClient(create_app(settings, service=s))
-                                   for i, s in enumerate(services)}
+        return (
+            engines,
+            services,
+            {f"http://s{i}": TestClient(create_app(settings, service=s)) for i, s in enumerate(services)},
+        )
+
     return make
 
 
@@ -196,8 +212,13 @@ def test_a_step_sleeps_every_server_then_wakes_it_with_the_version_by_ipc(two_se
     def chunks(tensors, buffer_bytes):  # vLLM's packed IPC producer stands in: two chunks, no CUDA
         names = [n for n, _ in tensors]
         for part in (names[:1], names[1:]):
-            yield {"names": part, "dtype_names": ["float32"] * len(part), "shapes": [[1]] * len(part),
-                   "tensor_sizes": [4] * len(part), "handles": "aGFuZGxl"}
+            yield {
+                "names": part,
+                "dtype_names": ["float32"] * len(part),
+                "shapes": [[1]] * len(part),
+                "tensor_sizes": [4] * len(part),
+                "handles": "aGFuZGxl",
+            }
 
     import torch
 
@@ -231,8 +252,9 @@ def test_vllm_engines_start_able_to_sleep_on_a_gpu_only():
     gpu = engine_kwargs(args, model="m", max_model_len=1024, dtype="bfloat16", seed=0, on_cpu=False)
     cpu = engine_kwargs(args, model="m", max_model_len=1024, dtype="bfloat16", seed=0, on_cpu=True)
     assert gpu["enable_sleep_mode"] is True and "enable_sleep_mode" not in cpu
-    assert "enable_sleep_mode" not in engine_kwargs(VllmArgs(), model="m", max_model_len=1024, dtype="bfloat16",
-                                                    seed=0, on_cpu=False)
+    assert "enable_sleep_mode" not in engine_kwargs(
+        VllmArgs(), model="m", max_model_len=1024, dtype="bfloat16", seed=0, on_cpu=False
+    )
 
 
 def test_a_new_learner_wakes_servers_left_asleep_and_a_level_2_one_restarts(two_servers):

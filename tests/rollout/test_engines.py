@@ -23,13 +23,15 @@ PROMPT = [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198]
 def gen(engine, *params, prompt=PROMPT):
     async def go():
         return await asyncio.gather(*(engine.generate(prompt, p) for p in params))
+
     return asyncio.run(go())
 
 
 def test_same_seed_same_ids_other_seed_other_ids_and_batched(engine):
     before = len(engine.batches)
-    a, b, c = gen(engine, TurnParams(max_tokens=12, seed=1), TurnParams(max_tokens=12, seed=1),
-                  TurnParams(max_tokens=12, seed=2))
+    a, b, c = gen(
+        engine, TurnParams(max_tokens=12, seed=1), TurnParams(max_tokens=12, seed=1), TurnParams(max_tokens=12, seed=2)
+    )
     assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
     assert engine.batches[before:] == [3]  # one batch for the three concurrent requests
     assert len(a.token_ids) == 12 and a.finish == "length"
@@ -39,7 +41,7 @@ def _forward_logits(engine, prompt: list[int], sampled: list[int]) -> torch.Tens
     """The model's (HF forward) logits at the positions that sampled `sampled` after `prompt`."""
     with torch.inference_mode():
         logits = engine.model(torch.tensor([prompt + sampled])).logits[0].float()
-    return logits[len(prompt) - 1:-1]
+    return logits[len(prompt) - 1 : -1]
 
 
 def _of(logprobs: torch.Tensor, ids: list[int]) -> torch.Tensor:
@@ -63,15 +65,18 @@ def test_logprobs_are_of_the_tempered_distribution_the_tokens_were_drawn_from(en
 
 
 def test_a_top_p_cut_records_the_renormalized_nucleus_and_greedy_the_models_own(engine):
-    cut, greedy = gen(engine, TurnParams(max_tokens=16, seed=3, temperature=0.7, top_p=0.3, top_logprobs=20),
-                      TurnParams(max_tokens=8, temperature=0.0))
+    cut, greedy = gen(
+        engine,
+        TurnParams(max_tokens=16, seed=3, temperature=0.7, top_p=0.3, top_logprobs=20),
+        TurnParams(max_tokens=8, temperature=0.0),
+    )
     tempered = torch.log_softmax(_forward_logits(engine, PROMPT, cut.token_ids) / 0.7, -1)
     probs, order = tempered.exp().sort(-1, descending=True)
-    kept = (probs.cumsum(-1) - probs < 0.3)  # the nucleus: tokens with less than top_p before them
+    kept = probs.cumsum(-1) - probs < 0.3  # the nucleus: tokens with less than top_p before them
     mass = (probs * kept).sum(-1)
     assert (torch.tensor(cut.logprobs) - (_of(tempered, cut.token_ids) - mass.log())).abs().max() < 1e-4
     assert all(len(row) == int(k) for row, k in zip(cut.top_logprobs, kept.sum(-1).clamp(max=20)))
-    assert sorted(cut.top_logprobs[0]) == sorted(order[0, :int(kept[0].sum())].tolist()[:20])
+    assert sorted(cut.top_logprobs[0]) == sorted(order[0, : int(kept[0].sum())].tolist()[:20])
     raw = torch.log_softmax(_forward_logits(engine, PROMPT, greedy.token_ids), -1)
     assert greedy.token_ids == raw.argmax(-1).tolist()
     assert (torch.tensor(greedy.logprobs) - _of(raw, greedy.token_ids)).abs().max() < 1e-4
@@ -82,8 +87,11 @@ def test_rows_of_different_lengths_in_one_batch_match_their_solo_runs(engine):
     solo = gen(engine, TurnParams(max_tokens=6, seed=9), prompt=short)[0]
 
     async def both():
-        return await asyncio.gather(engine.generate(short, TurnParams(max_tokens=6, seed=9)),
-                                    engine.generate(PROMPT, TurnParams(max_tokens=9, seed=4)))
+        return await asyncio.gather(
+            engine.generate(short, TurnParams(max_tokens=6, seed=9)),
+            engine.generate(PROMPT, TurnParams(max_tokens=9, seed=4)),
+        )
+
     batched, other = asyncio.run(both())
     assert batched.token_ids == solo.token_ids and len(other.token_ids) == 9
     assert batched.logprobs == pytest.approx(solo.logprobs, abs=1e-4)
@@ -101,8 +109,9 @@ def test_weight_reload_changes_the_policy_and_version(engine, tiny_model, tmp_pa
     assert after.token_ids != before.token_ids
     # the engine's fused projections took the new weights too: its log-probs are the new model's
     sampled = gen(engine, TurnParams(max_tokens=6, seed=4))[0]
-    assert torch.allclose(torch.tensor(sampled.logprobs), _logprobs_by_forward(engine, PROMPT, sampled.token_ids),
-                          atol=1e-4)
+    assert torch.allclose(
+        torch.tensor(sampled.logprobs), _logprobs_by_forward(engine, PROMPT, sampled.token_ids), atol=1e-4
+    )
     asyncio.run(engine.update_weights(tiny_model, 2))
     (back,) = gen(engine, greedy)
     assert back.token_ids == before.token_ids
@@ -139,8 +148,9 @@ def test_a_request_joins_a_running_batch_finishes_first_and_matches_its_solo_run
 
 def test_static_batching_makes_a_late_request_wait_for_the_batch(tiny_model):
     static = TransformersEngine(tiny_model, max_model_len=2048, continuous=False)
-    _, _, order = asyncio.run(_staggered(static, TurnParams(max_tokens=60, seed=4), TurnParams(max_tokens=5, seed=11),
-                                         PROMPT[-3:]))
+    _, _, order = asyncio.run(
+        _staggered(static, TurnParams(max_tokens=60, seed=4), TurnParams(max_tokens=5, seed=11), PROMPT[-3:])
+    )
     assert order == ["first", "second"]
 
 
@@ -214,9 +224,10 @@ def test_agents_extending_caches_of_different_lengths_together_match_full_prefil
         b = await engine.generate(PROMPT[2:], TurnParams(max_tokens=11, seed=2))
         runner = asyncio.ensure_future(engine.generate(PROMPT[-4:], TurnParams(max_tokens=40, seed=3)))
         await asyncio.sleep(0.05)
-        nxt = await asyncio.gather(engine.generate(PROMPT + a.token_ids + TOOL_REPLY, TurnParams(max_tokens=8, seed=4)),
-                                   engine.generate(PROMPT[2:] + b.token_ids + TOOL_REPLY[:5],
-                                                   TurnParams(max_tokens=8, seed=5)))
+        nxt = await asyncio.gather(
+            engine.generate(PROMPT + a.token_ids + TOOL_REPLY, TurnParams(max_tokens=8, seed=4)),
+            engine.generate(PROMPT[2:] + b.token_ids + TOOL_REPLY[:5], TurnParams(max_tokens=8, seed=5)),
+        )
         return [*nxt, await runner]
 
     with_kept, with_full = asyncio.run(agents(kept)), asyncio.run(agents(full))
@@ -242,9 +253,9 @@ def test_new_weights_load_between_steps_without_waiting_for_turns_in_flight(tiny
     """An asynchronous run's engine is never idle: an update must not wait for the longest turn.
     The turn in flight keeps its start version (the oldest that sampled it) and goes on under the
     new weights; the next turn carries the new version."""
-    from services.models import tiny_qwen2
-
     import threading
+
+    from services.models import tiny_qwen2
 
     engine = TransformersEngine(tiny_model, max_model_len=2048)
     greedy = TurnParams(max_tokens=400, temperature=0.0)
@@ -259,6 +270,7 @@ def test_new_weights_load_between_steps_without_waiting_for_turns_in_flight(tiny
         def run(*a, **kw):
             threads.add(threading.get_ident())
             return fn(*a, **kw)
+
         return run
 
     engine._tick, engine.model.load_state_dict = on_thread(tick), on_thread(load_state)
@@ -313,9 +325,11 @@ def test_a_prompt_longer_than_a_prefill_chunk_matches_the_models_forward(tiny_mo
     from services.rollout.engines import hf
 
     engine = TransformersEngine(tiny_model, max_model_len=2048)
-    long = (PROMPT * 200)[:hf.PREFILL_CHUNK * 2 + 37]  # three chunks, the last one partial
+    long = (PROMPT * 200)[: hf.PREFILL_CHUNK * 2 + 37]  # three chunks, the last one partial
     short = PROMPT[:5]
-    both = asyncio.run(_gather(engine, (long, TurnParams(max_tokens=6, seed=1)), (short, TurnParams(max_tokens=6, seed=2))))
+    both = asyncio.run(
+        _gather(engine, (long, TurnParams(max_tokens=6, seed=1)), (short, TurnParams(max_tokens=6, seed=2)))
+    )
     for prompt, g in zip((long, short), both):
         assert torch.allclose(torch.tensor(g.logprobs), _logprobs_by_forward(engine, prompt, g.token_ids), atol=1e-4)
 
@@ -352,8 +366,10 @@ def test_more_agents_than_slots_evict_kept_caches_and_still_match_full_prefills(
     async def agents(engine):
         firsts = [await engine.generate(PROMPT[i:], TurnParams(max_tokens=5, seed=i)) for i in range(4)]
         # agent 3's cache is the most recent: its next turn comes first and finds it
-        return firsts + [await engine.generate(PROMPT[i:] + firsts[i].token_ids + TOOL_REPLY,
-                                               TurnParams(max_tokens=5, seed=10 + i)) for i in (3, 0, 2, 1)]
+        return firsts + [
+            await engine.generate(PROMPT[i:] + firsts[i].token_ids + TOOL_REPLY, TurnParams(max_tokens=5, seed=10 + i))
+            for i in (3, 0, 2, 1)
+        ]
 
     with_kept, with_full = asyncio.run(agents(kept)), asyncio.run(agents(full))
     assert kept.reused_tokens > 0 and full.reused_tokens == 0
@@ -373,9 +389,17 @@ def test_a_llama_model_decodes_with_the_models_own_logprobs(tiny_model, tmp_path
     qwen = TransformersEngine(tiny_model, max_model_len=2048)
     folder = tmp_path / "llama"
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=qwen.model.config.vocab_size, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, rope_theta=100000.0,
-                         tie_word_embeddings=True, max_position_embeddings=4096)
+    config = LlamaConfig(
+        vocab_size=qwen.model.config.vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
     for f in tiny_model.iterdir():
         if "token" in f.name or f.name == "vocab.json" or f.name == "merges.txt":
@@ -385,7 +409,9 @@ def test_a_llama_model_decodes_with_the_models_own_logprobs(tiny_model, tmp_path
     assert torch.allclose(torch.tensor(g.logprobs), _logprobs_by_forward(llama, PROMPT, g.token_ids, 0.9), atol=1e-4)
 
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (folder / "config.json").write_text(
+        json.dumps({**config, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
     with pytest.raises(EngineError, match="runs llama, qwen2 models, not .gpt2"):
         TransformersEngine(folder, max_model_len=2048)
 

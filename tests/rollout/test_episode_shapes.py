@@ -15,12 +15,19 @@ import pytest
 from services.common.schemas import ForcedTurns, SamplingParams, TravelQuery
 from services.rollout.agent import Agent
 from services.rollout.engines.scripted import ScriptedEngine
-from services.rollout.episode_shapes import (ANSWER_TOKENS, TOOL_CALLS, TURN_TOKENS, LogNormal, draw_episode,
-                                             shape_rng)
+from services.rollout.episode_shapes import ANSWER_TOKENS, TOOL_CALLS, TURN_TOKENS, LogNormal, draw_episode, shape_rng
 
 RECORD = Path(__file__).resolve().parents[2] / "bench" / "results" / "episode_shapes.json"
-QUERY = TravelQuery(id="q-7", org="Sarasota", dest="Chicago", days=3, visiting_city_number=1,
-                    date=["2022-03-22", "2022-03-23", "2022-03-24"], people_number=1, budget=1900)
+QUERY = TravelQuery(
+    id="q-7",
+    org="Sarasota",
+    dest="Chicago",
+    days=3,
+    visiting_city_number=1,
+    date=["2022-03-22", "2022-03-23", "2022-03-24"],
+    people_number=1,
+    budget=1900,
+)
 
 
 def test_the_constants_are_the_recorded_fit():

@@ -13,13 +13,21 @@ import asyncio
 import pytest
 
 from services.common.schemas import SamplingParams
-from services.model_families import FAMILIES, PLAN, QUERY, FamilyUnavailable, family_tokenizer, rendered_prompt, \
-    scripted_conversation, sft_report, sft_sequence
+from services.model_families import (
+    FAMILIES,
+    PLAN,
+    QUERY,
+    FamilyUnavailable,
+    family_tokenizer,
+    rendered_prompt,
+    scripted_conversation,
+    sft_report,
+    sft_sequence,
+)
 from services.rollout.agent import Agent, Limits
 from services.rollout.chat import Chat, ChatOptions
 from services.rollout.engines.scripted import ScriptedEngine
 from services.rollout.tool_formats import call_id, format_call
-
 
 # family → (chat style, tool format, whole-conversation re-render equals the trajectory)
 EXPECTED = {
@@ -61,7 +69,7 @@ def test_each_family_keeps_token_in_token_out_exact(family, local_tools):
     assert sampled == [t for ids in engine.script for t in ids]
     # tool outputs went back in the family's role, and the calls were read with their arguments
     tool_role = "tool" if fmt in ("hermes", "llama3_json", "mistral") and style == "template" else "user"
-    replies = [m for m in messages[starts[0]:] if m["role"] == tool_role]
+    replies = [m for m in messages[starts[0] :] if m["role"] == tool_role]
     assert len(replies) == 2 and "Rockford" in replies[0]["content"]
 
 
@@ -74,14 +82,22 @@ def test_sft_renders_each_family_as_its_rollout(family, local_tools):
     style, fmt, whole_equal = EXPECTED[name]
     conversation = scripted_conversation(name, local_tools, tok)
     report = sft_report(name, local_tools, conversation)
-    assert report == {"sft_equals_rollout": True, "sft_equals_template": whole_equal, "sft_trained_turns": 3,
-                      "sft_turns_end_with_end_of_turn": True}
+    assert report == {
+        "sft_equals_rollout": True,
+        "sft_equals_template": whole_equal,
+        "sft_trained_turns": 3,
+        "sft_turns_end_with_end_of_turn": True,
+    }
     _, seq, _ = sft_sequence(name, conversation[2], tok)
     trained = tok.decode([t for t, m in zip(seq.token_ids, seq.loss_mask) if m])
     # the calls are trained in the family's own syntax, not the data's Hermes form
     assert ("<tool_call>" in trained) == (fmt == "hermes")
-    assert {"llama3_json": '"parameters"', "mistral": "[TOOL_CALLS]", "react": "Action: SearchCity",
-            "hermes": "<tool_call>"}[fmt] in trained
+    assert {
+        "llama3_json": '"parameters"',
+        "mistral": "[TOOL_CALLS]",
+        "react": "Action: SearchCity",
+        "hermes": "<tool_call>",
+    }[fmt] in trained
     assert ("I need the cities first." in trained) == bool(name == "qwen3")
     output = [m["content"] for m in conversation[2].messages if m["role"] in ("tool", "user")][1]
     assert "Rockford" in output and output.split("<tool_response>")[-1][:40] not in trained  # nor tool output
@@ -101,8 +117,11 @@ def test_thinking_tokens_count_against_the_turn_budget(local_tools):
 def test_a_call_inside_a_thought_is_not_a_call(local_tools):
     tok = family_tokenizer("qwen3")
     chat = Chat.for_tokenizer(tok, ChatOptions(thinking=True))
-    turn = chat.parse('<think>\nmaybe <tool_call>\n{"name": "SearchCity", "arguments": {}}\n</tool_call>\n</think>\n\n'
-                      "<answer>\nplan\n</answer>", ["SearchCity"])
+    turn = chat.parse(
+        '<think>\nmaybe <tool_call>\n{"name": "SearchCity", "arguments": {}}\n</tool_call>\n</think>\n\n'
+        "<answer>\nplan\n</answer>",
+        ["SearchCity"],
+    )
     assert turn.kind == "answer" and turn.answer == "plan"
 
 
@@ -144,7 +163,12 @@ def test_a_tool_output_cannot_smuggle_a_control_token(local_tools):
     control = set(tok.get_added_vocab().values())
     # the template's own: the tool turn's header and end, the next header: nothing from the text
     assert tok.convert_ids_to_tokens([t for t in ids if t in control]) == [
-        "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+    ]
 
 
 def test_the_rollout_settings_carry_the_chat_options(monkeypatch):
@@ -166,8 +190,9 @@ def test_a_malformed_mistral_call_is_answered_and_the_conversation_goes_on(local
     tok = family_tokenizer("mistral")
     eos = tok.convert_tokens_to_ids("</s>")
     bad = tok.encode('[TOOL_CALLS] [{"name": "SearchCity", "arguments": {"state": ', add_special_tokens=False) + [eos]
-    good = tok.encode(format_call("mistral", "SearchCity", {"state": "Illinois"}, index=1),
-                      add_special_tokens=False) + [eos]
+    good = tok.encode(
+        format_call("mistral", "SearchCity", {"state": "Illinois"}, index=1), add_special_tokens=False
+    ) + [eos]
     answer = tok.encode(" <answer>\nplan\n</answer>", add_special_tokens=False) + [eos]
     agent = Agent(ScriptedEngine(tok, [bad, good, answer]), local_tools)
     traj = asyncio.run(agent.run(QUERY, SamplingParams(seed=1), Limits()))
@@ -186,9 +211,12 @@ def test_sft_of_a_burned_turn_follows_the_agent():
 
     tok = family_tokenizer("mistral")
     chat = Chat.for_agent(tok)
-    teacher = [{"role": "system", "content": system_prompt()}, {"role": "user", "content": QUERY},
-               {"role": "assistant", "content": "<think>hmm</think>\nlet me think"},
-               {"role": "assistant", "content": "<think>done</think>\n<answer>\nplan\n</answer>"}]
+    teacher = [
+        {"role": "system", "content": system_prompt()},
+        {"role": "user", "content": QUERY},
+        {"role": "assistant", "content": "<think>hmm</think>\nlet me think"},
+        {"role": "assistant", "content": "<think>done</think>\n<answer>\nplan\n</answer>"},
+    ]
     seq = chat_to_sequence(tok, teacher, chat=chat)
     untrained = tok.decode([t for t, m in zip(seq.token_ids, seq.loss_mask) if not m])
     trained = tok.decode([t for t, m in zip(seq.token_ids, seq.loss_mask) if m])

@@ -17,9 +17,11 @@ ANSWER = format_answer("Day 1:\nCurrent City: Chicago")
 def by_progress(tokenizer):
     """The next output follows from the tool responses already in the prompt (so a branch,
     which inherits its parent's prefix, continues where its parent was)."""
+
     def script(prompt_ids, _turn):
         seen = tokenizer.decode(prompt_ids).count("<|im_start|>user\n<tool_response>")
         return CALLS[seen] if seen < len(CALLS) else ANSWER
+
     return script
 
 
@@ -30,7 +32,13 @@ def test_group_runs_g_samples_concurrently_with_distinct_seeds(tokenizer, local_
     trajs = asyncio.run(sample_group(agent, "a trip", 4, SamplingParams(seed=100), meta=meta))
     assert [t.sample_index for t in trajs] == [0, 1, 2, 3]
     assert all(t.finish_reason == "answer" and t.tool_calls == 2 for t in trajs)
-    assert {t.group_id for t in trajs} == {"t"} and {t.prompt_id for t in trajs} == {"p"} and trajs[0].epoch == 2 and trajs[0].step == 5 and trajs[0].reward_kind == "macro"
+    assert (
+        {t.group_id for t in trajs} == {"t"}
+        and {t.prompt_id for t in trajs} == {"p"}
+        and trajs[0].epoch == 2
+        and trajs[0].step == 5
+        and trajs[0].reward_kind == "macro"
+    )
     first_turn_seeds = [c["params"].seed for c in engine.calls[:4]]
     assert len(set(first_turn_seeds)) == 4
     # Concurrency: all four first turns were issued before any second turn.
@@ -64,7 +72,7 @@ def test_arpo_without_branching_restarts_from_scratch_to_fill_the_group(tokenize
 
 def test_branch_rule_favours_turns_more_uncertain_than_the_start():
     cfg = ArpoConfig(branch_probability=0.5, entropy_weight=0.2)
-    assert should_branch(0.55, entropy=0.9, initial=0.1, cfg=cfg)       # 0.55 - 0.16 = 0.39 ≤ 0.5
-    assert not should_branch(0.55, entropy=0.1, initial=0.1, cfg=cfg)   # 0.55 > 0.5
-    assert not should_branch(0.45, entropy=0.0, initial=1.0, cfg=cfg)   # calmer than the start: 0.65
+    assert should_branch(0.55, entropy=0.9, initial=0.1, cfg=cfg)  # 0.55 - 0.16 = 0.39 ≤ 0.5
+    assert not should_branch(0.55, entropy=0.1, initial=0.1, cfg=cfg)  # 0.55 > 0.5
+    assert not should_branch(0.45, entropy=0.0, initial=1.0, cfg=cfg)  # calmer than the start: 0.65
     assert should_branch(0.45, entropy=None, initial=None, cfg=cfg)

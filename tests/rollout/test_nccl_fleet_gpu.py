@@ -25,20 +25,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.gpu_shapes import model_folder  # noqa: E402
 from services.common.supervisor import wait_ready  # noqa: E402
 
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     return model_folder(tmp_path_factory.mktemp("gpu-model") / "smollm", "smollm", max_positions=4096)
 
 
 def _start_worker(folder: Path, port: int, redis_url: str, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1", "STAR_MODEL": str(folder), "STAR_ROLLOUT_ENGINE": "vllm",
-           "STAR_ROLLOUT_VLLM": json.dumps({"weight_transfer": "nccl", "compile": False,
-                                            "gpu_memory_utilization": 0.3}),
-           "STAR_ROLLOUT_MAX_MODEL_LEN": "2048", "STAR_ROLLOUT_HTTP_PORT": str(port), "STAR_REDIS_URL": redis_url,
-           "STAR_STREAM_PREFIX": "gpu-nccl", "STAR_SANDBOX_URL": "http://127.0.0.1:9", "STAR_LOG_LEVEL": "WARNING",
-           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "STAR_ROLLOUT_CONSUMER": "gpu"}
-    return subprocess.Popen([sys.executable, "-m", "services.rollout.worker"], env=env,
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "1",
+        "STAR_MODEL": str(folder),
+        "STAR_ROLLOUT_ENGINE": "vllm",
+        "STAR_ROLLOUT_VLLM": json.dumps({"weight_transfer": "nccl", "compile": False, "gpu_memory_utilization": 0.3}),
+        "STAR_ROLLOUT_MAX_MODEL_LEN": "2048",
+        "STAR_ROLLOUT_HTTP_PORT": str(port),
+        "STAR_REDIS_URL": redis_url,
+        "STAR_STREAM_PREFIX": "gpu-nccl",
+        "STAR_SANDBOX_URL": "http://127.0.0.1:9",
+        "STAR_LOG_LEVEL": "WARNING",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        "STAR_ROLLOUT_CONSUMER": "gpu",
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.rollout.worker"], env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT
+    )
 
 
 def test_a_broadcast_reaches_the_worker_and_a_restarted_worker_rejoins(folder, redis_server_url, tmp_path):
@@ -89,8 +100,9 @@ def test_a_broadcast_reaches_the_worker_and_a_restarted_worker_rejoins(folder, r
         assert info["version"] == 3 and info["weight_group"] == pub.group_id != first_group
         assert pub.group_port != first_port
         every_tensor_equal()
-        gen = httpx.post(f"{url}/generate", json={"prompt_ids": [5, 6, 7], "max_tokens": 2, "temperature": 0.0},
-                         timeout=60).json()
+        gen = httpx.post(
+            f"{url}/generate", json={"prompt_ids": [5, 6, 7], "max_tokens": 2, "temperature": 0.0}, timeout=60
+        ).json()
         assert gen["policy_version"] == 3
 
         worker.send_signal(signal.SIGTERM)

@@ -41,8 +41,12 @@ class ChatServer:
             self.requests.append(body)
             turn = sum(m["role"] == "assistant" for m in body["messages"])
             text = REPLIES[min(turn, len(REPLIES) - 1)]
-            return {"id": "x", "object": "chat.completion", "model": body["model"],
-                    "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}]}
+            return {
+                "id": "x",
+                "object": "chat.completion",
+                "model": body["model"],
+                "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}],
+            }
 
         self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
@@ -67,15 +71,18 @@ def chat_server():
 
 def test_text_agent_runs_over_the_chat_api_with_retries(chat_server, tokenizer, local_tools, toolbox):
     chat_server.fail_next = 1
-    engine = OpenAIEngine(f"http://127.0.0.1:{chat_server.port}/v1", "teacher", api_key="sk-test", backoff_s=0.01,
-                          tokenizer=tokenizer)
+    engine = OpenAIEngine(
+        f"http://127.0.0.1:{chat_server.port}/v1", "teacher", api_key="sk-test", backoff_s=0.01, tokenizer=tokenizer
+    )
     agent = Agent(engine, local_tools)
     traj = asyncio.run(agent.run("Plan a trip.", SamplingParams(temperature=0.6, seed=2)))
     assert traj.finish_reason == "answer" and traj.tool_calls == 1 and traj.token_ids == []
     second = chat_server.requests[1]
     assert second["model"] == "teacher" and second["temperature"] == 0.6
-    assert second["messages"][-1] == {"role": "user",
-                                      "content": tool_response(toolbox.call("SearchCity", {"state": "Illinois"}).text)}
+    assert second["messages"][-1] == {
+        "role": "user",
+        "content": tool_response(toolbox.call("SearchCity", {"state": "Illinois"}).text),
+    }
     assert second["max_tokens"] <= 8192
 
 
@@ -85,13 +92,22 @@ def test_a_refused_key_is_an_engine_error_with_the_reason(chat_server, tokenizer
     assert traj.finish_reason == "engine_error" and "401" in traj.error
 
 
-def test_text_agent_at_the_limit_overwrites_the_last_message_and_scores_the_next_reply(chat_server, tokenizer,
-                                                                                      local_tools):
+def test_text_agent_at_the_limit_overwrites_the_last_message_and_scores_the_next_reply(
+    chat_server, tokenizer, local_tools
+):
     from services.rollout.agent import SUMMARY_REQUEST
 
     def agent() -> Agent:  # one per event loop: the engine's HTTP client belongs to the loop it started on
-        return Agent(OpenAIEngine(f"http://127.0.0.1:{chat_server.port}/v1", "teacher", api_key="sk-test",
-                                  backoff_s=0.01, tokenizer=tokenizer), local_tools)
+        return Agent(
+            OpenAIEngine(
+                f"http://127.0.0.1:{chat_server.port}/v1",
+                "teacher",
+                api_key="sk-test",
+                backoff_s=0.01,
+                tokenizer=tokenizer,
+            ),
+            local_tools,
+        )
 
     plain = asyncio.run(agent().run("Plan a trip.", SamplingParams(seed=2)))
     chat = [{"role": m["role"], "content": m["content"]} for m in plain.messages[:4]]  # up to the city list

@@ -27,9 +27,12 @@ QUERY = "Plan a 3-day trip from Sarasota to Chicago for 1 person, March 22-24 20
 
 @pytest.fixture(scope="module")
 def sandbox(official_world_url, tmp_path_factory):
-    proc = ServiceProcess("sandbox", "services.sandbox.app:create_app",
-                          {"STAR_DB_URL": official_world_url, "STAR_LOG_LEVEL": "WARNING"},
-                          tmp_path_factory.mktemp("logs")).start()
+    proc = ServiceProcess(
+        "sandbox",
+        "services.sandbox.app:create_app",
+        {"STAR_DB_URL": official_world_url, "STAR_LOG_LEVEL": "WARNING"},
+        tmp_path_factory.mktemp("logs"),
+    ).start()
     yield proc
     proc.stop()
 
@@ -141,7 +144,9 @@ def test_many_seeded_long_prompts_at_once_do_not_kill_the_cpu_engine(vllm, loop)
     prompts = [[rng.randrange(1000, 100_000) for _ in range(1500)] for _ in range(8)]
 
     async def burst():
-        return await asyncio.gather(*(vllm.generate(p, TurnParams(max_tokens=4, seed=i)) for i, p in enumerate(prompts)))
+        return await asyncio.gather(
+            *(vllm.generate(p, TurnParams(max_tokens=4, seed=i)) for i, p in enumerate(prompts))
+        )
 
     outs = on(loop, burst())
     assert all(len(o.token_ids) == 4 for o in outs)
@@ -154,7 +159,7 @@ def forward_logits(model_dir, prompt: list[int], sampled: list[int]) -> torch.Te
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + sampled])).logits[0].float()
-    return logits[len(prompt) - 1:-1]
+    return logits[len(prompt) - 1 : -1]
 
 
 def of(logprobs: torch.Tensor, ids: list[int]) -> torch.Tensor:

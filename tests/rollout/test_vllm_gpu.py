@@ -33,8 +33,12 @@ def engine(folder):
     from services.rollout.engines.vllm_engine import VllmEngine
 
     loop = asyncio.new_event_loop()
-    eng = VllmEngine(folder, max_model_len=8192, args=VllmArgs(compile=False, gpu_memory_utilization=0.3),
-                     tokenizer=AutoTokenizer.from_pretrained(folder))
+    eng = VllmEngine(
+        folder,
+        max_model_len=8192,
+        args=VllmArgs(compile=False, gpu_memory_utilization=0.3),
+        tokenizer=AutoTokenizer.from_pretrained(folder),
+    )
     yield eng, loop
     loop.run_until_complete(eng.close())
     loop.close()
@@ -46,8 +50,7 @@ def test_weights_load_while_turns_are_in_flight(engine, folder):
     eng, loop = engine
 
     async def scenario():
-        turns = [asyncio.ensure_future(eng.generate([100 + i] * 512, TurnParams(max_tokens=600)))
-                 for i in range(16)]
+        turns = [asyncio.ensure_future(eng.generate([100 + i] * 512, TurnParams(max_tokens=600))) for i in range(16)]
         await asyncio.sleep(0.3)
         in_flight = eng.in_flight
         timing = await eng.update_weights(folder, 1)
@@ -75,7 +78,7 @@ def test_sampled_logprobs_match_a_bf16_forward(engine, folder):
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
     ids = torch.tensor([prompt + gen.token_ids], device="cuda")
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
     ours = torch.log_softmax(logits, -1).gather(-1, torch.tensor(gen.token_ids, device="cuda")[:, None])[:, 0]
     diff = (ours - torch.tensor(gen.logprobs, device="cuda")).abs()
     assert diff.mean().item() < 0.05 and diff.max().item() < 0.5, diff

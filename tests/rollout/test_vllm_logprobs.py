@@ -22,8 +22,9 @@ def as_vllm(flat: bool):
 
     rows = create_sample_logprobs(flat)
     for sampled, lp, rank, top in ROWS:
-        append_logprobs_for_next_position(rows, [sampled] + [t for t, _ in top], [lp] + [v for _, v in top],
-                                          [None] * (1 + len(top)), rank, len(top))
+        append_logprobs_for_next_position(
+            rows, [sampled] + [t for t, _ in top], [lp] + [v for _, v in top], [None] * (1 + len(top)), rank, len(top)
+        )
     return rows
 
 

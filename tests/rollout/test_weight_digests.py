@@ -39,8 +39,7 @@ def test_after_a_sync_every_parameter_equals_the_learners_and_a_dropped_one_is_n
 
     old = model.model.layers[1].mlp.down_proj.weight.detach().clone()
     _step(model, 2)
-    on(service.update_weights(_publish(tmp_path, model, 2,
-                                       keep_from={"model.layers.1.mlp.down_proj.weight": old})))
+    on(service.update_weights(_publish(tmp_path, model, 2, keep_from={"model.layers.1.mlp.down_proj.weight": old})))
     partial = check_engine_weights(model, on(service.parameter_digests()))
     assert not partial["equal"] and partial["differ"] == ["model.layers.1.mlp.down_proj.weight"]
     assert partial["tensors_equal"] == n_params - 1
@@ -51,7 +50,9 @@ async def _build(build_engine, tiny_model):
     return build_engine("transformers", tiny_model, max_model_len=512, dtype="float32")
 
 
-@pytest.mark.parametrize("packed", [{}, {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}])
+@pytest.mark.parametrize(
+    "packed", [{}, {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}]
+)
 def test_the_learners_side_is_put_in_the_engines_layout(tiny_model, packed):
     from transformers import AutoModelForCausalLM
 

@@ -97,12 +97,14 @@ def _service(engine, tools, tmp_path, timeout_s: float) -> RolloutService:
 
 
 def test_a_receive_whose_clean_up_waits_on_the_stuck_core_still_times_out_and_stops_the_worker(
-        redis_client, tokenizer, local_tools, loop, tmp_path):
+    redis_client, tokenizer, local_tools, loop, tmp_path
+):
     client, prefix = redis_client
     engine = StuckCore(tokenizer)
     service = _service(engine, local_tools, tmp_path, timeout_s=0.5)
     worker = RolloutWorker(service, client, loop, names=StreamNames(prefix.rstrip(":")), consumer="w")
     try:
+
         async def receive_under_a_turn():
             turn = asyncio.ensure_future(engine.generate([1, 2, 3], _params()))
             await asyncio.sleep(0.05)
@@ -146,8 +148,9 @@ def test_get_weights_names_the_version_arriving_while_a_receive_runs(tokenizer, 
     assert service.weights_info()["receiving"] is None and service.loaded_version == 4
 
 
-def test_a_receive_that_blocks_the_event_loop_is_ended_by_the_watchdog(tokenizer, local_tools, loop, tmp_path,
-                                                                      monkeypatch):
+def test_a_receive_that_blocks_the_event_loop_is_ended_by_the_watchdog(
+    tokenizer, local_tools, loop, tmp_path, monkeypatch
+):
     import services.rollout.service as service_module
 
     monkeypatch.setattr(service_module, "STUCK_GRACE_S", 0.5)
@@ -205,14 +208,27 @@ class Tools:
 def test_a_worker_process_stuck_in_a_receive_exits_with_the_stuck_status(redis_server_url, redis_client, tmp_path):
     _, prefix = redis_client
     port = free_port()
-    env = {**os.environ, "STAR_REDIS_URL": redis_server_url, "STAR_STREAM_PREFIX": prefix.rstrip(":"),
-           "STAR_HOME": str(tmp_path), "STAR_LOG_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1",
-           "STAR_ROLLOUT_HTTP_PORT": str(port), "STAR_ROLLOUT_WEIGHTS_TIMEOUT_S": "0.5",
-           "STAR_ROLLOUT_CONSUMER": "stuck", "STAR_ROLLOUT_ENGINE": "transformers"}
+    env = {
+        **os.environ,
+        "STAR_REDIS_URL": redis_server_url,
+        "STAR_STREAM_PREFIX": prefix.rstrip(":"),
+        "STAR_HOME": str(tmp_path),
+        "STAR_LOG_LEVEL": "WARNING",
+        "HF_HUB_OFFLINE": "1",
+        "STAR_ROLLOUT_HTTP_PORT": str(port),
+        "STAR_ROLLOUT_WEIGHTS_TIMEOUT_S": "0.5",
+        "STAR_ROLLOUT_CONSUMER": "stuck",
+        "STAR_ROLLOUT_ENGINE": "transformers",
+    }
     log = tmp_path / "worker.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=out, stderr=out,
-                                cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WORKER],
+            env=env,
+            stdout=out,
+            stderr=out,
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

@@ -61,8 +61,9 @@ class NoTools:
 
 
 def _service(engine, tmp_path, **config) -> RolloutService:
-    return RolloutService(engine, NoTools(), settings=Settings(weights_root=tmp_path / "weights"),
-                          config=RolloutConfig(**config))
+    return RolloutService(
+        engine, NoTools(), settings=Settings(weights_root=tmp_path / "weights"), config=RolloutConfig(**config)
+    )
 
 
 def _broken_version(tmp_path, version: int) -> WeightsUpdate:
@@ -128,8 +129,10 @@ def test_after_a_sync_every_tensor_vllm_holds_equals_the_learners(vllm, module_l
     # a receiver that kept one old tensor (a part of a fused one) is caught, under the engine's name
     old_k = model.model.layers[0].self_attn.k_proj.bias.detach().clone()
     _step(model, 2)
-    on(module_loop, service.update_weights(
-        _publish(tmp_path, model, 2, keep_from={"model.layers.0.self_attn.k_proj.bias": old_k})))
+    on(
+        module_loop,
+        service.update_weights(_publish(tmp_path, model, 2, keep_from={"model.layers.0.self_attn.k_proj.bias": old_k})),
+    )
     partial = check_engine_weights(model, on(module_loop, service.parameter_digests()))
     assert not partial["equal"] and partial["differ"] == ["model.layers.0.self_attn.qkv_proj.bias"]
 
@@ -138,8 +141,9 @@ LONG = TurnParams(max_tokens=3000, temperature=1.0, seed=7)
 PROMPT = [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198]
 
 
-def test_a_files_load_that_fails_partway_aborts_the_turns_in_flight_and_ends_the_process(vllm, module_loop,
-                                                                                         tmp_path, redis_client):
+def test_a_files_load_that_fails_partway_aborts_the_turns_in_flight_and_ends_the_process(
+    vllm, module_loop, tmp_path, redis_client
+):
     client, prefix = redis_client
     service = _service(vllm, tmp_path)
     worker = RolloutWorker(service, client, module_loop, names=StreamNames(prefix.rstrip(":")), consumer="w")
@@ -185,8 +189,7 @@ def _sleep_in_core(worker, seconds: float) -> None:
     _time.sleep(seconds)
 
 
-def test_a_receive_stuck_in_the_engine_core_times_out_and_stops_the_worker(vllm, module_loop, tmp_path,
-                                                                           redis_client):
+def test_a_receive_stuck_in_the_engine_core_times_out_and_stops_the_worker(vllm, module_loop, tmp_path, redis_client):
     client, prefix = redis_client
     service = _service(vllm, tmp_path, weights_timeout_s=2.0)
     worker = RolloutWorker(service, client, module_loop, names=StreamNames(prefix.rstrip(":")), consumer="w")
@@ -200,6 +203,7 @@ def test_a_receive_stuck_in_the_engine_core_times_out_and_stops_the_worker(vllm,
     vllm.receive_weights = receive_weights
     turns = []
     try:
+
         async def receive_under_a_turn():
             turns.append(asyncio.ensure_future(vllm.generate(PROMPT, LONG)))
             await asyncio.sleep(0.5)
@@ -219,6 +223,7 @@ def test_a_receive_stuck_in_the_engine_core_times_out_and_stops_the_worker(vllm,
         # the worker stops for a restart: it claims no more tasks, its claims lapse
         assert worker.fatal and worker.stop.is_set()
         assert not worker.weights_ready()
+
         # the turn in flight is aborted, not left waiting on a paused scheduler
         async def ended():
             return (await asyncio.gather(turns[0], return_exceptions=True))[0]

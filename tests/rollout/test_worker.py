@@ -20,15 +20,30 @@ from services.rollout.protocol import format_answer, format_tool_call
 from services.rollout.service import RolloutService
 from services.rollout.worker import GROUP, RolloutWorker
 
-QUERY = TravelQuery(org="Sarasota", dest="Chicago", days=3, visiting_city_number=1,
-                    date=["2022-03-22", "2022-03-23", "2022-03-24"], people_number=1, budget=1900,
-                    query="A 3-day trip from Sarasota to Chicago.")
+QUERY = TravelQuery(
+    org="Sarasota",
+    dest="Chicago",
+    days=3,
+    visiting_city_number=1,
+    date=["2022-03-22", "2022-03-23", "2022-03-24"],
+    people_number=1,
+    budget=1900,
+    query="A 3-day trip from Sarasota to Chicago.",
+)
 
 
 def task(n: int, group: int = 2, **kw) -> RolloutTask:
-    return RolloutTask(run_id="run", task_id=f"task-{n}", prompt_id=f"p-{n}", query=QUERY, group_size=group,
-                       sampling=SamplingParams(seed=n, max_tokens_per_turn=kw.pop("max_tokens", 64),
-                                               max_context_tokens=kw.pop("context", 4096)), **kw)
+    return RolloutTask(
+        run_id="run",
+        task_id=f"task-{n}",
+        prompt_id=f"p-{n}",
+        query=QUERY,
+        group_size=group,
+        sampling=SamplingParams(
+            seed=n, max_tokens_per_turn=kw.pop("max_tokens", 64), max_context_tokens=kw.pop("context", 4096)
+        ),
+        **kw,
+    )
 
 
 def run_until(worker: RolloutWorker, done, timeout: float = 30.0) -> None:
@@ -50,14 +65,20 @@ def test_tasks_become_trajectories_with_task_fields_and_poison_goes_dead(redis_c
     script = [format_tool_call("SearchCity", {"state": "Illinois"}), format_answer("Day 1:\nCurrent City: Chicago")]
     engine = ScriptedEngine(tokenizer, lambda ids, turn: script[min(turn, 1)])
     service = RolloutService(engine, local_tools)
-    publish(client, names.tasks, task(1, epoch=3, step=4, reward_kind="macro", eval_mode="official", preference_penalty=0.5))
+    publish(
+        client, names.tasks, task(1, epoch=3, step=4, reward_kind="macro", eval_mode="official", preference_penalty=0.5)
+    )
     publish(client, names.tasks, {"run_id": "run", "task_id": "broken"})  # not a RolloutTask
     publish(client, names.tasks, task(2))
     worker = RolloutWorker(service, client, loop, names=names, consumer="w", claim_idle_ms=500)
     run_until(worker, lambda: client.xlen(names.trajectories) >= 4 and client.xlen(StreamNames.dead(names.tasks)) >= 1)
     trajs = [data for _, data in read_all(client, names.trajectories)]
-    assert sorted((t["task_id"], t["sample_index"]) for t in trajs) == [("task-1", 0), ("task-1", 1),
-                                                                          ("task-2", 0), ("task-2", 1)]
+    assert sorted((t["task_id"], t["sample_index"]) for t in trajs) == [
+        ("task-1", 0),
+        ("task-1", 1),
+        ("task-2", 0),
+        ("task-2", 1),
+    ]
     first = next(t for t in trajs if t["task_id"] == "task-1")
     assert (first["epoch"], first["step"], first["reward_kind"], first["eval_mode"]) == (3, 4, "macro", "official")
     assert first["preference_penalty"] == 0.5  # the reward worker applies it
@@ -81,8 +102,9 @@ def test_a_task_whose_samples_all_fail_is_retried_then_dead_lettered(redis_clien
     assert client.xlen(names.trajectories) == 0 and len(engine.calls) == 4  # 2 attempts × 2 samples
 
 
-def test_the_worker_loads_newer_announced_weights_before_a_task(redis_client, tokenizer, local_tools, loop, tmp_path,
-                                                                 tiny_model):
+def test_the_worker_loads_newer_announced_weights_before_a_task(
+    redis_client, tokenizer, local_tools, loop, tmp_path, tiny_model
+):
     import shutil
 
     from services.common.schemas import WeightsUpdate
@@ -109,12 +131,14 @@ def _announce(client, names: StreamNames, folder, version: int, sha: str | None 
     from services.rollout.service import write_manifest
 
     written = write_manifest(folder, version)
-    client.set(names.weights_latest, WeightsUpdate(version=version, uri=str(folder), sha256=sha or written)
-               .model_dump_json())
+    client.set(
+        names.weights_latest, WeightsUpdate(version=version, uri=str(folder), sha256=sha or written).model_dump_json()
+    )
 
 
 def test_a_worker_started_on_another_model_loads_the_runs_version_0_before_it_samples(
-        redis_client, tokenizer, local_tools, loop, tmp_path, tiny_model):
+    redis_client, tokenizer, local_tools, loop, tmp_path, tiny_model
+):
     """An external fleet's worker runs the model it was started with; the run announces its starting
     weights as version 0. The same number is no reason to skip them: every sample is drawn by them."""
     import shutil
@@ -138,7 +162,8 @@ def test_a_worker_started_on_another_model_loads_the_runs_version_0_before_it_sa
 
 
 def test_a_worker_that_cannot_load_the_announced_version_does_not_sample_with_its_own_model(
-        redis_client, tokenizer, local_tools, loop, tmp_path, tiny_model):
+    redis_client, tokenizer, local_tools, loop, tmp_path, tiny_model
+):
     import shutil
 
     from services.common.settings import Settings
@@ -178,8 +203,9 @@ def test_checking_new_weights_does_not_hold_the_event_loop(tokenizer, local_tool
         return check(*args)
 
     monkeypatch.setattr(service_module, "check_weights", recording)
-    service = RolloutService(ScriptedEngine(tokenizer, ["x"]), local_tools,
-                             settings=Settings(weights_root=tmp_path / "weights"))
+    service = RolloutService(
+        ScriptedEngine(tokenizer, ["x"]), local_tools, settings=Settings(weights_root=tmp_path / "weights")
+    )
 
     async def update() -> int:
         await service.update_weights(WeightsUpdate(version=1, uri=str(version), sha256=write_manifest(version, 1)))
@@ -190,7 +216,8 @@ def test_checking_new_weights_does_not_hold_the_event_loop(tokenizer, local_tool
 
 
 def test_a_task_waiting_on_a_slow_weights_load_is_not_taken_by_a_second_worker(
-        redis_client, tokenizer, local_tools, loop, tmp_path, tiny_model):
+    redis_client, tokenizer, local_tools, loop, tmp_path, tiny_model
+):
     """Loading weights can outlast the claim timeout (a draining engine waits for its longest turn):
     the task must be heartbeated meanwhile, or another worker claims it and rolls it out again."""
     import shutil
@@ -203,8 +230,10 @@ def test_a_task_waiting_on_a_slow_weights_load_is_not_taken_by_a_second_worker(
     names = StreamNames(prefix.rstrip(":"))
     version = tmp_path / "weights" / "v1"
     shutil.copytree(tiny_model, version)
-    client.set(names.weights_latest,
-               WeightsUpdate(version=1, uri=str(version), sha256=write_manifest(version, 1)).model_dump_json())
+    client.set(
+        names.weights_latest,
+        WeightsUpdate(version=1, uri=str(version), sha256=write_manifest(version, 1)).model_dump_json(),
+    )
 
     class SlowLoad(ScriptedEngine):
         async def _load_weights(self, path: str) -> None:
@@ -223,8 +252,11 @@ def test_a_task_waiting_on_a_slow_weights_load_is_not_taken_by_a_second_worker(
         deadline = time.monotonic() + 10
         while not client.xpending(names.tasks, GROUP)["pending"] and time.monotonic() < deadline:
             time.sleep(0.02)
-        run_until(workers[1], lambda: client.xlen(names.trajectories) >= 2 and
-                  client.xpending(names.tasks, GROUP)["pending"] == 0, timeout=15)  # ... the other looks on
+        run_until(
+            workers[1],
+            lambda: client.xlen(names.trajectories) >= 2 and client.xpending(names.tasks, GROUP)["pending"] == 0,
+            timeout=15,
+        )  # ... the other looks on
         time.sleep(0.5)
     finally:
         workers[0].stop.set()
@@ -236,7 +268,8 @@ def test_a_task_waiting_on_a_slow_weights_load_is_not_taken_by_a_second_worker(
 
 
 def test_a_broken_engine_stops_its_worker_for_a_restart_instead_of_burying_tasks(
-        redis_client, tokenizer, local_tools, loop, tiny_model):
+    redis_client, tokenizer, local_tools, loop, tiny_model
+):
     """Ticks failing on every try (a CUDA error that repeats) must not fail task after task until
     each is dead-lettered: the worker stops, and its task stays pending for another worker."""
     from services.rollout.engines.hf import BROKEN_AFTER, TransformersEngine
@@ -262,19 +295,34 @@ def test_a_broken_engine_stops_its_worker_for_a_restart_instead_of_burying_tasks
 
 def _spawn_worker(env: dict[str, str], name: str, log_dir) -> subprocess.Popen:
     log = open(log_dir / f"{name}.log", "wb")
-    return subprocess.Popen([sys.executable, "-m", "services.rollout.worker"], env={**env, "STAR_ROLLOUT_CONSUMER": name},
-                            stdout=log, stderr=log)
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.rollout.worker"],
+        env={**env, "STAR_ROLLOUT_CONSUMER": name},
+        stdout=log,
+        stderr=log,
+    )
 
 
 @pytest.mark.slow
 def test_kill_9_mid_task_another_worker_finishes_it_nothing_lost_or_duplicated(
-        redis_server_url, redis_client, official_world_url, tiny_model, tmp_path):
+    redis_server_url, redis_client, official_world_url, tiny_model, tmp_path
+):
     client, prefix = redis_client
     names = StreamNames(prefix.rstrip(":"))
-    env = {**os.environ, "STAR_REDIS_URL": redis_server_url, "STAR_STREAM_PREFIX": names.prefix,
-           "STAR_DB_URL": official_world_url, "STAR_MODEL": str(tiny_model), "STAR_ROLLOUT_ENGINE": "transformers",
-           "STAR_ROLLOUT_TOOLS": "local", "STAR_ROLLOUT_CLAIM_IDLE_MS": "1500", "STAR_ROLLOUT_CONCURRENCY": "1",
-           "STAR_ROLLOUT_MAX_MODEL_LEN": "4096", "STAR_LOG_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "STAR_REDIS_URL": redis_server_url,
+        "STAR_STREAM_PREFIX": names.prefix,
+        "STAR_DB_URL": official_world_url,
+        "STAR_MODEL": str(tiny_model),
+        "STAR_ROLLOUT_ENGINE": "transformers",
+        "STAR_ROLLOUT_TOOLS": "local",
+        "STAR_ROLLOUT_CLAIM_IDLE_MS": "1500",
+        "STAR_ROLLOUT_CONCURRENCY": "1",
+        "STAR_ROLLOUT_MAX_MODEL_LEN": "4096",
+        "STAR_LOG_LEVEL": "WARNING",
+        "HF_HUB_OFFLINE": "1",
+    }
     tasks = [task(n, group=2, max_tokens=48) for n in range(3)]
     ensure_group(client, names.tasks, GROUP)
     entry_task = {publish(client, names.tasks, t): t.task_id for t in tasks}
@@ -329,22 +377,32 @@ def synthetic_world_url(tmp_path_factory):
 
 
 def test_while_the_sandbox_is_down_the_worker_takes_no_task_and_checks_it_with_backoff(
-        redis_client, tokenizer, loop, synthetic_world_url, tmp_path):
+    redis_client, tokenizer, loop, synthetic_world_url, tmp_path
+):
     from services.embedded import ServiceProcess
     from services.rollout.tools import HttpToolClient
     from services.rollout.worker import SandboxCheck
 
     client, prefix = redis_client
     names = StreamNames(prefix.rstrip(":"))
-    sandbox = ServiceProcess("sandbox", "services.sandbox.app:create_app",
-                             {"STAR_DB_URL": synthetic_world_url, "STAR_LOG_LEVEL": "WARNING"}, tmp_path).start()
+    sandbox = ServiceProcess(
+        "sandbox",
+        "services.sandbox.app:create_app",
+        {"STAR_DB_URL": synthetic_world_url, "STAR_LOG_LEVEL": "WARNING"},
+        tmp_path,
+    ).start()
     script = [format_tool_call("SearchCity", {"state": "Illinois"}), format_answer("Day 1:\nCurrent City: Chicago")]
     engine = ScriptedEngine(tokenizer, lambda ids, turn: script[min(turn, 1)])
     service = RolloutService(engine, HttpToolClient(sandbox.url, retries=0))
-    check = SandboxCheck(lambda: asyncio.run_coroutine_threadsafe(service.tools.reachable(), loop).result(),
-                         ttl_s=0.2, backoff_s=0.2, max_backoff_s=1.0)
-    worker = RolloutWorker(service, client, loop, names=names, consumer="w", claim_idle_ms=500, block_ms=200,
-                           sandbox=check)
+    check = SandboxCheck(
+        lambda: asyncio.run_coroutine_threadsafe(service.tools.reachable(), loop).result(),
+        ttl_s=0.2,
+        backoff_s=0.2,
+        max_backoff_s=1.0,
+    )
+    worker = RolloutWorker(
+        service, client, loop, names=names, consumer="w", claim_idle_ms=500, block_ms=200, sandbox=check
+    )
     threads = worker.start()
     try:
         publish(client, names.tasks, task(1))

@@ -11,7 +11,7 @@ import pytest
 from services.common.schemas import RolloutTask, SamplingParams
 from services.common.streams import StreamNames, publish, read_all
 from services.rollout.agent import Agent, turn_seed
-from services.rollout.capacity import episodes_for_kv, engine_episodes, inflight_budget, kv_bytes_per_token
+from services.rollout.capacity import engine_episodes, episodes_for_kv, inflight_budget, kv_bytes_per_token
 from services.rollout.engines.scripted import ScriptedEngine
 from services.rollout.group import EpisodeSlots, sample_group
 from services.rollout.protocol import format_answer
@@ -23,8 +23,14 @@ ANSWER = format_answer("Day 1:\nCurrent City: Chicago")
 
 
 def task(n: int, group: int = 2, **sampling) -> RolloutTask:
-    return RolloutTask(run_id="run", task_id=f"task-{n}", prompt_id=f"p-{n}", query=QUERY, group_size=group,
-                       sampling=SamplingParams(seed=n, max_tokens_per_turn=64, max_context_tokens=4096, **sampling))
+    return RolloutTask(
+        run_id="run",
+        task_id=f"task-{n}",
+        prompt_id=f"p-{n}",
+        query=QUERY,
+        group_size=group,
+        sampling=SamplingParams(seed=n, max_tokens_per_turn=64, max_context_tokens=4096, **sampling),
+    )
 
 
 def first_turn_of(task_seed: int, sample: int) -> int:
@@ -62,7 +68,9 @@ def test_the_worker_never_runs_more_episodes_than_its_budget(redis_client, token
     client, prefix = redis_client
     names = StreamNames(prefix.rstrip(":"))
     peak = []
-    engine = ScriptedEngine(tokenizer, lambda ids, turn: ANSWER, delay_s=lambda p, r: peak.append(engine.in_flight) or 0.05)
+    engine = ScriptedEngine(
+        tokenizer, lambda ids, turn: ANSWER, delay_s=lambda p, r: peak.append(engine.in_flight) or 0.05
+    )
     service = RolloutService(engine, local_tools)
     for n in range(6):
         publish(client, names.tasks, task(n, group=3))
@@ -73,8 +81,9 @@ def test_the_worker_never_runs_more_episodes_than_its_budget(redis_client, token
     assert client.xpending(names.tasks, GROUP)["pending"] == 0
 
 
-def test_an_episode_past_its_deadline_ends_as_deadline_and_its_turn_is_aborted(redis_client, tokenizer, local_tools,
-                                                                               loop):
+def test_an_episode_past_its_deadline_ends_as_deadline_and_its_turn_is_aborted(
+    redis_client, tokenizer, local_tools, loop
+):
     client, prefix = redis_client
     names = StreamNames(prefix.rstrip(":"))
     engine = slow_engine(tokenizer, {first_turn_of(7, 1): 30.0})
@@ -149,12 +158,27 @@ def test_a_written_group_is_summed_up_in_one_log_line():
     from services.rollout.worker import group_summary
 
     def traj(i: int, finish: str, version: int, total_s: float) -> Trajectory:
-        return Trajectory(run_id="r", task_id="r/s00002/p007", prompt_id="p", group_id="r/s00002/p007", sample_index=i,
-                          policy_version=version, finish_reason=finish, step=2, timings={"total_s": total_s})
+        return Trajectory(
+            run_id="r",
+            task_id="r/s00002/p007",
+            prompt_id="p",
+            group_id="r/s00002/p007",
+            sample_index=i,
+            policy_version=version,
+            finish_reason=finish,
+            step=2,
+            timings={"total_s": total_s},
+        )
 
     summary = group_summary([traj(0, "answer", 1, 40.0), traj(1, "deadline", 0, 612.34), traj(2, "answer", 1, 3.0)])
-    assert summary == {"group": "r/s00002/p007", "step": 2, "episodes": 3, "finish": {"answer": 2, "deadline": 1},
-                       "versions": [0, 1], "slowest_s": 612.3}
+    assert summary == {
+        "group": "r/s00002/p007",
+        "step": 2,
+        "episodes": 3,
+        "finish": {"answer": 2, "deadline": 1},
+        "versions": [0, 1],
+        "slowest_s": 612.3,
+    }
 
 
 def test_a_workers_engine_is_sized_to_its_episode_budget_unless_the_recipe_sizes_it():

@@ -24,7 +24,7 @@ from services.rollout.engines.scripted import ScriptedEngine
 from services.rollout.protocol import format_answer
 from services.rollout.service import RolloutConfig, RolloutService, WeightsError, write_manifest
 from services.rollout.worker import GROUP, RolloutWorker, serve_http
-from tests.rollout.test_worker import run_until, task
+from tests.rollout.test_worker import task
 
 LAYOUT = {"names": ["model.norm.weight"], "dtype_names": ["bfloat16"], "shapes": [[64]]}
 
@@ -61,6 +61,7 @@ def _on(loop, coro, timeout: float = 30.0):
 
 # ---- the HTTP face ------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def http_face(tmp_path):
     """Serve a service's rollout API the way the worker's main() does: on the loop its engine uses."""
@@ -92,8 +93,9 @@ def test_no_port_no_server(tokenizer, local_tools, tmp_path):
     assert serve_http(asyncio.new_event_loop(), service, service.settings, RolloutConfig()) is None
 
 
-def test_the_http_face_of_a_transformers_worker_says_it_cannot_join_a_weight_group(tiny_model, local_tools,
-                                                                                  tmp_path, http_face):
+def test_the_http_face_of_a_transformers_worker_says_it_cannot_join_a_weight_group(
+    tiny_model, local_tools, tmp_path, http_face
+):
     from services.rollout.engines import build_engine
 
     engine = build_engine("transformers", tiny_model, max_model_len=512)
@@ -101,16 +103,22 @@ def test_the_http_face_of_a_transformers_worker_says_it_cannot_join_a_weight_gro
     assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200
     info = httpx.get(f"{url}/weights", timeout=10).json()
     assert info["engine"] == "transformers" and info["weight_ranks"] == 0 and info["version"] == 0
-    join = httpx.post(f"{url}/weights/group", json={"master_address": "127.0.0.1", "master_port": 29500,
-                                                    "rank_offset": 1, "world_size": 2}, timeout=10)
+    join = httpx.post(
+        f"{url}/weights/group",
+        json={"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2},
+        timeout=10,
+    )
     assert join.status_code == 409 and "cannot receive weights over NCCL" in join.text
 
 
 def test_the_http_face_takes_a_broadcast_into_the_workers_engine(tokenizer, local_tools, tmp_path, http_face):
     engine = _answering(tokenizer, Receiving)
     url = http_face(RolloutService(engine, local_tools, settings=_settings(tmp_path)))
-    join = httpx.post(f"{url}/weights/group", json={"master_address": "127.0.0.1", "master_port": 29500,
-                                                    "rank_offset": 1, "world_size": 2, "group_id": "g1"}, timeout=10)
+    join = httpx.post(
+        f"{url}/weights/group",
+        json={"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2, "group_id": "g1"},
+        timeout=10,
+    )
     assert join.status_code == 200, join.text
     assert httpx.get(f"{url}/weights", timeout=10).json()["weight_group"] == "g1"
     sent = httpx.post(f"{url}/weights/broadcast", json={"version": 4, **LAYOUT}, timeout=10)
@@ -119,14 +127,25 @@ def test_the_http_face_takes_a_broadcast_into_the_workers_engine(tokenizer, loca
 
 
 @pytest.mark.slow
-def test_a_worker_process_serves_its_http_face_and_stops_on_sigterm(redis_server_url, redis_client,
-                                                                    official_world_url, tiny_model, tmp_path):
+def test_a_worker_process_serves_its_http_face_and_stops_on_sigterm(
+    redis_server_url, redis_client, official_world_url, tiny_model, tmp_path
+):
     client, prefix = redis_client
     port = free_port()
-    env = {**os.environ, "STAR_REDIS_URL": redis_server_url, "STAR_STREAM_PREFIX": prefix.rstrip(":"),
-           "STAR_DB_URL": official_world_url, "STAR_MODEL": str(tiny_model), "STAR_ROLLOUT_ENGINE": "transformers",
-           "STAR_ROLLOUT_TOOLS": "local", "STAR_ROLLOUT_MAX_MODEL_LEN": "1024", "STAR_LOG_LEVEL": "WARNING",
-           "HF_HUB_OFFLINE": "1", "STAR_ROLLOUT_HTTP_PORT": str(port), "STAR_ROLLOUT_CONSUMER": "face"}
+    env = {
+        **os.environ,
+        "STAR_REDIS_URL": redis_server_url,
+        "STAR_STREAM_PREFIX": prefix.rstrip(":"),
+        "STAR_DB_URL": official_world_url,
+        "STAR_MODEL": str(tiny_model),
+        "STAR_ROLLOUT_ENGINE": "transformers",
+        "STAR_ROLLOUT_TOOLS": "local",
+        "STAR_ROLLOUT_MAX_MODEL_LEN": "1024",
+        "STAR_LOG_LEVEL": "WARNING",
+        "HF_HUB_OFFLINE": "1",
+        "STAR_ROLLOUT_HTTP_PORT": str(port),
+        "STAR_ROLLOUT_CONSUMER": "face",
+    }
     log = open(tmp_path / "worker.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "services.rollout.worker"], env=env, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
@@ -153,8 +172,10 @@ def test_a_worker_process_serves_its_http_face_and_stops_on_sigterm(redis_server
 
 # ---- versions --------------------------------------------------------------------------------------
 
-def test_a_worker_takes_no_task_until_its_engine_has_the_broadcast_version(redis_client, tokenizer, local_tools,
-                                                                          loop, tmp_path):
+
+def test_a_worker_takes_no_task_until_its_engine_has_the_broadcast_version(
+    redis_client, tokenizer, local_tools, loop, tmp_path
+):
     """The learner recorded v2, sent over NCCL: the worker (at v0, no files of v2 to load) leaves the
     task alone instead of failing it, and takes it once the broadcast lands, sampling as v2."""
     client, prefix = redis_client
@@ -203,8 +224,9 @@ def _files_version(tmp_path, tiny_model, version: int) -> WeightsUpdate:
     return WeightsUpdate(version=version, uri=str(folder), sha256=write_manifest(folder, version))
 
 
-def test_an_older_files_version_never_replaces_a_newer_broadcast(redis_client, tokenizer, local_tools, loop,
-                                                                 tmp_path, tiny_model):
+def test_an_older_files_version_never_replaces_a_newer_broadcast(
+    redis_client, tokenizer, local_tools, loop, tmp_path, tiny_model
+):
     client, prefix = redis_client
     names = StreamNames(prefix.rstrip(":"))
     engine = _answering(tokenizer, Receiving)
@@ -245,8 +267,9 @@ def test_a_receive_whose_sender_died_ends_the_process_at_once(tokenizer, local_t
     server would wait for it until the deadline (60 s here). The receive ends within a few seconds."""
     engine = _answering(tokenizer, Receiving)
     engine.gate = asyncio.Event()  # the broadcast never completes
-    service = RolloutService(engine, local_tools, settings=_settings(tmp_path),
-                             config=RolloutConfig(weights_timeout_s=60))
+    service = RolloutService(
+        engine, local_tools, settings=_settings(tmp_path), config=RolloutConfig(weights_timeout_s=60)
+    )
     ended = threading.Event()
     reasons: list[str] = []
     service.on_fatal = lambda reason: (reasons.append(reason), ended.set())
@@ -313,8 +336,9 @@ class LoadsInPlace(Receiving):
             raise RuntimeError("read error after 3 of 7 shards")
 
 
-def test_a_group_sampled_across_a_failed_files_load_is_not_kept(redis_client, tokenizer, local_tools, loop,
-                                                                 tmp_path, tiny_model):
+def test_a_group_sampled_across_a_failed_files_load_is_not_kept(
+    redis_client, tokenizer, local_tools, loop, tmp_path, tiny_model
+):
     client, prefix = redis_client
     names = StreamNames(prefix.rstrip(":"))
     engine = _answering(tokenizer, LoadsInPlace)
@@ -324,8 +348,9 @@ def test_a_group_sampled_across_a_failed_files_load_is_not_kept(redis_client, to
     async def load_under_a_group():
         group = asyncio.ensure_future(service.rollout(task(1)))
         await asyncio.sleep(0.1)  # the group's turns are in flight
-        loaded = await asyncio.gather(service.update_weights(_files_version(tmp_path, tiny_model, 1)),
-                                      return_exceptions=True)
+        loaded = await asyncio.gather(
+            service.update_weights(_files_version(tmp_path, tiny_model, 1)), return_exceptions=True
+        )
         engine.turns.set()
         return loaded[0], (await asyncio.gather(group, return_exceptions=True))[0]
 

@@ -37,22 +37,31 @@ def call(client, name, arguments, **extra):
 def test_lists_six_tool_schemas(client):
     tools = client.get("/tools").json()
     names = {t["function"]["name"] for t in tools}
-    assert names == {"SearchCity", "SearchFlight", "GoogleDistanceMatrix", "SearchAccommodation",
-                     "SearchRestaurant", "SearchAttraction"}
+    assert names == {
+        "SearchCity",
+        "SearchFlight",
+        "GoogleDistanceMatrix",
+        "SearchAccommodation",
+        "SearchRestaurant",
+        "SearchAttraction",
+    }
     flight = next(t for t in tools if t["function"]["name"] == "SearchFlight")["function"]["parameters"]
     assert set(flight["required"]) == {"departure", "destination", "date"}
 
 
 @pytest.mark.parametrize("dialect", ["star", "official"])
-@pytest.mark.parametrize("name,arguments", [
-    ("SearchCity", {"state": "Illinois"}),
-    ("SearchFlight", {"departure": "St. Petersburg", "destination": "Rockford", "date": "2022-03-16"}),
-    ("GoogleDistanceMatrix", {"departure": "Detroit", "destination": "Norfolk", "mode": "taxi"}),
-    ("SearchAccommodation", {"city": "Rockford"}),
-    ("SearchRestaurant", {"city": "Rockford"}),
-    ("SearchAttraction", {"city": "Rockford"}),
-    ("SearchRestaurant", {"city": "Atlantis"}),
-])
+@pytest.mark.parametrize(
+    "name,arguments",
+    [
+        ("SearchCity", {"state": "Illinois"}),
+        ("SearchFlight", {"departure": "St. Petersburg", "destination": "Rockford", "date": "2022-03-16"}),
+        ("GoogleDistanceMatrix", {"departure": "Detroit", "destination": "Norfolk", "mode": "taxi"}),
+        ("SearchAccommodation", {"city": "Rockford"}),
+        ("SearchRestaurant", {"city": "Rockford"}),
+        ("SearchAttraction", {"city": "Rockford"}),
+        ("SearchRestaurant", {"city": "Atlantis"}),
+    ],
+)
 def test_http_text_equals_in_process(client, official_world, dialect, name, arguments):
     over_http = call(client, name, arguments, dialect=dialect)
     assert over_http.status_code == 200, over_http.text
@@ -68,8 +77,9 @@ def test_path_form_matches_call_form(client):
 
 
 def test_flight_of_a_gold_plan_is_found(client):
-    text = call(client, "SearchFlight", {"departure": "St. Petersburg", "destination": "Rockford",
-                                         "date": "2022-03-16"}).json()["text"]
+    text = call(
+        client, "SearchFlight", {"departure": "St. Petersburg", "destination": "Rockford", "date": "2022-03-16"}
+    ).json()["text"]
     assert "[F3573659] $474. Departure: 15:40, Arrival: 17:04" in text
 
 
@@ -87,14 +97,17 @@ def test_missing_argument_gets_the_tools_own_text(client):
     assert r.json()["ok"] is False
 
 
-@pytest.mark.parametrize("body", [
-    {"name": "SearchCity", "arguments": "Illinois"},
-    {"name": 7, "arguments": {}},
-    {"arguments": {"state": "Illinois"}},
-    {"name": "SearchCity", "arguments": {}, "fault_rate": 2},
-    {"name": "SearchCity", "arguments": {}, "surprise": True},
-    [1, 2, 3],
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"name": "SearchCity", "arguments": "Illinois"},
+        {"name": 7, "arguments": {}},
+        {"arguments": {"state": "Illinois"}},
+        {"name": "SearchCity", "arguments": {}, "fault_rate": 2},
+        {"name": "SearchCity", "arguments": {}, "surprise": True},
+        [1, 2, 3],
+    ],
+)
 def test_malformed_envelope_is_422(client, body):
     r = client.post("/tools/call", json=body)
     assert r.status_code == 422, r.text
@@ -113,8 +126,9 @@ def test_a_string_over_the_body_limit_is_413(client):
     assert r.status_code == 413 and "limit" in r.json()["detail"]
 
 
-@pytest.mark.parametrize("value", ["'; DROP TABLE flights; --", "Rock%", "\u202eRockford",
-                                   "Rock\u00a0ford", "🛫", "rockford", " Rockford"])
+@pytest.mark.parametrize(
+    "value", ["'; DROP TABLE flights; --", "Rock%", "\u202eRockford", "Rock\u00a0ford", "🛫", "rockford", " Rockford"]
+)
 def test_hostile_strings_find_nothing_and_do_no_harm(client, value):
     r = call(client, "SearchAccommodation", {"city": value})
     assert r.status_code == 200
@@ -148,8 +162,12 @@ def test_per_request_faults_are_deterministic_and_counted(client):
         outcomes.append(r["fault_injected"])
         if r["fault_injected"]:
             assert r["text"] == "Error: Current tool SearchCity is not available."
-    again = [call(client, "SearchCity", {"state": "Illinois"}, fault_rate=0.5, fault_seed=3,
-                  fault_key=f"t/{i}").json()["fault_injected"] for i in range(40)]
+    again = [
+        call(client, "SearchCity", {"state": "Illinois"}, fault_rate=0.5, fault_seed=3, fault_key=f"t/{i}").json()[
+            "fault_injected"
+        ]
+        for i in range(40)
+    ]
     assert outcomes == again
     assert 5 < sum(outcomes) < 35
     assert metric() - before == 2 * sum(outcomes)
@@ -205,9 +223,22 @@ json_values = st.recursive(
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(name=st.sampled_from(["SearchCity", "SearchFlight", "GoogleDistanceMatrix", "SearchAccommodation",
-                             "SearchRestaurant", "SearchAttraction", "Nope", ""]),
-       arguments=json_values, dialect=st.sampled_from([None, "star", "official", "klingon"]))
+@given(
+    name=st.sampled_from(
+        [
+            "SearchCity",
+            "SearchFlight",
+            "GoogleDistanceMatrix",
+            "SearchAccommodation",
+            "SearchRestaurant",
+            "SearchAttraction",
+            "Nope",
+            "",
+        ]
+    ),
+    arguments=json_values,
+    dialect=st.sampled_from([None, "star", "official", "klingon"]),
+)
 def test_fuzzed_bodies_never_5xx(asgi_client, name, arguments, dialect):
     body = {"name": name, "arguments": arguments}
     if dialect is not None:

@@ -18,8 +18,7 @@ import json
 
 import pytest
 
-from services.sandbox.tools import ToolBox
-from services.sandbox.tools import official
+from services.sandbox.tools import ToolBox, official
 from services.sandbox.world import loader
 
 N_TRAIN = 45
@@ -27,8 +26,16 @@ N_TRAIN = 45
 # official column names of each table, in world row order (restaurants: without src_index)
 ATTRACTION_KEYS = ["Name", "Latitude", "Longitude", "Address", "Phone", "Website", "City"]
 RESTAURANT_KEYS = ["Name", "Average Cost", "Cuisines", "Aggregate Rating", "City"]
-ACCOMMODATION_KEYS = ["NAME", "price", "room type", "house_rules", "minimum nights", "maximum occupancy",
-                      "review rate number", "city"]
+ACCOMMODATION_KEYS = [
+    "NAME",
+    "price",
+    "room type",
+    "house_rules",
+    "minimum nights",
+    "maximum occupancy",
+    "review rate number",
+    "city",
+]
 FLIGHT_KEYS = list(loader.FLIGHT_COLUMNS)
 
 
@@ -70,7 +77,7 @@ def split_route(rest):
 
 
 def split_flight(description):
-    route, _, date = description[len("Flight from "):].rpartition(" on ")
+    route, _, date = description[len("Flight from ") :].rpartition(" on ")
     return (*split_route(route), date)
 
 
@@ -166,4 +173,3 @@ def test_flights_of_the_default_world(train, default_world):
         rows = official_world.flights(origin, dest, date)
         assert_same_records(as_records(rows, FLIGHT_KEYS), expected if isinstance(expected, list) else [], description)
         assert box.call("FlightSearch", {"departure": origin, "destination": dest, "date": date}).text == content
-

@@ -51,8 +51,18 @@ def real(travelplanner_dir: Path):
 @pytest.fixture(scope="module")
 def sample(real):
     """Four days of generated flights (scale 0.2) with the train reference rows merged."""
-    return list(synthesize_flights(real["cities"], real["distances"], seed=7, fixed=real["fixed"],
-                                   covered=real["covered"], dates=FEW_DAYS, scale=0.2, coords=real["coords"]))
+    return list(
+        synthesize_flights(
+            real["cities"],
+            real["distances"],
+            seed=7,
+            fixed=real["fixed"],
+            covered=real["covered"],
+            dates=FEW_DAYS,
+            scale=0.2,
+            coords=real["coords"],
+        )
+    )
 
 
 def _minutes(hhmm: str) -> int:
@@ -91,8 +101,11 @@ def test_a_day_does_not_depend_on_the_other_dates(real):
     """Per-date draws: March 11 has the same flights whether generated alone or in a range (numbers aside)."""
     kw = dict(seed=5, scale=0.05, coords=real["coords"])
     alone = list(synthesize_flights(real["cities"], real["distances"], dates=["2022-03-11"], **kw))
-    ranged = [f for f in synthesize_flights(real["cities"], real["distances"], dates=FEW_DAYS, **kw)
-              if f.flight_date == "2022-03-11"]
+    ranged = [
+        f
+        for f in synthesize_flights(real["cities"], real["distances"], dates=FEW_DAYS, **kw)
+        if f.flight_date == "2022-03-11"
+    ]
     assert [f[1:] for f in alone] == [f[1:] for f in ranged]
 
 
@@ -156,7 +169,7 @@ def test_mileage_follows_road_distances(sample, real):
 def test_same_route_same_distance_both_ways(sample, real):
     # (the real rows may differ per airport: Dallas -> Houston is 216, 224, 239 or 247 miles)
     by_pair = defaultdict(set)
-    for f in sample[len(real["fixed"]):]:
+    for f in sample[len(real["fixed"]) :]:
         by_pair[(f.origin, f.dest)].add(f.distance)
     assert all(len(v) == 1 for v in by_pair.values())
     both = [p for p in by_pair if (p[1], p[0]) in by_pair]
@@ -164,7 +177,7 @@ def test_same_route_same_distance_both_ways(sample, real):
 
 
 def test_elapsed_time_and_price_grow_with_distance(sample, real):
-    generated = sample[len(real["fixed"]):]
+    generated = sample[len(real["fixed"]) :]
     mi = np.array([f.distance for f in generated])
     el = np.array([_elapsed(f.elapsed) for f in generated])
     price = np.array([f.price for f in generated])
@@ -191,7 +204,7 @@ def test_busy_routes_have_several_flights_a_day(sample):
 def test_fixed_rows_are_emitted_as_is_and_first(sample, real):
     fixed = real["fixed"]
     assert sample[: len(fixed)] == fixed
-    generated = {f.flight_number for f in sample[len(fixed):]}
+    generated = {f.flight_number for f in sample[len(fixed) :]}
     assert not generated & {f.flight_number for f in fixed}
 
 
@@ -220,7 +233,7 @@ def test_covered_triples_hold_only_the_reference_rows(real):
     assert sum(1 for t in empty_refs if plain_triples[t]) >= 10
     assert sum(1 for t in ref if plain_triples[t]) >= len(ref) / 2
     # and outside the covered triples, both runs have the same number of flights everywhere
-    merged_triples = Counter((f.origin, f.dest, f.flight_date) for f in merged[len(real["fixed"]):])
+    merged_triples = Counter((f.origin, f.dest, f.flight_date) for f in merged[len(real["fixed"]) :])
     assert {t: n for t, n in plain_triples.items() if t not in real["covered"]} == merged_triples
 
 
@@ -229,8 +242,11 @@ def test_fixed_pairs_keep_the_reference_mileage(real):
     # the reference route with the most rows, a busy one (Dallas -> Houston on the full data)
     (origin, dest), _ = Counter((f.origin, f.dest) for f in real["fixed"]).most_common(1)[0]
     fixed = [f for f in real["fixed"] if f.origin == origin and f.dest == dest]
-    out = list(synthesize_flights(real["cities"], real["distances"], seed=1, fixed=fixed, dates=dates, scale=0.05,
-                                  coords=real["coords"]))[len(fixed):]
+    out = list(
+        synthesize_flights(
+            real["cities"], real["distances"], seed=1, fixed=fixed, dates=dates, scale=0.05, coords=real["coords"]
+        )
+    )[len(fixed) :]
     pair = [f for f in out if {f.origin, f.dest} == {origin, dest}]
     assert len(pair) > 31
     assert {f.distance for f in pair} == {fixed[0].distance}
@@ -253,26 +269,50 @@ def test_scale_sets_the_size(real, full_travelplanner_dir):
     plan = plan_routes(real["cities"], real["distances"], seed=0, coords=real["coords"], scale=1.0)
     assert expected_rows(plan, 31) == pytest.approx(3_800_000, rel=1e-3)
     days = ["2022-03-05", "2022-03-06"]
-    n = sum(1 for _ in synthesize_flights(real["cities"], real["distances"], seed=0, dates=days, scale=0.1,
-                                          coords=real["coords"]))
+    n = sum(
+        1
+        for _ in synthesize_flights(
+            real["cities"], real["distances"], seed=0, dates=days, scale=0.1, coords=real["coords"]
+        )
+    )
     assert n == pytest.approx(0.1 * OFFICIAL_DAILY * 2, rel=0.03)
 
 
 def test_wider_date_ranges_and_the_number_space_limit(real):
     days = date_range("2022-02-27", "2022-03-02")
-    out = list(synthesize_flights(real["cities"], real["distances"], seed=0, dates=days, scale=0.01,
-                                  coords=real["coords"]))
+    out = list(
+        synthesize_flights(real["cities"], real["distances"], seed=0, dates=days, scale=0.01, coords=real["coords"])
+    )
     assert {f.flight_date for f in out} == set(days)
     with pytest.raises(ValueError, match="flight-number space"):
-        next(iter(synthesize_flights(real["cities"], real["distances"], seed=0, scale=1.0, coords=real["coords"],
-                                     dates=date_range("2022-01-01", "2022-05-31"))))
+        next(
+            iter(
+                synthesize_flights(
+                    real["cities"],
+                    real["distances"],
+                    seed=0,
+                    scale=1.0,
+                    coords=real["coords"],
+                    dates=date_range("2022-01-01", "2022-05-31"),
+                )
+            )
+        )
 
 
 def test_works_without_coordinates_or_hubs():
-    cities = [City("Aville", "S1", True), City("Bton", "S1", True), City("Cford", "S2", True), City("Dport", "S2", True)]
-    dist = [("Aville", "Bton", "2 hours 1 min", "210 km"), ("Bton", "Aville", "2 hours 1 min", "211 km"),
-            ("Aville", "Cford", "9 hours 5 mins", "950 km"), ("Cford", "Dport", "40 mins", "60.5 km"),
-            ("Bton", "Dport", None, None)]
+    cities = [
+        City("Aville", "S1", True),
+        City("Bton", "S1", True),
+        City("Cford", "S2", True),
+        City("Dport", "S2", True),
+    ]
+    dist = [
+        ("Aville", "Bton", "2 hours 1 min", "210 km"),
+        ("Bton", "Aville", "2 hours 1 min", "211 km"),
+        ("Aville", "Cford", "9 hours 5 mins", "950 km"),
+        ("Cford", "Dport", "40 mins", "60.5 km"),
+        ("Bton", "Dport", None, None),
+    ]
     out = list(synthesize_flights(cities, dist, seed=0, dates=["2022-03-01"], scale=0.01, hubs={}))
     pairs = {(f.origin, f.dest) for f in out}
     assert ("Aville", "Bton") in pairs and ("Cford", "Aville") in pairs
@@ -284,13 +324,18 @@ def test_works_without_coordinates_or_hubs():
 # --- the built official world ------------------------------------------------------------------------------
 def test_gold_plan_flights_exist_in_the_official_world(official_world, travelplanner_dir):
     records = json.loads((travelplanner_dir / "train" / "train.json").read_text(encoding="utf-8"))
-    found, labelled = 0, sum(str(day).count("Flight Number:") for rec in records
-                             for day in ast.literal_eval(rec["annotated_plan"])[1])
+    found, labelled = (
+        0,
+        sum(str(day).count("Flight Number:") for rec in records for day in ast.literal_eval(rec["annotated_plan"])[1]),
+    )
     for rec in records:
         _query, days = ast.literal_eval(rec["annotated_plan"])
         for day in days:
-            m = re.search(r"Flight Number: (F\d+), from (.+?) to (.+?), Departure Time: (\d\d:\d\d), "
-                          r"Arrival Time: (\d\d:\d\d)", str(day.get("transportation", "")))
+            m = re.search(
+                r"Flight Number: (F\d+), from (.+?) to (.+?), Departure Time: (\d\d:\d\d), "
+                r"Arrival Time: (\d\d:\d\d)",
+                str(day.get("transportation", "")),
+            )
             if not m:
                 continue
             number, origin, dest, dep, arr = m.groups()

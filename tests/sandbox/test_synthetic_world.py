@@ -80,7 +80,9 @@ def test_google_style_strings():
 def test_size_resolution():
     assert resolve_size("tiny")[1]["cities"] == PRESETS["tiny"]["cities"]
     label, params = resolve_size({"preset": "small", "cities": 9, "states": 3})
-    assert label == "small+custom" and params["cities"] == 9 and params["restaurants"] == PRESETS["small"]["restaurants"]
+    assert (
+        label == "small+custom" and params["cities"] == 9 and params["restaurants"] == PRESETS["small"]["restaurants"]
+    )
     with pytest.raises(ValueError, match="unknown world size"):
         resolve_size("huge")
     with pytest.raises(ValueError, match="unknown size keys"):
@@ -108,11 +110,30 @@ def test_tiny_is_tiny_and_fast(tiny):
 
 
 def test_small_and_medium_counts(small, medium):
-    for (world, meta), lo_hi in ((small, dict(cities=(16, 16), accommodations=(60, 130), restaurants=(96, 192),
-                                             attractions=(40, 130), distances=(240, 250), flights=(15_000, 23_000))),
-                                 (medium, dict(cities=(60, 60), accommodations=(600, 1_000), restaurants=(700, 1_800),
-                                              attractions=(280, 900), distances=(3_000, 3_000),
-                                              flights=(170_000, 205_000)))):
+    for (world, meta), lo_hi in (
+        (
+            small,
+            dict(
+                cities=(16, 16),
+                accommodations=(60, 130),
+                restaurants=(96, 192),
+                attractions=(40, 130),
+                distances=(240, 250),
+                flights=(15_000, 23_000),
+            ),
+        ),
+        (
+            medium,
+            dict(
+                cities=(60, 60),
+                accommodations=(600, 1_000),
+                restaurants=(700, 1_800),
+                attractions=(280, 900),
+                distances=(3_000, 3_000),
+                flights=(170_000, 205_000),
+            ),
+        ),
+    ):
         counts = world.counts()
         assert counts == meta["visible_rows"]
         for table, (lo, hi) in lo_hi.items():
@@ -121,8 +142,12 @@ def test_small_and_medium_counts(small, medium):
 
 
 def test_dict_overrides(tmp_path):
-    world, meta = _build(tmp_path, "custom", size={"preset": "tiny", "cities": 9, "states": 3, "flights_per_day": 30,
-                                                   "dates": ("2022-04-01", "2022-04-03")}, seed=5)
+    world, meta = _build(
+        tmp_path,
+        "custom",
+        size={"preset": "tiny", "cities": 9, "states": 3, "flights_per_day": 30, "dates": ("2022-04-01", "2022-04-03")},
+        seed=5,
+    )
     try:
         assert meta["size"] == "tiny+custom" and meta["params"]["cities"] == 9
         assert len(world.cities()) == 9 and len({c.state for c in world.cities()}) == 3
@@ -168,8 +193,13 @@ def test_same_seed_same_world_different_seed_different(tmp_path, small):
 
 def test_generation_is_deterministic_in_memory():
     a, b = generate_world("small", seed=9), generate_world("small", seed=9)
-    assert (a.cities, a.accommodations, a.restaurants, a.attractions, a.distances) == \
-           (b.cities, b.accommodations, b.restaurants, b.attractions, b.distances)
+    assert (a.cities, a.accommodations, a.restaurants, a.attractions, a.distances) == (
+        b.cities,
+        b.accommodations,
+        b.restaurants,
+        b.attractions,
+        b.distances,
+    )
 
 
 # --- value domains -----------------------------------------------------------------------------------------
@@ -262,7 +292,9 @@ def test_every_city_is_served(which, request):
         assert accs and rests, c
         assert all(a.city == c.city for a in accs) and all(r.city == c.city for r in rests)
         # an entire home for 4, a private room, 1-night minimum, and for every house rule a place without it
-        assert any(a.room_type == "Entire home/apt" and a.maximum_occupancy >= 4 and a.minimum_nights == 1 for a in accs)
+        assert any(
+            a.room_type == "Entire home/apt" and a.maximum_occupancy >= 4 and a.minimum_nights == 1 for a in accs
+        )
         assert any(a.room_type == "Private room" and a.minimum_nights == 1 for a in accs)
         for rule in HOUSE_RULES:
             assert any(rule not in a.house_rules for a in accs), (c, rule)

@@ -15,8 +15,14 @@ from services.sandbox.tools.registry import ALIASES, TOOLS, resolve_tool, tool_s
 from services.sandbox.world import World
 from services.sandbox.world.build import build_official_world
 
-NAMES = ["SearchFlight", "GoogleDistanceMatrix", "SearchAccommodation", "SearchRestaurant", "SearchAttraction",
-         "SearchCity"]
+NAMES = [
+    "SearchFlight",
+    "GoogleDistanceMatrix",
+    "SearchAccommodation",
+    "SearchRestaurant",
+    "SearchAttraction",
+    "SearchCity",
+]
 SAMPLE_CALLS = [
     ("SearchCity", {"state": "Illinois"}),
     ("SearchCity", {"state": "Atlantis"}),
@@ -59,9 +65,13 @@ def test_unknown_tool_raises(world):
 def test_names_and_official_aliases(world):
     box = ToolBox(world, cache_size=0)
     assert box.names() == NAMES
-    assert ALIASES == {"FlightSearch": "SearchFlight", "AccommodationSearch": "SearchAccommodation",
-                       "RestaurantSearch": "SearchRestaurant", "AttractionSearch": "SearchAttraction",
-                       "CitySearch": "SearchCity"}
+    assert ALIASES == {
+        "FlightSearch": "SearchFlight",
+        "AccommodationSearch": "SearchAccommodation",
+        "RestaurantSearch": "SearchRestaurant",
+        "AttractionSearch": "SearchAttraction",
+        "CitySearch": "SearchCity",
+    }
     for alias, name in ALIASES.items():
         assert resolve_tool(alias) is TOOLS[name]
     for dialect in ("star", "official"):
@@ -92,10 +102,13 @@ def test_none_arguments_mean_no_arguments(world):
 
 def test_star_ignores_official_parameter_aliases(world):
     box = ToolBox(world, cache_size=0)
-    assert box.call("SearchFlight", {"origin": "A", "destination": "B", "date": "2022-03-01"}).text == \
-        "Invalid parameters. Please provide departure, destination and date."
-    assert box.call("GoogleDistanceMatrix", {"origin": "Detroit", "destination": "Norfolk"},
-                    dialect="official").text.startswith("driving, from Detroit to Norfolk, duration")
+    assert (
+        box.call("SearchFlight", {"origin": "A", "destination": "B", "date": "2022-03-01"}).text
+        == "Invalid parameters. Please provide departure, destination and date."
+    )
+    assert box.call(
+        "GoogleDistanceMatrix", {"origin": "Detroit", "destination": "Norfolk"}, dialect="official"
+    ).text.startswith("driving, from Detroit to Norfolk, duration")
 
 
 # --- cache ------------------------------------------------------------------------------------
@@ -127,8 +140,13 @@ def test_cache_is_keyed_by_dialect_and_bounded(world):
     box.call("SearchCity", {"state": "Texas"})  # evicted (least recently used): a miss
     assert box.cache_info()["hits"] == hits + 1
     box.set_cache_size(0)
-    assert box.cache_info() | {"hits": 0, "misses": 0} == {"enabled": False, "max_size": 0, "size": 0,
-                                                           "hits": 0, "misses": 0}
+    assert box.cache_info() | {"hits": 0, "misses": 0} == {
+        "enabled": False,
+        "max_size": 0,
+        "size": 0,
+        "hits": 0,
+        "misses": 0,
+    }
 
 
 def test_long_arguments_are_not_cached(world):
@@ -227,9 +245,27 @@ def test_keyed_uniform_range_and_odd_keys():
 
 
 # --- hostile input -----------------------------------------------------------------------------
-HOSTILE = ["'; DROP TABLE accommodations; --", "Rock%", "Rock_ord", "Rockford\x00", "\x00", "\u202eRockford",
-           "Rock\u00a0ford", "\ud800", "Rockford\udfff", "🛫", "rockford", " Rockford", "Rockford ", "x" * (1 << 20),
-           "Rockford\n", "%", "*", "NULL", "null"]
+HOSTILE = [
+    "'; DROP TABLE accommodations; --",
+    "Rock%",
+    "Rock_ord",
+    "Rockford\x00",
+    "\x00",
+    "\u202eRockford",
+    "Rock\u00a0ford",
+    "\ud800",
+    "Rockford\udfff",
+    "🛫",
+    "rockford",
+    " Rockford",
+    "Rockford ",
+    "x" * (1 << 20),
+    "Rockford\n",
+    "%",
+    "*",
+    "NULL",
+    "null",
+]
 
 
 @pytest.mark.parametrize("value", HOSTILE, ids=range(len(HOSTILE)))
@@ -273,8 +309,12 @@ def boxes(world):
 
 
 @settings(max_examples=600, deadline=None)
-@given(name=st.sampled_from(NAMES + list(ALIASES)), arguments=argument_dicts | json_values,
-       dialect=st.sampled_from(["star", "official"]), cache=st.booleans())
+@given(
+    name=st.sampled_from(NAMES + list(ALIASES)),
+    arguments=argument_dicts | json_values,
+    dialect=st.sampled_from(["star", "official"]),
+    cache=st.booleans(),
+)
 def test_arbitrary_arguments_never_raise(boxes, name, arguments, dialect, cache):
     box = boxes[cache]
     r = box.call(name, arguments, dialect=dialect)
@@ -285,15 +325,24 @@ def test_arbitrary_arguments_never_raise(boxes, name, arguments, dialect, cache)
 def _failure_text(text, dialect):
     """The dialect's error and no-result texts (anchored, so echoed arguments cannot fake them)."""
     if dialect == "star":
-        return text.startswith(("Invalid parameters. Please provide ", "There is no ", "Tool calling error: ",
-                                "No valid information found.", "Sorry, we cannot find the distance",
-                                "The required time exceeds a single day"))
-    return (text in ("No valid information.", "Invalid State")
-            or (text.startswith("Illegal ") and text.endswith(" Please try again."))
-            or (" is not valid city in [" in text and text.endswith("]."))
-            or text.endswith("' is not in the format YYYY-MM-DD")
-            or text.startswith("There is no ")
-            or text.endswith(", no valid information."))
+        return text.startswith(
+            (
+                "Invalid parameters. Please provide ",
+                "There is no ",
+                "Tool calling error: ",
+                "No valid information found.",
+                "Sorry, we cannot find the distance",
+                "The required time exceeds a single day",
+            )
+        )
+    return (
+        text in ("No valid information.", "Invalid State")
+        or (text.startswith("Illegal ") and text.endswith(" Please try again."))
+        or (" is not valid city in [" in text and text.endswith("]."))
+        or text.endswith("' is not in the format YYYY-MM-DD")
+        or text.startswith("There is no ")
+        or text.endswith(", no valid information.")
+    )
 
 
 # --- concurrency and the backend ---------------------------------------------------------------
@@ -331,8 +380,11 @@ def test_openai_tool_schemas():
     assert by_name["GoogleDistanceMatrix"]["required"] == ["departure", "destination"]
     mode = by_name["GoogleDistanceMatrix"]["properties"]["mode"]
     assert mode["enum"] == ["driving", "taxi"] and mode["default"] == "driving"
-    assert by_name["SearchCity"] == {"type": "object", "properties": {"state": by_name["SearchCity"]["properties"]
-                                                                      ["state"]}, "required": ["state"]}
+    assert by_name["SearchCity"] == {
+        "type": "object",
+        "properties": {"state": by_name["SearchCity"]["properties"]["state"]},
+        "required": ["state"],
+    }
     for params in by_name.values():
         assert all(p["type"] == "string" for p in params["properties"].values())
         assert set(params["required"]) <= set(params["properties"])
@@ -345,8 +397,14 @@ def test_openai_tool_schemas():
 def test_required_parameters_match_the_tools_own_checks(world):
     """Leaving out any required parameter gets the tool's 'Invalid parameters' text, and only then."""
     box = ToolBox(world, cache_size=0)
-    full = {"departure": "Detroit", "destination": "Norfolk", "date": "2022-03-16", "mode": "taxi",
-            "city": "Rockford", "state": "Ohio"}
+    full = {
+        "departure": "Detroit",
+        "destination": "Norfolk",
+        "date": "2022-03-16",
+        "mode": "taxi",
+        "city": "Rockford",
+        "state": "Ohio",
+    }
     for name, spec in TOOLS.items():
         arguments = {p: full[p] for p in spec.param_names}
         assert not box.call(name, arguments).text.startswith("Invalid parameters")

@@ -12,8 +12,7 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from services.sandbox.tools import ToolBox
-from services.sandbox.tools import official
+from services.sandbox.tools import ToolBox, official
 from services.sandbox.tools.table import Column, render_table
 
 
@@ -40,11 +39,20 @@ def text(box, name, **arguments):
 def test_attraction_table_rockford(box):
     lines = text(box, "SearchAttraction", city="Rockford").split("\n")
     assert len(lines) == 21
-    assert lines[0] == ("                                   Name  Latitude  Longitude" + " " * 58 + "Address          Phone"
-                        + " " * 65 + "Website     City")
-    assert lines[1] == ("       Burpee Museum of Natural History 42.277324 -89.088142" + " " * 27
-                        + "737 N Main St, Rockford, IL 61103, USA (815) 965-3433" + " " * 50
-                        + "http://www.burpee.org/ Rockford")
+    assert lines[0] == (
+        "                                   Name  Latitude  Longitude"
+        + " " * 58
+        + "Address          Phone"
+        + " " * 65
+        + "Website     City"
+    )
+    assert lines[1] == (
+        "       Burpee Museum of Natural History 42.277324 -89.088142"
+        + " " * 27
+        + "737 N Main St, Rockford, IL 61103, USA (815) 965-3433"
+        + " " * 50
+        + "http://www.burpee.org/ Rockford"
+    )
     # -88.98463989999999 prints as -88.984640: six decimals, since no value of the column ends in 0
     assert " 42.280499 -88.984640 " in lines[2]
 
@@ -52,32 +60,46 @@ def test_attraction_table_rockford(box):
 def test_accommodation_table_rockford(box):
     lines = text(box, "SearchAccommodation", city="Rockford").split("\n")
     assert len(lines) == 14
-    assert lines[0] == ("                                              NAME  price       room type"
-                        "                                  house_rules  minimum nights  maximum occupancy"
-                        "  review rate number     city")
-    assert lines[1] == ("                     Spacious 3BDR Prime Location! 1030.0 Entire home/apt"
-                        "                                   No smoking             2.0                  9"
-                        "                 2.0 Rockford")
+    assert lines[0] == (
+        "                                              NAME  price       room type"
+        "                                  house_rules  minimum nights  maximum occupancy"
+        "  review rate number     city"
+    )
+    assert lines[1] == (
+        "                     Spacious 3BDR Prime Location! 1030.0 Entire home/apt"
+        "                                   No smoking             2.0                  9"
+        "                 2.0 Rockford"
+    )
 
 
 def test_restaurant_table_with_and_without_index(world):
     plain = ToolBox(world, dialect="official", cache_size=0).call("SearchRestaurant", {"city": "Rockford"}).text
-    indexed = ToolBox(world, dialect="official", cache_size=0, restaurant_index=True) \
-        .call("SearchRestaurant", {"city": "Rockford"}).text
-    assert plain.split("\n")[1] == ("                               Coco Bambu            72"
-                                    "                     Tea, French, Bakery, BBQ, Cafe               4.9 Rockford")
+    indexed = (
+        ToolBox(world, dialect="official", cache_size=0, restaurant_index=True)
+        .call("SearchRestaurant", {"city": "Rockford"})
+        .text
+    )
+    assert plain.split("\n")[1] == (
+        "                               Coco Bambu            72"
+        "                     Tea, French, Bakery, BBQ, Cafe               4.9 Rockford"
+    )
     # with the CSV row index: every cell gains a leading space, the index is left-aligned
-    assert indexed.split("\n")[0] == ("                                           Name  Average Cost"
-                                      "                                            Cuisines  Aggregate Rating      City")
-    assert indexed.split("\n")[1] == ("39                                   Coco Bambu            72"
-                                      "                      Tea, French, Bakery, BBQ, Cafe               4.9  Rockford")
+    assert indexed.split("\n")[0] == (
+        "                                           Name  Average Cost"
+        "                                            Cuisines  Aggregate Rating      City"
+    )
+    assert indexed.split("\n")[1] == (
+        "39                                   Coco Bambu            72"
+        "                      Tea, French, Bakery, BBQ, Cafe               4.9  Rockford"
+    )
     assert indexed.split("\n")[3].startswith("2470 ")
 
 
 def test_flight_table(box):
     assert text(box, "SearchFlight", departure="St. Petersburg", destination="Rockford", date="2022-03-16") == (
         "Flight Number  Price DepTime ArrTime  ActualElapsedTime FlightDate OriginCityName DestCityName  Distance\n"
-        "     F3573659    474   15:40   17:04 2 hours 24 minutes 2022-03-16 St. Petersburg     Rockford    1049.0")
+        "     F3573659    474   15:40   17:04 2 hours 24 minutes 2022-03-16 St. Petersburg     Rockford    1049.0"
+    )
 
 
 def test_newlines_in_names_are_escaped(box, world):
@@ -96,9 +118,11 @@ def _frame(columns, rows, index=None):
 def test_tables_equal_installed_pandas_for_every_city(world):
     checked = 0
     for n, city in enumerate(sorted({c.city for c in world.cities()} | {"Bellingham", "Bishop", "Brunswick"})):
-        for columns, rows in ((official.ACCOMMODATION_COLUMNS, world.accommodations(city)),
-                              (official.ATTRACTION_COLUMNS, world.attractions(city)),
-                              (official.RESTAURANT_COLUMNS, [r[1:] for r in world.restaurants(city)])):
+        for columns, rows in (
+            (official.ACCOMMODATION_COLUMNS, world.accommodations(city)),
+            (official.ATTRACTION_COLUMNS, world.attractions(city)),
+            (official.RESTAURANT_COLUMNS, [r[1:] for r in world.restaurants(city)]),
+        ):
             if not rows:
                 continue
             assert render_table(columns, rows) == _frame(columns, rows).to_string(index=False), (city, columns[0])
@@ -109,17 +133,19 @@ def test_tables_equal_installed_pandas_for_every_city(world):
     assert checked > 850
 
 
-_floats = (st.floats(allow_nan=False, allow_infinity=True)
-           | st.floats(min_value=-1e7, max_value=1e7)
-           | st.sampled_from([0.0, -0.0, 1e-7, 5e-7, 1e6, 1e6 + 0.5, 123456.789, 1e16, 2.5, 42.2773242]))
-_rows = st.lists(st.tuples(st.text(max_size=10), st.integers(-10**12, 10**12), _floats), min_size=1, max_size=6)
+_floats = (
+    st.floats(allow_nan=False, allow_infinity=True)
+    | st.floats(min_value=-1e7, max_value=1e7)
+    | st.sampled_from([0.0, -0.0, 1e-7, 5e-7, 1e6, 1e6 + 0.5, 123456.789, 1e16, 2.5, 42.2773242])
+)
+_rows = st.lists(st.tuples(st.text(max_size=10), st.integers(-(10**12), 10**12), _floats), min_size=1, max_size=6)
 _COLS = (Column("s", "str"), Column("i", "int"), Column("f", "float"))
 
 
 @settings(max_examples=400, deadline=None)
 @given(rows=_rows, index=st.none() | st.lists(st.integers(-1000, 10**6), min_size=6, max_size=6))
 def test_renderer_equals_pandas_on_generated_frames(rows, index):
-    idx = index[:len(rows)] if index is not None else None
+    idx = index[: len(rows)] if index is not None else None
     expected = _frame(_COLS, rows, idx)
     assert render_table(_COLS, rows, index=idx) == (expected.to_string() if idx else expected.to_string(index=False))
 
@@ -150,8 +176,12 @@ def test_official_city_set_order_reproduces_the_message_exactly(world, city_set,
 
 def test_no_result_texts(world):
     # every city-set city has accommodations and restaurants; an extended set reaches the empty case
-    box = ToolBox(world, dialect="official", cache_size=0,
-                  city_set=[c.city for c in world.cities() if c.searchable] + ["Atlantis"])
+    box = ToolBox(
+        world,
+        dialect="official",
+        cache_size=0,
+        city_set=[c.city for c in world.cities() if c.searchable] + ["Atlantis"],
+    )
     assert box.call("SearchAccommodation", {"city": "Atlantis"}).text == "There is no attraction in this city."
     assert box.call("SearchRestaurant", {"city": "Atlantis"}).text == "There is no restaurant in this city."
     r = box.call("SearchAttraction", {"city": "Arcata"})
@@ -165,28 +195,49 @@ def test_flight_checks_in_order(box):
     assert search("Atlantis", "Gotham", "March 3") == "'March 3' is not in the format YYYY-MM-DD"
     assert search("Atlantis", "Rockford", "2022-03-16").startswith("Atlantis is not valid city in [")
     assert search("Rockford", "Gotham", "2022-03-16").startswith("Gotham is not valid city in [")
-    assert search("Rockford", "St. Petersburg", "2022-03-17") == \
-        "There is no flight from Rockford to St. Petersburg on 2022-03-17."
+    assert (
+        search("Rockford", "St. Petersburg", "2022-03-17")
+        == "There is no flight from Rockford to St. Petersburg on 2022-03-17."
+    )
     # the agent's regex is re.match with `$`: a trailing newline passes the format check
-    assert search("Rockford", "St. Petersburg", "2022-03-17\n") == \
-        "There is no flight from Rockford to St. Petersburg on 2022-03-17\n."
+    assert (
+        search("Rockford", "St. Petersburg", "2022-03-17\n")
+        == "There is no flight from Rockford to St. Petersburg on 2022-03-17\n."
+    )
 
 
-@pytest.mark.parametrize("tool,arguments,expected", [
-    ("SearchFlight", {"departure": "Rockford", "destination": "Chicago"}, "Illegal Flight Search. Please try again."),
-    ("SearchFlight", {"departure": "Rockford", "destination": "Chicago", "date": 20220316},
-     "Illegal Flight Search. Please try again."),
-    ("SearchAccommodation", {}, "Illegal Accommodation Search. Please try again."),
-    ("SearchRestaurant", {"town": "Rockford"}, "Illegal Restaurant Search. Please try again."),
-    ("SearchAttraction", {}, "Illegal Attraction Search. Please try again."),
-    ("SearchCity", {}, "Illegal City Search. Please try again."),
-    ("SearchCity", {"state": ["Texas"]}, "Illegal City Search. Please try again."),
-    ("GoogleDistanceMatrix", {"departure": "Detroit"}, "Illegal GoogleDistanceMatrix. Please try again."),
-    ("GoogleDistanceMatrix", {"departure": 5, "destination": "Norfolk"}, "Illegal GoogleDistanceMatrix. Please try again."),
-    ("GoogleDistanceMatrix", {"departure": "Detroit", "destination": "Norfolk", "mode": None},
-     "Illegal GoogleDistanceMatrix. Please try again."),
-    ("SearchCity", "Texas", "Illegal City Search. Please try again."),
-])
+@pytest.mark.parametrize(
+    "tool,arguments,expected",
+    [
+        (
+            "SearchFlight",
+            {"departure": "Rockford", "destination": "Chicago"},
+            "Illegal Flight Search. Please try again.",
+        ),
+        (
+            "SearchFlight",
+            {"departure": "Rockford", "destination": "Chicago", "date": 20220316},
+            "Illegal Flight Search. Please try again.",
+        ),
+        ("SearchAccommodation", {}, "Illegal Accommodation Search. Please try again."),
+        ("SearchRestaurant", {"town": "Rockford"}, "Illegal Restaurant Search. Please try again."),
+        ("SearchAttraction", {}, "Illegal Attraction Search. Please try again."),
+        ("SearchCity", {}, "Illegal City Search. Please try again."),
+        ("SearchCity", {"state": ["Texas"]}, "Illegal City Search. Please try again."),
+        ("GoogleDistanceMatrix", {"departure": "Detroit"}, "Illegal GoogleDistanceMatrix. Please try again."),
+        (
+            "GoogleDistanceMatrix",
+            {"departure": 5, "destination": "Norfolk"},
+            "Illegal GoogleDistanceMatrix. Please try again.",
+        ),
+        (
+            "GoogleDistanceMatrix",
+            {"departure": "Detroit", "destination": "Norfolk", "mode": None},
+            "Illegal GoogleDistanceMatrix. Please try again.",
+        ),
+        ("SearchCity", "Texas", "Illegal City Search. Please try again."),
+    ],
+)
 def test_malformed_arguments_are_illegal(box, tool, arguments, expected):
     r = box.call(tool, arguments)
     assert not r.ok and r.text == expected
@@ -206,8 +257,9 @@ def test_city_search(box):
         assert not r.ok and r.text == "Invalid State"
 
 
-@pytest.mark.parametrize("mode,cost", [("self-driving", "57"), ("driving", "57"), ("taxi", "1144"),
-                                       ("Taxi", "None"), ("walking", "None")])
+@pytest.mark.parametrize(
+    "mode,cost", [("self-driving", "57"), ("driving", "57"), ("taxi", "1144"), ("Taxi", "None"), ("walking", "None")]
+)
 def test_distance_modes(box, mode, cost):
     r = box.call("GoogleDistanceMatrix", {"departure": "Detroit", "destination": "Norfolk", "mode": mode})
     assert r.ok
@@ -215,21 +267,30 @@ def test_distance_modes(box, mode, cost):
 
 
 def test_distance_cuts_before_a_parenthesis(box):
-    assert text(box, "GoogleDistanceMatrix", origin="Detroit(Michigan)", destination="Norfolk (Virginia)",
-                mode="taxi") == "taxi, from Detroit to Norfolk , no valid information."
-    assert text(box, "GoogleDistanceMatrix", departure="Detroit(MI)", destination="Norfolk(VA)", mode="taxi") \
-        .startswith("taxi, from Detroit to Norfolk, duration: 10 hours 55 mins")
+    assert (
+        text(box, "GoogleDistanceMatrix", origin="Detroit(Michigan)", destination="Norfolk (Virginia)", mode="taxi")
+        == "taxi, from Detroit to Norfolk , no valid information."
+    )
+    assert text(
+        box, "GoogleDistanceMatrix", departure="Detroit(MI)", destination="Norfolk(VA)", mode="taxi"
+    ).startswith("taxi, from Detroit to Norfolk, duration: 10 hours 55 mins")
 
 
 def test_distance_no_information(box):
-    assert text(box, "GoogleDistanceMatrix", departure="Killeen", destination="Mission", mode="taxi") == \
-        "No valid information."
-    assert text(box, "GoogleDistanceMatrix", departure="Hartford", destination="Denver", mode="taxi") == \
-        "No valid information."
+    assert (
+        text(box, "GoogleDistanceMatrix", departure="Killeen", destination="Mission", mode="taxi")
+        == "No valid information."
+    )
+    assert (
+        text(box, "GoogleDistanceMatrix", departure="Hartford", destination="Denver", mode="taxi")
+        == "No valid information."
+    )
     r = box.call("GoogleDistanceMatrix", {"departure": "Atlantis", "destination": "Norfolk", "mode": "self-driving"})
     assert not r.ok and r.text == "self-driving, from Atlantis to Norfolk, no valid information."
-    assert text(box, "GoogleDistanceMatrix", departure="Atlantis", destination="Norfolk", mode=3) == \
-        "3, from Atlantis to Norfolk, no valid information."
+    assert (
+        text(box, "GoogleDistanceMatrix", departure="Atlantis", destination="Norfolk", mode=3)
+        == "3, from Atlantis to Norfolk, no valid information."
+    )
 
 
 def test_distance_mode_defaults_to_driving(box):

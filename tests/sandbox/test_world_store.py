@@ -16,10 +16,18 @@ from services.sandbox.world import World, schema
 from services.sandbox.world.build import build_official_world
 from services.sandbox.world.loader import OfficialLayout, WorldSourceError, read_flights_csv
 
-REAL_COUNTS = {"cities": 312, "accommodations": 4_285, "restaurants": 9_551, "attractions": 5_302,
-               "distances": 17_602}
-FLIGHT_HEADER = ["Flight Number", "Price", "DepTime", "ArrTime", "ActualElapsedTime", "FlightDate",
-                 "OriginCityName", "DestCityName", "Distance"]
+REAL_COUNTS = {"cities": 312, "accommodations": 4_285, "restaurants": 9_551, "attractions": 5_302, "distances": 17_602}
+FLIGHT_HEADER = [
+    "Flight Number",
+    "Price",
+    "DepTime",
+    "ArrTime",
+    "ActualElapsedTime",
+    "FlightDate",
+    "OriginCityName",
+    "DestCityName",
+    "Distance",
+]
 FLIGHT_ROWS = [
     ["F3573659", 474, "15:40", "17:04", "2 hours 24 minutes", "2022-03-16", "St. Petersburg", "Rockford", 1049.0],
     ["F3927581", 89, "11:03", "13:31", "2 hours 28 minutes", "2022-03-13", "Washington", "Myrtle Beach", 372.0],
@@ -53,8 +61,15 @@ def _check_real_world(world: World, conflicting_pair) -> None:
     assert len(cities) == 312 and sum(c.searchable for c in cities) == 311
     assert [c.city for c in cities if not c.searchable] == ["Jackson"]
     assert cities[0].city == "San Diego" and cities[-1].city == "Eau Claire"
-    assert world.cities_in_state("Washington") == ["Seattle", "Wenatchee", "Pasco", "Yakima", "Walla Walla",
-                                                   "Everett", "Spokane"]
+    assert world.cities_in_state("Washington") == [
+        "Seattle",
+        "Wenatchee",
+        "Pasco",
+        "Yakima",
+        "Walla Walla",
+        "Everett",
+        "Spokane",
+    ]
     assert world.cities_in_state("washington") == [] and world.cities_in_state("None") == []
 
     # exact, case-sensitive, untrimmed matching
@@ -114,8 +129,12 @@ def test_flat_agent_star_layout(tmp_path: Path, database: Path, conflicting_pair
     flat = tmp_path / "flat"
     flat.mkdir()
     (flat / "background").symlink_to(database / "background", target_is_directory=True)
-    for rel in ("accommodations/clean_accommodations_2022.csv", "restaurants/clean_restaurant_2022.csv",
-                "attractions/attractions.csv", "googleDistanceMatrix/distance.csv"):
+    for rel in (
+        "accommodations/clean_accommodations_2022.csv",
+        "restaurants/clean_restaurant_2022.csv",
+        "attractions/attractions.csv",
+        "googleDistanceMatrix/distance.csv",
+    ):
         (flat / Path(rel).name).symlink_to(database / rel)
     layout = OfficialLayout.find(flat)
     assert layout.accommodations.parent == flat and layout.flights is None
@@ -161,8 +180,16 @@ def test_user_flights_csv(tmp_path: Path, database: Path, variant):
     rows = list(read_flights_csv(csv_path))
     assert [r[0] for r in rows] == ["F3573659", "F3927581", "F3792603", "F0000001"]
     assert [r[-1] for r in rows] == [True, True, True, False]  # the empty price makes the last row invisible
-    assert rows[0][1:9] == (474, "15:40", "17:04", "2 hours 24 minutes", "2022-03-16", "St. Petersburg",
-                            "Rockford", 1049.0)
+    assert rows[0][1:9] == (
+        474,
+        "15:40",
+        "17:04",
+        "2 hours 24 minutes",
+        "2022-03-16",
+        "St. Petersburg",
+        "Rockford",
+        1049.0,
+    )
     assert type(rows[0][1]) is int and type(rows[0][8]) is float
 
     url = f"sqlite:///{tmp_path / 'user.sqlite'}"
@@ -222,8 +249,9 @@ def pg_world(pg_url: str, database: Path, travelplanner_dir: Path):
         conn.execute(text(f'CREATE SCHEMA "{name}"'))
     url = f"{pg_url}{'&' if '?' in pg_url else '?'}options=-csearch_path%3D{name}"
     try:
-        meta = build_official_world(url, database, seed=0, flight_scale=0.01,
-                                    ref_info=[travelplanner_dir / "train" / "train_ref_info.jsonl"])
+        meta = build_official_world(
+            url, database, seed=0, flight_scale=0.01, ref_info=[travelplanner_dir / "train" / "train_ref_info.jsonl"]
+        )
         world = World(url)
         yield world, meta, name
         world.close()
@@ -239,7 +267,9 @@ def test_official_world_in_postgres(pg_world, conflicting_pair, official_world):
     world, meta, name = pg_world
     with world.engine.connect() as conn:
         assert conn.execute(text("select current_schema()")).scalar() == name
-        tables = {r[0] for r in conn.execute(text("select tablename from pg_tables where schemaname = :s"), {"s": name})}
+        tables = {
+            r[0] for r in conn.execute(text("select tablename from pg_tables where schemaname = :s"), {"s": name})
+        }
     assert set(schema.TABLES) <= tables
     _check_real_world(world, conflicting_pair)
     assert world.is_ready() and world.meta()["flight_scale"] == 0.01
@@ -249,5 +279,6 @@ def test_official_world_in_postgres(pg_world, conflicting_pair, official_world):
         assert world.accommodations(city) == official_world.accommodations(city)
         assert world.restaurants(city) == official_world.restaurants(city)
         assert world.attractions(city) == official_world.attractions(city)
-    assert world.flights("Las Vegas", "Denver", "2022-03-12") == official_world.flights("Las Vegas", "Denver",
-                                                                                         "2022-03-12")
+    assert world.flights("Las Vegas", "Denver", "2022-03-12") == official_world.flights(
+        "Las Vegas", "Denver", "2022-03-12"
+    )

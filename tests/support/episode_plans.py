@@ -143,12 +143,14 @@ def plan_cases(travelplanner_dir: Path, limit: int | None = None) -> list[PlanCa
             if broken is not None:
                 out.append(PlanCase(f"train-{qid}-{breaker.__name__}", qid, query, broken, breaks=check))
         budget_query, same_plan = over_budget(query, plan)
-        out.append(PlanCase(f"train-{qid}-over_budget", qid, budget_query, same_plan, breaks="valid_cost",
-                            query_changed=True))
+        out.append(
+            PlanCase(f"train-{qid}-over_budget", qid, budget_query, same_plan, breaks="valid_cost", query_changed=True)
+        )
     return out
 
 
 # -- a live episode server ---------------------------------------------------------------------------
+
 
 @dataclass
 class EpisodeServer:
@@ -171,9 +173,16 @@ class EpisodeServer:
 
 
 @contextmanager
-def running_episode_server(world_url: str, redis_url: str, logs: Path, *, travelplanner_dir: Path | None = None,
-                           token: str | None = TOKEN, env: dict[str, str] | None = None,
-                           timeout: float = 120.0) -> Iterator[EpisodeServer]:
+def running_episode_server(
+    world_url: str,
+    redis_url: str,
+    logs: Path,
+    *,
+    travelplanner_dir: Path | None = None,
+    token: str | None = TOKEN,
+    env: dict[str, str] | None = None,
+    timeout: float = 120.0,
+) -> Iterator[EpisodeServer]:
     """The sandbox and the episode service over `world_url`, episodes in Redis at `redis_url` under a fresh
     prefix (deleted afterwards). `env`: more STAR_* settings for the episode service."""
     import redis
@@ -183,21 +192,31 @@ def running_episode_server(world_url: str, redis_url: str, logs: Path, *, travel
     logs = Path(logs)
     logs.mkdir(parents=True, exist_ok=True)
     prefix = f"test:{uuid.uuid4().hex[:8]}"
-    common = {"STAR_DB_URL": world_url, "STAR_LOG_LEVEL": "WARNING", "STAR_LOG_JSON": "false",
-              "STAR_API_TOKEN": token or "", "STAR_HOME": str(logs / "home")}
+    common = {
+        "STAR_DB_URL": world_url,
+        "STAR_LOG_LEVEL": "WARNING",
+        "STAR_LOG_JSON": "false",
+        "STAR_API_TOKEN": token or "",
+        "STAR_HOME": str(logs / "home"),
+    }
     if not token:
         common.pop("STAR_API_TOKEN")
     sandbox = ServiceProcess("sandbox", "services.sandbox.app:create_app", common, logs).start(timeout=timeout)
     episodes = None
     try:
-        episode_env = {**common, "STAR_REDIS_URL": redis_url, "STAR_SANDBOX_URL": sandbox.url,
-                       "STAR_STREAM_PREFIX": prefix, "STAR_FORMATTER_LLM_URL": "", **(env or {})}
+        episode_env = {
+            **common,
+            "STAR_REDIS_URL": redis_url,
+            "STAR_SANDBOX_URL": sandbox.url,
+            "STAR_STREAM_PREFIX": prefix,
+            "STAR_FORMATTER_LLM_URL": "",
+            **(env or {}),
+        }
         if travelplanner_dir is not None:
             episode_env["STAR_TRAVELPLANNER_DIR"] = str(travelplanner_dir)
         episodes = ServiceProcess("episodes", "services.episodes.app:create_app", episode_env, logs)
         episodes.start(timeout=timeout)
-        yield EpisodeServer(episodes.url, token or "", prefix, sandbox.url,
-                            {"sandbox": sandbox, "episodes": episodes})
+        yield EpisodeServer(episodes.url, token or "", prefix, sandbox.url, {"sandbox": sandbox, "episodes": episodes})
     finally:
         if episodes is not None:
             episodes.stop()
@@ -209,9 +228,11 @@ def running_episode_server(world_url: str, redis_url: str, logs: Path, *, travel
 
 
 @pytest.fixture(scope="module")
-def episode_server(official_world_url: str, redis_server_url: str, travelplanner_dir: Path,
-                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[EpisodeServer]:
+def episode_server(
+    official_world_url: str, redis_server_url: str, travelplanner_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EpisodeServer]:
     """A live episode API (+ sandbox) over the tests' official world and data, with a bearer token."""
-    with running_episode_server(official_world_url, redis_server_url, tmp_path_factory.mktemp("episodes"),
-                                travelplanner_dir=travelplanner_dir) as server:
+    with running_episode_server(
+        official_world_url, redis_server_url, tmp_path_factory.mktemp("episodes"), travelplanner_dir=travelplanner_dir
+    ) as server:
         yield server

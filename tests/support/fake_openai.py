@@ -54,8 +54,9 @@ ReplyFn = Callable[[dict[str, Any]], "Reply | str"]
 class FakeOpenAI:
     """The server, run in a background thread on a free port of 127.0.0.1."""
 
-    def __init__(self, default: Reply | ReplyFn | None = None, *, model: str = "fake-model",
-                 api_key: str | None = None) -> None:
+    def __init__(
+        self, default: Reply | ReplyFn | None = None, *, model: str = "fake-model", api_key: str | None = None
+    ) -> None:
         self.model = model
         self.api_key = api_key
         self.default = default
@@ -132,8 +133,9 @@ class FakeOpenAI:
                 with self._lock:
                     self.in_flight -= 1
             if reply.raw is not None:
-                return Response(reply.raw, status_code=reply.status, media_type="application/json",
-                                headers=reply.headers)
+                return Response(
+                    reply.raw, status_code=reply.status, media_type="application/json", headers=reply.headers
+                )
             if reply.status != 200:
                 return _error(reply.status, reply.error, "server_error", reply.headers)
             return JSONResponse(self._completion(body, reply), headers=reply.headers)
@@ -144,12 +146,22 @@ class FakeOpenAI:
         prompt_chars = sum(len(str(m.get("content") or "")) for m in body["messages"] if isinstance(m, dict))
         out_chars = len(reply.content or "")
         return {
-            "id": f"chatcmpl-{uuid.uuid4().hex[:12]}", "object": "chat.completion", "created": int(time.time()),
+            "id": f"chatcmpl-{uuid.uuid4().hex[:12]}",
+            "object": "chat.completion",
+            "created": int(time.time()),
             "model": body.get("model") or self.model,
-            "choices": [{"index": 0, "finish_reason": reply.finish_reason,
-                         "message": {"role": "assistant", "content": reply.content}}],
-            "usage": {"prompt_tokens": prompt_chars // 4, "completion_tokens": out_chars // 4,
-                      "total_tokens": (prompt_chars + out_chars) // 4},
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": reply.finish_reason,
+                    "message": {"role": "assistant", "content": reply.content},
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt_chars // 4,
+                "completion_tokens": out_chars // 4,
+                "total_tokens": (prompt_chars + out_chars) // 4,
+            },
         }
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -183,5 +195,6 @@ class FakeOpenAI:
 
 
 def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
-                        headers=headers)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "code": status}}, status_code=status, headers=headers
+    )

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
-def until(condition: Callable[[], Any], timeout: float = 30.0, what: str = "the condition", poll_s: float = 0.05) -> Any:
+def until(
+    condition: Callable[[], Any], timeout: float = 30.0, what: str = "the condition", poll_s: float = 0.05
+) -> Any:
     """`condition()`'s first true value within `timeout` seconds; an AssertionError naming `what` after."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -73,13 +73,24 @@ def _sample_queries(index: SynthIndex, n: int, seed: int, days: int) -> list[Tra
         if not any(index.road(org, c) and index.road(c, org) for c in targets):
             continue  # most random pairs have no road at all; keep the search non-trivial
         start = rng.randint(1, 31 - days + 1)
-        lc = {"room type": rng.choice([None, None, None, "private room", "entire room"]),
-              "house rule": rng.choice([None, None, None, "pets", "smoking"]),
-              "transportation": rng.choice([None, None, "no flight", "no self-driving"]),
-              "cuisine": rng.choice([None, None, ["Chinese", "Italian"], ["French", "Mexican", "Indian"]])}
-        out.append(TravelQuery(org=org, dest=dest, days=days, visiting_city_number={3: 1, 5: 2, 7: 3}[days],
-                               date=[f"2022-03-{start + i:02d}" for i in range(days)],
-                               people_number=rng.randint(1, 8), local_constraint=lc, budget=10**7))
+        lc = {
+            "room type": rng.choice([None, None, None, "private room", "entire room"]),
+            "house rule": rng.choice([None, None, None, "pets", "smoking"]),
+            "transportation": rng.choice([None, None, "no flight", "no self-driving"]),
+            "cuisine": rng.choice([None, None, ["Chinese", "Italian"], ["French", "Mexican", "Indian"]]),
+        }
+        out.append(
+            TravelQuery(
+                org=org,
+                dest=dest,
+                days=days,
+                visiting_city_number={3: 1, 5: 2, 7: 3}[days],
+                date=[f"2022-03-{start + i:02d}" for i in range(days)],
+                people_number=rng.randint(1, 8),
+                local_constraint=lc,
+                budget=10**7,
+            )
+        )
     return out
 
 
@@ -104,26 +115,39 @@ def test_coverage_matches_brute_force():
     rng = random.Random(3)
     labels = ["Chinese", "Italian", "French", "Mexican", "BBQ"]
     for trial in range(40):
-        eateries = sorted((Eatery(f"R{i}", "X", rng.randint(10, 90), frozenset(rng.sample(labels, rng.randint(0, 3))))
-                           for i in range(rng.randint(3, 9))), key=lambda e: e.cost)
+        eateries = sorted(
+            (
+                Eatery(f"R{i}", "X", rng.randint(10, 90), frozenset(rng.sample(labels, rng.randint(0, 3))))
+                for i in range(rng.randint(3, 9))
+            ),
+            key=lambda e: e.cost,
+        )
         required, extra = rng.randint(0, 3), rng.randint(0, 2)
         wanted = rng.sample(labels[:4], rng.randint(1, 3))
         table = meals.coverage(eateries, required, extra, wanted)
         for mask in range(1 << len(wanted)):
             need = {c for i, c in enumerate(wanted) if mask >> i & 1}
-            best = min((sum(e.cost for e in combo)
-                        for size in range(required, required + extra + 1)
-                        for combo in itertools.combinations(eateries, size)
-                        if need <= set().union(*(e.cuisines for e in combo))), default=None)
+            best = min(
+                (
+                    sum(e.cost for e in combo)
+                    for size in range(required, required + extra + 1)
+                    for combo in itertools.combinations(eateries, size)
+                    if need <= set().union(*(e.cuisines for e in combo))
+                ),
+                default=None,
+            )
             if best is None:
                 assert mask not in table
             else:
                 assert table[mask][0] == best, (trial, mask)
 
 
-def test_cuisine_plan_uses_travel_day_meals_when_stay_meals_cannot_cover(oracle, strict_eval, train_queries,
-                                                                       train_records):
-    q = train_queries[train_position(train_records, "Minneapolis", "Ohio")].model_copy(deep=True)  # Minneapolis -> Ohio, 7 days, 4 cuisines, no flight
+def test_cuisine_plan_uses_travel_day_meals_when_stay_meals_cannot_cover(
+    oracle, strict_eval, train_queries, train_records
+):
+    q = train_queries[train_position(train_records, "Minneapolis", "Ohio")].model_copy(
+        deep=True
+    )  # Minneapolis -> Ohio, 7 days, 4 cuisines, no flight
     result = oracle.solve(q)
     assert result.feasible and result.evaluated >= 1
     assert failures(strict_eval.evaluate(q, result.solution.day_dicts())) == {}
@@ -135,12 +159,15 @@ def _with(q: TravelQuery, **lc) -> TravelQuery:
     return TravelQuery(**data)
 
 
-@pytest.mark.parametrize("change,constraint,words", [
-    ({"budget": 100}, "budget", "over the budget of 100"),
-    ({"dest": "Atlantis"}, "route", "not a city"),
-    ({"lc": {"room_type": "shared room"}, "dest": "Rockford"}, "room type", "shared room"),
-    ({"lc": {"transportation": "no flight"}}, "transportation", "(no flight)"),  # no road St. Petersburg-Rockford
-])
+@pytest.mark.parametrize(
+    "change,constraint,words",
+    [
+        ({"budget": 100}, "budget", "over the budget of 100"),
+        ({"dest": "Atlantis"}, "route", "not a city"),
+        ({"lc": {"room_type": "shared room"}, "dest": "Rockford"}, "room type", "shared room"),
+        ({"lc": {"transportation": "no flight"}}, "transportation", "(no flight)"),  # no road St. Petersburg-Rockford
+    ],
+)
 def test_infeasible_queries_name_the_constraint(oracle, train_queries, change, constraint, words):
     q = train_queries[0]
     data = q.model_dump()

@@ -23,8 +23,8 @@ from services.synth.queries import (
     split_table,
     write_jsonl,
 )
-from tests.support.fake_openai import FakeOpenAI, Reply
 from tests.conftest import train_position
+from tests.support.fake_openai import FakeOpenAI, Reply
 from tests.synth.conftest import failures
 
 
@@ -145,16 +145,20 @@ def test_a_held_out_split_leaves_the_other_splits_as_they_were_without_one(synth
     ids = [q.id for part in four.values() for q in part]
     assert sorted(ids) == sorted(q.id for q in queries) and len(set(ids)) == len(ids)
     # the same seed without a held-out share gives what it gave before the held-out split existed
-    assert {s: [q.id for q in three[s]] for s in ("sft", "rl", "validation")} == \
-        {s: [q.id for q in split_queries(queries, (4, 5, 1), seed=7)[s]] for s in ("sft", "rl", "validation")}
+    assert {s: [q.id for q in three[s]] for s in ("sft", "rl", "validation")} == {
+        s: [q.id for q in split_queries(queries, (4, 5, 1), seed=7)[s]] for s in ("sft", "rl", "validation")
+    }
 
 
-@pytest.mark.parametrize("sizes,ratios", [
-    ({"easy": 332, "medium": 332, "hard": 332}, (640, 256, 100)),  # rounding each level gave 99 validation
-    ({"easy": 12, "medium": 9, "hard": 9}, (4, 5, 1)),
-    ({"easy": 5, "medium": 0, "hard": 1}, (1, 1, 1)),
-    ({"easy": 7, "medium": 7, "hard": 7}, (1, 0, 0)),
-])
+@pytest.mark.parametrize(
+    "sizes,ratios",
+    [
+        ({"easy": 332, "medium": 332, "hard": 332}, (640, 256, 100)),  # rounding each level gave 99 validation
+        ({"easy": 12, "medium": 9, "hard": 9}, (4, 5, 1)),
+        ({"easy": 5, "medium": 0, "hard": 1}, (1, 1, 1)),
+        ({"easy": 7, "medium": 7, "hard": 7}, (1, 0, 0)),
+    ],
+)
 def test_split_sizes_are_exact_and_each_level_stays_within_one_of_its_share(sizes, ratios):
     table = split_table(sizes, ratios)
     assert [sum(row[j] for row in table.values()) for j in range(3)] == allocate(sum(sizes.values()), ratios)
@@ -180,8 +184,19 @@ def test_jsonl_has_the_benchmark_layout_and_loads_in_hf_datasets(synthesized, tm
     path = tmp_path / "q.jsonl"
     write_jsonl(path, queries)
     first = json.loads(path.read_text().splitlines()[0])
-    assert set(first) == {"id", "org", "dest", "days", "visiting_city_number", "date", "people_number",
-                          "local_constraint", "budget", "query", "level"}
+    assert set(first) == {
+        "id",
+        "org",
+        "dest",
+        "days",
+        "visiting_city_number",
+        "date",
+        "people_number",
+        "local_constraint",
+        "budget",
+        "query",
+        "level",
+    }
     assert first["date"].startswith("['2022-") and first["local_constraint"].startswith("{'house rule'")
     ds = load_dataset("json", data_files=str(path), split="train")
     assert len(ds) == len(queries)
@@ -191,7 +206,11 @@ def test_jsonl_has_the_benchmark_layout_and_loads_in_hf_datasets(synthesized, tm
     typed = tmp_path / "typed.jsonl"  # Agent-STAR's typed layout reads back the same
     write_jsonl(typed, queries, layout="json")
     assert set(json.loads(typed.read_text().splitlines()[0])["local_constraint"]) == {
-        "house rule", "cuisine", "room type", "transportation"}
+        "house rule",
+        "cuisine",
+        "room type",
+        "transportation",
+    }
     assert [q.model_dump() for q in load_queries(typed)] == [q.model_dump() for q in queries]
 
 
@@ -200,10 +219,22 @@ def test_loads_official_train_json_and_csv(travelplanner_dir, train_records, tmp
 
     train = load_queries(travelplanner_dir / "train" / "train.json")
     last = train_position(train_records, "Minneapolis", "Ohio")
-    assert len(train) == len(train_records) and train[0].org == "St. Petersburg" and train[last].local_constraint.cuisine
+    assert (
+        len(train) == len(train_records) and train[0].org == "St. Petersburg" and train[last].local_constraint.cuisine
+    )
     path = tmp_path / "train.csv"
-    cols = ["org", "dest", "days", "visiting_city_number", "date", "people_number", "local_constraint", "budget",
-            "query", "level"]
+    cols = [
+        "org",
+        "dest",
+        "days",
+        "visiting_city_number",
+        "date",
+        "people_number",
+        "local_constraint",
+        "budget",
+        "query",
+        "level",
+    ]
     with open(path, "w", newline="") as fh:  # the HF export: dicts and lists as Python reprs
         w = csv.DictWriter(fh, fieldnames=cols)
         w.writeheader()
@@ -225,7 +256,9 @@ def test_bad_query_files_name_the_line(tmp_path):
 
 
 def test_templates_vary_and_state_every_fact(train_queries, train_records):
-    q = train_queries[train_position(train_records, "Minneapolis", "Ohio")]  # hard: pets, 4 cuisines, no flight, 2 people
+    q = train_queries[
+        train_position(train_records, "Minneapolis", "Ohio")
+    ]  # hard: pets, 4 cuisines, no flight, 2 people
     texts = {template_text(q, random.Random(i)) for i in range(30)}
     assert len(texts) >= 10
     for text in texts:

@@ -89,16 +89,21 @@ class Evaluation:
         )
 
 
-def not_delivered(mode: Mode, applicable: dict[str, bool], reason: str, *, delivered: bool = False,
-                  formatter_status: str = "ok") -> Evaluation:
+def not_delivered(
+    mode: Mode, applicable: dict[str, bool], reason: str, *, delivered: bool = False, formatter_status: str = "ok"
+) -> Evaluation:
     """An evaluation in which every check failed for one reason (no plan, or an unreadable one)."""
     return Evaluation(
         mode=mode,
         delivered=delivered,
         commonsense={k: CheckVerdict(passed=False, reason=reason) for k in COMMONSENSE_CHECKS},
-        hard={k: CheckVerdict(passed=False if applicable[k] else None,
-                              reason=reason if applicable[k] else "the query does not ask for it")
-              for k in HARD_CHECKS},
+        hard={
+            k: CheckVerdict(
+                passed=False if applicable[k] else None,
+                reason=reason if applicable[k] else "the query does not ask for it",
+            )
+            for k in HARD_CHECKS
+        },
         applicable=applicable,
         formatter_status=formatter_status,
     )
@@ -114,8 +119,11 @@ class SplitCounts(BaseModel):
     hard_total: int
     hard_macro_passed: int
     final_passed: int
-    formatter_outages: int = Field(0, description="Plans not delivered because the formatter failed (llm_error, "
-                                                  "timeout), not the agent: score them again once it is back.")
+    formatter_outages: int = Field(
+        0,
+        description="Plans not delivered because the formatter failed (llm_error, "
+        "timeout), not the agent: score them again once it is back.",
+    )
 
 
 class SplitMetrics(BaseModel):
@@ -133,28 +141,45 @@ class SplitMetrics(BaseModel):
     provenance: Provenance | None = Field(None, description="The world and mode that produced these numbers.")
 
     def table(self) -> str:
-        rows = [("Delivery Rate", self.delivery_rate), ("Commonsense Micro", self.cs_micro),
-                ("Commonsense Macro", self.cs_macro), ("Hard Micro", self.hard_micro),
-                ("Hard Macro", self.hard_macro), ("Final Pass Rate", self.final_pass_rate)]
+        rows = [
+            ("Delivery Rate", self.delivery_rate),
+            ("Commonsense Micro", self.cs_micro),
+            ("Commonsense Macro", self.cs_macro),
+            ("Hard Micro", self.hard_micro),
+            ("Hard Macro", self.hard_macro),
+            ("Final Pass Rate", self.final_pass_rate),
+        ]
         return "\n".join(f"{name:<20}{value:7.2f}%" for name, value in rows)
 
 
 def hard_denominator(queries: Sequence[TravelQuery]) -> int:
     """Σ over queries of 1 (budget) + the local constraints it asks for."""
-    return sum(1 + bool(q.local_constraint.cuisine) + (q.local_constraint.house_rule is not None)
-               + (q.local_constraint.room_type is not None) + (q.local_constraint.transportation is not None)
-               for q in queries)
+    return sum(
+        1
+        + bool(q.local_constraint.cuisine)
+        + (q.local_constraint.house_rule is not None)
+        + (q.local_constraint.room_type is not None)
+        + (q.local_constraint.transportation is not None)
+        for q in queries
+    )
 
 
-def aggregate(queries: Sequence[TravelQuery], evaluations: Sequence[Evaluation], *, mode: Mode = "official",
-              split: Split | None = None) -> SplitMetrics:
+def aggregate(
+    queries: Sequence[TravelQuery],
+    evaluations: Sequence[Evaluation],
+    *,
+    mode: Mode = "official",
+    split: Split | None = None,
+) -> SplitMetrics:
     if len(queries) != len(evaluations):
         raise ValueError(f"{len(queries)} queries but {len(evaluations)} plans; give one plan (or None) per query")
     if mode == "official" and split is not None:
         n, cs_total, hard_total = OFFICIAL_DENOMINATORS[split]
         if len(queries) != n:
-            raise ValueError(f"the official {split} split has {n} queries, got {len(queries)}; "
-                             f"pass split=None to use computed denominators")
+            raise ValueError(
+                f"the official {split} split has {n} queries, got {len(queries)}; "
+                f"pass split=None to use computed denominators"
+            )
     else:
         n, cs_total, hard_total = len(queries), 8 * len(queries), hard_denominator(queries)
     counts = SplitCounts(
@@ -174,7 +199,8 @@ def aggregate(queries: Sequence[TravelQuery], evaluations: Sequence[Evaluation],
         return 100.0 * num / den if den else 0.0
 
     return SplitMetrics(
-        split=split, mode=mode,
+        split=split,
+        mode=mode,
         delivery_rate=pct(counts.delivered, n),
         cs_micro=pct(counts.cs_passed, cs_total),
         cs_macro=pct(counts.cs_macro_passed, n),

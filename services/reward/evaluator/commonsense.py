@@ -43,6 +43,7 @@ COMMONSENSE_CHECKS: dict[str, str] = {
 # official mode
 # =============================================================================================
 
+
 def _official_route_cities(ctx: Context) -> tuple[list[str], Verdict | None]:
     """City list of §6.3-A (both cities of a travel day, the city of a stay day); a verdict
     when day 1 departs from somewhere other than the origin."""
@@ -126,8 +127,10 @@ def official_min_nights(ctx: Context) -> Verdict:
             rows = ctx.index.accommodations_containing(name, city)
             # checked only when exactly one row matches (quirk §8.2-8)
             if len(rows) == 1 and nights < rows[0].minimum_nights:
-                return False, (f"{short(value)} is booked for {nights} night(s) in a row but requires "
-                               f"at least {rows[0].minimum_nights:g}")
+                return False, (
+                    f"{short(value)} is booked for {nights} night(s) in a row but requires "
+                    f"at least {rows[0].minimum_nights:g}"
+                )
     return OK
 
 
@@ -230,8 +233,7 @@ def _official_city_count(ctx: Context) -> bool:
 
 def official_complete(ctx: Context) -> Verdict:
     q = ctx.query
-    counted = sum(1 for i in range(ctx.n)
-                  if ctx.day(i) != {} and ctx.days[i]["current_city"] != FILLER_CITY)
+    counted = sum(1 for i in range(ctx.n) if ctx.day(i) != {} and ctx.days[i]["current_city"] != FILLER_CITY)
     if counted != q.days:
         return False, f"the plan has {counted} filled day(s), the query asks for {q.days}"
     if not _official_city_count(ctx):
@@ -274,6 +276,7 @@ OFFICIAL = {
 # strict mode
 # =============================================================================================
 
+
 def strict_route(ctx: Context) -> Verdict:
     q, days = ctx.query, ctx.strict
     first = days[0]
@@ -308,7 +311,10 @@ def strict_attractions(ctx: Context) -> Verdict:
     for day in ctx.strict:
         for entry in day.attractions:
             if entry.key in seen:
-                return False, f"day {day.number} attraction {short(entry.raw)} was already visited on day {seen[entry.key]}"
+                return (
+                    False,
+                    f"day {day.number} attraction {short(entry.raw)} was already visited on day {seen[entry.key]}",
+                )
             seen[entry.key] = day.number
     return OK
 
@@ -356,8 +362,10 @@ def strict_current_city(ctx: Context) -> Verdict:
         allowed = day.cities
         if day.travel:
             if day.transportation and day.leg and day.leg != day.travel:
-                return False, (f"day {day.number} travels from {day.travel[0]!r} to {day.travel[1]!r} but its "
-                               f"transportation goes from {day.leg[0]!r} to {day.leg[1]!r}")
+                return False, (
+                    f"day {day.number} travels from {day.travel[0]!r} to {day.travel[1]!r} but its "
+                    f"transportation goes from {day.leg[0]!r} to {day.leg[1]!r}"
+                )
         elif day.transportation:
             return False, f"day {day.number} stays in {day.city!r} but lists transportation {short(day.transportation)}"
         for meal in MEALS:
@@ -366,13 +374,18 @@ def strict_current_city(ctx: Context) -> Verdict:
                 return False, problem
         state_of = ctx.index.city_state
         for entry in day.attractions:
-            if (not day.travel and day.city in state_of and entry.city in state_of
-                    and state_of[entry.city] == state_of[day.city]):
+            if (
+                not day.travel
+                and day.city in state_of
+                and entry.city in state_of
+                and state_of[entry.city] == state_of[day.city]
+            ):
                 continue  # a day trip to another city of the same state (as gold plan train #41 does)
             if problem := _entry_city_problem(day, "attraction", entry, allowed):
                 return False, problem
         if day.accommodation is not None and (
-                problem := _entry_city_problem(day, "accommodation", day.accommodation, allowed[-1:])):
+            problem := _entry_city_problem(day, "accommodation", day.accommodation, allowed[-1:])
+        ):
             return False, problem
     return OK
 
@@ -403,8 +416,14 @@ def strict_leg(ctx: Context, day: StrictDay) -> tuple[str | None, str | None, ob
         timed = [f for f in dated if (dep is None or f.dep_time == dep) and (arr is None or f.arr_time == arr)]
         if not timed:
             f = dated[0]
-            return kind, (f"day {day.number}: flight {number} departs {f.dep_time} and arrives {f.arr_time}, "
-                          f"not {dep or '-'} / {arr or '-'} as written"), None
+            return (
+                kind,
+                (
+                    f"day {day.number}: flight {number} departs {f.dep_time} and arrives {f.arr_time}, "
+                    f"not {dep or '-'} / {arr or '-'} as written"
+                ),
+                None,
+            )
         return kind, None, timed[0]
     if ctx.index.leg_cost(o, d, kind) is None:
         return kind, f"day {day.number}: the sandbox has no {kind} route from {o!r} to {d!r}", None
@@ -446,7 +465,10 @@ def strict_complete(ctx: Context) -> Verdict:
         cities.update(day.cities or ("",))
     cities.discard(q.org)
     if len(cities) != q.visiting_city_number:
-        return False, f"the plan visits {len(cities)} city(ies) besides the origin, the query asks for {q.visiting_city_number}"
+        return (
+            False,
+            f"the plan visits {len(cities)} city(ies) besides the origin, the query asks for {q.visiting_city_number}",
+        )
     filled = 0
     for i, day in enumerate(days):
         if day.travel and not day.transportation:

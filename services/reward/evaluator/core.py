@@ -83,11 +83,13 @@ class Evaluator:
             if not any(day.present_fields for day in ctx.strict):
                 # Checks that look for faults find none in a plan that names nothing: without this
                 # an all-'-' plan would pass 5 of 8 commonsense checks and earn a reward.
-                return not_delivered(self.mode, applicable, EMPTY_PLAN, delivered=True,
-                                     formatter_status=formatter_status)
+                return not_delivered(
+                    self.mode, applicable, EMPTY_PLAN, delivered=True, formatter_status=formatter_status
+                )
         result = Evaluation(mode=self.mode, delivered=True, applicable=applicable, formatter_status=formatter_status)
-        cs_fns, hard_fns = (commonsense.OFFICIAL, hard.OFFICIAL) if self.mode == "official" else \
-                           (commonsense.STRICT, hard.STRICT)
+        cs_fns, hard_fns = (
+            (commonsense.OFFICIAL, hard.OFFICIAL) if self.mode == "official" else (commonsense.STRICT, hard.STRICT)
+        )
         for key, fn in cs_fns.items():
             result.commonsense[key] = self._run(key, fn, ctx, result)
         result.hard_evaluated = all(result.commonsense[g].passed is True for g in GATES)
@@ -131,13 +133,19 @@ class Evaluator:
                 out.append(not_delivered(self.mode, hard.applicable(ctx), f"invalid plan: {exc}", delivered=True))
         return out
 
-    def evaluate_split(self, queries: Sequence[TravelQuery], plans: Sequence[Any],
-                       split: Split | None = None) -> SplitMetrics:
+    def evaluate_split(
+        self, queries: Sequence[TravelQuery], plans: Sequence[Any], split: Split | None = None
+    ) -> SplitMetrics:
         return aggregate(queries, self.evaluate_many(queries, plans), mode=self.mode, split=split)
 
 
-def evaluate_split(world: World | WorldIndex | Evaluator, queries: Sequence[TravelQuery], plans: Sequence[Any],
-                   mode: Mode = "official", split: Split | None = None) -> SplitMetrics:
+def evaluate_split(
+    world: World | WorldIndex | Evaluator,
+    queries: Sequence[TravelQuery],
+    plans: Sequence[Any],
+    mode: Mode = "official",
+    split: Split | None = None,
+) -> SplitMetrics:
     """The leaderboard metrics of a whole split (official denominators when `split` is named)."""
     evaluator = world if isinstance(world, Evaluator) else Evaluator(world, mode)
     if evaluator.mode != mode:

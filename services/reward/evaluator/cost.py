@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 from services.reward.evaluator.commonsense import strict_leg
 from services.reward.evaluator.context import Context
-from services.reward.evaluator.parsing import before_paren as _bp
-from services.reward.evaluator.parsing import leg_endpoints, name_city, present
+from services.reward.evaluator.parsing import before_paren as _bp, leg_endpoints, name_city, present
 from services.reward.evaluator.plan import MEALS
 
 

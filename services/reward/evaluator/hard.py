@@ -23,8 +23,13 @@ HARD_CHECKS: dict[str, str] = {
     "valid_cost": "Budget",
 }
 
-_RULE_TEXT = {"smoking": "No smoking", "parties": "No parties", "children under 10": "No children under 10",
-              "visitors": "No visitors", "pets": "No pets"}
+_RULE_TEXT = {
+    "smoking": "No smoking",
+    "parties": "No parties",
+    "children under 10": "No children under 10",
+    "visitors": "No visitors",
+    "pets": "No pets",
+}
 _ROOM_OK = {
     "not shared room": lambda t: t != "Shared room",
     "shared room": lambda t: t == "Shared room",
@@ -36,9 +41,13 @@ _ROOM_OK = {
 def applicable(ctx: Context) -> dict[str, bool]:
     """Which hard constraints the query asks for (the per-query hard-micro denominator)."""
     lc = ctx.query.local_constraint
-    return {"valid_cuisine": bool(lc.cuisine), "valid_room_rule": lc.house_rule is not None,
-            "valid_transportation": lc.transportation is not None, "valid_room_type": lc.room_type is not None,
-            "valid_cost": True}
+    return {
+        "valid_cuisine": bool(lc.cuisine),
+        "valid_room_rule": lc.house_rule is not None,
+        "valid_transportation": lc.transportation is not None,
+        "valid_room_type": lc.room_type is not None,
+        "valid_cost": True,
+    }
 
 
 def _missing_cuisine(required: list[str], covered: set[str]) -> Verdict:
@@ -58,6 +67,7 @@ def _rule_verdict(rule: str, house_rules: str, day: int, acc: str, typo: bool) -
 
 
 # --- official -----------------------------------------------------------------------------------
+
 
 def official_cuisine(ctx: Context) -> Verdict:
     required = ctx.query.local_constraint.cuisine
@@ -86,8 +96,9 @@ def official_room_rule(ctx: Context) -> Verdict:
         unit = ctx.day(i)
         if present(unit["accommodation"]):
             rows = ctx.index.accommodations_containing(*name_city(unit["accommodation"]))
-            if rows and (v := _rule_verdict(rule, str(rows[0].house_rules), i + 1, unit["accommodation"],
-                                            ctx.parties_typo)):
+            if rows and (
+                v := _rule_verdict(rule, str(rows[0].house_rules), i + 1, unit["accommodation"], ctx.parties_typo)
+            ):
                 return v
     return OK
 
@@ -113,7 +124,10 @@ def official_room_type(ctx: Context) -> Verdict:
         if present(unit["accommodation"]):
             rows = ctx.index.accommodations_containing(*name_city(unit["accommodation"]))
             if rows and not _ROOM_OK[wanted](rows[0].room_type):
-                return False, f"day {i + 1} accommodation {short(unit['accommodation'])} is a {rows[0].room_type}, not a {wanted}"
+                return (
+                    False,
+                    f"day {i + 1} accommodation {short(unit['accommodation'])} is a {rows[0].room_type}, not a {wanted}",
+                )
     return OK
 
 
@@ -138,6 +152,7 @@ OFFICIAL = {
 
 
 # --- strict -------------------------------------------------------------------------------------
+
 
 def _strict_accommodations(ctx: Context):
     for day in ctx.strict:

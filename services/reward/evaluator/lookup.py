@@ -92,16 +92,21 @@ class WorldIndex:
 
     # --- per-city tables ----------------------------------------------------------------------
     def _table(self, kind: str, city: str) -> _CityTable:
-        fetch = {"restaurants": self.world.restaurants, "accommodations": self.world.accommodations,
-                 "attractions": self.world.attractions}[kind]
+        fetch = {
+            "restaurants": self.world.restaurants,
+            "accommodations": self.world.accommodations,
+            "attractions": self.world.attractions,
+        }[kind]
         if not searchable(city):  # a NUL, a lone surrogate, a non-string: no city has that name
             return _NO_ROWS
         return self._tables[kind].get(city, lambda: _CityTable(fetch(city)))
 
     def contains(self, kind: str, name: str, city: str) -> tuple[Any, ...]:
         """Official match: rows of `city` whose name contains `name`, in table order."""
+
         def make() -> tuple[Any, ...]:
             return tuple(r for r in self._table(kind, city).rows if name in r.name)
+
         return self._matches.get((kind, "sub", name, city), make)
 
     def exact(self, kind: str, name: str, city: str) -> tuple[Any, ...]:

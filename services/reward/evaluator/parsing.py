@@ -104,7 +104,7 @@ def from_to_linear(text: str) -> tuple[str | None, str | None]:
             if e <= next_newline[start]:
                 b = b_start(e)
                 comma = text.find(",", b)
-                return text[start:e], text[b:comma if comma >= 0 else n]
+                return text[start:e], text[b : comma if comma >= 0 else n]
         s = text.find("from", s + 4)
     return None, None
 
@@ -132,7 +132,7 @@ def name_city(text: str) -> tuple[str, str]:
     if c < 0 or c == len(text) - 1:
         return "-", "-"
     start = text.rfind("\n", 0, c) + 1
-    return text[start:c].strip(), before_paren(text[c + 1:].strip()).strip()
+    return text[start:c].strip(), before_paren(text[c + 1 :].strip()).strip()
 
 
 def official_transport_kind(text: str) -> str | None:
@@ -211,8 +211,14 @@ _ARR = re.compile(r"arrival\s+time\s*:\s*(\d{1,2}:\d{2})", re.IGNORECASE)
 _KIND_PATTERNS: tuple[tuple[TransportKind, re.Pattern[str]], ...] = (
     ("flight", re.compile(r"\bflights?\b|\bflying\b|\bfly\b|\bairplane\b|\bplane\b|\bairline\b", re.IGNORECASE)),
     ("taxi", re.compile(r"\btaxis?\b|\bcabs?\b", re.IGNORECASE)),
-    ("self-driving", re.compile(r"\bself[\s_-]*driv\w*|\bdriv(?:e|es|ing|en)\b|\bdrove\b|\bcars?\b|\brental\b"
-                                r"|\broad\s*trip\b", re.IGNORECASE)),
+    (
+        "self-driving",
+        re.compile(
+            r"\bself[\s_-]*driv\w*|\bdriv(?:e|es|ing|en)\b|\bdrove\b|\bcars?\b|\brental\b"
+            r"|\broad\s*trip\b",
+            re.IGNORECASE,
+        ),
+    ),
 )
 
 
@@ -276,6 +282,8 @@ def strict_flight_number(text: str) -> str | None:
 
 def strict_times(text: str) -> tuple[str | None, str | None]:
     """(departure, arrival) times written in a flight text, zero-padded to HH:MM."""
+
     def pad(m: re.Match[str] | None) -> str | None:
         return m.group(1).zfill(5) if m else None
+
     return pad(_DEP.search(text)), pad(_ARR.search(text))

@@ -66,6 +66,7 @@ def check_sizes(days: list, n: int) -> None:
 
 # --- strict view --------------------------------------------------------------------------------
 
+
 @dataclass
 class Entry:
     """One "Name, City" value (a meal, an attraction item, an accommodation)."""
@@ -138,8 +139,15 @@ def strict_day(raw: Any, number: int) -> StrictDay:
             problems.append(f"day {number} current_city is a {type(cc).__name__}, not text")
     cc = norm_ws(cc) if isinstance(cc, str) else ""
     travel = strict_travel(cc)
-    day = StrictDay(number=number, empty=empty, current_city=cc, travel=travel,
-                    city=None if travel else (strict_city(cc) or None), transportation=None, problems=problems)
+    day = StrictDay(
+        number=number,
+        empty=empty,
+        current_city=cc,
+        travel=travel,
+        city=None if travel else (strict_city(cc) or None),
+        transportation=None,
+        problems=problems,
+    )
     if empty:
         return day
     day.transportation = _text(raw, "transportation", number, problems)

@@ -115,8 +115,9 @@ class Engine:
         gen.policy_version = version
         return gen
 
-    async def generate_chat(self, messages: list[dict[str, str]], params: TurnParams,
-                            request_id: str = "") -> Generation:
+    async def generate_chat(
+        self, messages: list[dict[str, str]], params: TurnParams, request_id: str = ""
+    ) -> Generation:
         """Text engines: one assistant reply to `messages`."""
         raise EngineError(f"the {self.name} engine takes token ids, not chat messages")
 
@@ -203,7 +204,9 @@ def drawable(alternatives: Iterable[tuple[int, float]]) -> dict[int, float]:
     return {tid: lp for tid, lp in alternatives if lp > -math.inf}
 
 
-def normalized_entropy(top_logprobs: list[dict[int, float]], first: int = 20, vocab_size: int = 151_936) -> float | None:
+def normalized_entropy(
+    top_logprobs: list[dict[int, float]], first: int = 20, vocab_size: int = 151_936
+) -> float | None:
     """ARPO's uncertainty of a segment (agent-star.md §4.6): the mean over its first `first`
     tokens of -Σ p·log p over the recorded top-k alternatives, divided by log(|vocab|)."""
     rows = [r for r in top_logprobs[:first] if r]

@@ -57,18 +57,23 @@ class _Window:
 
     started: float = field(default_factory=time.perf_counter)
     decode_steps: int = 0
-    row_steps: int = 0       # rows decoded, summed over steps: tokens sampled by decode steps
+    row_steps: int = 0  # rows decoded, summed over steps: tokens sampled by decode steps
     decode_s: float = 0.0
-    admit_s: float = 0.0     # prefill, and retiring rows
+    admit_s: float = 0.0  # prefill, and retiring rows
     admitted: int = 0
 
     def line(self) -> dict[str, float]:
         wall = max(time.perf_counter() - self.started, 1e-9)
         steps = max(self.decode_steps, 1)
-        return {"window_s": round(wall, 1), "rows_mean": round(self.row_steps / steps, 1),
-                "decode_ms_per_step": round(1000 * self.decode_s / steps, 1),
-                "tokens_per_s": round(self.row_steps / wall, 1), "admitted": self.admitted,
-                "decode_share": round(self.decode_s / wall, 3), "admit_share": round(self.admit_s / wall, 3)}
+        return {
+            "window_s": round(wall, 1),
+            "rows_mean": round(self.row_steps / steps, 1),
+            "decode_ms_per_step": round(1000 * self.decode_s / steps, 1),
+            "tokens_per_s": round(self.row_steps / wall, 1),
+            "admitted": self.admitted,
+            "decode_share": round(self.decode_s / wall, 3),
+            "admit_share": round(self.admit_s / wall, 3),
+        }
 
 
 def attention_backends():
@@ -120,8 +125,9 @@ class _KVPool:
 
     GROW = 256  # capacity grows in these steps (at least doubling), so reallocation is rare
 
-    def __init__(self, torch, layers: int, slots: int, kv_heads: int, head_dim: int, dtype, device: str,
-                 limit: int) -> None:
+    def __init__(
+        self, torch, layers: int, slots: int, kv_heads: int, head_dim: int, dtype, device: str, limit: int
+    ) -> None:
         self.torch, self.layers, self.slots = torch, layers, slots
         self.shape, self.dtype, self.device, self.limit = (kv_heads, head_dim), dtype, device, limit
         self.capacity = 0
@@ -140,7 +146,7 @@ class _KVPool:
         def bigger(old: Any) -> Any:
             new = torch.zeros((self.slots, h, capacity, d), dtype=self.dtype, device=self.device)
             if old is not None:
-                new[:, :, :old.shape[2]] = old
+                new[:, :, : old.shape[2]] = old
             return new
 
         self.keys = [bigger(self.keys[i] if self.keys else None) for i in range(self.layers)]
@@ -161,9 +167,19 @@ class TransformersEngine(Engine):
     name = "transformers"
     drains_on_update = False  # weights are swapped under the model lock, between ticks
 
-    def __init__(self, model: str | Path, *, max_model_len: int = 32768, max_batch: int = 16,
-                 dtype: str | None = None, device: str | None = None, policy_version: int = 0, tokenizer: Any = None,
-                 continuous: bool = True, prefix_cache: int | None = None) -> None:
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        max_model_len: int = 32768,
+        max_batch: int = 16,
+        dtype: str | None = None,
+        device: str | None = None,
+        policy_version: int = 0,
+        tokenizer: Any = None,
+        continuous: bool = True,
+        prefix_cache: int | None = None,
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -181,8 +197,10 @@ class TransformersEngine(Engine):
         self._head = self.model.get_output_embeddings()
         config = self.model.config
         if config.model_type not in SUPPORTED:
-            raise EngineError(f"the transformers engine runs {', '.join(SUPPORTED)} models, not {config.model_type!r}"
-                              " (serve it with vLLM: services.engine=vllm)")
+            raise EngineError(
+                f"the transformers engine runs {', '.join(SUPPORTED)} models, not {config.model_type!r}"
+                " (serve it with vLLM: services.engine=vllm)"
+            )
         self._fuse_projections()
         self.weights_path = str(model)
         self.max_batch = max_batch
@@ -200,14 +218,22 @@ class TransformersEngine(Engine):
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-decode")
         self.batches: list[int] = []  # sizes of the groups admitted (prefilled) together, for tests and metrics
         attn = self._decoder.layers[0].self_attn
-        self._pool = _KVPool(torch, config.num_hidden_layers, max_batch, config.num_key_value_heads,
-                             attn.head_dim, self.dtype, device, max_model_len or 32768)
+        self._pool = _KVPool(
+            torch,
+            config.num_hidden_layers,
+            max_batch,
+            config.num_key_value_heads,
+            attn.head_dim,
+            self.dtype,
+            device,
+            max_model_len or 32768,
+        )
         self._free = list(range(max_batch))  # slots holding nothing
         # retired rows' caches kept for their agents' next turns: tokens → slot, least recent first
         self.prefix_cache = max_batch if prefix_cache is None else prefix_cache
         self._kept: OrderedDict[tuple[int, ...], int] = OrderedDict()
         self.prefill_tokens = 0  # prompt tokens actually run through the model (for tests and metrics)
-        self.reused_tokens = 0   # prompt tokens taken from a kept cache instead
+        self.reused_tokens = 0  # prompt tokens taken from a kept cache instead
         self._window = _Window()
         self.failed_ticks = 0  # in a row
 
@@ -244,12 +270,13 @@ class TransformersEngine(Engine):
             if joining:
                 self.batches.append(len(joining))
             try:
-                finished = await asyncio.get_running_loop().run_in_executor(
-                    self._thread, self._tick, batch, joining)
+                finished = await asyncio.get_running_loop().run_in_executor(self._thread, self._tick, batch, joining)
             except Exception as exc:  # noqa: BLE001 - every waiting request learns why
                 self.failed_ticks += 1
-                log.error("transformers engine: a tick failed", extra={"error": str(exc)[:500],
-                                                                       "failed_in_a_row": self.failed_ticks})
+                log.error(
+                    "transformers engine: a tick failed",
+                    extra={"error": str(exc)[:500], "failed_in_a_row": self.failed_ticks},
+                )
                 error = EngineError(f"transformers: {type(exc).__name__}: {exc}")
                 for r in [row.request for row in batch.rows] + joining:
                     if not r.future.done():
@@ -289,8 +316,12 @@ class TransformersEngine(Engine):
                 if finished:
                     break  # answer them now rather than after the remaining steps
         if time.perf_counter() - w.started >= STATS_EVERY_S:
-            fields = {**w.line(), "rows": len(batch.rows), "kept_caches": len(self._kept),
-                      "cache_capacity": self._pool.capacity}
+            fields = {
+                **w.line(),
+                "rows": len(batch.rows),
+                "kept_caches": len(self._kept),
+                "cache_capacity": self._pool.capacity,
+            }
             if self.device.startswith("cuda"):  # what this process holds of a GPU other processes share
                 fields["gpu_reserved_gib"] = round(torch.cuda.memory_reserved(self.device) / 2**30, 2)
             # in the message, not only in `extra`: the services' plain-text logs print no extras
@@ -305,7 +336,7 @@ class TransformersEngine(Engine):
         to run, and how many tokens it holds; it leaves the kept set (its row now owns it)."""
         best = None
         for key in self._kept:
-            if len(key) < len(prompt) and (best is None or len(key) > len(best)) and tuple(prompt[:len(key)]) == key:
+            if len(key) < len(prompt) and (best is None or len(key) > len(best)) and tuple(prompt[: len(key)]) == key:
                 best = key
         return (self._kept.pop(best), len(best)) if best is not None else None
 
@@ -368,7 +399,7 @@ class TransformersEngine(Engine):
     def _prefill(self, rows: list[_Row]) -> Any:
         """Run each row's prompt from its slot's length on, in chunks; the last prompt token's logits."""
         torch = self.torch
-        new = [row.request.prompt_ids[row.length:] for row in rows]
+        new = [row.request.prompt_ids[row.length :] for row in rows]
         width = max(len(ids) for ids in new)
         start = torch.tensor([row.length for row in rows], device=self.device)
         sizes = torch.tensor([len(ids) for ids in new], device=self.device)
@@ -379,7 +410,7 @@ class TransformersEngine(Engine):
             ids = torch.full((len(rows), c1 - c0), self.pad_id, dtype=torch.long)
             for i, seq in enumerate(new):
                 part = seq[c0:c1]
-                ids[i, :len(part)] = torch.tensor(part, dtype=torch.long)
+                ids[i, : len(part)] = torch.tensor(part, dtype=torch.long)
             offsets = torch.arange(c0, c1, device=self.device)[None, :]
             valid = offsets < sizes[:, None]
             keys = max(row.length + min(len(seq), c1) for row, seq in zip(rows, new))  # host ints: no sync
@@ -417,7 +448,9 @@ class TransformersEngine(Engine):
         for layer in self._decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = _fuse(torch, [attn.q_proj, attn.k_proj, attn.v_proj], "weight")
-            bias = _fuse(torch, [attn.q_proj, attn.k_proj, attn.v_proj], "bias") if attn.q_proj.bias is not None else None
+            bias = (
+                _fuse(torch, [attn.q_proj, attn.k_proj, attn.v_proj], "bias") if attn.q_proj.bias is not None else None
+            )
             self._fused.append((qkv, bias, _fuse(torch, [mlp.gate_proj, mlp.up_proj], "weight")))
 
     def _forward(self, ids: Any, positions: Any, slots: Any, attend: Any, valid: Any | None = None) -> Any:
@@ -446,11 +479,11 @@ class TransformersEngine(Engine):
             norm = layer.input_layernorm
             x = rms_norm(h, (h.shape[-1],), norm.weight, norm.variance_epsilon)
             qkv = linear(x, qkv_w, qkv_b).view(n, s, heads + 2 * kv_heads, d)
-            qk = qkv[:, :, :heads + kv_heads]
+            qk = qkv[:, :, : heads + kv_heads]
             qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
             keys, values = pool.keys[layer_index], pool.values[layer_index]
             keys[slots[:, None], :, columns] = qk[:, :, heads:]
-            values[slots[:, None], :, columns] = qkv[:, :, heads + kv_heads:]
+            values[slots[:, None], :, columns] = qkv[:, :, heads + kv_heads :]
             out = attend(qk[:, :, :heads].transpose(1, 2), keys, values, attn.scaling)  # [n, heads, S, d]
             h = h + attn.o_proj(out.transpose(1, 2).reshape(n, s, -1))
             norm = layer.post_attention_layernorm
@@ -522,8 +555,9 @@ class TransformersEngine(Engine):
         """Draw one token per row (each with its own generator) and record its log-prob under the
         distribution it was drawn from (`_draw`), with that distribution's most probable alternatives."""
         torch = self.torch
-        tokens, drawn = _draw(torch, logits.float(), [row.request.params for row in rows],
-                              [row.generator for row in rows])
+        tokens, drawn = _draw(
+            torch, logits.float(), [row.request.params for row in rows], [row.generator for row in rows]
+        )
         chosen = drawn.gather(1, tokens[:, None])[:, 0].tolist()
         top_k = max(row.request.params.top_logprobs for row in rows)
         top_ids: list[list[int]] = []
@@ -566,8 +600,12 @@ class TransformersEngine(Engine):
             with self._model_lock:
                 return {n: tensor_digest(p) for n, p in self.model.named_parameters()}
 
-        return {"digests": await asyncio.to_thread(digests), "packed": {}, "opaque": [],
-                "dtype": str(self.dtype).removeprefix("torch.")}
+        return {
+            "digests": await asyncio.to_thread(digests),
+            "packed": {},
+            "opaque": [],
+            "dtype": str(self.dtype).removeprefix("torch."),
+        }
 
     async def _load_weights(self, path: str) -> None:
         from safetensors.torch import load_file
@@ -588,7 +626,9 @@ class TransformersEngine(Engine):
                 # Tied embeddings make lm_head.weight legitimately absent from the file.
                 missing = [k for k in missing if k != "lm_head.weight"]
                 if missing or unexpected:
-                    raise EngineError(f"weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+                    raise EngineError(
+                        f"weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+                    )
 
         state = await asyncio.to_thread(read)  # the disk read overlaps decoding: host tensors only
         await asyncio.get_running_loop().run_in_executor(self._thread, load, state)
@@ -605,7 +645,7 @@ def _fuse(torch, modules: list[Any], name: str) -> Any:
     start = 0
     for m in modules:
         size = getattr(m, name).shape[0]
-        setattr(m, name, torch.nn.Parameter(fused[start:start + size], requires_grad=False))
+        setattr(m, name, torch.nn.Parameter(fused[start : start + size], requires_grad=False))
         start += size
     return fused
 
@@ -617,8 +657,12 @@ def _round_up(n: int, step: int, limit: int) -> int:
 
 def _generation(row: _Row, stop: set[int]) -> Generation:
     finish = "stop" if row.ids and row.ids[-1] in stop and not row.request.params.ignore_stop else "length"
-    return Generation(token_ids=row.ids, logprobs=row.logprobs, finish=finish,
-                      top_logprobs=row.top if row.request.params.top_logprobs else None)
+    return Generation(
+        token_ids=row.ids,
+        logprobs=row.logprobs,
+        finish=finish,
+        top_logprobs=row.top if row.request.params.top_logprobs else None,
+    )
 
 
 NUCLEUS_CANDIDATES = 1024

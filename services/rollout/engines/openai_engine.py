@@ -19,27 +19,50 @@ class OpenAIEngine(Engine):
     name = "openai"
     token_level = False
 
-    def __init__(self, base_url: str, model: str, *, api_key: str | None = None, timeout_s: float = 120.0,
-                 retries: int = 3, backoff_s: float = 0.5, tokenizer: Any = None,
-                 extra_body: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 120.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        tokenizer: Any = None,
+        extra_body: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(tokenizer)
         self.model = model
         self.retries = retries
         self.backoff_s = backoff_s
         self.extra_body = extra_body or {}
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers,
-                                         timeout=httpx.Timeout(timeout_s))
+        self._client = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"), headers=headers, timeout=httpx.Timeout(timeout_s)
+        )
 
-    async def generate_chat(self, messages: list[dict[str, str]], params: TurnParams,
-                            request_id: str = "") -> Generation:
+    async def generate_chat(
+        self, messages: list[dict[str, str]], params: TurnParams, request_id: str = ""
+    ) -> Generation:
         await self._open.wait()
-        body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": params.max_tokens,
-                                "temperature": params.temperature, "top_p": params.top_p, **self.extra_body}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            **self.extra_body,
+        }
         if params.seed is not None:
             body["seed"] = params.seed
-        reply, last = await post_retrying(self._client, "/chat/completions", body, retries=self.retries,
-                                          backoff_s=self.backoff_s, transient=_busy_or_failing)
+        reply, last = await post_retrying(
+            self._client,
+            "/chat/completions",
+            body,
+            retries=self.retries,
+            backoff_s=self.backoff_s,
+            transient=_busy_or_failing,
+        )
         if reply is None:
             raise EngineError(f"chat API failed {self.retries + 1} times; last: {last}")
         if reply.status_code != 200:

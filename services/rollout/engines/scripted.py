@@ -25,8 +25,15 @@ Delay = Callable[[TurnParams, str], float]
 class ScriptedEngine(Engine):
     name = "scripted"
 
-    def __init__(self, tokenizer: Any, script: Script, *, max_model_len: int | None = None,
-                 append_stop: bool = True, delay_s: Delay | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        script: Script,
+        *,
+        max_model_len: int | None = None,
+        append_stop: bool = True,
+        delay_s: Delay | None = None,
+    ) -> None:
         super().__init__(tokenizer, max_model_len=max_model_len)
         self.script = script
         self.append_stop = append_stop
@@ -47,8 +54,9 @@ class ScriptedEngine(Engine):
         await self._wait(params, request_id)
         turn = self._turns.get(request_id, 0)
         self._turns[request_id] = turn + 1
-        self.calls.append({"request_id": request_id, "prompt_len": len(prompt_ids), "params": params,
-                           "prompt_ids": prompt_ids})
+        self.calls.append(
+            {"request_id": request_id, "prompt_len": len(prompt_ids), "params": params, "prompt_ids": prompt_ids}
+        )
         entry = self.script(prompt_ids, turn) if callable(self.script) else self._entry(turn)
         if isinstance(entry, BaseException):
             raise entry

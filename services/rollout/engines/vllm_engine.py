@@ -56,7 +56,8 @@ def kv_cache_bytes_from_share(share: float, card_bytes: int, weights_bytes: int,
         raise EngineError(
             f"gpu_memory_utilization {share:.2f} of a {card_bytes / gib:.1f} GiB card is {share * card_bytes / gib:.2f} "
             f"GiB: less than the weights ({weights_slice / gib:.2f} GiB) and "
-            f"{ENGINE_RESERVE_BYTES / gib:.1f} GiB of activations plus 0.25 GiB of KV cache; raise the share")
+            f"{ENGINE_RESERVE_BYTES / gib:.1f} GiB of activations plus 0.25 GiB of KV cache; raise the share"
+        )
     return kv
 
 
@@ -65,16 +66,30 @@ def weights_bytes(model: str | Path) -> int:
     return sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
 
 
-def engine_kwargs(args: VllmArgs, *, model: str, max_model_len: int, dtype: str, seed: int,
-                  on_cpu: bool, kv_cache_bytes: int | None = None) -> dict[str, Any]:
+def engine_kwargs(
+    args: VllmArgs,
+    *,
+    model: str,
+    max_model_len: int,
+    dtype: str,
+    seed: int,
+    on_cpu: bool,
+    kv_cache_bytes: int | None = None,
+) -> dict[str, Any]:
     """The `AsyncEngineArgs` keywords for `args` on this platform (a pure function: tested on CPU)."""
     eager = args.enforce_eager if args.enforce_eager is not None else on_cpu
     kw: dict[str, Any] = dict(
-        model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, max_logprobs=20,
+        model=model,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        seed=seed,
+        max_logprobs=20,
         # log-probs of the distribution sampled from (temperature, top-k, top-p), not of the raw logits
         logprobs_mode="processed_logprobs",
-        enforce_eager=eager, enable_prefix_caching=args.enable_prefix_caching,
-        tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
+        enforce_eager=eager,
+        enable_prefix_caching=args.enable_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         # ids in, ids out: vLLM never needs the tokenizer (stops are token ids)
         skip_tokenizer_init=True,
@@ -148,13 +163,15 @@ def sampled_logprobs(rows: Any, ids: list[int], top_k: int) -> tuple[list[float]
         top = None
         if top_k:
             tids = rows.token_ids
-            top = [drawable(zip(tids[s + 1:e], flat[s + 1:e])) for s, e in zip(starts, ends)]
+            top = [drawable(zip(tids[s + 1 : e], flat[s + 1 : e])) for s, e in zip(starts, ends)]
         return logprobs, top
     logprobs = [row[t].logprob for t, row in zip(ids, rows)]
     top = None
     if top_k:
-        top = [drawable((tid, lp.logprob) for tid, lp in row.items() if lp.rank is not None and lp.rank <= top_k)
-               for row in rows]
+        top = [
+            drawable((tid, lp.logprob) for tid, lp in row.items() if lp.rank is not None and lp.rank <= top_k)
+            for row in rows
+        ]
     return logprobs, top
 
 
@@ -167,9 +184,19 @@ class VllmEngine(Engine):
     # weights load between engine steps with turns in flight (see the module docstring)
     drains_on_update = False
 
-    def __init__(self, model: str | Path, *, max_model_len: int = 32768, dtype: str = "bfloat16",
-                 seed: int = 0, args: VllmArgs | dict[str, Any] | None = None, kv_cache_gib: int | None = None,
-                 policy_version: int = 0, tokenizer: Any = None, **extra: Any) -> None:
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        max_model_len: int = 32768,
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        args: VllmArgs | dict[str, Any] | None = None,
+        kv_cache_gib: int | None = None,
+        policy_version: int = 0,
+        tokenizer: Any = None,
+        **extra: Any,
+    ) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         if kv_cache_gib is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
@@ -196,10 +223,21 @@ class VllmEngine(Engine):
             from vllm.platforms import current_platform
 
             # NVML's figure: no CUDA context in this process
-            kv_bytes = kv_cache_bytes_from_share(args.gpu_memory_utilization, current_platform.get_device_total_memory(),
-                                                 weights_bytes(model), args.tensor_parallel_size)
-        kwargs = engine_kwargs(args, model=str(model), max_model_len=max_model_len, dtype=dtype, seed=seed, on_cpu=cpu,
-                               kv_cache_bytes=kv_bytes)
+            kv_bytes = kv_cache_bytes_from_share(
+                args.gpu_memory_utilization,
+                current_platform.get_device_total_memory(),
+                weights_bytes(model),
+                args.tensor_parallel_size,
+            )
+        kwargs = engine_kwargs(
+            args,
+            model=str(model),
+            max_model_len=max_model_len,
+            dtype=dtype,
+            seed=seed,
+            on_cpu=cpu,
+            kv_cache_bytes=kv_bytes,
+        )
         try:
             # Rollout is batch inference: vLLM's LLM-class defaults for the card (on an H100: 16,384
             # batched tokens a step and 1,024 sequences) rather than the engine context's 2,048 tokens,
@@ -220,11 +258,18 @@ class VllmEngine(Engine):
         from vllm.sampling_params import RequestOutputKind
 
         sampling = SamplingParams(
-            n=1, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else -1, seed=params.seed if self.seeded else None,
-            logprobs=params.top_logprobs, stop_token_ids=[] if params.ignore_stop else list(self._stop_list),
-            ignore_eos=params.ignore_stop, skip_special_tokens=False,
-            detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+            n=1,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1,
+            seed=params.seed if self.seeded else None,
+            logprobs=params.top_logprobs,
+            stop_token_ids=[] if params.ignore_stop else list(self._stop_list),
+            ignore_eos=params.ignore_stop,
+            skip_special_tokens=False,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
             # log-probs kept as flat lists, not a dict of Logprob objects per sampled token: vLLM's
             # front end appends each step's rows for every running request, on the event loop
             flat_logprobs=True,
@@ -309,11 +354,20 @@ class VllmEngine(Engine):
 
         if self.args.weight_transfer != "nccl":
             raise EngineError("this engine was started without weight_transfer: nccl")
-        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=dict(
-            master_address=master_address, master_port=master_port, rank_offset=rank_offset, world_size=world_size)))
+        await self.llm.init_weight_transfer_engine(
+            WeightTransferInitRequest(
+                init_info=dict(
+                    master_address=master_address,
+                    master_port=master_port,
+                    rank_offset=rank_offset,
+                    world_size=world_size,
+                )
+            )
+        )
 
-    async def receive_weights(self, names: list[str], dtype_names: list[str], shapes: list[list[int]],
-                              version: int, *, packed: bool = True) -> dict[str, float]:
+    async def receive_weights(
+        self, names: list[str], dtype_names: list[str], shapes: list[list[int]], version: int, *, packed: bool = True
+    ) -> dict[str, float]:
         """Receive one version's tensors from the learner's broadcast and load them in place."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
@@ -375,6 +429,7 @@ class VllmEngine(Engine):
     async def receive_ipc(self, chunk: dict[str, Any], *, first: bool, last: bool, version: int) -> dict[str, Any]:
         """Load one packed chunk of `version` from the learner's CUDA buffer; the last one finishes the
         update (layerwise processing, buffers restored after a level-2 sleep) and takes the version."""
+
         async def load(finish: bool) -> Any:
             return await self.llm.collective_rpc(_receive_ipc_chunk, kwargs={**chunk, "first": first, "last": finish})
 
@@ -398,8 +453,17 @@ def _keep_buffers(worker: Any) -> int:
     return len(worker._star_buffers)
 
 
-def _receive_ipc_chunk(worker: Any, *, names: list[str], dtype_names: list[str], shapes: list[list[int]],
-                       tensor_sizes: list[int], handles: str, first: bool, last: bool) -> dict[str, Any]:
+def _receive_ipc_chunk(
+    worker: Any,
+    *,
+    names: list[str],
+    dtype_names: list[str],
+    shapes: list[list[int]],
+    tensor_sizes: list[int],
+    handles: str,
+    first: bool,
+    last: bool,
+) -> dict[str, Any]:
     """Runs inside the vLLM worker: rebuild the learner's packed CUDA buffer from its IPC handle (this
     GPU's entry), load its tensors through vLLM's layerwise reload (started by the first chunk, finished
     by the last), and after the last put back the buffers kept before a level-2 sleep, checking them."""
@@ -414,9 +478,14 @@ def _receive_ipc_chunk(worker: Any, *, names: list[str], dtype_names: list[str],
     if first:
         initialize_layerwise_reload(model)
     if names:
-        weights = packed_ipc_consumer(ipc_handle=pickle.loads(base64.b64decode(handles)), names=names, shapes=shapes,
-                                      dtype_names=dtype_names, tensor_sizes=tensor_sizes,
-                                      device_index=worker.device.index)
+        weights = packed_ipc_consumer(
+            ipc_handle=pickle.loads(base64.b64decode(handles)),
+            names=names,
+            shapes=shapes,
+            dtype_names=dtype_names,
+            tensor_sizes=tensor_sizes,
+            device_index=worker.device.index,
+        )
         model.load_weights(weights)
         del weights
     out: dict[str, Any] = {}
@@ -446,6 +515,9 @@ def _parameter_digests(worker: Any) -> dict[str, Any]:
     # failed in-place reload leaves parameters without data (meta): those cannot be read back, and are
     # named as such (the check then does not pass)
     opaque = {n for n, p in params if p.numel() == 0 or p.is_meta}
-    return {"digests": tensor_digests((n, p) for n, p in params if n not in opaque), "opaque": sorted(opaque),
-            "packed": dict(getattr(model, "packed_modules_mapping", {}) or {}),
-            "dtype": str(params[0][1].dtype).removeprefix("torch.") if params else None}
+    return {
+        "digests": tensor_digests((n, p) for n, p in params if n not in opaque),
+        "opaque": sorted(opaque),
+        "packed": dict(getattr(model, "packed_modules_mapping", {}) or {}),
+        "dtype": str(params[0][1].dtype).removeprefix("torch.") if params else None,
+    }

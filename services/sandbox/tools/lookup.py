@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError, TimeoutError as PoolTimeout
 
 from services.sandbox.world import World
-from services.sandbox.world.store import searchable
 from services.sandbox.world.rows import Accommodation, Attraction, Distance, Flight, Restaurant
+from services.sandbox.world.store import searchable
+
 
 class BackendError(RuntimeError):
     """The world database could not answer (connection, lock, timeout)."""

@@ -34,22 +34,41 @@ from services.sandbox.world.rows import Accommodation, Attraction, Distance, Fli
 Outcome = tuple[str, bool]
 
 FLIGHT_COLUMNS = (
-    Column("Flight Number", "str"), Column("Price", "int"), Column("DepTime", "str"), Column("ArrTime", "str"),
-    Column("ActualElapsedTime", "str"), Column("FlightDate", "str"), Column("OriginCityName", "str"),
-    Column("DestCityName", "str"), Column("Distance", "float"),
+    Column("Flight Number", "str"),
+    Column("Price", "int"),
+    Column("DepTime", "str"),
+    Column("ArrTime", "str"),
+    Column("ActualElapsedTime", "str"),
+    Column("FlightDate", "str"),
+    Column("OriginCityName", "str"),
+    Column("DestCityName", "str"),
+    Column("Distance", "float"),
 )
 ACCOMMODATION_COLUMNS = (
-    Column("NAME", "str"), Column("price", "float"), Column("room type", "str"), Column("house_rules", "str"),
-    Column("minimum nights", "float"), Column("maximum occupancy", "int"), Column("review rate number", "float"),
+    Column("NAME", "str"),
+    Column("price", "float"),
+    Column("room type", "str"),
+    Column("house_rules", "str"),
+    Column("minimum nights", "float"),
+    Column("maximum occupancy", "int"),
+    Column("review rate number", "float"),
     Column("city", "str"),
 )
 RESTAURANT_COLUMNS = (
-    Column("Name", "str"), Column("Average Cost", "int"), Column("Cuisines", "str"),
-    Column("Aggregate Rating", "float"), Column("City", "str"),
+    Column("Name", "str"),
+    Column("Average Cost", "int"),
+    Column("Cuisines", "str"),
+    Column("Aggregate Rating", "float"),
+    Column("City", "str"),
 )
 ATTRACTION_COLUMNS = (
-    Column("Name", "str"), Column("Latitude", "float"), Column("Longitude", "float"), Column("Address", "str"),
-    Column("Phone", "str"), Column("Website", "str"), Column("City", "str"),
+    Column("Name", "str"),
+    Column("Latitude", "float"),
+    Column("Longitude", "float"),
+    Column("Address", "str"),
+    Column("Phone", "str"),
+    Column("Website", "str"),
+    Column("City", "str"),
 )
 
 ILLEGAL = {
@@ -152,8 +171,14 @@ class OfficialTools(ToolDialect):
     tables with the CSV row index, like the released reference information.
     """
 
-    def __init__(self, world: World, *, city_set: Sequence[str] | None = None,
-                 restaurant_index: bool = False, reader: lookup.WorldLookup | None = None) -> None:
+    def __init__(
+        self,
+        world: World,
+        *,
+        city_set: Sequence[str] | None = None,
+        restaurant_index: bool = False,
+        reader: lookup.WorldLookup | None = None,
+    ) -> None:
         super().__init__(world, reader=reader)
         cities = list(city_set) if city_set is not None else self.lookup.searchable_cities
         self._city_set = frozenset(cities)

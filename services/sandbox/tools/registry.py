@@ -67,7 +67,7 @@ TOOL_SPECS: tuple[ToolSpec, ...] = (
         name="SearchFlight",
         official_name="FlightSearch",
         description="List every flight from one city to another on a given day, with flight number, "
-                    "ticket price per person, departure and arrival times, duration and distance.",
+        "ticket price per person, departure and arrival times, duration and distance.",
         params=(
             Param("departure", "City the flight leaves from. " + _CITY, aliases=("origin",)),
             Param("destination", "City the flight arrives in. " + _CITY),
@@ -79,12 +79,16 @@ TOOL_SPECS: tuple[ToolSpec, ...] = (
         name="GoogleDistanceMatrix",
         official_name="GoogleDistanceMatrix",
         description="Road trip between two cities: driving time, distance and the cost of going by "
-                    "self-driving or by taxi.",
+        "self-driving or by taxi.",
         params=(
             Param("departure", "City the trip starts in. " + _CITY, aliases=("origin",)),
             Param("destination", "City the trip ends in. " + _CITY),
-            Param("mode", "How to travel: 'driving' (your own car) or 'taxi'. Defaults to driving.",
-                  enum=DISTANCE_MODES, default="driving"),
+            Param(
+                "mode",
+                "How to travel: 'driving' (your own car) or 'taxi'. Defaults to driving.",
+                enum=DISTANCE_MODES,
+                default="driving",
+            ),
         ),
         required=("departure", "destination"),
     ),
@@ -92,7 +96,7 @@ TOOL_SPECS: tuple[ToolSpec, ...] = (
         name="SearchAccommodation",
         official_name="AccommodationSearch",
         description="List the places to stay in a city: nightly price, room type, house rules, minimum "
-                    "stay, maximum occupancy and review score.",
+        "stay, maximum occupancy and review score.",
         params=(Param("city", "City to stay in. " + _CITY),),
         required=("city",),
     ),

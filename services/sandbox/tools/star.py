@@ -90,13 +90,18 @@ class StarTools(ToolDialect):
         dep, dst, date = _scalar(args, "departure"), _scalar(args, "destination"), _scalar(args, "date")
         rows = self.lookup.flights(dep, dst, date)
         if not rows:
-            return (f"There is no available flight from {dep} to {dst} on {date}. "
-                    "Please rethink your flight search and try again."), False
-        lines = [f"{i}. [{f.flight_number}] ${f.price}. Departure: {f.dep_time}, Arrival: {f.arr_time}, "
-                 f"Actual Elapsed Time: {f.elapsed}, Distance: {f.distance} miles\n"
-                 for i, f in enumerate(rows, 1)]
-        return (f"A SearchFlight for {dep} to {dst} on {date} found the following {len(rows)} flights:\n"
-                + "\n".join(lines)), True
+            return (
+                f"There is no available flight from {dep} to {dst} on {date}. "
+                "Please rethink your flight search and try again."
+            ), False
+        lines = [
+            f"{i}. [{f.flight_number}] ${f.price}. Departure: {f.dep_time}, Arrival: {f.arr_time}, "
+            f"Actual Elapsed Time: {f.elapsed}, Distance: {f.distance} miles\n"
+            for i, f in enumerate(rows, 1)
+        ]
+        return (
+            f"A SearchFlight for {dep} to {dst} on {date} found the following {len(rows)} flights:\n" + "\n".join(lines)
+        ), True
 
     def distance(self, args: Mapping[str, Any]) -> Outcome:
         if "departure" not in args or "destination" not in args:
@@ -111,11 +116,15 @@ class StarTools(ToolDialect):
         km = parse_km(row.distance)
         cost = int(km * 0.05) if mode_contains(mode, "driving") else int(km)  # anything else is a taxi
         if "day" in row.duration:
-            return ("The required time exceeds a single day, we cannot provide the cost. "
-                    "Please consider an alternative transportation instead."), False
-        return ("A GoogleDistanceMatrix found the following information:\n"
-                f"{mode}, from {origin} to {dest}, duration: {row.duration}, distance: {row.distance}, "
-                f"cost: ${cost}"), True
+            return (
+                "The required time exceeds a single day, we cannot provide the cost. "
+                "Please consider an alternative transportation instead."
+            ), False
+        return (
+            "A GoogleDistanceMatrix found the following information:\n"
+            f"{mode}, from {origin} to {dest}, duration: {row.duration}, distance: {row.distance}, "
+            f"cost: ${cost}"
+        ), True
 
     def search_accommodation(self, args: Mapping[str, Any]) -> Outcome:
         if "city" not in args:
@@ -123,14 +132,18 @@ class StarTools(ToolDialect):
         city = _scalar(args, "city")
         rows = self.lookup.accommodations(city)
         if not rows:
-            return (f"There is no accommodation in {city}. "
-                    "Please rethink your accommodation search and try again."), False
-        lines = [f"{i}. [{a.name}] ${a.price}. Room Type: {a.room_type}, House Rules: {a.house_rules}, "
-                 f"Minimum Nights: {a.minimum_nights}, Maximum Occupancy: {a.maximum_occupancy}, "
-                 f"Review Rate Number: {a.review_rate}\n"
-                 for i, a in enumerate(rows, 1)]
-        return (f"A SearchAccommodation for {city} found the following {len(lines)} accommodations:\n"
-                + "\n".join(lines)), True
+            return (
+                f"There is no accommodation in {city}. Please rethink your accommodation search and try again."
+            ), False
+        lines = [
+            f"{i}. [{a.name}] ${a.price}. Room Type: {a.room_type}, House Rules: {a.house_rules}, "
+            f"Minimum Nights: {a.minimum_nights}, Maximum Occupancy: {a.maximum_occupancy}, "
+            f"Review Rate Number: {a.review_rate}\n"
+            for i, a in enumerate(rows, 1)
+        ]
+        return (
+            f"A SearchAccommodation for {city} found the following {len(lines)} accommodations:\n" + "\n".join(lines)
+        ), True
 
     def search_restaurant(self, args: Mapping[str, Any]) -> Outcome:
         if "city" not in args:
@@ -138,12 +151,14 @@ class StarTools(ToolDialect):
         city = _scalar(args, "city")
         rows = self.lookup.restaurants(city)
         if not rows:
-            return (f"There is no restaurant in {city}. "
-                    "Please rethink your restaurant search and try again."), False
-        lines = [f"{i}. [{r.name}] Avg. Cost ${r.average_cost}. Cuisines: {r.cuisines}. Rating: {r.rating}\n"
-                 for i, r in enumerate(rows, 1)]
-        return (f"A SearchRestaurant for city {city} found the following {len(lines)} restaurants:\n"
-                + "\n".join(lines)), True
+            return (f"There is no restaurant in {city}. Please rethink your restaurant search and try again."), False
+        lines = [
+            f"{i}. [{r.name}] Avg. Cost ${r.average_cost}. Cuisines: {r.cuisines}. Rating: {r.rating}\n"
+            for i, r in enumerate(rows, 1)
+        ]
+        return (
+            f"A SearchRestaurant for city {city} found the following {len(lines)} restaurants:\n" + "\n".join(lines)
+        ), True
 
     def search_attraction(self, args: Mapping[str, Any]) -> Outcome:
         if "city" not in args:
@@ -151,12 +166,13 @@ class StarTools(ToolDialect):
         city = _scalar(args, "city")
         rows = self.lookup.attractions(city)
         if not rows:
-            return (f"There is no attraction in {city}. "
-                    "Please rethink your attraction search and try again."), False
-        lines = [f"{i}. [{t.name}]({t.website}) Address: {t.address}. Contact: {t.phone}\n"
-                 for i, t in enumerate(rows, 1)]
-        return (f"A SearchAttraction for city {city} found the following {len(lines)} attractions:\n"
-                + "\n".join(lines)), True
+            return (f"There is no attraction in {city}. Please rethink your attraction search and try again."), False
+        lines = [
+            f"{i}. [{t.name}]({t.website}) Address: {t.address}. Contact: {t.phone}\n" for i, t in enumerate(rows, 1)
+        ]
+        return (
+            f"A SearchAttraction for city {city} found the following {len(lines)} attractions:\n" + "\n".join(lines)
+        ), True
 
     def search_city(self, args: Mapping[str, Any]) -> Outcome:
         if "state" not in args:

@@ -40,8 +40,9 @@ class Column:
     kind: ColumnKind
 
 
-def render_table(columns: Sequence[Column], rows: Sequence[Sequence[Any]], *,
-                 index: Sequence[int] | None = None) -> str:
+def render_table(
+    columns: Sequence[Column], rows: Sequence[Sequence[Any]], *, index: Sequence[int] | None = None
+) -> str:
     """`DataFrame(rows, columns).to_string(index=False)`, or `.to_string()` with `index` given."""
     lead = index is not None
     blocks: list[list[str]] = []

@@ -60,9 +60,18 @@ class ToolBox:
     - `city_set`, `restaurant_index`: official-dialect options (see `OfficialTools`).
     """
 
-    def __init__(self, world: World, dialect: str = "star", fault_rate: float = 0.0, fault_seed: int = 0,
-                 cache_size: int = 4096, *, per_tool_fault_rates: Mapping[str, float] | None = None,
-                 city_set: Sequence[str] | None = None, restaurant_index: bool = False) -> None:
+    def __init__(
+        self,
+        world: World,
+        dialect: str = "star",
+        fault_rate: float = 0.0,
+        fault_seed: int = 0,
+        cache_size: int = 4096,
+        *,
+        per_tool_fault_rates: Mapping[str, float] | None = None,
+        city_set: Sequence[str] | None = None,
+        restaurant_index: bool = False,
+    ) -> None:
         self.world = world
         self.dialect = check_dialect(dialect)
         reader = WorldLookup(world)
@@ -80,13 +89,25 @@ class ToolBox:
 
     @classmethod
     def from_settings(cls, world: World, settings: Any) -> ToolBox:
-        return cls(world, dialect=settings.tool_dialect, fault_rate=settings.fault_rate,
-                   fault_seed=settings.fault_seed, cache_size=settings.tool_cache_size)
+        return cls(
+            world,
+            dialect=settings.tool_dialect,
+            fault_rate=settings.fault_rate,
+            fault_seed=settings.fault_seed,
+            cache_size=settings.tool_cache_size,
+        )
 
     # --- calling --------------------------------------------------------------------------
-    def call(self, name: str, arguments: Mapping[str, Any] | None = None, *, dialect: str | None = None,
-             fault_rate: float | None = None, fault_seed: int | None = None,
-             fault_key: str | None = None) -> ToolResult:
+    def call(
+        self,
+        name: str,
+        arguments: Mapping[str, Any] | None = None,
+        *,
+        dialect: str | None = None,
+        fault_rate: float | None = None,
+        fault_seed: int | None = None,
+        fault_key: str | None = None,
+    ) -> ToolResult:
         """Run tool `name` (star or official name) with `arguments`."""
         t0 = time.perf_counter()
         spec = resolve_tool(name)
@@ -168,8 +189,13 @@ class ToolBox:
     def cache_info(self) -> dict[str, int | bool]:
         with self._lock:
             hits = sum(c["cache_hits"] for c in self._stats.values())
-            return {"enabled": self._cache_size > 0, "max_size": self._cache_size, "size": len(self._cache),
-                    "hits": hits, "misses": self._cache_misses}
+            return {
+                "enabled": self._cache_size > 0,
+                "max_size": self._cache_size,
+                "size": len(self._cache),
+                "hits": hits,
+                "misses": self._cache_misses,
+            }
 
     def set_cache_size(self, size: int) -> None:
         """Resize the result cache; 0 switches it off (and empties it)."""

@@ -75,8 +75,16 @@ def build_official_world(
             covered |= triples
         flight_source = f"synthetic(seed={seed}, scale={flight_scale}) + {len(fixed)} reference rows"
         coords = city_coordinates_from_attractions(r for r in attraction_rows if r[-1])
-        stream = generate(cities, distance_rows, seed=seed, fixed=fixed, covered=covered, dates=flight_dates,
-                          scale=flight_scale, coords=coords)
+        stream = generate(
+            cities,
+            distance_rows,
+            seed=seed,
+            fixed=fixed,
+            covered=covered,
+            dates=flight_dates,
+            scale=flight_scale,
+            coords=coords,
+        )
         n = writer.insert("flights", _report(_visible(stream), "flights", progress))
     else:
         flight_source, n = "none", 0
@@ -148,8 +156,9 @@ def build_synthetic_world(
             hidden_flights += not row[-1]
             yield row
 
-    total["flights"] = writer.insert("flights", _report(count_hidden(synthetic.iter_flights(world, seed)), "flights",
-                                                        progress))
+    total["flights"] = writer.insert(
+        "flights", _report(count_hidden(synthetic.iter_flights(world, seed)), "flights", progress)
+    )
 
     def visible(rows, flag=-1):
         return sum(1 for r in rows if r[flag])

@@ -66,27 +66,97 @@ RED_EYE_SHARE = 0.03
 
 # Rough traffic weights of the big airports among the official city names (heavier = busier).
 OFFICIAL_HUBS: dict[str, float] = {
-    "Atlanta": 10, "Dallas": 9, "Denver": 9, "Chicago": 9, "Los Angeles": 9, "New York": 9,
-    "Charlotte": 7, "Las Vegas": 7, "Orlando": 7, "Seattle": 7, "Phoenix": 7, "Houston": 7,
-    "San Francisco": 7, "Washington": 6, "Miami": 6, "Boston": 6, "Minneapolis": 6, "Detroit": 6,
-    "Philadelphia": 6, "Newark": 5, "Fort Lauderdale": 5, "Baltimore": 5, "Salt Lake City": 5,
-    "San Diego": 5, "Tampa": 5, "Nashville": 5, "Austin": 5,
-    "Portland": 4, "St. Louis": 4, "Honolulu": 4, "Kansas City": 3, "Sacramento": 3, "San Jose": 3,
-    "Raleigh": 3, "New Orleans": 3, "Indianapolis": 3, "Cleveland": 3, "Pittsburgh": 3,
-    "Cincinnati": 3, "Columbus": 3, "San Antonio": 3, "Oakland": 3, "Anchorage": 3, "San Juan": 3,
-    "Santa Ana": 3, "Milwaukee": 2.5, "Jacksonville": 2.5, "Memphis": 2.5, "Buffalo": 2.5,
-    "Albuquerque": 2.5, "Omaha": 2.5, "Tucson": 2.5, "Boise": 2.5, "Reno": 2.5, "El Paso": 2.5,
-    "Oklahoma City": 2.5, "Burbank": 2.5, "Long Beach": 2.5, "Kahului": 2.5, "Charleston": 2,
-    "Richmond": 2, "Norfolk": 2, "Louisville": 2, "Hartford": 2, "Providence": 2, "Spokane": 2,
-    "Des Moines": 2, "Tulsa": 2, "Birmingham": 2, "West Palm Beach": 2, "Fort Myers": 2,
+    "Atlanta": 10,
+    "Dallas": 9,
+    "Denver": 9,
+    "Chicago": 9,
+    "Los Angeles": 9,
+    "New York": 9,
+    "Charlotte": 7,
+    "Las Vegas": 7,
+    "Orlando": 7,
+    "Seattle": 7,
+    "Phoenix": 7,
+    "Houston": 7,
+    "San Francisco": 7,
+    "Washington": 6,
+    "Miami": 6,
+    "Boston": 6,
+    "Minneapolis": 6,
+    "Detroit": 6,
+    "Philadelphia": 6,
+    "Newark": 5,
+    "Fort Lauderdale": 5,
+    "Baltimore": 5,
+    "Salt Lake City": 5,
+    "San Diego": 5,
+    "Tampa": 5,
+    "Nashville": 5,
+    "Austin": 5,
+    "Portland": 4,
+    "St. Louis": 4,
+    "Honolulu": 4,
+    "Kansas City": 3,
+    "Sacramento": 3,
+    "San Jose": 3,
+    "Raleigh": 3,
+    "New Orleans": 3,
+    "Indianapolis": 3,
+    "Cleveland": 3,
+    "Pittsburgh": 3,
+    "Cincinnati": 3,
+    "Columbus": 3,
+    "San Antonio": 3,
+    "Oakland": 3,
+    "Anchorage": 3,
+    "San Juan": 3,
+    "Santa Ana": 3,
+    "Milwaukee": 2.5,
+    "Jacksonville": 2.5,
+    "Memphis": 2.5,
+    "Buffalo": 2.5,
+    "Albuquerque": 2.5,
+    "Omaha": 2.5,
+    "Tucson": 2.5,
+    "Boise": 2.5,
+    "Reno": 2.5,
+    "El Paso": 2.5,
+    "Oklahoma City": 2.5,
+    "Burbank": 2.5,
+    "Long Beach": 2.5,
+    "Kahului": 2.5,
+    "Charleston": 2,
+    "Richmond": 2,
+    "Norfolk": 2,
+    "Louisville": 2,
+    "Hartford": 2,
+    "Providence": 2,
+    "Spokane": 2,
+    "Des Moines": 2,
+    "Tulsa": 2,
+    "Birmingham": 2,
+    "West Palm Beach": 2,
+    "Fort Myers": 2,
 }
 
-US_STATES = frozenset("""Alabama Alaska Arizona Arkansas California Colorado Connecticut Delaware Florida Georgia
+US_STATES = frozenset(
+    """Alabama Alaska Arizona Arkansas California Colorado Connecticut Delaware Florida Georgia
 Hawaii Idaho Illinois Indiana Iowa Kansas Kentucky Louisiana Maine Maryland Massachusetts Michigan Minnesota
 Mississippi Missouri Montana Nebraska Nevada Ohio Oklahoma Oregon Pennsylvania Tennessee Texas Utah Vermont
-Virginia Washington Wisconsin Wyoming""".split()) | {
-    "New Hampshire", "New Jersey", "New Mexico", "New York", "North Carolina", "North Dakota",
-    "Rhode Island", "South Carolina", "South Dakota", "West Virginia", "District of Columbia"}
+Virginia Washington Wisconsin Wyoming""".split()
+) | {
+    "New Hampshire",
+    "New Jersey",
+    "New Mexico",
+    "New York",
+    "North Carolina",
+    "North Dakota",
+    "Rhode Island",
+    "South Carolina",
+    "South Dakota",
+    "West Virginia",
+    "District of Columbia",
+}
 
 _NUM_KM = re.compile(r"^\s*([\d,]*\.?\d+)\s*(km|m)\s*$")
 
@@ -169,7 +239,9 @@ class RoutePlan:
         return len(self.origin)
 
     def pairs(self) -> dict[tuple[str, str], int]:
-        return {(self.names[o], self.names[d]): i for i, (o, d) in enumerate(zip(self.origin.tolist(), self.dest.tolist()))}
+        return {
+            (self.names[o], self.names[d]): i for i, (o, d) in enumerate(zip(self.origin.tolist(), self.dest.tolist()))
+        }
 
 
 def city_coordinates_from_attractions(rows: Iterable[Sequence]) -> dict[str, tuple[float, float]]:
@@ -298,8 +370,18 @@ def plan_routes(
     base = (weight[o] * weight[d]) ** WEIGHT_EXPONENT * _distance_factor(mi)
     rate = _calibrate(base, scale * OFFICIAL_DAILY, keep)
     sel = keep
-    return RoutePlan(names, o[sel].astype(np.int32), d[sel].astype(np.int32), mi[sel], src[sel], road[o, d][sel],
-                     rate[sel], elapsed_mean[sel], price_per_mile[sel], shift[sel])
+    return RoutePlan(
+        names,
+        o[sel].astype(np.int32),
+        d[sel].astype(np.int32),
+        mi[sel],
+        src[sel],
+        road[o, d][sel],
+        rate[sel],
+        elapsed_mean[sel],
+        price_per_mile[sel],
+        shift[sel],
+    )
 
 
 def _distance_factor(mi: np.ndarray) -> np.ndarray:
@@ -439,8 +521,10 @@ def synthesize_flights(
         hi = np.maximum(lo, np.minimum(hi, LATEST_DEP))
         dep = lo + np.floor(rng.random(m) * (hi - lo + 1)).astype(np.int64)
         arr = dep + e + s
-        price = np.maximum(15, np.rint(miles_f[r] * plan.price_per_mile[r] * np.clip(rng.lognormal(0, 0.2, m), 0.6, 1.9)))
-        nums = numbers[start:start + m]
+        price = np.maximum(
+            15, np.rint(miles_f[r] * plan.price_per_mile[r] * np.clip(rng.lognormal(0, 0.2, m), 0.6, 1.9))
+        )
+        nums = numbers[start : start + m]
         start += m
         cols = (
             [f"F{x:07d}" for x in nums.tolist()],

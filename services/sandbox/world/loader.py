@@ -36,7 +36,7 @@ class OfficialLayout:
     flights: Path | None
 
     @classmethod
-    def find(cls, root: Path) -> "OfficialLayout":
+    def find(cls, root: Path) -> OfficialLayout:
         root = Path(root)
         if (root / "database").is_dir() and not (root / "background").is_dir():
             root = root / "database"  # accept the parent of `database/` too
@@ -93,15 +93,31 @@ def read_cities(layout: OfficialLayout) -> list[City]:
 
 def read_accommodations(path: Path) -> Iterator[tuple]:
     df = pd.read_csv(path)
-    cols = ["NAME", "price", "room type", "house_rules", "minimum nights", "maximum occupancy",
-            "review rate number", "city"]
+    cols = [
+        "NAME",
+        "price",
+        "room type",
+        "house_rules",
+        "minimum nights",
+        "maximum occupancy",
+        "review rate number",
+        "city",
+    ]
     _require(df, cols, path)
     for raw in df.itertuples(index=False):
         full = tuple(raw)  # visibility is judged on every column, as `dropna()` does
         r = dict(zip(df.columns, full))
-        yield (_opt(r["NAME"], str), _opt(r["price"], float), _opt(r["room type"], str), _opt(r["house_rules"], str),
-               _opt(r["minimum nights"], float), _opt(r["maximum occupancy"], int),
-               _opt(r["review rate number"], float), _opt(r["city"], str), _visible(full))
+        yield (
+            _opt(r["NAME"], str),
+            _opt(r["price"], float),
+            _opt(r["room type"], str),
+            _opt(r["house_rules"], str),
+            _opt(r["minimum nights"], float),
+            _opt(r["maximum occupancy"], int),
+            _opt(r["review rate number"], float),
+            _opt(r["city"], str),
+            _visible(full),
+        )
 
 
 def read_restaurants(path: Path) -> Iterator[tuple]:
@@ -113,8 +129,15 @@ def read_restaurants(path: Path) -> Iterator[tuple]:
         full = tuple(raw)
         r = dict(zip(df.columns, full))
         src = _opt(r[index_col], int) if index_col else pos
-        yield (src, _opt(r["Name"], str), _opt(r["Average Cost"], int), _opt(r["Cuisines"], str),
-               _opt(r["Aggregate Rating"], float), _opt(r["City"], str), _visible(full))
+        yield (
+            src,
+            _opt(r["Name"], str),
+            _opt(r["Average Cost"], int),
+            _opt(r["Cuisines"], str),
+            _opt(r["Aggregate Rating"], float),
+            _opt(r["City"], str),
+            _visible(full),
+        )
 
 
 def read_attractions(path: Path) -> Iterator[tuple]:
@@ -124,8 +147,16 @@ def read_attractions(path: Path) -> Iterator[tuple]:
     for raw in df.itertuples(index=False):
         full = tuple(raw)
         r = dict(zip(df.columns, full))
-        yield (_opt(r["Name"], str), _opt(r["Latitude"], float), _opt(r["Longitude"], float), _opt(r["Address"], str),
-               _opt(r["Phone"], str), _opt(r["Website"], str), _opt(r["City"], str), _visible(full))
+        yield (
+            _opt(r["Name"], str),
+            _opt(r["Latitude"], float),
+            _opt(r["Longitude"], float),
+            _opt(r["Address"], str),
+            _opt(r["Phone"], str),
+            _opt(r["Website"], str),
+            _opt(r["City"], str),
+            _visible(full),
+        )
 
 
 def read_distances(path: Path) -> Iterator[tuple]:
@@ -138,8 +169,17 @@ def read_distances(path: Path) -> Iterator[tuple]:
         yield (str(o), str(d), _opt(dur, str), _opt(dist, str))
 
 
-FLIGHT_COLUMNS = ["Flight Number", "Price", "DepTime", "ArrTime", "ActualElapsedTime", "FlightDate",
-                  "OriginCityName", "DestCityName", "Distance"]
+FLIGHT_COLUMNS = [
+    "Flight Number",
+    "Price",
+    "DepTime",
+    "ArrTime",
+    "ActualElapsedTime",
+    "FlightDate",
+    "OriginCityName",
+    "DestCityName",
+    "Distance",
+]
 
 
 def read_flights_csv(path: Path, chunksize: int = 200_000) -> Iterator[tuple]:
@@ -156,9 +196,18 @@ def read_flights_csv(path: Path, chunksize: int = 200_000) -> Iterator[tuple]:
 
 def flight_tuple(r: dict, visible: bool = True) -> tuple:
     """Official flight record (CSV or reference-information dict) → table tuple."""
-    return (_opt(r["Flight Number"], str), _opt(r["Price"], int), _opt(r["DepTime"], str), _opt(r["ArrTime"], str),
-            _opt(r["ActualElapsedTime"], str), _opt(r["FlightDate"], str), _opt(r["OriginCityName"], str),
-            _opt(r["DestCityName"], str), _opt(r["Distance"], float), visible)
+    return (
+        _opt(r["Flight Number"], str),
+        _opt(r["Price"], int),
+        _opt(r["DepTime"], str),
+        _opt(r["ArrTime"], str),
+        _opt(r["ActualElapsedTime"], str),
+        _opt(r["FlightDate"], str),
+        _opt(r["OriginCityName"], str),
+        _opt(r["DestCityName"], str),
+        _opt(r["Distance"], float),
+        visible,
+    )
 
 
 def reference_flights(ref_info_path: Path) -> tuple[list[Flight], set[tuple[str, str, str]]]:
@@ -177,7 +226,7 @@ def reference_flights(ref_info_path: Path) -> tuple[list[Flight], set[tuple[str,
             for key, value in info.items():
                 if not key.startswith("Flight from "):
                     continue
-                route, _, date = key[len("Flight from "):].rpartition(" on ")
+                route, _, date = key[len("Flight from ") :].rpartition(" on ")
                 origin, _, dest = route.partition(" to ")
                 covered.add((origin, dest, date))
                 if isinstance(value, list):

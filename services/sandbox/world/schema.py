@@ -15,7 +15,8 @@ metadata = MetaData()
 WORLD_SCHEMA_VERSION = 2
 
 cities = Table(
-    "cities", metadata,
+    "cities",
+    metadata,
     Column("id", Integer, primary_key=True, autoincrement=False),
     Column("city", Text, nullable=False),
     Column("state", Text, nullable=False),
@@ -24,7 +25,8 @@ cities = Table(
 )
 
 flights = Table(
-    "flights", metadata,
+    "flights",
+    metadata,
     Column("id", Integer, primary_key=True, autoincrement=False),
     Column("flight_number", String(16)),
     Column("price", Integer),
@@ -39,7 +41,8 @@ flights = Table(
 )
 
 accommodations = Table(
-    "accommodations", metadata,
+    "accommodations",
+    metadata,
     Column("id", Integer, primary_key=True, autoincrement=False),
     Column("name", Text),
     Column("price", Float),
@@ -53,7 +56,8 @@ accommodations = Table(
 )
 
 restaurants = Table(
-    "restaurants", metadata,
+    "restaurants",
+    metadata,
     Column("id", Integer, primary_key=True, autoincrement=False),
     Column("src_index", Integer),
     Column("name", Text),
@@ -65,7 +69,8 @@ restaurants = Table(
 )
 
 attractions = Table(
-    "attractions", metadata,
+    "attractions",
+    metadata,
     Column("id", Integer, primary_key=True, autoincrement=False),
     Column("name", Text),
     Column("latitude", Float),
@@ -78,7 +83,8 @@ attractions = Table(
 )
 
 distances = Table(
-    "distances", metadata,
+    "distances",
+    metadata,
     Column("id", Integer, primary_key=True, autoincrement=False),
     Column("origin", Text, nullable=False),
     Column("destination", Text, nullable=False),
@@ -87,7 +93,8 @@ distances = Table(
 )
 
 world_meta = Table(
-    "world_meta", metadata,
+    "world_meta",
+    metadata,
     Column("key", String(64), primary_key=True),
     Column("value", Text, nullable=False),
 )

@@ -63,25 +63,61 @@ class World:
     def __init__(self, url: str) -> None:
         self.url = url
         self.engine = make_engine(url)
-        c, f, a, r, t, d = (schema.cities, schema.flights, schema.accommodations, schema.restaurants,
-                            schema.attractions, schema.distances)
+        c, f, a, r, t, d = (
+            schema.cities,
+            schema.flights,
+            schema.accommodations,
+            schema.restaurants,
+            schema.attractions,
+            schema.distances,
+        )
         self._q_state = select(c.c.city).where(c.c.state == _bind("state")).order_by(c.c.id)
         self._q_flights = (
-            select(f.c.flight_number, f.c.price, f.c.dep_time, f.c.arr_time, f.c.elapsed, f.c.flight_date,
-                   f.c.origin, f.c.dest, f.c.distance)
-            .where(f.c.origin == _bind("origin"), f.c.dest == _bind("dest"), f.c.flight_date == _bind("date"),
-                   f.c.visible.is_(True))
+            select(
+                f.c.flight_number,
+                f.c.price,
+                f.c.dep_time,
+                f.c.arr_time,
+                f.c.elapsed,
+                f.c.flight_date,
+                f.c.origin,
+                f.c.dest,
+                f.c.distance,
+            )
+            .where(
+                f.c.origin == _bind("origin"),
+                f.c.dest == _bind("dest"),
+                f.c.flight_date == _bind("date"),
+                f.c.visible.is_(True),
+            )
             .order_by(f.c.id)
         )
         self._q_flight_number = (
-            select(f.c.flight_number, f.c.price, f.c.dep_time, f.c.arr_time, f.c.elapsed, f.c.flight_date,
-                   f.c.origin, f.c.dest, f.c.distance)
+            select(
+                f.c.flight_number,
+                f.c.price,
+                f.c.dep_time,
+                f.c.arr_time,
+                f.c.elapsed,
+                f.c.flight_date,
+                f.c.origin,
+                f.c.dest,
+                f.c.distance,
+            )
             .where(f.c.flight_number == _bind("number"), f.c.visible.is_(True))
             .order_by(f.c.id)
         )
         self._q_acc = (
-            select(a.c.name, a.c.price, a.c.room_type, a.c.house_rules, a.c.minimum_nights, a.c.maximum_occupancy,
-                   a.c.review_rate, a.c.city)
+            select(
+                a.c.name,
+                a.c.price,
+                a.c.room_type,
+                a.c.house_rules,
+                a.c.minimum_nights,
+                a.c.maximum_occupancy,
+                a.c.review_rate,
+                a.c.city,
+            )
             .where(a.c.city == _bind("city"), a.c.visible.is_(True))
             .order_by(a.c.id)
         )
@@ -111,8 +147,12 @@ class World:
 
     def city_set(self) -> list[str]:
         """The cities an agent may search, in citySet.txt order (world order where it has none)."""
-        return [c.city for c in sorted((c for c in self.cities() if c.searchable),
-                                       key=lambda c: -1 if c.set_order is None else c.set_order)]
+        return [
+            c.city
+            for c in sorted(
+                (c for c in self.cities() if c.searchable), key=lambda c: -1 if c.set_order is None else c.set_order
+            )
+        ]
 
     def cities_in_state(self, state: str) -> list[str]:
         with self.engine.connect() as conn:
@@ -121,7 +161,9 @@ class World:
     # --- the tool lookups -------------------------------------------------------------------
     def flights(self, origin: str, dest: str, date: str) -> list[Flight]:
         with self.engine.connect() as conn:
-            return [Flight(*row) for row in conn.execute(self._q_flights, {"origin": origin, "dest": dest, "date": date})]
+            return [
+                Flight(*row) for row in conn.execute(self._q_flights, {"origin": origin, "dest": dest, "date": date})
+            ]
 
     def flight_by_number(self, number: str) -> list[Flight]:
         with self.engine.connect() as conn:
@@ -148,7 +190,9 @@ class World:
     # --- bookkeeping ------------------------------------------------------------------------
     def meta(self) -> dict[str, Any]:
         with self.engine.connect() as conn:
-            return {k: json.loads(v) for k, v in conn.execute(select(schema.world_meta.c.key, schema.world_meta.c.value))}
+            return {
+                k: json.loads(v) for k, v in conn.execute(select(schema.world_meta.c.key, schema.world_meta.c.value))
+            }
 
     def identity(self) -> dict[str, Any]:
         """Which world this is: `world_identity` of its build metadata."""
@@ -175,8 +219,10 @@ class World:
             return f"the world at {self._safe_url()} is empty or half-built; run `star world build`"
         version = meta.get("schema_version")
         if version != schema.WORLD_SCHEMA_VERSION:
-            return (f"the world at {self._safe_url()} has schema version {version}, this code needs "
-                    f"{schema.WORLD_SCHEMA_VERSION}; rebuild it with `star world build`")
+            return (
+                f"the world at {self._safe_url()} has schema version {version}, this code needs "
+                f"{schema.WORLD_SCHEMA_VERSION}; rebuild it with `star world build`"
+            )
         return None
 
     def is_ready(self) -> bool:
@@ -276,5 +322,10 @@ def world_source(meta: dict[str, Any]) -> str:
 
 def world_identity(meta: dict[str, Any]) -> dict[str, Any]:
     """What services and the controller compare: the hash, the words, and the fields a recipe names."""
-    return {"world_hash": world_hash(meta), "source": world_source(meta), "kind": meta.get("kind"),
-            "size": meta.get("size"), "seed": meta.get("seed")}
+    return {
+        "world_hash": world_hash(meta),
+        "source": world_source(meta),
+        "kind": meta.get("kind"),
+        "size": meta.get("size"),
+        "seed": meta.get("seed"),
+    }

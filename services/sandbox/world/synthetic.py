@@ -33,79 +33,339 @@ from services.sandbox.world.rows import City
 
 ROOM_TYPES = ("Entire home/apt", "Private room", "Shared room")
 HOUSE_RULES = ("No pets", "No smoking", "No children under 10", "No parties", "No visitors")
-CUISINES = ("Tea", "BBQ", "Seafood", "Cafe", "Desserts", "Pizza", "Fast Food", "Bakery", "Mediterranean",
-            "French", "Mexican", "Chinese", "Indian", "Italian", "American")
+CUISINES = (
+    "Tea",
+    "BBQ",
+    "Seafood",
+    "Cafe",
+    "Desserts",
+    "Pizza",
+    "Fast Food",
+    "Bakery",
+    "Mediterranean",
+    "French",
+    "Mexican",
+    "Chinese",
+    "Indian",
+    "Italian",
+    "American",
+)
 
 # Preset knobs. Counts per city are (low, high) uniform, or (low, high, p_high) where p_high is
 # the share of cities that get exactly `high` (the real attraction table is capped at 20).
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
-        states=2, cities=6, map_extent=0.22, accommodations=(3, 4), restaurants=(4, 6), attractions=(2, 4),
+        states=2,
+        cities=6,
+        map_extent=0.22,
+        accommodations=(3, 4),
+        restaurants=(4, 6),
+        attractions=(2, 4),
         distance_rows=None,  # None: every ordered pair
-        duplicate_distance_rows=1, conflicting_duplicates=1, flights_per_day=60,
-        cities_without_attractions=0, unsearchable_cities=0, extra_cities=0, island_states=0,
-        invisible_accommodations=1, invisible_restaurants=0, invisible_attractions=0, invisible_flights=0,
+        duplicate_distance_rows=1,
+        conflicting_duplicates=1,
+        flights_per_day=60,
+        cities_without_attractions=0,
+        unsearchable_cities=0,
+        extra_cities=0,
+        island_states=0,
+        invisible_accommodations=1,
+        invisible_restaurants=0,
+        invisible_attractions=0,
+        invisible_flights=0,
     ),
     "small": dict(
-        states=4, cities=16, map_extent=0.4, accommodations=(4, 8), restaurants=(6, 12), attractions=(3, 8),
-        distance_rows=None, duplicate_distance_rows=6, conflicting_duplicates=1, flights_per_day=600,
-        cities_without_attractions=1, unsearchable_cities=0, extra_cities=0, island_states=0,
-        invisible_accommodations=3, invisible_restaurants=1, invisible_attractions=1, invisible_flights=2,
+        states=4,
+        cities=16,
+        map_extent=0.4,
+        accommodations=(4, 8),
+        restaurants=(6, 12),
+        attractions=(3, 8),
+        distance_rows=None,
+        duplicate_distance_rows=6,
+        conflicting_duplicates=1,
+        flights_per_day=600,
+        cities_without_attractions=1,
+        unsearchable_cities=0,
+        extra_cities=0,
+        island_states=0,
+        invisible_accommodations=3,
+        invisible_restaurants=1,
+        invisible_attractions=1,
+        invisible_flights=2,
     ),
     "medium": dict(
-        states=12, cities=60, map_extent=0.75, accommodations=(6, 16), restaurants=(12, 30), attractions=(5, 15),
-        distance_rows=3_000, duplicate_distance_rows=120, conflicting_duplicates=4, flights_per_day=6_000,
-        cities_without_attractions=3, unsearchable_cities=0, extra_cities=1, island_states=1,
-        invisible_accommodations=25, invisible_restaurants=2, invisible_attractions=2, invisible_flights=10,
+        states=12,
+        cities=60,
+        map_extent=0.75,
+        accommodations=(6, 16),
+        restaurants=(12, 30),
+        attractions=(5, 15),
+        distance_rows=3_000,
+        duplicate_distance_rows=120,
+        conflicting_duplicates=4,
+        flights_per_day=6_000,
+        cities_without_attractions=3,
+        unsearchable_cities=0,
+        extra_cities=1,
+        island_states=1,
+        invisible_accommodations=25,
+        invisible_restaurants=2,
+        invisible_attractions=2,
+        invisible_flights=10,
     ),
     "full": dict(  # the benchmark's scale (spec §2.7)
-        states=64, cities=312, map_extent=1.0, accommodations=(4, 28), restaurants=(16, 45), attractions=(2, 20, 0.9),
-        distance_rows=17_602, duplicate_distance_rows=1_446, conflicting_duplicates=25,
+        states=64,
+        cities=312,
+        map_extent=1.0,
+        accommodations=(4, 28),
+        restaurants=(16, 45),
+        attractions=(2, 20, 0.9),
+        distance_rows=17_602,
+        duplicate_distance_rows=1_446,
+        conflicting_duplicates=25,
         flights_per_day=OFFICIAL_DAILY * 1.002,  # >= 3.8 M rows over March despite Poisson noise
-        cities_without_attractions=35, unsearchable_cities=1, extra_cities=3, island_states=2,
-        invisible_accommodations=100, invisible_restaurants=5, invisible_attractions=5, invisible_flights=40,
+        cities_without_attractions=35,
+        unsearchable_cities=1,
+        extra_cities=3,
+        island_states=2,
+        invisible_accommodations=100,
+        invisible_restaurants=5,
+        invisible_attractions=5,
+        invisible_flights=40,
     ),
 }
 # dates: (first, last) inclusive, default March 2022; hub_share: share of cities that are hubs.
 COMMON_DEFAULTS: dict[str, Any] = dict(dates=None, hub_share=0.08)
 
-_ROOT_A = ("Vel", "Zan", "Quor", "Thal", "Mir", "Oro", "Kess", "Dra", "Ysel", "Bel", "Cor", "Fen", "Lum", "Nym",
-           "Ost", "Pry", "Rav", "Sor", "Tyr", "Ulm", "Vex", "Wyn", "Xan", "Yor", "Zir", "Ar", "Esk", "Ild", "Jun",
-           "Kal", "Brim", "Cael", "Dun", "Elv", "Gorm", "Hesk", "Isk", "Jor", "Lor", "Mor", "Nor", "Pel", "Quel",
-           "Ryn", "Sil", "Tam", "Vor", "Wes", "Zol", "Ald")
-_ROOT_B = ("mora", "thal", "dor", "wyn", "ris", "vane", "holm", "ferra", "quay", "lith", "more", "ven", "dell",
-           "spire", "mar", "gard", "ona", "iel", "oth", "ara", "ux", "ith", "brook", "crest", "haven", "ford",
-           "mouth", "wick", "stead", "moor")
+_ROOT_A = (
+    "Vel",
+    "Zan",
+    "Quor",
+    "Thal",
+    "Mir",
+    "Oro",
+    "Kess",
+    "Dra",
+    "Ysel",
+    "Bel",
+    "Cor",
+    "Fen",
+    "Lum",
+    "Nym",
+    "Ost",
+    "Pry",
+    "Rav",
+    "Sor",
+    "Tyr",
+    "Ulm",
+    "Vex",
+    "Wyn",
+    "Xan",
+    "Yor",
+    "Zir",
+    "Ar",
+    "Esk",
+    "Ild",
+    "Jun",
+    "Kal",
+    "Brim",
+    "Cael",
+    "Dun",
+    "Elv",
+    "Gorm",
+    "Hesk",
+    "Isk",
+    "Jor",
+    "Lor",
+    "Mor",
+    "Nor",
+    "Pel",
+    "Quel",
+    "Ryn",
+    "Sil",
+    "Tam",
+    "Vor",
+    "Wes",
+    "Zol",
+    "Ald",
+)
+_ROOT_B = (
+    "mora",
+    "thal",
+    "dor",
+    "wyn",
+    "ris",
+    "vane",
+    "holm",
+    "ferra",
+    "quay",
+    "lith",
+    "more",
+    "ven",
+    "dell",
+    "spire",
+    "mar",
+    "gard",
+    "ona",
+    "iel",
+    "oth",
+    "ara",
+    "ux",
+    "ith",
+    "brook",
+    "crest",
+    "haven",
+    "ford",
+    "mouth",
+    "wick",
+    "stead",
+    "moor",
+)
 _CITY_PREFIX = ("Port ", "Lake ", "Fort ", "New ", "Mount ", "East ", "West ")
 _CITY_SUFFIX = (" Falls", " Harbor", " Springs", " Crossing", " Bay", " Heights", " Junction")
 _STATE_SUFFIX = ("ia", "ora", "and", "eth", "onia", "ara", "ica", "esh", "avia", "undra")
-_STREETS = ("Main", "Oak", "Lantern", "Quill", "Harbor", "Ember", "Willow", "Granite", "Mill", "Beacon", "Cedar",
-            "Juniper", "Copper", "Orchard", "Falcon", "River", "Summit", "Meadow", "Kestrel", "Aster")
+_STREETS = (
+    "Main",
+    "Oak",
+    "Lantern",
+    "Quill",
+    "Harbor",
+    "Ember",
+    "Willow",
+    "Granite",
+    "Mill",
+    "Beacon",
+    "Cedar",
+    "Juniper",
+    "Copper",
+    "Orchard",
+    "Falcon",
+    "River",
+    "Summit",
+    "Meadow",
+    "Kestrel",
+    "Aster",
+)
 _STREET_KIND = ("St", "Ave", "Rd", "Blvd", "Ln", "Dr", "Way")
-_SURNAMES = ("Marlow", "Quince", "Ashby", "Thorne", "Vance", "Okoro", "Lindqvist", "Farrow", "Delacroix", "Pemberton",
-             "Nakamura", "Rourke", "Sterling", "Valdez", "Whitlock", "Yearwood", "Zeller", "Brannigan", "Castell",
-             "Dunmore")
-_FOOD_ADJ = ("Golden", "Rustic", "Little", "Crimson", "Salty", "Smoky", "Hungry", "Velvet", "Copper", "Blue",
-             "Wild", "Lucky", "Humble", "Twisted", "Silver")
-_FOOD_NOUN = ("Spoon", "Lantern", "Fig", "Kettle", "Anchor", "Pepper", "Oven", "Olive", "Barrel", "Ladle",
-              "Garden", "Harbor", "Table", "Skillet", "Mango")
+_SURNAMES = (
+    "Marlow",
+    "Quince",
+    "Ashby",
+    "Thorne",
+    "Vance",
+    "Okoro",
+    "Lindqvist",
+    "Farrow",
+    "Delacroix",
+    "Pemberton",
+    "Nakamura",
+    "Rourke",
+    "Sterling",
+    "Valdez",
+    "Whitlock",
+    "Yearwood",
+    "Zeller",
+    "Brannigan",
+    "Castell",
+    "Dunmore",
+)
+_FOOD_ADJ = (
+    "Golden",
+    "Rustic",
+    "Little",
+    "Crimson",
+    "Salty",
+    "Smoky",
+    "Hungry",
+    "Velvet",
+    "Copper",
+    "Blue",
+    "Wild",
+    "Lucky",
+    "Humble",
+    "Twisted",
+    "Silver",
+)
+_FOOD_NOUN = (
+    "Spoon",
+    "Lantern",
+    "Fig",
+    "Kettle",
+    "Anchor",
+    "Pepper",
+    "Oven",
+    "Olive",
+    "Barrel",
+    "Ladle",
+    "Garden",
+    "Harbor",
+    "Table",
+    "Skillet",
+    "Mango",
+)
 _FOOD_KIND = ("Kitchen", "Grill", "Bistro", "Diner", "Cafe", "Eatery", "Tavern", "Canteen", "Trattoria", "Bakehouse")
 _CHAINS = ("Bytebite Burgers", "Pizzatron", "Noodle Nebula", "Taco Orbit", "Cluckworks")
-_ACC_ADJ = ("Cozy", "Sunny", "Spacious", "Charming", "Quiet", "Bright", "Modern", "Rustic", "Stylish", "Airy",
-            "Renovated", "Hidden")
+_ACC_ADJ = (
+    "Cozy",
+    "Sunny",
+    "Spacious",
+    "Charming",
+    "Quiet",
+    "Bright",
+    "Modern",
+    "Rustic",
+    "Stylish",
+    "Airy",
+    "Renovated",
+    "Hidden",
+)
 _ACC_UNIT = {
     "Entire home/apt": ("{n}BR apartment", "loft", "cottage", "townhouse", "{n} bedroom home", "studio", "bungalow"),
     "Private room": ("private room", "bedroom", "room with private bath", "guest room", "garden room"),
     "Shared room": ("shared room", "bunk in shared dorm", "shared loft space", "couch in shared flat"),
 }
-_ACC_WHERE = ("near {city} center", "in Old {city}", "by the river", "close to the park", "on a quiet street",
-              "steps from the market", "with city view", "near the station", "in the arts district")
-_ATTR_PATTERNS = ("{city} Museum of {topic}", "{root} Park", "{root} Botanical Garden", "Old {city} Lighthouse",
-                  "{root} Falls Trail", "{city} Art Gallery", "{root} Nature Reserve", "{city} Science Center",
-                  "{root} Historic District", "{root} Memorial", "{city} Aquarium", "{root} Lake Overlook",
-                  "{city} Zoo", "{root} Observatory", "{root} Castle Ruins", "{city} Farmers Market")
-_TOPICS = ("Natural History", "Flight", "Maritime History", "Modern Art", "Clockwork", "Textiles", "Railways",
-           "Folk Music", "Minerals", "Lanterns")
+_ACC_WHERE = (
+    "near {city} center",
+    "in Old {city}",
+    "by the river",
+    "close to the park",
+    "on a quiet street",
+    "steps from the market",
+    "with city view",
+    "near the station",
+    "in the arts district",
+)
+_ATTR_PATTERNS = (
+    "{city} Museum of {topic}",
+    "{root} Park",
+    "{root} Botanical Garden",
+    "Old {city} Lighthouse",
+    "{root} Falls Trail",
+    "{city} Art Gallery",
+    "{root} Nature Reserve",
+    "{city} Science Center",
+    "{root} Historic District",
+    "{root} Memorial",
+    "{city} Aquarium",
+    "{root} Lake Overlook",
+    "{city} Zoo",
+    "{root} Observatory",
+    "{root} Castle Ruins",
+    "{city} Farmers Market",
+)
+_TOPICS = (
+    "Natural History",
+    "Flight",
+    "Maritime History",
+    "Modern Art",
+    "Clockwork",
+    "Textiles",
+    "Railways",
+    "Folk Music",
+    "Minerals",
+    "Lanterns",
+)
 
 
 @dataclass
@@ -173,12 +433,14 @@ class _Names:
             if u < 0.22:
                 return base + self._pick(_CITY_SUFFIX)
             return base
+
         return self.unique(make)
 
     def state(self) -> str:
         def make():
             name = self._pick(_ROOT_A) + self._pick(_STATE_SUFFIX)
             return ("North " + name) if self.rng.random() < 0.08 else name
+
         return self.unique(make)
 
 
@@ -213,8 +475,14 @@ def _split_cities(rng, n_states: int, n_cities: int) -> list[int]:
     return counts.tolist()
 
 
-def _place(rng, n: int, center: tuple[float, float], radius_km: float, min_sep_km: float,
-           box: tuple[float, float, float, float]) -> list[tuple[float, float]]:
+def _place(
+    rng,
+    n: int,
+    center: tuple[float, float],
+    radius_km: float,
+    min_sep_km: float,
+    box: tuple[float, float, float, float],
+) -> list[tuple[float, float]]:
     pts: list[tuple[float, float]] = []
     sep = min_sep_km
     tries = 0
@@ -240,6 +508,8 @@ def _mainland(extent: float) -> tuple[float, float, float, float]:
     clat, clon = (MAINLAND[0] + MAINLAND[1]) / 2, (MAINLAND[2] + MAINLAND[3]) / 2
     hlat, hlon = (MAINLAND[1] - MAINLAND[0]) / 2 * extent, (MAINLAND[3] - MAINLAND[2]) / 2 * extent
     return (clat - hlat, clat + hlat, clon - hlon, clon + hlon)
+
+
 ISLANDS = ((20.5, -157.5), (18.3, -66.0), (57.5, -152.0))  # island groups: Hawaii-, Caribbean-, Alaska-like
 
 
@@ -334,10 +604,16 @@ def _accommodations(rng, city: str, n: int, forced: bool) -> list[tuple]:
         else:
             room = ROOM_TYPES[int(rng.choice(3, p=[0.52, 0.455, 0.025]))]
             rules = _house_rules(rng)
-            min_nights = float(rng.choice([1, 2, 3, 4, 5, 7, 10, 14, 30],
-                                          p=[0.26, 0.26, 0.17, 0.08, 0.055, 0.045, 0.015, 0.01, 0.105]))
-            occ = (int(min(11, 2 + rng.geometric(0.35) - 1)) if room == ROOM_TYPES[0]
-                   else int(rng.integers(1, 3)) if room == ROOM_TYPES[1] else 1)
+            min_nights = float(
+                rng.choice([1, 2, 3, 4, 5, 7, 10, 14, 30], p=[0.26, 0.26, 0.17, 0.08, 0.055, 0.045, 0.015, 0.01, 0.105])
+            )
+            occ = (
+                int(min(11, 2 + rng.geometric(0.35) - 1))
+                if room == ROOM_TYPES[0]
+                else int(rng.integers(1, 3))
+                if room == ROOM_TYPES[1]
+                else 1
+            )
         price = float(int(rng.integers(50, 1201)))
         review = float(rng.choice([1, 2, 3, 4, 5], p=[0.11, 0.215, 0.225, 0.225, 0.225]))
         rows.append((_acc_name(rng, room, city), price, room, rules, min_nights, occ, review, city, True))
@@ -396,8 +672,11 @@ def _attractions(rng, city: str, state_code: str, lat: float, lon: float, n: int
     for _ in range(n):
         for _ in range(50):
             pat = _ATTR_PATTERNS[int(rng.integers(len(_ATTR_PATTERNS)))]
-            name = pat.format(city=city, root=_ROOT_A[int(rng.integers(len(_ROOT_A)))] + _ROOT_B[int(rng.integers(len(_ROOT_B)))],
-                              topic=_TOPICS[int(rng.integers(len(_TOPICS)))])
+            name = pat.format(
+                city=city,
+                root=_ROOT_A[int(rng.integers(len(_ROOT_A)))] + _ROOT_B[int(rng.integers(len(_ROOT_B)))],
+                topic=_TOPICS[int(rng.integers(len(_TOPICS)))],
+            )
             if name not in seen:
                 break
         seen.add(name)
@@ -405,10 +684,19 @@ def _attractions(rng, city: str, state_code: str, lat: float, lon: float, n: int
         a_lon = round(lon + rng.normal(0, 0.05), 7)
         street = f"{int(rng.integers(1, 9999))} {_STREETS[int(rng.integers(len(_STREETS)))]} {_STREET_KIND[int(rng.integers(len(_STREET_KIND)))]}"
         address = f"{street}, {city}, {state_code} {int(rng.integers(10000, 99999)):05d}, USA"
-        phone = "Unknown" if rng.random() < 0.21 else f"({area}) {int(rng.integers(200, 1000))}-{int(rng.integers(0, 10000)):04d}"
+        phone = (
+            "Unknown"
+            if rng.random() < 0.21
+            else f"({area}) {int(rng.integers(200, 1000))}-{int(rng.integers(0, 10000)):04d}"
+        )
         slug = "".join(ch for ch in name.lower() if ch.isalnum())[:24]
-        website = ("Unknown" if rng.random() < 0.2 else
-                   f"https://www.{slug}.org/" if rng.random() < 0.5 else f"http://{slug}.com/")
+        website = (
+            "Unknown"
+            if rng.random() < 0.2
+            else f"https://www.{slug}.org/"
+            if rng.random() < 0.5
+            else f"http://{slug}.com/"
+        )
         rows.append((name, a_lat, a_lon, address, phone, website, city))
     return rows
 
@@ -481,8 +769,9 @@ def generate_world(size: str | dict[str, Any] = "tiny", seed: int = 0) -> Synthe
     extra_rows = []
     for _ in range(params["extra_cities"]):
         host = city_rows[int(rng.integers(len(city_rows)))]
-        extra_rows.append((names.city(), host[1], host[2] + rng.uniform(-0.8, 0.8), host[3] + rng.uniform(-0.8, 0.8),
-                           host[4]))
+        extra_rows.append(
+            (names.city(), host[1], host[2] + rng.uniform(-0.8, 0.8), host[3] + rng.uniform(-0.8, 0.8), host[4])
+        )
     n_real = len(city_rows)
     unsearchable = set(rng.choice(n_real, size=min(params["unsearchable_cities"], n_real), replace=False).tolist())
     # Hubs: the most populous cities (random populations); they get spokes to everywhere.
@@ -534,12 +823,15 @@ def generate_world(size: str | dict[str, Any] = "tiny", seed: int = 0) -> Synthe
         c = pick_city()
         return (*_attractions(rng, c[0], codes[c[1]], c[2], c[3], 1, 555)[0], True)
 
-    world.accommodations = _add_invisible(rng, world.accommodations, params["invisible_accommodations"], make_acc,
-                                          (0, 1, 3, 4, 6))
-    world.restaurants = _add_invisible(rng, [(*r, True) for r in world.restaurants], params["invisible_restaurants"],
-                                       make_rest, (0, 2, 3))
-    world.attractions = _add_invisible(rng, [(*r, True) for r in world.attractions], params["invisible_attractions"],
-                                       make_attr, (3, 4, 5))
+    world.accommodations = _add_invisible(
+        rng, world.accommodations, params["invisible_accommodations"], make_acc, (0, 1, 3, 4, 6)
+    )
+    world.restaurants = _add_invisible(
+        rng, [(*r, True) for r in world.restaurants], params["invisible_restaurants"], make_rest, (0, 2, 3)
+    )
+    world.attractions = _add_invisible(
+        rng, [(*r, True) for r in world.attractions], params["invisible_attractions"], make_attr, (3, 4, 5)
+    )
     # Interleave cities a little, as real files are not grouped by city; restaurants keep their
     # source row number (`src_index`) like the official file's unnamed index column.
     world.accommodations = _shuffle_blocks(rng, world.accommodations)
