@@ -181,9 +181,11 @@ def test_bad_variants_are_refused(capsys):
 
 
 @pytest.mark.slow
-def test_the_smoke_runs_both_variants_through_star_train(tmp_path):
-    assert r.main(["--smoke", "--work", str(tmp_path)]) == 0
+def test_the_smoke_runs_a_variant_through_star_train(tmp_path):
+    # the variant with deadlines and over-sampling, the one with more to go wrong; both variants share every
+    # other line of the script (a second `star train` would double a test that already takes minutes)
+    assert r.main(["--smoke", "--variants", "on", "--work", str(tmp_path)]) == 0
     rec = json.loads((tmp_path / "recipe_1p5b_h200_smoke.json").read_text())
-    assert [len(rec["variants"][v]["steps"]) for v in ("on", "off")] == [2, 2]
+    assert len(rec["variants"]["on"]["steps"]) == 2 and "off" not in rec["variants"]
     assert rec["steps"][0]["split_s"]["training"] > 0 and rec["steps"][0]["length_histogram"]
     assert (tmp_path / "recipe_1p5b_h200_smoke.png").is_file()

@@ -198,9 +198,10 @@ class RolloutWorker:
         it is no task (dead-lettered at once: no retry can make it one)."""
         try:
             task = RolloutTask.model_validate(msg.data)
-        except ValidationError:
+        except ValidationError as exc:
             msg.deliveries = max(msg.deliveries, consumer.max_deliveries)
-            _settle(consumer, msg, lambda: consumer.fail(msg, f"not a RolloutTask: {exc.errors()[:3]}"), self.stop)
+            reason = f"not a RolloutTask: {exc.errors()[:3]}"
+            _settle(consumer, msg, lambda: consumer.fail(msg, reason), self.stop)
             return None
         announced = self.sync_weights()
         if announced is not None and self.service.loaded_version is None:
@@ -407,7 +408,8 @@ class RolloutWorker:
             task = self.accept(consumer, msg)
         except Exception as exc:  # noqa: BLE001 - recorded on the message: retried, then dead-lettered
             log.warning("task not started", extra={"id": msg.id, "error": f"{type(exc).__name__}: {exc}"})
-            _settle(consumer, msg, lambda: consumer.fail(msg, f"{type(exc).__name__}: {exc}"), self.stop)
+            reason = f"{type(exc).__name__}: {exc}"
+            _settle(consumer, msg, lambda: consumer.fail(msg, reason), self.stop)
             keeper.release(msg)
             return
         if task is None:
@@ -424,7 +426,8 @@ class RolloutWorker:
             trajectories = self.checked(group.result())
         except Exception as exc:  # noqa: BLE001 - any failure is recorded on the message
             log.warning("task failed", extra={"id": msg.id, "error": f"{type(exc).__name__}: {exc}"})
-            _settle(consumer, msg, lambda: consumer.fail(msg, f"{type(exc).__name__}: {exc}"), self.stop)
+            reason = f"{type(exc).__name__}: {exc}"
+            _settle(consumer, msg, lambda: consumer.fail(msg, reason), self.stop)
         else:
             _settle(consumer, msg, lambda: consumer.forward(msg, self.names.trajectories, trajectories), self.stop)
             self.handled += 1
