@@ -1,6 +1,6 @@
 """HTTP face of the episode API: routes and status codes only (the episodes live in service.py).
 
-Run with `star episodes serve` (or `uvicorn --factory services.episodes.app:create_app`). It needs Redis
+Served by `star episodes serve` (or `uvicorn --factory services.episodes.app:create_app`). It needs Redis
 (STAR_REDIS_URL), the sandbox (STAR_SANDBOX_URL) and the world the scorer reads (STAR_DB_URL, else
 STAR_HOME/world.sqlite). Every route under /v1 takes the bearer token when one is configured.
 """

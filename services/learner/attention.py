@@ -297,51 +297,36 @@ def _packed(
     return out.view(b, t, h, d), None
 
 
-def packed_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: query [B, H, T, D], key and value [B, H_kv, T, D]
-    → ([B, T, H, D], no weights). Packed rows: FlashAttention's varlen kernel where it runs, else causal
-    SDPA per sequence."""
-    return _packed(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs, "auto")
+def attention_function(mode: str, doc: str):
+    """A transformers attention function (query [B, H, T, D], key and value [B, H_kv, T, D] → ([B, T, H, D], no
+    weights)) that runs packed rows by `mode` of `_packed`; rows of one sequence take SDPA's plain causal path."""
+
+    def attention(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        sliding_window: int | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        return _packed(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs, mode)
+
+    attention.__doc__ = doc
+    return attention
 
 
-def varlen_gqa_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """As `packed_attention`, with K and V never repeated to the query's heads in the varlen kernel."""
-    return _packed(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs, "varlen-gqa")
-
-
-def per_sequence_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """As `packed_attention`, with packed rows as causal SDPA over each sequence on every device."""
-    return _packed(module, query, key, value, attention_mask, dropout, scaling, sliding_window, kwargs, "per-sequence")
+packed_attention = attention_function(
+    "auto", "Packed rows: FlashAttention's varlen kernel where it runs, else causal SDPA per sequence."
+)
+varlen_gqa_attention = attention_function(
+    "varlen-gqa", "As `packed_attention`, with K and V never repeated to the query's heads in the varlen kernel."
+)
+per_sequence_attention = attention_function(
+    "per-sequence", "As `packed_attention`, with packed rows as causal SDPA over each sequence on every device."
+)
 
 
 # the names `attn_implementation` takes for each `packed_attention` setting of the learner
