@@ -94,6 +94,10 @@ def accumulate(args: argparse.Namespace, config: str, out: Path) -> None:
     if engine.rank == 0:
         torch.save(grads, out)
     engine.close()
+    # every rank leaves the group together: a rank that exits while its peer's gloo threads still
+    # talk to it aborts that peer ("terminate called without an active exception")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def compare(ref: dict, other: dict) -> dict:
