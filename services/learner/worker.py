@@ -59,6 +59,17 @@ def run_file(kind: str, config_path: Path, max_steps: int | None = None) -> dict
     raise ValueError(f"unknown run kind {kind!r} (sft | rl)")
 
 
+def leave_process_group() -> None:
+    """After a run that ended normally on every rank: the ranks leave their process group together. A rank
+    that exits while a peer's gloo threads still talk to it aborts that peer ("terminate called without an
+    active exception"), which torchrun then reports as a failed run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 @record  # under torchrun: a failing rank's error and traceback reach torchrun's summary
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -67,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     die_with_launcher()
     result = run_file(argv[0], Path(argv[1]), int(argv[2]) if len(argv) == 3 else None)
+    if result["state"] == "finished":  # every rank ran the same last step; a stopped or failed rank may not have
+        leave_process_group()
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps({k: v for k, v in result.items() if k != "metrics"}, default=str))
     return 0 if result["state"] in ("finished", "stopped") else 1
