@@ -199,7 +199,8 @@ def ceiling_child(args: argparse.Namespace) -> None:
     from bench.rollout_limit import ToolLatency, closed_loop, counters_during, engine_counters, sandbox_latency
     from services.common.settings import get_settings
     from services.rollout.capacity import engine_for_budget, inflight_budget
-    from services.rollout.service import RolloutConfig, make_engine
+    from services.rollout.config import RolloutConfig
+    from services.rollout.service import make_engine
 
     spec = json.loads(Path(args.ceiling_in).read_text())
     config = RolloutConfig()

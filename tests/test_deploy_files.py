@@ -47,7 +47,7 @@ SCRIPT_TORCH = re.search(r"torch==([0-9.]+)", (ROOT / "scripts" / "install").rea
 @lru_cache(maxsize=1)
 def known_settings() -> frozenset[str]:
     """Every STAR_* variable some settings class reads."""
-    from services.rollout.service import RolloutConfig
+    from services.rollout.config import RolloutConfig
 
     names = {f"STAR_{n.upper()}" for n in Settings.model_fields}
     names |= {f"STAR_ROLLOUT_{n.upper()}" for n in RolloutConfig.model_fields}

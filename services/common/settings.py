@@ -74,6 +74,27 @@ class Settings(BaseSettings):
     stream_prefix: str = Field(
         default="star", description="Prefix of the Redis stream names (tasks, trajectories, scored)."
     )
+    stream_trim: bool = Field(
+        default=True,
+        description="Trim each stream to what some consumer group still needs; false keeps every entry "
+        "(bench/chaos.py's baseline).",
+    )
+
+    # experiment tracking beside TensorBoard (services/common/tracking.py)
+    tracking: str = Field(default="off", description="Trackers switched on, comma-separated: wandb, mlflow; off: none.")
+    wandb_project: str = Field(default="star", description="W&B project of the runs tracked.")
+    mlflow_tracking_uri: str | None = Field(
+        default=None, description="MLflow tracking server; default: a SQLite store in the run folder."
+    )
+    mlflow_experiment: str = Field(default="star", description="MLflow experiment of the runs tracked.")
+
+    # fault injection for the learner's resume tests: the learner process kills itself (SIGKILL) there
+    learner_crash_after_step: int | None = Field(
+        default=None, description="Tests only: die after training this version, before its checkpoint."
+    )
+    learner_crash_after_checkpoint: int | None = Field(
+        default=None, description="Tests only: die after this version's checkpoint, before acknowledging its batches."
+    )
 
     # models and weights
     model: str | None = Field(default=None, description="Path of the policy model (an HF folder).")

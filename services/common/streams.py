@@ -20,7 +20,6 @@ The guarantees the RL loop relies on (docs/architecture.md, "One RL step"):
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -32,6 +31,7 @@ import redis
 from pydantic import BaseModel
 
 from services.common.heartbeat import BEAT_EVERY_S, Heartbeat
+from services.common.settings import get_settings
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,6 @@ log = logging.getLogger(__name__)
 PAYLOAD = b"payload"
 DEAD_LETTERS_KEPT = 10_000  # approximate cap of each `<stream>:dead`
 TRIM_EVERY_S = 1.0  # how often a worker trims its input stream
-# STAR_STREAM_TRIM=0 keeps every entry (bench/chaos.py's baseline: the streams as they grew before)
-TRIM = os.environ.get("STAR_STREAM_TRIM", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -504,7 +502,7 @@ def consumed_below(client: redis.Redis, stream: str) -> str | None:
 
 def trim_consumed(client: redis.Redis, stream: str) -> int:
     """Delete the entries every group on `stream` has acknowledged; returns how many went."""
-    floor = consumed_below(client, stream) if TRIM else None
+    floor = consumed_below(client, stream) if get_settings().stream_trim else None
     if floor is None or floor == "0-1":
         return 0
     return int(client.xtrim(stream, minid=floor, approximate=False))

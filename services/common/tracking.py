@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any, Protocol
+
+from services.common.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ def numeric(metrics: dict[str, Any]) -> dict[str, float]:
 
 def requested(value: str | None = None) -> list[str]:
     """The backends named in STAR_TRACKING (or `value`); an unknown name is an error."""
-    raw = os.environ.get("STAR_TRACKING", "") if value is None else value
+    # the environment as it is when a run opens its trackers (not the process's cached settings)
+    raw = Settings().tracking if value is None else value
     names = [n.strip().lower() for n in raw.split(",") if n.strip() and n.strip().lower() not in ("off", "none")]
     unknown = [n for n in names if n not in BACKENDS]
     if unknown:
@@ -63,7 +65,7 @@ class WandbTracker:
 
         folder.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
-            project=os.environ.get("STAR_WANDB_PROJECT", "star"),
+            project=Settings().wandb_project,
             name=run_name,
             dir=str(folder),
             config=config or {},
@@ -84,9 +86,10 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         folder.mkdir(parents=True, exist_ok=True)
-        uri = os.environ.get("STAR_MLFLOW_TRACKING_URI") or f"sqlite:///{(folder / 'mlflow.db').resolve()}"
+        settings = Settings()
+        uri = settings.mlflow_tracking_uri or f"sqlite:///{(folder / 'mlflow.db').resolve()}"
         self.client = MlflowClient(tracking_uri=uri)
-        experiment = os.environ.get("STAR_MLFLOW_EXPERIMENT", "star")
+        experiment = settings.mlflow_experiment
         found = self.client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
         self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id

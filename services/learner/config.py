@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.common.schemas import FinishReason
 from services.rollout.chat import ChatOptions
@@ -295,28 +295,25 @@ class FilterConfig(_Strict):
     max_staleness: int = Field(0, ge=0, description="Drop samples more than this many versions behind the learner.")
 
 
-class RLConfig(_Strict):
-    """GRPO-family RL on scored trajectories from the stream."""
+class RLKnobs(_Strict):
+    """The RL settings a recipe's `rl:` section and the learner's RLConfig share, declared once: a recipe's
+    values reach the learner as they are (services.pipeline.config.RLSpec.learner_fields)."""
 
-    model: str = Field(description="HF model folder of the starting policy (usually the SFT export).")
-    output_dir: str
-    algorithm: Literal["grpo", "dapo"] = "grpo"
-    group_size: int = Field(8, ge=1)
+    group_size: int = Field(8, ge=1, description="Episodes sampled per prompt (G), normalized together.")
     batch_prompts: int = Field(32, ge=1, description="Groups (prompts) per optimizer step.")
-    lr: float = Field(2e-6, gt=0.0)
-    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
-    schedule: Schedule = "constant"
-    total_steps: int = Field(155, ge=1, description="For the schedule; the paper's 5 epochs over 1K prompts.")
-    max_steps: int | None = Field(None, ge=1, description="Stop after this many batches (steps).")
+    lr: float = Field(2e-6, gt=0.0, description="Learning rate.")
     mini_batches: int = Field(
         1,
         ge=1,
-        description="Optimizer steps per full batch, each on whole groups "
-        "(verl's ppo_mini_batch_size as a count; 1: one update per batch). A batch the "
-        "filters shrank makes fewer steps of the same number of groups.",
+        description="Optimizer steps per full batch of batch_prompts × group_size, each on whole groups (verl's "
+        "ppo_mini_batch_size as a count; 1: one update per batch); a batch that DAPO, the filters or staleness "
+        "shrank makes fewer steps of the same number of groups.",
     )
-    eps_low: float = Field(0.2, ge=0.0, lt=1.0)
-    eps_high: float = Field(0.28, ge=0.0)
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="Lower clip bound of the importance ratio (1 - eps_low).")
+    eps_high: float = Field(
+        0.28, ge=0.0, description="Upper clip bound of the importance ratio (1 + eps_high; clip-higher: ≥ eps_low)."
+    )
+    # The policy loss's bounds and corrections (docs/rl-numerics.md).
     dual_clip_c: float | None = Field(
         3.0,
         gt=1.0,
@@ -342,6 +339,68 @@ class RLConfig(_Strict):
     )
     is_low: float = Field(0.5, ge=0.0, le=1.0, description="mis: lower bound of the token importance weight.")
     is_high: float = Field(2.0, ge=1.0, description="tis: cap of the token importance weight; mis: upper bound.")
+    loss_agg: Literal["token-mean", "group-token-mean", "seq-mean-token-mean"] = Field(
+        "token-mean",
+        description=(
+            "token-mean: every loss token of the step weighs the same; group-token-mean: the paper's, tokens "
+            "normalized within their group, groups averaged; seq-mean-token-mean: each sequence weighs the same."
+        ),
+    )
+    # Not the paper's (it trains KL-free): a brake on RL unlearning what SFT taught. The reference is
+    # the stage's starting model, usually the SFT export.
+    kl_coef: float = Field(0.0, ge=0.0, description="KL to the reference policy (0: KL-free, no reference model).")
+    negative_scale: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Weight of negative advantages (1: GRPO as the paper; 0: only samples above their group's mean train, "
+            "as in RAFT++)."
+        ),
+    )
+    late_groups: LateGroupPolicy = Field(
+        "partial",
+        description=(
+            "A group with episodes cut at their deadline (rl.sampling's turn_timeout_s, episode_timeout_s, "
+            "group_timeout_s; finish_reason deadline): drop leaves the whole group out; partial trains its finished "
+            "episodes, normalized among themselves; mask keeps every episode in the group's normalization with the "
+            "cut ones out of the loss. Counted as groups_late, groups_dropped_late, groups_partial, episodes_cut."
+        ),
+    )
+    save_every: int = Field(
+        4,
+        ge=1,
+        le=16,
+        description="Checkpoint every N steps (and at the end). Resume stays exact: the batches "
+        "since the last checkpoint are replayed from the stream, whose messages are acknowledged only at "
+        "checkpoints; so at most N steps are trained again after a crash.",
+    )
+    samples_per_step: int = Field(
+        4,
+        ge=0,
+        description=(
+            "Trajectories of each trained step written whole to samples.jsonl, one per group (the group's first "
+            "sample, so not picked by reward); 0: none. What the policy says, step by step."
+        ),
+    )
+
+    @field_validator("importance_sampling", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        # YAML reads a bare `off` as false
+        return "off" if value is False else value
+
+
+class RLConfig(RLKnobs):
+    """GRPO-family RL on scored trajectories from the stream (the fields a recipe shares: RLKnobs)."""
+
+    model: str = Field(description="HF model folder of the starting policy (usually the SFT export).")
+    output_dir: str
+    algorithm: Literal["grpo", "dapo"] = "grpo"
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
+    schedule: Schedule = "constant"
+    total_steps: int = Field(155, ge=1, description="For the schedule; the paper's 5 epochs over 1K prompts.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many batches (steps).")
     temperature: float = Field(
         1.0,
         gt=0.0,
@@ -359,23 +418,6 @@ class RLConfig(_Strict):
         ),
     )
     std_normalize: bool = Field(True, description="Divide by the group's std (GRPO); False: Dr.GRPO-style mean only.")
-    negative_scale: float = Field(
-        1.0,
-        ge=0.0,
-        le=1.0,
-        description=(
-            "Weight of negative advantages (1: GRPO as the paper; 0: only samples above their group's mean train, "
-            "as in RAFT++)."
-        ),
-    )
-    loss_agg: Literal["token-mean", "group-token-mean", "seq-mean-token-mean"] = Field(
-        "token-mean",
-        description=(
-            "token-mean: every loss token of the step weighs the same; group-token-mean: the paper's, tokens "
-            "normalized within their group, groups averaged; seq-mean-token-mean: each sequence weighs the same."
-        ),
-    )
-    kl_coef: float = Field(0.0, ge=0.0, description="KL to the reference policy (0: KL-free, no reference model).")
     use_rollout_logprobs: bool = Field(
         True, description="Importance ratio against the rollout's logprobs; False: the learner's own recomputation."
     )
@@ -398,13 +440,6 @@ class RLConfig(_Strict):
             "Groups the controller publishes per step beyond batch_prompts: a step takes its first batch_prompts "
             "complete groups, the surplus goes to later steps while fresh enough (filters.max_staleness), else it is "
             "dropped and counted (groups_surplus_dropped)."
-        ),
-    )
-    late_groups: LateGroupPolicy = Field(
-        "partial",
-        description=(
-            "A group with episodes cut at their deadline: drop it, train its finished episodes (partial), or keep "
-            "the cut ones in its normalization out of the loss (mask)."
         ),
     )
     publish_weights: bool = True
@@ -454,22 +489,6 @@ class RLConfig(_Strict):
         description=(
             "With weight_sync nccl: the longest forming the group or one broadcast may take before rank 0 ends for a "
             "restart (services.learner.weights.NcclPublisher)."
-        ),
-    )
-    save_every: int = Field(
-        4,
-        ge=1,
-        le=16,
-        description="Checkpoint every N steps (and at the end). Resume stays exact: the batches "
-        "since the last checkpoint are replayed from the stream, whose messages are acknowledged only at "
-        "checkpoints; so at most N steps are trained again after a crash.",
-    )
-    samples_per_step: int = Field(
-        4,
-        ge=0,
-        description=(
-            "Trajectories of each trained step written whole to samples.jsonl, one per group (the group's first "
-            "sample, so not picked by reward); 0: none. What the policy says, step by step."
         ),
     )
 

@@ -465,7 +465,7 @@ class RLTrainer:
         self._log_step(metrics, trajs, replaying)
         if self.rank0:
             until_redis(self._count_batches, what="counting batches")
-        if os.environ.get("STAR_LEARNER_CRASH_AFTER_STEP") == str(self.version) and not replaying:
+        if get_settings().learner_crash_after_step == self.version and not replaying:
             # Fault injection for the replay test: die after a step that no checkpoint holds.
             os.kill(os.getpid(), 9)
         return metrics
@@ -577,7 +577,7 @@ class RLTrainer:
             },
             tag=tag,
         )
-        if os.environ.get("STAR_LEARNER_CRASH_AFTER_CHECKPOINT") == str(self.version):
+        if get_settings().learner_crash_after_checkpoint == self.version:
             # Fault injection for the resume test: die between checkpoint and acknowledgement.
             os.kill(os.getpid(), 9)
         if self.collector is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -20,8 +20,7 @@ from services.evaluation.runner import MODEL_CONCURRENCY
 from services.learner.config import (
     EngineConfig,
     FilterConfig,
-    LateGroupPolicy,
-    RLConfig,
+    RLKnobs,
     TruncationPolicy,
     late_masked_finishes,
     masked_finishes,
@@ -142,28 +141,13 @@ def sampling_cuts(sampling: SamplingParams) -> list[str]:
     return cuts
 
 
-class RLSpec(_Section):
+class RLSpec(RLKnobs):
+    """The RL stage: the knobs it shares with the learner (RLKnobs, passed on by `learner_fields`), and what
+    the controller alone reads (epochs, rewards, sampling, validation, budgets)."""
+
     algorithm: Literal["grpo", "dapo", "arpo"] = "grpo"
     arpo: ArpoParams = Field(default_factory=ArpoParams, description="Branching settings when algorithm is arpo.")
     epochs: int = Field(5, ge=1)
-    batch_prompts: int = Field(32, ge=1)
-    group_size: int = Field(8, ge=1)
-    lr: float = Field(2e-6, gt=0)
-    mini_batches: int = Field(
-        1,
-        ge=1,
-        description="Optimizer steps per full batch of batch_prompts × group_size, each "
-        "on whole groups; a batch that DAPO or staleness shrank makes fewer.",
-    )
-    eps_low: float = Field(0.2, ge=0)
-    eps_high: float = Field(0.28, ge=0)
-    # The policy loss's bounds and corrections, one definition in RLConfig (docs/rl-numerics.md).
-    dual_clip_c: float | None = RLConfig.model_fields["dual_clip_c"]
-    log_ratio_clamp: float | None = RLConfig.model_fields["log_ratio_clamp"]
-    importance_sampling: Literal["off", "tis", "mis"] = RLConfig.model_fields["importance_sampling"]
-    is_low: float = RLConfig.model_fields["is_low"]
-    is_high: float = RLConfig.model_fields["is_high"]
-    loss_agg: Literal["token-mean", "group-token-mean", "seq-mean-token-mean"] = RLConfig.model_fields["loss_agg"]
     reward: RewardKind = "sum"
     # before `curriculum`, whose validator reads it
     curriculum_unit: CurriculumUnit = Field(
@@ -174,10 +158,6 @@ class RLSpec(_Section):
     )
     curriculum: str = Field("sum:1-2,macro:3-4,success:5", description="Reward schedule when reward is curriculum.")
     preference_penalty: PreferencePenalty = 0.0
-    # Not the paper's (it trains KL-free): a brake on RL unlearning what SFT taught. The reference is
-    # the stage's starting model, usually the SFT export.
-    kl_coef: float = RLConfig.model_fields["kl_coef"]
-    negative_scale: float = RLConfig.model_fields["negative_scale"]
     truncated: TruncationPolicy = Field(
         "mask",
         description=(
@@ -208,8 +188,6 @@ class RLSpec(_Section):
         description="Wall-clock budget of the RL stage: once spent, the stage ends with the latest "
         "published weights and the steps not yet trained are left out (default: no budget).",
     )
-    samples_per_step: int = RLConfig.model_fields["samples_per_step"]
-    save_every: int = RLConfig.model_fields["save_every"]
     oversample: float = Field(
         0.0,
         ge=0,
@@ -221,21 +199,6 @@ class RLSpec(_Section):
             "With max_staleness 0 every surplus group is dropped: sampled work traded for step time."
         ),
     )
-    late_groups: LateGroupPolicy = Field(
-        "partial",
-        description=(
-            "A group with episodes cut at their deadline (rl.sampling's turn_timeout_s, episode_timeout_s, "
-            "group_timeout_s; finish_reason deadline): drop leaves the whole group out; partial trains its finished "
-            "episodes, normalized among themselves; mask keeps every episode in the group's normalization with the "
-            "cut ones out of the loss. Counted as groups_late, groups_dropped_late, groups_partial, episodes_cut."
-        ),
-    )
-
-    @field_validator("importance_sampling", mode="before")
-    @classmethod
-    def _yaml_off(cls, value: object) -> object:
-        # YAML reads a bare `off` as false
-        return "off" if value is False else value
 
     @field_validator("curriculum")
     @classmethod
@@ -300,10 +263,26 @@ class RLSpec(_Section):
             zero_reward_finish_reasons=zero_reward_finishes(self.truncated),
         )
 
+    def learner_fields(self) -> dict[str, Any]:
+        """The learner's RLConfig fields this section sets: every shared knob as it is, and those derived
+        from it (arpo trains as grpo; the sampling's temperature and cut; the filters; the surplus groups)."""
+        return {
+            **{name: getattr(self, name) for name in RLKnobs.model_fields},
+            "algorithm": "dapo" if self.algorithm == "dapo" else "grpo",
+            "temperature": self.sampling.temperature,
+            "sampling_cut": bool(sampling_cuts(self.sampling)),
+            "filters": self.filters(),
+            "oversample_groups": self.oversample_groups,
+        }
+
     @property
     def oversample_groups(self) -> int:
         """Groups published a step beyond batch_prompts."""
         return math.ceil(self.batch_prompts * self.oversample - 1e-9)
+
+
+# What an episode may spend, set in rl.sampling and followed by eval.sampling where it leaves them out.
+EPISODE_BUDGETS = ("max_tokens_per_turn", "max_context_tokens", "max_tool_calls")
 
 
 class EvalSpec(_Section):
@@ -311,7 +290,9 @@ class EvalSpec(_Section):
     split: str | None = Field(None, description="Query file; default: the synthesized validation set.")
     sampling: SamplingParams = Field(
         default_factory=lambda: SamplingParams(temperature=0.6, top_p=0.95, max_context_tokens=32768),
-        description="Decoding of the evaluated model (the paper's: 0.6, 0.95, 32K).",
+        description="Decoding of the evaluated model (the paper's: 0.6, 0.95, 32K). The episode budgets a recipe's "
+        "eval.sampling leaves out (max_tokens_per_turn, max_context_tokens, max_tool_calls) are rl.sampling's; "
+        "left out whole, it is the paper's decoding and context with rl.sampling's turn and tool budgets.",
     )
     limit: int | None = Field(None, ge=1, description="Only the first N queries of the split.")
     concurrency: int = Field(
@@ -568,6 +549,16 @@ class PipelineConfig(_Section):
                 "eval stage would report its success on those same queries: set synth.heldout_queries "
                 "(queries for the eval stage alone) or eval.split"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _eval_episodes_as_rl_ones(self) -> PipelineConfig:
+        # An episode's budgets are set once, in rl.sampling: eval.sampling keeps its own where the recipe (or
+        # its default, the paper's 32K context) gives them, and takes rl.sampling's for the rest.
+        given = self.eval.sampling.model_fields_set
+        shared = {name: getattr(self.rl.sampling, name) for name in EPISODE_BUDGETS if name not in given}
+        if shared:
+            self.eval.sampling = self.eval.sampling.model_copy(update=shared)
         return self
 
     @model_validator(mode="after")

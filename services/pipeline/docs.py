@@ -25,7 +25,7 @@ from pydantic_settings import BaseSettings
 
 from services.common.settings import PROJECT_ROOT, Settings
 from services.pipeline.config import PipelineConfig
-from services.rollout.service import RolloutConfig
+from services.rollout.config import RolloutConfig
 
 OUTPUT = PROJECT_ROOT / "docs" / "configuration.md"
 REQUIRED = object()
@@ -42,6 +42,10 @@ file and the code differ). Two kinds of configuration exist:
 - **Settings**: `STAR_*` environment variables (or a `.env` file), read by every service into `Settings`
   (`services/common/settings.py`). They say where things are (database, Redis, data) and how a service
   behaves; a recipe says what a run trains.
+- **A rollout process's config file**: `star rollout worker --config FILE` (and `serve`) read `RolloutConfig`
+  (`services/rollout/config.py`) from FILE, JSON or YAML, whose keys are the `STAR_ROLLOUT_*` names below in
+  lower case without the prefix; the controller writes one per process into the run folder. The variables
+  set what a file leaves out, so a deployment (Compose, Helm) needs no file.
 
 `<checkout>` below is the repository's root folder.
 """
@@ -167,7 +171,8 @@ def render() -> str:
                 *recipe_reference(),
                 *settings_reference(Settings, "## Settings (`STAR_*` environment variables)"),
                 *settings_reference(
-                    RolloutConfig, "## Rollout settings (`STAR_ROLLOUT_*`: rollout servers and workers)"
+                    RolloutConfig,
+                    "## Rollout settings (`--config FILE` or `STAR_ROLLOUT_*`: rollout servers and workers)",
                 ),
             ]
         ).rstrip()

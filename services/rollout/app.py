@@ -1,10 +1,10 @@
 """HTTP face of the rollout service: run groups, load weight versions.
 
-Run with `star rollout serve` (or `uvicorn --factory services.rollout.app:create_app`); the
-engine comes from `STAR_ROLLOUT_*` (default vLLM on `STAR_MODEL`), the sandbox from
-`STAR_SANDBOX_URL`. A stream worker (`services.rollout.worker`) serves the same API on its own
-engine when `STAR_ROLLOUT_HTTP_PORT` is set (`embedded_server`): that is how the learner reaches
-the engines of an embedded fleet with NCCL weight broadcasts.
+Run with `star rollout serve [--config FILE]` (or `uvicorn --factory services.rollout.app:create_app`);
+the engine comes from the config file and `STAR_ROLLOUT_*` (services/rollout/config.py; default vLLM
+on `STAR_MODEL`), the sandbox from `STAR_SANDBOX_URL`. A stream worker (`services.rollout.worker`)
+serves the same API on its own engine when `STAR_ROLLOUT_HTTP_PORT` is set (`embedded_server`): that
+is how the learner reaches the engines of an embedded fleet with NCCL weight broadcasts.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from services.common.schemas import (
     WeightsUpdate,
 )
 from services.common.settings import Settings, get_settings
+from services.rollout.config import RolloutConfig
 from services.rollout.service import (
     STUCK_EXIT,
-    RolloutConfig,
     RolloutMetrics,
     RolloutRequest,
     RolloutService,

@@ -1,8 +1,8 @@
 """`star rollout`: run G trajectories of one query and print them; `serve` and `worker` subcommands.
 
 star rollout --model DIR --query q.json -G 8 [--engine vllm|transformers|openai]
-star rollout serve --port 8004
-star rollout worker
+star rollout serve --port 8004 [--config rollout.json]
+star rollout worker [--config rollout.json]
 """
 
 from __future__ import annotations
@@ -224,17 +224,36 @@ def _clip(text: str, limit: int = 240) -> str:
     return text if len(text) <= limit else text[:limit] + f"… (+{len(text) - limit} chars)"
 
 
+def config_option():
+    return typer.Option(
+        None, "--config", help="JSON (or YAML) file of rollout settings; STAR_ROLLOUT_* set what it leaves out."
+    )
+
+
+def rollout_config(path: Path | None):
+    """The process's RolloutConfig from `--config` (and the environment), or a clear error."""
+    from services.rollout.config import RolloutConfigError, load_rollout_config
+
+    try:
+        return load_rollout_config(path)
+    except RolloutConfigError as exc:
+        _fail(str(exc))
+
+
 @rollout_app.command("serve")
-def serve(host: str = host_option(), port: int = port_option(8004)) -> None:
-    """Run the rollout HTTP service (engine from STAR_ROLLOUT_*, sandbox from STAR_SANDBOX_URL)."""
+def serve(host: str = host_option(), port: int = port_option(8004), config: Path | None = config_option()) -> None:
+    """Run the rollout HTTP service (engine from --config or STAR_ROLLOUT_*, sandbox from STAR_SANDBOX_URL)."""
     import uvicorn
 
-    uvicorn.run("services.rollout.app:create_app", factory=True, host=host, port=port, log_level="warning")
+    from services.rollout.app import create_app
+
+    uvicorn.run(create_app(config=rollout_config(config)), host=host, port=port, log_level="warning")
 
 
 @rollout_app.command("worker")
-def worker() -> None:
+def worker(config: Path | None = config_option()) -> None:
     """Consume RolloutTasks from the tasks stream (STAR_REDIS_URL) until stopped."""
+    settings = rollout_config(config)
     from services.rollout.worker import main
 
-    main()
+    main(config=settings)

@@ -18,10 +18,9 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.files import sha256_file as file_sha256
 from services.common.metrics import Metrics
@@ -39,7 +38,6 @@ from services.common.schemas import (
     ToolResult,
     Trajectory,
     TravelQuery,
-    VllmArgs,
     WakeRequest,
     WeightsBroadcast,
     WeightsGroup,
@@ -48,7 +46,7 @@ from services.common.schemas import (
 from services.common.settings import Settings, get_settings
 from services.rollout import sleep as sleep_mode
 from services.rollout.agent import Agent
-from services.rollout.chat import ChatOptions
+from services.rollout.config import RolloutConfig
 from services.rollout.engines import Engine, TurnParams, build_engine
 from services.rollout.engines.base import EngineError, OlderVersion
 from services.rollout.group import ArpoConfig, EpisodeSlots, GroupMeta, sample_group
@@ -64,101 +62,6 @@ STUCK_GRACE_S = ABORT_TIMEOUT_S + 5.0
 # (EX_TEMPFAIL, as the learner's `services.learner.weights.STUCK_EXIT`): restart it, it loads the newest files
 STUCK_EXIT = 75
 TOOL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-
-
-class RolloutConfig(BaseSettings):
-    """`STAR_ROLLOUT_*` settings (the shared `STAR_*` ones come from services.common.settings)."""
-
-    model_config = SettingsConfigDict(env_prefix="STAR_ROLLOUT_", extra="ignore")
-
-    engine: Literal["vllm", "transformers", "openai"] = "vllm"
-    model: str | None = Field(
-        None, description="HF folder (vllm/transformers) or served name (openai); default STAR_MODEL."
-    )
-    max_model_len: int = Field(32768, ge=256)
-    dtype: str | None = Field(None, description="Model dtype; default bfloat16 for vllm, float32 for transformers.")
-    max_batch: int = Field(16, ge=1, description="transformers: requests decoded together.")
-    vllm: VllmArgs = Field(
-        default_factory=VllmArgs, description="vllm: engine arguments (JSON), as a recipe's services.vllm."
-    )
-    gpu_memory_utilization: float | None = Field(
-        None,
-        gt=0.0,
-        le=1.0,
-        description=(
-            "vllm: this engine's share of its GPUs' memory (set per worker by the recipe's placement); overrides vllm's."
-        ),
-    )
-    tensor_parallel_size: int | None = Field(
-        None, ge=1, description="vllm: GPUs this engine shards over; overrides vllm's."
-    )
-    kv_cache_from_share: bool | None = Field(
-        None,
-        description=(
-            "vllm: size the KV cache from the memory share (set per worker by placement where GPUs are shared); "
-            "overrides vllm's."
-        ),
-    )
-    rehash_weights: bool = Field(
-        False,
-        description="Re-hash every file of a published version before loading it "
-        "(the manifest's own hash and the file sizes are always checked).",
-    )
-    openai_base_url: str | None = None
-    openai_api_key: str | None = None
-    tools: Literal["http", "local"] = Field("http", description="Sandbox over HTTP (STAR_SANDBOX_URL) or in-process.")
-    tool_timeout_s: float = Field(30.0, gt=0)
-    tool_retries: int = Field(3, ge=0)
-    max_inflight_episodes: int | None = Field(
-        None,
-        ge=1,
-        description=(
-            "Worker: episodes in flight at once on its engine, over all its groups. None: derived from a vLLM "
-            "engine's KV cache (its memory share) over episode_tokens (services/rollout/capacity.py); 16 without one."
-        ),
-    )
-    episode_tokens: int | None = Field(
-        None,
-        ge=64,
-        description=(
-            "Worker: the context one episode is expected to reach, for the derived max_inflight_episodes "
-            "(None: max_model_len)."
-        ),
-    )
-    concurrency: int | None = Field(
-        None,
-        ge=1,
-        description=(
-            "Worker (deprecated: use max_inflight_episodes): groups in flight at once; maps to concurrency × "
-            "group_size episodes."
-        ),
-    )
-    group_size: int = Field(8, ge=1, description="Worker: the group size the deprecated concurrency multiplies.")
-    claim_idle_ms: int = Field(
-        120_000, ge=100, description="Worker: reclaim a dead worker's task after this idle time."
-    )
-    max_deliveries: int = Field(3, ge=1, description="Worker: attempts before a task is dead-lettered.")
-    http_port: int | None = Field(
-        None,
-        ge=1,
-        le=65535,
-        description=(
-            "Worker: also serve the rollout HTTP API (health, weights, NCCL weight group) on this port, on the worker's "
-            "engine; unset: no server. The embedded fleet sets it when weights travel over NCCL."
-        ),
-    )
-    http_host: str = Field("127.0.0.1", description="Worker: the address its HTTP API (http_port) listens on.")
-    max_format_errors: int = Field(3, ge=1)
-    chat: ChatOptions = Field(
-        default_factory=ChatOptions,
-        description=(
-            "The conversation format (JSON): chat template or ChatML, tool-call format, thinking mode; as a recipe's "
-            "services.chat."
-        ),
-    )
-    weights_timeout_s: float = Field(
-        120.0, gt=0, description="A weight group join or broadcast that takes longer fails."
-    )
 
 
 class RolloutRequest(BaseModel):

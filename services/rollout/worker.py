@@ -57,7 +57,8 @@ budget's default derives from the engine's KV cache and the episodes' context (`
 Deadlines: each task's sampling carries wall-clock limits per turn, episode and group
 (`SamplingParams.*_timeout_s`); a cut episode ends as `deadline` and its group is written with the
 others; what the learner does with such a group is the recipe's `rl.late_groups`.
-Run: `star rollout worker` or `python -m services.rollout.worker`.
+Run: `star rollout worker [--config FILE]` or `python -m services.rollout.worker [--config FILE]` (the settings:
+services/rollout/config.py).
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ from services.common.streams import (
     until_redis,
 )
 from services.rollout.capacity import engine_for_budget, inflight_budget
+from services.rollout.config import RolloutConfig, RolloutConfigError, load_rollout_config
 from services.rollout.group import EpisodeSlots
-from services.rollout.service import STUCK_EXIT, RolloutConfig, RolloutService, WeightsError
+from services.rollout.service import STUCK_EXIT, RolloutService, WeightsError
 
 log = logging.getLogger(__name__)
 GROUP = "rollout"
@@ -537,7 +539,7 @@ def main(settings: Settings | None = None, config: RolloutConfig | None = None) 
         client,
         loop,
         names=StreamNames(settings.stream_prefix),
-        consumer=os.environ.get("STAR_ROLLOUT_CONSUMER"),
+        consumer=config.consumer,
         max_inflight_episodes=budget,
         claim_idle_ms=config.claim_idle_ms,
         max_deliveries=config.max_deliveries,
@@ -582,5 +584,19 @@ def main(settings: Settings | None = None, config: RolloutConfig | None = None) 
         raise SystemExit(worker.exit_status)
 
 
+def cli(argv: list[str] | None = None) -> None:
+    """`python -m services.rollout.worker [--config FILE]`: a worker on the settings in FILE (and STAR_ROLLOUT_*)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m services.rollout.worker", description=cli.__doc__)
+    ap.add_argument("--config", help="JSON (or YAML) file of rollout settings; STAR_ROLLOUT_* fill the rest")
+    args = ap.parse_args(argv)
+    try:
+        config = load_rollout_config(args.config)
+    except RolloutConfigError as exc:
+        ap.exit(2, f"error: {exc}\n")
+    main(config=config)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

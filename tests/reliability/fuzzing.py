@@ -363,9 +363,10 @@ def scripted_rollout_app():
     from services.common.settings import Settings
     from services.models import tiny_qwen2
     from services.rollout.app import create_app
+    from services.rollout.config import RolloutConfig
     from services.rollout.engines.scripted import ScriptedEngine
     from services.rollout.protocol import format_answer, format_tool_call
-    from services.rollout.service import RolloutConfig, RolloutService
+    from services.rollout.service import RolloutService
     from services.rollout.tools import LocalToolClient
     from services.sandbox.tools.toolbox import ToolBox
     from services.sandbox.world import World

@@ -175,7 +175,7 @@ def test_the_rollout_settings_carry_the_chat_options(monkeypatch):
     from pydantic import ValidationError
 
     from services.pipeline.config import ServicesSpec
-    from services.rollout.service import RolloutConfig
+    from services.rollout.config import RolloutConfig
 
     spec = ServicesSpec(chat={"tool_format": "mistral", "thinking": False})
     monkeypatch.setenv("STAR_ROLLOUT_CHAT", spec.chat.model_dump_json())

@@ -25,10 +25,11 @@ from services.common.redis import free_port
 from services.common.schemas import WeightsBroadcast
 from services.common.settings import Settings
 from services.common.streams import StreamNames
+from services.rollout.config import RolloutConfig
 from services.rollout.engines.base import EngineError, Generation
 from services.rollout.engines.scripted import ScriptedEngine
 from services.rollout.protocol import format_answer
-from services.rollout.service import STUCK_EXIT, RolloutConfig, RolloutService, WeightsError
+from services.rollout.service import STUCK_EXIT, RolloutService, WeightsError
 from services.rollout.worker import RolloutWorker
 
 LAYOUT = {"names": ["model.norm.weight"], "dtype_names": ["bfloat16"], "shapes": [[64]]}

@@ -19,8 +19,9 @@ import pytest
 from services.common.schemas import WeightsBroadcast, WeightsUpdate
 from services.common.settings import Settings
 from services.common.streams import StreamNames
+from services.rollout.config import RolloutConfig
 from services.rollout.engines.base import EngineError, TurnParams
-from services.rollout.service import RolloutConfig, RolloutService, WeightsError, write_manifest
+from services.rollout.service import RolloutService, WeightsError, write_manifest
 from services.rollout.worker import RolloutWorker
 
 pytestmark = pytest.mark.slow

@@ -12,10 +12,11 @@ from services.common.schemas import RolloutTask, SamplingParams
 from services.common.streams import StreamNames, publish, read_all
 from services.rollout.agent import Agent, turn_seed
 from services.rollout.capacity import engine_episodes, episodes_for_kv, inflight_budget, kv_bytes_per_token
+from services.rollout.config import RolloutConfig
 from services.rollout.engines.scripted import ScriptedEngine
 from services.rollout.group import EpisodeSlots, sample_group
 from services.rollout.protocol import format_answer
-from services.rollout.service import RolloutConfig, RolloutService
+from services.rollout.service import RolloutService
 from services.rollout.worker import GROUP, RolloutWorker
 from tests.rollout.test_worker import QUERY, run_until
 

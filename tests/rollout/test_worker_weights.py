@@ -20,9 +20,10 @@ from services.common.redis import free_port
 from services.common.schemas import WeightsBroadcast, WeightsUpdate
 from services.common.settings import Settings
 from services.common.streams import StreamNames, ensure_group, publish, read_all
+from services.rollout.config import RolloutConfig
 from services.rollout.engines.scripted import ScriptedEngine
 from services.rollout.protocol import format_answer
-from services.rollout.service import RolloutConfig, RolloutService, WeightsError, write_manifest
+from services.rollout.service import RolloutService, WeightsError, write_manifest
 from services.rollout.worker import GROUP, RolloutWorker, serve_http
 from tests.rollout.test_worker import task
 
