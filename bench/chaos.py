@@ -72,7 +72,7 @@ sys.path.insert(0, str(ROOT))
 from services.common.redis import local_url, redis_password  # noqa: E402
 from services.common.streams import StreamNames, decode, ensure_group, trim_consumed  # noqa: E402
 from services.common.supervisor import alive  # noqa: E402
-from services.pipeline.rl import weights_version  # noqa: E402
+from services.controller.loop import weights_version  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 VAR = ROOT / "var" / "bench" / "chaos"
@@ -184,7 +184,7 @@ class Audit(threading.Thread):
         self.halt = threading.Event()
         self.ready = threading.Event()
         self.batches = 0  # the learner's batches consumed, as last read
-        self.published = 0  # the newest weights version published (services.pipeline.rl.weights_version)
+        self.published = 0  # the newest weights version published (services.controller.loop.weights_version)
         self.start()
 
     @property

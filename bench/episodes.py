@@ -274,7 +274,7 @@ def phase(name: str, url: str, token: str | None, args: argparse.Namespace, body
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from services.embedded import ServiceProcess
+    from services.controller.launcher import ServiceProcess
 
     travelplanner_dir = args.data or get_settings().travelplanner_dir
     workload = episodes_of(travelplanner_dir)

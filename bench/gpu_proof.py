@@ -143,7 +143,7 @@ def load_config(path: Path, overrides: list[str] | None = None):
 
 
 def train_stages(config, folder: Path, stages: list[str]):
-    from services.pipeline.train import train
+    from services.controller.train import train
 
     t0 = time.perf_counter()
     run = train(config.model_copy(update={"stages": stages}), folder)
@@ -1043,7 +1043,7 @@ def main() -> int:
                     "loss": sft_losses(Path(sft_out["metrics"])),
                 }
             elif phase in ("eval_sft", "eval_rl"):
-                from services.pipeline.train import eval_split
+                from services.pipeline.stages import eval_split
 
                 synth = stage_outputs(main_run, "synth")
                 source = state.data["sft"]["sft"] if phase == "eval_sft" else state.data["rl_async"]

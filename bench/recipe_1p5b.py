@@ -169,10 +169,10 @@ def episode_scripts(rl_dir: Path, tokenizer: Any) -> list[dict[str, Any]]:
 
 
 def worker_env(config: Any, placement: Any, model: Path) -> dict[str, str]:
-    """The environment the embedded fleet gives rollout worker 0 (services.pipeline.rl._start_workers): its engine
-    arguments, memory share, context and episode budget."""
+    """The environment the embedded fleet gives rollout worker 0 (services.controller.embedded_fleet._start_workers):
+    its engine arguments, memory share, context and episode budget."""
+    from services.controller.embedded_fleet import inflight_env
     from services.pipeline.placement import colocated_concurrency
-    from services.pipeline.rl import inflight_env
 
     s = config.services
     vllm = s.vllm.model_copy(update={"enable_sleep_mode": True}) if placement.colocated else s.vllm

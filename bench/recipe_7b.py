@@ -14,7 +14,7 @@ the time model's prediction for the same machine from the recorded components (b
 
 What runs: a random-init Qwen2.5-7B folder (bench/gpu_shapes.py, bf16; the real Qwen2.5 tokenizer beside it)
 stands in for the SFT model, since no weights are reachable from the device. `star train` runs stages synth
-and rl only: RL then starts from `model.path` (services.pipeline.train.starting_model), on a synthetic world
+and rl only: RL then starts from `model.path` (services.controller.train.starting_model), on a synthetic world
 at the benchmark's scale (`world.synthetic_size=full`: the official tables are not on the device; its tool
 results are as long as the official ones, so ten forced calls return about 6.5K tokens and an episode comes
 to about 10K, the paper's shape; the small world's gave 4.4K) with real Redis, sandbox over HTTP, rollout and reward
@@ -164,7 +164,7 @@ def run_train(args: argparse.Namespace, run_dir: Path, items: list[str], env: di
 
 
 def learner_restarted(line: str) -> bool:
-    """A line where `star train` says it restarts its learner (services.pipeline.rl.Fleet.learner_ended)."""
+    """A line where `star train` says it restarts its learner (services.controller.embedded_fleet.EmbeddedFleet.learner_ended)."""
     return line.lstrip().startswith("learner exited (")
 
 

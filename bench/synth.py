@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.common.settings import get_settings  # noqa: E402
-from services.embedded import ensure_world  # noqa: E402
+from services.controller.launcher import ensure_world  # noqa: E402
 from services.sandbox.world import World  # noqa: E402
 from services.synth.baseline import naive_cheapest  # noqa: E402
 from services.synth.index import SynthIndex  # noqa: E402

@@ -178,7 +178,7 @@ def predict_step(c: Components, r: Recipe, m: Machine, *, colocate: dict[str, An
 def async_period(sec: dict[str, float], tail: float, max_staleness: int) -> float:
     """Seconds from one asynchronous step to the next. `sec["rollout"]` is an engine's share of a step's
     work (its mean trajectory), `tail` the step's slowest trajectory over the mean one. Step s is published
-    once version s - k exists (`services.pipeline.scheduler`), that is once step s - k - 1 is trained and its
+    once version s - k exists (`services.controller.scheduler`), that is once step s - k - 1 is trained and its
     weights are out, and it trains once its slowest episode has ended and step s - 1 is trained: k + 1 steps
     take at least one slowest episode, its scoring, one training and one sync. A step also takes at least an
     engine's share of the work (throughput) and the learner's training and sync."""

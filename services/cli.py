@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import typer
 
+from services.controller.cli import down_command, status_command, train_command, up_command
 from services.episodes.cli import episodes_app
 from services.evaluation.cli import eval_app, evaluate_alias
 from services.formatter.cli import formatter_app
 from services.learner.cli import learner_app, sft as sft_command
-from services.pipeline.cli import down_command, status_command, train_command, up_command
 from services.qa.cli import qa_app
 from services.reward.cli import reward_app, score_command
 from services.rollout.cli import rollout_app

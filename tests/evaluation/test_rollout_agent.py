@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.schemas import Plan, PlanDay, SamplingParams
-from services.embedded import ServiceProcess
+from services.controller.launcher import ServiceProcess
 from services.evaluation import agents
 from services.evaluation.agents import agent_function
 from services.evaluation.formatting import StructuredParser

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from services.embedded import ServiceProcess
+from services.controller.launcher import ServiceProcess
 from tests.formatter.samples import DAYS, GOOD, PROSE, QUERY
 from tests.support.fake_openai import FakeOpenAI, Reply
 

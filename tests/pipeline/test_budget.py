@@ -16,9 +16,11 @@ import redis
 
 from services.common.schemas import SamplingParams, TravelQuery
 from services.common.streams import StreamNames
+from services.controller.embedded_fleet import EmbeddedFleet
+from services.controller.loop import drive
+from services.controller.scheduler import Schedule, TaskPublisher
+from services.controller.validation import Managed
 from services.pipeline.config import PipelineConfig
-from services.pipeline.rl import Fleet, Managed, drive
-from services.pipeline.scheduler import Schedule, TaskPublisher
 
 
 def _queries(n: int) -> tuple[TravelQuery, ...]:
@@ -55,7 +57,7 @@ def setup(redis_client, tmp_path: Path):
         },
     )()
     # what `drive` watches of the controller's fleet: no supervisor, no workers, one learner process
-    fleet = Fleet(None, "", learner=learner, status_path=tmp_path / "rl" / "status.json")
+    fleet = EmbeddedFleet(None, "", learner=learner, status_path=tmp_path / "rl" / "status.json")
     yield client, names, schedule, publisher, fleet, run
     learner.stop(5)
 
@@ -135,7 +137,7 @@ def test_max_minutes_must_be_positive():
 
 
 def test_a_run_folder_resumes_under_another_budget_but_not_another_recipe():
-    from services.pipeline.train import recipe_identity
+    from services.controller.train import recipe_identity
 
     base = PipelineConfig.model_validate({"name": "x", "model": {"path": "/m"}, "rl": {"max_minutes": 20}})
     other_budget = base.model_copy(update={"rl": base.rl.model_copy(update={"max_minutes": 5})})

@@ -212,7 +212,7 @@ def test_a_colocated_stage_starts_one_sleeping_engine_a_gpu_serving_the_learner(
     from types import SimpleNamespace
 
     from services.common.schemas import VllmArgs
-    from services.pipeline.rl import Fleet, _start_workers
+    from services.controller.embedded_fleet import EmbeddedFleet, _start_workers
 
     class Sup:
         def __init__(self) -> None:
@@ -223,7 +223,7 @@ def test_a_colocated_stage_starts_one_sleeping_engine_a_gpu_serving_the_learner(
             return SimpleNamespace(name=name)
 
     run = _colocated_run(tmp_path)
-    f = Fleet(Sup(), "redis://x", sandbox_url="http://127.0.0.1:9")
+    f = EmbeddedFleet(Sup(), "redis://x", sandbox_url="http://127.0.0.1:9")
     _start_workers(run, f, "model", {}, tmp_path / "logs")
     rollout = {n: e for n, e in f.sup.added.items() if n.startswith("rollout-")}
     assert sorted(rollout) == [f"rollout-{i}" for i in range(4)]  # one per GPU, not the recipe's 8
@@ -239,8 +239,8 @@ def test_a_colocated_stage_starts_one_sleeping_engine_a_gpu_serving_the_learner(
 
 def test_a_colocated_learner_sleeps_the_workers_and_takes_ipc(tmp_path):
     from services.common.streams import StreamNames
+    from services.controller.learner_config import rl_config
     from services.learner.config import RLConfig
-    from services.pipeline.rl import rl_config
     from services.pipeline.stage import StageFailed
 
     run = _colocated_run(tmp_path)

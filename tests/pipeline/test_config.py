@@ -87,7 +87,7 @@ def test_the_learner_section_reaches_the_learner_engine_config():
     ],
 )
 def test_a_stage_run_on_its_own_starts_from_the_model_the_stages_before_it_made(stages, expected):
-    from services.pipeline.train import starting_model
+    from services.controller.train import starting_model
 
     outputs = {"synth": {"sft_data": "x"}, "sft": {"model": "sft-model"}, "rl": {"model": "rl-model"}}
     assert starting_model("base", outputs, stages) == expected
@@ -96,9 +96,9 @@ def test_a_stage_run_on_its_own_starts_from_the_model_the_stages_before_it_made(
 
 def test_the_rl_section_reaches_the_learner_config(tmp_path):
     from services.common.streams import StreamNames
+    from services.controller.learner_config import rl_config
     from services.learner.config import RLConfig
-    from services.pipeline.rl import rl_config
-    from services.pipeline.train import Run
+    from services.pipeline.stage import Run
 
     config = load_pipeline_config(CONFIGS / "smollm2-proof.yaml")
     assert config.rl.mini_batches > 1  # the recipe sets its own
@@ -122,9 +122,9 @@ def test_the_rl_section_reaches_the_learner_config(tmp_path):
 
 def test_the_loss_bounds_and_temperature_reach_the_learner_config(tmp_path):
     from services.common.streams import StreamNames
+    from services.controller.learner_config import rl_config
     from services.learner.config import RLConfig
-    from services.pipeline.rl import rl_config
-    from services.pipeline.train import Run
+    from services.pipeline.stage import Run
 
     def learner(overrides: list[str]) -> RLConfig:
         config = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", overrides)
@@ -191,9 +191,9 @@ def test_stale_samples_under_a_sampling_cut_need_an_importance_correction():
 
 def test_the_truncation_policy_reaches_the_learner_filters(tmp_path):
     from services.common.streams import StreamNames
+    from services.controller.learner_config import rl_config
     from services.learner.config import RLConfig
-    from services.pipeline.rl import rl_config
-    from services.pipeline.train import Run
+    from services.pipeline.stage import Run
 
     def filters(overrides: list[str]):
         config = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", overrides)
@@ -224,12 +224,12 @@ def test_a_bad_curriculum_fails_when_the_recipe_loads():
 
 
 def test_the_synth_section_reaches_the_synthesizer(tmp_path, monkeypatch):
-    from services.pipeline import train
+    from services.pipeline import stages
 
     calls = []
-    monkeypatch.setattr(train, "run_process", lambda run, name, argv, **kw: calls.append((name, argv)))
+    monkeypatch.setattr(stages, "run_process", lambda run, name, argv, **kw: calls.append((name, argv)))
     config = load_pipeline_config(CONFIGS / "tiny.yaml", ["synth.flight_share=0.5", "synth.days=[3]"])
-    train.stage_synth(train.Run(config, tmp_path, world_url="sqlite:///w.db"))
+    stages.stage_synth(stages.Run(config, tmp_path, world_url="sqlite:///w.db"))
     argv = dict(calls)["synth-queries"]
     assert argv[argv.index("--flight-share") + 1] == "0.5" and argv[argv.index("--days") + 1] == "3"
     with pytest.raises(ConfigError, match="flight_share"):
@@ -237,7 +237,7 @@ def test_the_synth_section_reaches_the_synthesizer(tmp_path, monkeypatch):
     assert "--rl-mix" not in argv  # the RL prompts keep `mix` unless told otherwise
     calls.clear()
     config = load_pipeline_config(CONFIGS / "tiny.yaml", ["synth.rl_mix=[1,1,0]"])
-    train.stage_synth(train.Run(config, tmp_path, world_url="sqlite:///w.db"))
+    stages.stage_synth(stages.Run(config, tmp_path, world_url="sqlite:///w.db"))
     argv = dict(calls)["synth-queries"]
     assert argv[argv.index("--rl-mix") + 1] == "1:1:0"
     for bad in ("[0,0,0]", "[1,-1,1]"):
@@ -252,7 +252,7 @@ def test_the_proof_recipe_plans_one_city_trips_from_oracle_teachers():
 
 
 def test_a_top_p_or_top_k_cut_is_called_off_policy_and_a_temperature_is_not():
-    from services.pipeline.rl import off_policy_note
+    from services.controller.preflight import off_policy_note
 
     whole = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["rl.sampling.top_p=1.0"])
     assert off_policy_note(whole.rl.sampling) is None
@@ -280,7 +280,7 @@ def test_a_preference_penalty_that_cannot_change_a_reward_is_refused():
 
 
 def test_curriculum_stages_a_run_never_reaches_are_named():
-    from services.pipeline.rl import unreached_stages_note
+    from services.controller.preflight import unreached_stages_note
     from services.reward.rewards import Curriculum
 
     tiny = load_pipeline_config(CONFIGS / "tiny.yaml")  # curriculum over one epoch: sum only
@@ -307,7 +307,7 @@ def test_curriculum_stages_a_run_never_reaches_are_named():
 
 
 def test_the_checkpoint_is_not_picked_on_the_queries_that_report_its_success(tmp_path, monkeypatch):
-    from services.pipeline import train
+    from services.pipeline import stages
 
     paper = load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml")
     assert paper.rl.val_every > 0 and paper.synth.heldout_queries == 1000
@@ -318,21 +318,21 @@ def test_the_checkpoint_is_not_picked_on_the_queries_that_report_its_success(tmp
     load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml", ["synth.heldout_queries=0", "rl.val_every=0"])
 
     calls = []
-    monkeypatch.setattr(train, "run_process", lambda run, name, argv, **kw: calls.append((name, argv)))
+    monkeypatch.setattr(stages, "run_process", lambda run, name, argv, **kw: calls.append((name, argv)))
     config = load_pipeline_config(CONFIGS / "tiny.yaml", ["synth.heldout_queries=3"])
-    outputs = train.stage_synth(train.Run(config, tmp_path, world_url="sqlite:///w.db"))
+    outputs = stages.stage_synth(stages.Run(config, tmp_path, world_url="sqlite:///w.db"))
     argv = dict(calls)["synth-queries"]
     s = config.synth
     assert argv[argv.index("--splits") + 1] == f"{s.sft_queries}:{s.rl_queries}:{s.val_queries}:3"
     assert argv[argv.index("--n") + 1] == str(s.sft_queries + s.rl_queries + s.val_queries + 3)
-    assert train.eval_split(config.eval, outputs) == outputs["heldout_queries"] != outputs["val_queries"]
+    assert stages.eval_split(config.eval, outputs) == outputs["heldout_queries"] != outputs["val_queries"]
     without = load_pipeline_config(CONFIGS / "tiny.yaml")
-    assert train.eval_split(without.eval, {"val_queries": "v.jsonl"}) == "v.jsonl"
+    assert stages.eval_split(without.eval, {"val_queries": "v.jsonl"}) == "v.jsonl"
     # a folder synthesized before held-out queries existed: its picked checkpoint is not scored on validation
     picked = {"model": "m", "best_success": 0.4}
-    with pytest.raises(train.StageFailed, match="picked on v.jsonl"):
-        train.stage_eval(
-            train.Run(without, tmp_path, world_url="sqlite:///w.db"), "m", {"val_queries": "v.jsonl"}, picked
+    with pytest.raises(stages.StageFailed, match="picked on v.jsonl"):
+        stages.stage_eval(
+            stages.Run(without, tmp_path, world_url="sqlite:///w.db"), "m", {"val_queries": "v.jsonl"}, picked
         )
     assert not any(name == "eval" for name, _ in calls)  # refused before any evaluation ran
 
@@ -349,7 +349,7 @@ def test_the_proof_fleet_samples_as_many_batches_as_the_staleness_allows_in_one_
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in CONFIGS.glob("qwen2.5-*.yaml")))
 def test_table_one_recipes_end_at_the_limit_as_the_reference_does(recipe, tmp_path):
-    from services.pipeline.train import Run, eval_argv
+    from services.pipeline.stage import Run, eval_argv
 
     config = load_pipeline_config(CONFIGS / recipe)
     assert config.eval.sampling.summarize_at_limit and not config.rl.sampling.summarize_at_limit
@@ -360,7 +360,7 @@ def test_table_one_recipes_end_at_the_limit_as_the_reference_does(recipe, tmp_pa
 
 def test_a_validations_engine_takes_the_share_its_placement_kept(tmp_path):
     from services.pipeline.placement import plan
-    from services.pipeline.train import Run, eval_argv
+    from services.pipeline.stage import Run, eval_argv
 
     config = load_pipeline_config(CONFIGS / "smollm2-proof.yaml")
     placement = plan(config.deployment, config.services.rollout_workers, ["0"], validations=True)
@@ -375,7 +375,7 @@ def test_a_validations_engine_takes_the_share_its_placement_kept(tmp_path):
 
 
 def test_the_episode_budget_is_the_recipes_or_derived_by_each_worker(tmp_path):
-    from services.pipeline.rl import inflight_env
+    from services.controller.embedded_fleet import inflight_env
 
     seven = load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml")
     assert seven.inflight_episodes() is None  # each worker derives it from its engine's KV cache
@@ -413,8 +413,8 @@ def test_over_sampling_and_late_groups_reach_the_learner_and_its_filters():
 def test_the_checkpoint_interval_reaches_the_learner_and_is_bounded(tmp_path):
     """A 7B checkpoint with its optimizer state is about 106 GB: a recipe sets how often the RL stage writes one."""
     from services.common.streams import StreamNames
+    from services.controller.learner_config import rl_config
     from services.learner.config import RLConfig
-    from services.pipeline.rl import rl_config
     from services.pipeline.stage import Run
 
     config = load_pipeline_config(CONFIGS / "tiny.yaml", ["rl.save_every=16"])
@@ -440,9 +440,9 @@ def test_forced_turns_are_off_unless_set_and_only_for_rl_sampling():
 
 
 def test_the_nccl_timeout_reaches_the_learner_from_the_recipe(tmp_path):
+    from services.controller.learner_config import nccl_sync
     from services.learner.config import RLConfig
-    from services.pipeline.rl import nccl_sync
-    from services.pipeline.train import Run
+    from services.pipeline.stage import Run
 
     config = load_pipeline_config(CONFIGS / "smollm2-proof.yaml", ["deployment.nccl_timeout_s=900"])
     sync = nccl_sync(Run(config, tmp_path), ["http://127.0.0.1:1"])

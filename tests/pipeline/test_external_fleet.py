@@ -20,11 +20,11 @@ import redis
 from services.common.redis import free_port
 from services.common.streams import StreamNames
 from services.common.supervisor import wait_ready
-from services.pipeline import fleet as fleet_module
+from services.controller import launcher
+from services.controller.embedded_fleet import EmbeddedFleet, start_fleet
+from services.controller.train import prepare_model
 from services.pipeline.config import load_pipeline_config
-from services.pipeline.rl import Fleet, start_fleet
 from services.pipeline.stage import Run
-from services.pipeline.train import prepare_model
 from tests.pipeline.test_train_e2e import _train, train_argv, train_env
 from tests.support.waiting import until
 
@@ -48,9 +48,9 @@ SMALL = [
 RL = [*SMALL, "--stage", "rl", "--stage", "eval", "--fleet", "external"]
 
 
-def _start_learner_service(f: Fleet, folder: Path, home: Path) -> str:
+def _start_learner_service(f: EmbeddedFleet, folder: Path, home: Path) -> str:
     """The learner service beside the fleet, as a deployment runs it (its own home, token and weights store)."""
-    spec = next(s for s in fleet_module.SERVICES if s.name == "learner")
+    spec = next(s for s in launcher.SERVICES if s.name == "learner")
     port = free_port()
     env = {
         **train_env(home),
@@ -58,7 +58,7 @@ def _start_learner_service(f: Fleet, folder: Path, home: Path) -> str:
         "STAR_API_TOKEN": TOKEN,
         "STAR_WEIGHTS_ROOT": str(folder / "weights"),
     }
-    child = f.sup.add("learner-service", fleet_module.service_argv(spec, port), env, folder / "logs" / "learner.log")
+    child = f.sup.add("learner-service", launcher.service_argv(spec, port), env, folder / "logs" / "learner.log")
     url = f"http://127.0.0.1:{port}"
     wait_ready("learner", child.proc, url, child.log, 120)
     return url
@@ -86,7 +86,7 @@ def _running(url: str, run_id: str) -> bool:
     return _learner_runs(url).get(run_id, {}).get("state") == "running"
 
 
-def _assert_fleet_runs(f: Fleet, learner_url: str) -> None:
+def _assert_fleet_runs(f: EmbeddedFleet, learner_url: str) -> None:
     assert all(child.exited() is None for child in f.sup.children.values()), {
         name: child.exited() for name, child in f.sup.children.items()
     }

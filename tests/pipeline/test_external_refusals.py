@@ -101,8 +101,8 @@ def test_another_runs_progress_in_the_fleets_redis_is_found():
 
 @pytest.mark.parametrize("fleet", ["embedded", "external"])
 def test_the_run_folder_resumes_whoever_runs_the_fleet(fleet):
+    from services.controller.train import recipe_identity
     from services.pipeline.config import PipelineConfig
-    from services.pipeline.train import recipe_identity
 
     base = PipelineConfig.model_validate({"name": "x", "model": {"path": "/m"}})
     other = PipelineConfig.model_validate({"name": "x", "model": {"path": "/m"}, "deployment": {"fleet": fleet}})
@@ -110,8 +110,8 @@ def test_the_run_folder_resumes_whoever_runs_the_fleet(fleet):
 
 
 def test_a_fault_rate_the_external_fleet_will_not_apply_is_said():
+    from services.controller.preflight import external_fleet_note
     from services.pipeline.config import PipelineConfig
-    from services.pipeline.rl import external_fleet_note
 
     def config(**deployment):
         return PipelineConfig.model_validate(
@@ -126,13 +126,13 @@ def test_a_fault_rate_the_external_fleet_will_not_apply_is_said():
 def learner_service(tmp_path):
     """The real learner service (its runs API), as a deployment runs it."""
     from services.common.supervisor import Supervisor, wait_ready
-    from services.pipeline import fleet
+    from services.controller import launcher
 
-    spec = next(s for s in fleet.SERVICES if s.name == "learner")
+    spec = next(s for s in launcher.SERVICES if s.name == "learner")
     port = free_port()
     sup = Supervisor(None)
     env = {**train_env(tmp_path / "learner-home"), "STAR_API_TOKEN": "fleet-token"}
-    child = sup.add("learner", fleet.service_argv(spec, port), env, tmp_path / "learner.log")
+    child = sup.add("learner", launcher.service_argv(spec, port), env, tmp_path / "learner.log")
     url = f"http://127.0.0.1:{port}"
     wait_ready("learner", child.proc, url, child.log, 120)
     yield url
@@ -141,9 +141,9 @@ def learner_service(tmp_path):
 
 @pytest.mark.slow
 def test_a_learner_that_refuses_or_fails_the_run_fails_the_stage_with_its_words(tmp_path, learner_service):
+    from services.controller.external_fleet import ExternalFleet
+    from services.controller.learner_config import rl_config
     from services.pipeline.config import load_pipeline_config
-    from services.pipeline.external import ExternalFleet
-    from services.pipeline.rl import rl_config
     from services.pipeline.stage import Run, StageFailed
     from tests.pipeline.test_train_e2e import ROOT
     from tests.support.waiting import until
@@ -177,7 +177,7 @@ def test_a_learner_that_refuses_or_fails_the_run_fails_the_stage_with_its_words(
 
 
 def test_the_controller_says_what_of_the_fleet_cannot_work(redis_client, tmp_path):
-    from services.pipeline.external import ExternalFleet
+    from services.controller.external_fleet import ExternalFleet
 
     client, prefix = redis_client
     kw = client.connection_pool.connection_kwargs
@@ -203,7 +203,7 @@ def test_the_controller_says_what_of_the_fleet_cannot_work(redis_client, tmp_pat
 
 
 def test_rl_progress_is_said_line_by_line_where_there_is_no_terminal(capsys):
-    from services.pipeline.rl import say_progress
+    from services.controller.loop import say_progress
 
     said = say_progress(0, 2, "published 1/2 · weights v0", "")
     said = say_progress(0, 2, "published 1/2 · weights v0", said)
@@ -278,7 +278,7 @@ def test_a_controller_waiting_for_the_fleet_says_what_it_waits_on(capsys):
 def test_an_external_runs_sft_goes_to_the_learner_service_and_its_eval_to_the_rollout_servers(tmp_path, monkeypatch):
     """Where each stage's model work runs in external mode: nothing of SFT or eval in the controller's process."""
     from services.common.settings import get_settings
-    from services.pipeline import train as train_module
+    from services.pipeline import stages
     from services.pipeline.config import load_pipeline_config
     from services.pipeline.stage import Run, eval_argv
     from tests.pipeline.test_train_e2e import ROOT
@@ -295,16 +295,16 @@ def test_an_external_runs_sft_goes_to_the_learner_service_and_its_eval_to_the_ro
     run.base_model = str(tmp_path / "model")
     sent = []
     monkeypatch.setattr(
-        train_module,
+        stages,
         "train_on_learner",
         lambda address, kind, config: (
             sent.append((address.learner_url, kind, config["output_dir"])) or configs.append(config)
         ),
     )
     configs = []
-    monkeypatch.setattr(train_module, "run_process", lambda *a, **k: pytest.fail("SFT ran in the controller"))
+    monkeypatch.setattr(stages, "run_process", lambda *a, **k: pytest.fail("SFT ran in the controller"))
     monkeypatch.setattr("services.learner.trainer.read_status", lambda out: {"export": str(out / "export")})
-    out = train_module.stage_sft(run, {"sft_data": str(tmp_path / "sft.jsonl")})
+    out = stages.stage_sft(run, {"sft_data": str(tmp_path / "sft.jsonl")})
     get_settings.cache_clear()
     assert sent == [("http://learner:8000", "sft", str(run.folder / "sft"))]
     assert configs[0]["chat"]["tool_format"] == "react"  # SFT renders chats in the rollout's format
@@ -315,7 +315,7 @@ def test_an_external_runs_sft_goes_to_the_learner_service_and_its_eval_to_the_ro
 
 def test_an_external_runs_eval_runs_here_only_where_the_fleet_cannot_take_it(tmp_path, monkeypatch, capsys):
     from services.common.settings import get_settings
-    from services.pipeline import train as train_module
+    from services.pipeline import stages
     from services.pipeline.config import load_pipeline_config
     from services.pipeline.stage import Run
     from tests.pipeline.test_train_e2e import ROOT
@@ -323,8 +323,8 @@ def test_an_external_runs_eval_runs_here_only_where_the_fleet_cannot_take_it(tmp
     run = Run(load_pipeline_config(ROOT / "configs" / "tiny.yaml", ["deployment.fleet=external"]), tmp_path / "run")
     run.folder.mkdir()
     evaluated = []
-    monkeypatch.setattr(train_module, "evaluate_model", lambda run, model, *a: evaluated.append(model) or {})
-    monkeypatch.setattr(train_module, "fleet_weights", lambda address: "v2 (/w/v2)")
+    monkeypatch.setattr(stages, "evaluate_model", lambda run, model, *a: evaluated.append(model) or {})
+    monkeypatch.setattr(stages, "fleet_weights", lambda address: "v2 (/w/v2)")
     synth = {"heldout_queries": str(tmp_path / "heldout.jsonl")}
 
     def eval_with(rollout_urls: str | None, rl: dict) -> dict:
@@ -333,7 +333,7 @@ def test_an_external_runs_eval_runs_here_only_where_the_fleet_cannot_take_it(tmp
             monkeypatch.setenv("STAR_ROLLOUT_URLS", rollout_urls)
         get_settings.cache_clear()
         try:
-            return train_module.stage_eval(run, "/run/rl/model", synth, rl)
+            return stages.stage_eval(run, "/run/rl/model", synth, rl)
         finally:
             get_settings.cache_clear()
 

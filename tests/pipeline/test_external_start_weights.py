@@ -21,11 +21,12 @@ from services.common.schemas import SamplingParams, ToolResult, TravelQuery
 from services.common.settings import Settings
 from services.common.streams import StreamNames, read_all
 from services.common.supervisor import wait_ready
+from services.controller import launcher
+from services.controller.external_fleet import ExternalFleet
+from services.controller.loop import learner_progress, weights_version
+from services.controller.scheduler import Schedule, TaskPublisher
 from services.learner.config import EngineConfig, RLConfig
-from services.pipeline import fleet as fleet_module
-from services.pipeline.external import ExternalFleet, FleetAddress
-from services.pipeline.rl import learner_progress, weights_version
-from services.pipeline.scheduler import Schedule, TaskPublisher
+from services.pipeline.external import FleetAddress
 from services.rollout.engines.scripted import ScriptedEngine
 from services.rollout.protocol import format_answer
 from services.rollout.service import RolloutService
@@ -96,12 +97,12 @@ def test_the_first_step_is_sampled_by_the_runs_starting_model_not_the_workers_ow
     store = tmp_path / "weights"
 
     # the learner service, as a deployment runs it
-    spec = next(s for s in fleet_module.SERVICES if s.name == "learner")
+    spec = next(s for s in launcher.SERVICES if s.name == "learner")
     port = free_port()
     log = tmp_path / "learner.log"
     env = {**train_env(tmp_path / "learner-home"), "STAR_REDIS_URL": redis_server_url, "STAR_WEIGHTS_ROOT": str(store)}
     with open(log, "w") as out:
-        service = subprocess.Popen(fleet_module.service_argv(spec, port), env=env, stdout=out, stderr=out)
+        service = subprocess.Popen(launcher.service_argv(spec, port), env=env, stdout=out, stderr=out)
     learner_url = f"http://127.0.0.1:{port}"
     fleet = ExternalFleet(
         FleetAddress(redis_server_url, None, learner_url, stream_prefix=names.prefix), tmp_path / "learner-run.json"

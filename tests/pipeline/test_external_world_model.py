@@ -9,7 +9,7 @@ import pytest
 
 from services.common.redis import free_port
 from services.common.supervisor import Supervisor, wait_ready
-from services.pipeline import fleet
+from services.controller import launcher
 from services.pipeline.config import WorldSpec
 from services.pipeline.external import FleetAddress, engines_take, fleet_world
 from services.pipeline.stage import StageFailed
@@ -36,7 +36,7 @@ def services(worlds, tmp_path_factory):
     from services.models import tiny_qwen2
 
     home = tmp_path_factory.mktemp("home")
-    specs = {s.name: s for s in fleet.SERVICES}
+    specs = {s.name: s for s in launcher.SERVICES}
     sup = Supervisor(None)
     qwen = tiny_qwen2(home / "qwen-vocab", tokenizer="qwen")
     wanted = {
@@ -53,7 +53,7 @@ def services(worlds, tmp_path_factory):
     for name, (kind, world, extra) in wanted.items():
         port = free_port()
         env = {**train_env(home), "STAR_DB_URL": world, **extra}
-        child = sup.add(name, fleet.service_argv(specs[kind], port), env, home / f"{name}.log")
+        child = sup.add(name, launcher.service_argv(specs[kind], port), env, home / f"{name}.log")
         urls[name] = f"http://127.0.0.1:{port}"
     for name, child in sup.children.items():
         wait_ready(name, child.proc, urls[name], child.log, 300)

@@ -58,8 +58,8 @@ def test_the_tail_reads_only_the_end_of_a_long_log(tmp_path):
 
 def test_star_train_says_why_the_learner_exited_each_time(tmp_path, capsys):
     from services.common.supervisor import RestartPolicy, Supervisor
-    from services.pipeline.external import LearnerReport
-    from services.pipeline.rl import Fleet
+    from services.controller.embedded_fleet import EmbeddedFleet
+    from services.controller.fleet import LearnerReport
 
     sup = Supervisor()
     script = "import sys; print('step 0'); sys.exit('RuntimeError: the learner could not sleep its engines')"
@@ -67,7 +67,7 @@ def test_star_train_says_why_the_learner_exited_each_time(tmp_path, capsys):
         "learner", [sys.executable, "-c", script], log=tmp_path / "learner.log", policy=RestartPolicy(backoff_s=0.0)
     )
     try:
-        fleet = Fleet(sup=sup, redis_url="redis://unused", learner=child)
+        fleet = EmbeddedFleet(sup=sup, redis_url="redis://unused", learner=child)
         deadline = time.monotonic() + 30
         while child.exited() is None and time.monotonic() < deadline:
             time.sleep(0.05)

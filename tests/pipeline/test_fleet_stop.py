@@ -15,7 +15,7 @@ def test_a_learner_whose_run_is_over_is_left_to_exit_before_the_fleet_stops(tmp_
     no Python handler for SIGTERM by then: stopping it at once would kill it mid-teardown. One still
     training is stopped as before."""
     from services.common.supervisor import Supervisor
-    from services.pipeline.rl import Fleet
+    from services.controller.embedded_fleet import EmbeddedFleet
 
     status = tmp_path / "rl" / "status.json"
     status.parent.mkdir(parents=True)
@@ -24,6 +24,6 @@ def test_a_learner_whose_run_is_over_is_left_to_exit_before_the_fleet_stops(tmp_
     teardown = "import time; time.sleep(2)" if state == "finished" else "import time; time.sleep(60)"
     sup = Supervisor()
     learner = sup.add("learner", [sys.executable, "-c", teardown], log=tmp_path / "learner.log")
-    fleet = Fleet(sup, "", learner=learner, status_path=status)
+    fleet = EmbeddedFleet(sup, "", learner=learner, status_path=status)
     fleet.stop()
     assert learner.exited() == exit_code

@@ -97,11 +97,11 @@ def test_recipe_section_is_typed():
 
 def test_the_recipe_deployment_reaches_the_learner_launch_and_its_config(tmp_path):
     from services.common.streams import StreamNames
+    from services.controller.learner_config import rl_config
     from services.learner.config import RLConfig
     from services.pipeline.config import load_pipeline_config
     from services.pipeline.placement import placement_for
-    from services.pipeline.rl import rl_config
-    from services.pipeline.train import Run
+    from services.pipeline.stage import Run
 
     # the recipe's ranks set: the deployment's own plan (left unset, the machine decides: test_placement_derived.py)
     config = load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml", ["deployment.learner_ranks=4"])
@@ -117,9 +117,9 @@ def test_the_recipe_deployment_reaches_the_learner_launch_and_its_config(tmp_pat
 
 
 def test_star_train_refuses_a_layout_the_machine_cannot_hold_before_starting(tmp_path, monkeypatch):
+    from services.controller.train import StageFailed, prepare
     from services.pipeline import placement as placement_module
     from services.pipeline.config import load_pipeline_config
-    from services.pipeline.train import StageFailed, prepare
 
     monkeypatch.setattr(placement_module, "visible_gpu_ids", lambda: ["0", "1"])
     config = load_pipeline_config(CONFIGS / "tiny.yaml", ["deployment.learner_ranks=3"])
@@ -140,10 +140,10 @@ def test_a_validation_process_gets_its_devices_from_the_placement(tmp_path, monk
     """The `star eval` a validation starts sees only the devices the placement gives it."""
     import sys
 
+    from services.controller.validation import Validation
     from services.pipeline import stage
     from services.pipeline.config import load_pipeline_config
-    from services.pipeline.rl import Validation
-    from services.pipeline.train import Run
+    from services.pipeline.stage import Run
 
     probe = "import os, sys; open(sys.argv[1], 'w').write(os.environ.get('CUDA_VISIBLE_DEVICES', 'unset'))"
     seen = tmp_path / "devices.txt"

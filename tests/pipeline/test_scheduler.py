@@ -6,7 +6,7 @@ import pytest
 
 from services.common.schemas import RolloutTask, SamplingParams, TravelQuery
 from services.common.streams import StreamNames, read_all
-from services.pipeline.scheduler import Schedule, TaskPublisher, publishable
+from services.controller.scheduler import Schedule, TaskPublisher, publishable
 from services.reward.rewards import Curriculum
 
 

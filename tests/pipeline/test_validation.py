@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from services.controller.validation import Validation
 from services.pipeline import stage
-from services.pipeline.rl import Validation
 from services.pipeline.stage import StageFailed
 from tests.support.waiting import until
 

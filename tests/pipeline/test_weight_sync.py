@@ -91,8 +91,8 @@ def test_an_engine_beside_a_rank_other_than_rank_0_still_joins_the_weights_group
 
 
 def test_star_train_refuses_nccl_on_a_one_gpu_box_before_starting(tmp_path, monkeypatch):
+    from services.controller.train import StageFailed, prepare
     from services.pipeline import placement as placement_module
-    from services.pipeline.train import StageFailed, prepare
 
     monkeypatch.setattr(placement_module, "visible_gpu_ids", lambda: ["0"])
     config = load_pipeline_config(CONFIGS / "tiny.yaml", ["services.engine=vllm", "deployment.weight_sync=nccl"])
@@ -102,7 +102,7 @@ def test_star_train_refuses_nccl_on_a_one_gpu_box_before_starting(tmp_path, monk
 
 
 def test_weight_sync_may_change_between_invocations_of_a_run_folder():
-    from services.pipeline.train import recipe_identity
+    from services.controller.train import recipe_identity
 
     config = load_pipeline_config(CONFIGS / "tiny.yaml")
     other = load_pipeline_config(CONFIGS / "tiny.yaml", ["deployment.weight_sync=files"])
@@ -125,7 +125,7 @@ def _run(tmp_path: Path, method: str, overrides: list[str] = ()):
 
 
 def test_rl_config_over_nccl_names_the_workers_and_a_master_port(tmp_path):
-    from services.pipeline.rl import rl_config
+    from services.controller.learner_config import rl_config
 
     servers = ["http://127.0.0.1:4101", "http://127.0.0.1:4102"]
     path = rl_config(_run(tmp_path, "nccl"), "model", StreamNames("t"), None, total_steps=4, servers=servers)
@@ -146,7 +146,7 @@ def test_rl_config_over_nccl_names_the_workers_and_a_master_port(tmp_path):
 
 
 def test_rl_config_with_files_sends_nothing_over_nccl(tmp_path):
-    from services.pipeline.rl import rl_config
+    from services.controller.learner_config import rl_config
 
     path = rl_config(
         _run(tmp_path, "files"), "model", StreamNames("t"), None, total_steps=4, servers=["http://127.0.0.1:4101"]
@@ -156,7 +156,7 @@ def test_rl_config_with_files_sends_nothing_over_nccl(tmp_path):
 
 
 def test_nccl_without_worker_addresses_fails_the_stage(tmp_path):
-    from services.pipeline.rl import rl_config
+    from services.controller.learner_config import rl_config
     from services.pipeline.stage import StageFailed
 
     with pytest.raises(StageFailed, match="HTTP addresses"):
@@ -176,9 +176,9 @@ class _Sup:
 
 @pytest.mark.parametrize("method", ["nccl", "files"])
 def test_workers_get_an_http_port_and_an_nccl_engine_only_over_nccl(tmp_path, method):
-    from services.pipeline.rl import Fleet, _start_workers
+    from services.controller.embedded_fleet import EmbeddedFleet, _start_workers
 
-    f = Fleet(_Sup(), "redis://x", sandbox_url="http://127.0.0.1:9")
+    f = EmbeddedFleet(_Sup(), "redis://x", sandbox_url="http://127.0.0.1:9")
     _start_workers(_run(tmp_path, method), f, "model", {}, tmp_path / "logs")
     envs = [f.sup.added[f"rollout-{i}"] for i in range(2)]
     engines = [VllmArgs.model_validate_json(e["STAR_ROLLOUT_VLLM"]) for e in envs]
@@ -195,7 +195,7 @@ def test_workers_get_an_http_port_and_an_nccl_engine_only_over_nccl(tmp_path, me
 
 def test_the_controller_asks_for_the_newest_version_files_or_not(redis_client):
     from services.common.schemas import WeightsUpdate
-    from services.pipeline.rl import learner_progress, weights_version
+    from services.controller.loop import learner_progress, weights_version
 
     client, prefix = redis_client
     names = StreamNames(prefix.rstrip(":"))
@@ -252,7 +252,7 @@ def test_an_external_fleet_that_cannot_receive_gets_files_or_refuses_nccl(infos,
 
 def test_rl_config_for_an_external_fleet_over_nccl_lets_the_learner_announce(tmp_path, monkeypatch):
     from services.common.settings import get_settings
-    from services.pipeline.rl import rl_config
+    from services.controller.learner_config import rl_config
 
     urls = ["http://rollout-0:8080", "http://rollout-1:8080"]
     monkeypatch.setenv("STAR_ROLLOUT_URLS", ",".join(urls))

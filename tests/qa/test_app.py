@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from services.common.settings import Settings
-from services.embedded import ServiceProcess
+from services.controller.launcher import ServiceProcess
 from services.qa.tools import SearchToolSet
 
 

@@ -1,7 +1,7 @@
 """A real RL stage (Redis, sandbox, rollout, reward and learner processes) with faults injected
 while it runs, and the ledger that says afterwards whether anything was lost or trained twice.
 
-The stage is `star train`'s own (services.pipeline.train.train with stages synth → rl); the test
+The stage is `star train`'s own (services.controller.train.train with stages synth → rl); the test
 wraps the controller's `drive` loop so a chaos thread gets the live Fleet (its process handles
 and Redis). The streams are trimmed as they are consumed, so the ledger is kept by an `Audit`: one
 more consumer group on each stream, created before the first task, that records every entry and
@@ -171,7 +171,7 @@ Fault = Callable[["ChaosContext"], str | None]
 
 @dataclass
 class ChaosContext:
-    fleet: Any  # services.pipeline.rl.Fleet
+    fleet: Any  # services.controller.fleet.Fleet
     client: redis.Redis
     names: StreamNames
     stop: threading.Event
@@ -206,9 +206,9 @@ class ChaosRun:
     error: BaseException | None = None
 
     def install(self, monkeypatch) -> None:
-        from services.pipeline import rl
+        from services.controller import loop
 
-        original = rl.drive
+        original = loop.drive
 
         def drive(run, f, client, names, publisher, schedule, **kwargs):
             ctx = ChaosContext(f, client, names, threading.Event())
@@ -236,7 +236,7 @@ class ChaosRun:
             self.restarts["sandbox"] = f.sup.children["sandbox"].restarts
             return ended
 
-        monkeypatch.setattr(rl, "drive", drive)
+        monkeypatch.setattr(loop, "drive", drive)
 
 
 def learner_checkpoint_state(rl_folder: Path) -> dict[str, Any]:

@@ -258,7 +258,7 @@ SERVICES = ("sandbox", "reward", "formatter", "rollout", "learner", "qa", "episo
 
 
 def _process(name: str, factory: str, env: dict[str, str], tmp: Any, timeout: float = 120.0):
-    from services.embedded import ServiceProcess
+    from services.controller.launcher import ServiceProcess
 
     env = {
         "STAR_LOG_LEVEL": "WARNING",

@@ -64,7 +64,7 @@ FAULTS = {
 
 @pytest.mark.parametrize("kind", list(FAULTS))
 def test_kill_9_mid_run_loses_nothing_and_trains_nothing_twice(kind, star_home, tmp_path, monkeypatch):
-    from services.pipeline.train import train
+    from services.controller.train import train
 
     fault, restarted = FAULTS[kind]
     chaos = ChaosRun(fault)

@@ -52,7 +52,7 @@ def restart_redis(how: str):
 
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
 def test_redis_restart_mid_run_the_run_continues(how, star_home, tmp_path, monkeypatch):
-    from services.pipeline.train import train
+    from services.controller.train import train
 
     chaos = ChaosRun(restart_redis(how))
     chaos.install(monkeypatch)

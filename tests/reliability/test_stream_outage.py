@@ -14,14 +14,14 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from services.common.streams import StreamConsumer, _settle, publish, read_all, run_worker, until_redis
-from services.common.supervisor import stop_pid
-from services.pipeline import fleet
+from services.common.supervisor import alive, stop_pid
+from services.controller import launcher
 
 
 @pytest.fixture
 def own_redis(tmp_path):
     """A restartable Redis: (client, restart(outage_s, how))."""
-    state = {"proc": fleet.start_redis_at(tmp_path / "data", tmp_path / "logs")}
+    state = {"proc": launcher.start_redis_at(tmp_path / "data", tmp_path / "logs")}
     # No client-side retries: redis-py's own (about 4 s of backoff) would hide a short outage here,
     # and a longer real one is what the worker code has to survive.
     client = redis.Redis(
@@ -31,7 +31,7 @@ def own_redis(tmp_path):
     def stop(how: int = signal.SIGTERM) -> None:
         pid = state["proc"].pid
         os.killpg(pid, how)
-        while fleet.alive(pid):
+        while alive(pid):
             try:
                 os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
@@ -39,7 +39,7 @@ def own_redis(tmp_path):
             time.sleep(0.02)
 
     def start() -> None:
-        state["proc"] = fleet.start_redis_at(tmp_path / "data", tmp_path / "logs", port=state["proc"].port)
+        state["proc"] = launcher.start_redis_at(tmp_path / "data", tmp_path / "logs", port=state["proc"].port)
 
     yield client, stop, start
     stop_pid(state["proc"].pid, 5)

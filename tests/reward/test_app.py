@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from services.common.schemas import Plan, PlanDay
-from services.embedded import ServiceProcess
+from services.controller.launcher import ServiceProcess
 from services.formatter.structured import render_plan
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from services.common.schemas import Plan, PlanDay
 from services.common.settings import Settings
-from services.embedded import ServiceProcess
+from services.controller.launcher import ServiceProcess
 from services.formatter.core import Formatter, LLMUnavailable, RemoteFormatter
 from services.formatter.structured import render_plan
 from services.reward.scoring import Scorer, ScoreRequest

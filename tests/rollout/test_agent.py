@@ -222,7 +222,7 @@ def test_engine_failure_is_an_engine_error_with_its_message(tokenizer, local_too
 
 
 def test_unreachable_sandbox_is_an_engine_error_after_retries(tokenizer):
-    from services.embedded import free_port
+    from services.common.redis import free_port
 
     tools = HttpToolClient(f"http://127.0.0.1:{free_port()}", timeout_s=1, retries=1, backoff_s=0.01)
     agent, _ = make(tokenizer, tools, [CITY_CALL, ANSWER])

@@ -7,7 +7,7 @@ import shutil
 import httpx
 import pytest
 
-from services.embedded import ServiceProcess
+from services.controller.launcher import ServiceProcess
 from services.rollout.service import write_manifest
 
 TOKEN = "rollout-token"

@@ -15,8 +15,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from services.common.redis import free_port
 from services.common.schemas import SamplingParams
-from services.embedded import free_port
 from services.rollout.agent import Agent
 from services.rollout.engines.openai_engine import OpenAIEngine
 from services.rollout.protocol import format_answer, format_tool_call, tool_response

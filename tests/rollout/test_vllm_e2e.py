@@ -14,7 +14,7 @@ import torch
 
 from services.common.schemas import SamplingParams, WeightsUpdate
 from services.common.settings import Settings
-from services.embedded import ServiceProcess
+from services.controller.launcher import ServiceProcess
 from services.rollout.agent import Agent
 from services.rollout.engines.base import TurnParams
 from services.rollout.group import ArpoConfig, sample_group

@@ -379,7 +379,7 @@ def synthetic_world_url(tmp_path_factory):
 def test_while_the_sandbox_is_down_the_worker_takes_no_task_and_checks_it_with_backoff(
     redis_client, tokenizer, loop, synthetic_world_url, tmp_path
 ):
-    from services.embedded import ServiceProcess
+    from services.controller.launcher import ServiceProcess
     from services.rollout.tools import HttpToolClient
     from services.rollout.worker import SandboxCheck
 

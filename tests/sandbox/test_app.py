@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from services.common.settings import Settings
-from services.embedded import ServiceProcess
+from services.controller.launcher import ServiceProcess
 from services.sandbox.app import create_app
 from services.sandbox.tools.toolbox import ToolBox
 

@@ -187,7 +187,7 @@ def running_episode_server(
     prefix (deleted afterwards). `env`: more STAR_* settings for the episode service."""
     import redis
 
-    from services.embedded import ServiceProcess
+    from services.controller.launcher import ServiceProcess
 
     logs = Path(logs)
     logs.mkdir(parents=True, exist_ok=True)

@@ -103,7 +103,7 @@ def test_thoughts_restate_each_preference_where_the_agent_acts_on_it(samples):
 
 
 def test_trajectories_replay_over_http_with_identical_responses(samples, official_world_url, tmp_path_factory):
-    from services.embedded import ServiceProcess
+    from services.controller.launcher import ServiceProcess
 
     env = {"STAR_DB_URL": official_world_url, "STAR_LOG_LEVEL": "WARNING"}
     proc = ServiceProcess("sandbox", "services.sandbox.app:create_app", env, tmp_path_factory.mktemp("logs")).start()

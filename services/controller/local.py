@@ -1,11 +1,11 @@
-"""The embedded fleet: Redis and every service as local processes on 127.0.0.1 (`star up`).
+"""`star up`, `star down`, `star status`: Redis and every service as local processes on 127.0.0.1.
 
-`star up` starts one detached supervisor process (`python -m services.pipeline.fleet supervise`),
+`star up` starts one detached supervisor process (`python -m services.controller.local supervise`),
 which outlives the command: it starts Redis (with a password) and the services in one process
-group through services/common/supervisor.py, restarts what dies (backoff, a budget per window) and
-records the fleet in `STAR_HOME/fleet.json` (mode 0600: it holds the Redis URL) so `star status`
-and `star down` find it. `star down` stops the supervisor, which stops the fleet. Each service
-gets the others' URLs through the same STAR_* settings Compose and Helm set.
+group through the launcher, restarts what dies (backoff, a budget per window) and records them in
+`STAR_HOME/fleet.json` (mode 0600: it holds the Redis URL) so `star status` and `star down` find
+them. `star down` stops the supervisor, which stops the rest. Each service gets the others' URLs
+through the same STAR_* settings Compose and Helm set.
 """
 
 from __future__ import annotations
@@ -16,79 +16,16 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from importlib.util import find_spec
 from pathlib import Path
 
 import httpx
 import redis
 
-from services.common.redis import free_port, local_url, redact, redis_argv, redis_password, wait_for_redis
+from services.common.redis import redact
 from services.common.settings import Settings, get_settings
-from services.common.supervisor import alive as _alive_since, spawn, stop_pid, wait_ready
-
-
-@dataclass(frozen=True)
-class ServiceSpec:
-    """How to start one kind of process; `module` must exist for it to be started."""
-
-    name: str
-    module: str
-    argv: tuple[str, ...]  # after `python -m`
-    http: bool = True  # has /readyz
-    env_url: str | None = None  # the STAR_* variable through which others find it
-
-
-def _uvicorn(factory: str) -> tuple[str, ...]:
-    return (
-        "uvicorn",
-        "--factory",
-        factory,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "{port}",
-        "--log-level",
-        "warning",
-        "--no-access-log",
-    )
-
-
-# Start order matters: each service may need the ones above it.
-SERVICES: tuple[ServiceSpec, ...] = (
-    ServiceSpec(
-        "sandbox", "services.sandbox.app", _uvicorn("services.sandbox.app:create_app"), env_url="STAR_SANDBOX_URL"
-    ),
-    ServiceSpec(
-        "formatter",
-        "services.formatter.app",
-        _uvicorn("services.formatter.app:create_app"),
-        env_url="STAR_FORMATTER_URL",
-    ),
-    ServiceSpec("reward", "services.reward.app", _uvicorn("services.reward.app:create_app"), env_url="STAR_REWARD_URL"),
-    ServiceSpec("reward-worker", "services.reward.worker", ("services.cli", "reward", "worker"), http=False),
-    ServiceSpec(
-        "episodes", "services.episodes.app", _uvicorn("services.episodes.app:create_app"), env_url="STAR_EPISODES_URL"
-    ),
-    ServiceSpec(
-        "rollout", "services.rollout.app", _uvicorn("services.rollout.app:create_app"), env_url="STAR_ROLLOUT_URLS"
-    ),
-    ServiceSpec(
-        "learner", "services.learner.app", _uvicorn("services.learner.app:create_app"), env_url="STAR_LEARNER_URL"
-    ),
-)
-
-
-@dataclass
-class Process:
-    name: str
-    pid: int
-    port: int | None
-    log: str
-    password: str | None = None  # Redis's, kept out of fleet.json (it is in the data folder)
-
-    @property
-    def url(self) -> str | None:
-        return f"http://127.0.0.1:{self.port}" if self.port else None
+from services.common.supervisor import alive as _alive_since, spawn, stop_pid
+from services.controller import launcher
+from services.controller.launcher import SERVICES, Process, available
 
 
 @dataclass
@@ -154,47 +91,6 @@ def alive(pid: int) -> bool:
     return _alive_since(pid)
 
 
-def start_redis(settings: Settings, log_dir: Path, group: int | None = 0) -> Process:
-    return start_redis_at(settings.home / "redis", log_dir, group=group)
-
-
-def start_redis_at(data: Path, log_dir: Path, port: int | None = None, group: int | None = 0) -> Process:
-    """A real Redis with AOF on in `data` and the password kept there, so a restart resumes the
-    streams and its clients' URL still holds (pass the old `port` to restart it where they point)."""
-    data.mkdir(parents=True, exist_ok=True)
-    port = port or free_port()
-    password = redis_password(data)
-    log = log_dir / "redis.log"
-    proc = spawn(
-        redis_argv(data, port, password, appendonly=True),
-        env=dict(os.environ),
-        log_path=log,
-        group=group,
-        die_with_parent=False,
-    )
-    wait_for_redis(local_url(port, password), proc, 10, f"; see {log}")
-    return Process("redis", proc.pid, port, str(log), password=password)
-
-
-def service_argv(spec: ServiceSpec, port: int | None) -> list[str]:
-    return [sys.executable, "-m", *(a.replace("{port}", str(port)) for a in spec.argv)]
-
-
-def start_service(
-    spec: ServiceSpec, env: dict[str, str], log_dir: Path, timeout: float = 120.0, group: int | None = 0
-) -> Process:
-    port = free_port() if spec.http else None
-    log = log_dir / f"{spec.name}.log"
-    proc = spawn(service_argv(spec, port), env={**os.environ, **env}, log_path=log, group=group, die_with_parent=False)
-    if spec.http:
-        wait_ready(spec.name, proc, f"http://127.0.0.1:{port}", log, timeout)
-    return Process(spec.name, proc.pid, port, str(log))
-
-
-def available(spec: ServiceSpec) -> bool:
-    return find_spec(spec.module) is not None
-
-
 def up(
     settings: Settings | None = None,
     only: list[str] | None = None,
@@ -213,7 +109,7 @@ def up(
         raise RuntimeError(f"a fleet is already running (see {path}); run `star down` first")
     path.unlink(missing_ok=True)
     log_dir = settings.home / "logs"
-    argv = [sys.executable, "-m", "services.pipeline.fleet", "supervise"] + [f"--only={n}" for n in (only or [])]
+    argv = [sys.executable, "-m", "services.controller.local", "supervise"] + [f"--only={n}" for n in (only or [])]
     env = {**os.environ, "STAR_HOME": str(settings.home), "STAR_FLEET_ENV": json.dumps(extra_env or {})}
     proc = spawn(argv, env=env, log_path=log_dir / "supervisor.log", group=0, die_with_parent=False)
     deadline = time.monotonic() + timeout
@@ -257,17 +153,11 @@ def supervise(
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _stop)
     sup = Supervisor(None)
-    data = settings.home / "redis"
-    data.mkdir(parents=True, exist_ok=True)
-    password = redis_password(data)
-    port = free_port()
-    state = FleetState(local_url(port, password), supervisor=os.getpid())
-    ports: dict[str, int | None] = {"redis": port}
+    state = FleetState("", supervisor=os.getpid())
+    ports: dict[str, int | None] = {}
     try:
-        redis_child = sup.add(
-            "redis", redis_argv(data, port, password, appendonly=True), log=log_dir / "redis.log", stop_timeout=10
-        )
-        wait_for_redis(state.redis_url, redis_child.proc, 10, f"; see {redis_child.log}")
+        state.redis_url = launcher.start_redis(sup, settings.home / "redis", log_dir)
+        ports["redis"] = sup.info["redis_port"]
         for spec in SERVICES:
             if (only and spec.name not in only) or not available(spec) or stop["now"]:
                 continue
@@ -277,10 +167,7 @@ def supervise(
                 "STAR_HOME": str(settings.home),
                 **(extra_env or {}),
             }
-            ports[spec.name] = free_port() if spec.http else None
-            child = sup.add(spec.name, service_argv(spec, ports[spec.name]), env, log_dir / f"{spec.name}.log")
-            if spec.http:
-                wait_ready(spec.name, child.proc, f"http://127.0.0.1:{ports[spec.name]}", child.log, 120)
+            _, ports[spec.name] = launcher.start_service(sup, spec, env, log_dir)
         state.ready = True
         while not stop["now"]:
             _record(state, sup, ports, path)
@@ -367,12 +254,12 @@ def status(settings: Settings | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m services.pipeline.fleet supervise [--only=NAME ...]` (started by `star up`)."""
+    """`python -m services.controller.local supervise [--only=NAME ...]` (started by `star up`)."""
     from services.common.logging import configure_logging
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "supervise":
-        print("usage: python -m services.pipeline.fleet supervise [--only=NAME ...]", file=sys.stderr)
+        print("usage: python -m services.controller.local supervise [--only=NAME ...]", file=sys.stderr)
         return 2
     settings = get_settings()
     configure_logging("fleet", settings.log_level, settings.log_json)

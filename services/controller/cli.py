@@ -15,13 +15,13 @@ console = Console(stderr=True)
 
 def up_command(only: list[str] | None = typer.Option(None, "--only", help="Start just these services.")) -> None:
     """Start Redis and every service as local processes on 127.0.0.1 (embedded mode)."""
-    from services.embedded import ensure_world
-    from services.pipeline import fleet
+    from services.controller import local
+    from services.controller.launcher import ensure_world
 
     settings = get_settings()
     ensure_world(settings.world_url)
     try:
-        state = fleet.up(
+        state = local.up(
             settings, only=only, on_start=lambda p: console.print(f"[green]up[/] {p.name:<14} {p.url or ''}")
         )
     except RuntimeError as exc:
@@ -31,24 +31,24 @@ def up_command(only: list[str] | None = typer.Option(None, "--only", help="Start
 
     console.print(
         f"redis {redact(state.redis_url)} (password in {settings.home / 'redis' / 'redis.password'}); "
-        f"state in {fleet.state_path(settings)}"
+        f"state in {local.state_path(settings)}"
     )
     console.print("clients: " + " ".join(f"{k}={redact(v)}" for k, v in state.env().items()))
 
 
 def down_command() -> None:
     """Stop the embedded fleet."""
-    from services.pipeline import fleet
+    from services.controller import local
 
-    stopped = fleet.down()
+    stopped = local.down()
     console.print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
 
 
 def status_command(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Each service's health, the queue depths and the published weight version."""
-    from services.pipeline import fleet
+    from services.controller import local
 
-    report = fleet.status()
+    report = local.status()
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return
@@ -84,9 +84,9 @@ def train_command(
     """Run the STAR pipeline (synthesis → SFT → RL → eval) as configured; rerun to resume."""
     from pathlib import Path
 
+    from services.controller.train import StageFailed, train
     from services.pipeline.config import ConfigError, load_pipeline_config
     from services.pipeline.external import FleetUnreachable
-    from services.pipeline.train import StageFailed, train
 
     overrides = list(override or [])
     if stage:
