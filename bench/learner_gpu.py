@@ -333,7 +333,7 @@ def bench_baseline(args, model_dir: Path, micro_rows: int) -> dict:
 def bench_weights(args, engine, model_dir: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from services.learner.weights import StorePublisher, load_into
+    from services.weights.files import StorePublisher, load_into
 
     root = Path(args.weights_dir) / f"bench-{os.getpid()}"
     publisher = StorePublisher(root, keep=2, threads=args.threads)

@@ -137,7 +137,7 @@ def check(
     With `form` (an earlier digests answer: the engine's fused layout and dtype) both sides hash at once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from services.learner.weights import compare_engine_digests, learner_digests
+    from services.weights.digests import compare_engine_digests, learner_digests
 
     with ThreadPoolExecutor(1) as pool:
         theirs = pool.submit(engine_digests, url)
@@ -163,13 +163,10 @@ def measure_shape(shape: str, args) -> list[dict[str, Any]]:
     import torch
 
     from services.learner.engine import iter_weight_buckets
-    from services.learner.weights import (
-        NcclPublisher,
-        StorePublisher,
-        check_engine_weights,
-        iter_full_parameters,
-        parameter_layout,
-    )
+    from services.weights.buckets import iter_full_parameters, parameter_layout
+    from services.weights.digests import check_engine_weights
+    from services.weights.files import StorePublisher
+    from services.weights.nccl import NcclPublisher
 
     work = Path(args.work)
     t = time.perf_counter()

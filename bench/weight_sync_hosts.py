@@ -308,7 +308,8 @@ def sync_once(method: str, version: int, model, folder: Path, ctx: SimpleNamespa
 
     from bench.weight_sync_gpu import sampled_with, take_step
     from services.learner.engine import iter_weight_buckets
-    from services.learner.weights import StorePublisher, iter_full_parameters
+    from services.weights.buckets import iter_full_parameters
+    from services.weights.files import StorePublisher
 
     take_step(model, ctx.zero3, version)
     if ctx.cuda:
@@ -428,7 +429,7 @@ def under_load(model, ctx: SimpleNamespace, version: int, vocab: int) -> tuple[d
         import torch
 
         from bench.weight_sync_gpu import take_step
-        from services.learner.weights import iter_full_parameters
+        from services.weights.buckets import iter_full_parameters
 
         take_step(model, ctx.zero3, v)
         if ctx.cuda:
@@ -487,7 +488,9 @@ def measure_shape(shape: str, index: int, args, net: dict[str, Any]) -> dict[str
     from bench.gpu_shapes import SHAPES, model_folder
     from bench.loadgen import serve_app
     from bench.weight_sync_gpu import engine_digests, learner_model
-    from services.learner.weights import NcclPublisher, check_engine_weights, parameter_layout
+    from services.weights.buckets import parameter_layout
+    from services.weights.digests import check_engine_weights
+    from services.weights.nccl import NcclPublisher
 
     work = Path(args.work)
     entry: dict[str, Any] = {"shape": shape}

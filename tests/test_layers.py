@@ -21,6 +21,7 @@ ALLOWED_BELOW = {
     "sandbox": {"common"},
     "formatter": {"common"},
     "reward": {"common", "formatter", "sandbox"},
+    "weights": {"common"},
     # the recipe and its synth, SFT and eval stages: never the controller that runs them, nor the entry point
     "pipeline": {
         "common",

@@ -10,11 +10,9 @@ Each RL step, in this order:
    sleep are woken again first, so rollouts go on.
 2. the optimizer steps.
 3. `publish()` (every rank): each rank frees its cached activation memory, rank 0 wakes the servers'
-   weights (`POST /wake {"tags": ["weights"]}`), then every rank packs the new version's full tensors
-   (gathered under ZeRO-3) into one CUDA buffer of its own, vLLM's packed IPC layout, chunk by chunk;
-   the ranks' IPC handles are gathered to rank 0, which posts each chunk to every server
-   (`POST /weights/ipc`; each engine opens the handle of its own GPU). The last call finishes the
-   load, then `POST /wake` brings back the KV cache and the held turns run on the new version.
+   weights (`POST /wake {"tags": ["weights"]}`), then the new version goes to them by CUDA IPC, chunk
+   by chunk (services/weights/cuda_ipc.py; each engine opens the handle of its own GPU). The last chunk
+   finishes the load, then `POST /wake` brings back the KV cache and the held turns run on the new version.
    Every `files_every`-th version and the last also go to the weights store (what a restarted server
    loads).
 
@@ -24,9 +22,7 @@ it), `colocate_wake_s` (both wakes), `colocate_weights_s` (the IPC transfer and 
 
 from __future__ import annotations
 
-import base64
 import logging
-import pickle
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,12 +31,12 @@ from typing import Any
 
 import torch
 
-from services.learner.weights import StorePublisher, iter_full_parameters, publish_files
+from services.weights.cuda_ipc import ipc_chunks, send_version
+from services.weights.files import StorePublisher, publish_files
 
 log = logging.getLogger(__name__)
 
 CONNECT_RETRY_S = 2.0  # between attempts to reach a server that refuses connections (restarting)
-IPC_BUFFER_BYTES = 2**30  # vLLM's default packed buffer; raised to the largest tensor where one is bigger
 
 
 class ColocationError(RuntimeError):
@@ -170,51 +166,6 @@ class ColocatedServers:
         self.pool.shutdown(wait=False)
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def gather_handles(handle: dict[str, tuple]) -> dict[str, tuple]:
-    """Every rank's {GPU UUID: IPC args} merged, on rank 0 (each rank packs on its own GPU); a single
-    process's own. Every rank calls it (a collective)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return handle
-    gathered: list[dict[str, tuple] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, handle)
-    merged: dict[str, tuple] = {}
-    for h in gathered:
-        merged.update(h or {})
-    return merged
-
-
-def ipc_chunks(tensors: Iterator[tuple[str, torch.Tensor]], buffer_bytes: int) -> Iterator[dict[str, Any]]:
-    """vLLM's packed IPC producer over `tensors` (one reusable CUDA buffer on this rank's GPU): each
-    chunk's layout and the merged handles, pickled for HTTP. The caller must have the chunk loaded
-    before asking for the next one (the buffer is reused)."""
-    from vllm.distributed.weight_transfer.packed_tensor import packed_ipc_producer
-
-    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-    for chunk in packed_ipc_producer(tensors, uuid, lambda item: item[1], buffer_bytes):
-        handles = gather_handles(chunk.ipc_handle)
-        yield {
-            "names": chunk.names,
-            "dtype_names": chunk.dtype_names,
-            "shapes": chunk.shapes,
-            "tensor_sizes": chunk.tensor_sizes,
-            "handles": base64.b64encode(pickle.dumps(handles)).decode(),
-        }
-
-
-def buffer_bytes_for(model: torch.nn.Module) -> int:
-    """The IPC buffer: vLLM's 1 GiB, or the largest parameter where one is bigger (a 7B embedding)."""
-    largest = max((getattr(p, "ds_numel", p.numel()) * 2 for p in model.parameters()), default=0)
-    return max(IPC_BUFFER_BYTES, largest)
-
-
 class ColocatedSync:
     """Weight publication for colocated engines (the trainer's `fleet_sync` when `weight_sync` is
     ipc): sleep before the step, wake with the new version by CUDA IPC after it, files every
@@ -272,18 +223,8 @@ class ColocatedSync:
             self.servers.wake(["weights"])
         woke = time.perf_counter() - t0
         t1 = time.perf_counter()
-        first = True
-        for chunk in self._chunks(iter_full_parameters(model, zero3=zero3), buffer_bytes_for(model)):
-            if self.servers is not None:
-                self.servers.load_chunk({"version": version, **chunk, "first": first, "last": False})
-            first = False
-            _barrier()  # the buffer is reused: no rank packs the next chunk before rank 0's load returns
-        if self.servers is not None:
-            self.servers.load_chunk({"version": version, "first": first, "last": True})
-        if torch.cuda.is_available():
-            torch.cuda.ipc_collect()
-            # the IPC buffer and the gathered weights back to the driver: the KV cache wakes into that memory
-            torch.cuda.empty_cache()
+        load_chunk = self.servers.load_chunk if self.servers is not None else None
+        send_version(version, model, zero3=zero3, load_chunk=load_chunk, chunks=self._chunks)
         weights = time.perf_counter() - t1
         t2 = time.perf_counter()
         if self.servers is not None:
@@ -320,10 +261,3 @@ def _from_rank0(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()

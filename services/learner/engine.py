@@ -33,7 +33,7 @@ from services.learner.pointwise import fuse_pointwise
 from services.learner.vocab_head import HeadKernels, fused_head_fits, model_logprobs, vocab_logprobs
 
 if TYPE_CHECKING:  # annotations only
-    from services.learner.weights import FlatBucket
+    from services.weights.buckets import FlatBucket
 
 log = logging.getLogger(__name__)
 
@@ -601,7 +601,7 @@ def iter_weight_buckets(
     device: str | torch.device = "cpu",
     pinned: list[torch.Tensor] | None = None,
 ) -> Iterator[FlatBucket]:
-    from services.learner.weights import flatten, parameter_groups
+    from services.weights.buckets import flatten, parameter_groups
 
     named = list(model.named_parameters(remove_duplicate=True))
     for k, group in enumerate(parameter_groups(named, bucket_bytes, dtype)):

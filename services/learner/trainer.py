@@ -36,10 +36,12 @@ from services.learner.batching import RLBatch, chat_to_sequence, rl_sequences
 from services.learner.config import RLConfig, SFTConfig
 from services.learner.engine import PolicyEngine
 from services.learner.groups import GroupCollector, NoData, StepGroups, TrainedRecord, WeightsWanted
+from services.learner.nccl_env import peer_protocol
 from services.learner.runlog import RunLog
 from services.learner.steps import loss_bounds, rl_step, sft_step
 from services.learner.timesplit import step_split, stream_seconds
-from services.learner.weights import FleetSync, NcclPublisher, StorePublisher, write_version
+from services.weights.files import StorePublisher, write_version
+from services.weights.nccl import FleetSync, NcclPublisher, nccl_master_key, resolve_master
 
 log = logging.getLogger(__name__)
 RESEND_EVERY_S = 30.0  # a rollout server's request for the weights is answered at most this often
@@ -339,8 +341,6 @@ class RLTrainer:
         if cfg.publish_weights and cfg.weight_sync == "nccl":
             nccl = None
             if self.rank0:
-                from services.learner.nccl_master import nccl_master_key, resolve_master
-
                 host, port = resolve_master(cfg.nccl_master, cfg.rollout_servers, settings)
                 nccl = NcclPublisher(
                     cfg.rollout_servers,
@@ -348,6 +348,7 @@ class RLTrainer:
                     master_port=port,
                     api_token=settings.api_token,
                     timeout_s=cfg.nccl_timeout_s,
+                    forming=peer_protocol,  # the learner's own NCCL protocol kept out of the fleet's group
                 )
                 if getattr(self, "redis", None) is not None:  # where the servers meet rank 0, for operators
                     self.redis.set(nccl_master_key(cfg.stream_prefix), f"{host}:{port}")

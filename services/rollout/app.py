@@ -40,8 +40,8 @@ from services.rollout.service import (
     RolloutMetrics,
     RolloutRequest,
     RolloutService,
-    WeightsError,
 )
+from services.weights.manifest import WeightsError
 
 VERSION = "0.1.0"
 

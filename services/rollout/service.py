@@ -1,28 +1,24 @@
 """The rollout service's domain: one engine, one sandbox client, groups in, trajectories out.
 
-Shared by the HTTP app (`app.py`), the stream worker (`worker.py`) and the CLI. Also home of
-the weight-update checks: a new version must live under the weights root, carry a
-`manifest.json` whose sha256 is the one announced, and (when the manifest lists files with
-their sha256) files that match it.
+Shared by the HTTP app (`app.py`), the stream worker (`worker.py`) and the CLI. Also the server's side
+of weight updates (files, NCCL, CUDA IPC): what it refuses, with the HTTP status of a `WeightsError`,
+and what a failed or stuck transfer does to the process; the transports themselves are
+services/weights/.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from services.common.files import sha256_file as file_sha256
 from services.common.metrics import Metrics
 from services.common.model_shape import model_shape
 from services.common.schemas import (
@@ -52,6 +48,8 @@ from services.rollout.engines.base import EngineError, OlderVersion
 from services.rollout.group import ArpoConfig, EpisodeSlots, GroupMeta, sample_group
 from services.rollout.sleep import SleepError, SleepState
 from services.rollout.tools import HttpToolClient, LocalToolClient, ToolClient
+from services.weights.manifest import WeightsError, check_weights
+from services.weights.nccl import weight_ranks
 
 log = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 10.0  # an abort of the requests in flight that takes longer is given up (they are refused anyway)
@@ -59,7 +57,7 @@ ABORT_TIMEOUT_S = 10.0  # an abort of the requests in flight that takes longer i
 # itself (e.g. the event loop blocked in a call into the engine): the watchdog thread ends the process
 STUCK_GRACE_S = ABORT_TIMEOUT_S + 5.0
 # the exit status of a rollout process ended because a weight transfer left its engine stuck
-# (EX_TEMPFAIL, as the learner's `services.learner.weights.STUCK_EXIT`): restart it, it loads the newest files
+# (EX_TEMPFAIL, as the learner's `services.weights.nccl.STUCK_EXIT`): restart it, it loads the newest files
 STUCK_EXIT = 75
 TOOL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -80,13 +78,6 @@ class RolloutRequest(BaseModel):
     reward_kind: RewardKind = "sum"
     preference_penalty: PreferencePenalty = 0.0
     eval_mode: EvalMode = "strict"
-
-
-class WeightsError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 class RolloutMetrics:
@@ -194,7 +185,7 @@ class RolloutService:
     ) -> list[Trajectory]:
         """The group's G trajectories; `slots`: the worker's episode budget its episodes wait for."""
         if self._broken:
-            raise WeightsError(503, self._broken)
+            raise WeightsError(self._broken, status=503)
         failed_loads = self._failed_loads
         if isinstance(request, RolloutTask):
             group, arpo = request.group_size, request.arpo
@@ -226,9 +217,9 @@ class RolloutService:
         if self._failed_loads != failed_loads:
             # a load failed while the group ran: some of its tokens may come from half-updated weights
             raise WeightsError(
-                503,
                 f"a weight load failed while this group was sampled: "
                 f"{self._broken or 'mixed weights'}; the group is not kept",
+                status=503,
             )
         self.metrics.observe(trajectories)
         return trajectories
@@ -316,7 +307,9 @@ class RolloutService:
 
     async def update_weights(self, update: WeightsUpdate) -> dict[str, Any]:
         if not self.engine.token_level:
-            raise WeightsError(409, f"the {self.engine.name} engine serves a remote model; it has no weights to load")
+            raise WeightsError(
+                f"the {self.engine.name} engine serves a remote model; it has no weights to load", status=409
+            )
         self._refuse_asleep()
         try:
             # off the event loop: hashing a version's files takes long enough to stall every agent
@@ -334,16 +327,16 @@ class RolloutService:
                 timing = await self.engine.update_weights(folder, update.version)
         except OlderVersion as exc:  # a broadcast of a newer version landed while this load waited
             self.metrics.weight_updates.labels("rejected").inc()
-            raise WeightsError(409, str(exc)) from None
+            raise WeightsError(str(exc), status=409) from None
         except Exception as exc:  # noqa: BLE001 - tensors may have loaded before the failure: mixed weights
             reason = f"loading version {update.version} failed: {type(exc).__name__}: {exc}"
             await self._load_failed(reason)
             if not self.engine.healthy:  # it cannot load a whole version again in this process
                 self._end_process(reason)
             raise WeightsError(
-                422,
                 f"could not load {folder}: {type(exc).__name__}: {exc}; this server will "
                 "not sample until a full version loads",
+                status=422,
             ) from exc
         return self._loaded(update.version, update.sha256, timing)
 
@@ -351,13 +344,16 @@ class RolloutService:
         if self.sleep_state.asleep:
             self.metrics.weight_updates.labels("rejected").inc()
             raise WeightsError(
-                409, "the engine is asleep (colocated with the learner): its weights arrive with the wake, by CUDA IPC"
+                "the engine is asleep (colocated with the learner): its weights arrive with the wake, by CUDA IPC",
+                status=409,
             )
 
     def _refuse_older(self, version: int) -> None:
         if version < self.engine.policy_version:
             self.metrics.weight_updates.labels("rejected").inc()
-            raise WeightsError(409, f"version {version} is older than the loaded version {self.engine.policy_version}")
+            raise WeightsError(
+                f"version {version} is older than the loaded version {self.engine.policy_version}", status=409
+            )
 
     def _loaded(self, version: int, sha256: str | None, timing: dict[str, float]) -> dict[str, Any]:
         """A whole version is in place (from files, or a broadcast: `sha256` None): the server samples again."""
@@ -373,7 +369,7 @@ class RolloutService:
         """Join the learner's NCCL group (engines started with `weight_transfer: nccl`)."""
         join = getattr(self.engine, "join_weight_group", None)
         if join is None:
-            raise WeightsError(409, f"the {self.engine.name} engine cannot receive weights over NCCL")
+            raise WeightsError(f"the {self.engine.name} engine cannot receive weights over NCCL", status=409)
         self._weight_group = None  # whatever group it was in is left now
         with self._watchdog(f"joining the weight group at {group.master_address}:{group.master_port}"):
             try:
@@ -387,9 +383,9 @@ class RolloutService:
                     f"{self.config.weights_timeout_s:g} s"
                 )
                 self._end_process(f"{reason}; the engine may still wait for it")  # its core is blocked in the join
-                raise WeightsError(504, f"{reason}; this server ends and restarts") from None
+                raise WeightsError(f"{reason}; this server ends and restarts", status=504) from None
             except Exception as exc:  # noqa: BLE001 - reported to the learner, which falls back to files
-                raise WeightsError(422, f"could not join the weight group: {type(exc).__name__}: {exc}") from exc
+                raise WeightsError(f"could not join the weight group: {type(exc).__name__}: {exc}", status=422) from exc
         self._weight_group = group.group_id or f"{group.master_address}:{group.master_port}"
         return {
             "joined": True,
@@ -407,7 +403,7 @@ class RolloutService:
         self._refuse_asleep()
         receive = getattr(self.engine, "receive_weights", None)
         if receive is None:
-            raise WeightsError(409, f"the {self.engine.name} engine cannot receive weights over NCCL")
+            raise WeightsError(f"the {self.engine.name} engine cannot receive weights over NCCL", status=409)
         self._refuse_older(broadcast.version)
         with self._watchdog(f"a broadcast of version {broadcast.version}"), self._receiving(broadcast.version, "nccl"):
             try:
@@ -426,7 +422,7 @@ class RolloutService:
                 self._weight_group = None  # the group's state is unknown: the learner forms a new one
                 await self._load_failed(reason)
                 self._end_process(reason)
-                raise WeightsError(503, f"{reason}; this server will not sample again and restarts") from exc
+                raise WeightsError(f"{reason}; this server will not sample again and restarts", status=503) from exc
         return self._loaded(broadcast.version, None, timing)
 
     # -- colocated with the learner: sleep, wake, weights by CUDA IPC (services/rollout/sleep.py) -----
@@ -435,7 +431,7 @@ class RolloutService:
         try:
             return await sleep_mode.sleep(self.engine, self.sleep_state, request)
         except SleepError as exc:
-            raise WeightsError(exc.status, exc.message) from None
+            raise WeightsError(exc.message, status=exc.status) from None
 
     async def wake(self, request: WakeRequest) -> dict[str, Any]:
         try:
@@ -444,12 +440,12 @@ class RolloutService:
             if exc.fatal:
                 self._broken = exc.message
                 self._end_process(exc.message)
-                raise WeightsError(exc.status, f"{exc.message}; this server ends and restarts") from None
-            raise WeightsError(exc.status, exc.message) from None
+                raise WeightsError(f"{exc.message}; this server ends and restarts", status=exc.status) from None
+            raise WeightsError(exc.message, status=exc.status) from None
         except Exception as exc:  # noqa: BLE001 - memory that did not come back: this process cannot serve
             reason = f"waking the engine failed: {type(exc).__name__}: {exc}"
             self._end_process(reason)
-            raise WeightsError(503, f"{reason}; this server ends and restarts") from exc
+            raise WeightsError(f"{reason}; this server ends and restarts", status=503) from exc
 
     async def receive_ipc(self, chunk: IpcWeights) -> dict[str, Any]:
         """One chunk of a version by CUDA IPC; the last one makes the version the engine's."""
@@ -460,7 +456,7 @@ class RolloutService:
                     sleep_mode.receive_ipc(self.engine, self.sleep_state, chunk), self.config.weights_timeout_s
                 )
             except SleepError as exc:
-                raise WeightsError(exc.status, exc.message) from None
+                raise WeightsError(exc.message, status=exc.status) from None
             except Exception as exc:  # noqa: BLE001 - some tensors may have loaded: mixed weights
                 what = (
                     f"did not finish within {self.config.weights_timeout_s:g} s"
@@ -471,7 +467,7 @@ class RolloutService:
                 self.sleep_state.loading = None
                 await self._load_failed(reason)
                 self._end_process(reason)
-                raise WeightsError(503, f"{reason}; this server will not sample again and restarts") from exc
+                raise WeightsError(f"{reason}; this server will not sample again and restarts", status=503) from exc
         if not chunk.last:
             return out
         return {**self._loaded(chunk.version, None, {k: v for k, v in out.items() if isinstance(v, float)}), **out}
@@ -479,9 +475,9 @@ class RolloutService:
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         """One model turn on the token ids given (token-in/token-out clients and sync checks)."""
         if not self.engine.token_level:
-            raise WeightsError(409, f"the {self.engine.name} engine takes chat messages, not token ids")
+            raise WeightsError(f"the {self.engine.name} engine takes chat messages, not token ids", status=409)
         if self._broken:
-            raise WeightsError(503, self._broken)
+            raise WeightsError(self._broken, status=503)
         gen = await self.engine.generate(
             request.prompt_ids,
             TurnParams(
@@ -495,11 +491,11 @@ class RolloutService:
     async def parameter_digests(self) -> dict[str, Any]:
         digests = getattr(self.engine, "parameter_digests", None)
         if digests is None:
-            raise WeightsError(409, f"the {self.engine.name} engine cannot report parameter digests")
+            raise WeightsError(f"the {self.engine.name} engine cannot report parameter digests", status=409)
         try:
             return await digests()
         except EngineError as exc:
-            raise WeightsError(409, str(exc)) from None
+            raise WeightsError(str(exc), status=409) from None
 
     async def close(self) -> None:
         await self.tools.close()
@@ -534,72 +530,6 @@ async def within(
     task.cancel()
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nobody awaits it: no warning
     raise why
-
-
-def weight_ranks(engine: Engine) -> int:
-    args = getattr(engine, "args", None)
-    if args is None or getattr(args, "weight_transfer", "files") != "nccl":
-        return 0
-    return args.tensor_parallel_size
-
-
-def check_weights(update: WeightsUpdate, root: Path, rehash: bool = False) -> Path:
-    """The folder of a published version, or a WeightsError saying why it cannot be loaded. The
-    learner hashed every file into the manifest, whose own hash the update announces: here the
-    manifest is checked by that hash and each file by its size (`rehash`: by its sha256 too)."""
-    uri = update.uri
-    if "://" in uri:
-        scheme, _, rest = uri.partition("://")
-        if scheme != "file":
-            raise WeightsError(422, f"unsupported uri scheme {scheme!r}: use a path or a file:// URI")
-        uri = rest
-    folder = Path(uri)
-    root = Path(root).resolve()
-    if not folder.is_absolute():
-        folder = root / folder
-    folder = folder.resolve()
-    if not folder.is_relative_to(root):
-        raise WeightsError(403, f"{update.uri} is outside the weights root {root}")
-    if not folder.is_dir():
-        raise WeightsError(404, f"no weights folder at {folder}")
-    manifest = folder / "manifest.json"
-    if not manifest.is_file():
-        raise WeightsError(422, f"{folder} has no manifest.json")
-    raw = manifest.read_bytes()
-    digest = hashlib.sha256(raw).hexdigest()
-    if digest != update.sha256:
-        raise WeightsError(422, f"manifest sha256 mismatch: announced {update.sha256}, found {digest}")
-    try:
-        listed = json.loads(raw).get("files") or {}
-    except (ValueError, AttributeError):
-        raise WeightsError(422, "manifest.json is not a JSON object") from None
-    if not isinstance(listed, dict):
-        raise WeightsError(422, "manifest.json: files must be an object")
-    for name, entry in listed.items():
-        # The learner's manifest form: {"file": {"sha256": …, "bytes": …}}; a bare digest is accepted too.
-        expected = entry.get("sha256") if isinstance(entry, dict) else entry
-        size = entry.get("bytes") if isinstance(entry, dict) else None
-        path = (folder / name).resolve()
-        if not path.is_relative_to(folder) or not path.is_file():
-            raise WeightsError(422, f"manifest lists {name!r}, which is not a file of the version")
-        if isinstance(size, int) and path.stat().st_size != size:
-            raise WeightsError(422, f"{name} has {path.stat().st_size} bytes; the manifest says {size}")
-        if rehash and isinstance(expected, str) and file_sha256(path) != expected:
-            raise WeightsError(422, f"{name} does not match its sha256 in the manifest")
-    return folder
-
-
-def write_manifest(folder: Path, version: int) -> str:
-    """Write `manifest.json` in the learner's form (version; sha256 and size of every file) and
-    return its sha256: what the publisher does after saving a version (tests and benchmark use it)."""
-    files = {
-        p.name: {"sha256": file_sha256(p), "bytes": p.stat().st_size}
-        for p in sorted(folder.iterdir())
-        if p.is_file() and p.name != "manifest.json" and not p.name.startswith(".")
-    }
-    raw = json.dumps({"version": version, "files": files}, indent=1, sort_keys=True).encode()
-    (folder / "manifest.json").write_bytes(raw)
-    return hashlib.sha256(raw).hexdigest()
 
 
 def make_engine(settings: Settings, config: RolloutConfig) -> Engine:

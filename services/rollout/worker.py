@@ -95,7 +95,8 @@ from services.common.streams import (
 from services.rollout.capacity import engine_for_budget, inflight_budget
 from services.rollout.config import RolloutConfig, RolloutConfigError, load_rollout_config
 from services.rollout.group import EpisodeSlots
-from services.rollout.service import STUCK_EXIT, RolloutService, WeightsError
+from services.rollout.service import STUCK_EXIT, RolloutService
+from services.weights.manifest import WeightsError
 
 log = logging.getLogger(__name__)
 GROUP = "rollout"

@@ -25,12 +25,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from services.learner.batching import Sequence_  # noqa: E402
-from services.learner.colocate import ColocatedSync, ColocationError, gather_handles  # noqa: E402
+from services.learner.colocate import ColocatedSync, ColocationError  # noqa: E402
 from services.learner.config import EngineConfig, ScheduleConfig  # noqa: E402
 from services.learner.engine import PolicyEngine  # noqa: E402
 from services.learner.steps import rl_step  # noqa: E402
-from services.learner.weights import parameter_layout  # noqa: E402
 from services.models import tiny_qwen2  # noqa: E402
+from services.weights.buckets import parameter_layout  # noqa: E402
+from services.weights.cuda_ipc import gather_handles  # noqa: E402
 
 
 class Servers:

@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
-from services.learner.colocate import IPC_BUFFER_BYTES, ColocatedSync, buffer_bytes_for
-from services.learner.weights import StorePublisher
+from services.learner.colocate import ColocatedSync
+from services.weights.cuda_ipc import IPC_BUFFER_BYTES, buffer_bytes_for
+from services.weights.files import StorePublisher
 
 
 def _model(vocab: int = 64):

@@ -83,7 +83,7 @@ def test_zero2_two_ranks_match_one(tmp_path, tiny_model):
 
 @pytest.mark.slow
 def test_zero3_two_ranks_match_one_rank_and_export_whole_weights(tmp_path, tiny_model):
-    from services.learner.weights import load_state_dict
+    from services.weights.files import load_state_dict
 
     one = _torchrun(1, tmp_path / "one.pt", stage=2)
     three = _torchrun(2, tmp_path / "three.pt", stage=3)
@@ -123,7 +123,7 @@ def test_zero3_on_two_gpus_matches_one_gpu(tmp_path, tiny_model, precision, rel)
     bf16: to its rounding), and the export whole."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
-    from services.learner.weights import load_state_dict
+    from services.weights.files import load_state_dict
 
     one = _torchrun(1, tmp_path / "one.pt", stage=3, accelerator="cuda", precision=precision)
     two = _torchrun(2, tmp_path / "two.pt", stage=3, accelerator="cuda", precision=precision)

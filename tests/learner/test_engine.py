@@ -8,7 +8,8 @@ import torch
 from services.learner.batching import Sequence_, chat_to_sequence, lr_lambda, pack_sequences, rl_sequences
 from services.learner.config import EngineConfig, FilterConfig, ScheduleConfig
 from services.learner.steps import rl_step, sft_step
-from services.learner.weights import WeightsError, load_into, verify_version, write_version
+from services.weights.files import load_into, write_version
+from services.weights.manifest import WeightsError, check_version
 
 from .conftest import scored_batch
 
@@ -178,7 +179,7 @@ def test_hf_export_loads_in_transformers(engine_factory, tmp_path):
     folder, digest, _, _, size = write_version(
         tmp_path, 1, buckets, config=engine.lm_config, source_dir=engine.model_dir
     )
-    manifest = verify_version(folder, digest)
+    manifest = check_version(folder, digest)
     assert manifest["version"] == 1 and size > 0
     assert (folder / "model.safetensors.index.json").is_file()
     assert {"config.json", "tokenizer.json"} <= set(manifest["files"])
@@ -192,11 +193,11 @@ def test_hf_export_loads_in_transformers(engine_factory, tmp_path):
     assert load_into(fresh, folder, sha256=digest) > 0
     assert torch.equal(fresh.model.norm.weight, trained["model.norm.weight"].detach())
     with pytest.raises(WeightsError, match="announced sha256"):
-        verify_version(folder, "0" * 64)
+        check_version(folder, "0" * 64)
     shard = sorted(folder.glob("model-*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:-1] + b"\0")
     with pytest.raises(WeightsError, match="does not match its sha256"):
-        verify_version(folder, digest)
+        check_version(folder, digest)
 
 
 def test_chat_loss_mask_covers_assistant_turns_only():

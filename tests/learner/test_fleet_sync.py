@@ -7,7 +7,9 @@ import json
 
 import torch
 
-from services.learner.weights import FleetSync, NcclPublisher, StorePublisher, iter_full_parameters, parameter_layout
+from services.weights.buckets import iter_full_parameters, parameter_layout
+from services.weights.files import StorePublisher
+from services.weights.nccl import FleetSync, NcclPublisher
 
 
 def _model():

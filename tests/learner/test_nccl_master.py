@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.learner.nccl_master import announced_master, resolve_master, route_address
+from services.weights.nccl import announced_master, resolve_master, route_address
 
 
 def test_a_configured_address_is_announced_with_the_port_setting_or_its_own():
@@ -30,7 +30,7 @@ def test_without_one_the_address_on_the_route_to_the_first_server_is_announced()
 
 
 def test_loopback_is_refused_for_servers_on_other_hosts(monkeypatch):
-    import services.learner.nccl_master as nm
+    import services.weights.nccl as nm
 
     monkeypatch.setattr(nm, "route_address", lambda url: "127.0.0.1")
     with pytest.raises(ValueError, match="STAR_NCCL_MASTER_ADDR"):

@@ -8,8 +8,11 @@ import json
 import pytest
 import torch
 
-from services.learner import weights as weights_module
-from services.learner.weights import FleetSync, NcclPublisher, StorePublisher, WeightsError
+from services.weights import nccl as weights_module
+from services.weights.buckets import sent_parameters
+from services.weights.files import StorePublisher
+from services.weights.manifest import WeightsError
+from services.weights.nccl import FleetSync, NcclPublisher
 
 A, B = "http://a:1", "http://b:1"
 
@@ -283,7 +286,7 @@ def test_a_send_that_stops_early_still_walks_every_parameter(sync, fleet, monkey
     monkeypatch.setattr(NcclPublisher, "_trainer_send", send)
     metrics = publish(1)
     assert metrics["sync_nccl_failed"] == 1.0 and fs.nccl.group is None
-    assert walked == [n for n, _ in weights_module.sent_parameters(model)]
+    assert walked == [n for n, _ in sent_parameters(model)]
     assert store.versions() == [1] and store.posted == [(1, [A, B])]
 
 

@@ -67,7 +67,7 @@ def _start_learner_service(f: EmbeddedFleet, folder: Path, home: Path) -> str:
 def _same_weights(a: str | Path, b: str | Path) -> bool:
     import torch
 
-    from services.learner.weights import load_state_dict
+    from services.weights.files import load_state_dict
 
     x, y = load_state_dict(Path(a)), load_state_dict(Path(b))
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)

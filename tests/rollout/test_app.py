@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from services.controller.launcher import ServiceProcess
-from services.rollout.service import write_manifest
+from services.weights.manifest import write_manifest
 
 TOKEN = "rollout-token"
 QUERY = {

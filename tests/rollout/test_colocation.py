@@ -113,7 +113,7 @@ def test_sleep_holds_new_turns_until_the_engine_is_awake_with_the_new_version(
 
 
 def test_a_turn_that_outlasts_the_sleep_deadline_keeps_the_engine_awake(tokenizer, local_tools, tmp_path):
-    from services.rollout.service import WeightsError
+    from services.weights.manifest import WeightsError
 
     async def go() -> None:
         engine = Sleepy(tokenizer, ["hello"] * 4)

@@ -57,7 +57,9 @@ def test_a_broadcast_reaches_the_worker_and_a_restarted_worker_rejoins(folder, r
     from transformers import AutoModelForCausalLM
 
     from services.common.redis import free_port
-    from services.learner.weights import NcclPublisher, check_engine_weights, iter_full_parameters, parameter_layout
+    from services.weights.buckets import iter_full_parameters, parameter_layout
+    from services.weights.digests import check_engine_weights
+    from services.weights.nccl import NcclPublisher
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -18,8 +18,9 @@ from services.controller.launcher import ServiceProcess
 from services.rollout.agent import Agent
 from services.rollout.engines.base import TurnParams
 from services.rollout.group import ArpoConfig, sample_group
-from services.rollout.service import RolloutService, WeightsError, write_manifest
+from services.rollout.service import RolloutService
 from services.rollout.tools import HttpToolClient
+from services.weights.manifest import WeightsError, write_manifest
 
 pytestmark = pytest.mark.slow
 QUERY = "Plan a 3-day trip from Sarasota to Chicago for 1 person, March 22-24 2022, budget $1900."

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from services.common.settings import Settings
-from services.learner.weights import check_engine_weights
 from services.rollout.service import RolloutService
+from services.weights.digests import check_engine_weights
 from tests.rollout.test_weight_sync_vllm import NoTools, _publish, _step
 
 
@@ -56,7 +56,7 @@ async def _build(build_engine, tiny_model):
 def test_the_learners_side_is_put_in_the_engines_layout(tiny_model, packed):
     from transformers import AutoModelForCausalLM
 
-    from services.common.weight_digests import engine_layout_digests, tensor_digest
+    from services.weights.digests import engine_layout_digests, tensor_digest
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
     ours = engine_layout_digests(model.named_parameters(), packed, torch.bfloat16)

@@ -29,8 +29,9 @@ from services.rollout.config import RolloutConfig
 from services.rollout.engines.base import EngineError, Generation
 from services.rollout.engines.scripted import ScriptedEngine
 from services.rollout.protocol import format_answer
-from services.rollout.service import STUCK_EXIT, RolloutService, WeightsError
+from services.rollout.service import STUCK_EXIT, RolloutService
 from services.rollout.worker import RolloutWorker
+from services.weights.manifest import WeightsError
 
 LAYOUT = {"names": ["model.norm.weight"], "dtype_names": ["bfloat16"], "shapes": [[64]]}
 

@@ -76,7 +76,7 @@ class HalfLoading(ScriptedEngine):
 def test_a_failed_broadcast_stops_sampling_until_a_full_version_loads(tokenizer, app_client, tiny_model, tmp_path):
     import shutil
 
-    from services.rollout.service import write_manifest
+    from services.weights.manifest import write_manifest
 
     engine = HalfLoading(tokenizer, ["x"] * 10)
     with app_client(engine) as client:

@@ -21,8 +21,9 @@ from services.common.settings import Settings
 from services.common.streams import StreamNames
 from services.rollout.config import RolloutConfig
 from services.rollout.engines.base import EngineError, TurnParams
-from services.rollout.service import RolloutService, WeightsError, write_manifest
+from services.rollout.service import RolloutService
 from services.rollout.worker import RolloutWorker
+from services.weights.manifest import WeightsError, write_manifest
 
 pytestmark = pytest.mark.slow
 BLOCKED_S = 20.0  # how long the fake receive blocks the engine core
@@ -111,7 +112,7 @@ def test_after_a_sync_every_tensor_vllm_holds_equals_the_learners(vllm, module_l
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.learner.weights import check_engine_weights
+    from services.weights.digests import check_engine_weights
 
     service = _service(vllm, tmp_path)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)

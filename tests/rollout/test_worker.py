@@ -109,7 +109,7 @@ def test_the_worker_loads_newer_announced_weights_before_a_task(
 
     from services.common.schemas import WeightsUpdate
     from services.common.settings import Settings
-    from services.rollout.service import write_manifest
+    from services.weights.manifest import write_manifest
 
     client, prefix = redis_client
     names = StreamNames(prefix.rstrip(":"))
@@ -128,7 +128,7 @@ def test_the_worker_loads_newer_announced_weights_before_a_task(
 
 def _announce(client, names: StreamNames, folder, version: int, sha: str | None = None) -> None:
     from services.common.schemas import WeightsUpdate
-    from services.rollout.service import write_manifest
+    from services.weights.manifest import write_manifest
 
     written = write_manifest(folder, version)
     client.set(
@@ -191,7 +191,7 @@ def test_checking_new_weights_does_not_hold_the_event_loop(tokenizer, local_tool
     from services.common.schemas import WeightsUpdate
     from services.common.settings import Settings
     from services.rollout import service as service_module
-    from services.rollout.service import write_manifest
+    from services.weights.manifest import write_manifest
 
     version = tmp_path / "weights" / "v1"
     shutil.copytree(tiny_model, version)
@@ -224,7 +224,7 @@ def test_a_task_waiting_on_a_slow_weights_load_is_not_taken_by_a_second_worker(
 
     from services.common.schemas import WeightsUpdate
     from services.common.settings import Settings
-    from services.rollout.service import write_manifest
+    from services.weights.manifest import write_manifest
 
     client, prefix = redis_client
     names = StreamNames(prefix.rstrip(":"))

@@ -23,8 +23,9 @@ from services.common.streams import StreamNames, ensure_group, publish, read_all
 from services.rollout.config import RolloutConfig
 from services.rollout.engines.scripted import ScriptedEngine
 from services.rollout.protocol import format_answer
-from services.rollout.service import RolloutService, WeightsError, write_manifest
+from services.rollout.service import RolloutService
 from services.rollout.worker import GROUP, RolloutWorker, serve_http
+from services.weights.manifest import WeightsError, write_manifest
 from tests.rollout.test_worker import task
 
 LAYOUT = {"names": ["model.norm.weight"], "dtype_names": ["bfloat16"], "shapes": [[64]]}

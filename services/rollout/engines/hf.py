@@ -592,9 +592,9 @@ class TransformersEngine(Engine):
         return done
 
     async def parameter_digests(self) -> dict[str, Any]:
-        """A sha256 of every parameter (`services.common.weight_digests`; the fused projections are
+        """A sha256 of every parameter (`services.weights.digests`; the fused projections are
         views of the same storage, so these are the tensors decoding uses)."""
-        from services.common.weight_digests import tensor_digest
+        from services.weights.digests import tensor_digest
 
         def digests() -> dict[str, str]:
             with self._model_lock:
@@ -608,12 +608,10 @@ class TransformersEngine(Engine):
         }
 
     async def _load_weights(self, path: str) -> None:
-        from safetensors.torch import load_file
+        from services.weights.files import load_state_dict
 
         def read() -> dict:
-            state: dict = {}
-            for f in sorted(Path(path).glob("*.safetensors")):
-                state.update(load_file(str(f)))
+            state = load_state_dict(Path(path))
             if not state:
                 raise EngineError(f"no safetensors files in {path}")
             return {k: v.to(self.dtype) for k, v in state.items()}

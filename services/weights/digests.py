@@ -1,5 +1,5 @@
 """A sha256 of every parameter, to prove a weight sync complete: the engine's parameters against the
-learner's, byte for byte, not a sample of them.
+learner's, byte for byte, not a sample of them (`check_engine_weights`).
 
 vLLM holds some projections fused (`packed_modules_mapping`: q, k and v as one `qkv_proj`, gate and
 up as one `gate_up_proj`, stacked along dim 0 on one rank), so the learner's side is put in the
@@ -15,7 +15,10 @@ import hashlib
 import os
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 HASH_THREADS = min(8, os.cpu_count() or 1)
 
@@ -80,4 +83,38 @@ def digest_mismatches(ours: Mapping[str, str], theirs: Mapping[str, str]) -> dic
         "differ": sorted(n for n in ours.keys() & theirs.keys() if ours[n] != theirs[n]),
         "missing": sorted(ours.keys() - theirs.keys()),
         "unexpected": sorted(theirs.keys() - ours.keys()),
+    }
+
+
+def check_engine_weights(model: torch.nn.Module, engine: dict[str, Any], *, zero3: bool = False) -> dict[str, Any]:
+    """Compare a sha256 of every parameter the engine holds (`engine`: its GET /weights/digests) with
+    the learner's `model` put in the engine's layout and dtype (every rank walks the parameters under
+    ZeRO-3). `equal` only when every tensor matches and neither side has one the other lacks."""
+    return compare_engine_digests(learner_digests(model, engine["packed"], engine["dtype"], zero3=zero3), engine)
+
+
+def learner_digests(
+    model: torch.nn.Module, packed: dict[str, list[str]], dtype: str, *, zero3: bool = False
+) -> dict[str, str]:
+    """The learner's side of `check_engine_weights`: a sha256 of every parameter in an engine's fused
+    layout (`packed`) and dtype (its name), without asking the engine (it may hash at the same time)."""
+    import torch
+
+    from services.weights.buckets import iter_full_parameters
+
+    return engine_layout_digests(iter_full_parameters(model, zero3=zero3), packed, getattr(torch, dtype))
+
+
+def compare_engine_digests(ours: dict[str, str], engine: dict[str, Any]) -> dict[str, Any]:
+    """The verdict of `check_engine_weights` on digests already taken on both sides."""
+    opaque = set(engine.get("opaque") or [])  # held by the engine in a form it cannot read back
+    wrong = digest_mismatches(ours, engine["digests"])
+    wrong["missing"] = [n for n in wrong["missing"] if n not in opaque]
+    wrong["unverifiable"] = sorted(opaque)
+    return {
+        "tensors_checked": len(ours),
+        "tensors_equal": len(ours) - len(wrong["differ"]) - len(wrong["missing"]) - len(opaque),
+        "equal": not any(wrong.values()),
+        **{k: v[:10] for k, v in wrong.items()},
+        "digests": ours,
     }
