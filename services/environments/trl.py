@@ -17,6 +17,7 @@ This module never imports TRL (the trainer only calls it); `travelplanner_datase
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -57,10 +58,13 @@ class TravelPlannerEnv:
         self.result: EpisodeResult | None = None
 
     def reset(self, **row: Any) -> None:
-        """Start the episode of a dataset row: `query_id` (with `split`) or an inline `query`. The row's prompt
+        """Start the episode of a dataset row: `query_id` (with `split`) or an inline `query` (its fields, or
+        them as JSON text: a dataset column holds nested queries of mixed shapes best as text). The row's prompt
         already holds the task, so nothing is appended to it."""
         self._end_episode()
         query = row.get("query")
+        if isinstance(query, str):
+            query = json.loads(query)
         if not query and row.get("query_id") is None:
             raise ValueError("a TravelPlanner row needs a query_id (with split) or a query")
         options = {k: row.get(k) or v for k, v in self._defaults.items()}
