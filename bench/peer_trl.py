@@ -272,8 +272,10 @@ def trl_settings(cfg: dict[str, Any], steps: int, gpu: bool) -> tuple[dict[str, 
             vllm_mode="colocate",
             vllm_gpu_memory_utilization=0.3,
             vllm_max_model_length=s["max_context_tokens"] + 2048,
+            # ours: per-token truncated (tis) or masked (mis) ratios of learner to sampler, bounded by is_high
             vllm_importance_sampling_correction=r.get("importance_sampling", "off") != "off",
-            vllm_importance_sampling_cap=r.get("is_high", 2.0),
+            vllm_importance_sampling_mode="token_mask" if r.get("importance_sampling") == "mis" else "token_truncate",
+            vllm_importance_sampling_clip_max=r.get("is_high", 2.0),
         )
     reward = r["reward"]
     episode = {"mode": r.get("eval_mode", "strict"), "reward": reward, "max_tool_calls": s["max_tool_calls"]}
@@ -474,6 +476,9 @@ def report(state: dict[str, Any], out: Path, name: str, command: str) -> dict[st
             "trl_episode": trl.get("episode"),
             "mismatches": trl.get("mismatches"),
             "step": "one batch of rl.batch_prompts × rl.group_size rollouts trained",
+            "trl_vllm": "TRL 1.16.0 accepts vLLM 0.22.0-0.31.0 (trl/import_utils.py is_vllm_available), so the GPU "
+            "run pairs it with vLLM 0.26.0, the version our GPU path runs, in vllm_mode='colocate' (TRL's one-GPU "
+            "mode); on CPU TRL generates with transformers",
         },
         "versions": {"trl_side": trl.get("versions"), "ours": versions()},
     }
