@@ -168,42 +168,28 @@ def episode_scripts(rl_dir: Path, tokenizer: Any) -> list[dict[str, Any]]:
     return scripts
 
 
-def worker_env(config: Any, placement: Any, model: Path) -> dict[str, str]:
-    """The environment the embedded fleet gives rollout worker 0 (services.controller.embedded_fleet._start_workers):
-    its engine arguments, memory share, context and episode budget."""
-    from services.controller.embedded_fleet import inflight_env
-    from services.pipeline.placement import colocated_concurrency
+def write_worker_config(config: Any, placement: Any, model: Path, path: Path) -> Path:
+    """The settings file the embedded fleet gives rollout worker 0 (services.controller.embedded_fleet): its
+    engine arguments, memory share, context and episode budget."""
+    from services.controller.embedded_fleet import rollout_worker_config
+    from services.rollout.config import write_rollout_config
 
-    s = config.services
-    vllm = s.vllm.model_copy(update={"enable_sleep_mode": True}) if placement.colocated else s.vllm
-    env = inflight_env(config)
-    budget = config.inflight_episodes()
-    if (placement.colocated or placement.derived) and budget is not None:
-        pooled = str(colocated_concurrency(s.rollout_workers, budget, len(placement.engine_devices)))
-        env.update(STAR_ROLLOUT_MAX_INFLIGHT_EPISODES=pooled, STAR_ROLLOUT_MAX_BATCH=pooled)
-    return {
-        **env,
-        **placement.engine_env(0),
-        "STAR_MODEL": str(model),
-        "STAR_ROLLOUT_ENGINE": s.engine,
-        "STAR_ROLLOUT_VLLM": vllm.model_dump_json(),
-        "STAR_ROLLOUT_MAX_MODEL_LEN": str(config.rl.sampling.engine_max_len),
-    }
+    return write_rollout_config(path, rollout_worker_config(config, placement, str(model), 0))
 
 
 def ceiling_child(args: argparse.Namespace) -> None:
-    """In its own process, with the worker's environment: the worker's engine, then the episodes straight on its
-    AsyncLLM; the result as JSON at `args.ceiling_out`."""
+    """In its own process, with the worker's settings file and devices: the worker's engine, then the episodes
+    straight on its AsyncLLM; the result as JSON at `args.ceiling_out`."""
     from transformers import AutoTokenizer
 
     from bench.rollout_limit import ToolLatency, closed_loop, counters_during, engine_counters, sandbox_latency
     from services.common.settings import get_settings
     from services.rollout.capacity import engine_for_budget, inflight_budget
-    from services.rollout.config import RolloutConfig
+    from services.rollout.config import load_rollout_config
     from services.rollout.service import make_engine
 
     spec = json.loads(Path(args.ceiling_in).read_text())
-    config = RolloutConfig()
+    config = load_rollout_config(args.ceiling_config)
     budget = inflight_budget(config, config.model or get_settings().model)
     config = engine_for_budget(config, budget)
     tokenizer = AutoTokenizer.from_pretrained(config.model or get_settings().model)
@@ -259,8 +245,10 @@ def measure_ceiling(
     spec, out = work / "ceiling_in.json", work / "ceiling.json"
     spec.write_text(json.dumps({"scripts": scripts, "episodes": episodes}))
     out.unlink(missing_ok=True)
-    env = {**os.environ, **worker_env(config, placement, model)}
+    settings = write_worker_config(config, placement, model, work / "ceiling_worker.json")
+    env = {**os.environ, **placement.engine_devices_env(0)}
     cmd = [sys.executable, __file__, "--ceiling-child", "--ceiling-in", str(spec), "--ceiling-out", str(out)]
+    cmd += ["--ceiling-config", str(settings)]
     log(f"closed-loop ceiling: {episodes} episodes from {len(scripts)} trained scripts")
     try:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=args.ceiling_timeout_s).returncode
@@ -528,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ceiling-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ceiling-in", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--ceiling-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ceiling-config", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.ceiling_child:
         ceiling_child(args)

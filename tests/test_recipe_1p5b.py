@@ -57,15 +57,19 @@ def test_the_variants_load_as_the_recipe_with_deadlines_and_over_sampling_on_or_
     assert p.colocated and p.derived and len(p.engine_devices) == 1
 
 
-def test_the_rollout_workers_environment_is_the_fleets(tmp_path):
+def test_the_rollout_workers_settings_are_the_fleets(tmp_path):
+    from services.rollout.config import load_rollout_config
+
     config = load_pipeline_config(ROOT / r.RECIPE, r.run_items(args(), tmp_path / "model", "on", 10))
     p = placement_for_recipe(config, ["3"], 141 * GiB, ModelSize.from_hf_config(QWEN_1_5B))
-    env = r.worker_env(config, p, tmp_path / "model")
-    assert env["CUDA_VISIBLE_DEVICES"] == "3" and env["STAR_ROLLOUT_KV_CACHE_FROM_SHARE"] == "true"
-    assert env["STAR_ROLLOUT_GPU_MEMORY_UTILIZATION"] == f"{p.engine_memory_share:.2f}"
-    assert json.loads(env["STAR_ROLLOUT_VLLM"])["enable_sleep_mode"] is True
-    assert env["STAR_ROLLOUT_MAX_MODEL_LEN"] == str(config.rl.sampling.engine_max_len)
-    assert env["STAR_ROLLOUT_EPISODE_TOKENS"] == "30000" and env["STAR_MODEL"] == str(tmp_path / "model")
+    assert p.engine_devices_env(0) == {"CUDA_VISIBLE_DEVICES": "3"}
+    cfg = load_rollout_config(r.write_worker_config(config, p, tmp_path / "model", tmp_path / "worker.json"))
+    assert cfg.kv_cache_from_share is True and cfg.gpu_memory_utilization == pytest.approx(
+        p.engine_memory_share, abs=0.005
+    )
+    assert cfg.vllm.enable_sleep_mode is True
+    assert cfg.max_model_len == config.rl.sampling.engine_max_len
+    assert cfg.episode_tokens == 30000 and cfg.model == str(tmp_path / "model")
 
 
 def metrics_row(step: int, rollout: float, idle: float, hist: dict[str, int]) -> dict:

@@ -2,7 +2,7 @@
 
 `STAR_TRACKING=wandb,mlflow` (either or both) switches them on for every stage that logs metrics:
 the learner's SFT and RL steps (services/learner/runlog.py) and the pipeline's stage results
-(synthesis counts, evaluation scores: services/pipeline/train.py). Each backend runs in whatever
+(synthesis counts, evaluation scores: services/controller/train.py). Each backend runs in whatever
 mode its own settings say:
 
 - W&B: `WANDB_MODE=offline` writes runs under `<run folder>/wandb` for `wandb sync` later (no

@@ -23,7 +23,9 @@ from services.common.supervisor import Child, Supervisor, SupervisorError, stop_
 from services.controller import launcher
 from services.controller.fleet import LearnerReport
 from services.pipeline.config import PipelineConfig
+from services.pipeline.placement import Placement
 from services.pipeline.stage import Run, StageFailed, console, failure_cause, log_tail
+from services.rollout.config import RolloutConfig, write_rollout_config
 
 
 @dataclass
@@ -159,64 +161,89 @@ def start_fleet(run: Run, model: str, names: StreamNames) -> EmbeddedFleet:
 
 
 def _start_workers(run: Run, f: EmbeddedFleet, model: str, env: dict[str, str], logs: Path) -> None:
-    """Rollout and reward workers. With weights over NCCL each rollout worker also serves the rollout
-    API on a port of its own (`f.rollout_urls`), where the learner forms its group and broadcasts, and
-    its vLLM engine starts ready to receive (`weight_transfer: nccl`). Colocated (`placement.mode`), one
-    worker per GPU group serves it too, its engine able to sleep while the learner trains."""
+    """Rollout and reward workers. Each rollout worker reads its settings from a file of its own in the run folder
+    (rollout/worker-<i>.json, `--config`); its environment carries only addresses and devices. With weights over
+    NCCL each rollout worker also serves the rollout API on a port of its own (`f.rollout_urls`), where the
+    learner forms its group and broadcasts, and its vLLM engine starts ready to receive (`weight_transfer: nccl`).
+    Colocated (`placement.mode`), one worker per GPU group serves it too, its engine able to sleep while the
+    learner trains."""
     env = {**env, "STAR_SANDBOX_URL": f.sandbox_url}
-    s = run.config.services
-    sampling = run.config.rl.sampling
-    vllm = s.vllm.model_copy(update={"weight_transfer": "nccl"}) if run.nccl else s.vllm
-    workers, inflight = s.rollout_workers, inflight_env(run.config)
-    if run.colocated:
-        vllm = vllm.model_copy(update={"enable_sleep_mode": True})
-    if run.colocated or (run.placement and run.placement.derived):
-        # one engine per GPU group (able to sleep where colocated), holding the recipe's episode budget pooled
-        from services.pipeline.placement import colocated_concurrency
-
-        workers = len(run.placement.engine_devices)
-        budget = run.config.inflight_episodes()
-        if budget is not None:  # else each engine derives its budget from its own (shared) KV cache
-            pooled = str(colocated_concurrency(s.rollout_workers, budget, workers))
-            inflight.update(STAR_ROLLOUT_MAX_INFLIGHT_EPISODES=pooled, STAR_ROLLOUT_MAX_BATCH=pooled)
-    rollout_env = {
-        **env,
-        "STAR_MODEL": model,
-        "STAR_ROLLOUT_ENGINE": s.engine,
-        "STAR_ROLLOUT_VLLM": vllm.model_dump_json(),
-        "STAR_ROLLOUT_CHAT": s.chat.model_dump_json(),
-        "STAR_ROLLOUT_MAX_MODEL_LEN": str(sampling.engine_max_len),
-        "STAR_ROLLOUT_CLAIM_IDLE_MS": "30000",
-        **inflight,
-    }
-    if run.colocated:
-        rollout_env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the IPC load runs through collective_rpc
-    for i in range(workers):
-        devices = run.placement.engine_env(i) if run.placement else {}
-        http = {}
+    # colocated, the IPC load runs through vLLM's collective_rpc
+    engine_env = {**env, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if run.colocated else env
+    for i in range(engine_workers(run.config, run.placement)):
+        fields: dict[str, Any] = {"consumer": f"rollout-{i}"}
         if run.serves_http:  # the same port across the worker's restarts: the learner knows it by its address
             url = next(u for u in iter(lambda: f"http://127.0.0.1:{free_port()}", None) if u not in f.rollout_urls)
-            http = {"STAR_ROLLOUT_HTTP_PORT": url.rsplit(":", 1)[1]}
+            fields["http_port"] = int(url.rsplit(":", 1)[1])
             f.rollout_urls.append(url)
-        worker_env = {**rollout_env, **devices, **http, "STAR_ROLLOUT_CONSUMER": f"rollout-{i}"}
+        cfg = rollout_worker_config(run.config, run.placement, model, i, nccl=run.nccl, **fields)
+        path = write_rollout_config(run.folder / "rollout" / f"worker-{i}.json", cfg)
+        devices = run.placement.engine_devices_env(i) if run.placement else {}
         f.workers.append(
-            launcher.start_service(f.sup, launcher.ROLLOUT_WORKER, worker_env, logs, name=f"rollout-{i}")[0]
+            launcher.start_service(
+                f.sup,
+                launcher.ROLLOUT_WORKER,
+                {**engine_env, **devices},
+                logs,
+                name=f"rollout-{i}",
+                args=("--config", str(path)),
+            )[0]
         )
-    for i in range(s.reward_workers):
+    for i in range(run.config.services.reward_workers):
         args = ("--consumer", f"reward-{i}", "--db", run.world_url)
         reward = launcher.start_service(f.sup, launcher.spec("reward-worker"), env, logs, name=f"reward-{i}", args=args)
         f.workers.append(reward[0])
 
 
-def inflight_env(config: PipelineConfig) -> dict[str, str]:
+def engine_workers(config: PipelineConfig, placement: Placement | None) -> int:
+    """Rollout workers the fleet starts: the recipe's, or one per GPU group where placement derives the engines
+    (colocated, or from the machine)."""
+    if placement is not None and (placement.colocated or placement.derived):
+        return len(placement.engine_devices)
+    return config.services.rollout_workers
+
+
+def rollout_worker_config(
+    config: PipelineConfig, placement: Placement | None, model: str, index: int, *, nccl: bool = False, **fields: Any
+) -> RolloutConfig:
+    """Rollout worker `index`'s settings for the recipe: its engine and its arguments, the chat options, the
+    context, its episode budget and its engine's share of its GPUs; `fields` adds the worker's own (its consumer
+    name, its HTTP port). Only what is set here goes into its file; the rest keeps the worker's defaults."""
+    s = config.services
+    vllm = s.vllm.model_copy(update={"weight_transfer": "nccl"}) if nccl else s.vllm
+    if placement is not None and placement.colocated:
+        vllm = vllm.model_copy(update={"enable_sleep_mode": True})
+    settings = {
+        "model": model,
+        "engine": s.engine,
+        "vllm": vllm,
+        "chat": s.chat,
+        "max_model_len": config.rl.sampling.engine_max_len,
+        "claim_idle_ms": 30000,
+        **inflight_fields(config),
+    }
+    if placement is not None and (placement.colocated or placement.derived):
+        # one engine per GPU group holds the recipe's episode budget pooled
+        from services.pipeline.placement import colocated_concurrency
+
+        budget = config.inflight_episodes()
+        if budget is not None:  # else each engine derives its budget from its own (shared) KV cache
+            pooled = colocated_concurrency(s.rollout_workers, budget, len(placement.engine_devices))
+            settings.update(max_inflight_episodes=pooled, max_batch=pooled)
+    if placement is not None:
+        settings.update(placement.engine_settings(index))
+    return RolloutConfig.model_validate({**settings, **fields})  # validated, and no environment read here
+
+
+def inflight_fields(config: PipelineConfig) -> dict[str, int]:
     """A rollout worker's episode budget: the recipe's, else derived by the worker from its engine's KV cache
     over the episodes' context. The transformers engine decodes every episode in flight in one batch."""
     s, budget = config.services, config.inflight_episodes()
-    env = {"STAR_ROLLOUT_EPISODE_TOKENS": str(s.episode_tokens or config.rl.sampling.max_context_tokens)}
+    fields = {"episode_tokens": s.episode_tokens or config.rl.sampling.max_context_tokens}
     if budget is not None:
-        env["STAR_ROLLOUT_MAX_INFLIGHT_EPISODES"] = str(budget)
-    env["STAR_ROLLOUT_MAX_BATCH"] = str(budget or 2 * config.rl.group_size)
-    return env
+        fields["max_inflight_episodes"] = budget
+    fields["max_batch"] = budget or 2 * config.rl.group_size
+    return fields
 
 
 def _read_json(path: Path | None) -> dict[str, Any]:

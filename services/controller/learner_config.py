@@ -8,7 +8,6 @@ from typing import Any
 from services.common.redis import free_port
 from services.common.settings import get_settings
 from services.common.streams import StreamNames
-from services.pipeline.config import sampling_cuts
 from services.pipeline.stage import Run, StageFailed
 
 
@@ -25,7 +24,7 @@ def rl_config(
     r = run.config.rl
     external = run.config.deployment.fleet == "external"
     sync = nccl_sync(run, servers or []) if run.nccl and not external else {}
-    if run.nccl and external:  # rank 0 announces its address to the fleet's servers (services.learner.nccl_master)
+    if run.nccl and external:  # rank 0 announces its address to the fleet's servers (services.weights.nccl)
         sync = {
             "weight_sync": "nccl",
             "nccl_master": "auto",
@@ -35,31 +34,10 @@ def rl_config(
     if run.colocated:
         sync = colocated_sync(run, servers or [])
     cfg = RLConfig(
+        **r.learner_fields(),
         model=model,
         output_dir=str(run.folder / "rl"),
-        algorithm="dapo" if r.algorithm == "dapo" else "grpo",
-        group_size=r.group_size,
-        batch_prompts=r.batch_prompts,
-        lr=r.lr,
         total_steps=total_steps,
-        mini_batches=r.mini_batches,
-        kl_coef=r.kl_coef,
-        negative_scale=r.negative_scale,
-        samples_per_step=r.samples_per_step,
-        save_every=r.save_every,
-        loss_agg=r.loss_agg,
-        dual_clip_c=r.dual_clip_c,
-        log_ratio_clamp=r.log_ratio_clamp,
-        importance_sampling=r.importance_sampling,
-        is_low=r.is_low,
-        is_high=r.is_high,
-        temperature=r.sampling.temperature,
-        sampling_cut=bool(sampling_cuts(r.sampling)),
-        eps_low=r.eps_low,
-        eps_high=r.eps_high,
-        filters=r.filters(),
-        oversample_groups=r.oversample_groups,
-        late_groups=r.late_groups,
         engine=run.config.learner.engine(run.config.services.zero_stage, run.config.seed, ranks=run.learner_ranks),
         redis_url=redis_url,
         stream_prefix=names.prefix,

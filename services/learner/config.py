@@ -488,7 +488,7 @@ class RLConfig(RLKnobs):
         gt=0,
         description=(
             "With weight_sync nccl: the longest forming the group or one broadcast may take before rank 0 ends for a "
-            "restart (services.learner.weights.NcclPublisher)."
+            "restart (services.weights.nccl.NcclPublisher)."
         ),
     )
 

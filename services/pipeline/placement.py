@@ -54,18 +54,25 @@ class Placement:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.learner_devices)
         return env
 
-    def engine_env(self, index: int) -> dict[str, str]:
-        """Rollout worker `index`'s devices, and the memory share and tensor parallelism of its engine."""
+    def engine_devices_env(self, index: int) -> dict[str, str]:
+        """Rollout worker `index`'s devices (the one setting CUDA itself reads from the environment)."""
         if self.accelerator != "cuda":
             return {}
-        env = {
-            "CUDA_VISIBLE_DEVICES": ",".join(self.engine_devices[index]),
-            "STAR_ROLLOUT_GPU_MEMORY_UTILIZATION": f"{self.engine_memory_share:.2f}",
-            "STAR_ROLLOUT_TENSOR_PARALLEL_SIZE": str(self.tensor_parallel),
+        return {"CUDA_VISIBLE_DEVICES": ",".join(self.engine_devices[index])}
+
+    def engine_settings(self, index: int) -> dict[str, object]:
+        """Rollout worker `index`'s engine settings (RolloutConfig fields): its share of its GPUs' memory, its
+        tensor parallelism, and, beside the learner or other engines, its KV cache sized from the share (vLLM's
+        start-up measurement would count the others' allocations as its own)."""
+        if self.accelerator != "cuda":
+            return {}
+        settings: dict[str, object] = {
+            "gpu_memory_utilization": round(self.engine_memory_share, 2),
+            "tensor_parallel_size": self.tensor_parallel,
         }
-        if self.shared:  # beside the learner or other engines: the KV cache from the share, not measured
-            env["STAR_ROLLOUT_KV_CACHE_FROM_SHARE"] = "true"
-        return env
+        if self.shared:
+            settings["kv_cache_from_share"] = True
+        return settings
 
     def validation_env(self) -> dict[str, str]:
         """A validation's devices (`rl.val_every`'s `star eval` beside the fleet): the first engine's

@@ -352,7 +352,7 @@ class Scorer:
         except ValueError as exc:
             raise ScoreError(str(exc)) from None
         # The paper's curriculum only when the trajectory asked for it: a recipe's own schedule arrives
-        # resolved to its stage's kind (services/pipeline/scheduler.py), and the default would misname it.
+        # resolved to its stage's kind (services/controller/scheduler.py), and the default would misname it.
         curriculum_epoch = trajectory.epoch if trajectory.reward_kind == "curriculum" else None
         rewards = all_rewards(score, curriculum_epoch, finish_reason=trajectory.finish_reason)
         return ScoredTrajectory(

@@ -151,11 +151,12 @@ class RolloutConfig(BaseSettings):
 
 
 def write_rollout_config(path: str | Path, config: RolloutConfig) -> Path:
-    """Write `config` whole to `path` (JSON) for a rollout process started with `--config path`; a secret
-    (the OpenAI key) stays out of the file, for the process's environment to carry."""
+    """Write the settings `config` was given (not its defaults) to `path` (JSON) for a rollout process started
+    with `--config path`: the process's own `STAR_ROLLOUT_*` and defaults fill in the rest. A secret (the OpenAI
+    key) stays out of the file, for the process's environment to carry."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(config.model_dump_json(indent=2, exclude=SECRETS) + "\n", encoding="utf-8")
+    path.write_text(config.model_dump_json(indent=2, exclude=SECRETS, exclude_unset=True) + "\n", encoding="utf-8")
     return path
 
 

@@ -3,6 +3,7 @@ refusals that name the numbers (fake GPU inventories; no GPU needed)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -101,8 +102,7 @@ def test_the_7b_recipe_fits_80_gb_hosts_colocated(n):
         assert p.validations_after and p.validation_memory_share is None
         assert "validations run after the RL steps" in p.reason and "validations after the RL steps" in p.describe()
         assert state + p.engine_memory_share * CARD_80 <= CARD_80
-    env = p.engine_env(0)
-    assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["STAR_ROLLOUT_KV_CACHE_FROM_SHARE"] == "true"
+    assert p.engine_devices_env(0) == {"CUDA_VISIBLE_DEVICES": "0"} and p.engine_settings(0)["kv_cache_from_share"]
     assert weight_sync(config.deployment, "vllm", p).method == "ipc"
     # each colocated engine derives its episode budget from its own KV share; a recipe's fixed budget
     # for 8 workers is pooled into the n engines
@@ -217,9 +217,12 @@ def test_a_colocated_stage_starts_one_sleeping_engine_a_gpu_serving_the_learner(
     class Sup:
         def __init__(self) -> None:
             self.added: dict[str, dict[str, str]] = {}
+            self.configs: dict[str, dict] = {}
 
         def add(self, name, argv, env=None, log=None, **_):
             self.added[name] = dict(env or {})
+            if "--config" in argv:  # a rollout worker's own settings file
+                self.configs[name] = json.loads(Path(argv[argv.index("--config") + 1]).read_text())
             return SimpleNamespace(name=name)
 
     run = _colocated_run(tmp_path)
@@ -228,11 +231,14 @@ def test_a_colocated_stage_starts_one_sleeping_engine_a_gpu_serving_the_learner(
     rollout = {n: e for n, e in f.sup.added.items() if n.startswith("rollout-")}
     assert sorted(rollout) == [f"rollout-{i}" for i in range(4)]  # one per GPU, not the recipe's 8
     for i, env in enumerate(rollout[f"rollout-{j}"] for j in range(4)):
-        assert VllmArgs.model_validate_json(env["STAR_ROLLOUT_VLLM"]).enable_sleep_mode
+        cfg = f.sup.configs[f"rollout-{i}"]
+        assert VllmArgs.model_validate(cfg["vllm"]).enable_sleep_mode
         # 8 workers × 2 groups pooled over 4 engines: 4 groups' episodes each
         assert env["CUDA_VISIBLE_DEVICES"] == str(i)
-        assert env["STAR_ROLLOUT_MAX_INFLIGHT_EPISODES"] == str(4 * run.config.rl.group_size)
-        assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and "STAR_ROLLOUT_HTTP_PORT" in env
+        assert cfg["max_inflight_episodes"] == 4 * run.config.rl.group_size
+        assert cfg["consumer"] == f"rollout-{i}" and cfg["kv_cache_from_share"] is True
+        assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and cfg["http_port"]
+        assert not any(k.startswith("STAR_ROLLOUT_") for k in env)  # settings travel in the file, not the env
     assert len(f.rollout_urls) == 4
     assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in f.sup.added["reward-0"]
 

@@ -375,25 +375,21 @@ def test_a_validations_engine_takes_the_share_its_placement_kept(tmp_path):
 
 
 def test_the_episode_budget_is_the_recipes_or_derived_by_each_worker(tmp_path):
-    from services.controller.embedded_fleet import inflight_env
+    from services.controller.embedded_fleet import inflight_fields
 
     seven = load_pipeline_config(CONFIGS / "qwen2.5-7b-grpo-sum.yaml")
     assert seven.inflight_episodes() is None  # each worker derives it from its engine's KV cache
-    env = inflight_env(seven)
-    assert "STAR_ROLLOUT_MAX_INFLIGHT_EPISODES" not in env
-    assert env["STAR_ROLLOUT_EPISODE_TOKENS"] == str(seven.rl.sampling.max_context_tokens)
+    fields = inflight_fields(seven)
+    assert "max_inflight_episodes" not in fields
+    assert fields["episode_tokens"] == seven.rl.sampling.max_context_tokens
     proof = load_pipeline_config(CONFIGS / "smollm2-proof.yaml")
-    assert inflight_env(proof)["STAR_ROLLOUT_MAX_INFLIGHT_EPISODES"] == str(proof.services.max_inflight_episodes)
+    assert inflight_fields(proof)["max_inflight_episodes"] == proof.services.max_inflight_episodes
     groups = load_pipeline_config(CONFIGS / "tiny.yaml", ["services.rollout_concurrency=3"])  # deprecated: groups
     assert groups.inflight_episodes() == 3 * groups.rl.group_size
     set_ = load_pipeline_config(
         CONFIGS / "tiny.yaml", ["services.max_inflight_episodes=48", "services.episode_tokens=6000"]
     )
-    assert inflight_env(set_) == {
-        "STAR_ROLLOUT_EPISODE_TOKENS": "6000",
-        "STAR_ROLLOUT_MAX_INFLIGHT_EPISODES": "48",
-        "STAR_ROLLOUT_MAX_BATCH": "48",
-    }
+    assert inflight_fields(set_) == {"episode_tokens": 6000, "max_inflight_episodes": 48, "max_batch": 48}
     with pytest.raises(ConfigError, match="not both"):
         load_pipeline_config(
             CONFIGS / "tiny.yaml", ["services.max_inflight_episodes=48", "services.rollout_concurrency=2"]

@@ -17,7 +17,7 @@ def test_cpu_machine_puts_everything_on_cpu():
     p = plan(DeploymentSpec(learner_ranks=2), engines=3, gpus=[])
     assert p.accelerator == "cpu" and p.learner_ranks == 2
     assert p.learner_env() == {"DS_ACCELERATOR": "cpu"}
-    assert p.engine_env(0) == {}
+    assert p.engine_devices_env(0) == {} and p.engine_settings(0) == {}
 
 
 def test_dedicated_gpus_learner_first_then_engines_by_tensor_parallel_groups():
@@ -26,11 +26,11 @@ def test_dedicated_gpus_learner_first_then_engines_by_tensor_parallel_groups():
     assert p.learner_devices == ("0", "1")
     assert p.engine_devices == (("2", "3"), ("4", "5"), ("6", "7"))
     assert p.learner_env() == {"DS_ACCELERATOR": "cuda", "CUDA_VISIBLE_DEVICES": "0,1"}
-    env = p.engine_env(2)
-    assert env["CUDA_VISIBLE_DEVICES"] == "6,7"
-    assert env["STAR_ROLLOUT_TENSOR_PARALLEL_SIZE"] == "2"
-    assert float(env["STAR_ROLLOUT_GPU_MEMORY_UTILIZATION"]) == pytest.approx(0.9)
-    assert "STAR_ROLLOUT_KV_CACHE_FROM_SHARE" not in env  # a GPU of its own: vLLM measures
+    assert p.engine_devices_env(2) == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    engine = p.engine_settings(2)
+    assert engine["tensor_parallel_size"] == 2
+    assert engine["gpu_memory_utilization"] == pytest.approx(0.9)
+    assert "kv_cache_from_share" not in engine  # a GPU of its own: vLLM measures
 
 
 def test_ids_follow_the_callers_visible_devices():
@@ -44,9 +44,9 @@ def test_one_gpu_box_shares_by_memory():
     assert p.learner_devices == ("0",) and p.engine_devices == (("0",), ("0",))
     # the learner keeps 0.4, the two engines split the rest
     assert p.engine_memory_share == pytest.approx(0.3)
-    assert p.engine_env(1)["CUDA_VISIBLE_DEVICES"] == "0"
+    assert p.engine_devices_env(1)["CUDA_VISIBLE_DEVICES"] == "0"
     # beside the learner, vLLM's start-up measurement would count the learner's allocations as its own
-    assert p.engine_env(1)["STAR_ROLLOUT_KV_CACHE_FROM_SHARE"] == "true"
+    assert p.engine_settings(1)["kv_cache_from_share"] is True
 
 
 def test_sharing_fills_gpus_without_the_learner_first():
@@ -113,7 +113,7 @@ def test_the_recipe_deployment_reaches_the_learner_launch_and_its_config(tmp_pat
     argv, env = run.learner_launch("rl", path)
     assert "services.learner.launch" in argv and argv[argv.index("--nproc_per_node") + 1] == "4"
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and env["DS_ACCELERATOR"] == "cuda"
-    assert placement.engine_env(0)["CUDA_VISIBLE_DEVICES"] == "4"
+    assert placement.engine_devices_env(0)["CUDA_VISIBLE_DEVICES"] == "4"
 
 
 def test_star_train_refuses_a_layout_the_machine_cannot_hold_before_starting(tmp_path, monkeypatch):

@@ -168,9 +168,12 @@ class _Sup:
 
     def __init__(self) -> None:
         self.added: dict[str, dict[str, str]] = {}
+        self.configs: dict[str, dict] = {}
 
     def add(self, name, argv, env=None, log=None, **_):
         self.added[name] = dict(env or {})
+        if "--config" in argv:  # a rollout worker's own settings file
+            self.configs[name] = json.loads(Path(argv[argv.index("--config") + 1]).read_text())
         return SimpleNamespace(name=name)
 
 
@@ -181,15 +184,16 @@ def test_workers_get_an_http_port_and_an_nccl_engine_only_over_nccl(tmp_path, me
     f = EmbeddedFleet(_Sup(), "redis://x", sandbox_url="http://127.0.0.1:9")
     _start_workers(_run(tmp_path, method), f, "model", {}, tmp_path / "logs")
     envs = [f.sup.added[f"rollout-{i}"] for i in range(2)]
-    engines = [VllmArgs.model_validate_json(e["STAR_ROLLOUT_VLLM"]) for e in envs]
+    configs = [f.sup.configs[f"rollout-{i}"] for i in range(2)]
+    engines = [VllmArgs.model_validate(c["vllm"]) for c in configs]
     if method == "nccl":
-        ports = [e["STAR_ROLLOUT_HTTP_PORT"] for e in envs]
+        ports = [c["http_port"] for c in configs]
         assert len(set(ports)) == 2
         assert f.rollout_urls == [f"http://127.0.0.1:{p}" for p in ports]
         assert all(e.weight_transfer == "nccl" for e in engines)
         assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["2", "3"]
     else:
-        assert not any("STAR_ROLLOUT_HTTP_PORT" in e for e in envs) and f.rollout_urls == []
+        assert not any("http_port" in c for c in configs) and f.rollout_urls == []
         assert all(e.weight_transfer == "files" for e in engines)
 
 
