@@ -16,7 +16,14 @@ from pathlib import Path
 import yaml
 
 # What the smoke tests: a change to any of these calls for a new run (tests/test_compose_smoke.py).
-WATCHED = ("compose.yaml", "Dockerfile", "Dockerfile.cuda", "deploy", "services/pipeline/external.py")
+WATCHED = (
+    "compose.yaml",
+    "Dockerfile",
+    "Dockerfile.cuda",
+    "deploy",
+    "services/pipeline/external.py",
+    "services/controller/external_fleet.py",
+)
 RECIPE_RUN = "tiny"  # configs/tiny.yaml's name: its run folder is runs/tiny
 
 
