@@ -7,6 +7,7 @@
 #             (1.5B, ours on one 16K row, ours on the recipe's packed rows, HF + Liger; about 6-8 minutes), then
 #             kernels63 on the same GPU: issue 63 item 2's attention figures and the GPU tests
 #   recipe64  (RECIPE_GPUS): issue 64, the 1.5B recipe (its engineer fills recipe64)
+#   peer66    (PEER_GPU): issue 66, bench/peer_trl.py (TRL beside star train), alone on its GPU
 # By default both run one after another on GPU 0 (one H200); on two GPUs LANES="learner63 recipe64" RECIPE_GPUS=1
 # runs them side by side. LEARNER_ARGS adds
 # bench/learner_packed.py arguments (e.g. --steps 30), LEARNER_TIMEOUT_S bounds the lane (default 600).
@@ -78,6 +79,20 @@ recipe64() {
   fi
 }
 # ==== end of recipe64 ====
+
+# ==== peer66: issue 66, TRL's GRPOTrainer beside star train (bench/peer_trl.py; about 20-25 minutes of an H200).
+# Needs the pack with PEER_PACKAGES (TRL and its wheels, bench/gpu_device.sh) and the GGUF; run it first, alone on
+# its GPU: LANES="peer66+learner63" (then learner63 with LEARNER_TIMEOUT_S=480 for the compiled Liger side) ====
+peer66() {
+  mirror peer66 $R/peer_trl.json $R/peer_trl.md
+  lane peer66 ${PEER_GPU:-0} timeout ${PEER_TIMEOUT_S:-1560} python bench/peer_trl.py \
+    --gguf /tmp/star-gguf/SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/star-peer --trl-python python3 \
+    --steps ${PEER_STEPS:-40} --heldout ${PEER_HELDOUT:-100} --side-minutes ${PEER_SIDE_MIN:-9} ${PEER_ARGS:-}
+  mirror_stop
+  nvidia-smi > $R/lane/peer66/nvidia-smi.txt 2>&1
+  pack peer66 $R/peer_trl.*
+}
+# ==== end of peer66 ====
 
 nvidia-smi --query-gpu=index,name,memory.total --format=csv
 for group in $LANES; do
