@@ -50,11 +50,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu_proof import State, convert_gguf  # noqa: E402 - after the path, as a script needs it
+from bench.gpu_proof import State, convert_gguf, stage_outputs  # noqa: E402 - after the path, as a script needs it
 
 PHASES = ("convert", "sft", "eval_before", "ours", "eval_ours", "trl", "eval_trl", "report")
 SIDES = ("ours", "trl")
 RESAMPLES = 2000
+READY_S = 180.0  # a served sandbox or episode API answers /readyz within this
 
 
 def log(msg: str) -> None:
@@ -69,13 +70,6 @@ def star(*argv: str, log_file: Path) -> None:
     if proc.returncode != 0:
         tail = log_file.read_text()[-3000:]
         raise RuntimeError(f"star {argv[0]} failed ({proc.returncode}); {log_file}:\n{tail}")
-
-
-def stage_outputs(run: Path, stage: str) -> dict[str, Any]:
-    record = json.loads((run / "stages.json").read_text()).get(stage) or {}
-    if record.get("state") != "done":
-        raise RuntimeError(f"stage {stage} of {run} did not finish: {record.get('error', record.get('state'))}")
-    return {**(record.get("outputs") or {}), "seconds": record.get("seconds")}
 
 
 def recipe(run: Path) -> dict[str, Any]:
@@ -374,6 +368,7 @@ def served_episodes(world: str, logs: Path) -> Iterator[tuple[str, str]]:
     import redis
 
     from services.common.redis import EmbeddedRedis, free_port
+    from services.common.supervisor import wait_ready
 
     logs.mkdir(parents=True, exist_ok=True)
     token = os.urandom(12).hex()
@@ -398,9 +393,8 @@ def served_episodes(world: str, logs: Path) -> Iterator[tuple[str, str]]:
                 procs.append(
                     subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=out, stderr=out, env=env)
                 )
-            wait_ready(
-                f"http://127.0.0.1:{sandbox if name == 'sandbox' else episodes}", procs[-1], logs / f"{name}.log"
-            )
+            url = f"http://127.0.0.1:{sandbox if name == 'sandbox' else episodes}"
+            wait_ready(name, procs[-1], url, logs / f"{name}.log", READY_S)
         yield f"http://127.0.0.1:{episodes}", token
     finally:
         for proc in reversed(procs):
@@ -411,22 +405,6 @@ def served_episodes(world: str, logs: Path) -> Iterator[tuple[str, str]]:
                 proc.kill()
         if embedded is not None:
             embedded.__exit__(None, None, None)
-
-
-def wait_ready(url: str, proc: subprocess.Popen, log_path: Path, timeout: float = 180.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited ({proc.returncode}):\n{log_path.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} was not ready in {timeout:.0f} s:\n{log_path.read_text()[-2000:]}")
 
 
 # ---- the record -----------------------------------------------------------------------------------------
