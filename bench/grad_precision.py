@@ -53,6 +53,7 @@ def accumulate(args: argparse.Namespace, config: str, out: Path) -> None:
     from services.learner.batching import PackedRow
     from services.learner.config import EngineConfig, ScheduleConfig
     from services.learner.engine import PolicyEngine
+    from services.learner.worker import leave_process_group
     from services.models import tiny_qwen2
 
     cfg = EngineConfig(
@@ -94,10 +95,7 @@ def accumulate(args: argparse.Namespace, config: str, out: Path) -> None:
     if engine.rank == 0:
         torch.save(grads, out)
     engine.close()
-    # every rank leaves the group together: a rank that exits while its peer's gloo threads still
-    # talk to it aborts that peer ("terminate called without an active exception")
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    leave_process_group()  # together: a rank that exits first aborts its peer's gloo threads
 
 
 def compare(ref: dict, other: dict) -> dict:
