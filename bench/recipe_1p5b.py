@@ -174,7 +174,9 @@ def write_worker_config(config: Any, placement: Any, model: Path, path: Path) ->
     from services.controller.embedded_fleet import rollout_worker_config
     from services.rollout.config import write_rollout_config
 
-    return write_rollout_config(path, rollout_worker_config(config, placement, str(model), 0))
+    return write_rollout_config(
+        path, rollout_worker_config(config, placement, str(model), 0, colocated=placement.colocated)
+    )
 
 
 def ceiling_child(args: argparse.Namespace) -> None:

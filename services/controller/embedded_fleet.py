@@ -170,13 +170,15 @@ def _start_workers(run: Run, f: EmbeddedFleet, model: str, env: dict[str, str], 
     env = {**env, "STAR_SANDBOX_URL": f.sandbox_url}
     # colocated, the IPC load runs through vLLM's collective_rpc
     engine_env = {**env, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if run.colocated else env
-    for i in range(engine_workers(run.config, run.placement)):
+    for i in range(engine_workers(run.config, run.placement, colocated=run.colocated)):
         fields: dict[str, Any] = {"consumer": f"rollout-{i}"}
         if run.serves_http:  # the same port across the worker's restarts: the learner knows it by its address
             url = next(u for u in iter(lambda: f"http://127.0.0.1:{free_port()}", None) if u not in f.rollout_urls)
             fields["http_port"] = int(url.rsplit(":", 1)[1])
             f.rollout_urls.append(url)
-        cfg = rollout_worker_config(run.config, run.placement, model, i, nccl=run.nccl, **fields)
+        cfg = rollout_worker_config(
+            run.config, run.placement, model, i, nccl=run.nccl, colocated=run.colocated, **fields
+        )
         path = write_rollout_config(run.folder / "rollout" / f"worker-{i}.json", cfg)
         devices = run.placement.engine_devices_env(i) if run.placement else {}
         f.workers.append(
@@ -195,23 +197,36 @@ def _start_workers(run: Run, f: EmbeddedFleet, model: str, env: dict[str, str], 
         f.workers.append(reward[0])
 
 
-def engine_workers(config: PipelineConfig, placement: Placement | None) -> int:
-    """Rollout workers the fleet starts: the recipe's, or one per GPU group where placement derives the engines
-    (colocated, or from the machine)."""
-    if placement is not None and (placement.colocated or placement.derived):
+def engine_per_gpu_group(placement: Placement | None, colocated: bool) -> bool:
+    """One engine per GPU group, holding the recipe's episode budget pooled: colocated, or where placement derived
+    the engines from the machine."""
+    return colocated or (placement is not None and placement.derived)
+
+
+def engine_workers(config: PipelineConfig, placement: Placement | None, *, colocated: bool = False) -> int:
+    """Rollout workers the fleet starts: the recipe's, or one per GPU group (`engine_per_gpu_group`)."""
+    if placement is not None and engine_per_gpu_group(placement, colocated):
         return len(placement.engine_devices)
     return config.services.rollout_workers
 
 
 def rollout_worker_config(
-    config: PipelineConfig, placement: Placement | None, model: str, index: int, *, nccl: bool = False, **fields: Any
+    config: PipelineConfig,
+    placement: Placement | None,
+    model: str,
+    index: int,
+    *,
+    nccl: bool = False,
+    colocated: bool = False,
+    **fields: Any,
 ) -> RolloutConfig:
     """Rollout worker `index`'s settings for the recipe: its engine and its arguments, the chat options, the
     context, its episode budget and its engine's share of its GPUs; `fields` adds the worker's own (its consumer
-    name, its HTTP port). Only what is set here goes into its file; the rest keeps the worker's defaults."""
+    name, its HTTP port). `nccl`: its engine receives weights over NCCL; `colocated`: it sleeps while the learner
+    trains. Only what is set here goes into its file; the rest keeps the worker's defaults."""
     s = config.services
     vllm = s.vllm.model_copy(update={"weight_transfer": "nccl"}) if nccl else s.vllm
-    if placement is not None and placement.colocated:
+    if colocated:
         vllm = vllm.model_copy(update={"enable_sleep_mode": True})
     settings = {
         "model": model,
@@ -222,8 +237,7 @@ def rollout_worker_config(
         "claim_idle_ms": 30000,
         **inflight_fields(config),
     }
-    if placement is not None and (placement.colocated or placement.derived):
-        # one engine per GPU group holds the recipe's episode budget pooled
+    if placement is not None and engine_per_gpu_group(placement, colocated):
         from services.pipeline.placement import colocated_concurrency
 
         budget = config.inflight_episodes()
