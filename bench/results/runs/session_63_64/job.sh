@@ -84,12 +84,18 @@ recipe64() {
 # Needs the pack with PEER_PACKAGES (TRL and its wheels, bench/gpu_device.sh) and the GGUF; run it first, alone on
 # its GPU: LANES="peer66+learner63" (then learner63 with LEARNER_TIMEOUT_S=480 for the compiled Liger side) ====
 peer66() {
-  mirror peer66 $R/peer_trl.json $R/peer_trl.md
+  mirror peer66 $R/peer_trl.json $R/peer_trl.md /tmp/star-peer/state.json /tmp/star-peer/trl/trl.log
   lane peer66 ${PEER_GPU:-0} timeout ${PEER_TIMEOUT_S:-1560} python bench/peer_trl.py \
     --gguf /tmp/star-gguf/SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/star-peer --trl-python python3 \
     --steps ${PEER_STEPS:-40} --heldout ${PEER_HELDOUT:-100} --side-minutes ${PEER_SIDE_MIN:-9} ${PEER_ARGS:-}
   mirror_stop
   nvidia-smi > $R/lane/peer66/nvidia-smi.txt 2>&1
+  # the phases' state and logs (a failed phase names its log), each log's tail
+  local w=/tmp/star-peer d=$R/lane/peer66/work f
+  mkdir -p $d && cp $w/state.json $w/trl/spec.json $w/trl/side.json $d/ 2>/dev/null
+  for f in $w/logs/*.log $w/trl/trl.log $w/trl/logs/*.log $w/run/logs/*.log $w/eval_*/*.log; do
+    [ -f "$f" ] && tail -c 300000 "$f" > $d/$(basename $(dirname $f))-$(basename $f); done
+  cp $w/run/rl/metrics.jsonl $d/ 2>/dev/null
   pack peer66 $R/peer_trl.*
 }
 # ==== end of peer66 ====
