@@ -17,6 +17,7 @@ from typing import Any
 import redis
 from rich.markup import escape
 
+from services.common.config_file import given_settings
 from services.common.redis import free_port
 from services.common.streams import StreamNames, ensure_group
 from services.common.supervisor import Child, Supervisor, SupervisorError, stop_orphans
@@ -25,7 +26,9 @@ from services.controller.fleet import LearnerReport
 from services.pipeline.config import PipelineConfig
 from services.pipeline.placement import Placement
 from services.pipeline.stage import Run, StageFailed, console, failure_cause, log_tail
+from services.reward.config import RewardConfig, write_reward_config
 from services.rollout.config import RolloutConfig, write_rollout_config
+from services.sandbox.config import SandboxConfig, write_sandbox_config
 
 
 @dataclass
@@ -134,7 +137,8 @@ def fleet_record(run: Run) -> Path:
 
 def start_fleet(run: Run, model: str, names: StreamNames) -> EmbeddedFleet:
     """Redis, the sandbox, rollout and reward workers (the learner is started by the caller), all
-    in one supervisor whose record lets a later run stop what a killed controller left behind."""
+    in one supervisor whose record lets a later run stop what a killed controller left behind. The
+    sandbox reads its settings from sandbox.json in the run folder (`--config`), as the workers read theirs."""
     logs = run.folder / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     stop_orphans(fleet_record(run))
@@ -150,8 +154,10 @@ def start_fleet(run: Run, model: str, names: StreamNames) -> EmbeddedFleet:
             "STAR_STREAM_PREFIX": names.prefix,
             "STAR_WEIGHTS_ROOT": str(run.folder / "weights"),
         }
-        fault = {"STAR_FAULT_RATE": str(run.config.rl.fault_rate), "STAR_FAULT_SEED": str(run.config.seed)}
-        _, port = launcher.start_service(f.sup, launcher.spec("sandbox"), {**env, **fault}, logs, stop_timeout=10)
+        sandbox = write_sandbox_config(run.folder / "sandbox.json", sandbox_config(run.config))
+        _, port = launcher.start_service(
+            f.sup, launcher.spec("sandbox"), env, logs, args=("--config", str(sandbox)), stop_timeout=10
+        )
         f.sandbox_url = launcher.local_http(port)
         _start_workers(run, f, model, env, logs)
     except BaseException:
@@ -161,8 +167,9 @@ def start_fleet(run: Run, model: str, names: StreamNames) -> EmbeddedFleet:
 
 
 def _start_workers(run: Run, f: EmbeddedFleet, model: str, env: dict[str, str], logs: Path) -> None:
-    """Rollout and reward workers. Each rollout worker reads its settings from a file of its own in the run folder
-    (rollout/worker-<i>.json, `--config`); its environment carries only addresses and devices. With weights over
+    """Rollout and reward workers. Each reads its settings from a file of its own in the run folder
+    (rollout/worker-<i>.json, reward/worker-<i>.json, `--config`); its environment carries only addresses and
+    devices. With weights over
     NCCL each rollout worker also serves the rollout API on a port of its own (`f.rollout_urls`), where the
     learner forms its group and broadcasts, and its vLLM engine starts ready to receive (`weight_transfer: nccl`).
     Colocated (`placement.mode`), one worker per GPU group serves it too, its engine able to sleep while the
@@ -192,9 +199,24 @@ def _start_workers(run: Run, f: EmbeddedFleet, model: str, env: dict[str, str], 
             )[0]
         )
     for i in range(run.config.services.reward_workers):
-        args = ("--consumer", f"reward-{i}", "--db", run.world_url)
-        reward = launcher.start_service(f.sup, launcher.spec("reward-worker"), env, logs, name=f"reward-{i}", args=args)
+        # the world's address travels in the environment (STAR_DB_URL, the run's), as for every process
+        path = write_reward_config(run.folder / "reward" / f"worker-{i}.json", reward_worker_config(i))
+        reward = launcher.start_service(
+            f.sup, launcher.spec("reward-worker"), env, logs, name=f"reward-{i}", args=("--config", str(path))
+        )
         f.workers.append(reward[0])
+
+
+def sandbox_config(config: PipelineConfig) -> SandboxConfig:
+    """The embedded sandbox's settings for the recipe: its fault injection (rl.fault_rate, drawn from the run's
+    seed). Only these go into its file; the rest keeps the sandbox's defaults and STAR_* variables."""
+    return given_settings(SandboxConfig, {"fault_rate": config.rl.fault_rate, "fault_seed": config.seed})
+
+
+def reward_worker_config(index: int) -> RewardConfig:
+    """Reward worker `index`'s settings: its consumer name (the same across its restarts). How each trajectory is
+    scored (mode, reward, epoch, penalty) travels in the trajectory itself."""
+    return given_settings(RewardConfig, {"consumer": f"reward-{index}"})
 
 
 def engine_per_gpu_group(placement: Placement | None, colocated: bool) -> bool:
@@ -246,7 +268,7 @@ def rollout_worker_config(
             settings.update(max_inflight_episodes=pooled, max_batch=pooled)
     if placement is not None:
         settings.update(placement.engine_settings(index))
-    return RolloutConfig.model_validate({**settings, **fields})  # validated, and no environment read here
+    return given_settings(RolloutConfig, {**settings, **fields})  # validated, and no environment read here
 
 
 def inflight_fields(config: PipelineConfig) -> dict[str, int]:

@@ -54,8 +54,12 @@ def _uvicorn(factory: str) -> tuple[str, ...]:
 
 # Start order matters: each service may need the ones above it.
 SERVICES: tuple[ServiceSpec, ...] = (
+    # as Compose and Helm start it: `star sandbox serve` reads a config file given to --config
     ServiceSpec(
-        "sandbox", "services.sandbox.app", _uvicorn("services.sandbox.app:create_app"), env_url="STAR_SANDBOX_URL"
+        "sandbox",
+        "services.sandbox.app",
+        ("services.cli", "sandbox", "serve", "--host", "127.0.0.1", "--port", "{port}"),
+        env_url="STAR_SANDBOX_URL",
     ),
     ServiceSpec(
         "formatter",

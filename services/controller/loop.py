@@ -14,7 +14,6 @@ Both go through one loop, `drive`, over the one fleet interface (`fleet.Fleet`).
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +36,6 @@ from services.controller.validation import Validation, print_validations
 from services.pipeline.external import FleetAddress
 from services.pipeline.stage import Run, StageFailed, console
 from services.synth.queries import load_queries
-
-REDIS_DOWN_LIMIT_S = float(os.environ.get("STAR_REDIS_DOWN_LIMIT_S", "300"))  # then the stage fails
 
 
 def weights_version(client: redis.Redis, names: StreamNames) -> int:
@@ -70,7 +67,8 @@ def learner_record(run: Run) -> Path:
 def open_fleet(run: Run, model: str, names: StreamNames) -> Fleet:
     """The RL stage's fleet: started here (embedded) or found running (external)."""
     if run.config.deployment.fleet == "external":
-        return connect(FleetAddress.from_settings(get_settings()), names, learner_record(run))
+        address = FleetAddress.from_settings(get_settings(), wait_s=run.config.controller.fleet_wait_s)
+        return connect(address, names, learner_record(run))
     return start_fleet(run, model, names)
 
 
@@ -196,7 +194,8 @@ def drive(
         task = bar.add_task("rl", total=total, info="")
         redis_down_since: float | None = None
         said = ""
-        deps = Dependencies(f.dependencies())
+        limits = run.config.controller
+        deps = Dependencies(f.dependencies(), limits.sandbox_down_limit_s)
         while True:
             try:
                 progress = learner_progress(client, names)
@@ -212,12 +211,12 @@ def drive(
                     redis_down_since = None
             except (redis.ConnectionError, redis.TimeoutError):
                 # Redis restarting (its AOF brings the streams back): keep the processes alive and
-                # wait, up to REDIS_DOWN_LIMIT_S; then fail, naming it, rather than wait forever
+                # wait, up to controller.redis_down_limit_s; then fail, naming it, rather than wait forever
                 now = time.monotonic()
                 if redis_down_since is None:
                     redis_down_since = now
                     console.print(f"[yellow]redis at {redact(f.redis_url)} unavailable; waiting for it to come back[/]")
-                elif now - redis_down_since > REDIS_DOWN_LIMIT_S:
+                elif now - redis_down_since > limits.redis_down_limit_s:
                     log = f"; see {f.redis_log}" if f.redis_log else ""
                     raise StageFailed(
                         f"redis at {redact(f.redis_url)} unreachable for {now - redis_down_since:.0f} s{log}"

@@ -3,7 +3,6 @@ starts, and the services it cannot train without, probed before each publication
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -13,7 +12,6 @@ from services.pipeline.external import ready
 from services.pipeline.stage import Run, StageFailed, console
 from services.reward.rewards import Curriculum
 
-SANDBOX_DOWN_LIMIT_S = float(os.environ.get("STAR_SANDBOX_DOWN_LIMIT_S", "300"))
 HEALTH_EVERY_S = 2.0
 
 
@@ -94,11 +92,12 @@ def notes(run: Run, curriculum: Curriculum | None, total_steps: int) -> list[str
 class Dependencies:
     """Services the stage cannot train without, probed on /readyz every HEALTH_EVERY_S. While one
     is down no new step is published (a rollout against a dead sandbox scores 0, and that would be
-    trained); down longer than SANDBOX_DOWN_LIMIT_S, the stage fails, naming it. (A dead process
-    is restarted by the supervisor meanwhile; this covers one that runs but does not answer.)"""
+    trained); down longer than `limit_s` (the recipe's controller.sandbox_down_limit_s), the stage fails,
+    naming it. (A dead process is restarted by the supervisor meanwhile; this covers one that runs but
+    does not answer.)"""
 
     urls: dict[str, str]
-    limit_s: float = SANDBOX_DOWN_LIMIT_S
+    limit_s: float
     down_since: dict[str, float] = field(default_factory=dict)
     checked_at: float = 0.0
 

@@ -46,12 +46,11 @@ from services.pipeline.stages import stage_eval, stage_sft, stage_synth
 
 def recipe_identity(config: PipelineConfig) -> PipelineConfig:
     """What must match for a run folder to be resumed: the recipe without which stages run
-    (--stage), the RL stage's time budget, who runs its fleet (--fleet) and how its weights travel,
-    all of which may change between invocations."""
+    (--stage), the RL stage's time budget, who runs its fleet (--fleet), how its weights travel
+    and how long the controller waits on its processes, all of which may change between invocations."""
     deployment = config.deployment.model_copy(update={"fleet": "embedded", "weight_sync": "auto"})
-    return config.model_copy(
-        update={"stages": [], "rl": config.rl.model_copy(update={"max_minutes": None}), "deployment": deployment}
-    )
+    rl = config.rl.model_copy(update={"max_minutes": None})
+    return config.model_copy(update={"stages": [], "rl": rl, "deployment": deployment, "controller": None})
 
 
 def prepare(config: PipelineConfig, folder: Path) -> Run:
@@ -70,7 +69,7 @@ def prepare(config: PipelineConfig, folder: Path) -> Run:
         raise StageFailed(f"{exc}") from None
     run = Run(config, folder, placement=placement, weight_sync=sync)
     if config.deployment.fleet == "external":  # the fleet's world and a model its engines load, or refused
-        address = FleetAddress.from_settings(get_settings())
+        address = FleetAddress.from_settings(get_settings(), wait_s=config.controller.fleet_wait_s)
         check_reachable(address)
         run.world_url = get_settings().world_url
         world = fleet_world(address, config.world, config.seed, run.world_url)
@@ -162,7 +161,7 @@ def train(config: PipelineConfig, folder: Path) -> Run:
 def check_fleet(config: PipelineConfig, folder: Path) -> None:
     """An external fleet that the RL stage will drive must answer before any stage starts."""
     if config.deployment.fleet == "external" and "rl" in config.stages and not Run(config, folder).done("rl"):
-        check_reachable(FleetAddress.from_settings(get_settings()))
+        check_reachable(FleetAddress.from_settings(get_settings(), wait_s=config.controller.fleet_wait_s))
 
 
 def _train(config: PipelineConfig, folder: Path) -> Run:

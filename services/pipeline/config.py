@@ -388,6 +388,36 @@ class ServicesSpec(_Section):
     )
 
 
+class ControllerSpec(_Section):
+    """How long the controller waits on the processes it drives before it gives up, naming what it waited on. Not
+    part of what a run trains: a run folder resumes under other values."""
+
+    redis_down_limit_s: float = Field(
+        300.0,
+        gt=0,
+        description=(
+            "How long the RL stage waits for its Redis to come back (keeping the processes alive meanwhile) "
+            "before it fails, naming it."
+        ),
+    )
+    sandbox_down_limit_s: float = Field(
+        300.0,
+        gt=0,
+        description=(
+            "How long a service the RL stage cannot train without (the sandbox; an external fleet's learner "
+            "service) may stay unready, no step published meanwhile, before the stage fails, naming it."
+        ),
+    )
+    fleet_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description=(
+            "How long `star train` waits for an external fleet still starting (its parts, its world, its engines) "
+            "before it refuses, naming what does not answer."
+        ),
+    )
+
+
 FleetMode = Literal["embedded", "external"]
 WeightSync = Literal["auto", "files", "nccl"]
 
@@ -535,6 +565,7 @@ class PipelineConfig(_Section):
     learner: LearnerSpec = Field(default_factory=LearnerSpec)
     deployment: DeploymentSpec = Field(default_factory=DeploymentSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    controller: ControllerSpec = Field(default_factory=ControllerSpec)
 
     @model_validator(mode="after")
     def _stages_in_order(self) -> PipelineConfig:

@@ -25,7 +25,9 @@ from pydantic_settings import BaseSettings
 
 from services.common.settings import PROJECT_ROOT, Settings
 from services.pipeline.config import PipelineConfig
+from services.reward.config import RewardConfig
 from services.rollout.config import RolloutConfig
+from services.sandbox.config import SandboxConfig
 
 OUTPUT = PROJECT_ROOT / "docs" / "configuration.md"
 REQUIRED = object()
@@ -34,7 +36,7 @@ HEADER = """\
 # Configuration reference
 
 Generated from the code by `python -m services.pipeline.docs`; do not edit by hand (a test fails when this
-file and the code differ). Two kinds of configuration exist:
+file and the code differ). Three kinds of configuration exist:
 
 - **The recipe**: one YAML file per run (`configs/*.yaml`), read by `star train CONFIG` into
   `PipelineConfig` (`services/pipeline/config.py`). Unknown keys are refused. Any key can be overridden on
@@ -42,10 +44,14 @@ file and the code differ). Two kinds of configuration exist:
 - **Settings**: `STAR_*` environment variables (or a `.env` file), read by every service into `Settings`
   (`services/common/settings.py`). They say where things are (database, Redis, data) and how a service
   behaves; a recipe says what a run trains.
-- **A rollout process's config file**: `star rollout worker --config FILE` (and `serve`) read `RolloutConfig`
-  (`services/rollout/config.py`) from FILE, JSON or YAML, whose keys are the `STAR_ROLLOUT_*` names below in
-  lower case without the prefix; the controller writes one per process into the run folder. The variables
-  set what a file leaves out, so a deployment (Compose, Helm) needs no file.
+- **A process's config file**: a process the controller starts reads its own settings from the file given to
+  `--config` (JSON or YAML), which the controller writes into the run folder: `RolloutConfig`
+  (`services/rollout/config.py`) for `star rollout worker|serve` (rollout/worker-<i>.json), `SandboxConfig`
+  (`services/sandbox/config.py`) for `star sandbox serve` (sandbox.json), `RewardConfig`
+  (`services/reward/config.py`) for `star reward worker` (reward/worker-<i>.json). A file's keys are the
+  variables below in lower case without their prefix (`STAR_ROLLOUT_`, `STAR_`, `STAR_REWARD_`); the variables
+  set what a file leaves out, so a deployment (Compose, Helm) needs no file. The environment of the processes
+  the controller starts carries only addresses, ports and secrets.
 
 `<checkout>` below is the repository's root folder.
 """
@@ -173,6 +179,12 @@ def render() -> str:
                 *settings_reference(
                     RolloutConfig,
                     "## Rollout settings (`--config FILE` or `STAR_ROLLOUT_*`: rollout servers and workers)",
+                ),
+                *settings_reference(
+                    SandboxConfig, "## Sandbox settings (`--config FILE` or `STAR_*`: `star sandbox serve`)"
+                ),
+                *settings_reference(
+                    RewardConfig, "## Reward worker settings (`--config FILE` or `STAR_REWARD_*`: `star reward worker`)"
                 ),
             ]
         ).rstrip()

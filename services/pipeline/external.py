@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +27,9 @@ from services.common.model_shape import model_shape, shape_differences
 from services.common.redis import redact
 from services.common.settings import Settings
 from services.common.streams import StreamNames
-from services.pipeline.config import WorldSpec
+from services.pipeline.config import ControllerSpec, WorldSpec
 from services.pipeline.stage import StageFailed, console
 
-FLEET_WAIT_S = float(os.environ.get("STAR_FLEET_WAIT_S", "30"))  # for a fleet still starting
 WAIT_SAID_EVERY_S = 30.0  # how often a controller waiting for the fleet says what it waits on
 ACTIVE = ("starting", "running")
 
@@ -42,7 +40,8 @@ class FleetUnreachable(StageFailed):
 
 @dataclass(frozen=True)
 class FleetAddress:
-    """Where the parts of an external fleet answer, from the STAR_* settings its services share."""
+    """Where the parts of an external fleet answer, from the STAR_* settings its services share, and how long
+    the controller waits for a part still starting (`wait_s`: the recipe's controller.fleet_wait_s)."""
 
     redis_url: str | None
     sandbox_url: str | None
@@ -51,9 +50,10 @@ class FleetAddress:
     reward_url: str | None = None
     api_token: str | None = None
     stream_prefix: str = "star"
+    wait_s: float = ControllerSpec.model_fields["fleet_wait_s"].default
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> FleetAddress:
+    def from_settings(cls, settings: Settings, wait_s: float | None = None) -> FleetAddress:
         def base(url: str | None) -> str | None:
             return url.rstrip("/") if url else None
 
@@ -65,6 +65,7 @@ class FleetAddress:
             base(settings.reward_url),
             settings.api_token,
             settings.stream_prefix,
+            **({} if wait_s is None else {"wait_s": wait_s}),
         )
 
     @property
@@ -129,10 +130,10 @@ def problems(address: FleetAddress) -> list[str]:
     return found
 
 
-def check_reachable(address: FleetAddress, wait_s: float = FLEET_WAIT_S, poll_s: float = 1.0) -> None:
-    """Wait up to `wait_s` for every part of the fleet to answer (Compose starts them together);
-    then refuse, naming each part still down."""
-    deadline = time.monotonic() + wait_s
+def check_reachable(address: FleetAddress, wait_s: float | None = None, poll_s: float = 1.0) -> None:
+    """Wait up to `wait_s` (default: the address's) for every part of the fleet to answer (Compose starts them
+    together); then refuse, naming each part still down."""
+    deadline = time.monotonic() + (address.wait_s if wait_s is None else wait_s)
     said = None
     while True:
         found = problems(address)
@@ -151,7 +152,7 @@ def check_reachable(address: FleetAddress, wait_s: float = FLEET_WAIT_S, poll_s:
 # -- one world and one model for a run --------------------------------------------------------
 
 
-def _get_json(url: str, wait_s: float = FLEET_WAIT_S) -> dict[str, Any]:
+def _get_json(url: str, wait_s: float) -> dict[str, Any]:
     """GET `url`'s JSON, waiting up to `wait_s` for a service still starting; StageFailed after."""
     deadline = time.monotonic() + wait_s
     while True:
@@ -185,11 +186,11 @@ def fleet_world(address: FleetAddress, world: WorldSpec, seed: int, world_url: s
 
     if not address.sandbox_url:
         raise FleetUnreachable("sandbox (STAR_SANDBOX_URL): not set")
-    served = _get_json(f"{address.sandbox_url}/world")
+    served = _get_json(f"{address.sandbox_url}/world", address.wait_s)
     fleet = {k: served.get(k) for k in ("world_hash", "source", "kind", "size", "seed")}
     where = f"the sandbox at {address.sandbox_url} serves {fleet['source']}, hash {fleet['world_hash']}"
     if address.reward_url:
-        scored = _get_json(f"{address.reward_url}/world")
+        scored = _get_json(f"{address.reward_url}/world", address.wait_s)
         if scored.get("world_hash") != fleet["world_hash"]:
             raise StageFailed(
                 f"the fleet's services read different worlds: {where}, the scorer at "
@@ -233,7 +234,7 @@ def engines_take(address: FleetAddress, base_model: str) -> None:
     if ours is None:
         raise StageFailed(f"the run's model {base_model} has no readable config.json")
     for url in address.rollout_urls:
-        info = _get_json(f"{url}/weights")
+        info = _get_json(f"{url}/weights", address.wait_s)
         theirs = info.get("shape")
         if theirs is None:  # an engine without weights of its own (an OpenAI-compatible API)
             continue
@@ -263,7 +264,7 @@ def fleet_weights(address: FleetAddress) -> str:
     """What the fleet's rollout servers hold, in words: `v2 (/var/star/weights/v2)` per server."""
     held = []
     for url in address.rollout_urls:
-        info = _get_json(f"{url}/weights")
+        info = _get_json(f"{url}/weights", address.wait_s)
         held.append(f"v{info.get('version')} ({info.get('path') or info.get('model')})")
     return ", ".join(held) or "nothing (no STAR_ROLLOUT_URLS)"
 

@@ -135,7 +135,7 @@ def stage_eval(run: Run, model: str, synth: dict[str, Any] | None, rl: dict[str,
             "set synth.heldout_queries and run the synth stage again, or set eval.split"
         )
     out = run.folder / "eval"
-    address = FleetAddress.from_settings(get_settings())
+    address = FleetAddress.from_settings(get_settings(), wait_s=run.config.controller.fleet_wait_s)
     # on the fleet's engines, which hold RL's last version: unless validation picked another one
     picked = (rl or {}).get("best_success") is not None
     if run.config.deployment.fleet == "external" and address.rollout_urls and not picked:

@@ -173,11 +173,17 @@ def reward_serve(
 
 @reward_app.command("worker")
 def reward_worker(
-    db: str | None = typer.Option(None, help="SQLAlchemy URL of the world."),
-    consumer: str | None = typer.Option(None, help="Consumer name (default: host and pid)."),
-    batch: int = typer.Option(8, min=1, help="Trajectories read per round."),
-    threads: int = typer.Option(
-        1, min=1, max=64, help="Consumers in this process (more when an LLM formats: each waits on the API)."
+    db: str | None = typer.Option(None, help="SQLAlchemy URL of the world (default: STAR_DB_URL)."),
+    consumer: str | None = typer.Option(None, help="Consumer name (default: the config's, else host and pid)."),
+    batch: int | None = typer.Option(None, min=1, help="Trajectories read per round (default: the config's, 8)."),
+    threads: int | None = typer.Option(
+        None,
+        min=1,
+        max=64,
+        help="Consumers in this process (more when an LLM formats: each waits on the API; default: the config's, 1).",
+    ),
+    config: Path | None = typer.Option(
+        None, "--config", help="JSON (or YAML) file of reward worker settings; STAR_REWARD_* set what it leaves out."
     ),
 ) -> None:
     """Score the trajectories stream into the scored stream until interrupted."""
@@ -188,6 +194,7 @@ def reward_worker(
     from services.common.streams import StreamNames
     from services.reward.worker import ScoreWorker
 
+    cfg = _worker_config(config, consumer=consumer, batch=batch, threads=threads)
     settings = get_settings()
     if not settings.redis_url:
         _fail("set STAR_REDIS_URL: the worker reads the trajectories stream of a shared Redis")
@@ -201,13 +208,21 @@ def reward_worker(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     names = StreamNames(settings.stream_prefix)
-    base = consumer or f"reward-{socket.gethostname()}-{os.getpid()}"
     workers = [
-        ScoreWorker(scorer, client, names, consumer=base if threads == 1 else f"{base}-{i}") for i in range(threads)
+        ScoreWorker(
+            scorer,
+            client,
+            names,
+            consumer=name,
+            claim_idle_ms=cfg.claim_idle_ms,
+            max_deliveries=cfg.max_deliveries,
+        )
+        for name in cfg.consumers(f"reward-{socket.gethostname()}-{os.getpid()}")
     ]
     console.print(f"scoring {names.trajectories} → {names.scored} as {', '.join(w.consumer.consumer for w in workers)}")
     pool = [
-        threading.Thread(target=w.run, args=(stop,), kwargs={"batch": batch}, name=w.consumer.consumer) for w in workers
+        threading.Thread(target=w.run, args=(stop,), kwargs={"batch": cfg.batch}, name=w.consumer.consumer)
+        for w in workers
     ]
     try:
         for t in pool:
@@ -221,3 +236,16 @@ def reward_worker(
         if embedded is not None:
             embedded.stop()
     console.print(f"stopped: {sum(w.scored for w in workers)} scored, {sum(w.dead for w in workers)} dead-lettered")
+
+
+def _worker_config(path: Path | None, **flags: Any):
+    """The worker's RewardConfig: `--config` (and STAR_REWARD_*), the flags given over it; or a clear error."""
+    from services.common.config_file import ConfigFileError
+    from services.reward.config import load_reward_config
+
+    try:
+        loaded = load_reward_config(path)
+    except ConfigFileError as exc:
+        _fail(str(exc))
+    # the flags' bounds are the fields' own, checked by the command line
+    return loaded.model_copy(update={name: value for name, value in flags.items() if value is not None})

@@ -24,12 +24,14 @@ from pydantic import ValidationError
 
 from services.common.schemas import SCHEMA_VERSION, ScoredTrajectory, Trajectory
 from services.common.streams import StreamConsumer, StreamMessage, StreamNames, ensure_group, run_worker
+from services.reward.config import RewardConfig
 from services.reward.evaluator.aggregate import FORMATTER_OUTAGES
 from services.reward.scoring import ScoreError, Scorer
 
 log = logging.getLogger(__name__)
 
 GROUP = "reward"
+DEFAULTS = RewardConfig.model_construct()  # the worker settings' defaults, declared once in RewardConfig
 SLOW_SCORE_S = 10.0  # a trajectory scored slower than this is logged with its seconds
 
 
@@ -64,8 +66,8 @@ class ScoreWorker:
         *,
         group: str = GROUP,
         consumer: str | None = None,
-        claim_idle_ms: int = 60_000,
-        max_deliveries: int = 3,
+        claim_idle_ms: int = DEFAULTS.claim_idle_ms,
+        max_deliveries: int = DEFAULTS.max_deliveries,
         backend: str | None = None,
     ) -> None:
         self.scorer = scorer

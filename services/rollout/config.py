@@ -2,29 +2,28 @@
 
 A rollout server or worker started with `--config FILE` (JSON, or YAML by its suffix) reads its settings
 from that file, which the controller writes into the run folder for each process it starts
-(`write_rollout_config`); environment variables still set any field the file leaves out, so a deployment
-(Compose, Helm) configures its rollout pods with `STAR_ROLLOUT_*` alone. The shared `STAR_*` settings
-(addresses, the model, the Redis URL) come from services.common.settings.
+(`write_rollout_config`, through services.common.config_file); environment variables still set any field the
+file leaves out, so a deployment (Compose, Helm) configures its rollout pods with `STAR_ROLLOUT_*` alone. The
+shared `STAR_*` settings (addresses, the model, the Redis URL) come from services.common.settings.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.common.config_file import ConfigFileError, read_config_file, write_config_file
 from services.common.schemas import VllmArgs
 from services.rollout.chat import ChatOptions
 
 SECRETS = {"openai_api_key"}  # never written to a config file
 
 
-class RolloutConfigError(ValueError):
-    """A rollout config file that cannot be used, with a message fit for the command line."""
+# A rollout config file that cannot be used, with a message fit for the command line (the rollout commands' name).
+RolloutConfigError = ConfigFileError
 
 
 class RolloutConfig(BaseSettings):
@@ -129,35 +128,14 @@ class RolloutConfig(BaseSettings):
     @classmethod
     def from_file(cls, path: str | Path) -> RolloutConfig:
         """The settings in `path`, with `STAR_ROLLOUT_*` for the fields it leaves out (the file's win)."""
-        path = Path(path)
-        if not path.is_file():
-            raise RolloutConfigError(f"no rollout config file at {path}")
-        text = path.read_text(encoding="utf-8")
-        try:
-            data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as exc:
-            kind = "YAML" if path.suffix in (".yaml", ".yml") else "JSON"
-            raise RolloutConfigError(f"{path} is not valid {kind}: {exc}") from None
-        if not isinstance(data, dict):
-            raise RolloutConfigError(f"{path} must hold a mapping of rollout settings")
-        unknown = sorted(set(data) - set(cls.model_fields))
-        if unknown:
-            raise RolloutConfigError(f"{path}: unknown rollout settings {', '.join(unknown)}")
-        try:
-            return cls(**data)  # init values take precedence over the environment's
-        except ValidationError as exc:
-            lines = [f"  {'.'.join(str(p) for p in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors()]
-            raise RolloutConfigError(f"{path} is not a valid rollout config:\n" + "\n".join(lines)) from None
+        return read_config_file(cls, path, "rollout")
 
 
 def write_rollout_config(path: str | Path, config: RolloutConfig) -> Path:
     """Write the settings `config` was given (not its defaults) to `path` (JSON) for a rollout process started
     with `--config path`: the process's own `STAR_ROLLOUT_*` and defaults fill in the rest. A secret (the OpenAI
     key) stays out of the file, for the process's environment to carry."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(config.model_dump_json(indent=2, exclude=SECRETS, exclude_unset=True) + "\n", encoding="utf-8")
-    return path
+    return write_config_file(path, config, exclude=SECRETS)
 
 
 def load_rollout_config(path: str | Path | None) -> RolloutConfig:

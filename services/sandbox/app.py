@@ -24,6 +24,7 @@ from services.common.logging import configure_logging
 from services.common.metrics import Metrics
 from services.common.schemas import ToolCall, ToolResult
 from services.common.settings import Settings, get_settings
+from services.sandbox.config import SandboxConfig
 from services.sandbox.tools.registry import tool_schemas
 from services.sandbox.tools.toolbox import BackendError, ToolBox, UnknownTool
 from services.sandbox.world import World
@@ -61,11 +62,12 @@ class SandboxMetrics:
 
 @dataclass
 class SandboxApp:
-    """What the routes read from `app.state.sandbox`: the settings, the metrics, the bearer check of the app's
-    token, the world handed to create_app (if any) and, once the lifespan has loaded the world, its tool box (or
-    why there is none) and the counts `/world` computed."""
+    """What the routes read from `app.state.sandbox`: the settings, the tools' settings, the metrics, the bearer
+    check of the app's token, the world handed to create_app (if any) and, once the lifespan has loaded the world,
+    its tool box (or why there is none) and the counts `/world` computed."""
 
     settings: Settings
+    config: SandboxConfig
     metrics: SandboxMetrics
     admin: Callable
     worker: Worker
@@ -104,13 +106,7 @@ async def lifespan(app: FastAPI):
     state.problem = w.problem()
     if state.problem is None:
         state.world = w
-        state.toolbox = ToolBox(
-            w,
-            dialect=settings.tool_dialect,
-            fault_rate=settings.fault_rate,
-            fault_seed=settings.fault_seed,
-            cache_size=settings.tool_cache_size,
-        )
+        state.toolbox = ToolBox(w, **state.config.toolbox_options())
         # Off-thread only where a query waits on the network; SQLite reads are pure CPU.
         state.blocking = not w.url.startswith("sqlite")
     yield
@@ -211,10 +207,15 @@ async def world_info(state: SandboxApp = Depends(sandbox_app)) -> dict:
     }
 
 
-def create_app(settings: Settings | None = None, world: World | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, world: World | None = None, config: SandboxConfig | None = None
+) -> FastAPI:
+    """The sandbox app; its tools' settings are `config`, by default the environment's (`star sandbox serve`
+    puts its config file's there for its workers)."""
     settings = settings or get_settings()
     configure_logging("sandbox", settings.log_level, settings.log_json)
-    state = SandboxApp(settings, SandboxMetrics(), bearer_auth(settings.api_token), Worker(), given=world)
+    config = config or SandboxConfig()
+    state = SandboxApp(settings, config, SandboxMetrics(), bearer_auth(settings.api_token), Worker(), given=world)
     app = create_service_app(
         service="sandbox",
         title="STAR sandbox",

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from services.common.cli import host_option, port_option
+from services.common.cli import fail, host_option, port_option
 from services.common.redis import redact
 from services.common.settings import get_settings
 
@@ -128,19 +128,18 @@ def sandbox_serve(
     dialect: str | None = typer.Option(None, help="Default tool dialect: star | official."),
     fault_rate: float | None = typer.Option(None, help="Run-level tool failure probability."),
     fault_seed: int | None = typer.Option(None, help="Seed of the run-level failure draws."),
+    config: Path | None = typer.Option(
+        None, "--config", help="JSON (or YAML) file of sandbox settings; STAR_* set what it leaves out."
+    ),
 ) -> None:
     """Serve the tools over HTTP (OpenAPI docs at /docs)."""
     import uvicorn
 
-    # Settings travel to worker processes through the environment.
-    for key, value in (
-        ("STAR_DB_URL", db),
-        ("STAR_TOOL_DIALECT", dialect),
-        ("STAR_FAULT_RATE", fault_rate),
-        ("STAR_FAULT_SEED", fault_seed),
-    ):
-        if value is not None:
-            os.environ[key] = str(value)
+    tools = _sandbox_config(config, tool_dialect=dialect, fault_rate=fault_rate, fault_seed=fault_seed)
+    # uvicorn's workers are started from an import string: the settings reach them through their environment
+    os.environ.update(tools.environment())
+    if db is not None:
+        os.environ["STAR_DB_URL"] = db
     get_settings.cache_clear()
     uvicorn.run(
         "services.sandbox.app:create_app",
@@ -151,6 +150,24 @@ def sandbox_serve(
         log_level="warning",
         access_log=False,
     )
+
+
+def _sandbox_config(path: Path | None, **flags: object):
+    """The sandbox's settings: `--config` (and the STAR_* variables), the flags given over it; or a clear error
+    naming the bad field."""
+    from pydantic import ValidationError
+
+    from services.common.config_file import ConfigFileError
+    from services.sandbox.config import SandboxConfig, load_sandbox_config
+
+    try:
+        loaded = load_sandbox_config(path)
+        given = {name: value for name, value in flags.items() if value is not None}
+        return SandboxConfig.model_validate({**loaded.model_dump(), **given}) if given else loaded
+    except ConfigFileError as exc:
+        fail(str(exc))
+    except ValidationError as exc:
+        fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
 
 
 def tool_command(

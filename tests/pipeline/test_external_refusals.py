@@ -16,9 +16,9 @@ from tests.pipeline.test_train_e2e import train_argv, train_env
 
 
 def _star_train(tmp_path, fleet: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
-    env = {**train_env(tmp_path / "home", fleet), "STAR_FLEET_WAIT_S": "0"}
-    return subprocess.run(
-        train_argv(tmp_path / "run", "--fleet", "external", *extra),
+    env = train_env(tmp_path / "home", fleet)
+    return subprocess.run(  # no wait for a fleet still starting: the recipe's controller.fleet_wait_s
+        train_argv(tmp_path / "run", "--fleet", "external", "--set", "controller.fleet_wait_s=0", *extra),
         env=env,
         capture_output=True,
         text=True,
