@@ -305,12 +305,10 @@ def test_compose_controller_trains_against_the_compose_fleet(profile):
     services = render_compose((profile,))["services"]
     train = services["train"]
     argv = train["entrypoint"] + train["command"]
-    assert argv == ["star", "train", "--fleet", "external", "configs/tiny.yaml"]
+    assert argv == ["star", "train", "--fleet", "external", "--set", "controller.fleet_wait_s=900", "configs/tiny.yaml"]
     # the fleet it drives is this one: the services' own settings (and a wait for its engines to load), the
     # run folder on the host, written as the host's user by the controller and the learner alike
-    assert {k: v for k, v in train["environment"].items() if k != "STAR_FLEET_WAIT_S"} == services["learner"][
-        "environment"
-    ]
+    assert train["environment"] == services["learner"]["environment"]
     runs = _mounts(train)["/var/star/runs"]
     assert runs["type"] == "bind" and runs["source"] == RUNS_ON_HOST and not runs.get("read_only")
     assert _mounts(services["learner"])["/var/star/runs"]["source"] == RUNS_ON_HOST
