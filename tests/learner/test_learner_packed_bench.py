@@ -76,6 +76,30 @@ def test_ours_runs_the_recipe_memory_option_first(tmp_path, learner, option):
     assert lp.recompute_order(lp.parse_args(["--recompute", "mlp"])) == "mlp"
 
 
+def test_ours_runs_under_each_packed_attention_and_the_fastest_is_kept(monkeypatch):
+    """Each --packed-attention value runs ours in its own processes (the option reaching the learner's config);
+    the fastest run is ours, one that failed is an attempt only, and a bad value is refused."""
+    seen = []
+
+    def side_in_processes(argv, side, work, options):
+        attention = argv[argv.index("--packed-attention") + 1]
+        seen.append((attention, lp.side_args(lp.parse_args(argv), "ours", False).packed_attention))
+        if attention == "per-sequence":
+            return {"error": "boom"}, [{"packed_attention": attention, "error": "boom"}]
+        rate = {"varlen": [100, 100], "varlen-gqa": [120, 120]}[attention]
+        return {**figures(rate), "packed_attention": attention}, [{"packed_attention": attention}]
+
+    monkeypatch.setattr(lp, "side_in_processes", side_in_processes)
+    argv = ["--packed-attention", "varlen,per-sequence,varlen-gqa"]
+    args = lp.parse_args(argv)
+    result, attempts = lp.ours_by_attention(argv, Path("."), ("none",), args.packed_attention)
+    assert seen == [("varlen", "varlen"), ("per-sequence", "per-sequence"), ("varlen-gqa", "varlen-gqa")]
+    assert result["packed_attention"] == "varlen-gqa" and len(attempts) == 3
+    assert lp.side_args(lp.parse_args([]), "ours", False).packed_attention is None  # the learner's own default
+    with pytest.raises(SystemExit):
+        lp.parse_args(["--packed-attention", "fastest"])
+
+
 def test_the_shipped_1p5b_recipe_is_the_default_and_readable():
     assert lp.RECIPE.is_file() and lp.recipe_recompute(lp.RECIPE) in lm.MEMORY_OPTIONS
 
