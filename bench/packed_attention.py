@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> dict:
         variants["packed mask"] = measure(model, [row], False, args, device)
     except torch.OutOfMemoryError:
         variants["packed mask"] = {"error": "OOM"}
-    return record_of(args, device, dtype, variants, "packed varlen" if varlen else "packed per-sequence")
+    return record_of(args, device, dtype, variants, "packed per-sequence")
 
 
 def record_of(
@@ -386,7 +386,6 @@ def fresh_run(args: argparse.Namespace, model: torch.nn.Module, device: torch.de
             attention.SEQUENCE_MULTIPLE = kept
     model.config._attn_implementation = PACKED_ATTENTION
     variants = {"alone": measure(model, fresh_batches(args, device, dtype, False), False, args, device), **variants}
-    varlen = uses_varlen_kernel(torch.empty(1, device=device, dtype=dtype))
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4  # fp32: rounding of matmuls of other shapes
     exact = {n: max(v["exactness"].values()) <= tolerance for n, v in variants.items() if "exactness" in v}
     timed = {n: v["ms_per_1k_tokens"] for n, v in variants.items() if n != "alone" and exact.get(n)}
@@ -395,7 +394,7 @@ def fresh_run(args: argparse.Namespace, model: torch.nn.Module, device: torch.de
         device,
         dtype,
         variants,
-        "packed varlen" if varlen else "packed per-sequence",
+        "packed per-sequence, plans at start" if device.type == "cuda" else "packed per-sequence, plans as met",
         fresh_lengths=[fresh_lengths(args.lengths, i) for i in range(args.warmup + args.repeat)],
         exactness_tolerance=tolerance,
         exact=exact,

@@ -11,8 +11,11 @@ forward (`packed_kwargs`) and handed to every layer's attention, which runs one 
 - per sequence: causal SDPA over each sequence in turn, the call transformers makes for the sequence
   alone (SDPA's own flash / cuDNN kernels on GPU; on CPU the only path, exact against unpacked rows).
 
-`PACKED_ATTENTION` takes varlen wherever its kernel runs and SDPA per sequence elsewhere; the other
-names force one kernel. `VARLEN_GQA_ATTENTION` is varlen with K and V kept at their own head count (grouped-
+`PACKED_ATTENTION` (the learner's `auto`) runs SDPA per sequence, on a GPU with cuDNN's plans for every padded
+length built first: at 1.5B width on an H200, with new lengths every pass, it cost 0.97x the sequences alone per
+token against varlen's 1.11x, and its gradients equal the unpacked rows' where varlen's do not within bf16's
+tolerance (bench/results/packed_attention_gqa_1p5b.md). The other names force one kernel.
+`VARLEN_GQA_ATTENTION` is varlen with K and V kept at their own head count (grouped-
 query attention native in the kernel), where this torch's varlen_attn would have them repeated to the
 query's heads. `warm_sequence_plans` builds cuDNN's plans for per-sequence SDPA's padded lengths up front.
 Micro-batches whose rows hold one sequence each take SDPA's plain causal path.
@@ -30,7 +33,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-PACKED_ATTENTION = "star_packed"  # varlen where it runs, else per sequence
+PACKED_ATTENTION = "star_packed"  # the default: per sequence
 VARLEN_ATTENTION = "star_varlen"
 VARLEN_GQA_ATTENTION = "star_varlen_gqa"  # varlen with K/V at their own head count
 PER_SEQUENCE_ATTENTION = "star_per_sequence"
@@ -39,7 +42,9 @@ PACKED_IMPLEMENTATIONS = (PACKED_ATTENTION, VARLEN_ATTENTION, VARLEN_GQA_ATTENTI
 # with the same lengths every pass (cuDNN's plans cached), three of ~11K tokens 1.00x per sequence, 1.12x
 # varlen; eight of 4K 0.95x either way; 64 of 512 0.50x per sequence, 0.34x varlen (H100). With new lengths
 # every pass, as a training step's trajectories have, 0.97x per sequence (padded as below; 1.23x unpadded)
-# and 0.53x varlen (H200): SDPA builds an execution plan for each new length, varlen none.
+# and 0.53x varlen (H200), SDPA building an execution plan for each new length; at 1.5B width with every
+# padded length's plans built first, 0.965x per sequence against 1.11x varlen, and the learner's step on the
+# recipe's rows 1.07x faster per sequence (bench/results/packed_attention_gqa_1p5b.md, learner_packed_h200.md).
 # Per-sequence SDPA on a GPU pads each sequence to a multiple of this many tokens (zeros after its end, which
 # no real token sees under the causal mask; their outputs are dropped): every new length would otherwise
 # make cuDNN's attention build a new execution plan, and the recipes' trajectories have new lengths every step.
@@ -288,7 +293,7 @@ def _packed(
     def tokens(x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2).reshape(b * t, x.shape[1], d)  # [B·T, heads, D]
 
-    if mode == "auto" and uses_varlen_kernel(query) and (window is None or varlen_options()["window"]):
+    if mode == "varlen" and uses_varlen_kernel(query) and (window is None or varlen_options()["window"]):
         out = _varlen(tokens(query), tokens(key), tokens(value), cu, int(longest), scaling, window)
     elif mode == "varlen-gqa" and uses_varlen_kernel(query):
         out = _varlen_gqa(tokens(query), tokens(key), tokens(value), cu, int(longest), scaling, window)
@@ -318,14 +323,14 @@ def attention_function(mode: str, doc: str):
     return attention
 
 
-packed_attention = attention_function(
-    "auto", "Packed rows: FlashAttention's varlen kernel where it runs, else causal SDPA per sequence."
+varlen_attention = attention_function(
+    "varlen", "Packed rows: FlashAttention's varlen kernel where it runs, else causal SDPA per sequence."
 )
 varlen_gqa_attention = attention_function(
-    "varlen-gqa", "As `packed_attention`, with K and V never repeated to the query's heads in the varlen kernel."
+    "varlen-gqa", "As `varlen_attention`, with K and V never repeated to the query's heads in the varlen kernel."
 )
 per_sequence_attention = attention_function(
-    "per-sequence", "As `packed_attention`, with packed rows as causal SDPA over each sequence on every device."
+    "per-sequence", "Packed rows as causal SDPA over each sequence, on every device (the learner's default)."
 )
 
 
@@ -336,7 +341,7 @@ IMPLEMENTATIONS = {
     "varlen-gqa": VARLEN_GQA_ATTENTION,
     "per-sequence": PER_SEQUENCE_ATTENTION,
 }
-AttentionInterface.register(PACKED_ATTENTION, packed_attention)
-AttentionInterface.register(VARLEN_ATTENTION, packed_attention)  # `varlen` names the same rule as `auto`
+AttentionInterface.register(PACKED_ATTENTION, per_sequence_attention)  # `auto` names the per-sequence rule
+AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
 AttentionInterface.register(VARLEN_GQA_ATTENTION, varlen_gqa_attention)
 AttentionInterface.register(PER_SEQUENCE_ATTENTION, per_sequence_attention)

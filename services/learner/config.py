@@ -152,17 +152,16 @@ class EngineConfig(_Strict):
     packed_attention: Literal["auto", "varlen", "varlen-gqa", "per-sequence", "mask"] = Field(
         "auto",
         description="How the sequences of a packed row are kept apart. By their boundaries, with no [T, T] "
-        "mask (services/learner/attention.py): varlen: FlashAttention's varlen kernel on GPU "
-        "(torch.nn.attention.varlen); per-sequence: causal SDPA over each sequence (on GPU each "
-        "padded to a multiple of 256 tokens, so cuDNN builds few plans); auto (the same as varlen): "
-        "varlen where its kernel runs, else per-sequence. varlen-gqa: varlen with K and V at their "
-        "own head count, never repeated to the query's (FlashAttention's GQA); per-sequence on GPU "
-        "first builds cuDNN's plans for every padded length up to micro_batch_tokens. With new "
-        "lengths every step, varlen cost "
-        "0.53x the sequences alone per token, per-sequence 0.97x (7B width, H200, "
-        "bench/results/packed_attention_fresh.md). On CPU all three run per-sequence. mask: transformers builds a [B, 1, T, T] block mask for "
-        "attn_implementation (2.6x the cost of the sequences alone at 7B width, "
-        "bench/results/packed_attention.md).",
+        "mask (services/learner/attention.py): per-sequence: causal SDPA over each sequence (on GPU each "
+        "padded to a multiple of 256 tokens and cuDNN's plans for every padded length up to "
+        "micro_batch_tokens built before the first step); auto: the same as per-sequence; varlen: "
+        "FlashAttention's varlen kernel on GPU (torch.nn.attention.varlen); varlen-gqa: varlen with K and "
+        "V at their own head count, never repeated to the query's (FlashAttention's GQA). With new lengths "
+        "every pass at 1.5B width on an H200, per-sequence cost 0.965x the sequences alone per token and "
+        "varlen 1.11x, and per-sequence alone kept the unpacked rows' gradients within bf16's tolerance "
+        "(bench/results/packed_attention_gqa_1p5b.md). On CPU all run per-sequence. mask: transformers "
+        "builds a [B, 1, T, T] block mask for attn_implementation (2.6x the cost of the sequences alone at "
+        "7B width, bench/results/packed_attention.md).",
     )
     sdpa_backends: list[Literal["cudnn", "flash", "efficient", "math"]] | None = Field(
         None, description="SDPA kernels in priority order on GPU (e.g. [cudnn, flash]); None: PyTorch's order."

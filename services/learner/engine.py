@@ -396,7 +396,7 @@ class PolicyEngine:
             recompute_layers(lm)
         elif cfg.recompute_mlp:
             recompute_mlps(lm)
-        if self.on_gpu and cfg.packed_attention == "per-sequence":
+        if self.on_gpu and cfg.packed_attention in ("auto", "per-sequence"):
             self._warm_sequence_plans(lm.config)
         self.policy = LogprobPolicy(lm, cfg.logprob_chunk_tokens, cfg.head_kernels)
         if cfg.zero_stage == 3:

@@ -51,14 +51,12 @@ def test_boundaries_of_a_padded_micro_batch():
     assert packed_kwargs(torch.arange(6)[None].repeat(2, 1)) == {}
 
 
-def test_auto_is_the_varlen_rule():
+def test_auto_is_the_per_sequence_rule():
     from transformers import AttentionInterface
 
-    assert AttentionInterface._global_mapping[PACKED_ATTENTION] is AttentionInterface._global_mapping[VARLEN_ATTENTION]
-    assert (
-        AttentionInterface._global_mapping[PER_SEQUENCE_ATTENTION]
-        is not AttentionInterface._global_mapping[PACKED_ATTENTION]
-    )
+    mapping = AttentionInterface._global_mapping
+    assert mapping[PACKED_ATTENTION] is mapping[PER_SEQUENCE_ATTENTION]
+    assert mapping[VARLEN_ATTENTION] is not mapping[PACKED_ATTENTION]
 
 
 def test_varlen_refuses_another_attention_implementation():
