@@ -565,6 +565,14 @@ def plot(sides: dict[str, Any], state: dict[str, Any], path: Path) -> None:
 # ---- main ---------------------------------------------------------------------------------------------------
 
 
+def python_command(given: Path) -> Path | None:
+    """`--trl-python` as a file, or as a command found on PATH (the GPU job passes `python3`); None when neither."""
+    if given.is_file():
+        return given
+    found = shutil.which(str(given)) if len(given.parts) == 1 else None
+    return Path(found) if found else None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2-proof.yaml")
@@ -586,10 +594,14 @@ def main() -> int:
         ap.error(f"unknown phases {unknown}; choose from {', '.join(PHASES)}")
     if args.steps < 1 or args.heldout < 1:
         ap.error("--steps and --heldout must be at least 1")
-    if "trl" in phases and not args.trl_python.exists():
-        ap.error(
-            f"no TRL Python at {args.trl_python}: scripts/install-adapters trl makes .venv-trl, or pass --trl-python"
-        )
+    if "trl" in phases:
+        found = python_command(args.trl_python)
+        if found is None:
+            ap.error(
+                f"no TRL Python at {args.trl_python} (neither a file nor a command on PATH): "
+                "scripts/install-adapters trl makes .venv-trl, or pass --trl-python"
+            )
+        args.trl_python = found
     if not args.config.is_file():
         ap.error(f"no recipe at {args.config}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
