@@ -341,7 +341,18 @@ IMPLEMENTATIONS = {
     "varlen-gqa": VARLEN_GQA_ATTENTION,
     "per-sequence": PER_SEQUENCE_ATTENTION,
 }
-AttentionInterface.register(PACKED_ATTENTION, per_sequence_attention)  # `auto` names the per-sequence rule
-AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
-AttentionInterface.register(VARLEN_GQA_ATTENTION, varlen_gqa_attention)
-AttentionInterface.register(PER_SEQUENCE_ATTENTION, per_sequence_attention)
+# each name's function (`auto` names the per-sequence rule), registered with transformers
+FUNCTIONS = {
+    PACKED_ATTENTION: per_sequence_attention,
+    VARLEN_ATTENTION: varlen_attention,
+    VARLEN_GQA_ATTENTION: varlen_gqa_attention,
+    PER_SEQUENCE_ATTENTION: per_sequence_attention,
+}
+for _name, _function in FUNCTIONS.items():
+    AttentionInterface.register(_name, _function)
+
+
+def runs_per_sequence(setting: str) -> bool:
+    """Whether the learner's `packed_attention` setting runs packed rows as SDPA per sequence (so that on a GPU
+    cuDNN's plans for its padded lengths are built before the first step)."""
+    return FUNCTIONS.get(IMPLEMENTATIONS.get(setting, "")) is per_sequence_attention

@@ -23,7 +23,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from services.common.redis import free_port
-from services.learner.attention import IMPLEMENTATIONS, PACKED_IMPLEMENTATIONS, packed_kwargs, warm_sequence_plans
+from services.learner.attention import (
+    IMPLEMENTATIONS,
+    PACKED_IMPLEMENTATIONS,
+    packed_kwargs,
+    runs_per_sequence,
+    warm_sequence_plans,
+)
 from services.learner.batching import PackedRow, lr_lambda
 from services.learner.build_locks import clear_stale_build_locks
 from services.learner.config import EngineConfig, ScheduleConfig
@@ -396,7 +402,7 @@ class PolicyEngine:
             recompute_layers(lm)
         elif cfg.recompute_mlp:
             recompute_mlps(lm)
-        if self.on_gpu and cfg.packed_attention in ("auto", "per-sequence"):
+        if self.on_gpu and runs_per_sequence(cfg.packed_attention):
             self._warm_sequence_plans(lm.config)
         self.policy = LogprobPolicy(lm, cfg.logprob_chunk_tokens, cfg.head_kernels)
         if cfg.zero_stage == 3:

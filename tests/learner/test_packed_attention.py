@@ -13,6 +13,7 @@ from services.learner.attention import (
     PER_SEQUENCE_ATTENTION,
     VARLEN_ATTENTION,
     packed_kwargs,
+    runs_per_sequence,
     uses_varlen_kernel,
 )
 from services.learner.batching import Sequence_, assign_weights, micro_batches, pack_sequences
@@ -57,6 +58,11 @@ def test_auto_is_the_per_sequence_rule():
     mapping = AttentionInterface._global_mapping
     assert mapping[PACKED_ATTENTION] is mapping[PER_SEQUENCE_ATTENTION]
     assert mapping[VARLEN_ATTENTION] is not mapping[PACKED_ATTENTION]
+    # the settings whose plans the engine builds first on a GPU follow the same table
+    assert [s for s in ("auto", "varlen", "varlen-gqa", "per-sequence", "mask") if runs_per_sequence(s)] == [
+        "auto",
+        "per-sequence",
+    ]
 
 
 def test_varlen_refuses_another_attention_implementation():
