@@ -36,6 +36,11 @@ greenlet==3.5.6 httpx httpcore h11 anyio pytest pluggy iniconfig pytest-timeout"
 # The peer benchmark's TRL side (bench/peer_trl_device.sh): TRL and what it needs that the device lacks (datasets
 # 5.2 needs pyarrow >= 24, newer than the device's may be); PEER_PACKAGES= packs without them.
 PEER_PACKAGES=${PEER_PACKAGES-"trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pyarrow==26.0.1"}
+# What TRL's side needs that the device's image may or may not hold (module=requirement): packed with the peer's
+# wheels, each installed only where the device's Python cannot import its module, so none replaces the image's own.
+PEER_IF_MISSING=${PEER_IF_MISSING-"accelerate=accelerate==1.16.0 pandas=pandas==2.3.3 dateutil=python-dateutil==2.9.0.post0
+pytz=pytz==2025.2 tzdata=tzdata==2025.2 six=six==1.17.0"}
+[ -n "$PEER_PACKAGES" ] || PEER_IF_MISSING=""
 
 pack() {
   cd "$(dirname "$0")/.."
@@ -47,6 +52,14 @@ pack() {
   for pkg in $PACKAGES $PEER_PACKAGES; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       $platforms --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$WHEELS" "$pkg" \
+      2>&1 | grep -v "is ignored" | grep -v '^$' || true
+  done
+  local entry
+  rm -rf "$WHEELS/if-missing"
+  for entry in $PEER_IF_MISSING; do
+    mkdir -p "$WHEELS/if-missing/${entry%%=*}"
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      $platforms --platform manylinux2014_x86_64 --platform any -d "$WHEELS/if-missing/${entry%%=*}" "${entry#*=}" \
       2>&1 | grep -v "is ignored" | grep -v '^$' || true
   done
   # deepspeed has no wheel on PyPI: a pure-Python one (its ops are JIT-built where they run)
@@ -93,6 +106,13 @@ install() {
   cat "$STORE"/part_* | tar -xf - -C /tmp/star-wheels
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
     /tmp/star-wheels/*.whl
+  local dir
+  for dir in /tmp/star-wheels/if-missing/*/; do
+    [ -d "$dir" ] || continue
+    PYTHONPATH=$SITE python3 -c "import $(basename "$dir")" 2> /dev/null && continue
+    echo "the device lacks $(basename "$dir"): installing $(ls "$dir")"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$dir"*.whl
+  done
   mkdir -p "$GGUF_DIR" && mv /tmp/star-wheels/*.gguf "$GGUF_DIR/" 2>/dev/null && ls "$GGUF_DIR" || true
   env_vars
   python3 -c "import torch, vllm, deepspeed, transformers; print('torch', torch.__version__, 'vllm', vllm.__version__, \

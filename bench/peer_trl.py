@@ -573,6 +573,35 @@ def python_command(given: Path) -> Path | None:
     return Path(found) if found else None
 
 
+# What bench/peer_trl_side.py imports in TRL's Python (vllm only where a GPU is: TRL's colocated generation);
+# `trl:GRPOTrainer` loads the trainer's own imports (pandas through datasets, accelerate), which `import trl` defers
+TRL_SIDE_IMPORTS = ("torch", "transformers", "datasets", "accelerate", "httpx", "pydantic", "trl:GRPOTrainer")
+TRL_SIDE_PROBE = """
+import importlib, json, sys
+failed = {}
+for spec in sys.argv[1:]:
+    module, _, name = spec.partition(":")
+    try:
+        loaded = importlib.import_module(module)
+        if name:
+            getattr(loaded, name)
+    except Exception as exc:
+        failed[spec] = f"{type(exc).__name__}: {exc}"[:300]
+print(json.dumps(failed))
+"""
+
+
+def trl_side_failures(python: Path, gpu: bool) -> dict[str, str]:
+    """What the TRL side needs that `python` cannot import, with the reason (checked before any phase runs, so a
+    broken environment fails in seconds rather than after our side's training)."""
+    imports = [*TRL_SIDE_IMPORTS, *(["vllm"] if gpu else [])]
+    proc = subprocess.run([str(python), "-c", TRL_SIDE_PROBE, *imports], capture_output=True, text=True, timeout=300)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {str(python): f"did not run the import check (exit {proc.returncode}): {proc.stderr.strip()[-300:]}"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2-proof.yaml")
@@ -602,6 +631,13 @@ def main() -> int:
                 "scripts/install-adapters trl makes .venv-trl, or pass --trl-python"
             )
         args.trl_python = found
+        failures = trl_side_failures(found, gpu=shutil.which("nvidia-smi") is not None)
+        if failures:
+            ap.error(
+                f"the TRL Python {found} cannot import what the TRL side needs: "
+                + "; ".join(f"{k} ({v})" for k, v in failures.items())
+                + ". scripts/install-adapters trl makes .venv-trl; on a GPU machine pack PEER_PACKAGES"
+            )
     if not args.config.is_file():
         ap.error(f"no recipe at {args.config}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

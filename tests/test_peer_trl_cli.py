@@ -1,5 +1,6 @@
 """The peer benchmark's command line in the main environment (its end-to-end smoke runs in .venv-trl): the TRL
-side's Python is a file or a command on PATH, as the GPU job passes it, and a missing one is a CLI error."""
+side's Python is a file or a command on PATH, as the GPU job passes it, and a missing one, or one that cannot
+import what the TRL side needs, is a CLI error before any phase runs."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.peer_trl import python_command
+from bench.peer_trl import python_command, trl_side_failures
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,3 +34,29 @@ def test_a_missing_trl_python_is_a_cli_error_naming_it(tmp_path):
     )
     assert proc.returncode == 2
     assert "no TRL Python at no-such-python-command" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_trl_side_imports_are_checked_with_their_reasons(tmp_path):
+    # this environment has transformers, datasets and accelerate but not TRL (it lives in .venv-trl)
+    failures = trl_side_failures(Path(sys.executable), gpu=False)
+    assert set(failures) == {"trl:GRPOTrainer"}
+    assert "No module named 'trl'" in failures["trl:GRPOTrainer"]
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
+    broken.chmod(0o755)
+    (reason,) = trl_side_failures(broken, gpu=False).values()
+    assert "exit 3" in reason and "broken" in reason
+
+
+@pytest.mark.integration
+def test_a_trl_python_without_trl_fails_before_any_phase(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "bench/peer_trl.py", "--trl-python", sys.executable, "--work", str(tmp_path / "work")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "cannot import what the TRL side needs: trl:GRPOTrainer" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "work").exists()  # nothing ran
