@@ -83,6 +83,26 @@ def prompt_rows(client, prompts: list[dict[str, Any]], epoch: int) -> list[dict[
     return rows
 
 
+def fingerprints_that_fall_back() -> None:
+    """Make a new `datasets.Dataset` take a random fingerprint where hashing its table fails, as datasets' own
+    transforms already do (`update_fingerprint`). On the GPU machine's Python 3.12, `Dataset.from_list` of the
+    prompt rows failed in `generate_fingerprint` (dill: PicklingError on pyarrow's MonthDayNano type) before TRL
+    started; the fingerprint only names cache files, which this side never reuses."""
+    from datasets import arrow_dataset
+    from datasets.fingerprint import generate_random_fingerprint
+
+    hashed = arrow_dataset.generate_fingerprint
+
+    def generate_fingerprint(dataset):
+        try:
+            return hashed(dataset)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure; the reason is logged
+            log(f"datasets could not hash a table ({type(exc).__name__}: {str(exc)[:120]}): random fingerprint")
+            return generate_random_fingerprint()
+
+    arrow_dataset.generate_fingerprint = generate_fingerprint
+
+
 def step_timer(updates_per_step: int, time_cap_s: float | None, steps: list[dict[str, Any]]):
     """A TrainerCallback that records one entry per RL step (every `updates_per_step` optimizer steps): its wall
     time, the trajectory tokens and the reward TRL logged; it stops training once `time_cap_s` has passed."""
@@ -141,6 +161,7 @@ def main() -> int:
     )
     from services.episodes.client import EpisodeClient
 
+    fingerprints_that_fall_back()
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
     with EpisodeClient(spec["url"], spec["token"]) as client:

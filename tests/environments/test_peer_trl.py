@@ -97,3 +97,23 @@ def test_the_trl_side_renders_our_protocol_and_reads_its_turns(tmp_path, monkeyp
         f"<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n{call}<|im_end|>\n"
         f"<|im_start|>user\n{response}<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+def test_a_table_datasets_cannot_hash_gets_a_random_fingerprint(monkeypatch):
+    # the GPU machine's failure: generate_fingerprint raised while pickling the prompt rows' table
+    from datasets import Dataset, fingerprint
+
+    from bench.peer_trl_side import fingerprints_that_fall_back
+
+    def unpicklable(cls, value):
+        raise TypeError("Can't pickle <class 'MonthDayNano'>")
+
+    monkeypatch.setattr(fingerprint.Hasher, "hash", classmethod(unpicklable))
+    with pytest.raises(Exception, match="MonthDayNano"):
+        Dataset.from_list([{"query": "{}"}])
+    from datasets import arrow_dataset
+
+    monkeypatch.setattr(arrow_dataset, "generate_fingerprint", arrow_dataset.generate_fingerprint)  # undone after
+    fingerprints_that_fall_back()
+    first, second = Dataset.from_list([{"query": "{}"}]), Dataset.from_list([{"query": "{}"}])
+    assert first[0] == {"query": "{}"} and first._fingerprint != second._fingerprint  # random, not a crash
