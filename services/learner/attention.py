@@ -11,10 +11,12 @@ forward (`packed_kwargs`) and handed to every layer's attention, which runs one 
 - per sequence: causal SDPA over each sequence in turn, the call transformers makes for the sequence
   alone (SDPA's own flash / cuDNN kernels on GPU; on CPU the only path, exact against unpacked rows).
 
-`PACKED_ATTENTION` (the learner's `auto`) runs SDPA per sequence, on a GPU with cuDNN's plans for every padded
-length built first: at 1.5B width on an H200, with new lengths every pass, it cost 0.97x the sequences alone per
-token against varlen's 1.11x, and its gradients equal the unpacked rows' where varlen's do not within bf16's
-tolerance (bench/results/packed_attention_gqa_1p5b.md). The other names force one kernel.
+`PACKED_ATTENTION` (the learner's `auto`) runs varlen where its kernel runs (a CUDA GPU, bf16/fp16) and SDPA per
+sequence elsewhere. Per-sequence SDPA on a GPU is refused by the engine (`per_sequence_refusal`): on an H200
+(torch 2.11, cuDNN 9.19) its input gradients at the learner's model shapes had a cosine of 0.54 with an fp64
+reference while every kernel alone and varlen over the same row were within bf16 of it
+(docs/lab/runs/session_66_h200/attention_grads/), and the proof recipe's SFT under it ended at twice the loss of
+the same SFT under varlen. The other names force one kernel.
 `VARLEN_GQA_ATTENTION` is varlen with K and V kept at their own head count (grouped-
 query attention native in the kernel), where this torch's varlen_attn would have them repeated to the
 query's heads. `warm_sequence_plans` builds cuDNN's plans for per-sequence SDPA's padded lengths up front.
@@ -33,7 +35,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-PACKED_ATTENTION = "star_packed"  # the default: per sequence
+PACKED_ATTENTION = "star_packed"  # the default: varlen on a GPU, per sequence on CPU
 VARLEN_ATTENTION = "star_varlen"
 VARLEN_GQA_ATTENTION = "star_varlen_gqa"  # varlen with K/V at their own head count
 PER_SEQUENCE_ATTENTION = "star_per_sequence"
@@ -330,7 +332,7 @@ varlen_gqa_attention = attention_function(
     "varlen-gqa", "As `varlen_attention`, with K and V never repeated to the query's heads in the varlen kernel."
 )
 per_sequence_attention = attention_function(
-    "per-sequence", "Packed rows as causal SDPA over each sequence, on every device (the learner's default)."
+    "per-sequence", "Packed rows as causal SDPA over each sequence, on every device (the learner's path on CPU)."
 )
 
 
@@ -341,15 +343,30 @@ IMPLEMENTATIONS = {
     "varlen-gqa": VARLEN_GQA_ATTENTION,
     "per-sequence": PER_SEQUENCE_ATTENTION,
 }
-# each name's function (`auto` names the per-sequence rule), registered with transformers
+# each name's function (`auto` names the varlen rule), registered with transformers
 FUNCTIONS = {
-    PACKED_ATTENTION: per_sequence_attention,
+    PACKED_ATTENTION: varlen_attention,
     VARLEN_ATTENTION: varlen_attention,
     VARLEN_GQA_ATTENTION: varlen_gqa_attention,
     PER_SEQUENCE_ATTENTION: per_sequence_attention,
 }
 for _name, _function in FUNCTIONS.items():
     AttentionInterface.register(_name, _function)
+
+
+# what per-sequence SDPA on a GPU measured (bench/attention_grads.py): the reason the engine refuses it there
+PER_SEQUENCE_GPU_GRADIENTS = (
+    "per-sequence packed attention gives wrong gradients on a GPU: on an H200 (torch 2.11, cuDNN 9.19) its input "
+    "gradients had a cosine of 0.54 with an fp64 reference at SmolLM2-135M, Qwen2.5-1.5B and 7B shapes, while "
+    "every SDPA kernel alone and varlen over the same row were within bf16 of it "
+    "(docs/lab/runs/session_66_h200/attention_grads/); use packed_attention auto or varlen"
+)
+
+
+def per_sequence_refusal(setting: str, on_gpu: bool) -> str | None:
+    """Why the learner refuses this `packed_attention` setting on this device, or None: per-sequence SDPA on a GPU
+    (PER_SEQUENCE_GPU_GRADIENTS)."""
+    return PER_SEQUENCE_GPU_GRADIENTS if on_gpu and runs_per_sequence(setting) else None
 
 
 def runs_per_sequence(setting: str) -> bool:

@@ -152,16 +152,14 @@ class EngineConfig(_Strict):
     packed_attention: Literal["auto", "varlen", "varlen-gqa", "per-sequence", "mask"] = Field(
         "auto",
         description="How the sequences of a packed row are kept apart. By their boundaries, with no [T, T] "
-        "mask (services/learner/attention.py): per-sequence: causal SDPA over each sequence (on GPU each "
-        "padded to a multiple of 256 tokens and cuDNN's plans for every padded length up to "
-        "micro_batch_tokens built before the first step); auto: the same as per-sequence; varlen: "
-        "FlashAttention's varlen kernel on GPU (torch.nn.attention.varlen); varlen-gqa: varlen with K and "
-        "V at their own head count, never repeated to the query's (FlashAttention's GQA). With new lengths "
-        "every pass at 1.5B width on an H200, per-sequence cost 0.965x the sequences alone per token and "
-        "varlen 1.11x, and per-sequence alone kept the unpacked rows' gradients within bf16's tolerance "
-        "(bench/results/packed_attention_gqa_1p5b.md). On CPU all run per-sequence. mask: transformers "
-        "builds a [B, 1, T, T] block mask for attn_implementation (2.6x the cost of the sequences alone at "
-        "7B width, bench/results/packed_attention.md).",
+        "mask (services/learner/attention.py): auto: FlashAttention's varlen kernel on a GPU "
+        "(torch.nn.attention.varlen), causal SDPA over each sequence on CPU (exact against unpacked rows); "
+        "varlen: the varlen kernel; varlen-gqa: varlen with K and V at their own head count, never repeated "
+        "to the query's (FlashAttention's GQA); per-sequence: causal SDPA over each sequence, refused on a "
+        "GPU, where its gradients were measured wrong (cosine 0.54 with an fp64 reference on an H200, "
+        "docs/lab/runs/session_66_h200/attention_grads/). mask: transformers builds a [B, 1, T, T] block mask "
+        "for attn_implementation (2.6x the cost of the sequences alone at 7B width, "
+        "bench/results/packed_attention.md).",
     )
     sdpa_backends: list[Literal["cudnn", "flash", "efficient", "math"]] | None = Field(
         None, description="SDPA kernels in priority order on GPU (e.g. [cudnn, flash]); None: PyTorch's order."

@@ -13,6 +13,7 @@ from services.learner.attention import (
     PER_SEQUENCE_ATTENTION,
     VARLEN_ATTENTION,
     packed_kwargs,
+    per_sequence_refusal,
     runs_per_sequence,
     uses_varlen_kernel,
 )
@@ -52,17 +53,23 @@ def test_boundaries_of_a_padded_micro_batch():
     assert packed_kwargs(torch.arange(6)[None].repeat(2, 1)) == {}
 
 
-def test_auto_is_the_per_sequence_rule():
+def test_auto_is_the_varlen_rule():
     from transformers import AttentionInterface
 
     mapping = AttentionInterface._global_mapping
-    assert mapping[PACKED_ATTENTION] is mapping[PER_SEQUENCE_ATTENTION]
-    assert mapping[VARLEN_ATTENTION] is not mapping[PACKED_ATTENTION]
-    # the settings whose plans the engine builds first on a GPU follow the same table
+    assert mapping[PACKED_ATTENTION] is mapping[VARLEN_ATTENTION]
+    assert mapping[PER_SEQUENCE_ATTENTION] is not mapping[PACKED_ATTENTION]
     assert [s for s in ("auto", "varlen", "varlen-gqa", "per-sequence", "mask") if runs_per_sequence(s)] == [
-        "auto",
-        "per-sequence",
+        "per-sequence"
     ]
+
+
+def test_per_sequence_attention_is_refused_on_a_gpu_only():
+    # its gradients were measured wrong on an H200; on CPU it is the exact path every setting takes
+    reason = per_sequence_refusal("per-sequence", on_gpu=True)
+    assert reason is not None and "cosine of 0.54" in reason and "varlen" in reason
+    assert per_sequence_refusal("per-sequence", on_gpu=False) is None
+    assert all(per_sequence_refusal(s, on_gpu=True) is None for s in ("auto", "varlen", "varlen-gqa", "mask"))
 
 
 def test_varlen_refuses_another_attention_implementation():
