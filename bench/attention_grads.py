@@ -83,6 +83,51 @@ def varlen_grads(q, k, v, grad) -> list[torch.Tensor]:
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
+def transformers_grads(q, k, v, grad, backend) -> list[torch.Tensor]:
+    """Causal SDPA as the learner's layers call it (transformers' `sdpa_attention_forward`, GQA as it decides),
+    under one kernel: its output comes back transposed to [B, T, H, D] and contiguous, so the gradient that reaches
+    SDPA has that layout's strides, not the output's."""
+    from torch.nn.attention import sdpa_kernel
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+        num_key_value_groups = q.shape[1] // k.shape[1]
+
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    with sdpa_kernel([backend]):
+        out, _ = sdpa_attention_forward(Layer(), q, k, v, None, scaling=q.shape[-1] ** -0.5)  # [1, T, H, D]
+    out.backward(grad.transpose(1, 2).contiguous())
+    return [out.detach().transpose(1, 2), q.grad, k.grad, v.grad]
+
+
+def layout_order_rows(shape_name: str, shape: tuple[int, int, int], dev) -> list[dict[str, Any]]:
+    """Does a cuDNN call's gradient depend on which gradient layout first met its length? At a length no kernel has
+    met (768): the transformers layout first, then a contiguous gradient; at one the kernel rows met first with a
+    contiguous gradient (512): the transformers layout after it."""
+    from torch.nn.attention import SDPBackend
+
+    h, hk, d = shape
+    cudnn = SDPBackend.CUDNN_ATTENTION
+    out = []
+    for n, steps in (
+        (768, (("cudnn via transformers, first at this length", "transformers"),
+               ("cudnn contiguous gradient, after the transformers layout", "contiguous"))),
+        (512, (("cudnn via transformers, after a contiguous gradient", "transformers"),)),
+    ):  # fmt: skip
+        g = torch.Generator(device=dev).manual_seed(10_000 + n)
+        q, k, v = (torch.randn(1, m, n, d, device=dev, dtype=torch.bfloat16, generator=g) for m in (h, hk, hk))
+        grad = torch.randn(1, h, n, d, device=dev, dtype=torch.bfloat16, generator=g)
+        ref = reference(q, k, v, grad)
+        for label, layout in steps:
+            if layout == "transformers":
+                run = lambda q, k, v, gr: transformers_grads(q, k, v, gr, cudnn)  # noqa: E731
+            else:
+                run = lambda q, k, v, gr: sdpa_grads(q, k, v, gr, cudnn, "native")  # noqa: E731
+            out.append({"shape": shape_name, "length": n, "kernel": label, **case(q, k, v, grad, ref, run)})
+    return out
+
+
 def packed_row_case(shape: tuple[int, int, int], lengths: list[int], mode: str, dev) -> dict[str, Any]:
     """The learner's packed attention (`mode`: per-sequence or varlen) over one row of `lengths`, against each
     sequence alone in fp64."""
@@ -159,6 +204,7 @@ def main() -> int:
                 {"shape": shape_name, "length": n, "kernel": "varlen", **case(q, k, v, grad, ref, varlen_grads)}
             )
             print(f"[{time.perf_counter() - t0:.0f} s] {shape_name} {n}", flush=True)
+        rows += layout_order_rows(shape_name, (h, hk, d), dev)
         for mode in ("per-sequence", "varlen"):
             lengths = [700, 1536, 2049, 300]
             row = packed_row_case((h, hk, d), lengths, mode, dev)

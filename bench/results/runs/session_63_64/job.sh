@@ -35,7 +35,9 @@ kernels63() {
   mkdir -p var/models && rm -rf var/models/qwen2.5-tokenizer && cp -r .qwen-tok var/models/qwen2.5-tokenizer
   lane kernels63_tests ${LEARNER_GPU:-0} timeout ${KERNEL_TESTS_TIMEOUT_S:-150} python -m pytest -q -s -p no:cacheprovider \
     tests/learner/test_engine_recompute.py tests/learner/test_attention_gqa.py tests/learner/test_fused_layers.py \
-    tests/learner/test_packed_attention.py
+    tests/learner/test_packed_attention.py tests/learner/test_attention_grads_gpu.py
+  # every kernel's gradients and the packed paths' against fp64, and whether cuDNN's depend on the first layout met
+  lane kernels63_grads ${LEARNER_GPU:-0} timeout 120 python bench/attention_grads.py --out $R/lane/kernels63_grads
   local width
   for width in ${KERNEL_WIDTHS:-1p5b 7b}; do  # KERNEL_WIDTHS picks the widths, in order
     case $width in
@@ -45,7 +47,7 @@ kernels63() {
     lane kernels63_$width ${LEARNER_GPU:-0} timeout ${KERNEL_BENCH_TIMEOUT_S:-240} python bench/packed_attention.py \
       --fresh-lengths --warmup 2 --repeat 50 --name packed_attention_gqa_$width "$@"
   done
-  pack kernels63 $R/packed_attention_gqa_* $R/lane/kernels63_tests $R/lane/kernels63_1p5b $R/lane/kernels63_7b
+  pack kernels63 $R/packed_attention_gqa_* $R/lane/kernels63_tests $R/lane/kernels63_grads $R/lane/kernels63_1p5b $R/lane/kernels63_7b
 }
 # ==== end of kernels63 ====
 
