@@ -83,6 +83,16 @@ def varlen_grads(q, k, v, grad) -> list[torch.Tensor]:
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
+def attention_layer(heads: int, kv_heads: int) -> torch.nn.Module:
+    """What transformers' attention functions read of the layer that calls them: causal, and its GQA grouping."""
+
+    class Layer(torch.nn.Module):
+        is_causal = True
+        num_key_value_groups = heads // kv_heads
+
+    return Layer()
+
+
 def transformers_grads(q, k, v, grad, backend) -> list[torch.Tensor]:
     """Causal SDPA as the learner's layers call it (transformers' `sdpa_attention_forward`, GQA as it decides),
     under one kernel: its output comes back transposed to [B, T, H, D] and contiguous, so the gradient that reaches
@@ -90,13 +100,10 @@ def transformers_grads(q, k, v, grad, backend) -> list[torch.Tensor]:
     from torch.nn.attention import sdpa_kernel
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    class Layer(torch.nn.Module):
-        is_causal = True
-        num_key_value_groups = q.shape[1] // k.shape[1]
-
+    layer = attention_layer(q.shape[1], k.shape[1])
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     with sdpa_kernel([backend]):
-        out, _ = sdpa_attention_forward(Layer(), q, k, v, None, scaling=q.shape[-1] ** -0.5)  # [1, T, H, D]
+        out, _ = sdpa_attention_forward(layer, q, k, v, None, scaling=q.shape[-1] ** -0.5)  # [1, T, H, D]
     out.backward(grad.transpose(1, 2).contiguous())
     return [out.detach().transpose(1, 2), q.grad, k.grad, v.grad]
 
@@ -143,14 +150,9 @@ def packed_row_case(shape: tuple[int, int, int], lengths: list[int], mode: str, 
     position_ids = torch.cat([torch.arange(n, device=dev) for n in lengths])[None]
     kwargs = att.packed_kwargs(position_ids)
 
-    class Layer(torch.nn.Module):
-        is_causal = True
-        num_key_value_groups = h // hk
-        training = True
-
     try:
         leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
-        out, _ = fn(Layer(), *leaves, None, scaling=d**-0.5, **dict(kwargs))
+        out, _ = fn(attention_layer(h, hk), *leaves, None, scaling=d**-0.5, **dict(kwargs))
         out.backward(grad)
         got = [out.detach(), *(x.grad for x in leaves)]
     except Exception as exc:

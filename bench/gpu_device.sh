@@ -42,25 +42,26 @@ PEER_IF_MISSING=${PEER_IF_MISSING-"accelerate=accelerate==1.16.0 pandas=pandas==
 pytz=pytz==2025.2 tzdata=tzdata==2025.2 six=six==1.17.0"}
 [ -n "$PEER_PACKAGES" ] || PEER_IF_MISSING=""
 
+# device_wheel DIR REQUIREMENT: the requirement's wheel for the device's Python 3.12 (cp312, manylinux x86_64), no
+# dependencies, into DIR
+device_wheel() {
+  local platforms="" n
+  for n in 2_17 2_24 2_27 2_28 2_31 2_34 2_35; do platforms="$platforms --platform manylinux_${n}_x86_64"; done
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    $platforms --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$1" "$2" \
+    2>&1 | grep -v "is ignored" | grep -v '^$' || true
+}
+
 pack() {
   cd "$(dirname "$0")/.."
   grep -qx '/.parts/' .git/info/exclude 2>/dev/null || printf '/.parts/\n/%s/\n' "$WHEELS" >> .git/info/exclude
   mkdir -p "$WHEELS" .parts
-  local platforms="" n
-  for n in 2_17 2_24 2_27 2_28 2_31 2_34 2_35; do platforms="$platforms --platform manylinux_${n}_x86_64"; done
-  local pkg
-  for pkg in $PACKAGES $PEER_PACKAGES; do
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      $platforms --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$WHEELS" "$pkg" \
-      2>&1 | grep -v "is ignored" | grep -v '^$' || true
-  done
-  local entry
+  local pkg entry
+  for pkg in $PACKAGES $PEER_PACKAGES; do device_wheel "$WHEELS" "$pkg"; done
   rm -rf "$WHEELS/if-missing"
   for entry in $PEER_IF_MISSING; do
     mkdir -p "$WHEELS/if-missing/${entry%%=*}"
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      $platforms --platform manylinux2014_x86_64 --platform any -d "$WHEELS/if-missing/${entry%%=*}" "${entry#*=}" \
-      2>&1 | grep -v "is ignored" | grep -v '^$' || true
+    device_wheel "$WHEELS/if-missing/${entry%%=*}" "${entry#*=}"
   done
   # deepspeed has no wheel on PyPI: a pure-Python one (its ops are JIT-built where they run)
   ls "$WHEELS"/deepspeed-*.whl > /dev/null 2>&1 || DS_BUILD_OPS=0 .venv/bin/python -m pip wheel -q --no-deps \

@@ -77,6 +77,11 @@ def recipe(run: Path) -> dict[str, Any]:
     return yaml.safe_load((run / "config.yaml").read_text())
 
 
+def gpu_machine() -> bool:
+    """Whether this machine has an NVIDIA GPU (TRL's side then generates with vLLM)."""
+    return shutil.which("nvidia-smi") is not None
+
+
 # ---- GPU memory -------------------------------------------------------------------------------------
 
 
@@ -307,7 +312,7 @@ def prompts_in_order(rl_queries: Path, order: list[str]) -> list[dict[str, Any]]
 
 def trl_side(args, cfg: dict[str, Any], run: Path, model: str, order: list[str], out: Path) -> dict[str, Any]:
     """bench/peer_trl_side.py in TRL's environment, against the episode API served here over the run's world."""
-    gpu = shutil.which("nvidia-smi") is not None
+    gpu = gpu_machine()
     grpo, episode, mismatches = trl_settings(cfg, args.steps, gpu)
     prompts = prompts_in_order(Path(stage_outputs(run, "synth")["rl_queries"]), order)
     prompts = prompts[: args.steps * cfg["rl"]["batch_prompts"]]
@@ -631,7 +636,7 @@ def main() -> int:
                 "scripts/install-adapters trl makes .venv-trl, or pass --trl-python"
             )
         args.trl_python = found
-        failures = trl_side_failures(found, gpu=shutil.which("nvidia-smi") is not None)
+        failures = trl_side_failures(found, gpu=gpu_machine())
         if failures:
             ap.error(
                 f"the TRL Python {found} cannot import what the TRL side needs: "

@@ -15,6 +15,13 @@ from bench.peer_trl import python_command, trl_side_failures
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def peer_cli(*argv: str, timeout: float) -> subprocess.CompletedProcess:
+    """bench/peer_trl.py with these arguments, in this environment's Python."""
+    return subprocess.run(
+        [sys.executable, "bench/peer_trl.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
 def test_the_trl_python_is_a_file_or_a_command_on_path(tmp_path):
     assert python_command(Path(sys.executable)) == Path(sys.executable)
     on_path = python_command(Path("python3"))
@@ -25,13 +32,7 @@ def test_the_trl_python_is_a_file_or_a_command_on_path(tmp_path):
 
 @pytest.mark.integration
 def test_a_missing_trl_python_is_a_cli_error_naming_it(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "bench/peer_trl.py", "--trl-python", "no-such-python-command", "--work", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = peer_cli("--trl-python", "no-such-python-command", "--work", str(tmp_path), timeout=120)
     assert proc.returncode == 2
     assert "no TRL Python at no-such-python-command" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -50,13 +51,7 @@ def test_the_trl_side_imports_are_checked_with_their_reasons(tmp_path):
 
 @pytest.mark.integration
 def test_a_trl_python_without_trl_fails_before_any_phase(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "bench/peer_trl.py", "--trl-python", sys.executable, "--work", str(tmp_path / "work")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = peer_cli("--trl-python", sys.executable, "--work", str(tmp_path / "work"), timeout=300)
     assert proc.returncode == 2
     assert "cannot import what the TRL side needs: trl:GRPOTrainer" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "work").exists()  # nothing ran

@@ -19,7 +19,8 @@ reference while every kernel alone and varlen over the same row were within bf16
 the same SFT under varlen. The other names force one kernel.
 `VARLEN_GQA_ATTENTION` is varlen with K and V kept at their own head count (grouped-
 query attention native in the kernel), where this torch's varlen_attn would have them repeated to the
-query's heads. `warm_sequence_plans` builds cuDNN's plans for per-sequence SDPA's padded lengths up front.
+query's heads. `warm_sequence_plans` builds cuDNN's plans for per-sequence SDPA's padded lengths up front
+(bench/packed_attention.py's "plans at start").
 Micro-batches whose rows hold one sequence each take SDPA's plain causal path.
 All are registered with transformers' attention interface (`AttentionInterface`).
 """
@@ -370,6 +371,5 @@ def per_sequence_refusal(setting: str, on_gpu: bool) -> str | None:
 
 
 def runs_per_sequence(setting: str) -> bool:
-    """Whether the learner's `packed_attention` setting runs packed rows as SDPA per sequence (so that on a GPU
-    cuDNN's plans for its padded lengths are built before the first step)."""
+    """Whether the learner's `packed_attention` setting runs packed rows as SDPA per sequence."""
     return FUNCTIONS.get(IMPLEMENTATIONS.get(setting, "")) is per_sequence_attention
