@@ -8,9 +8,11 @@
 #   bench/peer_trl_device.sh start [peer_trl.py options]   # starts the job, then polls 9 min
 #   bench/gpu_device.sh poll 'peer_trl*'       # later calls: up to 9 min each; bench/results/peer_trl.* to $OUT
 #
-# Sized for 20-25 minutes of an H200: 40 steps a side (ours about 9 s a step after a 2-minute fleet start),
-# each side capped at 9 minutes of RL (a capped side records the steps it made), 100 held-out queries evaluated
-# three times. The session's device budget must hold it: the job outlives a call (bench/gpu_device.sh start).
+# Sized for 24 minutes of an H200: 40 steps a side, each side capped at 9 minutes of RL (a capped side records
+# the steps it made), 100 held-out queries evaluated three times. Measured: ours 40 steps in 7 minutes (5.9 s a
+# step after a 70 s start), TRL 10 in its 9 (52 s a step); TRL's 40 steps alone would take about 35 minutes
+# (--side-minutes 0 lifts the cap where the device budget holds it). The job outlives a call
+# (bench/gpu_device.sh start).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=/tmp/site GGUF=/tmp/star-gguf/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -14,7 +14,8 @@ is `AGENT_STAR_CHATML`, our rollout's `chatml` style as a Jinja template (tools 
 `<think>` + `<tool_call>` JSON turns, tool output as a user message in `<tool_response>`); TRL parses the turns
 with its Qwen3 response template (the same `<think>` / `<tool_call>` tags). The trained model is saved as an HF
 folder with the tokenizer's own chat template, and `side.json` holds per RL step (one generation of
-`prompts per step × group` rollouts, `updates_per_step` optimizer steps) its wall time, tokens and reward.
+`prompts per step × group` rollouts, `updates_per_step` optimizer steps) its wall time, and TRL's log history,
+from which bench/peer_trl.py reads each step's reward and tokens.
 
 vLLM: TRL 1.16 accepts vLLM 0.22.0 … 0.31.0 (trl/import_utils.py `is_vllm_available`), so 0.26.0 is in range. In
 `vllm_mode="colocate"` it builds `LLM(..., distributed_executor_backend="external_launcher",
@@ -104,13 +105,15 @@ def fingerprints_that_fall_back() -> None:
 
 
 def step_timer(updates_per_step: int, time_cap_s: float | None, steps: list[dict[str, Any]]):
-    """A TrainerCallback that records one entry per RL step (every `updates_per_step` optimizer steps): its wall
-    time, the trajectory tokens and the reward TRL logged; it stops training once `time_cap_s` has passed."""
+    """A TrainerCallback that records one entry per RL step (every `updates_per_step` optimizer steps) with its
+    wall time, and stops training once `time_cap_s` has passed. The step's reward and tokens are read from TRL's
+    log history afterwards (bench/peer_trl.py trl_steps); the reward shown here is only progress."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
             self.start = self.last = time.perf_counter()
+            self.reward = "not logged"
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step % updates_per_step:
@@ -121,10 +124,9 @@ def step_timer(updates_per_step: int, time_cap_s: float | None, steps: list[dict
                     "step": state.global_step // updates_per_step,
                     "step_s": now - self.last,
                     "wall_s": now - self.start,
-                    "num_tokens": None,
-                    "reward": None,
                 }
             )
+            log(f"step {steps[-1]['step']}: {steps[-1]['step_s']:.1f} s, reward {self.reward}")
             self.last = now
             if time_cap_s and now - self.start > time_cap_s:
                 log(f"time cap of {time_cap_s:.0f} s reached: stopping")
@@ -132,10 +134,9 @@ def step_timer(updates_per_step: int, time_cap_s: float | None, steps: list[dict
             return control
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            # the trainer logs a step after its on_step_end: the step's figures go into the entry just made
-            if logs and steps and "reward" in logs:
-                steps[-1].update(num_tokens=logs.get("num_tokens"), reward=logs["reward"])
-                log(f"step {steps[-1]['step']}: {steps[-1]['step_s']:.1f} s, reward {logs['reward']:.3f}")
+            # a generation's reward is logged with the first update of its RL step, before the step ends
+            if logs and "reward" in logs:
+                self.reward = f"{logs['reward']:.3f}"
             return control
 
     return StepTimer()

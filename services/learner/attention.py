@@ -360,7 +360,8 @@ PER_SEQUENCE_GPU_GRADIENTS = (
     "per-sequence packed attention gives wrong gradients on a GPU: on an H200 (torch 2.11, cuDNN 9.19) its input "
     "gradients had a cosine of 0.54 with an fp64 reference at SmolLM2-135M, Qwen2.5-1.5B and 7B shapes, while "
     "every SDPA kernel alone and varlen over the same row were within bf16 of it "
-    "(docs/lab/runs/session_66_h200/attention_grads/); use packed_attention auto or varlen"
+    "(docs/lab/runs/session_66_h200/attention_grads/): cuDNN reuses a length's backward plan for a gradient of "
+    "another layout (docs/gpu.md); use packed_attention auto or varlen"
 )
 
 

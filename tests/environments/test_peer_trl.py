@@ -42,6 +42,10 @@ def test_both_sides_train_two_steps_and_are_recorded(tmp_path):
             assert 0.0 <= side[key] <= 1.0, (name, key)
         assert side["heldout"]["after"]["strict"]["queries"] == 4
     assert record["sides"]["ours"]["heldout_success_before"] == record["sides"]["trl"]["heldout_success_before"]
+    # every TRL step carries its own generation's reward and tokens (TRL's log, not the step after's)
+    assert all(c["reward"] is not None for c in record["sides"]["trl"]["curve"])
+    assert record["sides"]["trl"]["trajectory_tokens_per_s"] > 0
+    assert record["goal"]["steps_asked"] == 2 and record["goal"]["sides_short_of_steps"] == []
     grpo = record["settings"]["trl_grpo_config"]
     assert (
         grpo["num_generations"] == 2

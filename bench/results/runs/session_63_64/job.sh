@@ -82,7 +82,8 @@ recipe64() {
 }
 # ==== end of recipe64 ====
 
-# ==== peer66: issue 66, TRL's GRPOTrainer beside star train (bench/peer_trl.py; about 20-25 minutes of an H200).
+# ==== peer66: issue 66, TRL's GRPOTrainer beside star train (bench/peer_trl.py; 24 minutes of an H200 with
+# each side capped at 9 minutes of RL, PEER_SIDE_MIN).
 # Needs the pack with PEER_PACKAGES (TRL and its wheels, bench/gpu_device.sh) and the GGUF; run it first, alone on
 # its GPU: LANES="peer66+learner63" (then learner63 with LEARNER_TIMEOUT_S=480 for the compiled Liger side) ====
 peer66() {
