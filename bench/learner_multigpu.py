@@ -61,6 +61,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -74,8 +75,28 @@ from bench.gpu_shapes import SHAPES, qwen2_config  # noqa: E402
 
 RECOMPUTE = ("none", "mlp", "layers")
 # the memory options a side may name: RECOMPUTE (the auto order) and the lean activations (activation_memory lean,
-# alone or with each MLP recomputed)
-MEMORY_OPTIONS = (*RECOMPUTE, "lean", "lean+mlp")
+# alone or with each MLP recomputed); mlpN and lean+mlpN recompute the MLPs of the first N layers only
+MEMORY_OPTIONS = (*RECOMPUTE, "lean", "lean+mlp", "mlpN", "lean+mlpN")
+
+
+MEMORY_OPTION = re.compile(r"(none|layers|mlp(?P<n>[1-9]\d*)?)|lean(\+mlp(?P<ln>[1-9]\d*)?)?")
+
+
+def memory_option(name: str) -> dict[str, object] | None:
+    """A memory option's learner settings (EngineConfig fields), or None when `name` is not one."""
+    match = MEMORY_OPTION.fullmatch(name)
+    if match is None:
+        return None
+    mlp = "mlp" in name
+    count = match["n"] or match["ln"]
+    return {
+        "gradient_checkpointing": name == "layers",
+        "recompute_mlp": mlp,
+        "recompute_mlp_layers": int(count) if count else None,
+        "activation_memory": "lean" if name.startswith("lean") else "keep",
+    }
+
+
 SIDES = ("ours", "liger", "plain")
 RECIPE_ROW_TOKENS = 32768  # configs/qwen2.5-{7b,1.5b}-*.yaml learner.micro_batch_tokens
 RECIPE_LENGTHS = {
@@ -98,7 +119,7 @@ def _sides(text: str) -> tuple[str, ...]:
 def _recompute_order(text: str) -> tuple[str, ...]:
     """`--recompute`: the recomputation modes to try, in order, until one fits in memory."""
     order = RECOMPUTE if text == "auto" else tuple(t.strip() for t in text.split(","))
-    bad = [t for t in order if t not in MEMORY_OPTIONS]
+    bad = [t for t in order if memory_option(t) is None]
     if bad or not order:
         raise argparse.ArgumentTypeError(
             f"{text!r}: give auto or a comma-separated list of {', '.join(MEMORY_OPTIONS)}"
@@ -651,9 +672,7 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
         pad_to_multiple=256 if on_gpu else 1,
         logprob_chunk_tokens=args.chunk,
         head_kernels=args.head_kernels,
-        gradient_checkpointing=recompute == "layers",
-        recompute_mlp=recompute in ("mlp", "lean+mlp"),
-        activation_memory="lean" if recompute.startswith("lean") else "keep",
+        **memory_option(recompute),
         attn_implementation="sdpa",
         sdpa_backends=None if args.sdpa == "default" else args.sdpa.split("+"),
         compile_layers=args.compile,

@@ -11,7 +11,8 @@ bench/learner_multigpu.py's runs on the same random-init model:
   packed rows are held to (`single_mfu`);
 - ours: ours on the recipe's packed rows (`--row-tokens` 32,768, trajectories of the recipe's length
   distribution, `--rows-per-rank` rows a step) with the memory option the 1.5B recipe ships
-  (configs/qwen2.5-1.5b-*.yaml learner: gradient_checkpointing → layers, recompute_mlp → mlp, else none),
+  (configs/qwen2.5-1.5b-*.yaml learner: gradient_checkpointing → layers, recompute_mlp → mlp, with
+  recompute_mlp_layers N → mlpN, activation_memory lean → lean+…, else none),
   then the others in order where it runs out of memory;
 - liger: HF Qwen2 with Liger-Kernel's RoPE, RMSNorm and SwiGLU and its LigerFusedLinearGRPOLoss on the same
   rows, through the varlen attention a user can register with transformers' AttentionInterface
@@ -87,7 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--recompute",
         default="recipe",
         help="ours on packed rows: recipe (the recipe's option first, then the others) or a "
-        "comma-separated order of none, mlp, layers, lean, lean+mlp (lean: activation_memory lean)",
+        "comma-separated order of none, mlp, layers, lean, lean+mlp, mlpN, lean+mlpN (lean: activation_memory lean; "
+        "mlpN: the MLPs of the first N layers recomputed)",
     )
     ap.add_argument("--single-recompute", default="none,mlp,layers", help="the single side's order")
     ap.add_argument(
@@ -136,7 +138,7 @@ def recipe_recompute(recipe: Path) -> str:
     if learner.get("gradient_checkpointing"):
         return "layers"
     lean = "lean" if learner.get("activation_memory") == "lean" else ""
-    mlp = "mlp" if learner.get("recompute_mlp") else ""
+    mlp = f"mlp{learner.get('recompute_mlp_layers') or ''}" if learner.get("recompute_mlp") else ""
     return "+".join(x for x in (lean, mlp) if x) or "none"
 
 

@@ -192,13 +192,16 @@ def recompute_layers(lm: nn.Module) -> None:
     )
 
 
-def recompute_mlps(lm: nn.Module) -> int:
-    """Selective recomputation: each decoder layer's MLP runs under activation checkpointing (its
-    gate, up and activation outputs, 3 × intermediate width per token, are recomputed in backward);
-    attention keeps its activations, so the costly attention forward is not run twice. The forward
-    is replaced on the instance, so parameter names (and exports) stay HF's. Returns the count."""
+def recompute_mlps(lm: nn.Module, layers: int | None = None) -> int:
+    """Selective recomputation: the MLP of each decoder layer (of the first `layers` of them; None: all) runs
+    under activation checkpointing (its gate, up and activation outputs, 3 × intermediate width per token, are
+    recomputed in backward); attention keeps its activations, so the costly attention forward is not run twice.
+    The forward is replaced on the instance, so parameter names (and exports) stay HF's. Returns the count."""
+    decoder_layers = list(getattr(lm.get_decoder(), "layers", []))
+    if layers is not None and layers > len(decoder_layers):
+        raise ValueError(f"recompute_mlp_layers {layers} is more than the model's {len(decoder_layers)} layers")
     count = 0
-    for layer in getattr(lm.get_decoder(), "layers", []):
+    for layer in decoder_layers[:layers]:
         mlp = getattr(layer, "mlp", None)
         if mlp is None:
             continue
@@ -403,7 +406,7 @@ class PolicyEngine:
         if cfg.gradient_checkpointing:
             recompute_layers(lm)
         elif cfg.recompute_mlp:
-            recompute_mlps(lm)
+            recompute_mlps(lm, cfg.recompute_mlp_layers)
         self.policy = LogprobPolicy(lm, cfg.logprob_chunk_tokens, cfg.head_kernels)
         if cfg.zero_stage == 3:
             if cfg.zero3_layer_units:

@@ -327,6 +327,7 @@ class LearnerSpec(_Section):
     compile_layers: bool = EngineConfig.model_fields["compile_layers"]
     gradient_checkpointing: bool = EngineConfig.model_fields["gradient_checkpointing"]
     recompute_mlp: bool = EngineConfig.model_fields["recompute_mlp"]
+    recompute_mlp_layers: int | None = EngineConfig.model_fields["recompute_mlp_layers"]
     activation_memory: Literal["keep", "lean"] = EngineConfig.model_fields["activation_memory"]
     keep_checkpoints: int = EngineConfig.model_fields["keep_checkpoints"]
     offload_optimizer: Literal["none", "cpu"] = EngineConfig.model_fields["offload_optimizer"]

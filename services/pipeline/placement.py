@@ -385,20 +385,29 @@ def learner_state_bytes(
 
 
 def activation_bytes(
-    size: ModelSize, tokens: int, checkpointing: bool, *, recompute_mlp: bool = False, lean: bool = False
+    size: ModelSize,
+    tokens: int,
+    checkpointing: bool,
+    *,
+    recompute_mlp: bool = False,
+    lean: bool = False,
+    recompute_mlp_layers: int | None = None,
 ) -> int:
     """A rank's activations for a packed row of `tokens` (bf16): with checkpointing, each layer's input
     kept plus one layer recomputed at a time; without, every layer's. A layer holds about 10 hidden-wide
     and 4 MLP-wide tensors per token (norms, q/k/v/o, the residuals; gate, up, their product, its
     gradient); `lean` (learner.activation_memory) keeps neither the product nor the norms' outputs (8 and 2),
-    `recompute_mlp` none of the MLP-wide ones but for the one layer being recomputed. The fused vocabulary
-    head adds a few hidden-wide chunks."""
+    `recompute_mlp` none of the MLP-wide ones but for the one layer being recomputed (in the first
+    `recompute_mlp_layers` layers; the others keep theirs). The fused vocabulary head adds a few hidden-wide
+    chunks."""
     hidden_wide, mlp_wide = (8, 2) if lean else (10, 4)
     layer = tokens * (hidden_wide * size.hidden + mlp_wide * size.intermediate) * 2
     if checkpointing:
         kept = size.layers * tokens * size.hidden * 2 + layer
     elif recompute_mlp:
-        kept = size.layers * tokens * hidden_wide * size.hidden * 2 + tokens * mlp_wide * size.intermediate * 2
+        recomputed = size.layers if recompute_mlp_layers is None else min(recompute_mlp_layers, size.layers)
+        mlp_layer = tokens * mlp_wide * size.intermediate * 2
+        kept = size.layers * tokens * hidden_wide * size.hidden * 2 + (size.layers - recomputed + 1) * mlp_layer
     else:
         kept = size.layers * layer
     return kept + 4 * tokens * size.hidden * 4
@@ -578,6 +587,7 @@ def choose(
     checkpointing: bool,
     min_kv_tokens: int,
     recompute_mlp: bool = False,
+    recompute_mlp_layers: int | None = None,
     lean: bool = False,
     activation_bytes_override: int | None = None,
     validations: bool = False,
@@ -597,7 +607,12 @@ def choose(
             "(placement.gpu_gib where the GPUs cannot be asked)"
         )
     acts = activation_bytes_override or activation_bytes(
-        size, micro_batch_tokens, checkpointing, recompute_mlp=recompute_mlp, lean=lean
+        size,
+        micro_batch_tokens,
+        checkpointing,
+        recompute_mlp=recompute_mlp,
+        lean=lean,
+        recompute_mlp_layers=recompute_mlp_layers,
     )
     tp, n = spec.engine_tensor_parallel, len(gpus)
     if mode == "auto" and spec.learner_ranks is None:
@@ -824,6 +839,7 @@ def placement_for_recipe(
         micro_batch_tokens=config.learner.micro_batch_tokens,
         checkpointing=config.learner.gradient_checkpointing,
         recompute_mlp=config.learner.recompute_mlp,
+        recompute_mlp_layers=config.learner.recompute_mlp_layers,
         lean=config.learner.activation_memory == "lean",
         min_kv_tokens=config.rl.sampling.engine_max_len,
         activation_bytes_override=act,

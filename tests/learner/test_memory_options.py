@@ -67,6 +67,40 @@ def test_mlp_recomputation_keeps_gradients_and_names(tiny_model):
         assert torch.allclose(g, recomputed[name], rtol=1e-5, atol=1e-7), name
 
 
+def test_mlp_recomputation_in_the_first_layers_only(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(100, 4000, (1, 40), generator=torch.Generator().manual_seed(5))
+
+    def run(layers: int | None) -> tuple[list[int], dict[str, torch.Tensor]]:
+        lm = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+        if layers is not None:
+            assert recompute_mlps(lm, layers) == layers
+        calls = [0] * lm.config.num_hidden_layers
+        for i, layer in enumerate(lm.model.layers):
+            layer.mlp.gate_proj.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+        lm(input_ids=ids, labels=ids).loss.backward()
+        return calls, {n: p.grad.clone() for n, p in lm.named_parameters()}
+
+    plain_calls, plain = run(None)
+    calls, recomputed = run(1)
+    assert plain_calls == [1] * len(plain_calls) and len(calls) >= 2
+    assert calls == [2] + [1] * (len(calls) - 1)  # only the first layer's MLP ran again in backward
+    for name, g in plain.items():
+        assert torch.allclose(g, recomputed[name], rtol=1e-5, atol=1e-7), name
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with pytest.raises(ValueError, match="recompute_mlp_layers 99 is more than the model's"):
+        recompute_mlps(lm, 99)
+
+
+def test_mlp_layers_need_mlp_recomputation():
+    assert EngineConfig(recompute_mlp=True, recompute_mlp_layers=3).recompute_mlp_layers == 3
+    with pytest.raises(ValidationError, match="recompute_mlp_layers 3 needs recompute_mlp: true"):
+        EngineConfig(recompute_mlp_layers=3)
+    with pytest.raises(ValidationError):
+        EngineConfig(recompute_mlp=True, recompute_mlp_layers=0)
+
+
 def test_zero3_whole_weight_budget():
     """The budget is in GiB of the weights' own dtype; 0 leaves only the small parameters whole."""
     bf16 = deepspeed_config(EngineConfig(zero_stage=3, persistent_weights_gib=4.0), bf16=True, world_size=2)

@@ -68,6 +68,16 @@ def test_zero3_state_is_eighteen_bytes_a_parameter_over_the_ranks_with_fp32_grad
     assert learner_state_bytes(size, 4, persistent_bytes=4 * GiB) - learner_state_bytes(size, 4) == 4 * GiB
     assert learner_state_bytes(size, 4, persistent_bytes=10**12) - learner_state_bytes(size, 4) == size.weights_bytes
     assert activation_bytes(size, 32768, True) < activation_bytes(size, 32768, False)
+    # MLP recomputation in fewer layers keeps the other layers' MLP-wide activations: between all and none
+    mlp_layer = 32768 * 2 * size.intermediate * 2  # lean: gate and up, bf16
+    every = activation_bytes(size, 32768, False, recompute_mlp=True, lean=True)
+    half = activation_bytes(size, 32768, False, recompute_mlp=True, lean=True, recompute_mlp_layers=size.layers // 2)
+    none = activation_bytes(size, 32768, False, lean=True)
+    assert (
+        activation_bytes(size, 32768, False, recompute_mlp=True, lean=True, recompute_mlp_layers=size.layers) == every
+    )
+    assert half - every == (size.layers - size.layers // 2) * mlp_layer
+    assert every < half < none
 
 
 def test_a_kl_term_adds_the_reference_policy_whole_on_every_rank():
