@@ -6,7 +6,8 @@ For each shape (query heads, K/V heads, head dim: SmolLM2-135M, Qwen2.5-1.5B, Qw
 sequence length, random bf16 Q, K, V and an upstream gradient go through causal SDPA under one kernel at a time
 (cuDNN, FlashAttention, memory-efficient; GQA native through `enable_gqa` and with K/V repeated to the query's
 heads), torch's varlen kernel (the learner's `varlen`), and the learner's per-sequence packed attention over a
-row of several sequences; each output and input gradient is compared with SDPA's math kernel in fp64 on the
+row of several sequences (and, in a fresh process, the same row after the learner's plan warm-up, then a single
+sequence through transformers' path at a warmed length); each output and input gradient is compared with SDPA's math kernel in fp64 on the
 same bf16 inputs. Reported per case: the largest error relative to the reference's largest magnitude, and the
 cosine similarity. A kernel within bf16 rounding shows ~1e-2 and cosine ~1.0; a wrong gradient shows neither.
 Needs only torch and transformers (no wheels beyond the GPU image's).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -173,10 +175,36 @@ def packed_row_case(shape: tuple[int, int, int], lengths: list[int], mode: str, 
     return result
 
 
+def warmed_rows(dev) -> list[dict[str, Any]]:
+    """In a process of its own (no plan cached by the other rows): per-sequence attention's plans built first as
+    the learner would build them (`warm_sequence_plans`, through the per-sequence path itself), then its packed
+    row, then a single sequence through transformers' path at one of the warmed lengths, each against fp64."""
+    from torch.nn.attention import SDPBackend
+
+    from services.learner.attention import warm_sequence_plans
+
+    rows = []
+    lengths = [700, 1536, 2049, 300]
+    for shape_name, (h, hk, d) in SHAPES.items():
+        warm_sequence_plans(h, hk, d, max(lengths), dev, torch.bfloat16)
+        row = packed_row_case((h, hk, d), lengths, "per-sequence", dev)
+        rows.append({"shape": shape_name, "length": "+".join(map(str, lengths)),
+                     "kernel": "packed per-sequence, its plans warmed first (fresh process)", **row})  # fmt: skip
+        n = 1536
+        g = torch.Generator(device=dev).manual_seed(20_000 + n)
+        q, k, v = (torch.randn(1, m, n, d, device=dev, dtype=torch.bfloat16, generator=g) for m in (h, hk, hk))
+        grad = torch.randn(1, h, n, d, device=dev, dtype=torch.bfloat16, generator=g)
+        run = lambda q, k, v, gr: transformers_grads(q, k, v, gr, SDPBackend.CUDNN_ATTENTION)  # noqa: E731
+        rows.append({"shape": shape_name, "length": n, "kernel": "cudnn via transformers, after the warmed plans",
+                     **case(q, k, v, grad, reference(q, k, v, grad), run)})  # fmt: skip
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--name", default="attention_grads")
+    ap.add_argument("--warmed-rows", type=Path, default=None, help=argparse.SUPPRESS)  # internal: warmed_rows → JSON
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("attention_grads: needs a CUDA GPU", file=sys.stderr)
@@ -184,6 +212,9 @@ def main() -> int:
     from torch.nn.attention import SDPBackend
 
     dev = torch.device("cuda")
+    if args.warmed_rows is not None:
+        args.warmed_rows.write_text(json.dumps(warmed_rows(dev)))
+        return 0
     kernels = {
         "cudnn gqa-native": (SDPBackend.CUDNN_ATTENTION, "native"),
         "cudnn repeat": (SDPBackend.CUDNN_ATTENTION, "repeat"),
@@ -211,6 +242,15 @@ def main() -> int:
             lengths = [700, 1536, 2049, 300]
             row = packed_row_case((h, hk, d), lengths, mode, dev)
             rows.append({"shape": shape_name, "length": "+".join(map(str, lengths)), "kernel": f"packed {mode}", **row})
+    args.out.mkdir(parents=True, exist_ok=True)
+    warmed = args.out / f"{args.name}_warmed.json"
+    proc = subprocess.run([sys.executable, __file__, "--warmed-rows", str(warmed)], capture_output=True, text=True)
+    if proc.returncode == 0:
+        rows += json.loads(warmed.read_text())
+        warmed.unlink()
+    else:
+        rows.append({"shape": "all", "length": "-", "kernel": "per-sequence, plans warmed first",
+                     "error": proc.stderr.strip()[-200:]})  # fmt: skip
     record = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

@@ -16,7 +16,9 @@ sequence elsewhere. Per-sequence SDPA on a GPU is refused by the engine (`per_se
 (torch 2.11, cuDNN 9.19) its input gradients at the learner's model shapes had a cosine of 0.54 with an fp64
 reference while every kernel alone and varlen over the same row were within bf16 of it
 (docs/lab/runs/session_66_h200/attention_grads/), and the proof recipe's SFT under it ended at twice the loss of
-the same SFT under varlen. The other names force one kernel.
+the same SFT under varlen: cuDNN had reused plans built for contiguous gradients. Each per-sequence call now has
+the plain path's layout (`sequence_layout`), plans included; the refusal stays until a GPU check shows it right.
+The other names force one kernel.
 `VARLEN_GQA_ATTENTION` is varlen with K and V kept at their own head count (grouped-
 query attention native in the kernel), where this torch's varlen_attn would have them repeated to the
 query's heads. `warm_sequence_plans` builds cuDNN's plans for per-sequence SDPA's padded lengths up front
@@ -200,6 +202,16 @@ def _varlen_gqa(
     return FlashVarlenGQA.apply(q, k.contiguous(), v.contiguous(), cu, longest, scale, window)
 
 
+class _CausalLayer(nn.Module):
+    """What transformers' SDPA function reads of the layer calling it: causal, and its GQA grouping."""
+
+    is_causal = True
+
+    def __init__(self, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = heads // kv_heads
+
+
 def warm_sequence_plans(
     heads: int,
     kv_heads: int,
@@ -209,20 +221,25 @@ def warm_sequence_plans(
     dtype: torch.dtype,
     multiple: int = SEQUENCE_MULTIPLE,
 ) -> list[int]:
-    """Run causal SDPA forward and backward once at every padded length per-sequence attention can meet
-    (multiples of `multiple` up to `longest`), with the head counts of the model's layers and GQA kept
-    native as transformers calls it, so that cuDNN builds each length's execution plans here, once, and
-    not in the training steps whose trajectories bring new lengths. Under the caller's SDPA priority (the
-    kernels the steps will take). Returns the lengths run."""
+    """Run per-sequence attention forward and backward once at every padded length it can meet (multiples of
+    `multiple` up to `longest`), so that cuDNN builds each length's execution plans here, once, and not in the
+    training steps whose trajectories bring new lengths. Each call goes through the training path itself: a
+    sequence one token short of the length (so it is padded, as training's are), transformers' SDPA function
+    with the layers' head counts, and a gradient laid out as the output projection hands it back. cuDNN reuses
+    a length's plan for any later gradient layout, and a plan built for another layout gives wrong gradients
+    (docs/gpu.md). Under the caller's SDPA priority (the kernels the steps will take). Returns the lengths run."""
     lengths = list(range(multiple, -(-longest // multiple) * multiple + 1, multiple))
+    layer = _CausalLayer(heads, kv_heads)
     with torch.enable_grad():
         for n in lengths:
-            q = torch.zeros(1, heads, n, head_dim, device=device, dtype=dtype, requires_grad=True)
-            kv = [
-                torch.zeros(1, kv_heads, n, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(2)
-            ]
-            out = nn.functional.scaled_dot_product_attention(q, *kv, is_causal=True, enable_gqa=kv_heads != heads)
-            torch.autograd.grad(out.sum(), [q, *kv])
+            length = max(n - 1, 1) if multiple > 1 else n
+            # [1, heads, L, D] views of [1, L, heads, D], as a layer's projections hand them over
+            q, k, v = (
+                torch.zeros(1, length, m, head_dim, device=device, dtype=dtype, requires_grad=True)
+                for m in (heads, kv_heads, kv_heads)
+            )
+            out = _per_sequence(layer, *(t.transpose(1, 2) for t in (q, k, v)), ((0, 0, length),), None, padded=n)
+            torch.autograd.grad(out, [q, k, v], grad_outputs=torch.ones_like(out))
     return lengths
 
 
@@ -242,6 +259,16 @@ def pad_multiple(query: torch.Tensor, window: int | None) -> int:
     return SEQUENCE_MULTIPLE if query.is_cuda and window is None else 1
 
 
+def sequence_layout(heads_first: torch.Tensor, extra: int) -> torch.Tensor:
+    """One sequence's [heads, L, D] slice as SDPA gets it in a layer's own call: [1, heads, L + extra, D] laid out
+    [L, heads, D] in memory (the projections' layout; padded after its end). So each per-sequence call has the
+    plain path's strides, and its output gradient the output's, whatever the slice was: cuDNN reuses a length's
+    plans across layouts, and a plan built for another layout gives wrong gradients (docs/gpu.md)."""
+    tokens_first = heads_first.transpose(0, 1)  # [L, heads, D]
+    tokens_first = nn.functional.pad(tokens_first, (0, 0, 0, 0, 0, extra)) if extra else tokens_first.contiguous()
+    return tokens_first.transpose(0, 1)[None]
+
+
 def _per_sequence(
     module: nn.Module,
     query: torch.Tensor,
@@ -250,17 +277,17 @@ def _per_sequence(
     spans: tuple[tuple[int, int, int], ...],
     scale: float | None,
     window: int | None = None,
+    padded: int | None = None,
 ) -> torch.Tensor:
     """Causal SDPA of each sequence alone (within `window` on sliding-window layers), sliced from
-    [B, heads, T, D] as transformers hands an unpacked row to SDPA → [B·T, H, D]."""
+    [B, heads, T, D] as transformers hands an unpacked row to SDPA → [B·T, H, D]. Each sequence is padded to a
+    multiple of pad_multiple (or to `padded` tokens: the plan warm-up's lengths)."""
     parts = []
     multiple = pad_multiple(query, window)
     for row, start, end in spans:
         length = end - start
-        extra = -length % multiple
-        one = [t[row, :, start:end][None] for t in (query, key, value)]  # [1, heads, L, D]
-        if extra:
-            one = [nn.functional.pad(t, (0, 0, 0, extra)) for t in one]
+        extra = padded - length if padded is not None else -length % multiple
+        one = [sequence_layout(t[row, :, start:end], extra) for t in (query, key, value)]
         out, _ = sdpa_attention_forward(module, *one, window_mask(length, window, query.device), scaling=scale)
         parts.append(out[0, :length])  # [L, H, D]
     return torch.cat(parts)

@@ -13,6 +13,7 @@ from services.learner.attention import (
     FlashVarlenGQA,
     _varlen,
     packed_kwargs,
+    sequence_layout,
     uses_varlen_kernel,
     warm_sequence_plans,
 )
@@ -76,6 +77,19 @@ def test_varlen_gqa_packed_rows_are_exact_against_unpacked_on_cpu():
     packed, alone = _packed_against_alone(VARLEN_GQA_ATTENTION, "cpu", torch.float32)
     for p, a in zip(packed, alone):
         torch.testing.assert_close(p, a, rtol=1e-5, atol=1e-6)
+
+
+def test_each_sequence_reaches_sdpa_in_the_layers_own_layout():
+    """A slice of a layer's [1, heads, T, D] query (a view of [1, T, heads, D]) reaches SDPA with those strides,
+    padded after its end or not, and a contiguous [heads, T, D] tensor is laid out the same way: so every
+    per-sequence call shares the plain path's layout (cuDNN's plans do not key on it)."""
+    layer_q = torch.randn(1, 10, 4, 8).transpose(1, 2)
+    for heads_first in (layer_q[0, :, 2:7], layer_q[0, :, 2:7].contiguous()):
+        for extra in (0, 3):
+            one = sequence_layout(heads_first, extra)
+            assert one.shape == (1, 4, 5 + extra, 8)
+            assert one.stride()[1:] == (8, 32, 1), (heads_first.is_contiguous(), extra)
+            assert torch.equal(one[0, :, :5], layer_q[0, :, 2:7]) and not one[0, :, 5:].any()
 
 
 def test_sequence_plans_are_built_for_every_padded_length():
