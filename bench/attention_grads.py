@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "qwen2.5-1.5b": (12, 2, 128), "qwen2.5-7b": (28, 4, 128)}
 LENGTHS = (512, 1000, 2304, 4099)
+PACKED_ROW = (700, 1536, 2049, 300)  # the packed row's sequences: three padded on a GPU, one a whole multiple
 TENSORS = ("out", "dq", "dk", "dv")
 
 
@@ -85,16 +86,6 @@ def varlen_grads(q, k, v, grad) -> list[torch.Tensor]:
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-def attention_layer(heads: int, kv_heads: int) -> torch.nn.Module:
-    """What transformers' attention functions read of the layer that calls them: causal, and its GQA grouping."""
-
-    class Layer(torch.nn.Module):
-        is_causal = True
-        num_key_value_groups = heads // kv_heads
-
-    return Layer()
-
-
 def transformers_grads(q, k, v, grad, backend) -> list[torch.Tensor]:
     """Causal SDPA as the learner's layers call it (transformers' `sdpa_attention_forward`, GQA as it decides),
     under one kernel: its output comes back transposed to [B, T, H, D] and contiguous, so the gradient that reaches
@@ -102,7 +93,9 @@ def transformers_grads(q, k, v, grad, backend) -> list[torch.Tensor]:
     from torch.nn.attention import sdpa_kernel
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    layer = attention_layer(q.shape[1], k.shape[1])
+    from services.learner.attention import CausalLayer
+
+    layer = CausalLayer(q.shape[1], k.shape[1])
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     with sdpa_kernel([backend]):
         out, _ = sdpa_attention_forward(layer, q, k, v, None, scaling=q.shape[-1] ** -0.5)  # [1, T, H, D]
@@ -154,7 +147,7 @@ def packed_row_case(shape: tuple[int, int, int], lengths: list[int], mode: str, 
 
     try:
         leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
-        out, _ = fn(attention_layer(h, hk), *leaves, None, scaling=d**-0.5, **dict(kwargs))
+        out, _ = fn(att.CausalLayer(h, hk), *leaves, None, scaling=d**-0.5, **dict(kwargs))
         out.backward(grad)
         got = [out.detach(), *(x.grad for x in leaves)]
     except Exception as exc:
@@ -184,7 +177,7 @@ def warmed_rows(dev) -> list[dict[str, Any]]:
     from services.learner.attention import warm_sequence_plans
 
     rows = []
-    lengths = [700, 1536, 2049, 300]
+    lengths = list(PACKED_ROW)
     for shape_name, (h, hk, d) in SHAPES.items():
         warm_sequence_plans(h, hk, d, max(lengths), dev, torch.bfloat16)
         row = packed_row_case((h, hk, d), lengths, "per-sequence", dev)
@@ -239,7 +232,7 @@ def main() -> int:
             print(f"[{time.perf_counter() - t0:.0f} s] {shape_name} {n}", flush=True)
         rows += layout_order_rows(shape_name, (h, hk, d), dev)
         for mode in ("per-sequence", "varlen"):
-            lengths = [700, 1536, 2049, 300]
+            lengths = list(PACKED_ROW)
             row = packed_row_case((h, hk, d), lengths, mode, dev)
             rows.append({"shape": shape_name, "length": "+".join(map(str, lengths)), "kernel": f"packed {mode}", **row})
     args.out.mkdir(parents=True, exist_ok=True)

@@ -202,7 +202,7 @@ def _varlen_gqa(
     return FlashVarlenGQA.apply(q, k.contiguous(), v.contiguous(), cu, longest, scale, window)
 
 
-class _CausalLayer(nn.Module):
+class CausalLayer(nn.Module):
     """What transformers' SDPA function reads of the layer calling it: causal, and its GQA grouping."""
 
     is_causal = True
@@ -229,7 +229,7 @@ def warm_sequence_plans(
     a length's plan for any later gradient layout, and a plan built for another layout gives wrong gradients
     (docs/gpu.md). Under the caller's SDPA priority (the kernels the steps will take). Returns the lengths run."""
     lengths = list(range(multiple, -(-longest // multiple) * multiple + 1, multiple))
-    layer = _CausalLayer(heads, kv_heads)
+    layer = CausalLayer(heads, kv_heads)
     with torch.enable_grad():
         for n in lengths:
             length = max(n - 1, 1) if multiple > 1 else n
