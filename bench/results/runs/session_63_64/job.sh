@@ -6,7 +6,9 @@
 #   learner63 (LEARNER_GPU, default 0): issue 63 item 6, bench/learner_packed.py on one H200 capped at 80 GiB
 #             (1.5B, ours on one 16K row, ours on the recipe's packed rows, HF + Liger; about 6-8 minutes), then
 #             kernels63 on the same GPU: issue 63 item 2's attention figures and the GPU tests
-#   recipe64  (RECIPE_GPUS): issue 64, the 1.5B recipe (its engineer fills recipe64)
+#   recipe64  (RECIPE_GPUS): issue 64, the 1.5B recipe (its engineer fills recipe64); limit64: the agent loop at
+#             256 agents against both ceilings
+#   grads63   (LEARNER_GPU): issue 63, the attention gradients against fp64 (also the first part of kernels63)
 #   peer66    (PEER_GPU): issue 66, bench/peer_trl.py (TRL beside star train), alone on its GPU
 # By default both run one after another on GPU 0 (one H200); on two GPUs LANES="learner63 recipe64" RECIPE_GPUS=1
 # runs them side by side. LEARNER_ARGS adds
@@ -28,6 +30,13 @@ learner63() {
   pack learner63 $R/learner_packed_h200.* $R/learner_packed_h200_profile.txt
 }
 
+# ==== grads63: every kernel's gradients and the packed paths' against fp64, whether cuDNN's depend on the first
+# layout met, and per-sequence attention after its plan warm-up in a fresh process (about a minute) ====
+grads63() {
+  lane kernels63_grads ${LEARNER_GPU:-0} timeout 150 python bench/attention_grads.py --out $R/lane/kernels63_grads
+  pack grads63 $R/lane/kernels63_grads
+}
+
 # ==== kernels63: issue 63 items 2-4 on the GPU: packed attention at both widths (50 passes, fresh lengths),
 # and the GPU tests of the recompute fix, the GQA-native varlen and the lean activations ====
 kernels63() {
@@ -36,8 +45,7 @@ kernels63() {
   lane kernels63_tests ${LEARNER_GPU:-0} timeout ${KERNEL_TESTS_TIMEOUT_S:-150} python -m pytest -q -s -p no:cacheprovider \
     tests/learner/test_engine_recompute.py tests/learner/test_attention_gqa.py tests/learner/test_fused_layers.py \
     tests/learner/test_packed_attention.py tests/learner/test_attention_grads_gpu.py
-  # every kernel's gradients and the packed paths' against fp64, and whether cuDNN's depend on the first layout met
-  lane kernels63_grads ${LEARNER_GPU:-0} timeout 120 python bench/attention_grads.py --out $R/lane/kernels63_grads
+  grads63
   local width
   for width in ${KERNEL_WIDTHS:-1p5b 7b}; do  # KERNEL_WIDTHS picks the widths, in order
     case $width in
@@ -72,13 +80,13 @@ recipe64() {
   cp $w/ceiling.json /tmp/r64/ 2>/dev/null
   nvidia-smi > /tmp/r64/nvidia-smi.txt 2>&1
   pack recipe64 $R/recipe_1p5b_h200.* /tmp/r64
-  # LIMIT64=1 (about 5 more minutes): issue 64 item 4, bench/rollout_limit.py at 256 agents, 3 interleaved runs a
-  # side, the closed-loop ceiling beside the open-loop one, tool waits from the sandbox's latency
-  if [ -n "${LIMIT64:-}" ]; then
-    lane limit64 ${RECIPE_GPUS:-0} timeout ${LIMIT64_TIMEOUT_S:-420} python bench/rollout_limit.py --runs 1.5b=256 \
-      --updates '' --repeats 3 --name rollout_limit_256_closed
-    pack limit64 $R/rollout_limit_256_closed.*
-  fi
+}
+# limit64 (about 6 minutes): issue 64 item 4, bench/rollout_limit.py at 256 agents, 3 interleaved runs a side, the
+# closed-loop ceiling beside the open-loop one, tool waits from the sandbox's latency
+limit64() {
+  lane limit64 ${RECIPE_GPUS:-0} timeout ${LIMIT64_TIMEOUT_S:-420} python bench/rollout_limit.py --runs 1.5b=256 \
+    --updates '' --repeats 3 --name rollout_limit_256_closed
+  pack limit64 $R/rollout_limit_256_closed.*
 }
 # ==== end of recipe64 ====
 
