@@ -12,12 +12,10 @@ forward (`packed_kwargs`) and handed to every layer's attention, which runs one 
   alone (SDPA's own flash / cuDNN kernels on GPU; on CPU the only path, exact against unpacked rows).
 
 `PACKED_ATTENTION` (the learner's `auto`) runs varlen where its kernel runs (a CUDA GPU, bf16/fp16) and SDPA per
-sequence elsewhere. Per-sequence SDPA on a GPU is refused by the engine (`per_sequence_refusal`): on an H200
-(torch 2.11, cuDNN 9.19) its input gradients at the learner's model shapes had a cosine of 0.54 with an fp64
-reference while every kernel alone and varlen over the same row were within bf16 of it
-(docs/lab/runs/session_66_h200/attention_grads/), and the proof recipe's SFT under it ended at twice the loss of
-the same SFT under varlen: cuDNN had reused plans built for contiguous gradients. Each per-sequence call now has
-the plain path's layout (`sequence_layout`), plans included; the refusal stays until a GPU check shows it right.
+sequence elsewhere. Per-sequence SDPA hands the kernel each sequence in the plain path's layout
+(`sequence_layout`), gradients included: cuDNN reuses a length's backward plan for any gradient layout, and a plan
+built for another layout gives wrong gradients (docs/gpu.md). In that layout its gradients match an fp64 reference
+within bf16 on a GPU, plans warmed first or not (bench/attention_grads.py).
 The other names force one kernel.
 `VARLEN_GQA_ATTENTION` is varlen with K and V kept at their own head count (grouped-
 query attention native in the kernel), where this torch's varlen_attn would have them repeated to the
@@ -380,22 +378,6 @@ FUNCTIONS = {
 }
 for _name, _function in FUNCTIONS.items():
     AttentionInterface.register(_name, _function)
-
-
-# what per-sequence SDPA on a GPU measured (bench/attention_grads.py): the reason the engine refuses it there
-PER_SEQUENCE_GPU_GRADIENTS = (
-    "per-sequence packed attention gives wrong gradients on a GPU: on an H200 (torch 2.11, cuDNN 9.19) its input "
-    "gradients had a cosine of 0.54 with an fp64 reference at SmolLM2-135M, Qwen2.5-1.5B and 7B shapes, while "
-    "every SDPA kernel alone and varlen over the same row were within bf16 of it "
-    "(docs/lab/runs/session_66_h200/attention_grads/): cuDNN reuses a length's backward plan for a gradient of "
-    "another layout (docs/gpu.md); use packed_attention auto or varlen"
-)
-
-
-def per_sequence_refusal(setting: str, on_gpu: bool) -> str | None:
-    """Why the learner refuses this `packed_attention` setting on this device, or None: per-sequence SDPA on a GPU
-    (PER_SEQUENCE_GPU_GRADIENTS)."""
-    return PER_SEQUENCE_GPU_GRADIENTS if on_gpu and runs_per_sequence(setting) else None
 
 
 def runs_per_sequence(setting: str) -> bool:

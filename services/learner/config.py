@@ -163,9 +163,9 @@ class EngineConfig(_Strict):
         "mask (services/learner/attention.py): auto: FlashAttention's varlen kernel on a GPU "
         "(torch.nn.attention.varlen), causal SDPA over each sequence on CPU (exact against unpacked rows); "
         "varlen: the varlen kernel; varlen-gqa: varlen with K and V at their own head count, never repeated "
-        "to the query's (FlashAttention's GQA); per-sequence: causal SDPA over each sequence, refused on a "
-        "GPU, where its gradients were measured wrong (cosine 0.54 with an fp64 reference on an H200, "
-        "docs/lab/runs/session_66_h200/attention_grads/). mask: transformers builds a [B, 1, T, T] block mask "
+        "to the query's (FlashAttention's GQA); per-sequence: causal SDPA over each sequence in the layout "
+        "the plain path hands SDPA (on a GPU its cuDNN plans for every padded length built before the first "
+        "step). mask: transformers builds a [B, 1, T, T] block mask "
         "for attn_implementation (2.6x the cost of the sequences alone at 7B width, "
         "bench/results/packed_attention.md).",
     )

@@ -27,7 +27,8 @@ from services.learner.attention import (
     IMPLEMENTATIONS,
     PACKED_IMPLEMENTATIONS,
     packed_kwargs,
-    per_sequence_refusal,
+    runs_per_sequence,
+    warm_sequence_plans,
 )
 from services.learner.batching import PackedRow, lr_lambda
 from services.learner.build_locks import clear_stale_build_locks
@@ -368,9 +369,6 @@ class PolicyEngine:
         self.cfg = cfg
         self.model_dir = Path(model_dir)
         self.on_gpu = torch.cuda.is_available()
-        refusal = per_sequence_refusal(cfg.packed_attention, self.on_gpu)
-        if refusal:  # before any process group or model exists
-            raise ValueError(refusal)
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and self.on_gpu)
         if self.on_gpu:
             set_learner_protocol(cfg.nccl_protocol)
@@ -407,6 +405,8 @@ class PolicyEngine:
             recompute_layers(lm)
         elif cfg.recompute_mlp:
             recompute_mlps(lm, cfg.recompute_mlp_layers)
+        if self.on_gpu and runs_per_sequence(cfg.packed_attention):
+            self._warm_sequence_plans(lm.config)
         self.policy = LogprobPolicy(lm, cfg.logprob_chunk_tokens, cfg.head_kernels)
         if cfg.zero_stage == 3:
             if cfg.zero3_layer_units:
@@ -453,6 +453,23 @@ class PolicyEngine:
         self.engine.train()
         self.device = self.engine.device
         self.step_count = 0
+
+    def _warm_sequence_plans(self, config: Any) -> None:
+        """cuDNN's plans for every padded sequence length a micro-batch can bring, built before the first step
+        through the training path's own layout, under the steps' kernel priority."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        dtype = torch.bfloat16 if self.bf16 else torch.float32
+        with sdpa_priority(self.cfg.sdpa_backends):
+            lengths = warm_sequence_plans(
+                heads,
+                getattr(config, "num_key_value_heads", heads),
+                head_dim,
+                self.cfg.micro_batch_tokens,
+                torch.device("cuda", self.local_rank),
+                dtype,
+            )
+        log.info("per-sequence attention: plans built for %d padded lengths up to %d", len(lengths), lengths[-1])
 
     # -- compute ---------------------------------------------------------------------------------
 

@@ -13,7 +13,6 @@ from services.learner.attention import (
     PER_SEQUENCE_ATTENTION,
     VARLEN_ATTENTION,
     packed_kwargs,
-    per_sequence_refusal,
     runs_per_sequence,
     uses_varlen_kernel,
 )
@@ -62,14 +61,6 @@ def test_auto_is_the_varlen_rule():
     assert [s for s in ("auto", "varlen", "varlen-gqa", "per-sequence", "mask") if runs_per_sequence(s)] == [
         "per-sequence"
     ]
-
-
-def test_per_sequence_attention_is_refused_on_a_gpu_only():
-    # its gradients were measured wrong on an H200; on CPU it is the exact path every setting takes
-    reason = per_sequence_refusal("per-sequence", on_gpu=True)
-    assert reason is not None and "cosine of 0.54" in reason and "varlen" in reason
-    assert per_sequence_refusal("per-sequence", on_gpu=False) is None
-    assert all(per_sequence_refusal(s, on_gpu=True) is None for s in ("auto", "varlen", "varlen-gqa", "mask"))
 
 
 def test_varlen_refuses_another_attention_implementation():

@@ -62,13 +62,14 @@ kernels63() {
 # ==== recipe64: issue 64 (the 1.5B recipe), its engineer owns and fills this function ====
 # `star train configs/qwen2.5-1.5b-arpo-macro.yaml` on one GPU (bench/recipe_1p5b.py): random-init 1.5B, the teacher's
 # episode shapes, 4 prompts x 8 a step, variant on (deadlines + over-sampling) for 10 steps, the closed-loop ceiling,
-# then variant off for the steps the budget leaves (RECIPE_BUDGET_S, default 690 s; RECIPE_ARGS adds arguments).
+# then variant off for the steps the budget leaves (RECIPE_BUDGET_S, default 690 s; both with 10 steps: about 860 s;
+# RECIPE_NAME names the record, RECIPE_ARGS adds arguments).
 # Needs .qwen-tok carried. Brings back bench/results/recipe_1p5b_h200.{json,md,png} and the runs' logs.
 recipe64() {
-  local w=/tmp/recipe-1p5b
-  mirror recipe64 $R/recipe_1p5b_h200.json $R/recipe_1p5b_h200.md $w/train.log $w/run-on/rl/metrics.jsonl
+  local w=/tmp/recipe-1p5b name=${RECIPE_NAME:-recipe_1p5b_h200}  # the record's name (another card: say so)
+  mirror recipe64 $R/$name.json $R/$name.md $w/run-on/rl/metrics.jsonl $w/run-off/rl/metrics.jsonl
   lane recipe64 ${RECIPE_GPUS:-0} timeout ${RECIPE_TIMEOUT_S:-720} python bench/recipe_1p5b.py --tokenizer .qwen-tok \
-    --work $w --budget-s ${RECIPE_BUDGET_S:-690} ${RECIPE_ARGS:-}
+    --work $w --budget-s ${RECIPE_BUDGET_S:-690} --name $name ${RECIPE_ARGS:-}
   mirror_stop
   mkdir -p /tmp/r64/logs
   for v in on off; do
@@ -79,7 +80,7 @@ recipe64() {
   done
   cp $w/ceiling.json /tmp/r64/ 2>/dev/null
   nvidia-smi > /tmp/r64/nvidia-smi.txt 2>&1
-  pack recipe64 $R/recipe_1p5b_h200.* /tmp/r64
+  pack recipe64 $R/$name.* /tmp/r64
 }
 # limit64 (about 6 minutes): issue 64 item 4, bench/rollout_limit.py at 256 agents, 3 interleaved runs a side, the
 # closed-loop ceiling beside the open-loop one, tool waits from the sandbox's latency
