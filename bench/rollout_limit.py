@@ -822,32 +822,53 @@ def write_markdown(record: dict[str, Any], path: Path) -> None:
 
 
 def plot(record: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(record)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure(record: dict[str, Any]) -> Any:
+    """Per load: vLLM's open-loop ceiling, the closed-loop ceiling (where measured) and the agent load, each bar the
+    median run with every run as a dot; the efficiency (agent ÷ open loop) above each load."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels, agent, ceiling, eff = [], [], [], []
-    for shape, entry in record["shapes"].items():
-        for n in map(str, entry["loads"]):
-            labels.append(f"{shape}\n×{n}")
-            agent.append(entry["sides"].get("agent", {}).get("loads", {}).get(n, {}).get("tokens_per_s") or 0)
-            ceiling.append(entry["sides"].get("ceiling", {}).get("loads", {}).get(n, {}).get("tokens_per_s") or 0)
-            eff.append(entry["efficiency"].get(n))
-    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(labels)), 3.8))
-    xs = range(len(labels))
-    ax.bar([x - 0.2 for x in xs], ceiling, 0.4, label="vLLM alone (same sequences, one batch)")
-    ax.bar([x + 0.2 for x in xs], agent, 0.4, label="agent load through VllmEngine")
-    for x, e, top in zip(xs, eff, ceiling):
-        if e is not None:
+    bars = (
+        ("vLLM alone, open loop (one batch)", lambda e, n: e["sides"].get("ceiling", {}).get("loads", {}).get(n)),
+        ("closed loop on vLLM (tool waits)", lambda e, n: e["sides"].get("agent", {}).get("closed_loop", {}).get(n)),
+        ("agent load through VllmEngine", lambda e, n: e["sides"].get("agent", {}).get("loads", {}).get(n)),
+    )
+    loads = [(shape, entry, n) for shape, entry in record["shapes"].items() for n in map(str, entry["loads"])]
+    fig, ax = plt.subplots(figsize=(max(5.5, 1.6 * len(loads)), 4.2))
+    width = 0.8 / len(bars)
+    for b, (label, side) in enumerate(bars):
+        xs, medians, dots = [], [], []
+        for x, (_, entry, n) in enumerate(loads):
+            found = side(entry, n) or {}
+            if found.get("tokens_per_s"):
+                xs.append(x + (b - 1) * width)
+                medians.append(found["tokens_per_s"])
+                dots += [(xs[-1], r) for r in found.get("runs_tokens_per_s") or []]
+        if not xs:  # not measured in this record (the closed loop in older ones)
+            continue
+        ax.bar(xs, medians, width, label=label, color=f"C{b}")
+        if dots:
+            ax.plot(*zip(*dots), "k.", markersize=4)
+    for x, (_, entry, n) in enumerate(loads):
+        top = max((found or {}).get("tokens_per_s") or 0 for found in (side(entry, n) for _, side in bars))
+        if (e := entry["efficiency"].get(n)) is not None:
             ax.annotate(f"{e:.2f}", (x, top), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(xs), labels)
+    ax.set_xticks(range(len(loads)), [f"{shape}\n×{n}" for shape, _, n in loads])
     ax.set_ylabel("sampled tokens/s")
-    ax.set_title(f"Agent load against vLLM's ceiling ({record['device']}); numbers: efficiency")
-    ax.legend(fontsize=8)
+    ax.set_title(f"Agent load against vLLM's ceilings\n{record['device']}; above: agent ÷ open loop; dots: runs",
+                 fontsize=9)  # fmt: skip
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 if __name__ == "__main__":

@@ -254,3 +254,30 @@ def test_the_closed_loop_ceiling_drives_vllms_async_engine_straight(tmp_path):
     res = asyncio.run(scenario())
     assert res["turns"] == 9 and res["tokens"] == sum(sampled_budget(spec) for spec in plan)
     assert res["inflight"] == 2 and res["tokens_per_s"] > 0
+
+
+def test_the_plot_shows_each_ceiling_measured_and_every_run():
+    from bench.rollout_limit import figure
+
+    def side(tps, runs):
+        return {"tokens_per_s": tps, "runs_tokens_per_s": runs}
+
+    entry = {
+        "loads": [256],
+        "efficiency": {"256": 0.88},
+        "sides": {
+            "ceiling": {"loads": {"256": side(8319, [8333, 8319, 8281])}},
+            "agent": {"loads": {"256": side(7357, [7263, 7987, 7357])}, "closed_loop": {"256": side(7793, [7829])}},
+        },
+    }
+    ax = figure({"device": "GPU", "shapes": {"1.5b": entry}}).axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "vLLM alone, open loop (one batch)",
+        "closed loop on vLLM (tool waits)",
+        "agent load through VllmEngine",
+    ]
+    assert sorted(p.get_height() for p in ax.patches) == [7357, 7793, 8319]
+    assert sum(len(line.get_xdata()) for line in ax.lines) == 7  # every run a dot
+    del entry["sides"]["agent"]["closed_loop"]  # a record from before the closed loop: no empty bar or legend entry
+    ax = figure({"device": "GPU", "shapes": {"1.5b": entry}}).axes[0]
+    assert len(ax.get_legend().get_texts()) == 2 and len(ax.patches) == 2
