@@ -43,6 +43,7 @@ import asyncio
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -135,6 +136,30 @@ def summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "agent_tokens_per_s": sampled / rollout if rollout > 1.0 else None,
         "measured_over": "steps after the first" if len(steps) > 1 else "all steps",
     }
+
+
+def tail(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the long tail met over a variant's steps: groups late, trained partially, dropped late, episodes cut at
+    the deadline, groups trained from an earlier step's surplus and surplus dropped as stale (each summed over the
+    steps), the slowest episode of each step (median and most), and whether the deadline fired at all."""
+    total = {k: sum(s.get("groups", {}).get(k, 0.0) for s in steps) for k in TAIL_COUNTS}
+    slowest = [s["longest_episode_s"] for s in steps if s.get("longest_episode_s") is not None]
+    return {
+        **total,
+        "slowest_episode_s_median": statistics.median(slowest) if slowest else None,
+        "slowest_episode_s_max": max(slowest) if slowest else None,
+        "deadline_fired": any(total[k] for k in ("groups_late", "groups_partial", "episodes_cut")),
+    }
+
+
+TAIL_COUNTS = (
+    "groups_late",
+    "groups_partial",
+    "groups_dropped_late",
+    "episodes_cut",
+    "groups_surplus_trained",
+    "groups_surplus_dropped",
+)
 
 
 # -- the closed-loop ceiling ---------------------------------------------------------------------------
@@ -318,7 +343,12 @@ def record(
         "within_target": bool(measured and predicted and abs(measured / predicted - 1) <= TARGET),
         "target": TARGET,
         "variants": variants,
-        "deadlines_effect": {"on_step_s": on, "off_step_s": off, "on_over_off": on / off if on and off else None},
+        "deadlines_effect": {
+            "on_step_s": on,
+            "off_step_s": off,
+            "on_over_off": on / off if on and off else None,
+            **{name: tail(v["steps"]) for name, v in variants.items() if v.get("steps")},
+        },
     }
 
 
@@ -401,7 +431,19 @@ def markdown(rec: dict[str, Any]) -> str:
         f"Mean step with them {f(d['on_step_s'], '{:.1f}')} s, without "
         f"{f(d['off_step_s'], '{:.1f}')} s (ratio {f(d['on_over_off'])}).",
         "",
+        "| variant | groups late | partial | dropped late | episodes cut | surplus trained | surplus dropped | "
+        "slowest episode a step, median / most (s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    for name in rec["variants"]:
+        if t := d.get(name):
+            lines.append(
+                f"| {name} | " + " | ".join(f"{t[k]:.0f}" for k in TAIL_COUNTS) + f" | "
+                f"{f(t['slowest_episode_s_median'], '{:.1f}')} / {f(t['slowest_episode_s_max'], '{:.1f}')} |"
+            )
+    if (t := d.get("on")) and not t["deadline_fired"]:
+        lines += ["", "The group deadline never fired: no step's slowest episode reached it."]
+    lines.append("")
     return "\n".join(lines)
 
 

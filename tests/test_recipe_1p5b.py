@@ -151,7 +151,8 @@ def test_the_record_its_markdown_and_its_plot(tmp_path):
             "sampled_tokens": 9e3,
             "agent_tokens_per_s": 1100.0,
             "length_histogram": {"le_8192": 32},
-            "groups": {},
+            "groups": {"groups_surplus_trained": 1.0, "groups_surplus_dropped": float(i == 2)},
+            "longest_episode_s": 10.0 * i,
         }
         for i in (1, 2)
     ]
@@ -165,6 +166,16 @@ def test_the_record_its_markdown_and_its_plot(tmp_path):
     assert rec["idle_share"] == pytest.approx(0.2) and rec["measured_step_s"] == 40.0
     md = r.markdown(rec)
     assert "## Variant off" in md and "Not run: no time left" in md and "Rollout efficiency" in md
+    tail = rec["deadlines_effect"]["on"]  # the long tail over the variant's steps; the skipped variant has none
+    assert (
+        tail["groups_surplus_trained"] == 2
+        and tail["groups_surplus_dropped"] == 1
+        and "off" not in rec["deadlines_effect"]
+    )
+    assert tail["slowest_episode_s_median"] == 15.0 and tail["slowest_episode_s_max"] == 20.0
+    assert (
+        not tail["deadline_fired"] and "The group deadline never fired" in md and "| on | 0 | 0 | 0 | 0 | 2 | 1 |" in md
+    )
     r.plot(rec, tmp_path / "split.png")
     assert (tmp_path / "split.png").stat().st_size > 1000
 
