@@ -476,6 +476,8 @@ def build_model(args: argparse.Namespace, folder: Path, rank: int, on_gpu: bool)
 
     if rank == 0 and not (folder / "config.json").is_file():
         config = qwen2_config(args.shape, max(32768, args.seq, args.row_tokens))
+        if getattr(args, "layers", None):  # the shape's width with fewer layers (memory per layer)
+            config.num_hidden_layers = args.layers
         torch.manual_seed(0)
         with torch.device("cuda" if on_gpu else "cpu"):
             model = Qwen2ForCausalLM(config).to(torch.bfloat16 if on_gpu else torch.float32)
@@ -527,6 +529,19 @@ def peak_gib(on_gpu: bool) -> float | None:
     peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
     torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
     return round(float(peak.item()), 2)
+
+
+def resident_gib(on_gpu: bool) -> float | None:
+    """The largest per-rank GPU memory still allocated between steps (weights, gradients and optimizer state as
+    ZeRO-3 holds them; a step's activations are gone by then). None on CPU."""
+    import torch
+
+    if not on_gpu:
+        return None
+    torch.cuda.synchronize()
+    now = torch.tensor([torch.cuda.memory_allocated() / 2**30], device="cuda")
+    torch.distributed.all_reduce(now, op=torch.distributed.ReduceOp.MAX)
+    return round(float(now.item()), 2)
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -717,6 +732,8 @@ def run_ours(args: argparse.Namespace, model_dir: Path, rank: int, world: int, o
         out = summary(times, tokens, flops, half, world, peak_flops() if on_gpu else None, peak_gib(on_gpu))
         return {
             "params": n_params,
+            "layers": layers,
+            "resident_gib": resident_gib(on_gpu),
             "recompute": recompute,
             "chunk": args.chunk,
             "head_kernels": args.head_kernels,

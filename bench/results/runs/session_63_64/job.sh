@@ -9,6 +9,7 @@
 #   recipe64  (RECIPE_GPUS): issue 64, the 1.5B recipe (its engineer fills recipe64); limit64: the agent loop at
 #             256 agents against both ceilings
 #   grads63   (LEARNER_GPU): issue 63, the attention gradients against fp64 (also the first part of kernels63)
+#   mem63     (LEARNER_GPU): issue 63, memory per layer at 7B width (bench/layer_memory.py)
 #   peer66    (PEER_GPU): issue 66, bench/peer_trl.py (TRL beside star train), alone on its GPU
 # By default both run one after another on GPU 0 (one H200); on two GPUs LANES="learner63 recipe64" RECIPE_GPUS=1
 # runs them side by side. LEARNER_ARGS adds
@@ -35,6 +36,13 @@ learner63() {
 grads63() {
   lane kernels63_grads ${LEARNER_GPU:-0} timeout 150 python bench/attention_grads.py --out $R/lane/kernels63_grads
   pack grads63 $R/lane/kernels63_grads
+}
+
+# ==== mem63: issue 63 item 3, the learner's memory per layer at 7B width on one GPU capped at 80 GiB (2 and 4
+# layers, each memory option; about 4 minutes): bench/layer_memory.py ====
+mem63() {
+  lane mem63 ${LEARNER_GPU:-0} timeout ${MEM_TIMEOUT_S:-360} python bench/layer_memory.py ${MEM_ARGS:-}
+  pack mem63 $R/layer_memory_7b.*
 }
 
 # ==== kernels63: issue 63 items 2-4 on the GPU: packed attention at both widths (50 passes, fresh lengths),
