@@ -61,7 +61,8 @@ SHAPES = {
 STOP_TOKENS = ("<|endoftext|>", "<|im_end|>")  # ids 0 and 1 of the stand-in vocabulary
 
 
-def qwen2_config(shape: str, max_positions: int = 32768):
+def qwen2_config(shape: str, max_positions: int = 32768, layers: int | None = None):
+    """The shape's Qwen2 config; `layers`: its width with that many decoder layers instead."""
     from transformers import Qwen2Config
 
     return Qwen2Config(
@@ -70,7 +71,7 @@ def qwen2_config(shape: str, max_positions: int = 32768):
         torch_dtype="bfloat16",
         bos_token_id=0,
         eos_token_id=0,
-        **SHAPES[shape],
+        **{**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})},
     )
 
 

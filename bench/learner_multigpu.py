@@ -475,9 +475,8 @@ def build_model(args: argparse.Namespace, folder: Path, rank: int, on_gpu: bool)
     from transformers import Qwen2ForCausalLM
 
     if rank == 0 and not (folder / "config.json").is_file():
-        config = qwen2_config(args.shape, max(32768, args.seq, args.row_tokens))
-        if getattr(args, "layers", None):  # the shape's width with fewer layers (memory per layer)
-            config.num_hidden_layers = args.layers
+        # `layers` (bench/layer_memory.py): the shape's width with fewer layers
+        config = qwen2_config(args.shape, max(32768, args.seq, args.row_tokens), getattr(args, "layers", None))
         torch.manual_seed(0)
         with torch.device("cuda" if on_gpu else "cpu"):
             model = Qwen2ForCausalLM(config).to(torch.bfloat16 if on_gpu else torch.float32)
