@@ -91,6 +91,17 @@ def run_items(args: argparse.Namespace, model: Path | None, variant: str, steps:
     return items + variant_items(variant, args) + list(args.set)
 
 
+# the learner's counts of a step's late, partial, cut and surplus groups (services/learner/groups.py)
+TAIL_COUNTS = (
+    "groups_late",
+    "groups_partial",
+    "groups_dropped_late",
+    "episodes_cut",
+    "groups_surplus_trained",
+    "groups_surplus_dropped",
+)
+
+
 def step_figures(rl_dir: Path) -> list[dict[str, Any]]:
     """bench/recipe_7b.py's steps, each with the split's shares, its length histogram, the tokens its
     trajectories sampled and the agent tokens/s of its rollout wait, and its late, partial and surplus groups."""
@@ -107,17 +118,7 @@ def step_figures(rl_dir: Path) -> list[dict[str, Any]]:
         rollout = step["split_s"]["rollout"]
         step["agent_tokens_per_s"] = sampled / rollout if rollout > 1.0 else None
         step["longest_episode_s"] = row.get("rollout/total_s_max")
-        step["groups"] = {
-            k: row.get(k, 0.0)
-            for k in (
-                "groups_late",
-                "groups_partial",
-                "groups_dropped_late",
-                "episodes_cut",
-                "groups_surplus_trained",
-                "groups_surplus_dropped",
-            )
-        }
+        step["groups"] = {k: row.get(k, 0.0) for k in TAIL_COUNTS}
     return steps
 
 
@@ -150,16 +151,6 @@ def tail(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "slowest_episode_s_max": max(slowest) if slowest else None,
         "deadline_fired": any(total[k] for k in ("groups_late", "groups_partial", "episodes_cut")),
     }
-
-
-TAIL_COUNTS = (
-    "groups_late",
-    "groups_partial",
-    "groups_dropped_late",
-    "episodes_cut",
-    "groups_surplus_trained",
-    "groups_surplus_dropped",
-)
 
 
 # -- the closed-loop ceiling ---------------------------------------------------------------------------
