@@ -17,18 +17,20 @@
 set -u
 source bench/gpu_lanes.sh  # lane, pack, mirror; R=bench/results
 LANES=${LANES:-"learner63+recipe64+kernels63"}
+# the records carry the card they ran on: learner_packed_h200 on an H200, learner_packed_h100 on an H100
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -q H100 && echo h100 || echo h200)
 # extra wheels beside the vLLM ones: liger-kernel (.diag/whl/liger_kernel-0.8.5-py3-none-any.whl, pure Python;
 # its Triton is the device torch's), onto the PYTHONPATH that `bench/gpu_device.sh start` sets (/tmp/site)
 [ -d .diag/whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .diag/whl/*.whl
 
 learner63() {
   # the record is rewritten after each side: `poll 'lane/learner63/*'` brings back what is done so far
-  mirror learner63 $R/learner_packed_h200.json $R/learner_packed_h200.md
+  mirror learner63 $R/learner_packed_$CARD.json $R/learner_packed_$CARD.md
   lane learner63 ${LEARNER_GPU:-0} timeout ${LEARNER_TIMEOUT_S:-600} python bench/learner_packed.py \
-    --name learner_packed_h200 ${LEARNER_ARGS:-}
+    --name learner_packed_$CARD ${LEARNER_ARGS:-}
   mirror_stop
   nvidia-smi > $R/lane/learner63/nvidia-smi.txt 2>&1
-  pack learner63 $R/learner_packed_h200.* $R/learner_packed_h200_profile.txt
+  pack learner63 $R/learner_packed_$CARD.* $R/learner_packed_${CARD}_profile.txt
 }
 
 # ==== grads63: every kernel's gradients and the packed paths' against fp64, whether cuDNN's depend on the first
@@ -74,7 +76,7 @@ kernels63() {
 # RECIPE_NAME names the record, RECIPE_ARGS adds arguments).
 # Needs .qwen-tok carried. Brings back bench/results/recipe_1p5b_h200.{json,md,png} and the runs' logs.
 recipe64() {
-  local w=/tmp/recipe-1p5b name=${RECIPE_NAME:-recipe_1p5b_h200}  # the record's name (another card: say so)
+  local w=/tmp/recipe-1p5b name=${RECIPE_NAME:-recipe_1p5b_$CARD}  # the record's name (another card: say so)
   mirror recipe64 $R/$name.json $R/$name.md $w/run-on/rl/metrics.jsonl $w/run-off/rl/metrics.jsonl
   lane recipe64 ${RECIPE_GPUS:-0} timeout ${RECIPE_TIMEOUT_S:-720} python bench/recipe_1p5b.py --tokenizer .qwen-tok \
     --work $w --budget-s ${RECIPE_BUDGET_S:-690} --name $name ${RECIPE_ARGS:-}
