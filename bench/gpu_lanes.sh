@@ -5,7 +5,9 @@ R=bench/results
 lane() {  # lane NAME GPUS CMD...
   local name=$1 gpu=$2; shift 2
   mkdir -p $R/lane/$name
-  ( export CUDA_VISIBLE_DEVICES=$gpu; echo "[$(date +%T)] lane $name on GPU $gpu: $*"; "$@"; echo "[$(date +%T)] lane $name rc=$?" ) \
+  # the command's status is taken before `date` runs in the next echo (its substitution would reset $?)
+  ( export CUDA_VISIBLE_DEVICES=$gpu; echo "[$(date +%T)] lane $name on GPU $gpu: $*"; "$@"; rc=$?
+    echo "[$(date +%T)] lane $name rc=$rc" ) \
     > $R/lane/$name/lane.log 2>&1
 }
 pack() {  # pack NAME FILES...: the lane's log and files into one archive

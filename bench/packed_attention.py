@@ -57,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 from services.learner.attention import (  # noqa: E402
     PACKED_ATTENTION,
     PER_SEQUENCE_ATTENTION,
+    PER_SEQUENCE_MIN_MEAN,
     VARLEN_ATTENTION,
     VARLEN_GQA_ATTENTION,
     packed_kwargs,
@@ -223,7 +224,13 @@ def run(args: argparse.Namespace) -> dict:
         variants["packed mask"] = measure(model, [row], False, args, device)
     except torch.OutOfMemoryError:
         variants["packed mask"] = {"error": "OOM"}
-    return record_of(args, device, dtype, variants, "packed per-sequence")
+    return record_of(args, device, dtype, variants, auto_pick(args.lengths, varlen, "packed per-sequence"))
+
+
+def auto_pick(lengths: list[int], varlen_runs: bool, per_sequence: str) -> str:
+    """The variant the learner's `auto` is for a row of these lengths (services/learner/attention.py's rule)."""
+    short = sum(lengths) < PER_SEQUENCE_MIN_MEAN * len(lengths)
+    return "packed varlen" if varlen_runs and short else per_sequence
 
 
 def record_of(
@@ -394,7 +401,11 @@ def fresh_run(args: argparse.Namespace, model: torch.nn.Module, device: torch.de
         device,
         dtype,
         variants,
-        "packed per-sequence, plans at start" if device.type == "cuda" else "packed per-sequence, plans as met",
+        auto_pick(
+            args.lengths,
+            device.type == "cuda" and dtype != torch.float32 and varlen_options() is not None,
+            "packed per-sequence, plans at start" if device.type == "cuda" else "packed per-sequence, plans as met",
+        ),
         fresh_lengths=[fresh_lengths(args.lengths, i) for i in range(args.warmup + args.repeat)],
         exactness_tolerance=tolerance,
         exact=exact,

@@ -11,11 +11,12 @@ forward (`packed_kwargs`) and handed to every layer's attention, which runs one 
 - per sequence: causal SDPA over each sequence in turn, the call transformers makes for the sequence
   alone (SDPA's own flash / cuDNN kernels on GPU; on CPU the only path, exact against unpacked rows).
 
-`PACKED_ATTENTION` (the learner's `auto`) runs varlen where its kernel runs (a CUDA GPU, bf16/fp16) and SDPA per
-sequence elsewhere. Per-sequence SDPA hands the kernel each sequence in the plain path's layout
-(`sequence_layout`), gradients included: cuDNN reuses a length's backward plan for any gradient layout, and a plan
-built for another layout gives wrong gradients (docs/gpu.md). In that layout its gradients match an fp64 reference
-within bf16 on a GPU, plans warmed first or not (bench/attention_grads.py).
+`PACKED_ATTENTION` (the learner's `auto`) runs SDPA per sequence where a row's sequences are long (on average at
+least `PER_SEQUENCE_MIN_MEAN` tokens: the recipes' trajectories), varlen where they are short and its kernel runs (a
+CUDA GPU, bf16/fp16), and SDPA per sequence elsewhere (CPU). Per-sequence SDPA hands the kernel each sequence in
+the plain path's layout (`sequence_layout`), gradients included: cuDNN reuses a length's backward plan for any
+gradient layout, and a plan built for another layout gives wrong gradients (docs/gpu.md). In that layout its
+gradients match an fp64 reference within bf16 on a GPU, plans warmed first or not (bench/attention_grads.py).
 The other names force one kernel.
 `VARLEN_GQA_ATTENTION` is varlen with K and V kept at their own head count (grouped-
 query attention native in the kernel), where this torch's varlen_attn would have them repeated to the
@@ -36,7 +37,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-PACKED_ATTENTION = "star_packed"  # the default: varlen on a GPU, per sequence on CPU
+PACKED_ATTENTION = "star_packed"  # the default: per sequence for long sequences and on CPU, else varlen
 VARLEN_ATTENTION = "star_varlen"
 VARLEN_GQA_ATTENTION = "star_varlen_gqa"  # varlen with K/V at their own head count
 PER_SEQUENCE_ATTENTION = "star_per_sequence"
@@ -52,6 +53,12 @@ PACKED_IMPLEMENTATIONS = (PACKED_ATTENTION, VARLEN_ATTENTION, VARLEN_GQA_ATTENTI
 # no real token sees under the causal mask; their outputs are dropped): every new length would otherwise
 # make cuDNN's attention build a new execution plan, and the recipes' trajectories have new lengths every step.
 SEQUENCE_MULTIPLE = 256
+# `auto` on a GPU: a row whose sequences average at least this many tokens runs per sequence, a row of shorter ones
+# varlen. At 1.5B width with the plans built first, three sequences of ~11K cost 0.95x their run alone per sequence
+# and 1.08x varlen (1.06x with GQA native), and the learner's step on the recipe's rows ran 1.09x faster per
+# sequence (H100, bench/results/packed_attention_gqa_1p5b_h100.md, learner_packed_h100.md); at 7B width eight of 4K
+# cost 0.95x either way and 64 of 512 0.50x per sequence against 0.34x varlen (one SDPA call per sequence).
+PER_SEQUENCE_MIN_MEAN = 4096
 
 
 def sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -321,6 +328,8 @@ def _packed(
     def tokens(x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2).reshape(b * t, x.shape[1], d)  # [B·T, heads, D]
 
+    if mode == "auto":
+        mode = "per-sequence" if b * t >= PER_SEQUENCE_MIN_MEAN * len(spans) else "varlen"
     if mode == "varlen" and uses_varlen_kernel(query) and (window is None or varlen_options()["window"]):
         out = _varlen(tokens(query), tokens(key), tokens(value), cu, int(longest), scaling, window)
     elif mode == "varlen-gqa" and uses_varlen_kernel(query):
@@ -351,6 +360,9 @@ def attention_function(mode: str, doc: str):
     return attention
 
 
+packed_attention = attention_function(
+    "auto", "Packed rows: causal SDPA per sequence where they are long or off the GPU, else the varlen kernel."
+)
 varlen_attention = attention_function(
     "varlen", "Packed rows: FlashAttention's varlen kernel where it runs, else causal SDPA per sequence."
 )
@@ -369,9 +381,9 @@ IMPLEMENTATIONS = {
     "varlen-gqa": VARLEN_GQA_ATTENTION,
     "per-sequence": PER_SEQUENCE_ATTENTION,
 }
-# each name's function (`auto` names the varlen rule), registered with transformers
+# each name's function (`auto` names the rule by sequence length), registered with transformers
 FUNCTIONS = {
-    PACKED_ATTENTION: varlen_attention,
+    PACKED_ATTENTION: packed_attention,
     VARLEN_ATTENTION: varlen_attention,
     VARLEN_GQA_ATTENTION: varlen_gqa_attention,
     PER_SEQUENCE_ATTENTION: per_sequence_attention,
@@ -381,5 +393,6 @@ for _name, _function in FUNCTIONS.items():
 
 
 def runs_per_sequence(setting: str) -> bool:
-    """Whether the learner's `packed_attention` setting runs packed rows as SDPA per sequence."""
-    return FUNCTIONS.get(IMPLEMENTATIONS.get(setting, "")) is per_sequence_attention
+    """Whether the learner's `packed_attention` setting runs packed rows (some or all) as SDPA per sequence, so
+    that its plans are worth building before the first step."""
+    return FUNCTIONS.get(IMPLEMENTATIONS.get(setting, "")) in (per_sequence_attention, packed_attention)

@@ -160,8 +160,8 @@ class EngineConfig(_Strict):
     packed_attention: Literal["auto", "varlen", "varlen-gqa", "per-sequence", "mask"] = Field(
         "auto",
         description="How the sequences of a packed row are kept apart. By their boundaries, with no [T, T] "
-        "mask (services/learner/attention.py): auto: FlashAttention's varlen kernel on a GPU "
-        "(torch.nn.attention.varlen), causal SDPA over each sequence on CPU (exact against unpacked rows); "
+        "mask (services/learner/attention.py): auto: per-sequence for rows whose sequences average at least 4,096 "
+        "tokens and on CPU (exact against unpacked rows), varlen for shorter ones on a GPU; "
         "varlen: the varlen kernel; varlen-gqa: varlen with K and V at their own head count, never repeated "
         "to the query's (FlashAttention's GQA); per-sequence: causal SDPA over each sequence in the layout "
         "the plain path hands SDPA (on a GPU its cuDNN plans for every padded length built before the first "

@@ -50,3 +50,15 @@ def test_fresh_lengths_bench_records_every_variant_exact_on_cpu(tmp_path):
     assert all(record["exact"][n] for n in packed), record["exact"]
     assert record["fastest_exact"] in packed and len(record["fresh_lengths"]) == 2
     assert "largest difference from unpacked" in (tmp_path / "smoke.md").read_text()
+
+
+def test_the_record_names_the_variant_auto_runs_for_its_lengths():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import packed_attention as bench
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    assert bench.auto_pick([12000, 9000, 11768], True, "packed per-sequence") == "packed per-sequence"
+    assert bench.auto_pick([512] * 64, True, "packed per-sequence") == "packed varlen"
+    assert bench.auto_pick([512] * 64, False, "packed per-sequence") == "packed per-sequence"

@@ -52,15 +52,34 @@ def test_boundaries_of_a_padded_micro_batch():
     assert packed_kwargs(torch.arange(6)[None].repeat(2, 1)) == {}
 
 
-def test_auto_is_the_varlen_rule():
+def test_auto_is_its_own_rule_and_builds_the_per_sequence_plans():
     from transformers import AttentionInterface
 
     mapping = AttentionInterface._global_mapping
-    assert mapping[PACKED_ATTENTION] is mapping[VARLEN_ATTENTION]
+    assert mapping[PACKED_ATTENTION] is not mapping[VARLEN_ATTENTION]
     assert mapping[PER_SEQUENCE_ATTENTION] is not mapping[PACKED_ATTENTION]
     assert [s for s in ("auto", "varlen", "varlen-gqa", "per-sequence", "mask") if runs_per_sequence(s)] == [
-        "per-sequence"
+        "auto",
+        "per-sequence",
     ]
+
+
+@pytest.mark.parametrize(("lengths", "kernel"), [([5000, 3192], "per-sequence"), ([1000] * 8, "varlen")])
+def test_auto_picks_the_kernel_by_the_rows_mean_sequence_length(monkeypatch, lengths, kernel):
+    """A row of long sequences runs SDPA per sequence, a row of short ones the varlen kernel (where it runs)."""
+    from services.learner import attention as att
+
+    called = []
+    monkeypatch.setattr(att, "uses_varlen_kernel", lambda q: True)
+    monkeypatch.setattr(att, "_varlen", lambda q, *a, **k: called.append("varlen") or q)
+    monkeypatch.setattr(
+        att, "_per_sequence", lambda m, q, *a, **k: called.append("per-sequence") or q.transpose(1, 2).flatten(0, 1)
+    )
+    t = sum(lengths)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    q = torch.zeros(1, 2, t, 4)
+    out, _ = att.packed_attention(torch.nn.Module(), q, q[:, :1], q[:, :1], None, **packed_kwargs(position_ids))
+    assert called == [kernel] and out.shape == (1, t, 2, 4)
 
 
 def test_varlen_refuses_another_attention_implementation():
