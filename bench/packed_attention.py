@@ -57,9 +57,9 @@ sys.path.insert(0, str(ROOT))
 from services.learner.attention import (  # noqa: E402
     PACKED_ATTENTION,
     PER_SEQUENCE_ATTENTION,
-    PER_SEQUENCE_MIN_MEAN,
     VARLEN_ATTENTION,
     VARLEN_GQA_ATTENTION,
+    auto_kernel,
     packed_kwargs,
     uses_varlen_kernel,
     varlen_options,
@@ -229,8 +229,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def auto_pick(lengths: list[int], varlen_runs: bool, per_sequence: str) -> str:
     """The variant the learner's `auto` is for a row of these lengths (services/learner/attention.py's rule)."""
-    short = sum(lengths) < PER_SEQUENCE_MIN_MEAN * len(lengths)
-    return "packed varlen" if varlen_runs and short else per_sequence
+    return "packed varlen" if varlen_runs and auto_kernel(sum(lengths), len(lengths)) == "varlen" else per_sequence
 
 
 def record_of(
@@ -403,7 +402,7 @@ def fresh_run(args: argparse.Namespace, model: torch.nn.Module, device: torch.de
         variants,
         auto_pick(
             args.lengths,
-            device.type == "cuda" and dtype != torch.float32 and varlen_options() is not None,
+            uses_varlen_kernel(torch.empty(0, device=device, dtype=dtype)),
             "packed per-sequence, plans at start" if device.type == "cuda" else "packed per-sequence, plans as met",
         ),
         fresh_lengths=[fresh_lengths(args.lengths, i) for i in range(args.warmup + args.repeat)],

@@ -298,6 +298,12 @@ def _per_sequence(
     return torch.cat(parts)
 
 
+def auto_kernel(tokens: int, sequences: int) -> str:
+    """The kernel `auto` runs a packed pass of `sequences` over `tokens` with: per-sequence where they average at
+    least PER_SEQUENCE_MIN_MEAN tokens, else varlen (which falls back to per-sequence where its kernel cannot run)."""
+    return "per-sequence" if tokens >= PER_SEQUENCE_MIN_MEAN * sequences else "varlen"
+
+
 def _packed(
     module: nn.Module,
     query: torch.Tensor,
@@ -329,7 +335,7 @@ def _packed(
         return x.transpose(1, 2).reshape(b * t, x.shape[1], d)  # [B·T, heads, D]
 
     if mode == "auto":
-        mode = "per-sequence" if b * t >= PER_SEQUENCE_MIN_MEAN * len(spans) else "varlen"
+        mode = auto_kernel(b * t, len(spans))
     if mode == "varlen" and uses_varlen_kernel(query) and (window is None or varlen_options()["window"]):
         out = _varlen(tokens(query), tokens(key), tokens(value), cu, int(longest), scaling, window)
     elif mode == "varlen-gqa" and uses_varlen_kernel(query):
