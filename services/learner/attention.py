@@ -47,17 +47,15 @@ PACKED_IMPLEMENTATIONS = (PACKED_ATTENTION, VARLEN_ATTENTION, VARLEN_GQA_ATTENTI
 # varlen; eight of 4K 0.95x either way; 64 of 512 0.50x per sequence, 0.34x varlen (H100). With new lengths
 # every pass, as a training step's trajectories have, 0.97x per sequence (padded as below; 1.23x unpadded)
 # and 0.53x varlen (H200), SDPA building an execution plan for each new length; at 1.5B width with every
-# padded length's plans built first, 0.965x per sequence against 1.11x varlen, and the learner's step on the
-# recipe's rows 1.07x faster per sequence (bench/results/packed_attention_gqa_1p5b.md, learner_packed_h200.md).
+# padded length's plans built first, 0.95x per sequence against 1.08x varlen (1.06x with GQA native), and the
+# learner's step on the recipe's rows 1.09x faster per sequence (H100, bench/results/packed_attention_gqa_1p5b_h100.md,
+# learner_packed_h100.md).
 # Per-sequence SDPA on a GPU pads each sequence to a multiple of this many tokens (zeros after its end, which
 # no real token sees under the causal mask; their outputs are dropped): every new length would otherwise
 # make cuDNN's attention build a new execution plan, and the recipes' trajectories have new lengths every step.
 SEQUENCE_MULTIPLE = 256
-# `auto` on a GPU: a row whose sequences average at least this many tokens runs per sequence, a row of shorter ones
-# varlen. At 1.5B width with the plans built first, three sequences of ~11K cost 0.95x their run alone per sequence
-# and 1.08x varlen (1.06x with GQA native), and the learner's step on the recipe's rows ran 1.09x faster per
-# sequence (H100, bench/results/packed_attention_gqa_1p5b_h100.md, learner_packed_h100.md); at 7B width eight of 4K
-# cost 0.95x either way and 64 of 512 0.50x per sequence against 0.34x varlen (one SDPA call per sequence).
+# `auto` on a GPU: a row whose sequences average at least this many tokens runs per sequence, a row of shorter
+# ones varlen (the 512-token rows above: one SDPA call per sequence costs more than varlen's one call).
 PER_SEQUENCE_MIN_MEAN = 4096
 
 
